@@ -1,0 +1,1 @@
+//! The CPU backend: the reference every other backend is checked against.

@@ -1,0 +1,2 @@
+//! Backends: the op vocabulary the forward pass is written against.
+pub mod cpu;

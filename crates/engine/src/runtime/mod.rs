@@ -1,0 +1,1 @@
+//! Runtime: generation loop over a model and its per-sequence state.

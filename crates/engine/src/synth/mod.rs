@@ -1,0 +1,1 @@
+//! `lily synth`: seeded random checkpoints in the exact MLX format (being written).

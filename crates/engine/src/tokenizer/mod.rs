@@ -1,0 +1,1 @@
+//! Tokenizer (Hugging Face `tokenizers`, pure Rust) loaded from the checkpoint's tokenizer.json.
