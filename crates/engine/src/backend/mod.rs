@@ -1,2 +1,157 @@
-//! Backends: the op vocabulary the forward pass is written against.
+//! The op vocabulary the forward pass is written against.
+//!
+//! Ops are named after what the model does (DESIGN.md), not a general tensor algebra. Prefill and
+//! decode are separate ops where they are different algorithms (attention, conv, GDN, experts).
+//! One op keeps one name here, in the CPU file, in a GPU kernel file and in its test.
+//!
+//! Buffers are row-major `[rows, cols]` activations owned by the backend (`f32` on the CPU);
+//! shapes are passed explicitly so a device backend needs no host metadata.
+
 pub mod cpu;
+
+use anyhow::Result;
+
+use crate::loader::tensor::HostLinear;
+
+/// Per-sequence shapes the ops need (copied from the config once).
+#[derive(Clone, Copy, Debug)]
+pub struct Dims {
+    pub hidden: usize,
+    pub eps: f32,
+    // attention
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub rotary_dim: usize,
+    pub rope_theta: f64,
+    // Gated DeltaNet
+    pub gdn_k_heads: usize,
+    pub gdn_v_heads: usize,
+    pub gdn_k_dim: usize,
+    pub gdn_v_dim: usize,
+    pub conv_kernel: usize,
+    // MoE
+    pub n_experts: usize,
+    pub top_k: usize,
+    pub norm_topk: bool,
+}
+
+impl Dims {
+    pub fn from_config(c: &crate::Config) -> Self {
+        Self {
+            hidden: c.hidden_size,
+            eps: c.rms_norm_eps as f32,
+            n_heads: c.num_attention_heads,
+            n_kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            rotary_dim: c.rotary_dim(),
+            rope_theta: c.rope_theta,
+            gdn_k_heads: c.linear_num_key_heads,
+            gdn_v_heads: c.linear_num_value_heads,
+            gdn_k_dim: c.linear_key_head_dim,
+            gdn_v_dim: c.linear_value_head_dim,
+            conv_kernel: c.linear_conv_kernel_dim,
+            n_experts: c.num_experts,
+            top_k: c.num_experts_per_tok,
+            norm_topk: c.norm_topk_prob,
+        }
+    }
+    /// Channels of the GDN conv: q | k | v.
+    pub fn conv_channels(&self) -> usize {
+        2 * self.gdn_k_heads * self.gdn_k_dim + self.gdn_v_heads * self.gdn_v_dim
+    }
+}
+
+/// A backend: where buffers live and how each op runs.
+pub trait Backend: Send + Sync {
+    /// An activation / state buffer of f32-valued elements (storage type is the backend's).
+    type Buf: Send;
+    /// A matrix (or stack of expert matrices) resident on the backend.
+    type Mat: Send + Sync;
+    /// A small parameter vector (norm weights, gate parameters, conv taps).
+    type Vec: Send + Sync;
+    /// Expert routing of a block of tokens: chosen expert ids and their weights.
+    type Route: Send;
+
+    fn name(&self) -> String;
+
+    // ---- memory
+    fn upload_mat(&self, m: &HostLinear) -> Result<Self::Mat>;
+    fn upload_vec(&self, v: &[f32]) -> Result<Self::Vec>;
+    /// A zero-filled buffer of `len` elements.
+    fn zeros(&self, len: usize) -> Result<Self::Buf>;
+    fn to_host(&self, b: &Self::Buf, len: usize) -> Result<Vec<f32>>;
+    /// `dst[dst_off .. dst_off+len] = src[src_off .. src_off+len]`.
+    fn copy(&self, src: &Self::Buf, src_off: usize, dst: &mut Self::Buf, dst_off: usize, len: usize);
+    fn new_route(&self, rows: usize, top_k: usize) -> Result<Self::Route>;
+
+    // ---- embedding, norms, projections
+    /// `out[t] = dequant(table[ids[t]])`.
+    fn embed(&self, table: &Self::Mat, ids: &[u32], out: &mut Self::Buf);
+    /// `out[t] = rms_norm(x[t]) * w` over `dim`.
+    fn rms_norm(&self, x: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, out: &mut Self::Buf);
+    /// `h[t] += r[t]; out[t] = rms_norm(h[t]) * w`: the residual add fused with the next norm.
+    fn add_rms_norm(&self, h: &mut Self::Buf, r: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, out: &mut Self::Buf);
+    /// `out[t] = x[t] · Wᵀ` for a (quantized) matrix; `x` is `[rows, in]`, `out` `[rows, out]`.
+    fn matmul_q(&self, x: &Self::Buf, w: &Self::Mat, rows: usize, out: &mut Self::Buf);
+    /// `h[t] += r[t]`.
+    fn add(&self, h: &mut Self::Buf, r: &Self::Buf, len: usize);
+
+    // ---- gated attention
+    /// Splits `q_proj` output `[rows, heads, 2·hd]` into query (rms-normed, RoPE) and gate, and
+    /// rms-norms + RoPEs `k` in place. Positions are `pos0 .. pos0 + rows`.
+    #[allow(clippy::too_many_arguments)]
+    fn attn_qk_norm_rope(&self, qg: &Self::Buf, k: &mut Self::Buf, q_norm: &Self::Vec, k_norm: &Self::Vec, d: &Dims, rows: usize, pos0: usize, q: &mut Self::Buf, gate: &mut Self::Buf);
+    /// Appends `k`, `v` at `pos0..pos0+rows` of the layer's cache, then causal attention of the
+    /// `rows` queries over positions `0..pos0+rows`; `out = attn · sigmoid(gate)`.
+    #[allow(clippy::too_many_arguments)]
+    fn attn_prefill(&self, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, gate: &Self::Buf, kv: &mut KvCache<Self::Buf>, d: &Dims, rows: usize, pos0: usize, out: &mut Self::Buf);
+    /// One query at position `pos` (the decode path).
+    #[allow(clippy::too_many_arguments)]
+    fn attn_decode(&self, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, gate: &Self::Buf, kv: &mut KvCache<Self::Buf>, d: &Dims, pos: usize, out: &mut Self::Buf);
+
+    // ---- Gated DeltaNet
+    /// Causal depthwise conv (kernel K, no bias) + SiLU over `rows` new rows of `x` `[rows, C]`,
+    /// reading and updating the conv state (the last K-1 pre-conv rows).
+    fn conv1d_prefill(&self, x: &Self::Buf, w: &Self::Vec, state: &mut Self::Buf, d: &Dims, rows: usize, out: &mut Self::Buf);
+    fn conv1d_step(&self, x: &Self::Buf, w: &Self::Vec, state: &mut Self::Buf, d: &Dims, out: &mut Self::Buf);
+    /// The gated delta rule over `rows` tokens: l2-norm q/k, gates from `b`, `a`, the fp32
+    /// recurrence on `state` `[Hv, Dv, Dk]`, then `rms_norm(y) · silu(z)`. `out` is `[rows, Hv·Dv]`.
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_prefill(&self, qkv: &Self::Buf, z: &Self::Buf, b: &Self::Buf, a: &Self::Buf, w: &GdnParams<Self::Vec>, state: &mut Self::Buf, d: &Dims, rows: usize, out: &mut Self::Buf);
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_decode(&self, qkv: &Self::Buf, z: &Self::Buf, b: &Self::Buf, a: &Self::Buf, w: &GdnParams<Self::Vec>, state: &mut Self::Buf, d: &Dims, out: &mut Self::Buf);
+
+    // ---- MoE
+    /// Softmax over router logits `[rows, E]`, top-k, renormalised weights.
+    fn moe_route(&self, logits: &Self::Buf, d: &Dims, rows: usize, route: &mut Self::Route);
+    /// `out[t] = Σ_j w_tj · down_e(silu(gate_e(x_t)) · up_e(x_t))` over the chosen experts
+    /// (grouped by expert for a block of tokens).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_experts_prefill(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, d: &Dims, rows: usize, out: &mut Self::Buf);
+    /// The same for one token (fused gather-GEMV on a GPU).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_experts_decode(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, d: &Dims, out: &mut Self::Buf);
+    /// `out[t] = silu(g[t]) · u[t]` (the shared expert's activation).
+    fn swiglu(&self, g: &Self::Buf, u: &Self::Buf, len: usize, out: &mut Self::Buf);
+    /// `y[t] += sigmoid(s[t]) · shared[t]` (the shared expert's scalar gate, `s` is `[rows, 1]`).
+    fn add_sigmoid_gated(&self, y: &mut Self::Buf, shared: &Self::Buf, s: &Self::Buf, rows: usize, dim: usize);
+
+    // ---- output
+    /// Index of the largest logit of each row (first on ties).
+    fn argmax(&self, logits: &Self::Buf, rows: usize, vocab: usize) -> Result<Vec<u32>>;
+}
+
+/// The GDN layer's small parameters, resident on the backend.
+pub struct GdnParams<V> {
+    pub a_log: V,
+    pub dt_bias: V,
+    pub norm: V,
+}
+
+/// One attention layer's KV cache: `[capacity, n_kv_heads·head_dim]` for K and for V.
+pub struct KvCache<B> {
+    pub k: B,
+    pub v: B,
+    pub capacity: usize,
+}

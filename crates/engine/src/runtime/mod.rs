@@ -1,1 +1,68 @@
-//! Runtime: generation loop over a model and its per-sequence state.
+//! Runtime: loading a model onto a backend and the generation loop.
+
+use std::path::Path;
+
+use anyhow::Result;
+
+use crate::backend::Backend;
+use crate::loader::Checkpoint;
+use crate::model::{Logits, Qwen35, SeqState};
+
+/// Loads a checkpoint directory onto a backend.
+pub fn load<B: Backend>(backend: B, dir: &Path) -> Result<Qwen35<B>> {
+    let ck = Checkpoint::open(dir)?;
+    Qwen35::new(backend, ck.config, &ck.weights)
+}
+
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in v.iter().enumerate() {
+        if x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Timings of one generation.
+#[derive(Clone, Debug, Default)]
+pub struct GenStats {
+    pub prompt_tokens: usize,
+    pub generated: usize,
+    pub prefill_s: f64,
+    pub decode_s: f64,
+}
+
+/// Greedy generation: prefill `prompt`, then up to `max_tokens` tokens, stopping after any id in
+/// `stop`. `on_token` sees each new id as it is produced.
+pub fn generate_greedy<B: Backend>(
+    m: &Qwen35<B>,
+    st: &mut SeqState<B>,
+    prompt: &[u32],
+    max_tokens: usize,
+    stop: &[u32],
+    mut on_token: impl FnMut(u32),
+) -> Result<(Vec<u32>, GenStats)> {
+    let mut stats = GenStats { prompt_tokens: prompt.len(), ..Default::default() };
+    let t0 = std::time::Instant::now();
+    let logits = m.forward(st, prompt, Logits::Last, None)?;
+    stats.prefill_s = t0.elapsed().as_secs_f64();
+    let mut out = Vec::new();
+    if max_tokens == 0 {
+        return Ok((out, stats));
+    }
+    let mut next = argmax(&logits);
+    let t1 = std::time::Instant::now();
+    loop {
+        out.push(next);
+        on_token(next);
+        if out.len() >= max_tokens || stop.contains(&next) || st.pos >= st.max_context {
+            break;
+        }
+        let logits = m.forward(st, &[next], Logits::Last, None)?;
+        next = argmax(&logits);
+    }
+    stats.decode_s = t1.elapsed().as_secs_f64();
+    stats.generated = out.len();
+    Ok((out, stats))
+}

@@ -1,0 +1,354 @@
+//! THE forward pass of Qwen3.5/3.6-MoE (MODEL.md §2), written once against `Backend`:
+//!
+//! ```text
+//! h = embed[ids]
+//! for each layer:
+//!     x = rms_norm(h, input_norm)
+//!     h = h + (gdn(x) | attention(x))
+//!     h = h + moe(rms_norm(h, post_norm))
+//! logits = lm_head(rms_norm(h, norm))
+//! ```
+//! Each residual add is fused with the norm that follows it (`add_rms_norm`). A prompt is fed in
+//! chunks of at most `chunk` tokens (bounded scratch); a single token takes the decode ops.
+
+use anyhow::{bail, Result};
+
+use crate::backend::{Backend, Dims, GdnParams};
+use crate::loader::{HostWeights, Mixer};
+use crate::model::state::{LayerState, SeqState};
+use crate::Config;
+
+/// Which logits a forward call returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// None (prefill of a prefix whose next token is known).
+    None,
+    /// The last position only `[1, vocab]`.
+    Last,
+    /// Every position `[rows, vocab]` (teacher forcing, evaluation).
+    All,
+}
+
+struct GdnLayer<B: Backend> {
+    in_proj_qkv: B::Mat,
+    in_proj_z: B::Mat,
+    in_proj_b: B::Mat,
+    in_proj_a: B::Mat,
+    conv1d: B::Vec,
+    params: GdnParams<B::Vec>,
+    out_proj: B::Mat,
+}
+
+struct AttnLayer<B: Backend> {
+    q_proj: B::Mat,
+    k_proj: B::Mat,
+    v_proj: B::Mat,
+    o_proj: B::Mat,
+    q_norm: B::Vec,
+    k_norm: B::Vec,
+}
+
+enum MixerLayer<B: Backend> {
+    Gdn(GdnLayer<B>),
+    Attn(AttnLayer<B>),
+}
+
+struct MoeLayer<B: Backend> {
+    router: B::Mat,
+    gate_proj: B::Mat,
+    up_proj: B::Mat,
+    down_proj: B::Mat,
+    shared_gate_proj: B::Mat,
+    shared_up_proj: B::Mat,
+    shared_down_proj: B::Mat,
+    shared_expert_gate: B::Mat,
+}
+
+struct Layer<B: Backend> {
+    input_norm: B::Vec,
+    post_norm: B::Vec,
+    mixer: MixerLayer<B>,
+    moe: MoeLayer<B>,
+}
+
+/// Scratch activations for a block of up to `rows` tokens.
+struct Scratch<B: Backend> {
+    rows: usize,
+    h: B::Buf,
+    xn: B::Buf,
+    r: B::Buf,
+    // GDN
+    qkv: B::Buf,
+    qkv_c: B::Buf,
+    z: B::Buf,
+    b: B::Buf,
+    a: B::Buf,
+    y: B::Buf,
+    // attention
+    qg: B::Buf,
+    q: B::Buf,
+    gate: B::Buf,
+    k: B::Buf,
+    v: B::Buf,
+    o: B::Buf,
+    // MoE
+    router_logits: B::Buf,
+    route: B::Route,
+    moe: B::Buf,
+    sg: B::Buf,
+    su: B::Buf,
+    sa: B::Buf,
+    sd: B::Buf,
+    s: B::Buf,
+    last: B::Buf,
+}
+
+impl<B: Backend> Scratch<B> {
+    fn new(b: &B, c: &Config, rows: usize) -> Result<Self> {
+        let (h, vd, si) = (c.hidden_size, c.gdn_v_dim(), c.shared_expert_intermediate_size);
+        let hv = c.linear_num_value_heads;
+        Ok(Self {
+            rows,
+            h: b.zeros(rows * h)?,
+            xn: b.zeros(rows * h)?,
+            r: b.zeros(rows * h)?,
+            qkv: b.zeros(rows * c.gdn_qkv_dim())?,
+            qkv_c: b.zeros(rows * c.gdn_qkv_dim())?,
+            z: b.zeros(rows * vd)?,
+            b: b.zeros(rows * hv)?,
+            a: b.zeros(rows * hv)?,
+            y: b.zeros(rows * vd)?,
+            qg: b.zeros(rows * 2 * c.attn_q_dim())?,
+            q: b.zeros(rows * c.attn_q_dim())?,
+            gate: b.zeros(rows * c.attn_q_dim())?,
+            k: b.zeros(rows * c.attn_kv_dim())?,
+            v: b.zeros(rows * c.attn_kv_dim())?,
+            o: b.zeros(rows * c.attn_q_dim())?,
+            router_logits: b.zeros(rows * c.num_experts)?,
+            route: b.new_route(rows, c.num_experts_per_tok)?,
+            moe: b.zeros(rows * h)?,
+            sg: b.zeros(rows * si)?,
+            su: b.zeros(rows * si)?,
+            sa: b.zeros(rows * si)?,
+            sd: b.zeros(rows * h)?,
+            s: b.zeros(rows)?,
+            last: b.zeros(h)?,
+        })
+    }
+}
+
+/// The model on a backend.
+pub struct Qwen35<B: Backend> {
+    pub cfg: Config,
+    pub dims: Dims,
+    pub backend: B,
+    /// Largest block of prompt tokens one forward call processes (bounds scratch memory).
+    pub chunk: usize,
+    embed: B::Mat,
+    layers: Vec<Layer<B>>,
+    norm: B::Vec,
+    lm_head: B::Mat,
+    scratch: std::sync::Mutex<Option<Scratch<B>>>,
+}
+
+impl<B: Backend> Qwen35<B> {
+    /// Places the weights on the backend.
+    pub fn new(backend: B, cfg: Config, w: &HostWeights) -> Result<Self> {
+        let b = &backend;
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for l in &w.layers {
+            let mixer = match &l.mixer {
+                Mixer::Gdn(g) => MixerLayer::Gdn(GdnLayer {
+                    in_proj_qkv: b.upload_mat(&g.in_proj_qkv)?,
+                    in_proj_z: b.upload_mat(&g.in_proj_z)?,
+                    in_proj_b: b.upload_mat(&g.in_proj_b)?,
+                    in_proj_a: b.upload_mat(&g.in_proj_a)?,
+                    conv1d: b.upload_vec(&g.conv1d)?,
+                    params: GdnParams { a_log: b.upload_vec(&g.a_log)?, dt_bias: b.upload_vec(&g.dt_bias)?, norm: b.upload_vec(&g.norm)? },
+                    out_proj: b.upload_mat(&g.out_proj)?,
+                }),
+                Mixer::Attn(a) => MixerLayer::Attn(AttnLayer {
+                    q_proj: b.upload_mat(&a.q_proj)?,
+                    k_proj: b.upload_mat(&a.k_proj)?,
+                    v_proj: b.upload_mat(&a.v_proj)?,
+                    o_proj: b.upload_mat(&a.o_proj)?,
+                    q_norm: b.upload_vec(&a.q_norm)?,
+                    k_norm: b.upload_vec(&a.k_norm)?,
+                }),
+            };
+            let m = &l.moe;
+            layers.push(Layer {
+                input_norm: b.upload_vec(&l.input_norm)?,
+                post_norm: b.upload_vec(&l.post_norm)?,
+                mixer,
+                moe: MoeLayer {
+                    router: b.upload_mat(&m.router)?,
+                    gate_proj: b.upload_mat(&m.gate_proj)?,
+                    up_proj: b.upload_mat(&m.up_proj)?,
+                    down_proj: b.upload_mat(&m.down_proj)?,
+                    shared_gate_proj: b.upload_mat(&m.shared_gate_proj)?,
+                    shared_up_proj: b.upload_mat(&m.shared_up_proj)?,
+                    shared_down_proj: b.upload_mat(&m.shared_down_proj)?,
+                    shared_expert_gate: b.upload_mat(&m.shared_expert_gate)?,
+                },
+            });
+        }
+        Ok(Self {
+            dims: Dims::from_config(&cfg),
+            embed: b.upload_mat(&w.embed)?,
+            norm: b.upload_vec(&w.norm)?,
+            lm_head: b.upload_mat(&w.lm_head)?,
+            layers,
+            cfg,
+            backend,
+            chunk: 256,
+            scratch: std::sync::Mutex::new(None),
+        })
+    }
+
+    pub fn new_state(&self, max_context: usize) -> Result<SeqState<B>> {
+        SeqState::new(&self.backend, &self.cfg, max_context)
+    }
+
+    /// Feeds `ids` after the state's current position. Returns the requested logits (host f32,
+    /// `[1 or rows, vocab]`). With `taps`, the residual stream after each layer is appended
+    /// (`[rows, hidden]` per layer, per chunk) — for tests against the oracle.
+    pub fn forward(&self, st: &mut SeqState<B>, ids: &[u32], want: Logits, mut taps: Option<&mut Vec<Vec<f32>>>) -> Result<Vec<f32>> {
+        if ids.is_empty() {
+            bail!("forward: no tokens");
+        }
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            bail!("token id {bad} is out of range (vocab_size {})", self.cfg.vocab_size);
+        }
+        if st.pos + ids.len() > st.max_context {
+            bail!("context length exceeded: {} tokens in the state + {} new > {} max", st.pos, ids.len(), st.max_context);
+        }
+        st.reserve(&self.backend, &self.dims, st.pos + ids.len())?;
+        let mut out = Vec::new();
+        let n_chunks = ids.len().div_ceil(self.chunk);
+        for (i, part) in ids.chunks(self.chunk).enumerate() {
+            let w = match want {
+                Logits::All => Logits::All,
+                Logits::Last if i + 1 == n_chunks => Logits::Last,
+                _ => Logits::None,
+            };
+            let tap_start = taps.as_ref().map(|t| t.len());
+            out.extend(self.forward_block(st, part, w, taps.as_deref_mut())?);
+            // Concatenate per-layer taps across chunks.
+            if let (Some(t), Some(s)) = (taps.as_deref_mut(), tap_start) {
+                if s > 0 {
+                    let new: Vec<Vec<f32>> = t.drain(s..).collect();
+                    for (dst, src) in t.iter_mut().zip(new) {
+                        dst.extend(src);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// One block of ≤ `chunk` tokens: the list of named ops.
+    fn forward_block(&self, st: &mut SeqState<B>, ids: &[u32], want: Logits, mut taps: Option<&mut Vec<Vec<f32>>>) -> Result<Vec<f32>> {
+        let b = &self.backend;
+        let d = &self.dims;
+        let c = &self.cfg;
+        let t = ids.len();
+        let decode = t == 1;
+        let pos0 = st.pos;
+        let hd = c.hidden_size;
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.as_ref().is_none_or(|s| s.rows < t) {
+            *guard = Some(Scratch::new(b, c, t.max(if decode { 1 } else { self.chunk }))?);
+        }
+        let s = guard.as_mut().expect("just made");
+
+        b.embed(&self.embed, ids, &mut s.h);
+        for (i, (layer, ls)) in self.layers.iter().zip(st.layers.iter_mut()).enumerate() {
+            // x = rms_norm(h); the previous layer's MoE output is added here (fused).
+            if i == 0 {
+                b.rms_norm(&s.h, &layer.input_norm, t, hd, d.eps, &mut s.xn);
+            } else {
+                b.add_rms_norm(&mut s.h, &s.moe, &layer.input_norm, t, hd, d.eps, &mut s.xn);
+                if let Some(tp) = taps.as_deref_mut() {
+                    tp.push(b.to_host(&s.h, t * hd)?);
+                }
+            }
+            match (&layer.mixer, ls) {
+                (MixerLayer::Gdn(g), LayerState::Gdn { conv, ssm }) => {
+                    b.matmul_q(&s.xn, &g.in_proj_qkv, t, &mut s.qkv);
+                    b.matmul_q(&s.xn, &g.in_proj_z, t, &mut s.z);
+                    b.matmul_q(&s.xn, &g.in_proj_b, t, &mut s.b);
+                    b.matmul_q(&s.xn, &g.in_proj_a, t, &mut s.a);
+                    if decode {
+                        b.conv1d_step(&s.qkv, &g.conv1d, conv, d, &mut s.qkv_c);
+                        b.gdn_decode(&s.qkv_c, &s.z, &s.b, &s.a, &g.params, ssm, d, &mut s.y);
+                    } else {
+                        b.conv1d_prefill(&s.qkv, &g.conv1d, conv, d, t, &mut s.qkv_c);
+                        b.gdn_prefill(&s.qkv_c, &s.z, &s.b, &s.a, &g.params, ssm, d, t, &mut s.y);
+                    }
+                    b.matmul_q(&s.y, &g.out_proj, t, &mut s.r);
+                }
+                (MixerLayer::Attn(a), LayerState::Attn(kv)) => {
+                    b.matmul_q(&s.xn, &a.q_proj, t, &mut s.qg);
+                    b.matmul_q(&s.xn, &a.k_proj, t, &mut s.k);
+                    b.matmul_q(&s.xn, &a.v_proj, t, &mut s.v);
+                    b.attn_qk_norm_rope(&s.qg, &mut s.k, &a.q_norm, &a.k_norm, d, t, pos0, &mut s.q, &mut s.gate);
+                    if decode {
+                        b.attn_decode(&s.q, &s.k, &s.v, &s.gate, kv, d, pos0, &mut s.o);
+                    } else {
+                        b.attn_prefill(&s.q, &s.k, &s.v, &s.gate, kv, d, t, pos0, &mut s.o);
+                    }
+                    b.matmul_q(&s.o, &a.o_proj, t, &mut s.r);
+                }
+                _ => bail!("layer {i}: state does not match the layer kind"),
+            }
+            // h = h + mixer(x); x = rms_norm(h, post_norm)
+            b.add_rms_norm(&mut s.h, &s.r, &layer.post_norm, t, hd, d.eps, &mut s.xn);
+            self.moe(layer, s, t, decode);
+        }
+        st.pos += t;
+        b.add(&mut s.h, &s.moe, t * hd);
+        if let Some(tp) = taps.as_deref_mut() {
+            tp.push(b.to_host(&s.h, t * hd)?);
+        }
+        // logits = lm_head(rms_norm(h, norm))
+        let v = c.vocab_size;
+        match want {
+            Logits::None => Ok(Vec::new()),
+            Logits::Last => {
+                b.copy(&s.h, (t - 1) * hd, &mut s.last, 0, hd);
+                b.rms_norm(&s.last, &self.norm, 1, hd, d.eps, &mut s.xn);
+                let mut logits = b.zeros(v)?;
+                b.matmul_q(&s.xn, &self.lm_head, 1, &mut logits);
+                b.to_host(&logits, v)
+            }
+            Logits::All => {
+                b.rms_norm(&s.h, &self.norm, t, hd, d.eps, &mut s.xn);
+                let mut logits = b.zeros(t * v)?;
+                b.matmul_q(&s.xn, &self.lm_head, t, &mut logits);
+                b.to_host(&logits, t * v)
+            }
+        }
+    }
+
+    /// y = Σ_j w_j · expert_j(x) + sigmoid(shared_gate(x)) · shared_expert(x), into `s.moe`.
+    fn moe(&self, layer: &Layer<B>, s: &mut Scratch<B>, t: usize, decode: bool) {
+        let b = &self.backend;
+        let d = &self.dims;
+        let m = &layer.moe;
+        b.matmul_q(&s.xn, &m.router, t, &mut s.router_logits);
+        b.moe_route(&s.router_logits, d, t, &mut s.route);
+        if decode {
+            b.moe_experts_decode(&s.xn, &s.route, &m.gate_proj, &m.up_proj, &m.down_proj, d, &mut s.moe);
+        } else {
+            b.moe_experts_prefill(&s.xn, &s.route, &m.gate_proj, &m.up_proj, &m.down_proj, d, t, &mut s.moe);
+        }
+        let si = self.cfg.shared_expert_intermediate_size;
+        b.matmul_q(&s.xn, &m.shared_gate_proj, t, &mut s.sg);
+        b.matmul_q(&s.xn, &m.shared_up_proj, t, &mut s.su);
+        b.swiglu(&s.sg, &s.su, t * si, &mut s.sa);
+        b.matmul_q(&s.sa, &m.shared_down_proj, t, &mut s.sd);
+        b.matmul_q(&s.xn, &m.shared_expert_gate, t, &mut s.s);
+        b.add_sigmoid_gated(&mut s.moe, &s.sd, &s.s, t, self.cfg.hidden_size);
+    }
+}
