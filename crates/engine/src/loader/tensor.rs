@@ -131,10 +131,16 @@ impl HostTensor {
             d => bail!("tensor `{}`: expected a float dtype, found {}", self.name, d.name()),
         })
     }
-    /// Converts a float tensor to a Vec<f32> (small tensors: norms, conv, gates).
+    /// Converts a float tensor to a Vec<f32> (small tensors: norms, conv, gates). Reads bytes,
+    /// so any alignment works.
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
-        let f = self.floats()?;
-        Ok((0..f.len()).map(|i| f.get(i)).collect())
+        let b = self.bytes();
+        Ok(match self.dtype {
+            Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
+            Dtype::BF16 => b.chunks_exact(2).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
+            Dtype::F16 => b.chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect(),
+            d => bail!("tensor `{}`: expected a float dtype, found {}", self.name, d.name()),
+        })
     }
 }
 

@@ -14,7 +14,8 @@ pub fn load<B: Backend>(backend: B, dir: &Path) -> Result<Qwen35<B>> {
     Qwen35::new(backend, ck.config, &ck.weights)
 }
 
-fn argmax(v: &[f32]) -> u32 {
+/// Index of the largest value (the first on ties).
+pub fn argmax(v: &[f32]) -> u32 {
     let mut best = 0;
     for (i, &x) in v.iter().enumerate() {
         if x > v[best] {
