@@ -1,1 +1,317 @@
-fn main() {}
+//! `lily`: the command-line front end.
+//!
+//! The subcommands and flags below are a contract other tools script against (the foundation
+//! issue lists them); keep them stable.
+
+mod bench;
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use lily::backend::cpu::Cpu;
+use lily::model::Logits;
+
+#[derive(Parser)]
+#[command(name = "lily", version, about = "lily: a fast inference engine for Qwen3.6-35B-A3B (MLX 4-bit checkpoints)")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum BackendKind {
+    /// The fastest available backend (says which it picked).
+    Auto,
+    /// The CPU reference backend (threads + SIMD).
+    Cpu,
+    /// NVIDIA GPUs (needs a build with `--features cuda`).
+    Cuda,
+}
+
+/// Flags every subcommand takes.
+#[derive(Args, Clone, Debug)]
+pub struct Common {
+    /// Backend to run on.
+    #[arg(long, value_enum, default_value = "auto")]
+    backend: BackendKind,
+    /// Worker threads for the CPU backend (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Write a seeded random checkpoint in the exact MLX format.
+    Synth(SynthArgs),
+    /// Generate tokens from a prompt (ids or text).
+    Generate(GenerateArgs),
+    /// Teacher-forced logits of a prompt; compare with a reference.
+    Eval(EvalArgs),
+    /// Prefill and decode throughput (the DESIGN.md benchmark contract).
+    Bench(bench::BenchArgs),
+}
+
+#[derive(Args)]
+struct SynthArgs {
+    /// Preset: tiny | small | cpu-bench | qwen3.6-35b-a3b.
+    #[arg(long)]
+    preset: String,
+    /// Output directory (created; must be empty or absent).
+    #[arg(long)]
+    out: PathBuf,
+    /// Seed of the random weights (same seed, same bytes).
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Override a config field, e.g. `--set num_hidden_layers=4` (repeatable).
+    #[arg(long = "set", value_name = "FIELD=VALUE")]
+    sets: Vec<String>,
+    #[command(flatten)]
+    common: Common,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Checkpoint directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt as comma-separated token ids.
+    #[arg(long, conflicts_with = "prompt")]
+    prompt_ids: Option<String>,
+    /// Prompt as text (tokenized with the checkpoint's tokenizer; no chat template applied).
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 = greedy (the only mode until the sampler lands).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Print generated token ids (comma-separated, one line) instead of text.
+    #[arg(long)]
+    ids: bool,
+    /// Do not stop at the checkpoint's end-of-sequence ids.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Context length (prompt + generated) to allow.
+    #[arg(long, default_value_t = 32768)]
+    max_context: usize,
+    #[command(flatten)]
+    common: Common,
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    /// Checkpoint directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt as comma-separated token ids.
+    #[arg(long)]
+    prompt_ids: String,
+    /// Write the teacher-forced logits [T, vocab] as float32 .npy.
+    #[arg(long)]
+    logits_out: Option<PathBuf>,
+    /// Reference logits [T, vocab] (.npy) to compare with: prints max abs error, top-1 agreement
+    /// and both perplexities against the next-token targets.
+    #[arg(long)]
+    reference: Option<PathBuf>,
+    /// Prefill block size (tokens per forward call).
+    #[arg(long)]
+    chunk: Option<usize>,
+    #[command(flatten)]
+    common: Common,
+}
+
+/// Sets up threads and resolves the backend. Only the CPU backend exists in this build.
+pub fn setup(c: &Common) -> Result<Cpu> {
+    if let Some(n) = c.threads {
+        if n == 0 {
+            bail!("--threads must be at least 1");
+        }
+        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("cannot start the thread pool")?;
+    }
+    match c.backend {
+        BackendKind::Cpu => Ok(Cpu),
+        BackendKind::Auto => {
+            eprintln!("lily: backend auto → cpu ({} threads; no GPU backend in this build)", rayon::current_num_threads());
+            Ok(Cpu)
+        }
+        BackendKind::Cuda => bail!("--backend cuda: this build has no CUDA backend (it arrives with the CUDA issue; build with --features cuda then)"),
+    }
+}
+
+pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
+    let ids: Vec<u32> = s
+        .split(',')
+        .map(str::trim)
+        .filter(|x| !x.is_empty())
+        .map(|x| x.parse::<u32>().with_context(|| format!("--prompt-ids: `{x}` is not a token id")))
+        .collect::<Result<_>>()?;
+    if ids.is_empty() {
+        bail!("--prompt-ids: no token ids given");
+    }
+    Ok(ids)
+}
+
+/// Loads a checkpoint with a progress line on stderr.
+pub fn load_model(dir: &Path, b: Cpu) -> Result<lily::model::Qwen35<Cpu>> {
+    let t0 = std::time::Instant::now();
+    let m = lily::runtime::load(b, dir)?;
+    eprintln!(
+        "lily: loaded {} ({} layers, {} experts, vocab {}) in {:.2}s",
+        dir.display(),
+        m.cfg.num_hidden_layers,
+        m.cfg.num_experts,
+        m.cfg.vocab_size,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(m)
+}
+
+fn synth(a: SynthArgs) -> Result<()> {
+    setup(&a.common)?;
+    let mut cfg = lily::synth::preset(&a.preset)?;
+    for s in &a.sets {
+        lily::synth::apply_set(&mut cfg, s)?;
+    }
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+            .expect("static template")
+            .progress_chars("=> "),
+    );
+    bar.set_message(format!("synth {}", a.preset));
+    let progress = |done: u64, total: u64| {
+        bar.set_length(total);
+        bar.set_position(done);
+    };
+    let rep = lily::synth::write_checkpoint(&cfg, &a.out, a.seed, &progress)?;
+    bar.finish_and_clear();
+    eprintln!(
+        "lily: wrote {} ({} tensors, {:.1} MB in {} files) in {:.1}s",
+        a.out.display(),
+        rep.tensors,
+        rep.bytes_written as f64 / 1e6,
+        rep.files.len(),
+        rep.seconds
+    );
+    Ok(())
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let b = setup(&a.common)?;
+    if a.temperature != 0.0 {
+        bail!("--temperature {}: only greedy decoding (0) exists until the sampler lands", a.temperature);
+    }
+    let m = load_model(&a.model, b)?;
+    let tok = if a.prompt.is_some() || !a.ids { Some(lily::tokenizer::Tokenizer::from_dir(&a.model)?) } else { None };
+    let prompt = match (&a.prompt_ids, &a.prompt) {
+        (Some(s), _) => parse_ids(s)?,
+        (None, Some(text)) => tok.as_ref().expect("loaded above").encode(text)?,
+        (None, None) => bail!("give a prompt: --prompt-ids 1,2,3 or --prompt TEXT"),
+    };
+    if prompt.len() >= a.max_context {
+        bail!("prompt of {} tokens does not fit the context of {} (--max-context)", prompt.len(), a.max_context);
+    }
+    let stop = if a.ignore_eos { Vec::new() } else { lily::tokenizer::stop_ids(&a.model)? };
+    let mut st = m.new_state(a.max_context)?;
+    let (out, stats) = lily::runtime::generate_greedy(&m, &mut st, &prompt, a.max_tokens, &stop, |_| {})?;
+    if a.ids {
+        println!("{}", out.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","));
+    } else {
+        println!("{}", tok.as_ref().expect("loaded above").decode(&out)?);
+    }
+    eprintln!(
+        "lily: prompt {} tok in {:.3}s ({:.1} tok/s), generated {} tok in {:.3}s ({:.1} tok/s)",
+        stats.prompt_tokens,
+        stats.prefill_s,
+        stats.prompt_tokens as f64 / stats.prefill_s,
+        stats.generated,
+        stats.decode_s,
+        (stats.generated.saturating_sub(1)) as f64 / stats.decode_s.max(1e-9)
+    );
+    Ok(())
+}
+
+/// Log-softmax probability of `target` in a row of logits (f64 for a stable perplexity).
+fn log_prob(row: &[f64], target: usize) -> f64 {
+    let m = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let lse = m + row.iter().map(|v| (v - m).exp()).sum::<f64>().ln();
+    row[target] - lse
+}
+
+fn top1(row: &[f64]) -> usize {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+fn eval(a: EvalArgs) -> Result<()> {
+    let b = setup(&a.common)?;
+    let mut m = load_model(&a.model, b)?;
+    if let Some(c) = a.chunk {
+        m.chunk = c.max(1);
+    }
+    let ids = parse_ids(&a.prompt_ids)?;
+    let v = m.cfg.vocab_size;
+    let mut st = m.new_state(ids.len())?;
+    let t0 = std::time::Instant::now();
+    let logits = m.forward(&mut st, &ids, Logits::All, None)?;
+    eprintln!("lily: {} positions in {:.3}s", ids.len(), t0.elapsed().as_secs_f64());
+    if let Some(p) = &a.logits_out {
+        lily::npy::write_f32(p, &[ids.len(), v], &logits)?;
+    }
+    if let Some(r) = &a.reference {
+        let refa = lily::npy::read(r)?;
+        if refa.shape != [ids.len(), v] {
+            bail!("{}: reference shape {:?} differs from [{}, {v}]", r.display(), refa.shape, ids.len());
+        }
+        let ours: Vec<f64> = logits.iter().map(|&x| x as f64).collect();
+        let (mut max_abs, mut ref_absmax, mut agree) = (0.0f64, 0.0f64, 0usize);
+        let (mut nll_ours, mut nll_ref) = (0.0f64, 0.0f64);
+        for t in 0..ids.len() {
+            let (ro, rr) = (&ours[t * v..(t + 1) * v], &refa.data[t * v..(t + 1) * v]);
+            for (x, y) in ro.iter().zip(rr) {
+                max_abs = max_abs.max((x - y).abs());
+                ref_absmax = ref_absmax.max(y.abs());
+            }
+            agree += (top1(ro) == top1(rr)) as usize;
+            if t + 1 < ids.len() {
+                nll_ours -= log_prob(ro, ids[t + 1] as usize);
+                nll_ref -= log_prob(rr, ids[t + 1] as usize);
+            }
+        }
+        let n = (ids.len() - 1).max(1) as f64;
+        println!(
+            "{}",
+            serde_json::json!({
+                "positions": ids.len(),
+                "max_abs_err": max_abs,
+                "max_rel_err": max_abs / ref_absmax.max(1e-30),
+                "top1_agreement": agree as f64 / ids.len() as f64,
+                "perplexity": (nll_ours / n).exp(),
+                "reference_perplexity": (nll_ref / n).exp(),
+            })
+        );
+    }
+    Ok(())
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let r = match cli.cmd {
+        Cmd::Synth(a) => synth(a),
+        Cmd::Generate(a) => generate(a),
+        Cmd::Eval(a) => eval(a),
+        Cmd::Bench(a) => bench::run(a),
+    };
+    if let Err(e) = r {
+        eprintln!("lily: error: {e:#}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,252 @@
+//! `lily bench`: the DESIGN.md benchmark contract.
+//!
+//! Batch 1, greedy, prompt ids `(i·2654435761 mod 2^32) mod vocab`, a warm-up of the exact shape,
+//! then per length: prefill throughput = prompt tokens / time to first token, and decode
+//! throughput = 64 generated tokens / their time after a context of that length. Median of
+//! `--rounds`. Each row also gives the fraction of the hardware limit: decode bytes/s against the
+//! memory bandwidth and prefill FLOP/s against the FMA peak, both measured in the same run.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use rayon::prelude::*;
+use serde_json::json;
+
+use lily::backend::{Backend, Dims};
+use lily::loader::Checkpoint;
+use lily::model::{Logits, Qwen35};
+use lily::runtime::argmax;
+
+use crate::Common;
+
+#[derive(Args)]
+pub struct BenchArgs {
+    /// Checkpoint directory (default: the `cpu-bench` preset, synthesized once into
+    /// `.cache/lily/cpu-bench`).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Prompt lengths for prefill (comma-separated).
+    #[arg(long, default_value = "256,512")]
+    prefill: String,
+    /// Context lengths after which 64 tokens are decoded (comma-separated).
+    #[arg(long, default_value = "256")]
+    decode: String,
+    /// Tokens generated per decode measurement.
+    #[arg(long, default_value_t = 64)]
+    decode_tokens: usize,
+    /// Measured rounds per row (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Prefill block size.
+    #[arg(long)]
+    chunk: Option<usize>,
+    /// Also write the results as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+    #[command(flatten)]
+    common: Common,
+}
+
+fn lengths(s: &str, flag: &str) -> Result<Vec<usize>> {
+    s.split(',')
+        .filter(|x| !x.trim().is_empty())
+        .map(|x| {
+            let x = x.trim().to_ascii_lowercase();
+            let (num, mul) = if let Some(n) = x.strip_suffix('k') { (n.to_string(), 1024) } else { (x.clone(), 1) };
+            num.parse::<usize>().map(|n| n * mul).map_err(|_| anyhow::anyhow!("--{flag}: `{x}` is not a length"))
+        })
+        .collect()
+}
+
+/// The contract's synthetic prompt.
+pub fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|i| ((i as u64 * 2654435761) % (1u64 << 32) % vocab as u64) as u32).collect()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Memory read bandwidth (bytes/s): all threads summing disjoint parts of a 1 GiB buffer.
+fn measure_bandwidth() -> f64 {
+    let n = (1usize << 30) / 4;
+    let buf: Vec<f32> = (0..n).into_par_iter().map(|i| (i & 7) as f32).collect();
+    let mut best = 0.0f64;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        let s: f32 = buf.par_chunks(1 << 16).map(|c| c.iter().sum::<f32>()).sum();
+        let dt = t0.elapsed().as_secs_f64();
+        std::hint::black_box(s);
+        best = best.max((n * 4) as f64 / dt);
+    }
+    best
+}
+
+/// Peak f32 FMA rate (FLOP/s) over all threads: independent register FMA chains.
+fn measure_flops() -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+            #[target_feature(enable = "avx2,fma")]
+            unsafe fn chains(iters: usize) -> f32 {
+                use std::arch::x86_64::*;
+                let m = _mm256_set1_ps(0.999_999);
+                let a = _mm256_set1_ps(1e-7);
+                let mut acc = [_mm256_set1_ps(1.0); 10];
+                for _ in 0..iters {
+                    for x in acc.iter_mut() {
+                        *x = _mm256_fmadd_ps(*x, m, a);
+                    }
+                }
+                let mut s = _mm256_setzero_ps();
+                for x in acc {
+                    s = _mm256_add_ps(s, x);
+                }
+                let mut o = [0f32; 8];
+                _mm256_storeu_ps(o.as_mut_ptr(), s);
+                o.iter().sum()
+            }
+            let iters = 20_000_000;
+            let threads = rayon::current_num_threads();
+            let t0 = Instant::now();
+            // SAFETY: the features were detected above.
+            let s: f32 = (0..threads).into_par_iter().map(|_| unsafe { chains(iters) }).sum();
+            std::hint::black_box(s);
+            return (threads * iters * 10 * 8 * 2) as f64 / t0.elapsed().as_secs_f64();
+        }
+    }
+    f64::NAN
+}
+
+/// FLOPs of prefilling one token at position `pos`: 2 per active matrix weight (routed experts,
+/// shared expert, projections, router; lm_head only for the last token) + attention.
+fn prefill_flops_per_token(c: &lily::Config, pos: usize) -> f64 {
+    let h = c.hidden_size as f64;
+    let mut params = 0.0;
+    for &attn in &c.layer_is_attention {
+        params += if attn {
+            h * (2 * c.attn_q_dim() + 2 * c.attn_kv_dim()) as f64 + (c.attn_q_dim() as f64) * h
+        } else {
+            h * (c.gdn_qkv_dim() + c.gdn_v_dim() + 2 * c.linear_num_value_heads) as f64 + c.gdn_v_dim() as f64 * h
+        };
+        params += 3.0 * h * (c.moe_intermediate_size * c.num_experts_per_tok + c.shared_expert_intermediate_size) as f64;
+        params += h * (c.num_experts + 1) as f64;
+    }
+    let attn = c.num_attention_layers() as f64 * 4.0 * (c.num_attention_heads * c.head_dim) as f64 * pos as f64;
+    2.0 * params + attn
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    let b = crate::setup(&a.common)?;
+    if a.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
+    let dir = match &a.model {
+        Some(d) => d.clone(),
+        None => {
+            let d = PathBuf::from(".cache/lily/cpu-bench");
+            if !d.join("config.json").exists() {
+                eprintln!("lily bench: synthesizing the cpu-bench preset into {} (once)", d.display());
+                let cfg = lily::synth::preset("cpu-bench")?;
+                lily::synth::write_checkpoint(&cfg, &d, 0, &|_, _| {})?;
+            }
+            d
+        }
+    };
+    let prefill = lengths(&a.prefill, "prefill")?;
+    let decode = lengths(&a.decode, "decode")?;
+    let ck = Checkpoint::open(&dir)?;
+    let cfg = ck.config.clone();
+    let weight_bytes = ck.weights.decode_bytes_per_token(&cfg) as f64;
+    let mut m = Qwen35::new(b, ck.config, &ck.weights)?;
+    if let Some(c) = a.chunk {
+        m.chunk = c.max(1);
+    }
+    let d = Dims::from_config(&cfg);
+    eprintln!("lily bench: measuring the machine's ceilings…");
+    let bw = measure_bandwidth();
+    let peak = measure_flops();
+    let threads = rayon::current_num_threads();
+    eprintln!(
+        "lily bench: {} | memory read {:.1} GB/s | f32 FMA peak {:.1} GFLOP/s | {} threads",
+        m.backend.name(),
+        bw / 1e9,
+        peak / 1e9,
+        threads
+    );
+    let max_len = prefill.iter().chain(decode.iter()).copied().max().unwrap_or(0) + a.decode_tokens + 1;
+    let mut rows = Vec::new();
+    println!("{:<8} {:>8} {:>12} {:>10} {:>10}", "phase", "length", "tok/s", "time s", "roofline");
+
+    for &n in &prefill {
+        let ids = prompt_ids(n, cfg.vocab_size);
+        let mut times = Vec::new();
+        for r in 0..=a.rounds {
+            let mut st = m.new_state(max_len)?;
+            let t0 = Instant::now();
+            let logits = m.forward(&mut st, &ids, Logits::Last, None)?;
+            std::hint::black_box(argmax(&logits));
+            let dt = t0.elapsed().as_secs_f64();
+            if r > 0 {
+                times.push(dt); // round 0 is the warm-up of the exact shape
+            }
+        }
+        let t = median(times);
+        let flops: f64 = (0..n).map(|p| prefill_flops_per_token(&cfg, p)).sum::<f64>()
+            + 2.0 * (cfg.vocab_size * cfg.hidden_size) as f64;
+        let frac = flops / t / peak;
+        println!("{:<8} {:>8} {:>12.1} {:>10.3} {:>9.1}%", "prefill", n, n as f64 / t, t, 100.0 * frac);
+        rows.push(json!({"phase": "prefill", "length": n, "tok_s": n as f64 / t, "seconds": t,
+            "flop_s": flops / t, "roofline_fraction": frac}));
+    }
+
+    for &n in &decode {
+        let ids = prompt_ids(n, cfg.vocab_size);
+        let mut times = Vec::new();
+        for r in 0..=a.rounds {
+            let mut st = m.new_state(max_len)?;
+            let logits = m.forward(&mut st, &ids, Logits::Last, None)?;
+            let mut next = argmax(&logits);
+            let t0 = Instant::now();
+            for _ in 0..a.decode_tokens {
+                let l = m.forward(&mut st, &[next], Logits::Last, None)?;
+                next = argmax(&l);
+            }
+            if r > 0 {
+                times.push(t0.elapsed().as_secs_f64());
+            }
+        }
+        let t = median(times);
+        let tps = a.decode_tokens as f64 / t;
+        // Bytes per token: weights + GDN state read and written (f32) + KV (f32 on the CPU).
+        let state = (cfg.num_hidden_layers - cfg.num_attention_layers()) as f64 * (d.gdn_v_heads * d.gdn_v_dim * d.gdn_k_dim * 4 * 2) as f64;
+        let kv = cfg.num_attention_layers() as f64 * (2 * d.n_kv_heads * d.head_dim * 4) as f64 * (n as f64 + a.decode_tokens as f64 / 2.0);
+        let bytes = weight_bytes + state + kv;
+        let frac = bytes * tps / bw;
+        println!("{:<8} {:>8} {:>12.2} {:>10.3} {:>9.1}%", "decode", n, tps, t, 100.0 * frac);
+        rows.push(json!({"phase": "decode", "context": n, "tokens": a.decode_tokens, "tok_s": tps, "seconds": t,
+            "bytes_per_token": bytes, "roofline_fraction": frac}));
+    }
+    if let Some(p) = &a.json {
+        let machine = std::fs::read_to_string("/proc/cpuinfo")
+            .ok()
+            .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+            .unwrap_or_default();
+        let out = json!({
+            "model": dir.display().to_string(),
+            "backend": m.backend.name(),
+            "threads": threads,
+            "machine": machine,
+            "memory_bandwidth_bytes_s": bw,
+            "peak_flop_s": peak,
+            "weight_bytes_per_token": weight_bytes,
+            "rounds": a.rounds,
+            "results": rows,
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&out)?)?;
+    }
+    Ok(())
+}
