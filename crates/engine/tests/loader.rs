@@ -120,6 +120,11 @@ fn wrong_shape_dtype_or_missing_tensor() {
     assert!(e.contains("missing tensor") && e.contains("shared_expert.down_proj.biases"), "{e}");
 
     let d = synth("tiny", 0, &[]);
+    edit(d.path(), |raw| raw.retain(|t| !t.0.contains("layers.2.mlp.switch_mlp.up_proj")));
+    let e = load_err(d.path());
+    assert!(e.contains("missing tensor") && e.contains("layers.2.mlp.switch_mlp.up_proj"), "{e}");
+
+    let d = synth("tiny", 0, &[]);
     edit(d.path(), |raw| {
         let t = raw.iter_mut().find(|t| t.0.ends_with("layers.0.linear_attn.A_log")).unwrap();
         let n: usize = t.2.iter().product();
@@ -216,4 +221,46 @@ fn unquantized_checkpoint_runs() {
     assert!(!raw.iter().any(|t| t.0.ends_with(".scales")), "quantize=false wrote scales");
     let l = logits(d.path(), 8);
     assert!(l.iter().all(|x| x.is_finite()));
+}
+
+/// A raw Hugging Face directory (the official release layout, unquantized): `model.language_model.`
+/// names, fused `experts.gate_up_proj` [E, 2I, H] + `experts.down_proj`, conv [C, 1, K], norms as
+/// `w`. It must load to the same model as the MLX-layout directory of the same weights.
+#[test]
+fn hf_raw_directory_loads_like_mlx() {
+    let d = synth("tiny", 4, &["quantize=false"]);
+    let want = logits(d.path(), 10);
+    let raw = read_raw(d.path());
+    let get = |n: &str| raw.iter().find(|t| t.0 == n).cloned().unwrap_or_else(|| panic!("{n}"));
+    let mut out: Raw = Vec::new();
+    let norms = ["input_layernorm.weight", "post_attention_layernorm.weight", "q_norm.weight", "k_norm.weight"];
+    for t in &raw {
+        let name = t.0.replacen("language_model.model.", "model.language_model.", 1).replacen("language_model.lm_head", "lm_head", 1);
+        if t.0.contains("switch_mlp.up_proj") {
+            continue; // fused with gate below
+        }
+        if t.0.contains("switch_mlp.gate_proj") {
+            let up = get(&t.0.replace("gate_proj", "up_proj"));
+            let (e, i, h) = (t.2[0], t.2[1], t.2[2]);
+            let per = i * h * 2; // bytes of one expert's matrix (bf16)
+            let mut fused = Vec::with_capacity(2 * t.3.len());
+            for j in 0..e {
+                fused.extend_from_slice(&t.3[j * per..(j + 1) * per]);
+                fused.extend_from_slice(&up.3[j * per..(j + 1) * per]);
+            }
+            out.push((name.replace("switch_mlp.gate_proj.weight", "experts.gate_up_proj"), t.1, vec![e, 2 * i, h], fused));
+            continue;
+        }
+        let mut t2 = (name.replace("switch_mlp.down_proj.weight", "experts.down_proj"), t.1, t.2.clone(), t.3.clone());
+        if t.0.ends_with("conv1d.weight") {
+            t2.2 = vec![t.2[0], 1, t.2[1]];
+        } else if norms.iter().any(|n| t.0.ends_with(n)) || t.0 == "language_model.model.norm.weight" {
+            let vals: Vec<f32> = t.3.chunks(2).map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16) - 1.0).collect();
+            t2.1 = Dtype::F32;
+            t2.3 = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        }
+        out.push(t2);
+    }
+    write_raw(&d.path().join("model.safetensors"), &out);
+    assert_eq!(logits(d.path(), 10), want);
 }

@@ -9,8 +9,8 @@
 //!   bf16/f16/f32 scales) or not, single file or sharded;
 //! - flat text-only names (`model.…`, `lm_head`) and Hugging Face names (`model.language_model.…`);
 //! - Hugging Face layout of the conv (`[C, 1, K]`) which also means the five zero-centred norms are
-//!   stored as `w` and need `1 + w`; per-expert HF tensors (`mlp.experts.E.gate_proj.weight`) are
-//!   stacked at load.
+//!   stored as `w` and need `1 + w`; the fused HF experts (`mlp.experts.gate_up_proj`,
+//!   `mlp.experts.down_proj`) are split at load.
 //!
 //! Vision tensors and the multi-token-prediction head (`mtp.`) are skipped.
 
@@ -213,22 +213,28 @@ impl Tensors {
         Ok(HostLinear { name: module.to_string(), n: n.unwrap_or(1), out, inp, kind })
     }
 
-    /// Routed experts: MLX stacks them (`switch_mlp.P` [E, out, in]); Hugging Face stores one
-    /// matrix per expert (`experts.E.P.weight`), stacked here (unquantized only).
+    /// Routed experts: MLX stacks them (`switch_mlp.P` [E, out, in]); the Hugging Face release
+    /// fuses gate and up (`experts.gate_up_proj` [E, 2·I, H], gate rows first) and stores
+    /// `experts.down_proj` [E, H, I]: those are split (copied, unquantized only) at load.
     fn experts(&self, mlp: &str, proj: &str, out: usize, inp: usize) -> Result<HostLinear> {
         let stacked = format!("{mlp}.switch_mlp.{proj}");
         let e = self.cfg.num_experts;
         if self.map.contains_key(&format!("{stacked}.weight")) {
             return self.linear(&stacked, Some(e), out, inp);
         }
-        let first = format!("{mlp}.experts.0.{proj}.weight");
-        if !self.map.contains_key(&first) {
-            bail!("checkpoint: missing tensor `{stacked}.weight` (stacked experts) or `{first}` (per-expert)");
+        let (src, rows) = match proj {
+            "down_proj" => (format!("{mlp}.experts.down_proj"), 0..out),
+            "gate_proj" => (format!("{mlp}.experts.gate_up_proj"), 0..out),
+            _ => (format!("{mlp}.experts.gate_up_proj"), out..2 * out),
+        };
+        if !self.map.contains_key(&src) {
+            bail!("checkpoint: missing tensor `{stacked}.weight` (MLX stacked experts) or `{src}` (Hugging Face fused experts)");
         }
+        let full_rows = if proj == "down_proj" { out } else { 2 * out };
+        let all = self.expect(&src, &[e, full_rows, inp], true)?.to_f32_vec()?;
         let mut data = Vec::with_capacity(e * out * inp);
         for j in 0..e {
-            let name = format!("{mlp}.experts.{j}.{proj}.weight");
-            data.extend(self.expect(&name, &[out, inp], true)?.to_f32_vec()?);
+            data.extend_from_slice(&all[(j * full_rows + rows.start) * inp..(j * full_rows + rows.end) * inp]);
         }
         Ok(HostLinear {
             name: stacked.clone(),
@@ -243,6 +249,9 @@ impl Tensors {
 impl Checkpoint {
     /// Opens, maps and checks a checkpoint directory.
     pub fn open(dir: &Path) -> Result<Self> {
+        if !dir.is_dir() {
+            bail!("{}: not a directory (expected a checkpoint with config.json and *.safetensors)", dir.display());
+        }
         let config = Config::from_dir(dir)?;
         let raw = safetensors::read_dir(dir)?;
         let mut map = HashMap::with_capacity(raw.len());
