@@ -68,9 +68,10 @@ fn cpu_matches_mlx_lm_f32_on_small() {
 
     eprintln!(
         "oracle small: logits max abs err {max_abs:.3e} (rel {:.3e}, ref absmax {absmax:.2}), top-1 {agree}/{T}; \
-         per-layer hidden max abs err {layer_err:.2e?}; MLX bf16-vs-f32 top-1 {bf16_agree}/{T} ({:.1}%); \
+         per-layer hidden max abs err {:.2e}; MLX bf16-vs-f32 top-1 {bf16_agree}/{T} ({:.1}%); \
          greedy {GEN}: first difference {first_diff:?}, near-ties (gap < {TIE_GAP}) {near_ties}",
         max_abs / absmax,
+        layer_err.iter().fold(0f64, |a, &b| a.max(b)),
         100.0 * bf16_agree as f64 / T as f64
     );
     assert!(max_abs <= LOGIT_TOL * absmax, "logits max abs err {max_abs:e} > {LOGIT_TOL} × {absmax}");
