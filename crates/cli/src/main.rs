@@ -4,6 +4,7 @@
 //! issue lists them); keep them stable.
 
 mod bench;
+mod chat;
 
 use std::path::{Path, PathBuf};
 
@@ -51,6 +52,8 @@ enum Cmd {
     Eval(EvalArgs),
     /// Prefill and decode throughput (the DESIGN.md benchmark contract).
     Bench(bench::BenchArgs),
+    /// Interactive chat in the terminal (streams; reasoning shown dimmed).
+    Chat(chat::ChatArgs),
 }
 
 #[derive(Args)]
@@ -77,17 +80,23 @@ struct GenerateArgs {
     #[arg(long)]
     model: PathBuf,
     /// Prompt as comma-separated token ids.
-    #[arg(long, conflicts_with = "prompt")]
+    #[arg(long, conflicts_with_all = ["prompt", "chat"])]
     prompt_ids: Option<String>,
     /// Prompt as text (tokenized with the checkpoint's tokenizer; no chat template applied).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "chat")]
     prompt: Option<String>,
+    /// A conversation (JSON file with an OpenAI-style `messages` array, optional `tools`),
+    /// rendered with the checkpoint's chat template and a generation prompt.
+    #[arg(long)]
+    chat: Option<PathBuf>,
+    /// With --chat: template variables as JSON, e.g. '{"enable_thinking": false}'.
+    #[arg(long)]
+    template_kwargs: Option<String>,
     /// Tokens to generate at most.
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
-    /// Sampling temperature; 0 = greedy (the only mode until the sampler lands).
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
+    #[command(flatten)]
+    sampling: chat::SamplingArgs,
     /// Print generated token ids (comma-separated, one line) instead of text.
     #[arg(long)]
     ids: bool,
@@ -201,35 +210,80 @@ fn synth(a: SynthArgs) -> Result<()> {
 
 fn generate(a: GenerateArgs) -> Result<()> {
     let b = setup(&a.common)?;
-    if a.temperature != 0.0 {
-        bail!("--temperature {}: only greedy decoding (0) exists until the sampler lands", a.temperature);
-    }
     let m = load_model(&a.model, b)?;
-    let tok = if a.prompt.is_some() || !a.ids { Some(lily::tokenizer::Tokenizer::from_dir(&a.model)?) } else { None };
-    let prompt = match (&a.prompt_ids, &a.prompt) {
-        (Some(s), _) => parse_ids(s)?,
-        (None, Some(text)) => tok.as_ref().expect("loaded above").encode(text)?,
-        (None, None) => bail!("give a prompt: --prompt-ids 1,2,3 or --prompt TEXT"),
+    let sampling = a.sampling.params(&a.model)?;
+    let has_tok = a.model.join("tokenizer.json").exists();
+    let tok = if has_tok { Some(lily::tokenizer::Tokenizer::from_dir(&a.model)?) } else { None };
+    let need_tok = || tok.as_ref().context("this checkpoint has no tokenizer.json (use --prompt-ids and --ids)");
+    let prompt = match (&a.prompt_ids, &a.prompt, &a.chat) {
+        (Some(s), _, _) => parse_ids(s)?,
+        (None, Some(text), _) => need_tok()?.encode(text)?,
+        (None, None, Some(file)) => {
+            let text = std::fs::read_to_string(file).with_context(|| format!("{}: cannot read", file.display()))?;
+            let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", file.display()))?;
+            let (messages, tools) = match &v {
+                serde_json::Value::Array(_) => (v.clone(), None),
+                _ => (v.get("messages").cloned().with_context(|| format!("{}: no `messages` array", file.display()))?, v.get("tools").cloned()),
+            };
+            let kwargs = match &a.template_kwargs {
+                Some(k) => serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(k).context("--template-kwargs: not a JSON object")?,
+                None => Default::default(),
+            };
+            let tmpl = lily::tokenizer::ChatTemplate::from_dir(&a.model)?;
+            need_tok()?.encode(&tmpl.render(&messages, tools.as_ref(), true, &kwargs)?)?
+        }
+        (None, None, None) => bail!("give a prompt: --prompt-ids 1,2,3, --prompt TEXT or --chat FILE.json"),
     };
     if prompt.len() >= a.max_context {
         bail!("prompt of {} tokens does not fit the context of {} (--max-context)", prompt.len(), a.max_context);
     }
-    let stop = if a.ignore_eos { Vec::new() } else { lily::tokenizer::stop_ids(&a.model)? };
+    let stop_ids = if a.ignore_eos { Vec::new() } else { lily::tokenizer::stop_ids(&a.model)? };
     let mut st = m.new_state(a.max_context)?;
-    let (out, stats) = lily::runtime::generate_greedy(&m, &mut st, &prompt, a.max_tokens, &stop, |_| {})?;
-    if a.ids {
-        println!("{}", out.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","));
+    let stats;
+    if let (Some(tok), false) = (tok.as_ref(), a.ids) {
+        // Text out: stream as it comes.
+        let rules = lily::runtime::stop::StopRules { stop_ids, stop_strings: a.sampling.stop.clone(), max_tokens: Some(a.max_tokens), max_context: a.max_context };
+        rules.validate()?;
+        let cancel = std::sync::atomic::AtomicBool::new(false);
+        let mut stdout = std::io::stdout();
+        let g = lily::runtime::generate::generate(&m, &mut st, tok, &prompt, &sampling, rules, &cancel, |t| {
+            use std::io::Write;
+            let _ = write!(stdout, "{t}");
+            let _ = stdout.flush();
+        })?;
+        println!();
+        stats = g.stats;
     } else {
-        println!("{}", tok.as_ref().expect("loaded above").decode(&out)?);
+        if !a.ids {
+            bail!("this checkpoint has no tokenizer.json: add --ids to print token ids");
+        }
+        let mut sampler = lily::runtime::sampler::Sampler::new(sampling, m.cfg.vocab_size)?;
+        let t0 = std::time::Instant::now();
+        let mut logits = m.forward(&mut st, &prompt, Logits::Last, None)?;
+        let mut s = lily::runtime::GenStats { prompt_tokens: prompt.len(), prefill_s: t0.elapsed().as_secs_f64(), ..Default::default() };
+        let t1 = std::time::Instant::now();
+        let mut out: Vec<u32> = Vec::new();
+        while out.len() < a.max_tokens && st.pos < a.max_context {
+            let id = sampler.sample_split(&mut logits, &prompt, &out);
+            out.push(id);
+            if stop_ids.contains(&id) || out.len() == a.max_tokens || st.pos >= a.max_context {
+                break;
+            }
+            logits = m.forward(&mut st, &[id], Logits::Last, None)?;
+        }
+        s.decode_s = t1.elapsed().as_secs_f64();
+        s.generated = out.len();
+        println!("{}", out.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","));
+        stats = s;
     }
     eprintln!(
         "lily: prompt {} tok in {:.3}s ({:.1} tok/s), generated {} tok in {:.3}s ({:.1} tok/s)",
         stats.prompt_tokens,
         stats.prefill_s,
-        stats.prompt_tokens as f64 / stats.prefill_s,
+        stats.prompt_tokens as f64 / stats.prefill_s.max(1e-9),
         stats.generated,
         stats.decode_s,
-        (stats.generated.saturating_sub(1)) as f64 / stats.decode_s.max(1e-9)
+        stats.generated as f64 / stats.decode_s.max(1e-9)
     );
     Ok(())
 }
@@ -309,6 +363,7 @@ fn main() {
         Cmd::Generate(a) => generate(a),
         Cmd::Eval(a) => eval(a),
         Cmd::Bench(a) => bench::run(a),
+        Cmd::Chat(a) => chat::run(a),
     };
     if let Err(e) = r {
         eprintln!("lily: error: {e:#}");

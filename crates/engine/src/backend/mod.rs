@@ -8,6 +8,8 @@
 //! shapes are passed explicitly so a device backend needs no host metadata.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use anyhow::Result;
 

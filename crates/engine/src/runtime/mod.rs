@@ -1,5 +1,9 @@
 //! Runtime: loading a model onto a backend and the generation loop.
 
+pub mod generate;
+pub mod sampler;
+pub mod stop;
+
 use std::path::Path;
 
 use anyhow::Result;

@@ -1,0 +1,82 @@
+// common.cuh: the prelude of every kernel file.
+//
+// What: integer typedefs, bf16 -> f32, the scalar activations (matching cpu/norm.rs: sigmoid,
+// silu, softplus), and warp / block reductions. No CUDA headers are included: NVRTC compiles
+// these files with no include path (bf16 is handled as raw u16 bits).
+//
+// How it is compiled: backend/cuda/mod.rs (and scripts/check-kernels) prepend every `*.cuh` of
+// this folder, in name order, to each `*.cu` file and compile the result with NVRTC for the
+// device's architecture (sm_90 on an H200). Kernels are `extern "C"` so their names are stable.
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+#define FULL_MASK 0xffffffffu
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float bf16f(u16 x) { return __uint_as_float(((u32)x) << 16); }
+
+// Same formulas as cpu/norm.rs (accurate expf / log1pf: the kernels are compiled without fast math).
+__device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float silu_f(float x) { return x * sigmoid_f(x); }
+__device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Sum over the whole block (blockDim.x a multiple of 32, at most 1024). `sh` is 32 floats of shared
+// memory; every thread gets the result. Contains barriers: call from all threads.
+__device__ __forceinline__ float block_sum(float v, float* sh) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // sh may still be read by a previous call
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = lane < nw ? sh[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+__device__ __forceinline__ float block_max(float v, float* sh) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) sh[warp] = v;
+    __syncthreads();
+    v = lane < nw ? sh[lane] : NEG_INF;
+    return warp_max(v);
+}
+
+// (value, index) arg-max with the first index winning ties (as the CPU's `v > best` scan).
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
+    return v > bv || (v == bv && i < bi);
+}
+
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(FULL_MASK, v, o);
+        int oi = __shfl_xor_sync(FULL_MASK, i, o);
+        if (better(ov, oi, v, i)) { v = ov; i = oi; }
+    }
+}
+
+// Block arg-max; `shv`, `shi` are 32 entries of shared memory. Every thread gets the result.
+__device__ __forceinline__ void block_argmax(float& v, int& i, float* shv, int* shi) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    warp_argmax(v, i);
+    __syncthreads();
+    if (lane == 0) { shv[warp] = v; shi[warp] = i; }
+    __syncthreads();
+    if (lane < nw) { v = shv[lane]; i = shi[lane]; } else { v = NEG_INF; i = 0x7fffffff; }
+    warp_argmax(v, i);
+}

@@ -1,0 +1,159 @@
+// gdn.cu: the Gated DeltaNet layer's ops. Matches cpu/gdn.rs (conv1d, gated_delta).
+//
+// conv1d_prefill / conv1d_step  causal depthwise conv (kernel K <= 8, no bias) + SiLU over the C
+//     channels of x [rows, C]; conv weight [C, K] (tap K-1 multiplies the current token); state
+//     [K-1, C] = the last K-1 pre-conv rows, read and replaced. One thread per channel walks the
+//     rows with its window in registers (grid ceil(C/256), 256 threads), so reading and replacing
+//     the state needs no barrier. The step kernel is the same walk for one row.
+// gdn_scan_<NC>  the gated delta rule, fp32, state [Hv, Dv, Dk]. Each warp owns RPW = 8 rows of
+//     one value head's state, held in registers for the whole scan (lane l holds columns
+//     l*NC .. l*NC+NC-1, NC = Dk/32 in {1, 2, 4}); per token it l2-normalises q and k (redundantly
+//     per warp, shuffles only), computes the gates and, per row r:
+//         s *= g;  delta = (v_r - s.k) * beta;  s += delta k;  y_r = s.q
+//     exactly the CPU's per-row order. No shared memory and no barriers: warps are independent.
+//     Grid: Hv * Dv/8 warps in blocks of 4 warps. Writes y [rows, Hv*Dv] (pre-norm).
+// gdn_gated_norm  out = rms_norm(y[t,h], norm[Dv]) * silu(z[t,h]) per value head: grid (rows, Hv),
+//     128 threads.
+// Decode uses the same kernels with rows = 1 (a chunked WY form for long prefills comes later).
+
+#define CONV_MAXK 8
+
+__device__ __forceinline__ void conv_walk(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ state,
+                                          float* __restrict__ out, int C, int K, int rows) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float wt[CONV_MAXK], win[CONV_MAXK];
+#pragma unroll
+    for (int i = 0; i < CONV_MAXK; i++) {
+        wt[i] = i < K ? w[(u64)c * K + i] : 0.0f;
+        win[i] = i < K - 1 ? state[(u64)i * C + c] : 0.0f;
+    }
+    for (int t = 0; t < rows; t++) {
+        float xt = x[(u64)t * C + c];
+        float acc = 0.0f;
+#pragma unroll
+        for (int i = 0; i < CONV_MAXK; i++) {
+            if (i < K - 1) acc += wt[i] * win[i];
+            else if (i == K - 1) acc += wt[i] * xt;
+        }
+        out[(u64)t * C + c] = silu_f(acc);
+#pragma unroll
+        for (int i = 0; i < CONV_MAXK - 1; i++)
+            if (i < K - 2) win[i] = win[i + 1];
+#pragma unroll
+        for (int i = 0; i < CONV_MAXK; i++)
+            if (i == K - 2) win[i] = xt;
+    }
+#pragma unroll
+    for (int i = 0; i < CONV_MAXK; i++)
+        if (i < K - 1) state[(u64)i * C + c] = win[i];
+}
+
+extern "C" __global__ void conv1d_prefill(const float* x, const float* w, float* state, float* out, int C, int K, int rows) {
+    conv_walk(x, w, state, out, C, K, rows);
+}
+
+extern "C" __global__ void conv1d_step(const float* x, const float* w, float* state, float* out, int C, int K) {
+    conv_walk(x, w, state, out, C, K, 1);
+}
+
+#define GDN_RPW 8
+
+template <int NC>
+__device__ __forceinline__ void gdn_scan_body(const float* __restrict__ qkv, const float* __restrict__ bb,
+                                              const float* __restrict__ aa, const float* __restrict__ a_log,
+                                              const float* __restrict__ dt_bias, float* __restrict__ state,
+                                              float* __restrict__ y, int rows, int hk, int hv, int dv) {
+    const int dk = NC * 32;
+    const int lane = threadIdx.x & 31;
+    const int gw = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const int wph = dv / GDN_RPW;  // warps per head
+    const int h = gw / wph, r0 = (gw % wph) * GDN_RPW;
+    if (h >= hv) return;
+    const int kh = h / (hv / hk);
+    const u64 C = (u64)2 * hk * dk + (u64)hv * dv;
+    float* sp = state + ((u64)h * dv + r0) * dk + lane * NC;
+    float S[GDN_RPW][NC];
+#pragma unroll
+    for (int r = 0; r < GDN_RPW; r++)
+#pragma unroll
+        for (int c = 0; c < NC; c++) S[r][c] = sp[(u64)r * dk + c];
+    const float decay_rate = expf(a_log[h]);
+    const float dtb = dt_bias[h];
+    const float qscale = 1.0f / sqrtf((float)dk);
+    for (int t = 0; t < rows; t++) {
+        const float* row = qkv + (u64)t * C;
+        float q[NC], k[NC];
+        float qs = 0.0f, ks = 0.0f;
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            q[c] = row[(u64)kh * dk + lane * NC + c];
+            k[c] = row[(u64)hk * dk + (u64)kh * dk + lane * NC + c];
+            qs += q[c] * q[c];
+            ks += k[c] * k[c];
+        }
+        qs = warp_sum(qs);
+        ks = warp_sum(ks);
+        const float rq = qscale / sqrtf(qs + 1e-6f), rk = 1.0f / sqrtf(ks + 1e-6f);
+#pragma unroll
+        for (int c = 0; c < NC; c++) {
+            q[c] *= rq;
+            k[c] *= rk;
+        }
+        const float beta = sigmoid_f(bb[(u64)t * hv + h]);
+        const float g = expf(-decay_rate * softplus_f(aa[(u64)t * hv + h] + dtb));
+        const float* v = row + (u64)2 * hk * dk + (u64)h * dv + r0;
+        float yv[GDN_RPW];
+#pragma unroll
+        for (int r = 0; r < GDN_RPW; r++) {
+            float part = 0.0f;
+#pragma unroll
+            for (int c = 0; c < NC; c++) {
+                S[r][c] *= g;
+                part += S[r][c] * k[c];
+            }
+            const float kv = warp_sum(part);
+            const float delta = (v[r] - kv) * beta;
+            float part2 = 0.0f;
+#pragma unroll
+            for (int c = 0; c < NC; c++) {
+                S[r][c] += delta * k[c];
+                part2 += S[r][c] * q[c];
+            }
+            yv[r] = warp_sum(part2);
+        }
+        if (lane < GDN_RPW) {
+            float mine = 0.0f;
+#pragma unroll
+            for (int r = 0; r < GDN_RPW; r++)
+                if (r == lane) mine = yv[r];
+            y[(u64)t * hv * dv + (u64)h * dv + r0 + lane] = mine;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < GDN_RPW; r++)
+#pragma unroll
+        for (int c = 0; c < NC; c++) sp[(u64)r * dk + c] = S[r][c];
+}
+
+#define GDN_SCAN(NC)                                                                                        \
+    extern "C" __global__ void __launch_bounds__(128)                                                       \
+    gdn_scan_##NC(const float* qkv, const float* b, const float* a, const float* a_log, const float* dt_bias, \
+                  float* state, float* y, int rows, int hk, int hv, int dv) {                               \
+        gdn_scan_body<NC>(qkv, b, a, a_log, dt_bias, state, y, rows, hk, hv, dv);                           \
+    }
+GDN_SCAN(1)
+GDN_SCAN(2)
+GDN_SCAN(4)
+
+extern "C" __global__ void __launch_bounds__(128)
+gdn_gated_norm(const float* __restrict__ y, const float* __restrict__ z, const float* __restrict__ w, float* __restrict__ out,
+               int hv, int dv, float eps) {
+    __shared__ float sh[32];
+    const u64 base = ((u64)blockIdx.x * hv + blockIdx.y) * dv;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dv; i += blockDim.x) ss += y[base + i] * y[base + i];
+    ss = block_sum(ss, sh);
+    const float r = 1.0f / sqrtf(ss / (float)dv + eps);
+    for (int i = threadIdx.x; i < dv; i += blockDim.x) out[base + i] = y[base + i] * r * w[i] * silu_f(z[base + i]);
+}

@@ -1,0 +1,75 @@
+// matmul.cu: out = x . W^T for a (quantized) weight, and the embedding lookup.
+// Matches cpu/matmul.rs (`matmul`) and Cpu::embed (MatView::row_f32).
+//
+// Layouts: x [rows, inp] f32 row-major, out [rows, out] f32 (overwritten); W a QMat (quant.cuh),
+// matrix 0 of its stack. Kernel names end in the weight format: q4_bf16, q8_bf16, q4_f32, q8_f32,
+// dense (see FOR_EACH_FORMAT).
+//
+// gemv_<fmt>  (rows <= 8: decode and tiny batches; memory-bound). Block of 256 threads = 8 warps,
+//             one output row per warp, grid ceil(out/8). Each warp streams its weight row once for
+//             all rows of x (warp_dot_rows), then reduces with shuffles.
+// gemm_<fmt>  (rows > 8: prefill). 64x64 output tiles, 256 threads, grid (ceil(out/64),
+//             ceil(rows/64)); W dequantized into shared memory per k-step of 32. Plain f32 FMAs
+//             (correctness first; tensor cores come later).
+// embed_<fmt> out[t] = dequant(W[ids[t]]): grid rows, 256 threads striding over the row.
+
+#define GEMV_MAXR 8
+
+template <int BITS, typename SB>
+__device__ __forceinline__ void gemv_body(const float* __restrict__ x, QMat m, float* __restrict__ out, int rows) {
+    int lane = threadIdx.x & 31;
+    int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (o >= m.out) return;
+    float acc[GEMV_MAXR];
+#pragma unroll
+    for (int t = 0; t < GEMV_MAXR; t++) acc[t] = 0.0f;
+    warp_dot_rows<BITS, SB, GEMV_MAXR>(m, 0, o, x, (u64)m.inp, rows, acc, lane);
+#pragma unroll
+    for (int t = 0; t < GEMV_MAXR; t++) {
+        if (t < rows) {
+            float v = warp_sum(acc[t]);
+            if (lane == 0) out[(u64)t * m.out + o] = v;
+        }
+    }
+}
+
+template <int BITS, typename SB>
+__device__ __forceinline__ void gemm_body(const float* __restrict__ x, QMat m, float* __restrict__ out, int rows) {
+    __shared__ __align__(16) float As[GT_K][GT_PAD];
+    __shared__ __align__(16) float Ws[GT_K][GT_PAD];
+    __shared__ int xrow[GT_M];
+    int n0 = blockIdx.x * GT_N, m0 = blockIdx.y * GT_M;
+    if (threadIdx.x < GT_M) xrow[threadIdx.x] = m0 + (int)threadIdx.x < rows ? m0 + (int)threadIdx.x : -1;
+    __syncthreads();
+    float acc[4][4];
+    gemm_tile<BITS, SB>(m, 0, n0, x, (u64)m.inp, xrow, As, Ws, acc);
+    int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int r = m0 + ty * 4 + i;
+        if (r >= rows) continue;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int n = n0 + tx * 4 + j;
+            if (n < m.out) out[(u64)r * m.out + n] = acc[i][j];
+        }
+    }
+}
+
+template <int BITS, typename SB>
+__device__ __forceinline__ void embed_body(QMat m, const u32* __restrict__ ids, float* __restrict__ out) {
+    int t = blockIdx.x;
+    u64 id = ids[t];
+    for (int k = threadIdx.x; k < m.inp; k += blockDim.x) out[(u64)t * m.inp + k] = deq_elem<BITS, SB>(m, 0, id, k);
+}
+
+#define MATMUL_KERNELS(NAME, BITS, SB)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) gemv_##NAME(const float* x, QMat m, float* out, int rows) { \
+        gemv_body<BITS, SB>(x, m, out, rows);                                                           \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) gemm_##NAME(const float* x, QMat m, float* out, int rows) { \
+        gemm_body<BITS, SB>(x, m, out, rows);                                                           \
+    }                                                                                                   \
+    extern "C" __global__ void embed_##NAME(QMat m, const u32* ids, float* out) { embed_body<BITS, SB>(m, ids, out); }
+
+FOR_EACH_FORMAT(MATMUL_KERNELS)

@@ -1,0 +1,200 @@
+// moe.cu: routing and the routed experts. Matches cpu/moe.rs (moe_route, moe_experts_prefill,
+// moe_experts_decode). Everything stays on the device: no host sync inside an MoE layer.
+//
+// moe_route        logits [rows, E] -> ids [rows, k] u32, weights [rows, k] f32. One block of 256
+//                  threads per row: f32 softmax (max subtracted, then p /= sum), k rounds of block
+//                  arg-max (ties: lower expert id, as the CPU's stable sort), then thread 0 sums
+//                  the chosen p in slot order and divides (norm_topk). E <= 1024 (shared memory).
+// Prefill (grouped by expert, as the CPU):
+//   moe_count      counts[e] += 1 per slot (t, j) (atomics; counts zeroed before).
+//   moe_plan       one thread: offsets = exclusive scan of counts, cursor = offsets, and the tile
+//                  list (expert, first position, rows) of 64-row tiles; ntiles.
+//   moe_scatter    perm[cursor[e]++] = slot: positions grouped by expert (order inside a group is
+//                  arbitrary and harmless: every row's arithmetic is independent of its position).
+//   moe_gemm_<fmt> grouped GEMM, grid (ceil(out/64), max tiles); block y reads tile y (or exits).
+//                  mode 0 (gate/up): x row = perm[p] / k, out row = p.
+//                  mode 1 (down):    x row = p, out row = perm[p] (the slot t*k + j).
+//   swiglu (norm.cu) between them, then
+//   moe_combine    out[t] = sum_j w[t,j] * y[t*k + j], in slot order (grid rows, 256 threads).
+// Decode (one token, fused gather-GEMV):
+//   moe_gate_up_<fmt>  act[j, o] = silu(gate_e . x) * (up_e . x), e = ids[j]; warp per output row,
+//                      grid (ceil(width/8), k), 256 threads.
+//   moe_down_<fmt>     out[o] = sum_j w_j * (down_{ids[j]} . act_j), slot order; warp per output
+//                      row, grid ceil(hidden/8).
+
+extern "C" __global__ void __launch_bounds__(256)
+moe_route(const float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ weights, int E, int k, int norm_topk) {
+    __shared__ float p[1024];
+    __shared__ float sh[32];
+    __shared__ float shv[32];
+    __shared__ int shi[32];
+    __shared__ float chosen_p[32];
+    __shared__ int chosen_i[32];
+    const float* l = logits + (u64)blockIdx.x * E;
+    float m = NEG_INF;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) m = fmaxf(m, l[e]);
+    m = block_max(m, sh);
+    float s = 0.0f;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        float v = expf(l[e] - m);
+        p[e] = v;
+        s += v;
+    }
+    s = block_sum(s, sh);
+    for (int e = threadIdx.x; e < E; e += blockDim.x) p[e] = p[e] / s;
+    __syncthreads();
+    for (int j = 0; j < k; j++) {
+        float bv = NEG_INF;
+        int bi = 0x7fffffff;
+        for (int e = threadIdx.x; e < E; e += blockDim.x)
+            if (better(p[e], e, bv, bi)) { bv = p[e]; bi = e; }
+        block_argmax(bv, bi, shv, shi);
+        if (threadIdx.x == 0) {
+            chosen_p[j] = bv;
+            chosen_i[j] = bi;
+            p[bi] = NEG_INF;  // taken
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+        float sum = 1.0f;
+        if (norm_topk) {
+            sum = 0.0f;
+            for (int j = 0; j < k; j++) sum += chosen_p[j];
+        }
+        for (int j = 0; j < k; j++) {
+            ids[(u64)blockIdx.x * k + j] = (u32)chosen_i[j];
+            weights[(u64)blockIdx.x * k + j] = chosen_p[j] / sum;
+        }
+    }
+}
+
+extern "C" __global__ void moe_count(const u32* __restrict__ ids, int* __restrict__ counts, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) atomicAdd(&counts[ids[i]], 1);
+}
+
+// tiles: int3 (expert, first position, rows) as 3 ints each.
+extern "C" __global__ void moe_plan(const int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ cursor,
+                                    int* __restrict__ tiles, int* __restrict__ ntiles, int E) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    int off = 0, nt = 0;
+    for (int e = 0; e < E; e++) {
+        int c = counts[e];
+        offsets[e] = off;
+        cursor[e] = off;
+        for (int s = 0; s < c; s += GT_M) {
+            tiles[3 * nt] = e;
+            tiles[3 * nt + 1] = off + s;
+            tiles[3 * nt + 2] = min(GT_M, c - s);
+            nt++;
+        }
+        off += c;
+    }
+    offsets[E] = off;
+    *ntiles = nt;
+}
+
+extern "C" __global__ void moe_scatter(const u32* __restrict__ ids, int* __restrict__ cursor, int* __restrict__ perm, int n) {
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) {
+        int p = atomicAdd(&cursor[ids[i]], 1);
+        perm[p] = i;
+    }
+}
+
+template <int BITS, typename SB>
+__device__ __forceinline__ void moe_gemm_body(const float* __restrict__ x, QMat m, const int* __restrict__ perm,
+                                              const int* __restrict__ tiles, const int* __restrict__ ntiles,
+                                              float* __restrict__ out, int k, int mode) {
+    __shared__ __align__(16) float As[GT_K][GT_PAD];
+    __shared__ __align__(16) float Ws[GT_K][GT_PAD];
+    __shared__ int xrow[GT_M];
+    __shared__ int orow[GT_M];
+    const int tile = blockIdx.y;
+    if (tile >= *ntiles) return;
+    const int e = tiles[3 * tile], p0 = tiles[3 * tile + 1], cnt = tiles[3 * tile + 2];
+    const int n0 = blockIdx.x * GT_N;
+    if (threadIdx.x < GT_M) {
+        int i = threadIdx.x;
+        if (i < cnt) {
+            int p = p0 + i;
+            xrow[i] = mode == 0 ? perm[p] / k : p;
+            orow[i] = mode == 0 ? p : perm[p];
+        } else {
+            xrow[i] = -1;
+            orow[i] = -1;
+        }
+    }
+    __syncthreads();
+    float acc[4][4];
+    gemm_tile<BITS, SB>(m, e, n0, x, (u64)m.inp, xrow, As, Ws, acc);
+    int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int r = orow[ty * 4 + i];
+        if (r < 0) continue;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int n = n0 + tx * 4 + j;
+            if (n < m.out) out[(u64)r * m.out + n] = acc[i][j];
+        }
+    }
+}
+
+extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w, float* __restrict__ out,
+                                       int k, int dim) {
+    const int t = blockIdx.x;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float o = 0.0f;
+        for (int j = 0; j < k; j++) o += w[(u64)t * k + j] * y[((u64)t * k + j) * dim + i];
+        out[(u64)t * dim + i] = o;
+    }
+}
+
+template <int BITS, typename SB>
+__device__ __forceinline__ void moe_gate_up_body(const float* __restrict__ x, QMat g, QMat u, const u32* __restrict__ ids,
+                                                 float* __restrict__ act) {
+    const int lane = threadIdx.x & 31;
+    const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int j = blockIdx.y;
+    if (o >= g.out) return;
+    const int e = ids[j];
+    float ag[1] = {0.0f}, au[1] = {0.0f};
+    warp_dot_rows<BITS, SB, 1>(g, e, o, x, 0, 1, ag, lane);
+    warp_dot_rows<BITS, SB, 1>(u, e, o, x, 0, 1, au, lane);
+    float gv = warp_sum(ag[0]), uv = warp_sum(au[0]);
+    if (lane == 0) act[(u64)j * g.out + o] = silu_f(gv) * uv;
+}
+
+template <int BITS, typename SB>
+__device__ __forceinline__ void moe_down_body(const float* __restrict__ act, QMat d, const u32* __restrict__ ids,
+                                              const float* __restrict__ w, float* __restrict__ out, int k) {
+    const int lane = threadIdx.x & 31;
+    const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (o >= d.out) return;
+    float total = 0.0f;
+    for (int j = 0; j < k; j++) {
+        float a[1] = {0.0f};
+        warp_dot_rows<BITS, SB, 1>(d, ids[j], o, act + (u64)j * d.inp, 0, 1, a, lane);
+        total += w[j] * warp_sum(a[0]);
+    }
+    if (lane == 0) out[o] = total;
+}
+
+#define MOE_KERNELS(NAME, BITS, SB)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256)                                                            \
+    moe_gemm_##NAME(const float* x, QMat m, const int* perm, const int* tiles, const int* ntiles, float* out, int k, \
+                    int mode) {                                                                                  \
+        moe_gemm_body<BITS, SB>(x, m, perm, tiles, ntiles, out, k, mode);                                        \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256)                                                            \
+    moe_gate_up_##NAME(const float* x, QMat g, QMat u, const u32* ids, float* act) {                             \
+        moe_gate_up_body<BITS, SB>(x, g, u, ids, act);                                                           \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256)                                                            \
+    moe_down_##NAME(const float* act, QMat d, const u32* ids, const float* w, float* out, int k) {               \
+        moe_down_body<BITS, SB>(act, d, ids, w, out, k);                                                         \
+    }
+
+FOR_EACH_FORMAT(MOE_KERNELS)

@@ -1,0 +1,196 @@
+// quant.cuh: weight formats and the two matrix inner loops shared by matmul.cu and moe.cu.
+//
+// A weight is a stack of `n` matrices [out, inp] (n = 1 for a plain linear, n = E for experts),
+// passed to kernels as a `QMat` by value. Formats (template parameter BITS, scale type SB):
+//   BITS = 4 or 8  MLX affine: u32 words [n, out, inp*BITS/32], little-endian codes, lowest bits
+//                  first (4-bit: element 8j+i is bits [4i, 4i+4) of word j); scales and biases
+//                  [n, out, inp/gs] of type SB (u16 holding bf16 bits, or float); w = s*q + b.
+//   BITS = 32      dense f32 [n, out, inp] (the u32 words are float bits; s, b unused).
+// Requirements checked on the host at upload: inp % 32 == 0, gs % 32 == 0 (4-bit) / % 16 (8-bit),
+// so a 16-byte chunk of codes never straddles a group, and every row starts 16-byte aligned.
+//
+// * warp_dot_rows: one warp, one weight row, up to MAXR rows of x (the GEMV inner loop). Lanes take
+//   16-byte chunks of the row in turn (coalesced 512 B per warp step) and never dequantize: they use
+//   sum_k (s*q_k + b)*x_k = s*sum_k q_k x_k + b*sum_k x_k per group (as cpu/matmul.rs's GEMV).
+//   Each lane returns a partial sum; the caller reduces across the warp.
+// * gemm_tile: a 64 (x rows) x 64 (weight rows) output tile over k-steps of 32, 256 threads, each
+//   4x4 outputs; W is dequantized (s*q + b) into shared memory per k-step (as cpu/matmul.rs's GEMM).
+//   Rows of x and of the output go through index maps so MoE can gather / scatter.
+
+struct QMat {
+    u64 w;    // const u32*: codes (or f32 bits)
+    u64 s;    // const SB*: scales
+    u64 b;    // const SB*: biases
+    int out;  // rows of one matrix
+    int inp;  // columns
+    int gs;   // group size (1 for dense)
+    int pad;
+    u64 wpm;  // u32 words per matrix
+    u64 gpm;  // groups per matrix
+};
+
+template <typename SB> __device__ __forceinline__ float ld_sb(const SB* p, u64 i);
+template <> __device__ __forceinline__ float ld_sb<u16>(const u16* p, u64 i) { return bf16f(p[i]); }
+template <> __device__ __forceinline__ float ld_sb<float>(const float* p, u64 i) { return p[i]; }
+
+// Codes in a 16-byte chunk: 32 (4-bit), 16 (8-bit), 4 (dense f32).
+template <int BITS> struct Chunk { static constexpr int N = 128 / BITS; };
+
+template <int BITS> __device__ __forceinline__ void unpack_word(u32 w, float* q) {
+    if constexpr (BITS == 32) {
+        q[0] = __uint_as_float(w);
+    } else {
+        constexpr int PER = 32 / BITS;
+        constexpr u32 M = (1u << BITS) - 1u;
+#pragma unroll
+        for (int i = 0; i < PER; i++) q[i] = (float)((w >> (i * BITS)) & M);
+    }
+}
+
+template <int BITS> __device__ __forceinline__ void unpack16(uint4 v, float* q) {
+    constexpr int PER = 32 / BITS;
+    unpack_word<BITS>(v.x, q);
+    unpack_word<BITS>(v.y, q + PER);
+    unpack_word<BITS>(v.z, q + 2 * PER);
+    unpack_word<BITS>(v.w, q + 3 * PER);
+}
+
+// One element W[e][o][k], dequantized exactly as MatView::row_f32 does (s*q then + b, no FMA).
+template <int BITS, typename SB>
+__device__ __forceinline__ float deq_elem(const QMat& m, int e, u64 o, int k) {
+    const u32* w = (const u32*)m.w + (u64)e * m.wpm + o * (u64)(m.inp * BITS / 32);
+    if constexpr (BITS == 32) {
+        return __uint_as_float(w[k]);
+    } else {
+        constexpr int PER = 32 / BITS;
+        constexpr u32 M = (1u << BITS) - 1u;
+        u32 code = (w[k / PER] >> ((k % PER) * BITS)) & M;
+        u64 g = (u64)e * m.gpm + o * (u64)(m.inp / m.gs) + k / m.gs;
+        float s = ld_sb((const SB*)m.s, g), b = ld_sb((const SB*)m.b, g);
+        return __fadd_rn(__fmul_rn(s, (float)code), b);
+    }
+}
+
+// acc[t] += (partial) dot(W[e][o], x[t]) for t < rows (rows <= MAXR), this lane's share.
+template <int BITS, typename SB, int MAXR>
+__device__ __forceinline__ void warp_dot_rows(const QMat& m, int e, int o, const float* __restrict__ x, u64 ldx,
+                                              int rows, float* acc, int lane) {
+    constexpr int CPC = Chunk<BITS>::N;
+    const uint4* wrow = (const uint4*)((const u32*)m.w + (u64)e * m.wpm + (u64)o * (u64)(m.inp * BITS / 32));
+    u64 grow = (u64)e * m.gpm + (u64)o * (u64)(m.inp / m.gs);
+    int nch = m.inp / CPC;
+    for (int c = lane; c < nch; c += 32) {
+        uint4 wv = __ldg(wrow + c);
+        float q[CPC];
+        unpack16<BITS>(wv, q);
+        int k0 = c * CPC;
+        float sc = 1.0f, bi = 0.0f;
+        if constexpr (BITS != 32) {
+            u64 g = grow + (u64)(k0 / m.gs);
+            sc = ld_sb((const SB*)m.s, g);
+            bi = ld_sb((const SB*)m.b, g);
+        }
+#pragma unroll
+        for (int t = 0; t < MAXR; t++) {
+            if (t < rows) {
+                const float4* xp = (const float4*)(x + (u64)t * ldx + k0);
+                float dq = 0.0f, xs = 0.0f;
+#pragma unroll
+                for (int i = 0; i < CPC / 4; i++) {
+                    float4 xv = xp[i];
+                    dq += q[4 * i] * xv.x + q[4 * i + 1] * xv.y + q[4 * i + 2] * xv.z + q[4 * i + 3] * xv.w;
+                    if constexpr (BITS != 32) xs += (xv.x + xv.y) + (xv.z + xv.w);
+                }
+                if constexpr (BITS == 32) acc[t] += dq;
+                else acc[t] += sc * dq + bi * xs;
+            }
+        }
+    }
+}
+
+// ---- GEMM tile
+#define GT_M 64
+#define GT_N 64
+#define GT_K 32
+#define GT_PAD 68  // row stride of the shared tiles (floats): keeps float4 alignment
+
+// The 64x64 output tile at weight rows n0.. of matrix e, for tile rows whose x row is xrow[i]
+// (-1: padding). acc[i][j] is output (ty*4+i, tx*4+j) with ty = tid/16, tx = tid%16.
+template <int BITS, typename SB>
+__device__ __forceinline__ void gemm_tile(const QMat& m, int e, int n0, const float* __restrict__ x, u64 ldx,
+                                          const int* xrow, float (*As)[GT_PAD], float (*Ws)[GT_PAD],
+                                          float acc[4][4]) {
+    const int tid = threadIdx.x, ty = tid >> 4, tx = tid & 15;
+    const int lr = tid >> 2, lk = (tid & 3) * 8;  // loader: tile row lr, k offset lk (8 values)
+    const int nrow = n0 + lr;
+    const bool wvalid = nrow < m.out;
+    const u32* wrow = (const u32*)m.w + (u64)e * m.wpm + (u64)(wvalid ? nrow : 0) * (u64)(m.inp * BITS / 32);
+    const u64 grow = (u64)e * m.gpm + (u64)(wvalid ? nrow : 0) * (u64)(m.inp / m.gs);
+    const int xr = xrow[lr];
+    const float* xp = x + (u64)(xr < 0 ? 0 : xr) * ldx;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
+
+    for (int k0 = 0; k0 < m.inp; k0 += GT_K) {
+        // x tile, transposed into As[k][row]
+        float xv[8];
+        if (xr >= 0) {
+            float4 a = *(const float4*)(xp + k0 + lk), b = *(const float4*)(xp + k0 + lk + 4);
+            xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w; xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) xv[i] = 0.0f;
+        }
+        // W tile (8 consecutive k of one row), dequantized, transposed into Ws[k][n]
+        float wv[8];
+        if (wvalid) {
+            int k = k0 + lk;
+            if constexpr (BITS == 32) {
+                const float4* p = (const float4*)(wrow + k);
+                float4 a = p[0], b = p[1];
+                wv[0] = a.x; wv[1] = a.y; wv[2] = a.z; wv[3] = a.w; wv[4] = b.x; wv[5] = b.y; wv[6] = b.z; wv[7] = b.w;
+            } else {
+                constexpr int PER = 32 / BITS;
+                u64 g = grow + (u64)(k / m.gs);
+                float s = ld_sb((const SB*)m.s, g), bb = ld_sb((const SB*)m.b, g);
+#pragma unroll
+                for (int wi = 0; wi < 8 / PER; wi++) {
+                    float q[PER];
+                    unpack_word<BITS>(wrow[k / PER + wi], q);
+#pragma unroll
+                    for (int i = 0; i < PER; i++) wv[wi * PER + i] = s * q[i] + bb;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) wv[i] = 0.0f;
+        }
+        __syncthreads();  // the previous step's reads are done
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            As[lk + i][lr] = xv[i];
+            Ws[lk + i][lr] = wv[i];
+        }
+        __syncthreads();
+#pragma unroll 8
+        for (int k = 0; k < GT_K; k++) {
+            float4 a = *(const float4*)&As[k][ty * 4];
+            float4 b = *(const float4*)&Ws[k][tx * 4];
+            float av[4] = {a.x, a.y, a.z, a.w}, bv[4] = {b.x, b.y, b.z, b.w};
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) acc[i][j] += av[i] * bv[j];
+        }
+    }
+}
+
+// Instantiates KERNEL(NAME_SUFFIX, BITS, SB) for every weight format the host uploads.
+#define FOR_EACH_FORMAT(KERNEL) \
+    KERNEL(q4_bf16, 4, u16)     \
+    KERNEL(q8_bf16, 8, u16)     \
+    KERNEL(q4_f32, 4, float)    \
+    KERNEL(q8_f32, 8, float)    \
+    KERNEL(dense, 32, float)

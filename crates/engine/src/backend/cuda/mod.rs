@@ -1,0 +1,842 @@
+//! The CUDA backend (feature `cuda`): every op of the vocabulary as a CUDA C++ kernel.
+//!
+//! * Loading: cudarc with dynamic loading, so the crate builds with no CUDA installed; `Cuda::new`
+//!   says clearly when there is no driver or no device. Kernels are the `kernels/*.cu` files (one
+//!   op family each, named like the CPU files), embedded in the binary and compiled with NVRTC for
+//!   the device's architecture when the backend is created, cached on disk by source hash
+//!   (`nvrtc.rs`). `scripts/check-kernels` compiles them the same way in CI, without a GPU.
+//! * Memory: weights are uploaded once and stay in their checkpoint format: 4-/8-bit codes as u32
+//!   words, scales and biases as bf16 (f16 / f32 scales become f32); unquantized matrices become
+//!   f32. Activations, the KV cache and the GDN state are f32 in this first cut (bf16 activations
+//!   and KV are a later step; the GDN state stays f32).
+//! * Execution: one stream; every op only enqueues work (no host sync) except `to_host` and
+//!   `argmax`, which return results. Routing stays on the device (`moe_route` writes expert ids and
+//!   weights that the expert kernels read). Token ids come from the host (`embed` takes `&[u32]`).
+//! * Errors: ops cannot return `Result` (the trait's choice), so the first failure (a bad shape, a
+//!   launch error) is kept and returned by the next `to_host` / `argmax` / `check`; after it the
+//!   backend launches nothing more.
+
+mod nvrtc;
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use anyhow::{anyhow, bail, Context, Result};
+use cudarc::driver::{result as dr, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr};
+
+use super::{Backend, Dims, GdnParams, KvCache};
+use crate::loader::tensor::{Dtype, HostLinear, HostTensor, LinearKind};
+
+/// The kernel files, compiled in this order (`*.cuh` headers are prepended to each).
+const HEADERS: &[(&str, &str)] = &[("common.cuh", include_str!("kernels/common.cuh")), ("quant.cuh", include_str!("kernels/quant.cuh"))];
+const FILES: &[(&str, &str)] = &[
+    ("norm.cu", include_str!("kernels/norm.cu")),
+    ("matmul.cu", include_str!("kernels/matmul.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
+    ("gdn.cu", include_str!("kernels/gdn.cu")),
+    ("moe.cu", include_str!("kernels/moe.cu")),
+    ("sample.cu", include_str!("kernels/sample.cu")),
+];
+
+/// The full source NVRTC compiles for kernel file `name` (headers prepended in name order).
+pub fn kernel_source(name: &str) -> Option<String> {
+    let (_, body) = FILES.iter().find(|(n, _)| *n == name)?;
+    let mut s = String::new();
+    for (_, h) in HEADERS {
+        s.push_str(h);
+        s.push('\n');
+    }
+    s.push_str(body);
+    Some(s)
+}
+
+/// Compiles every kernel file for `arch` (e.g. `sm_90`) with NVRTC, bypassing the cache; returns
+/// each file's cubin size. Needs NVRTC but no GPU (the compile check of tests/cuda_ops.rs).
+pub fn compile_kernels(arch: &str) -> Result<Vec<(&'static str, usize)>> {
+    let mut opts = vec![format!("--gpu-architecture={arch}")];
+    opts.extend(nvrtc::OPTIONS.iter().map(|s| s.to_string()));
+    FILES.iter().map(|(f, _)| Ok((*f, nvrtc::compile(f, &kernel_source(f).expect("listed"), &opts)?.len()))).collect()
+}
+
+/// Compiles (or finds in the disk cache) every kernel file for `arch`: fills the cache ahead of a
+/// run, e.g. for a machine without NVRTC. Returns the cache directory.
+pub fn precompile_kernels(arch: &str) -> Result<std::path::PathBuf> {
+    for (f, _) in FILES {
+        nvrtc::cubin_cached(f, &kernel_source(f).expect("listed"), arch)?;
+    }
+    Ok(nvrtc::cache_dir())
+}
+
+/// A device allocation (bytes) and its raw address.
+struct Mem {
+    _slice: CudaSlice<u8>,
+    ptr: u64,
+    bytes: usize,
+}
+
+/// An f32 activation / state / parameter buffer on the device.
+pub struct Buf {
+    mem: Mem,
+    len: usize,
+}
+
+impl Buf {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    fn at(&self, off: usize) -> u64 {
+        self.mem.ptr + 4 * off as u64
+    }
+}
+
+/// Weight formats (the kernels' name suffixes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fmt {
+    Q4Bf16,
+    Q8Bf16,
+    Q4F32,
+    Q8F32,
+    Dense,
+}
+
+impl Fmt {
+    fn suffix(self) -> &'static str {
+        match self {
+            Fmt::Q4Bf16 => "q4_bf16",
+            Fmt::Q8Bf16 => "q8_bf16",
+            Fmt::Q4F32 => "q4_f32",
+            Fmt::Q8F32 => "q8_f32",
+            Fmt::Dense => "dense",
+        }
+    }
+}
+
+/// The kernels' view of a weight stack (`struct QMat` in quant.cuh; same layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct QMat {
+    w: u64,
+    s: u64,
+    b: u64,
+    out: i32,
+    inp: i32,
+    gs: i32,
+    pad: i32,
+    wpm: u64,
+    gpm: u64,
+}
+
+/// Format, codes, scales, biases, group size of an uploaded matrix.
+type MatParts = (Fmt, Mem, Option<Mem>, Option<Mem>, usize);
+
+/// A weight stack resident on the device: `n` matrices `[out, inp]`.
+pub struct Mat {
+    pub n: usize,
+    pub out: usize,
+    pub inp: usize,
+    fmt: Fmt,
+    gs: usize,
+    w: Mem,
+    s: Option<Mem>,
+    b: Option<Mem>,
+}
+
+impl Mat {
+    fn q(&self) -> QMat {
+        let bits = match self.fmt {
+            Fmt::Q4Bf16 | Fmt::Q4F32 => 4,
+            Fmt::Q8Bf16 | Fmt::Q8F32 => 8,
+            Fmt::Dense => 32,
+        };
+        QMat {
+            w: self.w.ptr,
+            s: self.s.as_ref().map_or(0, |m| m.ptr),
+            b: self.b.as_ref().map_or(0, |m| m.ptr),
+            out: self.out as i32,
+            inp: self.inp as i32,
+            gs: self.gs as i32,
+            pad: 0,
+            wpm: (self.out * self.inp * bits / 32) as u64,
+            gpm: (self.out * self.inp / self.gs) as u64,
+        }
+    }
+    /// Bytes on the device.
+    pub fn nbytes(&self) -> usize {
+        self.w.bytes + self.s.as_ref().map_or(0, |m| m.bytes) + self.b.as_ref().map_or(0, |m| m.bytes)
+    }
+}
+
+/// Expert routing of a block of tokens, on the device: ids `[rows, k]` u32, weights `[rows, k]` f32.
+pub struct Route {
+    ids: Mem,
+    weights: Mem,
+    /// Capacity in (row, slot) entries.
+    cap: usize,
+    /// Slots per row of the last routing.
+    k: usize,
+}
+
+/// A kernel argument (passed to cuLaunchKernel by address).
+enum Arg {
+    P(u64),
+    I(i32),
+    F(f32),
+    D(f64),
+    Q(QMat),
+}
+
+fn grid1(n: usize, per: usize) -> u32 {
+    n.div_ceil(per).max(1) as u32
+}
+
+pub struct Cuda {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    modules: Vec<Arc<CudaModule>>,
+    funcs: Mutex<HashMap<String, CudaFunction>>,
+    err: Mutex<Option<String>>,
+    scratch: Mutex<HashMap<&'static str, Mem>>,
+    device: String,
+}
+
+impl Cuda {
+    /// The first GPU.
+    pub fn new() -> Result<Self> {
+        Self::with_device(0)
+    }
+
+    /// GPU `ordinal`: creates the context and stream and loads (compiling if needed) every kernel.
+    pub fn with_device(ordinal: usize) -> Result<Self> {
+        // SAFETY: probing for the library has no preconditions.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            bail!("CUDA backend: no NVIDIA driver found (libcuda.so could not be loaded); use --backend cpu");
+        }
+        let n = CudaContext::device_count().map_err(|e| anyhow!("CUDA backend: the driver did not initialise: {e}"))?;
+        if n <= 0 {
+            bail!("CUDA backend: the driver sees no GPU");
+        }
+        if ordinal >= n as usize {
+            bail!("CUDA backend: GPU {ordinal} asked for, {n} present");
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow!("CUDA backend: cannot create a context on GPU {ordinal}: {e}"))?;
+        // One stream, ordered work: cudarc's per-buffer event tracking is not needed.
+        // SAFETY: set before any allocation; all work goes to the one stream below.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let (major, minor) = ctx.compute_capability()?;
+        let arch = format!("sm_{major}{minor}");
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        // Compile (or read from the cache) all files in parallel; NVRTC is thread-safe.
+        let cubins: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
+            let hs: Vec<_> = FILES
+                .iter()
+                .map(|(f, _)| {
+                    let arch = &arch;
+                    s.spawn(move || nvrtc::cubin_cached(f, &kernel_source(f).expect("listed"), arch))
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("kernel compilation panicked")))).collect()
+        });
+        let mut modules = Vec::new();
+        for ((f, _), c) in FILES.iter().zip(cubins) {
+            let c = c?;
+            let m = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(c)).with_context(|| format!("loading kernels {f} on {name} ({arch})"))?;
+            modules.push(m);
+        }
+        Ok(Self {
+            ctx,
+            stream,
+            modules,
+            funcs: Mutex::new(HashMap::new()),
+            err: Mutex::new(None),
+            scratch: Mutex::new(HashMap::new()),
+            device: format!("{name}, {arch}"),
+        })
+    }
+
+    /// Waits for all enqueued work and returns the first error of any op since the last check.
+    pub fn check(&self) -> Result<()> {
+        self.ctx.bind_to_thread()?;
+        if let Err(e) = self.stream.synchronize() {
+            self.fail(format!("device error: {e}"));
+        }
+        match self.err.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            Some(e) => bail!("CUDA backend: {e}"),
+            None => Ok(()),
+        }
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+
+    fn fail(&self, msg: impl Into<String>) {
+        let mut e = self.err.lock().unwrap_or_else(|e| e.into_inner());
+        if e.is_none() {
+            *e = Some(msg.into());
+        }
+    }
+
+    fn failed(&self) -> bool {
+        self.err.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
+    /// `Ok` when `cond`, else records `msg` (the op is then skipped).
+    fn ensure(&self, cond: bool, msg: impl FnOnce() -> String) -> bool {
+        if !cond {
+            self.fail(msg());
+        }
+        cond && !self.failed()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<Mem> {
+        self.ctx.bind_to_thread()?;
+        let s = self.stream.alloc_zeros::<u8>(bytes.max(16)).with_context(|| format!("CUDA backend: allocating {bytes} bytes"))?;
+        let ptr = {
+            let (ptr, _sync) = s.device_ptr(&self.stream);
+            ptr
+        };
+        Ok(Mem { _slice: s, ptr, bytes })
+    }
+
+    fn upload_bytes(&self, b: &[u8]) -> Result<Mem> {
+        let m = self.alloc(b.len())?;
+        if !b.is_empty() {
+            // SAFETY: `m` holds at least b.len() bytes; a copy from pageable memory is staged before
+            // the call returns, so `b` may go away afterwards.
+            unsafe { dr::memcpy_htod_async(m.ptr, b, self.stream.cu_stream()) }.context("CUDA backend: upload")?;
+        }
+        Ok(m)
+    }
+
+    fn upload_f32(&self, v: &[f32]) -> Result<Mem> {
+        // SAFETY: f32 slice viewed as bytes.
+        let b = unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) };
+        self.upload_bytes(b)
+    }
+
+    /// A scratch buffer of at least `bytes` (kept between calls; grown when needed). Stream
+    /// ordering makes reuse safe: work that read the old contents was enqueued before.
+    fn scratch(&self, sc: &mut HashMap<&'static str, Mem>, name: &'static str, bytes: usize) -> Option<u64> {
+        if let Some(m) = sc.get(name) {
+            if m.bytes >= bytes {
+                return Some(m.ptr);
+            }
+        }
+        match self.alloc(bytes.next_power_of_two()) {
+            Ok(m) => {
+                let p = m.ptr;
+                sc.insert(name, m);
+                Some(p)
+            }
+            Err(e) => {
+                self.fail(format!("{e:#}"));
+                None
+            }
+        }
+    }
+
+    fn func(&self, name: &str) -> Option<CudaFunction> {
+        let mut fs = self.funcs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = fs.get(name) {
+            return Some(f.clone());
+        }
+        for m in &self.modules {
+            if let Ok(f) = m.load_function(name) {
+                fs.insert(name.to_string(), f.clone());
+                return Some(f);
+            }
+        }
+        self.fail(format!("no kernel named `{name}`"));
+        None
+    }
+
+    fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg]) {
+        if self.failed() {
+            return;
+        }
+        let Some(f) = self.func(name) else { return };
+        let mut ptrs: Vec<*mut c_void> = args
+            .iter()
+            .map(|a| match a {
+                Arg::P(v) => v as *const u64 as *mut c_void,
+                Arg::I(v) => v as *const i32 as *mut c_void,
+                Arg::F(v) => v as *const f32 as *mut c_void,
+                Arg::D(v) => v as *const f64 as *mut c_void,
+                Arg::Q(v) => v as *const QMat as *mut c_void,
+            })
+            .collect();
+        let r = self.ctx.bind_to_thread().and_then(|_| {
+            // SAFETY: the argument list matches the kernel's signature (each call site mirrors its
+            // .cu declaration); buffers were bounds-checked by the op; `args` outlives the call.
+            unsafe { dr::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, self.stream.cu_stream(), &mut ptrs) }
+        });
+        if let Err(e) = r {
+            self.fail(format!("launching {name} (grid {grid:?}, block {block}): {e}"));
+        }
+    }
+
+    fn dtod(&self, src: u64, dst: u64, bytes: usize) {
+        if self.failed() || bytes == 0 {
+            return;
+        }
+        // SAFETY: the caller checked both ranges.
+        let r = self.ctx.bind_to_thread().and_then(|_| unsafe { dr::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) });
+        if let Err(e) = r {
+            self.fail(format!("device copy: {e}"));
+        }
+    }
+
+    fn memset0(&self, dst: u64, bytes: usize) {
+        if self.failed() || bytes == 0 {
+            return;
+        }
+        // SAFETY: the caller owns `bytes` bytes at `dst`.
+        let r = self.ctx.bind_to_thread().and_then(|_| unsafe { dr::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) });
+        if let Err(e) = r {
+            self.fail(format!("device memset: {e}"));
+        }
+    }
+
+    /// Copies `n` u32 from the device after the enqueued work; waits.
+    fn read_u32(&self, src: u64, n: usize) -> Result<Vec<u32>> {
+        self.check()?;
+        let mut v = vec![0u32; n];
+        // SAFETY: `src` holds n u32 (checked by the caller); synchronous below.
+        unsafe { dr::memcpy_dtoh_async(&mut v[..], src, self.stream.cu_stream()) }?;
+        self.stream.synchronize()?;
+        Ok(v)
+    }
+
+    /// The route's ids and weights (tests, debugging).
+    pub fn route_to_host(&self, r: &Route, rows: usize) -> Result<(Vec<u32>, Vec<f32>)> {
+        if rows * r.k > r.cap {
+            bail!("route_to_host: {rows} rows of {} asked of a route of {} entries", r.k, r.cap);
+        }
+        let ids = self.read_u32(r.ids.ptr, rows * r.k)?;
+        let w = self.read_u32(r.weights.ptr, rows * r.k)?;
+        Ok((ids, w.into_iter().map(f32::from_bits).collect()))
+    }
+
+    fn mat_fmt(&self, m: &HostLinear) -> Result<MatParts> {
+        match &m.kind {
+            LinearKind::Quant { bits, group_size, w, scales, biases } => {
+                let (bits, gs) = (*bits, *group_size);
+                if !(bits == 4 || bits == 8) {
+                    bail!("`{}`: {bits}-bit weights are not supported by the CUDA backend (4 and 8 are)", m.name);
+                }
+                if gs == 0 || gs % 32 != 0 || !m.inp.is_multiple_of(gs) {
+                    bail!("`{}`: group size {gs} is not supported by the CUDA backend (a multiple of 32 dividing {})", m.name, m.inp);
+                }
+                let wb = w.bytes();
+                if wb.len() != m.n * m.out * m.inp * bits as usize / 8 {
+                    bail!("`{}`: {} bytes of codes, {} expected", m.name, wb.len(), m.n * m.out * m.inp * bits as usize / 8);
+                }
+                let ng = m.n * m.out * m.inp / gs;
+                let bf16 = scales.dtype == Dtype::BF16 && biases.dtype == Dtype::BF16;
+                let up = |t: &HostTensor| -> Result<Mem> {
+                    if t.numel() != ng {
+                        bail!("`{}`: {} scales/biases, {ng} expected", t.name, t.numel());
+                    }
+                    if bf16 {
+                        self.upload_bytes(t.bytes())
+                    } else {
+                        self.upload_f32(&t.to_f32_vec()?)
+                    }
+                };
+                let (s, b) = (up(scales)?, up(biases)?);
+                let fmt = match (bits, bf16) {
+                    (4, true) => Fmt::Q4Bf16,
+                    (8, true) => Fmt::Q8Bf16,
+                    (4, false) => Fmt::Q4F32,
+                    _ => Fmt::Q8F32,
+                };
+                Ok((fmt, self.upload_bytes(wb)?, Some(s), Some(b), gs))
+            }
+            LinearKind::Dense(t) => {
+                let v = t.to_f32_vec()?;
+                if v.len() != m.n * m.out * m.inp {
+                    bail!("`{}`: {} values, {} expected", m.name, v.len(), m.n * m.out * m.inp);
+                }
+                Ok((Fmt::Dense, self.upload_f32(&v)?, None, None, 1))
+            }
+        }
+    }
+
+    fn buf_ok(&self, b: &Buf, need: usize, what: &str, op: &str) -> bool {
+        self.ensure(b.len >= need, || format!("{op}: `{what}` holds {} values, {need} needed", b.len))
+    }
+}
+
+impl Backend for Cuda {
+    type Buf = Buf;
+    type Mat = Mat;
+    type Vec = Buf;
+    type Route = Route;
+
+    fn name(&self) -> String {
+        format!("cuda ({})", self.device)
+    }
+
+    fn upload_mat(&self, m: &HostLinear) -> Result<Mat> {
+        if !m.inp.is_multiple_of(32) {
+            bail!("`{}`: input width {} is not a multiple of 32 (needed by the CUDA kernels)", m.name, m.inp);
+        }
+        let (fmt, w, s, b, gs) = self.mat_fmt(m)?;
+        Ok(Mat { n: m.n, out: m.out, inp: m.inp, fmt, gs, w, s, b })
+    }
+    fn upload_vec(&self, v: &[f32]) -> Result<Buf> {
+        Ok(Buf { mem: self.upload_f32(v)?, len: v.len() })
+    }
+    fn zeros(&self, len: usize) -> Result<Buf> {
+        Ok(Buf { mem: self.alloc(4 * len)?, len })
+    }
+    fn to_host(&self, b: &Buf, len: usize) -> Result<Vec<f32>> {
+        if len > b.len {
+            bail!("to_host: {len} elements asked of a buffer of {}", b.len);
+        }
+        Ok(self.read_u32(b.mem.ptr, len)?.into_iter().map(f32::from_bits).collect())
+    }
+    fn copy(&self, src: &Buf, src_off: usize, dst: &mut Buf, dst_off: usize, len: usize) {
+        if self.ensure(src_off + len <= src.len && dst_off + len <= dst.len, || format!("copy: {len} values at {src_off} of {} to {dst_off} of {}", src.len, dst.len)) {
+            self.dtod(src.at(src_off), dst.at(dst_off), 4 * len);
+        }
+    }
+    fn new_route(&self, rows: usize, top_k: usize) -> Result<Route> {
+        Ok(Route { ids: self.alloc(4 * rows * top_k)?, weights: self.alloc(4 * rows * top_k)?, cap: rows * top_k, k: top_k })
+    }
+
+    fn embed(&self, table: &Mat, ids: &[u32], out: &mut Buf) {
+        let rows = ids.len();
+        if rows == 0 || !self.buf_ok(out, rows * table.inp, "out", "embed") {
+            return;
+        }
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(dids) = self.scratch(&mut sc, "embed_ids", 4 * rows) else { return };
+        // SAFETY: the scratch buffer holds `rows` u32; staged copy from pageable memory.
+        if let Err(e) = unsafe { dr::memcpy_htod_async(dids, ids, self.stream.cu_stream()) } {
+            self.fail(format!("embed: uploading ids: {e}"));
+            return;
+        }
+        let name = format!("embed_{}", table.fmt.suffix());
+        self.launch(&name, (rows as u32, 1, 1), 256, 0, &[Arg::Q(table.q()), Arg::P(dids), Arg::P(out.mem.ptr)]);
+    }
+    fn rms_norm(&self, x: &Buf, w: &Buf, rows: usize, dim: usize, eps: f32, out: &mut Buf) {
+        if rows == 0 || !(self.buf_ok(x, rows * dim, "x", "rms_norm") && self.buf_ok(w, dim, "w", "rms_norm") && self.buf_ok(out, rows * dim, "out", "rms_norm")) {
+            return;
+        }
+        self.launch("rms_norm", (rows as u32, 1, 1), 256, 0, &[Arg::P(x.mem.ptr), Arg::P(w.mem.ptr), Arg::P(out.mem.ptr), Arg::I(dim as i32), Arg::F(eps)]);
+    }
+    fn add_rms_norm(&self, h: &mut Buf, r: &Buf, w: &Buf, rows: usize, dim: usize, eps: f32, out: &mut Buf) {
+        let op = "add_rms_norm";
+        if rows == 0 || !(self.buf_ok(h, rows * dim, "h", op) && self.buf_ok(r, rows * dim, "r", op) && self.buf_ok(w, dim, "w", op) && self.buf_ok(out, rows * dim, "out", op)) {
+            return;
+        }
+        self.launch(op, (rows as u32, 1, 1), 256, 0, &[Arg::P(h.mem.ptr), Arg::P(r.mem.ptr), Arg::P(w.mem.ptr), Arg::P(out.mem.ptr), Arg::I(dim as i32), Arg::F(eps)]);
+    }
+    fn matmul_q(&self, x: &Buf, w: &Mat, rows: usize, out: &mut Buf) {
+        let op = "matmul_q";
+        if rows == 0 || !(self.ensure(w.n == 1, || format!("{op}: a stack of {} matrices", w.n)) && self.buf_ok(x, rows * w.inp, "x", op) && self.buf_ok(out, rows * w.out, "out", op)) {
+            return;
+        }
+        let args = [Arg::P(x.mem.ptr), Arg::Q(w.q()), Arg::P(out.mem.ptr), Arg::I(rows as i32)];
+        if rows <= 8 {
+            self.launch(&format!("gemv_{}", w.fmt.suffix()), (grid1(w.out, 8), 1, 1), 256, 0, &args);
+        } else {
+            self.launch(&format!("gemm_{}", w.fmt.suffix()), (grid1(w.out, 64), grid1(rows, 64), 1), 256, 0, &args);
+        }
+    }
+    fn add(&self, h: &mut Buf, r: &Buf, len: usize) {
+        if len == 0 || !(self.buf_ok(h, len, "h", "add") && self.buf_ok(r, len, "r", "add")) {
+            return;
+        }
+        self.launch("add_inplace", (grid1(len, 256), 1, 1), 256, 0, &[Arg::P(h.mem.ptr), Arg::P(r.mem.ptr), Arg::P(len as u64)]);
+    }
+
+    fn attn_qk_norm_rope(&self, qg: &Buf, k: &mut Buf, q_norm: &Buf, k_norm: &Buf, d: &Dims, rows: usize, pos0: usize, q: &mut Buf, gate: &mut Buf) {
+        let op = "attn_qk_norm_rope";
+        let (h, kv, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
+        if rows == 0
+            || !(self.ensure(hd % 32 == 0 && hd <= 256 && d.rotary_dim <= hd && d.rotary_dim.is_multiple_of(2), || format!("{op}: head_dim {hd} / rotary {} not supported", d.rotary_dim))
+                && self.buf_ok(qg, rows * h * 2 * hd, "qg", op)
+                && self.buf_ok(k, rows * kv * hd, "k", op)
+                && self.buf_ok(q_norm, hd, "q_norm", op)
+                && self.buf_ok(k_norm, hd, "k_norm", op)
+                && self.buf_ok(q, rows * h * hd, "q", op)
+                && self.buf_ok(gate, rows * h * hd, "gate", op))
+        {
+            return;
+        }
+        self.launch(
+            op,
+            (rows as u32, (h + kv) as u32, 1),
+            128,
+            (4 * hd) as u32,
+            &[
+                Arg::P(qg.mem.ptr),
+                Arg::P(k.mem.ptr),
+                Arg::P(q_norm.mem.ptr),
+                Arg::P(k_norm.mem.ptr),
+                Arg::P(q.mem.ptr),
+                Arg::P(gate.mem.ptr),
+                Arg::I(h as i32),
+                Arg::I(kv as i32),
+                Arg::I(hd as i32),
+                Arg::I(d.rotary_dim as i32),
+                Arg::D(d.rope_theta),
+                Arg::I(pos0 as i32),
+                Arg::F(d.eps),
+            ],
+        );
+    }
+    fn attn_prefill(&self, q: &Buf, k: &Buf, v: &Buf, gate: &Buf, kv: &mut KvCache<Buf>, d: &Dims, rows: usize, pos0: usize, out: &mut Buf) {
+        let op = "attention";
+        let (h, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
+        let kvd = kvh * hd;
+        if rows == 0
+            || !(self.ensure(hd % 32 == 0 && hd <= 256 && kvh > 0 && h % kvh == 0, || format!("{op}: {h} heads / {kvh} kv heads of {hd} not supported"))
+                && self.ensure(pos0 + rows <= kv.capacity && kv.k.len >= kv.capacity * kvd && kv.v.len >= kv.capacity * kvd, || format!("{op}: KV cache overflow ({pos0} + {rows} > {})", kv.capacity))
+                && self.buf_ok(q, rows * h * hd, "q", op)
+                && self.buf_ok(k, rows * kvd, "k", op)
+                && self.buf_ok(v, rows * kvd, "v", op)
+                && self.buf_ok(gate, rows * h * hd, "gate", op)
+                && self.buf_ok(out, rows * h * hd, "out", op))
+        {
+            return;
+        }
+        self.dtod(k.mem.ptr, kv.k.at(pos0 * kvd), 4 * rows * kvd);
+        self.dtod(v.mem.ptr, kv.v.at(pos0 * kvd), 4 * rows * kvd);
+        let scale = 1.0 / (hd as f32).sqrt();
+        self.launch(
+            "attn_rows",
+            (rows as u32, h as u32, 1),
+            256,
+            0,
+            &[
+                Arg::P(q.mem.ptr),
+                Arg::P(gate.mem.ptr),
+                Arg::P(kv.k.mem.ptr),
+                Arg::P(kv.v.mem.ptr),
+                Arg::P(out.mem.ptr),
+                Arg::I(h as i32),
+                Arg::I(kvh as i32),
+                Arg::I(hd as i32),
+                Arg::I(pos0 as i32),
+                Arg::F(scale),
+            ],
+        );
+    }
+    fn attn_decode(&self, q: &Buf, k: &Buf, v: &Buf, gate: &Buf, kv: &mut KvCache<Buf>, d: &Dims, pos: usize, out: &mut Buf) {
+        self.attn_prefill(q, k, v, gate, kv, d, 1, pos, out)
+    }
+
+    fn conv1d_prefill(&self, x: &Buf, w: &Buf, state: &mut Buf, d: &Dims, rows: usize, out: &mut Buf) {
+        self.conv(x, w, state, d, rows, out, "conv1d_prefill")
+    }
+    fn conv1d_step(&self, x: &Buf, w: &Buf, state: &mut Buf, d: &Dims, out: &mut Buf) {
+        self.conv(x, w, state, d, 1, out, "conv1d_step")
+    }
+    fn gdn_prefill(&self, qkv: &Buf, z: &Buf, b: &Buf, a: &Buf, w: &GdnParams<Buf>, state: &mut Buf, d: &Dims, rows: usize, out: &mut Buf) {
+        let op = "gdn";
+        let (hk, hv, dk, dv) = (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim);
+        let c = d.conv_channels();
+        if rows == 0
+            || !(self.ensure(matches!(dk, 32 | 64 | 128) && dv % 8 == 0 && hk > 0 && hv % hk == 0, || format!("{op}: key dim {dk} / value dim {dv} / heads {hk}:{hv} not supported"))
+                && self.buf_ok(qkv, rows * c, "qkv", op)
+                && self.buf_ok(z, rows * hv * dv, "z", op)
+                && self.buf_ok(b, rows * hv, "b", op)
+                && self.buf_ok(a, rows * hv, "a", op)
+                && self.buf_ok(&w.a_log, hv, "a_log", op)
+                && self.buf_ok(&w.dt_bias, hv, "dt_bias", op)
+                && self.buf_ok(&w.norm, dv, "norm", op)
+                && self.buf_ok(state, hv * dv * dk, "state", op)
+                && self.buf_ok(out, rows * hv * dv, "out", op))
+        {
+            return;
+        }
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(y) = self.scratch(&mut sc, "gdn_y", 4 * rows * hv * dv) else { return };
+        let warps = hv * dv / 8;
+        self.launch(
+            &format!("gdn_scan_{}", dk / 32),
+            (grid1(warps, 4), 1, 1),
+            128,
+            0,
+            &[
+                Arg::P(qkv.mem.ptr),
+                Arg::P(b.mem.ptr),
+                Arg::P(a.mem.ptr),
+                Arg::P(w.a_log.mem.ptr),
+                Arg::P(w.dt_bias.mem.ptr),
+                Arg::P(state.mem.ptr),
+                Arg::P(y),
+                Arg::I(rows as i32),
+                Arg::I(hk as i32),
+                Arg::I(hv as i32),
+                Arg::I(dv as i32),
+            ],
+        );
+        self.launch(
+            "gdn_gated_norm",
+            (rows as u32, hv as u32, 1),
+            128,
+            0,
+            &[Arg::P(y), Arg::P(z.mem.ptr), Arg::P(w.norm.mem.ptr), Arg::P(out.mem.ptr), Arg::I(hv as i32), Arg::I(dv as i32), Arg::F(d.eps)],
+        );
+    }
+    fn gdn_decode(&self, qkv: &Buf, z: &Buf, b: &Buf, a: &Buf, w: &GdnParams<Buf>, state: &mut Buf, d: &Dims, out: &mut Buf) {
+        self.gdn_prefill(qkv, z, b, a, w, state, d, 1, out)
+    }
+
+    fn moe_route(&self, logits: &Buf, d: &Dims, rows: usize, route: &mut Route) {
+        let op = "moe_route";
+        let (e, k) = (d.n_experts, d.top_k);
+        if rows == 0
+            || !(self.ensure(e <= 1024 && k <= 32 && k <= e && k > 0, || format!("{op}: {e} experts / top-{k} not supported"))
+                && self.ensure(rows * k <= route.cap, || format!("{op}: route holds {} entries, {rows}×{k} needed", route.cap))
+                && self.buf_ok(logits, rows * e, "logits", op))
+        {
+            return;
+        }
+        route.k = k;
+        self.launch(
+            op,
+            (rows as u32, 1, 1),
+            256,
+            0,
+            &[Arg::P(logits.mem.ptr), Arg::P(route.ids.ptr), Arg::P(route.weights.ptr), Arg::I(e as i32), Arg::I(k as i32), Arg::I(d.norm_topk as i32)],
+        );
+    }
+    fn moe_experts_prefill(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, d: &Dims, rows: usize, out: &mut Buf) {
+        let op = "moe_experts_prefill";
+        let (h, k, ne) = (d.hidden, route.k, d.n_experts);
+        let width = gate.out;
+        if rows == 0
+            || !(self.experts_ok(gate, up, down, d, op) && self.ensure(rows * k <= route.cap, || format!("{op}: route of {} entries, {rows}×{k} needed", route.cap)) && self.buf_ok(x, rows * h, "x", op) && self.buf_ok(out, rows * h, "out", op))
+        {
+            return;
+        }
+        let n = rows * k;
+        let max_tiles = n.div_ceil(64) + ne.min(n);
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let bufs = (|| {
+            Some((
+                self.scratch(&mut sc, "moe_counts", 4 * ne)?,
+                self.scratch(&mut sc, "moe_offsets", 4 * (ne + 1))?,
+                self.scratch(&mut sc, "moe_cursor", 4 * ne)?,
+                self.scratch(&mut sc, "moe_tiles", 12 * max_tiles)?,
+                self.scratch(&mut sc, "moe_ntiles", 4)?,
+                self.scratch(&mut sc, "moe_perm", 4 * n)?,
+            ))
+        })();
+        let Some((counts, offsets, cursor, tiles, ntiles, perm)) = bufs else { return };
+        let acts = (|| Some((self.scratch(&mut sc, "moe_g", 4 * n * width)?, self.scratch(&mut sc, "moe_u", 4 * n * width)?, self.scratch(&mut sc, "moe_act", 4 * n * width)?, self.scratch(&mut sc, "moe_y", 4 * n * h)?)))();
+        let Some((g, u, act, y)) = acts else { return };
+        self.memset0(counts, 4 * ne);
+        self.launch("moe_count", (grid1(n, 256), 1, 1), 256, 0, &[Arg::P(route.ids.ptr), Arg::P(counts), Arg::I(n as i32)]);
+        self.launch("moe_plan", (1, 1, 1), 32, 0, &[Arg::P(counts), Arg::P(offsets), Arg::P(cursor), Arg::P(tiles), Arg::P(ntiles), Arg::I(ne as i32)]);
+        self.launch("moe_scatter", (grid1(n, 256), 1, 1), 256, 0, &[Arg::P(route.ids.ptr), Arg::P(cursor), Arg::P(perm), Arg::I(n as i32)]);
+        let gemm = |m: &Mat, src: u64, dst: u64, mode: i32| {
+            self.launch(
+                &format!("moe_gemm_{}", m.fmt.suffix()),
+                (grid1(m.out, 64), max_tiles as u32, 1),
+                256,
+                0,
+                &[Arg::P(src), Arg::Q(m.q()), Arg::P(perm), Arg::P(tiles), Arg::P(ntiles), Arg::P(dst), Arg::I(k as i32), Arg::I(mode)],
+            )
+        };
+        gemm(gate, x.mem.ptr, g, 0);
+        gemm(up, x.mem.ptr, u, 0);
+        self.launch("swiglu", (grid1(n * width, 256), 1, 1), 256, 0, &[Arg::P(g), Arg::P(u), Arg::P(act), Arg::P((n * width) as u64)]);
+        gemm(down, act, y, 1);
+        self.launch("moe_combine", (rows as u32, 1, 1), 256, 0, &[Arg::P(y), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::I(h as i32)]);
+    }
+    fn moe_experts_decode(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, d: &Dims, out: &mut Buf) {
+        let op = "moe_experts_decode";
+        let (h, k) = (d.hidden, route.k);
+        let width = gate.out;
+        if !(self.experts_ok(gate, up, down, d, op)
+            && self.ensure(gate.fmt == up.fmt, || format!("{op}: gate and up weights in different formats"))
+            && self.buf_ok(x, h, "x", op)
+            && self.buf_ok(out, h, "out", op))
+        {
+            return;
+        }
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(act) = self.scratch(&mut sc, "moe_act1", 4 * k * width) else { return };
+        self.launch(
+            &format!("moe_gate_up_{}", gate.fmt.suffix()),
+            (grid1(width, 8), k as u32, 1),
+            256,
+            0,
+            &[Arg::P(x.mem.ptr), Arg::Q(gate.q()), Arg::Q(up.q()), Arg::P(route.ids.ptr), Arg::P(act)],
+        );
+        self.launch(
+            &format!("moe_down_{}", down.fmt.suffix()),
+            (grid1(h, 8), 1, 1),
+            256,
+            0,
+            &[Arg::P(act), Arg::Q(down.q()), Arg::P(route.ids.ptr), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32)],
+        );
+    }
+    fn swiglu(&self, g: &Buf, u: &Buf, len: usize, out: &mut Buf) {
+        if len == 0 || !(self.buf_ok(g, len, "g", "swiglu") && self.buf_ok(u, len, "u", "swiglu") && self.buf_ok(out, len, "out", "swiglu")) {
+            return;
+        }
+        self.launch("swiglu", (grid1(len, 256), 1, 1), 256, 0, &[Arg::P(g.mem.ptr), Arg::P(u.mem.ptr), Arg::P(out.mem.ptr), Arg::P(len as u64)]);
+    }
+    fn add_sigmoid_gated(&self, y: &mut Buf, shared: &Buf, s: &Buf, rows: usize, dim: usize) {
+        let op = "add_sigmoid_gated";
+        if rows == 0 || !(self.buf_ok(y, rows * dim, "y", op) && self.buf_ok(shared, rows * dim, "shared", op) && self.buf_ok(s, rows, "s", op)) {
+            return;
+        }
+        self.launch(op, (grid1(rows * dim, 256), 1, 1), 256, 0, &[Arg::P(y.mem.ptr), Arg::P(shared.mem.ptr), Arg::P(s.mem.ptr), Arg::I(rows as i32), Arg::I(dim as i32)]);
+    }
+
+    fn argmax(&self, logits: &Buf, rows: usize, vocab: usize) -> Result<Vec<u32>> {
+        if logits.len < rows * vocab {
+            bail!("argmax: logits hold {} values, {rows}×{vocab} needed", logits.len);
+        }
+        if rows == 0 {
+            return Ok(Vec::new());
+        }
+        // The scratch lock is held until the ids are read back, so no other op can reuse the buffer.
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(out) = self.scratch(&mut sc, "argmax", 4 * rows) else { return self.check().map(|_| Vec::new()) };
+        self.launch("argmax", (rows as u32, 1, 1), 1024, 0, &[Arg::P(logits.mem.ptr), Arg::P(out), Arg::I(vocab as i32)]);
+        self.read_u32(out, rows)
+    }
+}
+
+impl Cuda {
+    #[allow(clippy::too_many_arguments)]
+    fn conv(&self, x: &Buf, w: &Buf, state: &mut Buf, d: &Dims, rows: usize, out: &mut Buf, name: &str) {
+        let (c, k) = (d.conv_channels(), d.conv_kernel);
+        if rows == 0
+            || !(self.ensure((1..=8).contains(&k), || format!("{name}: conv kernel {k} not supported (1..=8)"))
+                && self.buf_ok(x, rows * c, "x", name)
+                && self.buf_ok(w, c * k, "w", name)
+                && self.buf_ok(state, (k - 1) * c, "state", name)
+                && self.buf_ok(out, rows * c, "out", name))
+        {
+            return;
+        }
+        let mut args = vec![Arg::P(x.mem.ptr), Arg::P(w.mem.ptr), Arg::P(state.mem.ptr), Arg::P(out.mem.ptr), Arg::I(c as i32), Arg::I(k as i32)];
+        if name == "conv1d_prefill" {
+            args.push(Arg::I(rows as i32));
+        }
+        self.launch(name, (grid1(c, 256), 1, 1), 256, 0, &args);
+    }
+
+    fn experts_ok(&self, gate: &Mat, up: &Mat, down: &Mat, d: &Dims, op: &str) -> bool {
+        self.ensure(
+            gate.n == d.n_experts && up.n == d.n_experts && down.n == d.n_experts && gate.inp == d.hidden && up.inp == d.hidden && up.out == gate.out && down.inp == gate.out && down.out == d.hidden,
+            || format!("{op}: expert shapes gate {}×{}×{}, up {}×{}×{}, down {}×{}×{} do not fit hidden {} / {} experts", gate.n, gate.out, gate.inp, up.n, up.out, up.inp, down.n, down.out, down.inp, d.hidden, d.n_experts),
+        )
+    }
+}

@@ -1,0 +1,563 @@
+//! Every CUDA op against the CPU op (the oracle), on random inputs at the real Qwen3.6-35B-A3B
+//! shapes, plus the `small` preset end to end. Built only with `--features cuda`; each test skips
+//! with a message when no GPU is found (LILY_REQUIRE_CUDA=1 makes that a failure).
+//!
+//! Tolerances (activations are f32 on both sides in this cut; what differs is summation order,
+//! FMA contraction and the parallel reduction trees):
+//! * `EXACT` (0): copies and the embedding's dequantisation (`s·q + b`, rounded as the CPU does).
+//! * `F32_TOL` = 1e-5, as `max |gpu − cpu| / max |cpu|` per output row (the row's scale): about
+//!   100 f32 epsilons; a real bug (a wrong index, position, state or gate) moves outputs by O(1e-1).
+//!   The GDN recurrence carries its state over tens of steps and is held to the same figure.
+//! * Routing: the same expert ids (ties are measure-zero on random data), weights to 1e-6.
+//! * End to end (`small` preset, 192 teacher-forced positions): top-1 agreement ≥ 99%.
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+
+use lily::backend::cpu::{moe::Route as CpuRoute, Cpu};
+use lily::backend::cuda::Cuda;
+use lily::backend::{Backend, Dims, GdnParams, KvCache};
+use lily::loader::tensor::{Dtype, HostLinear, HostTensor, LinearKind, Storage};
+
+const EXACT: f32 = 0.0;
+const F32_TOL: f32 = 1e-5;
+
+fn gpu() -> Option<Cuda> {
+    match Cuda::new() {
+        Ok(c) => Some(c),
+        Err(e) => {
+            assert!(std::env::var("LILY_REQUIRE_CUDA").is_err(), "no usable GPU: {e:#}");
+            eprintln!("SKIPPED: no usable GPU: {e:#}");
+            None
+        }
+    }
+}
+
+/// splitmix64: seeded, reproducible inputs.
+struct Rng(u64);
+impl Rng {
+    fn u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    /// Uniform in [-1, 1).
+    fn f(&mut self) -> f32 {
+        ((self.u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    /// Roughly normal (sum of 4 uniforms, unit variance).
+    fn n(&mut self) -> f32 {
+        (self.f() + self.f() + self.f() + self.f()) * 0.866
+    }
+    fn vec(&mut self, len: usize, scale: f32) -> Vec<f32> {
+        (0..len).map(|_| self.n() * scale).collect()
+    }
+}
+
+/// The real Qwen3.6-35B-A3B shapes (MODEL.md §1).
+fn qwen_dims() -> Dims {
+    Dims {
+        hidden: 2048,
+        eps: 1e-6,
+        n_heads: 16,
+        n_kv_heads: 2,
+        head_dim: 256,
+        rotary_dim: 64,
+        rope_theta: 1e7,
+        gdn_k_heads: 16,
+        gdn_v_heads: 32,
+        gdn_k_dim: 128,
+        gdn_v_dim: 128,
+        conv_kernel: 4,
+        n_experts: 256,
+        top_k: 8,
+        norm_topk: true,
+    }
+}
+
+fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+fn tensor_u32(name: &str, shape: Vec<usize>, dtype: Dtype, words: Vec<u32>, bytes: usize) -> HostTensor {
+    HostTensor { name: name.into(), dtype, shape, data: Storage::Owned(Arc::new(words), bytes) }
+}
+
+fn pack_u16(v: &[u16]) -> Vec<u32> {
+    v.chunks(2).map(|c| c[0] as u32 | (*c.get(1).unwrap_or(&0) as u32) << 16).collect()
+}
+
+/// A random MLX affine-quantized stack `[n, out, inp]` (codes uniform, scales ~0.01-0.02, biases
+/// centring the codes), with bf16 or f32 scales.
+fn rand_quant(rng: &mut Rng, n: usize, out: usize, inp: usize, bits: u32, gs: usize, f32_scales: bool) -> HostLinear {
+    let words = n * out * inp * bits as usize / 32;
+    let w: Vec<u32> = (0..words).map(|_| rng.u64() as u32).collect();
+    let ng = n * out * inp / gs;
+    let levels = ((1u32 << bits) - 1) as f32;
+    let s: Vec<f32> = (0..ng).map(|_| (0.015 + 0.005 * rng.f()) * 15.0 / levels).collect();
+    let b: Vec<f32> = s.iter().map(|&s| -s * levels / 2.0 * (1.0 + 0.1 * rng.f())).collect();
+    let (scales, biases) = if f32_scales {
+        (
+            tensor_u32("s", vec![n, out, inp / gs], Dtype::F32, s.iter().map(|v| v.to_bits()).collect(), 4 * ng),
+            tensor_u32("b", vec![n, out, inp / gs], Dtype::F32, b.iter().map(|v| v.to_bits()).collect(), 4 * ng),
+        )
+    } else {
+        let sb: Vec<u16> = s.iter().map(|&v| bf16_bits(v)).collect();
+        let bb: Vec<u16> = b.iter().map(|&v| bf16_bits(v)).collect();
+        (tensor_u32("s", vec![n, out, inp / gs], Dtype::BF16, pack_u16(&sb), 2 * ng), tensor_u32("b", vec![n, out, inp / gs], Dtype::BF16, pack_u16(&bb), 2 * ng))
+    };
+    HostLinear {
+        name: format!("rand_q{bits}_{n}x{out}x{inp}"),
+        n,
+        out,
+        inp,
+        kind: LinearKind::Quant { bits, group_size: gs, w: tensor_u32("w", vec![n, out, words / (n * out)], Dtype::U32, w, 4 * words), scales, biases },
+    }
+}
+
+/// A random unquantized bf16 matrix.
+fn rand_dense(rng: &mut Rng, out: usize, inp: usize) -> HostLinear {
+    let v: Vec<u16> = (0..out * inp).map(|_| bf16_bits(rng.n() * 0.03)).collect();
+    HostLinear { name: format!("rand_dense_{out}x{inp}"), n: 1, out, inp, kind: LinearKind::Dense(tensor_u32("w", vec![out, inp], Dtype::BF16, pack_u16(&v), 2 * out * inp)) }
+}
+
+/// max over rows of `max |a − b| / max |b|` (rows of `row` values); NaN counts as infinite.
+fn rel_rows(a: &[f32], b: &[f32], row: usize) -> f32 {
+    assert_eq!(a.len(), b.len());
+    let mut worst = 0f32;
+    for (ra, rb) in a.chunks(row).zip(b.chunks(row)) {
+        let scale = rb.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+        let e = ra.iter().zip(rb).fold(0f32, |m, (x, y)| if (x - y).is_nan() { f32::INFINITY } else { m.max((x - y).abs()) });
+        worst = worst.max(e / scale);
+    }
+    worst
+}
+
+fn check(what: &str, err: f32, tol: f32) {
+    println!("{what:<58} max rel err {err:.2e}  (tol {tol:.0e})");
+    assert!(err <= tol, "{what}: error {err:e} above tolerance {tol:e}");
+}
+
+fn h(g: &Cuda, b: &<Cuda as Backend>::Buf) -> Vec<f32> {
+    g.to_host(b, b.len()).unwrap()
+}
+
+#[test]
+fn kernels_compile_with_nvrtc() {
+    // Needs NVRTC, not a GPU: compiles every kernel file for sm_90 from scratch (no cache).
+    match lily::backend::cuda::compile_kernels("sm_90") {
+        Ok(files) => {
+            for (f, n) in files {
+                println!("{f:<14} {n:>8} bytes of sm_90 cubin");
+            }
+            // Also warm the disk cache (LILY_CACHE_DIR), e.g. to carry to a machine without NVRTC.
+            let dir = lily::backend::cuda::precompile_kernels("sm_90").unwrap();
+            println!("kernel cache: {}", dir.display());
+        }
+        Err(e) if format!("{e:#}").contains("could not be loaded") && std::env::var("LILY_REQUIRE_CUDA").is_err() => {
+            eprintln!("SKIPPED: {e:#}")
+        }
+        Err(e) => panic!("{e:#}"),
+    }
+}
+
+#[test]
+fn embed_dequantizes_rows_exactly() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(1);
+    for (bits, f32s) in [(4, false), (8, false), (4, true)] {
+        let t = rand_quant(&mut rng, 1, 4096, 2048, bits, 64, f32s);
+        let ids = [0u32, 4095, 17, 17, 2048, 1, 999];
+        let mut c = vec![0f32; ids.len() * 2048];
+        Cpu.embed(&t, &ids, &mut c);
+        let gt = g.upload_mat(&t).unwrap();
+        let mut o = g.zeros(ids.len() * 2048).unwrap();
+        g.embed(&gt, &ids, &mut o);
+        check(&format!("embed {bits}-bit{} [4096, 2048]", if f32s { " f32 scales" } else { "" }), rel_rows(&h(&g, &o), &c, 2048), EXACT);
+    }
+}
+
+#[test]
+fn norms_and_elementwise() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(2);
+    let dim = 2048;
+    let w: Vec<f32> = (0..dim).map(|_| 1.0 + 0.1 * rng.f()).collect();
+    let gw = g.upload_vec(&w).unwrap();
+    for rows in [1, 77] {
+        let x = rng.vec(rows * dim, 1.0);
+        let r = rng.vec(rows * dim, 0.5);
+        let mut c = vec![0f32; rows * dim];
+        Cpu.rms_norm(&x, &w, rows, dim, 1e-6, &mut c);
+        let gx = g.upload_vec(&x).unwrap();
+        let mut go = g.zeros(rows * dim).unwrap();
+        g.rms_norm(&gx, &gw, rows, dim, 1e-6, &mut go);
+        check(&format!("rms_norm [{rows}, {dim}]"), rel_rows(&h(&g, &go), &c, dim), F32_TOL);
+
+        let mut ch = x.clone();
+        Cpu.add_rms_norm(&mut ch, &r, &w, rows, dim, 1e-6, &mut c);
+        let mut gh = g.upload_vec(&x).unwrap();
+        let gr = g.upload_vec(&r).unwrap();
+        g.add_rms_norm(&mut gh, &gr, &gw, rows, dim, 1e-6, &mut go);
+        check(&format!("add_rms_norm [{rows}, {dim}] (residual)"), rel_rows(&h(&g, &gh), &ch, dim), EXACT);
+        check(&format!("add_rms_norm [{rows}, {dim}] (normed)"), rel_rows(&h(&g, &go), &c, dim), F32_TOL);
+
+        let mut ca = x.clone();
+        Cpu.add(&mut ca, &r, rows * dim);
+        let mut ga = g.upload_vec(&x).unwrap();
+        g.add(&mut ga, &gr, rows * dim);
+        check(&format!("add [{rows}, {dim}]"), rel_rows(&h(&g, &ga), &ca, dim), EXACT);
+
+        // Shared expert: swiglu over width 512, then the sigmoid-gated add over hidden.
+        let (gg, uu) = (rng.vec(rows * 512, 2.0), rng.vec(rows * 512, 1.0));
+        let mut cs = vec![0f32; rows * 512];
+        Cpu.swiglu(&gg, &uu, rows * 512, &mut cs);
+        let mut gs = g.zeros(rows * 512).unwrap();
+        g.swiglu(&g.upload_vec(&gg).unwrap(), &g.upload_vec(&uu).unwrap(), rows * 512, &mut gs);
+        check(&format!("swiglu [{rows}, 512]"), rel_rows(&h(&g, &gs), &cs, 512), F32_TOL);
+
+        let s = rng.vec(rows, 2.0);
+        let mut cy = x.clone();
+        Cpu.add_sigmoid_gated(&mut cy, &r, &s, rows, dim);
+        let mut gy = g.upload_vec(&x).unwrap();
+        g.add_sigmoid_gated(&mut gy, &gr, &g.upload_vec(&s).unwrap(), rows, dim);
+        check(&format!("add_sigmoid_gated [{rows}, {dim}]"), rel_rows(&h(&g, &gy), &cy, dim), F32_TOL);
+    }
+}
+
+#[test]
+fn matmul_q_gemv_and_gemm() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(3);
+    // (what, weight, rows tried): the projections of one layer at their real shapes.
+    let cases: Vec<(&str, HostLinear, Vec<usize>)> = vec![
+        ("in_proj_qkv 4-bit [8192, 2048]", rand_quant(&mut rng, 1, 8192, 2048, 4, 64, false), vec![1, 2, 8, 9, 64, 130]),
+        ("out_proj 4-bit [2048, 4096]", rand_quant(&mut rng, 1, 2048, 4096, 4, 64, false), vec![1, 8, 9, 100]),
+        ("router 8-bit [256, 2048]", rand_quant(&mut rng, 1, 256, 2048, 8, 64, false), vec![1, 5, 77]),
+        ("shared_expert_gate 8-bit [1, 2048]", rand_quant(&mut rng, 1, 1, 2048, 8, 64, false), vec![1, 33]),
+        ("in_proj_z 4-bit f32 scales [4096, 2048]", rand_quant(&mut rng, 1, 4096, 2048, 4, 64, true), vec![1, 40]),
+        ("in_proj_b 4-bit gs 32 [32, 2048]", rand_quant(&mut rng, 1, 32, 2048, 4, 32, false), vec![1, 20]),
+        ("dense bf16 [512, 2048]", rand_dense(&mut rng, 512, 2048), vec![1, 3, 70]),
+        ("lm_head 4-bit [248320, 2048]", rand_quant(&mut rng, 1, 248_320, 2048, 4, 64, false), vec![1, 9]),
+    ];
+    for (what, w, rows_list) in cases {
+        let gw = g.upload_mat(&w).unwrap();
+        for rows in rows_list {
+            let x = rng.vec(rows * w.inp, 1.0);
+            let mut c = vec![0f32; rows * w.out];
+            Cpu.matmul_q(&x, &w, rows, &mut c);
+            let mut go = g.zeros(rows * w.out).unwrap();
+            g.matmul_q(&g.upload_vec(&x).unwrap(), &gw, rows, &mut go);
+            let path = if rows <= 8 { "gemv" } else { "gemm" };
+            check(&format!("matmul_q {what} rows {rows} ({path})"), rel_rows(&h(&g, &go), &c, w.out), F32_TOL);
+        }
+    }
+}
+
+fn kv_new<B: Backend>(b: &B, cap: usize, kvd: usize) -> KvCache<B::Buf> {
+    KvCache { k: b.zeros(cap * kvd).unwrap(), v: b.zeros(cap * kvd).unwrap(), capacity: cap }
+}
+
+#[test]
+fn attention_prefill_then_decode() {
+    let Some(g) = gpu() else { return };
+    let d = qwen_dims();
+    let mut rng = Rng(4);
+    let (hq, hd, kvd) = (d.n_heads, d.head_dim, d.n_kv_heads * d.head_dim);
+
+    // q/k norm + RoPE, at a large position too (angles in f64 on both sides).
+    let qn: Vec<f32> = (0..hd).map(|_| 1.0 + 0.1 * rng.f()).collect();
+    let kn: Vec<f32> = (0..hd).map(|_| 1.0 + 0.1 * rng.f()).collect();
+    let (gqn, gkn) = (g.upload_vec(&qn).unwrap(), g.upload_vec(&kn).unwrap());
+    for (rows, pos0) in [(5, 0), (3, 100_000)] {
+        let qg = rng.vec(rows * hq * 2 * hd, 1.0);
+        let k = rng.vec(rows * kvd, 1.0);
+        let (mut cq, mut cgate, mut ck) = (vec![0f32; rows * hq * hd], vec![0f32; rows * hq * hd], k.clone());
+        Cpu.attn_qk_norm_rope(&qg, &mut ck, &qn, &kn, &d, rows, pos0, &mut cq, &mut cgate);
+        let (mut gq, mut ggate, mut gk) = (g.zeros(rows * hq * hd).unwrap(), g.zeros(rows * hq * hd).unwrap(), g.upload_vec(&k).unwrap());
+        g.attn_qk_norm_rope(&g.upload_vec(&qg).unwrap(), &mut gk, &gqn, &gkn, &d, rows, pos0, &mut gq, &mut ggate);
+        check(&format!("attn_qk_norm_rope rows {rows} pos {pos0} (q)"), rel_rows(&h(&g, &gq), &cq, hd), F32_TOL);
+        check(&format!("attn_qk_norm_rope rows {rows} pos {pos0} (k)"), rel_rows(&h(&g, &gk), &ck, hd), F32_TOL);
+        check(&format!("attn_qk_norm_rope rows {rows} pos {pos0} (gate)"), rel_rows(&h(&g, &ggate), &cgate, hd), EXACT);
+    }
+
+    // Two prefill chunks, then decode steps: the cache carries over.
+    let cap = 128;
+    let mut ckv = kv_new(&Cpu, cap, kvd);
+    let mut gkv = kv_new(&g, cap, kvd);
+    let mut pos = 0;
+    for (step, rows) in [64usize, 37, 1, 1, 1].into_iter().enumerate() {
+        let q = rng.vec(rows * hq * hd, 1.0);
+        let k = rng.vec(rows * kvd, 1.0);
+        let v = rng.vec(rows * kvd, 1.0);
+        let gate = rng.vec(rows * hq * hd, 2.0);
+        let mut c = vec![0f32; rows * hq * hd];
+        let (gq, gk, gv, gg) = (g.upload_vec(&q).unwrap(), g.upload_vec(&k).unwrap(), g.upload_vec(&v).unwrap(), g.upload_vec(&gate).unwrap());
+        let mut go = g.zeros(rows * hq * hd).unwrap();
+        let what = if rows == 1 {
+            Cpu.attn_decode(&q, &k, &v, &gate, &mut ckv, &d, pos, &mut c);
+            g.attn_decode(&gq, &gk, &gv, &gg, &mut gkv, &d, pos, &mut go);
+            format!("attn_decode step {step} at pos {pos}")
+        } else {
+            Cpu.attn_prefill(&q, &k, &v, &gate, &mut ckv, &d, rows, pos, &mut c);
+            g.attn_prefill(&gq, &gk, &gv, &gg, &mut gkv, &d, rows, pos, &mut go);
+            format!("attn_prefill {rows} rows at pos {pos}")
+        };
+        check(&what, rel_rows(&h(&g, &go), &c, hd), F32_TOL);
+        pos += rows;
+    }
+    check("attention KV cache after prefill + decode (K)", rel_rows(&h(&g, &gkv.k), &ckv.k, kvd), EXACT);
+    check("attention KV cache after prefill + decode (V)", rel_rows(&h(&g, &gkv.v), &ckv.v, kvd), EXACT);
+}
+
+#[test]
+fn conv_and_gdn_prefill_then_decode() {
+    let Some(g) = gpu() else { return };
+    let d = qwen_dims();
+    let mut rng = Rng(5);
+    let c = d.conv_channels();
+    let (hv, dv, dk) = (d.gdn_v_heads, d.gdn_v_dim, d.gdn_k_dim);
+
+    // Conv: prefill 50 rows, then 3 steps; outputs and the state compared at each stage.
+    let w = rng.vec(c * d.conv_kernel, 0.5);
+    let gw = g.upload_vec(&w).unwrap();
+    let mut cst = vec![0f32; (d.conv_kernel - 1) * c];
+    let mut gst = g.zeros(cst.len()).unwrap();
+    for rows in [50usize, 1, 1, 1] {
+        let x = rng.vec(rows * c, 1.0);
+        let mut co = vec![0f32; rows * c];
+        let mut go = g.zeros(rows * c).unwrap();
+        let gx = g.upload_vec(&x).unwrap();
+        if rows == 1 {
+            Cpu.conv1d_step(&x, &w, &mut cst, &d, &mut co);
+            g.conv1d_step(&gx, &gw, &mut gst, &d, &mut go);
+        } else {
+            Cpu.conv1d_prefill(&x, &w, &mut cst, &d, rows, &mut co);
+            g.conv1d_prefill(&gx, &gw, &mut gst, &d, rows, &mut go);
+        }
+        check(&format!("conv1d_{} {rows} rows (out)", if rows == 1 { "step" } else { "prefill" }), rel_rows(&h(&g, &go), &co, c), F32_TOL);
+        check(&format!("conv1d_{} {rows} rows (state)", if rows == 1 { "step" } else { "prefill" }), rel_rows(&h(&g, &gst), &cst, c), EXACT);
+    }
+
+    // GDN: prefill 40 rows, then 3 decode steps, state carried.
+    let a_log: Vec<f32> = (0..hv).map(|_| (1.0 + 7.5 * (rng.f() + 1.0)).ln()).collect();
+    let dt_bias: Vec<f32> = (0..hv).map(|_| rng.f()).collect();
+    let norm: Vec<f32> = (0..dv).map(|_| 1.0 + 0.1 * rng.f()).collect();
+    let cp = GdnParams { a_log: a_log.clone(), dt_bias: dt_bias.clone(), norm: norm.clone() };
+    let gp = GdnParams { a_log: g.upload_vec(&a_log).unwrap(), dt_bias: g.upload_vec(&dt_bias).unwrap(), norm: g.upload_vec(&norm).unwrap() };
+    let mut cs = vec![0f32; hv * dv * dk];
+    let mut gs = g.zeros(cs.len()).unwrap();
+    for (step, rows) in [40usize, 1, 1, 1].into_iter().enumerate() {
+        let qkv = rng.vec(rows * c, 1.0);
+        let z = rng.vec(rows * hv * dv, 1.0);
+        let b = rng.vec(rows * hv, 1.5);
+        let a = rng.vec(rows * hv, 1.5);
+        let mut co = vec![0f32; rows * hv * dv];
+        let mut go = g.zeros(rows * hv * dv).unwrap();
+        let (gqkv, gz, gb, ga) = (g.upload_vec(&qkv).unwrap(), g.upload_vec(&z).unwrap(), g.upload_vec(&b).unwrap(), g.upload_vec(&a).unwrap());
+        if rows == 1 {
+            Cpu.gdn_decode(&qkv, &z, &b, &a, &cp, &mut cs, &d, &mut co);
+            g.gdn_decode(&gqkv, &gz, &gb, &ga, &gp, &mut gs, &d, &mut go);
+        } else {
+            Cpu.gdn_prefill(&qkv, &z, &b, &a, &cp, &mut cs, &d, rows, &mut co);
+            g.gdn_prefill(&gqkv, &gz, &gb, &ga, &gp, &mut gs, &d, rows, &mut go);
+        }
+        let kind = if rows == 1 { "gdn_decode" } else { "gdn_prefill" };
+        check(&format!("{kind} step {step}, {rows} rows (out)"), rel_rows(&h(&g, &go), &co, dv), F32_TOL);
+        check(&format!("{kind} step {step}, {rows} rows (fp32 state)"), rel_rows(&h(&g, &gs), &cs, dv * dk), F32_TOL);
+    }
+}
+
+#[test]
+fn moe_route_and_experts() {
+    let Some(g) = gpu() else { return };
+    let d = qwen_dims();
+    let mut rng = Rng(6);
+    let (e, k, hid, width) = (d.n_experts, d.top_k, d.hidden, 512);
+    let gate = rand_quant(&mut rng, e, width, hid, 4, 64, false);
+    let up = rand_quant(&mut rng, e, width, hid, 4, 64, false);
+    let down = rand_quant(&mut rng, e, hid, width, 4, 64, false);
+    let (gg, gu, gd) = (g.upload_mat(&gate).unwrap(), g.upload_mat(&up).unwrap(), g.upload_mat(&down).unwrap());
+    for rows in [100usize, 1] {
+        let logits = rng.vec(rows * e, 3.0);
+        let mut cr = CpuRoute::default();
+        Cpu.moe_route(&logits, &d, rows, &mut cr);
+        let mut gr = g.new_route(rows, k).unwrap();
+        g.moe_route(&g.upload_vec(&logits).unwrap(), &d, rows, &mut gr);
+        let (ids, w) = g.route_to_host(&gr, rows).unwrap();
+        let mismatched = ids.iter().zip(&cr.ids).filter(|(a, b)| a != b).count();
+        println!("moe_route [{rows}, {e}] top-{k}: {mismatched} of {} ids differ", ids.len());
+        assert_eq!(ids, cr.ids, "moe_route: expert ids differ");
+        let werr = w.iter().zip(&cr.weights).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        check(&format!("moe_route [{rows}, {e}] top-{k} (weights, absolute)"), werr, 1e-6);
+
+        let x = rng.vec(rows * hid, 1.0);
+        let gx = g.upload_vec(&x).unwrap();
+        let mut c = vec![0f32; rows * hid];
+        let mut go = g.zeros(rows * hid).unwrap();
+        if rows == 1 {
+            Cpu.moe_experts_decode(&x, &cr, &gate, &up, &down, &d, &mut c);
+            g.moe_experts_decode(&gx, &gr, &gg, &gu, &gd, &d, &mut go);
+        } else {
+            Cpu.moe_experts_prefill(&x, &cr, &gate, &up, &down, &d, rows, &mut c);
+            g.moe_experts_prefill(&gx, &gr, &gg, &gu, &gd, &d, rows, &mut go);
+        }
+        let kind = if rows == 1 { "moe_experts_decode" } else { "moe_experts_prefill" };
+        check(&format!("{kind} {rows} rows, {e} experts 4-bit [512, 2048]"), rel_rows(&h(&g, &go), &c, hid), F32_TOL);
+    }
+}
+
+#[test]
+fn argmax_first_on_ties() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(7);
+    let (rows, vocab) = (3, 248_320);
+    let mut l = rng.vec(rows * vocab, 1.0);
+    l[vocab + 1000] = 50.0; // a tie in row 1: the first index wins
+    l[vocab + 200_000] = 50.0;
+    l[2 * vocab + vocab - 1] = 60.0; // the last index
+    let c = Cpu.argmax(&l, rows, vocab).unwrap();
+    let gi = g.argmax(&g.upload_vec(&l).unwrap(), rows, vocab).unwrap();
+    println!("argmax [{rows}, {vocab}]: cpu {c:?} cuda {gi:?}");
+    assert_eq!(gi, c);
+}
+
+#[test]
+fn bad_shapes_are_errors_not_crashes() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(8);
+    let w = rand_quant(&mut rng, 1, 64, 128, 4, 64, false);
+    let gw = g.upload_mat(&w).unwrap();
+    let x = g.zeros(10).unwrap(); // too small for one row of 128
+    let mut o = g.zeros(64).unwrap();
+    g.matmul_q(&x, &gw, 1, &mut o);
+    let e = g.to_host(&o, 64).unwrap_err();
+    assert!(format!("{e:#}").contains("needed"), "{e:#}");
+}
+
+/// The `small` preset end to end: CUDA logits against the CPU's over 192 teacher-forced positions
+/// (one prefill), decode steps after a prefill, and greedy continuations.
+#[test]
+fn small_preset_end_to_end() {
+    let Some(g) = gpu() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = lily::synth::preset("small").unwrap();
+    lily::synth::write_checkpoint(&cfg, dir.path(), 11, &|_, _| {}).unwrap();
+    let cpu = lily::runtime::load(Cpu, dir.path()).unwrap();
+    let cuda = lily::runtime::load(g, dir.path()).unwrap();
+    println!("backend: {}", cuda.backend.name());
+    let v = cpu.cfg.vocab_size;
+    let n = 192;
+    let ids: Vec<u32> = (0..n).map(|i| ((i as u64 * 2654435761) % (1u64 << 32) % v as u64) as u32).collect();
+
+    let t0 = std::time::Instant::now();
+    let mut cs = cpu.new_state(n + 64).unwrap();
+    let cl = cpu.forward(&mut cs, &ids, lily::model::Logits::All, None).unwrap();
+    let t_cpu = t0.elapsed();
+    let t0 = std::time::Instant::now();
+    let mut gs = cuda.new_state(n + 64).unwrap();
+    let gl = cuda.forward(&mut gs, &ids, lily::model::Logits::All, None).unwrap();
+    let t_gpu = t0.elapsed();
+    let argmax = |r: &[f32]| lily::runtime::argmax(r);
+    let agree = (0..n).filter(|&t| argmax(&cl[t * v..][..v]) == argmax(&gl[t * v..][..v])).count();
+    let err = rel_rows(&gl, &cl, v);
+    println!("e2e small, {n} positions (prefill): top-1 agreement {agree}/{n} ({:.2}%), max rel err {err:.2e}; cpu {:.3}s cuda {:.3}s", 100.0 * agree as f64 / n as f64, t_cpu.as_secs_f64(), t_gpu.as_secs_f64());
+
+    // Decode: prefill 184, then 8 single-token steps, against the same CPU logits.
+    let p = n - 8;
+    let mut ds = cuda.new_state(n + 64).unwrap();
+    cuda.forward(&mut ds, &ids[..p], lily::model::Logits::None, None).unwrap();
+    let mut dagree = 0;
+    let mut derr = 0f32;
+    for t in p..n {
+        let l = cuda.forward(&mut ds, &ids[t..t + 1], lily::model::Logits::Last, None).unwrap();
+        dagree += (argmax(&l) == argmax(&cl[t * v..][..v])) as usize;
+        derr = derr.max(rel_rows(&l, &cl[t * v..][..v], v));
+    }
+    println!("e2e small, decode after a {p}-token prefill: top-1 agreement {dagree}/8, max rel err {derr:.2e}");
+
+    // Greedy continuations of a 32-token prompt.
+    let (mut s1, mut s2) = (cpu.new_state(128).unwrap(), cuda.new_state(128).unwrap());
+    let (a, _) = lily::runtime::generate_greedy(&cpu, &mut s1, &ids[..32], 48, &[], |_| {}).unwrap();
+    let t0 = std::time::Instant::now();
+    let (b, st) = lily::runtime::generate_greedy(&cuda, &mut s2, &ids[..32], 48, &[], |_| {}).unwrap();
+    let same = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    println!("e2e small, greedy 48 tokens: identical for the first {same}; cuda decode {:.1} tok/s ({:.3}s incl. prefill)", st.generated as f64 / st.decode_s.max(1e-9), t0.elapsed().as_secs_f64());
+
+    let pct = 100.0 * (agree + dagree) as f64 / (n + 8) as f64;
+    assert!(pct >= 99.0, "top-1 agreement {pct:.2}% < 99%");
+    check("e2e small: logits (prefill, per position)", err, 1e-4);
+}
+
+/// Rough per-op times at the real shapes (host clock around N back-to-back launches, then a sync:
+/// the figure is the larger of the GPU time and the enqueue time). Not a test: run it alone with
+/// `--ignored op_timings` so nothing else shares the GPU.
+#[test]
+#[ignore]
+fn op_timings() {
+    let Some(g) = gpu() else { return };
+    let d = qwen_dims();
+    let mut rng = Rng(9);
+    let time = |what: &str, bytes: f64, flops: f64, f: &mut dyn FnMut()| {
+        for _ in 0..3 {
+            f();
+        }
+        g.check().unwrap();
+        let n = 50;
+        let t0 = std::time::Instant::now();
+        for _ in 0..n {
+            f();
+        }
+        g.check().unwrap();
+        let s = t0.elapsed().as_secs_f64() / n as f64;
+        println!("{what:<52} {:>9.1} us  {:>7.0} GB/s  {:>7.2} TFLOP/s", s * 1e6, bytes / s / 1e9, flops / s / 1e12);
+    };
+    // Projections: decode GEMV and a 256-row prefill GEMM.
+    for (what, out, inp, bits) in [("in_proj_qkv [8192, 2048] 4-bit", 8192, 2048, 4), ("lm_head [248320, 2048] 4-bit", 248_320, 2048, 4), ("router [256, 2048] 8-bit", 256, 2048, 8)] {
+        let w = rand_quant(&mut rng, 1, out, inp, bits, 64, false);
+        let gw = g.upload_mat(&w).unwrap();
+        let bytes = gw.nbytes() as f64;
+        for rows in [1usize, 256] {
+            let x = g.upload_vec(&rng.vec(rows * inp, 1.0)).unwrap();
+            let mut o = g.zeros(rows * out).unwrap();
+            time(&format!("matmul_q {what} rows {rows}"), bytes, 2.0 * (rows * out * inp) as f64, &mut || g.matmul_q(&x, &gw, rows, &mut o));
+        }
+    }
+    // MoE experts: decode (8 of 256) and a 256-row prefill.
+    let (e, hid, width) = (d.n_experts, d.hidden, 512);
+    let (gate, up, down) = (rand_quant(&mut rng, e, width, hid, 4, 64, false), rand_quant(&mut rng, e, width, hid, 4, 64, false), rand_quant(&mut rng, e, hid, width, 4, 64, false));
+    let (gg, gu, gd) = (g.upload_mat(&gate).unwrap(), g.upload_mat(&up).unwrap(), g.upload_mat(&down).unwrap());
+    let per_expert = (gg.nbytes() + gu.nbytes() + gd.nbytes()) as f64 / e as f64;
+    for rows in [1usize, 256] {
+        let logits = g.upload_vec(&rng.vec(rows * e, 3.0)).unwrap();
+        let mut r = g.new_route(rows, d.top_k).unwrap();
+        let x = g.upload_vec(&rng.vec(rows * hid, 1.0)).unwrap();
+        let mut o = g.zeros(rows * hid).unwrap();
+        time(&format!("moe_route rows {rows}"), 0.0, 0.0, &mut || g.moe_route(&logits, &d, rows, &mut r));
+        let flops = 2.0 * 3.0 * (rows * d.top_k * width * hid) as f64;
+        if rows == 1 {
+            time("moe_experts_decode (8 experts)", 8.0 * per_expert, flops, &mut || g.moe_experts_decode(&x, &r, &gg, &gu, &gd, &d, &mut o));
+        } else {
+            time(&format!("moe_experts_prefill rows {rows}"), 256.0 * per_expert, flops, &mut || g.moe_experts_prefill(&x, &r, &gg, &gu, &gd, &d, rows, &mut o));
+        }
+    }
+    // GDN recurrence (state read + written once per call) and attention over a 4K context.
+    let (hv, dv, dk, c) = (d.gdn_v_heads, d.gdn_v_dim, d.gdn_k_dim, d.conv_channels());
+    let p = GdnParams { a_log: g.upload_vec(&vec![1.0; hv]).unwrap(), dt_bias: g.upload_vec(&vec![0.0; hv]).unwrap(), norm: g.upload_vec(&vec![1.0; dv]).unwrap() };
+    let mut st = g.zeros(hv * dv * dk).unwrap();
+    for rows in [1usize, 256] {
+        let (qkv, z, b, a) = (g.upload_vec(&rng.vec(rows * c, 1.0)).unwrap(), g.upload_vec(&rng.vec(rows * hv * dv, 1.0)).unwrap(), g.upload_vec(&rng.vec(rows * hv, 1.0)).unwrap(), g.upload_vec(&rng.vec(rows * hv, 1.0)).unwrap());
+        let mut o = g.zeros(rows * hv * dv).unwrap();
+        time(&format!("gdn (scan + gated norm) rows {rows}"), (8 * hv * dv * dk) as f64, 0.0, &mut || g.gdn_prefill(&qkv, &z, &b, &a, &p, &mut st, &d, rows, &mut o));
+    }
+    let kvd = d.n_kv_heads * d.head_dim;
+    let ctx = 4096;
+    let mut kv = kv_new(&g, ctx + 256, kvd);
+    let (q, k, v, gt) = (g.upload_vec(&rng.vec(256 * 16 * 256, 1.0)).unwrap(), g.upload_vec(&rng.vec(256 * kvd, 1.0)).unwrap(), g.upload_vec(&rng.vec(256 * kvd, 1.0)).unwrap(), g.upload_vec(&rng.vec(256 * 16 * 256, 1.0)).unwrap());
+    let mut o = g.zeros(256 * 16 * 256).unwrap();
+    time(&format!("attn_decode at context {ctx}"), (2 * ctx * kvd * 4) as f64, 0.0, &mut || g.attn_decode(&q, &k, &v, &gt, &mut kv, &d, ctx, &mut o));
+    time(&format!("attn_prefill 256 rows at {ctx}"), 0.0, (4 * 256 * 16 * 256 * (ctx + 128)) as f64, &mut || g.attn_prefill(&q, &k, &v, &gt, &mut kv, &d, 256, ctx, &mut o));
+}
