@@ -42,6 +42,13 @@ pub struct BenchArgs {
     /// Prefill block size.
     #[arg(long)]
     chunk: Option<usize>,
+    /// Memory bandwidth ceiling in bytes/s (default: measured on the CPU in this run; give the
+    /// device's measured figure for a GPU backend).
+    #[arg(long)]
+    bandwidth: Option<f64>,
+    /// Compute ceiling in FLOP/s (default: the CPU's f32 FMA peak measured in this run).
+    #[arg(long)]
+    peak_flops: Option<f64>,
     /// Also write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
@@ -140,7 +147,16 @@ fn prefill_flops_per_token(c: &lily::Config, pos: usize) -> f64 {
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if a.common.backend == crate::BackendKind::Cuda {
+        let b = lily::backend::cuda::Cuda::new()?;
+        return run_on(b, a);
+    }
     let b = crate::setup(&a.common)?;
+    run_on(b, a)
+}
+
+fn run_on<B: Backend>(b: B, a: BenchArgs) -> Result<()> {
     if a.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
@@ -167,8 +183,10 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     let d = Dims::from_config(&cfg);
     eprintln!("lily bench: measuring the machine's ceilings…");
-    let bw = measure_bandwidth();
-    let peak = measure_flops();
+    let (bw, peak) = match (a.bandwidth, a.peak_flops) {
+        (Some(bw), Some(p)) => (bw, p),
+        _ => (measure_bandwidth(), measure_flops()),
+    };
     let threads = rayon::current_num_threads();
     eprintln!(
         "lily bench: {} | memory read {:.1} GB/s | f32 FMA peak {:.1} GFLOP/s | {} threads",

@@ -5,6 +5,7 @@
 
 mod bench;
 mod chat;
+mod render;
 
 use std::path::{Path, PathBuf};
 
@@ -54,6 +55,8 @@ enum Cmd {
     Bench(bench::BenchArgs),
     /// Interactive chat in the terminal (streams; reasoning shown dimmed).
     Chat(chat::ChatArgs),
+    /// Print the chat-template prompt of a conversation exactly (or its token ids).
+    Render(render::RenderArgs),
 }
 
 #[derive(Args)]
@@ -146,7 +149,8 @@ pub fn setup(c: &Common) -> Result<Cpu> {
             eprintln!("lily: backend auto → cpu ({} threads; no GPU backend in this build)", rayon::current_num_threads());
             Ok(Cpu)
         }
-        BackendKind::Cuda => bail!("--backend cuda: this build has no CUDA backend (it arrives with the CUDA issue; build with --features cuda then)"),
+        BackendKind::Cuda if cfg!(feature = "cuda") => bail!("--backend cuda: only `lily bench` runs on CUDA so far (the CUDA issue wires the rest)"),
+        BackendKind::Cuda => bail!("--backend cuda: this build has no CUDA backend (build with `--features cuda`)"),
     }
 }
 
@@ -364,6 +368,7 @@ fn main() {
         Cmd::Eval(a) => eval(a),
         Cmd::Bench(a) => bench::run(a),
         Cmd::Chat(a) => chat::run(a),
+        Cmd::Render(a) => render::run(a),
     };
     if let Err(e) = r {
         eprintln!("lily: error: {e:#}");

@@ -284,12 +284,13 @@ fn attention_prefill_then_decode() {
         check(&format!("attn_qk_norm_rope rows {rows} pos {pos0} (gate)"), rel_rows(&h(&g, &ggate), &cgate, hd), EXACT);
     }
 
-    // Two prefill chunks, then decode steps: the cache carries over.
-    let cap = 128;
+    // Two prefill chunks, decode steps, a long chunk, decode steps past 256 keys (the split decode
+    // kernel then merges several blocks): the cache carries over.
+    let cap = 1024;
     let mut ckv = kv_new(&Cpu, cap, kvd);
     let mut gkv = kv_new(&g, cap, kvd);
     let mut pos = 0;
-    for (step, rows) in [64usize, 37, 1, 1, 1].into_iter().enumerate() {
+    for (step, rows) in [64usize, 37, 1, 1, 1, 500, 1, 1].into_iter().enumerate() {
         let q = rng.vec(rows * hq * hd, 1.0);
         let k = rng.vec(rows * kvd, 1.0);
         let v = rng.vec(rows * kvd, 1.0);
@@ -366,7 +367,10 @@ fn conv_and_gdn_prefill_then_decode() {
             g.gdn_prefill(&gqkv, &gz, &gb, &ga, &gp, &mut gs, &d, rows, &mut go);
         }
         let kind = if rows == 1 { "gdn_decode" } else { "gdn_prefill" };
-        check(&format!("{kind} step {step}, {rows} rows (out)"), rel_rows(&h(&g, &go), &co, dv), F32_TOL);
+        // Per token (the out_proj input row), not per head: a head whose y = S·q nearly cancels is
+        // scaled up by its RMS norm, and there f32 itself is ill-conditioned (the CPU's f32 result
+        // was seen 4.6e-4 off an f64 port in such a head, whose outputs are ~1e-3 of the row's).
+        check(&format!("{kind} step {step}, {rows} rows (out)"), rel_rows(&h(&g, &go), &co, hv * dv), F32_TOL);
         check(&format!("{kind} step {step}, {rows} rows (fp32 state)"), rel_rows(&h(&g, &gs), &cs, dv * dk), F32_TOL);
     }
 }
@@ -442,9 +446,19 @@ fn bad_shapes_are_errors_not_crashes() {
 /// (one prefill), decode steps after a prefill, and greedy continuations.
 #[test]
 fn small_preset_end_to_end() {
+    end_to_end("small");
+}
+
+/// The same on `tiny`: other kernel variants (GDN key dim 32, head dim 64).
+#[test]
+fn tiny_preset_end_to_end() {
+    end_to_end("tiny");
+}
+
+fn end_to_end(preset: &str) {
     let Some(g) = gpu() else { return };
     let dir = tempfile::tempdir().unwrap();
-    let cfg = lily::synth::preset("small").unwrap();
+    let cfg = lily::synth::preset(preset).unwrap();
     lily::synth::write_checkpoint(&cfg, dir.path(), 11, &|_, _| {}).unwrap();
     let cpu = lily::runtime::load(Cpu, dir.path()).unwrap();
     let cuda = lily::runtime::load(g, dir.path()).unwrap();
@@ -464,7 +478,7 @@ fn small_preset_end_to_end() {
     let argmax = |r: &[f32]| lily::runtime::argmax(r);
     let agree = (0..n).filter(|&t| argmax(&cl[t * v..][..v]) == argmax(&gl[t * v..][..v])).count();
     let err = rel_rows(&gl, &cl, v);
-    println!("e2e small, {n} positions (prefill): top-1 agreement {agree}/{n} ({:.2}%), max rel err {err:.2e}; cpu {:.3}s cuda {:.3}s", 100.0 * agree as f64 / n as f64, t_cpu.as_secs_f64(), t_gpu.as_secs_f64());
+    println!("e2e {preset}, {n} positions (prefill): top-1 agreement {agree}/{n} ({:.2}%), max rel err {err:.2e}; cpu {:.3}s cuda {:.3}s", 100.0 * agree as f64 / n as f64, t_cpu.as_secs_f64(), t_gpu.as_secs_f64());
 
     // Decode: prefill 184, then 8 single-token steps, against the same CPU logits.
     let p = n - 8;
@@ -477,7 +491,7 @@ fn small_preset_end_to_end() {
         dagree += (argmax(&l) == argmax(&cl[t * v..][..v])) as usize;
         derr = derr.max(rel_rows(&l, &cl[t * v..][..v], v));
     }
-    println!("e2e small, decode after a {p}-token prefill: top-1 agreement {dagree}/8, max rel err {derr:.2e}");
+    println!("e2e {preset}, decode after a {p}-token prefill: top-1 agreement {dagree}/8, max rel err {derr:.2e}");
 
     // Greedy continuations of a 32-token prompt.
     let (mut s1, mut s2) = (cpu.new_state(128).unwrap(), cuda.new_state(128).unwrap());
@@ -485,11 +499,11 @@ fn small_preset_end_to_end() {
     let t0 = std::time::Instant::now();
     let (b, st) = lily::runtime::generate_greedy(&cuda, &mut s2, &ids[..32], 48, &[], |_| {}).unwrap();
     let same = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
-    println!("e2e small, greedy 48 tokens: identical for the first {same}; cuda decode {:.1} tok/s ({:.3}s incl. prefill)", st.generated as f64 / st.decode_s.max(1e-9), t0.elapsed().as_secs_f64());
+    println!("e2e {preset}, greedy 48 tokens: identical for the first {same}; cuda decode {:.1} tok/s ({:.3}s incl. prefill)", st.generated as f64 / st.decode_s.max(1e-9), t0.elapsed().as_secs_f64());
 
     let pct = 100.0 * (agree + dagree) as f64 / (n + 8) as f64;
     assert!(pct >= 99.0, "top-1 agreement {pct:.2}% < 99%");
-    check("e2e small: logits (prefill, per position)", err, 1e-4);
+    check(&format!("e2e {preset}: logits (prefill, per position)"), err, 1e-4);
 }
 
 /// Rough per-op times at the real shapes (host clock around N back-to-back launches, then a sync:

@@ -483,3 +483,35 @@ fn tokenizer_matches_python_tokenizers() {
     assert!(failures.is_empty(), "{} mismatches with Python tokenizers:\n{}", failures.len(), failures.join("\n"));
     eprintln!("{} texts: identical ids and decodes", texts.len());
 }
+
+/// Non-byte-level decoders (here a Llama-style byte-fallback one) take the re-decoded window
+/// path: same text as a full decode, nothing emitted while a character is incomplete.
+#[test]
+fn stream_decoder_window_path() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("lily-template-bytefallback");
+    std::fs::create_dir_all(&dir).unwrap();
+    let vocab = json!({"<unk>": 0, "<0xE4>": 1, "<0xBD>": 2, "<0xA0>": 3, "▁hello": 4, "▁world": 5, "!": 6, "▁": 7, "<0xFF>": 8});
+    let tj = json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [{"id": 9, "content": "<think>", "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": false}],
+        "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+        "decoder": {"type": "Sequence", "decoders": [
+            {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+            {"type": "ByteFallback"}, {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+        "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": true, "byte_fallback": true, "ignore_merges": false, "vocab": vocab, "merges": []},
+    });
+    std::fs::write(dir.join("tokenizer.json"), serde_json::to_string(&tj).unwrap()).unwrap();
+    let tok = Tokenizer::from_files(&dir.join("tokenizer.json"), None).unwrap();
+    let mut d = tok.stream_decoder();
+    assert_eq!(d.push(4).as_deref(), Some("hello"));
+    assert_eq!(d.push(5).as_deref(), Some(" world"));
+    assert_eq!(d.push(7).as_deref(), Some(" "));
+    assert_eq!(d.push(1), None);
+    assert_eq!(d.push(2), None);
+    assert_eq!(d.push(3).as_deref(), Some("你"));
+    assert_eq!(d.push(9).as_deref(), Some("<think>"));
+    for ids in [vec![4, 5, 7, 1, 2, 3, 6, 9, 4], vec![1, 6, 8, 2], vec![4, 1, 2]] {
+        assert_eq!(stream(&tok, &ids), tok.decode(&ids).unwrap(), "{ids:?}");
+    }
+}

@@ -10,8 +10,8 @@
 //!
 //! 1. **Repetition penalty** `r` (CTRL / transformers / vLLM): for each distinct token already
 //!    seen, `l > 0 ? l / r : l * r`.
-//! 2. **Presence and frequency penalties** (OpenAI / vLLM): `l -= presence * [c > 0] + frequency
-//!    * c`, `c` = the token's count. With [`Sampler::sample`] every penalty counts `history`;
+//! 2. **Presence and frequency penalties** (OpenAI / vLLM): `l -= presence·[c > 0] +
+//!    frequency·c`, `c` = the token's count. With [`Sampler::sample`] every penalty counts `history`;
 //!    [`Sampler::sample_split`] follows vLLM exactly (the repetition penalty sees prompt and
 //!    output, presence and frequency only the output).
 //! 3. **Greedy** when `temperature < 1e-5` (vLLM's threshold) or `top_k == 1`: the arg-max, the
@@ -326,7 +326,7 @@ pub fn exp_weight(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let e = p * (r * r) + r + 1.0;
     // k in [-126, 0]: 2^k is a normal number.
     let two_k = f32::from_bits(s.to_bits().wrapping_sub(0x4B40_0000).wrapping_add(127) << 23);
@@ -485,7 +485,7 @@ impl Sampler {
             let mut worst = f32::NEG_INFINITY; // logit of the heap's top once full
             for (i, &l) in logits.iter().enumerate() {
                 // Quick reject (also drops NaN); equal logits lose to the lower id already in.
-                if !(l > worst) && (heap.len() == top_k || l.is_nan()) {
+                if l.partial_cmp(&worst) != Some(Ordering::Greater) && (heap.len() == top_k || l.is_nan()) {
                     continue;
                 }
                 let c = Cand { l, id: i as u32 };
@@ -566,9 +566,8 @@ impl Sampler {
                 }
                 // Keep the tokens up to and including (wc, ic) in (weight desc, id asc) order.
                 for (i, w) in self.dense.iter_mut().enumerate() {
-                    if !(*w > wc || (*w == wc && i as u32 <= ic)) {
-                        *w = 0.0;
-                    }
+                    let keep = (*w > wc) | ((*w == wc) & (i as u32 <= ic)); // branch-free
+                    *w = if keep { *w } else { 0.0 };
                 }
                 z = sum(&self.dense);
             }
@@ -577,9 +576,7 @@ impl Sampler {
         // Step 7.
         if p.min_p > 0.0 {
             for w in &mut self.dense {
-                if *w < p.min_p {
-                    *w = 0.0;
-                }
+                *w = if *w >= p.min_p { *w } else { 0.0 };
             }
             z = sum(&self.dense);
         }
@@ -745,6 +742,19 @@ mod tests {
     }
 
     #[test]
+    fn top_p_ties_keep_lowest_ids() {
+        // Ten equal logits (one bin) plus a masked token: top_p 0.5 keeps ids 0..5 on both paths.
+        let mut l = vec![0.25f32; 11];
+        l[10] = f32::NEG_INFINITY;
+        for top_k in [0, 10] {
+            let p = SamplingParams { temperature: 0.8, top_p: 0.5, top_k, ..Default::default() };
+            let d = Sampler::new(p, 11).unwrap().distribution(&mut l.clone(), &[]);
+            assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4], "top_k {top_k}");
+            assert!(d.iter().all(|x| (x.1 - 0.2).abs() < 1e-9));
+        }
+    }
+
+    #[test]
     fn min_p_drops_below_fraction_of_max() {
         // p ∝ 1, 0.5, 0.2, 0.05: min_p 0.25 keeps the first two.
         let l: Vec<f32> = [1.0f32, 0.5, 0.2, 0.05].iter().map(|p| p.ln()).collect();
@@ -850,8 +860,11 @@ mod tests {
     fn frequencies_match_softmax() {
         let l = [1.0f32, 0.0, -1.0, 2.0, 0.5, -0.5, 1.5, -2.0];
         let n = 20_000;
-        for (top_k, want) in [(0, softmax(&l, 1.0)), (8, softmax(&l, 1.0))] {
-            let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k, seed: Some(123), ..Default::default() }, 8).unwrap();
+        let want = softmax(&l, 1.0);
+        // Plain, and through the top-p histogram path with a top_p that keeps every token
+        // (the smallest probability is 0.0087 > 1 - 0.999).
+        for top_p in [1.0, 0.999] {
+            let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_p, seed: Some(123), ..Default::default() }, 8).unwrap();
             let mut count = [0usize; 8];
             for _ in 0..n {
                 count[s.sample(&mut l.to_vec(), &[]) as usize] += 1;
@@ -937,12 +950,12 @@ mod tests {
     fn degenerate_logits() {
         let p = SamplingParams { temperature: 1.0, top_p: 0.9, seed: Some(1), ..Default::default() };
         let mut s = Sampler::new(p, 4).unwrap();
-        assert_eq!(s.sample(&mut vec![f32::NEG_INFINITY; 4], &[]), 0);
-        assert_eq!(s.sample(&mut vec![f32::NAN; 4], &[]), 0);
-        assert_eq!(s.sample(&mut vec![0.0, f32::INFINITY, 1.0, f32::INFINITY], &[]), 1);
+        assert_eq!(s.sample(&mut [f32::NEG_INFINITY; 4], &[]), 0);
+        assert_eq!(s.sample(&mut [f32::NAN; 4], &[]), 0);
+        assert_eq!(s.sample(&mut [0.0, f32::INFINITY, 1.0, f32::INFINITY], &[]), 1);
         // Masked (-inf) and NaN tokens are never drawn.
         for _ in 0..200 {
-            let t = s.sample(&mut vec![f32::NEG_INFINITY, 0.0, f32::NAN, 0.0], &[]);
+            let t = s.sample(&mut [f32::NEG_INFINITY, 0.0, f32::NAN, 0.0], &[]);
             assert!(t == 1 || t == 3);
         }
     }

@@ -89,13 +89,15 @@ pub struct StopChecker {
     /// Text received but not yet emitted (a possible start of a stop string).
     held: String,
     finished: Option<FinishReason>,
+    /// Set by a rule or by [`Self::finish`].
+    done: bool,
 }
 
 impl StopChecker {
     /// Empty stop strings are dropped (see [`StopRules::validate`]).
     pub fn new(mut rules: StopRules, prompt_len: usize) -> Self {
         rules.stop_strings.retain(|s| !s.is_empty());
-        Self { rules, prompt_len, generated: 0, held: String::new(), finished: None }
+        Self { rules, prompt_len, generated: 0, held: String::new(), finished: None, done: false }
     }
 
     /// Whether generation must not start at all: `max_tokens` 0 (`Length`) or a prompt that
@@ -110,11 +112,11 @@ impl StopChecker {
         }
     }
 
-    /// Feeds one generated token and its decoded text. After a step with `finish` set, further
-    /// calls return empty steps with the same reason.
+    /// Feeds one generated token and its decoded text. After a step with `finish` set (or
+    /// after [`Self::finish`]), further calls return empty steps with the same reason.
     pub fn push(&mut self, id: u32, piece: &str) -> Step {
-        if let Some(f) = &self.finished {
-            return Step { text: String::new(), finish: Some(f.clone()) };
+        if self.done {
+            return Step { text: String::new(), finish: self.finished.clone() };
         }
         self.generated += 1;
         if self.rules.stop_ids.contains(&id) {
@@ -139,6 +141,7 @@ impl StopChecker {
             self.held.clear();
             let s = self.rules.stop_strings[k].clone();
             self.finished = Some(FinishReason::Stop(StopKind::String(s)));
+            self.done = true;
             return Step { text, finish: self.finished.clone() };
         }
         if self.rules.max_tokens.is_some_and(|m| self.generated >= m) {
@@ -153,10 +156,10 @@ impl StopChecker {
         Step { text, finish: None }
     }
 
-    /// Ends the generation for a reason of the caller's (cancelled, error): returns the held
-    /// text. Later pushes return empty steps.
+    /// Ends the generation for a reason of the caller's (cancelled, error; the finish reason
+    /// stays unset): returns the held text. Later pushes return empty steps.
     pub fn finish(&mut self) -> String {
-        self.finished.get_or_insert(FinishReason::Length);
+        self.done = true;
         std::mem::take(&mut self.held)
     }
 
@@ -180,6 +183,7 @@ impl StopChecker {
 
     fn end(&mut self, f: FinishReason) -> Step {
         self.finished = Some(f.clone());
+        self.done = true;
         Step { text: std::mem::take(&mut self.held), finish: Some(f) }
     }
 
@@ -323,6 +327,16 @@ mod tests {
         let mut c = StopChecker::new(r, 5);
         c.push(10, "a");
         assert_eq!(c.push(11, "b").finish, Some(FinishReason::Length));
+    }
+
+    #[test]
+    fn finish_by_caller_releases_held_text() {
+        let mut c = StopChecker::new(rules(&["<END>"]), 5);
+        assert_eq!(c.push(10, "a <EN").text, "a ");
+        assert_eq!(c.held(), "<EN");
+        assert_eq!(c.finish(), "<EN");
+        assert_eq!(c.finish_reason(), None);
+        assert_eq!(c.push(11, "D>"), Step::default());
     }
 
     #[test]

@@ -340,7 +340,11 @@ fn run_unit(plan: &Plan, m: &layout::Module, u: &Unit, files: &[File], places: &
         let (shard, base) = places[part];
         write_at(&files[shard], bytes, base + elem_offset_bytes).with_context(|| format!("writing `{}`", m.path))
     };
-    let bf16 = |v: &[f32]| -> Vec<u8> { v.iter().flat_map(|&x| quant::bf16_bits(x).to_le_bytes()).collect() };
+    let bf16 = |v: &[f32]| -> Vec<u8> {
+        let mut b = vec![0u8; v.len() * 2];
+        b.chunks_exact_mut(2).zip(v).for_each(|(d, &x)| d.copy_from_slice(&quant::bf16_bits(x).to_le_bytes()));
+        b
+    };
     let r0 = u.rows.start as u64;
     Ok(match &m.kind {
         layout::Kind::Linear { quant: Some(q), .. } => {
@@ -358,7 +362,8 @@ fn run_unit(plan: &Plan, m: &layout::Module, u: &Unit, files: &[File], places: &
                 scales.extend(p.scale.to_le_bytes());
                 biases.extend(p.bias.to_le_bytes());
             }
-            let wb: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+            let mut wb = vec![0u8; words.len() * 4];
+            wb.chunks_exact_mut(4).zip(&words).for_each(|(d, w)| d.copy_from_slice(&w.to_le_bytes()));
             put(0, &wb, r0 * wpr as u64 * 4)?;
             put(1, &scales, r0 * gpr as u64 * 2)?;
             put(2, &biases, r0 * gpr as u64 * 2)?;
@@ -370,7 +375,8 @@ fn run_unit(plan: &Plan, m: &layout::Module, u: &Unit, files: &[File], places: &
             b.len() as u64
         }
         layout::Kind::Plain { dtype: StDtype::F32, .. } => {
-            let b: Vec<u8> = vals.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let mut b = vec![0u8; vals.len() * 4];
+            b.chunks_exact_mut(4).zip(&vals).for_each(|(d, x)| d.copy_from_slice(&x.to_le_bytes()));
             put(0, &b, r0 * cols as u64 * 4)?;
             b.len() as u64
         }

@@ -110,17 +110,43 @@ fn round_sig(x: f32, p: u32) -> f32 {
     f32::from_bits(r & !((1u32 << drop) - 1))
 }
 
-/// Codes of `w` for a given scale and bias (MLX's formula), with the group's edge element pinned
-/// to 0 and the opposite extreme to n.
-fn codes_for(w: &[f32], bits: u32, scale: f32, bias: f32, i_edge: usize, i_far: usize, codes: &mut [u8]) {
-    let nf = ((1u32 << bits) - 1) as f32;
-    let inv = 1.0 / scale;
-    for (c, &x) in codes.iter_mut().zip(w) {
-        let q = rne_small(((x - bias) * inv).clamp(-1.0, nf + 1.0));
-        *c = q.clamp(0.0, nf) as u8;
+/// Minimum and maximum, in 8 lanes (vectorizes).
+#[inline]
+fn min_max(w: &[f32]) -> (f32, f32) {
+    let mut lo = [f32::INFINITY; 8];
+    let mut hi = [f32::NEG_INFINITY; 8];
+    let mut chunks = w.chunks_exact(8);
+    for c in &mut chunks {
+        for i in 0..8 {
+            lo[i] = if c[i] < lo[i] { c[i] } else { lo[i] };
+            hi[i] = if c[i] > hi[i] { c[i] } else { hi[i] };
+        }
     }
-    codes[i_edge] = 0;
-    codes[i_far] = nf as u8;
+    for &x in chunks.remainder() {
+        lo[0] = if x < lo[0] { x } else { lo[0] };
+        hi[0] = if x > hi[0] { x } else { hi[0] };
+    }
+    (lo.iter().fold(f32::INFINITY, |a, &x| a.min(x)), hi.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x)))
+}
+
+/// Codes of `w` for a given scale and bias (MLX's formula), with the group's edge value pinned to
+/// code 0 and the opposite extreme to n.
+fn codes_for(w: &[f32], bits: u32, scale: f32, bias: f32, v_edge: f32, v_far: f32, codes: &mut [u8]) {
+    let n = (1i32 << bits) - 1;
+    let inv = 1.0 / scale;
+    const M: f32 = 12_582_912.0;
+    let m_bits = M.to_bits() as i32;
+    let hi = n as f32 + 2.0;
+    let codes = &mut codes[..w.len()];
+    for i in 0..w.len() {
+        // After clamping to [−2, n+2] and adding 1.5·2²³, the rounded integer sits in the low
+        // mantissa bits (nearest-even rounding, as rint); branch-free so the loop vectorizes.
+        let q = (w[i] - bias) * inv;
+        let q = if q < -2.0 { -2.0 } else if q > hi { hi } else { q };
+        let qi = ((q + M).to_bits() as i32 - m_bits).max(0).min(n);
+        let qi = if w[i] == v_edge { 0 } else { qi };
+        codes[i] = (if w[i] == v_far { n } else { qi }) as u8;
+    }
 }
 
 /// Whether (codes, scale, bias) is a fixed point of MLX's rule; returns the max abs error to `w`.
@@ -140,17 +166,14 @@ fn verify(w: &[f32], bits: u32, codes: &[u8], p: GroupParams) -> Option<f32> {
 /// Falls back to MLX's rule unchanged for degenerate groups (constant, or zero edge).
 pub fn encode_group(w: &[f32], bits: u32, codes: &mut [u8]) -> GroupParams {
     let n = (1u32 << bits) - 1;
-    let w_min = w.iter().fold(f32::INFINITY, |a, &x| a.min(x));
-    let w_max = w.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
-    let imin = w.iter().position(|&x| x == w_min).unwrap_or(0);
-    let imax = w.iter().position(|&x| x == w_max).unwrap_or(0);
+    let (w_min, w_max) = min_max(w);
     let d = (w_max - w_min) / n as f32;
     let mask = w_min.abs() > w_max.abs();
     let edge = if mask { w_min } else { w_max };
+    let far = if mask { w_max } else { w_min };
     let sgn = if mask { 1.0f32 } else { -1.0 };
-    let (i_edge, i_far) = if mask { (imin, imax) } else { (imax, imin) };
     let q0 = if d > 1e-7 { (edge / (sgn * d)).rne() } else { 0.0 };
-    if q0 >= 0.0 || imin == imax || !(d > 1e-30) || w.len() > 256 {
+    if q0 >= 0.0 || w_min == w_max || !(d > 1e-30) || w.len() > 256 {
         let (s, b) = mlx_quantize_group(w, bits, codes);
         return GroupParams { scale: bf16_bits(s), bias: bf16_bits(b) };
     }
@@ -167,10 +190,17 @@ pub fn encode_group(w: &[f32], bits: u32, codes: &mut [u8]) -> GroupParams {
     // switch sides.)
     if bits == 4 && straddles {
         let k0 = k_nat.max((n + 1) / 2);
-        let far = if mask { w_max } else { w_min };
         let mut best: Option<(f32, f32, f32)> = None;
-        for k in k0.saturating_sub(1).max((n + 1) / 2)..=(k0 + 1).min(n) {
-            for u in -2i32..=2 {
+        // Candidates nearest first; stop at the first within 0.55 of a step at both ends.
+        const ORDER: [(i32, i32); 15] =
+            [(0, 0), (0, -1), (0, 1), (-1, 0), (1, 0), (0, -2), (0, 2), (-1, -1), (-1, 1), (1, -1), (1, 1), (-1, -2), (-1, 2), (1, -2), (1, 2)];
+        for (dk, u) in ORDER {
+            let k = k0 as i32 + dk;
+            if k < ((n + 1) / 2) as i32 || k > n as i32 {
+                continue;
+            }
+            let k = k as u32;
+            {
                 let s = bf16_value((s8 as i32 + u).clamp(1, 0x7F7F) as u16);
                 let scale = sgn * s;
                 let bias = bf16_value(bf16_bits(-(k as f32) * scale));
@@ -182,6 +212,9 @@ pub fn encode_group(w: &[f32], bits: u32, codes: &mut [u8]) -> GroupParams {
                 if best.is_none_or(|b| err < b.0) {
                     best = Some((err, scale, bias));
                 }
+                if err <= 0.55 * s {
+                    break;
+                }
             }
         }
         let (scale, bias) = match best {
@@ -192,7 +225,7 @@ pub fn encode_group(w: &[f32], bits: u32, codes: &mut [u8]) -> GroupParams {
                 (s, -(k0 as f32) * s)
             }
         };
-        codes_for(w, bits, scale, bias, i_edge, i_far, codes);
+        codes_for(w, bits, scale, bias, edge, far, codes);
         return GroupParams { scale: bf16_bits(scale), bias: bf16_bits(bias) };
     }
 
@@ -211,7 +244,7 @@ pub fn encode_group(w: &[f32], bits: u32, codes: &mut [u8]) -> GroupParams {
         let scale = sgn * s;
         let bias = bf16_value(bf16_bits(-(k as f32) * scale));
         let p = GroupParams { scale: bf16_bits(scale), bias: bf16_bits(bias) };
-        codes_for(w, bits, scale, bias, i_edge, i_far, &mut tmp[..g]);
+        codes_for(w, bits, scale, bias, edge, far, &mut tmp[..g]);
         if let Some(err) = verify(w, bits, &tmp[..g], p) {
             if best.as_ref().is_none_or(|b| err < b.0) {
                 *best = Some((err, p, tmp));
@@ -274,13 +307,17 @@ pub fn encode_group(w: &[f32], bits: u32, codes: &mut [u8]) -> GroupParams {
 
 /// Packs codes little-endian into u32 words, lowest bits first (4-bit: 8 per word; 8-bit: 4).
 pub fn pack(codes: &[u8], bits: u32, out: &mut [u32]) {
-    let per = (32 / bits) as usize;
-    for (j, word) in out.iter_mut().enumerate() {
-        let mut v = 0u32;
-        for i in 0..per {
-            v |= (codes[j * per + i] as u32) << (i as u32 * bits);
+    match bits {
+        4 => out.iter_mut().zip(codes.chunks_exact(8)).for_each(|(w, c)| {
+            *w = c.iter().enumerate().fold(0u32, |v, (i, &x)| v | (x as u32 & 15) << (4 * i));
+        }),
+        8 => out.iter_mut().zip(codes.chunks_exact(4)).for_each(|(w, c)| *w = u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        _ => {
+            let per = (32 / bits) as usize;
+            for (j, word) in out.iter_mut().enumerate() {
+                *word = (0..per).fold(0u32, |v, i| v | (codes[j * per + i] as u32) << (i as u32 * bits));
+            }
         }
-        *word = v;
     }
 }
 

@@ -485,7 +485,7 @@ mod tests {
     #[test]
     fn raise_exception_is_a_clear_error() {
         let t = ChatTemplate::from_source("{{ raise_exception('boom') }}").unwrap();
-        let e = t.render(&serde_json::json!([]), None, false, &Map::new()).unwrap_err();
+        let e = t.render(&serde_json::json!([{"role": "user", "content": "x"}]), None, false, &Map::new()).unwrap_err();
         let te = e.downcast_ref::<TemplateError>().expect("a TemplateError");
         assert!(te.raised);
         assert_eq!(te.message, "boom");
@@ -499,7 +499,7 @@ mod tests {
         .unwrap();
         let mut kw = Map::new();
         kw.insert("x".into(), serde_json::json!({"z": "<é>", "a": [1, 2.0]}));
-        let s = t.render(&serde_json::json!([]), None, false, &kw).unwrap();
+        let s = t.render(&serde_json::json!([{"role": "user", "content": "x"}]), None, false, &kw).unwrap();
         assert_eq!(s, "{\"z\": \"<é>\", \"a\": [1, 2.0]}|[\n  1,\n  2.0\n]|a|None|True|1e-05|2");
     }
 

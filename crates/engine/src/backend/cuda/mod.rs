@@ -4,7 +4,10 @@
 //!   says clearly when there is no driver or no device. Kernels are the `kernels/*.cu` files (one
 //!   op family each, named like the CPU files), embedded in the binary and compiled with NVRTC for
 //!   the device's architecture when the backend is created, cached on disk by source hash
-//!   (`nvrtc.rs`). `scripts/check-kernels` compiles them the same way in CI, without a GPU.
+//!   (`nvrtc.rs`; `$LILY_CACHE_DIR`, default `~/.cache/lily`). NVRTC (`libnvrtc.so.13`) is loaded
+//!   only on a cache miss and must then be on the loader path (on the H200 image:
+//!   `LD_LIBRARY_PATH=/usr/local/cuda/lib64`). `scripts/check-kernels` compiles every file the same
+//!   way in CI, without a GPU. Tests: `tests/cuda_ops.rs` (each op against the CPU op).
 //! * Memory: weights are uploaded once and stay in their checkpoint format: 4-/8-bit codes as u32
 //!   words, scales and biases as bf16 (f16 / f32 scales become f32); unquantized matrices become
 //!   f32. Activations, the KV cache and the GDN state are f32 in this first cut (bf16 activations
@@ -188,6 +191,9 @@ enum Arg {
     D(f64),
     Q(QMat),
 }
+
+/// Keys per block of the split decode attention (ATT_SPLIT in attention.cu).
+const ATT_SPLIT: usize = 256;
 
 fn grid1(n: usize, per: usize) -> u32 {
     n.div_ceil(per).max(1) as u32
@@ -546,7 +552,8 @@ impl Backend for Cuda {
         }
         let args = [Arg::P(x.mem.ptr), Arg::Q(w.q()), Arg::P(out.mem.ptr), Arg::I(rows as i32)];
         if rows <= 8 {
-            self.launch(&format!("gemv_{}", w.fmt.suffix()), (grid1(w.out, 8), 1, 1), 256, 0, &args);
+            let r = rows.next_power_of_two();
+            self.launch(&format!("gemv{r}_{}", w.fmt.suffix()), (grid1(w.out, 8), 1, 1), 256, 0, &args);
         } else {
             self.launch(&format!("gemm_{}", w.fmt.suffix()), (grid1(w.out, 64), grid1(rows, 64), 1), 256, 0, &args);
         }
@@ -632,7 +639,34 @@ impl Backend for Cuda {
         );
     }
     fn attn_decode(&self, q: &Buf, k: &Buf, v: &Buf, gate: &Buf, kv: &mut KvCache<Buf>, d: &Dims, pos: usize, out: &mut Buf) {
-        self.attn_prefill(q, k, v, gate, kv, d, 1, pos, out)
+        let op = "attn_decode";
+        let (h, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
+        let kvd = kvh * hd;
+        if !(self.ensure(hd % 32 == 0 && hd <= 256 && kvh > 0 && h % kvh == 0, || format!("{op}: {h} heads / {kvh} kv heads of {hd} not supported"))
+            && self.ensure(pos < kv.capacity && kv.k.len >= kv.capacity * kvd && kv.v.len >= kv.capacity * kvd, || format!("{op}: KV cache overflow ({pos} + 1 > {})", kv.capacity))
+            && self.buf_ok(q, h * hd, "q", op)
+            && self.buf_ok(k, kvd, "k", op)
+            && self.buf_ok(v, kvd, "v", op)
+            && self.buf_ok(gate, h * hd, "gate", op)
+            && self.buf_ok(out, h * hd, "out", op))
+        {
+            return;
+        }
+        self.dtod(k.mem.ptr, kv.k.at(pos * kvd), 4 * kvd);
+        self.dtod(v.mem.ptr, kv.v.at(pos * kvd), 4 * kvd);
+        let n = pos + 1;
+        let splits = n.div_ceil(ATT_SPLIT);
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(part) = self.scratch(&mut sc, "attn_part", 4 * h * splits * (hd + 2)) else { return };
+        let scale = 1.0 / (hd as f32).sqrt();
+        self.launch(
+            "attn_decode_split",
+            (h as u32, splits as u32, 1),
+            256,
+            0,
+            &[Arg::P(q.mem.ptr), Arg::P(kv.k.mem.ptr), Arg::P(kv.v.mem.ptr), Arg::P(part), Arg::I(h as i32), Arg::I(kvh as i32), Arg::I(hd as i32), Arg::I(n as i32), Arg::F(scale)],
+        );
+        self.launch("attn_decode_combine", (h as u32, 1, 1), 256, 0, &[Arg::P(part), Arg::P(gate.mem.ptr), Arg::P(out.mem.ptr), Arg::I(hd as i32), Arg::I(splits as i32)]);
     }
 
     fn conv1d_prefill(&self, x: &Buf, w: &Buf, state: &mut Buf, d: &Dims, rows: usize, out: &mut Buf) {
@@ -646,7 +680,7 @@ impl Backend for Cuda {
         let (hk, hv, dk, dv) = (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim);
         let c = d.conv_channels();
         if rows == 0
-            || !(self.ensure(matches!(dk, 32 | 64 | 128) && dv % 8 == 0 && hk > 0 && hv % hk == 0, || format!("{op}: key dim {dk} / value dim {dv} / heads {hk}:{hv} not supported"))
+            || !(self.ensure(matches!(dk, 32 | 64 | 128) && dv % 4 == 0 && hk > 0 && hv % hk == 0, || format!("{op}: key dim {dk} / value dim {dv} / heads {hk}:{hv} not supported"))
                 && self.buf_ok(qkv, rows * c, "qkv", op)
                 && self.buf_ok(z, rows * hv * dv, "z", op)
                 && self.buf_ok(b, rows * hv, "b", op)
@@ -661,7 +695,7 @@ impl Backend for Cuda {
         }
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Some(y) = self.scratch(&mut sc, "gdn_y", 4 * rows * hv * dv) else { return };
-        let warps = hv * dv / 8;
+        let warps = hv * dv / 4; // GDN_RPW rows of state per warp
         self.launch(
             &format!("gdn_scan_{}", dk / 32),
             (grid1(warps, 4), 1, 1),
@@ -761,7 +795,7 @@ impl Backend for Cuda {
         let (h, k) = (d.hidden, route.k);
         let width = gate.out;
         if !(self.experts_ok(gate, up, down, d, op)
-            && self.ensure(gate.fmt == up.fmt, || format!("{op}: gate and up weights in different formats"))
+            && self.ensure(gate.fmt == up.fmt && k <= 16, || format!("{op}: gate and up weights in different formats, or top-{k} > 16"))
             && self.buf_ok(x, h, "x", op)
             && self.buf_ok(out, h, "out", op))
         {

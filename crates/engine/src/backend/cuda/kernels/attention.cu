@@ -13,7 +13,12 @@
 //                    threads = 8 warps; warp w takes keys w, w+8, ... with an online softmax (f32,
 //                    running max), lane l owns dims l, l+32, ... (hd <= 256, hd % 32 == 0); the 8
 //                    partial states are merged through shared memory. Used for prefill (rows > 1)
-//                    and decode (rows = 1). Split-K over long contexts for decode is a later step.
+//                    and decode (rows = 1).
+// attn_decode_split + attn_decode_combine  decode (one query) split over the context: grid
+//                    (H, ceil(n/256)) blocks each do 256 keys as above and write a partial state
+//                    (max, normaliser, unnormalised output); the combine merges them per head
+//                    (grid H). Query heads of one KV group still read K/V separately (sharing the
+//                    loads across the 8 heads of a group is a later step).
 
 extern "C" __global__ void __launch_bounds__(128)
 attn_qk_norm_rope(const float* __restrict__ qg, float* __restrict__ k, const float* __restrict__ qn,
@@ -61,20 +66,19 @@ attn_qk_norm_rope(const float* __restrict__ qg, float* __restrict__ k, const flo
 }
 
 #define ATT_WARPS 8
-#define ATT_MAXD 8  // hd / 32 at most
+#define ATT_MAXD 8      // hd / 32 at most
+#define ATT_SPLIT 256   // keys per block of the split decode kernel
 
-extern "C" __global__ void __launch_bounds__(256)
-attn_rows(const float* __restrict__ q, const float* __restrict__ gate, const float* __restrict__ kc,
-          const float* __restrict__ vc, float* __restrict__ out, int H, int KV, int hd, int pos0, float scale) {
-    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
-    __shared__ float sacc[ATT_WARPS][ATT_MAXD * 32];
-    const int t = blockIdx.x, h = blockIdx.y;
+// One block's online softmax over keys [j0, j1) for the query at qp (KV head kvh): warp w takes
+// keys j0+w, j0+w+8, ...; the warps' states are merged through shared memory. On return (after a
+// barrier) sacc[w][d] * f[w] summed over w is the unnormalised output, M the running max and L the
+// normaliser; an empty range gives L = 0.
+__device__ __forceinline__ void attn_range(const float* __restrict__ qp, const float* __restrict__ kc,
+                                           const float* __restrict__ vc, int kvh, u64 kvd, int hd, int j0, int j1,
+                                           float scale, float* sm, float* sl, float (*sacc)[ATT_MAXD * 32], float* f,
+                                           float& M, float& L) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int nd = hd >> 5;
-    const int kvh = h / (H / KV);
-    const u64 kvd = (u64)KV * hd;
-    const int n = pos0 + t + 1;
-    const float* qp = q + ((u64)t * H + h) * hd;
     float qv[ATT_MAXD], acc[ATT_MAXD];
 #pragma unroll
     for (int i = 0; i < ATT_MAXD; i++) {
@@ -82,7 +86,7 @@ attn_rows(const float* __restrict__ q, const float* __restrict__ gate, const flo
         acc[i] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
-    for (int j = warp; j < n; j += ATT_WARPS) {
+    for (int j = j0 + warp; j < j1; j += ATT_WARPS) {
         const float* kp = kc + (u64)j * kvd + (u64)kvh * hd;
         const float* vp = vc + (u64)j * kvd + (u64)kvh * hd;
         float d = 0.0f;
@@ -103,15 +107,26 @@ attn_rows(const float* __restrict__ q, const float* __restrict__ gate, const flo
     for (int i = 0; i < ATT_MAXD; i++)
         if (i < nd) sacc[warp][lane + 32 * i] = acc[i];
     __syncthreads();
-    float M = NEG_INF;
+    M = NEG_INF;
 #pragma unroll
-    for (int w = 0; w < ATT_WARPS; w++) M = fmaxf(M, sm[w]);
-    float L = 0.0f, f[ATT_WARPS];
+    for (int w = 0; w < ATT_WARPS; w++)
+        if (sl[w] > 0.0f) M = fmaxf(M, sm[w]);
+    L = 0.0f;
 #pragma unroll
     for (int w = 0; w < ATT_WARPS; w++) {
         f[w] = sl[w] > 0.0f ? expf(sm[w] - M) : 0.0f;
         L += sl[w] * f[w];
     }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+attn_rows(const float* __restrict__ q, const float* __restrict__ gate, const float* __restrict__ kc,
+          const float* __restrict__ vc, float* __restrict__ out, int H, int KV, int hd, int pos0, float scale) {
+    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
+    __shared__ float sacc[ATT_WARPS][ATT_MAXD * 32];
+    const int t = blockIdx.x, h = blockIdx.y;
+    float f[ATT_WARPS], M, L;
+    attn_range(q + ((u64)t * H + h) * hd, kc, vc, h / (H / KV), (u64)KV * hd, hd, 0, pos0 + t + 1, scale, sm, sl, sacc, f, M, L);
     const float* gp = gate + ((u64)t * H + h) * hd;
     float* op = out + ((u64)t * H + h) * hd;
     for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
@@ -119,5 +134,49 @@ attn_rows(const float* __restrict__ q, const float* __restrict__ gate, const flo
 #pragma unroll
         for (int w = 0; w < ATT_WARPS; w++) o += sacc[w][dd] * f[w];
         op[dd] = o / L * sigmoid_f(gp[dd]);
+    }
+}
+
+// Decode, split over the context: block (h, s) does keys [s*ATT_SPLIT, ..) of the n = pos + 1
+// keys and writes its partial state part[h][s] = (M, L, o[hd] unnormalised); grid (H, ceil(n/256)).
+extern "C" __global__ void __launch_bounds__(256)
+attn_decode_split(const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
+                  float* __restrict__ part, int H, int KV, int hd, int n, float scale) {
+    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
+    __shared__ float sacc[ATT_WARPS][ATT_MAXD * 32];
+    const int h = blockIdx.x, s = blockIdx.y, ns = gridDim.y;
+    const int j0 = s * ATT_SPLIT, j1 = min(n, j0 + ATT_SPLIT);
+    float f[ATT_WARPS], M, L;
+    attn_range(q + (u64)h * hd, kc, vc, h / (H / KV), (u64)KV * hd, hd, j0, j1, scale, sm, sl, sacc, f, M, L);
+    float* pp = part + ((u64)h * ns + s) * (hd + 2);
+    if (threadIdx.x == 0) { pp[0] = M; pp[1] = L; }
+    for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
+        float o = 0.0f;
+#pragma unroll
+        for (int w = 0; w < ATT_WARPS; w++) o += sacc[w][dd] * f[w];
+        pp[2 + dd] = o;
+    }
+}
+
+// Merges the ns partial states of each head, normalises and applies the gate: grid H, 256 threads.
+extern "C" __global__ void __launch_bounds__(256)
+attn_decode_combine(const float* __restrict__ part, const float* __restrict__ gate, float* __restrict__ out, int hd, int ns) {
+    const int h = blockIdx.x;
+    const float* pp = part + (u64)h * ns * (hd + 2);
+    float M = NEG_INF;
+    for (int s = 0; s < ns; s++)
+        if (pp[(u64)s * (hd + 2) + 1] > 0.0f) M = fmaxf(M, pp[(u64)s * (hd + 2)]);
+    for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
+        float L = 0.0f, o = 0.0f;
+        for (int s = 0; s < ns; s++) {
+            const float* ps = pp + (u64)s * (hd + 2);
+            float l = ps[1];
+            if (l > 0.0f) {
+                float fs = expf(ps[0] - M);
+                L += l * fs;
+                o += ps[2 + dd] * fs;
+            }
+        }
+        out[(u64)h * hd + dd] = o / L * sigmoid_f(gate[(u64)h * hd + dd]);
     }
 }

@@ -5,13 +5,14 @@
 //     [K-1, C] = the last K-1 pre-conv rows, read and replaced. One thread per channel walks the
 //     rows with its window in registers (grid ceil(C/256), 256 threads), so reading and replacing
 //     the state needs no barrier. The step kernel is the same walk for one row.
-// gdn_scan_<NC>  the gated delta rule, fp32, state [Hv, Dv, Dk]. Each warp owns RPW = 8 rows of
+// gdn_scan_<NC>  the gated delta rule, fp32, state [Hv, Dv, Dk]. Each warp owns RPW = 4 rows of
 //     one value head's state, held in registers for the whole scan (lane l holds columns
 //     l*NC .. l*NC+NC-1, NC = Dk/32 in {1, 2, 4}); per token it l2-normalises q and k (redundantly
 //     per warp, shuffles only), computes the gates and, per row r:
 //         s *= g;  delta = (v_r - s.k) * beta;  s += delta k;  y_r = s.q
 //     exactly the CPU's per-row order. No shared memory and no barriers: warps are independent.
-//     Grid: Hv * Dv/8 warps in blocks of 4 warps. Writes y [rows, Hv*Dv] (pre-norm).
+//     Grid: Hv * Dv/4 warps (1024 at the real shape) in blocks of 4 warps. Writes y [rows, Hv*Dv]
+//     (pre-norm).
 // gdn_gated_norm  out = rms_norm(y[t,h], norm[Dv]) * silu(z[t,h]) per value head: grid (rows, Hv),
 //     128 threads.
 // Decode uses the same kernels with rows = 1 (a chunked WY form for long prefills comes later).
@@ -57,7 +58,7 @@ extern "C" __global__ void conv1d_step(const float* x, const float* w, float* st
     conv_walk(x, w, state, out, C, K, 1);
 }
 
-#define GDN_RPW 8
+#define GDN_RPW 4
 
 template <int NC>
 __device__ __forceinline__ void gdn_scan_body(const float* __restrict__ qkv, const float* __restrict__ bb,

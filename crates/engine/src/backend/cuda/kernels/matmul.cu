@@ -5,17 +5,16 @@
 // matrix 0 of its stack. Kernel names end in the weight format: q4_bf16, q8_bf16, q4_f32, q8_f32,
 // dense (see FOR_EACH_FORMAT).
 //
-// gemv_<fmt>  (rows <= 8: decode and tiny batches; memory-bound). Block of 256 threads = 8 warps,
-//             one output row per warp, grid ceil(out/8). Each warp streams its weight row once for
-//             all rows of x (warp_dot_rows), then reduces with shuffles.
+// gemv<R>_<fmt> (rows <= R, R in 1, 2, 4, 8: decode and tiny batches; memory-bound; the host picks
+//             the smallest R, fewer registers = more warps in flight). Block of 256 threads = 8
+//             warps, one output row per warp, grid ceil(out/8). Each warp streams its weight row
+//             once for all rows of x (warp_dot_rows), then reduces with shuffles.
 // gemm_<fmt>  (rows > 8: prefill). 64x64 output tiles, 256 threads, grid (ceil(out/64),
 //             ceil(rows/64)); W dequantized into shared memory per k-step of 32. Plain f32 FMAs
 //             (correctness first; tensor cores come later).
 // embed_<fmt> out[t] = dequant(W[ids[t]]): grid rows, 256 threads striding over the row.
 
-#define GEMV_MAXR 8
-
-template <int BITS, typename SB>
+template <int BITS, typename SB, int GEMV_MAXR>
 __device__ __forceinline__ void gemv_body(const float* __restrict__ x, QMat m, float* __restrict__ out, int rows) {
     int lane = threadIdx.x & 31;
     int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -64,8 +63,17 @@ __device__ __forceinline__ void embed_body(QMat m, const u32* __restrict__ ids, 
 }
 
 #define MATMUL_KERNELS(NAME, BITS, SB)                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) gemv_##NAME(const float* x, QMat m, float* out, int rows) { \
-        gemv_body<BITS, SB>(x, m, out, rows);                                                           \
+    extern "C" __global__ void __launch_bounds__(256) gemv1_##NAME(const float* x, QMat m, float* out, int rows) { \
+        gemv_body<BITS, SB, 1>(x, m, out, rows);                                                        \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) gemv2_##NAME(const float* x, QMat m, float* out, int rows) { \
+        gemv_body<BITS, SB, 2>(x, m, out, rows);                                                        \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) gemv4_##NAME(const float* x, QMat m, float* out, int rows) { \
+        gemv_body<BITS, SB, 4>(x, m, out, rows);                                                        \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(256) gemv8_##NAME(const float* x, QMat m, float* out, int rows) { \
+        gemv_body<BITS, SB, 8>(x, m, out, rows);                                                        \
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(256) gemm_##NAME(const float* x, QMat m, float* out, int rows) { \
         gemm_body<BITS, SB>(x, m, out, rows);                                                           \

@@ -20,7 +20,7 @@
 //   moe_gate_up_<fmt>  act[j, o] = silu(gate_e . x) * (up_e . x), e = ids[j]; warp per output row,
 //                      grid (ceil(width/8), k), 256 threads.
 //   moe_down_<fmt>     out[o] = sum_j w_j * (down_{ids[j]} . act_j), slot order; warp per output
-//                      row, grid ceil(hidden/8).
+//                      row (all k dots issued before the sum), grid ceil(hidden/8); k <= 16.
 
 extern "C" __global__ void __launch_bounds__(256)
 moe_route(const float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ weights, int E, int k, int norm_topk) {
@@ -167,18 +167,25 @@ __device__ __forceinline__ void moe_gate_up_body(const float* __restrict__ x, QM
     if (lane == 0) act[(u64)j * g.out + o] = silu_f(gv) * uv;
 }
 
+#define MOE_MAXK 16  // top-k of the decode kernel (checked on the host)
+
 template <int BITS, typename SB>
 __device__ __forceinline__ void moe_down_body(const float* __restrict__ act, QMat d, const u32* __restrict__ ids,
                                               const float* __restrict__ w, float* __restrict__ out, int k) {
     const int lane = threadIdx.x & 31;
     const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (o >= d.out) return;
-    float total = 0.0f;
-    for (int j = 0; j < k; j++) {
-        float a[1] = {0.0f};
-        warp_dot_rows<BITS, SB, 1>(d, ids[j], o, act + (u64)j * d.inp, 0, 1, a, lane);
-        total += w[j] * warp_sum(a[0]);
+    // All k dots first (independent loads in flight), then the weighted sum in slot order.
+    float part[MOE_MAXK];
+#pragma unroll
+    for (int j = 0; j < MOE_MAXK; j++) {
+        part[j] = 0.0f;
+        if (j < k) warp_dot_rows<BITS, SB, 1>(d, ids[j], o, act + (u64)j * d.inp, 0, 1, &part[j], lane);
     }
+    float total = 0.0f;
+#pragma unroll
+    for (int j = 0; j < MOE_MAXK; j++)
+        if (j < k) total += w[j] * warp_sum(part[j]);
     if (lane == 0) out[o] = total;
 }
 

@@ -6,12 +6,13 @@
 //                  first (4-bit: element 8j+i is bits [4i, 4i+4) of word j); scales and biases
 //                  [n, out, inp/gs] of type SB (u16 holding bf16 bits, or float); w = s*q + b.
 //   BITS = 32      dense f32 [n, out, inp] (the u32 words are float bits; s, b unused).
-// Requirements checked on the host at upload: inp % 32 == 0, gs % 32 == 0 (4-bit) / % 16 (8-bit),
-// so a 16-byte chunk of codes never straddles a group, and every row starts 16-byte aligned.
+// Requirements checked on the host at upload: inp % 32 == 0 and gs % 32 == 0, so a word (or a
+// k-step of the GEMM) never straddles a group, and every row starts 16-byte aligned.
 //
 // * warp_dot_rows: one warp, one weight row, up to MAXR rows of x (the GEMV inner loop). Lanes take
-//   16-byte chunks of the row in turn (coalesced 512 B per warp step) and never dequantize: they use
-//   sum_k (s*q_k + b)*x_k = s*sum_k q_k x_k + b*sum_k x_k per group (as cpu/matmul.rs's GEMV).
+//   u32 words of the row in turn (coalesced 128 B per warp load, 4 loads in flight per lane, x
+//   loads coalesced too) and never dequantize: they use
+//   sum_k (s*q_k + b)*x_k = s*sum_k q_k x_k + b*sum_k x_k per word (as cpu/matmul.rs's GEMV).
 //   Each lane returns a partial sum; the caller reduces across the warp.
 // * gemm_tile: a 64 (x rows) x 64 (weight rows) output tile over k-steps of 32, 256 threads, each
 //   4x4 outputs; W is dequantized (s*q + b) into shared memory per k-step (as cpu/matmul.rs's GEMM).
@@ -33,9 +34,6 @@ template <typename SB> __device__ __forceinline__ float ld_sb(const SB* p, u64 i
 template <> __device__ __forceinline__ float ld_sb<u16>(const u16* p, u64 i) { return bf16f(p[i]); }
 template <> __device__ __forceinline__ float ld_sb<float>(const float* p, u64 i) { return p[i]; }
 
-// Codes in a 16-byte chunk: 32 (4-bit), 16 (8-bit), 4 (dense f32).
-template <int BITS> struct Chunk { static constexpr int N = 128 / BITS; };
-
 template <int BITS> __device__ __forceinline__ void unpack_word(u32 w, float* q) {
     if constexpr (BITS == 32) {
         q[0] = __uint_as_float(w);
@@ -45,14 +43,6 @@ template <int BITS> __device__ __forceinline__ void unpack_word(u32 w, float* q)
 #pragma unroll
         for (int i = 0; i < PER; i++) q[i] = (float)((w >> (i * BITS)) & M);
     }
-}
-
-template <int BITS> __device__ __forceinline__ void unpack16(uint4 v, float* q) {
-    constexpr int PER = 32 / BITS;
-    unpack_word<BITS>(v.x, q);
-    unpack_word<BITS>(v.y, q + PER);
-    unpack_word<BITS>(v.z, q + 2 * PER);
-    unpack_word<BITS>(v.w, q + 3 * PER);
 }
 
 // One element W[e][o][k], dequantized exactly as MatView::row_f32 does (s*q then + b, no FMA).
@@ -72,39 +62,69 @@ __device__ __forceinline__ float deq_elem(const QMat& m, int e, u64 o, int k) {
 }
 
 // acc[t] += (partial) dot(W[e][o], x[t]) for t < rows (rows <= MAXR), this lane's share.
+// Quantized rows go word by word: lane l takes u32 words l, l+32, l+64, l+96 (each step a
+// coalesced 128-byte load per warp; 4 loads issued before any is used), and the x values of a
+// word (8 or 4 consecutive floats) are then contiguous across the lanes too, so x loads coalesce.
+// Dense rows go by 16-byte chunks (4 floats) in the same pattern.
 template <int BITS, typename SB, int MAXR>
-__device__ __forceinline__ void warp_dot_rows(const QMat& m, int e, int o, const float* __restrict__ x, u64 ldx,
-                                              int rows, float* acc, int lane) {
-    constexpr int CPC = Chunk<BITS>::N;
-    const uint4* wrow = (const uint4*)((const u32*)m.w + (u64)e * m.wpm + (u64)o * (u64)(m.inp * BITS / 32));
-    u64 grow = (u64)e * m.gpm + (u64)o * (u64)(m.inp / m.gs);
-    int nch = m.inp / CPC;
-    for (int c = lane; c < nch; c += 32) {
-        uint4 wv = __ldg(wrow + c);
-        float q[CPC];
-        unpack16<BITS>(wv, q);
-        int k0 = c * CPC;
-        float sc = 1.0f, bi = 0.0f;
-        if constexpr (BITS != 32) {
-            u64 g = grow + (u64)(k0 / m.gs);
-            sc = ld_sb((const SB*)m.s, g);
-            bi = ld_sb((const SB*)m.b, g);
+__device__ __forceinline__ void dot_unit(const QMat& m, u64 grow, uint4 wv, int u, const float* __restrict__ x, u64 ldx,
+                                         int rows, float* acc) {
+    if constexpr (BITS == 32) {
+        const int k0 = u * 4;
+        float q[4] = {__uint_as_float(wv.x), __uint_as_float(wv.y), __uint_as_float(wv.z), __uint_as_float(wv.w)};
+#pragma unroll
+        for (int t = 0; t < MAXR; t++) {
+            if (t < rows) {
+                float4 xv = *(const float4*)(x + (u64)t * ldx + k0);
+                acc[t] += q[0] * xv.x + q[1] * xv.y + q[2] * xv.z + q[3] * xv.w;
+            }
         }
+    } else {
+        constexpr int PER = 32 / BITS;
+        const int k0 = u * PER;
+        float q[PER];
+        unpack_word<BITS>(wv.x, q);
+        const u64 g = grow + (u64)(k0 / m.gs);
+        const float sc = ld_sb((const SB*)m.s, g), bi = ld_sb((const SB*)m.b, g);
 #pragma unroll
         for (int t = 0; t < MAXR; t++) {
             if (t < rows) {
                 const float4* xp = (const float4*)(x + (u64)t * ldx + k0);
                 float dq = 0.0f, xs = 0.0f;
 #pragma unroll
-                for (int i = 0; i < CPC / 4; i++) {
+                for (int i = 0; i < PER / 4; i++) {
                     float4 xv = xp[i];
                     dq += q[4 * i] * xv.x + q[4 * i + 1] * xv.y + q[4 * i + 2] * xv.z + q[4 * i + 3] * xv.w;
-                    if constexpr (BITS != 32) xs += (xv.x + xv.y) + (xv.z + xv.w);
+                    xs += (xv.x + xv.y) + (xv.z + xv.w);
                 }
-                if constexpr (BITS == 32) acc[t] += dq;
-                else acc[t] += sc * dq + bi * xs;
+                acc[t] += sc * dq + bi * xs;
             }
         }
+    }
+}
+
+template <int BITS, typename SB, int MAXR>
+__device__ __forceinline__ void warp_dot_rows(const QMat& m, int e, int o, const float* __restrict__ x, u64 ldx,
+                                              int rows, float* acc, int lane) {
+    const u32* wrow = (const u32*)m.w + (u64)e * m.wpm + (u64)o * (u64)(m.inp * BITS / 32);
+    const u64 grow = (u64)e * m.gpm + (u64)o * (u64)(m.inp / m.gs);
+    // units: u32 words (quantized) or 16-byte chunks (dense)
+    const int nu = BITS == 32 ? m.inp / 4 : m.inp / (32 / BITS);
+    for (int u0 = lane; u0 < nu; u0 += 128) {
+        uint4 wv[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int u = u0 + 32 * i;
+            if (u < nu) {
+                if constexpr (BITS == 32) wv[i] = __ldg((const uint4*)wrow + u);
+                else wv[i] = make_uint4(__ldg(wrow + u), 0u, 0u, 0u);
+            } else {
+                wv[i] = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+            if (u0 + 32 * i < nu) dot_unit<BITS, SB, MAXR>(m, grow, wv[i], u0 + 32 * i, x, ldx, rows, acc);
     }
 }
 
