@@ -221,7 +221,7 @@ fn header_bytes(tensors: &[(Stored, u64)]) -> Vec<u8> {
         m.insert(s.name.clone(), serde_json::json!({"dtype": s.dtype.name(), "shape": s.shape, "data_offsets": [off, off + s.bytes()]}));
     }
     let mut json = serde_json::to_vec(&serde_json::Value::Object(m)).expect("header serializes");
-    while json.len() % 8 != 0 {
+    while !json.len().is_multiple_of(8) {
         json.push(b' ');
     }
     let mut out = (json.len() as u64).to_le_bytes().to_vec();

@@ -24,12 +24,13 @@
 //!   structured dims scaled by 0.01, so layers hardly write there: the structure survives to the
 //!   last layer unchanged, whatever the context.
 //! - **Router.** Each layer assigns every cluster its top-k experts (first covering every expert,
-//!   then by a Zipf-like popularity, so some experts are much more popular, as in real models).
+//!   then by a Zipf-like popularity, so some experts are much more popular, as in real models:
+//!   on `small` the busiest expert takes 9–14 % of the routing slots, 4× the uniform share).
 //!   Router row e has `10/4` on the cluster dims of the clusters that chose e, 0 on the others, and
 //!   a popularity bias in [−1, 1] on the common dim, plus N(0, 0.3²) logit noise from the other
-//!   dims. A token's chosen experts thus lead the rest by about 10/rms(h) − 2 − noise ≈ 5 logits,
-//!   against bf16 noise of ~0.05: routing never flips, yet the top-k weights vary with the bias
-//!   and the context noise.
+//!   dims. A token's chosen experts thus lead the rest by about 10/rms(h) − 2 − noise ≥ 5 logits
+//!   (measured in MLX-LM on `small`, every token and layer: min 5.2) against bf16 noise of ~0.05:
+//!   routing never flips, yet the top-k weights vary with the bias and the context noise.
 //! - **Residual scales.** Input projections have std 1/√in (unit-RMS pre-activations after the
 //!   norms). Output projections are sized so each sublayer adds RMS `√(0.5 / (2·layers))`:
 //!   together the layers add variance 0.5 to the unit-RMS embedding, at any depth, so the hidden
@@ -45,13 +46,18 @@
 //! - **lm_head.** Every token has a successor (a permutation of the text tokens; a few tokens are
 //!   followed by `<|im_end|>`, so generation can stop). lm_head row v is 14/(hidden·ν) times the
 //!   noise part of its predecessors' embeddings plus background N(0, (0.05·14)²/hidden): the
-//!   successor's logit is ≈ 14·ν/rms(h) ≈ 11 while the other logits are ~N(0, 0.7²) (max ≈ 3–5),
-//!   a top-1 margin of ~6 against bf16 noise of ~0.05, with p(top) ≈ 0.5–0.9 so sampling still
-//!   has something to sample. The context moves the rest of the distribution, not the argmax.
+//!   successor's logit is ≈ 14·ν/rms(h) ≈ 11 while the other logits are ~N(0, 0.7²) (max ≈ 3–5).
+//!   On `small` (MLX-LM, 192 positions): top-1 minus top-2 ≥ 3.6, median 7.0, p(top) median 0.83
+//!   (min 0.36), so sampling still has something to sample, and bf16 agrees with f32 on 100 % of
+//!   top-1s and greedy tokens. The context moves the rest of the distribution, not the argmax.
 //! - **Quantization.** 4-bit (8-bit for `mlp.gate`, `mlp.shared_expert_gate`), group 64, MLX's
 //!   affine rule with the scale and zero point nudged so each group is a fixed point of it
 //!   (`quant.rs`): re-quantizing the dequantized weights with `mlx.core.quantize` gives back the
 //!   same bytes, an exact format check (`tools/synth_check.py`).
+//!
+//! Vocabulary layout and tokenizer: see `tokenizer.rs` (full vocabulary: the real merges and the
+//! real added-token ids 248044…; smaller ones: the first merges that fit and the 33 added tokens
+//! at the top ids, so `<|endoftext|>` = vocab_size − 33, `<|im_end|>` = vocab_size − 31).
 
 mod layout;
 mod plan;

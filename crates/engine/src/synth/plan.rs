@@ -33,8 +33,8 @@ pub const WRITER_SD_SCALE: f32 = 0.01;
 /// RMS of the inputs of the output projections, per unit-RMS pre-activation, used to size them:
 /// silu(g)·u (experts), rms_norm(y)·silu(z) (GDN), attention output · sigmoid(gate).
 pub const RMS_SWIGLU: f32 = 0.6;
-pub const RMS_GDN_OUT: f32 = 0.6;
-pub const RMS_ATTN_OUT: f32 = 0.3;
+pub const RMS_GDN_OUT: f32 = 0.56;
+pub const RMS_ATTN_OUT: f32 = 0.21;
 /// Share of the MoE output variance from the routed experts vs the shared expert.
 pub const ROUTED_SHARE: f32 = 0.8;
 pub const SHARED_SHARE: f32 = 0.6;

@@ -173,7 +173,7 @@ pub fn encode_group(w: &[f32], bits: u32, codes: &mut [u8]) -> GroupParams {
     let far = if mask { w_max } else { w_min };
     let sgn = if mask { 1.0f32 } else { -1.0 };
     let q0 = if d > 1e-7 { (edge / (sgn * d)).rne() } else { 0.0 };
-    if q0 >= 0.0 || w_min == w_max || !(d > 1e-30) || w.len() > 256 {
+    if q0 >= 0.0 || w_min == w_max || d.is_nan() || d <= 1e-30 || w.len() > 256 {
         let (s, b) = mlx_quantize_group(w, bits, codes);
         return GroupParams { scale: bf16_bits(s), bias: bf16_bits(b) };
     }
@@ -189,14 +189,14 @@ pub fn encode_group(w: &[f32], bits: u32, codes: &mut [u8]) -> GroupParams {
     // kept ≥ (n+1)/2: a symmetric group can round to K = n/2 − ½, where the re-derived edge would
     // switch sides.)
     if bits == 4 && straddles {
-        let k0 = k_nat.max((n + 1) / 2);
+        let k0 = k_nat.max(n.div_ceil(2));
         let mut best: Option<(f32, f32, f32)> = None;
         // Candidates nearest first; stop at the first within 0.55 of a step at both ends.
         const ORDER: [(i32, i32); 15] =
             [(0, 0), (0, -1), (0, 1), (-1, 0), (1, 0), (0, -2), (0, 2), (-1, -1), (-1, 1), (1, -1), (1, 1), (-1, -2), (-1, 2), (1, -2), (1, 2)];
         for (dk, u) in ORDER {
             let k = k0 as i32 + dk;
-            if k < ((n + 1) / 2) as i32 || k > n as i32 {
+            if k < (n.div_ceil(2)) as i32 || k > n as i32 {
                 continue;
             }
             let k = k as u32;
@@ -232,13 +232,13 @@ pub fn encode_group(w: &[f32], bits: u32, codes: &mut [u8]) -> GroupParams {
     // General path: candidates around the natural (K, S), each checked by running MLX's rule on
     // its dequantized values; plus the always-exact ones with K·S exact in bf16 (S rounded to
     // 8 − bits(K) significant bits). The candidate closest to `w` wins.
-    let (lo, hi) = if straddles { ((n + 1) / 2, n) } else { (1, u32::MAX) };
+    let (lo, hi) = if straddles { (n.div_ceil(2), n) } else { (1, u32::MAX) };
     let radius = if straddles { 2 } else { (k_nat / 8).max(2) };
     let mut best: Option<(f32, GroupParams, [u8; 256])> = None;
     let mut tmp = [0u8; 256];
     let g = w.len();
     let mut consider = |k: u32, s: f32, best: &mut Option<(f32, GroupParams, [u8; 256])>| {
-        if !(s > 0.0) || !s.is_finite() {
+        if s.is_nan() || s <= 0.0 || !s.is_finite() {
             return;
         }
         let scale = sgn * s;

@@ -85,7 +85,7 @@ impl Vocab {
         let fixture = fixture_added()?;
         let n_add = fixture.len();
         let full = vocab_size >= REAL_ADDED_BASE + n_add;
-        let added_base = if full { REAL_ADDED_BASE } else { vocab_size.checked_sub(n_add).unwrap_or(0) };
+        let added_base = if full { REAL_ADDED_BASE } else { vocab_size.saturating_sub(n_add) };
         if added_base < 256 + 32 {
             bail!("vocab_size {vocab_size} is too small: the synthetic tokenizer needs 256 byte tokens, some merges and {n_add} added tokens (at least {})", 256 + 32 + n_add);
         }
