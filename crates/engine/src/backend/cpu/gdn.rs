@@ -56,6 +56,45 @@ fn l2norm(x: &[f32], scale: f32, out: &mut [f32]) {
     }
 }
 
+/// `s ← g·s`, returns `s·k`. Eight partial sums (one per SIMD lane) so the compiler vectorises
+/// the reduction; f32 addition is not associative, so it would not reorder a single running sum.
+#[inline(always)]
+fn decay_dot(s: &mut [f32], k: &[f32], g: f32) -> f32 {
+    let mut acc = [0f32; 8];
+    let n8 = s.len() / 8 * 8;
+    for (sv, kk) in s[..n8].chunks_exact_mut(8).zip(k[..n8].chunks_exact(8)) {
+        for i in 0..8 {
+            sv[i] *= g;
+            acc[i] += sv[i] * kk[i];
+        }
+    }
+    let mut tail = 0f32;
+    for (sv, &kk) in s[n8..].iter_mut().zip(&k[n8..]) {
+        *sv *= g;
+        tail += *sv * kk;
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `s ← s + δ·k`, returns `s·q` (read after the update), vectorised like [`decay_dot`].
+#[inline(always)]
+fn update_dot(s: &mut [f32], k: &[f32], q: &[f32], delta: f32) -> f32 {
+    let mut acc = [0f32; 8];
+    let n8 = s.len() / 8 * 8;
+    for ((sv, kk), qq) in s[..n8].chunks_exact_mut(8).zip(k[..n8].chunks_exact(8)).zip(q[..n8].chunks_exact(8)) {
+        for i in 0..8 {
+            sv[i] += delta * kk[i];
+            acc[i] += sv[i] * qq[i];
+        }
+    }
+    let mut tail = 0f32;
+    for ((sv, &kk), &qq) in s[n8..].iter_mut().zip(&k[n8..]).zip(&q[n8..]) {
+        *sv += delta * kk;
+        tail += *sv * qq;
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
 pub struct GdnParamsRef<'a> {
     pub a_log: &'a [f32],
     pub dt_bias: &'a [f32],
@@ -86,18 +125,9 @@ pub fn gated_delta(qkv: &[f32], z: &[f32], b: &[f32], a: &[f32], p: &GdnParamsRe
                 let g = (-decay_rate * softplus(a[t * hv + h] + p.dt_bias[h])).exp();
                 let yt = &mut y[t * dv..][..dv];
                 for (r, s_row) in s.chunks_mut(dk).enumerate() {
-                    let mut kv = 0.0f32;
-                    for (sv, &kk) in s_row.iter_mut().zip(&k) {
-                        *sv *= g;
-                        kv += *sv * kk;
-                    }
+                    let kv = decay_dot(s_row, &k, g);
                     let delta = (v[r] - kv) * beta;
-                    let mut acc = 0.0f32;
-                    for ((sv, &kk), &qq) in s_row.iter_mut().zip(&k).zip(&q) {
-                        *sv += delta * kk;
-                        acc += *sv * qq;
-                    }
-                    yt[r] = acc;
+                    yt[r] = update_dot(s_row, &k, &q, delta);
                 }
             }
             y
