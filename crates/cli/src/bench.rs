@@ -148,8 +148,7 @@ fn prefill_flops_per_token(c: &lily::Config, pos: usize) -> f64 {
 
 pub fn run(a: BenchArgs) -> Result<()> {
     #[cfg(feature = "cuda")]
-    if a.common.backend == crate::BackendKind::Cuda {
-        let b = lily::backend::cuda::Cuda::new()?;
+    if let Some(b) = crate::pick_cuda(&a.common)? {
         return run_on(b, a);
     }
     let b = crate::setup(&a.common)?;

@@ -13,6 +13,7 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use lily::backend::cpu::Cpu;
+use lily::backend::Backend;
 use lily::model::Logits;
 
 #[derive(Parser)]
@@ -135,21 +136,46 @@ struct EvalArgs {
     common: Common,
 }
 
-/// Sets up threads and resolves the backend. Only the CPU backend exists in this build.
-pub fn setup(c: &Common) -> Result<Cpu> {
+/// Sets the CPU thread count (also used by a GPU backend's host side).
+fn setup_threads(c: &Common) -> Result<()> {
     if let Some(n) = c.threads {
         if n == 0 {
             bail!("--threads must be at least 1");
         }
         rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("cannot start the thread pool")?;
     }
+    Ok(())
+}
+
+/// The CUDA backend when it is asked for (`cuda`) or available (`auto`); `None` = use the CPU.
+#[cfg(feature = "cuda")]
+pub fn pick_cuda(c: &Common) -> Result<Option<lily::backend::cuda::Cuda>> {
+    match c.backend {
+        BackendKind::Cuda => Ok(Some(lily::backend::cuda::Cuda::new()?)),
+        BackendKind::Auto => match lily::backend::cuda::Cuda::new() {
+            Ok(b) => {
+                eprintln!("lily: backend auto → {}", lily::backend::Backend::name(&b));
+                Ok(Some(b))
+            }
+            Err(e) => {
+                eprintln!("lily: backend auto: no CUDA device ({e:#}); using the CPU");
+                Ok(None)
+            }
+        },
+        BackendKind::Cpu => Ok(None),
+    }
+}
+
+/// Sets up threads and resolves the CPU backend (GPU dispatch happens before, see `pick_cuda`).
+pub fn setup(c: &Common) -> Result<Cpu> {
+    setup_threads(c)?;
     match c.backend {
         BackendKind::Cpu => Ok(Cpu),
         BackendKind::Auto => {
-            eprintln!("lily: backend auto → cpu ({} threads; no GPU backend in this build)", rayon::current_num_threads());
+            eprintln!("lily: backend auto → cpu ({} threads)", rayon::current_num_threads());
             Ok(Cpu)
         }
-        BackendKind::Cuda if cfg!(feature = "cuda") => bail!("--backend cuda: only `lily bench` runs on CUDA so far (the CUDA issue wires the rest)"),
+        BackendKind::Cuda if cfg!(feature = "cuda") => bail!("--backend cuda: this command runs on the CPU only so far (bench, generate and eval run on CUDA)"),
         BackendKind::Cuda => bail!("--backend cuda: this build has no CUDA backend (build with `--features cuda`)"),
     }
 }
@@ -168,7 +194,7 @@ pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
 }
 
 /// Loads a checkpoint with a progress line on stderr.
-pub fn load_model(dir: &Path, b: Cpu) -> Result<lily::model::Qwen35<Cpu>> {
+pub fn load_model<B: Backend>(dir: &Path, b: B) -> Result<lily::model::Qwen35<B>> {
     let t0 = std::time::Instant::now();
     let m = lily::runtime::load(b, dir)?;
     eprintln!(
@@ -213,7 +239,16 @@ fn synth(a: SynthArgs) -> Result<()> {
 }
 
 fn generate(a: GenerateArgs) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Some(b) = pick_cuda(&a.common)? {
+        setup_threads(&a.common)?;
+        return generate_on(b, a);
+    }
     let b = setup(&a.common)?;
+    generate_on(b, a)
+}
+
+fn generate_on<B: Backend>(b: B, a: GenerateArgs) -> Result<()> {
     let m = load_model(&a.model, b)?;
     let sampling = a.sampling.params(&a.model)?;
     let has_tok = a.model.join("tokenizer.json").exists();
@@ -310,7 +345,16 @@ fn top1(row: &[f64]) -> usize {
 }
 
 fn eval(a: EvalArgs) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Some(b) = pick_cuda(&a.common)? {
+        setup_threads(&a.common)?;
+        return eval_on(b, a);
+    }
     let b = setup(&a.common)?;
+    eval_on(b, a)
+}
+
+fn eval_on<B: Backend>(b: B, a: EvalArgs) -> Result<()> {
     let mut m = load_model(&a.model, b)?;
     if let Some(c) = a.chunk {
         m.chunk = c.max(1);
