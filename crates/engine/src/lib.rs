@@ -9,6 +9,7 @@ pub mod config;
 pub mod loader;
 pub mod model;
 pub mod npy;
+pub mod rng;
 pub mod runtime;
 pub mod synth;
 pub mod tokenizer;

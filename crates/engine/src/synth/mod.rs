@@ -62,7 +62,7 @@
 mod layout;
 mod plan;
 pub mod quant;
-mod rng;
+pub use crate::rng;
 mod tokenizer;
 
 use std::fs::File;

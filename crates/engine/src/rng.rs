@@ -1,6 +1,10 @@
-//! Counter-based randomness for the synthetic checkpoints: every row of every tensor has its own
-//! stream, seeded from (seed, tensor, row), so the bytes written never depend on the thread count,
-//! the chunking or the order in which rows are produced.
+//! The project's one pseudo-random generator (xoshiro256++) and its mixing functions.
+//!
+//! Synthetic checkpoints use counter-based streams: every row of every tensor has its own, seeded
+//! from (seed, tensor, row), so the bytes written never depend on the thread count, the chunking
+//! or the order in which rows are produced (`Rng::new`, `Rng::for_row`; that seeding is part of
+//! the checkpoint format's reproducibility and must not change). The sampler seeds it the
+//! standard SplitMix64 way (`Rng::splitmix`).
 
 /// SplitMix64 finaliser: a strong 64-bit mix.
 #[inline]
@@ -31,7 +35,7 @@ pub fn name_id(s: &str) -> u64 {
 }
 
 /// xoshiro256++: fast, good quality, seeded through SplitMix64.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct Rng {
     s: [u64; 4],
 }
@@ -45,6 +49,24 @@ impl Rng {
             *x = mix64(z);
         }
         Self { s }
+    }
+    /// Standard SplitMix64 seeding (the sampler's; its outputs for a seed are pinned by a test).
+    pub fn splitmix(seed: u64) -> Self {
+        let mut z = seed;
+        let mut s = [0u64; 4];
+        for x in &mut s {
+            z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut y = z;
+            y = (y ^ (y >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            y = (y ^ (y >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            *x = y ^ (y >> 31);
+        }
+        Self { s }
+    }
+    /// Uniform in [0, 1), 53 bits.
+    #[inline]
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
     /// The stream of one row of one tensor.
     pub fn for_row(seed: u64, tensor: u64, row: u64) -> Self {
