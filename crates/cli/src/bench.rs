@@ -5,8 +5,19 @@
 //! throughput = 64 generated tokens / their time after a context of that length. Median of
 //! `--rounds`. Each row also gives the fraction of the hardware limit: decode bytes/s against the
 //! memory bandwidth and prefill FLOP/s against the FMA peak, both measured in the same run.
+//!
+//! `--profile` adds time per op family (backend/profile.rs: every op bracketed by a device sync)
+//! for one prefill chunk and one decode step, at `--profile-context` (default 4K) tokens of
+//! context: after an unprofiled prefill of that context, one chunk of `--chunk` tokens (default
+//! 256, the model's) is timed unprofiled, then the next chunk profiled (so the profiled chunk sits
+//! at positions ctx+chunk .. ctx+2·chunk); then `--profile-steps` decode steps (default 8, greedy,
+//! logits of the last position read back as in the decode benchmark) are timed unprofiled and as
+//! many profiled, reported per step. Both the unprofiled and the profiled wall times are printed:
+//! their difference is the cost of the syncs. With `--profile`, the benchmark rows run on the
+//! same wrapped backend with the profiler off (one atomic load per op).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Result};
@@ -14,6 +25,7 @@ use clap::Args;
 use rayon::prelude::*;
 use serde_json::json;
 
+use lily::backend::profile::{Profiled, Profiler};
 use lily::backend::{Backend, Dims};
 use lily::loader::Checkpoint;
 use lily::model::{Logits, Qwen35};
@@ -52,6 +64,15 @@ pub struct BenchArgs {
     /// Also write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Time per op family for one prefill chunk and one decode step (see the module header).
+    #[arg(long)]
+    profile: bool,
+    /// Context before the profiled chunk and steps.
+    #[arg(long, default_value = "4k")]
+    profile_context: String,
+    /// Decode steps averaged in the profile.
+    #[arg(long, default_value_t = 8)]
+    profile_steps: usize,
     #[command(flatten)]
     common: Common,
 }
@@ -156,6 +177,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
 }
 
 fn run_on<B: Backend>(b: B, a: BenchArgs) -> Result<()> {
+    if a.profile {
+        let p = Profiled::new(b);
+        let prof = p.profiler();
+        bench(p, a, Some(prof))
+    } else {
+        bench(b, a, None)
+    }
+}
+
+fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<()> {
     if a.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
@@ -247,6 +278,10 @@ fn run_on<B: Backend>(b: B, a: BenchArgs) -> Result<()> {
         rows.push(json!({"phase": "decode", "context": n, "tokens": a.decode_tokens, "tok_s": tps, "seconds": t,
             "bytes_per_token": bytes, "roofline_fraction": frac}));
     }
+    let profile = match &prof {
+        Some(p) => Some(profile(&m, p, &a)?),
+        None => None,
+    };
     if let Some(p) = &a.json {
         let machine = std::fs::read_to_string("/proc/cpuinfo")
             .ok()
@@ -262,8 +297,76 @@ fn run_on<B: Backend>(b: B, a: BenchArgs) -> Result<()> {
             "weight_bytes_per_token": weight_bytes,
             "rounds": a.rounds,
             "results": rows,
+            "profile": profile,
         });
         std::fs::write(p, serde_json::to_string_pretty(&out)?)?;
     }
     Ok(())
+}
+
+/// `--profile`: one prefill chunk and one decode step at `--profile-context`, per op family.
+fn profile<B: Backend>(m: &Qwen35<B>, prof: &Profiler, a: &BenchArgs) -> Result<serde_json::Value> {
+    let ctx = lengths(&a.profile_context, "profile-context")?.first().copied().unwrap_or(0);
+    let (chunk, steps) = (m.chunk, a.profile_steps.max(1));
+    let n = ctx + 2 * chunk + 2 * steps + 1;
+    let ids = prompt_ids(n, m.cfg.vocab_size);
+    let mut st = m.new_state(n)?;
+    if ctx > 0 {
+        m.forward(&mut st, &ids[..ctx], Logits::None, None)?;
+    }
+    let b = &m.backend;
+    let timed = |st: &mut lily::model::SeqState<B>, from: usize| -> Result<f64> {
+        b.sync()?;
+        let t0 = Instant::now();
+        m.forward(st, &ids[from..from + chunk], Logits::None, None)?;
+        b.sync()?;
+        Ok(t0.elapsed().as_secs_f64())
+    };
+    let plain_chunk = timed(&mut st, ctx)?;
+    prof.start();
+    let prof_chunk = timed(&mut st, ctx + chunk);
+    let prefill = prof.stop();
+    let prof_chunk = prof_chunk?;
+
+    let mut next = argmax(&m.forward(&mut st, &ids[ctx + 2 * chunk..][..1], Logits::Last, None)?); // warm-up step
+    let mut decode_steps = |st: &mut lily::model::SeqState<B>| -> Result<f64> {
+        let t0 = Instant::now();
+        for _ in 0..steps {
+            next = argmax(&m.forward(st, &[next], Logits::Last, None)?);
+        }
+        Ok(t0.elapsed().as_secs_f64() / steps as f64)
+    };
+    let plain_step = decode_steps(&mut st)?;
+    prof.start();
+    let prof_step = decode_steps(&mut st);
+    let decode = prof.stop().per(steps);
+    let prof_step = prof_step?;
+
+    println!();
+    println!(
+        "profile: one prefill chunk of {chunk} tokens at context {}: {:.2} ms unprofiled, {:.2} ms profiled",
+        ctx + chunk,
+        plain_chunk * 1e3,
+        prof_chunk * 1e3
+    );
+    print!("{}", prefill.table());
+    println!();
+    println!(
+        "profile: one decode step at context {} (mean of {steps}): {:.3} ms unprofiled, {:.3} ms profiled",
+        ctx + 2 * chunk + 1,
+        plain_step * 1e3,
+        prof_step * 1e3
+    );
+    print!("{}", decode.table());
+    let mut pj = prefill.to_json();
+    pj["context"] = json!(ctx + chunk);
+    pj["tokens"] = json!(chunk);
+    pj["unprofiled_ms"] = json!(plain_chunk * 1e3);
+    pj["profiled_ms"] = json!(prof_chunk * 1e3);
+    let mut dj = decode.to_json();
+    dj["context"] = json!(ctx + 2 * chunk + 1);
+    dj["steps_averaged"] = json!(steps);
+    dj["unprofiled_ms"] = json!(plain_step * 1e3);
+    dj["profiled_ms"] = json!(prof_step * 1e3);
+    Ok(json!({"prefill_chunk": pj, "decode_step": dj}))
 }

@@ -6,6 +6,7 @@
 mod bench;
 mod chat;
 mod render;
+mod serve;
 
 use std::path::{Path, PathBuf};
 
@@ -58,6 +59,10 @@ enum Cmd {
     Chat(chat::ChatArgs),
     /// Print the chat-template prompt of a conversation exactly (or its token ids).
     Render(render::RenderArgs),
+    /// The OpenAI-compatible HTTP server.
+    Serve(serve::ServeArgs),
+    /// Quickstart: a small synthetic model, the server, one streamed chat completion over HTTP.
+    Demo(serve::DemoArgs),
 }
 
 #[derive(Args)]
@@ -413,6 +418,8 @@ fn main() {
         Cmd::Bench(a) => bench::run(a),
         Cmd::Chat(a) => chat::run(a),
         Cmd::Render(a) => render::run(a),
+        Cmd::Serve(a) => serve::serve(a),
+        Cmd::Demo(a) => serve::demo(a),
     };
     if let Err(e) = r {
         eprintln!("lily: error: {e:#}");

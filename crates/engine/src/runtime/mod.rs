@@ -33,8 +33,12 @@ pub fn argmax(v: &[f32]) -> u32 {
 #[derive(Clone, Debug, Default)]
 pub struct GenStats {
     pub prompt_tokens: usize,
+    /// Prompt tokens that were already in the state (not prefilled again).
+    pub cached_tokens: usize,
     pub generated: usize,
     pub prefill_s: f64,
+    /// From the start of prefill to the first generated token.
+    pub first_token_s: f64,
     pub decode_s: f64,
 }
 

@@ -1,0 +1,193 @@
+//! `lily serve` (the OpenAI-compatible server) and `lily demo` (the README quickstart: a small
+//! synthetic checkpoint, the real server, one streamed chat completion through real HTTP).
+
+use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use serde_json::{json, Value};
+
+use lily::backend::Backend;
+use lily_server::{ModelRunner, Runner, Server, ServeOptions};
+
+use crate::Common;
+
+#[derive(Args)]
+pub struct ServeArgs {
+    /// Checkpoint directory.
+    #[arg(long)]
+    model: PathBuf,
+    /// Address to bind (127.0.0.1: this machine only; 0.0.0.0: every interface).
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Context length in tokens (default: the model's `max_position_embeddings`).
+    #[arg(long)]
+    max_context: Option<usize>,
+    /// Require `Authorization: Bearer KEY` on every route but /health (also read from LILY_API_KEY).
+    #[arg(long, env = "LILY_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Name reported in /v1/models and responses (default: the checkpoint directory's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Requests that may wait for the model; more get 503 + Retry-After.
+    #[arg(long, default_value_t = 32)]
+    queue: usize,
+    /// Largest request body in MiB.
+    #[arg(long, default_value_t = 32)]
+    max_body_mib: usize,
+    /// Test mode: JSON list of {"when": substring, "reply": text}; a prompt containing `when`
+    /// gets `reply` forced through the model instead of sampled text (for API tests with random
+    /// weights).
+    #[arg(long, hide = true)]
+    test_script: Option<PathBuf>,
+    #[command(flatten)]
+    common: Common,
+}
+
+/// Loads the model on the chosen backend and returns it as a server runner.
+fn runner(model: &Path, common: &Common, max_context: Option<usize>) -> Result<(Box<dyn Runner>, usize)> {
+    #[cfg(feature = "cuda")]
+    if let Some(b) = crate::pick_cuda(common)? {
+        crate::setup_threads(common)?;
+        return runner_on(b, model, max_context);
+    }
+    let b = crate::setup(common)?;
+    runner_on(b, model, max_context)
+}
+
+fn runner_on<B: Backend + 'static>(b: B, model: &Path, max_context: Option<usize>) -> Result<(Box<dyn Runner>, usize)> {
+    let m = crate::load_model(model, b)?;
+    let limit = m.cfg.max_position_embeddings;
+    let ctx = max_context.unwrap_or(limit);
+    if ctx > limit {
+        bail!("--max-context {ctx} is larger than the model's max_position_embeddings ({limit})");
+    }
+    let tok = Arc::new(lily::tokenizer::Tokenizer::from_dir(model)?);
+    Ok((Box::new(ModelRunner::new(m, tok, ctx)), ctx))
+}
+
+pub fn serve(a: ServeArgs) -> Result<()> {
+    if !a.model.join("tokenizer.json").exists() {
+        bail!("{}: no tokenizer.json; the server needs the checkpoint's tokenizer and chat template", a.model.display());
+    }
+    let (runner, ctx) = runner(&a.model, &a.common, a.max_context)?;
+    let mut o = ServeOptions::new(&a.model, ctx);
+    o.host = a.host;
+    o.port = a.port;
+    o.api_key = a.api_key;
+    o.model_name = a.served_model_name;
+    o.queue = a.queue;
+    o.max_body = a.max_body_mib.max(1) << 20;
+    o.test_script = a.test_script;
+    lily_server::serve(o, runner)
+}
+
+#[derive(Args)]
+pub struct DemoArgs {
+    /// Checkpoint directory (default: synthesize the `small` preset into models/demo-small).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// The user message.
+    #[arg(long, default_value = "Write a haiku about a lily in the rain.")]
+    prompt: String,
+    #[arg(long, default_value_t = 96)]
+    max_tokens: usize,
+    /// Think before answering (the reasoning is shown dimmed).
+    #[arg(long)]
+    think: bool,
+    #[command(flatten)]
+    common: Common,
+}
+
+pub fn demo(a: DemoArgs) -> Result<()> {
+    let dir = match &a.model {
+        Some(d) => d.clone(),
+        None => {
+            let d = PathBuf::from("models/demo-small");
+            if !d.join("config.json").exists() || !d.join("tokenizer.json").exists() {
+                eprintln!("lily demo: synthesizing the `small` preset into {} (random weights, a few seconds)", d.display());
+                let cfg = lily::synth::preset("small")?;
+                lily::synth::write_checkpoint(&cfg, &d, 0, &|_, _| {})?;
+            }
+            d
+        }
+    };
+    eprintln!("lily demo: random weights produce noise text; the point is that every path of the real model and the real HTTP API runs.");
+    let (runner, ctx) = runner(&dir, &a.common, Some(4096))?;
+    let mut o = ServeOptions::new(&dir, ctx);
+    o.port = 0;
+    let server = Server::start(o, runner)?;
+    let url = format!("http://{}/v1/chat/completions", server.addr);
+    eprintln!("lily demo: server on http://{} — POST {url} (stream)\n", server.addr);
+    let r = stream_chat(&url, &a);
+    server.shutdown(Duration::from_secs(10))?;
+    r
+}
+
+/// One streamed chat completion through the HTTP API, printed as it arrives.
+fn stream_chat(url: &str, a: &DemoArgs) -> Result<()> {
+    let body = json!({
+        "model": "demo",
+        "messages": [{"role": "user", "content": a.prompt}],
+        "max_tokens": a.max_tokens,
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "chat_template_kwargs": {"enable_thinking": a.think},
+    });
+    let t0 = Instant::now();
+    let resp = ureq::post(url).set("Content-Type", "application/json").send_string(&body.to_string()).context("the demo request failed")?;
+    let dim = std::io::stdout().is_terminal();
+    let mut out = std::io::stdout().lock();
+    let mut ttft = None;
+    let mut usage = Value::Null;
+    let mut finish = String::new();
+    println!("user: {}\nassistant:", a.prompt);
+    for line in BufReader::new(resp.into_reader()).lines() {
+        let line = line?;
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(data)?;
+        if let Some(e) = v.get("error") {
+            bail!("the server reported an error: {e}");
+        }
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+        let Some(c) = v["choices"].get(0) else { continue };
+        if let Some(f) = c["finish_reason"].as_str() {
+            finish = f.to_string();
+        }
+        let d = &c["delta"];
+        for (key, dimmed) in [("reasoning_content", true), ("content", false)] {
+            if let Some(s) = d[key].as_str().filter(|s| !s.is_empty()) {
+                ttft.get_or_insert_with(|| t0.elapsed());
+                if dimmed && dim {
+                    write!(out, "\x1b[2m{s}\x1b[0m")?;
+                } else {
+                    write!(out, "{s}")?;
+                }
+                out.flush()?;
+            }
+        }
+    }
+    let total = t0.elapsed();
+    let n = usage["completion_tokens"].as_u64().unwrap_or(0);
+    let p = usage["prompt_tokens"].as_u64().unwrap_or(0);
+    let ttft = ttft.unwrap_or(total);
+    let decode_s = (total - ttft).as_secs_f64();
+    println!("\n");
+    eprintln!(
+        "lily demo: {p} prompt tokens, {n} generated (finish: {finish}); time to first token {:.0} ms, {:.1} tok/s after it, {:.2} s in all",
+        ttft.as_secs_f64() * 1e3,
+        if decode_s > 0.0 { n.saturating_sub(1) as f64 / decode_s } else { 0.0 },
+        total.as_secs_f64()
+    );
+    Ok(())
+}

@@ -1,0 +1,520 @@
+//! Request parsing: OpenAI request bodies → typed requests, or a 400 naming the field.
+//!
+//! Bodies are parsed as `serde_json::Value` first and each field is then read by hand, so every
+//! wrong type or value gets an error that says which field and what is allowed (serde's derive
+//! would give "invalid type at line 1 column 74"). Unknown fields are ignored; `null` counts as
+//! absent (some clients send every field). Limits follow OpenAI's where it has one.
+
+use serde_json::{Map, Value};
+
+use lily::runtime::sampler::SamplingOverrides;
+
+use crate::error::{ApiError, ApiResult};
+
+/// Fields shared by both endpoints.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Common {
+    pub model: Option<String>,
+    pub sampling: SamplingOverrides,
+    pub max_tokens: Option<usize>,
+    pub stop: Vec<String>,
+    pub stream: bool,
+    pub include_usage: bool,
+    /// Log-probabilities with this many alternatives (`Some(0)`: the chosen token only).
+    pub logprobs: Option<usize>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum ToolChoice {
+    None,
+    Auto,
+    Required,
+    Named(String),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatRequest {
+    pub common: Common,
+    /// Validated messages (roles and content parts checked; `developer` is sent as `system`).
+    pub messages: Value,
+    /// Tool schemas (`None` when absent or empty).
+    pub tools: Option<Value>,
+    pub tool_choice: ToolChoice,
+    /// Chat template variables: `chat_template_kwargs`, with `reasoning_effort: "none"` turning
+    /// thinking off unless the kwargs set it.
+    pub template_kwargs: Map<String, Value>,
+    pub cache_key: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Prompt {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompletionRequest {
+    pub common: Common,
+    pub prompt: Prompt,
+    pub cache_key: Option<String>,
+}
+
+/// Largest `max_tokens` accepted at all; a larger value is refused as absurd. Values that fit
+/// here but not in the context just run until the context is full (`finish_reason: length`).
+pub const MAX_TOKENS_LIMIT: usize = 1 << 24;
+/// Stop sequences at most (OpenAI allows 4; agents sometimes send a few more).
+pub const MAX_STOPS: usize = 16;
+
+/// Parses a body: JSON object required.
+pub fn body_object(bytes: &[u8]) -> ApiResult<Map<String, Value>> {
+    if bytes.is_empty() {
+        return Err(ApiError::bad("request body is empty; send a JSON object"));
+    }
+    match serde_json::from_slice::<Value>(bytes) {
+        Ok(Value::Object(o)) => Ok(o),
+        Ok(_) => Err(ApiError::bad("request body must be a JSON object")),
+        Err(e) => Err(ApiError::bad(format!("request body is not valid JSON: {e}")).with_code("invalid_json")),
+    }
+}
+
+/// Typed field access with OpenAI-style errors.
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl<'a> Fields<'a> {
+    fn get(&self, k: &str) -> Option<&'a Value> {
+        self.0.get(k).filter(|v| !v.is_null())
+    }
+
+    fn f32_in(&self, k: &str, lo: f32, hi: f32) -> ApiResult<Option<f32>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => match v.as_f64() {
+                Some(x) if x.is_finite() && (lo as f64..=hi as f64).contains(&x) => Ok(Some(x as f32)),
+                Some(x) => Err(ApiError::param(k, format!("`{k}` is {x}; it must be between {lo} and {hi}"))),
+                None => Err(ApiError::param(k, format!("`{k}` must be a number, got {}", kind(v)))),
+            },
+        }
+    }
+
+    fn int_in(&self, k: &str, lo: i64, hi: i64) -> ApiResult<Option<i64>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => {
+                // 3.0 is accepted as 3 (JavaScript clients send floats for integers).
+                let i = v.as_i64().or_else(|| v.as_f64().filter(|x| x.fract() == 0.0 && x.abs() < 9.0e18).map(|x| x as i64));
+                match i {
+                    Some(i) if (lo..=hi).contains(&i) => Ok(Some(i)),
+                    Some(i) => Err(ApiError::param(k, format!("`{k}` is {i}; it must be between {lo} and {hi}"))),
+                    None if v.is_number() && v.as_u64().is_some() => Err(ApiError::param(k, format!("`{k}` is {v}; it must be at most {hi}"))),
+                    None => Err(ApiError::param(k, format!("`{k}` must be an integer, got {}", kind(v)))),
+                }
+            }
+        }
+    }
+
+    fn bool(&self, k: &str) -> ApiResult<Option<bool>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(v) => Err(ApiError::param(k, format!("`{k}` must be true or false, got {}", kind(v)))),
+        }
+    }
+
+    fn str(&self, k: &str) -> ApiResult<Option<&'a str>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s)),
+            Some(v) => Err(ApiError::param(k, format!("`{k}` must be a string, got {}", kind(v)))),
+        }
+    }
+
+    fn object(&self, k: &str) -> ApiResult<Option<&'a Map<String, Value>>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::Object(o)) => Ok(Some(o)),
+            Some(v) => Err(ApiError::param(k, format!("`{k}` must be an object, got {}", kind(v)))),
+        }
+    }
+}
+
+/// "a string", "an array", … for messages.
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Fields both endpoints share. `chat` selects the logprobs spelling: chat has
+/// `logprobs: bool` + `top_logprobs: 0..=20`, completions `logprobs: 0..=5`.
+fn common(o: &Map<String, Value>, chat: bool) -> ApiResult<Common> {
+    let f = Fields(o);
+    let n = f.int_in("n", 1, 128)?;
+    if n.is_some_and(|n| n != 1) {
+        return Err(ApiError::param("n", "only n=1 is supported (one choice per request)"));
+    }
+    if f.int_in("best_of", 1, 128)?.is_some_and(|n| n != 1) {
+        return Err(ApiError::param("best_of", "only best_of=1 is supported"));
+    }
+    let max_tokens = match f.int_in("max_completion_tokens", 0, i64::MAX)? {
+        Some(x) => Some(("max_completion_tokens", x)),
+        None => f.int_in("max_tokens", 0, i64::MAX)?.map(|x| ("max_tokens", x)),
+    };
+    let max_tokens = match max_tokens {
+        None => None,
+        Some((k, x)) if x < 1 => return Err(ApiError::param(k, format!("`{k}` must be at least 1"))),
+        Some((k, x)) if x as u64 > MAX_TOKENS_LIMIT as u64 => {
+            return Err(ApiError::param(k, format!("`{k}` is {x}; the most this server accepts is {MAX_TOKENS_LIMIT} (generation also stops when the context is full)")))
+        }
+        Some((_, x)) => Some(x as usize),
+    };
+    let sampling = SamplingOverrides {
+        temperature: f.f32_in("temperature", 0.0, 2.0)?,
+        top_p: f.f32_in("top_p", 0.0, 1.0)?,
+        top_k: f.int_in("top_k", -1, i32::MAX as i64)?,
+        min_p: f.f32_in("min_p", 0.0, 1.0)?,
+        presence_penalty: f.f32_in("presence_penalty", -2.0, 2.0)?,
+        frequency_penalty: f.f32_in("frequency_penalty", -2.0, 2.0)?,
+        repetition_penalty: f.f32_in("repetition_penalty", 0.01, 10.0)?,
+        // OpenAI takes any 64-bit integer, negative ones too.
+        seed: f.int_in("seed", i64::MIN, i64::MAX)?.map(|s| s as u64),
+    };
+    if sampling.top_p == Some(0.0) {
+        return Err(ApiError::param("top_p", "`top_p` must be greater than 0"));
+    }
+    let stop = match f.get("stop") {
+        None => Vec::new(),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(a)) => {
+            if a.len() > MAX_STOPS {
+                return Err(ApiError::param("stop", format!("at most {MAX_STOPS} stop sequences are allowed, got {}", a.len())));
+            }
+            a.iter()
+                .map(|v| v.as_str().map(str::to_string).ok_or_else(|| ApiError::param("stop", "`stop` must be a string or an array of strings")))
+                .collect::<ApiResult<_>>()?
+        }
+        Some(v) => return Err(ApiError::param("stop", format!("`stop` must be a string or an array of strings, got {}", kind(v)))),
+    };
+    if stop.iter().any(String::is_empty) {
+        return Err(ApiError::param("stop", "stop sequences must not be empty"));
+    }
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let include_usage = match f.object("stream_options")? {
+        Some(so) => Fields(so).bool("include_usage").map_err(|_| ApiError::param("stream_options", "`stream_options.include_usage` must be true or false"))?.unwrap_or(false),
+        None => false,
+    };
+    let logprobs = if chat {
+        let on = f.bool("logprobs")?.unwrap_or(false);
+        let top = f.int_in("top_logprobs", 0, 20)?;
+        match (on, top) {
+            (false, Some(t)) if t > 0 => return Err(ApiError::param("top_logprobs", "`top_logprobs` needs `logprobs: true`")),
+            (false, _) => None,
+            (true, t) => Some(t.unwrap_or(0) as usize),
+        }
+    } else {
+        f.int_in("logprobs", 0, 5)?.map(|n| n as usize)
+    };
+    Ok(Common { model: f.str("model")?.map(str::to_string), sampling, max_tokens, stop, stream, include_usage, logprobs })
+}
+
+fn cache_key(o: &Map<String, Value>) -> ApiResult<Option<String>> {
+    Ok(Fields(o).str("prompt_cache_key")?.map(str::to_string))
+}
+
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+/// `POST /v1/chat/completions`.
+pub fn chat_request(o: &Map<String, Value>) -> ApiResult<ChatRequest> {
+    let common = common(o, true)?;
+    let f = Fields(o);
+    let messages = match f.get("messages") {
+        None => return Err(ApiError::param("messages", "`messages` is required")),
+        Some(Value::Array(a)) if a.is_empty() => return Err(ApiError::param("messages", "`messages` must not be empty")),
+        Some(Value::Array(a)) => Value::Array(a.iter().enumerate().map(|(i, m)| message(i, m)).collect::<ApiResult<_>>()?),
+        Some(v) => return Err(ApiError::param("messages", format!("`messages` must be an array of message objects, got {}", kind(v)))),
+    };
+    let tools = match f.get("tools") {
+        None => None,
+        Some(Value::Array(a)) if a.is_empty() => None,
+        Some(Value::Array(a)) => {
+            for (i, t) in a.iter().enumerate() {
+                tool(i, t)?;
+            }
+            Some(Value::Array(a.clone()))
+        }
+        Some(v) => return Err(ApiError::param("tools", format!("`tools` must be an array of tool objects, got {}", kind(v)))),
+    };
+    let tool_choice = match f.get("tool_choice") {
+        None => ToolChoice::Auto,
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            _ => return Err(ApiError::param("tool_choice", format!("`tool_choice` {s:?} is not one of none, auto, required"))),
+        },
+        Some(Value::Object(c)) => {
+            let name = c.get("function").and_then(|f| f.get("name")).and_then(Value::as_str).or_else(|| c.get("name").and_then(Value::as_str));
+            match name {
+                Some(n) => ToolChoice::Named(n.to_string()),
+                None => return Err(ApiError::param("tool_choice", "a named `tool_choice` must be {\"type\": \"function\", \"function\": {\"name\": …}}")),
+            }
+        }
+        Some(v) => return Err(ApiError::param("tool_choice", format!("`tool_choice` must be a string or an object, got {}", kind(v)))),
+    };
+    match (&tool_choice, &tools) {
+        (ToolChoice::Required | ToolChoice::Named(_), None) => {
+            return Err(ApiError::param("tool_choice", "`tool_choice` asks for a tool call but no `tools` were given"))
+        }
+        (ToolChoice::Named(n), Some(t)) if !t.as_array().is_some_and(|a| a.iter().any(|x| tool_name(x) == Some(n.as_str()))) => {
+            return Err(ApiError::param("tool_choice", format!("`tool_choice` names the function {n:?}, which is not in `tools`")))
+        }
+        _ => {}
+    }
+    let mut template_kwargs = f.object("chat_template_kwargs")?.cloned().unwrap_or_default();
+    for k in ["enable_thinking", "preserve_thinking"] {
+        if let Some(v) = template_kwargs.get(k) {
+            if !v.is_boolean() && !v.is_null() {
+                return Err(ApiError::param("chat_template_kwargs", format!("`chat_template_kwargs.{k}` must be true or false")));
+            }
+        }
+    }
+    for k in ["messages", "tools", "documents", "add_generation_prompt"] {
+        if template_kwargs.contains_key(k) {
+            return Err(ApiError::param("chat_template_kwargs", format!("`chat_template_kwargs.{k}` is set by the server and cannot be overridden")));
+        }
+    }
+    match f.str("reasoning_effort")? {
+        None => {}
+        Some("none") => {
+            template_kwargs.entry("enable_thinking").or_insert(Value::Bool(false));
+        }
+        Some("minimal" | "low" | "medium" | "high" | "xhigh") => {}
+        Some(e) => return Err(ApiError::param("reasoning_effort", format!("`reasoning_effort` {e:?} is not one of none, minimal, low, medium, high"))),
+    }
+    if let Some(rf) = f.object("response_format")? {
+        match rf.get("type").and_then(Value::as_str) {
+            Some("text") | None => {}
+            Some(t) => return Err(ApiError::param("response_format", format!("`response_format` type {t:?} is not supported (no constrained decoding yet); use \"text\""))),
+        }
+    }
+    Ok(ChatRequest { common, messages, tools, tool_choice, template_kwargs, cache_key: cache_key(o)? })
+}
+
+/// One message: role checked, content a string, null or text parts (no images: this build
+/// serves the text model).
+fn message(i: usize, m: &Value) -> ApiResult<Value> {
+    let p = format!("messages[{i}]");
+    let Value::Object(o) = m else {
+        return Err(ApiError::param(&p, format!("`{p}` must be an object, got {}", kind(m))));
+    };
+    let role = match o.get("role") {
+        Some(Value::String(r)) if ROLES.contains(&r.as_str()) => r.as_str(),
+        Some(Value::String(r)) => return Err(ApiError::param(&p, format!("`{p}.role` {r:?} is not one of {}", ROLES.join(", ")))),
+        _ => return Err(ApiError::param(&p, format!("`{p}.role` is required and must be a string"))),
+    };
+    let mut out = o.clone();
+    if role == "developer" {
+        // OpenAI's newer name for system instructions; the Qwen template knows `system`.
+        out.insert("role".into(), Value::from("system"));
+    }
+    match o.get("content") {
+        None | Some(Value::Null) | Some(Value::String(_)) => {}
+        Some(Value::Array(parts)) => {
+            for (j, part) in parts.iter().enumerate() {
+                let t = part.get("type").and_then(Value::as_str);
+                match t {
+                    Some("text") | Some("input_text") if part.get("text").is_some_and(Value::is_string) => {}
+                    Some("text") | Some("input_text") => return Err(ApiError::param(&p, format!("`{p}.content[{j}]` is a text part without a string `text`"))),
+                    Some(t @ ("image_url" | "input_image" | "image" | "input_audio" | "video" | "video_url" | "file")) => {
+                        return Err(ApiError::param(&p, format!("`{p}.content[{j}]` is a {t:?} part; this server runs the text model only")))
+                    }
+                    _ => return Err(ApiError::param(&p, format!("`{p}.content[{j}]` must be a content part like {{\"type\": \"text\", \"text\": …}}"))),
+                }
+            }
+            // The template renders a list of text parts by concatenating their `text`.
+            let text: String = parts.iter().filter_map(|x| x.get("text").and_then(Value::as_str)).collect();
+            out.insert("content".into(), Value::from(text));
+        }
+        Some(v) => return Err(ApiError::param(&p, format!("`{p}.content` must be a string or an array of content parts, got {}", kind(v)))),
+    }
+    if let Some(calls) = o.get("tool_calls").filter(|v| !v.is_null()) {
+        let Value::Array(calls) = calls else {
+            return Err(ApiError::param(&p, format!("`{p}.tool_calls` must be an array")));
+        };
+        if role != "assistant" {
+            return Err(ApiError::param(&p, format!("`{p}.tool_calls` is only allowed on assistant messages")));
+        }
+        for (j, c) in calls.iter().enumerate() {
+            let func = c.get("function").unwrap_or(c);
+            let ok_name = func.get("name").is_some_and(Value::is_string);
+            let ok_args = func.get("arguments").is_none_or(|a| a.is_string() || a.is_object());
+            if !ok_name || !ok_args {
+                return Err(ApiError::param(&p, format!("`{p}.tool_calls[{j}]` must be {{\"type\": \"function\", \"function\": {{\"name\": string, \"arguments\": JSON string}}}}")));
+            }
+            if let Some(Value::String(a)) = func.get("arguments") {
+                match serde_json::from_str::<Value>(a) {
+                    Ok(Value::Object(_)) => {}
+                    _ => return Err(ApiError::param(&p, format!("`{p}.tool_calls[{j}].function.arguments` must be a JSON object encoded as a string"))),
+                }
+            }
+        }
+    }
+    Ok(Value::Object(out))
+}
+
+fn tool_name(t: &Value) -> Option<&str> {
+    t.get("function").unwrap_or(t).get("name").and_then(Value::as_str)
+}
+
+fn tool(i: usize, t: &Value) -> ApiResult<()> {
+    let p = format!("tools[{i}]");
+    if !t.is_object() {
+        return Err(ApiError::param(&p, format!("`{p}` must be an object")));
+    }
+    match t.get("type").and_then(Value::as_str) {
+        None | Some("function") => {}
+        Some(x) => return Err(ApiError::param(&p, format!("`{p}.type` {x:?} is not supported (only \"function\")"))),
+    }
+    if tool_name(t).is_none() {
+        return Err(ApiError::param(&p, format!("`{p}` needs `function.name`")));
+    }
+    if let Some(params) = t.get("function").unwrap_or(t).get("parameters") {
+        if !params.is_object() && !params.is_null() {
+            return Err(ApiError::param(&p, format!("`{p}.function.parameters` must be a JSON schema object")));
+        }
+    }
+    Ok(())
+}
+
+/// `POST /v1/completions`.
+pub fn completion_request(o: &Map<String, Value>) -> ApiResult<CompletionRequest> {
+    let common = common(o, false)?;
+    let f = Fields(o);
+    if f.bool("echo")? == Some(true) {
+        return Err(ApiError::param("echo", "`echo` is not supported"));
+    }
+    if f.str("suffix")?.is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::param("suffix", "`suffix` (fill-in-the-middle) is not supported"));
+    }
+    let bad = || ApiError::param("prompt", "`prompt` must be a string, an array with one string, or an array of token ids");
+    let ids = |a: &[Value]| -> ApiResult<Vec<u32>> { a.iter().map(|v| v.as_u64().filter(|&x| x <= u32::MAX as u64).map(|x| x as u32).ok_or_else(bad)).collect() };
+    let prompt = match f.get("prompt") {
+        None => return Err(ApiError::param("prompt", "`prompt` is required")),
+        Some(Value::String(s)) => Prompt::Text(s.clone()),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => Prompt::Text(a[0].as_str().unwrap_or_default().to_string()),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_array() => Prompt::Ids(ids(a[0].as_array().map(Vec::as_slice).unwrap_or_default())?),
+        Some(Value::Array(a)) if a.len() > 1 && a.iter().all(|x| x.is_string() || x.is_array()) => {
+            return Err(ApiError::param("prompt", "only one prompt per request is supported"))
+        }
+        Some(Value::Array(a)) => Prompt::Ids(ids(a)?),
+        Some(_) => return Err(bad()),
+    };
+    if matches!(&prompt, Prompt::Text(s) if s.is_empty()) || matches!(&prompt, Prompt::Ids(v) if v.is_empty()) {
+        return Err(ApiError::param("prompt", "`prompt` must not be empty"));
+    }
+    Ok(CompletionRequest { common, prompt, cache_key: cache_key(o)? })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn chat(v: Value) -> ApiResult<ChatRequest> {
+        chat_request(v.as_object().unwrap())
+    }
+
+    #[test]
+    fn minimal_chat() {
+        let r = chat(json!({"model": "x", "messages": [{"role": "user", "content": "hi"}]})).unwrap();
+        assert_eq!(r.tool_choice, ToolChoice::Auto);
+        assert!(!r.common.stream);
+        assert_eq!(r.common.max_tokens, None);
+    }
+
+    #[test]
+    fn fields_are_checked() {
+        let base = json!({"messages": [{"role": "user", "content": "hi"}]});
+        let with = |k: &str, v: Value| {
+            let mut b = base.clone();
+            b[k] = v;
+            chat(b)
+        };
+        assert_eq!(with("temperature", json!("hot")).unwrap_err().param.as_deref(), Some("temperature"));
+        assert!(with("temperature", json!(2.5)).is_err());
+        assert!(with("temperature", json!(null)).is_ok());
+        assert!(with("max_tokens", json!(-1)).is_err());
+        assert!(with("max_tokens", json!(0)).is_err());
+        assert!(with("max_tokens", json!(1e30)).is_err());
+        assert!(with("max_tokens", json!(1_000_000_000_000u64)).is_err());
+        assert_eq!(with("max_tokens", json!(16.0)).unwrap().common.max_tokens, Some(16));
+        assert!(with("n", json!(2)).is_err());
+        assert!(with("stop", json!([1])).is_err());
+        assert!(with("stop", json!("")).is_err());
+        assert_eq!(with("stop", json!("END")).unwrap().common.stop, vec!["END"]);
+        assert!(with("top_logprobs", json!(3)).is_err());
+        assert!(with("tool_choice", json!("required")).is_err());
+        assert!(with("messages", json!("hi")).is_err());
+        assert!(with("messages", json!([])).is_err());
+        assert!(with("messages", json!([{"role": "wizard", "content": "x"}])).is_err());
+        assert!(with("messages", json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])).is_err());
+        assert!(with("response_format", json!({"type": "json_schema"})).is_err());
+        assert!(with("seed", json!(-5)).is_ok());
+        assert!(with("whatever_unknown", json!({"a": 1})).is_ok());
+    }
+
+    #[test]
+    fn content_parts_and_developer_role() {
+        let r = chat(json!({"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})).unwrap();
+        assert_eq!(r.messages[0]["role"], "system");
+        assert_eq!(r.messages[1]["content"], "ab");
+    }
+
+    #[test]
+    fn thinking_switches() {
+        let r = chat(json!({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "none"})).unwrap();
+        assert_eq!(r.template_kwargs["enable_thinking"], false);
+        let r = chat(json!({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": true}})).unwrap();
+        assert_eq!(r.template_kwargs["enable_thinking"], true);
+        assert!(chat(json!({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"enable_thinking": "yes"}})).is_err());
+    }
+
+    #[test]
+    fn logprobs_and_tools() {
+        let tools = json!([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]);
+        let r = chat(json!({"messages": [{"role": "user", "content": "x"}], "logprobs": true, "top_logprobs": 3, "tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}})).unwrap();
+        assert_eq!(r.common.logprobs, Some(3));
+        assert_eq!(r.tool_choice, ToolChoice::Named("f".into()));
+        assert!(chat(json!({"messages": [{"role": "user", "content": "x"}], "tools": tools, "tool_choice": {"type": "function", "function": {"name": "g"}}})).is_err());
+        let bad_call = json!([{"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]);
+        assert!(chat(json!({"messages": bad_call})).is_err());
+    }
+
+    #[test]
+    fn completion_prompts() {
+        let c = |v: Value| completion_request(v.as_object().unwrap());
+        assert_eq!(c(json!({"prompt": "hi"})).unwrap().prompt, Prompt::Text("hi".into()));
+        assert_eq!(c(json!({"prompt": ["hi"]})).unwrap().prompt, Prompt::Text("hi".into()));
+        assert_eq!(c(json!({"prompt": [1, 2]})).unwrap().prompt, Prompt::Ids(vec![1, 2]));
+        assert_eq!(c(json!({"prompt": [[1, 2]]})).unwrap().prompt, Prompt::Ids(vec![1, 2]));
+        assert!(c(json!({"prompt": ["a", "b"]})).is_err());
+        assert!(c(json!({"prompt": [-1]})).is_err());
+        assert!(c(json!({"prompt": ""})).is_err());
+        assert!(c(json!({"prompt": "x", "echo": true})).is_err());
+        assert_eq!(c(json!({"prompt": "x", "logprobs": 2})).unwrap().common.logprobs, Some(2));
+        assert!(c(json!({"prompt": "x", "logprobs": 9})).is_err());
+    }
+
+    #[test]
+    fn bodies() {
+        assert!(body_object(b"").is_err());
+        assert!(body_object(b"[1]").is_err());
+        assert!(body_object(b"{\"a\": \xff}").is_err());
+        assert_eq!(body_object(b"{\"a\": \"\xff\"}").unwrap_err().code.as_deref(), Some("invalid_json"));
+        assert!(body_object(b"{}").is_ok());
+    }
+}
