@@ -517,4 +517,42 @@ mod tests {
         assert_eq!(body_object(b"{\"a\": \"\xff\"}").unwrap_err().code.as_deref(), Some("invalid_json"));
         assert!(body_object(b"{}").is_ok());
     }
+
+    fn arb_json() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<f64>().prop_map(|x| serde_json::Number::from_f64(x).map(Value::Number).unwrap_or(Value::Null)),
+            "[a-z_]{0,12}".prop_map(Value::from),
+            prop_oneof![Just("user"), Just("assistant"), Just("tool"), Just("system"), Just("text"), Just("function"), Just("none"), Just("required")].prop_map(Value::from),
+        ];
+        leaf.prop_recursive(4, 48, 6, |inner| {
+            let keys = prop_oneof![
+                Just("messages"), Just("role"), Just("content"), Just("tools"), Just("tool_choice"), Just("function"), Just("name"),
+                Just("arguments"), Just("tool_calls"), Just("type"), Just("text"), Just("max_tokens"), Just("stop"), Just("logprobs"),
+                Just("top_logprobs"), Just("prompt"), Just("temperature"), Just("stream_options"), Just("chat_template_kwargs"), Just("parameters"),
+            ]
+            .prop_map(str::to_string);
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                proptest::collection::btree_map(keys, inner, 0..5).prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
+        /// The parsers never panic, on any JSON shaped like a request.
+        #[test]
+        fn parsers_never_panic(v in arb_json(), raw in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64)) {
+            if let Value::Object(o) = &v {
+                let _ = chat_request(o);
+                let _ = completion_request(o);
+            }
+            let _ = body_object(&raw);
+            let _ = body_object(v.to_string().as_bytes());
+        }
+    }
 }
