@@ -37,6 +37,14 @@ pub struct ServeArgs {
     /// Requests that may wait for the model; more get 503 + Retry-After.
     #[arg(long, default_value_t = 32)]
     queue: usize,
+    /// Memory for the prefix cache (KV + recurrent-state snapshots of earlier requests), e.g.
+    /// `4GiB`, `512MiB`, `0` (off). Default: 16 GiB on CUDA; on the CPU a quarter of RAM, at most 4 GiB.
+    #[arg(long, value_parser = parse_size)]
+    cache_mem: Option<usize>,
+    /// Snapshot the recurrent state every this many tokens of a long prefill (0: only at turn
+    /// boundaries and the end of the prompt).
+    #[arg(long, default_value_t = 4096)]
+    snapshot_every: usize,
     /// Largest request body in MiB.
     #[arg(long, default_value_t = 32)]
     max_body_mib: usize,
@@ -49,18 +57,51 @@ pub struct ServeArgs {
     common: Common,
 }
 
+/// `4GiB`, `512M`, `1.5G`, `123456` (bytes) → bytes.
+pub fn parse_size(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let x: f64 = num.parse().map_err(|_| format!("{s:?} is not a size like 4GiB or 512MiB"))?;
+    let mult = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1.0,
+        "k" | "kb" | "kib" => 1024.0,
+        "m" | "mb" | "mib" => 1024.0 * 1024.0,
+        "g" | "gb" | "gib" => 1024.0 * 1024.0 * 1024.0,
+        u => return Err(format!("unknown size unit {u:?} (use KiB, MiB or GiB)")),
+    };
+    Ok((x * mult) as usize)
+}
+
+/// Cache settings for [`runner`].
+#[derive(Clone, Copy)]
+struct CacheArgs {
+    bytes: Option<usize>,
+    snapshot_every: usize,
+}
+
+/// A quarter of the machine's memory, at most 4 GiB (CPU default of `--cache-mem`).
+fn cpu_cache_default() -> usize {
+    let total = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| m.lines().find(|l| l.starts_with("MemTotal:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<usize>().ok()))
+        .map(|kib| kib * 1024)
+        .unwrap_or(8 << 30);
+    (total / 4).min(4 << 30)
+}
+
 /// Loads the model on the chosen backend and returns it as a server runner.
-fn runner(model: &Path, common: &Common, max_context: Option<usize>) -> Result<(Box<dyn Runner>, usize)> {
+fn runner(model: &Path, common: &Common, max_context: Option<usize>, cache: CacheArgs) -> Result<(Box<dyn Runner>, usize)> {
     #[cfg(feature = "cuda")]
     if let Some(b) = crate::pick_cuda(common)? {
         crate::setup_threads(common)?;
-        return runner_on(b, model, max_context);
+        return runner_on(b, model, max_context, cache.bytes.unwrap_or(16 << 30), cache.snapshot_every);
     }
     let b = crate::setup(common)?;
-    runner_on(b, model, max_context)
+    runner_on(b, model, max_context, cache.bytes.unwrap_or_else(cpu_cache_default), cache.snapshot_every)
 }
 
-fn runner_on<B: Backend + 'static>(b: B, model: &Path, max_context: Option<usize>) -> Result<(Box<dyn Runner>, usize)> {
+fn runner_on<B: Backend + 'static>(b: B, model: &Path, max_context: Option<usize>, cache_bytes: usize, every: usize) -> Result<(Box<dyn Runner>, usize)> {
     let m = crate::load_model(model, b)?;
     let limit = m.cfg.max_position_embeddings;
     let ctx = max_context.unwrap_or(limit);
@@ -68,14 +109,15 @@ fn runner_on<B: Backend + 'static>(b: B, model: &Path, max_context: Option<usize
         bail!("--max-context {ctx} is larger than the model's max_position_embeddings ({limit})");
     }
     let tok = Arc::new(lily::tokenizer::Tokenizer::from_dir(model)?);
-    Ok((Box::new(ModelRunner::new(m, tok, ctx)), ctx))
+    eprintln!("lily: prefix cache {:.1} GiB, snapshot every {every} tokens", cache_bytes as f64 / (1u64 << 30) as f64);
+    Ok((Box::new(ModelRunner::new(m, tok, ctx, cache_bytes, every)), ctx))
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
     if !a.model.join("tokenizer.json").exists() {
         bail!("{}: no tokenizer.json; the server needs the checkpoint's tokenizer and chat template", a.model.display());
     }
-    let (runner, ctx) = runner(&a.model, &a.common, a.max_context)?;
+    let (runner, ctx) = runner(&a.model, &a.common, a.max_context, CacheArgs { bytes: a.cache_mem, snapshot_every: a.snapshot_every })?;
     let mut o = ServeOptions::new(&a.model, ctx);
     o.host = a.host;
     o.port = a.port;
@@ -118,7 +160,7 @@ pub fn demo(a: DemoArgs) -> Result<()> {
         }
     };
     eprintln!("lily demo: random weights produce noise text; the point is that every path of the real model and the real HTTP API runs.");
-    let (runner, ctx) = runner(&dir, &a.common, Some(4096))?;
+    let (runner, ctx) = runner(&dir, &a.common, Some(4096), CacheArgs { bytes: None, snapshot_every: 4096 })?;
     let mut o = ServeOptions::new(&dir, ctx);
     o.port = 0;
     let server = Server::start(o, runner)?;

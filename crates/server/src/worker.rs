@@ -14,7 +14,8 @@ use anyhow::Result;
 use tokio::sync::mpsc::UnboundedSender;
 
 use lily::backend::Backend;
-use lily::model::{Qwen35, SeqState};
+use lily::model::Qwen35;
+use lily::runtime::cache::{prefill_with_snapshots, CacheConfig, CacheStats, PrefixCache};
 use lily::runtime::generate::{generate_ex, Forced, GenRequest, Generation, TokenEvent, TokenLogprob};
 use lily::runtime::sampler::SamplingParams;
 use lily::runtime::stop::StopRules;
@@ -50,38 +51,59 @@ pub enum Event {
 /// Runs generations on a model; the worker owns it. Object-safe so the server is not generic
 /// over the backend.
 pub trait Runner: Send {
-    fn run(&mut self, job: &Job, on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool) -> Result<Generation>;
+    /// Runs one job; `started` gets the number of prompt tokens reused before the prefill.
+    fn run(&mut self, job: &Job, started: &mut dyn FnMut(usize), on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool) -> Result<Generation>;
+    fn cache_stats(&self) -> CacheStats;
     /// Backend name for `/health`.
     fn describe(&self) -> String;
 }
 
-/// The real model on any backend.
+/// The real model on any backend, with its prefix cache.
 pub struct ModelRunner<B: Backend> {
     model: Qwen35<B>,
     tok: Arc<Tokenizer>,
     max_context: usize,
+    cache: PrefixCache<B>,
 }
 
 impl<B: Backend> ModelRunner<B> {
-    pub fn new(model: Qwen35<B>, tok: Arc<Tokenizer>, max_context: usize) -> Self {
-        Self { model, tok, max_context }
+    /// `cache_bytes` 0 turns the prefix cache off; `snapshot_every` 0 takes no periodic
+    /// snapshots.
+    pub fn new(model: Qwen35<B>, tok: Arc<Tokenizer>, max_context: usize, cache_bytes: usize, snapshot_every: usize) -> Self {
+        let cfg = CacheConfig { budget: cache_bytes, snapshot_every, turn_start: tok.token_id("<|im_start|>") };
+        Self { model, tok, max_context, cache: PrefixCache::new(cfg) }
     }
 }
 
 impl<B: Backend + 'static> Runner for ModelRunner<B> {
-    fn run(&mut self, job: &Job, on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool) -> Result<Generation> {
-        // A fresh state per request; the prefix cache replaces this with reuse.
-        let mut st: SeqState<B> = self.model.new_state(self.max_context)?;
+    fn run(&mut self, job: &Job, started: &mut dyn FnMut(usize), on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool) -> Result<Generation> {
+        let t0 = Instant::now();
+        let m = &self.model;
+        let mut lease = self.cache.acquire(m, &job.prompt, job.cache_key.as_deref(), self.max_context)?;
+        started(lease.cached);
+        // Prefill up to the last snapshot point; the generation loop feeds the rest.
+        prefill_with_snapshots(m, &mut lease, &job.prompt, &self.cache.cfg)?;
+        let before = t0.elapsed().as_secs_f64();
         let req = GenRequest {
             prompt: &job.prompt,
-            cached: 0,
+            cached: lease.state.pos,
             sampling: &job.sampling,
             stop: job.stop.clone(),
             logprobs: job.logprobs,
             forced: job.forced.clone(),
             cancel: &job.cancel,
         };
-        generate_ex(&self.model, &mut st, &self.tok, req, on_token)
+        let mut g = generate_ex(m, &mut lease.state, &self.tok, req, on_token)?;
+        g.stats.cached_tokens = lease.cached;
+        g.stats.prefill_s += before;
+        g.stats.first_token_s += before;
+        let held: Vec<u32> = job.prompt.iter().chain(&g.ids).copied().take(lease.state.pos).collect();
+        self.cache.release(m, lease, held, &job.prompt);
+        Ok(g)
+    }
+
+    fn cache_stats(&self) -> CacheStats {
+        self.cache.stats()
     }
 
     fn describe(&self) -> String {
@@ -143,10 +165,16 @@ fn run_one(runner: &mut dyn Runner, job: &Job, metrics: &Metrics, shutdown: &Ato
         let sent = job.events.send(Event::Token { id: e.id, text: e.text.to_string(), logprob: e.logprob }).is_ok();
         sent && !shutdown.load(Ordering::Relaxed)
     };
-    // The started event carries how much of the prompt was reused; with a fresh state, none.
-    let _ = job.events.send(Event::Started { cached: 0 });
+    let mut started = |cached: usize| {
+        let _ = job.events.send(Event::Started { cached });
+    };
     // A panic in the engine must not take the server down: it becomes this request's error.
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| runner.run(job, &mut on_token)));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| runner.run(job, &mut started, &mut on_token)));
+    let c = runner.cache_stats();
+    metrics.cache_hits.store(c.hits, Ordering::Relaxed);
+    metrics.cache_misses.store(c.misses, Ordering::Relaxed);
+    metrics.cache_evictions.store(c.evictions, Ordering::Relaxed);
+    metrics.cache_bytes.store(c.bytes as u64, Ordering::Relaxed);
     match r {
         Ok(Ok(g)) => {
             let s = &g.stats;

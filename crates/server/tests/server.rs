@@ -29,7 +29,7 @@ fn start_with(queue: usize, max_context: usize, key: Option<&str>) -> Fixture {
     o.queue = queue;
     o.max_body = 1 << 20;
     o.api_key = key.map(str::to_string);
-    let server = Server::start(o, Box::new(ModelRunner::new(m, tok, max_context))).unwrap();
+    let server = Server::start(o, Box::new(ModelRunner::new(m, tok, max_context, 256 << 20, 1024))).unwrap();
     let base = format!("http://{}", server.addr);
     Fixture { server, base, _dir: dir }
 }

@@ -1,6 +1,10 @@
 //! Per-sequence state: the KV cache of each attention layer, the conv and fp32 recurrent state of
-//! each Gated DeltaNet layer, and the position. Snapshots (for prefix reuse) come later; the state
-//! is plain data so a snapshot is a copy.
+//! each Gated DeltaNet layer, and the position.
+//!
+//! Prefix reuse (runtime/cache.rs) needs to go back to an earlier position. Attention KV can be
+//! cut back to any length: rows past `pos` are simply never read and get overwritten. The GDN
+//! state cannot — it folds every token in — so a [`GdnSnapshot`] copies it at chosen positions
+//! and [`SeqState::restore`] puts it back (with `pos` set to the snapshot's).
 
 use anyhow::Result;
 
@@ -72,5 +76,81 @@ impl<B: Backend> SeqState<B> {
                 LayerState::Gdn { .. } => ((d.conv_kernel - 1) * d.conv_channels() + d.gdn_v_heads * d.gdn_v_dim * d.gdn_k_dim) * 4,
             })
             .sum()
+    }
+}
+
+/// The GDN conv + recurrent state of every GDN layer at one position.
+pub struct GdnSnapshot<B: Backend> {
+    pub pos: usize,
+    /// `(conv, ssm)` per GDN layer, in layer order.
+    layers: Vec<(B::Buf, B::Buf)>,
+    bytes: usize,
+}
+
+impl<B: Backend> GdnSnapshot<B> {
+    /// Bytes held (f32 elements × 4).
+    pub fn nbytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+/// Elements of one GDN layer's (conv, ssm) state.
+fn gdn_sizes(d: &Dims) -> (usize, usize) {
+    ((d.conv_kernel - 1) * d.conv_channels(), d.gdn_v_heads * d.gdn_v_dim * d.gdn_k_dim)
+}
+
+impl<B: Backend> SeqState<B> {
+    /// Copies the GDN state at the current position.
+    pub fn snapshot(&self, b: &B, d: &Dims) -> Result<GdnSnapshot<B>> {
+        let (nc, ns) = gdn_sizes(d);
+        let mut layers = Vec::new();
+        for l in &self.layers {
+            if let LayerState::Gdn { conv, ssm } = l {
+                let mut c = b.zeros(nc)?;
+                let mut s = b.zeros(ns)?;
+                b.copy(conv, 0, &mut c, 0, nc);
+                b.copy(ssm, 0, &mut s, 0, ns);
+                layers.push((c, s));
+            }
+        }
+        let bytes = layers.len() * (nc + ns) * 4;
+        Ok(GdnSnapshot { pos: self.pos, layers, bytes })
+    }
+
+    /// Goes back to `snap.pos` (which must not be past the current position): the GDN state is
+    /// copied back, the KV cache is cut back.
+    pub fn restore(&mut self, b: &B, d: &Dims, snap: &GdnSnapshot<B>) -> Result<()> {
+        if snap.pos > self.pos {
+            anyhow::bail!("cannot restore a snapshot at {} into a state at {}", snap.pos, self.pos);
+        }
+        let (nc, ns) = gdn_sizes(d);
+        let mut it = snap.layers.iter();
+        for l in &mut self.layers {
+            if let LayerState::Gdn { conv, ssm } = l {
+                let (c, s) = it.next().ok_or_else(|| anyhow::anyhow!("snapshot has fewer GDN layers than the state"))?;
+                b.copy(c, 0, conv, 0, nc);
+                b.copy(s, 0, ssm, 0, ns);
+            }
+        }
+        self.pos = snap.pos;
+        Ok(())
+    }
+
+    /// A new state holding this one's first `snap.pos` positions: KV rows copied, GDN state
+    /// from the snapshot. `self` is left as it is.
+    pub fn fork(&self, b: &B, cfg: &Config, snap: &GdnSnapshot<B>) -> Result<SeqState<B>> {
+        let d = Dims::from_config(cfg);
+        let mut st = SeqState::new(b, cfg, self.max_context)?;
+        st.reserve(b, &d, snap.pos.max(1))?;
+        let kvd = d.n_kv_heads * d.head_dim;
+        for (dst, src) in st.layers.iter_mut().zip(&self.layers) {
+            if let (LayerState::Attn(dk), LayerState::Attn(sk)) = (dst, src) {
+                b.copy(&sk.k, 0, &mut dk.k, 0, snap.pos * kvd);
+                b.copy(&sk.v, 0, &mut dk.v, 0, snap.pos * kvd);
+            }
+        }
+        st.pos = snap.pos;
+        st.restore(b, &d, snap)?;
+        Ok(st)
     }
 }

@@ -1,5 +1,6 @@
 //! Runtime: loading a model onto a backend and the generation loop.
 
+pub mod cache;
 pub mod generate;
 pub mod sampler;
 pub mod stop;
