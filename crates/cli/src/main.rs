@@ -7,6 +7,7 @@ mod bench;
 mod chat;
 mod render;
 mod serve;
+mod session_bench;
 
 use std::path::{Path, PathBuf};
 
@@ -63,6 +64,8 @@ enum Cmd {
     Serve(serve::ServeArgs),
     /// Quickstart: a small synthetic model, the server, one streamed chat completion over HTTP.
     Demo(serve::DemoArgs),
+    /// Time to first token per turn of a growing agent session, prefix cache on vs off.
+    BenchSession(session_bench::SessionBenchArgs),
 }
 
 #[derive(Args)]
@@ -420,6 +423,7 @@ fn main() {
         Cmd::Render(a) => render::run(a),
         Cmd::Serve(a) => serve::serve(a),
         Cmd::Demo(a) => serve::demo(a),
+        Cmd::BenchSession(a) => session_bench::run(a),
     };
     if let Err(e) = r {
         eprintln!("lily: error: {e:#}");

@@ -75,9 +75,9 @@ pub fn parse_size(s: &str) -> Result<usize, String> {
 
 /// Cache settings for [`runner`].
 #[derive(Clone, Copy)]
-struct CacheArgs {
-    bytes: Option<usize>,
-    snapshot_every: usize,
+pub struct CacheArgs {
+    pub bytes: Option<usize>,
+    pub snapshot_every: usize,
 }
 
 /// A quarter of the machine's memory, at most 4 GiB (CPU default of `--cache-mem`).
@@ -91,7 +91,7 @@ fn cpu_cache_default() -> usize {
 }
 
 /// Loads the model on the chosen backend and returns it as a server runner.
-fn runner(model: &Path, common: &Common, max_context: Option<usize>, cache: CacheArgs) -> Result<(Box<dyn Runner>, usize)> {
+pub fn runner(model: &Path, common: &Common, max_context: Option<usize>, cache: CacheArgs) -> Result<(Box<dyn Runner>, usize)> {
     #[cfg(feature = "cuda")]
     if let Some(b) = crate::pick_cuda(common)? {
         crate::setup_threads(common)?;

@@ -97,6 +97,9 @@ pub(crate) struct App {
     /// `</think>`: where a forced tool-call start goes when the prompt opened a think block.
     think_close: Option<u32>,
     max_context: usize,
+    /// The longest token in bytes: a prompt longer than `max_context` × this cannot fit, and is
+    /// refused before tokenizing (tokenizing megabytes would tie up a core for seconds).
+    max_token_bytes: usize,
     model_name: String,
     api_key: Option<String>,
     max_body: usize,
@@ -177,7 +180,9 @@ impl Server {
         let backend = runner.describe();
         let (queue, worker) = worker::spawn(runner, opts.queue, metrics.clone(), shutdown.clone());
         let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        let max_token_bytes = (0..tok.vocab_size() as u32).filter_map(|i| tok.token_bytes(i).map(|b| b.len())).max().unwrap_or(1).max(1);
         let app = Arc::new(App {
+            max_token_bytes,
             think_close: tok.token_id("</think>"),
             tok,
             template,

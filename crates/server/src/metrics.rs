@@ -33,6 +33,8 @@ pub struct Metrics {
     pub cache_misses: AtomicU64,
     pub cache_evictions: AtomicU64,
     pub cache_bytes: AtomicU64,
+    pub cache_entries: AtomicU64,
+    pub cache_snapshots: AtomicU64,
     timing: Mutex<Timing>,
 }
 
@@ -96,7 +98,9 @@ impl Metrics {
         };
         gauge("lily_queue_depth", "Requests waiting for the model.", self.queue_depth.load(Relaxed).to_string());
         gauge("lily_requests_running", "Requests on the model now (0 or 1).", self.running.load(Relaxed).to_string());
-        gauge("lily_prefix_cache_bytes", "Bytes held by the prefix cache.", self.cache_bytes.load(Relaxed).to_string());
+        gauge("lily_prefix_cache_bytes", "Bytes held by the prefix cache (KV at capacity + recurrent states + snapshots).", self.cache_bytes.load(Relaxed).to_string());
+        gauge("lily_prefix_cache_entries", "Sessions held by the prefix cache.", self.cache_entries.load(Relaxed).to_string());
+        gauge("lily_prefix_cache_snapshots", "Recurrent-state snapshots held.", self.cache_snapshots.load(Relaxed).to_string());
         let t = self.timing.lock().unwrap_or_else(|e| e.into_inner());
         gauge("lily_prefill_tokens_per_second", "Prefill speed of the last request.", format!("{:.3}", t.last_prefill_tps));
         gauge("lily_decode_tokens_per_second", "Decode speed of the last request.", format!("{:.3}", t.last_decode_tps));

@@ -166,6 +166,7 @@ fn prepare_chat(app: &App, req: &ChatRequest) -> ApiResult<Prepared> {
     // `tool_choice: none` leaves the tools out of the prompt, so the model is not told about them.
     let tools = if req.tool_choice == ToolChoice::None { None } else { req.tools.as_ref() };
     let text = app.template.render(&req.messages, tools, true, &req.template_kwargs).map_err(|e| ApiError::bad(format!("chat template: {e:#}")).with_code("invalid_messages"))?;
+    check_bytes(app, text.len())?;
     let ids = app.tok.encode(&text).map_err(|e| ApiError::bad(format!("{e:#}")))?;
     check_context(app, ids.len(), &req.common)?;
     let opens_think = output::prompt_opens_think(&text);
@@ -192,7 +193,10 @@ fn prepare_chat(app: &App, req: &ChatRequest) -> ApiResult<Prepared> {
 
 fn prepare_completion(app: &App, req: &CompletionRequest) -> ApiResult<Prepared> {
     let (ids, text) = match &req.prompt {
-        Prompt::Text(t) => (app.tok.encode(t).map_err(|e| ApiError::bad(format!("{e:#}")))?, t.clone()),
+        Prompt::Text(t) => {
+            check_bytes(app, t.len())?;
+            (app.tok.encode(t).map_err(|e| ApiError::bad(format!("{e:#}")))?, t.clone())
+        }
         Prompt::Ids(ids) => {
             let vocab = app.tok.vocab_size();
             if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
@@ -212,16 +216,29 @@ fn prepare_completion(app: &App, req: &CompletionRequest) -> ApiResult<Prepared>
     Ok(Prepared { ids, opens_think: false, forced })
 }
 
+fn context_error(app: &App, detail: String) -> ApiError {
+    ApiError::bad(format!(
+        "This model's maximum context length is {} tokens. However, your request has {detail}; the prompt must be shorter than the context. Please reduce the length of the messages.",
+        app.max_context
+    ))
+    .with_code("context_length_exceeded")
+    .param_name("messages")
+}
+
+/// A prompt of more bytes than the context could hold even in the longest tokens is refused
+/// without tokenizing it.
+fn check_bytes(app: &App, bytes: usize) -> ApiResult<()> {
+    if bytes > app.max_context.saturating_mul(app.max_token_bytes) {
+        return Err(context_error(app, format!("more than {} prompt tokens (the prompt is {bytes} bytes; no token is longer than {} bytes)", app.max_context, app.max_token_bytes)));
+    }
+    Ok(())
+}
+
 /// A prompt must leave room for at least one generated token.
 fn check_context(app: &App, prompt: usize, c: &Common) -> ApiResult<()> {
     if prompt >= app.max_context {
         let asked = c.max_tokens.map(|m| format!(" ({prompt} in the messages, {m} in the completion)")).unwrap_or_default();
-        return Err(ApiError::bad(format!(
-            "This model's maximum context length is {} tokens. However, your request has {prompt} prompt tokens{asked}; the prompt must be shorter than the context. Please reduce the length of the messages.",
-            app.max_context
-        ))
-        .with_code("context_length_exceeded")
-        .param_name("messages"));
+        return Err(context_error(app, format!("{prompt} prompt tokens{asked}")));
     }
     Ok(())
 }

@@ -175,6 +175,8 @@ fn run_one(runner: &mut dyn Runner, job: &Job, metrics: &Metrics, shutdown: &Ato
     metrics.cache_misses.store(c.misses, Ordering::Relaxed);
     metrics.cache_evictions.store(c.evictions, Ordering::Relaxed);
     metrics.cache_bytes.store(c.bytes as u64, Ordering::Relaxed);
+    metrics.cache_entries.store(c.entries as u64, Ordering::Relaxed);
+    metrics.cache_snapshots.store(c.snapshots as u64, Ordering::Relaxed);
     match r {
         Ok(Ok(g)) => {
             let s = &g.stats;
