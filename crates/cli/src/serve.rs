@@ -171,6 +171,28 @@ pub fn demo(a: DemoArgs) -> Result<()> {
     r
 }
 
+/// Reads an SSE chat stream: calls `on_chunk` with each chunk object until `[DONE]`; an error
+/// event becomes an error. Returns the usage object of the last chunk that had one.
+pub fn read_sse(resp: ureq::Response, mut on_chunk: impl FnMut(&Value) -> Result<()>) -> Result<Value> {
+    let mut usage = Value::Null;
+    for line in BufReader::new(resp.into_reader()).lines() {
+        let line = line?;
+        let Some(data) = line.strip_prefix("data: ") else { continue };
+        if data == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(data)?;
+        if let Some(e) = v.get("error") {
+            bail!("the server reported an error: {e}");
+        }
+        if !v["usage"].is_null() {
+            usage = v["usage"].clone();
+        }
+        on_chunk(&v)?;
+    }
+    Ok(usage)
+}
+
 /// One streamed chat completion through the HTTP API, printed as it arrives.
 fn stream_chat(url: &str, a: &DemoArgs) -> Result<()> {
     let body = json!({
@@ -186,23 +208,10 @@ fn stream_chat(url: &str, a: &DemoArgs) -> Result<()> {
     let dim = std::io::stdout().is_terminal();
     let mut out = std::io::stdout().lock();
     let mut ttft = None;
-    let mut usage = Value::Null;
     let mut finish = String::new();
     println!("user: {}\nassistant:", a.prompt);
-    for line in BufReader::new(resp.into_reader()).lines() {
-        let line = line?;
-        let Some(data) = line.strip_prefix("data: ") else { continue };
-        if data == "[DONE]" {
-            break;
-        }
-        let v: Value = serde_json::from_str(data)?;
-        if let Some(e) = v.get("error") {
-            bail!("the server reported an error: {e}");
-        }
-        if !v["usage"].is_null() {
-            usage = v["usage"].clone();
-        }
-        let Some(c) = v["choices"].get(0) else { continue };
+    let usage = read_sse(resp, |v| {
+        let Some(c) = v["choices"].get(0) else { return Ok(()) };
         if let Some(f) = c["finish_reason"].as_str() {
             finish = f.to_string();
         }
@@ -218,7 +227,8 @@ fn stream_chat(url: &str, a: &DemoArgs) -> Result<()> {
                 out.flush()?;
             }
         }
-    }
+        Ok(())
+    })?;
     let total = t0.elapsed();
     let n = usage["completion_tokens"].as_u64().unwrap_or(0);
     let p = usage["prompt_tokens"].as_u64().unwrap_or(0);

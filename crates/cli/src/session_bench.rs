@@ -7,7 +7,6 @@
 //! of file-like text so the last prompt reaches about `--context` tokens; thinking is on, so the
 //! template drops each earlier turn's reasoning from the history (the hard case for reuse).
 
-use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -17,7 +16,7 @@ use serde_json::{json, Value};
 
 use lily_server::{ServeOptions, Server};
 
-use crate::serve::{parse_size, runner, CacheArgs};
+use crate::serve::{parse_size, read_sse, runner, CacheArgs};
 use crate::Common;
 
 #[derive(Args)]
@@ -77,20 +76,8 @@ fn request(base: &str, messages: &[Value], tools: &Value, max_tokens: usize) -> 
     let t0 = Instant::now();
     let r = ureq::post(&format!("{base}/v1/chat/completions")).timeout(Duration::from_secs(3600)).send_string(&body.to_string()).context("request failed")?;
     let mut ttft = None;
-    let (mut content, mut reasoning, mut usage) = (String::new(), String::new(), Value::Null);
-    for line in BufReader::new(r.into_reader()).lines() {
-        let line = line?;
-        let Some(d) = line.strip_prefix("data: ") else { continue };
-        if d == "[DONE]" {
-            break;
-        }
-        let v: Value = serde_json::from_str(d)?;
-        if let Some(e) = v.get("error") {
-            bail!("server error: {e}");
-        }
-        if !v["usage"].is_null() {
-            usage = v["usage"].clone();
-        }
+    let (mut content, mut reasoning) = (String::new(), String::new());
+    let usage = read_sse(r, |v| {
         let delta = &v["choices"][0]["delta"];
         for (k, buf) in [("content", &mut content), ("reasoning_content", &mut reasoning)] {
             if let Some(s) = delta[k].as_str().filter(|s| !s.is_empty()) {
@@ -101,7 +88,8 @@ fn request(base: &str, messages: &[Value], tools: &Value, max_tokens: usize) -> 
         if delta["tool_calls"].is_array() {
             ttft.get_or_insert_with(|| t0.elapsed().as_secs_f64());
         }
-    }
+        Ok(())
+    })?;
     let total_s = t0.elapsed().as_secs_f64();
     let mut message = json!({"role": "assistant", "content": content});
     if !reasoning.is_empty() {

@@ -117,36 +117,35 @@ enum Kind {
 }
 
 async fn chat(State(app): AppState, body: Body) -> Response {
-    app.metrics.received.fetch_add(1, Ordering::SeqCst);
-    let r = async {
-        let bytes = read_body(&app, body).await?;
-        let req = api::chat_request(&api::body_object(&bytes)?)?;
-        let a = app.clone();
-        let (req, prep) = blocking(move || {
-            let p = prepare_chat(&a, &req)?;
-            Ok((req, p))
-        })
-        .await?;
+    handle(app, body, |o| api::chat_request(o), |app, req: &ChatRequest| {
+        let p = prepare_chat(app, req)?;
         let parse_tools = req.tools.is_some() && req.tool_choice != ToolChoice::None;
-        let kind = Kind::Chat { tools: req.tools.clone(), parse_tools };
-        Ok::<_, ApiError>(run(app.clone(), req.common, req.cache_key, prep, kind).await)
-    }
-    .await;
-    r.unwrap_or_else(|e| reject(&app, e))
+        Ok((req.common.clone(), req.cache_key.clone(), p, Kind::Chat { tools: req.tools.clone(), parse_tools }))
+    })
+    .await
 }
 
 async fn completions(State(app): AppState, body: Body) -> Response {
+    handle(app, body, |o| api::completion_request(o), |app, req: &CompletionRequest| {
+        Ok((req.common.clone(), req.cache_key.clone(), prepare_completion(app, req)?, Kind::Text))
+    })
+    .await
+}
+
+/// The shared path of both endpoints: count, read, parse, prepare off the async threads, run.
+async fn handle<R: Send + 'static>(
+    app: Arc<App>,
+    body: Body,
+    parse: impl FnOnce(&Map<String, Value>) -> ApiResult<R>,
+    prepare: impl FnOnce(&App, &R) -> ApiResult<(Common, Option<String>, Prepared, Kind)> + Send + 'static,
+) -> Response {
     app.metrics.received.fetch_add(1, Ordering::SeqCst);
     let r = async {
         let bytes = read_body(&app, body).await?;
-        let req = api::completion_request(&api::body_object(&bytes)?)?;
+        let req = parse(&api::body_object(&bytes)?)?;
         let a = app.clone();
-        let (req, prep) = blocking(move || {
-            let p = prepare_completion(&a, &req)?;
-            Ok((req, p))
-        })
-        .await?;
-        Ok::<_, ApiError>(run(app.clone(), req.common, req.cache_key, prep, Kind::Text).await)
+        let (common, key, prep, kind) = blocking(move || prepare(&a, &req)).await?;
+        Ok::<_, ApiError>(run(app.clone(), common, key, prep, kind).await)
     }
     .await;
     r.unwrap_or_else(|e| reject(&app, e))
