@@ -108,3 +108,28 @@ fn bad_input_gets_a_one_line_error() {
     assert!(fails(&["synth", "--preset", "tiny", "--out", d.path().join("y").to_str().unwrap(), "--set", "nope=1"]).contains("nope"));
     assert!(fails(&["generate", "--model", ms, "--prompt-ids", "1", "--threads", "0"]).contains("threads"));
 }
+
+#[test]
+fn demo_streams_one_completion_over_http() {
+    let d = tempfile::tempdir().unwrap();
+    synth_tiny(d.path());
+    let o = lily(&["demo", "--model", d.path().to_str().unwrap(), "--max-tokens", "6", "--backend", "cpu"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("random weights produce noise"), "{err}");
+    assert!(err.contains("6 generated (finish: length)") && err.contains("time to first token"), "{err}");
+    assert!(String::from_utf8_lossy(&o.stdout).contains("assistant:"));
+}
+
+#[test]
+fn serve_refuses_bad_setups_with_one_line() {
+    let d = tempfile::tempdir().unwrap();
+    assert!(fails(&["serve", "--model", d.path().to_str().unwrap()]).contains("tokenizer.json"));
+    synth_tiny(d.path());
+    assert!(fails(&["serve", "--model", d.path().to_str().unwrap(), "--max-context", "99999999"]).contains("max_position_embeddings"));
+    assert!(fails(&["serve", "--model", d.path().to_str().unwrap(), "--queue", "0", "--port", "0"]).contains("--queue"));
+    let h = ok(&["serve", "--help"]);
+    for f in ["--host", "--port", "--max-context", "--api-key", "--cache-mem", "--queue", "--backend"] {
+        assert!(h.contains(f), "serve --help lacks {f}");
+    }
+}
