@@ -10,6 +10,7 @@
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod profile;
 
 use anyhow::Result;
 
@@ -76,6 +77,11 @@ pub trait Backend: Send + Sync {
     type Route: Send;
 
     fn name(&self) -> String;
+    /// Waits until every op enqueued so far has finished (a device backend's stream), returning
+    /// the first error of any op; backends whose ops are synchronous keep the default.
+    fn sync(&self) -> Result<()> {
+        Ok(())
+    }
 
     // ---- memory
     fn upload_mat(&self, m: &HostLinear) -> Result<Self::Mat>;

@@ -12,6 +12,18 @@
 //!   words, scales and biases as bf16 (f16 / f32 scales become f32); unquantized matrices become
 //!   f32. Activations, the KV cache and the GDN state are f32 in this first cut (bf16 activations
 //!   and KV are a later step; the GDN state stays f32).
+//! * GEMM by shape: `matmul_q` with rows ≤ 8 (decode, tiny batches) runs the f32 GEMV kernels,
+//!   which stream each weight row once and are memory-bound; so do matrices of at most 64 outputs
+//!   at any row count (`SKINNY_OUT`: GDN b/a, shared-expert gate; one x row per block row). Above
+//!   8 rows (prefill) the rest runs the tensor-core GEMM (`tc_gemm.cuh`: bf16 operands, f32
+//!   accumulation), as do the routed experts of a prefill (`moe_tc_gemm`; `LILY_CUDA_MOE_FUSE=1`
+//!   runs gate and up as one kernel, `moe_tc_gate_up`, measured no faster). 8 is where the GEMV's per-row x registers run out
+//!   and where a 64-row tile starts to amortise its dequantisation. `LILY_CUDA_GEMM=simt` (read
+//!   when the backend is created, or `set_tensor_core_gemm`) swaps all of these back to the f32
+//!   SIMT GEMMs, which match the CPU to f32 rounding: the ablation switch and the reference path.
+//! * Prefill attention likewise runs on tensor cores (`attn_tc_<HD>` in attention.cu: flash
+//!   attention, bf16 q/k/v/p, f32 softmax and accumulators); `LILY_CUDA_ATTN=f32` (or
+//!   `set_tensor_core_attention`) swaps back to the f32 `attn_rows`. Decode attention is f32.
 //! * Execution: one stream; every op only enqueues work (no host sync) except `to_host` and
 //!   `argmax`, which return results. Routing stays on the device (`moe_route` writes expert ids and
 //!   weights that the expert kernels read). Token ids come from the host (`embed` takes `&[u32]`).
@@ -23,6 +35,7 @@ mod nvrtc;
 
 use std::collections::HashMap;
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -32,7 +45,12 @@ use super::{Backend, Dims, GdnParams, KvCache};
 use crate::loader::tensor::{Dtype, HostLinear, HostTensor, LinearKind};
 
 /// The kernel files, compiled in this order (`*.cuh` headers are prepended to each).
-const HEADERS: &[(&str, &str)] = &[("common.cuh", include_str!("kernels/common.cuh")), ("quant.cuh", include_str!("kernels/quant.cuh"))];
+const HEADERS: &[(&str, &str)] = &[
+    ("common.cuh", include_str!("kernels/common.cuh")),
+    ("mma.cuh", include_str!("kernels/mma.cuh")),
+    ("quant.cuh", include_str!("kernels/quant.cuh")),
+    ("tc_gemm.cuh", include_str!("kernels/tc_gemm.cuh")),
+];
 const FILES: &[(&str, &str)] = &[
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("matmul.cu", include_str!("kernels/matmul.cu")),
@@ -194,6 +212,24 @@ enum Arg {
 
 /// Keys per block of the split decode attention (ATT_SPLIT in attention.cu).
 const ATT_SPLIT: usize = 256;
+/// Dynamic shared memory of the tensor-core GEMM tiles with one and two weight streams
+/// (TC_SMEM(NW) in tc_gemm.cuh: two buffers of (1 + NW) tiles of 64 × 72 bf16).
+const TC_SMEM_1: u32 = 2 * 2 * 64 * 72 * 2;
+const TC_SMEM_2: u32 = 2 * 3 * 64 * 72 * 2;
+/// Rows per thread of conv1d_prefill (CONV_RPT in gdn.cu).
+const CONV_RPT: usize = 16;
+/// Rows of GDN state per warp of gdn_scan_<NC>_<RPW> (gdn.cu): more warps for a prefill, fewer
+/// redundant q/k norms for a decode step.
+const GDN_RPW_PREFILL: usize = 2;
+const GDN_RPW_DECODE: usize = 4;
+/// At or below this many outputs a matrix of a prefill (GDN b/a: 32, shared-expert gate: 1) runs
+/// gemv1 with one block row per token (grid.y = rows) instead of the tensor-core GEMM: a 64×64 tile
+/// grid of one column block has too few blocks to hide its k-loop latency. Profiled per call at
+/// 256 rows on the H200 (each figure includes the profiler's ~12 µs sync): 37–40 µs as a
+/// tensor-core GEMM, 25–28 µs as 8-row GEMV slices (which re-read x from L1 for every weight row),
+/// 18–22 µs this way. The router (256 outputs) stays on the tensor cores: 29 µs in the op timing,
+/// against 45 µs as 8-row GEMV slices.
+const SKINNY_OUT: usize = 64;
 
 fn grid1(n: usize, per: usize) -> u32 {
     n.div_ceil(per).max(1) as u32
@@ -207,6 +243,12 @@ pub struct Cuda {
     err: Mutex<Option<String>>,
     scratch: Mutex<HashMap<&'static str, Mem>>,
     device: String,
+    /// Prefill GEMMs on tensor cores (bf16 operands) rather than f32 SIMT.
+    tc_gemm: AtomicBool,
+    /// Prefill attention on tensor cores (attn_tc_<HD>) rather than f32 SIMT (attn_rows).
+    tc_attn: AtomicBool,
+    /// The routed experts' gate and up in one tensor-core kernel (`LILY_CUDA_MOE_FUSE=1`).
+    moe_fuse: AtomicBool,
 }
 
 impl Cuda {
@@ -261,6 +303,9 @@ impl Cuda {
             err: Mutex::new(None),
             scratch: Mutex::new(HashMap::new()),
             device: format!("{name}, {arch}"),
+            tc_gemm: AtomicBool::new(std::env::var("LILY_CUDA_GEMM").map_or(true, |v| v != "simt")),
+            tc_attn: AtomicBool::new(std::env::var("LILY_CUDA_ATTN").map_or(true, |v| v != "f32")),
+            moe_fuse: AtomicBool::new(std::env::var("LILY_CUDA_MOE_FUSE").is_ok_and(|v| v == "1")),
         })
     }
 
@@ -274,6 +319,29 @@ impl Cuda {
             Some(e) => bail!("CUDA backend: {e}"),
             None => Ok(()),
         }
+    }
+
+    /// Prefill GEMMs (`matmul_q` above 8 rows, routed experts of a prefill) on tensor cores with
+    /// bf16 operands (`true`, the default) or in f32 SIMT (`false`, as `LILY_CUDA_GEMM=simt`).
+    pub fn set_tensor_core_gemm(&self, on: bool) {
+        self.tc_gemm.store(on, Ordering::Relaxed);
+    }
+    pub fn tensor_core_gemm(&self) -> bool {
+        self.tc_gemm.load(Ordering::Relaxed)
+    }
+    /// The routed experts' gate and up of a prefill in one tensor-core kernel (`true`, as
+    /// `LILY_CUDA_MOE_FUSE=1`) or as two GEMMs and a swiglu pass (`false`, the default: the fused
+    /// kernel measured no faster on the H200, 714 against about 700 µs per 256-token layer).
+    pub fn set_moe_fused(&self, on: bool) {
+        self.moe_fuse.store(on, Ordering::Relaxed);
+    }
+    /// Prefill attention on tensor cores (`true`, the default: attn_tc_<HD>, bf16 q/k/v/p) or in
+    /// f32 SIMT (`false`, as `LILY_CUDA_ATTN=f32`: attn_rows, equal to the CPU to f32 rounding).
+    pub fn set_tensor_core_attention(&self, on: bool) {
+        self.tc_attn.store(on, Ordering::Relaxed);
+    }
+    pub fn tensor_core_attention(&self) -> bool {
+        self.tc_attn.load(Ordering::Relaxed)
     }
 
     /// Free and total device memory in bytes.
@@ -354,6 +422,13 @@ impl Cuda {
         }
         for m in &self.modules {
             if let Ok(f) = m.load_function(name) {
+                if name.contains("tc_") {
+                    // Tensor-core kernels hold 36–101 KiB of shared memory per block: ask for the
+                    // largest shared-memory carveout, so that the split of L1 never limits the
+                    // blocks per SM (two of attn_tc_256 need 203 KiB). The GEMMs measured the same
+                    // with and without it.
+                    let _ = f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100);
+                }
                 fs.insert(name.to_string(), f.clone());
                 return Some(f);
             }
@@ -367,6 +442,13 @@ impl Cuda {
             return;
         }
         let Some(f) = self.func(name) else { return };
+        if smem > 48 * 1024 {
+            // Above 48 KiB of dynamic shared memory a kernel must opt in.
+            if let Err(e) = f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32) {
+                self.fail(format!("{name}: cannot allow {smem} bytes of shared memory: {e}"));
+                return;
+            }
+        }
         let mut ptrs: Vec<*mut c_void> = args
             .iter()
             .map(|a| match a {
@@ -488,6 +570,9 @@ impl Backend for Cuda {
     fn name(&self) -> String {
         format!("cuda ({})", self.device)
     }
+    fn sync(&self) -> Result<()> {
+        self.check()
+    }
 
     fn upload_mat(&self, m: &HostLinear) -> Result<Mat> {
         if !m.inp.is_multiple_of(32) {
@@ -554,6 +639,11 @@ impl Backend for Cuda {
         if rows <= 8 {
             let r = rows.next_power_of_two();
             self.launch(&format!("gemv{r}_{}", w.fmt.suffix()), (grid1(w.out, 8), 1, 1), 256, 0, &args);
+        } else if w.out <= SKINNY_OUT {
+            // Block y takes row y: each warp one (row, output) dot, x rows shared through L1.
+            self.launch(&format!("gemv1_{}", w.fmt.suffix()), (grid1(w.out, 8), rows as u32, 1), 256, 0, &args);
+        } else if self.tensor_core_gemm() {
+            self.launch(&format!("tc_gemm_{}", w.fmt.suffix()), (grid1(w.out, 64), grid1(rows, 64), 1), 128, TC_SMEM_1, &args);
         } else {
             self.launch(&format!("gemm_{}", w.fmt.suffix()), (grid1(w.out, 64), grid1(rows, 64), 1), 256, 0, &args);
         }
@@ -619,6 +709,31 @@ impl Backend for Cuda {
         self.dtod(k.mem.ptr, kv.k.at(pos0 * kvd), 4 * rows * kvd);
         self.dtod(v.mem.ptr, kv.v.at(pos0 * kvd), 4 * rows * kvd);
         let scale = 1.0 / (hd as f32).sqrt();
+        let group = h / kvh;
+        if self.tensor_core_attention() && matches!(hd, 64 | 128 | 256) && 64 % group == 0 {
+            // attn_tc_<hd>: 64 query rows (64/group tokens × group heads) per block, Q/K/V tiles of
+            // 64 × (hd + 8) bf16 in dynamic shared memory.
+            let tq = 64 / group;
+            self.launch(
+                &format!("attn_tc_{hd}"),
+                (grid1(rows, tq), kvh as u32, 1),
+                128,
+                (3 * 64 * (hd + 8) * 2) as u32,
+                &[
+                    Arg::P(q.mem.ptr),
+                    Arg::P(gate.mem.ptr),
+                    Arg::P(kv.k.mem.ptr),
+                    Arg::P(kv.v.mem.ptr),
+                    Arg::P(out.mem.ptr),
+                    Arg::I(h as i32),
+                    Arg::I(kvh as i32),
+                    Arg::I(rows as i32),
+                    Arg::I(pos0 as i32),
+                    Arg::F(scale),
+                ],
+            );
+            return;
+        }
         self.launch(
             "attn_rows",
             (rows as u32, h as u32, 1),
@@ -695,9 +810,10 @@ impl Backend for Cuda {
         }
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Some(y) = self.scratch(&mut sc, "gdn_y", 4 * rows * hv * dv) else { return };
-        let warps = hv * dv / 4; // GDN_RPW rows of state per warp
+        let rpw = if rows == 1 { GDN_RPW_DECODE } else { GDN_RPW_PREFILL };
+        let warps = hv * dv / rpw;
         self.launch(
-            &format!("gdn_scan_{}", dk / 32),
+            &format!("gdn_scan_{}_{rpw}", dk / 32),
             (grid1(warps, 4), 1, 1),
             128,
             0,
@@ -775,18 +891,31 @@ impl Backend for Cuda {
         self.launch("moe_count", (grid1(n, 256), 1, 1), 256, 0, &[Arg::P(route.ids.ptr), Arg::P(counts), Arg::I(n as i32)]);
         self.launch("moe_plan", (1, 1, 1), 32, 0, &[Arg::P(counts), Arg::P(offsets), Arg::P(cursor), Arg::P(tiles), Arg::P(ntiles), Arg::I(ne as i32)]);
         self.launch("moe_scatter", (grid1(n, 256), 1, 1), 256, 0, &[Arg::P(route.ids.ptr), Arg::P(cursor), Arg::P(perm), Arg::I(n as i32)]);
+        let tc = self.tensor_core_gemm();
+        let (kernel, threads, smem) = if tc { ("moe_tc_gemm", 128, TC_SMEM_1) } else { ("moe_gemm", 256, 0) };
         let gemm = |m: &Mat, src: u64, dst: u64, mode: i32| {
             self.launch(
-                &format!("moe_gemm_{}", m.fmt.suffix()),
+                &format!("{kernel}_{}", m.fmt.suffix()),
                 (grid1(m.out, 64), max_tiles as u32, 1),
-                256,
-                0,
+                threads,
+                smem,
                 &[Arg::P(src), Arg::Q(m.q()), Arg::P(perm), Arg::P(tiles), Arg::P(ntiles), Arg::P(dst), Arg::I(k as i32), Arg::I(mode)],
             )
         };
-        gemm(gate, x.mem.ptr, g, 0);
-        gemm(up, x.mem.ptr, u, 0);
-        self.launch("swiglu", (grid1(n * width, 256), 1, 1), 256, 0, &[Arg::P(g), Arg::P(u), Arg::P(act), Arg::P((n * width) as u64)]);
+        if tc && self.moe_fuse.load(Ordering::Relaxed) && gate.fmt == up.fmt {
+            // Gate and up in one pass over each x tile, act = silu(gate)·up written directly.
+            self.launch(
+                &format!("moe_tc_gate_up_{}", gate.fmt.suffix()),
+                (grid1(width, 64), max_tiles as u32, 1),
+                128,
+                TC_SMEM_2,
+                &[Arg::P(x.mem.ptr), Arg::Q(gate.q()), Arg::Q(up.q()), Arg::P(perm), Arg::P(tiles), Arg::P(ntiles), Arg::P(act), Arg::I(k as i32)],
+            );
+        } else {
+            gemm(gate, x.mem.ptr, g, 0);
+            gemm(up, x.mem.ptr, u, 0);
+            self.launch("swiglu", (grid1(n * width, 256), 1, 1), 256, 0, &[Arg::P(g), Arg::P(u), Arg::P(act), Arg::P((n * width) as u64)]);
+        }
         gemm(down, act, y, 1);
         self.launch("moe_combine", (rows as u32, 1, 1), 256, 0, &[Arg::P(y), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::I(h as i32)]);
     }
@@ -860,11 +989,14 @@ impl Cuda {
         {
             return;
         }
-        let mut args = vec![Arg::P(x.mem.ptr), Arg::P(w.mem.ptr), Arg::P(state.mem.ptr), Arg::P(out.mem.ptr), Arg::I(c as i32), Arg::I(k as i32)];
+        let args = [Arg::P(x.mem.ptr), Arg::P(w.mem.ptr), Arg::P(state.mem.ptr), Arg::P(out.mem.ptr), Arg::I(c as i32), Arg::I(k as i32), Arg::I(rows as i32)];
         if name == "conv1d_prefill" {
-            args.push(Arg::I(rows as i32));
+            // Rows split over blocks (CONV_RPT in gdn.cu), then the state replaced by its own launch.
+            self.launch(name, (grid1(c, 256), grid1(rows, CONV_RPT), 1), 256, 0, &args);
+            self.launch("conv1d_state", (grid1(c, 256), 1, 1), 256, 0, &[Arg::P(x.mem.ptr), Arg::P(state.mem.ptr), Arg::I(c as i32), Arg::I(k as i32), Arg::I(rows as i32)]);
+        } else {
+            self.launch(name, (grid1(c, 256), 1, 1), 256, 0, &args[..6]);
         }
-        self.launch(name, (grid1(c, 256), 1, 1), 256, 0, &args);
     }
 
     fn experts_ok(&self, gate: &Mat, up: &Mat, down: &Mat, d: &Dims, op: &str) -> bool {

@@ -14,6 +14,22 @@
 //                    running max), lane l owns dims l, l+32, ... (hd <= 256, hd % 32 == 0); the 8
 //                    partial states are merged through shared memory. Used for prefill (rows > 1)
 //                    and decode (rows = 1).
+// attn_tc_<HD>       (HD in 64, 128, 256; prefill, the default) the same function as attn_rows as
+//                    a flash-attention kernel on tensor cores: bf16 q, k, v, p, f32 scores,
+//                    softmax state and output accumulators. Block = one KV head and tq = 64/G
+//                    query tokens (G = H/KV query heads share that KV head), i.e. 64 query rows
+//                    r = token_in_block * G + head_in_group, so each K/V tile is read once for
+//                    all G heads. 128 threads = 4 warps of 16 rows. Per tile of 64 keys the block
+//                    stages K and V (f32 -> bf16) in shared memory; each warp computes S = Q K^T
+//                    (16 x 64, mma), masks keys past its rows' positions, updates the online
+//                    softmax (running max and sum per row, reduced over the 4 lanes of a row),
+//                    and adds P V (P re-packed from the accumulators as bf16 A fragments, V by
+//                    ldmatrix.trans) into O (16 x HD f32 per warp, HD/2 registers per thread).
+//                    Dynamic shared memory: Q, K, V tiles of 64 x (HD + 8) bf16 (101 KiB at
+//                    HD = 256, two blocks per SM). Grid (ceil(rows / tq), KV). Needs 64 % G == 0.
+//                    Error: each score carries two bf16 roundings per product (|ds| <= (2^-7 +
+//                    HD 2^-22) scale sum_d |q_d k_d|), p and v one each; tests/cuda_ops.rs
+//                    propagates that bound. LILY_CUDA_ATTN=f32 selects attn_rows instead.
 // attn_decode_split + attn_decode_combine  decode (one query) split over the context: grid
 //                    (H, ceil(n/256)) blocks each do 256 keys as above and write a partial state
 //                    (max, normaliser, unnormalised output); the combine merges them per head
@@ -180,3 +196,167 @@ attn_decode_combine(const float* __restrict__ part, const float* __restrict__ ga
         out[(u64)h * hd + dd] = o / L * sigmoid_f(gate[(u64)h * hd + dd]);
     }
 }
+
+// ---- tensor-core prefill attention (attn_tc_<HD>)
+#define FA_M 64  // query rows per block
+#define FA_N 64  // keys per tile
+
+template <int HD>
+__device__ __forceinline__ void attn_tc_body(const float* __restrict__ q, const float* __restrict__ gate,
+                                             const float* __restrict__ kc, const float* __restrict__ vc,
+                                             float* __restrict__ out, int H, int KV, int rows, int pos0, float scale) {
+    constexpr int LD = HD + 8;  // bf16 row stride: 16-byte rows, ldmatrix rows on distinct banks
+    constexpr int NT = HD / 8;  // n8 tiles of the output
+    extern __shared__ __align__(16) u16 fa_smem[];
+    u16(*Qs)[LD] = (u16(*)[LD])fa_smem;
+    u16(*Ks)[LD] = (u16(*)[LD])(fa_smem + FA_M * LD);
+    u16(*Vs)[LD] = (u16(*)[LD])(fa_smem + (FA_M + FA_N) * LD);
+    const int G = H / KV, tq = FA_M / G;
+    const int kvh = blockIdx.y, t0 = blockIdx.x * tq;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const u64 kvd = (u64)KV * HD;
+
+    // Q rows of this block (bf16); rows past the chunk are zeros.
+#pragma unroll 4
+    for (int i = tid; i < FA_M * HD / 4; i += 128) {
+        const int r = i / (HD / 4), c4 = (i % (HD / 4)) * 4;
+        const int t = t0 + r / G, h = kvh * G + r % G;
+        const float4 v = t < rows ? *(const float4*)(q + ((u64)t * H + h) * HD + c4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        *(uint2*)&Qs[r][c4] = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+    }
+    // This thread's two rows (g and g + 8 of its warp) and the last key each may see; rows past the
+    // chunk take the chunk's last position (finite softmax, output not written).
+    const int ra = warp * 16 + (lane >> 2), rb = ra + 8;
+    const int pa = pos0 + min(t0 + ra / G, rows - 1), pb = pos0 + min(t0 + rb / G, rows - 1);
+    const int nkeys = pos0 + min(t0 + tq, rows);
+    float o[NT][4];
+#pragma unroll
+    for (int n = 0; n < NT; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+    float ma = NEG_INF, mb = NEG_INF, la = 0.0f, lb = 0.0f;
+
+    for (int j0 = 0; j0 < nkeys; j0 += FA_N) {
+        __syncthreads();  // the previous tile's K/V reads are done (and Q is staged, the first time)
+#pragma unroll 4
+        for (int i = tid; i < FA_N * HD / 4; i += 128) {
+            const int j = i / (HD / 4), c4 = (i % (HD / 4)) * 4;
+            const int key = j0 + j;
+            float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
+            if (key < nkeys) {
+                kv = *(const float4*)(kc + (u64)key * kvd + (u64)kvh * HD + c4);
+                vv = *(const float4*)(vc + (u64)key * kvd + (u64)kvh * HD + c4);
+            }
+            *(uint2*)&Ks[j][c4] = make_uint2(pack_bf16x2(kv.x, kv.y), pack_bf16x2(kv.z, kv.w));
+            *(uint2*)&Vs[j][c4] = make_uint2(pack_bf16x2(vv.x, vv.y), pack_bf16x2(vv.z, vv.w));
+        }
+        __syncthreads();
+
+        // S = Q K^T: 16 rows x 64 keys per warp (8 n8 tiles).
+        float s[8][4];
+#pragma unroll
+        for (int n = 0; n < 8; n++) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; kk++) {
+            u32 a[4];
+            ldsm_x4(smem_u32(&Qs[warp * 16 + (lane & 15)][kk * 16 + (lane >> 4) * 8]), a[0], a[1], a[2], a[3]);
+#pragma unroll
+            for (int nj = 0; nj < 4; nj++) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4(smem_u32(&Ks[nj * 16 + (lane & 7) + ((lane >> 4) << 3)][kk * 16 + ((lane >> 3) & 1) * 8]), b0, b1, b2, b3);
+                mma_bf16_16816(s[2 * nj], a, b0, b1);
+                mma_bf16_16816(s[2 * nj + 1], a, b2, b3);
+            }
+        }
+        // Scale, causal mask, online softmax (row max over the 4 lanes holding a row).
+        float mxa = ma, mxb = mb;
+#pragma unroll
+        for (int n = 0; n < 8; n++)
+#pragma unroll
+            for (int e = 0; e < 2; e++) {
+                const int key = j0 + n * 8 + 2 * (lane & 3) + e;
+                s[n][e] = key <= pa ? s[n][e] * scale : NEG_INF;
+                s[n][2 + e] = key <= pb ? s[n][2 + e] * scale : NEG_INF;
+                mxa = fmaxf(mxa, s[n][e]);
+                mxb = fmaxf(mxb, s[n][2 + e]);
+            }
+        mxa = fmaxf(mxa, __shfl_xor_sync(FULL_MASK, mxa, 1));
+        mxa = fmaxf(mxa, __shfl_xor_sync(FULL_MASK, mxa, 2));
+        mxb = fmaxf(mxb, __shfl_xor_sync(FULL_MASK, mxb, 1));
+        mxb = fmaxf(mxb, __shfl_xor_sync(FULL_MASK, mxb, 2));
+        // Key 0 is in the first tile and visible to every row, so mxa, mxb are finite from here on.
+        const float ca = expf(ma - mxa), cb = expf(mb - mxb);
+        ma = mxa;
+        mb = mxb;
+        la *= ca;
+        lb *= cb;
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            o[n][0] *= ca;
+            o[n][1] *= ca;
+            o[n][2] *= cb;
+            o[n][3] *= cb;
+        }
+        // P = exp(S - m) (masked keys give 0), summed in f32, then packed as bf16 A fragments: the
+        // accumulators of n8 tiles 2kk and 2kk+1 are exactly the A fragment of keys 16kk..16kk+15.
+        u32 pf[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            float p[2][4];
+#pragma unroll
+            for (int h2 = 0; h2 < 2; h2++) {
+                const int n = 2 * kk + h2;
+                p[h2][0] = expf(s[n][0] - ma);
+                p[h2][1] = expf(s[n][1] - ma);
+                p[h2][2] = expf(s[n][2] - mb);
+                p[h2][3] = expf(s[n][3] - mb);
+                la += p[h2][0] + p[h2][1];
+                lb += p[h2][2] + p[h2][3];
+            }
+            pf[kk][0] = pack_bf16x2(p[0][0], p[0][1]);
+            pf[kk][1] = pack_bf16x2(p[0][2], p[0][3]);
+            pf[kk][2] = pack_bf16x2(p[1][0], p[1][1]);
+            pf[kk][3] = pack_bf16x2(p[1][2], p[1][3]);
+        }
+        // O += P V: V tiles [key][d] read transposed (k = key, n = d).
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++)
+#pragma unroll
+            for (int dj = 0; dj < HD / 16; dj++) {
+                u32 b0, b1, b2, b3;
+                ldsm_x4_trans(smem_u32(&Vs[kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8][dj * 16 + (lane >> 4) * 8]), b0, b1, b2, b3);
+                mma_bf16_16816(o[2 * dj], pf[kk], b0, b1);
+                mma_bf16_16816(o[2 * dj + 1], pf[kk], b2, b3);
+            }
+    }
+    // Row sums over the 4 lanes of a row, then out = O / l * sigmoid(gate).
+    la += __shfl_xor_sync(FULL_MASK, la, 1);
+    la += __shfl_xor_sync(FULL_MASK, la, 2);
+    lb += __shfl_xor_sync(FULL_MASK, lb, 1);
+    lb += __shfl_xor_sync(FULL_MASK, lb, 2);
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        const int r = half ? rb : ra;
+        const int t = t0 + r / G, h = kvh * G + r % G;
+        if (t >= rows) continue;
+        const float inv = 1.0f / (half ? lb : la);
+        const u64 base = ((u64)t * H + h) * HD;
+#pragma unroll
+        for (int n = 0; n < NT; n++) {
+            const int d = n * 8 + 2 * (lane & 3);
+            const float2 gv = *(const float2*)(gate + base + d);
+            float2 ov;
+            ov.x = o[n][2 * half] * inv * sigmoid_f(gv.x);
+            ov.y = o[n][2 * half + 1] * inv * sigmoid_f(gv.y);
+            *(float2*)(out + base + d) = ov;
+        }
+    }
+}
+
+#define ATTN_TC(HD)                                                                                              \
+    extern "C" __global__ void __launch_bounds__(128)                                                            \
+    attn_tc_##HD(const float* q, const float* gate, const float* kc, const float* vc, float* out, int H, int KV, \
+                 int rows, int pos0, float scale) {                                                              \
+        attn_tc_body<HD>(q, gate, kc, vc, out, H, KV, rows, pos0, scale);                                        \
+    }
+ATTN_TC(64)
+ATTN_TC(128)
+ATTN_TC(256)

@@ -7,15 +7,27 @@
 //
 // gemv<R>_<fmt> (rows <= R, R in 1, 2, 4, 8: decode and tiny batches; memory-bound; the host picks
 //             the smallest R, fewer registers = more warps in flight). Block of 256 threads = 8
-//             warps, one output row per warp, grid ceil(out/8). Each warp streams its weight row
-//             once for all rows of x (warp_dot_rows), then reduces with shuffles.
-// gemm_<fmt>  (rows > 8: prefill). 64x64 output tiles, 256 threads, grid (ceil(out/64),
-//             ceil(rows/64)); W dequantized into shared memory per k-step of 32. Plain f32 FMAs
-//             (correctness first; tensor cores come later).
+//             warps, one output row per warp, grid (ceil(out/8), ceil(rows/R)): block y takes x
+//             rows R*y .. R*y+R (y = 0 for decode). A prefill of a matrix with at most 64 outputs
+//             (GDN b/a, shared-expert gate) runs gemv1 with one block row per token, in f32.
+//             Each warp streams its weight row once for its rows of x (warp_dot_rows), then
+//             reduces with shuffles.
+// tc_gemm_<fmt> (rows > 8: prefill; the default). Tensor cores, bf16 operands, f32 accumulation
+//             (tc_gemm.cuh): 64x64 output tiles, 128 threads, grid (ceil(out/64), ceil(rows/64)),
+//             TC_SMEM(1) bytes of dynamic shared memory.
+//             Within the bf16 bound of tc_gemm.cuh of the CPU's f32 result, not equal to it.
+// gemm_<fmt>  (rows > 8 with LILY_CUDA_GEMM=simt: the f32 reference path and ablation). 64x64
+//             output tiles, 256 threads, same grid; W dequantized into shared memory per k-step
+//             of 32; plain f32 FMAs, matching the CPU to f32 rounding.
 // embed_<fmt> out[t] = dequant(W[ids[t]]): grid rows, 256 threads striding over the row.
 
 template <int BITS, typename SB, int GEMV_MAXR>
 __device__ __forceinline__ void gemv_body(const float* __restrict__ x, QMat m, float* __restrict__ out, int rows) {
+    // Block y takes x rows GEMV_MAXR*y .. (a prefill of a skinny matrix; y = 0 for decode).
+    const int r0 = blockIdx.y * GEMV_MAXR;
+    x += (u64)r0 * m.inp;
+    out += (u64)r0 * m.out;
+    rows = min(rows - r0, GEMV_MAXR);
     int lane = threadIdx.x & 31;
     int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (o >= m.out) return;
@@ -56,6 +68,17 @@ __device__ __forceinline__ void gemm_body(const float* __restrict__ x, QMat m, f
 }
 
 template <int BITS, typename SB>
+__device__ __forceinline__ void tc_gemm_body(const float* __restrict__ x, QMat m, float* __restrict__ out, int rows) {
+    __shared__ int rowmap[TC_M];  // x row = out row = m0 + i, or -1 past the last row
+    const int n0 = blockIdx.x * TC_N, m0 = blockIdx.y * TC_M;
+    if (threadIdx.x < TC_M) rowmap[threadIdx.x] = m0 + (int)threadIdx.x < rows ? m0 + (int)threadIdx.x : -1;
+    __syncthreads();
+    float acc[1][2][4][4];
+    tc_tile<BITS, SB, 1>(QMats<1>{{m}}, 0, n0, x, (u64)m.inp, rowmap, acc);
+    tc_store_out(acc[0], rowmap, n0, m.out, out, (u64)m.out);
+}
+
+template <int BITS, typename SB>
 __device__ __forceinline__ void embed_body(QMat m, const u32* __restrict__ ids, float* __restrict__ out) {
     int t = blockIdx.x;
     u64 id = ids[t];
@@ -77,6 +100,9 @@ __device__ __forceinline__ void embed_body(QMat m, const u32* __restrict__ ids, 
     }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(256) gemm_##NAME(const float* x, QMat m, float* out, int rows) { \
         gemm_body<BITS, SB>(x, m, out, rows);                                                           \
+    }                                                                                                   \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) tc_gemm_##NAME(const float* x, QMat m, float* out, int rows) { \
+        tc_gemm_body<BITS, SB>(x, m, out, rows);                                                        \
     }                                                                                                   \
     extern "C" __global__ void embed_##NAME(QMat m, const u32* ids, float* out) { embed_body<BITS, SB>(m, ids, out); }
 

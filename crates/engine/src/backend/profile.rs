@@ -1,0 +1,287 @@
+//! `Profiled<B>`: any backend, with wall time per op family when switched on (`lily bench --profile`).
+//!
+//! A wrapper that implements `Backend` by delegating every op to the inner backend. While the
+//! profiler is on, each op is bracketed by `sync()` of the inner backend (wait for all enqueued
+//! device work) and a host clock, so the time charged to an op is: its host-side launch cost + its
+//! device time + one synchronisation round trip (a few µs on CUDA). Ops of a GPU backend normally
+//! overlap their launches with earlier kernels; here they cannot, so a profiled step is slower than
+//! an unprofiled one — `lily bench --profile` prints both. The figure is exact for long ops
+//! (prefill GEMMs, scans) and an upper bound for µs-sized decode ops. On the CPU `sync` is a no-op
+//! (its ops are synchronous) and the times are plain wall time.
+//!
+//! Families: the trait's op names, except `matmul_q`, which is split by the matrix it multiplies
+//! (`matmul_q linear_attn.in_proj_qkv`, the layer number dropped), since those are the different
+//! GEMM shapes. The model is generic over the backend, so `Qwen35<Profiled<Cuda>>` needs no change
+//! to the model; when the profiler is off an op costs one relaxed atomic load more.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use anyhow::Result;
+
+use super::{Backend, Dims, GdnParams, KvCache};
+use crate::loader::tensor::HostLinear;
+
+/// Switch and accumulated times; shared between the wrapper and whoever reads the report.
+#[derive(Default)]
+pub struct Profiler {
+    on: AtomicBool,
+    stats: Mutex<HashMap<String, (u64, f64)>>,
+}
+
+/// One op family's total over a profiled region.
+#[derive(Clone, Debug)]
+pub struct OpTime {
+    pub family: String,
+    pub calls: u64,
+    pub seconds: f64,
+}
+
+/// The op families of a profiled region, longest first.
+#[derive(Clone, Debug, Default)]
+pub struct Report {
+    pub ops: Vec<OpTime>,
+}
+
+impl Profiler {
+    /// Clears the totals and starts charging ops.
+    pub fn start(&self) {
+        self.stats.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.on.store(true, Ordering::Relaxed);
+    }
+
+    /// Stops charging and returns what was charged since `start`.
+    pub fn stop(&self) -> Report {
+        self.on.store(false, Ordering::Relaxed);
+        let stats = std::mem::take(&mut *self.stats.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut ops: Vec<OpTime> = stats.into_iter().map(|(family, (calls, seconds))| OpTime { family, calls, seconds }).collect();
+        ops.sort_by(|a, b| b.seconds.total_cmp(&a.seconds).then_with(|| a.family.cmp(&b.family)));
+        Report { ops }
+    }
+
+    fn is_on(&self) -> bool {
+        self.on.load(Ordering::Relaxed)
+    }
+
+    fn charge(&self, family: &str, seconds: f64) {
+        let mut s = self.stats.lock().unwrap_or_else(|e| e.into_inner());
+        match s.get_mut(family) {
+            Some(v) => {
+                v.0 += 1;
+                v.1 += seconds;
+            }
+            None => {
+                s.insert(family.to_string(), (1, seconds));
+            }
+        }
+    }
+}
+
+impl Report {
+    pub fn total(&self) -> f64 {
+        self.ops.iter().map(|o| o.seconds).sum()
+    }
+
+    /// Divides every total by `n` (a report over n identical steps → per step; calls rounded).
+    pub fn per(&self, n: usize) -> Report {
+        let n = n.max(1);
+        Report { ops: self.ops.iter().map(|o| OpTime { family: o.family.clone(), calls: o.calls.div_ceil(n as u64), seconds: o.seconds / n as f64 }).collect() }
+    }
+
+    /// A table: op family, calls, total ms, µs per call, share of the summed op time; then the
+    /// `matmul_q` families summed.
+    pub fn table(&self) -> String {
+        let total = self.total().max(1e-12);
+        let mut s = format!("{:<44} {:>7} {:>10} {:>10} {:>7}\n", "op family", "calls", "total ms", "us/call", "share");
+        for o in &self.ops {
+            s += &format!("{:<44} {:>7} {:>10.3} {:>10.1} {:>6.1}%\n", o.family, o.calls, o.seconds * 1e3, o.seconds * 1e6 / o.calls.max(1) as f64, 100.0 * o.seconds / total);
+        }
+        let (mc, ms) = self.ops.iter().filter(|o| o.family.starts_with("matmul_q")).fold((0, 0.0), |(c, t), o| (c + o.calls, t + o.seconds));
+        s += &format!("{:<44} {:>7} {:>10.3} {:>10} {:>6.1}%\n", "(matmul_q, all matrices)", mc, ms * 1e3, "", 100.0 * ms / total);
+        s += &format!("{:<44} {:>7} {:>10.3}\n", "(sum of ops)", self.ops.iter().map(|o| o.calls).sum::<u64>(), total * 1e3);
+        s
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        let total = self.total().max(1e-12);
+        serde_json::json!({
+            "total_ms": self.total() * 1e3,
+            "ops": self.ops.iter().map(|o| serde_json::json!({
+                "family": o.family, "calls": o.calls, "total_ms": o.seconds * 1e3, "share": o.seconds / total,
+            })).collect::<Vec<_>>(),
+        })
+    }
+}
+
+/// A matrix of the inner backend with the family name its products are charged to.
+pub struct PMat<M> {
+    pub inner: M,
+    family: String,
+}
+
+/// `model.layers.7.linear_attn.in_proj_qkv` → `linear_attn.in_proj_qkv`; `lm_head` stays.
+fn matrix_label(name: &str) -> String {
+    if let Some(i) = name.find("layers.") {
+        let rest = &name[i + "layers.".len()..];
+        let rest = rest.trim_start_matches(|c: char| c.is_ascii_digit());
+        return rest.trim_start_matches('.').to_string();
+    }
+    name.rsplit('.').next().unwrap_or(name).to_string()
+}
+
+/// Any backend, with per-op timing when its profiler is on.
+pub struct Profiled<B> {
+    pub inner: B,
+    prof: Arc<Profiler>,
+}
+
+impl<B: Backend> Profiled<B> {
+    /// Wraps `inner`; the profiler starts off.
+    pub fn new(inner: B) -> Self {
+        Self { inner, prof: Arc::new(Profiler::default()) }
+    }
+
+    /// The switch and the totals (keep a clone to start / stop around a region).
+    pub fn profiler(&self) -> Arc<Profiler> {
+        self.prof.clone()
+    }
+
+    fn time<R>(&self, family: &str, f: impl FnOnce() -> R) -> R {
+        if !self.prof.is_on() {
+            return f();
+        }
+        // Errors are left to the inner backend: an op that failed reports at the next check.
+        let _ = self.inner.sync();
+        let t0 = Instant::now();
+        let r = f();
+        let _ = self.inner.sync();
+        self.prof.charge(family, t0.elapsed().as_secs_f64());
+        r
+    }
+}
+
+impl<B: Backend> Backend for Profiled<B> {
+    type Buf = B::Buf;
+    type Mat = PMat<B::Mat>;
+    type Vec = B::Vec;
+    type Route = B::Route;
+
+    fn name(&self) -> String {
+        self.inner.name()
+    }
+    fn sync(&self) -> Result<()> {
+        self.inner.sync()
+    }
+
+    fn upload_mat(&self, m: &HostLinear) -> Result<Self::Mat> {
+        Ok(PMat { inner: self.inner.upload_mat(m)?, family: format!("matmul_q {}", matrix_label(&m.name)) })
+    }
+    fn upload_vec(&self, v: &[f32]) -> Result<Self::Vec> {
+        self.inner.upload_vec(v)
+    }
+    fn zeros(&self, len: usize) -> Result<Self::Buf> {
+        self.time("zeros (allocation)", || self.inner.zeros(len))
+    }
+    fn to_host(&self, b: &Self::Buf, len: usize) -> Result<Vec<f32>> {
+        self.time("to_host", || self.inner.to_host(b, len))
+    }
+    fn copy(&self, src: &Self::Buf, src_off: usize, dst: &mut Self::Buf, dst_off: usize, len: usize) {
+        self.time("copy", || self.inner.copy(src, src_off, dst, dst_off, len))
+    }
+    fn new_route(&self, rows: usize, top_k: usize) -> Result<Self::Route> {
+        self.inner.new_route(rows, top_k)
+    }
+
+    fn embed(&self, table: &Self::Mat, ids: &[u32], out: &mut Self::Buf) {
+        self.time("embed", || self.inner.embed(&table.inner, ids, out))
+    }
+    fn rms_norm(&self, x: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, out: &mut Self::Buf) {
+        self.time("rms_norm", || self.inner.rms_norm(x, w, rows, dim, eps, out))
+    }
+    fn add_rms_norm(&self, h: &mut Self::Buf, r: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, out: &mut Self::Buf) {
+        self.time("add_rms_norm", || self.inner.add_rms_norm(h, r, w, rows, dim, eps, out))
+    }
+    fn matmul_q(&self, x: &Self::Buf, w: &Self::Mat, rows: usize, out: &mut Self::Buf) {
+        self.time(&w.family, || self.inner.matmul_q(x, &w.inner, rows, out))
+    }
+    fn add(&self, h: &mut Self::Buf, r: &Self::Buf, len: usize) {
+        self.time("add", || self.inner.add(h, r, len))
+    }
+
+    fn attn_qk_norm_rope(&self, qg: &Self::Buf, k: &mut Self::Buf, q_norm: &Self::Vec, k_norm: &Self::Vec, d: &Dims, rows: usize, pos0: usize, q: &mut Self::Buf, gate: &mut Self::Buf) {
+        self.time("attn_qk_norm_rope", || self.inner.attn_qk_norm_rope(qg, k, q_norm, k_norm, d, rows, pos0, q, gate))
+    }
+    fn attn_prefill(&self, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, gate: &Self::Buf, kv: &mut KvCache<Self::Buf>, d: &Dims, rows: usize, pos0: usize, out: &mut Self::Buf) {
+        self.time("attn_prefill", || self.inner.attn_prefill(q, k, v, gate, kv, d, rows, pos0, out))
+    }
+    fn attn_decode(&self, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, gate: &Self::Buf, kv: &mut KvCache<Self::Buf>, d: &Dims, pos: usize, out: &mut Self::Buf) {
+        self.time("attn_decode", || self.inner.attn_decode(q, k, v, gate, kv, d, pos, out))
+    }
+
+    fn conv1d_prefill(&self, x: &Self::Buf, w: &Self::Vec, state: &mut Self::Buf, d: &Dims, rows: usize, out: &mut Self::Buf) {
+        self.time("conv1d_prefill", || self.inner.conv1d_prefill(x, w, state, d, rows, out))
+    }
+    fn conv1d_step(&self, x: &Self::Buf, w: &Self::Vec, state: &mut Self::Buf, d: &Dims, out: &mut Self::Buf) {
+        self.time("conv1d_step", || self.inner.conv1d_step(x, w, state, d, out))
+    }
+    fn gdn_prefill(&self, qkv: &Self::Buf, z: &Self::Buf, b: &Self::Buf, a: &Self::Buf, w: &GdnParams<Self::Vec>, state: &mut Self::Buf, d: &Dims, rows: usize, out: &mut Self::Buf) {
+        self.time("gdn_prefill", || self.inner.gdn_prefill(qkv, z, b, a, w, state, d, rows, out))
+    }
+    fn gdn_decode(&self, qkv: &Self::Buf, z: &Self::Buf, b: &Self::Buf, a: &Self::Buf, w: &GdnParams<Self::Vec>, state: &mut Self::Buf, d: &Dims, out: &mut Self::Buf) {
+        self.time("gdn_decode", || self.inner.gdn_decode(qkv, z, b, a, w, state, d, out))
+    }
+
+    fn moe_route(&self, logits: &Self::Buf, d: &Dims, rows: usize, route: &mut Self::Route) {
+        self.time("moe_route", || self.inner.moe_route(logits, d, rows, route))
+    }
+    fn moe_experts_prefill(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, d: &Dims, rows: usize, out: &mut Self::Buf) {
+        self.time("moe_experts_prefill", || self.inner.moe_experts_prefill(x, route, &gate.inner, &up.inner, &down.inner, d, rows, out))
+    }
+    fn moe_experts_decode(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, d: &Dims, out: &mut Self::Buf) {
+        self.time("moe_experts_decode", || self.inner.moe_experts_decode(x, route, &gate.inner, &up.inner, &down.inner, d, out))
+    }
+    fn swiglu(&self, g: &Self::Buf, u: &Self::Buf, len: usize, out: &mut Self::Buf) {
+        self.time("swiglu", || self.inner.swiglu(g, u, len, out))
+    }
+    fn add_sigmoid_gated(&self, y: &mut Self::Buf, shared: &Self::Buf, s: &Self::Buf, rows: usize, dim: usize) {
+        self.time("add_sigmoid_gated", || self.inner.add_sigmoid_gated(y, shared, s, rows, dim))
+    }
+
+    fn argmax(&self, logits: &Self::Buf, rows: usize, vocab: usize) -> Result<Vec<u32>> {
+        self.time("argmax", || self.inner.argmax(logits, rows, vocab))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::Cpu;
+
+    #[test]
+    fn labels_drop_the_layer() {
+        assert_eq!(matrix_label("model.layers.7.linear_attn.in_proj_qkv"), "linear_attn.in_proj_qkv");
+        assert_eq!(matrix_label("language_model.model.layers.39.mlp.switch_mlp.gate_proj"), "mlp.switch_mlp.gate_proj");
+        assert_eq!(matrix_label("lm_head"), "lm_head");
+        assert_eq!(matrix_label("model.embed_tokens"), "embed_tokens");
+    }
+
+    #[test]
+    fn charges_ops_only_while_on() {
+        let p = Profiled::new(Cpu);
+        let prof = p.profiler();
+        let x = p.upload_vec(&[1.0, 2.0]).unwrap();
+        let mut h = p.zeros(2).unwrap();
+        p.add(&mut h, &x, 2);
+        prof.start();
+        p.add(&mut h, &x, 2);
+        p.add(&mut h, &x, 2);
+        let r = prof.stop();
+        p.add(&mut h, &x, 2);
+        assert_eq!(h, vec![4.0, 8.0]);
+        assert_eq!(r.ops.len(), 1);
+        assert_eq!((r.ops[0].family.as_str(), r.ops[0].calls), ("add", 2));
+        assert!(r.table().contains("add"));
+    }
+}
