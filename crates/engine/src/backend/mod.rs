@@ -83,6 +83,12 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// Tokens per prefill block. 256 keeps a CPU's working set in cache; a GPU wants long blocks
+    /// so each expert's weights are streamed once for many rows.
+    fn prefill_chunk(&self) -> usize {
+        256
+    }
+
     // ---- memory
     fn upload_mat(&self, m: &HostLinear) -> Result<Self::Mat>;
     fn upload_vec(&self, v: &[f32]) -> Result<Self::Vec>;

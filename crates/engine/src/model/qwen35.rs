@@ -154,6 +154,7 @@ pub struct Qwen35<B: Backend> {
 impl<B: Backend> Qwen35<B> {
     /// Places the weights on the backend.
     pub fn new(backend: B, cfg: Config, w: &HostWeights) -> Result<Self> {
+        let chunk = backend.prefill_chunk();
         let b = &backend;
         let mut layers = Vec::with_capacity(w.layers.len());
         for l in &w.layers {
@@ -201,7 +202,7 @@ impl<B: Backend> Qwen35<B> {
             layers,
             cfg,
             backend,
-            chunk: 256,
+            chunk,
             scratch: std::sync::Mutex::new(None),
         })
     }

@@ -5,7 +5,13 @@
 //! `[rows, heads·hd]`; `k`, `v` `[rows, kv_heads·hd]`; the cache `[capacity, kv_heads·hd]`.
 //! RoPE is rotate-half (NeoX) on dims `0..rotary_dim`, pairs (i, i + rotary_dim/2), angles in f64
 //! then rounded to f32 (positions up to 262K keep full precision). Softmax in f32 with the max
-//! subtracted. Threads over (query row, head) pairs.
+//! subtracted.
+//!
+//! Prefill is tiled (flash-style): a task takes one KV head and a tile of `TQ` query rows (all the
+//! query heads that share that KV head), walks the keys in blocks of `TK` with an online softmax,
+//! so each K/V block is read once per tile while it sits in L1/L2. The untiled form re-read the
+//! whole cache for every (query, head) and was memory-bound: 1.6 GFLOP/s at 8K context on two
+//! cores. Decode (one row) keeps the direct form, threaded over heads.
 
 use rayon::prelude::*;
 
@@ -67,6 +73,78 @@ pub fn attn_qk_norm_rope(qg: &[f32], k: &mut [f32], qn: &[f32], kn: &[f32], d: &
     }
 }
 
+/// Query rows per prefill tile and keys per block (see the module header).
+const TQ: usize = 16;
+const TK: usize = 64;
+
+/// Causal attention of `rows > 1` query rows over the cache (already holding their k/v), tiled;
+/// the same result as [`attention`] up to float rounding (online softmax).
+#[allow(clippy::too_many_arguments)]
+fn attention_tiled(q: &[f32], kc: &[f32], vc: &[f32], gate: &[f32], d: &Dims, rows: usize, pos0: usize, out: &mut [f32]) {
+    let hd = d.head_dim;
+    let kvd = d.n_kv_heads * hd;
+    let group = d.n_heads / d.n_kv_heads;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let tiles = rows.div_ceil(TQ);
+    let tasks: Vec<(usize, usize)> = (0..d.n_kv_heads).flat_map(|g| (0..tiles).map(move |t| (g, t * TQ))).collect();
+    let results: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|&(g, t0)| {
+            let tn = TQ.min(rows - t0);
+            // Query qi = r·group + hh: row t0 + r, head g·group + hh.
+            let nq = tn * group;
+            let qv = |qi: usize| &q[((t0 + qi / group) * d.n_heads + g * group + qi % group) * hd..][..hd];
+            let (mut m, mut l) = (vec![f32::NEG_INFINITY; nq], vec![0.0f32; nq]);
+            let mut acc = vec![0.0f32; nq * hd];
+            let mut s = vec![0.0f32; TK];
+            let keys = pos0 + t0 + tn;
+            for j0 in (0..keys).step_by(TK) {
+                let jn = TK.min(keys - j0);
+                for qi in 0..nq {
+                    // Causal: row t0 + r sees keys < pos0 + t0 + r + 1.
+                    let limit = (pos0 + t0 + qi / group + 1).saturating_sub(j0).min(jn);
+                    if limit == 0 {
+                        continue;
+                    }
+                    let x = qv(qi);
+                    let mut bm = f32::NEG_INFINITY;
+                    for (jj, sc) in s[..limit].iter_mut().enumerate() {
+                        *sc = dot(x, &kc[(j0 + jj) * kvd + g * hd..][..hd]) * scale;
+                        bm = bm.max(*sc);
+                    }
+                    let nm = m[qi].max(bm);
+                    let corr = (m[qi] - nm).exp();
+                    let a = &mut acc[qi * hd..][..hd];
+                    if corr != 1.0 {
+                        l[qi] *= corr;
+                        a.iter_mut().for_each(|v| *v *= corr);
+                    }
+                    for (jj, &sc) in s[..limit].iter().enumerate() {
+                        let p = (sc - nm).exp();
+                        l[qi] += p;
+                        axpy(a, p, &vc[(j0 + jj) * kvd + g * hd..][..hd]);
+                    }
+                    m[qi] = nm;
+                }
+            }
+            for qi in 0..nq {
+                let h = g * group + qi % group;
+                let gt = &gate[((t0 + qi / group) * d.n_heads + h) * hd..][..hd];
+                for (v, &gv) in acc[qi * hd..][..hd].iter_mut().zip(gt) {
+                    *v = *v / l[qi] * sigmoid(gv);
+                }
+            }
+            acc
+        })
+        .collect();
+    for (&(g, t0), acc) in tasks.iter().zip(results) {
+        for (qi, a) in acc.chunks_exact(hd).enumerate() {
+            let h = g * group + qi % group;
+            out[((t0 + qi / group) * d.n_heads + h) * hd..][..hd].copy_from_slice(a);
+        }
+    }
+}
+
 /// Appends k/v at `pos0..pos0+rows`, then for each query row t (absolute position pos0+t) and head:
 /// `o = Σ_j softmax_j(q·k_j / √hd) v_j` over j ≤ pos0+t, times `sigmoid(gate)`.
 #[allow(clippy::too_many_arguments)]
@@ -77,6 +155,9 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], gate: &[f32], kv: &mut KvCache
     kv.k[pos0 * kvd..(pos0 + rows) * kvd].copy_from_slice(&k[..rows * kvd]);
     kv.v[pos0 * kvd..(pos0 + rows) * kvd].copy_from_slice(&v[..rows * kvd]);
     let (kc, vc) = (&kv.k, &kv.v);
+    if rows > 1 {
+        return attention_tiled(q, kc, vc, gate, d, rows, pos0, out);
+    }
     let group = d.n_heads / d.n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     out[..rows * d.n_heads * hd].par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (i, o)| {

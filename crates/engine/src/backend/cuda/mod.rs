@@ -574,6 +574,12 @@ impl Backend for Cuda {
         self.check()
     }
 
+    /// 2048: measured on the H200 (full preset, 4K context): 4.9K tok/s at 256, 9.7K at 1024,
+    /// 12.0K at 2048 — each chunk streams every routed expert's weights once.
+    fn prefill_chunk(&self) -> usize {
+        2048
+    }
+
     fn upload_mat(&self, m: &HostLinear) -> Result<Mat> {
         if !m.inp.is_multiple_of(32) {
             bail!("`{}`: input width {} is not a multiple of 32 (needed by the CUDA kernels)", m.name, m.inp);
