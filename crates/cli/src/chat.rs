@@ -16,9 +16,10 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::{json, Map, Value};
 
-use lily::backend::cpu::Cpu;
+use lily::backend::Backend;
 use lily::model::Qwen35;
-use lily::runtime::generate::{generate, Generation};
+use lily::runtime::cache::{prefill_with_snapshots, CacheConfig, PrefixCache};
+use lily::runtime::generate::{generate_ex, Forced, GenRequest, Generation};
 use lily::runtime::sampler::{SamplingOverrides, SamplingParams};
 use lily::runtime::stop::StopRules;
 use lily::tokenizer::{ChatTemplate, Tokenizer};
@@ -105,16 +106,21 @@ pub fn split_reasoning(text: &str, thinking: bool) -> (String, String) {
     }
 }
 
-/// Everything a turn needs.
-pub struct Session {
-    pub model: Qwen35<Cpu>,
+/// Everything a turn needs. Each turn re-renders the whole conversation; the prefix cache
+/// resumes from the snapshot before the new turn, so only new tokens are prefilled.
+pub struct Session<B: Backend> {
+    pub model: Qwen35<B>,
     pub tok: Tokenizer,
     pub template: ChatTemplate,
     pub stop_ids: Vec<u32>,
+    cache: PrefixCache<B>,
 }
 
-impl Session {
-    pub fn open(dir: &Path, b: Cpu) -> Result<Self> {
+/// Prefix-cache memory of `lily chat` (one conversation: KV + a few snapshots).
+const CHAT_CACHE_BYTES: usize = 2 << 30;
+
+impl<B: Backend> Session<B> {
+    pub fn open(dir: &Path, b: B) -> Result<Self> {
         let spinner = indicatif::ProgressBar::new_spinner();
         spinner.set_message(format!("loading {}", dir.display()));
         spinner.enable_steady_tick(std::time::Duration::from_millis(100));
@@ -131,12 +137,13 @@ impl Session {
                 }
             }
         }
-        Ok(Self { model, tok, template, stop_ids })
+        let cache = PrefixCache::new(CacheConfig { budget: CHAT_CACHE_BYTES, snapshot_every: 4096, turn_start: tok.token_id("<|im_start|>") });
+        Ok(Self { model, tok, template, stop_ids, cache })
     }
 
     /// Renders `messages`, generates one assistant turn, streaming text to `on_text`.
     pub fn turn(
-        &self,
+        &mut self,
         messages: &Value,
         tools: Option<&Value>,
         kwargs: &Map<String, Value>,
@@ -145,17 +152,32 @@ impl Session {
         max_tokens: usize,
         max_context: usize,
         cancel: &AtomicBool,
-        on_text: impl FnMut(&str),
+        mut on_text: impl FnMut(&str),
     ) -> Result<Generation> {
         let prompt_text = self.template.render(messages, tools, true, kwargs)?;
         let prompt = self.tok.encode(&prompt_text)?;
         if prompt.len() >= max_context {
             bail!("the conversation is {} tokens, more than the context of {max_context}", prompt.len());
         }
-        let mut st = self.model.new_state(max_context)?;
         let rules = StopRules { stop_ids: self.stop_ids.clone(), stop_strings: stop_strings.to_vec(), max_tokens: Some(max_tokens), max_context };
         rules.validate()?;
-        generate(&self.model, &mut st, &self.tok, &prompt, sampling, rules, cancel, on_text)
+        let m = &self.model;
+        let t0 = std::time::Instant::now();
+        let mut lease = self.cache.acquire(m, &prompt, None, max_context)?;
+        prefill_with_snapshots(m, &mut lease, &prompt, &self.cache.cfg)?;
+        let before = t0.elapsed().as_secs_f64();
+        let req = GenRequest { prompt: &prompt, cached: lease.state.pos, sampling, stop: rules, logprobs: None, forced: Forced::default(), cancel };
+        let mut g = generate_ex(m, &mut lease.state, &self.tok, req, |e| {
+            if !e.text.is_empty() {
+                on_text(e.text);
+            }
+            true
+        })?;
+        g.stats.cached_tokens = lease.cached;
+        g.stats.prefill_s += before;
+        let held: Vec<u32> = prompt.iter().chain(&g.ids).copied().take(lease.state.pos).collect();
+        self.cache.release(m, lease, held, &prompt);
+        Ok(g)
     }
 }
 
@@ -164,8 +186,17 @@ fn rate(n: usize, s: f64) -> f64 {
 }
 
 pub fn run(a: ChatArgs) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if let Some(b) = crate::pick_cuda(&a.common)? {
+        crate::setup_threads(&a.common)?;
+        return run_on(b, a);
+    }
     let b = crate::setup(&a.common)?;
-    let sess = Session::open(&a.model, b)?;
+    run_on(b, a)
+}
+
+fn run_on<B: Backend>(b: B, a: ChatArgs) -> Result<()> {
+    let mut sess = Session::open(&a.model, b)?;
     let sampling = a.sampling.params(&a.model)?;
     let cancel = Arc::new(AtomicBool::new(false));
     let generating = Arc::new(AtomicBool::new(false));
@@ -270,9 +301,10 @@ pub fn run(a: ChatArgs) -> Result<()> {
                     Some(f) => format!("{f:?}").to_lowercase(),
                 };
                 println!(
-                    "\n{dim}[{} prompt tok, {:.1} tok/s prefill · {} tok, {:.1} tok/s · {why}]{reset}",
+                    "\n{dim}[{} prompt tok ({} cached), {:.1} tok/s prefill · {} tok, {:.1} tok/s · {why}]{reset}",
                     g.stats.prompt_tokens,
-                    rate(g.stats.prompt_tokens, g.stats.prefill_s),
+                    g.stats.cached_tokens,
+                    rate(g.stats.prompt_tokens - g.stats.cached_tokens, g.stats.prefill_s),
                     g.stats.generated,
                     rate(g.stats.generated, g.stats.decode_s)
                 );

@@ -183,7 +183,7 @@ pub fn setup(c: &Common) -> Result<Cpu> {
             eprintln!("lily: backend auto → cpu ({} threads)", rayon::current_num_threads());
             Ok(Cpu)
         }
-        BackendKind::Cuda if cfg!(feature = "cuda") => bail!("--backend cuda: this command runs on the CPU only so far (bench, generate and eval run on CUDA)"),
+        BackendKind::Cuda if cfg!(feature = "cuda") => bail!("--backend cuda: this command runs no model on a device (it works the same with --backend cpu)"),
         BackendKind::Cuda => bail!("--backend cuda: this build has no CUDA backend (build with `--features cuda`)"),
     }
 }
