@@ -121,12 +121,7 @@ const CHAT_CACHE_BYTES: usize = 2 << 30;
 
 impl<B: Backend> Session<B> {
     pub fn open(dir: &Path, b: B) -> Result<Self> {
-        let spinner = indicatif::ProgressBar::new_spinner();
-        spinner.set_message(format!("loading {}", dir.display()));
-        spinner.enable_steady_tick(std::time::Duration::from_millis(100));
-        let model = crate::load_model(dir, b);
-        spinner.finish_and_clear();
-        let model = model?;
+        let model = crate::load_model(dir, b)?;
         let tok = Tokenizer::from_dir(dir)?;
         let template = ChatTemplate::from_dir(dir)?;
         let mut stop_ids = lily::tokenizer::stop_ids(dir)?;

@@ -204,7 +204,16 @@ pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
 /// Loads a checkpoint with a progress line on stderr.
 pub fn load_model<B: Backend>(dir: &Path, b: B) -> Result<lily::model::Qwen35<B>> {
     let t0 = std::time::Instant::now();
-    let m = lily::runtime::load(b, dir)?;
+    // Drawn only on a terminal (indicatif hides it otherwise).
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(indicatif::ProgressStyle::with_template("loading {msg} [{bar:40}] layer {pos}/{len} {elapsed}").expect("static template").progress_chars("=> "));
+    bar.set_message(b.name());
+    let m = lily::runtime::load_with_progress(b, dir, &|done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    });
+    bar.finish_and_clear();
+    let m = m?;
     eprintln!(
         "lily: loaded {} ({} layers, {} experts, vocab {}) in {:.2}s",
         dir.display(),

@@ -154,6 +154,12 @@ pub struct Qwen35<B: Backend> {
 impl<B: Backend> Qwen35<B> {
     /// Places the weights on the backend.
     pub fn new(backend: B, cfg: Config, w: &HostWeights) -> Result<Self> {
+        Self::new_with_progress(backend, cfg, w, &|_, _| {})
+    }
+
+    /// As [`Self::new`]; `progress(done, total)` is called after each layer (uploading 20 GB to
+    /// a GPU takes seconds, reading it from disk the first time much longer).
+    pub fn new_with_progress(backend: B, cfg: Config, w: &HostWeights, progress: &dyn Fn(usize, usize)) -> Result<Self> {
         let chunk = backend.prefill_chunk();
         let b = &backend;
         let mut layers = Vec::with_capacity(w.layers.len());
@@ -193,6 +199,7 @@ impl<B: Backend> Qwen35<B> {
                     shared_expert_gate: b.upload_mat(&m.shared_expert_gate)?,
                 },
             });
+            progress(layers.len(), w.layers.len());
         }
         Ok(Self {
             dims: Dims::from_config(&cfg),

@@ -15,8 +15,13 @@ use crate::model::{Logits, Qwen35, SeqState};
 
 /// Loads a checkpoint directory onto a backend.
 pub fn load<B: Backend>(backend: B, dir: &Path) -> Result<Qwen35<B>> {
+    load_with_progress(backend, dir, &|_, _| {})
+}
+
+/// As [`load`], reporting `(layers placed, layers)` as the weights go to the backend.
+pub fn load_with_progress<B: Backend>(backend: B, dir: &Path, progress: &dyn Fn(usize, usize)) -> Result<Qwen35<B>> {
     let ck = Checkpoint::open(dir)?;
-    Qwen35::new(backend, ck.config, &ck.weights)
+    Qwen35::new_with_progress(backend, ck.config, &ck.weights, progress)
 }
 
 /// Index of the largest value (the first on ties).
