@@ -18,8 +18,8 @@ use serde_json::{json, Map, Value};
 
 use lily::backend::Backend;
 use lily::model::Qwen35;
-use lily::runtime::cache::{prefill_with_snapshots, CacheConfig, PrefixCache};
-use lily::runtime::generate::{generate_ex, Forced, GenRequest, Generation};
+use lily::runtime::cache::{generate_cached, CacheConfig, PrefixCache};
+use lily::runtime::generate::{Forced, GenRequest, Generation};
 use lily::runtime::sampler::{SamplingOverrides, SamplingParams};
 use lily::runtime::stop::StopRules;
 use lily::tokenizer::{ChatTemplate, Tokenizer};
@@ -156,23 +156,13 @@ impl<B: Backend> Session<B> {
         }
         let rules = StopRules { stop_ids: self.stop_ids.clone(), stop_strings: stop_strings.to_vec(), max_tokens: Some(max_tokens), max_context };
         rules.validate()?;
-        let m = &self.model;
-        let t0 = std::time::Instant::now();
-        let mut lease = self.cache.acquire(m, &prompt, None, max_context)?;
-        prefill_with_snapshots(m, &mut lease, &prompt, &self.cache.cfg)?;
-        let before = t0.elapsed().as_secs_f64();
-        let req = GenRequest { prompt: &prompt, cached: lease.state.pos, sampling, stop: rules, logprobs: None, forced: Forced::default(), cancel };
-        let mut g = generate_ex(m, &mut lease.state, &self.tok, req, |e| {
+        let req = GenRequest { prompt: &prompt, cached: 0, sampling, stop: rules, logprobs: None, forced: Forced::default(), cancel };
+        generate_cached(&self.model, &mut self.cache, &self.tok, None, max_context, req, &mut |_| {}, |e| {
             if !e.text.is_empty() {
                 on_text(e.text);
             }
             true
-        })?;
-        g.stats.cached_tokens = lease.cached;
-        g.stats.prefill_s += before;
-        let held: Vec<u32> = prompt.iter().chain(&g.ids).copied().take(lease.state.pos).collect();
-        self.cache.release(m, lease, held, &prompt);
-        Ok(g)
+        })
     }
 }
 

@@ -117,7 +117,7 @@ enum Kind {
 }
 
 async fn chat(State(app): AppState, body: Body) -> Response {
-    handle(app, body, |o| api::chat_request(o), |app, req: &ChatRequest| {
+    handle(app, body, api::chat_request, |app, req: &ChatRequest| {
         let p = prepare_chat(app, req)?;
         let parse_tools = req.tools.is_some() && req.tool_choice != ToolChoice::None;
         Ok((req.common.clone(), req.cache_key.clone(), p, Kind::Chat { tools: req.tools.clone(), parse_tools }))
@@ -126,7 +126,7 @@ async fn chat(State(app): AppState, body: Body) -> Response {
 }
 
 async fn completions(State(app): AppState, body: Body) -> Response {
-    handle(app, body, |o| api::completion_request(o), |app, req: &CompletionRequest| {
+    handle(app, body, api::completion_request, |app, req: &CompletionRequest| {
         Ok((req.common.clone(), req.cache_key.clone(), prepare_completion(app, req)?, Kind::Text))
     })
     .await

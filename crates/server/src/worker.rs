@@ -15,8 +15,8 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use lily::backend::Backend;
 use lily::model::Qwen35;
-use lily::runtime::cache::{prefill_with_snapshots, CacheConfig, CacheStats, PrefixCache};
-use lily::runtime::generate::{generate_ex, Forced, GenRequest, Generation, TokenEvent, TokenLogprob};
+use lily::runtime::cache::{generate_cached, CacheConfig, CacheStats, PrefixCache};
+use lily::runtime::generate::{Forced, GenRequest, Generation, TokenEvent, TokenLogprob};
 use lily::runtime::sampler::SamplingParams;
 use lily::runtime::stop::StopRules;
 use lily::tokenizer::Tokenizer;
@@ -77,29 +77,16 @@ impl<B: Backend> ModelRunner<B> {
 
 impl<B: Backend + 'static> Runner for ModelRunner<B> {
     fn run(&mut self, job: &Job, started: &mut dyn FnMut(usize), on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool) -> Result<Generation> {
-        let t0 = Instant::now();
-        let m = &self.model;
-        let mut lease = self.cache.acquire(m, &job.prompt, job.cache_key.as_deref(), self.max_context)?;
-        started(lease.cached);
-        // Prefill up to the last snapshot point; the generation loop feeds the rest.
-        prefill_with_snapshots(m, &mut lease, &job.prompt, &self.cache.cfg)?;
-        let before = t0.elapsed().as_secs_f64();
         let req = GenRequest {
             prompt: &job.prompt,
-            cached: lease.state.pos,
+            cached: 0,
             sampling: &job.sampling,
             stop: job.stop.clone(),
             logprobs: job.logprobs,
             forced: job.forced.clone(),
             cancel: &job.cancel,
         };
-        let mut g = generate_ex(m, &mut lease.state, &self.tok, req, on_token)?;
-        g.stats.cached_tokens = lease.cached;
-        g.stats.prefill_s += before;
-        g.stats.first_token_s += before;
-        let held: Vec<u32> = job.prompt.iter().chain(&g.ids).copied().take(lease.state.pos).collect();
-        self.cache.release(m, lease, held, &job.prompt);
-        Ok(g)
+        generate_cached(&self.model, &mut self.cache, &self.tok, job.cache_key.as_deref(), self.max_context, req, started, on_token)
     }
 
     fn cache_stats(&self) -> CacheStats {

@@ -31,6 +31,8 @@ use anyhow::Result;
 use crate::backend::{Backend, Dims};
 use crate::model::state::GdnSnapshot;
 use crate::model::{Logits, Qwen35, SeqState};
+use crate::runtime::generate::{generate_ex, GenRequest, Generation, TokenEvent};
+use crate::tokenizer::Tokenizer;
 
 /// Cache settings.
 #[derive(Clone, Debug)]
@@ -233,8 +235,8 @@ pub fn prefill_plan(prompt: &[u32], cached: usize, turn_start: Option<u32>, ever
     if let Some(t) = turn_start {
         at.extend((cached + 1..=end).filter(|&p| prompt[p] == t));
     }
-    if every > 0 {
-        at.extend((cached / every + 1..).map(|k| k * every).take_while(|&p| p <= end));
+    if let Some(first) = cached.checked_div(every) {
+        at.extend((first + 1..).map(|k| k * every).take_while(|&p| p <= end));
     }
     if end > cached {
         at.push(end);
@@ -256,6 +258,38 @@ pub fn prefill_with_snapshots<B: Backend>(m: &Qwen35<B>, lease: &mut Lease<B>, p
         lease.snapshot(m)?;
     }
     Ok(())
+}
+
+/// One generation through the cache: resume from the best cached state, prefill the rest with
+/// snapshots, generate, put the state back. `req.cached` is ignored (the cache decides);
+/// `started` gets the number of prompt tokens reused; the stats count the snapshot prefill as
+/// prefill time.
+#[allow(clippy::too_many_arguments)]
+pub fn generate_cached<B: Backend>(
+    m: &Qwen35<B>,
+    cache: &mut PrefixCache<B>,
+    tok: &Tokenizer,
+    key: Option<&str>,
+    max_context: usize,
+    mut req: GenRequest<'_>,
+    started: &mut dyn FnMut(usize),
+    on_token: impl FnMut(TokenEvent<'_>) -> bool,
+) -> Result<Generation> {
+    let t0 = std::time::Instant::now();
+    let prompt = req.prompt;
+    let mut lease = cache.acquire(m, prompt, key, max_context)?;
+    started(lease.cached);
+    // Prefill up to the last snapshot point; the generation loop feeds the rest.
+    prefill_with_snapshots(m, &mut lease, prompt, &cache.cfg)?;
+    let before = t0.elapsed().as_secs_f64();
+    req.cached = lease.state.pos;
+    let mut g = generate_ex(m, &mut lease.state, tok, req, on_token)?;
+    g.stats.cached_tokens = lease.cached;
+    g.stats.prefill_s += before;
+    g.stats.first_token_s += before;
+    let held: Vec<u32> = prompt.iter().chain(&g.ids).copied().take(lease.state.pos).collect();
+    cache.release(m, lease, held, prompt);
+    Ok(g)
 }
 
 #[cfg(test)]
