@@ -174,6 +174,9 @@ impl<B: Backend> Backend for Profiled<B> {
     fn sync(&self) -> Result<()> {
         self.inner.sync()
     }
+    fn prefill_chunk(&self) -> usize {
+        self.inner.prefill_chunk()
+    }
 
     fn upload_mat(&self, m: &HostLinear) -> Result<Self::Mat> {
         Ok(PMat { inner: self.inner.upload_mat(m)?, family: format!("matmul_q {}", matrix_label(&m.name)) })
