@@ -190,6 +190,7 @@ impl<B: Backend> PrefixCache<B> {
         let last_used = self.tick();
         let mut snaps = lease.snaps;
         snaps.retain(|s| s.pos < lease.state.pos);
+        prune(&mut snaps, self.cfg.snapshot_every);
         // A keyed request replaces the older entry of its key (it was taken or forked from).
         if let Some(k) = &lease.key {
             self.entries.retain(|e| e.key.as_ref() != Some(k));
@@ -225,6 +226,23 @@ impl<B: Backend> PrefixCache<B> {
         self.stats.entries = self.entries.len();
         self.stats.snapshots = self.entries.iter().map(|e| e.snaps.len()).sum();
     }
+}
+
+/// Snapshots an entry keeps: the first (the end of the system/tools block, shared by every
+/// conversation with that prompt), the periodic ones (for edits deep in a long prompt), and the
+/// last [`KEEP_RECENT`] (the next turn resumes before the last assistant header, or at the end).
+/// Older turn boundaries are rarely a resume point and cost a full GDN state each (63 MiB on
+/// the real model).
+const KEEP_RECENT: usize = 3;
+
+fn prune<B: Backend>(snaps: &mut Vec<GdnSnapshot<B>>, every: usize) {
+    let n = snaps.len();
+    let mut i = 0;
+    snaps.retain(|s| {
+        let keep = i == 0 || i + KEEP_RECENT >= n || (every > 0 && s.pos.is_multiple_of(every));
+        i += 1;
+        keep
+    });
 }
 
 /// Positions (token counts) in `(cached, prompt.len() - 1]` where the prefill stops to take a
