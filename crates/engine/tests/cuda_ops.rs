@@ -588,13 +588,8 @@ fn moe_route_and_experts() {
             g.moe_experts_prefill(&gx, &gr, &gg, &gu, &gd, &d, rows, &mut go);
             check(&format!("moe_experts_prefill {rows} rows (f32 gemm)"), rel_rows(&h(&g, &go), &c, hid), F32_TOL);
             g.set_tensor_core_gemm(true);
-            for fused in [true, false] {
-                g.set_moe_fused(fused);
-                g.moe_experts_prefill(&gx, &gr, &gg, &gu, &gd, &d, rows, &mut go);
-                let kind = if fused { "tc, gate+up fused" } else { "tc" };
-                check_moe_tc(&format!("moe_experts_prefill {rows} rows ({kind})"), &h(&g, &go), &c, &x, &cr, [&gate, &up, &down], rows);
-            }
-            g.set_moe_fused(false);
+            g.moe_experts_prefill(&gx, &gr, &gg, &gu, &gd, &d, rows, &mut go);
+            check_moe_tc(&format!("moe_experts_prefill {rows} rows (tc)"), &h(&g, &go), &c, &x, &cr, [&gate, &up, &down], rows);
             continue;
         }
         check(&format!("moe_experts_decode, {e} experts 4-bit [512, 2048]"), rel_rows(&h(&g, &go), &c, hid), F32_TOL);
@@ -829,9 +824,6 @@ fn op_timings() {
             time("moe_experts_decode (8 experts)", 8.0 * per_expert, flops, &mut || g.moe_experts_decode(&x, &r, &gg, &gu, &gd, &d, &mut o));
         } else {
             time(&format!("moe_experts_prefill rows {rows}"), 256.0 * per_expert, flops, &mut || g.moe_experts_prefill(&x, &r, &gg, &gu, &gd, &d, rows, &mut o));
-            g.set_moe_fused(true);
-            time(&format!("moe_experts_prefill rows {rows} (gate+up fused)"), 256.0 * per_expert, flops, &mut || g.moe_experts_prefill(&x, &r, &gg, &gu, &gd, &d, rows, &mut o));
-            g.set_moe_fused(false);
         }
     }
     // GDN recurrence (state read + written once per call) and attention over a 4K context.

@@ -34,6 +34,11 @@ impl ApiError {
         Self { param: Some(param.to_string()), code: Some("invalid_value".into()), ..Self::bad(message) }
     }
 
+    pub fn param_name(mut self, p: &str) -> Self {
+        self.param = Some(p.to_string());
+        self
+    }
+
     pub fn with_code(mut self, code: &str) -> Self {
         self.code = Some(code.to_string());
         self

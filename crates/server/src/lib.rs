@@ -245,7 +245,7 @@ impl Server {
         Ok(())
     }
 
-    /// Blocks until the server thread ends on its own (it only does on a fatal error).
+    /// Whether the server thread has ended (on its own only after a fatal error).
     pub fn is_finished(&self) -> bool {
         self.thread.as_ref().is_none_or(|t| t.is_finished())
     }

@@ -242,13 +242,6 @@ fn check_context(app: &App, prompt: usize, c: &Common) -> ApiResult<()> {
     Ok(())
 }
 
-impl ApiError {
-    fn param_name(mut self, p: &str) -> Self {
-        self.param = Some(p.to_string());
-        self
-    }
-}
-
 /// Sets the job's cancel flag when dropped: the client went away (its handler future or SSE
 /// stream was dropped) before the job ended.
 struct CancelOnDrop(Arc<AtomicBool>);

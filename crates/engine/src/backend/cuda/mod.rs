@@ -16,8 +16,8 @@
 //!   which stream each weight row once and are memory-bound; so do matrices of at most 64 outputs
 //!   at any row count (`SKINNY_OUT`: GDN b/a, shared-expert gate; one x row per block row). Above
 //!   8 rows (prefill) the rest runs the tensor-core GEMM (`tc_gemm.cuh`: bf16 operands, f32
-//!   accumulation), as do the routed experts of a prefill (`moe_tc_gemm`; `LILY_CUDA_MOE_FUSE=1`
-//!   runs gate and up as one kernel, `moe_tc_gate_up`, measured no faster). 8 is where the GEMV's per-row x registers run out
+//!   accumulation), as do the routed experts of a prefill (`moe_tc_gemm`; a fused gate+up
+//!   kernel was tried and measured no faster, so gate and up stay two GEMMs). 8 is where the GEMV's per-row x registers run out
 //!   and where a 64-row tile starts to amortise its dequantisation. `LILY_CUDA_GEMM=simt` (read
 //!   when the backend is created, or `set_tensor_core_gemm`) swaps all of these back to the f32
 //!   SIMT GEMMs, which match the CPU to f32 rounding: the ablation switch and the reference path.
@@ -212,10 +212,9 @@ enum Arg {
 
 /// Keys per block of the split decode attention (ATT_SPLIT in attention.cu).
 const ATT_SPLIT: usize = 256;
-/// Dynamic shared memory of the tensor-core GEMM tiles with one and two weight streams
-/// (TC_SMEM(NW) in tc_gemm.cuh: two buffers of (1 + NW) tiles of 64 × 72 bf16).
+/// Dynamic shared memory of a tensor-core GEMM tile with one weight stream (TC_SMEM(1) in
+/// tc_gemm.cuh: two buffers of 2 tiles of 64 × 72 bf16).
 const TC_SMEM_1: u32 = 2 * 2 * 64 * 72 * 2;
-const TC_SMEM_2: u32 = 2 * 3 * 64 * 72 * 2;
 /// Rows per thread of conv1d_prefill (CONV_RPT in gdn.cu).
 const CONV_RPT: usize = 16;
 /// Rows of GDN state per warp of gdn_scan_<NC>_<RPW> (gdn.cu): more warps for a prefill, fewer
@@ -247,8 +246,6 @@ pub struct Cuda {
     tc_gemm: AtomicBool,
     /// Prefill attention on tensor cores (attn_tc_<HD>) rather than f32 SIMT (attn_rows).
     tc_attn: AtomicBool,
-    /// The routed experts' gate and up in one tensor-core kernel (`LILY_CUDA_MOE_FUSE=1`).
-    moe_fuse: AtomicBool,
 }
 
 impl Cuda {
@@ -305,7 +302,6 @@ impl Cuda {
             device: format!("{name}, {arch}"),
             tc_gemm: AtomicBool::new(std::env::var("LILY_CUDA_GEMM").map_or(true, |v| v != "simt")),
             tc_attn: AtomicBool::new(std::env::var("LILY_CUDA_ATTN").map_or(true, |v| v != "f32")),
-            moe_fuse: AtomicBool::new(std::env::var("LILY_CUDA_MOE_FUSE").is_ok_and(|v| v == "1")),
         })
     }
 
@@ -328,12 +324,6 @@ impl Cuda {
     }
     pub fn tensor_core_gemm(&self) -> bool {
         self.tc_gemm.load(Ordering::Relaxed)
-    }
-    /// The routed experts' gate and up of a prefill in one tensor-core kernel (`true`, as
-    /// `LILY_CUDA_MOE_FUSE=1`) or as two GEMMs and a swiglu pass (`false`, the default: the fused
-    /// kernel measured no faster on the H200, 714 against about 700 µs per 256-token layer).
-    pub fn set_moe_fused(&self, on: bool) {
-        self.moe_fuse.store(on, Ordering::Relaxed);
     }
     /// Prefill attention on tensor cores (`true`, the default: attn_tc_<HD>, bf16 q/k/v/p) or in
     /// f32 SIMT (`false`, as `LILY_CUDA_ATTN=f32`: attn_rows, equal to the CPU to f32 rounding).
@@ -908,20 +898,9 @@ impl Backend for Cuda {
                 &[Arg::P(src), Arg::Q(m.q()), Arg::P(perm), Arg::P(tiles), Arg::P(ntiles), Arg::P(dst), Arg::I(k as i32), Arg::I(mode)],
             )
         };
-        if tc && self.moe_fuse.load(Ordering::Relaxed) && gate.fmt == up.fmt {
-            // Gate and up in one pass over each x tile, act = silu(gate)·up written directly.
-            self.launch(
-                &format!("moe_tc_gate_up_{}", gate.fmt.suffix()),
-                (grid1(width, 64), max_tiles as u32, 1),
-                128,
-                TC_SMEM_2,
-                &[Arg::P(x.mem.ptr), Arg::Q(gate.q()), Arg::Q(up.q()), Arg::P(perm), Arg::P(tiles), Arg::P(ntiles), Arg::P(act), Arg::I(k as i32)],
-            );
-        } else {
-            gemm(gate, x.mem.ptr, g, 0);
-            gemm(up, x.mem.ptr, u, 0);
-            self.launch("swiglu", (grid1(n * width, 256), 1, 1), 256, 0, &[Arg::P(g), Arg::P(u), Arg::P(act), Arg::P((n * width) as u64)]);
-        }
+        gemm(gate, x.mem.ptr, g, 0);
+        gemm(up, x.mem.ptr, u, 0);
+        self.launch("swiglu", (grid1(n * width, 256), 1, 1), 256, 0, &[Arg::P(g), Arg::P(u), Arg::P(act), Arg::P((n * width) as u64)]);
         gemm(down, act, y, 1);
         self.launch("moe_combine", (rows as u32, 1, 1), 256, 0, &[Arg::P(y), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::I(h as i32)]);
     }

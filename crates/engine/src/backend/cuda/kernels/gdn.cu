@@ -30,17 +30,11 @@
 
 #define CONV_MAXK 8
 
-__device__ __forceinline__ void conv_walk(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ state,
-                                          float* __restrict__ out, int C, int K, int rows) {
-    int c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= C) return;
-    float wt[CONV_MAXK], win[CONV_MAXK];
-#pragma unroll
-    for (int i = 0; i < CONV_MAXK; i++) {
-        wt[i] = i < K ? w[(u64)c * K + i] : 0.0f;
-        win[i] = i < K - 1 ? state[(u64)i * C + c] : 0.0f;
-    }
-    for (int t = 0; t < rows; t++) {
+// Rows t0..t1 of channel c: out = silu(w · window), the window (the K-1 inputs before row t, in
+// registers) sliding one row per step. Shared by the decode walk and the row-split prefill.
+__device__ __forceinline__ void conv_rows(const float* __restrict__ x, float* __restrict__ out, const float (&wt)[CONV_MAXK],
+                                          float (&win)[CONV_MAXK], int C, int K, int c, int t0, int t1) {
+    for (int t = t0; t < t1; t++) {
         float xt = x[(u64)t * C + c];
         float acc = 0.0f;
 #pragma unroll
@@ -56,6 +50,19 @@ __device__ __forceinline__ void conv_walk(const float* __restrict__ x, const flo
         for (int i = 0; i < CONV_MAXK; i++)
             if (i == K - 2) win[i] = xt;
     }
+}
+
+__device__ __forceinline__ void conv_walk(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ state,
+                                          float* __restrict__ out, int C, int K, int rows) {
+    int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= C) return;
+    float wt[CONV_MAXK], win[CONV_MAXK];
+#pragma unroll
+    for (int i = 0; i < CONV_MAXK; i++) {
+        wt[i] = i < K ? w[(u64)c * K + i] : 0.0f;
+        win[i] = i < K - 1 ? state[(u64)i * C + c] : 0.0f;
+    }
+    conv_rows(x, out, wt, win, C, K, c, 0, rows);
 #pragma unroll
     for (int i = 0; i < CONV_MAXK; i++)
         if (i < K - 1) state[(u64)i * C + c] = win[i];
@@ -78,22 +85,7 @@ conv1d_prefill(const float* __restrict__ x, const float* __restrict__ w, const f
         win[i] = i < K - 1 ? (r >= 0 ? x[(u64)r * C + c] : state[(u64)(K - 1 + r) * C + c]) : 0.0f;
     }
     const int t1 = min(rows, t0 + CONV_RPT);
-    for (int t = t0; t < t1; t++) {
-        float xt = x[(u64)t * C + c];
-        float acc = 0.0f;
-#pragma unroll
-        for (int i = 0; i < CONV_MAXK; i++) {
-            if (i < K - 1) acc += wt[i] * win[i];
-            else if (i == K - 1) acc += wt[i] * xt;
-        }
-        out[(u64)t * C + c] = silu_f(acc);
-#pragma unroll
-        for (int i = 0; i < CONV_MAXK - 1; i++)
-            if (i < K - 2) win[i] = win[i + 1];
-#pragma unroll
-        for (int i = 0; i < CONV_MAXK; i++)
-            if (i == K - 2) win[i] = xt;
-    }
+    conv_rows(x, out, wt, win, C, K, c, t0, t1);
 }
 
 // state <- the last K-1 pre-conv rows of (old state, x): row rows-(K-1)+i for i < K-1. With

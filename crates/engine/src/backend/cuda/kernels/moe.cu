@@ -18,13 +18,6 @@
 //                  once for all its rows: weight streaming, not FLOPs, sets its speed.
 //                  mode 0 (gate/up): x row = perm[p] / k, out row = p.
 //                  mode 1 (down):    x row = p, out row = perm[p] (the slot t*k + j).
-//   moe_tc_gate_up_<fmt> (LILY_CUDA_MOE_FUSE=1) both projections of a tile in one kernel: the
-//                  staged x tile is shared by the two weight streams (tc_tile with NW = 2,
-//                  TC_SMEM(2) = 54 KiB of dynamic shared memory) and the epilogue writes
-//                  act = silu(gate) * up directly (no gate/up buffers, no swiglu pass); then
-//                  moe_tc_gemm does down. Off by default: on the H200 it measured no faster
-//                  (714 against about 700 us per 256-token layer), so staging x is not what
-//                  limits these tiles.
 //   moe_gemm_<fmt> the same in f32 SIMT (256 threads; LILY_CUDA_GEMM=simt: reference, ablation).
 //   swiglu (norm.cu) between them, then
 //   moe_combine    out[t] = sum_j w[t,j] * y[t*k + j], in slot order (grid rows, 256 threads).
@@ -183,35 +176,6 @@ __device__ __forceinline__ void moe_tc_gemm_body(const float* __restrict__ x, QM
     tc_store_out(acc[0], orow, n0, m.out, out, (u64)m.out);
 }
 
-// Gate and up of a tile in one pass over x (mode 0 rows), written as act = silu(gate) * up.
-template <int BITS, typename SB>
-__device__ __forceinline__ void moe_tc_gate_up_body(const float* __restrict__ x, QMat g, QMat u, const int* __restrict__ perm,
-                                                    const int* __restrict__ tiles, const int* __restrict__ ntiles,
-                                                    float* __restrict__ act, int k) {
-    __shared__ int xrow[TC_M];
-    __shared__ int orow[TC_M];
-    const int tile = blockIdx.y;
-    if (tile >= *ntiles) return;
-    const int e = tiles[3 * tile], p0 = tiles[3 * tile + 1], cnt = tiles[3 * tile + 2];
-    const int n0 = blockIdx.x * TC_N;
-    if (threadIdx.x < TC_M) {
-        const int i = threadIdx.x;
-        xrow[i] = i < cnt ? perm[p0 + i] / k : -1;
-        orow[i] = i < cnt ? p0 + i : -1;
-    }
-    __syncthreads();
-    float acc[2][2][4][4];
-    tc_tile<BITS, SB, 2>(QMats<2>{{g, u}}, e, n0, x, (u64)g.inp, xrow, acc);
-    // act = silu(g) * u in place of the gate accumulators, then the usual tile store.
-#pragma unroll
-    for (int mi = 0; mi < 2; mi++)
-#pragma unroll
-        for (int ni = 0; ni < 4; ni++)
-#pragma unroll
-            for (int r = 0; r < 4; r++) acc[0][mi][ni][r] = silu_f(acc[0][mi][ni][r]) * acc[1][mi][ni][r];
-    tc_store_out(acc[0], orow, n0, g.out, act, (u64)g.out);
-}
-
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w, float* __restrict__ out,
                                        int k, int dim) {
     const int t = blockIdx.x;
@@ -269,11 +233,6 @@ __device__ __forceinline__ void moe_down_body(const float* __restrict__ act, QMa
     moe_tc_gemm_##NAME(const float* x, QMat m, const int* perm, const int* tiles, const int* ntiles, float* out, int k, \
                        int mode) {                                                                               \
         moe_tc_gemm_body<BITS, SB>(x, m, perm, tiles, ntiles, out, k, mode);                                     \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                     \
-    moe_tc_gate_up_##NAME(const float* x, QMat g, QMat u, const int* perm, const int* tiles, const int* ntiles,   \
-                          float* act, int k) {                                                                   \
-        moe_tc_gate_up_body<BITS, SB>(x, g, u, perm, tiles, ntiles, act, k);                                     \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                                            \
     moe_gate_up_##NAME(const float* x, QMat g, QMat u, const u32* ids, float* act) {                             \
