@@ -248,9 +248,14 @@ fn context_and_body_limits() {
     assert_eq!(v["error"]["code"], "context_length_exceeded");
     assert!(v["error"]["message"].as_str().unwrap().contains("64 tokens"), "{text}");
     let big = format!("{{\"messages\": [{{\"role\": \"user\", \"content\": \"{}\"}}]}}", "a".repeat(2 << 20));
-    let (code, text) = send(&f.base, "/v1/chat/completions", big.as_bytes());
-    assert_eq!(code, 413, "{text}");
-    assert!(text.contains("request_too_large"));
+    // The server answers 413 as soon as the limit is passed and closes the connection; a client
+    // still writing the rest may see that as a reset instead of reading the answer (a race in
+    // TCP, not in the server). Either way the request must be counted as rejected below.
+    match ureq::post(&format!("{}/v1/chat/completions", f.base)).timeout(Duration::from_secs(60)).send_bytes(big.as_bytes()) {
+        Err(ureq::Error::Status(413, r)) => assert!(r.into_string().unwrap().contains("request_too_large")),
+        Err(ureq::Error::Transport(_)) => {}
+        other => panic!("expected 413, got {:?}", other.map(|r| r.status())),
+    }
     let m = wait_settled(&f.base);
     assert_eq!(outcome(&m, "rejected"), 2.0);
     f.server.shutdown(Duration::from_secs(10)).unwrap();
