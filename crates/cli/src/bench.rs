@@ -3,8 +3,19 @@
 //! Batch 1, greedy, prompt ids `(i·2654435761 mod 2^32) mod vocab`, a warm-up of the exact shape,
 //! then per length: prefill throughput = prompt tokens / time to first token, and decode
 //! throughput = 64 generated tokens / their time after a context of that length. Median of
-//! `--rounds`. Each row also gives the fraction of the hardware limit: decode bytes/s against the
-//! memory bandwidth and prefill FLOP/s against the FMA peak, both measured in the same run.
+//! `--rounds`. Each row also gives the fraction of the hardware limit (the roofline), both ceilings
+//! measured in the same run on the hardware the model runs on:
+//! * decode: bytes/s (weights of the active experts and layers, GDN state read and written, KV of
+//!   the context read; see `decode_bytes_per_token`) against the memory bandwidth: on a GPU the
+//!   measured device-to-device copy bandwidth (bytes read + written), on the CPU a parallel read
+//!   of a 1 GiB buffer;
+//! * prefill: FLOP/s (2 per active weight + attention) against the matrix rate: on a GPU the
+//!   measured dense bf16 GEMM rate (f32 accumulation; cuBLAS), on the CPU the f32 FMA peak.
+//!
+//! A backend that measures its own ceilings (`Backend::measure_ceilings`, the CUDA backend) is
+//! asked; otherwise the CPU is measured. `--bandwidth` / `--peak-flops` replace a measurement with
+//! the given figure. The figures, how they were obtained (`ceilings_method`) and whether each was
+//! measured or given go to the JSON.
 //!
 //! `--profile` adds time per op family (backend/profile.rs: every op bracketed by a device sync)
 //! for one prefill chunk and one decode step, at `--profile-context` (default 4K) tokens of
@@ -54,11 +65,12 @@ pub struct BenchArgs {
     /// Prefill block size.
     #[arg(long)]
     chunk: Option<usize>,
-    /// Memory bandwidth ceiling in bytes/s (default: measured on the CPU in this run; give the
-    /// device's measured figure for a GPU backend).
+    /// Memory bandwidth ceiling in bytes/s (default: measured in this run: the GPU's copy
+    /// bandwidth, or the CPU's read bandwidth).
     #[arg(long)]
     bandwidth: Option<f64>,
-    /// Compute ceiling in FLOP/s (default: the CPU's f32 FMA peak measured in this run).
+    /// Compute ceiling in FLOP/s (default: measured in this run: the GPU's bf16 GEMM rate, or the
+    /// CPU's f32 FMA peak).
     #[arg(long)]
     peak_flops: Option<f64>,
     /// Also write the results as JSON here.
@@ -149,6 +161,79 @@ fn measure_flops() -> f64 {
     f64::NAN
 }
 
+/// Bytes per KV-cache element as the backends store the cache: f32 on every backend today (the
+/// CUDA backend's KV is f32 in its first cut, cuda/mod.rs). The one place to change when a backend
+/// keeps a narrower KV (take the backend's name, or a trait method then).
+fn kv_bytes_per_elem(_backend: &str) -> usize {
+    4
+}
+
+/// Bytes per element of the GDN recurrent state (f32 on every backend, by design).
+const GDN_STATE_BYTES: usize = 4;
+
+/// Bytes moved per decoded token at a mean context of `ctx` tokens: the active weights, the GDN
+/// state read and written, and K and V of every cached position read.
+fn decode_bytes_per_token(cfg: &lily::Config, d: &Dims, weight_bytes: f64, ctx: f64, kv_elem: usize) -> f64 {
+    let gdn_layers = (cfg.num_hidden_layers - cfg.num_attention_layers()) as f64;
+    let state = gdn_layers * (d.gdn_v_heads * d.gdn_v_dim * d.gdn_k_dim * GDN_STATE_BYTES * 2) as f64;
+    let kv = cfg.num_attention_layers() as f64 * (2 * d.n_kv_heads * d.head_dim * kv_elem) as f64 * ctx;
+    weight_bytes + state + kv
+}
+
+/// The roofline's two ceilings and where they came from.
+struct Roofline {
+    bandwidth: f64,
+    flops: f64,
+    /// How they were obtained (printed and in the JSON).
+    method: String,
+    bandwidth_measured: bool,
+    flops_measured: bool,
+}
+
+/// Measured on the backend's device when it can, else on the CPU; a figure given on the command
+/// line replaces its measurement.
+fn ceilings<B: Backend>(b: &B, bandwidth: Option<f64>, peak_flops: Option<f64>) -> Result<Roofline> {
+    let given = |what: &str, v: f64| format!("{what}: given ({v:.4e})");
+    if let (Some(bw), Some(fl)) = (bandwidth, peak_flops) {
+        return Ok(Roofline { bandwidth: bw, flops: fl, method: format!("{}; {}", given("bandwidth", bw), given("matrix rate", fl)), bandwidth_measured: false, flops_measured: false });
+    }
+    let (bw, fl, method) = match b.measure_ceilings() {
+        Some(r) => {
+            let c = r?;
+            (c.bandwidth, c.flops, c.method)
+        }
+        None => {
+            let threads = rayon::current_num_threads();
+            let bw = if bandwidth.is_none() { measure_bandwidth() } else { f64::NAN };
+            let fl = if peak_flops.is_none() { measure_flops() } else { f64::NAN };
+            let mut parts = Vec::new();
+            if bandwidth.is_none() {
+                parts.push(format!("memory: parallel read of a 1 GiB f32 buffer, {threads} threads, best of 3"));
+            }
+            if peak_flops.is_none() {
+                parts.push(if fl.is_nan() { "FMA: not measured (no AVX2 + FMA)".into() } else { format!("FMA: f32 AVX2 FMA chains, {threads} threads") });
+            }
+            (bw, fl, format!("CPU: {}", parts.join("; ")))
+        }
+    };
+    // A device measures both at once: its line stays whole, the given figure is named first.
+    let method = match (bandwidth, peak_flops) {
+        (Some(v), _) => format!("{}; measured: {method}", given("bandwidth", v)),
+        (_, Some(v)) => format!("{}; measured: {method}", given("matrix rate", v)),
+        _ => method,
+    };
+    Ok(Roofline { bandwidth: bandwidth.unwrap_or(bw), flops: peak_flops.unwrap_or(fl), method, bandwidth_measured: bandwidth.is_none(), flops_measured: peak_flops.is_none() })
+}
+
+/// `4.21e12` → "4.21 T" (bytes or FLOP per second).
+fn si(v: f64) -> String {
+    if v >= 1e12 {
+        format!("{:.2} T", v / 1e12)
+    } else {
+        format!("{:.1} G", v / 1e9)
+    }
+}
+
 /// FLOPs of prefilling one token at position `pos`: 2 per active matrix weight (routed experts,
 /// shared expert, projections, router; lm_head only for the last token) + attention.
 fn prefill_flops_per_token(c: &lily::Config, pos: usize) -> f64 {
@@ -213,18 +298,21 @@ fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<
     }
     let d = Dims::from_config(&cfg);
     eprintln!("lily bench: measuring the machine's ceilings…");
-    let (bw, peak) = match (a.bandwidth, a.peak_flops) {
-        (Some(bw), Some(p)) => (bw, p),
-        _ => (measure_bandwidth(), measure_flops()),
-    };
+    let ceil = ceilings(&m.backend, a.bandwidth, a.peak_flops)?;
+    let (bw, peak) = (ceil.bandwidth, ceil.flops);
+    let src = |measured: bool| if measured { "measured" } else { "given" };
     let threads = rayon::current_num_threads();
     eprintln!(
-        "lily bench: {} | memory read {:.1} GB/s | f32 FMA peak {:.1} GFLOP/s | {} threads",
+        "lily bench: {} | bandwidth {}B/s ({}) | matrix peak {}FLOP/s ({}) | {} threads",
         m.backend.name(),
-        bw / 1e9,
-        peak / 1e9,
+        si(bw),
+        src(ceil.bandwidth_measured),
+        si(peak),
+        src(ceil.flops_measured),
         threads
     );
+    eprintln!("lily bench: ceilings: {}", ceil.method);
+    let kv_elem = kv_bytes_per_elem(&m.backend.name());
     let max_len = prefill.iter().chain(decode.iter()).copied().max().unwrap_or(0) + a.decode_tokens + 1;
     let mut rows = Vec::new();
     println!("{:<8} {:>8} {:>12} {:>10} {:>10}", "phase", "length", "tok/s", "time s", "roofline");
@@ -256,12 +344,12 @@ fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<
         let mut times = Vec::new();
         for r in 0..=a.rounds {
             let mut st = m.new_state(max_len)?;
-            let logits = m.forward(&mut st, &ids, Logits::Last, None)?;
-            let mut next = argmax(&logits);
+            m.forward(&mut st, &ids, Logits::Last, None)?;
+            // The serving loop's greedy path: each token picked and fed back on the backend (its
+            // step recorded and replayed on a GPU), 4 bytes read back per token.
             let t0 = Instant::now();
             for _ in 0..a.decode_tokens {
-                let l = m.forward(&mut st, &[next], Logits::Last, None)?;
-                next = argmax(&l);
+                std::hint::black_box(m.decode(&mut st, None, true)?);
             }
             if r > 0 {
                 times.push(t0.elapsed().as_secs_f64());
@@ -269,10 +357,8 @@ fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<
         }
         let t = median(times);
         let tps = a.decode_tokens as f64 / t;
-        // Bytes per token: weights + GDN state read and written (f32) + KV (f32 on the CPU).
-        let state = (cfg.num_hidden_layers - cfg.num_attention_layers()) as f64 * (d.gdn_v_heads * d.gdn_v_dim * d.gdn_k_dim * 4 * 2) as f64;
-        let kv = cfg.num_attention_layers() as f64 * (2 * d.n_kv_heads * d.head_dim * 4) as f64 * (n as f64 + a.decode_tokens as f64 / 2.0);
-        let bytes = weight_bytes + state + kv;
+        // The mean context over the generated tokens.
+        let bytes = decode_bytes_per_token(&cfg, &d, weight_bytes, n as f64 + a.decode_tokens as f64 / 2.0, kv_elem);
         let frac = bytes * tps / bw;
         println!("{:<8} {:>8} {:>12.2} {:>10.3} {:>9.1}%", "decode", n, tps, t, 100.0 * frac);
         rows.push(json!({"phase": "decode", "context": n, "tokens": a.decode_tokens, "tok_s": tps, "seconds": t,
@@ -294,6 +380,9 @@ fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<
             "machine": machine,
             "memory_bandwidth_bytes_s": bw,
             "peak_flop_s": peak,
+            "ceilings_method": ceil.method,
+            "ceilings_source": {"memory_bandwidth": src(ceil.bandwidth_measured), "peak_flop": src(ceil.flops_measured)},
+            "kv_bytes_per_elem": kv_elem,
             "weight_bytes_per_token": weight_bytes,
             "rounds": a.rounds,
             "results": rows,

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{argmax64, load, oracle, prompt_ids, synth, top2_gap};
+use common::{argmax64, load, oracle, perplexity, prompt_ids, synth, top2_gap};
 use lily::model::Logits;
 
 const T: usize = 192;
@@ -57,6 +57,30 @@ fn cpu_matches_mlx_lm_f32_on_small() {
     // MLX-LM bf16 vs f32: what precision loss is normal, and the conditioning of the preset.
     let rb = o.array("logits_bf16.npy");
     let bf16_agree = (0..T).filter(|&t| argmax64(&rb.data[t * v..(t + 1) * v]) == argmax64(&r.data[t * v..(t + 1) * v])).count();
+    // The CUDA end-to-end test (tests/cuda_ops.rs, on a machine without MLX) must be at least as
+    // close to the f32 logits as MLX-LM's bf16 run is: its bar is this fixture, checked here
+    // against a fresh oracle run (LILY_WRITE_FIXTURES=1 rewrites it).
+    let (ppl32, ppl16) = (perplexity(&r.data, v, &ids), perplexity(&rb.data, v, &ids));
+    let mlx = serde_json::json!({
+        "what": "MLX-LM bf16 vs f32 on the synthetic `small` preset, seed 0, prompt_ids(192): teacher-forced logits",
+        "positions": T,
+        "top1_agreement": bf16_agree as f64 / T as f64,
+        "perplexity_f32": ppl32,
+        "perplexity_bf16": ppl16,
+        "perplexity_rel_diff": (ppl16 / ppl32 - 1.0).abs(),
+    });
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/mlx_small_bf16_vs_f32.json");
+    if std::env::var("LILY_WRITE_FIXTURES").is_ok_and(|v| v == "1") {
+        std::fs::write(&fixture, serde_json::to_string_pretty(&mlx).unwrap() + "\n").unwrap();
+    }
+    let want: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&fixture).expect("fixture")).expect("json");
+    eprintln!("oracle small: MLX bf16 vs f32 {mlx}");
+    // The oracle runs on the CPU in f32 / bf16 deterministically; 1e-6 relative allows a change of
+    // MLX's summation order without hiding a different checkpoint or prompt.
+    for k in ["top1_agreement", "perplexity_f32", "perplexity_bf16"] {
+        let (a, b) = (mlx[k].as_f64().unwrap(), want[k].as_f64().unwrap());
+        assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "fixture {}: {k} is {b}, the oracle gives {a} (rerun with LILY_WRITE_FIXTURES=1)", fixture.display());
+    }
 
     // Greedy continuation through lily's prefill + decode path.
     let mut st = m.new_state(T + GEN + 1).unwrap();

@@ -75,6 +75,10 @@ pub trait Backend: Send + Sync {
     type Vec: Send + Sync;
     /// Expert routing of a block of tokens: chosen expert ids and their weights.
     type Route: Send;
+    /// A decode step's token and position, held where the ops run. On a GPU `argmax_step` writes
+    /// the next token here and the next step's `embed_step` reads it: the decode loop feeds its
+    /// tokens without a host round trip, and a recorded step (`replay`) reads its position here.
+    type Step: Send;
 
     fn name(&self) -> String;
     /// Waits until every op enqueued so far has finished (a device backend's stream), returning
@@ -89,6 +93,22 @@ pub trait Backend: Send + Sync {
         256
     }
 
+    /// The device's own ceilings, measured now (`lily bench` divides by them). `None`: the
+    /// backend has no measurement of its own and the bench measures the CPU it runs on.
+    fn measure_ceilings(&self) -> Option<Result<Ceilings>> {
+        None
+    }
+
+    /// Runs `ops`, the enqueueing of one decode step. A device backend records them the first
+    /// time after a warm-up (a CUDA graph) and from then on replays the record while `key` is
+    /// the same, skipping the host work and the launch cost of each op. The caller changes `key`
+    /// whenever any buffer the ops touch or any host-side shape changes; every value that moves
+    /// from step to step must be read from a `Step`. The default runs them.
+    fn replay(&self, key: u64, ops: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let _ = key;
+        ops()
+    }
+
     // ---- memory
     fn upload_mat(&self, m: &HostLinear) -> Result<Self::Mat>;
     fn upload_vec(&self, v: &[f32]) -> Result<Self::Vec>;
@@ -98,10 +118,17 @@ pub trait Backend: Send + Sync {
     /// `dst[dst_off .. dst_off+len] = src[src_off .. src_off+len]`.
     fn copy(&self, src: &Self::Buf, src_off: usize, dst: &mut Self::Buf, dst_off: usize, len: usize);
     fn new_route(&self, rows: usize, top_k: usize) -> Result<Self::Route>;
+    fn new_step(&self) -> Result<Self::Step>;
+    /// Host → step: the token to feed next and its position.
+    fn set_step(&self, step: &mut Self::Step, token: u32, pos: usize);
+    /// The step's token (after the work enqueued so far).
+    fn step_token(&self, step: &Self::Step) -> Result<u32>;
 
     // ---- embedding, norms, projections
     /// `out[t] = dequant(table[ids[t]])`.
     fn embed(&self, table: &Self::Mat, ids: &[u32], out: &mut Self::Buf);
+    /// `out[0] = dequant(table[step.token])` (the decode step's input).
+    fn embed_step(&self, table: &Self::Mat, step: &Self::Step, out: &mut Self::Buf);
     /// `out[t] = rms_norm(x[t]) * w` over `dim`.
     fn rms_norm(&self, x: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, out: &mut Self::Buf);
     /// `h[t] += r[t]; out[t] = rms_norm(h[t]) * w`: the residual add fused with the next norm.
@@ -113,16 +140,18 @@ pub trait Backend: Send + Sync {
 
     // ---- gated attention
     /// Splits `q_proj` output `[rows, heads, 2·hd]` into query (rms-normed, RoPE) and gate, and
-    /// rms-norms + RoPEs `k` in place. Positions are `pos0 .. pos0 + rows`.
+    /// rms-norms + RoPEs `k` in place. Positions are `pos0 .. pos0 + rows`; with a `step` (a
+    /// decode step, one row) the position is read from it (it equals `pos0`).
     #[allow(clippy::too_many_arguments)]
-    fn attn_qk_norm_rope(&self, qg: &Self::Buf, k: &mut Self::Buf, q_norm: &Self::Vec, k_norm: &Self::Vec, d: &Dims, rows: usize, pos0: usize, q: &mut Self::Buf, gate: &mut Self::Buf);
+    fn attn_qk_norm_rope(&self, qg: &Self::Buf, k: &mut Self::Buf, q_norm: &Self::Vec, k_norm: &Self::Vec, d: &Dims, rows: usize, pos0: usize, step: Option<&Self::Step>, q: &mut Self::Buf, gate: &mut Self::Buf);
     /// Appends `k`, `v` at `pos0..pos0+rows` of the layer's cache, then causal attention of the
     /// `rows` queries over positions `0..pos0+rows`; `out = attn · sigmoid(gate)`.
     #[allow(clippy::too_many_arguments)]
     fn attn_prefill(&self, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, gate: &Self::Buf, kv: &mut KvCache<Self::Buf>, d: &Dims, rows: usize, pos0: usize, out: &mut Self::Buf);
-    /// One query at position `pos` (the decode path).
+    /// One query (the decode path) at the step's position, which equals `pos`: the device reads
+    /// it from `step`, so that a recorded step is valid at any position below the capacity.
     #[allow(clippy::too_many_arguments)]
-    fn attn_decode(&self, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, gate: &Self::Buf, kv: &mut KvCache<Self::Buf>, d: &Dims, pos: usize, out: &mut Self::Buf);
+    fn attn_decode(&self, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, gate: &Self::Buf, kv: &mut KvCache<Self::Buf>, d: &Dims, pos: usize, step: &Self::Step, out: &mut Self::Buf);
 
     // ---- Gated DeltaNet
     /// Causal depthwise conv (kernel K, no bias) + SiLU over `rows` new rows of `x` `[rows, C]`,
@@ -154,6 +183,20 @@ pub trait Backend: Send + Sync {
     // ---- output
     /// Index of the largest logit of each row (first on ties).
     fn argmax(&self, logits: &Self::Buf, rows: usize, vocab: usize) -> Result<Vec<u32>>;
+    /// The greedy pick of a decode step on the backend: `step.token = argmax(logits[0])`,
+    /// `step.pos += 1`: the step is then ready to feed that token.
+    fn argmax_step(&self, logits: &Self::Buf, vocab: usize, step: &mut Self::Step);
+}
+
+/// Hardware limits measured on the machine a backend runs on.
+#[derive(Clone, Debug)]
+pub struct Ceilings {
+    /// Memory bandwidth in bytes/s (bytes read + written by a large device-to-device copy).
+    pub bandwidth: f64,
+    /// Dense matrix rate in FLOP/s (bf16 operands, f32 accumulation on a GPU).
+    pub flops: f64,
+    /// How each was measured (printed and written to the bench JSON).
+    pub method: String,
 }
 
 /// The GDN layer's small parameters, resident on the backend.

@@ -167,6 +167,7 @@ impl<B: Backend> Backend for Profiled<B> {
     type Mat = PMat<B::Mat>;
     type Vec = B::Vec;
     type Route = B::Route;
+    type Step = B::Step;
 
     fn name(&self) -> String {
         self.inner.name()
@@ -176,6 +177,18 @@ impl<B: Backend> Backend for Profiled<B> {
     }
     fn prefill_chunk(&self) -> usize {
         self.inner.prefill_chunk()
+    }
+    fn measure_ceilings(&self) -> Option<Result<super::Ceilings>> {
+        self.inner.measure_ceilings()
+    }
+    /// A profiled step runs op by op (each bracketed by syncs, which a record cannot hold);
+    /// with the profiler off the inner backend records and replays as usual.
+    fn replay(&self, key: u64, ops: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        if self.prof.is_on() {
+            ops()
+        } else {
+            self.inner.replay(key, ops)
+        }
     }
 
     fn upload_mat(&self, m: &HostLinear) -> Result<Self::Mat> {
@@ -196,9 +209,21 @@ impl<B: Backend> Backend for Profiled<B> {
     fn new_route(&self, rows: usize, top_k: usize) -> Result<Self::Route> {
         self.inner.new_route(rows, top_k)
     }
+    fn new_step(&self) -> Result<Self::Step> {
+        self.inner.new_step()
+    }
+    fn set_step(&self, step: &mut Self::Step, token: u32, pos: usize) {
+        self.time("set_step", || self.inner.set_step(step, token, pos))
+    }
+    fn step_token(&self, step: &Self::Step) -> Result<u32> {
+        self.time("step_token", || self.inner.step_token(step))
+    }
 
     fn embed(&self, table: &Self::Mat, ids: &[u32], out: &mut Self::Buf) {
         self.time("embed", || self.inner.embed(&table.inner, ids, out))
+    }
+    fn embed_step(&self, table: &Self::Mat, step: &Self::Step, out: &mut Self::Buf) {
+        self.time("embed", || self.inner.embed_step(&table.inner, step, out))
     }
     fn rms_norm(&self, x: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, out: &mut Self::Buf) {
         self.time("rms_norm", || self.inner.rms_norm(x, w, rows, dim, eps, out))
@@ -213,14 +238,14 @@ impl<B: Backend> Backend for Profiled<B> {
         self.time("add", || self.inner.add(h, r, len))
     }
 
-    fn attn_qk_norm_rope(&self, qg: &Self::Buf, k: &mut Self::Buf, q_norm: &Self::Vec, k_norm: &Self::Vec, d: &Dims, rows: usize, pos0: usize, q: &mut Self::Buf, gate: &mut Self::Buf) {
-        self.time("attn_qk_norm_rope", || self.inner.attn_qk_norm_rope(qg, k, q_norm, k_norm, d, rows, pos0, q, gate))
+    fn attn_qk_norm_rope(&self, qg: &Self::Buf, k: &mut Self::Buf, q_norm: &Self::Vec, k_norm: &Self::Vec, d: &Dims, rows: usize, pos0: usize, step: Option<&Self::Step>, q: &mut Self::Buf, gate: &mut Self::Buf) {
+        self.time("attn_qk_norm_rope", || self.inner.attn_qk_norm_rope(qg, k, q_norm, k_norm, d, rows, pos0, step, q, gate))
     }
     fn attn_prefill(&self, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, gate: &Self::Buf, kv: &mut KvCache<Self::Buf>, d: &Dims, rows: usize, pos0: usize, out: &mut Self::Buf) {
         self.time("attn_prefill", || self.inner.attn_prefill(q, k, v, gate, kv, d, rows, pos0, out))
     }
-    fn attn_decode(&self, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, gate: &Self::Buf, kv: &mut KvCache<Self::Buf>, d: &Dims, pos: usize, out: &mut Self::Buf) {
-        self.time("attn_decode", || self.inner.attn_decode(q, k, v, gate, kv, d, pos, out))
+    fn attn_decode(&self, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, gate: &Self::Buf, kv: &mut KvCache<Self::Buf>, d: &Dims, pos: usize, step: &Self::Step, out: &mut Self::Buf) {
+        self.time("attn_decode", || self.inner.attn_decode(q, k, v, gate, kv, d, pos, step, out))
     }
 
     fn conv1d_prefill(&self, x: &Self::Buf, w: &Self::Vec, state: &mut Self::Buf, d: &Dims, rows: usize, out: &mut Self::Buf) {
@@ -254,6 +279,9 @@ impl<B: Backend> Backend for Profiled<B> {
 
     fn argmax(&self, logits: &Self::Buf, rows: usize, vocab: usize) -> Result<Vec<u32>> {
         self.time("argmax", || self.inner.argmax(logits, rows, vocab))
+    }
+    fn argmax_step(&self, logits: &Self::Buf, vocab: usize, step: &mut Self::Step) {
+        self.time("argmax", || self.inner.argmax_step(logits, vocab, step))
     }
 }
 

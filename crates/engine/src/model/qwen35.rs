@@ -9,7 +9,10 @@
 //! logits = lm_head(rms_norm(h, norm))
 //! ```
 //! Each residual add is fused with the norm that follows it (`add_rms_norm`). A prompt is fed in
-//! chunks of at most `chunk` tokens (bounded scratch); a single token takes the decode ops.
+//! chunks of at most `chunk` tokens (bounded scratch); a single token takes the decode ops
+//! ([`Qwen35::decode`]): its token and position are read from the state's `Step` on the backend
+//! and the greedy pick is written back there, so a step has no host input and is recorded once
+//! and replayed (`Backend::replay`, a CUDA graph) until a buffer it touches changes.
 
 use anyhow::{bail, Result};
 
@@ -71,9 +74,22 @@ struct Layer<B: Backend> {
     moe: MoeLayer<B>,
 }
 
+/// What a decode step gives back to the host.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Next {
+    /// The greedy pick, made on the backend (4 bytes read back).
+    Token(u32),
+    /// The next token's logits `[vocab]` (for sampling, log-probabilities, penalties).
+    Logits(Vec<f32>),
+}
+
 /// Scratch activations for a block of up to `rows` tokens.
 struct Scratch<B: Backend> {
     rows: usize,
+    /// Identifies these buffers for a recorded decode step (see `SeqState::buffers_id`).
+    id: u64,
+    /// The decode step's logits `[vocab]`.
+    logits: B::Buf,
     h: B::Buf,
     xn: B::Buf,
     r: B::Buf,
@@ -109,6 +125,8 @@ impl<B: Backend> Scratch<B> {
         let hv = c.linear_num_value_heads;
         Ok(Self {
             rows,
+            id: crate::model::state::new_buffers_id(),
+            logits: b.zeros(c.vocab_size)?,
             h: b.zeros(rows * h)?,
             xn: b.zeros(rows * h)?,
             r: b.zeros(rows * h)?,
@@ -219,7 +237,7 @@ impl<B: Backend> Qwen35<B> {
     }
 
     /// Feeds `ids` after the state's current position. Returns the requested logits (host f32,
-    /// `[1 or rows, vocab]`). With `taps`, the residual stream after each layer is appended
+    /// `[1 or rows, vocab]`); one token without taps is a [`Self::decode`] step. With `taps`, the residual stream after each layer is appended
     /// (`[rows, hidden]` per layer, per chunk) — for tests against the oracle.
     pub fn forward(&self, st: &mut SeqState<B>, ids: &[u32], want: Logits, mut taps: Option<&mut Vec<Vec<f32>>>) -> Result<Vec<f32>> {
         if ids.is_empty() {
@@ -231,6 +249,13 @@ impl<B: Backend> Qwen35<B> {
         if st.pos + ids.len() > st.max_context {
             bail!("context length exceeded: {} tokens in the state + {} new > {} max", st.pos, ids.len(), st.max_context);
         }
+        if ids.len() == 1 && taps.is_none() {
+            // The decode path (recorded and replayed); its logits are read back.
+            return match self.decode(st, Some(ids[0]), want == Logits::None)? {
+                Next::Logits(l) => Ok(l),
+                Next::Token(_) => Ok(Vec::new()),
+            };
+        }
         st.reserve(&self.backend, &self.dims, st.pos + ids.len())?;
         let mut out = Vec::new();
         let n_chunks = ids.len().div_ceil(self.chunk);
@@ -241,7 +266,7 @@ impl<B: Backend> Qwen35<B> {
                 _ => Logits::None,
             };
             let tap_start = taps.as_ref().map(|t| t.len());
-            out.extend(self.forward_block(st, part, w, taps.as_deref_mut())?);
+            out.extend(self.forward_chunk(st, part, w, taps.as_deref_mut())?);
             // Concatenate per-layer taps across chunks.
             if let (Some(t), Some(s)) = (taps.as_deref_mut(), tap_start) {
                 if s > 0 {
@@ -255,22 +280,114 @@ impl<B: Backend> Qwen35<B> {
         Ok(out)
     }
 
-    /// One block of ≤ `chunk` tokens: the list of named ops.
-    fn forward_block(&self, st: &mut SeqState<B>, ids: &[u32], want: Logits, mut taps: Option<&mut Vec<Vec<f32>>>) -> Result<Vec<f32>> {
+    /// One decode step: feeds `feed` at the state's position — or, with `None`, the token the
+    /// previous step picked on the backend, which never leaves the device — and computes the next
+    /// token: its greedy pick (`greedy`, 4 bytes read back) or its logits.
+    pub fn decode(&self, st: &mut SeqState<B>, feed: Option<u32>, greedy: bool) -> Result<Next> {
+        let b = &self.backend;
+        match feed {
+            Some(id) if id as usize >= self.cfg.vocab_size => bail!("token id {id} is out of range (vocab_size {})", self.cfg.vocab_size),
+            Some(id) => b.set_step(&mut st.step, id, st.pos),
+            None if !st.step_ready => bail!("decode: no token was picked on the backend to feed"),
+            None => {}
+        }
+        if st.pos + 1 > st.max_context {
+            bail!("context length exceeded: {} tokens in the state + 1 new > {} max", st.pos, st.max_context);
+        }
+        st.reserve(b, &self.dims, st.pos + 1)?;
+        let mut guard = self.scratch_for(1)?;
+        let s = guard.as_mut().expect("just made");
+        let key = st.buffers_id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ s.id;
+        let r = b.replay(key, &mut || self.decode_ops(st, s));
+        st.step_ready = r.is_ok();
+        r?;
+        st.pos += 1;
+        if greedy {
+            Ok(Next::Token(b.step_token(&st.step)?))
+        } else {
+            Ok(Next::Logits(b.to_host(&s.logits, self.cfg.vocab_size)?))
+        }
+    }
+
+    /// The ops of a decode step (recorded): the layers on the step's token, the logits of the
+    /// next token, and its greedy pick written back to the step (position + 1).
+    fn decode_ops(&self, st: &mut SeqState<B>, s: &mut Scratch<B>) -> Result<()> {
+        let (b, d) = (&self.backend, &self.dims);
+        let hd = self.cfg.hidden_size;
+        self.layers_ops(st, s, None, 1, None)?;
+        b.add(&mut s.h, &s.moe, hd);
+        b.rms_norm(&s.h, &self.norm, 1, hd, d.eps, &mut s.xn);
+        b.matmul_q(&s.xn, &self.lm_head, 1, &mut s.logits);
+        b.argmax_step(&s.logits, self.cfg.vocab_size, &mut st.step);
+        Ok(())
+    }
+
+    /// The scratch, grown to at least `t` rows (a prefill's chunk at once: no regrowth later).
+    fn scratch_for(&self, t: usize) -> Result<std::sync::MutexGuard<'_, Option<Scratch<B>>>> {
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.as_ref().is_none_or(|s| s.rows < t) {
+            *guard = Some(Scratch::new(&self.backend, &self.cfg, if t == 1 { 1 } else { t.max(self.chunk) })?);
+        }
+        Ok(guard)
+    }
+
+    /// One chunk of ≤ `chunk` prompt tokens, then the requested logits. After the last position's
+    /// logits the state's step holds their greedy pick, ready for [`Self::decode`] with `None`.
+    fn forward_chunk(&self, st: &mut SeqState<B>, ids: &[u32], want: Logits, mut taps: Option<&mut Vec<Vec<f32>>>) -> Result<Vec<f32>> {
         let b = &self.backend;
         let d = &self.dims;
         let c = &self.cfg;
         let t = ids.len();
-        let decode = t == 1;
-        let pos0 = st.pos;
         let hd = c.hidden_size;
-        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        if guard.as_ref().is_none_or(|s| s.rows < t) {
-            *guard = Some(Scratch::new(b, c, t.max(if decode { 1 } else { self.chunk }))?);
-        }
+        let mut guard = self.scratch_for(t)?;
         let s = guard.as_mut().expect("just made");
+        if t == 1 {
+            // A single token (with taps) still takes the decode ops, which read the step.
+            b.set_step(&mut st.step, ids[0], st.pos);
+        }
+        self.layers_ops(st, s, (t > 1).then_some(ids), t, taps.as_deref_mut())?;
+        st.pos += t;
+        st.step_ready = false;
+        b.add(&mut s.h, &s.moe, t * hd);
+        if let Some(tp) = taps.as_deref_mut() {
+            tp.push(b.to_host(&s.h, t * hd)?);
+        }
+        // logits = lm_head(rms_norm(h, norm))
+        let v = c.vocab_size;
+        match want {
+            Logits::None => Ok(Vec::new()),
+            Logits::Last => {
+                b.copy(&s.h, (t - 1) * hd, &mut s.last, 0, hd);
+                b.rms_norm(&s.last, &self.norm, 1, hd, d.eps, &mut s.xn);
+                b.matmul_q(&s.xn, &self.lm_head, 1, &mut s.logits);
+                b.set_step(&mut st.step, 0, st.pos - 1);
+                b.argmax_step(&s.logits, v, &mut st.step);
+                st.step_ready = true;
+                b.to_host(&s.logits, v)
+            }
+            Logits::All => {
+                b.rms_norm(&s.h, &self.norm, t, hd, d.eps, &mut s.xn);
+                let mut logits = b.zeros(t * v)?;
+                b.matmul_q(&s.xn, &self.lm_head, t, &mut logits);
+                b.to_host(&logits, t * v)
+            }
+        }
+    }
 
-        b.embed(&self.embed, ids, &mut s.h);
+    /// The list of named ops over every layer for `t` tokens at the state's position: `ids`
+    /// (a prefill) or the step's token (`None`, the decode ops). Leaves the last layer's MoE
+    /// output in `s.moe`, not yet added to `s.h`.
+    fn layers_ops(&self, st: &mut SeqState<B>, s: &mut Scratch<B>, ids: Option<&[u32]>, t: usize, mut taps: Option<&mut Vec<Vec<f32>>>) -> Result<()> {
+        let b = &self.backend;
+        let d = &self.dims;
+        let hd = self.cfg.hidden_size;
+        let decode = ids.is_none();
+        let pos0 = st.pos;
+        let step = &st.step;
+        match ids {
+            Some(ids) => b.embed(&self.embed, ids, &mut s.h),
+            None => b.embed_step(&self.embed, step, &mut s.h),
+        }
         for (i, (layer, ls)) in self.layers.iter().zip(st.layers.iter_mut()).enumerate() {
             // x = rms_norm(h); the previous layer's MoE output is added here (fused).
             if i == 0 {
@@ -300,9 +417,9 @@ impl<B: Backend> Qwen35<B> {
                     b.matmul_q(&s.xn, &a.q_proj, t, &mut s.qg);
                     b.matmul_q(&s.xn, &a.k_proj, t, &mut s.k);
                     b.matmul_q(&s.xn, &a.v_proj, t, &mut s.v);
-                    b.attn_qk_norm_rope(&s.qg, &mut s.k, &a.q_norm, &a.k_norm, d, t, pos0, &mut s.q, &mut s.gate);
+                    b.attn_qk_norm_rope(&s.qg, &mut s.k, &a.q_norm, &a.k_norm, d, t, pos0, decode.then_some(step), &mut s.q, &mut s.gate);
                     if decode {
-                        b.attn_decode(&s.q, &s.k, &s.v, &s.gate, kv, d, pos0, &mut s.o);
+                        b.attn_decode(&s.q, &s.k, &s.v, &s.gate, kv, d, pos0, step, &mut s.o);
                     } else {
                         b.attn_prefill(&s.q, &s.k, &s.v, &s.gate, kv, d, t, pos0, &mut s.o);
                     }
@@ -314,29 +431,7 @@ impl<B: Backend> Qwen35<B> {
             b.add_rms_norm(&mut s.h, &s.r, &layer.post_norm, t, hd, d.eps, &mut s.xn);
             self.moe(layer, s, t, decode);
         }
-        st.pos += t;
-        b.add(&mut s.h, &s.moe, t * hd);
-        if let Some(tp) = taps.as_deref_mut() {
-            tp.push(b.to_host(&s.h, t * hd)?);
-        }
-        // logits = lm_head(rms_norm(h, norm))
-        let v = c.vocab_size;
-        match want {
-            Logits::None => Ok(Vec::new()),
-            Logits::Last => {
-                b.copy(&s.h, (t - 1) * hd, &mut s.last, 0, hd);
-                b.rms_norm(&s.last, &self.norm, 1, hd, d.eps, &mut s.xn);
-                let mut logits = b.zeros(v)?;
-                b.matmul_q(&s.xn, &self.lm_head, 1, &mut logits);
-                b.to_host(&logits, v)
-            }
-            Logits::All => {
-                b.rms_norm(&s.h, &self.norm, t, hd, d.eps, &mut s.xn);
-                let mut logits = b.zeros(t * v)?;
-                b.matmul_q(&s.xn, &self.lm_head, t, &mut logits);
-                b.to_host(&logits, t * v)
-            }
-        }
+        Ok(())
     }
 
     /// y = Σ_j w_j · expert_j(x) + sigmoid(shared_gate(x)) · shared_expert(x), into `s.moe`.

@@ -23,6 +23,21 @@ pub struct SeqState<B: Backend> {
     /// Hard limit on positions (the context length).
     pub max_context: usize,
     pub layers: Vec<LayerState<B>>,
+    /// The decode step's token and position on the backend (`Qwen35::decode`).
+    pub(crate) step: B::Step,
+    /// The step holds the token the last decode chose on the backend, at `pos`: the next decode
+    /// may feed it without the host sending it.
+    pub(crate) step_ready: bool,
+    /// Identifies this state's buffers for a recorded decode step: unique per state, and bumped
+    /// whenever a buffer is replaced (the KV cache growing).
+    pub(crate) buffers_id: u64,
+}
+
+/// Source of `buffers_id`: never reused, so a record of a dropped state is never replayed.
+static NEXT_BUFFERS_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+pub(crate) fn new_buffers_id() -> u64 {
+    NEXT_BUFFERS_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 impl<B: Backend> SeqState<B> {
@@ -45,7 +60,7 @@ impl<B: Backend> SeqState<B> {
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(Self { pos: 0, max_context, layers })
+        Ok(Self { pos: 0, max_context, layers, step: b.new_step()?, step_ready: false, buffers_id: new_buffers_id() })
     }
 
     /// Makes room for positions `< need` in every KV cache (copying what is there).
@@ -60,6 +75,7 @@ impl<B: Backend> SeqState<B> {
                     b.copy(&kv.k, 0, &mut k, 0, self.pos * kvd);
                     b.copy(&kv.v, 0, &mut v, 0, self.pos * kvd);
                     *kv = KvCache { k, v, capacity: cap };
+                    self.buffers_id = new_buffers_id();
                 }
             }
         }
@@ -133,6 +149,7 @@ impl<B: Backend> SeqState<B> {
             }
         }
         self.pos = snap.pos;
+        self.step_ready = false;
         Ok(())
     }
 

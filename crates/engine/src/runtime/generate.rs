@@ -23,7 +23,7 @@ use super::sampler::{Sampler, SamplingParams};
 use super::stop::{FinishReason, StopChecker, StopRules};
 use super::GenStats;
 use crate::backend::Backend;
-use crate::model::{Logits, Qwen35, SeqState};
+use crate::model::{Logits, Next, Qwen35, SeqState};
 use crate::tokenizer::Tokenizer;
 
 /// The result of one generation.
@@ -147,7 +147,10 @@ fn generate_from<B: Backend>(
     let mut queue: VecDeque<u32> = forced.now.into();
     let mut after = forced.after;
     let t0 = Instant::now();
-    let mut logits = m.forward(st, &prompt[cached..], Logits::Last, None)?;
+    // Plain greedy without log-probabilities: each step's pick is made on the backend and fed
+    // back there (`Next::Token`); otherwise the logits come to the host for the sampler.
+    let device_greedy = sampling.is_plain_greedy() && logprobs.is_none();
+    let mut next = Next::Logits(m.forward(st, &prompt[cached..], Logits::Last, None)?);
     stats.prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut text = String::new();
@@ -161,10 +164,18 @@ fn generate_from<B: Backend>(
             break;
         }
         // Log-probabilities come from the raw logits; the sampler changes its row in place.
-        let lp = logprobs.map(|k| (top_logprobs(&logits, k), logits.clone()));
-        let id = match queue.pop_front() {
-            Some(id) => id,
-            None => sampler.sample_split(&mut logits, prompt, &out.ids),
+        let lp = match (&next, logprobs) {
+            (Next::Logits(l), Some(k)) => Some((top_logprobs(l, k), l.clone())),
+            _ => None,
+        };
+        let mut picked_on_backend = false;
+        let id = match (queue.pop_front(), &mut next) {
+            (Some(id), _) => id,
+            (None, Next::Token(t)) => {
+                picked_on_backend = true;
+                *t
+            }
+            (None, Next::Logits(l)) => sampler.sample_split(l, prompt, &out.ids),
         };
         if let Some((trigger, _)) = &after {
             if *trigger == id {
@@ -198,7 +209,7 @@ fn generate_from<B: Backend>(
             cancel.store(true, Ordering::Relaxed);
             continue;
         }
-        logits = m.forward(st, &[id], Logits::Last, None)?;
+        next = m.decode(st, (!picked_on_backend).then_some(id), device_greedy)?;
     }
     stats.decode_s = t1.elapsed().as_secs_f64();
     stats.generated = out.ids.len();

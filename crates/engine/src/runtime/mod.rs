@@ -11,7 +11,7 @@ use anyhow::Result;
 
 use crate::backend::Backend;
 use crate::loader::Checkpoint;
-use crate::model::{Logits, Qwen35, SeqState};
+use crate::model::{Logits, Next, Qwen35, SeqState};
 
 /// Loads a checkpoint directory onto a backend.
 pub fn load<B: Backend>(backend: B, dir: &Path) -> Result<Qwen35<B>> {
@@ -66,6 +66,8 @@ pub fn generate_greedy<B: Backend>(
     if max_tokens == 0 {
         return Ok((out, stats));
     }
+    // The prefill left its greedy pick in the state's step, equal to `argmax(logits)`: every
+    // later token is picked and fed back on the backend.
     let mut next = argmax(&logits);
     let t1 = std::time::Instant::now();
     loop {
@@ -74,8 +76,10 @@ pub fn generate_greedy<B: Backend>(
         if out.len() >= max_tokens || stop.contains(&next) || st.pos >= st.max_context {
             break;
         }
-        let logits = m.forward(st, &[next], Logits::Last, None)?;
-        next = argmax(&logits);
+        next = match m.decode(st, None, true)? {
+            Next::Token(t) => t,
+            Next::Logits(l) => argmax(&l),
+        };
     }
     stats.decode_s = t1.elapsed().as_secs_f64();
     stats.generated = out.len();

@@ -116,6 +116,12 @@ impl SamplingParams {
         self.temperature < GREEDY_TEMPERATURE || self.top_k == 1
     }
 
+    /// Greedy with every penalty off: the pick is the arg-max of the raw logits, which a backend
+    /// can make itself (`Qwen35::decode` with `greedy`), never sending the logits to the host.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.is_greedy() && self.repetition_penalty == 1.0 && self.presence_penalty == 0.0 && self.frequency_penalty == 0.0
+    }
+
     /// Defaults from `DIR/generation_config.json`: `temperature`, `top_k`, `top_p`, `min_p`,
     /// `repetition_penalty`, `presence_penalty`, `frequency_penalty` where present; a missing
     /// field is neutral (temperature 1). `do_sample: false` means greedy (as transformers); a

@@ -72,6 +72,20 @@ pub fn oracle(dir: &Path, ids: &[u32], gen: usize) -> Option<Oracle> {
     Some(Oracle { out, _keep: keep })
 }
 
+/// Teacher-forced perplexity of `ids` under logits `[T, vocab]` (row t predicts ids[t + 1]).
+pub fn perplexity(logits: &[f64], vocab: usize, ids: &[u32]) -> f64 {
+    let n = ids.len() - 1;
+    let nll: f64 = (0..n)
+        .map(|t| {
+            let row = &logits[t * vocab..(t + 1) * vocab];
+            let m = row.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+            let lse = m + row.iter().map(|&x| (x - m).exp()).sum::<f64>().ln();
+            lse - row[ids[t + 1] as usize]
+        })
+        .sum();
+    (nll / n as f64).exp()
+}
+
 pub fn argmax64(row: &[f64]) -> usize {
     let mut best = 0;
     for (i, &v) in row.iter().enumerate() {

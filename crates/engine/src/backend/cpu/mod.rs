@@ -19,11 +19,31 @@ use crate::loader::tensor::HostLinear;
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Cpu;
 
+/// A decode step's token and position (host memory: nothing to save on a CPU, but the ops read
+/// them from here exactly as a device does).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CpuStep {
+    pub token: u32,
+    pub pos: usize,
+}
+
+/// Index of the largest value (the first on ties).
+fn argmax_row(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 impl Backend for Cpu {
     type Buf = Vec<f32>;
     type Mat = HostLinear;
     type Vec = Vec<f32>;
     type Route = moe::Route;
+    type Step = CpuStep;
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
@@ -50,6 +70,15 @@ impl Backend for Cpu {
     fn new_route(&self, rows: usize, top_k: usize) -> Result<moe::Route> {
         Ok(moe::Route { ids: vec![0; rows * top_k], weights: vec![0.0; rows * top_k], k: top_k })
     }
+    fn new_step(&self) -> Result<CpuStep> {
+        Ok(CpuStep::default())
+    }
+    fn set_step(&self, step: &mut CpuStep, token: u32, pos: usize) {
+        *step = CpuStep { token, pos };
+    }
+    fn step_token(&self, step: &CpuStep) -> Result<u32> {
+        Ok(step.token)
+    }
 
     fn embed(&self, table: &HostLinear, ids: &[u32], out: &mut Vec<f32>) {
         let v = table.view(0);
@@ -57,6 +86,9 @@ impl Backend for Cpu {
         for (t, &id) in ids.iter().enumerate() {
             v.row_f32(id as usize, &mut out[t * h..(t + 1) * h]);
         }
+    }
+    fn embed_step(&self, table: &HostLinear, step: &CpuStep, out: &mut Vec<f32>) {
+        self.embed(table, &[step.token], out)
     }
     fn rms_norm(&self, x: &Vec<f32>, w: &Vec<f32>, rows: usize, dim: usize, eps: f32, out: &mut Vec<f32>) {
         norm::rms_norm(x, w, rows, dim, eps, out)
@@ -71,14 +103,16 @@ impl Backend for Cpu {
         h[..len].iter_mut().zip(&r[..len]).for_each(|(a, b)| *a += b);
     }
 
-    fn attn_qk_norm_rope(&self, qg: &Vec<f32>, k: &mut Vec<f32>, qn: &Vec<f32>, kn: &Vec<f32>, d: &Dims, rows: usize, pos0: usize, q: &mut Vec<f32>, gate: &mut Vec<f32>) {
+    fn attn_qk_norm_rope(&self, qg: &Vec<f32>, k: &mut Vec<f32>, qn: &Vec<f32>, kn: &Vec<f32>, d: &Dims, rows: usize, pos0: usize, step: Option<&CpuStep>, q: &mut Vec<f32>, gate: &mut Vec<f32>) {
+        let pos0 = step.map_or(pos0, |s| s.pos);
         attention::attn_qk_norm_rope(qg, k, qn, kn, d, rows, pos0, q, gate)
     }
     fn attn_prefill(&self, q: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>, gate: &Vec<f32>, kv: &mut KvCache<Vec<f32>>, d: &Dims, rows: usize, pos0: usize, out: &mut Vec<f32>) {
         attention::attention(q, k, v, gate, kv, d, rows, pos0, out)
     }
-    fn attn_decode(&self, q: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>, gate: &Vec<f32>, kv: &mut KvCache<Vec<f32>>, d: &Dims, pos: usize, out: &mut Vec<f32>) {
-        attention::attention(q, k, v, gate, kv, d, 1, pos, out)
+    fn attn_decode(&self, q: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>, gate: &Vec<f32>, kv: &mut KvCache<Vec<f32>>, d: &Dims, pos: usize, step: &CpuStep, out: &mut Vec<f32>) {
+        debug_assert_eq!(pos, step.pos, "attn_decode: the step is not at the state's position");
+        attention::attention(q, k, v, gate, kv, d, 1, step.pos, out)
     }
 
     fn conv1d_prefill(&self, x: &Vec<f32>, w: &Vec<f32>, state: &mut Vec<f32>, d: &Dims, rows: usize, out: &mut Vec<f32>) {
@@ -112,17 +146,9 @@ impl Backend for Cpu {
     }
 
     fn argmax(&self, logits: &Vec<f32>, rows: usize, vocab: usize) -> Result<Vec<u32>> {
-        Ok((0..rows)
-            .map(|t| {
-                let row = &logits[t * vocab..][..vocab];
-                let mut best = 0;
-                for (i, &v) in row.iter().enumerate() {
-                    if v > row[best] {
-                        best = i;
-                    }
-                }
-                best as u32
-            })
-            .collect())
+        Ok((0..rows).map(|t| argmax_row(&logits[t * vocab..][..vocab])).collect())
+    }
+    fn argmax_step(&self, logits: &Vec<f32>, vocab: usize, step: &mut CpuStep) {
+        *step = CpuStep { token: argmax_row(&logits[..vocab]), pos: step.pos + 1 };
     }
 }

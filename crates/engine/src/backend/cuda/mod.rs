@@ -24,22 +24,35 @@
 //! * Prefill attention likewise runs on tensor cores (`attn_tc_<HD>` in attention.cu: flash
 //!   attention, bf16 q/k/v/p, f32 softmax and accumulators); `LILY_CUDA_ATTN=f32` (or
 //!   `set_tensor_core_attention`) swaps back to the f32 `attn_rows`. Decode attention is f32.
-//! * Execution: one stream; every op only enqueues work (no host sync) except `to_host` and
-//!   `argmax`, which return results. Routing stays on the device (`moe_route` writes expert ids and
-//!   weights that the expert kernels read). Token ids come from the host (`embed` takes `&[u32]`).
+//! * Execution: one stream; every op only enqueues work (no host sync) except `to_host`,
+//!   `argmax` and `step_token`, which return results. Routing stays on the device (`moe_route`
+//!   writes expert ids and weights that the expert kernels read). A prompt's ids come from the
+//!   host (`embed` takes `&[u32]`); a decode step reads its token and position from its [`Step`]
+//!   (8 bytes of device memory), where `argmax_step` writes the next greedy token, so the decode
+//!   loop feeds tokens back on the device and reads 4 bytes per token for the host.
+//! * Recorded decode steps (`replay`): a step is ~700 kernel launches whose host cost (~10 µs
+//!   each through the driver) was most of its time. The first time a key is seen its ops run
+//!   directly (allocating every scratch buffer); the second time they are captured into a CUDA
+//!   graph, which is launched then and on every later call with the same key: one launch per
+//!   token. Nothing in a step depends on host values that change between steps (positions are
+//!   read from the Step; decode attention's grid covers the KV capacity). A record also becomes
+//!   stale when any scratch buffer of this backend is reallocated (a generation counter); an
+//!   allocation while capturing is an error, never a silent use of freed memory.
+//!   `LILY_CUDA_GRAPH=0` (or `set_graphs(false)`) runs every step directly: the ablation switch.
 //! * Errors: ops cannot return `Result` (the trait's choice), so the first failure (a bad shape, a
 //!   launch error) is kept and returned by the next `to_host` / `argmax` / `check`; after it the
 //!   backend launches nothing more.
 
+mod ceiling;
 mod nvrtc;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Context, Result};
-use cudarc::driver::{result as dr, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{result as dr, sys, CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr};
 
 use super::{Backend, Dims, GdnParams, KvCache};
 use crate::loader::tensor::{Dtype, HostLinear, HostTensor, LinearKind};
@@ -58,6 +71,7 @@ const FILES: &[(&str, &str)] = &[
     ("gdn.cu", include_str!("kernels/gdn.cu")),
     ("moe.cu", include_str!("kernels/moe.cu")),
     ("sample.cu", include_str!("kernels/sample.cu")),
+    ("ceiling.cu", include_str!("kernels/ceiling.cu")),
 ];
 
 /// The full source NVRTC compiles for kernel file `name` (headers prepended in name order).
@@ -201,6 +215,38 @@ pub struct Route {
     k: usize,
 }
 
+/// A decode step on the device: `[token u32, position i32]` (argmax_step in sample.cu).
+pub struct Step {
+    mem: Mem,
+}
+
+impl Step {
+    fn pos_ptr(&self) -> u64 {
+        self.mem.ptr + 4
+    }
+}
+
+/// A recorded decode step.
+struct Record {
+    key: u64,
+    /// The scratch generation it was captured at.
+    gen: u64,
+    graph: CudaGraph,
+}
+
+/// Recorded steps, most recently used last, and the keys seen once (run directly, to warm up).
+#[derive(Default)]
+struct Records {
+    recs: Vec<Record>,
+    seen: HashSet<u64>,
+}
+
+// SAFETY: a CudaGraph is only used under the `records` mutex, on the backend's one stream.
+unsafe impl Send for Records {}
+
+/// Records kept: one per live sequence state in practice (the prefix cache forks a few).
+const MAX_RECORDS: usize = 8;
+
 /// A kernel argument (passed to cuLaunchKernel by address).
 enum Arg {
     P(u64),
@@ -246,6 +292,13 @@ pub struct Cuda {
     tc_gemm: AtomicBool,
     /// Prefill attention on tensor cores (attn_tc_<HD>) rather than f32 SIMT (attn_rows).
     tc_attn: AtomicBool,
+    /// Decode steps recorded as CUDA graphs and replayed.
+    graphs: AtomicBool,
+    records: Mutex<Records>,
+    /// Bumped whenever a scratch buffer is (re)allocated: records of older generations are stale.
+    scratch_gen: AtomicU64,
+    /// A step is being captured: allocations are refused.
+    capturing: AtomicBool,
 }
 
 impl Cuda {
@@ -302,6 +355,10 @@ impl Cuda {
             device: format!("{name}, {arch}"),
             tc_gemm: AtomicBool::new(std::env::var("LILY_CUDA_GEMM").map_or(true, |v| v != "simt")),
             tc_attn: AtomicBool::new(std::env::var("LILY_CUDA_ATTN").map_or(true, |v| v != "f32")),
+            graphs: AtomicBool::new(std::env::var("LILY_CUDA_GRAPH").map_or(true, |v| v != "0")),
+            records: Mutex::new(Records::default()),
+            scratch_gen: AtomicU64::new(0),
+            capturing: AtomicBool::new(false),
         })
     }
 
@@ -334,6 +391,34 @@ impl Cuda {
         self.tc_attn.load(Ordering::Relaxed)
     }
 
+    /// Decode steps recorded and replayed as CUDA graphs (`true`, the default) or run op by op
+    /// (`false`, as `LILY_CUDA_GRAPH=0`).
+    pub fn set_graphs(&self, on: bool) {
+        self.graphs.store(on, Ordering::Relaxed);
+        if !on {
+            *self.records.lock().unwrap_or_else(|e| e.into_inner()) = Records::default();
+        }
+    }
+    pub fn graphs(&self) -> bool {
+        self.graphs.load(Ordering::Relaxed)
+    }
+
+    /// Captures `ops` into a graph (nothing runs yet). On any failure the capture is ended and
+    /// the error returned; the caller then runs the ops directly.
+    fn capture(&self, ops: &mut dyn FnMut() -> Result<()>) -> Result<CudaGraph> {
+        self.ctx.bind_to_thread()?;
+        self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        self.capturing.store(true, Ordering::Relaxed);
+        let r = ops();
+        self.capturing.store(false, Ordering::Relaxed);
+        let g = self.stream.end_capture(sys::CUgraphInstantiate_flags(0));
+        r?;
+        if self.failed() {
+            bail!("an op failed while its step was recorded");
+        }
+        g?.ok_or_else(|| anyhow!("the recorded step is empty"))
+    }
+
     /// Free and total device memory in bytes.
     pub fn mem_info(&self) -> Result<(usize, usize)> {
         Ok(self.ctx.mem_get_info()?)
@@ -359,6 +444,10 @@ impl Cuda {
     }
 
     fn alloc(&self, bytes: usize) -> Result<Mem> {
+        if self.capturing.load(Ordering::Relaxed) {
+            // A record would keep using this memory after a later free; steps are warmed up first.
+            bail!("CUDA backend: allocating {bytes} bytes while recording a decode step");
+        }
         self.ctx.bind_to_thread()?;
         let s = self.stream.alloc_zeros::<u8>(bytes.max(16)).with_context(|| format!("CUDA backend: allocating {bytes} bytes"))?;
         let ptr = {
@@ -396,6 +485,7 @@ impl Cuda {
             Ok(m) => {
                 let p = m.ptr;
                 sc.insert(name, m);
+                self.scratch_gen.fetch_add(1, Ordering::Relaxed);
                 Some(p)
             }
             Err(e) => {
@@ -556,6 +646,7 @@ impl Backend for Cuda {
     type Mat = Mat;
     type Vec = Buf;
     type Route = Route;
+    type Step = Step;
 
     fn name(&self) -> String {
         format!("cuda ({})", self.device)
@@ -564,10 +655,53 @@ impl Backend for Cuda {
         self.check()
     }
 
+    fn replay(&self, key: u64, ops: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        if !self.graphs() || self.failed() {
+            return ops();
+        }
+        let gen = self.scratch_gen.load(Ordering::Relaxed);
+        let mut recs = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = recs.recs.iter().position(|r| r.key == key) {
+            if recs.recs[i].gen == gen {
+                let r = recs.recs.remove(i);
+                let launched = r.graph.launch();
+                recs.recs.push(r);
+                return launched.map_err(|e| anyhow!("CUDA backend: launching a recorded decode step: {e}"));
+            }
+            recs.recs.remove(i); // stale: a scratch buffer it uses was replaced
+        }
+        if recs.seen.insert(key) {
+            // First sight: run directly, so that every buffer the step needs exists.
+            drop(recs);
+            return ops();
+        }
+        match self.capture(ops) {
+            Ok(graph) => {
+                let launched = graph.launch();
+                if recs.recs.len() >= MAX_RECORDS {
+                    recs.recs.remove(0);
+                }
+                recs.recs.push(Record { key, gen, graph });
+                launched.map_err(|e| anyhow!("CUDA backend: launching a recorded decode step: {e}"))
+            }
+            Err(e) => {
+                // Nothing was run while capturing: report and run the step directly. An op that
+                // recorded its own failure keeps it (sticky), so that run reports it too.
+                eprintln!("lily: CUDA backend: could not record a decode step ({e:#}); running it op by op");
+                drop(recs);
+                ops()
+            }
+        }
+    }
+
     /// 2048: measured on the H200 (full preset, 4K context): 4.9K tok/s at 256, 9.7K at 1024,
     /// 12.0K at 2048 — each chunk streams every routed expert's weights once.
     fn prefill_chunk(&self) -> usize {
         2048
+    }
+
+    fn measure_ceilings(&self) -> Option<Result<super::Ceilings>> {
+        Some(self.measure_ceilings_now())
     }
 
     fn upload_mat(&self, m: &HostLinear) -> Result<Mat> {
@@ -598,6 +732,33 @@ impl Backend for Cuda {
         Ok(Route { ids: self.alloc(4 * rows * top_k)?, weights: self.alloc(4 * rows * top_k)?, cap: rows * top_k, k: top_k })
     }
 
+    fn new_step(&self) -> Result<Step> {
+        Ok(Step { mem: self.alloc(8)? })
+    }
+    fn set_step(&self, step: &mut Step, token: u32, pos: usize) {
+        if self.failed() {
+            return;
+        }
+        if !self.ensure(pos <= i32::MAX as usize, || format!("set_step: position {pos} out of range")) {
+            return;
+        }
+        let rec = [token, pos as u32];
+        // SAFETY: the step holds 8 bytes; staged copy from pageable memory (ordered on the stream).
+        if let Err(e) = unsafe { dr::memcpy_htod_async(step.mem.ptr, &rec[..], self.stream.cu_stream()) } {
+            self.fail(format!("set_step: {e}"));
+        }
+    }
+    fn step_token(&self, step: &Step) -> Result<u32> {
+        Ok(self.read_u32(step.mem.ptr, 1)?[0])
+    }
+    fn embed_step(&self, table: &Mat, step: &Step, out: &mut Buf) {
+        if !self.buf_ok(out, table.inp, "out", "embed_step") {
+            return;
+        }
+        // The step's first word is the token id: the embed kernel of one row reads it as its ids.
+        let name = format!("embed_{}", table.fmt.suffix());
+        self.launch(&name, (1, 1, 1), 256, 0, &[Arg::Q(table.q()), Arg::P(step.mem.ptr), Arg::P(out.mem.ptr)]);
+    }
     fn embed(&self, table: &Mat, ids: &[u32], out: &mut Buf) {
         let rows = ids.len();
         if rows == 0 || !self.buf_ok(out, rows * table.inp, "out", "embed") {
@@ -651,7 +812,7 @@ impl Backend for Cuda {
         self.launch("add_inplace", (grid1(len, 256), 1, 1), 256, 0, &[Arg::P(h.mem.ptr), Arg::P(r.mem.ptr), Arg::P(len as u64)]);
     }
 
-    fn attn_qk_norm_rope(&self, qg: &Buf, k: &mut Buf, q_norm: &Buf, k_norm: &Buf, d: &Dims, rows: usize, pos0: usize, q: &mut Buf, gate: &mut Buf) {
+    fn attn_qk_norm_rope(&self, qg: &Buf, k: &mut Buf, q_norm: &Buf, k_norm: &Buf, d: &Dims, rows: usize, pos0: usize, step: Option<&Step>, q: &mut Buf, gate: &mut Buf) {
         let op = "attn_qk_norm_rope";
         let (h, kv, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
         if rows == 0
@@ -684,6 +845,7 @@ impl Backend for Cuda {
                 Arg::D(d.rope_theta),
                 Arg::I(pos0 as i32),
                 Arg::F(d.eps),
+                Arg::P(step.map_or(0, |s| s.pos_ptr())),
             ],
         );
     }
@@ -749,7 +911,7 @@ impl Backend for Cuda {
             ],
         );
     }
-    fn attn_decode(&self, q: &Buf, k: &Buf, v: &Buf, gate: &Buf, kv: &mut KvCache<Buf>, d: &Dims, pos: usize, out: &mut Buf) {
+    fn attn_decode(&self, q: &Buf, k: &Buf, v: &Buf, gate: &Buf, kv: &mut KvCache<Buf>, d: &Dims, pos: usize, step: &Step, out: &mut Buf) {
         let op = "attn_decode";
         let (h, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
         let kvd = kvh * hd;
@@ -763,10 +925,11 @@ impl Backend for Cuda {
         {
             return;
         }
-        self.dtod(k.mem.ptr, kv.k.at(pos * kvd), 4 * kvd);
-        self.dtod(v.mem.ptr, kv.v.at(pos * kvd), 4 * kvd);
-        let n = pos + 1;
-        let splits = n.div_ceil(ATT_SPLIT);
+        // Everything below depends on the capacity, not on `pos`: the position is read from the
+        // step on the device (a recorded step serves every position below the capacity).
+        let posp = step.pos_ptr();
+        self.launch("kv_append", (grid1(kvd, 256), 1, 1), 256, 0, &[Arg::P(k.mem.ptr), Arg::P(v.mem.ptr), Arg::P(kv.k.mem.ptr), Arg::P(kv.v.mem.ptr), Arg::I(kvd as i32), Arg::P(posp)]);
+        let splits = kv.capacity.div_ceil(ATT_SPLIT);
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Some(part) = self.scratch(&mut sc, "attn_part", 4 * h * splits * (hd + 2)) else { return };
         let scale = 1.0 / (hd as f32).sqrt();
@@ -775,9 +938,9 @@ impl Backend for Cuda {
             (h as u32, splits as u32, 1),
             256,
             0,
-            &[Arg::P(q.mem.ptr), Arg::P(kv.k.mem.ptr), Arg::P(kv.v.mem.ptr), Arg::P(part), Arg::I(h as i32), Arg::I(kvh as i32), Arg::I(hd as i32), Arg::I(n as i32), Arg::F(scale)],
+            &[Arg::P(q.mem.ptr), Arg::P(kv.k.mem.ptr), Arg::P(kv.v.mem.ptr), Arg::P(part), Arg::I(h as i32), Arg::I(kvh as i32), Arg::I(hd as i32), Arg::P(posp), Arg::F(scale)],
         );
-        self.launch("attn_decode_combine", (h as u32, 1, 1), 256, 0, &[Arg::P(part), Arg::P(gate.mem.ptr), Arg::P(out.mem.ptr), Arg::I(hd as i32), Arg::I(splits as i32)]);
+        self.launch("attn_decode_combine", (h as u32, 1, 1), 256, 0, &[Arg::P(part), Arg::P(gate.mem.ptr), Arg::P(out.mem.ptr), Arg::I(hd as i32), Arg::I(splits as i32), Arg::P(posp)]);
     }
 
     fn conv1d_prefill(&self, x: &Buf, w: &Buf, state: &mut Buf, d: &Dims, rows: usize, out: &mut Buf) {
@@ -958,6 +1121,11 @@ impl Backend for Cuda {
         let Some(out) = self.scratch(&mut sc, "argmax", 4 * rows) else { return self.check().map(|_| Vec::new()) };
         self.launch("argmax", (rows as u32, 1, 1), 1024, 0, &[Arg::P(logits.mem.ptr), Arg::P(out), Arg::I(vocab as i32)]);
         self.read_u32(out, rows)
+    }
+    fn argmax_step(&self, logits: &Buf, vocab: usize, step: &mut Step) {
+        if self.buf_ok(logits, vocab, "logits", "argmax_step") {
+            self.launch("argmax_step", (1, 1, 1), 1024, 0, &[Arg::P(logits.mem.ptr), Arg::P(step.mem.ptr), Arg::I(vocab as i32)]);
+        }
     }
 }
 

@@ -6,6 +6,8 @@
 //                    (i, i + rot/2), angle pos * theta^(-2i/rot) computed in double and its sin/cos
 //                    rounded to f32 (as the CPU). Grid (rows, H + KV): block y < H is query head y,
 //                    the rest are key heads; 128 threads; dynamic shared memory hd floats.
+//                    A decode step passes posp (its Step's position, device memory) instead of
+//                    pos0, so that a recorded step is valid at every position.
 // attn_rows          causal GQA attention of `rows` queries at positions pos0.. over the cache
 //                    [cap, KV*hd] (K and V already appended), times sigmoid(gate):
 //                    out[t, h] = sum_j softmax_j(q.k_j / sqrt(hd)) v_j * sigmoid(gate[t, h]),
@@ -30,16 +32,21 @@
 //                    Error: each score carries two bf16 roundings per product (|ds| <= (2^-7 +
 //                    HD 2^-22) scale sum_d |q_d k_d|), p and v one each; tests/cuda_ops.rs
 //                    propagates that bound. LILY_CUDA_ATTN=f32 selects attn_rows instead.
-// attn_decode_split + attn_decode_combine  decode (one query) split over the context: grid
-//                    (H, ceil(n/256)) blocks each do 256 keys as above and write a partial state
-//                    (max, normaliser, unnormalised output); the combine merges them per head
-//                    (grid H). Query heads of one KV group still read K/V separately (sharing the
-//                    loads across the 8 heads of a group is a later step).
+// kv_append          decode: k, v [KV*hd] -> row *posp of the caches [cap, KV*hd]. Grid
+//                    ceil(KV*hd / 256), 256 threads. (Matches the append in cpu/attention.rs.)
+// attn_decode_split + attn_decode_combine  decode (one query at position *posp, n = *posp + 1
+//                    keys) split over the context: grid (H, ns_max), ns_max = ceil(cap / 256)
+//                    from the cache's capacity, so that a recorded step serves every position
+//                    below it; block (h, s) does keys [256 s, 256 s + 256) as above and writes
+//                    a partial state (max, normaliser, unnormalised output) at part[h][s], or
+//                    returns at once when s * 256 >= n. The combine (grid H) merges the first
+//                    ceil(n / 256) of them per head. Query heads of one KV group still read K/V
+//                    separately (sharing the loads across the 8 heads of a group is a later step).
 
 extern "C" __global__ void __launch_bounds__(128)
 attn_qk_norm_rope(const float* __restrict__ qg, float* __restrict__ k, const float* __restrict__ qn,
                   const float* __restrict__ kn, float* __restrict__ q, float* __restrict__ gate, int H, int KV, int hd,
-                  int rot, double theta, int pos0, float eps) {
+                  int rot, double theta, int pos0, float eps, const int* __restrict__ posp) {
     extern __shared__ float y[];
     __shared__ float sh[32];
     int t = blockIdx.x, hh = blockIdx.y;
@@ -68,7 +75,7 @@ attn_qk_norm_rope(const float* __restrict__ qg, float* __restrict__ k, const flo
     for (int i = threadIdx.x; i < hd; i += blockDim.x) y[i] = y[i] * r * w[i];
     __syncthreads();
     int half = rot / 2;
-    double pos = (double)(pos0 + t);
+    double pos = (double)((posp ? posp[0] : pos0) + t);
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         double inv = pow(theta, -(2.0 * (double)i) / (double)rot);
         double ang = pos * inv;
@@ -153,15 +160,27 @@ attn_rows(const float* __restrict__ q, const float* __restrict__ gate, const flo
     }
 }
 
-// Decode, split over the context: block (h, s) does keys [s*ATT_SPLIT, ..) of the n = pos + 1
-// keys and writes its partial state part[h][s] = (M, L, o[hd] unnormalised); grid (H, ceil(n/256)).
+extern "C" __global__ void __launch_bounds__(256)
+kv_append(const float* __restrict__ k, const float* __restrict__ v, float* __restrict__ kc, float* __restrict__ vc,
+          int kvd, const int* __restrict__ posp) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= kvd) return;
+    const u64 at = (u64)posp[0] * kvd + i;
+    kc[at] = k[i];
+    vc[at] = v[i];
+}
+
+// Decode, split over the context: block (h, s) does keys [s*ATT_SPLIT, ..) of the n = *posp + 1
+// keys and writes its partial state part[h][s] = (M, L, o[hd] unnormalised); grid (H, ns_max).
 extern "C" __global__ void __launch_bounds__(256)
 attn_decode_split(const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
-                  float* __restrict__ part, int H, int KV, int hd, int n, float scale) {
+                  float* __restrict__ part, int H, int KV, int hd, const int* __restrict__ posp, float scale) {
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
     __shared__ float sacc[ATT_WARPS][ATT_MAXD * 32];
     const int h = blockIdx.x, s = blockIdx.y, ns = gridDim.y;
+    const int n = posp[0] + 1;
     const int j0 = s * ATT_SPLIT, j1 = min(n, j0 + ATT_SPLIT);
+    if (j0 >= n) return;  // past the context (the grid covers the capacity)
     float f[ATT_WARPS], M, L;
     attn_range(q + (u64)h * hd, kc, vc, h / (H / KV), (u64)KV * hd, hd, j0, j1, scale, sm, sl, sacc, f, M, L);
     float* pp = part + ((u64)h * ns + s) * (hd + 2);
@@ -174,11 +193,14 @@ attn_decode_split(const float* __restrict__ q, const float* __restrict__ kc, con
     }
 }
 
-// Merges the ns partial states of each head, normalises and applies the gate: grid H, 256 threads.
+// Merges the used partial states of each head (part[h] holds ns_max), normalises and applies the
+// gate: grid H, 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
-attn_decode_combine(const float* __restrict__ part, const float* __restrict__ gate, float* __restrict__ out, int hd, int ns) {
+attn_decode_combine(const float* __restrict__ part, const float* __restrict__ gate, float* __restrict__ out, int hd,
+                    int ns_max, const int* __restrict__ posp) {
     const int h = blockIdx.x;
-    const float* pp = part + (u64)h * ns * (hd + 2);
+    const int ns = (posp[0] + ATT_SPLIT) / ATT_SPLIT;  // ceil((pos + 1) / ATT_SPLIT)
+    const float* pp = part + (u64)h * ns_max * (hd + 2);
     float M = NEG_INF;
     for (int s = 0; s < ns; s++)
         if (pp[(u64)s * (hd + 2) + 1] > 0.0f) M = fmaxf(M, pp[(u64)s * (hd + 2)]);

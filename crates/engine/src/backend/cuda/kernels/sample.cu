@@ -3,12 +3,14 @@
 // argmax  logits [rows, vocab] f32 -> out [rows] u32. One block of 1024 threads per row; each
 //         thread scans a strided slice, then a block arg-max (value, then lower index) reduces.
 //         Sampling with temperature / top-k / top-p comes later, here.
+// argmax_step  the decode loop's greedy pick, fed back on the device: logits [vocab] -> the Step
+//         (u32 token, i32 position): token = argmax, position += 1 (Cpu::argmax_step). One block
+//         of 1024 threads, as argmax.
 
-extern "C" __global__ void __launch_bounds__(1024)
-argmax(const float* __restrict__ logits, u32* __restrict__ out, int vocab) {
+// One block's arg-max over a row: every thread gets the index (the first on ties).
+__device__ __forceinline__ int row_argmax(const float* __restrict__ l, int vocab) {
     __shared__ float shv[32];
     __shared__ int shi[32];
-    const float* l = logits + (u64)blockIdx.x * vocab;
     float bv = NEG_INF;
     int bi = 0x7fffffff;
     for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
@@ -16,5 +18,20 @@ argmax(const float* __restrict__ logits, u32* __restrict__ out, int vocab) {
         if (better(v, i, bv, bi)) { bv = v; bi = i; }
     }
     block_argmax(bv, bi, shv, shi);
-    if (threadIdx.x == 0) out[blockIdx.x] = (u32)(bi == 0x7fffffff ? 0 : bi);
+    return bi == 0x7fffffff ? 0 : bi;
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+argmax(const float* __restrict__ logits, u32* __restrict__ out, int vocab) {
+    int bi = row_argmax(logits + (u64)blockIdx.x * vocab, vocab);
+    if (threadIdx.x == 0) out[blockIdx.x] = (u32)bi;
+}
+
+extern "C" __global__ void __launch_bounds__(1024)
+argmax_step(const float* __restrict__ logits, u32* __restrict__ step, int vocab) {
+    int bi = row_argmax(logits, vocab);
+    if (threadIdx.x == 0) {
+        step[0] = (u32)bi;
+        step[1] += 1;
+    }
 }
