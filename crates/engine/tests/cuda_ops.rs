@@ -403,7 +403,8 @@ fn attention_prefill_then_decode() {
 
     // Two prefill chunks, decode steps, a long chunk, decode steps past 256 keys (the split decode
     // kernel then merges several blocks): the cache carries over.
-    let cap = 1024;
+    // A capacity that makes the decode splits 96 keys (3 shared-memory tiles of 32) and 209 of them.
+    let cap = 20_000;
     let mut ckv = kv_new(&Cpu, cap, kvd);
     let mut gkv = kv_new(&g, cap, kvd);
     let mut pos = 0;
@@ -703,6 +704,17 @@ fn argmax_first_on_ties() {
     let gi = g.argmax(&g.upload_vec(&l).unwrap(), rows, vocab).unwrap();
     println!("argmax [{rows}, {vocab}]: cpu {c:?} cuda {gi:?}");
     assert_eq!(gi, c);
+    // The decode step's two-pass pick: the same index, and the position advanced by one. The tie
+    // of row 1 falls in different first-pass slices, the last index in the last slice.
+    let mut step = g.new_step().unwrap();
+    for (r, &want) in c.iter().enumerate() {
+        g.set_step(&mut step, 7, 100 + r);
+        g.argmax_step(&g.upload_vec(&l[r * vocab..(r + 1) * vocab]).unwrap(), vocab, &mut step);
+        assert_eq!(g.step_token(&step).unwrap(), want, "argmax_step row {r}");
+        let mut cs = CpuStep { token: 7, pos: 100 + r };
+        Cpu.argmax_step(&l[r * vocab..(r + 1) * vocab].to_vec(), vocab, &mut cs);
+        assert_eq!(cs, CpuStep { token: want, pos: 101 + r });
+    }
 }
 
 #[test]

@@ -256,8 +256,14 @@ enum Arg {
     Q(QMat),
 }
 
-/// Keys per block of the split decode attention (ATT_SPLIT in attention.cu).
-const ATT_SPLIT: usize = 256;
+/// Most slices of the greedy pick's first pass (argmax_partial in sample.cu): 128 blocks of 256
+/// threads cover the 248K-entry vocabulary in one wave.
+const ARGMAX_PARTS: usize = 128;
+/// Keys per shared-memory tile of the split decode attention (ATT_TILE in attention.cu).
+const ATT_TILE: usize = 32;
+/// At most this many splits of the context per KV head in decode attention: enough blocks to
+/// fill the GPU (2 KV heads × 256), few enough partial states for the combine to read quickly.
+const ATT_MAX_SPLITS: usize = 256;
 /// Dynamic shared memory of a tensor-core GEMM tile with one weight stream (TC_SMEM(1) in
 /// tc_gemm.cuh: two buffers of 2 tiles of 64 × 72 bf16).
 const TC_SMEM_1: u32 = 2 * 2 * 64 * 72 * 2;
@@ -915,7 +921,7 @@ impl Backend for Cuda {
         let op = "attn_decode";
         let (h, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
         let kvd = kvh * hd;
-        if !(self.ensure(hd % 32 == 0 && hd <= 256 && kvh > 0 && h % kvh == 0, || format!("{op}: {h} heads / {kvh} kv heads of {hd} not supported"))
+        if !(self.ensure(hd % 32 == 0 && hd <= 256 && kvh > 0 && h % kvh == 0 && h / kvh <= 16, || format!("{op}: {h} heads / {kvh} kv heads of {hd} not supported"))
             && self.ensure(pos < kv.capacity && kv.k.len >= kv.capacity * kvd && kv.v.len >= kv.capacity * kvd, || format!("{op}: KV cache overflow ({pos} + 1 > {})", kv.capacity))
             && self.buf_ok(q, h * hd, "q", op)
             && self.buf_ok(k, kvd, "k", op)
@@ -929,18 +935,37 @@ impl Backend for Cuda {
         // step on the device (a recorded step serves every position below the capacity).
         let posp = step.pos_ptr();
         self.launch("kv_append", (grid1(kvd, 256), 1, 1), 256, 0, &[Arg::P(k.mem.ptr), Arg::P(v.mem.ptr), Arg::P(kv.k.mem.ptr), Arg::P(kv.v.mem.ptr), Arg::I(kvd as i32), Arg::P(posp)]);
-        let splits = kv.capacity.div_ceil(ATT_SPLIT);
+        // Splits of a multiple of ATT_TILE keys, at most ATT_MAX_SPLITS of them over the capacity.
+        let split = kv.capacity.div_ceil(ATT_MAX_SPLITS).next_multiple_of(ATT_TILE);
+        let splits = kv.capacity.div_ceil(split);
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Some(part) = self.scratch(&mut sc, "attn_part", 4 * h * splits * (hd + 2)) else { return };
         let scale = 1.0 / (hd as f32).sqrt();
         self.launch(
             "attn_decode_split",
-            (h as u32, splits as u32, 1),
+            (kvh as u32, splits as u32, 1),
+            256,
+            (2 * ATT_TILE * hd * 4) as u32,
+            &[
+                Arg::P(q.mem.ptr),
+                Arg::P(kv.k.mem.ptr),
+                Arg::P(kv.v.mem.ptr),
+                Arg::P(part),
+                Arg::I(h as i32),
+                Arg::I(kvh as i32),
+                Arg::I(hd as i32),
+                Arg::P(posp),
+                Arg::I(split as i32),
+                Arg::F(scale),
+            ],
+        );
+        self.launch(
+            "attn_decode_combine",
+            (h as u32, 1, 1),
             256,
             0,
-            &[Arg::P(q.mem.ptr), Arg::P(kv.k.mem.ptr), Arg::P(kv.v.mem.ptr), Arg::P(part), Arg::I(h as i32), Arg::I(kvh as i32), Arg::I(hd as i32), Arg::P(posp), Arg::F(scale)],
+            &[Arg::P(part), Arg::P(gate.mem.ptr), Arg::P(out.mem.ptr), Arg::I(hd as i32), Arg::I(splits as i32), Arg::P(posp), Arg::I(split as i32)],
         );
-        self.launch("attn_decode_combine", (h as u32, 1, 1), 256, 0, &[Arg::P(part), Arg::P(gate.mem.ptr), Arg::P(out.mem.ptr), Arg::I(hd as i32), Arg::I(splits as i32), Arg::P(posp)]);
     }
 
     fn conv1d_prefill(&self, x: &Buf, w: &Buf, state: &mut Buf, d: &Dims, rows: usize, out: &mut Buf) {
@@ -1123,9 +1148,15 @@ impl Backend for Cuda {
         self.read_u32(out, rows)
     }
     fn argmax_step(&self, logits: &Buf, vocab: usize, step: &mut Step) {
-        if self.buf_ok(logits, vocab, "logits", "argmax_step") {
-            self.launch("argmax_step", (1, 1, 1), 1024, 0, &[Arg::P(logits.mem.ptr), Arg::P(step.mem.ptr), Arg::I(vocab as i32)]);
+        if vocab == 0 || !self.buf_ok(logits, vocab, "logits", "argmax_step") {
+            return;
         }
+        // Slices of at least 2048 logits, at most ARGMAX_PARTS of them (sample.cu).
+        let parts = vocab.div_ceil(2048).min(ARGMAX_PARTS);
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let (Some(pv), Some(pi)) = (self.scratch(&mut sc, "argmax_pv", 4 * ARGMAX_PARTS), self.scratch(&mut sc, "argmax_pi", 4 * ARGMAX_PARTS)) else { return };
+        self.launch("argmax_partial", (parts as u32, 1, 1), 256, 0, &[Arg::P(logits.mem.ptr), Arg::P(pv), Arg::P(pi), Arg::I(vocab as i32)]);
+        self.launch("argmax_step", (1, 1, 1), 1024, 0, &[Arg::P(pv), Arg::P(pi), Arg::P(step.mem.ptr), Arg::I(parts as i32)]);
     }
 }
 

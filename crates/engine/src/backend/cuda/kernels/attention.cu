@@ -34,14 +34,18 @@
 //                    propagates that bound. LILY_CUDA_ATTN=f32 selects attn_rows instead.
 // kv_append          decode: k, v [KV*hd] -> row *posp of the caches [cap, KV*hd]. Grid
 //                    ceil(KV*hd / 256), 256 threads. (Matches the append in cpu/attention.rs.)
-// attn_decode_split + attn_decode_combine  decode (one query at position *posp, n = *posp + 1
-//                    keys) split over the context: grid (H, ns_max), ns_max = ceil(cap / 256)
-//                    from the cache's capacity, so that a recorded step serves every position
-//                    below it; block (h, s) does keys [256 s, 256 s + 256) as above and writes
-//                    a partial state (max, normaliser, unnormalised output) at part[h][s], or
-//                    returns at once when s * 256 >= n. The combine (grid H) merges the first
-//                    ceil(n / 256) of them per head. Query heads of one KV group still read K/V
-//                    separately (sharing the loads across the 8 heads of a group is a later step).
+// attn_decode_split + attn_decode_combine  decode (one query per head at position *posp, n =
+//                    *posp + 1 keys) split over the context: grid (KV, ns_max) with ns_max and
+//                    the split length chosen from the cache's capacity (mod.rs: at most 256
+//                    splits of a multiple of 32 keys), so that a recorded step serves every
+//                    position below it. Block (kvh, s), 256 threads = 8 warps, stages its keys
+//                    in tiles of 32 (K and V, f32, 2 * 32 * hd floats of dynamic shared memory)
+//                    and warp w runs query head kvh * G + w (and + 8 when G > 8) over each tile:
+//                    the G heads of a group share one read of the cache. Lane l owns dims
+//                    l, l + 32, ... (hd <= 256, hd % 32 == 0). Each writes a partial state
+//                    (max, normaliser, unnormalised output) at part[h][s], or the block returns
+//                    at once when its keys start past n. The combine (grid H) merges the first
+//                    ceil(n / split) of them per head and applies the gate.
 
 extern "C" __global__ void __launch_bounds__(128)
 attn_qk_norm_rope(const float* __restrict__ qg, float* __restrict__ k, const float* __restrict__ qn,
@@ -90,7 +94,6 @@ attn_qk_norm_rope(const float* __restrict__ qg, float* __restrict__ k, const flo
 
 #define ATT_WARPS 8
 #define ATT_MAXD 8      // hd / 32 at most
-#define ATT_SPLIT 256   // keys per block of the split decode kernel
 
 // One block's online softmax over keys [j0, j1) for the query at qp (KV head kvh): warp w takes
 // keys j0+w, j0+w+8, ...; the warps' states are merged through shared memory. On return (after a
@@ -170,26 +173,75 @@ kv_append(const float* __restrict__ k, const float* __restrict__ v, float* __res
     vc[at] = v[i];
 }
 
-// Decode, split over the context: block (h, s) does keys [s*ATT_SPLIT, ..) of the n = *posp + 1
-// keys and writes its partial state part[h][s] = (M, L, o[hd] unnormalised); grid (H, ns_max).
+// Decode, split over the context, one block per (KV head, split): the block stages tiles of
+// ATT_TILE keys of its KV head (K and V, f32) in shared memory once, and warp w runs the online
+// softmax of query head kvh*G + w (w + 8, ... when G > 8) over them, so the G query heads of a
+// group read the cache once. Split s covers keys [s*split, s*split + split) of the n = *posp + 1;
+// it writes part[h][s] = (M, L, o[hd] unnormalised) for each of its heads; grid (KV, ns_max).
+#define ATT_TILE 32
 extern "C" __global__ void __launch_bounds__(256)
 attn_decode_split(const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
-                  float* __restrict__ part, int H, int KV, int hd, const int* __restrict__ posp, float scale) {
-    __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
-    __shared__ float sacc[ATT_WARPS][ATT_MAXD * 32];
-    const int h = blockIdx.x, s = blockIdx.y, ns = gridDim.y;
+                  float* __restrict__ part, int H, int KV, int hd, const int* __restrict__ posp, int split, float scale) {
+    extern __shared__ float tile[];  // K then V: [ATT_TILE][hd] each
+    float* ks = tile;
+    float* vs = tile + ATT_TILE * hd;
+    const int kvh = blockIdx.x, s = blockIdx.y, ns_max = gridDim.y;
     const int n = posp[0] + 1;
-    const int j0 = s * ATT_SPLIT, j1 = min(n, j0 + ATT_SPLIT);
+    const int j0 = s * split, j1 = min(n, j0 + split);
     if (j0 >= n) return;  // past the context (the grid covers the capacity)
-    float f[ATT_WARPS], M, L;
-    attn_range(q + (u64)h * hd, kc, vc, h / (H / KV), (u64)KV * hd, hd, j0, j1, scale, sm, sl, sacc, f, M, L);
-    float* pp = part + ((u64)h * ns + s) * (hd + 2);
-    if (threadIdx.x == 0) { pp[0] = M; pp[1] = L; }
-    for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
-        float o = 0.0f;
+    const int G = H / KV, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nd = hd >> 5;
+    const u64 kvd = (u64)KV * hd;
+    // Each warp keeps the state of up to two heads (G <= 16).
+    float qv[2][ATT_MAXD], acc[2][ATT_MAXD], m[2], l[2];
 #pragma unroll
-        for (int w = 0; w < ATT_WARPS; w++) o += sacc[w][dd] * f[w];
-        pp[2 + dd] = o;
+    for (int r = 0; r < 2; r++) {
+        const int g = warp + 8 * r;
+        m[r] = NEG_INF;
+        l[r] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < ATT_MAXD; i++) {
+            qv[r][i] = (g < G && i < nd) ? q[(u64)(kvh * G + g) * hd + lane + 32 * i] : 0.0f;
+            acc[r][i] = 0.0f;
+        }
+    }
+    for (int t0 = j0; t0 < j1; t0 += ATT_TILE) {
+        const int nk = min(ATT_TILE, j1 - t0), q4 = hd >> 2;
+        __syncthreads();  // the previous tile is consumed
+        for (int i = threadIdx.x; i < nk * q4; i += blockDim.x) {
+            const int r = i / q4, c = i - r * q4;
+            const u64 at = (u64)(t0 + r) * kvd + (u64)kvh * hd;
+            ((float4*)ks)[i] = ((const float4*)(kc + at))[c];
+            ((float4*)vs)[i] = ((const float4*)(vc + at))[c];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            if (warp + 8 * r >= G) continue;
+            for (int j = 0; j < nk; j++) {
+                float d = 0.0f;
+#pragma unroll
+                for (int i = 0; i < ATT_MAXD; i++)
+                    if (i < nd) d += qv[r][i] * ks[j * hd + lane + 32 * i];
+                const float sc = warp_sum(d) * scale;
+                const float mn = fmaxf(m[r], sc);
+                const float c = expf(m[r] - mn), p = expf(sc - mn);
+                l[r] = l[r] * c + p;
+#pragma unroll
+                for (int i = 0; i < ATT_MAXD; i++)
+                    if (i < nd) acc[r][i] = acc[r][i] * c + p * vs[j * hd + lane + 32 * i];
+                m[r] = mn;
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        const int g = warp + 8 * r;
+        if (g >= G) continue;
+        float* pp = part + ((u64)(kvh * G + g) * ns_max + s) * (hd + 2);
+        if (lane == 0) { pp[0] = m[r]; pp[1] = l[r]; }
+#pragma unroll
+        for (int i = 0; i < ATT_MAXD; i++)
+            if (i < nd) pp[2 + lane + 32 * i] = acc[r][i];
     }
 }
 
@@ -197,9 +249,9 @@ attn_decode_split(const float* __restrict__ q, const float* __restrict__ kc, con
 // gate: grid H, 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
 attn_decode_combine(const float* __restrict__ part, const float* __restrict__ gate, float* __restrict__ out, int hd,
-                    int ns_max, const int* __restrict__ posp) {
+                    int ns_max, const int* __restrict__ posp, int split) {
     const int h = blockIdx.x;
-    const int ns = (posp[0] + ATT_SPLIT) / ATT_SPLIT;  // ceil((pos + 1) / ATT_SPLIT)
+    const int ns = (posp[0] + split) / split;  // ceil((pos + 1) / split)
     const float* pp = part + (u64)h * ns_max * (hd + 2);
     float M = NEG_INF;
     for (int s = 0; s < ns; s++)
