@@ -349,7 +349,7 @@ impl<B: Backend> Qwen35<B> {
         st.pos += t;
         st.step_ready = false;
         b.add(&mut s.h, &s.moe, t * hd);
-        if let Some(tp) = taps.as_deref_mut() {
+        if let Some(tp) = taps {
             tp.push(b.to_host(&s.h, t * hd)?);
         }
         // logits = lm_head(rms_norm(h, norm))
