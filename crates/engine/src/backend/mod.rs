@@ -114,6 +114,17 @@ pub trait Backend: Send + Sync {
     fn upload_vec(&self, v: &[f32]) -> Result<Self::Vec>;
     /// A zero-filled buffer of `len` elements.
     fn zeros(&self, len: usize) -> Result<Self::Buf>;
+    /// A zero-filled KV-cache buffer of `len` elements, stored in the backend's KV element type:
+    /// f32 by default (the CPU, the reference); the CUDA backend keeps bf16, which halves the
+    /// bytes long-context attention reads. Such a buffer goes only to the attention ops, to
+    /// `copy` with another KV buffer, and to `to_host` (which widens it to f32).
+    fn kv_zeros(&self, len: usize) -> Result<Self::Buf> {
+        self.zeros(len)
+    }
+    /// Bytes per element of a [`Backend::kv_zeros`] buffer (memory accounting, the bench's roofline).
+    fn kv_elem_bytes(&self) -> usize {
+        4
+    }
     fn to_host(&self, b: &Self::Buf, len: usize) -> Result<Vec<f32>>;
     /// `dst[dst_off .. dst_off+len] = src[src_off .. src_off+len]`.
     fn copy(&self, src: &Self::Buf, src_off: usize, dst: &mut Self::Buf, dst_off: usize, len: usize);
@@ -135,6 +146,14 @@ pub trait Backend: Send + Sync {
     fn add_rms_norm(&self, h: &mut Self::Buf, r: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, out: &mut Self::Buf);
     /// `out[t] = x[t] · Wᵀ` for a (quantized) matrix; `x` is `[rows, in]`, `out` `[rows, out]`.
     fn matmul_q(&self, x: &Self::Buf, w: &Self::Mat, rows: usize, out: &mut Self::Buf);
+    /// `outs[i] = matmul_q(x, ws[i])` for matrices that read the same input (a GDN layer's four
+    /// projections, attention's q/k/v, the router and the shared-expert gate): one launch on a
+    /// GPU for a decode row. The default runs them one by one.
+    fn matmul_q_many(&self, x: &Self::Buf, ws: &[&Self::Mat], rows: usize, outs: &mut [&mut Self::Buf]) {
+        for (w, o) in ws.iter().zip(outs.iter_mut()) {
+            self.matmul_q(x, w, rows, o);
+        }
+    }
     /// `h[t] += r[t]`.
     fn add(&self, h: &mut Self::Buf, r: &Self::Buf, len: usize);
 
@@ -172,9 +191,11 @@ pub trait Backend: Send + Sync {
     /// (grouped by expert for a block of tokens).
     #[allow(clippy::too_many_arguments)]
     fn moe_experts_prefill(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, d: &Dims, rows: usize, out: &mut Self::Buf);
-    /// The same for one token (fused gather-GEMV on a GPU).
+    /// The same for one token (fused gather-GEMV on a GPU); with `shared`, the shared expert is
+    /// added as `add_sigmoid_gated` would: `out += sigmoid(logit) · down(silu(gate(x)) · up(x))`
+    /// (on a GPU in the same two launches as the routed experts).
     #[allow(clippy::too_many_arguments)]
-    fn moe_experts_decode(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, d: &Dims, out: &mut Self::Buf);
+    fn moe_experts_decode(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Self::Buf);
     /// `out[t] = silu(g[t]) · u[t]` (the shared expert's activation).
     fn swiglu(&self, g: &Self::Buf, u: &Self::Buf, len: usize, out: &mut Self::Buf);
     /// `y[t] += sigmoid(s[t]) · shared[t]` (the shared expert's scalar gate, `s` is `[rows, 1]`).
@@ -186,6 +207,15 @@ pub trait Backend: Send + Sync {
     /// The greedy pick of a decode step on the backend: `step.token = argmax(logits[0])`,
     /// `step.pos += 1`: the step is then ready to feed that token.
     fn argmax_step(&self, logits: &Self::Buf, vocab: usize, step: &mut Self::Step);
+}
+
+/// An MoE layer's shared expert, for an op that folds it in: its three matrices and the logit
+/// of its scalar gate `[1]` (computed beforehand, with the router).
+pub struct SharedExpert<'a, B: Backend + ?Sized> {
+    pub gate: &'a B::Mat,
+    pub up: &'a B::Mat,
+    pub down: &'a B::Mat,
+    pub logit: &'a B::Buf,
 }
 
 /// Hardware limits measured on the machine a backend runs on.
@@ -206,7 +236,8 @@ pub struct GdnParams<V> {
     pub norm: V,
 }
 
-/// One attention layer's KV cache: `[capacity, n_kv_heads·head_dim]` for K and for V.
+/// One attention layer's KV cache: `[capacity, n_kv_heads·head_dim]` for K and for V, allocated
+/// with [`Backend::kv_zeros`] (in the backend's KV element type).
 pub struct KvCache<B> {
     pub k: B,
     pub v: B,

@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 
-use super::{Backend, Dims, GdnParams, KvCache};
+use super::{Backend, Dims, GdnParams, KvCache, SharedExpert};
 use crate::loader::tensor::HostLinear;
 
 /// Switch and accumulated times; shared between the wrapper and whoever reads the report.
@@ -200,6 +200,12 @@ impl<B: Backend> Backend for Profiled<B> {
     fn zeros(&self, len: usize) -> Result<Self::Buf> {
         self.time("zeros (allocation)", || self.inner.zeros(len))
     }
+    fn kv_zeros(&self, len: usize) -> Result<Self::Buf> {
+        self.time("zeros (allocation)", || self.inner.kv_zeros(len))
+    }
+    fn kv_elem_bytes(&self) -> usize {
+        self.inner.kv_elem_bytes()
+    }
     fn to_host(&self, b: &Self::Buf, len: usize) -> Result<Vec<f32>> {
         self.time("to_host", || self.inner.to_host(b, len))
     }
@@ -234,6 +240,11 @@ impl<B: Backend> Backend for Profiled<B> {
     fn matmul_q(&self, x: &Self::Buf, w: &Self::Mat, rows: usize, out: &mut Self::Buf) {
         self.time(&w.family, || self.inner.matmul_q(x, &w.inner, rows, out))
     }
+    fn matmul_q_many(&self, x: &Self::Buf, ws: &[&Self::Mat], rows: usize, outs: &mut [&mut Self::Buf]) {
+        let family = format!("matmul_q many ({})", ws.iter().map(|w| w.family.trim_start_matches("matmul_q ")).collect::<Vec<_>>().join(" | "));
+        let inner: Vec<&B::Mat> = ws.iter().map(|w| &w.inner).collect();
+        self.time(&family, || self.inner.matmul_q_many(x, &inner, rows, outs))
+    }
     fn add(&self, h: &mut Self::Buf, r: &Self::Buf, len: usize) {
         self.time("add", || self.inner.add(h, r, len))
     }
@@ -267,8 +278,10 @@ impl<B: Backend> Backend for Profiled<B> {
     fn moe_experts_prefill(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, d: &Dims, rows: usize, out: &mut Self::Buf) {
         self.time("moe_experts_prefill", || self.inner.moe_experts_prefill(x, route, &gate.inner, &up.inner, &down.inner, d, rows, out))
     }
-    fn moe_experts_decode(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, d: &Dims, out: &mut Self::Buf) {
-        self.time("moe_experts_decode", || self.inner.moe_experts_decode(x, route, &gate.inner, &up.inner, &down.inner, d, out))
+    fn moe_experts_decode(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Self::Buf) {
+        let sh = shared.map(|s| SharedExpert::<B> { gate: &s.gate.inner, up: &s.up.inner, down: &s.down.inner, logit: s.logit });
+        let family = if sh.is_some() { "moe_experts_decode (+ shared expert)" } else { "moe_experts_decode" };
+        self.time(family, || self.inner.moe_experts_decode(x, route, &gate.inner, &up.inner, &down.inner, sh.as_ref(), d, out))
     }
     fn swiglu(&self, g: &Self::Buf, u: &Self::Buf, len: usize, out: &mut Self::Buf) {
         self.time("swiglu", || self.inner.swiglu(g, u, len, out))

@@ -16,7 +16,7 @@
 
 use anyhow::{bail, Result};
 
-use crate::backend::{Backend, Dims, GdnParams};
+use crate::backend::{Backend, Dims, GdnParams, SharedExpert};
 use crate::loader::{HostWeights, Mixer};
 use crate::model::state::{LayerState, SeqState};
 use crate::Config;
@@ -400,10 +400,7 @@ impl<B: Backend> Qwen35<B> {
             }
             match (&layer.mixer, ls) {
                 (MixerLayer::Gdn(g), LayerState::Gdn { conv, ssm }) => {
-                    b.matmul_q(&s.xn, &g.in_proj_qkv, t, &mut s.qkv);
-                    b.matmul_q(&s.xn, &g.in_proj_z, t, &mut s.z);
-                    b.matmul_q(&s.xn, &g.in_proj_b, t, &mut s.b);
-                    b.matmul_q(&s.xn, &g.in_proj_a, t, &mut s.a);
+                    b.matmul_q_many(&s.xn, &[&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a], t, &mut [&mut s.qkv, &mut s.z, &mut s.b, &mut s.a]);
                     if decode {
                         b.conv1d_step(&s.qkv, &g.conv1d, conv, d, &mut s.qkv_c);
                         b.gdn_decode(&s.qkv_c, &s.z, &s.b, &s.a, &g.params, ssm, d, &mut s.y);
@@ -414,9 +411,7 @@ impl<B: Backend> Qwen35<B> {
                     b.matmul_q(&s.y, &g.out_proj, t, &mut s.r);
                 }
                 (MixerLayer::Attn(a), LayerState::Attn(kv)) => {
-                    b.matmul_q(&s.xn, &a.q_proj, t, &mut s.qg);
-                    b.matmul_q(&s.xn, &a.k_proj, t, &mut s.k);
-                    b.matmul_q(&s.xn, &a.v_proj, t, &mut s.v);
+                    b.matmul_q_many(&s.xn, &[&a.q_proj, &a.k_proj, &a.v_proj], t, &mut [&mut s.qg, &mut s.k, &mut s.v]);
                     b.attn_qk_norm_rope(&s.qg, &mut s.k, &a.q_norm, &a.k_norm, d, t, pos0, decode.then_some(step), &mut s.q, &mut s.gate);
                     if decode {
                         b.attn_decode(&s.q, &s.k, &s.v, &s.gate, kv, d, pos0, step, &mut s.o);
@@ -435,23 +430,23 @@ impl<B: Backend> Qwen35<B> {
     }
 
     /// y = Σ_j w_j · expert_j(x) + sigmoid(shared_gate(x)) · shared_expert(x), into `s.moe`.
+    /// A decode step folds the shared expert into the routed experts' op.
     fn moe(&self, layer: &Layer<B>, s: &mut Scratch<B>, t: usize, decode: bool) {
         let b = &self.backend;
         let d = &self.dims;
         let m = &layer.moe;
-        b.matmul_q(&s.xn, &m.router, t, &mut s.router_logits);
+        b.matmul_q_many(&s.xn, &[&m.router, &m.shared_expert_gate], t, &mut [&mut s.router_logits, &mut s.s]);
         b.moe_route(&s.router_logits, d, t, &mut s.route);
         if decode {
-            b.moe_experts_decode(&s.xn, &s.route, &m.gate_proj, &m.up_proj, &m.down_proj, d, &mut s.moe);
-        } else {
-            b.moe_experts_prefill(&s.xn, &s.route, &m.gate_proj, &m.up_proj, &m.down_proj, d, t, &mut s.moe);
+            let shared = SharedExpert { gate: &m.shared_gate_proj, up: &m.shared_up_proj, down: &m.shared_down_proj, logit: &s.s };
+            b.moe_experts_decode(&s.xn, &s.route, &m.gate_proj, &m.up_proj, &m.down_proj, Some(&shared), d, &mut s.moe);
+            return;
         }
+        b.moe_experts_prefill(&s.xn, &s.route, &m.gate_proj, &m.up_proj, &m.down_proj, d, t, &mut s.moe);
         let si = self.cfg.shared_expert_intermediate_size;
-        b.matmul_q(&s.xn, &m.shared_gate_proj, t, &mut s.sg);
-        b.matmul_q(&s.xn, &m.shared_up_proj, t, &mut s.su);
+        b.matmul_q_many(&s.xn, &[&m.shared_gate_proj, &m.shared_up_proj], t, &mut [&mut s.sg, &mut s.su]);
         b.swiglu(&s.sg, &s.su, t * si, &mut s.sa);
         b.matmul_q(&s.sa, &m.shared_down_proj, t, &mut s.sd);
-        b.matmul_q(&s.xn, &m.shared_expert_gate, t, &mut s.s);
         b.add_sigmoid_gated(&mut s.moe, &s.sd, &s.s, t, self.cfg.hidden_size);
     }
 }

@@ -31,6 +31,8 @@ pub struct SeqState<B: Backend> {
     /// Identifies this state's buffers for a recorded decode step: unique per state, and bumped
     /// whenever a buffer is replaced (the KV cache growing).
     pub(crate) buffers_id: u64,
+    /// Bytes per KV-cache element on the backend (`Backend::kv_elem_bytes`: 4 for f32, 2 for bf16).
+    kv_elem_bytes: usize,
 }
 
 /// Source of `buffers_id`: never reused, so a record of a dropped state is never replayed.
@@ -51,7 +53,7 @@ impl<B: Backend> SeqState<B> {
             .iter()
             .map(|&attn| -> Result<LayerState<B>> {
                 Ok(if attn {
-                    LayerState::Attn(KvCache { k: b.zeros(cap * kvd)?, v: b.zeros(cap * kvd)?, capacity: cap })
+                    LayerState::Attn(KvCache { k: b.kv_zeros(cap * kvd)?, v: b.kv_zeros(cap * kvd)?, capacity: cap })
                 } else {
                     LayerState::Gdn {
                         conv: b.zeros((d.conv_kernel - 1) * d.conv_channels())?,
@@ -60,7 +62,7 @@ impl<B: Backend> SeqState<B> {
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(Self { pos: 0, max_context, layers, step: b.new_step()?, step_ready: false, buffers_id: new_buffers_id() })
+        Ok(Self { pos: 0, max_context, layers, step: b.new_step()?, step_ready: false, buffers_id: new_buffers_id(), kv_elem_bytes: b.kv_elem_bytes() })
     }
 
     /// Makes room for positions `< need` in every KV cache (copying what is there).
@@ -70,8 +72,8 @@ impl<B: Backend> SeqState<B> {
             if let LayerState::Attn(kv) = l {
                 if kv.capacity < need {
                     let cap = need.next_power_of_two().max(kv.capacity * 2).min(self.max_context.max(need));
-                    let mut k = b.zeros(cap * kvd)?;
-                    let mut v = b.zeros(cap * kvd)?;
+                    let mut k = b.kv_zeros(cap * kvd)?;
+                    let mut v = b.kv_zeros(cap * kvd)?;
                     b.copy(&kv.k, 0, &mut k, 0, self.pos * kvd);
                     b.copy(&kv.v, 0, &mut v, 0, self.pos * kvd);
                     *kv = KvCache { k, v, capacity: cap };
@@ -82,13 +84,14 @@ impl<B: Backend> SeqState<B> {
         Ok(())
     }
 
-    /// Bytes held by this state (KV at current capacity + recurrent state), in f32 elements × 4.
+    /// Bytes held by this state: KV at current capacity (the backend's KV element size: f32 on
+    /// the CPU, bf16 on CUDA) + recurrent state (f32 elements × 4).
     pub fn nbytes(&self, d: &Dims) -> usize {
         let kvd = d.n_kv_heads * d.head_dim;
         self.layers
             .iter()
             .map(|l| match l {
-                LayerState::Attn(kv) => 2 * kv.capacity * kvd * 4,
+                LayerState::Attn(kv) => 2 * kv.capacity * kvd * self.kv_elem_bytes,
                 LayerState::Gdn { .. } => ((d.conv_kernel - 1) * d.conv_channels() + d.gdn_v_heads * d.gdn_v_dim * d.gdn_k_dim) * 4,
             })
             .sum()

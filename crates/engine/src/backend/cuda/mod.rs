@@ -10,8 +10,10 @@
 //!   way in CI, without a GPU. Tests: `tests/cuda_ops.rs` (each op against the CPU op).
 //! * Memory: weights are uploaded once and stay in their checkpoint format: 4-/8-bit codes as u32
 //!   words, scales and biases as bf16 (f16 / f32 scales become f32); unquantized matrices become
-//!   f32. Activations, the KV cache and the GDN state are f32 in this first cut (bf16 activations
-//!   and KV are a later step; the GDN state stays f32).
+//!   f32. The KV cache is bf16 (`kv_zeros`: `Buf`s of 2-byte elements, u16 bits; appended with
+//!   round-to-nearest-even): long-context attention is bound by reading it, and the tensor-core
+//!   prefill attention rounded K and V to bf16 anyway. Activations and the GDN state are f32 (bf16
+//!   activations are a later step; the GDN state stays f32 by design).
 //! * GEMM by shape: `matmul_q` with rows ≤ 8 (decode, tiny batches) runs the f32 GEMV kernels,
 //!   which stream each weight row once and are memory-bound; so do matrices of at most 64 outputs
 //!   at any row count (`SKINNY_OUT`: GDN b/a, shared-expert gate; one x row per block row). Above
@@ -23,7 +25,8 @@
 //!   SIMT GEMMs, which match the CPU to f32 rounding: the ablation switch and the reference path.
 //! * Prefill attention likewise runs on tensor cores (`attn_tc_<HD>` in attention.cu: flash
 //!   attention, bf16 q/k/v/p, f32 softmax and accumulators); `LILY_CUDA_ATTN=f32` (or
-//!   `set_tensor_core_attention`) swaps back to the f32 `attn_rows`. Decode attention is f32.
+//!   `set_tensor_core_attention`) swaps back to the f32 `attn_rows`. Decode attention computes in
+//!   f32 (from the bf16 cache).
 //! * Execution: one stream; every op only enqueues work (no host sync) except `to_host`,
 //!   `argmax` and `step_token`, which return results. Routing stays on the device (`moe_route`
 //!   writes expert ids and weights that the expert kernels read). A prompt's ids come from the
@@ -54,7 +57,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{result as dr, sys, CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr};
 
-use super::{Backend, Dims, GdnParams, KvCache};
+use super::{Backend, Dims, GdnParams, KvCache, SharedExpert};
 use crate::loader::tensor::{Dtype, HostLinear, HostTensor, LinearKind};
 
 /// The kernel files, compiled in this order (`*.cuh` headers are prepended to each).
@@ -110,10 +113,14 @@ struct Mem {
     bytes: usize,
 }
 
-/// An f32 activation / state / parameter buffer on the device.
+/// An f32 activation / state / parameter buffer on the device, or (from `kv_zeros`) a bf16
+/// KV-cache buffer.
 pub struct Buf {
     mem: Mem,
     len: usize,
+    /// Bytes per element: 4 (f32, every buffer but the KV cache) or 2 (bf16 bits, the KV cache).
+    /// Ops taking f32 buffers check it (`buf_ok`), the attention ops check their cache is bf16.
+    elem: usize,
 }
 
 impl Buf {
@@ -124,7 +131,7 @@ impl Buf {
         self.len == 0
     }
     fn at(&self, off: usize) -> u64 {
-        self.mem.ptr + 4 * off as u64
+        self.mem.ptr + (self.elem * off) as u64
     }
 }
 
@@ -178,6 +185,23 @@ pub struct Mat {
     w: Mem,
     s: Option<Mem>,
     b: Option<Mem>,
+}
+
+impl QMat {
+    /// No matrix (an absent optional operand; kernels test the flag that goes with it).
+    fn none() -> Self {
+        QMat { w: 0, s: 0, b: 0, out: 0, inp: 0, gs: 1, pad: 0, wpm: 0, gpm: 0 }
+    }
+}
+
+/// Up to 4 matrices of one decode GEMV launch (`struct Many` in matmul.cu; same layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct Many {
+    m: [QMat; 4],
+    out: [u64; 4],
+    bstart: [i32; 5],
+    n: i32,
 }
 
 impl Mat {
@@ -254,8 +278,11 @@ enum Arg {
     F(f32),
     D(f64),
     Q(QMat),
+    M(Box<Many>),
 }
 
+/// Reads of at least this many u32 go through the page-locked staging buffer (64 KiB).
+const PINNED_MIN: usize = 16 * 1024;
 /// Most slices of the greedy pick's first pass (argmax_partial in sample.cu): 128 blocks of 256
 /// threads cover the 248K-entry vocabulary in one wave.
 const ARGMAX_PARTS: usize = 128;
@@ -305,6 +332,8 @@ pub struct Cuda {
     scratch_gen: AtomicU64,
     /// A step is being captured: allocations are refused.
     capturing: AtomicBool,
+    /// Page-locked staging for large device → host reads (`read_u32`).
+    pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<u32>>>,
 }
 
 impl Cuda {
@@ -365,6 +394,7 @@ impl Cuda {
             records: Mutex::new(Records::default()),
             scratch_gen: AtomicU64::new(0),
             capturing: AtomicBool::new(false),
+            pinned: Mutex::new(None),
         })
     }
 
@@ -543,6 +573,7 @@ impl Cuda {
                 Arg::F(v) => v as *const f32 as *mut c_void,
                 Arg::D(v) => v as *const f64 as *mut c_void,
                 Arg::Q(v) => v as *const QMat as *mut c_void,
+                Arg::M(v) => &**v as *const Many as *mut c_void,
             })
             .collect();
         let r = self.ctx.bind_to_thread().and_then(|_| {
@@ -577,13 +608,29 @@ impl Cuda {
         }
     }
 
-    /// Copies `n` u32 from the device after the enqueued work; waits.
+    /// Copies `n` u32 from the device after the enqueued work; waits. Large reads (a step's
+    /// logits for the host sampler: 1 MB per token) go through a page-locked staging buffer: a
+    /// copy into pageable memory measured 0.42 ms for them on the H200.
     fn read_u32(&self, src: u64, n: usize) -> Result<Vec<u32>> {
         self.check()?;
         let mut v = vec![0u32; n];
-        // SAFETY: `src` holds n u32 (checked by the caller); synchronous below.
-        unsafe { dr::memcpy_dtoh_async(&mut v[..], src, self.stream.cu_stream()) }?;
+        if n < PINNED_MIN {
+            // SAFETY: `src` holds n u32 (checked by the caller); synchronous below.
+            unsafe { dr::memcpy_dtoh_async(&mut v[..], src, self.stream.cu_stream()) }?;
+            self.stream.synchronize()?;
+            return Ok(v);
+        }
+        let mut pin = self.pinned.lock().unwrap_or_else(|e| e.into_inner());
+        if pin.as_ref().is_none_or(|p| p.len() < n) {
+            // SAFETY: the contents are written by the copy below before they are read. Flags 0:
+            // cached page-locked memory (write-combined memory is slow for the CPU to read).
+            *pin = Some(unsafe { self.ctx.alloc_pinned_with_flags::<u32>(n.next_power_of_two(), 0) }.context("CUDA backend: page-locked staging buffer")?);
+        }
+        let dst = pin.as_mut().expect("just made").as_mut_slice()?;
+        // SAFETY: `src` holds n u32 and `dst` at least n; synchronous below.
+        unsafe { dr::memcpy_dtoh_async(&mut dst[..n], src, self.stream.cu_stream()) }?;
         self.stream.synchronize()?;
+        v.copy_from_slice(&dst[..n]);
         Ok(v)
     }
 
@@ -643,7 +690,13 @@ impl Cuda {
     }
 
     fn buf_ok(&self, b: &Buf, need: usize, what: &str, op: &str) -> bool {
-        self.ensure(b.len >= need, || format!("{op}: `{what}` holds {} values, {need} needed", b.len))
+        self.ensure(b.elem == 4, || format!("{op}: `{what}` is a bf16 KV-cache buffer, f32 needed")) && self.ensure(b.len >= need, || format!("{op}: `{what}` holds {} values, {need} needed", b.len))
+    }
+
+    /// The attention ops' check of a layer's cache: bf16 (from `kv_zeros`), `capacity` rows of `kvd`.
+    fn kv_ok(&self, kv: &KvCache<Buf>, kvd: usize, op: &str) -> bool {
+        self.ensure(kv.k.elem == 2 && kv.v.elem == 2, || format!("{op}: the KV cache is not bf16 (allocate it with kv_zeros)"))
+            && self.ensure(kv.k.len >= kv.capacity * kvd && kv.v.len >= kv.capacity * kvd, || format!("{op}: KV cache of {} values for capacity {}", kv.k.len.min(kv.v.len), kv.capacity))
     }
 }
 
@@ -718,20 +771,39 @@ impl Backend for Cuda {
         Ok(Mat { n: m.n, out: m.out, inp: m.inp, fmt, gs, w, s, b })
     }
     fn upload_vec(&self, v: &[f32]) -> Result<Buf> {
-        Ok(Buf { mem: self.upload_f32(v)?, len: v.len() })
+        Ok(Buf { mem: self.upload_f32(v)?, len: v.len(), elem: 4 })
     }
     fn zeros(&self, len: usize) -> Result<Buf> {
-        Ok(Buf { mem: self.alloc(4 * len)?, len })
+        Ok(Buf { mem: self.alloc(4 * len)?, len, elem: 4 })
+    }
+    /// bf16 (u16 bits): half the bytes every attention op reads (module header).
+    fn kv_zeros(&self, len: usize) -> Result<Buf> {
+        Ok(Buf { mem: self.alloc(2 * len)?, len, elem: 2 })
+    }
+    fn kv_elem_bytes(&self) -> usize {
+        2
     }
     fn to_host(&self, b: &Buf, len: usize) -> Result<Vec<f32>> {
         if len > b.len {
             bail!("to_host: {len} elements asked of a buffer of {}", b.len);
         }
+        if b.elem == 2 {
+            // A bf16 KV cache, widened exactly (tests and debugging read it).
+            self.check()?;
+            let mut v = vec![0u16; len];
+            // SAFETY: the buffer holds `b.len >= len` u16; synchronous below.
+            unsafe { dr::memcpy_dtoh_async(&mut v[..], b.mem.ptr, self.stream.cu_stream()) }?;
+            self.stream.synchronize()?;
+            return Ok(v.into_iter().map(|x| f32::from_bits((x as u32) << 16)).collect());
+        }
         Ok(self.read_u32(b.mem.ptr, len)?.into_iter().map(f32::from_bits).collect())
     }
     fn copy(&self, src: &Buf, src_off: usize, dst: &mut Buf, dst_off: usize, len: usize) {
-        if self.ensure(src_off + len <= src.len && dst_off + len <= dst.len, || format!("copy: {len} values at {src_off} of {} to {dst_off} of {}", src.len, dst.len)) {
-            self.dtod(src.at(src_off), dst.at(dst_off), 4 * len);
+        // Raw bytes: both sides must hold the same element type (f32 to f32, a bf16 KV cache to another).
+        if self.ensure(src.elem == dst.elem, || format!("copy: {}-byte elements to {}-byte ones", src.elem, dst.elem))
+            && self.ensure(src_off + len <= src.len && dst_off + len <= dst.len, || format!("copy: {len} values at {src_off} of {} to {dst_off} of {}", src.len, dst.len))
+        {
+            self.dtod(src.at(src_off), dst.at(dst_off), src.elem * len);
         }
     }
     fn new_route(&self, rows: usize, top_k: usize) -> Result<Route> {
@@ -811,6 +883,33 @@ impl Backend for Cuda {
             self.launch(&format!("gemm_{}", w.fmt.suffix()), (grid1(w.out, 64), grid1(rows, 64), 1), 256, 0, &args);
         }
     }
+    fn matmul_q_many(&self, x: &Buf, ws: &[&Mat], rows: usize, outs: &mut [&mut Buf]) {
+        // One launch for a decode row when every matrix takes the GEMV path in one format;
+        // otherwise (prefill, mixed formats) one matmul_q each.
+        let fmt = ws.first().map(|w| w.fmt);
+        let one = rows == 1 && (1..=4).contains(&ws.len()) && ws.len() == outs.len() && ws.iter().all(|w| Some(w.fmt) == fmt && w.n == 1 && w.inp == ws[0].inp);
+        if !one {
+            for (w, o) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul_q(x, w, rows, o);
+            }
+            return;
+        }
+        let op = "matmul_q_many";
+        if !self.buf_ok(x, ws[0].inp, "x", op) || !ws.iter().zip(outs.iter()).all(|(w, o)| self.buf_ok(o, w.out, "out", op)) {
+            return;
+        }
+        let mut p = Many { m: [QMat::none(); 4], out: [0; 4], bstart: [0; 5], n: ws.len() as i32 };
+        for (i, (w, o)) in ws.iter().zip(outs.iter()).enumerate() {
+            p.m[i] = w.q();
+            p.out[i] = o.mem.ptr;
+            p.bstart[i + 1] = p.bstart[i] + grid1(w.out, 8) as i32;
+        }
+        for i in ws.len() + 1..5 {
+            p.bstart[i] = p.bstart[ws.len()];
+        }
+        let blocks = p.bstart[ws.len()] as u32;
+        self.launch(&format!("gemv_many_{}", ws[0].fmt.suffix()), (blocks, 1, 1), 256, 0, &[Arg::P(x.mem.ptr), Arg::M(Box::new(p))]);
+    }
     fn add(&self, h: &mut Buf, r: &Buf, len: usize) {
         if len == 0 || !(self.buf_ok(h, len, "h", "add") && self.buf_ok(r, len, "r", "add")) {
             return;
@@ -861,7 +960,8 @@ impl Backend for Cuda {
         let kvd = kvh * hd;
         if rows == 0
             || !(self.ensure(hd % 32 == 0 && hd <= 256 && kvh > 0 && h % kvh == 0, || format!("{op}: {h} heads / {kvh} kv heads of {hd} not supported"))
-                && self.ensure(pos0 + rows <= kv.capacity && kv.k.len >= kv.capacity * kvd && kv.v.len >= kv.capacity * kvd, || format!("{op}: KV cache overflow ({pos0} + {rows} > {})", kv.capacity))
+                && self.kv_ok(kv, kvd, op)
+                && self.ensure(pos0 + rows <= kv.capacity, || format!("{op}: KV cache overflow ({pos0} + {rows} > {})", kv.capacity))
                 && self.buf_ok(q, rows * h * hd, "q", op)
                 && self.buf_ok(k, rows * kvd, "k", op)
                 && self.buf_ok(v, rows * kvd, "v", op)
@@ -870,8 +970,14 @@ impl Backend for Cuda {
         {
             return;
         }
-        self.dtod(k.mem.ptr, kv.k.at(pos0 * kvd), 4 * rows * kvd);
-        self.dtod(v.mem.ptr, kv.v.at(pos0 * kvd), 4 * rows * kvd);
+        // k, v (f32) -> bf16 rows pos0.. of the caches: four values per thread.
+        self.launch(
+            "kv_append",
+            (grid1(rows * kvd / 4, 256), 1, 1),
+            256,
+            0,
+            &[Arg::P(k.mem.ptr), Arg::P(v.mem.ptr), Arg::P(kv.k.mem.ptr), Arg::P(kv.v.mem.ptr), Arg::I(kvd as i32), Arg::I(rows as i32), Arg::I(pos0 as i32), Arg::P(0)],
+        );
         let scale = 1.0 / (hd as f32).sqrt();
         let group = h / kvh;
         if self.tensor_core_attention() && matches!(hd, 64 | 128 | 256) && 64 % group == 0 {
@@ -922,7 +1028,8 @@ impl Backend for Cuda {
         let (h, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
         let kvd = kvh * hd;
         if !(self.ensure(hd % 32 == 0 && hd <= 256 && kvh > 0 && h % kvh == 0 && h / kvh <= 16, || format!("{op}: {h} heads / {kvh} kv heads of {hd} not supported"))
-            && self.ensure(pos < kv.capacity && kv.k.len >= kv.capacity * kvd && kv.v.len >= kv.capacity * kvd, || format!("{op}: KV cache overflow ({pos} + 1 > {})", kv.capacity))
+            && self.kv_ok(kv, kvd, op)
+            && self.ensure(pos < kv.capacity, || format!("{op}: KV cache overflow ({pos} + 1 > {})", kv.capacity))
             && self.buf_ok(q, h * hd, "q", op)
             && self.buf_ok(k, kvd, "k", op)
             && self.buf_ok(v, kvd, "v", op)
@@ -934,18 +1041,25 @@ impl Backend for Cuda {
         // Everything below depends on the capacity, not on `pos`: the position is read from the
         // step on the device (a recorded step serves every position below the capacity).
         let posp = step.pos_ptr();
-        self.launch("kv_append", (grid1(kvd, 256), 1, 1), 256, 0, &[Arg::P(k.mem.ptr), Arg::P(v.mem.ptr), Arg::P(kv.k.mem.ptr), Arg::P(kv.v.mem.ptr), Arg::I(kvd as i32), Arg::P(posp)]);
+        self.launch(
+            "kv_append",
+            (grid1(kvd / 4, 256), 1, 1),
+            256,
+            0,
+            &[Arg::P(k.mem.ptr), Arg::P(v.mem.ptr), Arg::P(kv.k.mem.ptr), Arg::P(kv.v.mem.ptr), Arg::I(kvd as i32), Arg::I(1), Arg::I(0), Arg::P(posp)],
+        );
         // Splits of a multiple of ATT_TILE keys, at most ATT_MAX_SPLITS of them over the capacity.
         let split = kv.capacity.div_ceil(ATT_MAX_SPLITS).next_multiple_of(ATT_TILE);
         let splits = kv.capacity.div_ceil(split);
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Some(part) = self.scratch(&mut sc, "attn_part", 4 * h * splits * (hd + 2)) else { return };
         let scale = 1.0 / (hd as f32).sqrt();
+        // Dynamic shared memory: the K and V tiles of ATT_TILE keys, bf16.
         self.launch(
             "attn_decode_split",
             (kvh as u32, splits as u32, 1),
             256,
-            (2 * ATT_TILE * hd * 4) as u32,
+            (2 * ATT_TILE * hd * 2) as u32,
             &[
                 Arg::P(q.mem.ptr),
                 Arg::P(kv.k.mem.ptr),
@@ -1092,7 +1206,7 @@ impl Backend for Cuda {
         gemm(down, act, y, 1);
         self.launch("moe_combine", (rows as u32, 1, 1), 256, 0, &[Arg::P(y), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::I(h as i32)]);
     }
-    fn moe_experts_decode(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, d: &Dims, out: &mut Buf) {
+    fn moe_experts_decode(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Buf) {
         let op = "moe_experts_decode";
         let (h, k) = (d.hidden, route.k);
         let width = gate.out;
@@ -1103,22 +1217,52 @@ impl Backend for Cuda {
         {
             return;
         }
+        if let Some(sh) = shared {
+            let ws = sh.gate.out;
+            if !(self.ensure(sh.gate.n == 1 && sh.up.n == 1 && sh.down.n == 1 && sh.gate.inp == h && sh.up.inp == h && sh.up.out == ws && sh.down.inp == ws && sh.down.out == h, || {
+                format!("{op}: shared expert shapes gate {}×{}, up {}×{}, down {}×{} do not fit hidden {h}", sh.gate.out, sh.gate.inp, sh.up.out, sh.up.inp, sh.down.out, sh.down.inp)
+            }) && self.buf_ok(sh.logit, 1, "shared logit", op))
+            {
+                return;
+            }
+        }
+        // The shared expert rides in the routed kernels as slot k when it has their format.
+        let fold = shared.filter(|sh| sh.gate.fmt == gate.fmt && sh.up.fmt == gate.fmt && sh.down.fmt == down.fmt);
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(act) = self.scratch(&mut sc, "moe_act1", 4 * k * width) else { return };
+        let ws = fold.map_or(0, |sh| sh.gate.out);
+        let Some(act) = self.scratch(&mut sc, "moe_act1", 4 * (k * width + ws)) else { return };
+        let none = QMat::none();
+        let (sg, su, sd, slogit) = match fold {
+            Some(sh) => (sh.gate.q(), sh.up.q(), sh.down.q(), sh.logit.mem.ptr),
+            None => (none, none, none, 0),
+        };
         self.launch(
             &format!("moe_gate_up_{}", gate.fmt.suffix()),
-            (grid1(width, 8), k as u32, 1),
+            (grid1(width.max(ws), 8), (k + fold.is_some() as usize) as u32, 1),
             256,
             0,
-            &[Arg::P(x.mem.ptr), Arg::Q(gate.q()), Arg::Q(up.q()), Arg::P(route.ids.ptr), Arg::P(act)],
+            &[Arg::P(x.mem.ptr), Arg::Q(gate.q()), Arg::Q(up.q()), Arg::P(route.ids.ptr), Arg::P(act), Arg::Q(sg), Arg::Q(su), Arg::I(k as i32)],
         );
         self.launch(
             &format!("moe_down_{}", down.fmt.suffix()),
             (grid1(h, 8), 1, 1),
             256,
             0,
-            &[Arg::P(act), Arg::Q(down.q()), Arg::P(route.ids.ptr), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32)],
+            &[Arg::P(act), Arg::Q(down.q()), Arg::P(route.ids.ptr), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::Q(sd), Arg::P(slogit)],
         );
+        if let (Some(sh), None) = (shared, fold) {
+            // A shared expert in another format: its own GEMVs, then the gated add (the model's
+            // unfused order).
+            let ws = sh.gate.out;
+            let bufs = (|| Some((self.scratch(&mut sc, "moe_sg", 4 * ws)?, self.scratch(&mut sc, "moe_su", 4 * ws)?, self.scratch(&mut sc, "moe_sa", 4 * ws)?, self.scratch(&mut sc, "moe_sd", 4 * h)?)))();
+            let Some((g, u, a, y)) = bufs else { return };
+            let gemv = |src: u64, m: &Mat, dst: u64| self.launch(&format!("gemv1_{}", m.fmt.suffix()), (grid1(m.out, 8), 1, 1), 256, 0, &[Arg::P(src), Arg::Q(m.q()), Arg::P(dst), Arg::I(1)]);
+            gemv(x.mem.ptr, sh.gate, g);
+            gemv(x.mem.ptr, sh.up, u);
+            self.launch("swiglu", (grid1(ws, 256), 1, 1), 256, 0, &[Arg::P(g), Arg::P(u), Arg::P(a), Arg::P(ws as u64)]);
+            gemv(a, sh.down, y);
+            self.launch("add_sigmoid_gated", (grid1(h, 256), 1, 1), 256, 0, &[Arg::P(out.mem.ptr), Arg::P(y), Arg::P(sh.logit.mem.ptr), Arg::I(1), Arg::I(h as i32)]);
+        }
     }
     fn swiglu(&self, g: &Buf, u: &Buf, len: usize, out: &mut Buf) {
         if len == 0 || !(self.buf_ok(g, len, "g", "swiglu") && self.buf_ok(u, len, "u", "swiglu") && self.buf_ok(out, len, "out", "swiglu")) {

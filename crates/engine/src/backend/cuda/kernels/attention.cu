@@ -1,5 +1,10 @@
 // attention.cu: the gated full-attention layer's ops. Matches cpu/attention.rs.
 //
+// The K/V caches are bf16 (u16 bits, the CUDA backend's kv_zeros): [cap, KV*hd] each, row p holding
+// position p, KV head g at columns g*hd.. . kv_append rounds the f32 k, v to them (nearest even);
+// every kernel reading them widens to f32 or feeds bf16 tensor cores. The CPU keeps f32: the tests
+// give it bf16-representable k, v, so that both caches hold the same values.
+//
 // attn_qk_norm_rope  qg [rows, H, 2*hd] (query | gate per head) -> q [rows, H*hd] (rms-normed by
 //                    q_norm, then RoPE) and gate [rows, H*hd]; k [rows, KV*hd] rms-normed by k_norm
 //                    and RoPE'd in place. RoPE: rotate-half (NeoX) on dims 0..rot, pairs
@@ -8,21 +13,22 @@
 //                    the rest are key heads; 128 threads; dynamic shared memory hd floats.
 //                    A decode step passes posp (its Step's position, device memory) instead of
 //                    pos0, so that a recorded step is valid at every position.
-// attn_rows          causal GQA attention of `rows` queries at positions pos0.. over the cache
-//                    [cap, KV*hd] (K and V already appended), times sigmoid(gate):
+// attn_rows          causal GQA attention of `rows` queries at positions pos0.. over the bf16
+//                    caches [cap, KV*hd] (K and V already appended), times sigmoid(gate):
 //                    out[t, h] = sum_j softmax_j(q.k_j / sqrt(hd)) v_j * sigmoid(gate[t, h]),
 //                    j <= pos0 + t, query head h reads KV head h / (H/KV). Grid (rows, H), 256
 //                    threads = 8 warps; warp w takes keys w, w+8, ... with an online softmax (f32,
 //                    running max), lane l owns dims l, l+32, ... (hd <= 256, hd % 32 == 0); the 8
-//                    partial states are merged through shared memory. Used for prefill (rows > 1)
-//                    and decode (rows = 1).
+//                    partial states are merged through shared memory. K and V are widened to f32
+//                    as they are read. The f32 reference path of prefill (LILY_CUDA_ATTN=f32).
 // attn_tc_<HD>       (HD in 64, 128, 256; prefill, the default) the same function as attn_rows as
 //                    a flash-attention kernel on tensor cores: bf16 q, k, v, p, f32 scores,
 //                    softmax state and output accumulators. Block = one KV head and tq = 64/G
 //                    query tokens (G = H/KV query heads share that KV head), i.e. 64 query rows
 //                    r = token_in_block * G + head_in_group, so each K/V tile is read once for
 //                    all G heads. 128 threads = 4 warps of 16 rows. Per tile of 64 keys the block
-//                    stages K and V (f32 -> bf16) in shared memory; each warp computes S = Q K^T
+//                    copies K and V (bf16 already: 16-byte loads, rows of HD bf16 are 16-byte
+//                    aligned as HD % 64 == 0) into shared memory; each warp computes S = Q K^T
 //                    (16 x 64, mma), masks keys past its rows' positions, updates the online
 //                    softmax (running max and sum per row, reduced over the 4 lanes of a row),
 //                    and adds P V (P re-packed from the accumulators as bf16 A fragments, V by
@@ -30,18 +36,25 @@
 //                    Dynamic shared memory: Q, K, V tiles of 64 x (HD + 8) bf16 (101 KiB at
 //                    HD = 256, two blocks per SM). Grid (ceil(rows / tq), KV). Needs 64 % G == 0.
 //                    Error: each score carries two bf16 roundings per product (|ds| <= (2^-7 +
-//                    HD 2^-22) scale sum_d |q_d k_d|), p and v one each; tests/cuda_ops.rs
-//                    propagates that bound. LILY_CUDA_ATTN=f32 selects attn_rows instead.
-// kv_append          decode: k, v [KV*hd] -> row *posp of the caches [cap, KV*hd]. Grid
-//                    ceil(KV*hd / 256), 256 threads. (Matches the append in cpu/attention.rs.)
+//                    HD 2^-22) scale sum_d |q_d k_d|), p and v one each (k's and v's are the
+//                    cache's: the same bits as the f32 -> bf16 staging this kernel did before the
+//                    cache was bf16); tests/cuda_ops.rs propagates that bound. LILY_CUDA_ATTN=f32
+//                    selects attn_rows instead.
+// kv_append          k, v [rows, KV*hd] f32 -> bf16 (round to nearest even, pack_bf16x2) rows
+//                    p0 .. p0 + rows of the caches, p0 = *posp for a decode step (rows = 1, the
+//                    position read on the device), else pos0 (prefill). Four values per thread
+//                    (KV*hd % 32 == 0: a float4 in, 8 aligned bytes out); grid
+//                    ceil(rows * KV*hd / 4 / 256), 256 threads. (The append in cpu/attention.rs.)
 // attn_decode_split + attn_decode_combine  decode (one query per head at position *posp, n =
 //                    *posp + 1 keys) split over the context: grid (KV, ns_max) with ns_max and
 //                    the split length chosen from the cache's capacity (mod.rs: at most 256
 //                    splits of a multiple of 32 keys), so that a recorded step serves every
 //                    position below it. Block (kvh, s), 256 threads = 8 warps, stages its keys
-//                    in tiles of 32 (K and V, f32, 2 * 32 * hd floats of dynamic shared memory)
-//                    and warp w runs query head kvh * G + w (and + 8 when G > 8) over each tile:
-//                    the G heads of a group share one read of the cache. Lane l owns dims
+//                    in tiles of 32 (K and V copied as bf16 with 16-byte loads: 2 * 32 * hd u16 =
+//                    32 KiB of dynamic shared memory at hd = 256, half of f32 tiles, so more
+//                    blocks fit an SM to hide the cache's latency; widened to f32 as each warp
+//                    reads them) and warp w runs query head kvh * G + w (and + 8 when G > 8) over
+//                    each tile: the G heads of a group share one read of the cache. Lane l owns dims
 //                    l, l + 32, ... (hd <= 256, hd % 32 == 0). Each writes a partial state
 //                    (max, normaliser, unnormalised output) at part[h][s], or the block returns
 //                    at once when its keys start past n. The combine (grid H) merges the first
@@ -99,8 +112,8 @@ attn_qk_norm_rope(const float* __restrict__ qg, float* __restrict__ k, const flo
 // keys j0+w, j0+w+8, ...; the warps' states are merged through shared memory. On return (after a
 // barrier) sacc[w][d] * f[w] summed over w is the unnormalised output, M the running max and L the
 // normaliser; an empty range gives L = 0.
-__device__ __forceinline__ void attn_range(const float* __restrict__ qp, const float* __restrict__ kc,
-                                           const float* __restrict__ vc, int kvh, u64 kvd, int hd, int j0, int j1,
+__device__ __forceinline__ void attn_range(const float* __restrict__ qp, const u16* __restrict__ kc,
+                                           const u16* __restrict__ vc, int kvh, u64 kvd, int hd, int j0, int j1,
                                            float scale, float* sm, float* sl, float (*sacc)[ATT_MAXD * 32], float* f,
                                            float& M, float& L) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -113,19 +126,19 @@ __device__ __forceinline__ void attn_range(const float* __restrict__ qp, const f
     }
     float m = NEG_INF, l = 0.0f;
     for (int j = j0 + warp; j < j1; j += ATT_WARPS) {
-        const float* kp = kc + (u64)j * kvd + (u64)kvh * hd;
-        const float* vp = vc + (u64)j * kvd + (u64)kvh * hd;
+        const u16* kp = kc + (u64)j * kvd + (u64)kvh * hd;
+        const u16* vp = vc + (u64)j * kvd + (u64)kvh * hd;
         float d = 0.0f;
 #pragma unroll
         for (int i = 0; i < ATT_MAXD; i++)
-            if (i < nd) d += qv[i] * kp[lane + 32 * i];
+            if (i < nd) d += qv[i] * bf16f(kp[lane + 32 * i]);
         float s = warp_sum(d) * scale;
         float mn = fmaxf(m, s);
         float c = expf(m - mn), p = expf(s - mn);
         l = l * c + p;
 #pragma unroll
         for (int i = 0; i < ATT_MAXD; i++)
-            if (i < nd) acc[i] = acc[i] * c + p * vp[lane + 32 * i];
+            if (i < nd) acc[i] = acc[i] * c + p * bf16f(vp[lane + 32 * i]);
         m = mn;
     }
     if (lane == 0) { sm[warp] = m; sl[warp] = l; }
@@ -146,8 +159,8 @@ __device__ __forceinline__ void attn_range(const float* __restrict__ qp, const f
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-attn_rows(const float* __restrict__ q, const float* __restrict__ gate, const float* __restrict__ kc,
-          const float* __restrict__ vc, float* __restrict__ out, int H, int KV, int hd, int pos0, float scale) {
+attn_rows(const float* __restrict__ q, const float* __restrict__ gate, const u16* __restrict__ kc,
+          const u16* __restrict__ vc, float* __restrict__ out, int H, int KV, int hd, int pos0, float scale) {
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
     __shared__ float sacc[ATT_WARPS][ATT_MAXD * 32];
     const int t = blockIdx.x, h = blockIdx.y;
@@ -164,27 +177,30 @@ attn_rows(const float* __restrict__ q, const float* __restrict__ gate, const flo
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-kv_append(const float* __restrict__ k, const float* __restrict__ v, float* __restrict__ kc, float* __restrict__ vc,
-          int kvd, const int* __restrict__ posp) {
-    const int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= kvd) return;
-    const u64 at = (u64)posp[0] * kvd + i;
-    kc[at] = k[i];
-    vc[at] = v[i];
+kv_append(const float* __restrict__ k, const float* __restrict__ v, u16* __restrict__ kc, u16* __restrict__ vc,
+          int kvd, int rows, int pos0, const int* __restrict__ posp) {
+    // Element i .. i+3 of the rows (kvd % 4 == 0: the four stay in one row, and the 8-byte store
+    // at (p0 * kvd + i) bf16 is aligned).
+    const u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (i >= (u64)rows * kvd) return;
+    const u64 at = (u64)(posp ? posp[0] : pos0) * kvd + i;
+    const float4 a = *(const float4*)(k + i), b = *(const float4*)(v + i);
+    *(uint2*)(kc + at) = make_uint2(pack_bf16x2(a.x, a.y), pack_bf16x2(a.z, a.w));
+    *(uint2*)(vc + at) = make_uint2(pack_bf16x2(b.x, b.y), pack_bf16x2(b.z, b.w));
 }
 
 // Decode, split over the context, one block per (KV head, split): the block stages tiles of
-// ATT_TILE keys of its KV head (K and V, f32) in shared memory once, and warp w runs the online
+// ATT_TILE keys of its KV head (K and V, bf16 as cached) in shared memory once, and warp w runs the online
 // softmax of query head kvh*G + w (w + 8, ... when G > 8) over them, so the G query heads of a
 // group read the cache once. Split s covers keys [s*split, s*split + split) of the n = *posp + 1;
 // it writes part[h][s] = (M, L, o[hd] unnormalised) for each of its heads; grid (KV, ns_max).
 #define ATT_TILE 32
 extern "C" __global__ void __launch_bounds__(256)
-attn_decode_split(const float* __restrict__ q, const float* __restrict__ kc, const float* __restrict__ vc,
+attn_decode_split(const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
                   float* __restrict__ part, int H, int KV, int hd, const int* __restrict__ posp, int split, float scale) {
-    extern __shared__ float tile[];  // K then V: [ATT_TILE][hd] each
-    float* ks = tile;
-    float* vs = tile + ATT_TILE * hd;
+    extern __shared__ __align__(16) u16 kvtile[];  // K then V: [ATT_TILE][hd] bf16 each
+    u16* ks = kvtile;
+    u16* vs = kvtile + ATT_TILE * hd;
     const int kvh = blockIdx.x, s = blockIdx.y, ns_max = gridDim.y;
     const int n = posp[0] + 1;
     const int j0 = s * split, j1 = min(n, j0 + split);
@@ -205,13 +221,15 @@ attn_decode_split(const float* __restrict__ q, const float* __restrict__ kc, con
         }
     }
     for (int t0 = j0; t0 < j1; t0 += ATT_TILE) {
-        const int nk = min(ATT_TILE, j1 - t0), q4 = hd >> 2;
+        // 16-byte copies of 8 bf16: a head's row (hd * 2 bytes, hd % 32 == 0) and its offset in the
+        // cache row (kvh * hd * 2) are multiples of 64 bytes.
+        const int nk = min(ATT_TILE, j1 - t0), q8 = hd >> 3;
         __syncthreads();  // the previous tile is consumed
-        for (int i = threadIdx.x; i < nk * q4; i += blockDim.x) {
-            const int r = i / q4, c = i - r * q4;
+        for (int i = threadIdx.x; i < nk * q8; i += blockDim.x) {
+            const int r = i / q8, c = i - r * q8;
             const u64 at = (u64)(t0 + r) * kvd + (u64)kvh * hd;
-            ((float4*)ks)[i] = ((const float4*)(kc + at))[c];
-            ((float4*)vs)[i] = ((const float4*)(vc + at))[c];
+            ((uint4*)ks)[i] = ((const uint4*)(kc + at))[c];
+            ((uint4*)vs)[i] = ((const uint4*)(vc + at))[c];
         }
         __syncthreads();
 #pragma unroll
@@ -221,14 +239,14 @@ attn_decode_split(const float* __restrict__ q, const float* __restrict__ kc, con
                 float d = 0.0f;
 #pragma unroll
                 for (int i = 0; i < ATT_MAXD; i++)
-                    if (i < nd) d += qv[r][i] * ks[j * hd + lane + 32 * i];
+                    if (i < nd) d += qv[r][i] * bf16f(ks[j * hd + lane + 32 * i]);
                 const float sc = warp_sum(d) * scale;
                 const float mn = fmaxf(m[r], sc);
                 const float c = expf(m[r] - mn), p = expf(sc - mn);
                 l[r] = l[r] * c + p;
 #pragma unroll
                 for (int i = 0; i < ATT_MAXD; i++)
-                    if (i < nd) acc[r][i] = acc[r][i] * c + p * vs[j * hd + lane + 32 * i];
+                    if (i < nd) acc[r][i] = acc[r][i] * c + p * bf16f(vs[j * hd + lane + 32 * i]);
                 m[r] = mn;
             }
         }
@@ -277,7 +295,7 @@ attn_decode_combine(const float* __restrict__ part, const float* __restrict__ ga
 
 template <int HD>
 __device__ __forceinline__ void attn_tc_body(const float* __restrict__ q, const float* __restrict__ gate,
-                                             const float* __restrict__ kc, const float* __restrict__ vc,
+                                             const u16* __restrict__ kc, const u16* __restrict__ vc,
                                              float* __restrict__ out, int H, int KV, int rows, int pos0, float scale) {
     constexpr int LD = HD + 8;  // bf16 row stride: 16-byte rows, ldmatrix rows on distinct banks
     constexpr int NT = HD / 8;  // n8 tiles of the output
@@ -310,17 +328,20 @@ __device__ __forceinline__ void attn_tc_body(const float* __restrict__ q, const 
 
     for (int j0 = 0; j0 < nkeys; j0 += FA_N) {
         __syncthreads();  // the previous tile's K/V reads are done (and Q is staged, the first time)
+        // The cache is bf16 already: 16-byte copies of 8 values (cache rows of a head and shared
+        // rows of LD bf16 are 16-byte aligned). Keys from nkeys on are zeros: masked, their p is
+        // 0, and zero V rows keep p * v finite.
 #pragma unroll 4
-        for (int i = tid; i < FA_N * HD / 4; i += 128) {
-            const int j = i / (HD / 4), c4 = (i % (HD / 4)) * 4;
+        for (int i = tid; i < FA_N * HD / 8; i += 128) {
+            const int j = i / (HD / 8), c8 = (i % (HD / 8)) * 8;
             const int key = j0 + j;
-            float4 kv = make_float4(0.f, 0.f, 0.f, 0.f), vv = kv;
+            uint4 kv = make_uint4(0u, 0u, 0u, 0u), vv = kv;
             if (key < nkeys) {
-                kv = *(const float4*)(kc + (u64)key * kvd + (u64)kvh * HD + c4);
-                vv = *(const float4*)(vc + (u64)key * kvd + (u64)kvh * HD + c4);
+                kv = *(const uint4*)(kc + (u64)key * kvd + (u64)kvh * HD + c8);
+                vv = *(const uint4*)(vc + (u64)key * kvd + (u64)kvh * HD + c8);
             }
-            *(uint2*)&Ks[j][c4] = make_uint2(pack_bf16x2(kv.x, kv.y), pack_bf16x2(kv.z, kv.w));
-            *(uint2*)&Vs[j][c4] = make_uint2(pack_bf16x2(vv.x, vv.y), pack_bf16x2(vv.z, vv.w));
+            *(uint4*)&Ks[j][c8] = kv;
+            *(uint4*)&Vs[j][c8] = vv;
         }
         __syncthreads();
 
@@ -427,7 +448,7 @@ __device__ __forceinline__ void attn_tc_body(const float* __restrict__ q, const 
 
 #define ATTN_TC(HD)                                                                                              \
     extern "C" __global__ void __launch_bounds__(128)                                                            \
-    attn_tc_##HD(const float* q, const float* gate, const float* kc, const float* vc, float* out, int H, int KV, \
+    attn_tc_##HD(const float* q, const float* gate, const u16* kc, const u16* vc, float* out, int H, int KV,     \
                  int rows, int pos0, float scale) {                                                              \
         attn_tc_body<HD>(q, gate, kc, vc, out, H, KV, rows, pos0, scale);                                        \
     }

@@ -12,6 +12,12 @@
 //             (GDN b/a, shared-expert gate) runs gemv1 with one block row per token, in f32.
 //             Each warp streams its weight row once for its rows of x (warp_dot_rows), then
 //             reduces with shuffles.
+// gemv_many_<fmt> (decode: one row of x) x times up to 4 matrices of one format and width that read
+//             the same input (GDN qkv | z | b | a, attention q | k | v, router | shared-expert
+//             gate): one launch instead of one each, and one wave of blocks for all of them.
+//             Matrix i takes blocks [bstart[i], bstart[i+1]), ceil(out_i / 8) of them, a warp per
+//             output row as gemv1 (so each output equals gemv1's bit for bit). Grid bstart[n],
+//             256 threads.
 // tc_gemm_<fmt> (rows > 8: prefill; the default). Tensor cores, bf16 operands, f32 accumulation
 //             (tc_gemm.cuh): 64x64 output tiles, 128 threads, grid (ceil(out/64), ceil(rows/64)),
 //             TC_SMEM(1) bytes of dynamic shared memory.
@@ -85,7 +91,32 @@ __device__ __forceinline__ void embed_body(QMat m, const u32* __restrict__ ids, 
     for (int k = threadIdx.x; k < m.inp; k += blockDim.x) out[(u64)t * m.inp + k] = deq_elem<BITS, SB>(m, 0, id, k);
 }
 
+// Up to 4 matrices for gemv_many (the Rust side mirrors this layout: struct Many in cuda/mod.rs).
+struct Many {
+    QMat m[4];
+    u64 out[4];      // float*: each matrix's output
+    int bstart[5];   // first block of each matrix; bstart[n] = grid
+    int n;
+};
+
+template <int BITS, typename SB>
+__device__ __forceinline__ void gemv_many_body(const float* __restrict__ x, const Many& p) {
+    int i = 0;
+    while (i + 1 < p.n && (int)blockIdx.x >= p.bstart[i + 1]) i++;
+    const QMat m = p.m[i];
+    const int lane = threadIdx.x & 31;
+    const int o = (blockIdx.x - p.bstart[i]) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (o >= m.out) return;
+    float acc[1] = {0.0f};
+    warp_dot_rows<BITS, SB, 1>(m, 0, o, x, (u64)m.inp, 1, acc, lane);
+    const float v = warp_sum(acc[0]);
+    if (lane == 0) ((float*)p.out[i])[o] = v;
+}
+
 #define MATMUL_KERNELS(NAME, BITS, SB)                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) gemv_many_##NAME(const float* x, Many p) {         \
+        gemv_many_body<BITS, SB>(x, p);                                                                 \
+    }                                                                                                   \
     extern "C" __global__ void __launch_bounds__(256) gemv1_##NAME(const float* x, QMat m, float* out, int rows) { \
         gemv_body<BITS, SB, 1>(x, m, out, rows);                                                        \
     }                                                                                                   \

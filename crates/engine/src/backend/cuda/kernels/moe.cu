@@ -21,11 +21,16 @@
 //   moe_gemm_<fmt> the same in f32 SIMT (256 threads; LILY_CUDA_GEMM=simt: reference, ablation).
 //   swiglu (norm.cu) between them, then
 //   moe_combine    out[t] = sum_j w[t,j] * y[t*k + j], in slot order (grid rows, 256 threads).
-// Decode (one token, fused gather-GEMV):
-//   moe_gate_up_<fmt>  act[j, o] = silu(gate_e . x) * (up_e . x), e = ids[j]; warp per output row,
-//                      grid (ceil(width/8), k), 256 threads.
-//   moe_down_<fmt>     out[o] = sum_j w_j * (down_{ids[j]} . act_j), slot order; warp per output
-//                      row (all k dots issued before the sum), grid ceil(hidden/8); k <= 16.
+// Decode (one token, fused gather-GEMV), the shared expert folded in as slot k when `shared`:
+//   moe_gate_up_<fmt>  act[j, o] = silu(gate_e . x) * (up_e . x), e = ids[j] for j < k; slot k
+//                      (shared) uses the shared expert's gate/up (width_s rows, act at k * width).
+//                      Warp per output row, grid (ceil(max(width, width_s)/8), k + shared), 256
+//                      threads.
+//   moe_down_<fmt>     out[o] = sum_j w_j * (down_{ids[j]} . act_j) in slot order, then (shared)
+//                      + sigmoid(slogit[0]) * (shared_down . act_k): the order of cpu/moe.rs's
+//                      experts followed by add_sigmoid_gated. Warp per output row (all dots
+//                      issued before the sums), grid ceil(hidden/8); k <= 16. The shared expert
+//                      must have the experts' format (checked on the host).
 
 extern "C" __global__ void __launch_bounds__(256)
 moe_route(const float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ weights, int E, int k, int norm_topk) {
@@ -188,15 +193,17 @@ extern "C" __global__ void moe_combine(const float* __restrict__ y, const float*
 
 template <int BITS, typename SB>
 __device__ __forceinline__ void moe_gate_up_body(const float* __restrict__ x, QMat g, QMat u, const u32* __restrict__ ids,
-                                                 float* __restrict__ act) {
+                                                 float* __restrict__ act, QMat sg, QMat su, int k) {
     const int lane = threadIdx.x & 31;
     const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int j = blockIdx.y;
-    if (o >= g.out) return;
-    const int e = ids[j];
+    const bool shared = j == k;  // only launched with shared
+    const QMat G = shared ? sg : g, U = shared ? su : u;
+    if (o >= G.out) return;
+    const int e = shared ? 0 : ids[j];
     float ag[1] = {0.0f}, au[1] = {0.0f};
-    warp_dot_rows<BITS, SB, 1>(g, e, o, x, 0, 1, ag, lane);
-    warp_dot_rows<BITS, SB, 1>(u, e, o, x, 0, 1, au, lane);
+    warp_dot_rows<BITS, SB, 1>(G, e, o, x, 0, 1, ag, lane);
+    warp_dot_rows<BITS, SB, 1>(U, e, o, x, 0, 1, au, lane);
     float gv = warp_sum(ag[0]), uv = warp_sum(au[0]);
     if (lane == 0) act[(u64)j * g.out + o] = silu_f(gv) * uv;
 }
@@ -205,21 +212,27 @@ __device__ __forceinline__ void moe_gate_up_body(const float* __restrict__ x, QM
 
 template <int BITS, typename SB>
 __device__ __forceinline__ void moe_down_body(const float* __restrict__ act, QMat d, const u32* __restrict__ ids,
-                                              const float* __restrict__ w, float* __restrict__ out, int k) {
+                                              const float* __restrict__ w, float* __restrict__ out, int k, QMat sd,
+                                              const float* __restrict__ slogit) {
     const int lane = threadIdx.x & 31;
     const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (o >= d.out) return;
-    // All k dots first (independent loads in flight), then the weighted sum in slot order.
-    float part[MOE_MAXK];
+    // All dots first (independent loads in flight), then the weighted sum in slot order.
+    float part[MOE_MAXK], ps = 0.0f;
 #pragma unroll
     for (int j = 0; j < MOE_MAXK; j++) {
         part[j] = 0.0f;
         if (j < k) warp_dot_rows<BITS, SB, 1>(d, ids[j], o, act + (u64)j * d.inp, 0, 1, &part[j], lane);
     }
+    if (slogit) warp_dot_rows<BITS, SB, 1>(sd, 0, o, act + (u64)k * d.inp, 0, 1, &ps, lane);
     float total = 0.0f;
 #pragma unroll
     for (int j = 0; j < MOE_MAXK; j++)
         if (j < k) total += w[j] * warp_sum(part[j]);
+    if (slogit) {
+        const float sv = warp_sum(ps);
+        total += sigmoid_f(slogit[0]) * sv;
+    }
     if (lane == 0) out[o] = total;
 }
 
@@ -235,12 +248,13 @@ __device__ __forceinline__ void moe_down_body(const float* __restrict__ act, QMa
         moe_tc_gemm_body<BITS, SB>(x, m, perm, tiles, ntiles, out, k, mode);                                     \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                                            \
-    moe_gate_up_##NAME(const float* x, QMat g, QMat u, const u32* ids, float* act) {                             \
-        moe_gate_up_body<BITS, SB>(x, g, u, ids, act);                                                           \
+    moe_gate_up_##NAME(const float* x, QMat g, QMat u, const u32* ids, float* act, QMat sg, QMat su, int k) {     \
+        moe_gate_up_body<BITS, SB>(x, g, u, ids, act, sg, su, k);                                                \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                                            \
-    moe_down_##NAME(const float* act, QMat d, const u32* ids, const float* w, float* out, int k) {               \
-        moe_down_body<BITS, SB>(act, d, ids, w, out, k);                                                         \
+    moe_down_##NAME(const float* act, QMat d, const u32* ids, const float* w, float* out, int k, QMat sd,         \
+                    const float* slogit) {                                                                       \
+        moe_down_body<BITS, SB>(act, d, ids, w, out, k, sd, slogit);                                             \
     }
 
 FOR_EACH_FORMAT(MOE_KERNELS)

@@ -10,7 +10,7 @@
 // k-step of the GEMM) never straddles a group, and every row starts 16-byte aligned.
 //
 // * warp_dot_rows: one warp, one weight row, up to MAXR rows of x (the GEMV inner loop). Lanes take
-//   u32 words of the row in turn (coalesced 128 B per warp load, 4 loads in flight per lane, x
+//   u32 words of the row in turn (coalesced 128 B per warp load, 8 loads in flight per lane, x
 //   loads coalesced too) and never dequantize: they use
 //   sum_k (s*q_k + b)*x_k = s*sum_k q_k x_k + b*sum_k x_k per word (as cpu/matmul.rs's GEMV).
 //   Each lane returns a partial sum; the caller reduces across the warp.
@@ -62,8 +62,8 @@ __device__ __forceinline__ float deq_elem(const QMat& m, int e, u64 o, int k) {
 }
 
 // acc[t] += (partial) dot(W[e][o], x[t]) for t < rows (rows <= MAXR), this lane's share.
-// Quantized rows go word by word: lane l takes u32 words l, l+32, l+64, l+96 (each step a
-// coalesced 128-byte load per warp; 4 loads issued before any is used), and the x values of a
+// Quantized rows go word by word: lane l takes u32 words l, l+32, l+64, ... (each step a
+// coalesced 128-byte load per warp; DOT_IN_FLIGHT loads issued before any is used), and the x values of a
 // word (8 or 4 consecutive floats) are then contiguous across the lanes too, so x loads coalesce.
 // Dense rows go by 16-byte chunks (4 floats) in the same pattern.
 template <int BITS, typename SB, int MAXR>
@@ -103,6 +103,10 @@ __device__ __forceinline__ void dot_unit(const QMat& m, u64 grow, uint4 wv, int 
     }
 }
 
+// Loads each lane issues before using any: 8 covers a 2048-wide 4-bit row (256 words) in one
+// round trip. A decode GEMV is latency-bound when its matrix has few rows per SM (2048-row
+// out_proj: ~2 blocks per SM), so bytes in flight per warp set its speed; 4 took two trips.
+#define DOT_IN_FLIGHT 8
 template <int BITS, typename SB, int MAXR>
 __device__ __forceinline__ void warp_dot_rows(const QMat& m, int e, int o, const float* __restrict__ x, u64 ldx,
                                               int rows, float* acc, int lane) {
@@ -110,10 +114,10 @@ __device__ __forceinline__ void warp_dot_rows(const QMat& m, int e, int o, const
     const u64 grow = (u64)e * m.gpm + (u64)o * (u64)(m.inp / m.gs);
     // units: u32 words (quantized) or 16-byte chunks (dense)
     const int nu = BITS == 32 ? m.inp / 4 : m.inp / (32 / BITS);
-    for (int u0 = lane; u0 < nu; u0 += 128) {
-        uint4 wv[4];
+    for (int u0 = lane; u0 < nu; u0 += 32 * DOT_IN_FLIGHT) {
+        uint4 wv[DOT_IN_FLIGHT];
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < DOT_IN_FLIGHT; i++) {
             const int u = u0 + 32 * i;
             if (u < nu) {
                 if constexpr (BITS == 32) wv[i] = __ldg((const uint4*)wrow + u);
@@ -123,7 +127,7 @@ __device__ __forceinline__ void warp_dot_rows(const QMat& m, int e, int o, const
             }
         }
 #pragma unroll
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < DOT_IN_FLIGHT; i++)
             if (u0 + 32 * i < nu) dot_unit<BITS, SB, MAXR>(m, grow, wv[i], u0 + 32 * i, x, ldx, rows, acc);
     }
 }
