@@ -1211,7 +1211,7 @@ impl Backend for Cuda {
         let (h, k) = (d.hidden, route.k);
         let width = gate.out;
         if !(self.experts_ok(gate, up, down, d, op)
-            && self.ensure(gate.fmt == up.fmt && k <= 16, || format!("{op}: gate and up weights in different formats, or top-{k} > 16"))
+            && self.ensure(gate.fmt == up.fmt, || format!("{op}: gate and up weights in different formats"))
             && self.buf_ok(x, h, "x", op)
             && self.buf_ok(out, h, "out", op))
         {
@@ -1230,7 +1230,9 @@ impl Backend for Cuda {
         let fold = shared.filter(|sh| sh.gate.fmt == gate.fmt && sh.up.fmt == gate.fmt && sh.down.fmt == down.fmt);
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let ws = fold.map_or(0, |sh| sh.gate.out);
+        let slots = k + fold.is_some() as usize;
         let Some(act) = self.scratch(&mut sc, "moe_act1", 4 * (k * width + ws)) else { return };
+        let Some(y) = self.scratch(&mut sc, "moe_y1", 4 * slots * h) else { return };
         let none = QMat::none();
         let (sg, su, sd, slogit) = match fold {
             Some(sh) => (sh.gate.q(), sh.up.q(), sh.down.q(), sh.logit.mem.ptr),
@@ -1243,13 +1245,8 @@ impl Backend for Cuda {
             0,
             &[Arg::P(x.mem.ptr), Arg::Q(gate.q()), Arg::Q(up.q()), Arg::P(route.ids.ptr), Arg::P(act), Arg::Q(sg), Arg::Q(su), Arg::I(k as i32)],
         );
-        self.launch(
-            &format!("moe_down_{}", down.fmt.suffix()),
-            (grid1(h, 8), 1, 1),
-            256,
-            0,
-            &[Arg::P(act), Arg::Q(down.q()), Arg::P(route.ids.ptr), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::Q(sd), Arg::P(slogit)],
-        );
+        self.launch(&format!("moe_down_{}", down.fmt.suffix()), (grid1(h, 8), slots as u32, 1), 256, 0, &[Arg::P(act), Arg::Q(down.q()), Arg::P(route.ids.ptr), Arg::P(y), Arg::I(k as i32), Arg::Q(sd)]);
+        self.launch("moe_down_combine", (grid1(h, 256), 1, 1), 256, 0, &[Arg::P(y), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::I(h as i32), Arg::P(slogit)]);
         if let (Some(sh), None) = (shared, fold) {
             // A shared expert in another format: its own GEMVs, then the gated add (the model's
             // unfused order).

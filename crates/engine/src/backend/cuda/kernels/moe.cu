@@ -26,11 +26,14 @@
 //                      (shared) uses the shared expert's gate/up (width_s rows, act at k * width).
 //                      Warp per output row, grid (ceil(max(width, width_s)/8), k + shared), 256
 //                      threads.
-//   moe_down_<fmt>     out[o] = sum_j w_j * (down_{ids[j]} . act_j) in slot order, then (shared)
-//                      + sigmoid(slogit[0]) * (shared_down . act_k): the order of cpu/moe.rs's
-//                      experts followed by add_sigmoid_gated. Warp per output row (all dots
-//                      issued before the sums), grid ceil(hidden/8); k <= 16. The shared expert
-//                      must have the experts' format (checked on the host).
+//   moe_down_<fmt>     y[j, o] = down_{ids[j]} . act_j (slot k: the shared expert's down): warp per
+//                      (slot, output row), grid (ceil(hidden/8), k + shared). One dot per warp:
+//                      a warp that walked all 9 slots of a row measured ~20 us per layer on the
+//                      H200, a chain of dependent loads (id, weights, scales) per slot.
+//   moe_down_combine   out[o] = sum_j w_j * y[j, o] in slot order, then (shared) + sigmoid(slogit[0])
+//                      * y[k, o]: the order of cpu/moe.rs's experts followed by add_sigmoid_gated.
+//                      Grid ceil(hidden/256), 256 threads. The shared expert must have the
+//                      experts' format (checked on the host; otherwise it runs on its own).
 
 extern "C" __global__ void __launch_bounds__(256)
 moe_route(const float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ weights, int E, int k, int norm_topk) {
@@ -208,32 +211,29 @@ __device__ __forceinline__ void moe_gate_up_body(const float* __restrict__ x, QM
     if (lane == 0) act[(u64)j * g.out + o] = silu_f(gv) * uv;
 }
 
-#define MOE_MAXK 16  // top-k of the decode kernel (checked on the host)
-
 template <int BITS, typename SB>
 __device__ __forceinline__ void moe_down_body(const float* __restrict__ act, QMat d, const u32* __restrict__ ids,
-                                              const float* __restrict__ w, float* __restrict__ out, int k, QMat sd,
-                                              const float* __restrict__ slogit) {
+                                              float* __restrict__ y, int k, QMat sd) {
     const int lane = threadIdx.x & 31;
     const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const int j = blockIdx.y;
     if (o >= d.out) return;
-    // All dots first (independent loads in flight), then the weighted sum in slot order.
-    float part[MOE_MAXK], ps = 0.0f;
-#pragma unroll
-    for (int j = 0; j < MOE_MAXK; j++) {
-        part[j] = 0.0f;
-        if (j < k) warp_dot_rows<BITS, SB, 1>(d, ids[j], o, act + (u64)j * d.inp, 0, 1, &part[j], lane);
-    }
-    if (slogit) warp_dot_rows<BITS, SB, 1>(sd, 0, o, act + (u64)k * d.inp, 0, 1, &ps, lane);
+    const bool shared = j == k;  // only launched with shared
+    float part[1] = {0.0f};
+    warp_dot_rows<BITS, SB, 1>(shared ? sd : d, shared ? 0 : ids[j], o, act + (u64)j * d.inp, 0, 1, part, lane);
+    const float v = warp_sum(part[0]);
+    if (lane == 0) y[(u64)j * d.out + o] = v;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+moe_down_combine(const float* __restrict__ y, const float* __restrict__ w, float* __restrict__ out, int k, int h,
+                 const float* __restrict__ slogit) {
+    const int o = blockIdx.x * blockDim.x + threadIdx.x;
+    if (o >= h) return;
     float total = 0.0f;
-#pragma unroll
-    for (int j = 0; j < MOE_MAXK; j++)
-        if (j < k) total += w[j] * warp_sum(part[j]);
-    if (slogit) {
-        const float sv = warp_sum(ps);
-        total += sigmoid_f(slogit[0]) * sv;
-    }
-    if (lane == 0) out[o] = total;
+    for (int j = 0; j < k; j++) total += w[j] * y[(u64)j * h + o];
+    if (slogit) total += sigmoid_f(slogit[0]) * y[(u64)k * h + o];
+    out[o] = total;
 }
 
 #define MOE_KERNELS(NAME, BITS, SB)                                                                              \
@@ -252,9 +252,8 @@ __device__ __forceinline__ void moe_down_body(const float* __restrict__ act, QMa
         moe_gate_up_body<BITS, SB>(x, g, u, ids, act, sg, su, k);                                                \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                                            \
-    moe_down_##NAME(const float* act, QMat d, const u32* ids, const float* w, float* out, int k, QMat sd,         \
-                    const float* slogit) {                                                                       \
-        moe_down_body<BITS, SB>(act, d, ids, w, out, k, sd, slogit);                                             \
+    moe_down_##NAME(const float* act, QMat d, const u32* ids, float* y, int k, QMat sd) {                       \
+        moe_down_body<BITS, SB>(act, d, ids, y, k, sd);                                                          \
     }
 
 FOR_EACH_FORMAT(MOE_KERNELS)
