@@ -444,9 +444,9 @@ fn attention_prefill_then_decode() {
         check(&format!("attn_qk_norm_rope rows {rows} pos {pos0} (gate)"), rel_rows(&h(&g, &ggate), &cgate, hd), EXACT);
     }
 
-    // Two prefill chunks, decode steps, a long chunk, decode steps past 256 keys (the split decode
-    // kernel then merges several blocks): the cache carries over.
-    // A capacity that makes the decode splits 96 keys (3 shared-memory tiles of 32) and 209 of them.
+    // Two prefill chunks, decode steps, a long chunk, decode steps past several splits (the
+    // combine then merges them): the cache carries over. The capacity makes the decode splits
+    // 96 keys (3 shared-memory tiles of 32), 209 of them.
     let cap = 20_000;
     let mut ckv = kv_new(&Cpu, cap, kvd);
     let mut gkv = kv_new(&g, cap, kvd);
