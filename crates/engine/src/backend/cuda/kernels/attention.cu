@@ -63,7 +63,7 @@
 extern "C" __global__ void __launch_bounds__(128)
 attn_qk_norm_rope(const float* __restrict__ qg, float* __restrict__ k, const float* __restrict__ qn,
                   const float* __restrict__ kn, float* __restrict__ q, float* __restrict__ gate, int H, int KV, int hd,
-                  int rot, double theta, int pos0, float eps, const int* __restrict__ posp) {
+                  int rot, double theta, int pos0, float eps, const int* __restrict__ posp) { PDL_ENTRY();
     extern __shared__ float y[];
     __shared__ float sh[32];
     int t = blockIdx.x, hh = blockIdx.y;
@@ -160,7 +160,7 @@ __device__ __forceinline__ void attn_range(const float* __restrict__ qp, const u
 
 extern "C" __global__ void __launch_bounds__(256)
 attn_rows(const float* __restrict__ q, const float* __restrict__ gate, const u16* __restrict__ kc,
-          const u16* __restrict__ vc, float* __restrict__ out, int H, int KV, int hd, int pos0, float scale) {
+          const u16* __restrict__ vc, float* __restrict__ out, int H, int KV, int hd, int pos0, float scale) { PDL_ENTRY();
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
     __shared__ float sacc[ATT_WARPS][ATT_MAXD * 32];
     const int t = blockIdx.x, h = blockIdx.y;
@@ -178,7 +178,7 @@ attn_rows(const float* __restrict__ q, const float* __restrict__ gate, const u16
 
 extern "C" __global__ void __launch_bounds__(256)
 kv_append(const float* __restrict__ k, const float* __restrict__ v, u16* __restrict__ kc, u16* __restrict__ vc,
-          int kvd, int rows, int pos0, const int* __restrict__ posp) {
+          int kvd, int rows, int pos0, const int* __restrict__ posp) { PDL_ENTRY();
     // Element i .. i+3 of the rows (kvd % 4 == 0: the four stay in one row, and the 8-byte store
     // at (p0 * kvd + i) bf16 is aligned).
     const u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * 4;
@@ -197,7 +197,7 @@ kv_append(const float* __restrict__ k, const float* __restrict__ v, u16* __restr
 #define ATT_TILE 32
 extern "C" __global__ void __launch_bounds__(256)
 attn_decode_split(const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
-                  float* __restrict__ part, int H, int KV, int hd, const int* __restrict__ posp, int split, float scale) {
+                  float* __restrict__ part, int H, int KV, int hd, const int* __restrict__ posp, int split, float scale) { PDL_ENTRY();
     extern __shared__ __align__(16) u16 kvtile[];  // K then V: [ATT_TILE][hd] bf16 each
     u16* ks = kvtile;
     u16* vs = kvtile + ATT_TILE * hd;
@@ -267,7 +267,7 @@ attn_decode_split(const float* __restrict__ q, const u16* __restrict__ kc, const
 // gate: grid H, 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
 attn_decode_combine(const float* __restrict__ part, const float* __restrict__ gate, float* __restrict__ out, int hd,
-                    int ns_max, const int* __restrict__ posp, int split) {
+                    int ns_max, const int* __restrict__ posp, int split) { PDL_ENTRY();
     const int h = blockIdx.x;
     const int ns = (posp[0] + split) / split;  // ceil((pos + 1) / split)
     const float* pp = part + (u64)h * ns_max * (hd + 2);
@@ -449,7 +449,7 @@ __device__ __forceinline__ void attn_tc_body(const float* __restrict__ q, const 
 #define ATTN_TC(HD)                                                                                              \
     extern "C" __global__ void __launch_bounds__(128)                                                            \
     attn_tc_##HD(const float* q, const float* gate, const u16* kc, const u16* vc, float* out, int H, int KV,     \
-                 int rows, int pos0, float scale) {                                                              \
+                 int rows, int pos0, float scale) { PDL_ENTRY();                                                              \
         attn_tc_body<HD>(q, gate, kc, vc, out, H, KV, rows, pos0, scale);                                        \
     }
 ATTN_TC(64)

@@ -13,6 +13,24 @@ typedef unsigned short u16;
 typedef unsigned long long u64;
 
 #define FULL_MASK 0xffffffffu
+
+// Programmatic dependent launch (Hopper; opt-in, LILY_CUDA_PDL=1, see `pdl` in mod.rs for the
+// measurement): the host launches every kernel allowed to start while the previous kernel still
+// runs; each kernel's first statement waits until that kernel has completed and its writes are
+// visible, so stream order holds as before. Then it lets its own dependent launch: the next
+// kernel's launch and block scheduling overlap this one's work instead of following it. Both are
+// no-ops without the launch attribute and before sm_90.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_ENTRY()                                              \
+    do {                                                         \
+        asm volatile("griddepcontrol.wait;" ::: "memory");       \
+        asm volatile("griddepcontrol.launch_dependents;" :::);   \
+    } while (0)
+#else
+#define PDL_ENTRY() \
+    do {            \
+    } while (0)
+#endif
 #define NEG_INF __int_as_float(0xff800000)
 
 __device__ __forceinline__ float bf16f(u16 x) { return __uint_as_float(((u32)x) << 16); }

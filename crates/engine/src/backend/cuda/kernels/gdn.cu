@@ -72,7 +72,7 @@ __device__ __forceinline__ void conv_walk(const float* __restrict__ x, const flo
 
 extern "C" __global__ void __launch_bounds__(256)
 conv1d_prefill(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ state,
-               float* __restrict__ out, int C, int K, int rows) {
+               float* __restrict__ out, int C, int K, int rows) { PDL_ENTRY();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int t0 = blockIdx.y * CONV_RPT;
     if (c >= C) return;
@@ -90,7 +90,7 @@ conv1d_prefill(const float* __restrict__ x, const float* __restrict__ w, const f
 
 // state <- the last K-1 pre-conv rows of (old state, x): row rows-(K-1)+i for i < K-1. With
 // rows < K-1 the old rows shift down in place (ascending i reads old[i + rows] before it is written).
-extern "C" __global__ void conv1d_state(const float* __restrict__ x, float* __restrict__ state, int C, int K, int rows) {
+extern "C" __global__ void conv1d_state(const float* __restrict__ x, float* __restrict__ state, int C, int K, int rows) { PDL_ENTRY();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     for (int i = 0; i < K - 1; i++) {
@@ -99,7 +99,7 @@ extern "C" __global__ void conv1d_state(const float* __restrict__ x, float* __re
     }
 }
 
-extern "C" __global__ void conv1d_step(const float* x, const float* w, float* state, float* out, int C, int K) {
+extern "C" __global__ void conv1d_step(const float* x, const float* w, float* state, float* out, int C, int K) { PDL_ENTRY();
     conv_walk(x, w, state, out, C, K, 1);
 }
 
@@ -200,7 +200,7 @@ __device__ __forceinline__ void gdn_scan_body(const float* __restrict__ qkv, con
 #define GDN_SCAN(NC, RPW)                                                                                   \
     extern "C" __global__ void __launch_bounds__(128)                                                       \
     gdn_scan_##NC##_##RPW(const float* qkv, const float* b, const float* a, const float* a_log,             \
-                          const float* dt_bias, float* state, float* y, int rows, int hk, int hv, int dv) { \
+                          const float* dt_bias, float* state, float* y, int rows, int hk, int hv, int dv) { PDL_ENTRY(); \
         gdn_scan_body<NC, RPW>(qkv, b, a, a_log, dt_bias, state, y, rows, hk, hv, dv);                      \
     }
 GDN_SCAN(1, 2)
@@ -212,7 +212,7 @@ GDN_SCAN(4, 4)
 
 extern "C" __global__ void __launch_bounds__(128)
 gdn_gated_norm(const float* __restrict__ y, const float* __restrict__ z, const float* __restrict__ w, float* __restrict__ out,
-               int hv, int dv, float eps) {
+               int hv, int dv, float eps) { PDL_ENTRY();
     __shared__ float sh[32];
     const u64 base = ((u64)blockIdx.x * hv + blockIdx.y) * dv;
     float ss = 0.0f;

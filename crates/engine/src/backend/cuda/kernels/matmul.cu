@@ -114,27 +114,27 @@ __device__ __forceinline__ void gemv_many_body(const float* __restrict__ x, cons
 }
 
 #define MATMUL_KERNELS(NAME, BITS, SB)                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) gemv_many_##NAME(const float* x, Many p) {         \
+    extern "C" __global__ void __launch_bounds__(256) gemv_many_##NAME(const float* x, Many p) { PDL_ENTRY();         \
         gemv_many_body<BITS, SB>(x, p);                                                                 \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) gemv1_##NAME(const float* x, QMat m, float* out, int rows) { \
+    extern "C" __global__ void __launch_bounds__(256) gemv1_##NAME(const float* x, QMat m, float* out, int rows) { PDL_ENTRY(); \
         gemv_body<BITS, SB, 1>(x, m, out, rows);                                                        \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) gemv2_##NAME(const float* x, QMat m, float* out, int rows) { \
+    extern "C" __global__ void __launch_bounds__(256) gemv2_##NAME(const float* x, QMat m, float* out, int rows) { PDL_ENTRY(); \
         gemv_body<BITS, SB, 2>(x, m, out, rows);                                                        \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) gemv4_##NAME(const float* x, QMat m, float* out, int rows) { \
+    extern "C" __global__ void __launch_bounds__(256) gemv4_##NAME(const float* x, QMat m, float* out, int rows) { PDL_ENTRY(); \
         gemv_body<BITS, SB, 4>(x, m, out, rows);                                                        \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) gemv8_##NAME(const float* x, QMat m, float* out, int rows) { \
+    extern "C" __global__ void __launch_bounds__(256) gemv8_##NAME(const float* x, QMat m, float* out, int rows) { PDL_ENTRY(); \
         gemv_body<BITS, SB, 8>(x, m, out, rows);                                                        \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(256) gemm_##NAME(const float* x, QMat m, float* out, int rows) { \
+    extern "C" __global__ void __launch_bounds__(256) gemm_##NAME(const float* x, QMat m, float* out, int rows) { PDL_ENTRY(); \
         gemm_body<BITS, SB>(x, m, out, rows);                                                           \
     }                                                                                                   \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS) tc_gemm_##NAME(const float* x, QMat m, float* out, int rows) { \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) tc_gemm_##NAME(const float* x, QMat m, float* out, int rows) { PDL_ENTRY(); \
         tc_gemm_body<BITS, SB>(x, m, out, rows);                                                        \
     }                                                                                                   \
-    extern "C" __global__ void embed_##NAME(QMat m, const u32* ids, float* out) { embed_body<BITS, SB>(m, ids, out); }
+    extern "C" __global__ void embed_##NAME(QMat m, const u32* ids, float* out) { PDL_ENTRY(); embed_body<BITS, SB>(m, ids, out); }
 
 FOR_EACH_FORMAT(MATMUL_KERNELS)

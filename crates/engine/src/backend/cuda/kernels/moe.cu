@@ -36,7 +36,7 @@
 //                      experts' format (checked on the host; otherwise it runs on its own).
 
 extern "C" __global__ void __launch_bounds__(256)
-moe_route(const float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ weights, int E, int k, int norm_topk) {
+moe_route(const float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ weights, int E, int k, int norm_topk) { PDL_ENTRY();
     __shared__ float p[1024];
     __shared__ float sh[32];
     __shared__ float shv[32];
@@ -82,14 +82,14 @@ moe_route(const float* __restrict__ logits, u32* __restrict__ ids, float* __rest
     }
 }
 
-extern "C" __global__ void moe_count(const u32* __restrict__ ids, int* __restrict__ counts, int n) {
+extern "C" __global__ void moe_count(const u32* __restrict__ ids, int* __restrict__ counts, int n) { PDL_ENTRY();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) atomicAdd(&counts[ids[i]], 1);
 }
 
 // tiles: int3 (expert, first position, rows) as 3 ints each.
 extern "C" __global__ void moe_plan(const int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ cursor,
-                                    int* __restrict__ tiles, int* __restrict__ ntiles, int E) {
+                                    int* __restrict__ tiles, int* __restrict__ ntiles, int E) { PDL_ENTRY();
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     int off = 0, nt = 0;
     for (int e = 0; e < E; e++) {
@@ -108,7 +108,7 @@ extern "C" __global__ void moe_plan(const int* __restrict__ counts, int* __restr
     *ntiles = nt;
 }
 
-extern "C" __global__ void moe_scatter(const u32* __restrict__ ids, int* __restrict__ cursor, int* __restrict__ perm, int n) {
+extern "C" __global__ void moe_scatter(const u32* __restrict__ ids, int* __restrict__ cursor, int* __restrict__ perm, int n) { PDL_ENTRY();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         int p = atomicAdd(&cursor[ids[i]], 1);
@@ -185,7 +185,7 @@ __device__ __forceinline__ void moe_tc_gemm_body(const float* __restrict__ x, QM
 }
 
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w, float* __restrict__ out,
-                                       int k, int dim) {
+                                       int k, int dim) { PDL_ENTRY();
     const int t = blockIdx.x;
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         float o = 0.0f;
@@ -227,7 +227,7 @@ __device__ __forceinline__ void moe_down_body(const float* __restrict__ act, QMa
 
 extern "C" __global__ void __launch_bounds__(256)
 moe_down_combine(const float* __restrict__ y, const float* __restrict__ w, float* __restrict__ out, int k, int h,
-                 const float* __restrict__ slogit) {
+                 const float* __restrict__ slogit) { PDL_ENTRY();
     const int o = blockIdx.x * blockDim.x + threadIdx.x;
     if (o >= h) return;
     float total = 0.0f;
@@ -239,20 +239,20 @@ moe_down_combine(const float* __restrict__ y, const float* __restrict__ w, float
 #define MOE_KERNELS(NAME, BITS, SB)                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                                            \
     moe_gemm_##NAME(const float* x, QMat m, const int* perm, const int* tiles, const int* ntiles, float* out, int k, \
-                    int mode) {                                                                                  \
+                    int mode) { PDL_ENTRY();                                                                                  \
         moe_gemm_body<BITS, SB>(x, m, perm, tiles, ntiles, out, k, mode);                                        \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                     \
     moe_tc_gemm_##NAME(const float* x, QMat m, const int* perm, const int* tiles, const int* ntiles, float* out, int k, \
-                       int mode) {                                                                               \
+                       int mode) { PDL_ENTRY();                                                                               \
         moe_tc_gemm_body<BITS, SB>(x, m, perm, tiles, ntiles, out, k, mode);                                     \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                                            \
-    moe_gate_up_##NAME(const float* x, QMat g, QMat u, const u32* ids, float* act, QMat sg, QMat su, int k) {     \
+    moe_gate_up_##NAME(const float* x, QMat g, QMat u, const u32* ids, float* act, QMat sg, QMat su, int k) { PDL_ENTRY();     \
         moe_gate_up_body<BITS, SB>(x, g, u, ids, act, sg, su, k);                                                \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                                            \
-    moe_down_##NAME(const float* act, QMat d, const u32* ids, float* y, int k, QMat sd) {                       \
+    moe_down_##NAME(const float* act, QMat d, const u32* ids, float* y, int k, QMat sd) { PDL_ENTRY();                       \
         moe_down_body<BITS, SB>(act, d, ids, y, k, sd);                                                          \
     }
 

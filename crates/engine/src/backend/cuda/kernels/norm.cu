@@ -6,7 +6,7 @@
 // Elementwise ops: one thread per element, 256-thread blocks, grid = ceil(len/256).
 
 extern "C" __global__ void __launch_bounds__(256)
-rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, int dim, float eps) {
+rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __restrict__ out, int dim, float eps) { PDL_ENTRY();
     __shared__ float sh[32];
     const float* xr = x + (u64)blockIdx.x * dim;
     float* o = out + (u64)blockIdx.x * dim;
@@ -20,7 +20,7 @@ rms_norm(const float* __restrict__ x, const float* __restrict__ w, float* __rest
 // h += r (in place), then out = rms_norm(h) * w.
 extern "C" __global__ void __launch_bounds__(256)
 add_rms_norm(float* __restrict__ h, const float* __restrict__ res, const float* __restrict__ w, float* __restrict__ out,
-             int dim, float eps) {
+             int dim, float eps) { PDL_ENTRY();
     __shared__ float sh[32];
     float* hr = h + (u64)blockIdx.x * dim;
     const float* rr = res + (u64)blockIdx.x * dim;
@@ -36,19 +36,19 @@ add_rms_norm(float* __restrict__ h, const float* __restrict__ res, const float* 
     for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = hr[i] * r * w[i];
 }
 
-extern "C" __global__ void add_inplace(float* __restrict__ h, const float* __restrict__ r, u64 len) {
+extern "C" __global__ void add_inplace(float* __restrict__ h, const float* __restrict__ r, u64 len) { PDL_ENTRY();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) h[i] += r[i];
 }
 
-extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ out, u64 len) {
+extern "C" __global__ void swiglu(const float* __restrict__ g, const float* __restrict__ u, float* __restrict__ out, u64 len) { PDL_ENTRY();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < len) out[i] = silu_f(g[i]) * u[i];
 }
 
 // y[t, :] += sigmoid(s[t]) * shared[t, :]
 extern "C" __global__ void add_sigmoid_gated(float* __restrict__ y, const float* __restrict__ shared, const float* __restrict__ s,
-                                             int rows, int dim) {
+                                             int rows, int dim) { PDL_ENTRY();
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (u64)rows * dim) return;
     float g = sigmoid_f(s[i / dim]);

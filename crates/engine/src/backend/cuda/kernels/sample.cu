@@ -25,13 +25,13 @@ __device__ __forceinline__ int row_argmax(const float* __restrict__ l, int vocab
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
-argmax(const float* __restrict__ logits, u32* __restrict__ out, int vocab) {
+argmax(const float* __restrict__ logits, u32* __restrict__ out, int vocab) { PDL_ENTRY();
     int bi = row_argmax(logits + (u64)blockIdx.x * vocab, vocab);
     if (threadIdx.x == 0) out[blockIdx.x] = (u32)bi;
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-argmax_partial(const float* __restrict__ logits, float* __restrict__ pv, int* __restrict__ pi, int vocab) {
+argmax_partial(const float* __restrict__ logits, float* __restrict__ pv, int* __restrict__ pi, int vocab) { PDL_ENTRY();
     __shared__ float shv[32];
     __shared__ int shi[32];
     const int per = (vocab + gridDim.x - 1) / gridDim.x;
@@ -47,7 +47,7 @@ argmax_partial(const float* __restrict__ logits, float* __restrict__ pv, int* __
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
-argmax_step(const float* __restrict__ pv, const int* __restrict__ pi, u32* __restrict__ step, int nparts) {
+argmax_step(const float* __restrict__ pv, const int* __restrict__ pi, u32* __restrict__ step, int nparts) { PDL_ENTRY();
     __shared__ float shv[32];
     __shared__ int shi[32];
     float bv = NEG_INF;
