@@ -162,3 +162,14 @@ def settled_metrics(http: httpx.Client, timeout: float = 20.0) -> Metrics:
         if time.monotonic() > deadline:
             return m
         time.sleep(0.05)
+
+
+def check_error_body(body) -> dict:
+    """OpenAI's error shape: `{"error": {message, type, param, code}}` with a non-empty message.
+    Returns the error object."""
+    assert isinstance(body, dict) and isinstance(body.get("error"), dict), body
+    e = body["error"]
+    for k in ("message", "type", "param", "code"):
+        assert k in e, f"error object lacks {k!r}: {body}"
+    assert isinstance(e["message"], str) and e["message"]
+    return e

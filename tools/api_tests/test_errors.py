@@ -8,7 +8,7 @@ import httpx
 import openai
 import pytest
 
-from common import MODEL_NAME, NO_THINK, make_client
+from common import MODEL_NAME, NO_THINK, check_error_body, make_client
 
 
 def long_text(words: int) -> str:
@@ -19,13 +19,7 @@ def long_text(words: int) -> str:
 
 def error_obj(exc: openai.APIStatusError) -> dict:
     """The `error` object of the response body."""
-    body = exc.response.json()
-    assert isinstance(body, dict) and isinstance(body.get("error"), dict), body
-    e = body["error"]
-    for k in ("message", "type", "param", "code"):
-        assert k in e, f"error object lacks {k!r}: {body}"
-    assert isinstance(e["message"], str) and e["message"]
-    return e
+    return check_error_body(exc.response.json())
 
 
 # ---- context length -----------------------------------------------------------------------------

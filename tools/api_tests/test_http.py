@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from common import MAX_CONTEXT, MODEL_NAME
+from common import MAX_CONTEXT, MODEL_NAME, check_error_body
 
 CHAT = "/v1/chat/completions"
 NO_THINK = {"chat_template_kwargs": {"enable_thinking": False}}
@@ -31,12 +31,7 @@ def assert_error(r: httpx.Response, statuses=(400,)):
     except ValueError:
         pytest.fail(f"error body is not JSON ({r.status_code}, content-type "
                     f"{r.headers.get('content-type')}): {r.text[:300]!r}")
-    assert isinstance(j, dict) and isinstance(j.get("error"), dict), j
-    e = j["error"]
-    for k in ("message", "type", "param", "code"):
-        assert k in e, f"error lacks {k!r}: {j}"
-    assert isinstance(e["message"], str) and e["message"]
-    return e
+    return check_error_body(j)
 
 
 def post_raw(http, data: bytes, content_type="application/json", path=CHAT):
