@@ -1010,35 +1010,20 @@ impl Backend for Cuda {
         );
         let scale = 1.0 / (hd as f32).sqrt();
         let group = h / kvh;
-        if self.tensor_core_attention() && matches!(hd, 64 | 128 | 256) && 64 % group == 0 {
+        // Both kernels take (q, gate, K, V, out, H, KV, <rows | hd>, pos0, scale).
+        let (name, grid, threads, smem, rows_or_hd) = if self.tensor_core_attention() && matches!(hd, 64 | 128 | 256) && 64 % group == 0 {
             // attn_tc_<hd>: 64 query rows (64/group tokens × group heads) per block, Q/K/V tiles of
             // 64 × (hd + 8) bf16 in dynamic shared memory.
             let tq = 64 / group;
-            self.launch(
-                &format!("attn_tc_{hd}"),
-                (grid1(rows, tq), kvh as u32, 1),
-                128,
-                (3 * 64 * (hd + 8) * 2) as u32,
-                &[
-                    Arg::P(q.mem.ptr),
-                    Arg::P(gate.mem.ptr),
-                    Arg::P(kv.k.mem.ptr),
-                    Arg::P(kv.v.mem.ptr),
-                    Arg::P(out.mem.ptr),
-                    Arg::I(h as i32),
-                    Arg::I(kvh as i32),
-                    Arg::I(rows as i32),
-                    Arg::I(pos0 as i32),
-                    Arg::F(scale),
-                ],
-            );
-            return;
-        }
+            (format!("attn_tc_{hd}"), (grid1(rows, tq), kvh as u32, 1), 128, (3 * 64 * (hd + 8) * 2) as u32, rows)
+        } else {
+            ("attn_rows".to_string(), (rows as u32, h as u32, 1), 256, 0, hd)
+        };
         self.launch(
-            "attn_rows",
-            (rows as u32, h as u32, 1),
-            256,
-            0,
+            &name,
+            grid,
+            threads,
+            smem,
             &[
                 Arg::P(q.mem.ptr),
                 Arg::P(gate.mem.ptr),
@@ -1047,7 +1032,7 @@ impl Backend for Cuda {
                 Arg::P(out.mem.ptr),
                 Arg::I(h as i32),
                 Arg::I(kvh as i32),
-                Arg::I(hd as i32),
+                Arg::I(rows_or_hd as i32),
                 Arg::I(pos0 as i32),
                 Arg::F(scale),
             ],

@@ -116,22 +116,20 @@ extern "C" __global__ void moe_scatter(const u32* __restrict__ ids, int* __restr
     }
 }
 
-template <int BITS, typename SB>
-__device__ __forceinline__ void moe_gemm_body(const float* __restrict__ x, QMat m, const int* __restrict__ perm,
-                                              const int* __restrict__ tiles, const int* __restrict__ ntiles,
-                                              float* __restrict__ out, int k, int mode) {
-    __shared__ __align__(16) float As[GT_K][GT_PAD];
-    __shared__ __align__(16) float Ws[GT_K][GT_PAD];
-    __shared__ int xrow[GT_M];
-    __shared__ int orow[GT_M];
+static_assert(GT_M == TC_M, "moe_plan's tiles (and moe_tile_rows) feed both grouped GEMMs");
+
+// A grouped-GEMM block's tile (block y): its expert, and the x row / output row of each of its
+// GT_M tile rows in xrow / orow (-1: padding), per `mode` (see moe_tc_gemm in the header).
+// Returns -1 when the block has no tile. Ends with a barrier; call from all threads.
+__device__ __forceinline__ int moe_tile_rows(const int* __restrict__ perm, const int* __restrict__ tiles,
+                                             const int* __restrict__ ntiles, int k, int mode, int* xrow, int* orow) {
     const int tile = blockIdx.y;
-    if (tile >= *ntiles) return;
+    if (tile >= *ntiles) return -1;  // uniform over the block: no thread reaches the barrier
     const int e = tiles[3 * tile], p0 = tiles[3 * tile + 1], cnt = tiles[3 * tile + 2];
-    const int n0 = blockIdx.x * GT_N;
     if (threadIdx.x < GT_M) {
-        int i = threadIdx.x;
+        const int i = threadIdx.x;
         if (i < cnt) {
-            int p = p0 + i;
+            const int p = p0 + i;
             xrow[i] = mode == 0 ? perm[p] / k : p;
             orow[i] = mode == 0 ? p : perm[p];
         } else {
@@ -140,6 +138,20 @@ __device__ __forceinline__ void moe_gemm_body(const float* __restrict__ x, QMat 
         }
     }
     __syncthreads();
+    return e;
+}
+
+template <int BITS, typename SB>
+__device__ __forceinline__ void moe_gemm_body(const float* __restrict__ x, QMat m, const int* __restrict__ perm,
+                                              const int* __restrict__ tiles, const int* __restrict__ ntiles,
+                                              float* __restrict__ out, int k, int mode) {
+    __shared__ __align__(16) float As[GT_K][GT_PAD];
+    __shared__ __align__(16) float Ws[GT_K][GT_PAD];
+    __shared__ int xrow[GT_M];
+    __shared__ int orow[GT_M];
+    const int e = moe_tile_rows(perm, tiles, ntiles, k, mode, xrow, orow);
+    if (e < 0) return;
+    const int n0 = blockIdx.x * GT_N;
     float acc[4][4];
     gemm_tile<BITS, SB>(m, e, n0, x, (u64)m.inp, xrow, As, Ws, acc);
     int ty = threadIdx.x >> 4, tx = threadIdx.x & 15;
@@ -155,30 +167,15 @@ __device__ __forceinline__ void moe_gemm_body(const float* __restrict__ x, QMat 
     }
 }
 
-static_assert(GT_M == TC_M, "moe_plan's tiles feed both grouped GEMMs");
-
 template <int BITS, typename SB>
 __device__ __forceinline__ void moe_tc_gemm_body(const float* __restrict__ x, QMat m, const int* __restrict__ perm,
                                                  const int* __restrict__ tiles, const int* __restrict__ ntiles,
                                                  float* __restrict__ out, int k, int mode) {
     __shared__ int xrow[TC_M];
     __shared__ int orow[TC_M];
-    const int tile = blockIdx.y;
-    if (tile >= *ntiles) return;
-    const int e = tiles[3 * tile], p0 = tiles[3 * tile + 1], cnt = tiles[3 * tile + 2];
+    const int e = moe_tile_rows(perm, tiles, ntiles, k, mode, xrow, orow);
+    if (e < 0) return;
     const int n0 = blockIdx.x * TC_N;
-    if (threadIdx.x < TC_M) {
-        const int i = threadIdx.x;
-        if (i < cnt) {
-            const int p = p0 + i;
-            xrow[i] = mode == 0 ? perm[p] / k : p;
-            orow[i] = mode == 0 ? p : perm[p];
-        } else {
-            xrow[i] = -1;
-            orow[i] = -1;
-        }
-    }
-    __syncthreads();
     float acc[1][2][4][4];
     tc_tile<BITS, SB, 1>(QMats<1>{{m}}, e, n0, x, (u64)m.inp, xrow, acc);
     tc_store_out(acc[0], orow, n0, m.out, out, (u64)m.out);
