@@ -270,6 +270,8 @@ unsafe impl Send for Records {}
 
 /// Records kept: one per live sequence state in practice (the prefix cache forks a few).
 const MAX_RECORDS: usize = 8;
+/// Keys remembered as seen once (a server makes a state per forked request: bounded memory).
+const MAX_SEEN: usize = 4096;
 
 /// A kernel argument (passed to cuLaunchKernel by address).
 enum Arg {
@@ -642,12 +644,17 @@ impl Cuda {
     /// logits for the host sampler: 1 MB per token) go through a page-locked staging buffer: a
     /// copy into pageable memory measured 0.42 ms for them on the H200.
     fn read_u32(&self, src: u64, n: usize) -> Result<Vec<u32>> {
-        self.check()?;
+        // One wait per read (a decode step's token is read every step): the copy is queued behind
+        // the work it reads, then `check` synchronizes and reports the first error of any op.
+        if self.failed() {
+            self.check()?;
+        }
+        self.ctx.bind_to_thread()?;
         let mut v = vec![0u32; n];
         if n < PINNED_MIN {
-            // SAFETY: `src` holds n u32 (checked by the caller); synchronous below.
+            // SAFETY: `src` holds n u32 (checked by the caller); `check` waits for the copy.
             unsafe { dr::memcpy_dtoh_async(&mut v[..], src, self.stream.cu_stream()) }?;
-            self.stream.synchronize()?;
+            self.check()?;
             return Ok(v);
         }
         let mut pin = self.pinned.lock().unwrap_or_else(|e| e.into_inner());
@@ -657,9 +664,9 @@ impl Cuda {
             *pin = Some(unsafe { self.ctx.alloc_pinned_with_flags::<u32>(n.next_power_of_two(), 0) }.context("CUDA backend: page-locked staging buffer")?);
         }
         let dst = pin.as_mut().expect("just made").as_mut_slice()?;
-        // SAFETY: `src` holds n u32 and `dst` at least n; synchronous below.
+        // SAFETY: `src` holds n u32 and `dst` at least n; `check` waits for the copy.
         unsafe { dr::memcpy_dtoh_async(&mut dst[..n], src, self.stream.cu_stream()) }?;
-        self.stream.synchronize()?;
+        self.check()?;
         v.copy_from_slice(&dst[..n]);
         Ok(v)
     }
@@ -758,6 +765,11 @@ impl Backend for Cuda {
                 return launched.map_err(|e| anyhow!("CUDA backend: launching a recorded decode step: {e}"));
             }
             recs.recs.remove(i); // stale: a scratch buffer it uses was replaced
+        }
+        if recs.seen.len() >= MAX_SEEN {
+            // Keys of states long dropped (ids are never reused); forgetting one only costs a
+            // live state one more direct step before it is recorded again.
+            recs.seen.clear();
         }
         if recs.seen.insert(key) {
             // First sight: run directly, so that every buffer the step needs exists.
