@@ -161,12 +161,6 @@ fn measure_flops() -> f64 {
     f64::NAN
 }
 
-/// Bytes per KV-cache element as the backend stores the cache (`Backend::kv_elem_bytes`): 4 on
-/// the CPU (f32, the reference), 2 on CUDA (bf16). Decode's roofline counts K and V at this size.
-fn kv_bytes_per_elem<B: Backend>(b: &B) -> usize {
-    b.kv_elem_bytes()
-}
-
 /// Bytes per element of the GDN recurrent state (f32 on every backend, by design).
 const GDN_STATE_BYTES: usize = 4;
 
@@ -311,7 +305,8 @@ fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<
         threads
     );
     eprintln!("lily bench: ceilings: {}", ceil.method);
-    let kv_elem = kv_bytes_per_elem(&m.backend);
+    // Decode's roofline counts K and V as the backend stores them (f32 on the CPU, bf16 on CUDA).
+    let kv_elem = m.backend.kv_elem_bytes();
     let max_len = prefill.iter().chain(decode.iter()).copied().max().unwrap_or(0) + a.decode_tokens + 1;
     let mut rows = Vec::new();
     println!("{:<8} {:>8} {:>12} {:>10} {:>10}", "phase", "length", "tok/s", "time s", "roofline");

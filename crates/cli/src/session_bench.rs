@@ -111,14 +111,15 @@ fn metric(base: &str, name: &str) -> f64 {
 
 pub fn run(a: SessionBenchArgs) -> Result<()> {
     let ctx = (a.context + a.context / 2 + 4096).max(8192);
-    let start = |bytes: usize| -> Result<Server> {
+    let start = |bytes: usize| -> Result<(Server, usize)> {
         let (r, ctx) = runner(&a.model, &a.common, Some(ctx), CacheArgs { bytes: Some(bytes), snapshot_every: a.snapshot_every })?;
+        let kv_elem = r.kv_elem_bytes();
         let mut o = ServeOptions::new(&a.model, ctx);
         o.port = 0;
-        Server::start(o, r)
+        Ok((Server::start(o, r)?, kv_elem))
     };
-    let off = start(0)?;
-    let on = start(a.cache_mem)?;
+    let (off, _) = start(0)?;
+    let (on, kv_elem) = start(a.cache_mem)?;
     let (b_off, b_on) = (format!("http://{}", off.addr), format!("http://{}", on.addr));
     let tools = json!([
         {"type": "function", "function": {"name": "read_file", "description": "Read a file of the project", "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
@@ -165,20 +166,17 @@ pub fn run(a: SessionBenchArgs) -> Result<()> {
     let n_attn = c.layer_is_attention.iter().filter(|&&x| x).count();
     let n_gdn = c.layer_is_attention.len() - n_attn;
     let snap_bytes = n_gdn * ((d.conv_kernel - 1) * d.conv_channels() + d.gdn_v_heads * d.gdn_v_dim * d.gdn_k_dim) * 4;
-    // The servers' backend is behind `dyn Runner`: the KV theory is given at f32 (the CPU's cache)
-    // and at bf16 (the CUDA backend's, Backend::kv_elem_bytes).
-    let kv_per_token = n_attn * 2 * d.n_kv_heads * d.head_dim * 4;
+    let kv_per_token = n_attn * 2 * d.n_kv_heads * d.head_dim * kv_elem;
     println!(
-        "\nsession time: cache off {sum_off:.2}s, on {sum_on:.2}s (ratio {:.2}×)\ncache: {entries} entries, {snaps} snapshots, {:.1} MiB held; theory: snapshot {:.2} MiB, KV {:.1} KiB/token (f32 KV, cpu) or {:.1} (bf16 KV, cuda)",
+        "\nsession time: cache off {sum_off:.2}s, on {sum_on:.2}s (ratio {:.2}×)\ncache: {entries} entries, {snaps} snapshots, {:.1} MiB held; theory: snapshot {:.2} MiB, KV {:.1} KiB/token ({kv_elem}-byte elements)",
         sum_off / sum_on.max(1e-9),
         bytes / 1048576.0,
         snap_bytes as f64 / 1048576.0,
         kv_per_token as f64 / 1024.0,
-        kv_per_token as f64 / 2048.0
     );
     if let Some(p) = &a.json {
         let v = json!({"rows": rows, "session_s_off": sum_off, "session_s_on": sum_on, "cache_bytes": bytes, "cache_entries": entries, "cache_snapshots": snaps,
-            "theory": {"snapshot_bytes": snap_bytes, "kv_bytes_per_token": kv_per_token, "kv_bytes_per_token_bf16": kv_per_token / 2}});
+            "theory": {"snapshot_bytes": snap_bytes, "kv_bytes_per_token": kv_per_token}});
         std::fs::write(p, serde_json::to_string_pretty(&v)?)?;
     }
     off.shutdown(Duration::from_secs(30))?;

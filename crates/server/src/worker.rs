@@ -56,6 +56,8 @@ pub trait Runner: Send {
     fn cache_stats(&self) -> CacheStats;
     /// Backend name for `/health`.
     fn describe(&self) -> String;
+    /// Bytes per KV-cache element on the backend (`Backend::kv_elem_bytes`): memory accounting.
+    fn kv_elem_bytes(&self) -> usize;
 }
 
 /// The real model on any backend, with its prefix cache.
@@ -95,6 +97,9 @@ impl<B: Backend + 'static> Runner for ModelRunner<B> {
 
     fn describe(&self) -> String {
         self.model.backend.name()
+    }
+    fn kv_elem_bytes(&self) -> usize {
+        self.model.backend.kv_elem_bytes()
     }
 }
 
