@@ -6,17 +6,13 @@
 //!   (`ceiling_copy` in kernels/ceiling.cu) are both timed and the higher figure is taken.
 //! * bf16 matrix rate: cuBLAS `cublasGemmEx`, 8192³, bf16 A/B/C, f32 compute, A transposed (the
 //!   "TN" layout cuBLAS is fastest at), on pseudo-random operands (zeros draw less power and would
-//!   clock higher). cuBLAS is loaded at first use (cudarc `dynamic-loading`): from the loader path,
-//!   else preloaded by full path from `$LILY_CUBLAS_DIR`, `$CUDA_HOME`/`$CUDA_PATH`, `/usr/local/cuda`
-//!   or a Python environment's NVIDIA wheels (`nvidia/cu13/lib`, `nvidia/cublas/lib`, as torch ships
-//!   them). Without cuBLAS the rate falls back to `ceiling_mma` (mma.sync m16n8k16 with operands
+//!   clock higher). cuBLAS is loaded at first use (cudarc `dynamic-loading`) from the loader path,
+//!   like NVRTC. Without cuBLAS the rate falls back to `ceiling_mma` (mma.sync m16n8k16 with operands
 //!   in registers), which `method` says: that is the mma.sync issue rate, below what cuBLAS's
 //!   Hopper (wgmma) kernels reach.
 
 use std::ffi::c_void;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::path::{Path, PathBuf};
-use std::sync::OnceLock;
 
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::cublas::{result as blas, sys as blas_sys};
@@ -216,90 +212,13 @@ fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
     p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "(no message)".into())
 }
 
-/// Makes cuBLAS loadable by cudarc; says where it was found. Once per process.
+/// Whether cudarc can load cuBLAS (by soname, from the loader path: on the H200 image
+/// `/usr/local/cuda/lib64`, which NVRTC needs on LD_LIBRARY_PATH anyway); says why not.
 fn load_cublas() -> Result<String, String> {
-    static FOUND: OnceLock<Result<String, String>> = OnceLock::new();
-    FOUND
-        .get_or_init(|| {
-            // SAFETY: probing opens and closes the library; no preconditions.
-            if unsafe { blas_sys::is_culib_present() } {
-                return Ok("libcublas from the loader path".into());
-            }
-            let so = format!("libcublas.so.{CUBLAS_MAJOR}");
-            let lt = format!("libcublasLt.so.{CUBLAS_MAJOR}");
-            let dirs = cublas_dirs();
-            for d in &dirs {
-                if !d.join(&so).is_file() {
-                    continue;
-                }
-                // cuBLASLt first, so that cuBLAS's dependency on it resolves to this copy; then
-                // cudarc's dlopen by soname finds the already-loaded library.
-                if d.join(&lt).is_file() {
-                    let _ = preload(&d.join(&lt));
-                }
-                if preload(&d.join(&so)).is_ok() && unsafe { blas_sys::is_culib_present() } {
-                    return Ok(format!("{}", d.join(&so).display()));
-                }
-            }
-            Err(format!("{so} not on the loader path (LD_LIBRARY_PATH) nor in {}", dirs.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")))
-        })
-        .clone()
-}
-
-/// Where a CUDA 13 cuBLAS is commonly installed.
-fn cublas_dirs() -> Vec<PathBuf> {
-    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
-    let mut v = Vec::new();
-    v.extend(env("LILY_CUBLAS_DIR"));
-    for k in ["CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"] {
-        if let Some(d) = env(k) {
-            v.push(d.join("lib64"));
-            v.push(d.join("lib"));
-        }
+    // SAFETY: probing opens and closes the library; no preconditions.
+    if unsafe { blas_sys::is_culib_present() } {
+        Ok("libcublas from the loader path".into())
+    } else {
+        Err(format!("libcublas.so.{CUBLAS_MAJOR} is not on the loader path (add the CUDA lib64 folder to LD_LIBRARY_PATH)"))
     }
-    v.push(PathBuf::from("/usr/local/cuda/lib64"));
-    v.push(PathBuf::from(format!("/usr/local/cuda-{CUBLAS_MAJOR}/lib64")));
-    // NVIDIA's pip wheels (torch's own cuBLAS): <prefix>/lib/python3.*/{site,dist}-packages/nvidia/.
-    let mut prefixes: Vec<PathBuf> = ["VIRTUAL_ENV", "CONDA_PREFIX"].iter().filter_map(|k| env(k)).collect();
-    prefixes.extend(["/usr/local", "/usr", "/opt/conda"].map(PathBuf::from));
-    prefixes.extend(env("HOME").map(|h| h.join(".local")));
-    for p in prefixes {
-        let Ok(rd) = std::fs::read_dir(p.join("lib")) else { continue };
-        for e in rd.flatten() {
-            if !e.file_name().to_string_lossy().starts_with("python3") {
-                continue;
-            }
-            for pk in ["site-packages", "dist-packages"] {
-                for sub in [format!("nvidia/cu{CUBLAS_MAJOR}/lib"), "nvidia/cublas/lib".into()] {
-                    v.push(e.path().join(pk).join(sub));
-                }
-            }
-        }
-    }
-    v
-}
-
-/// dlopen by full path, never closed: the library stays loaded for cudarc to find by soname.
-#[cfg(unix)]
-fn preload(path: &Path) -> Result<(), String> {
-    use std::ffi::{c_char, c_int, CStr, CString};
-    extern "C" {
-        fn dlopen(filename: *const c_char, flag: c_int) -> *mut c_void;
-        fn dlerror() -> *mut c_char;
-    }
-    const RTLD_NOW: c_int = 2;
-    let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
-    // SAFETY: a NUL-terminated path; loading cuBLAS runs no initialisers with preconditions.
-    let h = unsafe { dlopen(c.as_ptr(), RTLD_NOW) };
-    if h.is_null() {
-        // SAFETY: dlerror returns a thread-local message or null.
-        let e = unsafe { dlerror() };
-        return Err(if e.is_null() { "dlopen failed".into() } else { unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned() });
-    }
-    Ok(())
-}
-
-#[cfg(not(unix))]
-fn preload(_path: &Path) -> Result<(), String> {
-    Err("preloading by path is only implemented on Unix".into())
 }
