@@ -27,17 +27,6 @@ pub struct CpuStep {
     pub pos: usize,
 }
 
-/// Index of the largest value (the first on ties).
-fn argmax_row(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in row.iter().enumerate() {
-        if v > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
-
 impl Backend for Cpu {
     type Buf = Vec<f32>;
     type Mat = HostLinear;
@@ -156,9 +145,9 @@ impl Backend for Cpu {
     }
 
     fn argmax(&self, logits: &Vec<f32>, rows: usize, vocab: usize) -> Result<Vec<u32>> {
-        Ok((0..rows).map(|t| argmax_row(&logits[t * vocab..][..vocab])).collect())
+        Ok((0..rows).map(|t| crate::runtime::argmax(&logits[t * vocab..][..vocab])).collect())
     }
     fn argmax_step(&self, logits: &Vec<f32>, vocab: usize, step: &mut CpuStep) {
-        *step = CpuStep { token: argmax_row(&logits[..vocab]), pos: step.pos + 1 };
+        *step = CpuStep { token: crate::runtime::argmax(&logits[..vocab]), pos: step.pos + 1 };
     }
 }
