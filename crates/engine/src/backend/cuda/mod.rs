@@ -1231,7 +1231,7 @@ impl Backend for Cuda {
         gemm(up, x.mem.ptr, u, 0);
         self.launch("swiglu", (grid1(n * width, 256), 1, 1), 256, 0, &[Arg::P(g), Arg::P(u), Arg::P(act), Arg::P((n * width) as u64)]);
         gemm(down, act, y, 1);
-        self.launch("moe_combine", (rows as u32, 1, 1), 256, 0, &[Arg::P(y), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::I(h as i32)]);
+        self.launch("moe_combine", (rows as u32, grid1(h, 256), 1), 256, 0, &[Arg::P(y), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::I(h as i32), Arg::P(0)]);
     }
     fn moe_experts_decode(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Buf) {
         let op = "moe_experts_decode";
@@ -1273,7 +1273,7 @@ impl Backend for Cuda {
             &[Arg::P(x.mem.ptr), Arg::Q(gate.q()), Arg::Q(up.q()), Arg::P(route.ids.ptr), Arg::P(act), Arg::Q(sg), Arg::Q(su), Arg::I(k as i32)],
         );
         self.launch(&format!("moe_down_{}", down.fmt.suffix()), (grid1(h, 8), slots as u32, 1), 256, 0, &[Arg::P(act), Arg::Q(down.q()), Arg::P(route.ids.ptr), Arg::P(y), Arg::I(k as i32), Arg::Q(sd)]);
-        self.launch("moe_down_combine", (grid1(h, 256), 1, 1), 256, 0, &[Arg::P(y), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::I(h as i32), Arg::P(slogit)]);
+        self.launch("moe_combine", (1, grid1(h, 256), 1), 256, 0, &[Arg::P(y), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::I(h as i32), Arg::P(slogit)]);
         if let (Some(sh), None) = (shared, fold) {
             // A shared expert in another format: its own GEMVs, then the gated add (the model's
             // unfused order).

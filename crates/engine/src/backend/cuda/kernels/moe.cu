@@ -20,7 +20,10 @@
 //                  mode 1 (down):    x row = p, out row = perm[p] (the slot t*k + j).
 //   moe_gemm_<fmt> the same in f32 SIMT (256 threads; LILY_CUDA_GEMM=simt: reference, ablation).
 //   swiglu (norm.cu) between them, then
-//   moe_combine    out[t] = sum_j w[t,j] * y[t*k + j], in slot order (grid rows, 256 threads).
+//   moe_combine    out[t] = sum_j w[t,j] * y[t*k + j], in slot order; with `slogit` (the decode
+//                  kernels' folded shared expert, rows = 1) then + sigmoid(slogit[t]) * y[rows*k + t]:
+//                  the order of cpu/moe.rs's experts followed by add_sigmoid_gated. Grid
+//                  (rows, ceil(dim/256)), 256 threads, one output each.
 // Decode (one token, fused gather-GEMV), the shared expert folded in as slot k when `shared`:
 //   moe_gate_up_<fmt>  act[j, o] = silu(gate_e . x) * (up_e . x), e = ids[j] for j < k; slot k
 //                      (shared) uses the shared expert's gate/up (width_s rows, act at k * width).
@@ -30,10 +33,8 @@
 //                      (slot, output row), grid (ceil(hidden/8), k + shared). One dot per warp:
 //                      a warp that walked all 9 slots of a row measured ~20 us per layer on the
 //                      H200, a chain of dependent loads (id, weights, scales) per slot.
-//   moe_down_combine   out[o] = sum_j w_j * y[j, o] in slot order, then (shared) + sigmoid(slogit[0])
-//                      * y[k, o]: the order of cpu/moe.rs's experts followed by add_sigmoid_gated.
-//                      Grid ceil(hidden/256), 256 threads. The shared expert must have the
-//                      experts' format (checked on the host; otherwise it runs on its own).
+//   moe_combine        (above) with the shared slot. The shared expert must have the experts'
+//                      format (checked on the host; otherwise it runs on its own).
 
 extern "C" __global__ void __launch_bounds__(256)
 moe_route(const float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ weights, int E, int k, int norm_topk) { PDL_ENTRY();
@@ -182,13 +183,14 @@ __device__ __forceinline__ void moe_tc_gemm_body(const float* __restrict__ x, QM
 }
 
 extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w, float* __restrict__ out,
-                                       int k, int dim) { PDL_ENTRY();
-    const int t = blockIdx.x;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float o = 0.0f;
-        for (int j = 0; j < k; j++) o += w[(u64)t * k + j] * y[((u64)t * k + j) * dim + i];
-        out[(u64)t * dim + i] = o;
-    }
+                                       int k, int dim, const float* __restrict__ slogit) { PDL_ENTRY();
+    const int t = blockIdx.x, rows = gridDim.x;
+    const int i = blockIdx.y * blockDim.x + threadIdx.x;
+    if (i >= dim) return;
+    float o = 0.0f;
+    for (int j = 0; j < k; j++) o += w[(u64)t * k + j] * y[((u64)t * k + j) * dim + i];
+    if (slogit) o += sigmoid_f(slogit[t]) * y[((u64)rows * k + t) * dim + i];
+    out[(u64)t * dim + i] = o;
 }
 
 template <int BITS, typename SB>
@@ -220,17 +222,6 @@ __device__ __forceinline__ void moe_down_body(const float* __restrict__ act, QMa
     warp_dot_rows<BITS, SB, 1>(shared ? sd : d, shared ? 0 : ids[j], o, act + (u64)j * d.inp, 0, 1, part, lane);
     const float v = warp_sum(part[0]);
     if (lane == 0) y[(u64)j * d.out + o] = v;
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-moe_down_combine(const float* __restrict__ y, const float* __restrict__ w, float* __restrict__ out, int k, int h,
-                 const float* __restrict__ slogit) { PDL_ENTRY();
-    const int o = blockIdx.x * blockDim.x + threadIdx.x;
-    if (o >= h) return;
-    float total = 0.0f;
-    for (int j = 0; j < k; j++) total += w[j] * y[(u64)j * h + o];
-    if (slogit) total += sigmoid_f(slogit[0]) * y[(u64)k * h + o];
-    out[o] = total;
 }
 
 #define MOE_KERNELS(NAME, BITS, SB)                                                                              \
