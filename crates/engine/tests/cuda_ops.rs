@@ -2,51 +2,75 @@
 //! shapes, plus the `small` preset end to end. Built only with `--features cuda`; each test skips
 //! with a message when no GPU is found (LILY_REQUIRE_CUDA=1 makes that a failure).
 //!
-//! Tolerances (activations are f32 on both sides in this cut; what differs is summation order,
-//! FMA contraction and the parallel reduction trees):
-//! * `EXACT` (0): copies and the embedding's dequantisation (`s·q + b`, rounded as the CPU does).
-//! * `F32_TOL` = 1e-5, as `max |gpu − cpu| / max |cpu|` per output row (the row's scale): about
-//!   100 f32 epsilons; a real bug (a wrong index, position, state or gate) moves outputs by O(1e-1).
-//!   The GDN recurrence carries its state over tens of steps and is held to the same figure.
+//! Types and tolerances. The CUDA backend passes activations between ops as bf16 (`act_zeros`,
+//! `upload_act`) and keeps f32 for the residual stream, logits, router logits, states and
+//! parameters; kernels compute and accumulate in f32 and round each activation output once, to
+//! nearest even. The CPU is all f32. Every test gives both sides the same inputs: an activation
+//! input is drawn in f32, rounded to bf16 on the host, and that rounded vector goes to the CPU op
+//! and (exactly, via `upload_act`) to the CUDA op. What remains is summation order, FMA
+//! contraction, the reduction trees, and the rounding of bf16 outputs. U = 2^-8 is bf16's unit
+//! roundoff (8 significant bits): round-to-nearest-even moves a value y by at most U·|y|.
+//! * `EXACT` (0): copies, the embedding's dequantisation (`s·q + b`, rounded as the CPU does), the
+//!   residual adds (`h` f32 plus a bf16 `r`: one f32 add on both sides), the conv state.
+//! * `F32_TOL` = 1e-5, as `max |gpu − cpu| / max |cpu|` per output row (the row's scale), for f32
+//!   outputs of f32 arithmetic: about 100 f32 epsilons; a real bug (a wrong index, position,
+//!   state or gate) moves outputs by O(1e-1). The GDN recurrence carries its f32 state over tens of
+//!   steps and is held to the same figure (each step's inputs are the same bf16 values on both
+//!   sides, so nothing compounds).
+//! * An activation output is the kernel's f32 value y rounded once: if |y − c| ≤ F32_TOL·max|c|
+//!   then |bf16(y) − c| ≤ U·|c| + (1 + U)·F32_TOL·max|c|, checked per value (`check_act`), which
+//!   implies the per-row figure `ACT_TOL` = F32_TOL + U (plus U·F32_TOL) of `rel_rows`. Outputs
+//!   are compared but never fed to a later op of the test, so roundings do not compound.
+//! * GEMMs write f32 or bf16 by the buffer given. The GEMM tests write f32 (sharp bounds below)
+//!   and then the same product into an activation buffer, which must equal the f32 result
+//!   rounded to bf16 bit for bit (the kernels compute the same f32 value, then round).
 //! * Routing: the same expert ids (ties are measure-zero on random data), weights to 1e-6.
-//! * Tensor-core prefill GEMMs (`tc_gemm`, `moe_tc_gemm`; bf16 operands, f32 accumulation) are not
-//!   f32 ops, so they get bounds from bf16 rounding instead (u = 2^-8, the unit roundoff of bf16's
-//!   8 significant bits; K the summed dimension; S = Σ_k |x_k w_k| per output):
-//!   - against a host emulation (x and w rounded to bf16 exactly as the kernel does, summed in
-//!     f64): |gpu − emu| ≤ K·2^-22 · Σ|x̂ŵ| — only the f32 accumulation differs (products of bf16
-//!     are exact in f32; 2× the truncating-summation bound K·2^-23). This is the sharp check: one
+//! * Tensor-core prefill GEMMs (`tc_gemm`, `moe_tc_gemm`; bf16 operands, f32 accumulation) get
+//!   bounds from bf16 rounding (K the summed dimension; S = Σ_k |x_k w_k| per output). x is
+//!   already bf16; only w is rounded (s·q + b to bf16):
+//!   - against a host emulation (w rounded to bf16 as the kernel does, summed in f64):
+//!     |gpu − emu| ≤ K·2^-22 · Σ|xŵ| — only the f32 accumulation differs (products of bf16 are
+//!     exact in f32; 2× the truncating-summation bound K·2^-23). This is the sharp check: one
 //!     product with its sign flipped or one k-step dropped exceeds it. (The kernel's packed path
 //!     rounds s·q + b to bf16 once, the emulation rounds the CPU's f32 value: they differ in the
 //!     last bf16 bit only where that f32 value is a bf16 halfway point, a few weights per
 //!     million, each worth 2^-8·|x w|, far inside the bound.)
-//!   - against the CPU's f32 result, worst case per output: |gpu − cpu| ≤ (2u + 2·K·2^-22) · S,
-//!     each product carrying two bf16 roundings (x and w, each ≤ u relative) and both sides an
-//!     f32 accumulation error. Through the routed experts the bound is propagated on the host
-//!     (gate/up errors through silu, whose slope is below 1.1, then down's own 2u·S).
-//!   - and over all outputs ‖gpu − cpu‖₂ / ‖cpu‖₂ ≤ 2^-6 (random rounding errors add in quadrature:
-//!     about u/√3 per rounding, so about 3e-3 expected for one GEMM and 5e-3 for the experts).
-//!   The f32 SIMT GEMMs (`LILY_CUDA_GEMM=simt`) are still held to `F32_TOL`, and so are the GEMV
-//!   kernels (decode, and prefill of matrices with ≤ 64 outputs); for matrices of fewer than 64
-//!   outputs the test's rows are pooled for the scale (one value's relative error is unbounded
-//!   under cancellation).
+//!   - against the CPU's f32 result, worst case per output: |gpu − cpu| ≤ (U + 2·K·2^-22) · S,
+//!     each product carrying one bf16 rounding (w) and both sides an f32 accumulation error;
+//!   - over all outputs ‖gpu − cpu‖₂ / ‖cpu‖₂ ≤ 2^-6 (random rounding errors add in quadrature).
+//! * The f32 SIMT GEMMs (`LILY_CUDA_GEMM=simt`) and the GEMV kernels (decode, and prefill of
+//!   matrices with ≤ 64 outputs) are held to `F32_TOL` (f32 outputs); for matrices of fewer than 64 outputs the
+//!   test's rows are pooled for the scale (one value's relative error is unbounded under
+//!   cancellation).
+//! * Routed experts (every path): their intermediates are bf16 too (gate and up outputs, the
+//!   silu·up product, each slot's down output), so the bound is propagated per output on the host
+//!   against an f64 reference (`check_moe`): gate/up errors (weight rounding U on tensor cores,
+//!   f32 accumulation, then their own rounding U) through silu·up (silu's slope is below 1.1),
+//!   that product's rounding U, down (weight rounding, accumulation), the slot's rounding U, then
+//!   the weighted sum and its rounding U (twice with a shared expert in another format, which is
+//!   added by its own op). That worst-case bound is loose (sums of |terms|), so the sharp check is
+//!   the relative L2 error against the CPU: ≤ 2^-7 on the f32 paths (a host emulation of their
+//!   roundings gives 2.8-3.6e-3), ≤ 2^-6 on tensor cores (the weights' rounding besides).
 //! * Tensor-core prefill attention (`attn_tc_<HD>`: bf16 q, k, v and p, f32 scores and softmax):
 //!   per output, against an f64 reference o = Σ p_j v_j / Σ p_j, with each score off by at most
-//!   Δs_j = (2u + HD·2^-22)·scale·Σ_d |q_d k_jd| (+1e-6 for expf), so p_j by a factor
-//!   e^{±Δs_j}, then bf16-rounded (u) where it multiplies v (itself rounded, u) but not in the
-//!   normaliser: |õ − o| ≤ (Σ_j p_j |v_j|·(e^{Δs_j}(1+u)² − 1) + |o|·ΔL) / (L − ΔL) with
-//!   ΔL = Σ_j p_j (e^{Δs_j} − 1), times sigmoid(gate); and relative L2 ≤ 2^-6 against the CPU.
-//!   `attn_rows` (`LILY_CUDA_ATTN=f32`) is held to `F32_TOL`.
-//! * The CUDA KV cache is bf16 (the CPU's f32): the attention test gives both backends
-//!   bf16-representable k and v, so the two caches hold the same values (compared bit for bit)
-//!   and the bounds above measure the kernels. In a model the cache adds one bf16 rounding of k
-//!   and v: `attn_tc` rounded them to bf16 already (same RNE, same bits), so its results are
-//!   unchanged; decode attention and `attn_rows` get that one rounding more.
-//! * End to end (`small` preset, 192 teacher-forced positions): top-1 agreement ≥ 99%; logits
-//!   within 1e-2 of the CPU per row with any bf16 tensor-core kernel (bf16 operands; MLX-LM's own
-//!   bf16 run is 1.0% off its f32 run on this preset, #6's yardstick), within 2e-3 with the f32
-//!   GEMMs and `attn_rows`: the bf16 KV cache alone moves the logits (the CPU with k, v rounded to
-//!   bf16 before its cache, against itself) by 5.1e-4 on `small` and 6.4e-4 on `tiny` (f32 KV
-//!   would allow 1e-4, f32 rounding only).
+//!   Δs_j = (2U + HD·2^-22)·scale·Σ_d |q_d k_jd| (+1e-6 for expf), so p_j by a factor
+//!   e^{±Δs_j}, then bf16-rounded (U) where it multiplies v but not in the normaliser:
+//!   |õ − o| ≤ (Σ_j p_j |v_j|·(e^{Δs_j}(1+U)² − 1) + |o|·ΔL) / (L − ΔL) with
+//!   ΔL = Σ_j p_j (e^{Δs_j} − 1), times sigmoid(gate); the output's own rounding adds U·(|o| +
+//!   that bound). q, k and v arrive bf16, so the 2U of Δs and one (1+U) (their roundings when the
+//!   kernel took f32 inputs) are now slack, which covers the f32 accumulation of P·V and of L.
+//!   Relative L2 ≤ 2^-6 against the CPU. `attn_rows` (`LILY_CUDA_ATTN=f32`) and decode attention
+//!   are f32 arithmetic on the same bf16 inputs: `check_act` with F32_TOL.
+//! * The CUDA KV cache is bf16 (the CPU's f32): k and v are bf16 activations, so both caches hold
+//!   the same values (compared bit for bit) and the bounds above measure the kernels.
+//! * End to end (`small` preset, 192 teacher-forced positions): top-1 agreement ≥ 99% and, on
+//!   `small`, at least MLX-LM bf16's agreement and perplexity closeness (#6's yardstick; MLX-LM's
+//!   own bf16 run is 1.0% off its f32 run on this preset); logits within 1e-2 of the CPU per row
+//!   on every path, since activations are bf16 even with the f32 GEMMs and `attn_rows` (with f32
+//!   activations that path measured 5-7e-4, the bf16 KV cache's rounding; the figure with bf16
+//!   activations is to be measured and the tolerance tightened to it). Greedy decoding on CUDA
+//!   follows the CPU's tokens up to the CPU's first near-tie (a top-2 gap below 2% of the row's
+//!   max |logit|, twice that 1e-2), where bf16 activations may pick the other token.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -63,6 +87,12 @@ use rayon::prelude::*;
 
 const EXACT: f32 = 0.0;
 const F32_TOL: f32 = 1e-5;
+/// bf16's unit roundoff (8 significant bits): round to nearest even moves y by at most U·|y|.
+const U: f32 = 1.0 / 256.0;
+/// An activation output against the CPU's f32 value, as `rel_rows` (per row, relative to the row
+/// max): F32_TOL for the f32 value plus its one rounding, U·(|c| + F32_TOL·max|c|) at most
+/// (module header). `check_act` asserts the sharper per-value form, which implies this.
+const ACT_TOL: f32 = U + (1.0 + U) * F32_TOL;
 
 fn gpu() -> Option<Cuda> {
     match Cuda::new() {
@@ -188,6 +218,41 @@ fn check(what: &str, err: f32, tol: f32) {
     assert!(err <= tol, "{what}: error {err:e} above tolerance {tol:e}");
 }
 
+/// An activation output (bf16: the kernel's f32 value y rounded once) against the CPU's f32
+/// value c, where y is within F32_TOL of c relative to the row max: per value
+/// |gpu − c| ≤ U·|c| + (1 + U)·F32_TOL·max|c| (|bf16(y) − y| ≤ U·|y| ≤ U·(|c| + |y − c|)).
+/// Reports the error left after each value's own rounding allowance, relative to the row max (NaN
+/// fails), and the plain `rel_rows` figure, which is then at most `ACT_TOL`.
+fn check_act(what: &str, gpu: &[f32], cpu: &[f32], row: usize) {
+    assert_eq!(gpu.len(), cpu.len());
+    let mut worst = 0f32;
+    for (ra, rb) in gpu.chunks(row).zip(cpu.chunks(row)) {
+        let scale = rb.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+        for (&a, &b) in ra.iter().zip(rb) {
+            let e = if (a - b).is_nan() { f32::INFINITY } else { ((a - b).abs() - U * b.abs()).max(0.0) / scale };
+            worst = worst.max(e);
+        }
+    }
+    let plain = rel_rows(gpu, cpu, row);
+    let bound = (1.0 + U) * F32_TOL;
+    println!("{what:<58} err beyond bf16 rounding {worst:.2e} (tol {bound:.1e}); max rel err {plain:.2e} (tol {ACT_TOL:.2e})");
+    assert!(worst <= bound, "{what}: error beyond the outputs' bf16 rounding {worst:e} above {bound:e}");
+    assert!(plain <= ACT_TOL, "{what}: error {plain:e} above tolerance {ACT_TOL:e}");
+}
+
+/// An activation output `act` of a GEMM equals its f32 output `f` rounded to bf16, bit for bit.
+fn check_rounded(what: &str, act: &[f32], f: &[f32]) {
+    assert_eq!(act.len(), f.len());
+    let bad = act.iter().zip(f).filter(|(a, x)| a.to_bits() != (bf16_bits(**x) as u32) << 16).count();
+    println!("{what:<58} bf16 output = f32 output rounded: {} of {} differ", bad, act.len());
+    assert_eq!(bad, 0, "{what}: {bad} of {} bf16 outputs are not the f32 output rounded to nearest even", act.len());
+}
+
+/// `v` rounded to bf16 (the values an activation buffer holds).
+fn bf16v(v: Vec<f32>) -> Vec<f32> {
+    v.into_iter().map(bf16r).collect()
+}
+
 fn h(g: &Cuda, b: &<Cuda as Backend>::Buf) -> Vec<f32> {
     g.to_host(b, b.len()).unwrap()
 }
@@ -235,43 +300,46 @@ fn norms_and_elementwise() {
     let w: Vec<f32> = (0..dim).map(|_| 1.0 + 0.1 * rng.f()).collect();
     let gw = g.upload_vec(&w).unwrap();
     for rows in [1, 77] {
+        // x is the residual stream (f32); r, like every activation, bf16 on both sides.
         let x = rng.vec(rows * dim, 1.0);
-        let r = rng.vec(rows * dim, 0.5);
+        let r = bf16v(rng.vec(rows * dim, 0.5));
         let mut c = vec![0f32; rows * dim];
         Cpu.rms_norm(&x, &w, rows, dim, 1e-6, &mut c);
         let gx = g.upload_vec(&x).unwrap();
-        let mut go = g.zeros(rows * dim).unwrap();
+        let mut go = g.act_zeros(rows * dim).unwrap();
         g.rms_norm(&gx, &gw, rows, dim, 1e-6, &mut go);
-        check(&format!("rms_norm [{rows}, {dim}]"), rel_rows(&h(&g, &go), &c, dim), F32_TOL);
+        check_act(&format!("rms_norm [{rows}, {dim}]"), &h(&g, &go), &c, dim);
 
         let mut ch = x.clone();
         Cpu.add_rms_norm(&mut ch, &r, &w, rows, dim, 1e-6, &mut c);
         let mut gh = g.upload_vec(&x).unwrap();
-        let gr = g.upload_vec(&r).unwrap();
+        let gr = g.upload_act(&r).unwrap();
         g.add_rms_norm(&mut gh, &gr, &gw, rows, dim, 1e-6, &mut go);
-        check(&format!("add_rms_norm [{rows}, {dim}] (residual)"), rel_rows(&h(&g, &gh), &ch, dim), EXACT);
-        check(&format!("add_rms_norm [{rows}, {dim}] (normed)"), rel_rows(&h(&g, &go), &c, dim), F32_TOL);
+        check(&format!("add_rms_norm [{rows}, {dim}] (residual, f32)"), rel_rows(&h(&g, &gh), &ch, dim), EXACT);
+        check_act(&format!("add_rms_norm [{rows}, {dim}] (normed)"), &h(&g, &go), &c, dim);
 
         let mut ca = x.clone();
         Cpu.add(&mut ca, &r, rows * dim);
         let mut ga = g.upload_vec(&x).unwrap();
         g.add(&mut ga, &gr, rows * dim);
-        check(&format!("add [{rows}, {dim}]"), rel_rows(&h(&g, &ga), &ca, dim), EXACT);
+        check(&format!("add [{rows}, {dim}] (f32)"), rel_rows(&h(&g, &ga), &ca, dim), EXACT);
 
-        // Shared expert: swiglu over width 512, then the sigmoid-gated add over hidden.
-        let (gg, uu) = (rng.vec(rows * 512, 2.0), rng.vec(rows * 512, 1.0));
+        // Shared expert: swiglu over width 512, then the sigmoid-gated add over hidden (y, the
+        // routed experts' output, is an activation updated in place; s, the gate logit, f32).
+        let (gg, uu) = (bf16v(rng.vec(rows * 512, 2.0)), bf16v(rng.vec(rows * 512, 1.0)));
         let mut cs = vec![0f32; rows * 512];
         Cpu.swiglu(&gg, &uu, rows * 512, &mut cs);
-        let mut gs = g.zeros(rows * 512).unwrap();
-        g.swiglu(&g.upload_vec(&gg).unwrap(), &g.upload_vec(&uu).unwrap(), rows * 512, &mut gs);
-        check(&format!("swiglu [{rows}, 512]"), rel_rows(&h(&g, &gs), &cs, 512), F32_TOL);
+        let mut gs = g.act_zeros(rows * 512).unwrap();
+        g.swiglu(&g.upload_act(&gg).unwrap(), &g.upload_act(&uu).unwrap(), rows * 512, &mut gs);
+        check_act(&format!("swiglu [{rows}, 512]"), &h(&g, &gs), &cs, 512);
 
         let s = rng.vec(rows, 2.0);
-        let mut cy = x.clone();
+        let y = bf16v(rng.vec(rows * dim, 1.0));
+        let mut cy = y.clone();
         Cpu.add_sigmoid_gated(&mut cy, &r, &s, rows, dim);
-        let mut gy = g.upload_vec(&x).unwrap();
+        let mut gy = g.upload_act(&y).unwrap();
         g.add_sigmoid_gated(&mut gy, &gr, &g.upload_vec(&s).unwrap(), rows, dim);
-        check(&format!("add_sigmoid_gated [{rows}, {dim}]"), rel_rows(&h(&g, &gy), &cy, dim), F32_TOL);
+        check_act(&format!("add_sigmoid_gated [{rows}, {dim}]"), &h(&g, &gy), &cy, dim);
     }
 }
 
@@ -294,30 +362,44 @@ fn matmul_q_gemv_and_gemm() {
     for (what, w, rows_list) in cases {
         let gw = g.upload_mat(&w).unwrap();
         for rows in rows_list {
-            let x = rng.vec(rows * w.inp, 1.0);
+            // x is an activation (bf16, the same values on both sides). Each kernel writes an f32
+            // output (held to the bounds) and then an activation one, which must be that f32
+            // output rounded to bf16.
+            let x = bf16v(rng.vec(rows * w.inp, 1.0));
             let mut c = vec![0f32; rows * w.out];
             Cpu.matmul_q(&x, &w, rows, &mut c);
             let mut go = g.zeros(rows * w.out).unwrap();
-            let gx = g.upload_vec(&x).unwrap();
+            let mut ga = g.act_zeros(rows * w.out).unwrap();
+            let gx = g.upload_act(&x).unwrap();
             if rows <= 8 || w.out <= 64 {
                 g.matmul_q(&gx, &gw, rows, &mut go);
+                g.matmul_q(&gx, &gw, rows, &mut ga);
                 let scale_row = if w.out < 64 { rows * w.out } else { w.out };
-                check(&format!("matmul_q {what} rows {rows} (gemv)"), rel_rows(&h(&g, &go), &c, scale_row), F32_TOL);
+                let f = h(&g, &go);
+                check(&format!("matmul_q {what} rows {rows} (gemv)"), rel_rows(&f, &c, scale_row), F32_TOL);
+                check_rounded(&format!("matmul_q {what} rows {rows} (gemv)"), &h(&g, &ga), &f);
                 continue;
             }
             g.set_tensor_core_gemm(false);
             g.matmul_q(&gx, &gw, rows, &mut go);
-            check(&format!("matmul_q {what} rows {rows} (f32 gemm)"), rel_rows(&h(&g, &go), &c, w.out), F32_TOL);
+            g.matmul_q(&gx, &gw, rows, &mut ga);
+            let f = h(&g, &go);
+            check(&format!("matmul_q {what} rows {rows} (f32 gemm)"), rel_rows(&f, &c, w.out), F32_TOL);
+            check_rounded(&format!("matmul_q {what} rows {rows} (f32 gemm)"), &h(&g, &ga), &f);
             g.set_tensor_core_gemm(true);
             g.matmul_q(&gx, &gw, rows, &mut go);
-            check_tc(&format!("matmul_q {what} rows {rows} (tc_gemm)"), &h(&g, &go), &c, &x, &w, rows);
+            g.matmul_q(&gx, &gw, rows, &mut ga);
+            let f = h(&g, &go);
+            check_tc(&format!("matmul_q {what} rows {rows} (tc_gemm)"), &f, &c, &x, &w, rows);
+            check_rounded(&format!("matmul_q {what} rows {rows} (tc_gemm)"), &h(&g, &ga), &f);
         }
     }
 }
 
 /// One decode row through several matrices at once (a GDN layer's four projections, the router
 /// with the 8-bit shared-expert gate of one output, and a mixed-format pair that falls back to one
-/// launch each): each output equals its own gemv bit for bit, and the CPU within F32_TOL.
+/// launch each): each output equals its own gemv bit for bit, and the CPU within F32_TOL; with
+/// activation outputs, each is the f32 one rounded to bf16.
 #[test]
 fn matmul_q_many_equals_one_by_one() {
     let Some(g) = gpu() else { return };
@@ -328,8 +410,8 @@ fn matmul_q_many_equals_one_by_one() {
         vec![rand_quant(&mut rng, 1, 300, 2048, 4, 64, false), rand_quant(&mut rng, 1, 7, 2048, 8, 64, false)],
     ];
     for ws in &sets {
-        let x = rng.vec(2048, 1.0);
-        let gx = g.upload_vec(&x).unwrap();
+        let x = bf16v(rng.vec(2048, 1.0));
+        let gx = g.upload_act(&x).unwrap();
         let gws: Vec<_> = ws.iter().map(|w| g.upload_mat(w).unwrap()).collect();
         let mut outs: Vec<_> = ws.iter().map(|w| g.zeros(w.out).unwrap()).collect();
         {
@@ -346,6 +428,16 @@ fn matmul_q_many_equals_one_by_one() {
             Cpu.matmul_q(&x, w, 1, &mut c);
             check(&format!("matmul_q_many matrix {i} [{}, {}]", w.out, w.inp), rel_rows(&many, &c, w.out), F32_TOL);
         }
+        // The same into activation buffers (as a GDN layer's projections are).
+        let mut acts: Vec<_> = ws.iter().map(|w| g.act_zeros(w.out).unwrap()).collect();
+        {
+            let refs: Vec<&_> = gws.iter().collect();
+            let mut outs_mut: Vec<&mut _> = acts.iter_mut().collect();
+            g.matmul_q_many(&gx, &refs, 1, &mut outs_mut);
+        }
+        for (i, w) in ws.iter().enumerate() {
+            check_rounded(&format!("matmul_q_many matrix {i} [{}, {}] (bf16 out)", w.out, w.inp), &h(&g, &acts[i]), &h(&g, &outs[i]));
+        }
     }
 }
 
@@ -361,9 +453,9 @@ fn sample_cols(out: usize, rows: usize) -> Vec<usize> {
 fn check_tc(what: &str, gpu: &[f32], cpu: &[f32], x: &[f32], w: &HostLinear, rows: usize) {
     let (out, k) = (w.out, w.inp);
     let acc = k as f64 * (0.5f64).powi(22);
-    let u = (0.5f64).powi(8);
+    let u = U as f64;
     let cols = sample_cols(out, rows);
-    let xr: Vec<f32> = x.iter().map(|&v| bf16r(v)).collect();
+    assert!(x.iter().all(|&v| v == bf16r(v)), "{what}: x must be bf16 values (an activation)");
     let view = w.view(0);
     // (worst |gpu − emu| / bound, worst |gpu − cpu| / bound) over the sampled columns.
     let (emu, worst) = cols
@@ -374,17 +466,18 @@ fn check_tc(what: &str, gpu: &[f32], cpu: &[f32], x: &[f32], w: &HostLinear, row
             let wb: Vec<f32> = wr.iter().map(|&v| bf16r(v)).collect();
             let (mut e1, mut e2) = (0f64, 0f64);
             for t in 0..rows {
-                let (xt, xbt) = (&x[t * k..][..k], &xr[t * k..][..k]);
+                let xt = &x[t * k..][..k];
                 let (mut ye, mut se, mut s) = (0f64, 0f64, 0f64);
                 for i in 0..k {
-                    let p = xbt[i] as f64 * wb[i] as f64; // exact: two 8-bit significands
+                    let p = xt[i] as f64 * wb[i] as f64; // exact: two 8-bit significands
                     ye += p;
                     se += p.abs();
                     s += (xt[i] as f64 * wr[i] as f64).abs();
                 }
                 let gv = gpu[t * out + o] as f64;
                 e1 = e1.max((gv - ye).abs() / (acc * se + 1e-30));
-                e2 = e2.max((gv - cpu[t * out + o] as f64).abs() / ((2.0 * u + 2.0 * acc) * s + 1e-30));
+                // One rounding per product (w; x is bf16 already), an f32 accumulation each side.
+                e2 = e2.max((gv - cpu[t * out + o] as f64).abs() / ((u + 2.0 * acc) * s + 1e-30));
             }
             (e1, e2)
         })
@@ -431,16 +524,18 @@ fn attention_prefill_then_decode() {
     // on purpose: the step's must win).
     let mut gstep = g.new_step().unwrap();
     for (rows, pos0, use_step) in [(5, 0, false), (3, 100_000, false), (1, 77_777, true)] {
-        let qg = rng.vec(rows * hq * 2 * hd, 1.0);
-        let k = rng.vec(rows * kvd, 1.0);
+        // qg and k (normed and rotated in place) are activations: bf16 on both sides.
+        let qg = bf16v(rng.vec(rows * hq * 2 * hd, 1.0));
+        let k = bf16v(rng.vec(rows * kvd, 1.0));
         let (mut cq, mut cgate, mut ck) = (vec![0f32; rows * hq * hd], vec![0f32; rows * hq * hd], k.clone());
         Cpu.attn_qk_norm_rope(&qg, &mut ck, &qn, &kn, &d, rows, pos0, None, &mut cq, &mut cgate);
-        let (mut gq, mut ggate, mut gk) = (g.zeros(rows * hq * hd).unwrap(), g.zeros(rows * hq * hd).unwrap(), g.upload_vec(&k).unwrap());
+        let (mut gq, mut ggate, mut gk) = (g.act_zeros(rows * hq * hd).unwrap(), g.act_zeros(rows * hq * hd).unwrap(), g.upload_act(&k).unwrap());
         g.set_step(&mut gstep, 0, pos0);
         let (host_pos, step) = if use_step { (0, Some(&gstep)) } else { (pos0, None) };
-        g.attn_qk_norm_rope(&g.upload_vec(&qg).unwrap(), &mut gk, &gqn, &gkn, &d, rows, host_pos, step, &mut gq, &mut ggate);
-        check(&format!("attn_qk_norm_rope rows {rows} pos {pos0} (q)"), rel_rows(&h(&g, &gq), &cq, hd), F32_TOL);
-        check(&format!("attn_qk_norm_rope rows {rows} pos {pos0} (k)"), rel_rows(&h(&g, &gk), &ck, hd), F32_TOL);
+        g.attn_qk_norm_rope(&g.upload_act(&qg).unwrap(), &mut gk, &gqn, &gkn, &d, rows, host_pos, step, &mut gq, &mut ggate);
+        check_act(&format!("attn_qk_norm_rope rows {rows} pos {pos0} (q)"), &h(&g, &gq), &cq, hd);
+        check_act(&format!("attn_qk_norm_rope rows {rows} pos {pos0} (k)"), &h(&g, &gk), &ck, hd);
+        // The gate is a copy of qg's second half: bf16 to bf16.
         check(&format!("attn_qk_norm_rope rows {rows} pos {pos0} (gate)"), rel_rows(&h(&g, &ggate), &cgate, hd), EXACT);
     }
 
@@ -452,16 +547,15 @@ fn attention_prefill_then_decode() {
     let mut gkv = kv_new(&g, cap, kvd);
     let mut pos = 0;
     for (step, rows) in [64usize, 37, 1, 1, 1, 500, 1, 1, 256, 1].into_iter().enumerate() {
-        let q = rng.vec(rows * hq * hd, 1.0);
-        // k and v bf16-representable: the GPU's bf16 cache then holds exactly the CPU's f32
-        // values, so the tolerances below measure the kernels, not the cache's one rounding (which
-        // the end-to-end tests cover).
-        let k: Vec<f32> = rng.vec(rows * kvd, 1.0).into_iter().map(bf16r).collect();
-        let v: Vec<f32> = rng.vec(rows * kvd, 1.0).into_iter().map(bf16r).collect();
-        let gate = rng.vec(rows * hq * hd, 2.0);
+        // q, k, v and gate are activations (bf16 on both sides): the GPU's bf16 cache then holds
+        // exactly the CPU's f32 values, so the tolerances below measure the kernels.
+        let q = bf16v(rng.vec(rows * hq * hd, 1.0));
+        let k = bf16v(rng.vec(rows * kvd, 1.0));
+        let v = bf16v(rng.vec(rows * kvd, 1.0));
+        let gate = bf16v(rng.vec(rows * hq * hd, 2.0));
         let mut c = vec![0f32; rows * hq * hd];
-        let (gq, gk, gv, gg) = (g.upload_vec(&q).unwrap(), g.upload_vec(&k).unwrap(), g.upload_vec(&v).unwrap(), g.upload_vec(&gate).unwrap());
-        let mut go = g.zeros(rows * hq * hd).unwrap();
+        let (gq, gk, gv, gg) = (g.upload_act(&q).unwrap(), g.upload_act(&k).unwrap(), g.upload_act(&v).unwrap(), g.upload_act(&gate).unwrap());
+        let mut go = g.act_zeros(rows * hq * hd).unwrap();
         let what = if rows == 1 {
             Cpu.attn_decode(&q, &k, &v, &gate, &mut ckv, &d, pos, &CpuStep { token: 0, pos }, &mut c);
             g.set_step(&mut gstep, 0, pos);
@@ -478,7 +572,7 @@ fn attention_prefill_then_decode() {
             g.set_tensor_core_attention(true);
             format!("attn_prefill {rows} rows at pos {pos} (f32 attn_rows)")
         };
-        check(&what, rel_rows(&h(&g, &go), &c, hd), F32_TOL);
+        check_act(&what, &h(&g, &go), &c, hd);
         pos += rows;
     }
     check("attention KV cache after prefill + decode (K)", rel_rows(&h(&g, &gkv.k), &ckv.k, kvd), EXACT);
@@ -490,12 +584,13 @@ fn attention_prefill_then_decode() {
 }
 
 /// Tensor-core prefill attention against an f64 reference with the propagated bf16 bound (module
-/// header), and against the CPU in relative L2.
+/// header; `gpu` is the op's bf16 output, `q` and `gate` bf16 values), and against the CPU in
+/// relative L2.
 #[allow(clippy::too_many_arguments)]
 fn check_attn_tc(what: &str, gpu: &[f32], cpu: &[f32], q: &[f32], gate: &[f32], kv: &KvCache<Vec<f32>>, d: &Dims, rows: usize, pos0: usize) {
     let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
     let (kvd, grp) = (kvh * hd, hq / kvh);
-    let u = (0.5f64).powi(8);
+    let u = U as f64;
     let cs = 2.0 * u + hd as f64 * (0.5f64).powi(22);
     let scale = 1.0 / (hd as f64).sqrt();
     let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
@@ -534,7 +629,9 @@ fn check_attn_tc(what: &str, gpu: &[f32], cpu: &[f32], q: &[f32], gate: &[f32], 
                 let o = num / l;
                 let g = sig(gate[th * hd + i] as f64);
                 let bound = (dn + o.abs() * dl) / (l - dl) * g + 1e-6 * o.abs() * g;
-                w1 = w1.max((gpu[th * hd + i] as f64 - o * g).abs() / bound);
+                // The GPU's output is its f32 value rounded to bf16: U of (|o·g| + bound) more.
+                let bound_gpu = bound + u * ((o * g).abs() + bound);
+                w1 = w1.max((gpu[th * hd + i] as f64 - o * g).abs() / bound_gpu);
                 w2 = w2.max((cpu[th * hd + i] as f64 - o * g).abs() / bound);
             }
             (w1, w2)
@@ -561,11 +658,13 @@ fn conv_and_gdn_prefill_then_decode() {
     let mut cst = vec![0f32; (d.conv_kernel - 1) * c];
     let mut gst = g.zeros(cst.len()).unwrap();
     // Prefill rows: several row blocks of conv1d_prefill (50), fewer rows than the state holds (2).
+    // x and out are activations (x bf16 on both sides); w and the state (the last K-1 input
+    // rows, bf16 values held in f32) are f32.
     for rows in [50usize, 1, 1, 2, 1, 17] {
-        let x = rng.vec(rows * c, 1.0);
+        let x = bf16v(rng.vec(rows * c, 1.0));
         let mut co = vec![0f32; rows * c];
-        let mut go = g.zeros(rows * c).unwrap();
-        let gx = g.upload_vec(&x).unwrap();
+        let mut go = g.act_zeros(rows * c).unwrap();
+        let gx = g.upload_act(&x).unwrap();
         if rows == 1 {
             Cpu.conv1d_step(&x, &w, &mut cst, &d, &mut co);
             g.conv1d_step(&gx, &gw, &mut gst, &d, &mut go);
@@ -573,11 +672,13 @@ fn conv_and_gdn_prefill_then_decode() {
             Cpu.conv1d_prefill(&x, &w, &mut cst, &d, rows, &mut co);
             g.conv1d_prefill(&gx, &gw, &mut gst, &d, rows, &mut go);
         }
-        check(&format!("conv1d_{} {rows} rows (out)", if rows == 1 { "step" } else { "prefill" }), rel_rows(&h(&g, &go), &co, c), F32_TOL);
+        check_act(&format!("conv1d_{} {rows} rows (out)", if rows == 1 { "step" } else { "prefill" }), &h(&g, &go), &co, c);
         check(&format!("conv1d_{} {rows} rows (state)", if rows == 1 { "step" } else { "prefill" }), rel_rows(&h(&g, &gst), &cst, c), EXACT);
     }
 
-    // GDN: prefill 40 rows, then 3 decode steps, state carried.
+    // GDN: prefill 40 rows, then 3 decode steps, the f32 state carried. qkv, z, b, a and out are
+    // activations: each step's inputs are the same bf16 values on both sides (outputs are not fed
+    // back), so the state sees identical inputs and stays within f32 rounding of the CPU's.
     let a_log: Vec<f32> = (0..hv).map(|_| (1.0 + 7.5 * (rng.f() + 1.0)).ln()).collect();
     let dt_bias: Vec<f32> = (0..hv).map(|_| rng.f()).collect();
     let norm: Vec<f32> = (0..dv).map(|_| 1.0 + 0.1 * rng.f()).collect();
@@ -586,13 +687,13 @@ fn conv_and_gdn_prefill_then_decode() {
     let mut cs = vec![0f32; hv * dv * dk];
     let mut gs = g.zeros(cs.len()).unwrap();
     for (step, rows) in [40usize, 1, 1, 1].into_iter().enumerate() {
-        let qkv = rng.vec(rows * c, 1.0);
-        let z = rng.vec(rows * hv * dv, 1.0);
-        let b = rng.vec(rows * hv, 1.5);
-        let a = rng.vec(rows * hv, 1.5);
+        let qkv = bf16v(rng.vec(rows * c, 1.0));
+        let z = bf16v(rng.vec(rows * hv * dv, 1.0));
+        let b = bf16v(rng.vec(rows * hv, 1.5));
+        let a = bf16v(rng.vec(rows * hv, 1.5));
         let mut co = vec![0f32; rows * hv * dv];
-        let mut go = g.zeros(rows * hv * dv).unwrap();
-        let (gqkv, gz, gb, ga) = (g.upload_vec(&qkv).unwrap(), g.upload_vec(&z).unwrap(), g.upload_vec(&b).unwrap(), g.upload_vec(&a).unwrap());
+        let mut go = g.act_zeros(rows * hv * dv).unwrap();
+        let (gqkv, gz, gb, ga) = (g.upload_act(&qkv).unwrap(), g.upload_act(&z).unwrap(), g.upload_act(&b).unwrap(), g.upload_act(&a).unwrap());
         if rows == 1 {
             Cpu.gdn_decode(&qkv, &z, &b, &a, &cp, &mut cs, &d, &mut co);
             g.gdn_decode(&gqkv, &gz, &gb, &ga, &gp, &mut gs, &d, &mut go);
@@ -604,7 +705,7 @@ fn conv_and_gdn_prefill_then_decode() {
         // Per token (the out_proj input row), not per head: a head whose y = S·q nearly cancels is
         // scaled up by its RMS norm, and there f32 itself is ill-conditioned (the CPU's f32 result
         // was seen 4.6e-4 off an f64 port in such a head, whose outputs are ~1e-3 of the row's).
-        check(&format!("{kind} step {step}, {rows} rows (out)"), rel_rows(&h(&g, &go), &co, hv * dv), F32_TOL);
+        check_act(&format!("{kind} step {step}, {rows} rows (out)"), &h(&g, &go), &co, hv * dv);
         check(&format!("{kind} step {step}, {rows} rows (fp32 state)"), rel_rows(&h(&g, &gs), &cs, dv * dk), F32_TOL);
     }
 }
@@ -620,6 +721,7 @@ fn moe_route_and_experts() {
     let down = rand_quant(&mut rng, e, hid, width, 4, 64, false);
     let (gg, gu, gd) = (g.upload_mat(&gate).unwrap(), g.upload_mat(&up).unwrap(), g.upload_mat(&down).unwrap());
     for rows in [100usize, 256, 1] {
+        // Router logits are f32.
         let mut logits = rng.vec(rows * e, 3.0);
         // Expert 3 popular with almost every token: its rows span several 64-row tiles.
         for t in 0..rows {
@@ -636,15 +738,19 @@ fn moe_route_and_experts() {
         let werr = w.iter().zip(&cr.weights).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         check(&format!("moe_route [{rows}, {e}] top-{k} (weights, absolute)"), werr, 1e-6);
 
-        let x = rng.vec(rows * hid, 1.0);
-        let gx = g.upload_vec(&x).unwrap();
+        // x and out are activations (x bf16 on both sides).
+        let x = bf16v(rng.vec(rows * hid, 1.0));
+        let gx = g.upload_act(&x).unwrap();
         let mut c = vec![0f32; rows * hid];
-        let mut go = g.zeros(rows * hid).unwrap();
+        let mut go = g.act_zeros(rows * hid).unwrap();
+        let routed = route_slots(&cr, [&gate, &up, &down]);
         if rows == 1 {
             Cpu.moe_experts_decode(&x, &cr, &gate, &up, &down, None, &d, &mut c);
             g.moe_experts_decode(&gx, &gr, &gg, &gu, &gd, None, &d, &mut go);
+            check_moe(&format!("moe_experts_decode, {e} experts 4-bit [512, 2048]"), &h(&g, &go), &c, &x, &routed, rows, false, 1);
             // With the shared expert folded in (same format: slot k of the same two kernels) and
-            // in another format (8-bit: its own GEMVs after them).
+            // in another format (8-bit: its own GEMVs after them, and its own gated add, which
+            // rounds the output a second time). The gate logit is f32.
             let logit = vec![0.3f32];
             for bits in [4u32, 8] {
                 let sgate = rand_quant(&mut rng, 1, width, hid, bits, 64, false);
@@ -653,42 +759,86 @@ fn moe_route_and_experts() {
                 let (gsg, gsu, gsd, gl) = (g.upload_mat(&sgate).unwrap(), g.upload_mat(&sup).unwrap(), g.upload_mat(&sdown).unwrap(), g.upload_vec(&logit).unwrap());
                 let mut cs = vec![0f32; hid];
                 Cpu.moe_experts_decode(&x, &cr, &gate, &up, &down, Some(&SharedExpert { gate: &sgate, up: &sup, down: &sdown, logit: &logit }), &d, &mut cs);
-                let mut gs = g.zeros(hid).unwrap();
+                let mut gs = g.act_zeros(hid).unwrap();
                 g.moe_experts_decode(&gx, &gr, &gg, &gu, &gd, Some(&SharedExpert { gate: &gsg, up: &gsu, down: &gsd, logit: &gl }), &d, &mut gs);
-                check(&format!("moe_experts_decode + {bits}-bit shared expert"), rel_rows(&h(&g, &gs), &cs, hid), F32_TOL);
+                let mut slots = routed.clone();
+                slots.push(Slot { t: 0, w: 1.0 / (1.0 + (-(logit[0] as f64)).exp()), mats: [&sgate, &sup, &sdown], e: 0 });
+                let rounds = if bits == 4 { 1 } else { 2 };
+                check_moe(&format!("moe_experts_decode + {bits}-bit shared expert"), &h(&g, &gs), &cs, &x, &slots, rows, false, rounds);
                 assert!(rel_rows(&cs, &c, hid) > 1e-3, "the shared expert changed nothing");
             }
         } else {
             Cpu.moe_experts_prefill(&x, &cr, &gate, &up, &down, &d, rows, &mut c);
             g.set_tensor_core_gemm(false);
             g.moe_experts_prefill(&gx, &gr, &gg, &gu, &gd, &d, rows, &mut go);
-            check(&format!("moe_experts_prefill {rows} rows (f32 gemm)"), rel_rows(&h(&g, &go), &c, hid), F32_TOL);
+            check_moe(&format!("moe_experts_prefill {rows} rows (f32 gemm)"), &h(&g, &go), &c, &x, &routed, rows, false, 1);
             g.set_tensor_core_gemm(true);
             g.moe_experts_prefill(&gx, &gr, &gg, &gu, &gd, &d, rows, &mut go);
-            check_moe_tc(&format!("moe_experts_prefill {rows} rows (tc)"), &h(&g, &go), &c, &x, &cr, [&gate, &up, &down], rows);
-            continue;
+            check_moe(&format!("moe_experts_prefill {rows} rows (tc)"), &h(&g, &go), &c, &x, &routed, rows, true, 1);
         }
-        check(&format!("moe_experts_decode, {e} experts 4-bit [512, 2048]"), rel_rows(&h(&g, &go), &c, hid), F32_TOL);
     }
 }
 
-/// The routed experts on tensor cores against the CPU, with the bf16 bound propagated per output
-/// (module header): in f64, per slot, g = W_g x and u = W_u x with error bounds e_g = c·S_g,
-/// e_u = c·S_u (c = 2u + 2·K·2^-22); act = silu(g)·u with |Δact| ≤ 1.1·e_g·(|u| + e_u) +
-/// |silu(g)|·e_u (silu's slope is below 1.1); y = W_d act with |Δy| ≤ (1 + 2u)·Σ|w_d||Δact| +
-/// c'·Σ|w_d act|; the output sums w_j·y_j, and so do the bounds.
-fn check_moe_tc(what: &str, gpu: &[f32], cpu: &[f32], x: &[f32], route: &CpuRoute, mats: [&HostLinear; 3], rows: usize) {
-    let [gate, up, down] = mats;
-    let (hid, width, k) = (gate.inp, gate.out, route.ids.len() / rows);
-    let u = (0.5f64).powi(8);
-    let c_in = 2.0 * u + 2.0 * hid as f64 * (0.5f64).powi(22);
-    let c_dn = 2.0 * u + 2.0 * width as f64 * (0.5f64).powi(22);
+/// One expert slot of an MoE output: token `t`, its weight, the expert's matrices (stacks) and
+/// its index in them.
+#[derive(Clone)]
+struct Slot<'a> {
+    t: usize,
+    w: f64,
+    mats: [&'a HostLinear; 3],
+    e: usize,
+}
+
+/// The routed slots of a CPU route (slot t·k + j), over the stacks `mats` (gate, up, down).
+fn route_slots<'a>(route: &CpuRoute, mats: [&'a HostLinear; 3]) -> Vec<Slot<'a>> {
+    let k = route.k;
+    route.ids.iter().zip(&route.weights).enumerate().map(|(s, (&e, &w))| Slot { t: s / k, w: w as f64, mats, e: e as usize }).collect()
+}
+
+/// The experts (any path) against the CPU: per output, within a rounding bound propagated in f64
+/// from a reference on the same bf16 x (module header); and in relative L2 against the CPU.
+/// `tc`: the tensor-core path, whose weight operands are rounded to bf16 (w_rel = U) and whose
+/// f32 accumulation is bounded by acc(K) = K·2^-22 of Σ|products| (2× the truncating-summation
+/// bound, as `check_tc`); otherwise the f32 paths, whose weights are dequantised in f32 on both
+/// sides, perhaps with and without FMA contraction, a few f32 ulps of |s·q| + |b| apart (about
+/// 4|w| on average for these codes, scales and biases: w_rel = 2^-20 of Σ|w x| covers them), with
+/// acc(K) = K·2^-23 (2× the round-to-nearest bound). `rounds`: the output's roundings (2 when a
+/// shared expert in another format is added by its own op).
+/// Per slot: g = W_g x, u = W_u x, each off by e = (w_rel + acc(hid))·Σ|w x|, then stored as
+/// bf16: e += U·(|g| + e); act = silu(g)·u off by 1.1·e_g·(|u| + e_u) + |silu(g)|·e_u (silu's
+/// slope is below 1.1), +2^-20 relative for its f32 evaluation, then stored: da += U·(|act| + da);
+/// y = W_d act off by (1 + c)·Σ|w_d|·da + c·Σ|w_d act| with c = w_rel + acc(width)·(1 + w_rel),
+/// then stored: dy += U·(|y| + dy). The output sums w_j·y_j: bounds w_j·dy_j, plus 1e-6·(|y_j| +
+/// dy_j) for the routes' weights (the GPU's are within 1e-6 of the CPU's, checked above), plus
+/// the f32 sum (n_slots·2^-23 of Σ|w_j y_j| + bounds), then each rounding adds U of the value it
+/// rounds (an intermediate one, at most Σ|w_j y_j| + bound; the last one, |out| + bound).
+/// Worst-case sums of |terms| make this bound loose (the output's own rounding alone uses 1-2% of
+/// it on the f32 paths, well under 1% on tensor cores; a whole 8-bit shared expert dropped from a
+/// decode output exceeds it only about 3×), so the sharp check is the relative L2 error, where independent rounding errors add in quadrature: a host
+/// emulation of the f32 path's roundings (g, u, act, each slot's y, the output) is 2.8-3.6e-3 off
+/// the CPU here, held to 2^-7; the tensor-core path adds the weights' rounding, held to 2^-6.
+#[allow(clippy::too_many_arguments)]
+fn check_moe(what: &str, gpu: &[f32], cpu: &[f32], x: &[f32], slots: &[Slot], rows: usize, tc: bool, rounds: usize) {
+    let (hid, width) = (slots[0].mats[0].inp, slots[0].mats[0].out);
+    assert!(x.iter().all(|&v| v == bf16r(v)), "{what}: x must be bf16 values (an activation)");
+    let u = U as f64;
+    let (w_rel, acc_unit, l2_tol) = if tc { (u, (0.5f64).powi(22), (0.5f64).powi(6)) } else { ((0.5f64).powi(20), (0.5f64).powi(23), (0.5f64).powi(7)) };
+    let acc = |k: usize| k as f64 * acc_unit;
+    let c_in = w_rel + acc(hid);
+    let c_dn = w_rel + acc(width) * (1.0 + w_rel);
     let silu = |v: f64| v / (1.0 + (-v).exp());
-    // Per expert (in parallel): its slots' contributions w_j·y_j and bounds, as (slot, y, bound).
-    let experts: Vec<usize> = (0..gate.n).filter(|e| route.ids.contains(&(*e as u32))).collect();
-    let parts: Vec<Vec<(usize, Vec<f64>, Vec<f64>)>> = experts
+    // Slots grouped by matrix stack and expert (each dequantised once), in parallel: per slot
+    // (index, w·y, bound of w·y).
+    let mut groups: std::collections::BTreeMap<(usize, usize), Vec<usize>> = Default::default();
+    for (i, s) in slots.iter().enumerate() {
+        groups.entry((s.mats[0] as *const HostLinear as usize, s.e)).or_default().push(i);
+    }
+    let groups: Vec<Vec<usize>> = groups.into_values().collect();
+    type Part = (usize, Vec<f64>, Vec<f64>);
+    let parts: Vec<Vec<Part>> = groups
         .par_iter()
-        .map(|&e| {
+        .map(|members| {
+            let (mats, e) = (slots[members[0]].mats, slots[members[0]].e);
             let deq = |m: &HostLinear| {
                 let v = m.view(e);
                 let mut all = vec![0f32; m.out * m.inp];
@@ -697,25 +847,31 @@ fn check_moe_tc(what: &str, gpu: &[f32], cpu: &[f32], x: &[f32], route: &CpuRout
                 }
                 all
             };
-            let (wg, wu, wd) = (deq(gate), deq(up), deq(down));
+            let (wg, wu, wd) = (deq(mats[0]), deq(mats[1]), deq(mats[2]));
             let mut res = Vec::new();
-            for (slot, _) in route.ids.iter().enumerate().filter(|(_, &id)| id as usize == e) {
-                let xt = &x[(slot / k) * hid..][..hid];
+            for &si in members {
+                let s = &slots[si];
+                let xt = &x[s.t * hid..][..hid];
                 let (mut act, mut dact) = (vec![0f64; width], vec![0f64; width]);
                 for o in 0..width {
-                    let (mut g, mut sg, mut uu, mut su) = (0f64, 0f64, 0f64, 0f64);
+                    let (mut gv, mut sg, mut uv, mut su) = (0f64, 0f64, 0f64, 0f64);
                     for i in 0..hid {
                         let (pg, pu) = (xt[i] as f64 * wg[o * hid + i] as f64, xt[i] as f64 * wu[o * hid + i] as f64);
-                        g += pg;
+                        gv += pg;
                         sg += pg.abs();
-                        uu += pu;
+                        uv += pu;
                         su += pu.abs();
                     }
-                    let (eg, eu) = (c_in * sg, c_in * su);
-                    act[o] = silu(g) * uu;
-                    dact[o] = 1.1 * eg * (uu.abs() + eu) + silu(g).abs() * eu;
+                    let (mut eg, mut eu) = (c_in * sg, c_in * su);
+                    eg += u * (gv.abs() + eg);
+                    eu += u * (uv.abs() + eu);
+                    let a = silu(gv) * uv;
+                    let mut da = 1.1 * eg * (uv.abs() + eu) + silu(gv).abs() * eu;
+                    da += (0.5f64).powi(20) * (a.abs() + da);
+                    da += u * (a.abs() + da);
+                    act[o] = a;
+                    dact[o] = da;
                 }
-                let w = route.weights[slot] as f64;
                 let (mut y, mut b) = (vec![0f64; hid], vec![0f64; hid]);
                 for o in 0..hid {
                     let row = &wd[o * width..][..width];
@@ -726,34 +882,44 @@ fn check_moe_tc(what: &str, gpu: &[f32], cpu: &[f32], x: &[f32], route: &CpuRout
                         prop += wv.abs() * dact[i];
                         sa += (wv * act[i]).abs();
                     }
-                    y[o] = w * yo;
-                    b[o] = w * ((1.0 + 2.0 * u) * prop + c_dn * sa);
+                    let mut dy = (1.0 + c_dn) * prop + c_dn * sa;
+                    dy += u * (yo.abs() + dy);
+                    y[o] = s.w * yo;
+                    b[o] = s.w * dy + 1e-6 * (yo.abs() + dy);
                 }
-                res.push((slot, y, b));
+                res.push((si, y, b));
             }
             res
         })
         .collect();
-    let (mut yref, mut bound) = (vec![0f64; rows * hid], vec![0f64; rows * hid]);
-    for (slot, y, b) in parts.into_iter().flatten() {
-        let t = slot / k;
+    let (mut yref, mut bsum, mut asum, mut n) = (vec![0f64; rows * hid], vec![0f64; rows * hid], vec![0f64; rows * hid], vec![0usize; rows]);
+    for (i, y, b) in parts.into_iter().flatten() {
+        let t = slots[i].t;
+        n[t] += 1;
         for o in 0..hid {
             yref[t * hid + o] += y[o];
-            bound[t * hid + o] += b[o];
+            bsum[t * hid + o] += b[o];
+            asum[t * hid + o] += y[o].abs();
         }
     }
     let (mut worst, mut cpu_off) = (0f64, 0f64);
     for i in 0..rows * hid {
-        worst = worst.max((gpu[i] as f64 - yref[i]).abs() / (bound[i] + 1e-30));
-        cpu_off = cpu_off.max((cpu[i] as f64 - yref[i]).abs() / (bound[i] + 1e-30));
+        let (a, r) = (asum[i], yref[i]);
+        let mut e = bsum[i] + n[i / hid] as f64 * (0.5f64).powi(23) * (a + bsum[i]);
+        for _ in 1..rounds {
+            e += u * (a + e);
+        }
+        e += u * (r.abs() + e);
+        worst = worst.max((gpu[i] as f64 - r).abs() / (e + 1e-30));
+        cpu_off = cpu_off.max((cpu[i] as f64 - r).abs() / (e + 1e-30));
     }
     let rms = rel_l2(gpu, cpu);
-    let popular = route.ids.iter().filter(|&&i| i == 3).count();
-    println!("{what:<58} err/bound {worst:.3} (f64 reference; the CPU's f32 result {cpu_off:.1e}); rel L2 vs CPU {rms:.2e}; expert 3 has {popular} rows");
+    let popular = slots.iter().filter(|s| s.e == 3 && std::ptr::eq(s.mats[0], slots[0].mats[0])).count();
+    println!("{what:<58} err/bound {worst:.3} (f64 reference; the CPU's f32 result {cpu_off:.1e}); rel L2 vs CPU {rms:.2e} (tol {l2_tol:.1e}); expert 3 has {popular} rows");
     // The reference is the right function: the CPU's f32 result sits deep inside the bound.
     assert!(cpu_off < 0.05, "{what}: the CPU's result is {cpu_off} times the bound off the f64 reference");
     assert!(worst <= 1.0, "{what}: {worst} times the propagated bf16 bound off the f64 reference");
-    assert!(rms <= (0.5f64).powi(6), "{what}: relative L2 error {rms:e} above 2^-6");
+    assert!(rms <= l2_tol, "{what}: relative L2 error {rms:e} above {l2_tol:e}");
 }
 
 #[test]
@@ -788,26 +954,86 @@ fn bad_shapes_are_errors_not_crashes() {
     let mut rng = Rng(8);
     let w = rand_quant(&mut rng, 1, 64, 128, 4, 64, false);
     let gw = g.upload_mat(&w).unwrap();
-    let x = g.zeros(10).unwrap(); // too small for one row of 128
-    let mut o = g.zeros(64).unwrap();
+    let x = g.act_zeros(10).unwrap(); // the right type, too small for one row of 128
+    let mut o = g.act_zeros(64).unwrap();
     g.matmul_q(&x, &gw, 1, &mut o);
-    let e = g.to_host(&o, 64).unwrap_err();
-    assert!(format!("{e:#}").contains("needed"), "{e:#}");
+    let e = format!("{:#}", g.to_host(&o, 64).unwrap_err());
+    assert!(e.contains("needed") && !e.contains("bf16"), "not the size error: {e}");
 }
 
 /// The attention kernels read a bf16 cache: one of f32 elements (`zeros`, not `kv_zeros`) is an
-/// error, never a cache read at the wrong width.
+/// error, never a cache read at the wrong width (every other operand has its right type).
 #[test]
 fn f32_kv_cache_is_an_error() {
     let Some(g) = gpu() else { return };
     let d = qwen_dims();
     let (hq, hd, kvd) = (d.n_heads, d.head_dim, d.n_kv_heads * d.head_dim);
     let mut kv = KvCache { k: g.zeros(16 * kvd).unwrap(), v: g.zeros(16 * kvd).unwrap(), capacity: 16 };
-    let (q, k, v, gate) = (g.zeros(hq * hd).unwrap(), g.zeros(kvd).unwrap(), g.zeros(kvd).unwrap(), g.zeros(hq * hd).unwrap());
-    let mut o = g.zeros(hq * hd).unwrap();
+    let (q, k, v, gate) = (g.act_zeros(hq * hd).unwrap(), g.act_zeros(kvd).unwrap(), g.act_zeros(kvd).unwrap(), g.act_zeros(hq * hd).unwrap());
+    let mut o = g.act_zeros(hq * hd).unwrap();
     g.attn_prefill(&q, &k, &v, &gate, &mut kv, &d, 1, 0, &mut o);
     let e = g.to_host(&o, hq * hd).unwrap_err();
     assert!(format!("{e:#}").contains("not bf16"), "{e:#}");
+}
+
+/// Each op checks its operands' element types by role: an f32 buffer where an activation (bf16)
+/// is expected, or an activation where f32 is (the residual stream, logits, states), is an error
+/// returned by the next sync, never a read at the wrong width. Each failing case runs on a fresh
+/// backend (after an error a backend launches nothing more); the same calls with the right types
+/// succeed.
+#[test]
+fn f32_activation_is_an_error() {
+    let Some(good) = gpu() else { return };
+    let mut rng = Rng(10);
+    let w = rand_quant(&mut rng, 1, 64, 128, 4, 64, false);
+    // (case, the op it names, the call: `ok` gives every operand its right type, else the named
+    // operand the wrong one).
+    type Case = (&'static str, &'static str, fn(&Cuda, &HostLinear, bool));
+    let cases: [Case; 6] = [
+        ("rms_norm: f32 out", "rms_norm", |g, _, ok| {
+            let (x, nw) = (g.zeros(2 * 128).unwrap(), g.upload_vec(&[1.0; 128]).unwrap());
+            let mut out = if ok { g.act_zeros(2 * 128).unwrap() } else { g.zeros(2 * 128).unwrap() };
+            g.rms_norm(&x, &nw, 2, 128, 1e-6, &mut out);
+        }),
+        ("rms_norm: bf16 x (the residual stream is f32)", "rms_norm", |g, _, ok| {
+            let x = if ok { g.zeros(2 * 128).unwrap() } else { g.act_zeros(2 * 128).unwrap() };
+            let nw = g.upload_vec(&[1.0; 128]).unwrap();
+            let mut out = g.act_zeros(2 * 128).unwrap();
+            g.rms_norm(&x, &nw, 2, 128, 1e-6, &mut out);
+        }),
+        ("matmul_q: f32 x", "matmul_q", |g, w, ok| {
+            let gw = g.upload_mat(w).unwrap();
+            let x = if ok { g.act_zeros(2 * 128).unwrap() } else { g.zeros(2 * 128).unwrap() };
+            let mut out = g.zeros(2 * 64).unwrap();
+            g.matmul_q(&x, &gw, 2, &mut out);
+        }),
+        ("add: f32 r", "add", |g, _, ok| {
+            let mut h = g.zeros(256).unwrap();
+            let r = if ok { g.act_zeros(256).unwrap() } else { g.zeros(256).unwrap() };
+            g.add(&mut h, &r, 256);
+        }),
+        ("swiglu: f32 u", "swiglu", |g, _, ok| {
+            let gg = g.act_zeros(256).unwrap();
+            let u = if ok { g.act_zeros(256).unwrap() } else { g.zeros(256).unwrap() };
+            let mut out = g.act_zeros(256).unwrap();
+            g.swiglu(&gg, &u, 256, &mut out);
+        }),
+        ("argmax_step: bf16 logits", "argmax_step", |g, _, ok| {
+            let l = if ok { g.zeros(1000).unwrap() } else { g.act_zeros(1000).unwrap() };
+            let mut step = g.new_step().unwrap();
+            g.set_step(&mut step, 0, 0);
+            g.argmax_step(&l, 1000, &mut step);
+        }),
+    ];
+    for (what, op, call) in cases {
+        call(&good, &w, true);
+        good.check().unwrap_or_else(|e| panic!("{what}, right types: {e:#}"));
+        let g = gpu().unwrap();
+        call(&g, &w, false);
+        let e = format!("{:#}", g.check().expect_err(what));
+        println!("{what:<58} {e}");
+        assert!(e.contains("bf16") && e.contains(op), "{what}: {e}");
+    }
 }
 
 /// The `small` preset end to end: CUDA logits against the CPU's over 192 teacher-forced positions
@@ -886,9 +1112,11 @@ fn end_to_end(preset: &str) {
     }
     let pct = 100.0 * (agree + dagree) as f64 / (n + 8) as f64;
     assert!(pct >= 99.0, "top-1 agreement {pct:.2}% < 99%");
-    // Tensor-core GEMMs or attention: bf16 operands; f32 GEMMs and attn_rows: f32 rounding and the
-    // bf16 KV cache's one rounding of k and v, measured at 5-7e-4 (module header).
-    let (tol, kind) = if cuda.backend.tensor_core_gemm() || cuda.backend.tensor_core_attention() { (1e-2, "tc_gemm / attn_tc, bf16 operands") } else { (2e-3, "f32 gemm and attention, bf16 KV") };
+    // Activations between ops are bf16 on every path, so the f32 GEMMs and attn_rows
+    // (LILY_CUDA_GEMM=simt, LILY_CUDA_ATTN=f32) get the tensor-core kernels' 1e-2 too. With f32
+    // activations that path measured 5-7e-4 (the bf16 KV cache's rounding); the figure with bf16
+    // activations is yet to be measured, and this tolerance to be tightened to it.
+    let (tol, kind) = if cuda.backend.tensor_core_gemm() || cuda.backend.tensor_core_attention() { (1e-2, "tc_gemm / attn_tc, bf16 activations") } else { (1e-2, "f32 gemm and attention, bf16 activations") };
     check(&format!("e2e {preset}: logits (prefill, per position; {kind})"), err, tol);
 }
 
@@ -921,8 +1149,9 @@ fn op_timings() {
         let gw = g.upload_mat(&w).unwrap();
         let bytes = gw.nbytes() as f64;
         for rows in [1usize, 256] {
-            let x = g.upload_vec(&rng.vec(rows * inp, 1.0)).unwrap();
-            let mut o = g.zeros(rows * out).unwrap();
+            let x = g.upload_act(&rng.vec(rows * inp, 1.0)).unwrap();
+            // The logits and router logits are f32, the projections' outputs activations.
+            let mut o = if what.starts_with("in_proj") { g.act_zeros(rows * out).unwrap() } else { g.zeros(rows * out).unwrap() };
             time(&format!("matmul_q {what} rows {rows}"), bytes, 2.0 * (rows * out * inp) as f64, &mut || g.matmul_q(&x, &gw, rows, &mut o));
         }
     }
@@ -934,8 +1163,8 @@ fn op_timings() {
     for rows in [1usize, 256] {
         let logits = g.upload_vec(&rng.vec(rows * e, 3.0)).unwrap();
         let mut r = g.new_route(rows, d.top_k).unwrap();
-        let x = g.upload_vec(&rng.vec(rows * hid, 1.0)).unwrap();
-        let mut o = g.zeros(rows * hid).unwrap();
+        let x = g.upload_act(&rng.vec(rows * hid, 1.0)).unwrap();
+        let mut o = g.act_zeros(rows * hid).unwrap();
         time(&format!("moe_route rows {rows}"), 0.0, 0.0, &mut || g.moe_route(&logits, &d, rows, &mut r));
         let flops = 2.0 * 3.0 * (rows * d.top_k * width * hid) as f64;
         if rows == 1 {
@@ -949,15 +1178,15 @@ fn op_timings() {
     let p = GdnParams { a_log: g.upload_vec(&vec![1.0; hv]).unwrap(), dt_bias: g.upload_vec(&vec![0.0; hv]).unwrap(), norm: g.upload_vec(&vec![1.0; dv]).unwrap() };
     let mut st = g.zeros(hv * dv * dk).unwrap();
     for rows in [1usize, 256] {
-        let (qkv, z, b, a) = (g.upload_vec(&rng.vec(rows * c, 1.0)).unwrap(), g.upload_vec(&rng.vec(rows * hv * dv, 1.0)).unwrap(), g.upload_vec(&rng.vec(rows * hv, 1.0)).unwrap(), g.upload_vec(&rng.vec(rows * hv, 1.0)).unwrap());
-        let mut o = g.zeros(rows * hv * dv).unwrap();
+        let (qkv, z, b, a) = (g.upload_act(&rng.vec(rows * c, 1.0)).unwrap(), g.upload_act(&rng.vec(rows * hv * dv, 1.0)).unwrap(), g.upload_act(&rng.vec(rows * hv, 1.0)).unwrap(), g.upload_act(&rng.vec(rows * hv, 1.0)).unwrap());
+        let mut o = g.act_zeros(rows * hv * dv).unwrap();
         time(&format!("gdn (scan + gated norm) rows {rows}"), (8 * hv * dv * dk) as f64, 0.0, &mut || g.gdn_prefill(&qkv, &z, &b, &a, &p, &mut st, &d, rows, &mut o));
     }
     let kvd = d.n_kv_heads * d.head_dim;
     let ctx = 4096;
     let mut kv = kv_new(&g, ctx + 256, kvd);
-    let (q, k, v, gt) = (g.upload_vec(&rng.vec(256 * 16 * 256, 1.0)).unwrap(), g.upload_vec(&rng.vec(256 * kvd, 1.0)).unwrap(), g.upload_vec(&rng.vec(256 * kvd, 1.0)).unwrap(), g.upload_vec(&rng.vec(256 * 16 * 256, 1.0)).unwrap());
-    let mut o = g.zeros(256 * 16 * 256).unwrap();
+    let (q, k, v, gt) = (g.upload_act(&rng.vec(256 * 16 * 256, 1.0)).unwrap(), g.upload_act(&rng.vec(256 * kvd, 1.0)).unwrap(), g.upload_act(&rng.vec(256 * kvd, 1.0)).unwrap(), g.upload_act(&rng.vec(256 * 16 * 256, 1.0)).unwrap());
+    let mut o = g.act_zeros(256 * 16 * 256).unwrap();
     let mut step = g.new_step().unwrap();
     g.set_step(&mut step, 0, ctx);
     time(&format!("attn_decode at context {ctx}"), (2 * ctx * kvd * g.kv_elem_bytes()) as f64, 0.0, &mut || g.attn_decode(&q, &k, &v, &gt, &mut kv, &d, ctx, &step, &mut o));
@@ -967,7 +1196,8 @@ fn op_timings() {
 /// The decode loop on the device: greedy tokens fed back through the step (`decode(None)`), then
 /// host-fed steps returning logits, across a KV capacity growth (256 → 512). Recorded and replayed
 /// steps (CUDA graphs) must give the same tokens and bit-identical logits as steps run op by op —
-/// the same kernels on the same grids — and the tokens must equal the CPU's own step path.
+/// the same kernels on the same grids — and the tokens must equal the CPU's own step path up to
+/// its first near-tie (bf16 activations may flip a near-tie, after which the sequences differ).
 #[test]
 fn recorded_decode_steps_equal_direct_ones() {
     let Some(g) = gpu() else { return };
@@ -978,19 +1208,30 @@ fn recorded_decode_steps_equal_direct_ones() {
     let cpu = lily::runtime::load(Cpu, dir.path()).unwrap();
     let v = cuda.cfg.vocab_size;
     let ids = common::prompt_ids(240, v);
-    fn run<B: Backend>(m: &lily::model::Qwen35<B>, ids: &[u32]) -> (Vec<u32>, Vec<Vec<f32>>, f64) {
+    // `all_logits`: the 40 greedy steps are fed from the host too and return their logits (the
+    // same ops; the CPU's run, whose every row's top-2 gap is needed), so `logits` holds every
+    // step's row (47) rather than the last 6.
+    fn run<B: Backend>(m: &lily::model::Qwen35<B>, ids: &[u32], all_logits: bool) -> (Vec<u32>, Vec<Vec<f32>>, f64) {
         let mut st = m.new_state(1024).unwrap();
         let l = m.forward(&mut st, ids, lily::model::Logits::Last, None).unwrap();
         let mut toks = vec![lily::runtime::argmax(&l)];
+        let mut logits = Vec::new();
+        if all_logits {
+            logits.push(l);
+        }
         let t0 = std::time::Instant::now();
         for _ in 0..40 {
-            match m.decode(&mut st, None, true).unwrap() {
+            let feed = if all_logits { toks.last().copied() } else { None };
+            match m.decode(&mut st, feed, !all_logits).unwrap() {
                 lily::model::Next::Token(t) => toks.push(t),
+                lily::model::Next::Logits(l) if all_logits => {
+                    toks.push(lily::runtime::argmax(&l));
+                    logits.push(l);
+                }
                 other => panic!("greedy step gave {other:?}"),
             }
         }
         let tps = 40.0 / t0.elapsed().as_secs_f64();
-        let mut logits = Vec::new();
         for _ in 0..6 {
             let feed = *toks.last().unwrap();
             match m.decode(&mut st, Some(feed), false).unwrap() {
@@ -1005,17 +1246,35 @@ fn recorded_decode_steps_equal_direct_ones() {
         (toks, logits, tps)
     }
     cuda.backend.set_graphs(false);
-    let (t_direct, l_direct, tps_direct) = run(&cuda, &ids);
+    let (t_direct, l_direct, tps_direct) = run(&cuda, &ids, false);
     cuda.backend.set_graphs(true);
-    let (t_graph, l_graph, tps_graph) = run(&cuda, &ids);
-    let (t_cpu, _, _) = run(&cpu, &ids);
+    let (t_graph, l_graph, tps_graph) = run(&cuda, &ids, false);
+    let (t_cpu, l_cpu, _) = run(&cpu, &ids, true);
     println!("decode loop on small: {tps_direct:.0} tok/s op by op, {tps_graph:.0} tok/s recorded; tokens {t_graph:?}");
     assert_eq!(t_graph, t_direct, "recorded steps picked other tokens");
     for (i, (a, b)) in l_graph.iter().zip(&l_direct).enumerate() {
         assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "step {i}: recorded logits differ from direct ones");
     }
     assert_eq!(l_graph[0].len(), v);
+    // Against the CPU: identical tokens up to the first step whose CPU top-2 logit gap is below
+    // 2e-2 of the row's max |logit|. bf16 activations move logits by up to about 1% of the row's
+    // scale (the end-to-end tolerance above), so two logits within 2% may swap; wider gaps may not.
+    assert_eq!(l_cpu.len(), t_cpu.len());
+    let near_tie = l_cpu
+        .iter()
+        .position(|l| {
+            let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+            for &x in l {
+                if x > a {
+                    (a, b) = (x, a);
+                } else if x > b {
+                    b = x;
+                }
+            }
+            a - b < 2e-2 * l.iter().fold(0f32, |m, x| m.max(x.abs()))
+        })
+        .unwrap_or(t_cpu.len());
     let same = t_cpu.iter().zip(&t_graph).take_while(|(a, b)| a == b).count();
-    println!("decode loop on small: cpu and cuda tokens identical for the first {same} of {}", t_cpu.len());
-    assert!(same >= 24, "cuda greedy tokens leave the cpu's after {same}");
+    println!("decode loop on small: cpu and cuda tokens identical for the first {same} of {}; the cpu's first near-tie (top-2 gap < 2% of max |logit|) at step {near_tie}", t_cpu.len());
+    assert!(same >= near_tie, "cuda greedy tokens leave the cpu's at step {same}, before the first near-tie at step {near_tie}");
 }

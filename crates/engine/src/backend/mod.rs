@@ -6,6 +6,13 @@
 //!
 //! Buffers are row-major `[rows, cols]` activations owned by the backend (`f32` on the CPU);
 //! shapes are passed explicitly so a device backend needs no host metadata.
+//!
+//! Element types by role (a device backend may store activations narrower than f32, the CPU is
+//! the f32 reference): **activations** passed between ops ([`Backend::act_zeros`]: bf16 on CUDA)
+//! and **f32** buffers ([`Backend::zeros`]): the residual stream `h` (a sum over 40 layers, an
+//! accumulator), logits and router logits (sampling and expert choice compare them), the shared
+//! expert's gate logit, the GDN and conv states. Each op's doc says which of its buffers are f32;
+//! every other buffer is an activation. `matmul_q`'s output may be either, by the buffer given.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -114,6 +121,16 @@ pub trait Backend: Send + Sync {
     fn upload_vec(&self, v: &[f32]) -> Result<Self::Vec>;
     /// A zero-filled buffer of `len` elements.
     fn zeros(&self, len: usize) -> Result<Self::Buf>;
+    /// A zero-filled activation buffer of `len` elements, in the backend's activation type: f32
+    /// by default (the CPU); the CUDA backend stores bf16 (products and sums inside its kernels stay
+    /// f32), which halves the bytes between ops. `to_host` widens it to f32.
+    fn act_zeros(&self, len: usize) -> Result<Self::Buf> {
+        self.zeros(len)
+    }
+    /// Bytes per element of an [`Backend::act_zeros`] buffer.
+    fn act_elem_bytes(&self) -> usize {
+        4
+    }
     /// A zero-filled KV-cache buffer of `len` elements, stored in the backend's KV element type:
     /// f32 by default (the CPU, the reference); the CUDA backend keeps bf16, which halves the
     /// bytes long-context attention reads. Such a buffer goes only to the attention ops, to
@@ -136,13 +153,14 @@ pub trait Backend: Send + Sync {
     fn step_token(&self, step: &Self::Step) -> Result<u32>;
 
     // ---- embedding, norms, projections
-    /// `out[t] = dequant(table[ids[t]])`.
+    /// `out[t] = dequant(table[ids[t]])`. `out` is f32 (the residual stream).
     fn embed(&self, table: &Self::Mat, ids: &[u32], out: &mut Self::Buf);
     /// `out[0] = dequant(table[step.token])` (the decode step's input).
     fn embed_step(&self, table: &Self::Mat, step: &Self::Step, out: &mut Self::Buf);
-    /// `out[t] = rms_norm(x[t]) * w` over `dim`.
+    /// `out[t] = rms_norm(x[t]) * w` over `dim`. `x` is f32 (the residual stream).
     fn rms_norm(&self, x: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, out: &mut Self::Buf);
     /// `h[t] += r[t]; out[t] = rms_norm(h[t]) * w`: the residual add fused with the next norm.
+    /// `h` is f32.
     fn add_rms_norm(&self, h: &mut Self::Buf, r: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, out: &mut Self::Buf);
     /// `out[t] = x[t] · Wᵀ` for a (quantized) matrix; `x` is `[rows, in]`, `out` `[rows, out]`.
     fn matmul_q(&self, x: &Self::Buf, w: &Self::Mat, rows: usize, out: &mut Self::Buf);
@@ -154,7 +172,7 @@ pub trait Backend: Send + Sync {
             self.matmul_q(x, w, rows, o);
         }
     }
-    /// `h[t] += r[t]`.
+    /// `h[t] += r[t]`. `h` is f32.
     fn add(&self, h: &mut Self::Buf, r: &Self::Buf, len: usize);
 
     // ---- gated attention
@@ -174,18 +192,18 @@ pub trait Backend: Send + Sync {
 
     // ---- Gated DeltaNet
     /// Causal depthwise conv (kernel K, no bias) + SiLU over `rows` new rows of `x` `[rows, C]`,
-    /// reading and updating the conv state (the last K-1 pre-conv rows).
+    /// reading and updating the conv state (the last K-1 pre-conv rows, f32).
     fn conv1d_prefill(&self, x: &Self::Buf, w: &Self::Vec, state: &mut Self::Buf, d: &Dims, rows: usize, out: &mut Self::Buf);
     fn conv1d_step(&self, x: &Self::Buf, w: &Self::Vec, state: &mut Self::Buf, d: &Dims, out: &mut Self::Buf);
     /// The gated delta rule over `rows` tokens: l2-norm q/k, gates from `b`, `a`, the fp32
-    /// recurrence on `state` `[Hv, Dv, Dk]`, then `rms_norm(y) · silu(z)`. `out` is `[rows, Hv·Dv]`.
+    /// recurrence on `state` `[Hv, Dv, Dk]` (f32), then `rms_norm(y) · silu(z)`. `out` is `[rows, Hv·Dv]`.
     #[allow(clippy::too_many_arguments)]
     fn gdn_prefill(&self, qkv: &Self::Buf, z: &Self::Buf, b: &Self::Buf, a: &Self::Buf, w: &GdnParams<Self::Vec>, state: &mut Self::Buf, d: &Dims, rows: usize, out: &mut Self::Buf);
     #[allow(clippy::too_many_arguments)]
     fn gdn_decode(&self, qkv: &Self::Buf, z: &Self::Buf, b: &Self::Buf, a: &Self::Buf, w: &GdnParams<Self::Vec>, state: &mut Self::Buf, d: &Dims, out: &mut Self::Buf);
 
     // ---- MoE
-    /// Softmax over router logits `[rows, E]`, top-k, renormalised weights.
+    /// Softmax over router logits `[rows, E]` (f32), top-k, renormalised weights.
     fn moe_route(&self, logits: &Self::Buf, d: &Dims, rows: usize, route: &mut Self::Route);
     /// `out[t] = Σ_j w_tj · down_e(silu(gate_e(x_t)) · up_e(x_t))` over the chosen experts
     /// (grouped by expert for a block of tokens).
@@ -198,11 +216,11 @@ pub trait Backend: Send + Sync {
     fn moe_experts_decode(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Self::Buf);
     /// `out[t] = silu(g[t]) · u[t]` (the shared expert's activation).
     fn swiglu(&self, g: &Self::Buf, u: &Self::Buf, len: usize, out: &mut Self::Buf);
-    /// `y[t] += sigmoid(s[t]) · shared[t]` (the shared expert's scalar gate, `s` is `[rows, 1]`).
+    /// `y[t] += sigmoid(s[t]) · shared[t]` (the shared expert's scalar gate, `s` is `[rows, 1]`, f32).
     fn add_sigmoid_gated(&self, y: &mut Self::Buf, shared: &Self::Buf, s: &Self::Buf, rows: usize, dim: usize);
 
     // ---- output
-    /// Index of the largest logit of each row (first on ties).
+    /// Index of the largest logit of each row (first on ties). Logits are f32.
     fn argmax(&self, logits: &Self::Buf, rows: usize, vocab: usize) -> Result<Vec<u32>>;
     /// The greedy pick of a decode step on the backend: `step.token = argmax(logits[0])`,
     /// `step.pos += 1`: the step is then ready to feed that token.

@@ -200,6 +200,12 @@ impl<B: Backend> Backend for Profiled<B> {
     fn zeros(&self, len: usize) -> Result<Self::Buf> {
         self.time("zeros (allocation)", || self.inner.zeros(len))
     }
+    fn act_zeros(&self, len: usize) -> Result<Self::Buf> {
+        self.time("zeros (allocation)", || self.inner.act_zeros(len))
+    }
+    fn act_elem_bytes(&self) -> usize {
+        self.inner.act_elem_bytes()
+    }
     fn kv_zeros(&self, len: usize) -> Result<Self::Buf> {
         self.time("zeros (allocation)", || self.inner.kv_zeros(len))
     }

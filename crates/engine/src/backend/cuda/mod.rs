@@ -12,9 +12,18 @@
 //!   words, scales and biases as bf16 (f16 / f32 scales become f32); unquantized matrices become
 //!   f32. The KV cache is bf16 (`kv_zeros`: `Buf`s of 2-byte elements, u16 bits; appended with
 //!   round-to-nearest-even): long-context attention is bound by reading it, and the tensor-core
-//!   prefill attention rounded K and V to bf16 anyway. Activations and the GDN state are f32 (bf16
-//!   activations are a later step; the GDN state stays f32 by design).
-//! * GEMM by shape: `matmul_q` with rows ≤ 8 (decode, tiny batches) runs the f32 GEMV kernels,
+//!   prefill attention rounded K and V to bf16 anyway.
+//! * Activations between ops are bf16 (`act_zeros`: `Buf`s of 2-byte elements): every kernel
+//!   widens its inputs to f32, computes and accumulates in f32 and rounds each activation it writes
+//!   once, to nearest even. f32 stays where a value accumulates or is compared: the residual
+//!   stream (a sum over every layer's output; a bf16 stream would lose the small updates), the
+//!   logits and router logits (the greedy pick and the expert choice compare them), the shared
+//!   expert's gate logit, and the GDN and conv states (the recurrence carries them over the whole
+//!   context). Each op checks its operands' types (`buf_ok`, `act_ok`, `out_ok`); a GEMM writes
+//!   the type of the output it is given. At batch 1 activations are a few KiB against megabytes of
+//!   weights, so this is mostly a prefill saving (each chunk's activations are read several times)
+//!   and the memory of a 2048-token chunk's scratch.
+//! * GEMM by shape: `matmul_q` with rows ≤ 8 (decode, tiny batches) runs the GEMV kernels (f32 FMAs),
 //!   which stream each weight row once and are memory-bound; so do matrices of at most 64 outputs
 //!   at any row count (`SKINNY_OUT`: GDN b/a, shared-expert gate; one x row per block row). Above
 //!   8 rows (prefill) the rest runs the tensor-core GEMM (`tc_gemm.cuh`: bf16 operands, f32
@@ -22,7 +31,8 @@
 //!   kernel was tried and measured no faster, so gate and up stay two GEMMs). 8 is where the GEMV's per-row x registers run out
 //!   and where a 64-row tile starts to amortise its dequantisation. `LILY_CUDA_GEMM=simt` (read
 //!   when the backend is created, or `set_tensor_core_gemm`) swaps all of these back to the f32
-//!   SIMT GEMMs, which match the CPU to f32 rounding: the ablation switch and the reference path.
+//!   SIMT GEMMs, which match the CPU to f32 rounding (before the output's bf16 rounding): the
+//!   ablation switch and the reference path.
 //! * Prefill attention likewise runs on tensor cores (`attn_tc_<HD>` in attention.cu: flash
 //!   attention, bf16 q/k/v/p, f32 softmax and accumulators); `LILY_CUDA_ATTN=f32` (or
 //!   `set_tensor_core_attention`) swaps back to the f32 `attn_rows`. Decode attention computes in
@@ -113,13 +123,15 @@ struct Mem {
     bytes: usize,
 }
 
-/// An f32 activation / state / parameter buffer on the device, or (from `kv_zeros`) a bf16
-/// KV-cache buffer.
+/// A buffer on the device: f32 (`zeros`, `upload_vec`: the residual stream, logits, states,
+/// parameters) or bf16 (`act_zeros`, `upload_act`: activations between ops; `kv_zeros`: the KV
+/// cache).
 pub struct Buf {
     mem: Mem,
     len: usize,
-    /// Bytes per element: 4 (f32, every buffer but the KV cache) or 2 (bf16 bits, the KV cache).
-    /// Ops taking f32 buffers check it (`buf_ok`), the attention ops check their cache is bf16.
+    /// Bytes per element: 4 (f32) or 2 (bf16 bits). Every op checks each operand's type by its
+    /// role (`buf_ok`: f32, `act_ok`: bf16, `out_ok`: a GEMM output, either), so a buffer of the
+    /// wrong type is an error, never misread memory.
     elem: usize,
 }
 
@@ -132,6 +144,10 @@ impl Buf {
     }
     fn at(&self, off: usize) -> u64 {
         self.mem.ptr + (self.elem * off) as u64
+    }
+    /// The kernels' output-type flag (`store_out` in common.cuh): 1 for bf16, 0 for f32.
+    fn bf16(&self) -> i32 {
+        (self.elem == 2) as i32
     }
 }
 
@@ -202,6 +218,7 @@ struct Many {
     out: [u64; 4],
     bstart: [i32; 5],
     n: i32,
+    obf: [i32; 4],
 }
 
 impl Mat {
@@ -310,6 +327,15 @@ const GDN_RPW_DECODE: usize = 4;
 /// 18–22 µs this way. The router (256 outputs) stays on the tensor cores: 29 µs in the op timing,
 /// against 45 µs as 8-row GEMV slices.
 const SKINNY_OUT: usize = 64;
+
+/// f32 → bf16 bits, round to nearest even (NaN stays NaN): `cvt.rn.bf16.f32`, as the kernels do.
+pub fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
 
 fn grid1(n: usize, per: usize) -> u32 {
     n.div_ceil(per).max(1) as u32
@@ -510,6 +536,15 @@ impl Cuda {
             unsafe { dr::memcpy_htod_async(m.ptr, b, self.stream.cu_stream()) }.context("CUDA backend: upload")?;
         }
         Ok(m)
+    }
+
+    /// An activation buffer holding `v` rounded to bf16 (nearest even, as the kernels round):
+    /// the input of an op test, or of a model fed from the host.
+    pub fn upload_act(&self, v: &[f32]) -> Result<Buf> {
+        let bits: Vec<u16> = v.iter().map(|&x| bf16_bits(x)).collect();
+        // SAFETY: u16 slice viewed as bytes.
+        let b = unsafe { std::slice::from_raw_parts(bits.as_ptr() as *const u8, 2 * bits.len()) };
+        Ok(Buf { mem: self.upload_bytes(b)?, len: v.len(), elem: 2 })
     }
 
     fn upload_f32(&self, v: &[f32]) -> Result<Mem> {
@@ -726,8 +761,19 @@ impl Cuda {
         }
     }
 
+    /// An f32 operand (`zeros`, `upload_vec`) of at least `need` elements.
     fn buf_ok(&self, b: &Buf, need: usize, what: &str, op: &str) -> bool {
-        self.ensure(b.elem == 4, || format!("{op}: `{what}` is a bf16 KV-cache buffer, f32 needed")) && self.ensure(b.len >= need, || format!("{op}: `{what}` holds {} values, {need} needed", b.len))
+        self.ensure(b.elem == 4, || format!("{op}: `{what}` is a bf16 buffer, f32 needed")) && self.ensure(b.len >= need, || format!("{op}: `{what}` holds {} values, {need} needed", b.len))
+    }
+
+    /// An activation operand (bf16: `act_zeros`, `upload_act`) of at least `need` elements.
+    fn act_ok(&self, b: &Buf, need: usize, what: &str, op: &str) -> bool {
+        self.ensure(b.elem == 2, || format!("{op}: `{what}` is an f32 buffer, a bf16 activation needed (act_zeros)")) && self.ensure(b.len >= need, || format!("{op}: `{what}` holds {} values, {need} needed", b.len))
+    }
+
+    /// A GEMM output: an activation or f32 (logits, router logits) by the buffer; its size.
+    fn out_ok(&self, b: &Buf, need: usize, what: &str, op: &str) -> bool {
+        self.ensure(b.len >= need, || format!("{op}: `{what}` holds {} values, {need} needed", b.len))
     }
 
     /// The attention ops' check of a layer's cache: bf16 (from `kv_zeros`), `capacity` rows of `kvd`.
@@ -818,6 +864,13 @@ impl Backend for Cuda {
     fn zeros(&self, len: usize) -> Result<Buf> {
         Ok(Buf { mem: self.alloc(4 * len)?, len, elem: 4 })
     }
+    /// bf16 (u16 bits): activations between ops (module header).
+    fn act_zeros(&self, len: usize) -> Result<Buf> {
+        Ok(Buf { mem: self.alloc(2 * len)?, len, elem: 2 })
+    }
+    fn act_elem_bytes(&self) -> usize {
+        2
+    }
     /// bf16 (u16 bits): half the bytes every attention op reads (module header).
     fn kv_zeros(&self, len: usize) -> Result<Buf> {
         Ok(Buf { mem: self.alloc(2 * len)?, len, elem: 2 })
@@ -830,7 +883,7 @@ impl Backend for Cuda {
             bail!("to_host: {len} elements asked of a buffer of {}", b.len);
         }
         if b.elem == 2 {
-            // A bf16 KV cache, widened exactly (tests and debugging read it).
+            // A bf16 activation or KV cache, widened exactly (taps, tests and debugging read it).
             self.check()?;
             let mut v = vec![0u16; len];
             // SAFETY: the buffer holds `b.len >= len` u16; synchronous below.
@@ -895,24 +948,24 @@ impl Backend for Cuda {
         self.launch(&name, (rows as u32, 1, 1), 256, 0, &[Arg::Q(table.q()), Arg::P(dids), Arg::P(out.mem.ptr)]);
     }
     fn rms_norm(&self, x: &Buf, w: &Buf, rows: usize, dim: usize, eps: f32, out: &mut Buf) {
-        if rows == 0 || !(self.buf_ok(x, rows * dim, "x", "rms_norm") && self.buf_ok(w, dim, "w", "rms_norm") && self.buf_ok(out, rows * dim, "out", "rms_norm")) {
+        if rows == 0 || !(self.buf_ok(x, rows * dim, "x", "rms_norm") && self.buf_ok(w, dim, "w", "rms_norm") && self.act_ok(out, rows * dim, "out", "rms_norm")) {
             return;
         }
         self.launch("rms_norm", (rows as u32, 1, 1), 256, 0, &[Arg::P(x.mem.ptr), Arg::P(w.mem.ptr), Arg::P(out.mem.ptr), Arg::I(dim as i32), Arg::F(eps)]);
     }
     fn add_rms_norm(&self, h: &mut Buf, r: &Buf, w: &Buf, rows: usize, dim: usize, eps: f32, out: &mut Buf) {
         let op = "add_rms_norm";
-        if rows == 0 || !(self.buf_ok(h, rows * dim, "h", op) && self.buf_ok(r, rows * dim, "r", op) && self.buf_ok(w, dim, "w", op) && self.buf_ok(out, rows * dim, "out", op)) {
+        if rows == 0 || !(self.buf_ok(h, rows * dim, "h", op) && self.act_ok(r, rows * dim, "r", op) && self.buf_ok(w, dim, "w", op) && self.act_ok(out, rows * dim, "out", op)) {
             return;
         }
         self.launch(op, (rows as u32, 1, 1), 256, 0, &[Arg::P(h.mem.ptr), Arg::P(r.mem.ptr), Arg::P(w.mem.ptr), Arg::P(out.mem.ptr), Arg::I(dim as i32), Arg::F(eps)]);
     }
     fn matmul_q(&self, x: &Buf, w: &Mat, rows: usize, out: &mut Buf) {
         let op = "matmul_q";
-        if rows == 0 || !(self.ensure(w.n == 1, || format!("{op}: a stack of {} matrices", w.n)) && self.buf_ok(x, rows * w.inp, "x", op) && self.buf_ok(out, rows * w.out, "out", op)) {
+        if rows == 0 || !(self.ensure(w.n == 1, || format!("{op}: a stack of {} matrices", w.n)) && self.act_ok(x, rows * w.inp, "x", op) && self.out_ok(out, rows * w.out, "out", op)) {
             return;
         }
-        let args = [Arg::P(x.mem.ptr), Arg::Q(w.q()), Arg::P(out.mem.ptr), Arg::I(rows as i32)];
+        let args = [Arg::P(x.mem.ptr), Arg::Q(w.q()), Arg::P(out.mem.ptr), Arg::I(rows as i32), Arg::I(out.bf16())];
         if rows <= 8 {
             let r = rows.next_power_of_two();
             self.launch(&format!("gemv{r}_{}", w.fmt.suffix()), (grid1(w.out, 8), 1, 1), 256, 0, &args);
@@ -937,13 +990,14 @@ impl Backend for Cuda {
             return;
         }
         let op = "matmul_q_many";
-        if !self.buf_ok(x, ws[0].inp, "x", op) || !ws.iter().zip(outs.iter()).all(|(w, o)| self.buf_ok(o, w.out, "out", op)) {
+        if !self.act_ok(x, ws[0].inp, "x", op) || !ws.iter().zip(outs.iter()).all(|(w, o)| self.out_ok(o, w.out, "out", op)) {
             return;
         }
-        let mut p = Many { m: [QMat::none(); 4], out: [0; 4], bstart: [0; 5], n: ws.len() as i32 };
+        let mut p = Many { m: [QMat::none(); 4], out: [0; 4], bstart: [0; 5], n: ws.len() as i32, obf: [0; 4] };
         for (i, (w, o)) in ws.iter().zip(outs.iter()).enumerate() {
             p.m[i] = w.q();
             p.out[i] = o.mem.ptr;
+            p.obf[i] = o.bf16();
             p.bstart[i + 1] = p.bstart[i] + grid1(w.out, 8) as i32;
         }
         for i in ws.len() + 1..5 {
@@ -953,7 +1007,7 @@ impl Backend for Cuda {
         self.launch(&format!("gemv_many_{}", ws[0].fmt.suffix()), (blocks, 1, 1), 256, 0, &[Arg::P(x.mem.ptr), Arg::M(Box::new(p))]);
     }
     fn add(&self, h: &mut Buf, r: &Buf, len: usize) {
-        if len == 0 || !(self.buf_ok(h, len, "h", "add") && self.buf_ok(r, len, "r", "add")) {
+        if len == 0 || !(self.buf_ok(h, len, "h", "add") && self.act_ok(r, len, "r", "add")) {
             return;
         }
         self.launch("add_inplace", (grid1(len, 256), 1, 1), 256, 0, &[Arg::P(h.mem.ptr), Arg::P(r.mem.ptr), Arg::P(len as u64)]);
@@ -964,12 +1018,12 @@ impl Backend for Cuda {
         let (h, kv, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
         if rows == 0
             || !(self.ensure(hd % 32 == 0 && hd <= 256 && d.rotary_dim <= hd && d.rotary_dim.is_multiple_of(2), || format!("{op}: head_dim {hd} / rotary {} not supported", d.rotary_dim))
-                && self.buf_ok(qg, rows * h * 2 * hd, "qg", op)
-                && self.buf_ok(k, rows * kv * hd, "k", op)
+                && self.act_ok(qg, rows * h * 2 * hd, "qg", op)
+                && self.act_ok(k, rows * kv * hd, "k", op)
                 && self.buf_ok(q_norm, hd, "q_norm", op)
                 && self.buf_ok(k_norm, hd, "k_norm", op)
-                && self.buf_ok(q, rows * h * hd, "q", op)
-                && self.buf_ok(gate, rows * h * hd, "gate", op))
+                && self.act_ok(q, rows * h * hd, "q", op)
+                && self.act_ok(gate, rows * h * hd, "gate", op))
         {
             return;
         }
@@ -1004,15 +1058,15 @@ impl Backend for Cuda {
             || !(self.ensure(hd % 32 == 0 && hd <= 256 && kvh > 0 && h % kvh == 0, || format!("{op}: {h} heads / {kvh} kv heads of {hd} not supported"))
                 && self.kv_ok(kv, kvd, op)
                 && self.ensure(pos0 + rows <= kv.capacity, || format!("{op}: KV cache overflow ({pos0} + {rows} > {})", kv.capacity))
-                && self.buf_ok(q, rows * h * hd, "q", op)
-                && self.buf_ok(k, rows * kvd, "k", op)
-                && self.buf_ok(v, rows * kvd, "v", op)
-                && self.buf_ok(gate, rows * h * hd, "gate", op)
-                && self.buf_ok(out, rows * h * hd, "out", op))
+                && self.act_ok(q, rows * h * hd, "q", op)
+                && self.act_ok(k, rows * kvd, "k", op)
+                && self.act_ok(v, rows * kvd, "v", op)
+                && self.act_ok(gate, rows * h * hd, "gate", op)
+                && self.act_ok(out, rows * h * hd, "out", op))
         {
             return;
         }
-        // k, v (f32) -> bf16 rows pos0.. of the caches: four values per thread.
+        // k, v -> rows pos0.. of the caches (bf16 to bf16): four values per thread.
         self.launch(
             "kv_append",
             (grid1(rows * kvd / 4, 256), 1, 1),
@@ -1057,11 +1111,11 @@ impl Backend for Cuda {
         if !(self.ensure(hd % 32 == 0 && hd <= 256 && kvh > 0 && h % kvh == 0 && h / kvh <= 16, || format!("{op}: {h} heads / {kvh} kv heads of {hd} not supported"))
             && self.kv_ok(kv, kvd, op)
             && self.ensure(pos < kv.capacity, || format!("{op}: KV cache overflow ({pos} + 1 > {})", kv.capacity))
-            && self.buf_ok(q, h * hd, "q", op)
-            && self.buf_ok(k, kvd, "k", op)
-            && self.buf_ok(v, kvd, "v", op)
-            && self.buf_ok(gate, h * hd, "gate", op)
-            && self.buf_ok(out, h * hd, "out", op))
+            && self.act_ok(q, h * hd, "q", op)
+            && self.act_ok(k, kvd, "k", op)
+            && self.act_ok(v, kvd, "v", op)
+            && self.act_ok(gate, h * hd, "gate", op)
+            && self.act_ok(out, h * hd, "out", op))
         {
             return;
         }
@@ -1121,15 +1175,15 @@ impl Backend for Cuda {
         let c = d.conv_channels();
         if rows == 0
             || !(self.ensure(matches!(dk, 32 | 64 | 128) && dv % 4 == 0 && hk > 0 && hv % hk == 0, || format!("{op}: key dim {dk} / value dim {dv} / heads {hk}:{hv} not supported"))
-                && self.buf_ok(qkv, rows * c, "qkv", op)
-                && self.buf_ok(z, rows * hv * dv, "z", op)
-                && self.buf_ok(b, rows * hv, "b", op)
-                && self.buf_ok(a, rows * hv, "a", op)
+                && self.act_ok(qkv, rows * c, "qkv", op)
+                && self.act_ok(z, rows * hv * dv, "z", op)
+                && self.act_ok(b, rows * hv, "b", op)
+                && self.act_ok(a, rows * hv, "a", op)
                 && self.buf_ok(&w.a_log, hv, "a_log", op)
                 && self.buf_ok(&w.dt_bias, hv, "dt_bias", op)
                 && self.buf_ok(&w.norm, dv, "norm", op)
                 && self.buf_ok(state, hv * dv * dk, "state", op)
-                && self.buf_ok(out, rows * hv * dv, "out", op))
+                && self.act_ok(out, rows * hv * dv, "out", op))
         {
             return;
         }
@@ -1192,7 +1246,7 @@ impl Backend for Cuda {
         let (h, k, ne) = (d.hidden, route.k, d.n_experts);
         let width = gate.out;
         if rows == 0
-            || !(self.experts_ok(gate, up, down, d, op) && self.ensure(rows * k <= route.cap, || format!("{op}: route of {} entries, {rows}×{k} needed", route.cap)) && self.buf_ok(x, rows * h, "x", op) && self.buf_ok(out, rows * h, "out", op))
+            || !(self.experts_ok(gate, up, down, d, op) && self.ensure(rows * k <= route.cap, || format!("{op}: route of {} entries, {rows}×{k} needed", route.cap)) && self.act_ok(x, rows * h, "x", op) && self.act_ok(out, rows * h, "out", op))
         {
             return;
         }
@@ -1210,7 +1264,8 @@ impl Backend for Cuda {
             ))
         })();
         let Some((counts, offsets, cursor, tiles, ntiles, perm)) = bufs else { return };
-        let acts = (|| Some((self.scratch(&mut sc, "moe_g", 4 * n * width)?, self.scratch(&mut sc, "moe_u", 4 * n * width)?, self.scratch(&mut sc, "moe_act", 4 * n * width)?, self.scratch(&mut sc, "moe_y", 4 * n * h)?)))();
+        // The op's intermediates are bf16 activations (moe.cu).
+        let acts = (|| Some((self.scratch(&mut sc, "moe_g", 2 * n * width)?, self.scratch(&mut sc, "moe_u", 2 * n * width)?, self.scratch(&mut sc, "moe_act", 2 * n * width)?, self.scratch(&mut sc, "moe_y", 2 * n * h)?)))();
         let Some((g, u, act, y)) = acts else { return };
         self.memset0(counts, 4 * ne);
         self.launch("moe_count", (grid1(n, 256), 1, 1), 256, 0, &[Arg::P(route.ids.ptr), Arg::P(counts), Arg::I(n as i32)]);
@@ -1239,8 +1294,8 @@ impl Backend for Cuda {
         let width = gate.out;
         if !(self.experts_ok(gate, up, down, d, op)
             && self.ensure(gate.fmt == up.fmt, || format!("{op}: gate and up weights in different formats"))
-            && self.buf_ok(x, h, "x", op)
-            && self.buf_ok(out, h, "out", op))
+            && self.act_ok(x, h, "x", op)
+            && self.act_ok(out, h, "out", op))
         {
             return;
         }
@@ -1258,8 +1313,8 @@ impl Backend for Cuda {
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let ws = fold.map_or(0, |sh| sh.gate.out);
         let slots = k + fold.is_some() as usize;
-        let Some(act) = self.scratch(&mut sc, "moe_act1", 4 * (k * width + ws)) else { return };
-        let Some(y) = self.scratch(&mut sc, "moe_y1", 4 * slots * h) else { return };
+        let Some(act) = self.scratch(&mut sc, "moe_act1", 2 * (k * width + ws)) else { return };
+        let Some(y) = self.scratch(&mut sc, "moe_y1", 2 * slots * h) else { return };
         let none = QMat::none();
         let (sg, su, sd, slogit) = match fold {
             Some(sh) => (sh.gate.q(), sh.up.q(), sh.down.q(), sh.logit.mem.ptr),
@@ -1278,9 +1333,9 @@ impl Backend for Cuda {
             // A shared expert in another format: its own GEMVs, then the gated add (the model's
             // unfused order).
             let ws = sh.gate.out;
-            let bufs = (|| Some((self.scratch(&mut sc, "moe_sg", 4 * ws)?, self.scratch(&mut sc, "moe_su", 4 * ws)?, self.scratch(&mut sc, "moe_sa", 4 * ws)?, self.scratch(&mut sc, "moe_sd", 4 * h)?)))();
+            let bufs = (|| Some((self.scratch(&mut sc, "moe_sg", 2 * ws)?, self.scratch(&mut sc, "moe_su", 2 * ws)?, self.scratch(&mut sc, "moe_sa", 2 * ws)?, self.scratch(&mut sc, "moe_sd", 2 * h)?)))();
             let Some((g, u, a, y)) = bufs else { return };
-            let gemv = |src: u64, m: &Mat, dst: u64| self.launch(&format!("gemv1_{}", m.fmt.suffix()), (grid1(m.out, 8), 1, 1), 256, 0, &[Arg::P(src), Arg::Q(m.q()), Arg::P(dst), Arg::I(1)]);
+            let gemv = |src: u64, m: &Mat, dst: u64| self.launch(&format!("gemv1_{}", m.fmt.suffix()), (grid1(m.out, 8), 1, 1), 256, 0, &[Arg::P(src), Arg::Q(m.q()), Arg::P(dst), Arg::I(1), Arg::I(1)]);
             gemv(x.mem.ptr, sh.gate, g);
             gemv(x.mem.ptr, sh.up, u);
             self.launch("swiglu", (grid1(ws, 256), 1, 1), 256, 0, &[Arg::P(g), Arg::P(u), Arg::P(a), Arg::P(ws as u64)]);
@@ -1289,22 +1344,22 @@ impl Backend for Cuda {
         }
     }
     fn swiglu(&self, g: &Buf, u: &Buf, len: usize, out: &mut Buf) {
-        if len == 0 || !(self.buf_ok(g, len, "g", "swiglu") && self.buf_ok(u, len, "u", "swiglu") && self.buf_ok(out, len, "out", "swiglu")) {
+        if len == 0 || !(self.act_ok(g, len, "g", "swiglu") && self.act_ok(u, len, "u", "swiglu") && self.act_ok(out, len, "out", "swiglu")) {
             return;
         }
         self.launch("swiglu", (grid1(len, 256), 1, 1), 256, 0, &[Arg::P(g.mem.ptr), Arg::P(u.mem.ptr), Arg::P(out.mem.ptr), Arg::P(len as u64)]);
     }
     fn add_sigmoid_gated(&self, y: &mut Buf, shared: &Buf, s: &Buf, rows: usize, dim: usize) {
         let op = "add_sigmoid_gated";
-        if rows == 0 || !(self.buf_ok(y, rows * dim, "y", op) && self.buf_ok(shared, rows * dim, "shared", op) && self.buf_ok(s, rows, "s", op)) {
+        if rows == 0 || !(self.act_ok(y, rows * dim, "y", op) && self.act_ok(shared, rows * dim, "shared", op) && self.buf_ok(s, rows, "s", op)) {
             return;
         }
         self.launch(op, (grid1(rows * dim, 256), 1, 1), 256, 0, &[Arg::P(y.mem.ptr), Arg::P(shared.mem.ptr), Arg::P(s.mem.ptr), Arg::I(rows as i32), Arg::I(dim as i32)]);
     }
 
     fn argmax(&self, logits: &Buf, rows: usize, vocab: usize) -> Result<Vec<u32>> {
-        if logits.len < rows * vocab {
-            bail!("argmax: logits hold {} values, {rows}×{vocab} needed", logits.len);
+        if logits.len < rows * vocab || logits.elem != 4 {
+            bail!("argmax: logits hold {} values of {} bytes, {rows}×{vocab} f32 needed", logits.len, logits.elem);
         }
         if rows == 0 {
             return Ok(Vec::new());
@@ -1334,10 +1389,10 @@ impl Cuda {
         let (c, k) = (d.conv_channels(), d.conv_kernel);
         if rows == 0
             || !(self.ensure((1..=8).contains(&k), || format!("{name}: conv kernel {k} not supported (1..=8)"))
-                && self.buf_ok(x, rows * c, "x", name)
+                && self.act_ok(x, rows * c, "x", name)
                 && self.buf_ok(w, c * k, "w", name)
                 && self.buf_ok(state, (k - 1) * c, "state", name)
-                && self.buf_ok(out, rows * c, "out", name))
+                && self.act_ok(out, rows * c, "out", name))
         {
             return;
         }

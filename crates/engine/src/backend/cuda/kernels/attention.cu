@@ -1,15 +1,17 @@
 // attention.cu: the gated full-attention layer's ops. Matches cpu/attention.rs.
 //
-// The K/V caches are bf16 (u16 bits, the CUDA backend's kv_zeros): [cap, KV*hd] each, row p holding
-// position p, KV head g at columns g*hd.. . kv_append rounds the f32 k, v to them (nearest even);
-// every kernel reading them widens to f32 or feeds bf16 tensor cores. The CPU keeps f32: the tests
-// give it bf16-representable k, v, so that both caches hold the same values.
+// Types: qg, q, k, v, gate and out are bf16 activations (common.cuh); scores, softmax state and
+// output accumulators are f32. The K/V caches are bf16 too (u16 bits, the CUDA backend's
+// kv_zeros): [cap, KV*hd] each, row p holding position p, KV head g at columns g*hd.. .
+// kv_append copies k, v into them; every kernel reading them widens to f32 or feeds bf16 tensor
+// cores. The CPU keeps f32: the tests give it the same bf16-representable inputs.
 //
 // attn_qk_norm_rope  qg [rows, H, 2*hd] (query | gate per head) -> q [rows, H*hd] (rms-normed by
 //                    q_norm, then RoPE) and gate [rows, H*hd]; k [rows, KV*hd] rms-normed by k_norm
 //                    and RoPE'd in place. RoPE: rotate-half (NeoX) on dims 0..rot, pairs
 //                    (i, i + rot/2), angle pos * theta^(-2i/rot) computed in double and its sin/cos
-//                    rounded to f32 (as the CPU). Grid (rows, H + KV): block y < H is query head y,
+//                    rounded to f32 (as the CPU); the f32 results rounded once to bf16. Grid
+//                    (rows, H + KV): block y < H is query head y,
 //                    the rest are key heads; 128 threads; dynamic shared memory hd floats.
 //                    A decode step passes posp (its Step's position, device memory) instead of
 //                    pos0, so that a recorded step is valid at every position.
@@ -35,16 +37,16 @@
 //                    ldmatrix.trans) into O (16 x HD f32 per warp, HD/2 registers per thread).
 //                    Dynamic shared memory: Q, K, V tiles of 64 x (HD + 8) bf16 (101 KiB at
 //                    HD = 256, two blocks per SM). Grid (ceil(rows / tq), KV). Needs 64 % G == 0.
-//                    Error: each score carries two bf16 roundings per product (|ds| <= (2^-7 +
-//                    HD 2^-22) scale sum_d |q_d k_d|), p and v one each (k's and v's are the
-//                    cache's: the same bits as the f32 -> bf16 staging this kernel did before the
-//                    cache was bf16); tests/cuda_ops.rs propagates that bound. LILY_CUDA_ATTN=f32
-//                    selects attn_rows instead.
-// kv_append          k, v [rows, KV*hd] f32 -> bf16 (round to nearest even, pack_bf16x2) rows
-//                    p0 .. p0 + rows of the caches, p0 = *posp for a decode step (rows = 1, the
-//                    position read on the device), else pos0 (prefill). Four values per thread
-//                    (KV*hd % 32 == 0: a float4 in, 8 aligned bytes out); grid
-//                    ceil(rows * KV*hd / 4 / 256), 256 threads. (The append in cpu/attention.rs.)
+//                    Error, against f32 arithmetic on the same bf16 inputs: the products of bf16
+//                    q and k are exact, so a score carries only its f32 accumulation error
+//                    (|ds| <= HD 2^-22 scale sum_d |q_d k_d|); p is rounded to bf16 where it
+//                    multiplies v, and the output once as an activation; tests/cuda_ops.rs
+//                    propagates that bound. LILY_CUDA_ATTN=f32 selects attn_rows instead.
+// kv_append          k, v [rows, KV*hd] (bf16) copied to rows p0 .. p0 + rows of the caches,
+//                    p0 = *posp for a decode step (rows = 1, the position read on the device),
+//                    else pos0 (prefill). Four values per thread (KV*hd % 32 == 0: 8 aligned
+//                    bytes in and out); grid ceil(rows * KV*hd / 4 / 256), 256 threads. (The
+//                    append in cpu/attention.rs.)
 // attn_decode_split + attn_decode_combine  decode (one query per head at position *posp, n =
 //                    *posp + 1 keys) split over the context: grid (KV, ns_max) with ns_max and
 //                    the split length chosen from the cache's capacity (mod.rs: at most 256
@@ -61,29 +63,29 @@
 //                    ceil(n / split) of them per head and applies the gate.
 
 extern "C" __global__ void __launch_bounds__(128)
-attn_qk_norm_rope(const float* __restrict__ qg, float* __restrict__ k, const float* __restrict__ qn,
-                  const float* __restrict__ kn, float* __restrict__ q, float* __restrict__ gate, int H, int KV, int hd,
+attn_qk_norm_rope(const u16* __restrict__ qg, u16* __restrict__ k, const float* __restrict__ qn,
+                  const float* __restrict__ kn, u16* __restrict__ q, u16* __restrict__ gate, int H, int KV, int hd,
                   int rot, double theta, int pos0, float eps, const int* __restrict__ posp) { PDL_ENTRY();
     extern __shared__ float y[];
     __shared__ float sh[32];
     int t = blockIdx.x, hh = blockIdx.y;
-    const float* src;
-    float* dst;
+    const u16* src;
+    u16* dst;
     const float* w;
     if (hh < H) {
         src = qg + ((u64)t * H + hh) * 2 * hd;
         dst = q + ((u64)t * H + hh) * hd;
         w = qn;
-        float* g = gate + ((u64)t * H + hh) * hd;
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) g[i] = src[hd + i];
+        u16* g = gate + ((u64)t * H + hh) * hd;
+        for (int i = threadIdx.x; i < hd; i += blockDim.x) g[i] = src[hd + i];  // bf16 to bf16: a copy
     } else {
         src = k + ((u64)t * KV + (hh - H)) * hd;
-        dst = (float*)src;
+        dst = (u16*)src;
         w = kn;
     }
     float ss = 0.0f;
     for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-        float v = src[i];
+        float v = bf16f(src[i]);
         y[i] = v;
         ss += v * v;
     }
@@ -102,7 +104,7 @@ attn_qk_norm_rope(const float* __restrict__ qg, float* __restrict__ k, const flo
         y[i + half] = a * s + b * c;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) dst[i] = y[i];
+    for (int i = threadIdx.x; i < hd; i += blockDim.x) dst[i] = bf16_rn(y[i]);
 }
 
 #define ATT_WARPS 8
@@ -112,7 +114,7 @@ attn_qk_norm_rope(const float* __restrict__ qg, float* __restrict__ k, const flo
 // keys j0+w, j0+w+8, ...; the warps' states are merged through shared memory. On return (after a
 // barrier) sacc[w][d] * f[w] summed over w is the unnormalised output, M the running max and L the
 // normaliser; an empty range gives L = 0.
-__device__ __forceinline__ void attn_range(const float* __restrict__ qp, const u16* __restrict__ kc,
+__device__ __forceinline__ void attn_range(const u16* __restrict__ qp, const u16* __restrict__ kc,
                                            const u16* __restrict__ vc, int kvh, u64 kvd, int hd, int j0, int j1,
                                            float scale, float* sm, float* sl, float (*sacc)[ATT_MAXD * 32], float* f,
                                            float& M, float& L) {
@@ -121,7 +123,7 @@ __device__ __forceinline__ void attn_range(const float* __restrict__ qp, const u
     float qv[ATT_MAXD], acc[ATT_MAXD];
 #pragma unroll
     for (int i = 0; i < ATT_MAXD; i++) {
-        qv[i] = i < nd ? qp[lane + 32 * i] : 0.0f;
+        qv[i] = i < nd ? bf16f(qp[lane + 32 * i]) : 0.0f;
         acc[i] = 0.0f;
     }
     float m = NEG_INF, l = 0.0f;
@@ -159,34 +161,33 @@ __device__ __forceinline__ void attn_range(const float* __restrict__ qp, const u
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-attn_rows(const float* __restrict__ q, const float* __restrict__ gate, const u16* __restrict__ kc,
-          const u16* __restrict__ vc, float* __restrict__ out, int H, int KV, int hd, int pos0, float scale) { PDL_ENTRY();
+attn_rows(const u16* __restrict__ q, const u16* __restrict__ gate, const u16* __restrict__ kc,
+          const u16* __restrict__ vc, u16* __restrict__ out, int H, int KV, int hd, int pos0, float scale) { PDL_ENTRY();
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
     __shared__ float sacc[ATT_WARPS][ATT_MAXD * 32];
     const int t = blockIdx.x, h = blockIdx.y;
     float f[ATT_WARPS], M, L;
     attn_range(q + ((u64)t * H + h) * hd, kc, vc, h / (H / KV), (u64)KV * hd, hd, 0, pos0 + t + 1, scale, sm, sl, sacc, f, M, L);
-    const float* gp = gate + ((u64)t * H + h) * hd;
-    float* op = out + ((u64)t * H + h) * hd;
+    const u16* gp = gate + ((u64)t * H + h) * hd;
+    u16* op = out + ((u64)t * H + h) * hd;
     for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
         float o = 0.0f;
 #pragma unroll
         for (int w = 0; w < ATT_WARPS; w++) o += sacc[w][dd] * f[w];
-        op[dd] = o / L * sigmoid_f(gp[dd]);
+        op[dd] = bf16_rn(o / L * sigmoid_f(bf16f(gp[dd])));
     }
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-kv_append(const float* __restrict__ k, const float* __restrict__ v, u16* __restrict__ kc, u16* __restrict__ vc,
+kv_append(const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ kc, u16* __restrict__ vc,
           int kvd, int rows, int pos0, const int* __restrict__ posp) { PDL_ENTRY();
-    // Element i .. i+3 of the rows (kvd % 4 == 0: the four stay in one row, and the 8-byte store
-    // at (p0 * kvd + i) bf16 is aligned).
+    // Element i .. i+3 of the rows (kvd % 4 == 0: the four stay in one row, and the 8-byte loads
+    // and stores at i and at (p0 * kvd + i) bf16 are aligned).
     const u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * 4;
     if (i >= (u64)rows * kvd) return;
     const u64 at = (u64)(posp ? posp[0] : pos0) * kvd + i;
-    const float4 a = *(const float4*)(k + i), b = *(const float4*)(v + i);
-    *(uint2*)(kc + at) = make_uint2(pack_bf16x2(a.x, a.y), pack_bf16x2(a.z, a.w));
-    *(uint2*)(vc + at) = make_uint2(pack_bf16x2(b.x, b.y), pack_bf16x2(b.z, b.w));
+    *(uint2*)(kc + at) = *(const uint2*)(k + i);
+    *(uint2*)(vc + at) = *(const uint2*)(v + i);
 }
 
 // Decode, split over the context, one block per (KV head, split): the block stages tiles of
@@ -196,7 +197,7 @@ kv_append(const float* __restrict__ k, const float* __restrict__ v, u16* __restr
 // it writes part[h][s] = (M, L, o[hd] unnormalised) for each of its heads; grid (KV, ns_max).
 #define ATT_TILE 32
 extern "C" __global__ void __launch_bounds__(256)
-attn_decode_split(const float* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
+attn_decode_split(const u16* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
                   float* __restrict__ part, int H, int KV, int hd, const int* __restrict__ posp, int split, float scale) { PDL_ENTRY();
     extern __shared__ __align__(16) u16 kvtile[];  // K then V: [ATT_TILE][hd] bf16 each
     u16* ks = kvtile;
@@ -216,7 +217,7 @@ attn_decode_split(const float* __restrict__ q, const u16* __restrict__ kc, const
         l[r] = 0.0f;
 #pragma unroll
         for (int i = 0; i < ATT_MAXD; i++) {
-            qv[r][i] = (g < G && i < nd) ? q[(u64)(kvh * G + g) * hd + lane + 32 * i] : 0.0f;
+            qv[r][i] = (g < G && i < nd) ? bf16f(q[(u64)(kvh * G + g) * hd + lane + 32 * i]) : 0.0f;
             acc[r][i] = 0.0f;
         }
     }
@@ -266,7 +267,7 @@ attn_decode_split(const float* __restrict__ q, const u16* __restrict__ kc, const
 // Merges the used partial states of each head (part[h] holds ns_max), normalises and applies the
 // gate: grid H, 256 threads.
 extern "C" __global__ void __launch_bounds__(256)
-attn_decode_combine(const float* __restrict__ part, const float* __restrict__ gate, float* __restrict__ out, int hd,
+attn_decode_combine(const float* __restrict__ part, const u16* __restrict__ gate, u16* __restrict__ out, int hd,
                     int ns_max, const int* __restrict__ posp, int split) { PDL_ENTRY();
     const int h = blockIdx.x;
     const int ns = (posp[0] + split) / split;  // ceil((pos + 1) / split)
@@ -285,7 +286,7 @@ attn_decode_combine(const float* __restrict__ part, const float* __restrict__ ga
                 o += ps[2 + dd] * fs;
             }
         }
-        out[(u64)h * hd + dd] = o / L * sigmoid_f(gate[(u64)h * hd + dd]);
+        out[(u64)h * hd + dd] = bf16_rn(o / L * sigmoid_f(bf16f(gate[(u64)h * hd + dd])));
     }
 }
 
@@ -294,9 +295,9 @@ attn_decode_combine(const float* __restrict__ part, const float* __restrict__ ga
 #define FA_N 64  // keys per tile
 
 template <int HD>
-__device__ __forceinline__ void attn_tc_body(const float* __restrict__ q, const float* __restrict__ gate,
+__device__ __forceinline__ void attn_tc_body(const u16* __restrict__ q, const u16* __restrict__ gate,
                                              const u16* __restrict__ kc, const u16* __restrict__ vc,
-                                             float* __restrict__ out, int H, int KV, int rows, int pos0, float scale) {
+                                             u16* __restrict__ out, int H, int KV, int rows, int pos0, float scale) {
     constexpr int LD = HD + 8;  // bf16 row stride: 16-byte rows, ldmatrix rows on distinct banks
     constexpr int NT = HD / 8;  // n8 tiles of the output
     extern __shared__ __align__(16) u16 fa_smem[];
@@ -313,8 +314,7 @@ __device__ __forceinline__ void attn_tc_body(const float* __restrict__ q, const 
     for (int i = tid; i < FA_M * HD / 4; i += 128) {
         const int r = i / (HD / 4), c4 = (i % (HD / 4)) * 4;
         const int t = t0 + r / G, h = kvh * G + r % G;
-        const float4 v = t < rows ? *(const float4*)(q + ((u64)t * H + h) * HD + c4) : make_float4(0.f, 0.f, 0.f, 0.f);
-        *(uint2*)&Qs[r][c4] = make_uint2(pack_bf16x2(v.x, v.y), pack_bf16x2(v.z, v.w));
+        *(uint2*)&Qs[r][c4] = t < rows ? *(const uint2*)(q + ((u64)t * H + h) * HD + c4) : make_uint2(0u, 0u);
     }
     // This thread's two rows (g and g + 8 of its warp) and the last key each may see; rows past the
     // chunk take the chunk's last position (finite softmax, output not written).
@@ -437,18 +437,16 @@ __device__ __forceinline__ void attn_tc_body(const float* __restrict__ q, const 
 #pragma unroll
         for (int n = 0; n < NT; n++) {
             const int d = n * 8 + 2 * (lane & 3);
-            const float2 gv = *(const float2*)(gate + base + d);
-            float2 ov;
-            ov.x = o[n][2 * half] * inv * sigmoid_f(gv.x);
-            ov.y = o[n][2 * half + 1] * inv * sigmoid_f(gv.y);
-            *(float2*)(out + base + d) = ov;
+            const u32 gv = *(const u32*)(gate + base + d);
+            *(u32*)(out + base + d) = pack_bf16x2(o[n][2 * half] * inv * sigmoid_f(bf16_lo(gv)),
+                                                   o[n][2 * half + 1] * inv * sigmoid_f(bf16_hi(gv)));
         }
     }
 }
 
 #define ATTN_TC(HD)                                                                                              \
     extern "C" __global__ void __launch_bounds__(128)                                                            \
-    attn_tc_##HD(const float* q, const float* gate, const u16* kc, const u16* vc, float* out, int H, int KV,     \
+    attn_tc_##HD(const u16* q, const u16* gate, const u16* kc, const u16* vc, u16* out, int H, int KV,           \
                  int rows, int pos0, float scale) { PDL_ENTRY();                                                              \
         attn_tc_body<HD>(q, gate, kc, vc, out, H, KV, rows, pos0, scale);                                        \
     }

@@ -1,6 +1,7 @@
 // common.cuh: the prelude of every kernel file.
 //
-// What: integer typedefs, bf16 -> f32, the scalar activations (matching cpu/norm.rs: sigmoid,
+// What: integer typedefs, bf16 <-> f32 (activations between ops are bf16, see below), the scalar
+// activations (matching cpu/norm.rs: sigmoid,
 // silu, softplus), and warp / block reductions. No CUDA headers are included: NVRTC compiles
 // these files with no include path (bf16 is handled as raw u16 bits).
 //
@@ -33,7 +34,24 @@ typedef unsigned long long u64;
 #endif
 #define NEG_INF __int_as_float(0xff800000)
 
+// Activations between ops are bf16 (u16 bits: the CUDA backend's act_zeros): a kernel widens
+// them to f32 as it reads, computes and accumulates in f32, and rounds its activation outputs once
+// to nearest even as it writes (bf16_rn). The f32 buffers are the residual stream, logits, router
+// logits, the shared-expert gate logit, the GDN and conv states, and parameters (mod.rs).
 __device__ __forceinline__ float bf16f(u16 x) { return __uint_as_float(((u32)x) << 16); }
+__device__ __forceinline__ u16 bf16_rn(float x) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(x));
+    return r;
+}
+// The two bf16 of a 32-bit word (element 2i in the low half, as in memory).
+__device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
+// Element i of a GEMM output that is f32 (obf = 0: logits, router logits) or an activation (obf = 1).
+__device__ __forceinline__ void store_out(void* out, u64 i, float v, int obf) {
+    if (obf) ((u16*)out)[i] = bf16_rn(v);
+    else ((float*)out)[i] = v;
+}
 
 // Same formulas as cpu/norm.rs (accurate expf / log1pf: the kernels are compiled without fast math).
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }

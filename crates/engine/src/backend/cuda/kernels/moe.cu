@@ -1,5 +1,8 @@
 // moe.cu: routing and the routed experts. Matches cpu/moe.rs (moe_route, moe_experts_prefill,
 // moe_experts_decode). Everything stays on the device: no host sync inside an MoE layer.
+// Types: router logits and route weights f32; x, out and the op's intermediates (gate, up, their
+// silu product, each slot's down output) are bf16 activations, as between ops (common.cuh); dot
+// products, the softmax and the weighted sum are f32.
 //
 // moe_route        logits [rows, E] -> ids [rows, k] u32, weights [rows, k] f32. One block of 256
 //                  threads per row: f32 softmax (max subtracted, then p /= sum), k rounds of block
@@ -143,9 +146,9 @@ __device__ __forceinline__ int moe_tile_rows(const int* __restrict__ perm, const
 }
 
 template <int BITS, typename SB>
-__device__ __forceinline__ void moe_gemm_body(const float* __restrict__ x, QMat m, const int* __restrict__ perm,
+__device__ __forceinline__ void moe_gemm_body(const u16* __restrict__ x, QMat m, const int* __restrict__ perm,
                                               const int* __restrict__ tiles, const int* __restrict__ ntiles,
-                                              float* __restrict__ out, int k, int mode) {
+                                              u16* __restrict__ out, int k, int mode) {
     __shared__ __align__(16) float As[GT_K][GT_PAD];
     __shared__ __align__(16) float Ws[GT_K][GT_PAD];
     __shared__ int xrow[GT_M];
@@ -163,15 +166,15 @@ __device__ __forceinline__ void moe_gemm_body(const float* __restrict__ x, QMat 
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             int n = n0 + tx * 4 + j;
-            if (n < m.out) out[(u64)r * m.out + n] = acc[i][j];
+            if (n < m.out) out[(u64)r * m.out + n] = bf16_rn(acc[i][j]);
         }
     }
 }
 
 template <int BITS, typename SB>
-__device__ __forceinline__ void moe_tc_gemm_body(const float* __restrict__ x, QMat m, const int* __restrict__ perm,
+__device__ __forceinline__ void moe_tc_gemm_body(const u16* __restrict__ x, QMat m, const int* __restrict__ perm,
                                                  const int* __restrict__ tiles, const int* __restrict__ ntiles,
-                                                 float* __restrict__ out, int k, int mode) {
+                                                 u16* __restrict__ out, int k, int mode) {
     __shared__ int xrow[TC_M];
     __shared__ int orow[TC_M];
     const int e = moe_tile_rows(perm, tiles, ntiles, k, mode, xrow, orow);
@@ -179,23 +182,23 @@ __device__ __forceinline__ void moe_tc_gemm_body(const float* __restrict__ x, QM
     const int n0 = blockIdx.x * TC_N;
     float acc[1][2][4][4];
     tc_tile<BITS, SB, 1>(QMats<1>{{m}}, e, n0, x, (u64)m.inp, xrow, acc);
-    tc_store_out(acc[0], orow, n0, m.out, out, (u64)m.out);
+    tc_store_out(acc[0], orow, n0, m.out, out, (u64)m.out, 1);
 }
 
-extern "C" __global__ void moe_combine(const float* __restrict__ y, const float* __restrict__ w, float* __restrict__ out,
+extern "C" __global__ void moe_combine(const u16* __restrict__ y, const float* __restrict__ w, u16* __restrict__ out,
                                        int k, int dim, const float* __restrict__ slogit) { PDL_ENTRY();
     const int t = blockIdx.x, rows = gridDim.x;
     const int i = blockIdx.y * blockDim.x + threadIdx.x;
     if (i >= dim) return;
     float o = 0.0f;
-    for (int j = 0; j < k; j++) o += w[(u64)t * k + j] * y[((u64)t * k + j) * dim + i];
-    if (slogit) o += sigmoid_f(slogit[t]) * y[((u64)rows * k + t) * dim + i];
-    out[(u64)t * dim + i] = o;
+    for (int j = 0; j < k; j++) o += w[(u64)t * k + j] * bf16f(y[((u64)t * k + j) * dim + i]);
+    if (slogit) o += sigmoid_f(slogit[t]) * bf16f(y[((u64)rows * k + t) * dim + i]);
+    out[(u64)t * dim + i] = bf16_rn(o);
 }
 
 template <int BITS, typename SB>
-__device__ __forceinline__ void moe_gate_up_body(const float* __restrict__ x, QMat g, QMat u, const u32* __restrict__ ids,
-                                                 float* __restrict__ act, QMat sg, QMat su, int k) {
+__device__ __forceinline__ void moe_gate_up_body(const u16* __restrict__ x, QMat g, QMat u, const u32* __restrict__ ids,
+                                                 u16* __restrict__ act, QMat sg, QMat su, int k) {
     const int lane = threadIdx.x & 31;
     const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int j = blockIdx.y;
@@ -207,12 +210,12 @@ __device__ __forceinline__ void moe_gate_up_body(const float* __restrict__ x, QM
     warp_dot_rows<BITS, SB, 1>(G, e, o, x, 0, 1, ag, lane);
     warp_dot_rows<BITS, SB, 1>(U, e, o, x, 0, 1, au, lane);
     float gv = warp_sum(ag[0]), uv = warp_sum(au[0]);
-    if (lane == 0) act[(u64)j * g.out + o] = silu_f(gv) * uv;
+    if (lane == 0) act[(u64)j * g.out + o] = bf16_rn(silu_f(gv) * uv);
 }
 
 template <int BITS, typename SB>
-__device__ __forceinline__ void moe_down_body(const float* __restrict__ act, QMat d, const u32* __restrict__ ids,
-                                              float* __restrict__ y, int k, QMat sd) {
+__device__ __forceinline__ void moe_down_body(const u16* __restrict__ act, QMat d, const u32* __restrict__ ids,
+                                              u16* __restrict__ y, int k, QMat sd) {
     const int lane = threadIdx.x & 31;
     const int o = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const int j = blockIdx.y;
@@ -221,26 +224,26 @@ __device__ __forceinline__ void moe_down_body(const float* __restrict__ act, QMa
     float part[1] = {0.0f};
     warp_dot_rows<BITS, SB, 1>(shared ? sd : d, shared ? 0 : ids[j], o, act + (u64)j * d.inp, 0, 1, part, lane);
     const float v = warp_sum(part[0]);
-    if (lane == 0) y[(u64)j * d.out + o] = v;
+    if (lane == 0) y[(u64)j * d.out + o] = bf16_rn(v);
 }
 
 #define MOE_KERNELS(NAME, BITS, SB)                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                                            \
-    moe_gemm_##NAME(const float* x, QMat m, const int* perm, const int* tiles, const int* ntiles, float* out, int k, \
-                    int mode) { PDL_ENTRY();                                                                                  \
+    moe_gemm_##NAME(const u16* x, QMat m, const int* perm, const int* tiles, const int* ntiles, u16* out, int k,   \
+                    int mode) { PDL_ENTRY();                                                                     \
         moe_gemm_body<BITS, SB>(x, m, perm, tiles, ntiles, out, k, mode);                                        \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                     \
-    moe_tc_gemm_##NAME(const float* x, QMat m, const int* perm, const int* tiles, const int* ntiles, float* out, int k, \
-                       int mode) { PDL_ENTRY();                                                                               \
+    moe_tc_gemm_##NAME(const u16* x, QMat m, const int* perm, const int* tiles, const int* ntiles, u16* out, int k, \
+                       int mode) { PDL_ENTRY();                                                                  \
         moe_tc_gemm_body<BITS, SB>(x, m, perm, tiles, ntiles, out, k, mode);                                     \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                                            \
-    moe_gate_up_##NAME(const float* x, QMat g, QMat u, const u32* ids, float* act, QMat sg, QMat su, int k) { PDL_ENTRY();     \
+    moe_gate_up_##NAME(const u16* x, QMat g, QMat u, const u32* ids, u16* act, QMat sg, QMat su, int k) { PDL_ENTRY(); \
         moe_gate_up_body<BITS, SB>(x, g, u, ids, act, sg, su, k);                                                \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                                            \
-    moe_down_##NAME(const float* act, QMat d, const u32* ids, float* y, int k, QMat sd) { PDL_ENTRY();                       \
+    moe_down_##NAME(const u16* act, QMat d, const u32* ids, u16* y, int k, QMat sd) { PDL_ENTRY();               \
         moe_down_body<BITS, SB>(act, d, ids, y, k, sd);                                                          \
     }
 

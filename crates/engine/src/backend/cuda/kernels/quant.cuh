@@ -9,6 +9,7 @@
 // Requirements checked on the host at upload: inp % 32 == 0 and gs % 32 == 0, so a word (or a
 // k-step of the GEMM) never straddles a group, and every row starts 16-byte aligned.
 //
+// x (the input of every matrix product) is a bf16 activation, widened to f32 as it is read.
 // * warp_dot_rows: one warp, one weight row, up to MAXR rows of x (the GEMV inner loop). Lanes take
 //   u32 words of the row in turn (coalesced 128 B per warp load, 8 loads in flight per lane, x
 //   loads coalesced too) and never dequantize: they use
@@ -61,13 +62,14 @@ __device__ __forceinline__ float deq_elem(const QMat& m, int e, u64 o, int k) {
     }
 }
 
-// acc[t] += (partial) dot(W[e][o], x[t]) for t < rows (rows <= MAXR), this lane's share.
+// acc[t] += (partial) dot(W[e][o], x[t]) for t < rows (rows <= MAXR), this lane's share; x is a
+// bf16 activation [rows, ldx], widened as it is read.
 // Quantized rows go word by word: lane l takes u32 words l, l+32, l+64, ... (each step a
-// coalesced 128-byte load per warp; DOT_IN_FLIGHT loads issued before any is used), and the x values of a
-// word (8 or 4 consecutive floats) are then contiguous across the lanes too, so x loads coalesce.
-// Dense rows go by 16-byte chunks (4 floats) in the same pattern.
+// coalesced 128-byte load per warp; DOT_IN_FLIGHT loads issued before any is used), and the x values
+// of a word (8 or 4 consecutive bf16: one 16- or 8-byte load) are then contiguous across the lanes
+// too, so x loads coalesce. Dense rows go by 16-byte chunks (4 floats) in the same pattern.
 template <int BITS, typename SB, int MAXR>
-__device__ __forceinline__ void dot_unit(const QMat& m, u64 grow, uint4 wv, int u, const float* __restrict__ x, u64 ldx,
+__device__ __forceinline__ void dot_unit(const QMat& m, u64 grow, uint4 wv, int u, const u16* __restrict__ x, u64 ldx,
                                          int rows, float* acc) {
     if constexpr (BITS == 32) {
         const int k0 = u * 4;
@@ -75,8 +77,8 @@ __device__ __forceinline__ void dot_unit(const QMat& m, u64 grow, uint4 wv, int 
 #pragma unroll
         for (int t = 0; t < MAXR; t++) {
             if (t < rows) {
-                float4 xv = *(const float4*)(x + (u64)t * ldx + k0);
-                acc[t] += q[0] * xv.x + q[1] * xv.y + q[2] * xv.z + q[3] * xv.w;
+                uint2 xv = *(const uint2*)(x + (u64)t * ldx + k0);
+                acc[t] += q[0] * bf16_lo(xv.x) + q[1] * bf16_hi(xv.x) + q[2] * bf16_lo(xv.y) + q[3] * bf16_hi(xv.y);
             }
         }
     } else {
@@ -89,13 +91,20 @@ __device__ __forceinline__ void dot_unit(const QMat& m, u64 grow, uint4 wv, int 
 #pragma unroll
         for (int t = 0; t < MAXR; t++) {
             if (t < rows) {
-                const float4* xp = (const float4*)(x + (u64)t * ldx + k0);
+                u32 xw[PER / 2];
+                if constexpr (PER == 8) {
+                    uint4 v = *(const uint4*)(x + (u64)t * ldx + k0);
+                    xw[0] = v.x; xw[1] = v.y; xw[2] = v.z; xw[3] = v.w;
+                } else {
+                    uint2 v = *(const uint2*)(x + (u64)t * ldx + k0);
+                    xw[0] = v.x; xw[1] = v.y;
+                }
                 float dq = 0.0f, xs = 0.0f;
 #pragma unroll
                 for (int i = 0; i < PER / 4; i++) {
-                    float4 xv = xp[i];
-                    dq += q[4 * i] * xv.x + q[4 * i + 1] * xv.y + q[4 * i + 2] * xv.z + q[4 * i + 3] * xv.w;
-                    xs += (xv.x + xv.y) + (xv.z + xv.w);
+                    const float x0 = bf16_lo(xw[2 * i]), x1 = bf16_hi(xw[2 * i]), x2 = bf16_lo(xw[2 * i + 1]), x3 = bf16_hi(xw[2 * i + 1]);
+                    dq += q[4 * i] * x0 + q[4 * i + 1] * x1 + q[4 * i + 2] * x2 + q[4 * i + 3] * x3;
+                    xs += (x0 + x1) + (x2 + x3);
                 }
                 acc[t] += sc * dq + bi * xs;
             }
@@ -108,7 +117,7 @@ __device__ __forceinline__ void dot_unit(const QMat& m, u64 grow, uint4 wv, int 
 // out_proj: ~2 blocks per SM), so bytes in flight per warp set its speed; 4 took two trips.
 #define DOT_IN_FLIGHT 8
 template <int BITS, typename SB, int MAXR>
-__device__ __forceinline__ void warp_dot_rows(const QMat& m, int e, int o, const float* __restrict__ x, u64 ldx,
+__device__ __forceinline__ void warp_dot_rows(const QMat& m, int e, int o, const u16* __restrict__ x, u64 ldx,
                                               int rows, float* acc, int lane) {
     const u32* wrow = (const u32*)m.w + (u64)e * m.wpm + (u64)o * (u64)(m.inp * BITS / 32);
     const u64 grow = (u64)e * m.gpm + (u64)o * (u64)(m.inp / m.gs);
@@ -139,9 +148,10 @@ __device__ __forceinline__ void warp_dot_rows(const QMat& m, int e, int o, const
 #define GT_PAD 68  // row stride of the shared tiles (floats): keeps float4 alignment
 
 // The 64x64 output tile at weight rows n0.. of matrix e, for tile rows whose x row is xrow[i]
-// (-1: padding). acc[i][j] is output (ty*4+i, tx*4+j) with ty = tid/16, tx = tid%16.
+// (-1: padding); x is a bf16 activation. acc[i][j] is output (ty*4+i, tx*4+j) with ty = tid/16,
+// tx = tid%16.
 template <int BITS, typename SB>
-__device__ __forceinline__ void gemm_tile(const QMat& m, int e, int n0, const float* __restrict__ x, u64 ldx,
+__device__ __forceinline__ void gemm_tile(const QMat& m, int e, int n0, const u16* __restrict__ x, u64 ldx,
                                           const int* xrow, float (*As)[GT_PAD], float (*Ws)[GT_PAD],
                                           float acc[4][4]) {
     const int tid = threadIdx.x, ty = tid >> 4, tx = tid & 15;
@@ -151,7 +161,7 @@ __device__ __forceinline__ void gemm_tile(const QMat& m, int e, int n0, const fl
     const u32* wrow = (const u32*)m.w + (u64)e * m.wpm + (u64)(wvalid ? nrow : 0) * (u64)(m.inp * BITS / 32);
     const u64 grow = (u64)e * m.gpm + (u64)(wvalid ? nrow : 0) * (u64)(m.inp / m.gs);
     const int xr = xrow[lr];
-    const float* xp = x + (u64)(xr < 0 ? 0 : xr) * ldx;
+    const u16* xp = x + (u64)(xr < 0 ? 0 : xr) * ldx;
 #pragma unroll
     for (int i = 0; i < 4; i++)
 #pragma unroll
@@ -161,8 +171,9 @@ __device__ __forceinline__ void gemm_tile(const QMat& m, int e, int n0, const fl
         // x tile, transposed into As[k][row]
         float xv[8];
         if (xr >= 0) {
-            float4 a = *(const float4*)(xp + k0 + lk), b = *(const float4*)(xp + k0 + lk + 4);
-            xv[0] = a.x; xv[1] = a.y; xv[2] = a.z; xv[3] = a.w; xv[4] = b.x; xv[5] = b.y; xv[6] = b.z; xv[7] = b.w;
+            uint4 a = *(const uint4*)(xp + k0 + lk);
+            xv[0] = bf16_lo(a.x); xv[1] = bf16_hi(a.x); xv[2] = bf16_lo(a.y); xv[3] = bf16_hi(a.y);
+            xv[4] = bf16_lo(a.z); xv[5] = bf16_hi(a.z); xv[6] = bf16_lo(a.w); xv[7] = bf16_hi(a.w);
         } else {
 #pragma unroll
             for (int i = 0; i < 8; i++) xv[i] = 0.0f;

@@ -2,22 +2,24 @@
 // moe.cu (moe_tc_gemm_<fmt>). Same function as gemm_tile in quant.cuh (out = x . W^T over a 64 x 64
 // output tile, rows of x and of out through index maps), with bf16 operands:
 //
-//   x  f32 [*, inp] in global memory, rounded to bf16 (RNE) when staged into shared memory;
+//   x  a bf16 activation [*, inp] in global memory, copied into shared memory as it is;
 //   W  a QMat (quant.cuh): 4-bit codes with bf16 scales (the checkpoint's format) dequantised by
 //      packed bf16 FMAs, s*q + b rounded once to bf16 (tc_deq8_bf16); other formats as (s*q) + b
 //      in f32 with the CPU's operation order (MatView::row_f32), then rounded to bf16; dense f32
 //      rounded likewise. Either way the staged weight is within 2^-8 relative of the CPU's;
-//   products bf16 x bf16 (exact in f32), accumulated in f32 by mma.sync.m16n8k16; output f32.
-// So each product carries at most two bf16 roundings (relative 2^-8 each) and the sum f32
-// accumulation error: |y - y_f32| <= (2^-7 + K*2^-22) * sum_k |x_k w_k| (the op test's bound).
+//   products bf16 x bf16 (exact in f32), accumulated in f32 by mma.sync.m16n8k16; the output is
+//   written as f32 or rounded to a bf16 activation (tc_store_out).
+// So against the f32 product of the same (bf16) x each product carries one bf16 rounding of w
+// (relative 2^-8) and the sum the f32 accumulation error: |y - y_f32| <= (2^-8 + K*2^-22) *
+// sum_k |x_k w_k|, plus the output's own rounding when it is an activation (the op test's bounds).
 //
 // Tile: TC_M = 64 rows of x by TC_N = 64 weight rows (output columns), k-steps of TC_K = 64;
 // 128 threads = 4 warps in 2 x 2, each warp 32 x 32 = 2 (m16) x 4 (n8) mma tiles. NW = 2 weight
 // matrices can share the staged x tile (the experts' gate and up, fused). Dynamic shared memory:
 // two buffers (double buffering, one barrier per k-step) of As[64][72] and NW x Ws[64][72] bf16 =
 // 36 KiB (NW = 1) or 54 KiB (NW = 2); the row stride of 72 bf16 (144 B) puts the 8 row addresses of each ldmatrix on distinct
-// banks. Per k-step each thread loads the next step's global data into registers (TcStage: 8 float4
-// of x, the 32 codes of one half weight row with its group's scale and bias) before the mma work
+// banks. Per k-step each thread loads the next step's global data into registers (TcStage: 4 uint4
+// of x (8 bf16 each), the 32 codes of one half weight row with its group's scale and bias) before the mma work
 // on the current buffer, then converts and stores it into the other buffer. The warps' fragments
 // come from shared memory by ldmatrix (x4), without transposes: x tiles are [row][k] (the mma's
 // row-major A) and W tiles [n][k] (its column-major B).
@@ -57,26 +59,20 @@ struct TcW {
 // ... and for x plus NW weight matrices that share it (NW = 2: the experts' gate and up).
 template <int BITS, int NW>
 struct TcStage {
-    float4 x[8];  // x: row i*16 + tid/8 (i < 4), columns (tid%8)*8 .. +8 of the k-step: x[2i], x[2i+1]
+    uint4 x[4];  // x: row i*16 + tid/8 (i < 4), columns (tid%8)*8 .. +8 of the k-step (8 bf16)
     TcW<BITS> w[NW];
 };
 
 template <int BITS, int NW>
-__device__ __forceinline__ void tc_load_x(int inp, const float* __restrict__ x, u64 ldx, const int* xrow, int k0,
+__device__ __forceinline__ void tc_load_x(int inp, const u16* __restrict__ x, u64 ldx, const int* xrow, int k0,
                                           TcStage<BITS, NW>& st) {
     const int tid = threadIdx.x;
-    // x: 8 threads cover one row's 64 columns (256 contiguous bytes), so loads coalesce.
+    // x: 8 threads cover one row's 64 columns (128 contiguous bytes), so loads coalesce.
     const int kc = k0 + (tid & 7) * 8;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const int xr = xrow[i * 16 + (tid >> 3)];
-        if (xr >= 0 && kc < inp) {
-            const float4* p = (const float4*)(x + (u64)xr * ldx + kc);
-            st.x[2 * i] = p[0];
-            st.x[2 * i + 1] = p[1];
-        } else {
-            st.x[2 * i] = st.x[2 * i + 1] = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
+        st.x[i] = (xr >= 0 && kc < inp) ? *(const uint4*)(x + (u64)xr * ldx + kc) : make_uint4(0u, 0u, 0u, 0u);
     }
 }
 
@@ -159,10 +155,11 @@ __device__ __forceinline__ void tc_store(const TcStage<BITS, NW>& st, u16* buf) 
     const int kc = (tid & 7) * 8;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
-        const float4 a = st.x[2 * i], b = st.x[2 * i + 1];
-        uint4 v;
-        if (FAST) v = make_uint4(pack_bf16x2(a.x, b.x), pack_bf16x2(a.y, b.y), pack_bf16x2(a.z, b.z), pack_bf16x2(a.w, b.w));
-        else v = make_uint4(pack_bf16x2(a.x, a.y), pack_bf16x2(a.z, a.w), pack_bf16x2(b.x, b.y), pack_bf16x2(b.z, b.w));
+        uint4 v = st.x[i];
+        // The fast path's k order within 8: (0,4) (1,5) (2,6) (3,7), one 16-bit half from each word.
+        if (FAST)
+            v = make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632), __byte_perm(v.y, v.w, 0x5410),
+                           __byte_perm(v.y, v.w, 0x7632));
         *(uint4*)&As[i * 16 + (tid >> 3)][kc] = v;
     }
 #pragma unroll
@@ -198,7 +195,7 @@ struct QMats {
 };
 
 template <int BITS, typename SB, int NW>
-__device__ __forceinline__ void tc_tile(const QMats<NW> mats, int e, int n0, const float* __restrict__ x, u64 ldx,
+__device__ __forceinline__ void tc_tile(const QMats<NW> mats, int e, int n0, const u16* __restrict__ x, u64 ldx,
                                         const int* xrow, float acc[NW][2][4][4]) {
     const QMat* m = mats.m;
     extern __shared__ __align__(16) u16 tc_smem[];
@@ -264,9 +261,10 @@ __device__ __forceinline__ void tc_tile(const QMats<NW> mats, int e, int n0, con
     }
 }
 
-// Writes the tile: out[orow[row] * ldo + n0 + col] for rows with orow >= 0 and columns < m.out.
-__device__ __forceinline__ void tc_store_out(const float acc[2][4][4], const int* orow, int n0, int nout, float* __restrict__ out,
-                                             u64 ldo) {
+// Writes the tile: out[orow[row] * ldo + n0 + col] for rows with orow >= 0 and columns < m.out,
+// f32 (obf = 0) or rounded to bf16 (obf = 1).
+__device__ __forceinline__ void tc_store_out(const float acc[2][4][4], const int* orow, int n0, int nout, void* __restrict__ out,
+                                             u64 ldo, int obf) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int wm = warp >> 1, wn = warp & 1;
 #pragma unroll
@@ -275,12 +273,12 @@ __device__ __forceinline__ void tc_store_out(const float acc[2][4][4], const int
         for (int h = 0; h < 2; h++) {
             const int r = orow[wm * 32 + mi * 16 + (lane >> 2) + 8 * h];
             if (r < 0) continue;
-            float* op = out + (u64)r * ldo;
+            const u64 base = (u64)r * ldo;
 #pragma unroll
             for (int ni = 0; ni < 4; ni++) {
                 const int c = n0 + wn * 32 + ni * 8 + 2 * (lane & 3);
-                if (c < nout) op[c] = acc[mi][ni][2 * h];
-                if (c + 1 < nout) op[c + 1] = acc[mi][ni][2 * h + 1];
+                if (c < nout) store_out(out, base + c, acc[mi][ni][2 * h], obf);
+                if (c + 1 < nout) store_out(out, base + c + 1, acc[mi][ni][2 * h + 1], obf);
             }
         }
 }
