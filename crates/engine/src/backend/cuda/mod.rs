@@ -305,6 +305,14 @@ const PINNED_MIN: usize = 16 * 1024;
 /// Most slices of the greedy pick's first pass (argmax_partial in sample.cu): 128 blocks of 256
 /// threads cover the 248K-entry vocabulary in one wave.
 const ARGMAX_PARTS: usize = 128;
+/// A one-row GEMV of at most this many outputs (in all, for gemv_many) loads each batch's scales,
+/// biases and x with its weights (gemv1a / gemv_manya, AHEAD in quant.cuh): such matrices (out_proj,
+/// o_proj: 2048; the router and shared-expert gate: 257) fill a fraction of the GPU's warp slots,
+/// so latency sets their speed. Larger ones (GDN in_proj 12,352, attention q|k|v 9,216, lm_head)
+/// keep the lean loop, whose 38-40 registers let an SM hold enough warps to stream the weights.
+const GEMV_AHEAD_ROWS: usize = 4096;
+/// Rows (one warp each) per block of moe_route (ROUTE_WARPS in moe.cu).
+const ROUTE_WARPS: usize = 4;
 /// Keys per shared-memory tile of the split decode attention (ATT_TILE in attention.cu).
 const ATT_TILE: usize = 32;
 /// At most this many splits of the context per KV head in decode attention: enough blocks to
@@ -968,7 +976,8 @@ impl Backend for Cuda {
         let args = [Arg::P(x.mem.ptr), Arg::Q(w.q()), Arg::P(out.mem.ptr), Arg::I(rows as i32), Arg::I(out.bf16())];
         if rows <= 8 {
             let r = rows.next_power_of_two();
-            self.launch(&format!("gemv{r}_{}", w.fmt.suffix()), (grid1(w.out, 8), 1, 1), 256, 0, &args);
+            let ahead = if r == 1 && w.out <= GEMV_AHEAD_ROWS { "a" } else { "" };
+            self.launch(&format!("gemv{r}{ahead}_{}", w.fmt.suffix()), (grid1(w.out, 8), 1, 1), 256, 0, &args);
         } else if w.out <= SKINNY_OUT {
             // Block y takes row y: each warp one (row, output) dot, x rows shared through L1.
             self.launch(&format!("gemv1_{}", w.fmt.suffix()), (grid1(w.out, 8), rows as u32, 1), 256, 0, &args);
@@ -1004,7 +1013,8 @@ impl Backend for Cuda {
             p.bstart[i] = p.bstart[ws.len()];
         }
         let blocks = p.bstart[ws.len()] as u32;
-        self.launch(&format!("gemv_many_{}", ws[0].fmt.suffix()), (blocks, 1, 1), 256, 0, &[Arg::P(x.mem.ptr), Arg::M(Box::new(p))]);
+        let ahead = if ws.iter().map(|w| w.out).sum::<usize>() <= GEMV_AHEAD_ROWS { "a" } else { "" };
+        self.launch(&format!("gemv_many{ahead}_{}", ws[0].fmt.suffix()), (blocks, 1, 1), 256, 0, &[Arg::P(x.mem.ptr), Arg::M(Box::new(p))]);
     }
     fn add(&self, h: &mut Buf, r: &Buf, len: usize) {
         if len == 0 || !(self.buf_ok(h, len, "h", "add") && self.act_ok(r, len, "r", "add")) {
@@ -1233,12 +1243,13 @@ impl Backend for Cuda {
             return;
         }
         route.k = k;
+        // One warp per row, ROUTE_WARPS rows per block (moe.cu).
         self.launch(
             op,
-            (rows as u32, 1, 1),
-            256,
+            (grid1(rows, ROUTE_WARPS), 1, 1),
+            32 * ROUTE_WARPS as u32,
             0,
-            &[Arg::P(logits.mem.ptr), Arg::P(route.ids.ptr), Arg::P(route.weights.ptr), Arg::I(e as i32), Arg::I(k as i32), Arg::I(d.norm_topk as i32)],
+            &[Arg::P(logits.mem.ptr), Arg::P(route.ids.ptr), Arg::P(route.weights.ptr), Arg::I(e as i32), Arg::I(k as i32), Arg::I(d.norm_topk as i32), Arg::I(rows as i32)],
         );
     }
     fn moe_experts_prefill(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, d: &Dims, rows: usize, out: &mut Buf) {

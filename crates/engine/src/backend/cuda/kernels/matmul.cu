@@ -13,6 +13,9 @@
 //             (GDN b/a, shared-expert gate) runs gemv1 with one block row per token.
 //             Each warp streams its weight row once for its rows of x (warp_dot_rows), then
 //             reduces with shuffles.
+// gemv1a_<fmt>, gemv_manya_<fmt>  the same as gemv1 and gemv_many with each batch's scales, biases
+//             and x values loaded with its weight words (warp_dot_rows' AHEAD): for one row of x
+//             and matrices of at most GEMV_AHEAD_ROWS outputs (mod.rs), which are latency-bound.
 // gemv_many_<fmt> (decode: one row of x) x times up to 4 matrices of one format and width that read
 //             the same input (GDN qkv | z | b | a, attention q | k | v, router | shared-expert
 //             gate): one launch instead of one each, and one wave of blocks for all of them.
@@ -29,7 +32,7 @@
 // embed_<fmt> out[t] = dequant(W[ids[t]]) into the f32 residual stream: grid rows, 256 threads
 //             striding over the row.
 
-template <int BITS, typename SB, int GEMV_MAXR>
+template <int BITS, typename SB, int GEMV_MAXR, bool AHEAD = false>
 __device__ __forceinline__ void gemv_body(const u16* __restrict__ x, QMat m, void* __restrict__ out, int rows, int obf) {
     // Block y takes x rows GEMV_MAXR*y .. (a prefill of a skinny matrix; y = 0 for decode).
     const int r0 = blockIdx.y * GEMV_MAXR;
@@ -42,7 +45,7 @@ __device__ __forceinline__ void gemv_body(const u16* __restrict__ x, QMat m, voi
     float acc[GEMV_MAXR];
 #pragma unroll
     for (int t = 0; t < GEMV_MAXR; t++) acc[t] = 0.0f;
-    warp_dot_rows<BITS, SB, GEMV_MAXR>(m, 0, o, x, (u64)m.inp, rows, acc, lane);
+    warp_dot_rows<BITS, SB, GEMV_MAXR, AHEAD>(m, 0, o, x, (u64)m.inp, rows, acc, lane);
 #pragma unroll
     for (int t = 0; t < GEMV_MAXR; t++) {
         if (t < rows) {
@@ -102,7 +105,7 @@ struct Many {
     int obf[4];      // each output's type (store_out)
 };
 
-template <int BITS, typename SB>
+template <int BITS, typename SB, bool AHEAD>
 __device__ __forceinline__ void gemv_many_body(const u16* __restrict__ x, const Many& p) {
     int i = 0;
     while (i + 1 < p.n && (int)blockIdx.x >= p.bstart[i + 1]) i++;
@@ -111,14 +114,20 @@ __device__ __forceinline__ void gemv_many_body(const u16* __restrict__ x, const 
     const int o = (blockIdx.x - p.bstart[i]) * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (o >= m.out) return;
     float acc[1] = {0.0f};
-    warp_dot_rows<BITS, SB, 1>(m, 0, o, x, (u64)m.inp, 1, acc, lane);
+    warp_dot_rows<BITS, SB, 1, AHEAD>(m, 0, o, x, (u64)m.inp, 1, acc, lane);
     const float v = warp_sum(acc[0]);
     if (lane == 0) store_out((void*)p.out[i], o, v, p.obf[i]);
 }
 
 #define MATMUL_KERNELS(NAME, BITS, SB)                                                                            \
     extern "C" __global__ void __launch_bounds__(256) gemv_many_##NAME(const u16* x, Many p) { PDL_ENTRY();        \
-        gemv_many_body<BITS, SB>(x, p);                                                                           \
+        gemv_many_body<BITS, SB, false>(x, p);                                                                    \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) gemv_manya_##NAME(const u16* x, Many p) { PDL_ENTRY();       \
+        gemv_many_body<BITS, SB, true>(x, p);                                                                     \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(256) gemv1a_##NAME(const u16* x, QMat m, void* out, int rows, int obf) { PDL_ENTRY(); \
+        gemv_body<BITS, SB, 1, true>(x, m, out, rows, obf);                                                       \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(256) gemv1_##NAME(const u16* x, QMat m, void* out, int rows, int obf) { PDL_ENTRY(); \
         gemv_body<BITS, SB, 1>(x, m, out, rows, obf);                                                             \

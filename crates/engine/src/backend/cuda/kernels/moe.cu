@@ -4,10 +4,14 @@
 // silu product, each slot's down output) are bf16 activations, as between ops (common.cuh); dot
 // products, the softmax and the weighted sum are f32.
 //
-// moe_route        logits [rows, E] -> ids [rows, k] u32, weights [rows, k] f32. One block of 256
-//                  threads per row: f32 softmax (max subtracted, then p /= sum), k rounds of block
-//                  arg-max (ties: lower expert id, as the CPU's stable sort), then thread 0 sums
-//                  the chosen p in slot order and divides (norm_topk). E <= 1024 (shared memory).
+// moe_route        logits [rows, E] -> ids [rows, k] u32, weights [rows, k] f32. One warp per row
+//                  (ROUTE_WARPS rows per block, grid ceil(rows / ROUTE_WARPS)), the row's
+//                  probabilities in registers (lane l holds experts l, l + 32, ...): f32 softmax
+//                  (max subtracted, then p /= sum), k rounds of warp arg-max (ties: lower expert
+//                  id, as the CPU's stable sort), the chosen p summed in slot order for the
+//                  division (norm_topk). No shared memory and no barriers: a block of 256 threads
+//                  per row spent its time in the ~25 barriers of its block reductions (a decode
+//                  step routes 40 times). E <= 1024, k <= 32.
 // Prefill (grouped by expert, as the CPU):
 //   moe_count      counts[e] += 1 per slot (t, j) (atomics; counts zeroed before).
 //   moe_plan       one thread: offsets = exclusive scan of counts, cursor = offsets, and the tile
@@ -30,7 +34,8 @@
 // Decode (one token, fused gather-GEMV), the shared expert folded in as slot k when `shared`:
 //   moe_gate_up_<fmt>  act[j, o] = silu(gate_e . x) * (up_e . x), e = ids[j] for j < k; slot k
 //                      (shared) uses the shared expert's gate/up (width_s rows, act at k * width).
-//                      Warp per output row, grid (ceil(max(width, width_s)/8), k + shared), 256
+//                      Warp per output row, its gate and up rows loaded in one batch
+//                      (warp_dot_pair), grid (ceil(max(width, width_s)/8), k + shared), 256
 //                      threads.
 //   moe_down_<fmt>     y[j, o] = down_{ids[j]} . act_j (slot k: the shared expert's down): warp per
 //                      (slot, output row), grid (ceil(hidden/8), k + shared). One dot per warp:
@@ -39,50 +44,56 @@
 //   moe_combine        (above) with the shared slot. The shared expert must have the experts'
 //                      format (checked on the host; otherwise it runs on its own).
 
-extern "C" __global__ void __launch_bounds__(256)
-moe_route(const float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ weights, int E, int k, int norm_topk) { PDL_ENTRY();
-    __shared__ float p[1024];
-    __shared__ float sh[32];
-    __shared__ float shv[32];
-    __shared__ int shi[32];
-    __shared__ float chosen_p[32];
-    __shared__ int chosen_i[32];
-    const float* l = logits + (u64)blockIdx.x * E;
+#define ROUTE_MAXE 1024  // experts per row at most: 32 per lane in registers
+#define ROUTE_WARPS 4     // rows per block
+
+extern "C" __global__ void __launch_bounds__(32 * ROUTE_WARPS)
+moe_route(const float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ weights, int E, int k, int norm_topk,
+          int rows) { PDL_ENTRY();
+    const int lane = threadIdx.x & 31;
+    const int t = blockIdx.x * ROUTE_WARPS + (threadIdx.x >> 5);
+    if (t >= rows) return;
+    const float* l = logits + (u64)t * E;
+    // Lane l holds experts l, l + 32, ... (unrolled and guarded: registers, not local memory).
+    float p[ROUTE_MAXE / 32];
     float m = NEG_INF;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) m = fmaxf(m, l[e]);
-    m = block_max(m, sh);
-    float s = 0.0f;
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        float v = expf(l[e] - m);
-        p[e] = v;
-        s += v;
+#pragma unroll
+    for (int i = 0; i < ROUTE_MAXE / 32; i++) {
+        const int e = lane + 32 * i;
+        p[i] = e < E ? l[e] : NEG_INF;
+        m = fmaxf(m, p[i]);
     }
-    s = block_sum(s, sh);
-    for (int e = threadIdx.x; e < E; e += blockDim.x) p[e] = p[e] / s;
-    __syncthreads();
+    m = warp_max(m);
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ROUTE_MAXE / 32; i++) {
+        if (lane + 32 * i < E) {
+            p[i] = expf(p[i] - m);
+            s += p[i];
+        }
+    }
+    s = warp_sum(s);
+#pragma unroll
+    for (int i = 0; i < ROUTE_MAXE / 32; i++) p[i] = lane + 32 * i < E ? p[i] / s : NEG_INF;
+    float mine_p = 0.0f, sum = 0.0f;
+    int mine_i = 0;
     for (int j = 0; j < k; j++) {
         float bv = NEG_INF;
         int bi = 0x7fffffff;
-        for (int e = threadIdx.x; e < E; e += blockDim.x)
-            if (better(p[e], e, bv, bi)) { bv = p[e]; bi = e; }
-        block_argmax(bv, bi, shv, shi);
-        if (threadIdx.x == 0) {
-            chosen_p[j] = bv;
-            chosen_i[j] = bi;
-            p[bi] = NEG_INF;  // taken
-        }
-        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < ROUTE_MAXE / 32; i++)
+            if (better(p[i], lane + 32 * i, bv, bi)) { bv = p[i]; bi = lane + 32 * i; }
+        warp_argmax(bv, bi);
+#pragma unroll
+        for (int i = 0; i < ROUTE_MAXE / 32; i++)
+            if (lane + 32 * i == bi) p[i] = NEG_INF;  // taken
+        if (lane == j) { mine_p = bv; mine_i = bi; }
+        sum += bv;  // in slot order, as the CPU
     }
-    if (threadIdx.x == 0) {
-        float sum = 1.0f;
-        if (norm_topk) {
-            sum = 0.0f;
-            for (int j = 0; j < k; j++) sum += chosen_p[j];
-        }
-        for (int j = 0; j < k; j++) {
-            ids[(u64)blockIdx.x * k + j] = (u32)chosen_i[j];
-            weights[(u64)blockIdx.x * k + j] = chosen_p[j] / sum;
-        }
+    // Lane j < k writes slot j.
+    if (lane < k) {
+        ids[(u64)t * k + lane] = (u32)mine_i;
+        weights[(u64)t * k + lane] = mine_p / (norm_topk ? sum : 1.0f);
     }
 }
 
@@ -206,10 +217,9 @@ __device__ __forceinline__ void moe_gate_up_body(const u16* __restrict__ x, QMat
     const QMat G = shared ? sg : g, U = shared ? su : u;
     if (o >= G.out) return;
     const int e = shared ? 0 : ids[j];
-    float ag[1] = {0.0f}, au[1] = {0.0f};
-    warp_dot_rows<BITS, SB, 1>(G, e, o, x, 0, 1, ag, lane);
-    warp_dot_rows<BITS, SB, 1>(U, e, o, x, 0, 1, au, lane);
-    float gv = warp_sum(ag[0]), uv = warp_sum(au[0]);
+    float ag = 0.0f, au = 0.0f;
+    warp_dot_pair<BITS, SB>(G, e, U, e, o, x, ag, au, lane);
+    float gv = warp_sum(ag), uv = warp_sum(au);
     if (lane == 0) act[(u64)j * g.out + o] = bf16_rn(silu_f(gv) * uv);
 }
 
@@ -221,8 +231,9 @@ __device__ __forceinline__ void moe_down_body(const u16* __restrict__ act, QMat 
     const int j = blockIdx.y;
     if (o >= d.out) return;
     const bool shared = j == k;  // only launched with shared
+    const QMat D = shared ? sd : d;  // a named copy: a temporary passed by reference lives on the stack
     float part[1] = {0.0f};
-    warp_dot_rows<BITS, SB, 1>(shared ? sd : d, shared ? 0 : ids[j], o, act + (u64)j * d.inp, 0, 1, part, lane);
+    warp_dot_rows<BITS, SB, 1, true>(D, shared ? 0 : ids[j], o, act + (u64)j * d.inp, 0, 1, part, lane);
     const float v = warp_sum(part[0]);
     if (lane == 0) y[(u64)j * d.out + o] = bf16_rn(v);
 }

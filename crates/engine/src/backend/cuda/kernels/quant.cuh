@@ -62,53 +62,40 @@ __device__ __forceinline__ float deq_elem(const QMat& m, int e, u64 o, int k) {
     }
 }
 
-// acc[t] += (partial) dot(W[e][o], x[t]) for t < rows (rows <= MAXR), this lane's share; x is a
-// bf16 activation [rows, ldx], widened as it is read.
-// Quantized rows go word by word: lane l takes u32 words l, l+32, l+64, ... (each step a
-// coalesced 128-byte load per warp; DOT_IN_FLIGHT loads issued before any is used), and the x values
-// of a word (8 or 4 consecutive bf16: one 16- or 8-byte load) are then contiguous across the lanes
-// too, so x loads coalesce. Dense rows go by 16-byte chunks (4 floats) in the same pattern.
-template <int BITS, typename SB, int MAXR>
-__device__ __forceinline__ void dot_unit(const QMat& m, u64 grow, uint4 wv, int u, const u16* __restrict__ x, u64 ldx,
-                                         int rows, float* acc) {
+// One unit of a weight row as a lane loads it: a u32 word of codes (quantized) or a 16-byte chunk
+// of 4 floats (dense), with its group's scale and bias.
+struct DotUnit {
+    uint4 w;
+    float s, b;
+};
+
+// The x values of a unit (8 or 4 consecutive bf16: one 16- or 8-byte load), as raw words.
+template <int BITS>
+__device__ __forceinline__ uint4 load_x_unit(const u16* __restrict__ xp) {
+    if constexpr (BITS == 4) return *(const uint4*)xp;
+    const uint2 v = *(const uint2*)xp;
+    return make_uint4(v.x, v.y, 0u, 0u);
+}
+
+// The unit's partial dot with one row of x (xw: its x values as raw bf16 words).
+template <int BITS>
+__device__ __forceinline__ float dot_unit(const DotUnit& un, uint4 xw) {
+    const u32 xs4[4] = {xw.x, xw.y, xw.z, xw.w};
     if constexpr (BITS == 32) {
-        const int k0 = u * 4;
-        float q[4] = {__uint_as_float(wv.x), __uint_as_float(wv.y), __uint_as_float(wv.z), __uint_as_float(wv.w)};
-#pragma unroll
-        for (int t = 0; t < MAXR; t++) {
-            if (t < rows) {
-                uint2 xv = *(const uint2*)(x + (u64)t * ldx + k0);
-                acc[t] += q[0] * bf16_lo(xv.x) + q[1] * bf16_hi(xv.x) + q[2] * bf16_lo(xv.y) + q[3] * bf16_hi(xv.y);
-            }
-        }
+        return __uint_as_float(un.w.x) * bf16_lo(xs4[0]) + __uint_as_float(un.w.y) * bf16_hi(xs4[0]) +
+               __uint_as_float(un.w.z) * bf16_lo(xs4[1]) + __uint_as_float(un.w.w) * bf16_hi(xs4[1]);
     } else {
         constexpr int PER = 32 / BITS;
-        const int k0 = u * PER;
         float q[PER];
-        unpack_word<BITS>(wv.x, q);
-        const u64 g = grow + (u64)(k0 / m.gs);
-        const float sc = ld_sb((const SB*)m.s, g), bi = ld_sb((const SB*)m.b, g);
+        unpack_word<BITS>(un.w.x, q);
+        float dq = 0.0f, xs = 0.0f;
 #pragma unroll
-        for (int t = 0; t < MAXR; t++) {
-            if (t < rows) {
-                u32 xw[PER / 2];
-                if constexpr (PER == 8) {
-                    uint4 v = *(const uint4*)(x + (u64)t * ldx + k0);
-                    xw[0] = v.x; xw[1] = v.y; xw[2] = v.z; xw[3] = v.w;
-                } else {
-                    uint2 v = *(const uint2*)(x + (u64)t * ldx + k0);
-                    xw[0] = v.x; xw[1] = v.y;
-                }
-                float dq = 0.0f, xs = 0.0f;
-#pragma unroll
-                for (int i = 0; i < PER / 4; i++) {
-                    const float x0 = bf16_lo(xw[2 * i]), x1 = bf16_hi(xw[2 * i]), x2 = bf16_lo(xw[2 * i + 1]), x3 = bf16_hi(xw[2 * i + 1]);
-                    dq += q[4 * i] * x0 + q[4 * i + 1] * x1 + q[4 * i + 2] * x2 + q[4 * i + 3] * x3;
-                    xs += (x0 + x1) + (x2 + x3);
-                }
-                acc[t] += sc * dq + bi * xs;
-            }
+        for (int i = 0; i < PER / 4; i++) {
+            const float x0 = bf16_lo(xs4[2 * i]), x1 = bf16_hi(xs4[2 * i]), x2 = bf16_lo(xs4[2 * i + 1]), x3 = bf16_hi(xs4[2 * i + 1]);
+            dq += q[4 * i] * x0 + q[4 * i + 1] * x1 + q[4 * i + 2] * x2 + q[4 * i + 3] * x3;
+            xs += (x0 + x1) + (x2 + x3);
         }
+        return un.s * dq + un.b * xs;
     }
 }
 
@@ -116,28 +103,111 @@ __device__ __forceinline__ void dot_unit(const QMat& m, u64 grow, uint4 wv, int 
 // round trip. A decode GEMV is latency-bound when its matrix has few rows per SM (2048-row
 // out_proj: ~2 blocks per SM), so bytes in flight per warp set its speed; 4 took two trips.
 #define DOT_IN_FLIGHT 8
-template <int BITS, typename SB, int MAXR>
+
+// acc[t] += (partial) dot(W[e][o], x[t]) for t < rows (rows <= MAXR), this lane's share; x is a
+// bf16 activation [rows, ldx], widened as it is read. Returns per-lane partial sums; the caller
+// reduces across the warp.
+// Quantized rows go word by word: lane l takes u32 words l, l+32, l+64, ... (each step a coalesced
+// 128-byte load per warp), and the x values of a word are then contiguous across the lanes too,
+// so x loads coalesce. Dense rows go by 16-byte chunks (4 floats) in the same pattern. The words
+// of a batch of DOT_IN_FLIGHT units are loaded before any is used. AHEAD (one x row only) loads
+// their scales, biases and x values in the same batch too: one round trip per batch instead of
+// two or three, for twice the registers (78-90 instead of 38-40 with one x row). Measured on the
+// H200 (decode, full preset, op profile): matrices of few rows per SM, latency-bound, gain (the
+// experts' down projection, out_proj, the router: -12 to -17%); the large ones (GDN in_proj,
+// q|k|v, lm_head), whose speed comes from the warps an SM holds, lost 18-27%. So the host picks
+// AHEAD by a matrix's rows (gemv1a / gemv_manya in matmul.cu).
+template <int BITS, typename SB, int MAXR, bool AHEAD = false>
 __device__ __forceinline__ void warp_dot_rows(const QMat& m, int e, int o, const u16* __restrict__ x, u64 ldx,
                                               int rows, float* acc, int lane) {
+    static_assert(!AHEAD || MAXR == 1, "AHEAD loads the x values of one row");
+    constexpr int PER = BITS == 32 ? 4 : 32 / BITS;  // x values per unit
     const u32* wrow = (const u32*)m.w + (u64)e * m.wpm + (u64)o * (u64)(m.inp * BITS / 32);
     const u64 grow = (u64)e * m.gpm + (u64)o * (u64)(m.inp / m.gs);
-    // units: u32 words (quantized) or 16-byte chunks (dense)
-    const int nu = BITS == 32 ? m.inp / 4 : m.inp / (32 / BITS);
+    const int nu = m.inp / PER;
+    // Scale and bias of unit u (quantized formats).
+    auto ld_group = [&](DotUnit& un, int u) {
+        if constexpr (BITS != 32) {
+            const u64 g = grow + (u64)(u * PER / m.gs);
+            un.s = ld_sb((const SB*)m.s, g);
+            un.b = ld_sb((const SB*)m.b, g);
+        }
+    };
     for (int u0 = lane; u0 < nu; u0 += 32 * DOT_IN_FLIGHT) {
-        uint4 wv[DOT_IN_FLIGHT];
+        DotUnit un[DOT_IN_FLIGHT];
+        uint4 xw[AHEAD ? DOT_IN_FLIGHT : 1];
 #pragma unroll
         for (int i = 0; i < DOT_IN_FLIGHT; i++) {
             const int u = u0 + 32 * i;
+            un[i].s = un[i].b = 0.0f;
+            un[i].w = make_uint4(0u, 0u, 0u, 0u);
             if (u < nu) {
-                if constexpr (BITS == 32) wv[i] = __ldg((const uint4*)wrow + u);
-                else wv[i] = make_uint4(__ldg(wrow + u), 0u, 0u, 0u);
-            } else {
-                wv[i] = make_uint4(0u, 0u, 0u, 0u);
+                if constexpr (BITS == 32) un[i].w = __ldg((const uint4*)wrow + u);
+                else un[i].w.x = __ldg(wrow + u);
+                if constexpr (AHEAD) {
+                    ld_group(un[i], u);
+                    xw[i] = load_x_unit<BITS>(x + (u64)u * PER);
+                }
             }
         }
 #pragma unroll
-        for (int i = 0; i < DOT_IN_FLIGHT; i++)
-            if (u0 + 32 * i < nu) dot_unit<BITS, SB, MAXR>(m, grow, wv[i], u0 + 32 * i, x, ldx, rows, acc);
+        for (int i = 0; i < DOT_IN_FLIGHT; i++) {
+            const int u = u0 + 32 * i;
+            if (u >= nu) continue;
+            if constexpr (AHEAD) {
+                acc[0] += dot_unit<BITS>(un[i], xw[i]);
+            } else {
+                ld_group(un[i], u);
+#pragma unroll
+                for (int t = 0; t < MAXR; t++)
+                    if (t < rows) acc[t] += dot_unit<BITS>(un[i], load_x_unit<BITS>(x + (u64)t * ldx + (u64)u * PER));
+            }
+        }
+    }
+}
+
+// Two rows of the same width against one row of x (the experts' gate and up rows of a decode
+// step): ag, au += this lane's partial dots. One batch of loads covers both rows and their shared
+// x values, so the pair costs one round trip per batch where two warp_dot_rows calls cost two.
+template <int BITS, typename SB>
+__device__ __forceinline__ void warp_dot_pair(const QMat& ma, int ea, const QMat& mb, int eb, int o, const u16* __restrict__ x,
+                                              float& aa, float& ab, int lane) {
+    constexpr int PER = BITS == 32 ? 4 : 32 / BITS;
+    const u32* wa = (const u32*)ma.w + (u64)ea * ma.wpm + (u64)o * (u64)(ma.inp * BITS / 32);
+    const u32* wb = (const u32*)mb.w + (u64)eb * mb.wpm + (u64)o * (u64)(mb.inp * BITS / 32);
+    const u64 ga = (u64)ea * ma.gpm + (u64)o * (u64)(ma.inp / ma.gs);
+    const u64 gb = (u64)eb * mb.gpm + (u64)o * (u64)(mb.inp / mb.gs);
+    const int nu = ma.inp / PER;
+    for (int u0 = lane; u0 < nu; u0 += 32 * DOT_IN_FLIGHT) {
+        DotUnit ua[DOT_IN_FLIGHT], ub[DOT_IN_FLIGHT];
+        uint4 xw[DOT_IN_FLIGHT];
+#pragma unroll
+        for (int i = 0; i < DOT_IN_FLIGHT; i++) {
+            const int u = u0 + 32 * i;
+            ua[i].s = ua[i].b = ub[i].s = ub[i].b = 0.0f;
+            ua[i].w = ub[i].w = xw[i] = make_uint4(0u, 0u, 0u, 0u);
+            if (u < nu) {
+                if constexpr (BITS == 32) {
+                    ua[i].w = __ldg((const uint4*)wa + u);
+                    ub[i].w = __ldg((const uint4*)wb + u);
+                } else {
+                    ua[i].w.x = __ldg(wa + u);
+                    ub[i].w.x = __ldg(wb + u);
+                    const u64 gi = (u64)(u * PER / ma.gs);
+                    ua[i].s = ld_sb((const SB*)ma.s, ga + gi);
+                    ua[i].b = ld_sb((const SB*)ma.b, ga + gi);
+                    ub[i].s = ld_sb((const SB*)mb.s, gb + gi);
+                    ub[i].b = ld_sb((const SB*)mb.b, gb + gi);
+                }
+                xw[i] = load_x_unit<BITS>(x + (u64)u * PER);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < DOT_IN_FLIGHT; i++) {
+            if (u0 + 32 * i >= nu) continue;
+            aa += dot_unit<BITS>(ua[i], xw[i]);
+            ab += dot_unit<BITS>(ub[i], xw[i]);
+        }
     }
 }
 
