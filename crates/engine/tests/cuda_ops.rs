@@ -66,9 +66,9 @@
 //! * End to end (`small` preset, 192 teacher-forced positions): top-1 agreement ≥ 99% and, on
 //!   `small`, at least MLX-LM bf16's agreement and perplexity closeness (#6's yardstick; MLX-LM's
 //!   own bf16 run is 1.0% off its f32 run on this preset); logits within 1e-2 of the CPU per row
-//!   on every path, since activations are bf16 even with the f32 GEMMs and `attn_rows` (with f32
-//!   activations that path measured 5-7e-4, the bf16 KV cache's rounding; the figure with bf16
-//!   activations is to be measured and the tolerance tightened to it). Greedy decoding on CUDA
+//!   on every path, since activations are bf16 even with the f32 GEMMs and `attn_rows` (measured
+//!   2.6-7.1e-3 on `small` and `tiny` over both paths; with f32 activations the f32 path measured
+//!   5-7e-4, the bf16 KV cache's rounding). Greedy decoding on CUDA
 //!   follows the CPU's tokens up to the CPU's first near-tie (a top-2 gap below 2% of the row's
 //!   max |logit|, twice that 1e-2), where bf16 activations may pick the other token.
 #![cfg(feature = "cuda")]
@@ -1112,11 +1112,13 @@ fn end_to_end(preset: &str) {
     }
     let pct = 100.0 * (agree + dagree) as f64 / (n + 8) as f64;
     assert!(pct >= 99.0, "top-1 agreement {pct:.2}% < 99%");
-    // Activations between ops are bf16 on every path, so the f32 GEMMs and attn_rows
-    // (LILY_CUDA_GEMM=simt, LILY_CUDA_ATTN=f32) get the tensor-core kernels' 1e-2 too. With f32
-    // activations that path measured 5-7e-4 (the bf16 KV cache's rounding); the figure with bf16
-    // activations is yet to be measured, and this tolerance to be tightened to it.
-    let (tol, kind) = if cuda.backend.tensor_core_gemm() || cuda.backend.tensor_core_attention() { (1e-2, "tc_gemm / attn_tc, bf16 activations") } else { (1e-2, "f32 gemm and attention, bf16 activations") };
+    // Activations between ops are bf16 on every path, so every path is held to 1e-2: MLX-LM's own
+    // bf16 run is 1.0% off its f32 run on `small` (#6's yardstick). Measured on the H200 (max over
+    // positions of max |gpu - cpu| / max |cpu|): tensor-core kernels 2.83e-3 on small, 7.10e-3 on
+    // tiny; the f32 GEMMs and attn_rows (LILY_CUDA_GEMM=simt LILY_CUDA_ATTN=f32) 2.61e-3 and
+    // 4.27e-3. (With f32 activations the latter measured 5-7e-4, the bf16 KV cache's rounding.)
+    let tol = 1e-2;
+    let kind = if cuda.backend.tensor_core_gemm() || cuda.backend.tensor_core_attention() { "tc_gemm / attn_tc, bf16 activations" } else { "f32 gemm and attention, bf16 activations" };
     check(&format!("e2e {preset}: logits (prefill, per position; {kind})"), err, tol);
 }
 
