@@ -377,6 +377,7 @@ fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<
             "ceilings_method": ceil.method,
             "ceilings_source": {"memory_bandwidth": src(ceil.bandwidth_measured), "peak_flop": src(ceil.flops_measured)},
             "kv_bytes_per_elem": kv_elem,
+            "act_bytes_per_elem": m.backend.act_elem_bytes(),
             "weight_bytes_per_token": weight_bytes,
             "rounds": a.rounds,
             "results": rows,

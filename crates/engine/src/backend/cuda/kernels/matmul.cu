@@ -119,6 +119,13 @@ __device__ __forceinline__ void gemv_many_body(const u16* __restrict__ x, const 
     if (lane == 0) store_out((void*)p.out[i], o, v, p.obf[i]);
 }
 
+// gemv<R>[a]_<fmt>: one kernel of the gemv family (R rows of x at most, AHEAD loads or not).
+#define GEMV_KERNEL(KERNEL, NAME, BITS, SB, R, AHEAD)                                                              \
+    extern "C" __global__ void __launch_bounds__(256) KERNEL##_##NAME(const u16* x, QMat m, void* out, int rows, int obf) { \
+        PDL_ENTRY();                                                                                              \
+        gemv_body<BITS, SB, R, AHEAD>(x, m, out, rows, obf);                                                      \
+    }
+
 #define MATMUL_KERNELS(NAME, BITS, SB)                                                                            \
     extern "C" __global__ void __launch_bounds__(256) gemv_many_##NAME(const u16* x, Many p) { PDL_ENTRY();        \
         gemv_many_body<BITS, SB, false>(x, p);                                                                    \
@@ -126,21 +133,11 @@ __device__ __forceinline__ void gemv_many_body(const u16* __restrict__ x, const 
     extern "C" __global__ void __launch_bounds__(256) gemv_manya_##NAME(const u16* x, Many p) { PDL_ENTRY();       \
         gemv_many_body<BITS, SB, true>(x, p);                                                                     \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256) gemv1a_##NAME(const u16* x, QMat m, void* out, int rows, int obf) { PDL_ENTRY(); \
-        gemv_body<BITS, SB, 1, true>(x, m, out, rows, obf);                                                       \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256) gemv1_##NAME(const u16* x, QMat m, void* out, int rows, int obf) { PDL_ENTRY(); \
-        gemv_body<BITS, SB, 1>(x, m, out, rows, obf);                                                             \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256) gemv2_##NAME(const u16* x, QMat m, void* out, int rows, int obf) { PDL_ENTRY(); \
-        gemv_body<BITS, SB, 2>(x, m, out, rows, obf);                                                             \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256) gemv4_##NAME(const u16* x, QMat m, void* out, int rows, int obf) { PDL_ENTRY(); \
-        gemv_body<BITS, SB, 4>(x, m, out, rows, obf);                                                             \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256) gemv8_##NAME(const u16* x, QMat m, void* out, int rows, int obf) { PDL_ENTRY(); \
-        gemv_body<BITS, SB, 8>(x, m, out, rows, obf);                                                             \
-    }                                                                                                             \
+    GEMV_KERNEL(gemv1a, NAME, BITS, SB, 1, true)                                                                  \
+    GEMV_KERNEL(gemv1, NAME, BITS, SB, 1, false)                                                                  \
+    GEMV_KERNEL(gemv2, NAME, BITS, SB, 2, false)                                                                  \
+    GEMV_KERNEL(gemv4, NAME, BITS, SB, 4, false)                                                                  \
+    GEMV_KERNEL(gemv8, NAME, BITS, SB, 8, false)                                                                  \
     extern "C" __global__ void __launch_bounds__(256) gemm_##NAME(const u16* x, QMat m, void* out, int rows, int obf) { PDL_ENTRY(); \
         gemm_body<BITS, SB>(x, m, out, rows, obf);                                                                \
     }                                                                                                             \
