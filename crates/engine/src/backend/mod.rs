@@ -220,10 +220,9 @@ pub trait Backend: Send + Sync {
     fn add_sigmoid_gated(&self, y: &mut Self::Buf, shared: &Self::Buf, s: &Self::Buf, rows: usize, dim: usize);
 
     // ---- output
-    /// Index of the largest logit of each row (first on ties). Logits are f32.
-    fn argmax(&self, logits: &Self::Buf, rows: usize, vocab: usize) -> Result<Vec<u32>>;
-    /// The greedy pick of a decode step on the backend: `step.token = argmax(logits[0])`,
-    /// `step.pos += 1`: the step is then ready to feed that token.
+    /// The greedy pick of a decode step on the backend: `step.token = argmax(logits[0])` (the
+    /// first on ties, as `runtime::argmax`; logits are f32), `step.pos += 1`: the step is then
+    /// ready to feed that token.
     fn argmax_step(&self, logits: &Self::Buf, vocab: usize, step: &mut Self::Step);
 }
 

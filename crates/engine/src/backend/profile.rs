@@ -299,9 +299,6 @@ impl<B: Backend> Backend for Profiled<B> {
         self.time("add_sigmoid_gated", || self.inner.add_sigmoid_gated(y, shared, s, rows, dim))
     }
 
-    fn argmax(&self, logits: &Self::Buf, rows: usize, vocab: usize) -> Result<Vec<u32>> {
-        self.time("argmax", || self.inner.argmax(logits, rows, vocab))
-    }
     fn argmax_step(&self, logits: &Self::Buf, vocab: usize, step: &mut Self::Step) {
         self.time("argmax", || self.inner.argmax_step(logits, vocab, step))
     }

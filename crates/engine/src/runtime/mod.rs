@@ -24,16 +24,8 @@ pub fn load_with_progress<B: Backend>(backend: B, dir: &Path, progress: &dyn Fn(
     Qwen35::new_with_progress(backend, ck.config, &ck.weights, progress)
 }
 
-/// Index of the largest value (the first on ties).
-pub fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in v.iter().enumerate() {
-        if x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
-}
+/// Index of the largest value (the first on ties, NaN ignored): the sampler's greedy pick.
+pub use sampler::argmax;
 
 /// Timings of one generation.
 #[derive(Clone, Debug, Default)]

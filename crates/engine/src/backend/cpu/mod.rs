@@ -144,9 +144,6 @@ impl Backend for Cpu {
         norm::add_sigmoid_gated(y, shared, s, rows, dim)
     }
 
-    fn argmax(&self, logits: &Vec<f32>, rows: usize, vocab: usize) -> Result<Vec<u32>> {
-        Ok((0..rows).map(|t| crate::runtime::argmax(&logits[t * vocab..][..vocab])).collect())
-    }
     fn argmax_step(&self, logits: &Vec<f32>, vocab: usize, step: &mut CpuStep) {
         *step = CpuStep { token: crate::runtime::argmax(&logits[..vocab]), pos: step.pos + 1 };
     }

@@ -37,8 +37,8 @@
 //!   attention, bf16 q/k/v/p, f32 softmax and accumulators); `LILY_CUDA_ATTN=f32` (or
 //!   `set_tensor_core_attention`) swaps back to the f32 `attn_rows`. Decode attention computes in
 //!   f32 (from the bf16 cache).
-//! * Execution: one stream; every op only enqueues work (no host sync) except `to_host`,
-//!   `argmax` and `step_token`, which return results. Routing stays on the device (`moe_route`
+//! * Execution: one stream; every op only enqueues work (no host sync) except `to_host` and
+//!   `step_token`, which return results. Routing stays on the device (`moe_route`
 //!   writes expert ids and weights that the expert kernels read). A prompt's ids come from the
 //!   host (`embed` takes `&[u32]`); a decode step reads its token and position from its [`Step`]
 //!   (8 bytes of device memory), where `argmax_step` writes the next greedy token, so the decode
@@ -53,7 +53,7 @@
 //!   allocation while capturing is an error, never a silent use of freed memory.
 //!   `LILY_CUDA_GRAPH=0` (or `set_graphs(false)`) runs every step directly: the ablation switch.
 //! * Errors: ops cannot return `Result` (the trait's choice), so the first failure (a bad shape, a
-//!   launch error) is kept and returned by the next `to_host` / `argmax` / `check`; after it the
+//!   launch error) is kept and returned by the next `to_host` / `step_token` / `check`; after it the
 //!   backend launches nothing more.
 
 mod ceiling;
@@ -1368,19 +1368,6 @@ impl Backend for Cuda {
         self.launch(op, (grid1(rows * dim, 256), 1, 1), 256, 0, &[Arg::P(y.mem.ptr), Arg::P(shared.mem.ptr), Arg::P(s.mem.ptr), Arg::I(rows as i32), Arg::I(dim as i32)]);
     }
 
-    fn argmax(&self, logits: &Buf, rows: usize, vocab: usize) -> Result<Vec<u32>> {
-        if logits.len < rows * vocab || logits.elem != 4 {
-            bail!("argmax: logits hold {} values of {} bytes, {rows}×{vocab} f32 needed", logits.len, logits.elem);
-        }
-        if rows == 0 {
-            return Ok(Vec::new());
-        }
-        // The scratch lock is held until the ids are read back, so no other op can reuse the buffer.
-        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(out) = self.scratch(&mut sc, "argmax", 4 * rows) else { return self.check().map(|_| Vec::new()) };
-        self.launch("argmax", (rows as u32, 1, 1), 1024, 0, &[Arg::P(logits.mem.ptr), Arg::P(out), Arg::I(vocab as i32)]);
-        self.read_u32(out, rows)
-    }
     fn argmax_step(&self, logits: &Buf, vocab: usize, step: &mut Step) {
         if vocab == 0 || !self.buf_ok(logits, vocab, "logits", "argmax_step") {
             return;

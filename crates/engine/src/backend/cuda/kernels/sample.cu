@@ -1,34 +1,12 @@
-// sample.cu: picking the next token on the device. Matches Cpu::argmax (first index on ties).
+// sample.cu: picking the next token on the device. Matches Cpu::argmax_step (runtime::argmax:
+// the first index on ties). Sampling with temperature / top-k / top-p comes later, here.
 //
-// argmax  logits [rows, vocab] f32 -> out [rows] u32. One block of 1024 threads per row; each
-//         thread scans a strided slice, then a block arg-max (value, then lower index) reduces.
-//         Sampling with temperature / top-k / top-p comes later, here.
 // argmax_partial + argmax_step  the decode loop's greedy pick, fed back on the device: logits
 //         [vocab] -> the Step (u32 token, i32 position): token = argmax, position += 1
 //         (Cpu::argmax_step). One block reading 1 MB of logits took ~90 us, so the row is split:
 //         argmax_partial (grid P, 256 threads) writes each contiguous slice's best (value, index),
 //         argmax_step (one block of 1024 threads, P <= 1024) reduces them and writes the step.
-//         Ties go to the lower index at both levels, so the pick equals argmax's.
-
-// One block's arg-max over a row: every thread gets the index (the first on ties).
-__device__ __forceinline__ int row_argmax(const float* __restrict__ l, int vocab) {
-    __shared__ float shv[32];
-    __shared__ int shi[32];
-    float bv = NEG_INF;
-    int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-        float v = l[i];
-        if (better(v, i, bv, bi)) { bv = v; bi = i; }
-    }
-    block_argmax(bv, bi, shv, shi);
-    return bi == 0x7fffffff ? 0 : bi;
-}
-
-extern "C" __global__ void __launch_bounds__(1024)
-argmax(const float* __restrict__ logits, u32* __restrict__ out, int vocab) { PDL_ENTRY();
-    int bi = row_argmax(logits + (u64)blockIdx.x * vocab, vocab);
-    if (threadIdx.x == 0) out[blockIdx.x] = (u32)bi;
-}
+//         Ties go to the lower index at both levels, so the pick is the first maximum's.
 
 extern "C" __global__ void __launch_bounds__(256)
 argmax_partial(const float* __restrict__ logits, float* __restrict__ pv, int* __restrict__ pi, int vocab) { PDL_ENTRY();
