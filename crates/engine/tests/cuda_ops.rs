@@ -82,7 +82,7 @@ use common::perplexity;
 use lily::backend::cpu::{moe::Route as CpuRoute, Cpu, CpuStep};
 use lily::backend::cuda::Cuda;
 use lily::backend::{Backend, Dims, GdnParams, KvCache, SharedExpert};
-use lily::loader::tensor::{Dtype, HostLinear, HostTensor, LinearKind, Storage};
+use lily::loader::tensor::{bf16_to_f32, f32_to_bf16 as bf16_bits, Dtype, HostLinear, HostTensor, LinearKind, Storage};
 use rayon::prelude::*;
 
 const EXACT: f32 = 0.0;
@@ -149,14 +149,9 @@ fn qwen_dims() -> Dims {
     }
 }
 
-fn bf16_bits(x: f32) -> u16 {
-    let b = x.to_bits();
-    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
-}
-
 /// `x` rounded to bf16 (nearest even), as an f32.
 fn bf16r(x: f32) -> f32 {
-    f32::from_bits((bf16_bits(x) as u32) << 16)
+    bf16_to_f32(bf16_bits(x))
 }
 
 fn tensor_u32(name: &str, shape: Vec<usize>, dtype: Dtype, words: Vec<u32>, bytes: usize) -> HostTensor {
@@ -243,7 +238,7 @@ fn check_act(what: &str, gpu: &[f32], cpu: &[f32], row: usize) {
 /// An activation output `act` of a GEMM equals its f32 output `f` rounded to bf16, bit for bit.
 fn check_rounded(what: &str, act: &[f32], f: &[f32]) {
     assert_eq!(act.len(), f.len());
-    let bad = act.iter().zip(f).filter(|(a, x)| a.to_bits() != (bf16_bits(**x) as u32) << 16).count();
+    let bad = act.iter().zip(f).filter(|(a, x)| a.to_bits() != bf16r(**x).to_bits()).count();
     println!("{what:<58} bf16 output = f32 output rounded: {} of {} differ", bad, act.len());
     assert_eq!(bad, 0, "{what}: {bad} of {} bf16 outputs are not the f32 output rounded to nearest even", act.len());
 }

@@ -156,6 +156,13 @@ pub fn bf16_to_f32(x: u16) -> f32 {
     f32::from_bits((x as u32) << 16)
 }
 
+/// f32 → bf16 bits, round to nearest even (as MLX's and PyTorch's casts, and the CUDA kernels'
+/// `cvt.rn.bf16.f32`).
+#[inline]
+pub fn f32_to_bf16(x: f32) -> u16 {
+    half::bf16::from_f32(x).to_bits()
+}
+
 /// A slice of floats stored as f32, bf16 or f16.
 #[derive(Clone, Copy, Debug)]
 pub enum Floats<'a> {

@@ -20,16 +20,8 @@
 //! bits) as the always-valid fallback. Dequantized values stay within half a step of the weights
 //! except the pinned extremes (within about one step).
 
-/// f32 → bf16 bits, round to nearest even (as MLX's and PyTorch's casts do).
-#[inline]
-pub fn bf16_bits(x: f32) -> u16 {
-    half::bf16::from_f32(x).to_bits()
-}
-
-#[inline]
-pub fn bf16_value(b: u16) -> f32 {
-    f32::from_bits((b as u32) << 16)
-}
+/// f32 → bf16 bits (round to nearest even) and back: the loader's conversions.
+pub use crate::loader::tensor::{bf16_to_f32 as bf16_value, f32_to_bf16 as bf16_bits};
 
 /// Round half to even (as C's `rint` in the default mode) without a libm call: adding and
 /// subtracting 1.5·2²³ rounds any |x| < 2²² to an integer (IEEE nearest-even).

@@ -68,7 +68,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{result as dr, sys, CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr};
 
 use super::{Backend, Dims, GdnParams, KvCache, SharedExpert};
-use crate::loader::tensor::{Dtype, HostLinear, HostTensor, LinearKind};
+use crate::loader::tensor::{bf16_to_f32, f32_to_bf16, Dtype, HostLinear, HostTensor, LinearKind};
 
 /// The kernel files, compiled in this order (`*.cuh` headers are prepended to each).
 const HEADERS: &[(&str, &str)] = &[
@@ -336,15 +336,6 @@ const GDN_RPW_DECODE: usize = 4;
 /// against 45 µs as 8-row GEMV slices.
 const SKINNY_OUT: usize = 64;
 
-/// f32 → bf16 bits, round to nearest even (NaN stays NaN): `cvt.rn.bf16.f32`, as the kernels do.
-pub fn bf16_bits(x: f32) -> u16 {
-    let b = x.to_bits();
-    if x.is_nan() {
-        return ((b >> 16) | 0x40) as u16;
-    }
-    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
-}
-
 fn grid1(n: usize, per: usize) -> u32 {
     n.div_ceil(per).max(1) as u32
 }
@@ -549,7 +540,7 @@ impl Cuda {
     /// An activation buffer holding `v` rounded to bf16 (nearest even, as the kernels round):
     /// the input of an op test, or of a model fed from the host.
     pub fn upload_act(&self, v: &[f32]) -> Result<Buf> {
-        let bits: Vec<u16> = v.iter().map(|&x| bf16_bits(x)).collect();
+        let bits: Vec<u16> = v.iter().map(|&x| f32_to_bf16(x)).collect();
         // SAFETY: u16 slice viewed as bytes.
         let b = unsafe { std::slice::from_raw_parts(bits.as_ptr() as *const u8, 2 * bits.len()) };
         Ok(Buf { mem: self.upload_bytes(b)?, len: v.len(), elem: 2 })
@@ -897,7 +888,7 @@ impl Backend for Cuda {
             // SAFETY: the buffer holds `b.len >= len` u16; synchronous below.
             unsafe { dr::memcpy_dtoh_async(&mut v[..], b.mem.ptr, self.stream.cu_stream()) }?;
             self.stream.synchronize()?;
-            return Ok(v.into_iter().map(|x| f32::from_bits((x as u32) << 16)).collect());
+            return Ok(v.into_iter().map(bf16_to_f32).collect());
         }
         Ok(self.read_u32(b.mem.ptr, len)?.into_iter().map(f32::from_bits).collect())
     }
