@@ -300,8 +300,8 @@ enum Arg {
     M(Box<Many>),
 }
 
-/// Reads of at least this many u32 go through the page-locked staging buffer (64 KiB).
-const PINNED_MIN: usize = 16 * 1024;
+/// Reads of at least this many bytes go through the page-locked staging buffer.
+const PINNED_MIN: usize = 64 * 1024;
 /// Most slices of the greedy pick's first pass (argmax_partial in sample.cu): 128 blocks of 256
 /// threads cover the 248K-entry vocabulary in one wave.
 const ARGMAX_PARTS: usize = 128;
@@ -365,8 +365,8 @@ pub struct Cuda {
     /// (11.1K against 11.8K tok/s). Every kernel already starts with PDL_ENTRY, a no-op without
     /// the launch attribute, so a per-shape policy can turn it on where it pays.
     pdl: bool,
-    /// Page-locked staging for large device → host reads (`read_u32`).
-    pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<u32>>>,
+    /// Page-locked staging for large device → host reads (`read`).
+    pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>>,
 }
 
 impl Cuda {
@@ -674,34 +674,37 @@ impl Cuda {
         }
     }
 
-    /// Copies `n` u32 from the device after the enqueued work; waits. Large reads (a step's
-    /// logits for the host sampler: 1 MB per token) go through a page-locked staging buffer: a
-    /// copy into pageable memory measured 0.42 ms for them on the H200.
-    fn read_u32(&self, src: u64, n: usize) -> Result<Vec<u32>> {
+    /// Copies `n` elements (u32 or u16 bits) from the device after the enqueued work; waits.
+    /// Large reads (a step's logits for the host sampler: 1 MB per token) go through a
+    /// page-locked staging buffer: a copy into pageable memory measured 0.42 ms for them on the
+    /// H200.
+    fn read<T: cudarc::driver::DeviceRepr + Default + Copy>(&self, src: u64, n: usize) -> Result<Vec<T>> {
         // One wait per read (a decode step's token is read every step): the copy is queued behind
         // the work it reads, then `check` synchronizes and reports the first error of any op.
         if self.failed() {
             self.check()?;
         }
         self.ctx.bind_to_thread()?;
-        let mut v = vec![0u32; n];
-        if n < PINNED_MIN {
-            // SAFETY: `src` holds n u32 (checked by the caller); `check` waits for the copy.
+        let mut v = vec![T::default(); n];
+        let bytes = std::mem::size_of_val(&v[..]);
+        if bytes < PINNED_MIN {
+            // SAFETY: `src` holds n elements (checked by the caller); `check` waits for the copy.
             unsafe { dr::memcpy_dtoh_async(&mut v[..], src, self.stream.cu_stream()) }?;
             self.check()?;
             return Ok(v);
         }
         let mut pin = self.pinned.lock().unwrap_or_else(|e| e.into_inner());
-        if pin.as_ref().is_none_or(|p| p.len() < n) {
+        if pin.as_ref().is_none_or(|p| p.len() < bytes) {
             // SAFETY: the contents are written by the copy below before they are read. Flags 0:
             // cached page-locked memory (write-combined memory is slow for the CPU to read).
-            *pin = Some(unsafe { self.ctx.alloc_pinned_with_flags::<u32>(n.next_power_of_two(), 0) }.context("CUDA backend: page-locked staging buffer")?);
+            *pin = Some(unsafe { self.ctx.alloc_pinned_with_flags::<u8>(bytes.next_power_of_two(), 0) }.context("CUDA backend: page-locked staging buffer")?);
         }
         let dst = pin.as_mut().expect("just made").as_mut_slice()?;
-        // SAFETY: `src` holds n u32 and `dst` at least n; `check` waits for the copy.
-        unsafe { dr::memcpy_dtoh_async(&mut dst[..n], src, self.stream.cu_stream()) }?;
+        // SAFETY: `src` holds `bytes` bytes and `dst` at least as many; `check` waits for the copy.
+        unsafe { dr::memcpy_dtoh_async(&mut dst[..bytes], src, self.stream.cu_stream()) }?;
         self.check()?;
-        v.copy_from_slice(&dst[..n]);
+        // SAFETY: `v` holds `bytes` bytes of plain numbers (DeviceRepr), which any bits are.
+        unsafe { std::ptr::copy_nonoverlapping(dst.as_ptr(), v.as_mut_ptr() as *mut u8, bytes) };
         Ok(v)
     }
 
@@ -710,8 +713,8 @@ impl Cuda {
         if rows * r.k > r.cap {
             bail!("route_to_host: {rows} rows of {} asked of a route of {} entries", r.k, r.cap);
         }
-        let ids = self.read_u32(r.ids.ptr, rows * r.k)?;
-        let w = self.read_u32(r.weights.ptr, rows * r.k)?;
+        let ids = self.read::<u32>(r.ids.ptr, rows * r.k)?;
+        let w = self.read::<u32>(r.weights.ptr, rows * r.k)?;
         Ok((ids, w.into_iter().map(f32::from_bits).collect()))
     }
 
@@ -883,14 +886,9 @@ impl Backend for Cuda {
         }
         if b.elem == 2 {
             // A bf16 activation or KV cache, widened exactly (taps, tests and debugging read it).
-            self.check()?;
-            let mut v = vec![0u16; len];
-            // SAFETY: the buffer holds `b.len >= len` u16; synchronous below.
-            unsafe { dr::memcpy_dtoh_async(&mut v[..], b.mem.ptr, self.stream.cu_stream()) }?;
-            self.stream.synchronize()?;
-            return Ok(v.into_iter().map(bf16_to_f32).collect());
+            return Ok(self.read::<u16>(b.mem.ptr, len)?.into_iter().map(bf16_to_f32).collect());
         }
-        Ok(self.read_u32(b.mem.ptr, len)?.into_iter().map(f32::from_bits).collect())
+        Ok(self.read::<u32>(b.mem.ptr, len)?.into_iter().map(f32::from_bits).collect())
     }
     fn copy(&self, src: &Buf, src_off: usize, dst: &mut Buf, dst_off: usize, len: usize) {
         // Raw bytes: both sides must hold the same element type (f32 to f32, a bf16 KV cache to another).
@@ -921,7 +919,7 @@ impl Backend for Cuda {
         }
     }
     fn step_token(&self, step: &Step) -> Result<u32> {
-        Ok(self.read_u32(step.mem.ptr, 1)?[0])
+        Ok(self.read::<u32>(step.mem.ptr, 1)?[0])
     }
     fn embed_step(&self, table: &Mat, step: &Step, out: &mut Buf) {
         if !self.buf_ok(out, table.inp, "out", "embed_step") {
