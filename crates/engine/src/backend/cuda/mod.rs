@@ -10,9 +10,8 @@
 //!   way in CI, without a GPU. Tests: `tests/cuda_ops.rs` (each op against the CPU op).
 //! * Memory: weights are uploaded once and stay in their checkpoint format: 4-/8-bit codes as u32
 //!   words, scales and biases as bf16 (f16 / f32 scales become f32); unquantized matrices become
-//!   f32. The KV cache is bf16 (`kv_zeros`: `Buf`s of 2-byte elements, u16 bits; appended with
-//!   round-to-nearest-even): long-context attention is bound by reading it, and the tensor-core
-//!   prefill attention rounded K and V to bf16 anyway.
+//!   f32. The KV cache is bf16 (`kv_zeros`: `Buf`s of 2-byte elements, u16 bits; k and v are
+//!   appended as the bf16 activations they are): long-context attention is bound by reading it.
 //! * Activations between ops are bf16 (`act_zeros`: `Buf`s of 2-byte elements): every kernel
 //!   widens its inputs to f32, computes and accumulates in f32 and rounds each activation it writes
 //!   once, to nearest even. f32 stays where a value accumulates or is compared: the residual
@@ -43,8 +42,8 @@
 //!   host (`embed` takes `&[u32]`); a decode step reads its token and position from its [`Step`]
 //!   (8 bytes of device memory), where `argmax_step` writes the next greedy token, so the decode
 //!   loop feeds tokens back on the device and reads 4 bytes per token for the host.
-//! * Recorded decode steps (`replay`): a step is ~700 kernel launches whose host cost (~10 µs
-//!   each through the driver) was most of its time. The first time a key is seen its ops run
+//! * Recorded decode steps (`replay`): a step is hundreds of kernel launches (367 ops on the
+//!   full model) whose host cost (~10 µs each through the driver) was most of its time. The first time a key is seen its ops run
 //!   directly (allocating every scratch buffer); the second time they are captured into a CUDA
 //!   graph, which is launched then and on every later call with the same key: one launch per
 //!   token. Nothing in a step depends on host values that change between steps (positions are
@@ -335,6 +334,16 @@ const GDN_RPW_DECODE: usize = 4;
 /// 18–22 µs this way. The router (256 outputs) stays on the tensor cores: 29 µs in the op timing,
 /// against 45 µs as 8-row GEMV slices.
 const SKINNY_OUT: usize = 64;
+
+/// The kernel-name suffix of a one-row GEMV of `out` outputs in all: "a" (gemv1a, gemv_manya)
+/// up to GEMV_AHEAD_ROWS, else "" (the lean loop).
+fn gemv_ahead(out: usize) -> &'static str {
+    if out <= GEMV_AHEAD_ROWS {
+        "a"
+    } else {
+        ""
+    }
+}
 
 fn grid1(n: usize, per: usize) -> u32 {
     n.div_ceil(per).max(1) as u32
@@ -765,15 +774,16 @@ impl Cuda {
 
     /// An f32 operand (`zeros`, `upload_vec`) of at least `need` elements.
     fn buf_ok(&self, b: &Buf, need: usize, what: &str, op: &str) -> bool {
-        self.ensure(b.elem == 4, || format!("{op}: `{what}` is a bf16 buffer, f32 needed")) && self.ensure(b.len >= need, || format!("{op}: `{what}` holds {} values, {need} needed", b.len))
+        self.ensure(b.elem == 4, || format!("{op}: `{what}` is a bf16 buffer, f32 needed")) && self.out_ok(b, need, what, op)
     }
 
     /// An activation operand (bf16: `act_zeros`, `upload_act`) of at least `need` elements.
     fn act_ok(&self, b: &Buf, need: usize, what: &str, op: &str) -> bool {
-        self.ensure(b.elem == 2, || format!("{op}: `{what}` is an f32 buffer, a bf16 activation needed (act_zeros)")) && self.ensure(b.len >= need, || format!("{op}: `{what}` holds {} values, {need} needed", b.len))
+        self.ensure(b.elem == 2, || format!("{op}: `{what}` is an f32 buffer, a bf16 activation needed (act_zeros)")) && self.out_ok(b, need, what, op)
     }
 
-    /// A GEMM output: an activation or f32 (logits, router logits) by the buffer; its size.
+    /// At least `need` elements of either type: a GEMM output (an activation, or f32 for the
+    /// logits and router logits: the kernel writes the buffer's type).
     fn out_ok(&self, b: &Buf, need: usize, what: &str, op: &str) -> bool {
         self.ensure(b.len >= need, || format!("{op}: `{what}` holds {} values, {need} needed", b.len))
     }
@@ -873,12 +883,13 @@ impl Backend for Cuda {
     fn act_elem_bytes(&self) -> usize {
         2
     }
-    /// bf16 (u16 bits): half the bytes every attention op reads (module header).
+    /// The cache holds k and v as the activations they are: bf16, half the bytes every attention
+    /// op reads (module header).
     fn kv_zeros(&self, len: usize) -> Result<Buf> {
-        Ok(Buf { mem: self.alloc(2 * len)?, len, elem: 2 })
+        self.act_zeros(len)
     }
     fn kv_elem_bytes(&self) -> usize {
-        2
+        self.act_elem_bytes()
     }
     fn to_host(&self, b: &Buf, len: usize) -> Result<Vec<f32>> {
         if len > b.len {
@@ -965,7 +976,7 @@ impl Backend for Cuda {
         let args = [Arg::P(x.mem.ptr), Arg::Q(w.q()), Arg::P(out.mem.ptr), Arg::I(rows as i32), Arg::I(out.bf16())];
         if rows <= 8 {
             let r = rows.next_power_of_two();
-            let ahead = if r == 1 && w.out <= GEMV_AHEAD_ROWS { "a" } else { "" };
+            let ahead = if r == 1 { gemv_ahead(w.out) } else { "" };
             self.launch(&format!("gemv{r}{ahead}_{}", w.fmt.suffix()), (grid1(w.out, 8), 1, 1), 256, 0, &args);
         } else if w.out <= SKINNY_OUT {
             // Block y takes row y: each warp one (row, output) dot, x rows shared through L1.
@@ -1002,7 +1013,7 @@ impl Backend for Cuda {
             p.bstart[i] = p.bstart[ws.len()];
         }
         let blocks = p.bstart[ws.len()] as u32;
-        let ahead = if ws.iter().map(|w| w.out).sum::<usize>() <= GEMV_AHEAD_ROWS { "a" } else { "" };
+        let ahead = gemv_ahead(ws.iter().map(|w| w.out).sum());
         self.launch(&format!("gemv_many{ahead}_{}", ws[0].fmt.suffix()), (blocks, 1, 1), 256, 0, &[Arg::P(x.mem.ptr), Arg::M(Box::new(p))]);
     }
     fn add(&self, h: &mut Buf, r: &Buf, len: usize) {
@@ -1322,7 +1333,7 @@ impl Backend for Cuda {
         };
         self.launch(
             &format!("moe_gate_up_{}", gate.fmt.suffix()),
-            (grid1(width.max(ws), 8), (k + fold.is_some() as usize) as u32, 1),
+            (grid1(width.max(ws), 8), slots as u32, 1),
             256,
             0,
             &[Arg::P(x.mem.ptr), Arg::Q(gate.q()), Arg::Q(up.q()), Arg::P(route.ids.ptr), Arg::P(act), Arg::Q(sg), Arg::Q(su), Arg::I(k as i32)],
