@@ -99,6 +99,39 @@ __device__ __forceinline__ float dot_unit(const DotUnit& un, uint4 xw) {
     }
 }
 
+// Row o of matrix e as the dot loops load it, a unit at a time: its weights (a u32 word of codes,
+// or 16 bytes of dense floats) and its group's scale and bias.
+template <int BITS, typename SB>
+struct DotRow {
+    static constexpr int PER = BITS == 32 ? 4 : 32 / BITS;  // x values per unit
+    const u32* w;
+    const SB* s;
+    const SB* b;
+    u64 g;  // the row's first group
+    int gs;
+    __device__ __forceinline__ DotRow(const QMat& m, int e, int o)
+        : w((const u32*)m.w + (u64)e * m.wpm + (u64)o * (u64)(m.inp * BITS / 32)), s((const SB*)m.s), b((const SB*)m.b),
+          g((u64)e * m.gpm + (u64)o * (u64)(m.inp / m.gs)), gs(m.gs) {}
+    __device__ __forceinline__ void word(int u, DotUnit& un) const {
+        if constexpr (BITS == 32) un.w = __ldg((const uint4*)w + u);
+        else un.w.x = __ldg(w + u);
+    }
+    __device__ __forceinline__ void group(int u, DotUnit& un) const {
+        if constexpr (BITS != 32) {
+            const u64 gi = g + (u64)(u * PER / gs);
+            un.s = ld_sb(s, gi);
+            un.b = ld_sb(b, gi);
+        }
+    }
+};
+
+__device__ __forceinline__ DotUnit zero_unit() {
+    DotUnit un;
+    un.w = make_uint4(0u, 0u, 0u, 0u);
+    un.s = un.b = 0.0f;
+    return un;
+}
+
 // Loads each lane issues before using any: 8 covers a 2048-wide 4-bit row (256 words) in one
 // round trip. A decode GEMV is latency-bound when its matrix has few rows per SM (2048-row
 // out_proj: ~2 blocks per SM), so bytes in flight per warp set its speed; 4 took two trips.
@@ -121,31 +154,20 @@ template <int BITS, typename SB, int MAXR, bool AHEAD = false>
 __device__ __forceinline__ void warp_dot_rows(const QMat& m, int e, int o, const u16* __restrict__ x, u64 ldx,
                                               int rows, float* acc, int lane) {
     static_assert(!AHEAD || MAXR == 1, "AHEAD loads the x values of one row");
-    constexpr int PER = BITS == 32 ? 4 : 32 / BITS;  // x values per unit
-    const u32* wrow = (const u32*)m.w + (u64)e * m.wpm + (u64)o * (u64)(m.inp * BITS / 32);
-    const u64 grow = (u64)e * m.gpm + (u64)o * (u64)(m.inp / m.gs);
+    constexpr int PER = DotRow<BITS, SB>::PER;
+    const DotRow<BITS, SB> row(m, e, o);
     const int nu = m.inp / PER;
-    // Scale and bias of unit u (quantized formats).
-    auto ld_group = [&](DotUnit& un, int u) {
-        if constexpr (BITS != 32) {
-            const u64 g = grow + (u64)(u * PER / m.gs);
-            un.s = ld_sb((const SB*)m.s, g);
-            un.b = ld_sb((const SB*)m.b, g);
-        }
-    };
     for (int u0 = lane; u0 < nu; u0 += 32 * DOT_IN_FLIGHT) {
         DotUnit un[DOT_IN_FLIGHT];
         uint4 xw[AHEAD ? DOT_IN_FLIGHT : 1];
 #pragma unroll
         for (int i = 0; i < DOT_IN_FLIGHT; i++) {
             const int u = u0 + 32 * i;
-            un[i].s = un[i].b = 0.0f;
-            un[i].w = make_uint4(0u, 0u, 0u, 0u);
+            un[i] = zero_unit();
             if (u < nu) {
-                if constexpr (BITS == 32) un[i].w = __ldg((const uint4*)wrow + u);
-                else un[i].w.x = __ldg(wrow + u);
+                row.word(u, un[i]);
                 if constexpr (AHEAD) {
-                    ld_group(un[i], u);
+                    row.group(u, un[i]);
                     xw[i] = load_x_unit<BITS>(x + (u64)u * PER);
                 }
             }
@@ -157,7 +179,7 @@ __device__ __forceinline__ void warp_dot_rows(const QMat& m, int e, int o, const
             if constexpr (AHEAD) {
                 acc[0] += dot_unit<BITS>(un[i], xw[i]);
             } else {
-                ld_group(un[i], u);
+                row.group(u, un[i]);
 #pragma unroll
                 for (int t = 0; t < MAXR; t++)
                     if (t < rows) acc[t] += dot_unit<BITS>(un[i], load_x_unit<BITS>(x + (u64)t * ldx + (u64)u * PER));
@@ -172,11 +194,8 @@ __device__ __forceinline__ void warp_dot_rows(const QMat& m, int e, int o, const
 template <int BITS, typename SB>
 __device__ __forceinline__ void warp_dot_pair(const QMat& ma, int ea, const QMat& mb, int eb, int o, const u16* __restrict__ x,
                                               float& aa, float& ab, int lane) {
-    constexpr int PER = BITS == 32 ? 4 : 32 / BITS;
-    const u32* wa = (const u32*)ma.w + (u64)ea * ma.wpm + (u64)o * (u64)(ma.inp * BITS / 32);
-    const u32* wb = (const u32*)mb.w + (u64)eb * mb.wpm + (u64)o * (u64)(mb.inp * BITS / 32);
-    const u64 ga = (u64)ea * ma.gpm + (u64)o * (u64)(ma.inp / ma.gs);
-    const u64 gb = (u64)eb * mb.gpm + (u64)o * (u64)(mb.inp / mb.gs);
+    constexpr int PER = DotRow<BITS, SB>::PER;
+    const DotRow<BITS, SB> ra(ma, ea, o), rb(mb, eb, o);
     const int nu = ma.inp / PER;
     for (int u0 = lane; u0 < nu; u0 += 32 * DOT_IN_FLIGHT) {
         DotUnit ua[DOT_IN_FLIGHT], ub[DOT_IN_FLIGHT];
@@ -184,21 +203,13 @@ __device__ __forceinline__ void warp_dot_pair(const QMat& ma, int ea, const QMat
 #pragma unroll
         for (int i = 0; i < DOT_IN_FLIGHT; i++) {
             const int u = u0 + 32 * i;
-            ua[i].s = ua[i].b = ub[i].s = ub[i].b = 0.0f;
-            ua[i].w = ub[i].w = xw[i] = make_uint4(0u, 0u, 0u, 0u);
+            ua[i] = ub[i] = zero_unit();
+            xw[i] = make_uint4(0u, 0u, 0u, 0u);
             if (u < nu) {
-                if constexpr (BITS == 32) {
-                    ua[i].w = __ldg((const uint4*)wa + u);
-                    ub[i].w = __ldg((const uint4*)wb + u);
-                } else {
-                    ua[i].w.x = __ldg(wa + u);
-                    ub[i].w.x = __ldg(wb + u);
-                    const u64 gi = (u64)(u * PER / ma.gs);
-                    ua[i].s = ld_sb((const SB*)ma.s, ga + gi);
-                    ua[i].b = ld_sb((const SB*)ma.b, ga + gi);
-                    ub[i].s = ld_sb((const SB*)mb.s, gb + gi);
-                    ub[i].b = ld_sb((const SB*)mb.b, gb + gi);
-                }
+                ra.word(u, ua[i]);
+                rb.word(u, ub[i]);
+                ra.group(u, ua[i]);
+                rb.group(u, ub[i]);
                 xw[i] = load_x_unit<BITS>(x + (u64)u * PER);
             }
         }
