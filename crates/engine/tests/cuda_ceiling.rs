@@ -5,19 +5,13 @@
 //! with cuBLAS (less with the mma.sync fallback, which the method line names).
 #![cfg(feature = "cuda")]
 
-use lily::backend::cuda::Cuda;
+mod common;
+
 use lily::backend::Backend;
 
 #[test]
 fn ceilings_are_measured_and_plausible() {
-    let g = match Cuda::new() {
-        Ok(c) => c,
-        Err(e) => {
-            assert!(std::env::var("LILY_REQUIRE_CUDA").is_err(), "no usable GPU: {e:#}");
-            eprintln!("SKIPPED: no usable GPU: {e:#}");
-            return;
-        }
-    };
+    let Some(g) = common::gpu() else { return };
     let c = g.measure_ceilings().expect("the CUDA backend measures its own ceilings").expect("measuring the ceilings");
     eprintln!("{}: copy {:.0} GB/s, bf16 matrix {:.1} TFLOP/s\n  {}", g.name(), c.bandwidth / 1e9, c.flops / 1e12, c.method);
     assert!(c.bandwidth.is_finite() && (100e9..20e12).contains(&c.bandwidth), "copy bandwidth {:.3e} B/s is implausible ({})", c.bandwidth, c.method);

@@ -77,7 +77,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::perplexity;
+use common::{gpu, perplexity, prompt_ids};
 
 use lily::backend::cpu::{moe::Route as CpuRoute, Cpu, CpuStep};
 use lily::backend::cuda::Cuda;
@@ -94,16 +94,6 @@ const U: f32 = 1.0 / 256.0;
 /// (module header). `check_act` asserts the sharper per-value form, which implies this.
 const ACT_TOL: f32 = U + (1.0 + U) * F32_TOL;
 
-fn gpu() -> Option<Cuda> {
-    match Cuda::new() {
-        Ok(c) => Some(c),
-        Err(e) => {
-            assert!(std::env::var("LILY_REQUIRE_CUDA").is_err(), "no usable GPU: {e:#}");
-            eprintln!("SKIPPED: no usable GPU: {e:#}");
-            None
-        }
-    }
-}
 
 /// splitmix64: seeded, reproducible inputs.
 struct Rng(u64);
@@ -1053,7 +1043,7 @@ fn end_to_end(preset: &str) {
     println!("backend: {}", cuda.backend.name());
     let v = cpu.cfg.vocab_size;
     let n = 192;
-    let ids: Vec<u32> = (0..n).map(|i| ((i as u64 * 2654435761) % (1u64 << 32) % v as u64) as u32).collect();
+    let ids = prompt_ids(n, v);
 
     let t0 = std::time::Instant::now();
     let mut cs = cpu.new_state(n + 64).unwrap();

@@ -7,6 +7,20 @@ use std::process::Command;
 use lily::backend::cpu::Cpu;
 use lily::model::Qwen35;
 
+/// The first GPU, or `None` (the test then skips with a message) when there is none; with
+/// LILY_REQUIRE_CUDA set, no GPU is a failure.
+#[cfg(feature = "cuda")]
+pub fn gpu() -> Option<lily::backend::cuda::Cuda> {
+    match lily::backend::cuda::Cuda::new() {
+        Ok(c) => Some(c),
+        Err(e) => {
+            assert!(std::env::var("LILY_REQUIRE_CUDA").is_err(), "no usable GPU: {e:#}");
+            eprintln!("SKIPPED: no usable GPU: {e:#}");
+            None
+        }
+    }
+}
+
 /// The benchmark contract's synthetic prompt: `(i·2654435761 mod 2^32) mod vocab`.
 pub fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|i| ((i as u64 * 2654435761) % (1u64 << 32) % vocab as u64) as u32).collect()
