@@ -730,12 +730,13 @@ fn moe_route_and_experts() {
         let mut go = g.act_zeros(rows * hid).unwrap();
         let routed = route_slots(&cr, [&gate, &up, &down]);
         if rows == 1 {
-            Cpu.moe_experts_decode(&x, &cr, &gate, &up, &down, None, &d, &mut c);
-            g.moe_experts_decode(&gx, &gr, &gg, &gu, &gd, None, &d, &mut go);
+            assert!(!Cpu.moe_experts_decode(&x, &cr, &gate, &up, &down, None, &d, &mut c));
+            assert!(!g.moe_experts_decode(&gx, &gr, &gg, &gu, &gd, None, &d, &mut go));
             check_moe(&format!("moe_experts_decode, {e} experts 4-bit [512, 2048]"), &h(&g, &go), &c, &x, &routed, rows, false, 1);
-            // With the shared expert folded in (same format: slot k of the same two kernels) and
-            // in another format (8-bit: its own GEMVs after them, and its own gated add, which
-            // rounds the output a second time). The gate logit is f32.
+            // With the shared expert folded in (same format: slot k of the same kernels) and in
+            // another format (8-bit: not folded, so added by the unfused ops as the model does,
+            // whose gated add rounds the output a second time). The CPU never folds. The gate
+            // logit is f32.
             let logit = vec![0.3f32];
             for bits in [4u32, 8] {
                 let sgate = rand_quant(&mut rng, 1, width, hid, bits, 64, false);
@@ -743,9 +744,16 @@ fn moe_route_and_experts() {
                 let sdown = rand_quant(&mut rng, 1, hid, width, bits, 64, false);
                 let (gsg, gsu, gsd, gl) = (g.upload_mat(&sgate).unwrap(), g.upload_mat(&sup).unwrap(), g.upload_mat(&sdown).unwrap(), g.upload_vec(&logit).unwrap());
                 let mut cs = vec![0f32; hid];
-                Cpu.moe_experts_decode(&x, &cr, &gate, &up, &down, Some(&SharedExpert { gate: &sgate, up: &sup, down: &sdown, logit: &logit }), &d, &mut cs);
+                let csh = SharedExpert { gate: &sgate, up: &sup, down: &sdown, logit: &logit };
+                assert!(!Cpu.moe_experts_decode(&x, &cr, &gate, &up, &down, Some(&csh), &d, &mut cs));
+                add_shared_expert(&Cpu, &x, &csh, width, hid, &mut cs);
                 let mut gs = g.act_zeros(hid).unwrap();
-                g.moe_experts_decode(&gx, &gr, &gg, &gu, &gd, Some(&SharedExpert { gate: &gsg, up: &gsu, down: &gsd, logit: &gl }), &d, &mut gs);
+                let gsh = SharedExpert { gate: &gsg, up: &gsu, down: &gsd, logit: &gl };
+                let folded = g.moe_experts_decode(&gx, &gr, &gg, &gu, &gd, Some(&gsh), &d, &mut gs);
+                assert_eq!(folded, bits == 4, "the shared expert is folded in exactly when it has the experts' format");
+                if !folded {
+                    add_shared_expert(&g, &gx, &gsh, width, hid, &mut gs);
+                }
                 let mut slots = routed.clone();
                 slots.push(Slot { t: 0, w: 1.0 / (1.0 + (-(logit[0] as f64)).exp()), mats: [&sgate, &sup, &sdown], e: 0 });
                 let rounds = if bits == 4 { 1 } else { 2 };
@@ -905,6 +913,16 @@ fn check_moe(what: &str, gpu: &[f32], cpu: &[f32], x: &[f32], slots: &[Slot], ro
     assert!(cpu_off < 0.05, "{what}: the CPU's result is {cpu_off} times the bound off the f64 reference");
     assert!(worst <= 1.0, "{what}: {worst} times the propagated bf16 bound off the f64 reference");
     assert!(rms <= l2_tol, "{what}: relative L2 error {rms:e} above {l2_tol:e}");
+}
+
+/// `out += sigmoid(logit) · down(silu(gate(x)) · up(x))` with the unfused ops, as the model adds a
+/// shared expert that `moe_experts_decode` did not fold in.
+fn add_shared_expert<B: Backend>(b: &B, x: &B::Buf, sh: &SharedExpert<'_, B>, width: usize, hid: usize, out: &mut B::Buf) {
+    let (mut g, mut u, mut a, mut y) = (b.act_zeros(width).unwrap(), b.act_zeros(width).unwrap(), b.act_zeros(width).unwrap(), b.act_zeros(hid).unwrap());
+    b.matmul_q_many(x, &[sh.gate, sh.up], 1, &mut [&mut g, &mut u]);
+    b.swiglu(&g, &u, width, &mut a);
+    b.matmul_q(&a, sh.down, 1, &mut y);
+    b.add_sigmoid_gated(out, &y, sh.logit, 1, hid);
 }
 
 #[test]
@@ -1153,7 +1171,9 @@ fn op_timings() {
         time(&format!("moe_route rows {rows}"), 0.0, 0.0, &mut || g.moe_route(&logits, &d, rows, &mut r));
         let flops = 2.0 * 3.0 * (rows * d.top_k * width * hid) as f64;
         if rows == 1 {
-            time("moe_experts_decode (8 experts)", 8.0 * per_expert, flops, &mut || g.moe_experts_decode(&x, &r, &gg, &gu, &gd, None, &d, &mut o));
+            time("moe_experts_decode (8 experts)", 8.0 * per_expert, flops, &mut || {
+                g.moe_experts_decode(&x, &r, &gg, &gu, &gd, None, &d, &mut o);
+            });
         } else {
             time(&format!("moe_experts_prefill rows {rows}"), 256.0 * per_expert, flops, &mut || g.moe_experts_prefill(&x, &r, &gg, &gu, &gd, &d, rows, &mut o));
         }

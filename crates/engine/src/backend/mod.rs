@@ -209,11 +209,13 @@ pub trait Backend: Send + Sync {
     /// (grouped by expert for a block of tokens).
     #[allow(clippy::too_many_arguments)]
     fn moe_experts_prefill(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, d: &Dims, rows: usize, out: &mut Self::Buf);
-    /// The same for one token (fused gather-GEMV on a GPU); with `shared`, the shared expert is
-    /// added as `add_sigmoid_gated` would: `out += sigmoid(logit) · down(silu(gate(x)) · up(x))`
-    /// (on a GPU in the same two launches as the routed experts).
+    /// The same for one token (fused gather-GEMV on a GPU). With `shared`, a backend may fold the
+    /// shared expert in, added as `add_sigmoid_gated` would: `out += sigmoid(logit) ·
+    /// down(silu(gate(x)) · up(x))` (on a GPU in the same launches as the routed experts), and
+    /// then returns `true`. `false`: it did not, and the caller adds the shared expert with its
+    /// unfused ops, as a prefill does (the CPU; a GPU whose shared expert has another format).
     #[allow(clippy::too_many_arguments)]
-    fn moe_experts_decode(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Self::Buf);
+    fn moe_experts_decode(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Self::Buf) -> bool;
     /// `out[t] = silu(g[t]) · u[t]` (the shared expert's activation).
     fn swiglu(&self, g: &Self::Buf, u: &Self::Buf, len: usize, out: &mut Self::Buf);
     /// `y[t] += sigmoid(s[t]) · shared[t]` (the shared expert's scalar gate, `s` is `[rows, 1]`, f32).

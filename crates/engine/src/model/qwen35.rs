@@ -432,7 +432,7 @@ impl<B: Backend> Qwen35<B> {
     }
 
     /// y = Σ_j w_j · expert_j(x) + sigmoid(shared_gate(x)) · shared_expert(x), into `s.moe`.
-    /// A decode step folds the shared expert into the routed experts' op.
+    /// A decode step offers the shared expert to the routed experts' op, which may fold it in.
     fn moe(&self, layer: &Layer<B>, s: &mut Scratch<B>, t: usize, decode: bool) {
         let b = &self.backend;
         let d = &self.dims;
@@ -441,10 +441,12 @@ impl<B: Backend> Qwen35<B> {
         b.moe_route(&s.router_logits, d, t, &mut s.route);
         if decode {
             let shared = SharedExpert { gate: &m.shared_gate_proj, up: &m.shared_up_proj, down: &m.shared_down_proj, logit: &s.s };
-            b.moe_experts_decode(&s.xn, &s.route, &m.gate_proj, &m.up_proj, &m.down_proj, Some(&shared), d, &mut s.moe);
-            return;
+            if b.moe_experts_decode(&s.xn, &s.route, &m.gate_proj, &m.up_proj, &m.down_proj, Some(&shared), d, &mut s.moe) {
+                return; // folded in
+            }
+        } else {
+            b.moe_experts_prefill(&s.xn, &s.route, &m.gate_proj, &m.up_proj, &m.down_proj, d, t, &mut s.moe);
         }
-        b.moe_experts_prefill(&s.xn, &s.route, &m.gate_proj, &m.up_proj, &m.down_proj, d, t, &mut s.moe);
         let si = self.cfg.shared_expert_intermediate_size;
         b.matmul_q_many(&s.xn, &[&m.shared_gate_proj, &m.shared_up_proj], t, &mut [&mut s.sg, &mut s.su]);
         b.swiglu(&s.sg, &s.su, t * si, &mut s.sa);

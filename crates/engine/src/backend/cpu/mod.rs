@@ -124,18 +124,10 @@ impl Backend for Cpu {
     fn moe_experts_prefill(&self, x: &Vec<f32>, route: &moe::Route, gate: &HostLinear, up: &HostLinear, down: &HostLinear, d: &Dims, rows: usize, out: &mut Vec<f32>) {
         moe::moe_experts_prefill(x, route, gate, up, down, d, rows, out)
     }
-    fn moe_experts_decode(&self, x: &Vec<f32>, route: &moe::Route, gate: &HostLinear, up: &HostLinear, down: &HostLinear, shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Vec<f32>) {
+    /// The routed experts only: the model adds the shared expert with its unfused ops.
+    fn moe_experts_decode(&self, x: &Vec<f32>, route: &moe::Route, gate: &HostLinear, up: &HostLinear, down: &HostLinear, _shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Vec<f32>) -> bool {
         moe::moe_experts_decode(x, route, gate, up, down, d, out);
-        if let Some(sh) = shared {
-            // The unfused ops, in the model's order: shared expert, then the sigmoid-gated add.
-            let (h, si) = (d.hidden, sh.gate.out);
-            let (mut g, mut u, mut a, mut y) = (vec![0f32; si], vec![0f32; si], vec![0f32; si], vec![0f32; h]);
-            self.matmul_q(x, sh.gate, 1, &mut g);
-            self.matmul_q(x, sh.up, 1, &mut u);
-            norm::swiglu(&g, &u, &mut a);
-            self.matmul_q(&a, sh.down, 1, &mut y);
-            norm::add_sigmoid_gated(out, &y, sh.logit, 1, h);
-        }
+        false
     }
     fn swiglu(&self, g: &Vec<f32>, u: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
         norm::swiglu(&g[..len], &u[..len], &mut out[..len])

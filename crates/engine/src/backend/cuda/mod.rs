@@ -1299,7 +1299,7 @@ impl Backend for Cuda {
         gemm(down, act, y, 1);
         self.launch("moe_combine", (rows as u32, grid1(h, 256), 1), 256, 0, &[Arg::P(y), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::I(h as i32), Arg::P(0)]);
     }
-    fn moe_experts_decode(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Buf) {
+    fn moe_experts_decode(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Buf) -> bool {
         let op = "moe_experts_decode";
         let (h, k) = (d.hidden, route.k);
         let width = gate.out;
@@ -1308,7 +1308,7 @@ impl Backend for Cuda {
             && self.act_ok(x, h, "x", op)
             && self.act_ok(out, h, "out", op))
         {
-            return;
+            return false;
         }
         if let Some(sh) = shared {
             let ws = sh.gate.out;
@@ -1316,16 +1316,17 @@ impl Backend for Cuda {
                 format!("{op}: shared expert shapes gate {}×{}, up {}×{}, down {}×{} do not fit hidden {h}", sh.gate.out, sh.gate.inp, sh.up.out, sh.up.inp, sh.down.out, sh.down.inp)
             }) && self.buf_ok(sh.logit, 1, "shared logit", op))
             {
-                return;
+                return false;
             }
         }
-        // The shared expert rides in the routed kernels as slot k when it has their format.
+        // The shared expert rides in the routed kernels as slot k when it has their format;
+        // otherwise the model adds it with its unfused ops.
         let fold = shared.filter(|sh| sh.gate.fmt == gate.fmt && sh.up.fmt == gate.fmt && sh.down.fmt == down.fmt);
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let ws = fold.map_or(0, |sh| sh.gate.out);
         let slots = k + fold.is_some() as usize;
-        let Some(act) = self.scratch(&mut sc, "moe_act1", 2 * (k * width + ws)) else { return };
-        let Some(y) = self.scratch(&mut sc, "moe_y1", 2 * slots * h) else { return };
+        let Some(act) = self.scratch(&mut sc, "moe_act1", 2 * (k * width + ws)) else { return false };
+        let Some(y) = self.scratch(&mut sc, "moe_y1", 2 * slots * h) else { return false };
         let none = QMat::none();
         let (sg, su, sd, slogit) = match fold {
             Some(sh) => (sh.gate.q(), sh.up.q(), sh.down.q(), sh.logit.mem.ptr),
@@ -1340,19 +1341,7 @@ impl Backend for Cuda {
         );
         self.launch(&format!("moe_down_{}", down.fmt.suffix()), (grid1(h, 8), slots as u32, 1), 256, 0, &[Arg::P(act), Arg::Q(down.q()), Arg::P(route.ids.ptr), Arg::P(y), Arg::I(k as i32), Arg::Q(sd)]);
         self.launch("moe_combine", (1, grid1(h, 256), 1), 256, 0, &[Arg::P(y), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::I(h as i32), Arg::P(slogit)]);
-        if let (Some(sh), None) = (shared, fold) {
-            // A shared expert in another format: its own GEMVs, then the gated add (the model's
-            // unfused order).
-            let ws = sh.gate.out;
-            let bufs = (|| Some((self.scratch(&mut sc, "moe_sg", 2 * ws)?, self.scratch(&mut sc, "moe_su", 2 * ws)?, self.scratch(&mut sc, "moe_sa", 2 * ws)?, self.scratch(&mut sc, "moe_sd", 2 * h)?)))();
-            let Some((g, u, a, y)) = bufs else { return };
-            let gemv = |src: u64, m: &Mat, dst: u64| self.launch(&format!("gemv1_{}", m.fmt.suffix()), (grid1(m.out, 8), 1, 1), 256, 0, &[Arg::P(src), Arg::Q(m.q()), Arg::P(dst), Arg::I(1), Arg::I(1)]);
-            gemv(x.mem.ptr, sh.gate, g);
-            gemv(x.mem.ptr, sh.up, u);
-            self.launch("swiglu", (grid1(ws, 256), 1, 1), 256, 0, &[Arg::P(g), Arg::P(u), Arg::P(a), Arg::P(ws as u64)]);
-            gemv(a, sh.down, y);
-            self.launch("add_sigmoid_gated", (grid1(h, 256), 1, 1), 256, 0, &[Arg::P(out.mem.ptr), Arg::P(y), Arg::P(sh.logit.mem.ptr), Arg::I(1), Arg::I(h as i32)]);
-        }
+        fold.is_some()
     }
     fn swiglu(&self, g: &Buf, u: &Buf, len: usize, out: &mut Buf) {
         if len == 0 || !(self.act_ok(g, len, "g", "swiglu") && self.act_ok(u, len, "u", "swiglu") && self.act_ok(out, len, "out", "swiglu")) {

@@ -42,7 +42,8 @@
 //                      a warp that walked all 9 slots of a row measured ~20 us per layer on the
 //                      H200, a chain of dependent loads (id, weights, scales) per slot.
 //   moe_combine        (above) with the shared slot. The shared expert must have the experts'
-//                      format (checked on the host; otherwise it runs on its own).
+//                      format (checked on the host; otherwise the op returns false and the model
+//                      adds it with its unfused ops).
 
 #define ROUTE_MAXE 1024  // experts per row at most: 32 per lane in registers
 #define ROUTE_WARPS 4     // rows per block
