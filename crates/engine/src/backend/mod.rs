@@ -119,6 +119,8 @@ pub trait Backend: Send + Sync {
     // ---- memory
     fn upload_mat(&self, m: &HostLinear) -> Result<Self::Mat>;
     fn upload_vec(&self, v: &[f32]) -> Result<Self::Vec>;
+    /// `(out, inp)` of each matrix of an uploaded stack.
+    fn mat_shape(&self, m: &Self::Mat) -> (usize, usize);
     /// A zero-filled buffer of `len` elements.
     fn zeros(&self, len: usize) -> Result<Self::Buf>;
     /// A zero-filled activation buffer of `len` elements, in the backend's activation type: f32
@@ -174,6 +176,45 @@ pub trait Backend: Send + Sync {
     }
     /// `h[t] += r[t]`. `h` is f32.
     fn add(&self, h: &mut Self::Buf, r: &Self::Buf, len: usize);
+
+    // ---- fused forms (a GPU decode step folds the small ops into the weight-streaming kernels;
+    // each default composes the ops above, which makes it the CPU twin)
+    /// `xn[t] = rms_norm(h[t]) * w` over `dim`, then `outs[i] = matmul_q(xn, ws[i])`: the norm
+    /// before a layer's projections. `h` is f32; `xn` is written too (the experts read it). A GPU
+    /// decode step normalises `h` inside each block of the projections' launch (8 KB) instead of
+    /// launching a norm.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_matmul(&self, h: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, xn: &mut Self::Buf, ws: &[&Self::Mat], outs: &mut [&mut Self::Buf]) {
+        self.rms_norm(h, w, rows, dim, eps, xn);
+        self.matmul_q_many(xn, ws, rows, outs);
+    }
+    /// An MoE block's router: `xn = rms_norm(h) · w`, its f32 router `logits` and shared-expert
+    /// gate logit `s`, then `route = moe_route(logits)`. A GPU decode step routes in the last
+    /// block of the router's launch.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_router(&self, h: &Self::Buf, w: &Self::Vec, rows: usize, eps: f32, xn: &mut Self::Buf, router: &Self::Mat, shared_gate: &Self::Mat, d: &Dims, logits: &mut Self::Buf, s: &mut Self::Buf, route: &mut Self::Route) {
+        self.rms_norm_matmul(h, w, rows, d.hidden, eps, xn, &[router, shared_gate], &mut [logits, s]);
+        self.moe_route(logits, d, rows, route);
+    }
+    /// `h[t] += x[t] · Wᵀ`: a layer's output projection added into the f32 residual stream. `r`
+    /// (`[rows, out]` activations) is scratch the backend may use for the product; its contents
+    /// afterwards are unspecified. A GPU adds in the projection's own epilogue, unrounded.
+    fn matmul_q_add(&self, x: &Self::Buf, w: &Self::Mat, rows: usize, r: &mut Self::Buf, h: &mut Self::Buf) {
+        self.matmul_q(x, w, rows, r);
+        self.add(h, r, rows * self.mat_shape(w).0);
+    }
+    /// One token's MoE block added into the residual stream: `h += Σ_j w_j · expert_j(x) +
+    /// sigmoid(logit) · shared(x)` for the routed experts of `route` (one row) and the shared
+    /// expert. `tmp` is scratch for the unfused sequence. A GPU runs it as two weight-streaming
+    /// launches (gate|up of every slot; down with the weighted combine, the shared expert's gate
+    /// and the residual add in its epilogue).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_decode_add(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, shared: &SharedExpert<'_, Self>, d: &Dims, tmp: MoeScratch<'_, Self>, h: &mut Self::Buf) {
+        if !self.moe_experts_decode(x, route, gate, up, down, Some(shared), d, tmp.out) {
+            add_shared_expert(self, x, shared, 1, d.hidden, MoeScratch { out: &mut *tmp.out, g: &mut *tmp.g, u: &mut *tmp.u, act: &mut *tmp.act, down: &mut *tmp.down });
+        }
+        self.add(h, tmp.out, d.hidden);
+    }
 
     // ---- gated attention
     /// Splits `q_proj` output `[rows, heads, 2·hd]` into query (rms-normed, RoPE) and gate, and
@@ -235,6 +276,27 @@ pub struct SharedExpert<'a, B: Backend + ?Sized> {
     pub up: &'a B::Mat,
     pub down: &'a B::Mat,
     pub logit: &'a B::Buf,
+}
+
+/// Scratch of the unfused MoE sequence (`moe_decode_add`, `add_shared_expert`): the MoE output
+/// `out` `[rows, hidden]` and the shared expert's gate, up, activation `[rows, width]` and down
+/// `[rows, hidden]` outputs, all activations.
+pub struct MoeScratch<'a, B: Backend + ?Sized> {
+    pub out: &'a mut B::Buf,
+    pub g: &'a mut B::Buf,
+    pub u: &'a mut B::Buf,
+    pub act: &'a mut B::Buf,
+    pub down: &'a mut B::Buf,
+}
+
+/// `tmp.out += sigmoid(logit) · down(silu(gate(x)) · up(x))`: the shared expert as its unfused
+/// ops (every prefill; a decode step whose backend did not fold it into the routed experts).
+pub fn add_shared_expert<B: Backend + ?Sized>(b: &B, x: &B::Buf, sh: &SharedExpert<'_, B>, rows: usize, hidden: usize, tmp: MoeScratch<'_, B>) {
+    let width = b.mat_shape(sh.gate).0;
+    b.matmul_q_many(x, &[sh.gate, sh.up], rows, &mut [&mut *tmp.g, &mut *tmp.u]);
+    b.swiglu(tmp.g, tmp.u, rows * width, tmp.act);
+    b.matmul_q(tmp.act, sh.down, rows, tmp.down);
+    b.add_sigmoid_gated(tmp.out, tmp.down, sh.logit, rows, hidden);
 }
 
 /// Hardware limits measured on the machine a backend runs on.

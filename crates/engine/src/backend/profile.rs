@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 
-use super::{Backend, Dims, GdnParams, KvCache, SharedExpert};
+use super::{Backend, Dims, GdnParams, KvCache, MoeScratch, SharedExpert};
 use crate::loader::tensor::HostLinear;
 
 /// Switch and accumulated times; shared between the wrapper and whoever reads the report.
@@ -197,6 +197,9 @@ impl<B: Backend> Backend for Profiled<B> {
     fn upload_vec(&self, v: &[f32]) -> Result<Self::Vec> {
         self.inner.upload_vec(v)
     }
+    fn mat_shape(&self, m: &Self::Mat) -> (usize, usize) {
+        self.inner.mat_shape(&m.inner)
+    }
     fn zeros(&self, len: usize) -> Result<Self::Buf> {
         self.time("zeros (allocation)", || self.inner.zeros(len))
     }
@@ -256,6 +259,26 @@ impl<B: Backend> Backend for Profiled<B> {
     }
     fn add(&self, h: &mut Self::Buf, r: &Self::Buf, len: usize) {
         self.time("add", || self.inner.add(h, r, len))
+    }
+    fn rms_norm_matmul(&self, h: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, xn: &mut Self::Buf, ws: &[&Self::Mat], outs: &mut [&mut Self::Buf]) {
+        let inner: Vec<&B::Mat> = ws.iter().map(|w| &w.inner).collect();
+        if !self.prof.is_on() {
+            return self.inner.rms_norm_matmul(h, w, rows, dim, eps, xn, &inner, outs);
+        }
+        let family = format!("rms_norm + matmul_q ({})", ws.iter().map(|w| w.family.trim_start_matches("matmul_q ")).collect::<Vec<_>>().join(" | "));
+        self.time(&family, || self.inner.rms_norm_matmul(h, w, rows, dim, eps, xn, &inner, outs))
+    }
+    fn moe_router(&self, h: &Self::Buf, w: &Self::Vec, rows: usize, eps: f32, xn: &mut Self::Buf, router: &Self::Mat, shared_gate: &Self::Mat, d: &Dims, logits: &mut Self::Buf, s: &mut Self::Buf, route: &mut Self::Route) {
+        self.time("moe_router (rms_norm + router | shared gate + moe_route)", || self.inner.moe_router(h, w, rows, eps, xn, &router.inner, &shared_gate.inner, d, logits, s, route))
+    }
+    fn matmul_q_add(&self, x: &Self::Buf, w: &Self::Mat, rows: usize, r: &mut Self::Buf, h: &mut Self::Buf) {
+        let family = format!("{} + add", w.family);
+        self.time(&family, || self.inner.matmul_q_add(x, &w.inner, rows, r, h))
+    }
+    fn moe_decode_add(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, shared: &SharedExpert<'_, Self>, d: &Dims, tmp: MoeScratch<'_, Self>, h: &mut Self::Buf) {
+        let sh = SharedExpert::<B> { gate: &shared.gate.inner, up: &shared.up.inner, down: &shared.down.inner, logit: shared.logit };
+        let tmp = MoeScratch::<B> { out: tmp.out, g: tmp.g, u: tmp.u, act: tmp.act, down: tmp.down };
+        self.time("moe_decode_add", || self.inner.moe_decode_add(x, route, &gate.inner, &up.inner, &down.inner, &sh, d, tmp, h))
     }
 
     fn attn_qk_norm_rope(&self, qg: &Self::Buf, k: &mut Self::Buf, q_norm: &Self::Vec, k_norm: &Self::Vec, d: &Dims, rows: usize, pos0: usize, step: Option<&Self::Step>, q: &mut Self::Buf, gate: &mut Self::Buf) {

@@ -8,7 +8,8 @@
 //!     h = h + moe(rms_norm(h, post_norm))
 //! logits = lm_head(rms_norm(h, norm))
 //! ```
-//! Each residual add is fused with the norm that follows it (`add_rms_norm`). A prompt is fed in
+//! Each norm is fused with the projections that read it (`rms_norm_matmul`) and each residual add
+//! with the op that produces it (`matmul_q_add`, `moe_decode_add`). A prompt is fed in
 //! chunks of at most `chunk` tokens (bounded scratch); a single token takes the decode ops
 //! ([`Qwen35::decode`]): its token and position are read from the state's `Step` on the backend
 //! and the greedy pick is written back there, so a step has no host input and is recorded once
@@ -16,7 +17,7 @@
 
 use anyhow::{bail, Result};
 
-use crate::backend::{Backend, Dims, GdnParams, SharedExpert};
+use crate::backend::{add_shared_expert, Backend, Dims, GdnParams, MoeScratch, SharedExpert};
 use crate::loader::{HostWeights, Mixer};
 use crate::model::state::{LayerState, SeqState};
 use crate::Config;
@@ -317,9 +318,7 @@ impl<B: Backend> Qwen35<B> {
         let (b, d) = (&self.backend, &self.dims);
         let hd = self.cfg.hidden_size;
         self.layers_ops(st, s, None, 1, None)?;
-        b.add(&mut s.h, &s.moe, hd);
-        b.rms_norm(&s.h, &self.norm, 1, hd, d.eps, &mut s.xn);
-        b.matmul_q(&s.xn, &self.lm_head, 1, &mut s.logits);
+        b.rms_norm_matmul(&s.h, &self.norm, 1, hd, d.eps, &mut s.xn, &[&self.lm_head], &mut [&mut s.logits]);
         b.argmax_step(&s.logits, self.cfg.vocab_size, &mut st.step);
         Ok(())
     }
@@ -350,7 +349,6 @@ impl<B: Backend> Qwen35<B> {
         self.layers_ops(st, s, (t > 1).then_some(ids), t, taps.as_deref_mut())?;
         st.pos += t;
         st.step_ready = false;
-        b.add(&mut s.h, &s.moe, t * hd);
         if let Some(tp) = taps {
             tp.push(b.to_host(&s.h, t * hd)?);
         }
@@ -377,8 +375,9 @@ impl<B: Backend> Qwen35<B> {
     }
 
     /// The list of named ops over every layer for `t` tokens at the state's position: `ids`
-    /// (a prefill) or the step's token (`None`, the decode ops). Leaves the last layer's MoE
-    /// output in `s.moe`, not yet added to `s.h`.
+    /// (a prefill) or the step's token (`None`, the decode ops). Each residual add lands in the
+    /// f32 stream `s.h` (on a GPU decode step inside the kernel that produces it), and each norm
+    /// is fused with the projections that read it.
     fn layers_ops(&self, st: &mut SeqState<B>, s: &mut Scratch<B>, ids: Option<&[u32]>, t: usize, mut taps: Option<&mut Vec<Vec<f32>>>) -> Result<()> {
         let b = &self.backend;
         let d = &self.dims;
@@ -391,18 +390,15 @@ impl<B: Backend> Qwen35<B> {
             None => b.embed_step(&self.embed, step, &mut s.h),
         }
         for (i, (layer, ls)) in self.layers.iter().zip(st.layers.iter_mut()).enumerate() {
-            // x = rms_norm(h); the previous layer's MoE output is added here (fused).
-            if i == 0 {
-                b.rms_norm(&s.h, &layer.input_norm, t, hd, d.eps, &mut s.xn);
-            } else {
-                b.add_rms_norm(&mut s.h, &s.moe, &layer.input_norm, t, hd, d.eps, &mut s.xn);
+            if i > 0 {
                 if let Some(tp) = taps.as_deref_mut() {
                     tp.push(b.to_host(&s.h, t * hd)?);
                 }
             }
+            // h = h + mixer(rms_norm(h, input_norm))
             match (&layer.mixer, ls) {
                 (MixerLayer::Gdn(g), LayerState::Gdn { conv, ssm }) => {
-                    b.matmul_q_many(&s.xn, &[&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a], t, &mut [&mut s.qkv, &mut s.z, &mut s.b, &mut s.a]);
+                    b.rms_norm_matmul(&s.h, &layer.input_norm, t, hd, d.eps, &mut s.xn, &[&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a], &mut [&mut s.qkv, &mut s.z, &mut s.b, &mut s.a]);
                     if decode {
                         b.conv1d_step(&s.qkv, &g.conv1d, conv, d, &mut s.qkv_c);
                         b.gdn_decode(&s.qkv_c, &s.z, &s.b, &s.a, &g.params, ssm, d, &mut s.y);
@@ -410,47 +406,41 @@ impl<B: Backend> Qwen35<B> {
                         b.conv1d_prefill(&s.qkv, &g.conv1d, conv, d, t, &mut s.qkv_c);
                         b.gdn_prefill(&s.qkv_c, &s.z, &s.b, &s.a, &g.params, ssm, d, t, &mut s.y);
                     }
-                    b.matmul_q(&s.y, &g.out_proj, t, &mut s.r);
+                    b.matmul_q_add(&s.y, &g.out_proj, t, &mut s.r, &mut s.h);
                 }
                 (MixerLayer::Attn(a), LayerState::Attn(kv)) => {
-                    b.matmul_q_many(&s.xn, &[&a.q_proj, &a.k_proj, &a.v_proj], t, &mut [&mut s.qg, &mut s.k, &mut s.v]);
+                    b.rms_norm_matmul(&s.h, &layer.input_norm, t, hd, d.eps, &mut s.xn, &[&a.q_proj, &a.k_proj, &a.v_proj], &mut [&mut s.qg, &mut s.k, &mut s.v]);
                     b.attn_qk_norm_rope(&s.qg, &mut s.k, &a.q_norm, &a.k_norm, d, t, pos0, decode.then_some(step), &mut s.q, &mut s.gate);
                     if decode {
                         b.attn_decode(&s.q, &s.k, &s.v, &s.gate, kv, d, pos0, step, &mut s.o);
                     } else {
                         b.attn_prefill(&s.q, &s.k, &s.v, &s.gate, kv, d, t, pos0, &mut s.o);
                     }
-                    b.matmul_q(&s.o, &a.o_proj, t, &mut s.r);
+                    b.matmul_q_add(&s.o, &a.o_proj, t, &mut s.r, &mut s.h);
                 }
                 _ => bail!("layer {i}: state does not match the layer kind"),
             }
-            // h = h + mixer(x); x = rms_norm(h, post_norm)
-            b.add_rms_norm(&mut s.h, &s.r, &layer.post_norm, t, hd, d.eps, &mut s.xn);
+            // h = h + moe(rms_norm(h, post_norm))
             self.moe(layer, s, t, decode);
         }
         Ok(())
     }
 
-    /// y = Σ_j w_j · expert_j(x) + sigmoid(shared_gate(x)) · shared_expert(x), into `s.moe`.
-    /// A decode step offers the shared expert to the routed experts' op, which may fold it in.
+    /// h += Σ_j w_j · expert_j(x) + sigmoid(shared_gate(x)) · shared_expert(x), x = rms_norm(h, post_norm).
     fn moe(&self, layer: &Layer<B>, s: &mut Scratch<B>, t: usize, decode: bool) {
         let b = &self.backend;
         let d = &self.dims;
         let m = &layer.moe;
-        b.matmul_q_many(&s.xn, &[&m.router, &m.shared_expert_gate], t, &mut [&mut s.router_logits, &mut s.s]);
-        b.moe_route(&s.router_logits, d, t, &mut s.route);
+        let hd = self.cfg.hidden_size;
+        b.moe_router(&s.h, &layer.post_norm, t, d.eps, &mut s.xn, &m.router, &m.shared_expert_gate, d, &mut s.router_logits, &mut s.s, &mut s.route);
+        let shared = SharedExpert { gate: &m.shared_gate_proj, up: &m.shared_up_proj, down: &m.shared_down_proj, logit: &s.s };
+        let tmp = MoeScratch { out: &mut s.moe, g: &mut s.sg, u: &mut s.su, act: &mut s.sa, down: &mut s.sd };
         if decode {
-            let shared = SharedExpert { gate: &m.shared_gate_proj, up: &m.shared_up_proj, down: &m.shared_down_proj, logit: &s.s };
-            if b.moe_experts_decode(&s.xn, &s.route, &m.gate_proj, &m.up_proj, &m.down_proj, Some(&shared), d, &mut s.moe) {
-                return; // folded in
-            }
+            b.moe_decode_add(&s.xn, &s.route, &m.gate_proj, &m.up_proj, &m.down_proj, &shared, d, tmp, &mut s.h);
         } else {
-            b.moe_experts_prefill(&s.xn, &s.route, &m.gate_proj, &m.up_proj, &m.down_proj, d, t, &mut s.moe);
+            b.moe_experts_prefill(&s.xn, &s.route, &m.gate_proj, &m.up_proj, &m.down_proj, d, t, &mut *tmp.out);
+            add_shared_expert(b, &s.xn, &shared, t, hd, tmp);
+            b.add(&mut s.h, &s.moe, t * hd);
         }
-        let si = self.cfg.shared_expert_intermediate_size;
-        b.matmul_q_many(&s.xn, &[&m.shared_gate_proj, &m.shared_up_proj], t, &mut [&mut s.sg, &mut s.su]);
-        b.swiglu(&s.sg, &s.su, t * si, &mut s.sa);
-        b.matmul_q(&s.sa, &m.shared_down_proj, t, &mut s.sd);
-        b.add_sigmoid_gated(&mut s.moe, &s.sd, &s.s, t, self.cfg.hidden_size);
     }
 }

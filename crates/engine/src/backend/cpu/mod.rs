@@ -44,6 +44,9 @@ impl Backend for Cpu {
     fn upload_vec(&self, v: &[f32]) -> Result<Vec<f32>> {
         Ok(v.to_vec())
     }
+    fn mat_shape(&self, m: &HostLinear) -> (usize, usize) {
+        (m.out, m.inp)
+    }
     fn zeros(&self, len: usize) -> Result<Vec<f32>> {
         Ok(vec![0.0; len])
     }
