@@ -5,6 +5,7 @@
 
 mod bench;
 mod chat;
+mod lab;
 mod render;
 mod serve;
 mod session_bench;
@@ -66,6 +67,8 @@ enum Cmd {
     Demo(serve::DemoArgs),
     /// Time to first token per turn of a growing agent session, prefix cache on vs off.
     BenchSession(session_bench::SessionBenchArgs),
+    /// Kernel lab (CUDA): each weight-reading decode op alone, L2-cold, against a pure read.
+    Lab(lab::LabArgs),
 }
 
 #[derive(Args)]
@@ -433,6 +436,7 @@ fn main() {
         Cmd::Serve(a) => serve::serve(a),
         Cmd::Demo(a) => serve::demo(a),
         Cmd::BenchSession(a) => session_bench::run(a),
+        Cmd::Lab(a) => lab::run(a),
     };
     if let Err(e) = r {
         eprintln!("lily: error: {e:#}");

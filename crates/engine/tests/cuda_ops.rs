@@ -60,7 +60,9 @@
 //!   that bound). q, k and v arrive bf16, so the 2U of Δs and one (1+U) (their roundings when the
 //!   kernel took f32 inputs) are now slack, which covers the f32 accumulation of P·V and of L.
 //!   Relative L2 ≤ 2^-6 against the CPU. `attn_rows` (`LILY_CUDA_ATTN=f32`) and decode attention
-//!   are f32 arithmetic on the same bf16 inputs: `check_act` with F32_TOL.
+//!   are f32 arithmetic on the same bf16 inputs (decode on tensor cores, but with exact products:
+//!   bf16 q·k, and p split exactly into three bf16 for p·v, summed in f32): `check_act` with
+//!   F32_TOL.
 //! * The CUDA KV cache is bf16 (the CPU's f32): k and v are bf16 activations, so both caches hold
 //!   the same values (compared bit for bit) and the bounds above measure the kernels.
 //! * End to end (`small` preset, 192 teacher-forced positions): top-1 agreement ≥ 99% and, on
@@ -81,7 +83,7 @@ use common::{gpu, perplexity, prompt_ids};
 
 use lily::backend::cpu::{moe::Route as CpuRoute, Cpu, CpuStep};
 use lily::backend::cuda::Cuda;
-use lily::backend::{Backend, Dims, GdnParams, KvCache, SharedExpert};
+use lily::backend::{Backend, Dims, GdnParams, KvCache, MoeScratch, SharedExpert};
 use lily::loader::tensor::{bf16_to_f32, f32_to_bf16 as bf16_bits, Dtype, HostLinear, HostTensor, LinearKind, Storage};
 use rayon::prelude::*;
 
@@ -426,6 +428,129 @@ fn matmul_q_many_equals_one_by_one() {
     }
 }
 
+/// The fused decode forms against their compositions (the trait's defaults, which the CPU runs):
+/// `rms_norm_matmul` (the norm inside the streaming GEMV's blocks) at the real projection sets,
+/// `matmul_q_add` (the residual add in the epilogue) for a decode row and a prefill block. Each
+/// output is f32 arithmetic on the same bf16 x as the CPU's (F32_TOL, module header); the fused
+/// norm's x equals the rms_norm kernel's bit for bit (the same arithmetic), so the fused and
+/// unfused (`fuse_norm` off) projections are identical, and the epilogue's add equals the f32
+/// product added on the host (one f32 add).
+#[test]
+fn fused_decode_forms_equal_their_compositions() {
+    let Some(g) = gpu() else { return };
+    let d = qwen_dims();
+    let hid = d.hidden;
+    let mut rng = Rng(31);
+    let sets: Vec<(&str, Vec<HostLinear>)> = vec![
+        ("gdn in_proj qkv|z|b|a", vec![rand_quant(&mut rng, 1, 8192, hid, 4, 64, false), rand_quant(&mut rng, 1, 4096, hid, 4, 64, false), rand_quant(&mut rng, 1, 32, hid, 4, 64, false), rand_quant(&mut rng, 1, 32, hid, 4, 64, false)]),
+        ("attn q|k|v", vec![rand_quant(&mut rng, 1, 8192, hid, 4, 64, false), rand_quant(&mut rng, 1, 512, hid, 4, 64, false), rand_quant(&mut rng, 1, 512, hid, 4, 64, false)]),
+        ("router | shared gate 8-bit", vec![rand_quant(&mut rng, 1, 256, hid, 8, 64, false), rand_quant(&mut rng, 1, 1, hid, 8, 64, false)]),
+        ("lm_head-like 4-bit [50000, 2048]", vec![rand_quant(&mut rng, 1, 50_000, hid, 4, 64, false)]),
+    ];
+    // h is the f32 residual stream (large values, as after many layers); w near 1 (MLX stores 1 + w).
+    let hv: Vec<f32> = rng.vec(hid, 4.0);
+    let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
+    let (gh, gnw) = (g.upload_vec(&hv).unwrap(), g.upload_vec(&nw).unwrap());
+    let mut cxn = vec![0f32; hid];
+    Cpu.rms_norm(&hv, &nw, 1, hid, d.eps, &mut cxn);
+    let mut kxn = g.act_zeros(hid).unwrap();
+    g.rms_norm(&gh, &gnw, 1, hid, d.eps, &mut kxn);
+    let kxn = h(&g, &kxn);
+    for (what, ws) in &sets {
+        let gws: Vec<_> = ws.iter().map(|w| g.upload_mat(w).unwrap()).collect();
+        let refs: Vec<&_> = gws.iter().collect();
+        let mut runs = Vec::new();
+        for off in [&[][..], &["fuse_norm"][..]] {
+            g.set_disabled(off).unwrap();
+            let mut outs: Vec<_> = ws.iter().map(|w| g.zeros(w.out).unwrap()).collect();
+            let mut gxn = g.act_zeros(hid).unwrap();
+            {
+                let mut om: Vec<&mut _> = outs.iter_mut().collect();
+                g.rms_norm_matmul(&gh, &gnw, 1, hid, d.eps, &mut gxn, &refs, &mut om);
+            }
+            let xn = h(&g, &gxn);
+            assert!(xn.iter().zip(&kxn).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: the fused norm's x differs from rms_norm's (switches off: {off:?})");
+            runs.push(outs.iter().map(|o| h(&g, o)).collect::<Vec<_>>());
+        }
+        g.set_disabled(&[]).unwrap();
+        check_act(&format!("rms_norm_matmul {what} (x)"), &kxn, &cxn, hid);
+        let pool = ws.iter().map(|w| w.out).max().unwrap();
+        for (i, w) in ws.iter().enumerate() {
+            assert!(runs[0][i].iter().zip(&runs[1][i]).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: matrix {i} differs between the fused and the unfused norm");
+            let mut c = vec![0f32; w.out];
+            Cpu.matmul_q(&kxn, w, 1, &mut c);
+            // Matrices of few outputs take the scale of the set's largest (pooled, as elsewhere).
+            let err = if w.out < 64 {
+                let mut cp = vec![0f32; pool];
+                Cpu.matmul_q(&kxn, ws.iter().find(|m| m.out == pool).unwrap(), 1, &mut cp);
+                let scale = cp.iter().chain(&c).fold(0f32, |m, v| m.max(v.abs()));
+                runs[0][i].iter().zip(&c).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+            } else {
+                rel_rows(&runs[0][i], &c, w.out)
+            };
+            check(&format!("rms_norm_matmul {what} matrix {i} [{}, {}]", w.out, w.inp), err, F32_TOL);
+        }
+    }
+
+    // moe_router: the router set again, the token routed in the last block of its launch (the
+    // counter that finds that block must be back at zero after each launch: three tokens in a
+    // row). The route must be the CPU's route of the same f32 logits (ids equal, weights 1e-6).
+    {
+        let ws = &sets[2].1;
+        let (gr, gs) = (g.upload_mat(&ws[0]).unwrap(), g.upload_mat(&ws[1]).unwrap());
+        for token in 0..3 {
+            let hv: Vec<f32> = rng.vec(hid, 4.0);
+            let gh = g.upload_vec(&hv).unwrap();
+            let (mut lg, mut sl, mut xn) = (g.zeros(d.n_experts).unwrap(), g.zeros(1).unwrap(), g.act_zeros(hid).unwrap());
+            let mut route = g.new_route(1, d.top_k).unwrap();
+            g.moe_router(&gh, &gnw, 1, d.eps, &mut xn, &gr, &gs, &d, &mut lg, &mut sl, &mut route);
+            let lv = h(&g, &lg);
+            let mut cr = CpuRoute::default();
+            Cpu.moe_route(&lv, &d, 1, &mut cr);
+            let (ids, w) = g.route_to_host(&route, 1).unwrap();
+            assert_eq!(ids, cr.ids, "moe_router token {token}: the last block's route differs from moe_route of its logits");
+            let werr = w.iter().zip(&cr.weights).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            check(&format!("moe_router token {token} (route weights, absolute)"), werr, 1e-6);
+            // The logits themselves: the router GEMV of the fused norm's x.
+            let mut c = vec![0f32; d.n_experts];
+            Cpu.matmul_q(&h(&g, &xn), &ws[0], 1, &mut c);
+            check(&format!("moe_router token {token} (logits)"), rel_rows(&lv, &c, d.n_experts), F32_TOL);
+        }
+    }
+
+    // matmul_q_add: out_proj [2048, 4096], a decode row (streaming GEMV, add in its epilogue) and
+    // prefill blocks (tensor-core GEMM and the skinny/GEMV shapes, add in their epilogue).
+    let w = rand_quant(&mut rng, 1, hid, 4096, 4, 64, false);
+    let gw = g.upload_mat(&w).unwrap();
+    for rows in [1usize, 5, 37] {
+        let x = bf16v(rng.vec(rows * 4096, 1.0));
+        let h0 = rng.vec(rows * hid, 2.0);
+        let gx = g.upload_act(&x).unwrap();
+        let mut gh = g.upload_vec(&h0).unwrap();
+        let mut r = g.act_zeros(rows * hid).unwrap();
+        g.matmul_q_add(&gx, &gw, rows, &mut r, &mut gh);
+        let fused = h(&g, &gh);
+        let mut o = g.zeros(rows * hid).unwrap();
+        g.matmul_q(&gx, &gw, rows, &mut o);
+        let sum: Vec<f32> = h0.iter().zip(h(&g, &o)).map(|(a, b)| a + b).collect();
+        assert!(fused.iter().zip(&sum).all(|(a, b)| a.to_bits() == b.to_bits()), "matmul_q_add rows {rows}: the epilogue's add differs from h + the f32 product");
+        if rows == 1 {
+            let mut c = h0.clone();
+            let mut cr = vec![0f32; hid];
+            Cpu.matmul_q_add(&x, &w, 1, &mut cr, &mut c);
+            check("matmul_q_add out_proj [2048, 4096] (decode, streaming)", rel_rows(&fused, &c, hid), F32_TOL);
+        }
+        // Unfused (the switch): the product rounded to a bf16 activation, then added.
+        g.set_disabled(&["fuse_residual"]).unwrap();
+        let mut gh2 = g.upload_vec(&h0).unwrap();
+        g.matmul_q_add(&gx, &gw, rows, &mut r, &mut gh2);
+        g.set_disabled(&[]).unwrap();
+        let rr = h(&g, &r);
+        let unf: Vec<f32> = h0.iter().zip(&rr).map(|(a, b)| a + b).collect();
+        assert!(h(&g, &gh2).iter().zip(&unf).all(|(a, b)| a.to_bits() == b.to_bits()), "matmul_q_add rows {rows} unfused: not h + the bf16 product");
+    }
+}
+
 /// Output columns whose bf16 emulation is checked: whole 64-column tiles, every `stride`-th (all
 /// of them unless the product is large) and always the last, partial one.
 fn sample_cols(out: usize, rows: usize) -> Vec<usize> {
@@ -525,8 +650,10 @@ fn attention_prefill_then_decode() {
     }
 
     // Two prefill chunks, decode steps, a long chunk, decode steps past several splits (the
-    // combine then merges them): the cache carries over. The capacity makes the decode splits
-    // 96 keys (3 shared-memory tiles of 32), 209 of them.
+    // combine then merges them): the cache carries over. Decode attention spreads the keys' chunks
+    // of 8 over at least 8 chunks a block, so these steps (101 to 860 keys) use 2 to 14 blocks
+    // per KV head of the grid's (one block per SM); `attention_decode_capacities` covers long
+    // caches, position 0 and the change of split count with the capacity.
     let cap = 20_000;
     let mut ckv = kv_new(&Cpu, cap, kvd);
     let mut gkv = kv_new(&g, cap, kvd);
@@ -566,6 +693,70 @@ fn attention_prefill_then_decode() {
     let same_bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     assert!(same_bits(&g.to_host(&gkv.k, pos * kvd).unwrap(), &ckv.k[..pos * kvd]), "bf16 K cache differs from the CPU's rows 0..{pos}");
     assert!(same_bits(&g.to_host(&gkv.v, pos * kvd).unwrap(), &ckv.v[..pos * kvd]), "bf16 V cache differs from the CPU's rows 0..{pos}");
+}
+
+/// Decode attention (the split kernel with the append folded in, then the combine) against the
+/// CPU op, with `check_act` and F32_TOL as above, over capacities whose split counts differ (mod.rs:
+/// one block per SM per head group, at most capacity / 64: 1 block at 64, 16 at 1024, the SM
+/// count's share at 131072) and positions at the start (0: one key, the step's own), at the edges
+/// of chunks (8 keys) and of the one-block range (64 keys), and near the end of a 131072-key cache.
+/// Both caches are filled with random rows everywhere beforehand, so a row read past the position
+/// or a stale row at it shows; after the steps the whole caches must be equal bit for bit: each
+/// step's k, v landed in row `pos` and nothing else was written. Needles, key rows that match one
+/// query head (score about 12: near half of its attention even at 131072 keys), sit at chunk,
+/// split and range edges and in the step's own k, so a key skipped, read from the wrong place or
+/// counted twice moves that head's output by O(1), not by 1/n. Also 32 heads on 2 KV heads (two
+/// groups of 8 per KV head) and the small presets' shapes.
+#[test]
+fn attention_decode_capacities() {
+    let Some(g) = gpu() else { return };
+    let qd = qwen_dims();
+    let shapes = [
+        (qd, vec![(64usize, vec![0usize, 1, 7, 8, 63]), (1024, vec![0, 63, 64, 65, 520, 1023]), (131_072, vec![0, 5, 131_000, 131_071])]),
+        (Dims { n_heads: 32, ..qd }, vec![(1024, vec![0, 9, 700])]),
+        (Dims { n_heads: 4, head_dim: 128, rotary_dim: 32, ..qd }, vec![(1024, vec![0, 100, 1000])]),
+        (Dims { n_heads: 2, n_kv_heads: 1, head_dim: 64, rotary_dim: 16, ..qd }, vec![(1024, vec![0, 64, 1023])]),
+    ];
+    let mut rng = Rng(11);
+    let mut gstep = g.new_step().unwrap();
+    for (d, caps) in shapes {
+        let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
+        let (kvd, group) = (kvh * hd, hq / kvh);
+        for (cap, positions) in caps {
+            // Uniform values of unit variance (cheap for 2 × 67M values), bf16 on both sides.
+            let mut fill = |n: usize| -> Vec<f32> { (0..n).map(|_| bf16r(rng.f() * 1.7)).collect() };
+            let mut ckv = KvCache { k: fill(cap * kvd), v: fill(cap * kvd), capacity: cap };
+            let mut gkv = KvCache { k: g.upload_act(&ckv.k).unwrap(), v: g.upload_act(&ckv.v).unwrap(), capacity: cap };
+            for pos in positions {
+                let q = bf16v(rng.vec(hq * hd, 1.0));
+                let mut k = bf16v(rng.vec(kvd, 1.0));
+                let v = bf16v(rng.vec(kvd, 1.0));
+                let gate = bf16v(rng.vec(hq * hd, 2.0));
+                // Needle i: KV head i % kvh, its head slot (i / kvh) % group, at key spots[i].
+                let spots = [0, 7, 8, 63, 64, pos / 3, pos / 2, pos.saturating_sub(8), pos.saturating_sub(1), pos];
+                for (i, &j) in spots.iter().enumerate().filter(|(_, &j)| j <= pos) {
+                    let (kh, head) = (i % kvh, (i % kvh) * group + (i / kvh) % group);
+                    let row: Vec<f32> = q[head * hd..][..hd].iter().map(|&x| bf16r(0.75 * x)).collect();
+                    if j == pos {
+                        k[kh * hd..][..hd].copy_from_slice(&row);
+                    } else {
+                        ckv.k[j * kvd + kh * hd..][..hd].copy_from_slice(&row);
+                        g.copy(&g.upload_act(&row).unwrap(), 0, &mut gkv.k, j * kvd + kh * hd, hd);
+                    }
+                }
+                let mut c = vec![0f32; hq * hd];
+                Cpu.attn_decode(&q, &k, &v, &gate, &mut ckv, &d, pos, &CpuStep { token: 0, pos }, &mut c);
+                let (gq, gk, gv, gg) = (g.upload_act(&q).unwrap(), g.upload_act(&k).unwrap(), g.upload_act(&v).unwrap(), g.upload_act(&gate).unwrap());
+                let mut go = g.act_zeros(hq * hd).unwrap();
+                g.set_step(&mut gstep, 0, pos);
+                g.attn_decode(&gq, &gk, &gv, &gg, &mut gkv, &d, pos, &gstep, &mut go);
+                check_act(&format!("attn_decode {hq}/{kvh} heads of {hd}, capacity {cap}, pos {pos}"), &h(&g, &go), &c, hd);
+            }
+            let same_bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(same_bits(&h(&g, &gkv.k), &ckv.k), "capacity {cap}: the bf16 K cache differs from the CPU's (a step's row not written, or another row written)");
+            assert!(same_bits(&h(&g, &gkv.v), &ckv.v), "capacity {cap}: the bf16 V cache differs from the CPU's (a step's row not written, or another row written)");
+        }
+    }
 }
 
 /// Tensor-core prefill attention against an f64 reference with the propagated bf16 bound (module
@@ -759,6 +950,24 @@ fn moe_route_and_experts() {
                 let rounds = if bits == 4 { 1 } else { 2 };
                 check_moe(&format!("moe_experts_decode + {bits}-bit shared expert"), &h(&g, &gs), &cs, &x, &slots, rows, false, rounds);
                 assert!(rel_rows(&cs, &c, hid) > 1e-3, "the shared expert changed nothing");
+                // The whole block added into the residual stream (h = 0 here, so h is the MoE
+                // output): streaming (4-bit: the two moe_sw launches, no intermediate rounding of
+                // the slots' down outputs or of the sum, which the bound allows for), and with
+                // `fuse_moe` off (the composition: rounded output, then the add). 8-bit shared:
+                // the composition either way.
+                for off in [&[][..], &["fuse_moe"][..]] {
+                    g.set_disabled(off).unwrap();
+                    let mut gh = g.zeros(hid).unwrap();
+                    let (mut t0, mut t1, mut t2, mut t3, mut t4) = (g.act_zeros(hid).unwrap(), g.act_zeros(width).unwrap(), g.act_zeros(width).unwrap(), g.act_zeros(width).unwrap(), g.act_zeros(hid).unwrap());
+                    let tmp = MoeScratch { out: &mut t0, g: &mut t1, u: &mut t2, act: &mut t3, down: &mut t4 };
+                    g.moe_decode_add(&gx, &gr, &gg, &gu, &gd, &gsh, &d, tmp, &mut gh);
+                    g.set_disabled(&[]).unwrap();
+                    let mut ch = vec![0f32; hid];
+                    let (mut c0, mut c1, mut c2, mut c3, mut c4) = (vec![0f32; hid], vec![0f32; width], vec![0f32; width], vec![0f32; width], vec![0f32; hid]);
+                    Cpu.moe_decode_add(&x, &cr, &gate, &up, &down, &csh, &d, MoeScratch { out: &mut c0, g: &mut c1, u: &mut c2, act: &mut c3, down: &mut c4 }, &mut ch);
+                    assert!(ch.iter().zip(&cs).all(|(a, b)| a.to_bits() == b.to_bits()), "the CPU's moe_decode_add is not its composition");
+                    check_moe(&format!("moe_decode_add + {bits}-bit shared (switches off: {off:?})"), &h(&g, &gh), &ch, &x, &slots, rows, false, rounds);
+                }
             }
         } else {
             Cpu.moe_experts_prefill(&x, &cr, &gate, &up, &down, &d, rows, &mut c);
@@ -1196,6 +1405,82 @@ fn op_timings() {
     g.set_step(&mut step, 0, ctx);
     time(&format!("attn_decode at context {ctx}"), (2 * ctx * kvd * g.kv_elem_bytes()) as f64, 0.0, &mut || g.attn_decode(&q, &k, &v, &gt, &mut kv, &d, ctx, &step, &mut o));
     time(&format!("attn_prefill 256 rows at {ctx}"), 0.0, (4 * 256 * 16 * 256 * (ctx + 128)) as f64, &mut || g.attn_prefill(&q, &k, &v, &gt, &mut kv, &d, 256, ctx, &mut o));
+}
+
+/// Decode attention alone (append + split + combine, real shapes) at 256, 4K, 32K and 128K keys:
+/// µs per call and the rate of the K/V bytes read up to the position (2 · n · KV·hd · 2 bytes:
+/// 268 MB at 128K; the H200's copy ceiling is about 4.3 TB/s). Each context gets its own cache(s)
+/// at capacity = context (as a state's power-of-two capacity holds it) and position n − 1, enough
+/// of them that one pass touches at least 128 MB (the L2 is 50 MB; at 256 keys the 64 caches fit
+/// in it, which the line says). Two figures: `recorded`, a CUDA graph of R calls over the caches
+/// replayed and timed per call (median of 15 replays): the device time of the op inside a
+/// recorded decode step; `direct`, one call enqueued and synchronized (median of 30): what a host
+/// loop sees, launch latency included. Not a test; run it alone:
+/// `cargo test --release -p lily-engine --features cuda --test cuda_ops -- --ignored --nocapture attn_decode_timings`
+#[test]
+#[ignore]
+fn attn_decode_timings() {
+    let Some(g) = gpu() else { return };
+    let d = qwen_dims();
+    let mut rng = Rng(12);
+    let (hq, hd, kvd) = (d.n_heads, d.head_dim, d.n_kv_heads * d.head_dim);
+    let (q, k, v, gt) = (g.upload_act(&rng.vec(hq * hd, 1.0)).unwrap(), g.upload_act(&rng.vec(kvd, 1.0)).unwrap(), g.upload_act(&rng.vec(kvd, 1.0)).unwrap(), g.upload_act(&rng.vec(hq * hd, 1.0)).unwrap());
+    let mut o = g.act_zeros(hq * hd).unwrap();
+    let mut step = g.new_step().unwrap();
+    if !g.graphs() {
+        println!("graphs are off (LILY_CUDA_GRAPH=0): `recorded` runs the calls directly");
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    for ctx in [256usize, 4096, 32_768, 131_072] {
+        let cache_bytes = 2 * ctx * kvd * 2;
+        let ncache = (128usize << 20).div_ceil(cache_bytes).clamp(1, 64);
+        let calls = ncache.max(8);
+        let mut caches: Vec<KvCache<_>> = (0..ncache)
+            .map(|_| {
+                let vals: Vec<f32> = (0..ctx * kvd).map(|_| rng.f() * 1.7).collect();
+                KvCache { k: g.upload_act(&vals).unwrap(), v: g.upload_act(&vals).unwrap(), capacity: ctx }
+            })
+            .collect();
+        g.set_step(&mut step, 0, ctx - 1);
+        let mut direct = Vec::new();
+        for i in 0..33 {
+            let t0 = std::time::Instant::now();
+            g.attn_decode(&q, &k, &v, &gt, &mut caches[i % ncache], &d, ctx - 1, &step, &mut o);
+            g.check().unwrap();
+            if i >= 3 {
+                direct.push(t0.elapsed().as_secs_f64());
+            }
+        }
+        let key = 0xa77e_dec0_0000_0000 | ctx as u64;
+        let mut ops = || {
+            for i in 0..calls {
+                g.attn_decode(&q, &k, &v, &gt, &mut caches[i % ncache], &d, ctx - 1, &step, &mut o);
+            }
+            Ok(())
+        };
+        let mut recorded = Vec::new();
+        for i in 0..18 {
+            let t0 = std::time::Instant::now();
+            g.replay(key, &mut ops).unwrap();
+            g.check().unwrap();
+            if i >= 3 {
+                recorded.push(t0.elapsed().as_secs_f64() / calls as f64);
+            }
+        }
+        let (r, dct) = (median(recorded), median(direct));
+        let l2 = if ncache * cache_bytes < (100 << 20) { " (caches fit the L2)" } else { "" };
+        println!(
+            "attn_decode {ctx:>6} keys ({:>6.1} MB read, {ncache} caches{l2}): recorded {:>7.1} us/call {:>5.2} TB/s; direct {:>7.1} us {:>5.2} TB/s",
+            cache_bytes as f64 / 1e6,
+            r * 1e6,
+            cache_bytes as f64 / r / 1e12,
+            dct * 1e6,
+            cache_bytes as f64 / dct / 1e12
+        );
+    }
 }
 
 /// The decode loop on the device: greedy tokens fed back through the step (`decode(None)`), then

@@ -22,8 +22,15 @@
 //!   the type of the output it is given. At batch 1 activations are a few KiB against megabytes of
 //!   weights, so this is mostly a prefill saving (each chunk's activations are read several times)
 //!   and the memory of a 2048-token chunk's scratch.
+//! * Decode (one row): the weight-streaming GEMVs of `decode.rs` (gemv.cu, moe.cu's `moe_sw_*`,
+//!   stream.cuh), for 4-/8-bit bf16-scale matrices whose width K has K/256 dividing 16, carry
+//!   the step's small ops too: the RMS norm before a layer's projections (`rms_norm_matmul`,
+//!   `moe_router`), the residual add after its output projection (`matmul_q_add`), the top-8
+//!   routing (the router's last block), the MoE combine, shared-expert gate and residual add
+//!   (`moe_decode_add`). Each has a switch (`SWITCHES`, `LILY_CUDA_DISABLE`).
 //! * GEMM by shape: `matmul_q` with rows ≤ 8 (decode, tiny batches) runs the GEMV kernels (f32 FMAs),
-//!   which stream each weight row once and are memory-bound; so do matrices of at most 64 outputs
+//!   which stream each weight row once and are memory-bound (one row: the streaming GEMVs above
+//!   where they fit, else the warp-per-row kernels of matmul.cu); so do matrices of at most 64 outputs
 //!   at any row count (`SKINNY_OUT`: GDN b/a, shared-expert gate; one x row per block row). Above
 //!   8 rows (prefill) the rest runs the tensor-core GEMM (`tc_gemm.cuh`: bf16 operands, f32
 //!   accumulation), as do the routed experts of a prefill (`moe_tc_gemm`; a fused gate+up
@@ -34,21 +41,23 @@
 //!   ablation switch and the reference path.
 //! * Prefill attention likewise runs on tensor cores (`attn_tc_<HD>` in attention.cu: flash
 //!   attention, bf16 q/k/v/p, f32 softmax and accumulators); `LILY_CUDA_ATTN=f32` (or
-//!   `set_tensor_core_attention`) swaps back to the f32 `attn_rows`. Decode attention computes in
-//!   f32 (from the bf16 cache).
+//!   `set_tensor_core_attention`) swaps back to the f32 `attn_rows`. Decode attention
+//!   (`attn_decode_<HD>` + `attn_decode_combine`) is flash decoding on tensor cores as well, but
+//!   f32-accurate (p split exactly into three bf16), with the step's k/v append in the same launch;
+//!   one block per SM streams its share of the bf16 cache at every position.
 //! * Execution: one stream; every op only enqueues work (no host sync) except `to_host` and
 //!   `step_token`, which return results. Routing stays on the device (`moe_route`
 //!   writes expert ids and weights that the expert kernels read). A prompt's ids come from the
 //!   host (`embed` takes `&[u32]`); a decode step reads its token and position from its [`Step`]
 //!   (8 bytes of device memory), where `argmax_step` writes the next greedy token, so the decode
 //!   loop feeds tokens back on the device and reads 4 bytes per token for the host.
-//! * Recorded decode steps (`replay`): a step is hundreds of kernel launches (367 ops on the
+//! * Recorded decode steps (`replay`): a step is hundreds of kernel launches (324 on the
 //!   full model) whose host cost (~10 µs each through the driver) was most of its time. The first time a key is seen its ops run
 //!   directly (allocating every scratch buffer); the second time they are captured into a CUDA
 //!   graph, which is launched then and on every later call with the same key: one launch per
 //!   token. Nothing in a step depends on host values that change between steps (positions are
-//!   read from the Step; decode attention's grid covers the KV capacity). A record also becomes
-//!   stale when any scratch buffer of this backend is reallocated (a generation counter); an
+//!   read from the Step; decode attention's grid depends only on the KV capacity and the
+//!   device). A record also becomes stale when any scratch buffer of this backend is reallocated (a generation counter); an
 //!   allocation while capturing is an error, never a silent use of freed memory.
 //!   `LILY_CUDA_GRAPH=0` (or `set_graphs(false)`) runs every step directly: the ablation switch.
 //! * Errors: ops cannot return `Result` (the trait's choice), so the first failure (a bad shape, a
@@ -56,6 +65,8 @@
 //!   backend launches nothing more.
 
 mod ceiling;
+pub mod lab;
+mod decode;
 mod nvrtc;
 
 use std::collections::{HashMap, HashSet};
@@ -66,7 +77,7 @@ use std::sync::{Arc, Mutex};
 use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{result as dr, sys, CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr};
 
-use super::{Backend, Dims, GdnParams, KvCache, SharedExpert};
+use super::{Backend, Dims, GdnParams, KvCache, MoeScratch, SharedExpert};
 use crate::loader::tensor::{bf16_to_f32, f32_to_bf16, Dtype, HostLinear, HostTensor, LinearKind};
 
 /// The kernel files, compiled in this order (`*.cuh` headers are prepended to each).
@@ -74,16 +85,20 @@ const HEADERS: &[(&str, &str)] = &[
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("mma.cuh", include_str!("kernels/mma.cuh")),
     ("quant.cuh", include_str!("kernels/quant.cuh")),
+    ("route.cuh", include_str!("kernels/route.cuh")),
+    ("stream.cuh", include_str!("kernels/stream.cuh")),
     ("tc_gemm.cuh", include_str!("kernels/tc_gemm.cuh")),
 ];
 const FILES: &[(&str, &str)] = &[
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("matmul.cu", include_str!("kernels/matmul.cu")),
+    ("gemv.cu", include_str!("kernels/gemv.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("gdn.cu", include_str!("kernels/gdn.cu")),
     ("moe.cu", include_str!("kernels/moe.cu")),
     ("sample.cu", include_str!("kernels/sample.cu")),
     ("ceiling.cu", include_str!("kernels/ceiling.cu")),
+    ("lab.cu", include_str!("kernels/lab.cu")),
 ];
 
 /// The full source NVRTC compiles for kernel file `name` (headers prepended in name order).
@@ -297,6 +312,8 @@ enum Arg {
     D(f64),
     Q(QMat),
     M(Box<Many>),
+    S(Box<decode::SwArgs>),
+    E(Box<decode::SwMoe>),
 }
 
 /// Reads of at least this many bytes go through the page-locked staging buffer.
@@ -312,11 +329,11 @@ const ARGMAX_PARTS: usize = 128;
 const GEMV_AHEAD_ROWS: usize = 4096;
 /// Rows (one warp each) per block of moe_route (ROUTE_WARPS in moe.cu).
 const ROUTE_WARPS: usize = 4;
-/// Keys per shared-memory tile of the split decode attention (ATT_TILE in attention.cu).
-const ATT_TILE: usize = 32;
-/// At most this many splits of the context per KV head in decode attention: enough blocks to
-/// fill the GPU (2 KV heads × 256), few enough partial states for the combine to read quickly.
-const ATT_MAX_SPLITS: usize = 256;
+/// Decode attention (attn_decode_<HD> in attention.cu): warps per block (DEC_W) and keys per
+/// warp step (DEC_KEYS). A block takes at least one step per warp, so a capacity of c keys needs
+/// at most c / 64 blocks per group of query heads.
+const ATT_DEC_WARPS: usize = 8;
+const ATT_DEC_KEYS: usize = 8;
 /// Dynamic shared memory of a tensor-core GEMM tile with one weight stream (TC_SMEM(1) in
 /// tc_gemm.cuh: two buffers of 2 tiles of 64 × 72 bf16).
 const TC_SMEM_1: u32 = 2 * 2 * 64 * 72 * 2;
@@ -376,7 +393,25 @@ pub struct Cuda {
     pdl: bool,
     /// Page-locked staging for large device → host reads (`read`).
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>>,
+    /// Decode-path optimisations switched off (ablations): names from [`SWITCHES`], set by
+    /// `LILY_CUDA_DISABLE=a,b` when the backend is created or by [`Cuda::set_disabled`].
+    disabled: std::sync::RwLock<HashSet<&'static str>>,
+    /// Resident blocks per kernel (the streaming kernels' grids: one wave).
+    occupancy: decode::Occupancy,
+    /// Streaming multiprocessors of the device.
+    sm_count: u32,
 }
+
+/// The decode-path optimisations that can be switched off, each against an otherwise identical
+/// engine (`LILY_CUDA_DISABLE=name,name`, `Cuda::set_disabled`):
+/// * `stream_gemv`: the weight-streaming decode GEMVs (decode.rs, gemv.cu); off, the warp-per-row
+///   GEMVs of matmul.cu (which also turns the fusions below off: they live in those kernels);
+/// * `fuse_norm`: the RMS norm inside the projections' launch; off, its own kernel first;
+/// * `fuse_residual`: the residual add in the output projections' epilogue; off, an add kernel;
+/// * `fuse_moe`: the routed + shared experts as two streaming launches with the combine and the
+///   residual add in the second; off, moe_gate_up, moe_down, moe_combine and an add;
+/// * `fuse_route`: the top-k routing in the last block of the router's launch; off, moe_route.
+pub const SWITCHES: &[&str] = &["stream_gemv", "fuse_norm", "fuse_residual", "fuse_moe", "fuse_route"];
 
 impl Cuda {
     /// The first GPU.
@@ -404,6 +439,7 @@ impl Cuda {
         let stream = ctx.new_stream()?;
         let (major, minor) = ctx.compute_capability()?;
         let arch = format!("sm_{major}{minor}");
+        let sm_count = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_or(1, |n| n.max(1) as u32);
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         // Compile (or read from the cache) all files in parallel; NVRTC is thread-safe.
         let cubins: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
@@ -438,7 +474,47 @@ impl Cuda {
             capturing: AtomicBool::new(false),
             pinned: Mutex::new(None),
             pdl: major >= 9 && std::env::var("LILY_CUDA_PDL").is_ok_and(|v| v == "1"),
+            disabled: std::sync::RwLock::new(HashSet::new()),
+            occupancy: decode::Occupancy::default(),
+            sm_count,
         })
+        .and_then(|c: Self| {
+            if let Ok(v) = std::env::var("LILY_CUDA_DISABLE") {
+                let names: Vec<&str> = v.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+                c.set_disabled(&names).context("LILY_CUDA_DISABLE")?;
+            }
+            Ok(c)
+        })
+    }
+
+    /// Switches off exactly the decode-path optimisations named (from [`SWITCHES`]; an unknown
+    /// name is an error), the others on. Recorded steps are dropped: they hold the old kernels.
+    pub fn set_disabled(&self, names: &[&str]) -> Result<()> {
+        let mut set = HashSet::new();
+        for n in names {
+            match SWITCHES.iter().find(|s| *s == n) {
+                Some(s) => {
+                    set.insert(*s);
+                }
+                None => bail!("unknown CUDA switch `{n}` (known: {})", SWITCHES.join(", ")),
+            }
+        }
+        *self.disabled.write().unwrap_or_else(|e| e.into_inner()) = set;
+        *self.records.lock().unwrap_or_else(|e| e.into_inner()) = Records::default();
+        Ok(())
+    }
+
+    /// The switches now off.
+    pub fn disabled(&self) -> Vec<&'static str> {
+        let d = self.disabled.read().unwrap_or_else(|e| e.into_inner());
+        SWITCHES.iter().copied().filter(|s| d.contains(s)).collect()
+    }
+
+    /// Whether optimisation `name` (one of [`SWITCHES`]) is on; `stream_gemv` off turns off the
+    /// fusions that live in its kernels.
+    fn on(&self, name: &'static str) -> bool {
+        let d = self.disabled.read().unwrap_or_else(|e| e.into_inner());
+        !d.contains(name) && (name == "stream_gemv" || !d.contains("stream_gemv"))
     }
 
     /// Waits for all enqueued work and returns the first error of any op since the last check.
@@ -590,11 +666,11 @@ impl Cuda {
         }
         for m in &self.modules {
             if let Ok(f) = m.load_function(name) {
-                if name.contains("tc_") {
-                    // Tensor-core kernels hold 36–101 KiB of shared memory per block: ask for the
-                    // largest shared-memory carveout, so that the split of L1 never limits the
-                    // blocks per SM (two of attn_tc_256 need 203 KiB). The GEMMs measured the same
-                    // with and without it.
+                if name.contains("tc_") || name.starts_with("sw_") || name.starts_with("moe_sw_") {
+                    // Tensor-core and streaming kernels hold 36–101 KiB of shared memory per block:
+                    // ask for the largest shared-memory carveout, so that the split of L1 never
+                    // limits the blocks per SM (two of attn_tc_256 need 203 KiB, two staged GEMVs
+                    // 177 KiB). The GEMMs measured the same with and without it.
                     let _ = f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100);
                 }
                 fs.insert(name.to_string(), f.clone());
@@ -610,8 +686,9 @@ impl Cuda {
             return;
         }
         let Some(f) = self.func(name) else { return };
-        if smem > 48 * 1024 {
-            // Above 48 KiB of dynamic shared memory a kernel must opt in.
+        if smem > 32 * 1024 {
+            // Above 48 KiB of shared memory, static and dynamic together, a kernel must opt in
+            // (the streaming kernels hold up to 17 KiB of static reductions besides).
             if let Err(e) = f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32) {
                 self.fail(format!("{name}: cannot allow {smem} bytes of shared memory: {e}"));
                 return;
@@ -626,6 +703,8 @@ impl Cuda {
                 Arg::D(v) => v as *const f64 as *mut c_void,
                 Arg::Q(v) => v as *const QMat as *mut c_void,
                 Arg::M(v) => &**v as *const Many as *mut c_void,
+                Arg::S(v) => &**v as *const decode::SwArgs as *mut c_void,
+                Arg::E(v) => &**v as *const decode::SwMoe as *mut c_void,
             })
             .collect();
         let r = self.ctx.bind_to_thread().and_then(|_| {
@@ -873,6 +952,9 @@ impl Backend for Cuda {
     fn upload_vec(&self, v: &[f32]) -> Result<Buf> {
         Ok(Buf { mem: self.upload_f32(v)?, len: v.len(), elem: 4 })
     }
+    fn mat_shape(&self, m: &Mat) -> (usize, usize) {
+        (m.out, m.inp)
+    }
     fn zeros(&self, len: usize) -> Result<Buf> {
         Ok(Buf { mem: self.alloc(4 * len)?, len, elem: 4 })
     }
@@ -973,48 +1055,84 @@ impl Backend for Cuda {
         if rows == 0 || !(self.ensure(w.n == 1, || format!("{op}: a stack of {} matrices", w.n)) && self.act_ok(x, rows * w.inp, "x", op) && self.out_ok(out, rows * w.out, "out", op)) {
             return;
         }
-        let args = [Arg::P(x.mem.ptr), Arg::Q(w.q()), Arg::P(out.mem.ptr), Arg::I(rows as i32), Arg::I(out.bf16())];
-        if rows <= 8 {
-            let r = rows.next_power_of_two();
-            let ahead = if r == 1 { gemv_ahead(w.out) } else { "" };
-            self.launch(&format!("gemv{r}{ahead}_{}", w.fmt.suffix()), (grid1(w.out, 8), 1, 1), 256, 0, &args);
-        } else if w.out <= SKINNY_OUT {
-            // Block y takes row y: each warp one (row, output) dot, x rows shared through L1.
-            self.launch(&format!("gemv1_{}", w.fmt.suffix()), (grid1(w.out, 8), rows as u32, 1), 256, 0, &args);
-        } else if self.tensor_core_gemm() {
-            self.launch(&format!("tc_gemm_{}", w.fmt.suffix()), (grid1(w.out, 64), grid1(rows, 64), 1), 128, TC_SMEM_1, &args);
-        } else {
-            self.launch(&format!("gemm_{}", w.fmt.suffix()), (grid1(w.out, 64), grid1(rows, 64), 1), 256, 0, &args);
-        }
+        self.matmul_into(x, w, rows, out.mem.ptr, out.bf16());
     }
     fn matmul_q_many(&self, x: &Buf, ws: &[&Mat], rows: usize, outs: &mut [&mut Buf]) {
         // One launch for a decode row when every matrix takes the GEMV path in one format;
         // otherwise (prefill, mixed formats) one matmul_q each.
-        let fmt = ws.first().map(|w| w.fmt);
-        let one = rows == 1 && (1..=4).contains(&ws.len()) && ws.len() == outs.len() && ws.iter().all(|w| Some(w.fmt) == fmt && w.n == 1 && w.inp == ws[0].inp);
-        if !one {
-            for (w, o) in ws.iter().zip(outs.iter_mut()) {
-                self.matmul_q(x, w, rows, o);
+        if rows == 1 && ws.len() == outs.len() && self.sw_fits(ws) {
+            let op = "matmul_q_many";
+            if self.act_ok(x, ws[0].inp, "x", op) && ws.iter().zip(outs.iter()).all(|(w, o)| self.out_ok(o, w.out, "out", op)) {
+                let o: Vec<(u64, i32)> = outs.iter().map(|o| (o.mem.ptr, o.bf16())).collect();
+                self.sw_gemv(decode::SwX::Act(x), ws, &o);
             }
             return;
         }
-        let op = "matmul_q_many";
-        if !self.act_ok(x, ws[0].inp, "x", op) || !ws.iter().zip(outs.iter()).all(|(w, o)| self.out_ok(o, w.out, "out", op)) {
+        self.matmul_q_many_warp(x, ws, rows, outs)
+    }
+    fn rms_norm_matmul(&self, h: &Buf, w: &Buf, rows: usize, dim: usize, eps: f32, xn: &mut Buf, ws: &[&Mat], outs: &mut [&mut Buf]) {
+        let op = "rms_norm_matmul";
+        if rows == 1 && ws.len() == outs.len() && self.sw_fits(ws) && ws[0].inp == dim && self.on("fuse_norm") {
+            if self.buf_ok(h, dim, "h", op) && self.buf_ok(w, dim, "w", op) && self.act_ok(xn, dim, "xn", op) && ws.iter().zip(outs.iter()).all(|(m, o)| self.out_ok(o, m.out, "out", op)) {
+                let o: Vec<(u64, i32)> = outs.iter().map(|o| (o.mem.ptr, o.bf16())).collect();
+                self.sw_gemv(decode::SwX::Norm { h, w, eps, xn: Some(xn) }, ws, &o);
+            }
             return;
         }
-        let mut p = Many { m: [QMat::none(); 4], out: [0; 4], bstart: [0; 5], n: ws.len() as i32, obf: [0; 4] };
-        for (i, (w, o)) in ws.iter().zip(outs.iter()).enumerate() {
-            p.m[i] = w.q();
-            p.out[i] = o.mem.ptr;
-            p.obf[i] = o.bf16();
-            p.bstart[i + 1] = p.bstart[i] + grid1(w.out, 8) as i32;
+        self.rms_norm(h, w, rows, dim, eps, xn);
+        self.matmul_q_many(xn, ws, rows, outs);
+    }
+    fn moe_router(&self, h: &Buf, w: &Buf, rows: usize, eps: f32, xn: &mut Buf, router: &Mat, shared_gate: &Mat, d: &Dims, logits: &mut Buf, s: &mut Buf, route: &mut Route) {
+        let op = "moe_router";
+        let (e, k, dim) = (d.n_experts, d.top_k, d.hidden);
+        let ws = [router, shared_gate];
+        let fits = rows == 1 && self.on("fuse_route") && self.on("fuse_norm") && self.sw_fits(&ws) && router.inp == dim && router.out == e && e <= 1024 && (1..=32).contains(&k) && k <= e;
+        if !fits {
+            self.rms_norm_matmul(h, w, rows, dim, eps, xn, &ws, &mut [logits, s]);
+            self.moe_route(logits, d, rows, route);
+            return;
         }
-        for i in ws.len() + 1..5 {
-            p.bstart[i] = p.bstart[ws.len()];
+        if self.buf_ok(h, dim, "h", op)
+            && self.buf_ok(w, dim, "w", op)
+            && self.act_ok(xn, dim, "xn", op)
+            && self.buf_ok(logits, e, "logits", op)
+            && self.out_ok(s, shared_gate.out, "s", op)
+            && self.ensure(k <= route.cap, || format!("{op}: route holds {} entries, {k} needed", route.cap))
+        {
+            route.k = k;
+            self.sw_gemv_route(decode::SwX::Norm { h, w, eps, xn: Some(xn) }, &ws, &[(logits.mem.ptr, 0), (s.mem.ptr, s.bf16())], Some((route, k, d.norm_topk)));
         }
-        let blocks = p.bstart[ws.len()] as u32;
-        let ahead = gemv_ahead(ws.iter().map(|w| w.out).sum());
-        self.launch(&format!("gemv_many{ahead}_{}", ws[0].fmt.suffix()), (blocks, 1, 1), 256, 0, &[Arg::P(x.mem.ptr), Arg::M(Box::new(p))]);
+    }
+    fn matmul_q_add(&self, x: &Buf, w: &Mat, rows: usize, r: &mut Buf, h: &mut Buf) {
+        let op = "matmul_q_add";
+        if !self.on("fuse_residual") || !(rows > 1 || self.sw_fits(&[w])) {
+            // Unfused (the switch), or a one-row GEMV of the warp kernels: product, then add.
+            self.matmul_q(x, w, rows, r);
+            self.add(h, r, rows * w.out);
+            return;
+        }
+        if rows == 0 || !(self.ensure(w.n == 1, || format!("{op}: a stack of {} matrices", w.n)) && self.act_ok(x, rows * w.inp, "x", op) && self.buf_ok(h, rows * w.out, "h", op)) {
+            return;
+        }
+        if rows == 1 {
+            self.sw_gemv(decode::SwX::Act(x), &[w], &[(h.mem.ptr, 2)]);
+        } else {
+            // The prefill GEMMs add into h in their epilogue (store_out's obf 2).
+            self.matmul_into(x, w, rows, h.mem.ptr, 2);
+        }
+    }
+    fn moe_decode_add(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, shared: &SharedExpert<'_, Self>, d: &Dims, tmp: MoeScratch<'_, Self>, h: &mut Buf) {
+        let op = "moe_decode_add";
+        if !(self.experts_ok(gate, up, down, d, op) && self.act_ok(x, d.hidden, "x", op) && self.buf_ok(h, d.hidden, "h", op) && self.buf_ok(shared.logit, 1, "shared logit", op)) {
+            return;
+        }
+        if self.moe_sw(x, route, gate, up, down, shared, h) {
+            return;
+        }
+        if !self.moe_experts_decode(x, route, gate, up, down, Some(shared), d, &mut *tmp.out) {
+            super::add_shared_expert(self, x, shared, 1, d.hidden, MoeScratch { out: &mut *tmp.out, g: &mut *tmp.g, u: &mut *tmp.u, act: &mut *tmp.act, down: &mut *tmp.down });
+        }
+        self.add(h, tmp.out, d.hidden);
     }
     fn add(&self, h: &mut Buf, r: &Buf, len: usize) {
         if len == 0 || !(self.buf_ok(h, len, "h", "add") && self.act_ok(r, len, "r", "add")) {
@@ -1118,7 +1236,7 @@ impl Backend for Cuda {
         let op = "attn_decode";
         let (h, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
         let kvd = kvh * hd;
-        if !(self.ensure(hd % 32 == 0 && hd <= 256 && kvh > 0 && h % kvh == 0 && h / kvh <= 16, || format!("{op}: {h} heads / {kvh} kv heads of {hd} not supported"))
+        if !(self.ensure(matches!(hd, 64 | 128 | 256) && kvh > 0 && h % kvh == 0, || format!("{op}: {h} heads / {kvh} kv heads of {hd} not supported (head_dim 64, 128 or 256)"))
             && self.kv_ok(kv, kvd, op)
             && self.ensure(pos < kv.capacity, || format!("{op}: KV cache overflow ({pos} + 1 > {})", kv.capacity))
             && self.act_ok(q, h * hd, "q", op)
@@ -1129,47 +1247,53 @@ impl Backend for Cuda {
         {
             return;
         }
-        // Everything below depends on the capacity, not on `pos`: the position is read from the
-        // step on the device (a recorded step serves every position below the capacity).
+        // Everything below depends on the capacity and the device, not on `pos`: the position is
+        // read from the step on the device (a recorded step serves every position below the
+        // capacity), and so is the split of the keys over the blocks (dec_blocks in attention.cu).
         let posp = step.pos_ptr();
-        self.launch(
-            "kv_append",
-            (grid1(kvd / 4, 256), 1, 1),
-            256,
-            0,
-            &[Arg::P(k.mem.ptr), Arg::P(v.mem.ptr), Arg::P(kv.k.mem.ptr), Arg::P(kv.v.mem.ptr), Arg::I(kvd as i32), Arg::I(1), Arg::I(0), Arg::P(posp)],
-        );
-        // Splits of a multiple of ATT_TILE keys, at most ATT_MAX_SPLITS of them over the capacity.
-        let split = kv.capacity.div_ceil(ATT_MAX_SPLITS).next_multiple_of(ATT_TILE);
-        let splits = kv.capacity.div_ceil(split);
+        // Blocks of up to 8 query heads sharing a KV head (x = KV head × group), and per block
+        // row `ns` splits: one block per SM in all (the kernel's 8 warps of 218 registers leave
+        // no room for a second block), so every SM streams the cache at every position; a small
+        // capacity takes fewer (at least 64 keys per block).
+        let groups = (h / kvh).div_ceil(8);
+        let x = kvh * groups;
+        let sms = self.ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_or(1, |n| n.max(1) as usize);
+        let ns = (sms / x).max(1).min(kv.capacity.div_ceil(ATT_DEC_WARPS * ATT_DEC_KEYS));
+        // Partial states: the unnormalised outputs (8 head slots × hd f32 per block), then (max,
+        // normaliser) per head slot.
+        let (po, pml) = (x * ns * 8 * hd, x * ns * 16);
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(part) = self.scratch(&mut sc, "attn_part", 4 * h * splits * (hd + 2)) else { return };
+        let Some(part) = self.scratch(&mut sc, "attn_part", 4 * (po + pml)) else { return };
+        let pml_ptr = part + 4 * po as u64;
         let scale = 1.0 / (hd as f32).sqrt();
-        // Dynamic shared memory: the K and V tiles of ATT_TILE keys, bf16.
+        // This step's k, v are read from their buffers and written into cache row pos by the
+        // same launch (no kv_append). Dynamic shared memory: the 8 warps' output fragments, f32.
         self.launch(
-            "attn_decode_split",
-            (kvh as u32, splits as u32, 1),
-            256,
-            (2 * ATT_TILE * hd * 2) as u32,
+            &format!("attn_decode_{hd}"),
+            (x as u32, ns as u32, 1),
+            (ATT_DEC_WARPS * 32) as u32,
+            (ATT_DEC_WARPS * 8 * hd * 4) as u32,
             &[
                 Arg::P(q.mem.ptr),
+                Arg::P(k.mem.ptr),
+                Arg::P(v.mem.ptr),
                 Arg::P(kv.k.mem.ptr),
                 Arg::P(kv.v.mem.ptr),
                 Arg::P(part),
+                Arg::P(pml_ptr),
                 Arg::I(h as i32),
                 Arg::I(kvh as i32),
-                Arg::I(hd as i32),
                 Arg::P(posp),
-                Arg::I(split as i32),
                 Arg::F(scale),
             ],
         );
+        // One block per (head group, fragment row of 32 outputs); shared memory: ns × 8 factors.
         self.launch(
             "attn_decode_combine",
-            (h as u32, 1, 1),
+            (x as u32, (hd / 4) as u32, 1),
             256,
-            0,
-            &[Arg::P(part), Arg::P(gate.mem.ptr), Arg::P(out.mem.ptr), Arg::I(hd as i32), Arg::I(splits as i32), Arg::P(posp), Arg::I(split as i32)],
+            (ns * 8 * 4) as u32,
+            &[Arg::P(part), Arg::P(pml_ptr), Arg::P(gate.mem.ptr), Arg::P(out.mem.ptr), Arg::I(h as i32), Arg::I(kvh as i32), Arg::I(hd as i32), Arg::I(ns as i32), Arg::P(posp)],
         );
     }
 
@@ -1367,6 +1491,61 @@ impl Backend for Cuda {
         let (Some(pv), Some(pi)) = (self.scratch(&mut sc, "argmax_pv", 4 * ARGMAX_PARTS), self.scratch(&mut sc, "argmax_pi", 4 * ARGMAX_PARTS)) else { return };
         self.launch("argmax_partial", (parts as u32, 1, 1), 256, 0, &[Arg::P(logits.mem.ptr), Arg::P(pv), Arg::P(pi), Arg::I(vocab as i32)]);
         self.launch("argmax_step", (1, 1, 1), 1024, 0, &[Arg::P(pv), Arg::P(pi), Arg::P(step.mem.ptr), Arg::I(parts as i32)]);
+    }
+}
+
+impl Cuda {
+    /// `out (type obf: 0 f32, 1 bf16, 2 f32 +=) = x · Wᵀ` by shape: the streaming GEMV for one
+    /// row where it fits, the warp-per-row GEMVs up to 8 rows, skinny matrices, then the
+    /// tensor-core (or SIMT) GEMM. The caller checked the operands.
+    fn matmul_into(&self, x: &Buf, w: &Mat, rows: usize, out: u64, obf: i32) {
+        if rows == 1 && self.sw_fits(&[w]) {
+            self.sw_gemv(decode::SwX::Act(x), &[w], &[(out, obf)]);
+            return;
+        }
+        let args = [Arg::P(x.mem.ptr), Arg::Q(w.q()), Arg::P(out), Arg::I(rows as i32), Arg::I(obf)];
+        if rows <= 8 {
+            let r = rows.next_power_of_two();
+            let ahead = if r == 1 { gemv_ahead(w.out) } else { "" };
+            self.launch(&format!("gemv{r}{ahead}_{}", w.fmt.suffix()), (grid1(w.out, 8), 1, 1), 256, 0, &args);
+        } else if w.out <= SKINNY_OUT {
+            // Block y takes row y: each warp one (row, output) dot, x rows shared through L1.
+            self.launch(&format!("gemv1_{}", w.fmt.suffix()), (grid1(w.out, 8), rows as u32, 1), 256, 0, &args);
+        } else if self.tensor_core_gemm() {
+            self.launch(&format!("tc_gemm_{}", w.fmt.suffix()), (grid1(w.out, 64), grid1(rows, 64), 1), 128, TC_SMEM_1, &args);
+        } else {
+            self.launch(&format!("gemm_{}", w.fmt.suffix()), (grid1(w.out, 64), grid1(rows, 64), 1), 256, 0, &args);
+        }
+    }
+
+    /// matmul_q_many on the warp-per-row kernels of matmul.cu (one launch for a decode row of
+    /// matrices in one format; otherwise one matmul_q each).
+    fn matmul_q_many_warp(&self, x: &Buf, ws: &[&Mat], rows: usize, outs: &mut [&mut Buf]) {
+        let fmt = ws.first().map(|w| w.fmt);
+        let one = rows == 1 && (1..=4).contains(&ws.len()) && ws.len() == outs.len() && ws.iter().all(|w| Some(w.fmt) == fmt && w.n == 1 && w.inp == ws[0].inp);
+        if !one {
+            for (w, o) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul_q(x, w, rows, o);
+            }
+            return;
+        }
+        let op = "matmul_q_many";
+        if !self.act_ok(x, ws[0].inp, "x", op) || !ws.iter().zip(outs.iter()).all(|(w, o)| self.out_ok(o, w.out, "out", op)) {
+            return;
+        }
+        let mut p = Many { m: [QMat::none(); 4], out: [0; 4], bstart: [0; 5], n: ws.len() as i32, obf: [0; 4] };
+        for (i, (w, o)) in ws.iter().zip(outs.iter()).enumerate() {
+            p.m[i] = w.q();
+            p.out[i] = o.mem.ptr;
+            p.obf[i] = o.bf16();
+            p.bstart[i + 1] = p.bstart[i] + grid1(w.out, 8) as i32;
+        }
+        for i in ws.len() + 1..5 {
+            p.bstart[i] = p.bstart[ws.len()];
+        }
+        let blocks = p.bstart[ws.len()] as u32;
+        let ahead = gemv_ahead(ws.iter().map(|w| w.out).sum());
+        self.launch(&format!("gemv_many{ahead}_{}", ws[0].fmt.suffix()), (blocks, 1, 1), 256, 0, &[Arg::P(x.mem.ptr), Arg::M(Box::new(p))]);
     }
 }
 

@@ -3,8 +3,9 @@
 // Types: qg, q, k, v, gate and out are bf16 activations (common.cuh); scores, softmax state and
 // output accumulators are f32. The K/V caches are bf16 too (u16 bits, the CUDA backend's
 // kv_zeros): [cap, KV*hd] each, row p holding position p, KV head g at columns g*hd.. .
-// kv_append copies k, v into them; every kernel reading them widens to f32 or feeds bf16 tensor
-// cores. The CPU keeps f32: the tests give it the same bf16-representable inputs.
+// kv_append (prefill) and attn_decode_<HD> (decode) copy k, v into them; every kernel reading them
+// widens to f32 or feeds bf16 tensor cores. The CPU keeps f32: the tests give it the same
+// bf16-representable inputs.
 //
 // attn_qk_norm_rope  qg [rows, H, 2*hd] (query | gate per head) -> q [rows, H*hd] (rms-normed by
 //                    q_norm, then RoPE) and gate [rows, H*hd]; k [rows, KV*hd] rms-normed by k_norm
@@ -43,24 +44,41 @@
 //                    multiplies v, and the output once as an activation; tests/cuda_ops.rs
 //                    propagates that bound. LILY_CUDA_ATTN=f32 selects attn_rows instead.
 // kv_append          k, v [rows, KV*hd] (bf16) copied to rows p0 .. p0 + rows of the caches,
-//                    p0 = *posp for a decode step (rows = 1, the position read on the device),
-//                    else pos0 (prefill). Four values per thread (KV*hd % 32 == 0: 8 aligned
-//                    bytes in and out); grid ceil(rows * KV*hd / 4 / 256), 256 threads. (The
-//                    append in cpu/attention.rs.)
-// attn_decode_split + attn_decode_combine  decode (one query per head at position *posp, n =
-//                    *posp + 1 keys) split over the context: grid (KV, ns_max) with ns_max and
-//                    the split length chosen from the cache's capacity (mod.rs: at most 256
-//                    splits of a multiple of 32 keys), so that a recorded step serves every
-//                    position below it. Block (kvh, s), 256 threads = 8 warps, stages its keys
-//                    in tiles of 32 (K and V copied as bf16 with 16-byte loads: 2 * 32 * hd u16 =
-//                    32 KiB of dynamic shared memory at hd = 256, half of f32 tiles, so more
-//                    blocks fit an SM to hide the cache's latency; widened to f32 as each warp
-//                    reads them) and warp w runs query head kvh * G + w (and + 8 when G > 8) over
-//                    each tile: the G heads of a group share one read of the cache. Lane l owns dims
-//                    l, l + 32, ... (hd <= 256, hd % 32 == 0). Each writes a partial state
-//                    (max, normaliser, unnormalised output) at part[h][s], or the block returns
-//                    at once when its keys start past n. The combine (grid H) merges the first
-//                    ceil(n / split) of them per head and applies the gate.
+//                    p0 = pos0 (prefill; p0 = *posp when posp is not null, which no caller passes
+//                    now: a decode step's append is part of attn_decode_<HD>). Four values per
+//                    thread (KV*hd % 32 == 0: 8 aligned bytes in and out); grid
+//                    ceil(rows * KV*hd / 4 / 256), 256 threads. (The append in cpu/attention.rs.)
+// attn_decode_<HD> + attn_decode_combine  (HD in 64, 128, 256) decode: the append and the
+//                    attention of one query per head at position pos = *posp over n = pos + 1 keys
+//                    (cpu/attention.rs `attention` with rows = 1), flash-decoding on tensor cores.
+//                    Why: at long context a decode step is bound by reading the cache, and the
+//                    SIMT form it replaces (a warp per query head: per key, scalar 2-byte
+//                    shared-memory reads, a 5-shuffle dot product and two expf, after a
+//                    synchronous tile copy) was instruction-bound at 0.55 TB/s on the H200; here
+//                    a warp spends about 440 instructions (64 mma) on 8 keys of all 8 heads.
+//                    Grid (KV * HG, ns): HG = ceil(G / 8) groups of at most 8 of the G = H/KV query
+//                    heads of a KV head, ns splits per group chosen by mod.rs from the SM count and
+//                    the capacity only (one block per SM, ns <= ceil(cap / 64)), so a recorded step
+//                    serves every position below the capacity. On the device the n keys' chunks of
+//                    8 are spread evenly over the first nb = min(ns, ceil(chunks / 8)) blocks
+//                    (dec_blocks: at least one chunk per warp); the rest return at once. So at every
+//                    position all SMs stream the cache while it is long, and a short context is
+//                    not cut into more partial states than it has chunks. Block: 256 threads = 8
+//                    warps, each an independent online softmax over chunks w, w + 8, ... of the
+//                    block's share, computing S^T = K Q^T and O^T += V^T P^T with mma.sync (bf16
+//                    in, f32 accumulators; the G heads of the group share each K/V load), K and V
+//                    loaded from global memory straight into fragments (16-byte loads, the next
+//                    chunk requested while this one is computed: ~8 KiB in flight per warp, 64 KiB
+//                    per SM). f32-accurate: p is split exactly into three bf16 for P V, so every
+//                    product is exact and sums are f32 (tests hold it to F32_TOL, as the f32
+//                    kernels). The newest key comes from the k, v inputs; block (kvh, group 0,
+//                    split 0) writes them into cache row pos, which no block of the launch reads.
+//                    The 8 warps merge through dynamic shared memory (8 * 8 * HD f32: 64 KiB at
+//                    HD = 256) into one partial state per block (max and normaliser per head slot,
+//                    unnormalised output in mma-fragment order). attn_decode_combine (grid
+//                    (KV * HG, hd / 4), 256 threads) merges the nb partial states per head in a
+//                    fixed order (bit-reproducible), normalises, applies sigmoid(gate) and writes
+//                    out [H, hd]. Details and the fragment layouts at the kernels.
 
 extern "C" __global__ void __launch_bounds__(128)
 attn_qk_norm_rope(const u16* __restrict__ qg, u16* __restrict__ k, const float* __restrict__ qn,
@@ -190,103 +208,319 @@ kv_append(const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict_
     *(uint2*)(vc + at) = *(const uint2*)(v + i);
 }
 
-// Decode, split over the context, one block per (KV head, split): the block stages tiles of
-// ATT_TILE keys of its KV head (K and V, bf16 as cached) in shared memory once, and warp w runs the online
-// softmax of query head kvh*G + w (w + 8, ... when G > 8) over them, so the G query heads of a
-// group read the cache once. Split s covers keys [s*split, s*split + split) of the n = *posp + 1;
-// it writes part[h][s] = (M, L, o[hd] unnormalised) for each of its heads; grid (KV, ns_max).
-#define ATT_TILE 32
-extern "C" __global__ void __launch_bounds__(256)
-attn_decode_split(const u16* __restrict__ q, const u16* __restrict__ kc, const u16* __restrict__ vc,
-                  float* __restrict__ part, int H, int KV, int hd, const int* __restrict__ posp, int split, float scale) { PDL_ENTRY();
-    extern __shared__ __align__(16) u16 kvtile[];  // K then V: [ATT_TILE][hd] bf16 each
-    u16* ks = kvtile;
-    u16* vs = kvtile + ATT_TILE * hd;
-    const int kvh = blockIdx.x, s = blockIdx.y, ns_max = gridDim.y;
-    const int n = posp[0] + 1;
-    const int j0 = s * split, j1 = min(n, j0 + split);
-    if (j0 >= n) return;  // past the context (the grid covers the capacity)
-    const int G = H / KV, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nd = hd >> 5;
-    const u64 kvd = (u64)KV * hd;
-    // Each warp keeps the state of up to two heads (G <= 16).
-    float qv[2][ATT_MAXD], acc[2][ATT_MAXD], m[2], l[2];
+// ---- decode attention (attn_decode_<HD> + attn_decode_combine)
+//
+// Warp-level flash decoding on tensor cores, with no shared memory in the key loop: every warp of
+// every block is an independent online-softmax worker over chunks of DEC_KEYS keys, holding the
+// bf16 fragments of its group's (up to) 8 query heads in registers and loading K and V straight
+// from the cache into mma fragments (16-byte loads). Dims and keys are summed over, so each may be
+// permuted freely as long as both operands of a product use the same permutation; the fragments
+// below are laid out so that each lane's share of a K or V row is whole 16-byte pieces.
+//
+// Lane l, g = l / 4, t = l % 4 (mma.cuh's fragment names). Chunk c covers keys j0 = 8c .. 8c + 7.
+// * S^T = K Q^T (m16n8k16; rows = the 8 keys, rows 8..15 zero; cols = the 8 head slots; k = dims):
+//   lane (g, t) loads K[key j0 + g][32a + 8t .. + 8) and Q[head slot g][32a + 8t .. + 8) for
+//   a < HD / 32. Words 0, 1 of a piece are the A/B registers {k 2t..2t+1}, {k 2t+8..2t+9} of
+//   k-step 2a, words 2, 3 those of k-step 2a + 1: each k-step pairs dims 32a + 8t + w of k and q
+//   for the same w, a permutation of the dims. Q is the B operand, so no register is spent on
+//   the zero rows of a 16-row operand but for the transient A quads of K. Lane (g, t) gets
+//   S[key j0 + g][heads 2t, 2t + 1]: the softmax max of a head is over the 8 lanes of one t.
+// * P^T: p (f32) at {heads 2t, 2t + 1} of key g, packed as bf16x2, is the row fragment of an
+//   8x8 matrix [key][head]; movmatrix.trans turns it into {head g: keys 2t, 2t + 1}, the B
+//   register of m16n8k8 with k = keys.
+// * O^T += V^T P^T (m16n8k8; rows = dims, cols = head slots, k = keys): lane (g, t) loads
+//   V[key j0 + 2t + e][64c + 8g .. + 8) for e < 2, c < HD / 64; word w of the two keys' pieces,
+//   byte-permuted into {key 2t, key 2t + 1} pairs, is the A register of dim row g (low halves, dim
+//   64c + 8g + 2w) and of dim row g + 8 (high halves, dim + 1) of m-tile i = 4c + w. So lane
+//   (g, t) accumulates o[i] = {(head 2t, d), (2t + 1, d), (2t, d + 1), (2t + 1, d + 1)},
+//   d = 64c + 8g + 2w: its own two heads, so the rescale needs no shuffle.
+// * f32 accuracy, as the CPU's f32 (the tests hold it to F32_TOL): q.k products of bf16 are exact
+//   in the f32 accumulators; p is split exactly into three bf16 (p = hi + mid + lo: each
+//   remainder is exact in f32 and the last has at most 8 significant bits), so the three P V
+//   mma sum exact products too; only the accumulation order differs from the CPU's.
+// * Pipelining: the next chunk's K is requested as soon as this chunk's S is computed, its V as
+//   soon as this chunk's P V is, so each warp has about one chunk (8 KiB at HD = 256) in flight
+//   while it computes, in the registers that held the last one. 8 warps a block and one block
+//   per SM (218 registers a thread at HD = 256, no spills): 64 KiB of loads in flight per SM,
+//   about twice what the H200's bandwidth-latency product asks for (4.3 TB/s x ~0.8 us / 132
+//   SMs = 26 KB), without shared-memory staging, barriers or cp.async in the loop.
+// * The newest key (position pos = *posp) is this step's k, v (the inputs), never the cache: the
+//   block (KV head, group 0, split 0) copies them into cache row pos, and no block reads that row
+//   from the cache in this launch, so there is no race (kv_append stays for prefill).
+
+#define DEC_W 8     // warps per block (ATT_DEC_WARPS in mod.rs)
+#define DEC_KEYS 8  // keys per chunk, a warp's step (ATT_DEC_KEYS in mod.rs)
+
+// d += a (16x8 bf16, row: {row g, k 2t..2t+1}, {row g+8, same k}) * b (8x8 bf16, col:
+// {k 2t..2t+1, n g}) + d, f32 accumulators.
+__device__ __forceinline__ void mma_bf16_1688(float* d, u32 a0, u32 a1, u32 b0) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(b0));
+}
+
+// The 8x8 b16 matrix of a warp's fragments (lane l: row l / 4, columns 2 (l % 4), + 1), transposed.
+__device__ __forceinline__ u32 movmatrix_trans(u32 x) {
+    u32 r;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
+}
+
+__device__ __forceinline__ u32 u4_word(const uint4& u, int w) { return w == 0 ? u.x : w == 1 ? u.y : w == 2 ? u.z : u.w; }
+
+// Blocks of a decode launch (ns splits per head group) that hold keys when n keys are visible:
+// chunks spread evenly, at least DEC_W chunks a block (one per warp) so that a short context is
+// not cut into more partial states than it has chunks. attn_decode_combine recomputes it.
+__device__ __forceinline__ int dec_blocks(int n, int ns) {
+    const int chunks = (n + DEC_KEYS - 1) / DEC_KEYS;
+    return min(ns, (chunks + DEC_W - 1) / DEC_W);
+}
+
+template <int HD>
+__device__ __forceinline__ void dec_load_k(uint4 (&kr)[HD / 32], const u16* __restrict__ kc, const u16* __restrict__ kin,
+                                           u64 kvd, int kvh, int c, int pos, int lane) {
+    const int j = c * DEC_KEYS + (lane >> 2);
+    const u16* p = (j == pos ? kin : kc + (u64)j * kvd + (u64)kvh * HD) + 8 * (lane & 3);
 #pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int g = warp + 8 * r;
-        m[r] = NEG_INF;
-        l[r] = 0.0f;
+    for (int a = 0; a < HD / 32; a++) kr[a] = j <= pos ? *(const uint4*)(p + 32 * a) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+template <int HD>
+__device__ __forceinline__ void dec_load_v(uint4 (&vr)[2][HD / 64], const u16* __restrict__ vc, const u16* __restrict__ vin,
+                                           u64 kvd, int kvh, int c, int pos, int lane) {
 #pragma unroll
-        for (int i = 0; i < ATT_MAXD; i++) {
-            qv[r][i] = (g < G && i < nd) ? bf16f(q[(u64)(kvh * G + g) * hd + lane + 32 * i]) : 0.0f;
-            acc[r][i] = 0.0f;
-        }
-    }
-    for (int t0 = j0; t0 < j1; t0 += ATT_TILE) {
-        // 16-byte copies of 8 bf16: a head's row (hd * 2 bytes, hd % 32 == 0) and its offset in the
-        // cache row (kvh * hd * 2) are multiples of 64 bytes.
-        const int nk = min(ATT_TILE, j1 - t0), q8 = hd >> 3;
-        __syncthreads();  // the previous tile is consumed
-        for (int i = threadIdx.x; i < nk * q8; i += blockDim.x) {
-            const int r = i / q8, c = i - r * q8;
-            const u64 at = (u64)(t0 + r) * kvd + (u64)kvh * hd;
-            ((uint4*)ks)[i] = ((const uint4*)(kc + at))[c];
-            ((uint4*)vs)[i] = ((const uint4*)(vc + at))[c];
-        }
-        __syncthreads();
+    for (int e = 0; e < 2; e++) {
+        const int j = c * DEC_KEYS + 2 * (lane & 3) + e;
+        const u16* p = (j == pos ? vin : vc + (u64)j * kvd + (u64)kvh * HD) + 8 * (lane >> 2);
 #pragma unroll
-        for (int r = 0; r < 2; r++) {
-            if (warp + 8 * r >= G) continue;
-            for (int j = 0; j < nk; j++) {
-                float d = 0.0f;
-#pragma unroll
-                for (int i = 0; i < ATT_MAXD; i++)
-                    if (i < nd) d += qv[r][i] * bf16f(ks[j * hd + lane + 32 * i]);
-                const float sc = warp_sum(d) * scale;
-                const float mn = fmaxf(m[r], sc);
-                const float c = expf(m[r] - mn), p = expf(sc - mn);
-                l[r] = l[r] * c + p;
-#pragma unroll
-                for (int i = 0; i < ATT_MAXD; i++)
-                    if (i < nd) acc[r][i] = acc[r][i] * c + p * bf16f(vs[j * hd + lane + 32 * i]);
-                m[r] = mn;
-            }
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        const int g = warp + 8 * r;
-        if (g >= G) continue;
-        float* pp = part + ((u64)(kvh * G + g) * ns_max + s) * (hd + 2);
-        if (lane == 0) { pp[0] = m[r]; pp[1] = l[r]; }
-#pragma unroll
-        for (int i = 0; i < ATT_MAXD; i++)
-            if (i < nd) pp[2 + lane + 32 * i] = acc[r][i];
+        for (int cc = 0; cc < HD / 64; cc++) vr[e][cc] = j <= pos ? *(const uint4*)(p + 64 * cc) : make_uint4(0u, 0u, 0u, 0u);
     }
 }
 
-// Merges the used partial states of each head (part[h] holds ns_max), normalises and applies the
-// gate: grid H, 256 threads.
-extern "C" __global__ void __launch_bounds__(256)
-attn_decode_combine(const float* __restrict__ part, const u16* __restrict__ gate, u16* __restrict__ out, int hd,
-                    int ns_max, const int* __restrict__ posp, int split) { PDL_ENTRY();
-    const int h = blockIdx.x;
-    const int ns = (posp[0] + split) / split;  // ceil((pos + 1) / split)
-    const float* pp = part + (u64)h * ns_max * (hd + 2);
-    float M = NEG_INF;
-    for (int s = 0; s < ns; s++)
-        if (pp[(u64)s * (hd + 2) + 1] > 0.0f) M = fmaxf(M, pp[(u64)s * (hd + 2)]);
-    for (int dd = threadIdx.x; dd < hd; dd += blockDim.x) {
-        float L = 0.0f, o = 0.0f;
-        for (int s = 0; s < ns; s++) {
-            const float* ps = pp + (u64)s * (hd + 2);
-            float l = ps[1];
-            if (l > 0.0f) {
-                float fs = expf(ps[0] - M);
-                L += l * fs;
-                o += ps[2 + dd] * fs;
-            }
+// Block (x, s) of grid (KV * HG, ns), HG = ceil(G / 8) groups of at most 8 query heads per KV
+// head (x = kvh * HG + hg). Of the n = pos + 1 keys' chunks the block takes its even share
+// [c0, c1) (dec_blocks; blocks past them return at once, before any barrier), warp w the chunks
+// c0 + w, c0 + w + 8, ... . The 8 warps' states are merged through shared memory into one partial
+// state per block: pml[x][s][h] = (max, normaliser) for its 8 head slots and part[x][s] the
+// unnormalised output in fragment order (element k * 32 + lane holds o[k / 4][k % 4] of lane).
+template <int HD>
+__device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
+                                                 u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part,
+                                                 float* __restrict__ pml, int H, int KV, const int* __restrict__ posp, float scale) {
+    constexpr int NA = HD / 32;  // 16-byte pieces of a K row per lane (two k-steps each)
+    constexpr int NC = HD / 64;  // 16-byte pieces of a V row per lane and key
+    constexpr int NT = HD / 16;  // m-tiles (16 dims) of the output
+    extern __shared__ __align__(16) float dec_o[];  // [DEC_W][NT * 4][32]: the warps' o fragments
+    __shared__ float sm[DEC_W][8], sl[DEC_W][8], sf[DEC_W][8];
+    const int G = H / KV, HG = (G + 7) / 8;
+    const int x = blockIdx.x, kvh = x / HG, hg = x - kvh * HG, s = blockIdx.y, ns = gridDim.y;
+    const int gh = min(8, G - 8 * hg);  // query heads in this block's group
+    const int pos = posp[0], n = pos + 1;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const u64 kvd = (u64)KV * HD;
+    const u16* kin = k + (u64)kvh * HD;
+    const u16* vin = v + (u64)kvh * HD;
+    if (s == 0 && hg == 0) {
+        // This step's k, v of KV head kvh into cache row pos (one block per KV head writes it).
+        u16* kd = kc + (u64)pos * kvd + (u64)kvh * HD;
+        u16* vd = vc + (u64)pos * kvd + (u64)kvh * HD;
+        for (int i = tid; i < HD / 4; i += blockDim.x) {
+            if (i < HD / 8) ((uint4*)kd)[i] = ((const uint4*)kin)[i];
+            else ((uint4*)vd)[i - HD / 8] = ((const uint4*)vin)[i - HD / 8];
         }
-        out[(u64)h * hd + dd] = bf16_rn(o / L * sigmoid_f(bf16f(gate[(u64)h * hd + dd])));
+    }
+    const int nb = dec_blocks(n, ns);
+    if (s >= nb) return;  // no keys here: the whole block leaves before any barrier
+    const int chunks = (n + DEC_KEYS - 1) / DEC_KEYS;
+    const int c0 = (int)((long long)s * chunks / nb), c1 = (int)((long long)(s + 1) * chunks / nb);
+
+    // Q fragments of head slot g (zeros past the group's heads), as the K pieces (see above).
+    uint4 qf[NA];
+    {
+        const u16* qp = q + (u64)(kvh * G + 8 * hg + g) * HD + 8 * t;
+#pragma unroll
+        for (int a = 0; a < NA; a++) qf[a] = g < gh ? *(const uint4*)(qp + 32 * a) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    float o[NT][4];
+#pragma unroll
+    for (int i = 0; i < NT; i++) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    // Heads 2t, 2t + 1: running maxima, and this lane's part (its key g) of their normalisers.
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+    uint4 kr[NA], vr[2][NC];
+    int c = c0 + warp;
+    if (c < c1) {
+        dec_load_k<HD>(kr, kc, kin, kvd, kvh, c, pos, lane);
+        dec_load_v<HD>(vr, vc, vin, kvd, kvh, c, pos, lane);
+    }
+    for (; c < c1; c += DEC_W) {
+        const int cn = c + DEC_W;
+        // S^T = K Q^T: two accumulator chains (even and odd k-steps) halve the dependent mma latency.
+        float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int a = 0; a < NA; a++) {
+            const u32 ka[4] = {kr[a].x, 0u, kr[a].y, 0u}, kb[4] = {kr[a].z, 0u, kr[a].w, 0u};
+            mma_bf16_16816(s0, ka, qf[a].x, qf[a].y);
+            mma_bf16_16816(s1, kb, qf[a].z, qf[a].w);
+        }
+        if (cn < c1) dec_load_k<HD>(kr, kc, kin, kvd, kvh, cn, pos, lane);
+        // Online softmax of heads 2t, 2t + 1 over key j (masked past pos); the max over the chunk's
+        // 8 keys is over the 8 lanes of the same t. Key j0 <= pos is in every chunk, so the max is
+        // finite after the first.
+        const bool live = c * DEC_KEYS + g <= pos;
+        const float x0 = live ? (s0[0] + s1[0]) * scale : NEG_INF;
+        const float x1 = live ? (s0[1] + s1[1]) * scale : NEG_INF;
+        float mx0 = x0, mx1 = x1;
+#pragma unroll
+        for (int sh = 4; sh < 32; sh <<= 1) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, sh));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, sh));
+        }
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float al0 = expf(m0 - mn0), al1 = expf(m1 - mn1);  // 0 on the first chunk (m = -inf)
+        const float p0 = expf(x0 - mn0), p1 = expf(x1 - mn1);
+        l0 = l0 * al0 + p0;
+        l1 = l1 * al1 + p1;
+        m0 = mn0;
+        m1 = mn1;
+        // p = hi + mid + lo exactly (three bf16x2 of {head 2t, head 2t + 1} at key g), each
+        // transposed to the B fragment {head g: keys 2t, 2t + 1} of P^T.
+        const u32 ph = pack_bf16x2(p0, p1);
+        const float r0 = p0 - bf16_lo(ph), r1 = p1 - bf16_hi(ph);
+        const u32 pm = pack_bf16x2(r0, r1);
+        const u32 pl = pack_bf16x2(r0 - bf16_lo(pm), r1 - bf16_hi(pm));
+        const u32 bh = movmatrix_trans(ph), bm = movmatrix_trans(pm), bl = movmatrix_trans(pl);
+#pragma unroll
+        for (int i = 0; i < NT; i++) {
+            const u32 vx = u4_word(vr[0][i >> 2], i & 3), vy = u4_word(vr[1][i >> 2], i & 3);
+            const u32 lo = __byte_perm(vx, vy, 0x5410), hi = __byte_perm(vx, vy, 0x7632);  // dim rows g, g + 8
+            o[i][0] *= al0;
+            o[i][1] *= al1;
+            o[i][2] *= al0;
+            o[i][3] *= al1;
+            mma_bf16_1688(o[i], lo, hi, bh);
+            mma_bf16_1688(o[i], lo, hi, bm);
+            mma_bf16_1688(o[i], lo, hi, bl);
+        }
+        if (cn < c1) dec_load_v<HD>(vr, vc, vin, kvd, kvh, cn, pos, lane);
+    }
+#pragma unroll
+    for (int sh = 4; sh < 32; sh <<= 1) {
+        l0 += __shfl_xor_sync(FULL_MASK, l0, sh);
+        l1 += __shfl_xor_sync(FULL_MASK, l1, sh);
+    }
+
+    // Merge the warps (a warp without chunks has l = 0 and o = 0), in a fixed order.
+    float* so = dec_o + warp * (NT * 4 * 32);
+#pragma unroll
+    for (int i = 0; i < NT; i++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) so[(i * 4 + e) * 32 + lane] = o[i][e];
+    if (g == 0) {
+        sm[warp][2 * t] = m0;
+        sm[warp][2 * t + 1] = m1;
+        sl[warp][2 * t] = l0;
+        sl[warp][2 * t + 1] = l1;
+    }
+    __syncthreads();
+    if (tid < 8) {
+        float M = NEG_INF, L = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DEC_W; w++)
+            if (sl[w][tid] > 0.0f) M = fmaxf(M, sm[w][tid]);
+#pragma unroll
+        for (int w = 0; w < DEC_W; w++) {
+            const float f = sl[w][tid] > 0.0f ? expf(sm[w][tid] - M) : 0.0f;
+            sf[w][tid] = f;
+            L = fmaf(sl[w][tid], f, L);
+        }
+        float* pp = pml + ((u64)x * ns + s) * 16 + 2 * tid;
+        pp[0] = M;
+        pp[1] = L;
+    }
+    __syncthreads();
+    float* po = part + ((u64)x * ns + s) * (8 * HD);
+    for (int e = tid; e < 8 * HD; e += blockDim.x) {
+        const int hs = 2 * (e & 3) + ((e >> 5) & 1);  // head slot of element e: 2 (lane % 4) + k % 2
+        float acc = 0.0f;
+#pragma unroll
+        for (int w = 0; w < DEC_W; w++) acc = fmaf(dec_o[w * (NT * 4 * 32) + e], sf[w][hs], acc);
+        po[e] = acc;
+    }
+}
+
+#define ATTN_DECODE(HD)                                                                                              \
+    extern "C" __global__ void __launch_bounds__(DEC_W * 32, 1)                                                    \
+    attn_decode_##HD(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ kc, \
+                     u16* __restrict__ vc, float* __restrict__ part, float* __restrict__ pml, int H, int KV,        \
+                     const int* __restrict__ posp, float scale) { PDL_ENTRY();                                       \
+        attn_decode_body<HD>(q, k, v, kc, vc, part, pml, H, KV, posp, scale);                                        \
+    }
+ATTN_DECODE(64)
+ATTN_DECODE(128)
+ATTN_DECODE(256)
+
+#define CMB_PF 16  // partials per warp attn_decode_combine requests at once (8 warps: 128 splits)
+
+// Merges the partial states of the blocks that held keys (dec_blocks), normalises and applies
+// the gate. Grid (KV * HG, hd / 4), 256 threads: block (x, k) owns fragment row k (32 elements:
+// lane l is o[k / 4][k % 4] of lane l, head slot 2 (l % 4) + k % 2); warp w first computes head
+// slot w's factors exp(M_s - M) and normaliser over the partials s, then sums partials s = w,
+// w + 8, ... of its element; the 8 warps' sums are added in order. Dynamic shared memory: ns * 8
+// floats.
+extern "C" __global__ void __launch_bounds__(256)
+attn_decode_combine(const float* __restrict__ part, const float* __restrict__ pml, const u16* __restrict__ gate,
+                    u16* __restrict__ out, int H, int KV, int hd, int ns, const int* __restrict__ posp) { PDL_ENTRY();
+    extern __shared__ float cf[];  // [ns][8]
+    __shared__ float cl[8], red[8][32];
+    const int G = H / KV, HG = (G + 7) / 8;
+    const int x = blockIdx.x, kk = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int nb = dec_blocks(posp[0] + 1, ns);
+    const int hs = 2 * (lane & 3) + (kk & 1);
+    const float* pe = part + (u64)x * ns * (8 * hd) + kk * 32 + lane;  // this element of partial 0
+    // This warp's elements of partials s = warp + 8r, requested before the factors are computed
+    // (both are L2 reads: they overlap); partials past 8 * CMB_PF (more than 128 splits) are read
+    // after.
+    float pv[CMB_PF];
+#pragma unroll
+    for (int r = 0; r < CMB_PF; r++) {
+        const int s = warp + 8 * r;
+        pv[r] = s < nb ? pe[(u64)s * (8 * hd)] : 0.0f;
+    }
+    {
+        const float* ml = pml + (u64)x * ns * 16 + 2 * warp;
+        float M = NEG_INF, L = 0.0f;
+        for (int s = lane; s < nb; s += 32)
+            if (ml[s * 16 + 1] > 0.0f) M = fmaxf(M, ml[s * 16]);
+        M = warp_max(M);
+        for (int s = lane; s < nb; s += 32) {
+            const float ls = ml[s * 16 + 1], f = ls > 0.0f ? expf(ml[s * 16] - M) : 0.0f;
+            cf[s * 8 + warp] = f;
+            L = fmaf(ls, f, L);
+        }
+        L = warp_sum(L);
+        if (lane == 0) cl[warp] = L;
+    }
+    __syncthreads();
+    float acc = 0.0f;
+#pragma unroll
+    for (int r = 0; r < CMB_PF; r++) {
+        const int s = warp + 8 * r;
+        if (s < nb) acc = fmaf(pv[r], cf[s * 8 + hs], acc);
+    }
+    for (int s = warp + 8 * CMB_PF; s < nb; s += 8) acc = fmaf(pe[(u64)s * (8 * hd)], cf[s * 8 + hs], acc);
+    red[warp][lane] = acc;
+    __syncthreads();
+    if (warp == 0) {
+        float o = 0.0f;
+#pragma unroll
+        for (int w = 0; w < 8; w++) o += red[w][lane];
+        const int kvh = x / HG, hg = x - kvh * HG;
+        if (hs < min(8, G - 8 * hg)) {
+            // Element (k, lane) is dim 64c + 8g + 2w' (+ 1 for k % 4 >= 2) of m-tile i = k / 4 = 4c + w'.
+            const int i = kk >> 2, d = 64 * (i >> 2) + 8 * (lane >> 2) + 2 * (i & 3) + ((kk >> 1) & 1);
+            const u64 at = (u64)(kvh * G + 8 * hg + hs) * hd + d;
+            out[at] = bf16_rn(o / cl[hs] * sigmoid_f(bf16f(gate[at])));
+        }
     }
 }
 

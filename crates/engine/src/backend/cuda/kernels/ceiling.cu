@@ -17,15 +17,6 @@
 
 #define MMA_CHAINS 8
 
-__device__ __forceinline__ u32 ceiling_hash(u64 x) {
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdull;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ull;
-    x ^= x >> 33;
-    return (u32)x;
-}
-
 // A bf16 in [-1, 1) from 24 random bits (upper half of the f32's bits: the bf16 itself).
 __device__ __forceinline__ u16 ceiling_bf16(u32 h) {
     float v = (float)(h >> 8) * (2.0f / 16777216.0f) - 1.0f;
@@ -36,7 +27,7 @@ extern "C" __global__ void __launch_bounds__(256)
 ceiling_fill_bf16(u16* __restrict__ p, u64 n, u32 seed) {
     u64 stride = (u64)gridDim.x * blockDim.x;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
-        p[i] = ceiling_bf16(ceiling_hash(i ^ ((u64)seed << 40)));
+        p[i] = ceiling_bf16(mix_hash(i ^ ((u64)seed << 40)));
 }
 
 extern "C" __global__ void __launch_bounds__(512)
@@ -59,12 +50,12 @@ ceiling_mma(float* __restrict__ out, int iters) {
     u32 a[4], b[2];
 #pragma unroll
     for (int r = 0; r < 4; r++) {
-        u32 h = ceiling_hash(4 * t + r);
+        u32 h = mix_hash(4 * t + r);
         a[r] = (u32)ceiling_bf16(h) | ((u32)ceiling_bf16(h * 2654435761u) << 16);
     }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
-        u32 h = ceiling_hash(~(2 * t + r));
+        u32 h = mix_hash(~(2 * t + r));
         b[r] = (u32)ceiling_bf16(h) | ((u32)ceiling_bf16(h * 2654435761u) << 16);
     }
     float c[MMA_CHAINS][4];

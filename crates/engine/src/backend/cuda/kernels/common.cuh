@@ -47,9 +47,11 @@ __device__ __forceinline__ u16 bf16_rn(float x) {
 // The two bf16 of a 32-bit word (element 2i in the low half, as in memory).
 __device__ __forceinline__ float bf16_lo(u32 w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf16_hi(u32 w) { return __uint_as_float(w & 0xffff0000u); }
-// Element i of a GEMM output that is f32 (obf = 0: logits, router logits) or an activation (obf = 1).
+// Element i of a GEMM output that is f32 (obf = 0: logits, router logits), an activation (obf = 1),
+// or added into f32 (obf = 2: the residual stream of matmul_q_add; each output has one writer).
 __device__ __forceinline__ void store_out(void* out, u64 i, float v, int obf) {
-    if (obf) ((u16*)out)[i] = bf16_rn(v);
+    if (obf == 1) ((u16*)out)[i] = bf16_rn(v);
+    else if (obf == 2) ((float*)out)[i] += v;
     else ((float*)out)[i] = v;
 }
 
@@ -57,6 +59,17 @@ __device__ __forceinline__ void store_out(void* out, u64 i, float v, int obf) {
 __device__ __forceinline__ float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float silu_f(float x) { return x * sigmoid_f(x); }
 __device__ __forceinline__ float softplus_f(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+// A 64 -> 32-bit mixing hash (the splitmix64 finaliser): device-side fills of measuring buffers
+// (ceiling.cu, lab.cu) that toggle bits like real data.
+__device__ __forceinline__ u32 mix_hash(u64 x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdull;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ull;
+    x ^= x >> 33;
+    return (u32)x;
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

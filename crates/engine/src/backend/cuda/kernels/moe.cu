@@ -45,57 +45,14 @@
 //                      format (checked on the host; otherwise the op returns false and the model
 //                      adds it with its unfused ops).
 
-#define ROUTE_MAXE 1024  // experts per row at most: 32 per lane in registers
 #define ROUTE_WARPS 4     // rows per block
 
 extern "C" __global__ void __launch_bounds__(32 * ROUTE_WARPS)
 moe_route(const float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ weights, int E, int k, int norm_topk,
           int rows) { PDL_ENTRY();
-    const int lane = threadIdx.x & 31;
     const int t = blockIdx.x * ROUTE_WARPS + (threadIdx.x >> 5);
     if (t >= rows) return;
-    const float* l = logits + (u64)t * E;
-    // Lane l holds experts l, l + 32, ... (unrolled and guarded: registers, not local memory).
-    float p[ROUTE_MAXE / 32];
-    float m = NEG_INF;
-#pragma unroll
-    for (int i = 0; i < ROUTE_MAXE / 32; i++) {
-        const int e = lane + 32 * i;
-        p[i] = e < E ? l[e] : NEG_INF;
-        m = fmaxf(m, p[i]);
-    }
-    m = warp_max(m);
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < ROUTE_MAXE / 32; i++) {
-        if (lane + 32 * i < E) {
-            p[i] = expf(p[i] - m);
-            s += p[i];
-        }
-    }
-    s = warp_sum(s);
-#pragma unroll
-    for (int i = 0; i < ROUTE_MAXE / 32; i++) p[i] = lane + 32 * i < E ? p[i] / s : NEG_INF;
-    float mine_p = 0.0f, sum = 0.0f;
-    int mine_i = 0;
-    for (int j = 0; j < k; j++) {
-        float bv = NEG_INF;
-        int bi = 0x7fffffff;
-#pragma unroll
-        for (int i = 0; i < ROUTE_MAXE / 32; i++)
-            if (better(p[i], lane + 32 * i, bv, bi)) { bv = p[i]; bi = lane + 32 * i; }
-        warp_argmax(bv, bi);
-#pragma unroll
-        for (int i = 0; i < ROUTE_MAXE / 32; i++)
-            if (lane + 32 * i == bi) p[i] = NEG_INF;  // taken
-        if (lane == j) { mine_p = bv; mine_i = bi; }
-        sum += bv;  // in slot order, as the CPU
-    }
-    // Lane j < k writes slot j.
-    if (lane < k) {
-        ids[(u64)t * k + lane] = (u32)mine_i;
-        weights[(u64)t * k + lane] = mine_p / (norm_topk ? sum : 1.0f);
-    }
+    route_warp(logits + (u64)t * E, ids + (u64)t * k, weights + (u64)t * k, E, k, norm_topk, threadIdx.x & 31);
 }
 
 extern "C" __global__ void moe_count(const u32* __restrict__ ids, int* __restrict__ counts, int n) { PDL_ENTRY();
@@ -260,3 +217,190 @@ __device__ __forceinline__ void moe_down_body(const u16* __restrict__ act, QMat 
     }
 
 FOR_EACH_FORMAT(MOE_KERNELS)
+
+// ---- Decode, weight-streaming (stream.cuh; the default where the formats allow, switch
+// `fuse_moe`): the routed experts and the shared expert of one token in two launches.
+//   moe_sw_gate_up_<B>_<U>  act[j·W + o] = bf16(silu(gate_e · x) · (up_e · x)) for slots j < k
+//                  (e = ids[j]) and slot k (the shared expert, its own matrices): gemv.cu's
+//                  geometry (8 warps cut K = hidden, x in registers, two register sets of
+//                  batches), a batch being RB = RW·U rows of one slot, each row's gate and up
+//                  chunks loaded together. Batches (k + 1)·ceil(W / RB), walked by a grid of
+//                  resident blocks, 256 threads.
+//   moe_sw_down_<B>_<U>     h[o] += Σ_j w_j · (down_e · act_j) + sigmoid(slogit) · (down_s · act_k):
+//                  the weighted combine (slot order, then the shared expert: cpu/moe.rs followed
+//                  by add_sigmoid_gated) and the residual add in the epilogue. Warp j is slot j
+//                  (32·(k+1) threads), covering the whole row (K = W ≤ 1024: C = K/32 chunks,
+//                  RW = 32/C rows per load) with act_j's chunk in registers; a batch is RB = RW·U
+//                  output rows, the slots' partials summed through shared memory. The per-slot
+//                  down outputs and the MoE output are not rounded to bf16 (they were, unfused).
+// Matches Backend::moe_decode_add's default (moe_experts_decode + the shared expert + add).
+
+#define SWG_MAXRB 128  // gate|up rows per batch at most
+#define SWD_MAXSLOTS 10
+#define SWD_MAXRB 64
+
+struct SwMoe {
+    QMat g, u, d;     // routed stacks [E, W, H], [E, W, H], [E, H, W]
+    QMat sg, su, sd;  // the shared expert
+    u64 x;            // const u16* [H]: the normed input
+    u64 ids;          // const u32* [k]
+    u64 wts;          // const float* [k]
+    u64 slogit;       // const float* [1]
+    u64 act;          // u16* [(k + 1)·W]
+    u64 h;            // float* [H]: the residual stream
+    int k;
+    int pad;
+};
+
+template <int BITS, int C, int U>
+__device__ __forceinline__ void moe_sw_gate_up_body(const SwMoe& p) {
+    constexpr int K = 256 * C, RW = 32 / C, RB = RW * U;
+    static_assert(RB <= SWG_MAXRB, "batch larger than the reduction buffer");
+    __shared__ float red[2][2][SW_WARPS][RB];
+    const int W = p.g.out;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int c = lane & (C - 1), r = lane / C;
+    const SwLane ln = sw_lane(p.g, warp * C + c);
+    const int nb = (W + RB - 1) / RB, total = (p.k + 1) * nb;
+    const u32* ids = (const u32*)p.ids;
+    int bt = blockIdx.x;
+    if (bt >= total) return;
+
+    // Two register sets (gate and up chunks of U rows each): the next batch loads while this
+    // one is computed.
+    SwUnit<BITS> ga[U], ua[U], gb[U], ub[U];
+    int j = bt / nb, row0 = (bt % nb) * RB;
+    auto load = [&](SwUnit<BITS> (&lg)[U], SwUnit<BITS> (&lu)[U]) {
+        const bool routed = j < p.k;
+        const int e = routed ? (int)ids[j] : 0;
+        const QMat G = routed ? p.g : p.sg, Uq = routed ? p.u : p.su;
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int o = row0 + u * RW + r;
+            if (o < W) {
+                sw_load<BITS>(G, e, o, ln, lg[u]);
+                sw_load<BITS>(Uq, e, o, ln, lu[u]);
+            } else {
+                sw_zero<BITS>(lg[u]);
+                sw_zero<BITS>(lu[u]);
+            }
+        }
+    };
+    load(ga, ua);
+    float xv[32];
+    const float xs = sw_x_act((const u16*)p.x, ln.ch, xv);
+
+    int par = 0;
+    auto step = [&](SwUnit<BITS> (&cg)[U], SwUnit<BITS> (&cu)[U], SwUnit<BITS> (&ng)[U], SwUnit<BITS> (&nu)[U]) -> bool {
+        const int cj = j, crow0 = row0;
+        const int nbt = bt + gridDim.x;
+        if (nbt < total) {
+            j = nbt / nb;
+            row0 = (nbt % nb) * RB;
+            load(ng, nu);
+        }
+        float pg[U], pu[U];
+        sw_dots<BITS, U, C>(cg, xv, xs, pg);
+        sw_dots<BITS, U, C>(cu, xv, xs, pu);
+        if (c == 0) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                red[par][0][warp][u * RW + r] = pg[u];
+                red[par][1][warp][u * RW + r] = pu[u];
+            }
+        }
+        __syncthreads();
+        if (tid < RB) {
+            float g = 0.0f, uv = 0.0f;
+#pragma unroll
+            for (int w = 0; w < SW_WARPS; w++) {
+                g += red[par][0][w][tid];
+                uv += red[par][1][w][tid];
+            }
+            const int o = crow0 + tid;
+            if (o < W) ((u16*)p.act)[(u64)cj * W + o] = bf16_rn(silu_f(g) * uv);
+        }
+        par ^= 1;
+        bt = nbt;
+        return nbt < total;
+    };
+    while (step(ga, ua, gb, ub) && step(gb, ub, ga, ua)) {
+    }
+}
+
+template <int BITS, int C, int U>
+__device__ __forceinline__ void moe_sw_down_body(const SwMoe& p) {
+    constexpr int K = 32 * C, RW = 32 / C, RB = RW * U;
+    static_assert(RB <= SWD_MAXRB, "batch larger than the reduction buffer");
+    __shared__ float red[2][SWD_MAXSLOTS][RB];
+    __shared__ float wt[SWD_MAXSLOTS];
+    const int H = p.d.out;
+    const int tid = threadIdx.x, j = tid >> 5, lane = tid & 31;
+    const int c = lane & (C - 1), r = lane / C;
+    const int nslot = p.k + 1;
+    const int nb = (H + RB - 1) / RB;
+    int bt = blockIdx.x;
+    if (bt >= nb) return;
+
+    const bool routed = j < p.k;
+    const int e = routed ? (int)((const u32*)p.ids)[j] : 0;
+    const QMat D = routed ? p.d : p.sd;
+    const SwLane ln = sw_lane(p.d, c);
+    SwUnit<BITS> ua[U], ub[U];
+    auto load = [&](int row0, SwUnit<BITS> (&un)[U]) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int o = row0 + u * RW + r;
+            if (o < H) sw_load<BITS>(D, e, o, ln, un[u]);
+            else sw_zero<BITS>(un[u]);
+        }
+    };
+    load(bt * RB, ua);
+    if (lane == 0) wt[j] = routed ? ((const float*)p.wts)[j] : sigmoid_f(((const float*)p.slogit)[0]);
+    float xv[32];
+    const float xs = sw_x_act((const u16*)p.act + (u64)j * K, c, xv);
+
+    int par = 0;
+    auto step = [&](SwUnit<BITS> (&cur)[U], SwUnit<BITS> (&nxt)[U]) -> bool {
+        const int crow0 = bt * RB;
+        const int nbt = bt + gridDim.x;
+        if (nbt < nb) load(nbt * RB, nxt);
+        float part[U];
+        sw_dots<BITS, U, C>(cur, xv, xs, part);
+        if (c == 0) {
+#pragma unroll
+            for (int u = 0; u < U; u++) red[par][j][u * RW + r] = part[u];
+        }
+        __syncthreads();
+        if (tid < RB) {
+            float v = 0.0f;
+            for (int s = 0; s < nslot; s++) v += wt[s] * red[par][s][tid];
+            const int o = crow0 + tid;
+            if (o < H) ((float*)p.h)[o] += v;
+        }
+        par ^= 1;
+        bt = nbt;
+        return nbt < nb;
+    };
+    while (step(ua, ub) && step(ub, ua)) {
+    }
+}
+
+// moe_sw_gate_up_<B>_<C>_<U> (hidden = 256·C) and moe_sw_down_<B>_<C>_<U> (width = 32·C).
+#define MOE_SW_GATE_UP(BITS, C, U)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, 2) moe_sw_gate_up_##BITS##_##C##_##U(SwMoe p) {        \
+        PDL_ENTRY();                                                                                        \
+        moe_sw_gate_up_body<BITS, C, U>(p);                                                                 \
+    }
+#define MOE_SW_DOWN(BITS, C, U)                                                                             \
+    extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS, 2) moe_sw_down_##BITS##_##C##_##U(SwMoe p) { \
+        PDL_ENTRY();                                                                                        \
+        moe_sw_down_body<BITS, C, U>(p);                                                                    \
+    }
+#define MOE_SW_KERNELS(BITS)                                                                                \
+    MOE_SW_GATE_UP(BITS, 1, 2) MOE_SW_GATE_UP(BITS, 2, 2) MOE_SW_GATE_UP(BITS, 4, 2) MOE_SW_GATE_UP(BITS, 8, 2) \
+    MOE_SW_GATE_UP(BITS, 16, 2) MOE_SW_DOWN(BITS, 2, 2) MOE_SW_DOWN(BITS, 4, 2) MOE_SW_DOWN(BITS, 8, 2)       \
+    MOE_SW_DOWN(BITS, 16, 2) MOE_SW_DOWN(BITS, 32, 2)
+
+MOE_SW_KERNELS(4)
+MOE_SW_KERNELS(8)

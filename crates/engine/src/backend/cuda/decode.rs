@@ -1,0 +1,245 @@
+//! The weight-streaming decode path of the CUDA backend: the host side of kernels/stream.cuh,
+//! gemv.cu (`sw_gemv_*`) and moe.cu's `moe_sw_*`.
+//!
+//! A decode step reads every active weight once (1.67 GB on the full model), so its GEMVs should
+//! run at the memory system's speed. These kernels keep a lane's slice of x in registers, load
+//! 16 bytes of codes per chunk with several chunks in flight, dequantise without int→float
+//! conversions, and run as one wave of resident blocks walking batches of rows (stream.cuh says
+//! why each). They also carry the small ops of a step that used to be launches of their own:
+//! the RMS norm before a layer's projections (each block normalises h itself), the residual add
+//! after its output projection (the epilogue adds into h), and the MoE combine with the shared
+//! expert's gate and the residual add (in the experts' down launch).
+//!
+//! Each piece has a switch (`SWITCHES` in mod.rs): `stream_gemv`, `fuse_norm`,
+//! `fuse_residual`, `fuse_moe`. A matrix the kernels cannot take (another format, a width the
+//! geometry does not divide: the `tiny` preset's 128) runs the warp-per-row kernels of matmul.cu.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use cudarc::driver::sys;
+
+use super::{grid1, Arg, Buf, Cuda, Fmt, Mat, QMat, Route, SharedExpert};
+
+/// `struct SwArgs` of gemv.cu (same layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct SwArgs {
+    m: [QMat; 4],
+    out: [u64; 4],
+    obf: [i32; 4],
+    bstart: [i32; 5],
+    n: i32,
+    x: u64,
+    nw: u64,
+    xn: u64,
+    rids: u64,
+    rwts: u64,
+    counter: u64,
+    eps: f32,
+    re: i32,
+    rk: i32,
+    ntopk: i32,
+}
+
+/// `struct SwMoe` of moe.cu (same layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct SwMoe {
+    g: QMat,
+    u: QMat,
+    d: QMat,
+    sg: QMat,
+    su: QMat,
+    sd: QMat,
+    x: u64,
+    ids: u64,
+    wts: u64,
+    slogit: u64,
+    act: u64,
+    h: u64,
+    k: i32,
+    pad: i32,
+}
+
+/// Rows per batch at most (SW_MAXRB in gemv.cu), and slots of the down kernel (SWD_MAXSLOTS in
+/// moe.cu; the experts' batch sizes are fixed by their instantiations there).
+const SW_MAXRB: usize = 128;
+const SWD_MAXSLOTS: usize = 10;
+
+/// The x of a streaming GEMV.
+pub(super) enum SwX<'a> {
+    /// A bf16 activation.
+    Act(&'a Buf),
+    /// `bf16(rms_norm(h) · w)` computed by every block (h and w f32), written to `xn` by block 0.
+    Norm { h: &'a Buf, w: &'a Buf, eps: f32, xn: Option<&'a Buf> },
+}
+
+/// Blocks of each kernel one SM holds at once (from the occupancy calculator), by name.
+#[derive(Default)]
+pub(super) struct Occupancy(Mutex<HashMap<String, u32>>);
+
+impl Cuda {
+    /// Bits of a format the streaming kernels take (bf16 scales and biases), else None.
+    fn sw_bits(fmt: Fmt) -> Option<usize> {
+        match fmt {
+            Fmt::Q4Bf16 => Some(4),
+            Fmt::Q8Bf16 => Some(8),
+            _ => None,
+        }
+    }
+
+    /// Chunks per lane per batch (two batches in flight): `default` (4 for the GEMVs, 2 for the
+    /// experts, whose pairs of gate and up chunks spill at 4); `LILY_CUDA_SW_U` (2, 4 or 8) for
+    /// measuring. Capped so a batch fits the reduction buffer.
+    fn sw_u(rw: usize, maxrb: usize, allowed: &[usize], default: usize) -> usize {
+        let want = std::env::var("LILY_CUDA_SW_U").ok().and_then(|v| v.parse().ok()).filter(|u| allowed.contains(u)).unwrap_or(default);
+        let mut u = want.min(*allowed.iter().max().unwrap_or(&4));
+        while u > allowed[0] && rw * u > maxrb {
+            u /= 2;
+        }
+        u
+    }
+
+    /// Whether the streaming GEMV takes these matrices as one launch: one stack each, one format
+    /// it reads, one width K with C = K/256 dividing 32 (the 8 warp slices of 32-input chunks).
+    pub(super) fn sw_fits(&self, ws: &[&Mat]) -> bool {
+        let Some(w0) = ws.first() else { return false };
+        let k = w0.inp;
+        self.on("stream_gemv")
+            && (1..=4).contains(&ws.len())
+            && Self::sw_bits(w0.fmt).is_some()
+            && k % 256 == 0
+            && 16 % (k / 256) == 0
+            && w0.gs % 32 == 0
+            && ws.iter().all(|w| w.fmt == w0.fmt && w.n == 1 && w.inp == k && w.gs == w0.gs && w.out > 0)
+    }
+
+    /// Blocks of kernel `name` the whole GPU holds at once with `threads` threads (one wave).
+    fn resident_blocks(&self, name: &str, threads: u32, smem: u32) -> u32 {
+        let key = format!("{name}/{threads}/{smem}");
+        if let Some(&n) = self.occupancy.0.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return n;
+        }
+        let per_sm = self
+            .func(name)
+            .and_then(|f| {
+                if smem > 32 * 1024 {
+                    // The opt-in `launch` makes, made first so the calculator counts with it.
+                    f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).ok()?;
+                }
+                f.occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None).ok()
+            })
+            .unwrap_or(1)
+            .max(1);
+        let n = per_sm * self.sm_count;
+        self.occupancy.0.lock().unwrap_or_else(|e| e.into_inner()).insert(key, n);
+        n
+    }
+
+    /// `outs[i] (type obf[i]: 0 f32, 1 bf16, 2 f32 +=) = x · ws[i]ᵀ` for one row of x, one launch
+    /// (callers check `sw_fits` and the buffers).
+    pub(super) fn sw_gemv(&self, x: SwX<'_>, ws: &[&Mat], outs: &[(u64, i32)]) {
+        self.sw_gemv_route(x, ws, outs, None)
+    }
+
+    /// `sw_gemv`, routing the token in the last block (`route`: the route to write, top-k, whether
+    /// to renormalise) from output 0, which must then be f32 router logits.
+    pub(super) fn sw_gemv_route(&self, x: SwX<'_>, ws: &[&Mat], outs: &[(u64, i32)], route: Option<(&Route, usize, bool)>) {
+        let k = ws[0].inp;
+        let bits = Self::sw_bits(ws[0].fmt).expect("sw_fits");
+        let rw = 32 / (k / 256);
+        // 8-bit (the router): U = 2 only (gemv.cu's instantiations).
+        let u = if bits == 8 { 2 } else { Self::sw_u(rw, SW_MAXRB, &[2, 4], 4) };
+        let rb = rw * u;
+        let mut p = SwArgs { m: [QMat::none(); 4], out: [0; 4], obf: [0; 4], bstart: [0; 5], n: ws.len() as i32, x: 0, nw: 0, xn: 0, rids: 0, rwts: 0, counter: 0, eps: 0.0, re: 0, rk: 0, ntopk: 0 };
+        for (i, (w, o)) in ws.iter().zip(outs).enumerate() {
+            p.m[i] = w.q();
+            p.out[i] = o.0;
+            p.obf[i] = o.1;
+            p.bstart[i + 1] = p.bstart[i] + w.out.div_ceil(rb) as i32;
+        }
+        for i in ws.len() + 1..5 {
+            p.bstart[i] = p.bstart[ws.len()];
+        }
+        let pro = match x {
+            SwX::Act(b) => {
+                p.x = b.mem.ptr;
+                0
+            }
+            SwX::Norm { h, w, eps, xn } => {
+                p.x = h.mem.ptr;
+                p.nw = w.mem.ptr;
+                p.eps = eps;
+                p.xn = xn.map_or(0, |b| b.mem.ptr);
+                1
+            }
+        };
+        if let Some((r, k, norm)) = route {
+            let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            // Zeroed when allocated; every launch leaves it at zero.
+            let Some(counter) = self.scratch(&mut sc, "route_counter", 4) else { return };
+            p.rids = r.ids.ptr;
+            p.rwts = r.weights.ptr;
+            p.counter = counter;
+            p.re = ws[0].out as i32;
+            p.rk = k as i32;
+            p.ntopk = norm as i32;
+        }
+        let name = format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256);
+        let batches = p.bstart[ws.len()] as u32;
+        let grid = batches.min(self.resident_blocks(&name, 256, 0));
+        self.launch(&name, (grid, 1, 1), 256, 0, &[Arg::S(Box::new(p))]);
+    }
+
+    /// `h += moe(x)` for one token as two streaming launches, when the experts and the shared
+    /// expert share a format the kernels read and the shapes fit their geometry; `false`: not
+    /// run (the caller composes the unfused ops).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn moe_sw(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, sh: &SharedExpert<'_, Cuda>, h: &mut Buf) -> bool {
+        let (hid, w, k) = (gate.inp, gate.out, route.k);
+        let fmt = gate.fmt;
+        let Some(bits) = Self::sw_bits(fmt) else { return false };
+        let same = [up.fmt, down.fmt, sh.gate.fmt, sh.up.fmt, sh.down.fmt].iter().all(|&f| f == fmt);
+        let shapes = sh.gate.out == w && sh.up.out == w && sh.down.inp == w && sh.gate.inp == hid && sh.down.out == hid && down.inp == w && down.out == hid;
+        let geometry = hid % 256 == 0 && 16 % (hid / 256) == 0 && w % 64 == 0 && w <= 1024 && 32 % (w / 32) == 0 && gate.gs % 32 == 0 && [up.gs, sh.gate.gs, sh.up.gs].iter().all(|&g| g == gate.gs) && down.gs % 32 == 0 && sh.down.gs == down.gs ;
+        if !(self.on("fuse_moe") && same && shapes && geometry && k + 1 <= SWD_MAXSLOTS && k > 0) {
+            return false;
+        }
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(act) = self.scratch(&mut sc, "moe_sw_act", 2 * (k + 1) * w) else { return true };
+        drop(sc);
+        let p = SwMoe {
+            g: gate.q(),
+            u: up.q(),
+            d: down.q(),
+            sg: sh.gate.q(),
+            su: sh.up.q(),
+            sd: sh.down.q(),
+            x: x.mem.ptr,
+            ids: route.ids.ptr,
+            wts: route.weights.ptr,
+            slogit: sh.logit.mem.ptr,
+            act,
+            h: h.mem.ptr,
+            k: k as i32,
+            pad: 0,
+        };
+        // gate|up: the gemv geometry over hidden, RW rows per load.
+        let rw = 32 / (hid / 256);
+        let u = 2; // the one instantiated (moe.cu): 4 spills
+        let name = format!("moe_sw_gate_up_{bits}_{}_{u}", hid / 256);
+        let batches = ((k + 1) * w.div_ceil(rw * u)) as u32;
+        let grid = batches.min(self.resident_blocks(&name, 256, 0));
+        self.launch(&name, (grid, 1, 1), 256, 0, &[Arg::E(Box::new(p))]);
+        // down: warp per slot over the whole row of W inputs, RW = 32 / (W/32) rows per load.
+        let rw = 32 / (w / 32);
+        let u = 2; // the one instantiated (moe.cu)
+        let name = format!("moe_sw_down_{bits}_{}_{u}", w / 32);
+        let threads = 32 * (k + 1) as u32;
+        let batches = grid1(hid, rw * u);
+        let grid = batches.min(self.resident_blocks(&name, threads, 0));
+        self.launch(&name, (grid, 1, 1), threads, 0, &[Arg::E(Box::new(p))]);
+        true
+    }
+}

@@ -1,0 +1,194 @@
+// gemv.cu: the weight-streaming decode GEMVs, one row of x against up to 4 matrices of one format
+// and width that read the same input (stream.cuh has the inner loop and why). Matches
+// cpu/matmul.rs (`matmul` with one row) and, with the prologues and epilogues below, the
+// compositions the Backend trait's defaults make: rms_norm + matmul_q_many (rms_norm_matmul),
+// matmul_q + add (matmul_q_add).
+//
+// sw_gemv_<B>_<U>_<PRO>: B = 4 or 8 bits (bf16 scales and biases), U chunks in flight per lane,
+// PRO the prologue:
+//   PRO 0: x is a bf16 activation [K].
+//   PRO 1: x = bf16(rms_norm(h) * w): h f32 [K] (the residual stream), w f32 [K]; every block
+//          computes the norm itself (h is 8 KB: cheaper than a launch), with the rms_norm kernel's
+//          exact arithmetic (same 256-thread strided sum, same block_sum, same expression), so
+//          its x equals rms_norm's output bit for bit; block 0 also writes x to `xn` when given.
+// Geometry: 256 threads = 8 warps; K (a multiple of 256 with C = K/256 dividing 32) is cut into
+// 8 warp slices, lane l of warp w owns chunk w·C + l%C and row l/C of each load of RW = 32/C
+// rows. A batch is RB = RW·U consecutive rows of one matrix; matrix i has batches
+// [bstart[i], bstart[i+1]). Blocks walk batches bt = blockIdx.x, + gridDim.x, … (the host sizes
+// the grid to the blocks the GPU holds at once), issuing batch bt + gridDim.x's loads before
+// computing batch bt (two register sets), then reducing: shuffles over the C lanes of a row,
+// then the 8 warps' partials summed in warp order through shared memory (double-buffered: one
+// barrier per batch). Tried and measured slower on the H200 (lily lab, same run): staging the
+// batches in shared memory with cp.async, 3 batches ahead (in_proj 16.2 against 14.3 µs, the
+// experts 15.5 against 14.2): bytes in flight are not what limits these kernels.
+// Epilogue per output (obf[i]): 0 f32 store, 1 bf16 store (rounded once), 2 f32 add (out[o] += v:
+// the residual stream; the sum is not rounded to bf16 first, unlike the unfused add).
+// ROUTE (rids != 0: the router | shared-gate launch of an MoE block, Backend::moe_router): the
+// last block to finish routes the token from matrix 0's f32 logits (route.cuh), saving the
+// moe_route launch; blocks count themselves on `counter` after a __threadfence.
+
+#define SW_MAXRB 128  // rows per batch at most (C = 1, U = 4)
+
+struct SwArgs {
+    QMat m[4];
+    u64 out[4];
+    int obf[4];
+    int bstart[5];
+    int n;
+    u64 x;    // PRO 0: const u16* [K]; PRO 1: const float* h [K]
+    u64 nw;   // PRO 1: const float* norm weight [K]
+    u64 xn;   // PRO 1: u16* [K] written by block 0, or 0
+    u64 rids;     // ROUTE: u32* [rk] expert ids of the top-rk of out[0] (f32 router logits), or 0
+    u64 rwts;     // ROUTE: float* [rk] their weights
+    u64 counter;  // ROUTE: u32 zeroed before the first launch; the last block resets it
+    float eps;
+    int re;       // ROUTE: experts (rows of matrix 0)
+    int rk;       // ROUTE: top-k
+    int ntopk;    // ROUTE: renormalise the top-k weights
+};
+
+__device__ __forceinline__ void sw_locate(const SwArgs& p, int bt, int rb, int& mi, int& row0) {
+    mi = 0;
+#pragma unroll
+    for (int j = 1; j < 4; j++)
+        if (j < p.n && bt >= p.bstart[j]) mi = j;
+    row0 = (bt - p.bstart[mi]) * rb;
+}
+
+// Matrix i of the argument block, selected without indexing the parameter array dynamically
+// (which would copy it to local memory).
+__device__ __forceinline__ QMat sw_mat(const SwArgs& p, int i) {
+    QMat m = p.m[0];
+#pragma unroll
+    for (int j = 1; j < 4; j++)
+        if (i == j) m = p.m[j];
+    return m;
+}
+
+__device__ __forceinline__ void sw_store(const SwArgs& p, int i, int o, float v) {
+    u64 out = p.out[0];
+    int obf = p.obf[0];
+#pragma unroll
+    for (int j = 1; j < 4; j++)
+        if (i == j) { out = p.out[j]; obf = p.obf[j]; }
+    store_out((void*)out, (u64)o, v, obf);
+}
+
+template <int BITS, int C, int U, int PRO>
+__device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
+    constexpr int K = 256 * C, RW = 32 / C, RB = RW * U;
+    static_assert(RB <= SW_MAXRB, "batch larger than the reduction buffer");
+    __shared__ float red[2][SW_WARPS][RB];
+    __shared__ float sh[32];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int c = lane & (C - 1), r = lane / C;
+    const SwLane ln = sw_lane(p.m[0], warp * C + c);
+    const int ch = ln.ch;
+    const int total = p.bstart[p.n];
+    int bt = blockIdx.x;
+    if (bt >= total) return;
+
+    // The first batch's weights are requested before x is known: they do not depend on it.
+    int mi, row0;
+    sw_locate(p, bt, RB, mi, row0);
+    QMat m = sw_mat(p, mi);
+    SwUnit<BITS> un[U], un2[U];
+    auto load = [&](SwUnit<BITS> (&dst)[U]) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int o = row0 + u * RW + r;
+            if (o < m.out) sw_load<BITS>(m, 0, o, ln, dst[u]);
+            else sw_zero<BITS>(dst[u]);
+        }
+    };
+    load(un);
+
+    float xv[32];
+    float xs;
+    if constexpr (PRO == 0) {
+        xs = sw_x_act((const u16*)p.x, ch, xv);
+    } else {
+        const float* h = (const float*)p.x;
+        const float* w = (const float*)p.nw;
+        float ss = 0.0f;
+        for (int i = tid; i < K; i += blockDim.x) ss += h[i] * h[i];
+        ss = block_sum(ss, sh);
+        const float rr = 1.0f / sqrtf(ss / (float)K + p.eps);
+        const float4* h4 = (const float4*)(h + ch * 32);
+        const float4* w4 = (const float4*)(w + ch * 32);
+        xs = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const float4 hv = h4[i], wv = w4[i];
+            xv[4 * i] = bf16f(bf16_rn(hv.x * rr * wv.x));
+            xv[4 * i + 1] = bf16f(bf16_rn(hv.y * rr * wv.y));
+            xv[4 * i + 2] = bf16f(bf16_rn(hv.z * rr * wv.z));
+            xv[4 * i + 3] = bf16f(bf16_rn(hv.w * rr * wv.w));
+        }
+#pragma unroll
+        for (int i = 0; i < 32; i++) xs += xv[i];
+        if (blockIdx.x == 0 && p.xn != 0 && r == 0) {
+            uint4* o = (uint4*)((u16*)p.xn + ch * 32);
+#pragma unroll
+            for (int i = 0; i < 4; i++) o[i] = sw_pack8(xv, i);
+        }
+    }
+
+    // Two register sets: batch bt in `cur` while batch bt + gridDim.x loads into `nxt`.
+    int par = 0;
+    auto step = [&](SwUnit<BITS> (&cur)[U], SwUnit<BITS> (&nxt)[U]) -> bool {
+        const int cur_mi = mi, cur_row0 = row0, cur_out = m.out;
+        const int nbt = bt + gridDim.x;
+        if (nbt < total) {
+            sw_locate(p, nbt, RB, mi, row0);
+            m = sw_mat(p, mi);
+            load(nxt);
+        }
+        float part[U];
+        sw_dots<BITS, U, C>(cur, xv, xs, part);
+        if (c == 0) {
+#pragma unroll
+            for (int u = 0; u < U; u++) red[par][warp][u * RW + r] = part[u];
+        }
+        __syncthreads();
+        if (tid < RB) {
+            float v = 0.0f;
+#pragma unroll
+            for (int w = 0; w < SW_WARPS; w++) v += red[par][w][tid];
+            const int o = cur_row0 + tid;
+            if (o < cur_out) sw_store(p, cur_mi, o, v);
+        }
+        par ^= 1;
+        bt = nbt;
+        return nbt < total;
+    };
+    while (step(un, un2) && step(un2, un)) {
+    }
+    if (p.rids != 0) {
+        // Route in the last block to finish (moe_route's arithmetic, route.cuh): each block makes
+        // its logits visible, then takes a ticket; the last ticket's block routes and resets the
+        // counter for the next launch (a recorded step replays this one).
+        __shared__ int last;
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) last = atomicAdd((u32*)p.counter, 1u) == gridDim.x - 1;
+        __syncthreads();
+        if (last) {
+            if (warp == 0) route_warp((const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk, lane);
+            if (tid == 0) *(u32*)p.counter = 0u;
+        }
+    }
+}
+
+// sw_gemv_<B>_<C>_<U>_<PRO>: K = 256·C inputs (C = 1, 2, 4, 8, 16: K = 256 … 4096).
+#define SW_GEMV_KERNEL(BITS, C, U, PRO)                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, 2) sw_gemv_##BITS##_##C##_##U##_##PRO(SwArgs p) { \
+        PDL_ENTRY();                                                                                       \
+        sw_gemv_body<BITS, C, U, PRO>(p);                                                                  \
+    }
+#define SW_GEMV_PRO(BITS, C, U) SW_GEMV_KERNEL(BITS, C, U, 0) SW_GEMV_KERNEL(BITS, C, U, 1)
+#define SW_GEMV_C(BITS, U) SW_GEMV_PRO(BITS, 1, U) SW_GEMV_PRO(BITS, 2, U) SW_GEMV_PRO(BITS, 4, U) SW_GEMV_PRO(BITS, 8, U) SW_GEMV_PRO(BITS, 16, U)
+
+SW_GEMV_C(4, 4)
+SW_GEMV_C(4, 2)
+SW_GEMV_C(8, 2)
