@@ -75,11 +75,16 @@ fn cpu_matches_mlx_lm_f32_on_small() {
     }
     let want: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&fixture).expect("fixture")).expect("json");
     eprintln!("oracle small: MLX bf16 vs f32 {mlx}");
-    // The oracle runs on the CPU in f32 / bf16 deterministically; 1e-6 relative allows a change of
-    // MLX's summation order without hiding a different checkpoint or prompt.
-    for k in ["top1_agreement", "perplexity_f32", "perplexity_bf16"] {
+    // The oracle runs on the CPU deterministically; 1e-6 relative allows a change of MLX's
+    // summation order without hiding a different checkpoint or prompt. Its bf16 run also depends
+    // on the CPU: where the CPU has native bf16 arithmetic (AVX512-BF16: seen on an AMD EPYC of
+    // this workplace) MLX's bf16 kernels round differently, and the bf16 perplexity moved by
+    // 0.17% (35,484 against the fixture's 35,546, the f32 values equal to 1e-6). So the bf16
+    // perplexity is held to 1% of the fixture's: a different checkpoint or prompt moves it by
+    // far more (the f32 checks catch those sharply), and the fixture stays the CUDA test's bar.
+    for (k, tol) in [("top1_agreement", 1e-6), ("perplexity_f32", 1e-6), ("perplexity_bf16", 1e-2)] {
         let (a, b) = (mlx[k].as_f64().unwrap(), want[k].as_f64().unwrap());
-        assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "fixture {}: {k} is {b}, the oracle gives {a} (rerun with LILY_WRITE_FIXTURES=1)", fixture.display());
+        assert!((a - b).abs() <= tol * b.abs().max(1.0), "fixture {}: {k} is {b}, the oracle gives {a} (tolerance {tol} relative; rerun with LILY_WRITE_FIXTURES=1)", fixture.display());
     }
 
     // Greedy continuation through lily's prefill + decode path.
