@@ -64,9 +64,13 @@
 //!   launch error) is kept and returned by the next `to_host` / `step_token` / `check`; after it the
 //!   backend launches nothing more.
 
+mod attention;
 mod ceiling;
-pub mod lab;
 mod decode;
+mod experts;
+mod gdn;
+pub mod lab;
+mod matmul;
 mod nvrtc;
 
 use std::collections::{HashMap, HashSet};
@@ -1142,159 +1146,13 @@ impl Backend for Cuda {
     }
 
     fn attn_qk_norm_rope(&self, qg: &Buf, k: &mut Buf, q_norm: &Buf, k_norm: &Buf, d: &Dims, rows: usize, pos0: usize, step: Option<&Step>, q: &mut Buf, gate: &mut Buf) {
-        let op = "attn_qk_norm_rope";
-        let (h, kv, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
-        if rows == 0
-            || !(self.ensure(hd % 32 == 0 && hd <= 256 && d.rotary_dim <= hd && d.rotary_dim.is_multiple_of(2), || format!("{op}: head_dim {hd} / rotary {} not supported", d.rotary_dim))
-                && self.act_ok(qg, rows * h * 2 * hd, "qg", op)
-                && self.act_ok(k, rows * kv * hd, "k", op)
-                && self.buf_ok(q_norm, hd, "q_norm", op)
-                && self.buf_ok(k_norm, hd, "k_norm", op)
-                && self.act_ok(q, rows * h * hd, "q", op)
-                && self.act_ok(gate, rows * h * hd, "gate", op))
-        {
-            return;
-        }
-        self.launch(
-            op,
-            (rows as u32, (h + kv) as u32, 1),
-            128,
-            (4 * hd) as u32,
-            &[
-                Arg::P(qg.mem.ptr),
-                Arg::P(k.mem.ptr),
-                Arg::P(q_norm.mem.ptr),
-                Arg::P(k_norm.mem.ptr),
-                Arg::P(q.mem.ptr),
-                Arg::P(gate.mem.ptr),
-                Arg::I(h as i32),
-                Arg::I(kv as i32),
-                Arg::I(hd as i32),
-                Arg::I(d.rotary_dim as i32),
-                Arg::D(d.rope_theta),
-                Arg::I(pos0 as i32),
-                Arg::F(d.eps),
-                Arg::P(step.map_or(0, |s| s.pos_ptr())),
-            ],
-        );
+        self.attn_qk_norm_rope_op(qg, k, q_norm, k_norm, d, rows, pos0, step, q, gate)
     }
     fn attn_prefill(&self, q: &Buf, k: &Buf, v: &Buf, gate: &Buf, kv: &mut KvCache<Buf>, d: &Dims, rows: usize, pos0: usize, out: &mut Buf) {
-        let op = "attention";
-        let (h, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
-        let kvd = kvh * hd;
-        if rows == 0
-            || !(self.ensure(hd % 32 == 0 && hd <= 256 && kvh > 0 && h % kvh == 0, || format!("{op}: {h} heads / {kvh} kv heads of {hd} not supported"))
-                && self.kv_ok(kv, kvd, op)
-                && self.ensure(pos0 + rows <= kv.capacity, || format!("{op}: KV cache overflow ({pos0} + {rows} > {})", kv.capacity))
-                && self.act_ok(q, rows * h * hd, "q", op)
-                && self.act_ok(k, rows * kvd, "k", op)
-                && self.act_ok(v, rows * kvd, "v", op)
-                && self.act_ok(gate, rows * h * hd, "gate", op)
-                && self.act_ok(out, rows * h * hd, "out", op))
-        {
-            return;
-        }
-        // k, v -> rows pos0.. of the caches (bf16 to bf16): four values per thread.
-        self.launch(
-            "kv_append",
-            (grid1(rows * kvd / 4, 256), 1, 1),
-            256,
-            0,
-            &[Arg::P(k.mem.ptr), Arg::P(v.mem.ptr), Arg::P(kv.k.mem.ptr), Arg::P(kv.v.mem.ptr), Arg::I(kvd as i32), Arg::I(rows as i32), Arg::I(pos0 as i32), Arg::P(0)],
-        );
-        let scale = 1.0 / (hd as f32).sqrt();
-        let group = h / kvh;
-        // Both kernels take (q, gate, K, V, out, H, KV, <rows | hd>, pos0, scale).
-        let (name, grid, threads, smem, rows_or_hd) = if self.tensor_core_attention() && matches!(hd, 64 | 128 | 256) && 64 % group == 0 {
-            // attn_tc_<hd>: 64 query rows (64/group tokens × group heads) per block, Q/K/V tiles of
-            // 64 × (hd + 8) bf16 in dynamic shared memory.
-            let tq = 64 / group;
-            (format!("attn_tc_{hd}"), (grid1(rows, tq), kvh as u32, 1), 128, (3 * 64 * (hd + 8) * 2) as u32, rows)
-        } else {
-            ("attn_rows".to_string(), (rows as u32, h as u32, 1), 256, 0, hd)
-        };
-        self.launch(
-            &name,
-            grid,
-            threads,
-            smem,
-            &[
-                Arg::P(q.mem.ptr),
-                Arg::P(gate.mem.ptr),
-                Arg::P(kv.k.mem.ptr),
-                Arg::P(kv.v.mem.ptr),
-                Arg::P(out.mem.ptr),
-                Arg::I(h as i32),
-                Arg::I(kvh as i32),
-                Arg::I(rows_or_hd as i32),
-                Arg::I(pos0 as i32),
-                Arg::F(scale),
-            ],
-        );
+        self.attn_prefill_op(q, k, v, gate, kv, d, rows, pos0, out)
     }
     fn attn_decode(&self, q: &Buf, k: &Buf, v: &Buf, gate: &Buf, kv: &mut KvCache<Buf>, d: &Dims, pos: usize, step: &Step, out: &mut Buf) {
-        let op = "attn_decode";
-        let (h, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
-        let kvd = kvh * hd;
-        if !(self.ensure(matches!(hd, 64 | 128 | 256) && kvh > 0 && h % kvh == 0, || format!("{op}: {h} heads / {kvh} kv heads of {hd} not supported (head_dim 64, 128 or 256)"))
-            && self.kv_ok(kv, kvd, op)
-            && self.ensure(pos < kv.capacity, || format!("{op}: KV cache overflow ({pos} + 1 > {})", kv.capacity))
-            && self.act_ok(q, h * hd, "q", op)
-            && self.act_ok(k, kvd, "k", op)
-            && self.act_ok(v, kvd, "v", op)
-            && self.act_ok(gate, h * hd, "gate", op)
-            && self.act_ok(out, h * hd, "out", op))
-        {
-            return;
-        }
-        // Everything below depends on the capacity and the device, not on `pos`: the position is
-        // read from the step on the device (a recorded step serves every position below the
-        // capacity), and so is the split of the keys over the blocks (dec_blocks in attention.cu).
-        let posp = step.pos_ptr();
-        // Blocks of up to 8 query heads sharing a KV head (x = KV head × group), and per block
-        // row `ns` splits: one block per SM in all (the kernel's 8 warps of 218 registers leave
-        // no room for a second block), so every SM streams the cache at every position; a small
-        // capacity takes fewer (at least 64 keys per block).
-        let groups = (h / kvh).div_ceil(8);
-        let x = kvh * groups;
-        let sms = self.ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_or(1, |n| n.max(1) as usize);
-        let ns = (sms / x).max(1).min(kv.capacity.div_ceil(ATT_DEC_WARPS * ATT_DEC_KEYS));
-        // Partial states: the unnormalised outputs (8 head slots × hd f32 per block), then (max,
-        // normaliser) per head slot.
-        let (po, pml) = (x * ns * 8 * hd, x * ns * 16);
-        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(part) = self.scratch(&mut sc, "attn_part", 4 * (po + pml)) else { return };
-        let pml_ptr = part + 4 * po as u64;
-        let scale = 1.0 / (hd as f32).sqrt();
-        // This step's k, v are read from their buffers and written into cache row pos by the
-        // same launch (no kv_append). Dynamic shared memory: the 8 warps' output fragments, f32.
-        self.launch(
-            &format!("attn_decode_{hd}"),
-            (x as u32, ns as u32, 1),
-            (ATT_DEC_WARPS * 32) as u32,
-            (ATT_DEC_WARPS * 8 * hd * 4) as u32,
-            &[
-                Arg::P(q.mem.ptr),
-                Arg::P(k.mem.ptr),
-                Arg::P(v.mem.ptr),
-                Arg::P(kv.k.mem.ptr),
-                Arg::P(kv.v.mem.ptr),
-                Arg::P(part),
-                Arg::P(pml_ptr),
-                Arg::I(h as i32),
-                Arg::I(kvh as i32),
-                Arg::P(posp),
-                Arg::F(scale),
-            ],
-        );
-        // One block per (head group, fragment row of 32 outputs); shared memory: ns × 8 factors.
-        self.launch(
-            "attn_decode_combine",
-            (x as u32, (hd / 4) as u32, 1),
-            256,
-            (ns * 8 * 4) as u32,
-            &[Arg::P(part), Arg::P(pml_ptr), Arg::P(gate.mem.ptr), Arg::P(out.mem.ptr), Arg::I(h as i32), Arg::I(kvh as i32), Arg::I(hd as i32), Arg::I(ns as i32), Arg::P(posp)],
-        );
+        self.attn_decode_op(q, k, v, gate, kv, d, pos, step, out)
     }
 
     fn conv1d_prefill(&self, x: &Buf, w: &Buf, state: &mut Buf, d: &Dims, rows: usize, out: &mut Buf) {
@@ -1304,168 +1162,20 @@ impl Backend for Cuda {
         self.conv(x, w, state, d, 1, out, "conv1d_step")
     }
     fn gdn_prefill(&self, qkv: &Buf, z: &Buf, b: &Buf, a: &Buf, w: &GdnParams<Buf>, state: &mut Buf, d: &Dims, rows: usize, out: &mut Buf) {
-        let op = "gdn";
-        let (hk, hv, dk, dv) = (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim);
-        let c = d.conv_channels();
-        if rows == 0
-            || !(self.ensure(matches!(dk, 32 | 64 | 128) && dv % 4 == 0 && hk > 0 && hv % hk == 0, || format!("{op}: key dim {dk} / value dim {dv} / heads {hk}:{hv} not supported"))
-                && self.act_ok(qkv, rows * c, "qkv", op)
-                && self.act_ok(z, rows * hv * dv, "z", op)
-                && self.act_ok(b, rows * hv, "b", op)
-                && self.act_ok(a, rows * hv, "a", op)
-                && self.buf_ok(&w.a_log, hv, "a_log", op)
-                && self.buf_ok(&w.dt_bias, hv, "dt_bias", op)
-                && self.buf_ok(&w.norm, dv, "norm", op)
-                && self.buf_ok(state, hv * dv * dk, "state", op)
-                && self.act_ok(out, rows * hv * dv, "out", op))
-        {
-            return;
-        }
-        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(y) = self.scratch(&mut sc, "gdn_y", 4 * rows * hv * dv) else { return };
-        let rpw = if rows == 1 { GDN_RPW_DECODE } else { GDN_RPW_PREFILL };
-        let warps = hv * dv / rpw;
-        self.launch(
-            &format!("gdn_scan_{}_{rpw}", dk / 32),
-            (grid1(warps, 4), 1, 1),
-            128,
-            0,
-            &[
-                Arg::P(qkv.mem.ptr),
-                Arg::P(b.mem.ptr),
-                Arg::P(a.mem.ptr),
-                Arg::P(w.a_log.mem.ptr),
-                Arg::P(w.dt_bias.mem.ptr),
-                Arg::P(state.mem.ptr),
-                Arg::P(y),
-                Arg::I(rows as i32),
-                Arg::I(hk as i32),
-                Arg::I(hv as i32),
-                Arg::I(dv as i32),
-            ],
-        );
-        self.launch(
-            "gdn_gated_norm",
-            (rows as u32, hv as u32, 1),
-            128,
-            0,
-            &[Arg::P(y), Arg::P(z.mem.ptr), Arg::P(w.norm.mem.ptr), Arg::P(out.mem.ptr), Arg::I(hv as i32), Arg::I(dv as i32), Arg::F(d.eps)],
-        );
+        self.gdn_prefill_op(qkv, z, b, a, w, state, d, rows, out)
     }
     fn gdn_decode(&self, qkv: &Buf, z: &Buf, b: &Buf, a: &Buf, w: &GdnParams<Buf>, state: &mut Buf, d: &Dims, out: &mut Buf) {
         self.gdn_prefill(qkv, z, b, a, w, state, d, 1, out)
     }
 
     fn moe_route(&self, logits: &Buf, d: &Dims, rows: usize, route: &mut Route) {
-        let op = "moe_route";
-        let (e, k) = (d.n_experts, d.top_k);
-        if rows == 0
-            || !(self.ensure(e <= 1024 && k <= 32 && k <= e && k > 0, || format!("{op}: {e} experts / top-{k} not supported"))
-                && self.ensure(rows * k <= route.cap, || format!("{op}: route holds {} entries, {rows}×{k} needed", route.cap))
-                && self.buf_ok(logits, rows * e, "logits", op))
-        {
-            return;
-        }
-        route.k = k;
-        // One warp per row, ROUTE_WARPS rows per block (moe.cu).
-        self.launch(
-            op,
-            (grid1(rows, ROUTE_WARPS), 1, 1),
-            32 * ROUTE_WARPS as u32,
-            0,
-            &[Arg::P(logits.mem.ptr), Arg::P(route.ids.ptr), Arg::P(route.weights.ptr), Arg::I(e as i32), Arg::I(k as i32), Arg::I(d.norm_topk as i32), Arg::I(rows as i32)],
-        );
+        self.moe_route_op(logits, d, rows, route)
     }
     fn moe_experts_prefill(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, d: &Dims, rows: usize, out: &mut Buf) {
-        let op = "moe_experts_prefill";
-        let (h, k, ne) = (d.hidden, route.k, d.n_experts);
-        let width = gate.out;
-        if rows == 0
-            || !(self.experts_ok(gate, up, down, d, op) && self.ensure(rows * k <= route.cap, || format!("{op}: route of {} entries, {rows}×{k} needed", route.cap)) && self.act_ok(x, rows * h, "x", op) && self.act_ok(out, rows * h, "out", op))
-        {
-            return;
-        }
-        let n = rows * k;
-        let max_tiles = n.div_ceil(64) + ne.min(n);
-        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let bufs = (|| {
-            Some((
-                self.scratch(&mut sc, "moe_counts", 4 * ne)?,
-                self.scratch(&mut sc, "moe_offsets", 4 * (ne + 1))?,
-                self.scratch(&mut sc, "moe_cursor", 4 * ne)?,
-                self.scratch(&mut sc, "moe_tiles", 12 * max_tiles)?,
-                self.scratch(&mut sc, "moe_ntiles", 4)?,
-                self.scratch(&mut sc, "moe_perm", 4 * n)?,
-            ))
-        })();
-        let Some((counts, offsets, cursor, tiles, ntiles, perm)) = bufs else { return };
-        // The op's intermediates are bf16 activations (moe.cu).
-        let acts = (|| Some((self.scratch(&mut sc, "moe_g", 2 * n * width)?, self.scratch(&mut sc, "moe_u", 2 * n * width)?, self.scratch(&mut sc, "moe_act", 2 * n * width)?, self.scratch(&mut sc, "moe_y", 2 * n * h)?)))();
-        let Some((g, u, act, y)) = acts else { return };
-        self.memset0(counts, 4 * ne);
-        self.launch("moe_count", (grid1(n, 256), 1, 1), 256, 0, &[Arg::P(route.ids.ptr), Arg::P(counts), Arg::I(n as i32)]);
-        self.launch("moe_plan", (1, 1, 1), 32, 0, &[Arg::P(counts), Arg::P(offsets), Arg::P(cursor), Arg::P(tiles), Arg::P(ntiles), Arg::I(ne as i32)]);
-        self.launch("moe_scatter", (grid1(n, 256), 1, 1), 256, 0, &[Arg::P(route.ids.ptr), Arg::P(cursor), Arg::P(perm), Arg::I(n as i32)]);
-        let tc = self.tensor_core_gemm();
-        let (kernel, threads, smem) = if tc { ("moe_tc_gemm", 128, TC_SMEM_1) } else { ("moe_gemm", 256, 0) };
-        let gemm = |m: &Mat, src: u64, dst: u64, mode: i32| {
-            self.launch(
-                &format!("{kernel}_{}", m.fmt.suffix()),
-                (grid1(m.out, 64), max_tiles as u32, 1),
-                threads,
-                smem,
-                &[Arg::P(src), Arg::Q(m.q()), Arg::P(perm), Arg::P(tiles), Arg::P(ntiles), Arg::P(dst), Arg::I(k as i32), Arg::I(mode)],
-            )
-        };
-        gemm(gate, x.mem.ptr, g, 0);
-        gemm(up, x.mem.ptr, u, 0);
-        self.launch("swiglu", (grid1(n * width, 256), 1, 1), 256, 0, &[Arg::P(g), Arg::P(u), Arg::P(act), Arg::P((n * width) as u64)]);
-        gemm(down, act, y, 1);
-        self.launch("moe_combine", (rows as u32, grid1(h, 256), 1), 256, 0, &[Arg::P(y), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::I(h as i32), Arg::P(0)]);
+        self.moe_experts_prefill_op(x, route, gate, up, down, d, rows, out)
     }
     fn moe_experts_decode(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Buf) -> bool {
-        let op = "moe_experts_decode";
-        let (h, k) = (d.hidden, route.k);
-        let width = gate.out;
-        if !(self.experts_ok(gate, up, down, d, op)
-            && self.ensure(gate.fmt == up.fmt, || format!("{op}: gate and up weights in different formats"))
-            && self.act_ok(x, h, "x", op)
-            && self.act_ok(out, h, "out", op))
-        {
-            return false;
-        }
-        if let Some(sh) = shared {
-            let ws = sh.gate.out;
-            if !(self.ensure(sh.gate.n == 1 && sh.up.n == 1 && sh.down.n == 1 && sh.gate.inp == h && sh.up.inp == h && sh.up.out == ws && sh.down.inp == ws && sh.down.out == h, || {
-                format!("{op}: shared expert shapes gate {}×{}, up {}×{}, down {}×{} do not fit hidden {h}", sh.gate.out, sh.gate.inp, sh.up.out, sh.up.inp, sh.down.out, sh.down.inp)
-            }) && self.buf_ok(sh.logit, 1, "shared logit", op))
-            {
-                return false;
-            }
-        }
-        // The shared expert rides in the routed kernels as slot k when it has their format;
-        // otherwise the model adds it with its unfused ops.
-        let fold = shared.filter(|sh| sh.gate.fmt == gate.fmt && sh.up.fmt == gate.fmt && sh.down.fmt == down.fmt);
-        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let ws = fold.map_or(0, |sh| sh.gate.out);
-        let slots = k + fold.is_some() as usize;
-        let Some(act) = self.scratch(&mut sc, "moe_act1", 2 * (k * width + ws)) else { return false };
-        let Some(y) = self.scratch(&mut sc, "moe_y1", 2 * slots * h) else { return false };
-        let none = QMat::none();
-        let (sg, su, sd, slogit) = match fold {
-            Some(sh) => (sh.gate.q(), sh.up.q(), sh.down.q(), sh.logit.mem.ptr),
-            None => (none, none, none, 0),
-        };
-        self.launch(
-            &format!("moe_gate_up_{}", gate.fmt.suffix()),
-            (grid1(width.max(ws), 8), slots as u32, 1),
-            256,
-            0,
-            &[Arg::P(x.mem.ptr), Arg::Q(gate.q()), Arg::Q(up.q()), Arg::P(route.ids.ptr), Arg::P(act), Arg::Q(sg), Arg::Q(su), Arg::I(k as i32)],
-        );
-        self.launch(&format!("moe_down_{}", down.fmt.suffix()), (grid1(h, 8), slots as u32, 1), 256, 0, &[Arg::P(act), Arg::Q(down.q()), Arg::P(route.ids.ptr), Arg::P(y), Arg::I(k as i32), Arg::Q(sd)]);
-        self.launch("moe_combine", (1, grid1(h, 256), 1), 256, 0, &[Arg::P(y), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::I(h as i32), Arg::P(slogit)]);
-        fold.is_some()
+        self.moe_experts_decode_op(x, route, gate, up, down, shared, d, out)
     }
     fn swiglu(&self, g: &Buf, u: &Buf, len: usize, out: &mut Buf) {
         if len == 0 || !(self.act_ok(g, len, "g", "swiglu") && self.act_ok(u, len, "u", "swiglu") && self.act_ok(out, len, "out", "swiglu")) {
@@ -1491,91 +1201,5 @@ impl Backend for Cuda {
         let (Some(pv), Some(pi)) = (self.scratch(&mut sc, "argmax_pv", 4 * ARGMAX_PARTS), self.scratch(&mut sc, "argmax_pi", 4 * ARGMAX_PARTS)) else { return };
         self.launch("argmax_partial", (parts as u32, 1, 1), 256, 0, &[Arg::P(logits.mem.ptr), Arg::P(pv), Arg::P(pi), Arg::I(vocab as i32)]);
         self.launch("argmax_step", (1, 1, 1), 1024, 0, &[Arg::P(pv), Arg::P(pi), Arg::P(step.mem.ptr), Arg::I(parts as i32)]);
-    }
-}
-
-impl Cuda {
-    /// `out (type obf: 0 f32, 1 bf16, 2 f32 +=) = x · Wᵀ` by shape: the streaming GEMV for one
-    /// row where it fits, the warp-per-row GEMVs up to 8 rows, skinny matrices, then the
-    /// tensor-core (or SIMT) GEMM. The caller checked the operands.
-    fn matmul_into(&self, x: &Buf, w: &Mat, rows: usize, out: u64, obf: i32) {
-        if rows == 1 && self.sw_fits(&[w]) {
-            self.sw_gemv(decode::SwX::Act(x), &[w], &[(out, obf)]);
-            return;
-        }
-        let args = [Arg::P(x.mem.ptr), Arg::Q(w.q()), Arg::P(out), Arg::I(rows as i32), Arg::I(obf)];
-        if rows <= 8 {
-            let r = rows.next_power_of_two();
-            let ahead = if r == 1 { gemv_ahead(w.out) } else { "" };
-            self.launch(&format!("gemv{r}{ahead}_{}", w.fmt.suffix()), (grid1(w.out, 8), 1, 1), 256, 0, &args);
-        } else if w.out <= SKINNY_OUT {
-            // Block y takes row y: each warp one (row, output) dot, x rows shared through L1.
-            self.launch(&format!("gemv1_{}", w.fmt.suffix()), (grid1(w.out, 8), rows as u32, 1), 256, 0, &args);
-        } else if self.tensor_core_gemm() {
-            self.launch(&format!("tc_gemm_{}", w.fmt.suffix()), (grid1(w.out, 64), grid1(rows, 64), 1), 128, TC_SMEM_1, &args);
-        } else {
-            self.launch(&format!("gemm_{}", w.fmt.suffix()), (grid1(w.out, 64), grid1(rows, 64), 1), 256, 0, &args);
-        }
-    }
-
-    /// matmul_q_many on the warp-per-row kernels of matmul.cu (one launch for a decode row of
-    /// matrices in one format; otherwise one matmul_q each).
-    fn matmul_q_many_warp(&self, x: &Buf, ws: &[&Mat], rows: usize, outs: &mut [&mut Buf]) {
-        let fmt = ws.first().map(|w| w.fmt);
-        let one = rows == 1 && (1..=4).contains(&ws.len()) && ws.len() == outs.len() && ws.iter().all(|w| Some(w.fmt) == fmt && w.n == 1 && w.inp == ws[0].inp);
-        if !one {
-            for (w, o) in ws.iter().zip(outs.iter_mut()) {
-                self.matmul_q(x, w, rows, o);
-            }
-            return;
-        }
-        let op = "matmul_q_many";
-        if !self.act_ok(x, ws[0].inp, "x", op) || !ws.iter().zip(outs.iter()).all(|(w, o)| self.out_ok(o, w.out, "out", op)) {
-            return;
-        }
-        let mut p = Many { m: [QMat::none(); 4], out: [0; 4], bstart: [0; 5], n: ws.len() as i32, obf: [0; 4] };
-        for (i, (w, o)) in ws.iter().zip(outs.iter()).enumerate() {
-            p.m[i] = w.q();
-            p.out[i] = o.mem.ptr;
-            p.obf[i] = o.bf16();
-            p.bstart[i + 1] = p.bstart[i] + grid1(w.out, 8) as i32;
-        }
-        for i in ws.len() + 1..5 {
-            p.bstart[i] = p.bstart[ws.len()];
-        }
-        let blocks = p.bstart[ws.len()] as u32;
-        let ahead = gemv_ahead(ws.iter().map(|w| w.out).sum());
-        self.launch(&format!("gemv_many{ahead}_{}", ws[0].fmt.suffix()), (blocks, 1, 1), 256, 0, &[Arg::P(x.mem.ptr), Arg::M(Box::new(p))]);
-    }
-}
-
-impl Cuda {
-    #[allow(clippy::too_many_arguments)]
-    fn conv(&self, x: &Buf, w: &Buf, state: &mut Buf, d: &Dims, rows: usize, out: &mut Buf, name: &str) {
-        let (c, k) = (d.conv_channels(), d.conv_kernel);
-        if rows == 0
-            || !(self.ensure((1..=8).contains(&k), || format!("{name}: conv kernel {k} not supported (1..=8)"))
-                && self.act_ok(x, rows * c, "x", name)
-                && self.buf_ok(w, c * k, "w", name)
-                && self.buf_ok(state, (k - 1) * c, "state", name)
-                && self.act_ok(out, rows * c, "out", name))
-        {
-            return;
-        }
-        let args = [Arg::P(x.mem.ptr), Arg::P(w.mem.ptr), Arg::P(state.mem.ptr), Arg::P(out.mem.ptr), Arg::I(c as i32), Arg::I(k as i32), Arg::I(rows as i32)];
-        if name == "conv1d_prefill" {
-            // Rows split over blocks (CONV_RPT in gdn.cu), then the state replaced by its own launch.
-            self.launch(name, (grid1(c, 256), grid1(rows, CONV_RPT), 1), 256, 0, &args);
-            self.launch("conv1d_state", (grid1(c, 256), 1, 1), 256, 0, &[Arg::P(x.mem.ptr), Arg::P(state.mem.ptr), Arg::I(c as i32), Arg::I(k as i32), Arg::I(rows as i32)]);
-        } else {
-            self.launch(name, (grid1(c, 256), 1, 1), 256, 0, &args[..6]);
-        }
-    }
-
-    fn experts_ok(&self, gate: &Mat, up: &Mat, down: &Mat, d: &Dims, op: &str) -> bool {
-        self.ensure(
-            gate.n == d.n_experts && up.n == d.n_experts && down.n == d.n_experts && gate.inp == d.hidden && up.inp == d.hidden && up.out == gate.out && down.inp == gate.out && down.out == d.hidden,
-            || format!("{op}: expert shapes gate {}×{}×{}, up {}×{}×{}, down {}×{}×{} do not fit hidden {} / {} experts", gate.n, gate.out, gate.inp, up.n, up.out, up.inp, down.n, down.out, down.inp, d.hidden, d.n_experts),
-        )
     }
 }
