@@ -393,7 +393,10 @@ pub struct Cuda {
     /// see `launch`). Off by default: measured on the H200 (full preset, alternated on/off/on)
     /// it gave decode +3% at 256 and +2% at 4K of context but -4% at 32K, and prefill at 4K -5.5%
     /// (11.1K against 11.8K tok/s). Every kernel already starts with PDL_ENTRY, a no-op without
-    /// the launch attribute, so a per-shape policy can turn it on where it pays.
+    /// the launch attribute, so a per-shape policy can turn it on where it pays. The streaming
+    /// GEMVs (gemv.cu) go further: they let their dependent launch at entry and request their
+    /// first batch of weights before waiting, so under PDL the next layer's weights stream while
+    /// the previous kernel finishes. Not measured yet (no device time was left).
     pdl: bool,
     /// Page-locked staging for large device → host reads (`read`).
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>>,

@@ -27,9 +27,22 @@ typedef unsigned long long u64;
         asm volatile("griddepcontrol.wait;" ::: "memory");       \
         asm volatile("griddepcontrol.launch_dependents;" :::);   \
     } while (0)
+// The two halves, for a kernel that does independent work first (the streaming GEMVs request
+// their first weights, which nothing writes, before waiting): PDL_LAUNCH lets the next kernel
+// launch, PDL_WAIT waits for the previous one. A kernel that launches before it waits lets its
+// dependent start while its own predecessor may still run, so the dependent's own pre-wait work
+// must touch nothing any kernel writes (weights only).
+#define PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" :::)
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
 #else
 #define PDL_ENTRY() \
     do {            \
+    } while (0)
+#define PDL_LAUNCH() \
+    do {             \
+    } while (0)
+#define PDL_WAIT() \
+    do {           \
     } while (0)
 #endif
 #define NEG_INF __int_as_float(0xff800000)

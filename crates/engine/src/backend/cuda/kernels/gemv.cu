@@ -102,6 +102,9 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
         }
     };
     load(un);
+    // Only now may x (written by the previous kernel) be read: with programmatic dependent launch
+    // (LILY_CUDA_PDL=1) the weights above were requested while that kernel finished.
+    PDL_WAIT();
 
     float xv[32];
     float xs;
@@ -183,7 +186,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
 // sw_gemv_<B>_<C>_<U>_<PRO>: K = 256·C inputs (C = 1, 2, 4, 8, 16: K = 256 … 4096).
 #define SW_GEMV_KERNEL(BITS, C, U, PRO)                                                                    \
     extern "C" __global__ void __launch_bounds__(256, 2) sw_gemv_##BITS##_##C##_##U##_##PRO(SwArgs p) { \
-        PDL_ENTRY();                                                                                       \
+        PDL_LAUNCH();                                                                                      \
         sw_gemv_body<BITS, C, U, PRO>(p);                                                                  \
     }
 #define SW_GEMV_PRO(BITS, C, U) SW_GEMV_KERNEL(BITS, C, U, 0) SW_GEMV_KERNEL(BITS, C, U, 1)
