@@ -551,6 +551,53 @@ fn fused_decode_forms_equal_their_compositions() {
     }
 }
 
+/// The opt-in tensor-core form of the streaming GEMV (`tc_gemv`: exact integer codes times bf16 x
+/// on mma.sync, f32 sums, scales and biases on the CUDA cores): the same function as the SIMT
+/// loop, so the same F32_TOL against the CPU, at every width it takes (K = 512, 1024, 2048), with
+/// rows that are not a multiple of its 32-row batches, through both prologues (the fused norm's x
+/// still bit-equal to rms_norm's).
+#[test]
+fn tc_gemv_matches_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(41);
+    g.set_enabled(&["tc_gemv"]).unwrap();
+    for (k, outs) in [(2048usize, vec![8192usize, 4096, 32, 32]), (2048, vec![50_000]), (1024, vec![300, 7]), (512, vec![100])] {
+        let ws: Vec<HostLinear> = outs.iter().map(|&o| rand_quant(&mut rng, 1, o, k, 4, 64, false)).collect();
+        let gws: Vec<_> = ws.iter().map(|w| g.upload_mat(w).unwrap()).collect();
+        let refs: Vec<&_> = gws.iter().collect();
+        let hv = rng.vec(k, 4.0);
+        let nw: Vec<f32> = (0..k).map(|_| 1.0 + 0.1 * rng.f()).collect();
+        let (gh, gnw) = (g.upload_vec(&hv).unwrap(), g.upload_vec(&nw).unwrap());
+        let mut kxn = g.act_zeros(k).unwrap();
+        g.rms_norm(&gh, &gnw, 1, k, 1e-6, &mut kxn);
+        let kxn = h(&g, &kxn);
+        let mut gouts: Vec<_> = ws.iter().map(|w| g.zeros(w.out).unwrap()).collect();
+        let mut gxn = g.act_zeros(k).unwrap();
+        {
+            let mut om: Vec<&mut _> = gouts.iter_mut().collect();
+            g.rms_norm_matmul(&gh, &gnw, 1, k, 1e-6, &mut gxn, &refs, &mut om);
+        }
+        assert!(h(&g, &gxn).iter().zip(&kxn).all(|(a, b)| a.to_bits() == b.to_bits()), "tc_gemv K {k}: the fused norm's x differs from rms_norm's");
+        let pool = ws.iter().map(|w| w.out).max().unwrap();
+        let mut cp = vec![0f32; pool];
+        Cpu.matmul_q(&kxn, ws.iter().find(|w| w.out == pool).unwrap(), 1, &mut cp);
+        let pool_scale = cp.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (i, w) in ws.iter().enumerate() {
+            let mut c = vec![0f32; w.out];
+            Cpu.matmul_q(&kxn, w, 1, &mut c);
+            let got = h(&g, &gouts[i]);
+            let err = if w.out < 64 { got.iter().zip(&c).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / pool_scale } else { rel_rows(&got, &c, w.out) };
+            check(&format!("tc_gemv (norm prologue) K {k} matrix {i} [{}, {k}]", w.out), err, F32_TOL);
+            // The plain prologue (x an activation) through matmul_q.
+            let gx = g.upload_act(&kxn).unwrap();
+            let mut one = g.zeros(w.out).unwrap();
+            g.matmul_q(&gx, &gws[i], 1, &mut one);
+            assert!(h(&g, &one).iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "tc_gemv K {k} matrix {i}: matmul_q differs from rms_norm_matmul on the same x");
+        }
+    }
+    g.set_enabled(&[]).unwrap();
+}
+
 /// Output columns whose bf16 emulation is checked: whole 64-column tiles, every `stride`-th (all
 /// of them unless the product is large) and always the last, partial one.
 fn sample_cols(out: usize, rows: usize) -> Vec<usize> {

@@ -188,6 +188,20 @@ impl Cuda {
         }
         let name = format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256);
         let batches = p.bstart[ws.len()] as u32;
+        if route.is_none() && bits == 4 && ws[0].gs == 64 && matches!(k, 512 | 1024 | 2048) && self.opted_in("tc_gemv") {
+            // The tensor-core form (opt-in): batches of 32 rows (2 tiles of 16).
+            let tb = 32;
+            for (i, w) in ws.iter().enumerate() {
+                p.bstart[i + 1] = p.bstart[i] + w.out.div_ceil(tb) as i32;
+            }
+            for i in ws.len() + 1..5 {
+                p.bstart[i] = p.bstart[ws.len()];
+            }
+            let name = format!("tc_gemv_4_{}_2_{pro}", k / 512);
+            let grid = (p.bstart[ws.len()] as u32).min(self.resident_blocks(&name, 256, 0));
+            self.launch(&name, (grid, 1, 1), 256, 0, &[Arg::S(Box::new(p))]);
+            return;
+        }
         let grid = batches.min(self.resident_blocks(&name, 256, 0));
         self.launch(&name, (grid, 1, 1), 256, 0, &[Arg::S(Box::new(p))]);
     }

@@ -403,6 +403,8 @@ pub struct Cuda {
     /// Decode-path optimisations switched off (ablations): names from [`SWITCHES`], set by
     /// `LILY_CUDA_DISABLE=a,b` when the backend is created or by [`Cuda::set_disabled`].
     disabled: std::sync::RwLock<HashSet<&'static str>>,
+    /// Opt-in variants switched on (names from [`OPT_IN`], `LILY_CUDA_ENABLE`).
+    enabled: std::sync::RwLock<HashSet<&'static str>>,
     /// Resident blocks per kernel (the streaming kernels' grids: one wave).
     occupancy: decode::Occupancy,
     /// Streaming multiprocessors of the device.
@@ -419,6 +421,12 @@ pub struct Cuda {
 ///   residual add in the second; off, moe_gate_up, moe_down, moe_combine and an add;
 /// * `fuse_route`: the top-k routing in the last block of the router's launch; off, moe_route.
 pub const SWITCHES: &[&str] = &["stream_gemv", "fuse_norm", "fuse_residual", "fuse_moe", "fuse_route"];
+
+/// Decode-path variants that are off unless asked for (`LILY_CUDA_ENABLE=name`,
+/// `Cuda::set_enabled`): written but not yet measured or run on a GPU.
+/// * `tc_gemv`: the streaming GEMVs' dot on tensor cores (gemv.cu's tc_gemv_*: 4-bit, group size
+///   64, K of 512, 1024 or 2048), for the matrices it takes.
+pub const OPT_IN: &[&str] = &["tc_gemv"];
 
 impl Cuda {
     /// The first GPU.
@@ -482,6 +490,7 @@ impl Cuda {
             pinned: Mutex::new(None),
             pdl: major >= 9 && std::env::var("LILY_CUDA_PDL").is_ok_and(|v| v == "1"),
             disabled: std::sync::RwLock::new(HashSet::new()),
+            enabled: std::sync::RwLock::new(HashSet::new()),
             occupancy: decode::Occupancy::default(),
             sm_count,
         })
@@ -489,6 +498,10 @@ impl Cuda {
             if let Ok(v) = std::env::var("LILY_CUDA_DISABLE") {
                 let names: Vec<&str> = v.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
                 c.set_disabled(&names).context("LILY_CUDA_DISABLE")?;
+            }
+            if let Ok(v) = std::env::var("LILY_CUDA_ENABLE") {
+                let names: Vec<&str> = v.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+                c.set_enabled(&names).context("LILY_CUDA_ENABLE")?;
             }
             Ok(c)
         })
@@ -509,6 +522,28 @@ impl Cuda {
         *self.disabled.write().unwrap_or_else(|e| e.into_inner()) = set;
         *self.records.lock().unwrap_or_else(|e| e.into_inner()) = Records::default();
         Ok(())
+    }
+
+    /// Switches on exactly the opt-in variants named (from [`OPT_IN`]; an unknown name is an
+    /// error). Recorded steps are dropped.
+    pub fn set_enabled(&self, names: &[&str]) -> Result<()> {
+        let mut set = HashSet::new();
+        for n in names {
+            match OPT_IN.iter().find(|s| *s == n) {
+                Some(s) => {
+                    set.insert(*s);
+                }
+                None => bail!("unknown opt-in CUDA variant `{n}` (known: {})", OPT_IN.join(", ")),
+            }
+        }
+        *self.enabled.write().unwrap_or_else(|e| e.into_inner()) = set;
+        *self.records.lock().unwrap_or_else(|e| e.into_inner()) = Records::default();
+        Ok(())
+    }
+
+    /// Whether opt-in variant `name` (one of [`OPT_IN`]) is on.
+    fn opted_in(&self, name: &'static str) -> bool {
+        self.enabled.read().unwrap_or_else(|e| e.into_inner()).contains(name)
     }
 
     /// The switches now off.

@@ -195,3 +195,185 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
 SW_GEMV_C(4, 4)
 SW_GEMV_C(4, 2)
 SW_GEMV_C(8, 2)
+
+// ---- tc_gemv_4_<NG>_<U>_<PRO>: the same products on tensor cores (opt-in: switch `tc_gemv`,
+// LILY_CUDA_ENABLE=tc_gemv; not yet run on a GPU). Why: the SIMT loop above is issue-bound at ~5
+// instructions per weight per lane; here a code costs ~1.4 (mask/shift and an exact bf16x2
+// subtraction per pair) and the dot is one mma.sync per 256 weights per warp.
+// Exactness: the A operand is the codes q themselves as bf16 (small integers, exact; built from
+// 0x4300|q = 128 + q minus 128), B is x (bf16 activations, exact), so every product is exact in
+// f32 and D = Σ_group q·x is an f32 sum; then s·D + b·Σx per group on the CUDA cores: the same
+// function as the SIMT loop, to f32 summation order.
+// Geometry: 4-bit, bf16 scales, group size 64, K = 512·NG (a warp's slice of K/8 = 64·NG inputs is
+// NG whole groups). Warp w owns the slice; lane (g = lane/4, t = lane%4). A batch is U tiles of 16
+// rows; for tile rows g and g+8, lane t loads words 2t, 2t+1 of each of its groups (8 bytes). The
+// k order inside a group is permuted (the dot does not care), identically for A and B: mma step s
+// (0..3) of a group gives lane t the pairs of nibbles (p, p+4) and (p+1, p+5), p = 2(s%2), of word
+// 2t + s/2, i.e. inputs 16t + 8(s/2) + {p, p+4} (A regs 0/1, B reg 0) and + {p+1, p+5} (A regs
+// 2/3, B reg 1). Fragment layouts as mma.cuh. The 8 warps' partials are summed in shared memory
+// as above (same epilogues and prologues; not the route, which stays on the SIMT router).
+
+// Nibbles i and i+4 of w as a bf16x2 (nibble i in the low half), exactly.
+__device__ __forceinline__ u32 q4_pair_bf16(u32 w, int i) {
+    const u32 v = ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u;  // 128 + q, exact in bf16
+    u32 r;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3F803F80u), "r"(0xC300C300u));  // (128 + q)·1 − 128
+    return r;
+}
+
+template <int NG, int U, int PRO>
+__device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
+    constexpr int K = 512 * NG, RB = 16 * U;
+    __shared__ float red[2][SW_WARPS][RB];
+    __shared__ float sh[32];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int total = p.bstart[p.n];
+    int bt = blockIdx.x;
+    if (bt >= total) return;
+    const int gbase = warp * NG;  // the warp's first group within a row (K/64 groups per row)
+
+    // x of this lane's inputs, as the B fragments of every step of every group, and Σx per group.
+    // Group G, input offsets 16t .. 16t + 15 (words 2t, 2t + 1).
+    float xf[NG][16];
+    if constexpr (PRO == 0) {
+        const u16* x = (const u16*)p.x;
+        PDL_WAIT();
+#pragma unroll
+        for (int G = 0; G < NG; G++) {
+            const uint4* q = (const uint4*)(x + (gbase + G) * 64 + 16 * t);
+            const uint4 v0 = q[0], v1 = q[1];
+            const u32 w8[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                xf[G][2 * i] = bf16_lo(w8[i]);
+                xf[G][2 * i + 1] = bf16_hi(w8[i]);
+            }
+        }
+    } else {
+        PDL_WAIT();
+        const float* h = (const float*)p.x;
+        const float* w = (const float*)p.nw;
+        float ss = 0.0f;
+        for (int i = tid; i < K; i += blockDim.x) ss += h[i] * h[i];
+        ss = block_sum(ss, sh);
+        const float rr = 1.0f / sqrtf(ss / (float)K + p.eps);
+#pragma unroll
+        for (int G = 0; G < NG; G++) {
+            const int k0 = (gbase + G) * 64 + 16 * t;
+#pragma unroll
+            for (int i = 0; i < 16; i++) xf[G][i] = bf16f(bf16_rn(h[k0 + i] * rr * w[k0 + i]));
+            if (blockIdx.x == 0 && p.xn != 0 && g == 0) {
+                uint4* o = (uint4*)((u16*)p.xn + k0);
+#pragma unroll
+                for (int j = 0; j < 2; j++) {
+                    u32 v[4];
+#pragma unroll
+                    for (int i = 0; i < 4; i++) v[i] = (u32)bf16_rn(xf[G][8 * j + 2 * i]) | ((u32)bf16_rn(xf[G][8 * j + 2 * i + 1]) << 16);
+                    o[j] = make_uint4(v[0], v[1], v[2], v[3]);
+                }
+            }
+        }
+    }
+    u32 xb[NG][4][2];
+    float xsg[NG];
+#pragma unroll
+    for (int G = 0; G < NG; G++) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 16; i++) s += xf[G][i];
+        s += __shfl_xor_sync(FULL_MASK, s, 1);
+        s += __shfl_xor_sync(FULL_MASK, s, 2);
+        xsg[G] = s;
+#pragma unroll
+        for (int st = 0; st < 4; st++) {
+            const int b = 8 * (st / 2), pp = 2 * (st % 2);
+            xb[G][st][0] = pack_bf16x2(xf[G][b + pp], xf[G][b + pp + 4]);
+            xb[G][st][1] = pack_bf16x2(xf[G][b + pp + 1], xf[G][b + pp + 5]);
+        }
+    }
+
+    int par = 0;
+    for (;;) {
+        int mi, row0;
+        sw_locate(p, bt, RB, mi, row0);
+        const QMat m = sw_mat(p, mi);
+        const u32 rw = (u32)(m.inp >> 3);  // u32 words per row
+        const u32 gpr = (u32)(m.inp >> 6);
+        uint2 wa[U][NG], wb[U][NG];
+        u16 sa[U][NG], ba[U][NG], sb[U][NG], bb[U][NG];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int ra = row0 + 16 * u + g, rb = ra + 8;
+#pragma unroll
+            for (int G = 0; G < NG; G++) {
+                const u32 word = (u32)(gbase + G) * 8 + 2 * t;
+                const u32 grp = (u32)(gbase + G);
+                if (ra < m.out) {
+                    wa[u][G] = __ldg((const uint2*)((const u32*)m.w + (u64)ra * rw + word));
+                    sa[u][G] = __ldg((const unsigned short*)m.s + (u64)ra * gpr + grp);
+                    ba[u][G] = __ldg((const unsigned short*)m.b + (u64)ra * gpr + grp);
+                } else {
+                    wa[u][G] = make_uint2(0u, 0u);
+                    sa[u][G] = ba[u][G] = 0;
+                }
+                if (rb < m.out) {
+                    wb[u][G] = __ldg((const uint2*)((const u32*)m.w + (u64)rb * rw + word));
+                    sb[u][G] = __ldg((const unsigned short*)m.s + (u64)rb * gpr + grp);
+                    bb[u][G] = __ldg((const unsigned short*)m.b + (u64)rb * gpr + grp);
+                } else {
+                    wb[u][G] = make_uint2(0u, 0u);
+                    sb[u][G] = bb[u][G] = 0;
+                }
+            }
+        }
+        float acc[U][2];
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            acc[u][0] = acc[u][1] = 0.0f;
+#pragma unroll
+            for (int G = 0; G < NG; G++) {
+                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int st = 0; st < 4; st++) {
+                    const u32 wA = st < 2 ? wa[u][G].x : wa[u][G].y, wB = st < 2 ? wb[u][G].x : wb[u][G].y;
+                    const int pp = 2 * (st % 2);
+                    const u32 a[4] = {q4_pair_bf16(wA, pp), q4_pair_bf16(wB, pp), q4_pair_bf16(wA, pp + 1), q4_pair_bf16(wB, pp + 1)};
+                    mma_bf16_16816(d, a, xb[G][st][0], xb[G][st][1]);
+                }
+                // Every column of D is the same dot (x is in every column of B): take column 2t.
+                acc[u][0] = fmaf(bf16f(sa[u][G]), d[0], fmaf(bf16f(ba[u][G]), xsg[G], acc[u][0]));
+                acc[u][1] = fmaf(bf16f(sb[u][G]), d[2], fmaf(bf16f(bb[u][G]), xsg[G], acc[u][1]));
+            }
+        }
+        if (t == 0) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                red[par][warp][16 * u + g] = acc[u][0];
+                red[par][warp][16 * u + g + 8] = acc[u][1];
+            }
+        }
+        __syncthreads();
+        if (tid < RB) {
+            float v = 0.0f;
+#pragma unroll
+            for (int w = 0; w < SW_WARPS; w++) v += red[par][w][tid];
+            if (row0 + tid < m.out) sw_store(p, mi, row0 + tid, v);
+        }
+        par ^= 1;
+        bt += gridDim.x;
+        if (bt >= total) break;
+    }
+}
+
+#define TC_GEMV_KERNEL(NG, U, PRO)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, 2) tc_gemv_4_##NG##_##U##_##PRO(SwArgs p) {        \
+        PDL_LAUNCH();                                                                                    \
+        tc_gemv_body<NG, U, PRO>(p);                                                                     \
+    }
+TC_GEMV_KERNEL(1, 2, 0)
+TC_GEMV_KERNEL(1, 2, 1)
+TC_GEMV_KERNEL(2, 2, 0)
+TC_GEMV_KERNEL(2, 2, 1)
+TC_GEMV_KERNEL(4, 2, 0)
+TC_GEMV_KERNEL(4, 2, 1)
