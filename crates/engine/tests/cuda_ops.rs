@@ -555,8 +555,11 @@ fn fused_decode_forms_equal_their_compositions() {
 /// on mma.sync, f32 sums, scales and biases on the CUDA cores): the same function as the SIMT
 /// loop, so the same F32_TOL against the CPU, at every width it takes (K = 512, 1024, 2048), with
 /// rows that are not a multiple of its 32-row batches, through both prologues (the fused norm's x
-/// still bit-equal to rms_norm's).
+/// still bit-equal to rms_norm's). Ignored by default while the form is opt-in and unproven on a
+/// GPU (a kernel fault would poison the tests after it in the process): `scripts/h200-run tc`
+/// runs it alone with `--ignored`.
 #[test]
+#[ignore = "opt-in tc_gemv: run alone by scripts/h200-run tc"]
 fn tc_gemv_matches_the_cpu() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(41);
