@@ -216,8 +216,16 @@ impl Cuda {
         let Some(bits) = Self::sw_bits(fmt) else { return false };
         let same = [up.fmt, down.fmt, sh.gate.fmt, sh.up.fmt, sh.down.fmt].iter().all(|&f| f == fmt);
         let shapes = sh.gate.out == w && sh.up.out == w && sh.down.inp == w && sh.gate.inp == hid && sh.down.out == hid && down.inp == w && down.out == hid;
-        let geometry = hid % 256 == 0 && 16 % (hid / 256) == 0 && w % 64 == 0 && w <= 1024 && 32 % (w / 32) == 0 && gate.gs % 32 == 0 && [up.gs, sh.gate.gs, sh.up.gs].iter().all(|&g| g == gate.gs) && down.gs % 32 == 0 && sh.down.gs == down.gs ;
-        if !(self.on("fuse_moe") && same && shapes && geometry && k + 1 <= SWD_MAXSLOTS && k > 0) {
+        let geometry = hid.is_multiple_of(256)
+            && 16 % (hid / 256) == 0
+            && w.is_multiple_of(64)
+            && w <= 1024
+            && 32 % (w / 32) == 0
+            && gate.gs.is_multiple_of(32)
+            && [up.gs, sh.gate.gs, sh.up.gs].iter().all(|&g| g == gate.gs)
+            && down.gs.is_multiple_of(32)
+            && sh.down.gs == down.gs;
+        if !(self.on("fuse_moe") && same && shapes && geometry && k < SWD_MAXSLOTS && k > 0) {
             return false;
         }
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
