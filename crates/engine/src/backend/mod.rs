@@ -196,6 +196,14 @@ pub trait Backend: Send + Sync {
         self.rms_norm_matmul(h, w, rows, d.hidden, eps, xn, &[router, shared_gate], &mut [logits, s]);
         self.moe_route(logits, d, rows, route);
     }
+    /// One token's Gated DeltaNet mixer added into the residual stream: `h += out_proj(gdn(conv(
+    /// in_proj(rms_norm(h) · norm))))`, reading and updating the layer's conv and recurrent states.
+    /// A GPU may run it as three launches (the conv in the projections' epilogue, the gated norm
+    /// in out_proj's prologue).
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_mixer_decode_add(&self, h: &mut Self::Buf, norm: &Self::Vec, eps: f32, w: &GdnWeights<'_, Self>, conv: &mut Self::Buf, ssm: &mut Self::Buf, d: &Dims, tmp: GdnScratch<'_, Self>) {
+        gdn_mixer_compose(self, h, norm, eps, w, conv, ssm, d, tmp)
+    }
     /// `h[t] += x[t] · Wᵀ`: a layer's output projection added into the f32 residual stream. `r`
     /// (`[rows, out]` activations) is scratch the backend may use for the product; its contents
     /// afterwards are unspecified. A GPU adds in the projection's own epilogue, unrounded.
@@ -297,6 +305,38 @@ pub fn add_shared_expert<B: Backend + ?Sized>(b: &B, x: &B::Buf, sh: &SharedExpe
     b.swiglu(tmp.g, tmp.u, rows * width, tmp.act);
     b.matmul_q(tmp.act, sh.down, rows, tmp.down);
     b.add_sigmoid_gated(tmp.out, tmp.down, sh.logit, rows, hidden);
+}
+
+/// A GDN layer's weights, for `gdn_mixer_decode_add`: in_proj qkv, z, b, a; the conv taps; the
+/// gates' parameters and output norm; out_proj.
+pub struct GdnWeights<'a, B: Backend + ?Sized> {
+    pub in_proj: [&'a B::Mat; 4],
+    pub conv1d: &'a B::Vec,
+    pub params: &'a GdnParams<B::Vec>,
+    pub out_proj: &'a B::Mat,
+}
+
+/// Scratch of one token's GDN mixer (activations): the normed x, the projections (qkv before and
+/// after the conv, z, b, a), the recurrence's output y and out_proj's product r.
+pub struct GdnScratch<'a, B: Backend + ?Sized> {
+    pub xn: &'a mut B::Buf,
+    pub qkv: &'a mut B::Buf,
+    pub qkv_c: &'a mut B::Buf,
+    pub z: &'a mut B::Buf,
+    pub b: &'a mut B::Buf,
+    pub a: &'a mut B::Buf,
+    pub y: &'a mut B::Buf,
+    pub r: &'a mut B::Buf,
+}
+
+/// The GDN mixer of one token as its unfused ops (the default of `gdn_mixer_decode_add`, and a
+/// GPU's fallback): the equations of MODEL.md §2 in order.
+#[allow(clippy::too_many_arguments)]
+pub fn gdn_mixer_compose<B: Backend + ?Sized>(b: &B, h: &mut B::Buf, norm: &B::Vec, eps: f32, w: &GdnWeights<'_, B>, conv: &mut B::Buf, ssm: &mut B::Buf, d: &Dims, t: GdnScratch<'_, B>) {
+    b.rms_norm_matmul(h, norm, 1, d.hidden, eps, t.xn, &w.in_proj, &mut [&mut *t.qkv, &mut *t.z, &mut *t.b, &mut *t.a]);
+    b.conv1d_step(t.qkv, w.conv1d, conv, d, t.qkv_c);
+    b.gdn_decode(t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, t.y);
+    b.matmul_q_add(t.y, w.out_proj, 1, t.r, h);
 }
 
 /// Hardware limits measured on the machine a backend runs on.

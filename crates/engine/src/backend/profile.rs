@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 
-use super::{Backend, Dims, GdnParams, KvCache, MoeScratch, SharedExpert};
+use super::{Backend, Dims, GdnParams, GdnScratch, GdnWeights, KvCache, MoeScratch, SharedExpert};
 use crate::loader::tensor::HostLinear;
 
 /// Switch and accumulated times; shared between the wrapper and whoever reads the report.
@@ -270,6 +270,15 @@ impl<B: Backend> Backend for Profiled<B> {
     }
     fn moe_router(&self, h: &Self::Buf, w: &Self::Vec, rows: usize, eps: f32, xn: &mut Self::Buf, router: &Self::Mat, shared_gate: &Self::Mat, d: &Dims, logits: &mut Self::Buf, s: &mut Self::Buf, route: &mut Self::Route) {
         self.time("moe_router (rms_norm + router | shared gate + moe_route)", || self.inner.moe_router(h, w, rows, eps, xn, &router.inner, &shared_gate.inner, d, logits, s, route))
+    }
+    fn gdn_mixer_decode_add(&self, h: &mut Self::Buf, norm: &Self::Vec, eps: f32, w: &GdnWeights<'_, Self>, conv: &mut Self::Buf, ssm: &mut Self::Buf, d: &Dims, tmp: GdnScratch<'_, Self>) {
+        if !self.prof.is_on() {
+            let wi = GdnWeights::<B> { in_proj: w.in_proj.map(|m| &m.inner), conv1d: w.conv1d, params: w.params, out_proj: &w.out_proj.inner };
+            let ti = GdnScratch::<B> { xn: tmp.xn, qkv: tmp.qkv, qkv_c: tmp.qkv_c, z: tmp.z, b: tmp.b, a: tmp.a, y: tmp.y, r: tmp.r };
+            return self.inner.gdn_mixer_decode_add(h, norm, eps, &wi, conv, ssm, d, ti);
+        }
+        // Profiled: the unfused ops, each charged to its own family.
+        super::gdn_mixer_compose(self, h, norm, eps, w, conv, ssm, d, tmp)
     }
     fn matmul_q_add(&self, x: &Self::Buf, w: &Self::Mat, rows: usize, r: &mut Self::Buf, h: &mut Self::Buf) {
         let family = format!("{} + add", w.family);

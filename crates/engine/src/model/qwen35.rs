@@ -17,7 +17,7 @@
 
 use anyhow::{bail, Result};
 
-use crate::backend::{add_shared_expert, Backend, Dims, GdnParams, MoeScratch, SharedExpert};
+use crate::backend::{add_shared_expert, Backend, Dims, GdnParams, GdnScratch, GdnWeights, MoeScratch, SharedExpert};
 use crate::loader::{HostWeights, Mixer};
 use crate::model::state::{LayerState, SeqState};
 use crate::Config;
@@ -397,15 +397,15 @@ impl<B: Backend> Qwen35<B> {
             }
             // h = h + mixer(rms_norm(h, input_norm))
             match (&layer.mixer, ls) {
+                (MixerLayer::Gdn(g), LayerState::Gdn { conv, ssm }) if decode => {
+                    let w = GdnWeights { in_proj: [&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a], conv1d: &g.conv1d, params: &g.params, out_proj: &g.out_proj };
+                    let tmp = GdnScratch { xn: &mut s.xn, qkv: &mut s.qkv, qkv_c: &mut s.qkv_c, z: &mut s.z, b: &mut s.b, a: &mut s.a, y: &mut s.y, r: &mut s.r };
+                    b.gdn_mixer_decode_add(&mut s.h, &layer.input_norm, d.eps, &w, conv, ssm, d, tmp);
+                }
                 (MixerLayer::Gdn(g), LayerState::Gdn { conv, ssm }) => {
                     b.rms_norm_matmul(&s.h, &layer.input_norm, t, hd, d.eps, &mut s.xn, &[&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a], &mut [&mut s.qkv, &mut s.z, &mut s.b, &mut s.a]);
-                    if decode {
-                        b.conv1d_step(&s.qkv, &g.conv1d, conv, d, &mut s.qkv_c);
-                        b.gdn_decode(&s.qkv_c, &s.z, &s.b, &s.a, &g.params, ssm, d, &mut s.y);
-                    } else {
-                        b.conv1d_prefill(&s.qkv, &g.conv1d, conv, d, t, &mut s.qkv_c);
-                        b.gdn_prefill(&s.qkv_c, &s.z, &s.b, &s.a, &g.params, ssm, d, t, &mut s.y);
-                    }
+                    b.conv1d_prefill(&s.qkv, &g.conv1d, conv, d, t, &mut s.qkv_c);
+                    b.gdn_prefill(&s.qkv_c, &s.z, &s.b, &s.a, &g.params, ssm, d, t, &mut s.y);
                     b.matmul_q_add(&s.y, &g.out_proj, t, &mut s.r, &mut s.h);
                 }
                 (MixerLayer::Attn(a), LayerState::Attn(kv)) => {

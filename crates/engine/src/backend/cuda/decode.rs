@@ -40,6 +40,11 @@ pub(super) struct SwArgs {
     re: i32,
     rk: i32,
     ntopk: i32,
+    cw: u64,
+    cst: u64,
+    zp: u64,
+    ck: i32,
+    dv: i32,
 }
 
 /// `struct SwMoe` of moe.cu (same layout).
@@ -73,6 +78,16 @@ pub(super) enum SwX<'a> {
     Act(&'a Buf),
     /// `bf16(rms_norm(h) · w)` computed by every block (h and w f32), written to `xn` by block 0.
     Norm { h: &'a Buf, w: &'a Buf, eps: f32, xn: Option<&'a Buf> },
+    /// The GDN output's gated norm, `bf16(rms_norm(y_head) · w · silu(z))` per value head of `dv`
+    /// (y f32 at `y`, the scan's scratch; z bf16; w f32 [dv]): out_proj's input, never stored.
+    Gated { y: u64, z: &'a Buf, w: &'a Buf, eps: f32, dv: usize },
+}
+
+/// The GDN conv of output 0 (`sw_gemv` obf 3): taps [C, K] f32 and the state [K-1, C] f32.
+pub(super) struct SwConv<'a> {
+    pub w: &'a Buf,
+    pub state: &'a Buf,
+    pub k: usize,
 }
 
 /// Blocks of each kernel one SM holds at once (from the occupancy calculator), by name.
@@ -140,19 +155,20 @@ impl Cuda {
     /// `outs[i] (type obf[i]: 0 f32, 1 bf16, 2 f32 +=) = x · ws[i]ᵀ` for one row of x, one launch
     /// (callers check `sw_fits` and the buffers).
     pub(super) fn sw_gemv(&self, x: SwX<'_>, ws: &[&Mat], outs: &[(u64, i32)]) {
-        self.sw_gemv_route(x, ws, outs, None)
+        self.sw_gemv_route(x, ws, outs, None, None)
     }
 
     /// `sw_gemv`, routing the token in the last block (`route`: the route to write, top-k, whether
     /// to renormalise) from output 0, which must then be f32 router logits.
-    pub(super) fn sw_gemv_route(&self, x: SwX<'_>, ws: &[&Mat], outs: &[(u64, i32)], route: Option<(&Route, usize, bool)>) {
+    /// With `conv` (obf 3 on output 0), output 0 goes through the GDN conv step in the epilogue.
+    pub(super) fn sw_gemv_route(&self, x: SwX<'_>, ws: &[&Mat], outs: &[(u64, i32)], route: Option<(&Route, usize, bool)>, conv: Option<SwConv<'_>>) {
         let k = ws[0].inp;
         let bits = Self::sw_bits(ws[0].fmt).expect("sw_fits");
         let rw = 32 / (k / 256);
         // 8-bit (the router): U = 2 only (gemv.cu's instantiations).
         let u = if bits == 8 { 2 } else { Self::sw_u(rw, SW_MAXRB, &[2, 4], 4) };
         let rb = rw * u;
-        let mut p = SwArgs { m: [QMat::none(); 4], out: [0; 4], obf: [0; 4], bstart: [0; 5], n: ws.len() as i32, x: 0, nw: 0, xn: 0, rids: 0, rwts: 0, counter: 0, eps: 0.0, re: 0, rk: 0, ntopk: 0 };
+        let mut p = SwArgs { m: [QMat::none(); 4], out: [0; 4], obf: [0; 4], bstart: [0; 5], n: ws.len() as i32, x: 0, nw: 0, xn: 0, rids: 0, rwts: 0, counter: 0, eps: 0.0, re: 0, rk: 0, ntopk: 0, cw: 0, cst: 0, zp: 0, ck: 0, dv: 0 };
         for (i, (w, o)) in ws.iter().zip(outs).enumerate() {
             p.m[i] = w.q();
             p.out[i] = o.0;
@@ -174,7 +190,20 @@ impl Cuda {
                 p.xn = xn.map_or(0, |b| b.mem.ptr);
                 1
             }
+            SwX::Gated { y, z, w, eps, dv } => {
+                p.x = y;
+                p.zp = z.mem.ptr;
+                p.nw = w.mem.ptr;
+                p.eps = eps;
+                p.dv = dv as i32;
+                2
+            }
         };
+        if let Some(c) = conv {
+            p.cw = c.w.mem.ptr;
+            p.cst = c.state.mem.ptr;
+            p.ck = c.k as i32;
+        }
         if let Some((r, k, norm)) = route {
             let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
             // Zeroed when allocated; every launch leaves it at zero.
@@ -188,7 +217,7 @@ impl Cuda {
         }
         let name = format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256);
         let batches = p.bstart[ws.len()] as u32;
-        if route.is_none() && bits == 4 && ws[0].gs == 64 && matches!(k, 512 | 1024 | 2048) && self.opted_in("tc_gemv") {
+        if route.is_none() && pro < 2 && p.ck == 0 && bits == 4 && ws[0].gs == 64 && matches!(k, 512 | 1024 | 2048) && self.opted_in("tc_gemv") {
             // The tensor-core form (opt-in): batches of 32 rows (2 tiles of 16).
             let tb = 32;
             for (i, w) in ws.iter().enumerate() {

@@ -5,6 +5,14 @@ use super::*;
 impl Cuda {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn gdn_prefill_op(&self, qkv: &Buf, z: &Buf, b: &Buf, a: &Buf, w: &GdnParams<Buf>, state: &mut Buf, d: &Dims, rows: usize, out: &mut Buf) {
+        self.gdn_scan_norm(qkv, z, b, a, w, state, d, rows, Some(out));
+    }
+
+    /// The gated delta rule over `rows` tokens into the f32 scratch y (returned), then, with
+    /// `out`, the gated norm into it; without, the caller normalises y itself (the fused GDN
+    /// mixer's out_proj prologue).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gdn_scan_norm(&self, qkv: &Buf, z: &Buf, b: &Buf, a: &Buf, w: &GdnParams<Buf>, state: &mut Buf, d: &Dims, rows: usize, out: Option<&mut Buf>) -> Option<u64> {
         let op = "gdn";
         let (hk, hv, dk, dv) = (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim);
         let c = d.conv_channels();
@@ -18,12 +26,12 @@ impl Cuda {
                 && self.buf_ok(&w.dt_bias, hv, "dt_bias", op)
                 && self.buf_ok(&w.norm, dv, "norm", op)
                 && self.buf_ok(state, hv * dv * dk, "state", op)
-                && self.act_ok(out, rows * hv * dv, "out", op))
+                && out.as_ref().is_none_or(|o| self.act_ok(o, rows * hv * dv, "out", op)))
         {
-            return;
+            return None;
         }
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(y) = self.scratch(&mut sc, "gdn_y", 4 * rows * hv * dv) else { return };
+        let y = self.scratch(&mut sc, "gdn_y", 4 * rows * hv * dv)?;
         let rpw = if rows == 1 { GDN_RPW_DECODE } else { GDN_RPW_PREFILL };
         let warps = hv * dv / rpw;
         self.launch(
@@ -45,13 +53,16 @@ impl Cuda {
                 Arg::I(dv as i32),
             ],
         );
-        self.launch(
-            "gdn_gated_norm",
-            (rows as u32, hv as u32, 1),
-            128,
-            0,
-            &[Arg::P(y), Arg::P(z.mem.ptr), Arg::P(w.norm.mem.ptr), Arg::P(out.mem.ptr), Arg::I(hv as i32), Arg::I(dv as i32), Arg::F(d.eps)],
-        );
+        if let Some(out) = out {
+            self.launch(
+                "gdn_gated_norm",
+                (rows as u32, hv as u32, 1),
+                128,
+                0,
+                &[Arg::P(y), Arg::P(z.mem.ptr), Arg::P(w.norm.mem.ptr), Arg::P(out.mem.ptr), Arg::I(hv as i32), Arg::I(dv as i32), Arg::F(d.eps)],
+            );
+        }
+        Some(y)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -74,5 +85,47 @@ impl Cuda {
         } else {
             self.launch(name, (grid1(c, 256), 1, 1), 256, 0, &args[..6]);
         }
+    }
+
+    /// The fused GDN decode mixer (opt-in `fuse_gdn`): in_proj with the norm prologue and the conv
+    /// epilogue on qkv (gemv.cu obf 3), the scan into its f32 scratch, out_proj with the gated
+    /// norm prologue (PRO 2) and the residual add. `false`: the shapes or formats do not fit (or
+    /// the switch is off): nothing was launched.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gdn_mixer_fused(&self, h: &mut Buf, norm: &Buf, eps: f32, w: &super::super::GdnWeights<'_, Cuda>, conv: &mut Buf, ssm: &mut Buf, d: &Dims, t: &super::super::GdnScratch<'_, Cuda>) -> bool {
+        let op = "gdn_mixer_decode_add";
+        let (c, kc, hv, dv) = (d.conv_channels(), d.conv_kernel, d.gdn_v_heads, d.gdn_v_dim);
+        let [qkv, z, b, a] = w.in_proj;
+        let fits = self.opted_in("fuse_gdn")
+            && self.sw_fits(&w.in_proj)
+            && self.sw_fits(&[w.out_proj])
+            && qkv.out == c
+            && qkv.inp == d.hidden
+            && w.out_proj.inp == hv * dv
+            && w.out_proj.out == d.hidden
+            && (2..=8).contains(&kc)
+            && dv.is_multiple_of(32)
+            && (dv / 32).is_power_of_two()
+            && dv / 32 <= w.out_proj.inp / 256;
+        if !fits {
+            return false;
+        }
+        if !(self.buf_ok(h, d.hidden, "h", op)
+            && self.buf_ok(norm, d.hidden, "norm", op)
+            && self.buf_ok(w.conv1d, c * kc, "conv1d", op)
+            && self.buf_ok(conv, (kc - 1) * c, "conv state", op)
+            && self.act_ok(t.xn, d.hidden, "xn", op)
+            && self.act_ok(t.qkv_c, c, "qkv_c", op)
+            && self.act_ok(t.z, z.out, "z", op)
+            && self.act_ok(t.b, b.out, "b", op)
+            && self.act_ok(t.a, a.out, "a", op))
+        {
+            return true;
+        }
+        let outs = [(t.qkv_c.mem.ptr, 3), (t.z.mem.ptr, 1), (t.b.mem.ptr, 1), (t.a.mem.ptr, 1)];
+        self.sw_gemv_route(super::decode::SwX::Norm { h, w: norm, eps, xn: Some(t.xn) }, &w.in_proj, &outs, None, Some(super::decode::SwConv { w: w.conv1d, state: conv, k: kc }));
+        let Some(y) = self.gdn_scan_norm(t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, 1, None) else { return true };
+        self.sw_gemv(super::decode::SwX::Gated { y, z: t.z, w: &w.params.norm, eps: d.eps, dv }, &[w.out_proj], &[(h.mem.ptr, 2)]);
+        true
     }
 }

@@ -426,7 +426,9 @@ pub const SWITCHES: &[&str] = &["stream_gemv", "fuse_norm", "fuse_residual", "fu
 /// `Cuda::set_enabled`): written but not yet measured or run on a GPU.
 /// * `tc_gemv`: the streaming GEMVs' dot on tensor cores (gemv.cu's tc_gemv_*: 4-bit, group size
 ///   64, K of 512, 1024 or 2048), for the matrices it takes.
-pub const OPT_IN: &[&str] = &["tc_gemv"];
+/// * `fuse_gdn`: a GDN layer's decode mixer in three launches (the conv in the projections'
+///   epilogue, the scan, the gated norm in out_proj's prologue with the residual add).
+pub const OPT_IN: &[&str] = &["tc_gemv", "fuse_gdn"];
 
 impl Cuda {
     /// The first GPU.
@@ -1142,7 +1144,12 @@ impl Backend for Cuda {
             && self.ensure(k <= route.cap, || format!("{op}: route holds {} entries, {k} needed", route.cap))
         {
             route.k = k;
-            self.sw_gemv_route(decode::SwX::Norm { h, w, eps, xn: Some(xn) }, &ws, &[(logits.mem.ptr, 0), (s.mem.ptr, s.bf16())], Some((route, k, d.norm_topk)));
+            self.sw_gemv_route(decode::SwX::Norm { h, w, eps, xn: Some(xn) }, &ws, &[(logits.mem.ptr, 0), (s.mem.ptr, s.bf16())], Some((route, k, d.norm_topk)), None);
+        }
+    }
+    fn gdn_mixer_decode_add(&self, h: &mut Buf, norm: &Buf, eps: f32, w: &super::GdnWeights<'_, Self>, conv: &mut Buf, ssm: &mut Buf, d: &Dims, tmp: super::GdnScratch<'_, Self>) {
+        if !self.gdn_mixer_fused(h, norm, eps, w, conv, ssm, d, &tmp) {
+            super::gdn_mixer_compose(self, h, norm, eps, w, conv, ssm, d, tmp);
         }
     }
     fn matmul_q_add(&self, x: &Buf, w: &Mat, rows: usize, r: &mut Buf, h: &mut Buf) {

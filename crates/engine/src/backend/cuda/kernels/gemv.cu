@@ -11,6 +11,8 @@
 //          computes the norm itself (h is 8 KB: cheaper than a launch), with the rms_norm kernel's
 //          exact arithmetic (same 256-thread strided sum, same block_sum, same expression), so
 //          its x equals rms_norm's output bit for bit; block 0 also writes x to `xn` when given.
+//   PRO 2: x = the GDN gated norm of y (f32 [K], the scan's output) per value head of dv with
+//          z (bf16) and the norm weight [dv] (opt-in `fuse_gdn`: out_proj's input, not stored).
 // Geometry: 256 threads = 8 warps; K (a multiple of 256 with C = K/256 dividing 32) is cut into
 // 8 warp slices, lane l of warp w owns chunk w·C + l%C and row l/C of each load of RW = 32/C
 // rows. A batch is RB = RW·U consecutive rows of one matrix; matrix i has batches
@@ -22,7 +24,8 @@
 // batches in shared memory with cp.async, 3 batches ahead (in_proj 16.2 against 14.3 µs, the
 // experts 15.5 against 14.2): bytes in flight are not what limits these kernels.
 // Epilogue per output (obf[i]): 0 f32 store, 1 bf16 store (rounded once), 2 f32 add (out[o] += v:
-// the residual stream; the sum is not rounded to bf16 first, unlike the unfused add).
+// the residual stream; the sum is not rounded to bf16 first, unlike the unfused add), 3 the GDN
+// conv step of output 0's channel o (opt-in `fuse_gdn`: conv1d_step in the in_proj epilogue).
 // ROUTE (rids != 0: the router | shared-gate launch of an MoE block, Backend::moe_router): the
 // last block to finish routes the token from matrix 0's f32 logits (route.cuh), saving the
 // moe_route launch; blocks count themselves on `counter` after a __threadfence.
@@ -45,6 +48,11 @@ struct SwArgs {
     int re;       // ROUTE: experts (rows of matrix 0)
     int rk;       // ROUTE: top-k
     int ntopk;    // ROUTE: renormalise the top-k weights
+    u64 cw;       // obf 3 (GDN conv of output 0): taps const float* [C, ck], C = m[0].out
+    u64 cst;      // obf 3: the conv state float* [ck - 1, C], read and replaced
+    u64 zp;       // PRO 2: z, const u16* [K]
+    int ck;       // obf 3: conv taps
+    int dv;       // PRO 2: value head size (a multiple of 32, dv / 32 a power of two)
 };
 
 __device__ __forceinline__ void sw_locate(const SwArgs& p, int bt, int rb, int& mi, int& row0) {
@@ -71,6 +79,22 @@ __device__ __forceinline__ void sw_store(const SwArgs& p, int i, int o, float v)
 #pragma unroll
     for (int j = 1; j < 4; j++)
         if (i == j) { out = p.out[j]; obf = p.obf[j]; }
+    if (obf == 3) {
+        // The GDN conv step of channel o (gdn.cu's conv_rows for one row, the same arithmetic):
+        // this output, rounded to the bf16 the unfused conv reads, is the newest input. One
+        // thread owns channel o, so it reads and replaces the channel's state alone.
+        const int C = p.m[0].out, K = p.ck;
+        const float xt = bf16f(bf16_rn(v));
+        const float* w = (const float*)p.cw + (u64)o * K;
+        float* st = (float*)p.cst;
+        float acc = 0.0f;
+        for (int k = 0; k < K - 1; k++) acc += w[k] * st[(u64)k * C + o];
+        acc += w[K - 1] * xt;
+        ((u16*)out)[o] = bf16_rn(silu_f(acc));
+        for (int k = 0; k < K - 2; k++) st[(u64)k * C + o] = st[(u64)(k + 1) * C + o];
+        st[(u64)(K - 2) * C + o] = xt;
+        return;
+    }
     store_out((void*)out, (u64)o, v, obf);
 }
 
@@ -110,6 +134,33 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     float xs;
     if constexpr (PRO == 0) {
         xs = sw_x_act((const u16*)p.x, ch, xv);
+    } else if constexpr (PRO == 2) {
+        // x = bf16(rms_norm(y_head) · w · silu(z)) (gdn.cu's gdn_gated_norm, the same expression):
+        // the dv / 32 lanes of a head (consecutive c) share its sum of squares by shuffles.
+        const float4* y4 = (const float4*)((const float*)p.x + ch * 32);
+        float ss = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const float4 yv = y4[i];
+            xv[4 * i] = yv.x;
+            xv[4 * i + 1] = yv.y;
+            xv[4 * i + 2] = yv.z;
+            xv[4 * i + 3] = yv.w;
+        }
+#pragma unroll
+        for (int i = 0; i < 32; i++) ss += xv[i] * xv[i];
+        for (int off = 1; off < p.dv / 32; off <<= 1) ss += __shfl_xor_sync(FULL_MASK, ss, off);
+        const float rr = 1.0f / sqrtf(ss / (float)p.dv + p.eps);
+        const int w0 = (ch * 32) % p.dv;
+        const float* w = (const float*)p.nw;
+        float zf[32];
+        sw_x_act((const u16*)p.zp, ch, zf);
+        xs = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 32; i++) {
+            xv[i] = bf16f(bf16_rn(xv[i] * rr * w[w0 + i] * silu_f(zf[i])));
+            xs += xv[i];
+        }
     } else {
         const float* h = (const float*)p.x;
         const float* w = (const float*)p.nw;
@@ -189,7 +240,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
         PDL_LAUNCH();                                                                                      \
         sw_gemv_body<BITS, C, U, PRO>(p);                                                                  \
     }
-#define SW_GEMV_PRO(BITS, C, U) SW_GEMV_KERNEL(BITS, C, U, 0) SW_GEMV_KERNEL(BITS, C, U, 1)
+#define SW_GEMV_PRO(BITS, C, U) SW_GEMV_KERNEL(BITS, C, U, 0) SW_GEMV_KERNEL(BITS, C, U, 1) SW_GEMV_KERNEL(BITS, C, U, 2)
 #define SW_GEMV_C(BITS, U) SW_GEMV_PRO(BITS, 1, U) SW_GEMV_PRO(BITS, 2, U) SW_GEMV_PRO(BITS, 4, U) SW_GEMV_PRO(BITS, 8, U) SW_GEMV_PRO(BITS, 16, U)
 
 SW_GEMV_C(4, 4)
