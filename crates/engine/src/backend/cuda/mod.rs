@@ -497,14 +497,10 @@ impl Cuda {
             sm_count,
         })
         .and_then(|c: Self| {
-            if let Ok(v) = std::env::var("LILY_CUDA_DISABLE") {
-                let names: Vec<&str> = v.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
-                c.set_disabled(&names).context("LILY_CUDA_DISABLE")?;
-            }
-            if let Ok(v) = std::env::var("LILY_CUDA_ENABLE") {
-                let names: Vec<&str> = v.split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
-                c.set_enabled(&names).context("LILY_CUDA_ENABLE")?;
-            }
+            let env_names = |var: &str| std::env::var(var).map(|v| v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect::<Vec<_>>()).unwrap_or_default();
+            let (off, on) = (env_names("LILY_CUDA_DISABLE"), env_names("LILY_CUDA_ENABLE"));
+            c.set_disabled(&off.iter().map(String::as_str).collect::<Vec<_>>()).context("LILY_CUDA_DISABLE")?;
+            c.set_enabled(&on.iter().map(String::as_str).collect::<Vec<_>>()).context("LILY_CUDA_ENABLE")?;
             Ok(c)
         })
     }
@@ -512,15 +508,7 @@ impl Cuda {
     /// Switches off exactly the decode-path optimisations named (from [`SWITCHES`]; an unknown
     /// name is an error), the others on. Recorded steps are dropped: they hold the old kernels.
     pub fn set_disabled(&self, names: &[&str]) -> Result<()> {
-        let mut set = HashSet::new();
-        for n in names {
-            match SWITCHES.iter().find(|s| *s == n) {
-                Some(s) => {
-                    set.insert(*s);
-                }
-                None => bail!("unknown CUDA switch `{n}` (known: {})", SWITCHES.join(", ")),
-            }
-        }
+        let set = Self::known_names(names, SWITCHES, "CUDA switch")?;
         *self.disabled.write().unwrap_or_else(|e| e.into_inner()) = set;
         *self.records.lock().unwrap_or_else(|e| e.into_inner()) = Records::default();
         Ok(())
@@ -529,18 +517,18 @@ impl Cuda {
     /// Switches on exactly the opt-in variants named (from [`OPT_IN`]; an unknown name is an
     /// error). Recorded steps are dropped.
     pub fn set_enabled(&self, names: &[&str]) -> Result<()> {
-        let mut set = HashSet::new();
-        for n in names {
-            match OPT_IN.iter().find(|s| *s == n) {
-                Some(s) => {
-                    set.insert(*s);
-                }
-                None => bail!("unknown opt-in CUDA variant `{n}` (known: {})", OPT_IN.join(", ")),
-            }
-        }
+        let set = Self::known_names(names, OPT_IN, "opt-in CUDA variant")?;
         *self.enabled.write().unwrap_or_else(|e| e.into_inner()) = set;
         *self.records.lock().unwrap_or_else(|e| e.into_inner()) = Records::default();
         Ok(())
+    }
+
+    /// `names` as a set of the static names in `known`; an unknown one is an error naming `what`.
+    fn known_names(names: &[&str], known: &[&'static str], what: &str) -> Result<HashSet<&'static str>> {
+        names
+            .iter()
+            .map(|n| known.iter().copied().find(|k| k == n).ok_or_else(|| anyhow!("unknown {what} `{n}` (known: {})", known.join(", "))))
+            .collect()
     }
 
     /// Whether opt-in variant `name` (one of [`OPT_IN`]) is on.

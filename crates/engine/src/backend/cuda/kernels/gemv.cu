@@ -55,6 +55,15 @@ struct SwArgs {
     int dv;       // PRO 2: value head size (a multiple of 32, dv / 32 a power of two)
 };
 
+// 1 / sqrt(mean(h²) + eps) over the block, with the rms_norm kernel's exact arithmetic (the same
+// strided per-thread sums over 256 threads, the same block_sum, the same expression).
+__device__ __forceinline__ float sw_rms_scale(const float* __restrict__ h, int K, float eps, float* sh) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) ss += h[i] * h[i];
+    ss = block_sum(ss, sh);
+    return 1.0f / sqrtf(ss / (float)K + eps);
+}
+
 __device__ __forceinline__ void sw_locate(const SwArgs& p, int bt, int rb, int& mi, int& row0) {
     mi = 0;
 #pragma unroll
@@ -164,10 +173,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     } else {
         const float* h = (const float*)p.x;
         const float* w = (const float*)p.nw;
-        float ss = 0.0f;
-        for (int i = tid; i < K; i += blockDim.x) ss += h[i] * h[i];
-        ss = block_sum(ss, sh);
-        const float rr = 1.0f / sqrtf(ss / (float)K + p.eps);
+        const float rr = sw_rms_scale(h, K, p.eps, sh);
         const float4* h4 = (const float4*)(h + ch * 32);
         const float4* w4 = (const float4*)(w + ch * 32);
         xs = 0.0f;
@@ -305,10 +311,7 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
         PDL_WAIT();
         const float* h = (const float*)p.x;
         const float* w = (const float*)p.nw;
-        float ss = 0.0f;
-        for (int i = tid; i < K; i += blockDim.x) ss += h[i] * h[i];
-        ss = block_sum(ss, sh);
-        const float rr = 1.0f / sqrtf(ss / (float)K + p.eps);
+        const float rr = sw_rms_scale(h, K, p.eps, sh);
 #pragma unroll
         for (int G = 0; G < NG; G++) {
             const int k0 = (gbase + G) * 64 + 16 * t;
@@ -353,31 +356,25 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
         const u32 gpr = (u32)(m.inp >> 6);
         uint2 wa[U][NG], wb[U][NG];
         u16 sa[U][NG], ba[U][NG], sb[U][NG], bb[U][NG];
+        // Row r's words 2t, 2t+1 of group G and the group's scale and bias (zeros past the end).
+        auto load = [&](int r, int G, uint2& wv, u16& sv, u16& bv) {
+            const u32 grp = (u32)(gbase + G);
+            if (r < m.out) {
+                wv = __ldg((const uint2*)((const u32*)m.w + (u64)r * rw + grp * 8 + 2 * t));
+                sv = __ldg((const unsigned short*)m.s + (u64)r * gpr + grp);
+                bv = __ldg((const unsigned short*)m.b + (u64)r * gpr + grp);
+            } else {
+                wv = make_uint2(0u, 0u);
+                sv = bv = 0;
+            }
+        };
 #pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int ra = row0 + 16 * u + g, rb = ra + 8;
+        for (int u = 0; u < U; u++)
 #pragma unroll
             for (int G = 0; G < NG; G++) {
-                const u32 word = (u32)(gbase + G) * 8 + 2 * t;
-                const u32 grp = (u32)(gbase + G);
-                if (ra < m.out) {
-                    wa[u][G] = __ldg((const uint2*)((const u32*)m.w + (u64)ra * rw + word));
-                    sa[u][G] = __ldg((const unsigned short*)m.s + (u64)ra * gpr + grp);
-                    ba[u][G] = __ldg((const unsigned short*)m.b + (u64)ra * gpr + grp);
-                } else {
-                    wa[u][G] = make_uint2(0u, 0u);
-                    sa[u][G] = ba[u][G] = 0;
-                }
-                if (rb < m.out) {
-                    wb[u][G] = __ldg((const uint2*)((const u32*)m.w + (u64)rb * rw + word));
-                    sb[u][G] = __ldg((const unsigned short*)m.s + (u64)rb * gpr + grp);
-                    bb[u][G] = __ldg((const unsigned short*)m.b + (u64)rb * gpr + grp);
-                } else {
-                    wb[u][G] = make_uint2(0u, 0u);
-                    sb[u][G] = bb[u][G] = 0;
-                }
+                load(row0 + 16 * u + g, G, wa[u][G], sa[u][G], ba[u][G]);
+                load(row0 + 16 * u + g + 8, G, wb[u][G], sb[u][G], bb[u][G]);
             }
-        }
         float acc[U][2];
 #pragma unroll
         for (int u = 0; u < U; u++) {
