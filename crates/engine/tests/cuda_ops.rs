@@ -1242,13 +1242,11 @@ fn check_moe(what: &str, gpu: &[f32], cpu: &[f32], x: &[f32], slots: &[Slot], ro
 }
 
 /// `out += sigmoid(logit) · down(silu(gate(x)) · up(x))` with the unfused ops, as the model adds a
-/// shared expert that `moe_experts_decode` did not fold in.
+/// shared expert that `moe_experts_decode` did not fold in: `lily::backend::add_shared_expert` on
+/// scratch made here.
 fn add_shared_expert<B: Backend>(b: &B, x: &B::Buf, sh: &SharedExpert<'_, B>, width: usize, hid: usize, out: &mut B::Buf) {
     let (mut g, mut u, mut a, mut y) = (b.act_zeros(width).unwrap(), b.act_zeros(width).unwrap(), b.act_zeros(width).unwrap(), b.act_zeros(hid).unwrap());
-    b.matmul_q_many(x, &[sh.gate, sh.up], 1, &mut [&mut g, &mut u]);
-    b.swiglu(&g, &u, width, &mut a);
-    b.matmul_q(&a, sh.down, 1, &mut y);
-    b.add_sigmoid_gated(out, &y, sh.logit, 1, hid);
+    lily::backend::add_shared_expert(b, x, sh, 1, hid, MoeScratch { out, g: &mut g, u: &mut u, act: &mut a, down: &mut y });
 }
 
 #[test]

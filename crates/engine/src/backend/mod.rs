@@ -218,10 +218,7 @@ pub trait Backend: Send + Sync {
     /// and the residual add in its epilogue).
     #[allow(clippy::too_many_arguments)]
     fn moe_decode_add(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, shared: &SharedExpert<'_, Self>, d: &Dims, tmp: MoeScratch<'_, Self>, h: &mut Self::Buf) {
-        if !self.moe_experts_decode(x, route, gate, up, down, Some(shared), d, tmp.out) {
-            add_shared_expert(self, x, shared, 1, d.hidden, MoeScratch { out: &mut *tmp.out, g: &mut *tmp.g, u: &mut *tmp.u, act: &mut *tmp.act, down: &mut *tmp.down });
-        }
-        self.add(h, tmp.out, d.hidden);
+        moe_decode_compose(self, x, route, gate, up, down, shared, d, tmp, h)
     }
 
     // ---- gated attention
@@ -305,6 +302,17 @@ pub fn add_shared_expert<B: Backend + ?Sized>(b: &B, x: &B::Buf, sh: &SharedExpe
     b.swiglu(tmp.g, tmp.u, rows * width, tmp.act);
     b.matmul_q(tmp.act, sh.down, rows, tmp.down);
     b.add_sigmoid_gated(tmp.out, tmp.down, sh.logit, rows, hidden);
+}
+
+/// One token's MoE block as `moe_experts_decode` (which may fold the shared expert in), the shared
+/// expert's unfused ops where it did not, and the residual add (the default of `moe_decode_add`,
+/// and a GPU's fallback).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_decode_compose<B: Backend + ?Sized>(b: &B, x: &B::Buf, route: &B::Route, gate: &B::Mat, up: &B::Mat, down: &B::Mat, shared: &SharedExpert<'_, B>, d: &Dims, tmp: MoeScratch<'_, B>, h: &mut B::Buf) {
+    if !b.moe_experts_decode(x, route, gate, up, down, Some(shared), d, tmp.out) {
+        add_shared_expert(b, x, shared, 1, d.hidden, MoeScratch { out: &mut *tmp.out, g: &mut *tmp.g, u: &mut *tmp.u, act: &mut *tmp.act, down: &mut *tmp.down });
+    }
+    b.add(h, tmp.out, d.hidden);
 }
 
 /// A GDN layer's weights, for `gdn_mixer_decode_add`: in_proj qkv, z, b, a; the conv taps; the

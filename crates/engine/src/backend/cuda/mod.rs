@@ -1163,13 +1163,9 @@ impl Backend for Cuda {
         if !(self.experts_ok(gate, up, down, d, op) && self.act_ok(x, d.hidden, "x", op) && self.buf_ok(h, d.hidden, "h", op) && self.buf_ok(shared.logit, 1, "shared logit", op)) {
             return;
         }
-        if self.moe_sw(x, route, gate, up, down, shared, h) {
-            return;
+        if !self.moe_sw(x, route, gate, up, down, shared, h) {
+            super::moe_decode_compose(self, x, route, gate, up, down, shared, d, tmp, h);
         }
-        if !self.moe_experts_decode(x, route, gate, up, down, Some(shared), d, &mut *tmp.out) {
-            super::add_shared_expert(self, x, shared, 1, d.hidden, MoeScratch { out: &mut *tmp.out, g: &mut *tmp.g, u: &mut *tmp.u, act: &mut *tmp.act, down: &mut *tmp.down });
-        }
-        self.add(h, tmp.out, d.hidden);
     }
     fn add(&self, h: &mut Buf, r: &Buf, len: usize) {
         if len == 0 || !(self.buf_ok(h, len, "h", "add") && self.act_ok(r, len, "r", "add")) {
