@@ -167,7 +167,14 @@ impl Cuda {
         let rw = 32 / (k / 256);
         // 8-bit (the router): U = 2 only (gemv.cu's instantiations).
         let u = if bits == 8 { 2 } else { Self::sw_u(rw, SW_MAXRB, &[2, 4], 4) };
-        let rb = rw * u;
+        let pro = match x {
+            SwX::Act(_) => 0,
+            SwX::Norm { .. } => 1,
+            SwX::Gated { .. } => 2,
+        };
+        // The tensor-core form (opt-in) takes batches of 32 rows (2 tiles of 16).
+        let tc = route.is_none() && conv.is_none() && pro < 2 && bits == 4 && ws[0].gs == 64 && matches!(k, 512 | 1024 | 2048) && self.opted_in("tc_gemv");
+        let rb = if tc { 32 } else { rw * u };
         let mut p = SwArgs { m: [QMat::none(); 4], out: [0; 4], obf: [0; 4], bstart: [0; 5], n: ws.len() as i32, x: 0, nw: 0, xn: 0, rids: 0, rwts: 0, counter: 0, eps: 0.0, re: 0, rk: 0, ntopk: 0, cw: 0, cst: 0, zp: 0, ck: 0, dv: 0 };
         for (i, (w, o)) in ws.iter().zip(outs).enumerate() {
             p.m[i] = w.q();
@@ -178,17 +185,15 @@ impl Cuda {
         for i in ws.len() + 1..5 {
             p.bstart[i] = p.bstart[ws.len()];
         }
-        let pro = match x {
+        match x {
             SwX::Act(b) => {
                 p.x = b.mem.ptr;
-                0
             }
             SwX::Norm { h, w, eps, xn } => {
                 p.x = h.mem.ptr;
                 p.nw = w.mem.ptr;
                 p.eps = eps;
                 p.xn = xn.map_or(0, |b| b.mem.ptr);
-                1
             }
             SwX::Gated { y, z, w, eps, dv } => {
                 p.x = y;
@@ -196,9 +201,8 @@ impl Cuda {
                 p.nw = w.mem.ptr;
                 p.eps = eps;
                 p.dv = dv as i32;
-                2
             }
-        };
+        }
         if let Some(c) = conv {
             p.cw = c.w.mem.ptr;
             p.cst = c.state.mem.ptr;
@@ -215,22 +219,8 @@ impl Cuda {
             p.rk = k as i32;
             p.ntopk = norm as i32;
         }
-        let name = format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256);
+        let name = if tc { format!("tc_gemv_4_{}_2_{pro}", k / 512) } else { format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256) };
         let batches = p.bstart[ws.len()] as u32;
-        if route.is_none() && pro < 2 && p.ck == 0 && bits == 4 && ws[0].gs == 64 && matches!(k, 512 | 1024 | 2048) && self.opted_in("tc_gemv") {
-            // The tensor-core form (opt-in): batches of 32 rows (2 tiles of 16).
-            let tb = 32;
-            for (i, w) in ws.iter().enumerate() {
-                p.bstart[i + 1] = p.bstart[i] + w.out.div_ceil(tb) as i32;
-            }
-            for i in ws.len() + 1..5 {
-                p.bstart[i] = p.bstart[ws.len()];
-            }
-            let name = format!("tc_gemv_4_{}_2_{pro}", k / 512);
-            let grid = (p.bstart[ws.len()] as u32).min(self.resident_blocks(&name, 256, 0));
-            self.launch(&name, (grid, 1, 1), 256, 0, &[Arg::S(Box::new(p))]);
-            return;
-        }
         let grid = batches.min(self.resident_blocks(&name, 256, 0));
         self.launch(&name, (grid, 1, 1), 256, 0, &[Arg::S(Box::new(p))]);
     }
