@@ -63,6 +63,10 @@ impl Rng {
         }
         Self { s }
     }
+    /// The four state words (a device generator continues the same stream from them).
+    pub fn state(&self) -> [u64; 4] {
+        self.s
+    }
     /// Uniform in [0, 1), 53 bits.
     #[inline]
     pub fn next_f64(&mut self) -> f64 {

@@ -22,6 +22,7 @@ pub mod profile;
 use anyhow::Result;
 
 use crate::loader::tensor::HostLinear;
+use crate::runtime::sampler::SamplingParams;
 
 /// Per-sequence shapes the ops need (copied from the config once).
 #[derive(Clone, Copy, Debug)]
@@ -86,6 +87,10 @@ pub trait Backend: Send + Sync {
     /// the next token here and the next step's `embed_step` reads it: the decode loop feeds its
     /// tokens without a host round trip, and a recorded step (`replay`) reads its position here.
     type Step: Send;
+    /// One sequence's sampler on the backend (`new_sampler`): its parameters, generator state
+    /// and penalty counts, kept where the ops run so that a sampled decode step needs no host
+    /// input and reads back only the token.
+    type Sampler: Send;
 
     fn name(&self) -> String;
     /// Waits until every op enqueued so far has finished (a device backend's stream), returning
@@ -272,6 +277,29 @@ pub trait Backend: Send + Sync {
     /// first on ties, as `runtime::argmax`; logits are f32), `step.pos += 1`: the step is then
     /// ready to feed that token.
     fn argmax_step(&self, logits: &Self::Buf, vocab: usize, step: &mut Self::Step);
+
+    /// A sampler for one sequence that draws as `runtime::Sampler` with `params` and `seed`
+    /// (the seed resolved by the caller: `Sampler::seed`), the `prompt`'s tokens counting for the
+    /// repetition penalty (vLLM's split, `Sampler::sample_split`). `Ok(None)`: this backend does
+    /// not sample these parameters itself, and the caller samples the logits on the host.
+    fn new_sampler(&self, params: &SamplingParams, seed: u64, vocab: usize, prompt: &[u32]) -> Result<Option<Self::Sampler>>;
+    /// The sampled pick of a decode step on the backend: `step.token` = the token
+    /// `Sampler::sample_split(logits[0], prompt, generated)` draws, `generated` being every token
+    /// this sampler drew or was told of (`sample_note`); the token is counted, the generator
+    /// advanced (one `u64` per draw, none when greedy) and `step.pos += 1`, as `argmax_step`.
+    /// Logits are f32 and are not changed (log-probabilities read them raw).
+    fn sample_step(&self, logits: &Self::Buf, vocab: usize, s: &mut Self::Sampler, step: &mut Self::Step);
+    /// Counts `token` as generated (for the penalties) without drawing: a token forced instead
+    /// of sampled.
+    fn sample_note(&self, s: &mut Self::Sampler, token: u32);
+    /// OpenAI log-probabilities of the raw `logits[0..vocab]` (after the work enqueued so far):
+    /// `token`'s and the `n` most likely `(id, logprob)`, most likely first (ties: lower id),
+    /// as `runtime::sampler::top_logprobs`. The default reads the logits back and computes them
+    /// on the host; a device computes them where the logits are and reads back only these.
+    fn logprobs(&self, logits: &Self::Buf, vocab: usize, token: u32, n: usize) -> Result<(f32, Vec<(u32, f32)>)> {
+        let l = self.to_host(logits, vocab)?;
+        Ok(crate::runtime::sampler::token_logprobs(&l, token, n))
+    }
 }
 
 /// An MoE layer's shared expert, for an op that folds it in: its three matrices and the logit

@@ -168,6 +168,7 @@ impl<B: Backend> Backend for Profiled<B> {
     type Vec = B::Vec;
     type Route = B::Route;
     type Step = B::Step;
+    type Sampler = B::Sampler;
 
     fn name(&self) -> String {
         self.inner.name()
@@ -333,6 +334,18 @@ impl<B: Backend> Backend for Profiled<B> {
 
     fn argmax_step(&self, logits: &Self::Buf, vocab: usize, step: &mut Self::Step) {
         self.time("argmax", || self.inner.argmax_step(logits, vocab, step))
+    }
+    fn new_sampler(&self, params: &crate::runtime::sampler::SamplingParams, seed: u64, vocab: usize, prompt: &[u32]) -> Result<Option<Self::Sampler>> {
+        self.inner.new_sampler(params, seed, vocab, prompt)
+    }
+    fn sample_step(&self, logits: &Self::Buf, vocab: usize, s: &mut Self::Sampler, step: &mut Self::Step) {
+        self.time("sample", || self.inner.sample_step(logits, vocab, s, step))
+    }
+    fn sample_note(&self, s: &mut Self::Sampler, token: u32) {
+        self.inner.sample_note(s, token)
+    }
+    fn logprobs(&self, logits: &Self::Buf, vocab: usize, token: u32, n: usize) -> Result<(f32, Vec<(u32, f32)>)> {
+        self.time("logprobs", || self.inner.logprobs(logits, vocab, token, n))
     }
 }
 

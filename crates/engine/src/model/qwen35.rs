@@ -19,6 +19,7 @@ use anyhow::{bail, Result};
 
 use crate::backend::{add_shared_expert, Backend, Dims, GdnParams, GdnScratch, GdnWeights, MoeScratch, SharedExpert};
 use crate::loader::{HostWeights, Mixer};
+use crate::runtime::sampler::SamplingParams;
 use crate::model::state::{LayerState, SeqState};
 use crate::Config;
 
@@ -82,6 +83,13 @@ pub enum Next {
     Token(u32),
     /// The next token's logits `[vocab]` (for sampling, log-probabilities, penalties).
     Logits(Vec<f32>),
+}
+
+/// A sequence's sampler on the backend (`Qwen35::device_sampler`), with the id that keys the
+/// recorded steps it takes part in.
+pub struct DeviceSampler<B: Backend> {
+    inner: B::Sampler,
+    id: u64,
 }
 
 /// Scratch activations for a block of up to `rows` tokens: in the backend's activation type
@@ -287,6 +295,20 @@ impl<B: Backend> Qwen35<B> {
     /// previous step picked on the backend, which never leaves the device — and computes the next
     /// token: its greedy pick (`greedy`, 4 bytes read back) or its logits.
     pub fn decode(&self, st: &mut SeqState<B>, feed: Option<u32>, greedy: bool) -> Result<Next> {
+        self.decode_step(st, feed, None)?;
+        if greedy {
+            Ok(Next::Token(self.picked(st)?))
+        } else {
+            Ok(Next::Logits(self.step_logits()?))
+        }
+    }
+
+    /// Enqueues one decode step (nothing is read back): feeds `feed`, or with `None` the token
+    /// the previous step picked on the backend, and picks the next token there: drawn by
+    /// `sampler`, or the greedy arg-max without one. [`Self::picked`] reads the pick,
+    /// [`Self::step_logits`] / [`Self::logprobs`] the step's logits. On a device the step runs
+    /// while the host goes on (until it reads).
+    pub fn decode_step(&self, st: &mut SeqState<B>, feed: Option<u32>, mut sampler: Option<&mut DeviceSampler<B>>) -> Result<()> {
         let b = &self.backend;
         match feed {
             Some(id) if id as usize >= self.cfg.vocab_size => bail!("token id {id} is out of range (vocab_size {})", self.cfg.vocab_size),
@@ -300,26 +322,78 @@ impl<B: Backend> Qwen35<B> {
         st.reserve(b, &self.dims, st.pos + 1)?;
         let mut guard = self.scratch_for(1)?;
         let s = guard.as_mut().expect("just made");
-        let key = st.buffers_id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ s.id;
-        let r = b.replay(key, &mut || self.decode_ops(st, s));
+        // A sampler's buffers and parameters are part of the record: its own key.
+        let sid = sampler.as_ref().map_or(0, |d| d.id.wrapping_mul(0xD1B5_4A32_D192_ED03));
+        let key = st.buffers_id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ s.id ^ sid;
+        let r = b.replay(key, &mut || self.decode_ops(st, s, sampler.as_deref_mut()));
         st.step_ready = r.is_ok();
         r?;
         st.pos += 1;
-        if greedy {
-            Ok(Next::Token(b.step_token(&st.step)?))
-        } else {
-            Ok(Next::Logits(b.to_host(&s.logits, self.cfg.vocab_size)?))
+        Ok(())
+    }
+
+    /// The token the last step picked on the backend (waits for it: 4 bytes read back).
+    pub fn picked(&self, st: &SeqState<B>) -> Result<u32> {
+        if !st.step_ready {
+            bail!("picked: no token was picked on the backend");
         }
+        self.backend.step_token(&st.step)
+    }
+
+    /// The logits `[vocab]` of the last step or of a forward's last position (read back).
+    pub fn step_logits(&self) -> Result<Vec<f32>> {
+        let guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let s = guard.as_ref().ok_or_else(|| anyhow::anyhow!("step_logits: nothing was computed yet"))?;
+        self.backend.to_host(&s.logits, self.cfg.vocab_size)
+    }
+
+    /// OpenAI log-probabilities from the raw logits of the last step (or of a forward's last
+    /// position): `token`'s and the `n` most likely (`Backend::logprobs`: on a device only
+    /// these are read back). Call before the next step is enqueued.
+    pub fn logprobs(&self, token: u32, n: usize) -> Result<(f32, Vec<(u32, f32)>)> {
+        let guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let s = guard.as_ref().ok_or_else(|| anyhow::anyhow!("logprobs: nothing was computed yet"))?;
+        self.backend.logprobs(&s.logits, self.cfg.vocab_size, token, n)
+    }
+
+    /// A sampler on the backend for `params` with `seed` (see `Backend::new_sampler`); `None`
+    /// when the backend leaves these parameters to the host.
+    pub fn device_sampler(&self, params: &SamplingParams, seed: u64, prompt: &[u32]) -> Result<Option<DeviceSampler<B>>> {
+        Ok(self.backend.new_sampler(params, seed, self.cfg.vocab_size, prompt)?.map(|inner| DeviceSampler { inner, id: crate::model::state::new_buffers_id() }))
+    }
+
+    /// Draws the next token from the logits of a forward's last position (`Logits::Last`) into
+    /// the state's step, as a decode step does: the first token of a generation.
+    pub fn sample_last(&self, st: &mut SeqState<B>, sampler: &mut DeviceSampler<B>) -> Result<()> {
+        if st.pos == 0 {
+            bail!("sample_last: nothing was fed");
+        }
+        let b = &self.backend;
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let s = guard.as_mut().ok_or_else(|| anyhow::anyhow!("sample_last: no logits were computed"))?;
+        b.set_step(&mut st.step, 0, st.pos - 1);
+        b.sample_step(&s.logits, self.cfg.vocab_size, &mut sampler.inner, &mut st.step);
+        st.step_ready = true;
+        Ok(())
+    }
+
+    /// Counts `token` for the sampler's penalties without a draw (a forced token).
+    pub fn note(&self, sampler: &mut DeviceSampler<B>, token: u32) {
+        self.backend.sample_note(&mut sampler.inner, token)
     }
 
     /// The ops of a decode step (recorded): the layers on the step's token, the logits of the
-    /// next token, and its greedy pick written back to the step (position + 1).
-    fn decode_ops(&self, st: &mut SeqState<B>, s: &mut Scratch<B>) -> Result<()> {
+    /// next token, and its pick (drawn by `sampler`, or the greedy arg-max) written back to the
+    /// step (position + 1).
+    fn decode_ops(&self, st: &mut SeqState<B>, s: &mut Scratch<B>, sampler: Option<&mut DeviceSampler<B>>) -> Result<()> {
         let (b, d) = (&self.backend, &self.dims);
         let hd = self.cfg.hidden_size;
         self.layers_ops(st, s, None, 1, None)?;
         b.rms_norm_matmul(&s.h, &self.norm, 1, hd, d.eps, &mut s.xn, &[&self.lm_head], &mut [&mut s.logits]);
-        b.argmax_step(&s.logits, self.cfg.vocab_size, &mut st.step);
+        match sampler {
+            Some(d) => b.sample_step(&s.logits, self.cfg.vocab_size, &mut d.inner, &mut st.step),
+            None => b.argmax_step(&s.logits, self.cfg.vocab_size, &mut st.step),
+        }
         Ok(())
     }
 

@@ -19,11 +19,11 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 
-use super::sampler::{Sampler, SamplingParams};
+use super::sampler::{top_logprobs, Sampler, SamplingParams};
 use super::stop::{FinishReason, StopChecker, StopRules};
 use super::GenStats;
 use crate::backend::Backend;
-use crate::model::{Logits, Next, Qwen35, SeqState};
+use crate::model::{Logits, Qwen35, SeqState};
 use crate::tokenizer::Tokenizer;
 
 /// The result of one generation.
@@ -136,6 +136,8 @@ fn generate_from<B: Backend>(
     let base = st.pos - cached;
     let mut stats = GenStats { prompt_tokens: prompt.len(), cached_tokens: cached, ..Default::default() };
     let mut checker = StopChecker::new(stop, base + prompt.len());
+    // The host sampler resolves the seed (an unseeded request draws one) and samples wherever
+    // the backend does not.
     let mut sampler = Sampler::new(sampling.clone(), m.cfg.vocab_size)?;
     let mut dec = tok.stream_decoder();
     let mut out = Generation { ids: Vec::new(), text: String::new(), finish: None, stats: GenStats::default() };
@@ -146,11 +148,18 @@ fn generate_from<B: Backend>(
     }
     let mut queue: VecDeque<u32> = forced.now.into();
     let mut after = forced.after;
+    // Where each token is picked: on the backend (plain greedy: its arg-max; otherwise its own
+    // sampler, when it has one for these parameters), reading back only the token id and, when
+    // asked, the log-probabilities; or on the host from the step's logits (1 MB per token).
+    let mut dev = if sampling.is_plain_greedy() { None } else { m.device_sampler(sampling, sampler.seed(), prompt)? };
+    let on_backend = sampling.is_plain_greedy() || dev.is_some();
     let t0 = Instant::now();
-    // Plain greedy without log-probabilities: each step's pick is made on the backend and fed
-    // back there (`Next::Token`); otherwise the logits come to the host for the sampler.
-    let device_greedy = sampling.is_plain_greedy() && logprobs.is_none();
-    let mut next = Next::Logits(m.forward(st, &prompt[cached..], Logits::Last, None)?);
+    let first = m.forward(st, &prompt[cached..], Logits::Last, None)?;
+    if let (Some(d), true) = (dev.as_mut(), queue.is_empty()) {
+        m.sample_last(st, d)?;
+    }
+    // The host path's logits of the current step (the prefill's first).
+    let mut host_logits = (!on_backend).then_some(first);
     stats.prefill_s = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut text = String::new();
@@ -163,20 +172,32 @@ fn generate_from<B: Backend>(
             }
             break;
         }
-        // Log-probabilities come from the raw logits; the sampler changes its row in place.
-        let lp = match (&next, logprobs) {
-            (Next::Logits(l), Some(k)) => Some((top_logprobs(l, k), l.clone())),
-            _ => None,
-        };
-        let mut picked_on_backend = false;
-        let id = match (queue.pop_front(), &mut next) {
-            (Some(id), _) => id,
-            (None, Next::Token(t)) => {
-                picked_on_backend = true;
-                *t
+        if !on_backend && host_logits.is_none() {
+            host_logits = Some(m.step_logits()?);
+        }
+        // This step's token: forced, picked on the backend (the step holds it), or sampled on
+        // the host. Log-probabilities are of the raw logits (the host sampler penalises its row
+        // in place, so they are taken first).
+        let forced_id = queue.pop_front();
+        let (id, on_step, logprob) = match (forced_id, host_logits.as_mut()) {
+            (Some(id), None) => {
+                if let Some(d) = dev.as_mut() {
+                    m.note(d, id);
+                }
+                (id, false, logprobs.map(|k| m.logprobs(id, k)).transpose()?)
             }
-            (None, Next::Logits(l)) => sampler.sample_split(l, prompt, &out.ids),
+            (None, None) => {
+                let id = m.picked(st)?;
+                (id, true, logprobs.map(|k| m.logprobs(id, k)).transpose()?)
+            }
+            (f, Some(l)) => {
+                let raw = logprobs.map(|k| (top_logprobs(l, k), l.clone()));
+                let id = f.unwrap_or_else(|| sampler.sample_split(l, prompt, &out.ids));
+                let lp = raw.map(|((top, lse), raw)| (raw.get(id as usize).map_or(f32::NEG_INFINITY, |&x| (x as f64 - lse) as f32), top));
+                (id, false, lp)
+            }
         };
+        host_logits = None;
         if let Some((trigger, _)) = &after {
             if *trigger == id {
                 queue.extend(after.take().map(|a| a.1).unwrap_or_default());
@@ -185,6 +206,18 @@ fn generate_from<B: Backend>(
         out.ids.push(id);
         if stats.first_token_s == 0.0 {
             stats.first_token_s = t0.elapsed().as_secs_f64();
+        }
+        // The next step is enqueued before this token's text is worked out (detokenizing, stop
+        // strings, the caller's streaming), which then overlaps it on a device — unless the token
+        // ends the generation whatever its text (a stop id, the token budget, the context): no
+        // token after a stop is ever computed for nothing, or emitted. A stop string found in the
+        // text leaves that one step done: the state then also holds this token (its position says
+        // so; `cache::release` keeps exactly the tokens the state holds). The token after a forced
+        // one is picked by arg-max and never used (the forced token replaces it), so the sampler
+        // draws only for tokens it chooses, as the host sampler does.
+        if !checker.ends_at(id) && !cancel.load(Ordering::Relaxed) {
+            let pick = if queue.is_empty() { dev.as_mut() } else { None };
+            m.decode_step(st, (!on_step).then_some(id), pick)?;
         }
         let piece = dec.push(id).unwrap_or_default();
         let step = checker.push(id, &piece);
@@ -199,7 +232,7 @@ fn generate_from<B: Backend>(
             }
         }
         out.text.push_str(&text);
-        let logprob = lp.map(|((top, lse), raw)| TokenLogprob { logprob: raw.get(id as usize).map_or(f32::NEG_INFINITY, |&x| (x as f64 - lse) as f32), top });
+        let logprob = logprob.map(|(logprob, top)| TokenLogprob { logprob, top });
         let go_on = on_token(TokenEvent { id: Some(id), text: &text, logprob });
         if let Some(f) = step.finish {
             out.finish = Some(f);
@@ -209,48 +242,9 @@ fn generate_from<B: Backend>(
             cancel.store(true, Ordering::Relaxed);
             continue;
         }
-        next = m.decode(st, (!picked_on_backend).then_some(id), device_greedy)?;
     }
     stats.decode_s = t1.elapsed().as_secs_f64();
     stats.generated = out.ids.len();
     out.stats = stats;
     Ok(out)
-}
-
-/// The `k` most likely ids with their log-probabilities, and log Σ exp(logits) (f64).
-fn top_logprobs(logits: &[f32], k: usize) -> (Vec<(u32, f32)>, f64) {
-    let max = logits.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max) as f64;
-    let sum: f64 = logits.iter().filter(|x| !x.is_nan()).map(|&x| (x as f64 - max).exp()).sum();
-    let lse = max + sum.ln();
-    // Partial selection: keep the k best in a small sorted list (k ≤ 20).
-    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
-    if k > 0 {
-        for (i, &x) in logits.iter().enumerate() {
-            if x.is_nan() || (top.len() == k && x <= top[k - 1].1) {
-                continue;
-            }
-            let at = top.partition_point(|&(_, y)| y >= x);
-            top.insert(at, (i as u32, x));
-            top.truncate(k);
-        }
-    }
-    (top.into_iter().map(|(i, x)| (i, (x as f64 - lse) as f32)).collect(), lse)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::top_logprobs;
-
-    #[test]
-    fn top_logprobs_are_sorted_log_softmax() {
-        let l = [1.0f32, 3.0, 2.0, 3.0, f32::NAN, -1.0];
-        let (top, lse) = top_logprobs(&l, 3);
-        let z: f64 = [1.0f64, 3.0, 2.0, 3.0, -1.0].iter().map(|x| x.exp()).sum();
-        assert!((lse - z.ln()).abs() < 1e-9);
-        // Ties keep id order; NaN is skipped.
-        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3, 2]);
-        assert!((top[0].1 as f64 - (3.0 - z.ln())).abs() < 1e-6);
-        assert!(top.windows(2).all(|w| w[0].1 >= w[1].1));
-        assert!(top_logprobs(&l, 0).0.is_empty());
-    }
 }

@@ -584,6 +584,33 @@ impl Sampler {
     }
 }
 
+/// The `k` most likely ids with their log-probabilities, and log Σ exp(logits) (f64).
+pub fn top_logprobs(logits: &[f32], k: usize) -> (Vec<(u32, f32)>, f64) {
+    let max = logits.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits.iter().filter(|x| !x.is_nan()).map(|&x| (x as f64 - max).exp()).sum();
+    let lse = max + sum.ln();
+    // Partial selection: keep the k best in a small sorted list (k ≤ 20).
+    let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
+    if k > 0 {
+        for (i, &x) in logits.iter().enumerate() {
+            if x.is_nan() || (top.len() == k && x <= top[k - 1].1) {
+                continue;
+            }
+            let at = top.partition_point(|&(_, y)| y >= x);
+            top.insert(at, (i as u32, x));
+            top.truncate(k);
+        }
+    }
+    (top.into_iter().map(|(i, x)| (i, (x as f64 - lse) as f32)).collect(), lse)
+}
+
+/// `token`'s log-probability under the raw `logits` and the `n` most likely `(id, logprob)`
+/// ([`top_logprobs`]): what a response reports per token (`Backend::logprobs`).
+pub fn token_logprobs(logits: &[f32], token: u32, n: usize) -> (f32, Vec<(u32, f32)>) {
+    let (top, lse) = top_logprobs(logits, n);
+    (logits.get(token as usize).map_or(f32::NEG_INFINITY, |&x| (x as f64 - lse) as f32), top)
+}
+
 /// Σ w in f64, in index order (the order the draw walks).
 fn sum(w: &[f32]) -> f64 {
     w.iter().map(|&x| x as f64).sum()
@@ -618,6 +645,19 @@ mod tests {
     fn sample_once(p: SamplingParams, l: &[f32], hist: &[u32]) -> u32 {
         let mut s = Sampler::new(p, l.len()).unwrap();
         s.sample(&mut l.to_vec(), hist)
+    }
+
+    #[test]
+    fn top_logprobs_are_sorted_log_softmax() {
+        let l = [1.0f32, 3.0, 2.0, 3.0, f32::NAN, -1.0];
+        let (top, lse) = top_logprobs(&l, 3);
+        let z: f64 = [1.0f64, 3.0, 2.0, 3.0, -1.0].iter().map(|x| x.exp()).sum();
+        assert!((lse - z.ln()).abs() < 1e-9);
+        // Ties keep id order; NaN is skipped.
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), vec![1, 3, 2]);
+        assert!((top[0].1 as f64 - (3.0 - z.ln())).abs() < 1e-6);
+        assert!(top.windows(2).all(|w| w[0].1 >= w[1].1));
+        assert!(top_logprobs(&l, 0).0.is_empty());
     }
 
     #[test]

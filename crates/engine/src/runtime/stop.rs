@@ -156,6 +156,14 @@ impl StopChecker {
         Step { text, finish: None }
     }
 
+    /// Whether [`Self::push`] of `id` ends the generation whatever its text: a stop id,
+    /// `max_tokens` or the context (only a stop string needs the text). The decode loop asks
+    /// before it enqueues the next step, ahead of detokenizing.
+    pub fn ends_at(&self, id: u32) -> bool {
+        let n = self.generated + 1;
+        self.done || self.rules.stop_ids.contains(&id) || self.rules.max_tokens.is_some_and(|m| n >= m) || self.prompt_len + n >= self.rules.max_context
+    }
+
     /// Ends the generation for a reason of the caller's (cancelled, error; the finish reason
     /// stays unset): returns the held text. Later pushes return empty steps.
     pub fn finish(&mut self) -> String {

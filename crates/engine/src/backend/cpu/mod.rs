@@ -15,6 +15,7 @@ use anyhow::{bail, Result};
 
 use super::{Backend, Dims, GdnParams, KvCache, SharedExpert};
 use crate::loader::tensor::HostLinear;
+use crate::runtime::sampler::{Sampler, SamplingParams};
 
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Cpu;
@@ -27,12 +28,21 @@ pub struct CpuStep {
     pub pos: usize,
 }
 
+/// The CPU twin of a device sampler: the host [`Sampler`] itself, with the request's prompt and
+/// the tokens generated so far (which a device keeps as counts).
+pub struct CpuSampler {
+    sampler: Sampler,
+    prompt: Vec<u32>,
+    generated: Vec<u32>,
+}
+
 impl Backend for Cpu {
     type Buf = Vec<f32>;
     type Mat = HostLinear;
     type Vec = Vec<f32>;
     type Route = moe::Route;
     type Step = CpuStep;
+    type Sampler = CpuSampler;
 
     fn name(&self) -> String {
         format!("cpu ({} threads)", rayon::current_num_threads())
@@ -141,5 +151,21 @@ impl Backend for Cpu {
 
     fn argmax_step(&self, logits: &Vec<f32>, vocab: usize, step: &mut CpuStep) {
         *step = CpuStep { token: crate::runtime::argmax(&logits[..vocab]), pos: step.pos + 1 };
+    }
+
+    /// Every parameter set: the CPU samples with `runtime::Sampler` itself.
+    fn new_sampler(&self, params: &SamplingParams, seed: u64, vocab: usize, prompt: &[u32]) -> Result<Option<CpuSampler>> {
+        let sampler = Sampler::new(SamplingParams { seed: Some(seed), ..params.clone() }, vocab)?;
+        Ok(Some(CpuSampler { sampler, prompt: prompt.to_vec(), generated: Vec::new() }))
+    }
+    fn sample_step(&self, logits: &Vec<f32>, vocab: usize, s: &mut CpuSampler, step: &mut CpuStep) {
+        // The sampler penalises its row in place: a copy keeps the logits raw, as on a device.
+        let mut row = logits[..vocab].to_vec();
+        let token = s.sampler.sample_split(&mut row, &s.prompt, &s.generated);
+        s.generated.push(token);
+        *step = CpuStep { token, pos: step.pos + 1 };
+    }
+    fn sample_note(&self, s: &mut CpuSampler, token: u32) {
+        s.generated.push(token);
     }
 }

@@ -72,6 +72,7 @@ mod gdn;
 pub mod lab;
 mod matmul;
 mod nvrtc;
+mod sample;
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
@@ -912,6 +913,7 @@ impl Backend for Cuda {
     type Vec = Buf;
     type Route = Route;
     type Step = Step;
+    type Sampler = sample::Sampler;
 
     fn name(&self) -> String {
         format!("cuda ({})", self.device)
@@ -1230,5 +1232,19 @@ impl Backend for Cuda {
         let (Some(pv), Some(pi)) = (self.scratch(&mut sc, "argmax_pv", 4 * ARGMAX_PARTS), self.scratch(&mut sc, "argmax_pi", 4 * ARGMAX_PARTS)) else { return };
         self.launch("argmax_partial", (parts as u32, 1, 1), 256, 0, &[Arg::P(logits.mem.ptr), Arg::P(pv), Arg::P(pi), Arg::I(vocab as i32)]);
         self.launch("argmax_step", (1, 1, 1), 1024, 0, &[Arg::P(pv), Arg::P(pi), Arg::P(step.mem.ptr), Arg::I(parts as i32)]);
+    }
+
+    // Sampling on the device: sample.rs.
+    fn new_sampler(&self, params: &crate::runtime::sampler::SamplingParams, seed: u64, vocab: usize, prompt: &[u32]) -> Result<Option<sample::Sampler>> {
+        self.new_sampler_op(params, seed, vocab, prompt)
+    }
+    fn sample_step(&self, logits: &Buf, vocab: usize, s: &mut sample::Sampler, step: &mut Step) {
+        self.sample_step_op(logits, vocab, s, step)
+    }
+    fn sample_note(&self, s: &mut sample::Sampler, token: u32) {
+        self.sample_note_op(s, token)
+    }
+    fn logprobs(&self, logits: &Buf, vocab: usize, token: u32, n: usize) -> Result<(f32, Vec<(u32, f32)>)> {
+        self.logprobs_op(logits, vocab, token, n)
     }
 }
