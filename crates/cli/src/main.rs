@@ -316,19 +316,31 @@ fn generate_on<B: Backend>(b: B, a: GenerateArgs) -> Result<()> {
         if !a.ids {
             bail!("this checkpoint has no tokenizer.json: add --ids to print token ids");
         }
-        let mut sampler = lily::runtime::sampler::Sampler::new(sampling, m.cfg.vocab_size)?;
+        // Picks on the backend where it can (plain greedy: its arg-max; else its sampler for
+        // these parameters), reading back only the ids; otherwise on the host from the logits.
+        let mut sampler = lily::runtime::sampler::Sampler::new(sampling.clone(), m.cfg.vocab_size)?;
+        let plain = sampling.is_plain_greedy();
+        let mut dev = if plain { None } else { m.device_sampler(&sampling, sampler.seed(), &prompt)? };
+        let on_backend = plain || dev.is_some();
         let t0 = std::time::Instant::now();
         let mut logits = m.forward(&mut st, &prompt, Logits::Last, None)?;
+        if let Some(d) = dev.as_mut() {
+            m.sample_last(&mut st, d)?;
+        }
         let mut s = lily::runtime::GenStats { prompt_tokens: prompt.len(), prefill_s: t0.elapsed().as_secs_f64(), ..Default::default() };
         let t1 = std::time::Instant::now();
         let mut out: Vec<u32> = Vec::new();
         while out.len() < a.max_tokens && st.pos < a.max_context {
-            let id = sampler.sample_split(&mut logits, &prompt, &out);
+            let id = if on_backend { m.picked(&st)? } else { sampler.sample_split(&mut logits, &prompt, &out) };
             out.push(id);
             if stop_ids.contains(&id) || out.len() == a.max_tokens || st.pos >= a.max_context {
                 break;
             }
-            logits = m.forward(&mut st, &[id], Logits::Last, None)?;
+            if on_backend {
+                m.decode_step(&mut st, None, dev.as_mut())?;
+            } else {
+                logits = m.forward(&mut st, &[id], Logits::Last, None)?;
+            }
         }
         s.decode_s = t1.elapsed().as_secs_f64();
         s.generated = out.len();

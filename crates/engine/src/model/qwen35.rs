@@ -11,9 +11,10 @@
 //! Each norm is fused with the projections that read it (`rms_norm_matmul`) and each residual add
 //! with the op that produces it (`matmul_q_add`, `moe_decode_add`). A prompt is fed in
 //! chunks of at most `chunk` tokens (bounded scratch); a single token takes the decode ops
-//! ([`Qwen35::decode`]): its token and position are read from the state's `Step` on the backend
-//! and the greedy pick is written back there, so a step has no host input and is recorded once
-//! and replayed (`Backend::replay`, a CUDA graph) until a buffer it touches changes.
+//! ([`Qwen35::decode`], [`Qwen35::decode_step`]): its token and position are read from the
+//! state's `Step` on the backend and the next pick (the greedy arg-max, or a draw of the
+//! sequence's [`DeviceSampler`]) is written back there, so a step has no host input and is
+//! recorded once and replayed (`Backend::replay`, a CUDA graph) until a buffer it touches changes.
 
 use anyhow::{bail, Result};
 

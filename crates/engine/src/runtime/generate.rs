@@ -1,8 +1,15 @@
 //! The generation loop with text: prefill, then sample → stream-decode → stop rules → feed back,
 //! one token at a time. Used by `lily generate`, `lily chat` and the server.
 //!
-//! The sampled token is fed back to the model only when generation goes on, so after a stop the
-//! state holds exactly prompt + emitted tokens (minus the stop token): ready for the next turn.
+//! Tokens are picked on the backend where it can (`Backend::sample_step`, or the arg-max for
+//! plain greedy): a step reads back only the token id (and the log-probabilities when asked).
+//! Otherwise the step's logits come to the host for [`Sampler`]. The next step is enqueued before
+//! the current token's text is worked out (detokenizing, stop strings, the caller's streaming),
+//! so on a device that host work overlaps the step. A token that ends the generation by itself
+//! (a stop id, the token budget, the context) is never fed, so after such a stop the state holds
+//! exactly prompt + emitted tokens minus the last; after a stop string (or a cancellation) it may
+//! also hold the last token. `st.pos` always says which (`cache::release` keeps exactly the
+//! tokens the state holds).
 //!
 //! [`generate_ex`] is the full loop: besides sampling it can
 //! - start from a state that already holds a prefix of the prompt (`cached`, for prefix reuse);
