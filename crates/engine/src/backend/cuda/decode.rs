@@ -172,9 +172,26 @@ impl Cuda {
             SwX::Norm { .. } => 1,
             SwX::Gated { .. } => 2,
         };
-        // The tensor-core form (opt-in) takes batches of 32 rows (2 tiles of 16).
-        let tc = route.is_none() && conv.is_none() && pro < 2 && bits == 4 && ws[0].gs == 64 && matches!(k, 512 | 1024 | 2048) && self.opted_in("tc_gemv");
-        let rb = if tc { 32 } else { rw * u };
+        // The tensor-core form (gemv.cu's tc_gemv_<NS>_<NW>_<U>_<PRO>): 4-bit, group size 64, K of
+        // 512 to 4096 cut into NW warps of NS spans of 128; batches of U tiles of 16 rows.
+        let tc_geom = match k {
+            512 => Some((1, 4)),
+            1024 => Some((2, 4)),
+            2048 => Some((2, 8)),
+            4096 => Some((2, 16)),
+            _ => None,
+        };
+        let tc = match tc_geom {
+            Some((_, nw)) => route.is_none() && bits == 4 && ws.iter().all(|w| w.gs == 64) && (pro == 0 || (pro == 1 && nw == 8)) && self.opted_in("tc_gemv"),
+            None => false,
+        };
+        // K = 4096 (16 warps), 1024 and 512: one tile per batch (gemv.cu's instantiations).
+        let (tc_u, tc_s) = match tc_geom {
+            Some((2, 8)) => (tc_env("LILY_CUDA_TC_U", &[1, 2], 1), tc_env("LILY_CUDA_TC_S", &[3, 4], 4)),
+            Some((2, 16)) => (1, tc_env("LILY_CUDA_TC_S", &[3, 4], 4)),
+            _ => (1, 4),
+        };
+        let rb = if tc { 16 * tc_u } else { rw * u };
         let mut p = SwArgs { m: [QMat::none(); 4], out: [0; 4], obf: [0; 4], bstart: [0; 5], n: ws.len() as i32, x: 0, nw: 0, xn: 0, rids: 0, rwts: 0, counter: 0, eps: 0.0, re: 0, rk: 0, ntopk: 0, cw: 0, cst: 0, zp: 0, ck: 0, dv: 0 };
         for (i, (w, o)) in ws.iter().zip(outs).enumerate() {
             p.m[i] = w.q();
@@ -219,10 +236,13 @@ impl Cuda {
             p.rk = k as i32;
             p.ntopk = norm as i32;
         }
-        let name = if tc { format!("tc_gemv_4_{}_2_{pro}", k / 512) } else { format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256) };
+        let (name, threads, smem) = match (tc, tc_geom) {
+            (true, Some((ns, nw))) => (format!("tc_gemv_{ns}_{nw}_{tc_u}_{tc_s}_{pro}"), 32 * nw as u32, (tc_s * nw * tc_u * tc_slot(ns)) as u32),
+            _ => (format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256), 256, 0),
+        };
         let batches = p.bstart[ws.len()] as u32;
-        let grid = batches.min(self.resident_blocks(&name, 256, 0));
-        self.launch(&name, (grid, 1, 1), 256, 0, &[Arg::S(Box::new(p))]);
+        let grid = batches.min(self.resident_blocks(&name, threads, smem));
+        self.launch(&name, (grid, 1, 1), threads, smem, &[Arg::S(Box::new(p))]);
     }
 
     /// `h += moe(x)` for one token as two streaming launches, when the experts and the shared
@@ -266,6 +286,29 @@ impl Cuda {
             k: k as i32,
             pad: 0,
         };
+        // On tensor cores (moe.cu's moe_tc_*): 4-bit, group size 64, hidden cut as tc_gemv's K,
+        // the width W = 128·NS with NS ≤ 4.
+        let gs64 = [gate.gs, up.gs, down.gs, sh.gate.gs, sh.up.gs, sh.down.gs].iter().all(|&g| g == 64);
+        let tc_hid = match hid {
+            1024 => Some((2, 4)),
+            2048 => Some((2, 8)),
+            4096 => Some((2, 16)),
+            _ => None,
+        };
+        if let (true, 4, true, Some((ns, nw)), true) = (self.opted_in("tc_gemv"), bits, gs64, tc_hid, matches!(w, 128 | 256 | 512)) {
+            let st = if nw == 8 { tc_env("LILY_CUDA_TC_S", &[3, 4], 4) } else if nw == 4 { 4 } else { 2 };
+            let name = format!("moe_tc_gate_up_{ns}_{nw}_{st}");
+            let threads = 32 * nw as u32;
+            let smem = (st * nw * 2 * tc_slot(ns)) as u32;
+            let batches = ((k + 1) * w.div_ceil(16)) as u32;
+            let grid = batches.min(self.resident_blocks(&name, threads, smem));
+            self.launch(&name, (grid, 1, 1), threads, smem, &[Arg::E(Box::new(p))]);
+            let name = format!("moe_tc_down_{}", w / 128);
+            let threads = 32 * (k + 1) as u32;
+            let grid = (hid.div_ceil(16) as u32).min(self.resident_blocks(&name, threads, 0));
+            self.launch(&name, (grid, 1, 1), threads, 0, &[Arg::E(Box::new(p))]);
+            return true;
+        }
         // gate|up: the gemv geometry over hidden, RW rows per load.
         let rw = 32 / (hid / 256);
         let u = 2; // the one instantiated (moe.cu): 4 spills
@@ -283,4 +326,18 @@ impl Cuda {
         self.launch(&name, (grid, 1, 1), threads, 0, &[Arg::E(Box::new(p))]);
         true
     }
+}
+
+/// Bytes of one warp's shared-memory slot for a 16-row tile of NS spans (tc_stream.cuh's TcSlot).
+fn tc_slot(ns: usize) -> usize {
+    (2 * ns + 1) * 512
+}
+
+/// A tensor-core kernel parameter from the environment (the lab compares them): `var` if it names
+/// one of `allowed`, else `default`. Read once per variable.
+fn tc_env(var: &'static str, allowed: &[usize], default: usize) -> usize {
+    static VARS: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<&'static str, Option<usize>>>> = std::sync::OnceLock::new();
+    let m = VARS.get_or_init(Default::default);
+    let v = *m.lock().unwrap_or_else(|e| e.into_inner()).entry(var).or_insert_with(|| std::env::var(var).ok().and_then(|s| s.parse().ok()));
+    v.filter(|x| allowed.contains(x)).unwrap_or(default)
 }

@@ -93,6 +93,7 @@ const HEADERS: &[(&str, &str)] = &[
     ("route.cuh", include_str!("kernels/route.cuh")),
     ("stream.cuh", include_str!("kernels/stream.cuh")),
     ("tc_gemm.cuh", include_str!("kernels/tc_gemm.cuh")),
+    ("tc_stream.cuh", include_str!("kernels/tc_stream.cuh")),
 ];
 const FILES: &[(&str, &str)] = &[
     ("norm.cu", include_str!("kernels/norm.cu")),

@@ -253,175 +253,138 @@ SW_GEMV_C(4, 4)
 SW_GEMV_C(4, 2)
 SW_GEMV_C(8, 2)
 
-// ---- tc_gemv_4_<NG>_<U>_<PRO>: the same products on tensor cores (opt-in: switch `tc_gemv`,
-// LILY_CUDA_ENABLE=tc_gemv; not yet run on a GPU). Why: the SIMT loop above is issue-bound at ~5
-// instructions per weight per lane; here a code costs ~1.4 (mask/shift and an exact bf16x2
-// subtraction per pair) and the dot is one mma.sync per 256 weights per warp.
-// Exactness: the A operand is the codes q themselves as bf16 (small integers, exact; built from
-// 0x4300|q = 128 + q minus 128), B is x (bf16 activations, exact), so every product is exact in
-// f32 and D = Σ_group q·x is an f32 sum; then s·D + b·Σx per group on the CUDA cores: the same
-// function as the SIMT loop, to f32 summation order.
-// Geometry: 4-bit, bf16 scales, group size 64, K = 512·NG (a warp's slice of K/8 = 64·NG inputs is
-// NG whole groups). Warp w owns the slice; lane (g = lane/4, t = lane%4). A batch is U tiles of 16
-// rows; for tile rows g and g+8, lane t loads words 2t, 2t+1 of each of its groups (8 bytes). The
-// k order inside a group is permuted (the dot does not care), identically for A and B: mma step s
-// (0..3) of a group gives lane t the pairs of nibbles (p, p+4) and (p+1, p+5), p = 2(s%2), of word
-// 2t + s/2, i.e. inputs 16t + 8(s/2) + {p, p+4} (A regs 0/1, B reg 0) and + {p+1, p+5} (A regs
-// 2/3, B reg 1). Fragment layouts as mma.cuh. The 8 warps' partials are summed in shared memory
-// as above (same epilogues and prologues; not the route, which stays on the SIMT router).
+// ---- tc_gemv_<NS>_<NW>_<U>_<S>_<PRO>: the same products on tensor cores (tc_stream.cuh has the
+// dot, its exactness and fragment geometry): 4-bit, group size 64, K = 128·NS·NW, NW warps each
+// owning NS spans of 128 inputs; a batch is U tiles of 16 rows. Switch `tc_gemv`. Prologues 0 and
+// 1 (1 only with 8 warps: the rms_norm kernel's exact 256-thread arithmetic), every epilogue of
+// sw_store; not the route (the router is 8-bit).
+// The block's batches (bt = blockIdx.x + n·gridDim.x) are staged through shared memory by
+// cp.async, S - 1 batches ahead (tc_stream.cuh: a warp's slot per tile and stage; dynamic shared
+// memory S·NW·U·TcSlot<NS>::BYTES), the warps' partials summed in warp order through shared
+// memory as above (double-buffered: one barrier per batch).
 
-// Nibbles i and i+4 of w as a bf16x2 (nibble i in the low half), exactly.
-__device__ __forceinline__ u32 q4_pair_bf16(u32 w, int i) {
-    const u32 v = ((w >> (4 * i)) & 0x000F000Fu) | 0x43004300u;  // 128 + q, exact in bf16
-    u32 r;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(v), "r"(0x3F803F80u), "r"(0xC300C300u));  // (128 + q)·1 − 128
-    return r;
-}
-
-template <int NG, int U, int PRO>
+template <int NS, int NW, int U, int S, int PRO>
 __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
-    constexpr int K = 512 * NG, RB = 16 * U;
-    __shared__ float red[2][SW_WARPS][RB];
+    constexpr int K = 128 * NS * NW, RB = 16 * U, SLOT = TcSlot<NS>::BYTES;
+    static_assert(PRO == 0 || (PRO == 1 && NW == SW_WARPS), "the norm prologue needs 256 threads");
+    static_assert(S >= 2, "at least one batch ahead");
+    extern __shared__ __align__(16) unsigned char tcs[];
+    __shared__ float red[2][NW][RB];
+    __shared__ float xsum[K / 32];
     __shared__ float sh[32];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
+    const int sb = warp * NS;
     const int total = p.bstart[p.n];
-    int bt = blockIdx.x;
-    if (bt >= total) return;
-    const int gbase = warp * NG;  // the warp's first group within a row (K/64 groups per row)
-
-    // x of this lane's inputs, as the B fragments of every step of every group, and Σx per group.
-    // Group G, input offsets 16t .. 16t + 15 (words 2t, 2t + 1).
-    float xf[NG][16];
-    if constexpr (PRO == 0) {
-        const u16* x = (const u16*)p.x;
-        PDL_WAIT();
+    if ((int)blockIdx.x >= total) return;
+    const u32 base = smem_u32(tcs);
+    auto slot = [&](int st, int u) { return ((st * NW + warp) * U + u) * SLOT; };
+    // Batch n of this block into stage n % S (an empty group past the end keeps the count).
+    auto issue = [&](int n) {
+        const int b = blockIdx.x + n * gridDim.x;
+        if (b < total) {
+            int mi, row0;
+            sw_locate(p, b, RB, mi, row0);
+            const QMat m = sw_mat(p, mi);
 #pragma unroll
-        for (int G = 0; G < NG; G++) {
-            const uint4* q = (const uint4*)(x + (gbase + G) * 64 + 16 * t);
-            const uint4 v0 = q[0], v1 = q[1];
-            const u32 w8[8] = {v0.x, v0.y, v0.z, v0.w, v1.x, v1.y, v1.z, v1.w};
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                xf[G][2 * i] = bf16_lo(w8[i]);
-                xf[G][2 * i + 1] = bf16_hi(w8[i]);
-            }
+            for (int u = 0; u < U; u++) tc_issue<NS>(m, 0, row0 + 16 * u, m.out, sb, g, t, lane, base + slot(n % S, u));
         }
+        cp_commit();
+    };
+    // The first batches' weights are requested before x is known: they do not depend on it.
+#pragma unroll
+    for (int n = 0; n < S - 1; n++) issue(n);
+    PDL_WAIT();
+
+    const int ch = tc_chunk<NS>(sb, g, t);
+    float xv[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) xv[i] = 0.0f;
+    float xs = 0.0f;
+    if constexpr (PRO == 0) {
+        if (ch >= 0) xs = sw_x_act((const u16*)p.x, ch, xv);
     } else {
-        PDL_WAIT();
         const float* h = (const float*)p.x;
         const float* w = (const float*)p.nw;
         const float rr = sw_rms_scale(h, K, p.eps, sh);
+        if (ch >= 0) {
+            const float4* h4 = (const float4*)(h + ch * 32);
+            const float4* w4 = (const float4*)(w + ch * 32);
 #pragma unroll
-        for (int G = 0; G < NG; G++) {
-            const int k0 = (gbase + G) * 64 + 16 * t;
+            for (int i = 0; i < 8; i++) {
+                const float4 hv = h4[i], wv = w4[i];
+                xv[4 * i] = bf16f(bf16_rn(hv.x * rr * wv.x));
+                xv[4 * i + 1] = bf16f(bf16_rn(hv.y * rr * wv.y));
+                xv[4 * i + 2] = bf16f(bf16_rn(hv.z * rr * wv.z));
+                xv[4 * i + 3] = bf16f(bf16_rn(hv.w * rr * wv.w));
+            }
 #pragma unroll
-            for (int i = 0; i < 16; i++) xf[G][i] = bf16f(bf16_rn(h[k0 + i] * rr * w[k0 + i]));
-            if (blockIdx.x == 0 && p.xn != 0 && g == 0) {
-                uint4* o = (uint4*)((u16*)p.xn + k0);
+            for (int i = 0; i < 32; i++) xs += xv[i];
+            if (blockIdx.x == 0 && p.xn != 0) {
+                uint4* o = (uint4*)((u16*)p.xn + ch * 32);
 #pragma unroll
-                for (int j = 0; j < 2; j++) {
-                    u32 v[4];
-#pragma unroll
-                    for (int i = 0; i < 4; i++) v[i] = (u32)bf16_rn(xf[G][8 * j + 2 * i]) | ((u32)bf16_rn(xf[G][8 * j + 2 * i + 1]) << 16);
-                    o[j] = make_uint4(v[0], v[1], v[2], v[3]);
-                }
+                for (int i = 0; i < 4; i++) o[i] = sw_pack8(xv, i);
             }
         }
     }
-    u32 xb[NG][4][2];
-    float xsg[NG];
-#pragma unroll
-    for (int G = 0; G < NG; G++) {
-        float s = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 16; i++) s += xf[G][i];
-        s += __shfl_xor_sync(FULL_MASK, s, 1);
-        s += __shfl_xor_sync(FULL_MASK, s, 2);
-        xsg[G] = s;
-#pragma unroll
-        for (int st = 0; st < 4; st++) {
-            const int b = 8 * (st / 2), pp = 2 * (st % 2);
-            xb[G][st][0] = pack_bf16x2(xf[G][b + pp], xf[G][b + pp + 4]);
-            xb[G][st][1] = pack_bf16x2(xf[G][b + pp + 1], xf[G][b + pp + 5]);
-        }
-    }
+    if (ch >= 0) xsum[ch] = xs;
+    u32 xb[NS][8][2];
+    tc_build_b<NS>(xv, ch, g, xb);
+    __syncthreads();
+    float xs0, xs1;
+    tc_group_sums<NS>(xsum, sb, t, xs0, xs1);
 
-    int par = 0;
-    for (;;) {
-        int mi, row0;
-        sw_locate(p, bt, RB, mi, row0);
-        const QMat m = sw_mat(p, mi);
-        const u32 rw = (u32)(m.inp >> 3);  // u32 words per row
-        const u32 gpr = (u32)(m.inp >> 6);
-        uint2 wa[U][NG], wb[U][NG];
-        u16 sa[U][NG], ba[U][NG], sb[U][NG], bb[U][NG];
-        // Row r's words 2t, 2t+1 of group G and the group's scale and bias (zeros past the end).
-        auto load = [&](int r, int G, uint2& wv, u16& sv, u16& bv) {
-            const u32 grp = (u32)(gbase + G);
-            if (r < m.out) {
-                wv = __ldg((const uint2*)((const u32*)m.w + (u64)r * rw + grp * 8 + 2 * t));
-                sv = __ldg((const unsigned short*)m.s + (u64)r * gpr + grp);
-                bv = __ldg((const unsigned short*)m.b + (u64)r * gpr + grp);
-            } else {
-                wv = make_uint2(0u, 0u);
-                sv = bv = 0;
-            }
-        };
+    for (int n = 0;; n++) {
+        const int b = blockIdx.x + n * gridDim.x;
+        if (b >= total) break;
+        cp_wait<S - 2>();
+        TcTile<NS> T[U];
 #pragma unroll
-        for (int u = 0; u < U; u++)
-#pragma unroll
-            for (int G = 0; G < NG; G++) {
-                load(row0 + 16 * u + g, G, wa[u][G], sa[u][G], ba[u][G]);
-                load(row0 + 16 * u + g + 8, G, wb[u][G], sb[u][G], bb[u][G]);
-            }
-        float acc[U][2];
+        for (int u = 0; u < U; u++) tc_fetch<NS>(tcs + slot(n % S, u), t, lane, T[u]);
+        // The slot of batch n - 1 is free (this lane read it last round): batch n + S - 1 goes there.
+        issue(n + S - 1);
+        const int par = n & 1;
 #pragma unroll
         for (int u = 0; u < U; u++) {
-            acc[u][0] = acc[u][1] = 0.0f;
-#pragma unroll
-            for (int G = 0; G < NG; G++) {
-                float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-                for (int st = 0; st < 4; st++) {
-                    const u32 wA = st < 2 ? wa[u][G].x : wa[u][G].y, wB = st < 2 ? wb[u][G].x : wb[u][G].y;
-                    const int pp = 2 * (st % 2);
-                    const u32 a[4] = {q4_pair_bf16(wA, pp), q4_pair_bf16(wB, pp), q4_pair_bf16(wA, pp + 1), q4_pair_bf16(wB, pp + 1)};
-                    mma_bf16_16816(d, a, xb[G][st][0], xb[G][st][1]);
-                }
-                // Every column of D is the same dot (x is in every column of B): take column 2t.
-                acc[u][0] = fmaf(bf16f(sa[u][G]), d[0], fmaf(bf16f(ba[u][G]), xsg[G], acc[u][0]));
-                acc[u][1] = fmaf(bf16f(sb[u][G]), d[2], fmaf(bf16f(bb[u][G]), xsg[G], acc[u][1]));
-            }
-        }
-        if (t == 0) {
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                red[par][warp][16 * u + g] = acc[u][0];
-                red[par][warp][16 * u + g + 8] = acc[u][1];
+            float d[4];
+            tc_dot<NS>(T[u], xb, d);
+            float ra, rb;
+            tc_finish<NS>(T[u], d, xs0, xs1, t, ra, rb);
+            if (t == 0) {
+                red[par][warp][16 * u + g] = ra;
+                red[par][warp][16 * u + g + 8] = rb;
             }
         }
         __syncthreads();
         if (tid < RB) {
+            int mi, row0;
+            sw_locate(p, b, RB, mi, row0);
+            const QMat m = sw_mat(p, mi);
             float v = 0.0f;
 #pragma unroll
-            for (int w = 0; w < SW_WARPS; w++) v += red[par][w][tid];
-            if (row0 + tid < m.out) sw_store(p, mi, row0 + tid, v);
+            for (int w = 0; w < NW; w++) v += red[par][w][tid];
+            const int o = row0 + tid;
+            if (o < m.out) sw_store(p, mi, o, v);
         }
-        par ^= 1;
-        bt += gridDim.x;
-        if (bt >= total) break;
     }
+    cp_wait<0>();
 }
 
-#define TC_GEMV_KERNEL(NG, U, PRO)                                                                       \
-    extern "C" __global__ void __launch_bounds__(256, 2) tc_gemv_4_##NG##_##U##_##PRO(SwArgs p) {        \
-        PDL_LAUNCH();                                                                                    \
-        tc_gemv_body<NG, U, PRO>(p);                                                                     \
+// tc_gemv_<NS>_<NW>_<U>_<S>_<PRO>: K = 128·NS·NW (1024: 2·4, 2048: 2·8, 4096: 2·16; 512: 1·4).
+#define TC_GEMV_KERNEL(NS, NW, U, S, PRO)                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * NW) tc_gemv_##NS##_##NW##_##U##_##S##_##PRO(SwArgs p) {     \
+        PDL_LAUNCH();                                                                                             \
+        tc_gemv_body<NS, NW, U, S, PRO>(p);                                                                       \
     }
-TC_GEMV_KERNEL(1, 2, 0)
-TC_GEMV_KERNEL(1, 2, 1)
-TC_GEMV_KERNEL(2, 2, 0)
-TC_GEMV_KERNEL(2, 2, 1)
-TC_GEMV_KERNEL(4, 2, 0)
-TC_GEMV_KERNEL(4, 2, 1)
+TC_GEMV_KERNEL(2, 8, 1, 3, 0)
+TC_GEMV_KERNEL(2, 8, 1, 3, 1)
+TC_GEMV_KERNEL(2, 8, 1, 4, 0)
+TC_GEMV_KERNEL(2, 8, 1, 4, 1)
+TC_GEMV_KERNEL(2, 8, 2, 3, 0)
+TC_GEMV_KERNEL(2, 8, 2, 3, 1)
+TC_GEMV_KERNEL(2, 8, 2, 4, 0)
+TC_GEMV_KERNEL(2, 8, 2, 4, 1)
+TC_GEMV_KERNEL(2, 16, 1, 3, 0)
+TC_GEMV_KERNEL(2, 16, 1, 4, 0)
+TC_GEMV_KERNEL(2, 4, 1, 4, 0)
+TC_GEMV_KERNEL(1, 4, 1, 4, 0)

@@ -404,3 +404,167 @@ __device__ __forceinline__ void moe_sw_down_body(const SwMoe& p) {
 
 MOE_SW_KERNELS(4)
 MOE_SW_KERNELS(8)
+
+// ---- Decode on tensor cores (tc_stream.cuh's dot; switch `tc_gemv` with `fuse_moe`): the same
+// two launches and epilogues as moe_sw_* above, for 4-bit experts of group size 64.
+//   moe_tc_gate_up_<NS>_<NW>_<S>  hidden = 128·NS·NW (NW warps cut K as tc_gemv); a batch is
+//                  one slot's 16-row tile of gate and the same rows of up (two tiles), batches
+//                  (k + 1)·ceil(W / 16), staged through shared memory S - 1 batches ahead
+//                  (tc_gemv's pipeline: dynamic shared memory S·NW·2·TcSlot<NS>::BYTES).
+//                  act[j·W + o] = bf16(silu(g)·u).
+//   moe_tc_down_<NS>         W = 128·NS (NS ≤ 4): warp j is slot j (32·(k+1) threads) over the
+//                  whole row, act_j as its B fragments; a batch is 16 output rows, the slots'
+//                  partials summed in slot order through shared memory, then h[o] += v.
+
+template <int NS, int NW, int S>
+__device__ __forceinline__ void moe_tc_gate_up_body(const SwMoe& p) {
+    constexpr int K = 128 * NS * NW, SLOT = TcSlot<NS>::BYTES;
+    extern __shared__ __align__(16) unsigned char tcs[];
+    __shared__ float red[2][2][NW][16];
+    __shared__ float xsum[K / 32];
+    const int W = p.g.out;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int sb = warp * NS;
+    const int nb = (W + 15) / 16, total = (p.k + 1) * nb;
+    const u32* ids = (const u32*)p.ids;
+    if ((int)blockIdx.x >= total) return;
+    const u32 base = smem_u32(tcs);
+    auto slot = [&](int st, int u) { return ((st * NW + warp) * 2 + u) * SLOT; };
+    auto issue = [&](int n) {
+        const int bt = blockIdx.x + n * gridDim.x;
+        if (bt < total) {
+            const int j = bt / nb, row0 = (bt % nb) * 16;
+            const bool routed = j < p.k;
+            const int e = routed ? (int)ids[j] : 0;
+            tc_issue<NS>(routed ? p.g : p.sg, e, row0, W, sb, g, t, lane, base + slot(n % S, 0));
+            tc_issue<NS>(routed ? p.u : p.su, e, row0, W, sb, g, t, lane, base + slot(n % S, 1));
+        }
+        cp_commit();
+    };
+#pragma unroll
+    for (int n = 0; n < S - 1; n++) issue(n);
+
+    const int ch = tc_chunk<NS>(sb, g, t);
+    float xv[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) xv[i] = 0.0f;
+    if (ch >= 0) xsum[ch] = sw_x_act((const u16*)p.x, ch, xv);
+    u32 xb[NS][8][2];
+    tc_build_b<NS>(xv, ch, g, xb);
+    __syncthreads();
+    float xs0, xs1;
+    tc_group_sums<NS>(xsum, sb, t, xs0, xs1);
+
+    for (int n = 0;; n++) {
+        const int bt = blockIdx.x + n * gridDim.x;
+        if (bt >= total) break;
+        cp_wait<S - 2>();
+        TcTile<NS> tg, tu;
+        tc_fetch<NS>(tcs + slot(n % S, 0), t, lane, tg);
+        tc_fetch<NS>(tcs + slot(n % S, 1), t, lane, tu);
+        issue(n + S - 1);
+        const int par = n & 1;
+        float dg[4], du[4];
+        tc_dot<NS>(tg, xb, dg);
+        tc_dot<NS>(tu, xb, du);
+        float ga_, gb_, ua_, ub_;
+        tc_finish<NS>(tg, dg, xs0, xs1, t, ga_, gb_);
+        tc_finish<NS>(tu, du, xs0, xs1, t, ua_, ub_);
+        if (t == 0) {
+            red[par][0][warp][g] = ga_;
+            red[par][0][warp][g + 8] = gb_;
+            red[par][1][warp][g] = ua_;
+            red[par][1][warp][g + 8] = ub_;
+        }
+        __syncthreads();
+        if (tid < 16) {
+            float gv = 0.0f, uv = 0.0f;
+#pragma unroll
+            for (int w = 0; w < NW; w++) {
+                gv += red[par][0][w][tid];
+                uv += red[par][1][w][tid];
+            }
+            const int j = bt / nb, o = (bt % nb) * 16 + tid;
+            if (o < W) ((u16*)p.act)[(u64)j * W + o] = bf16_rn(silu_f(gv) * uv);
+        }
+    }
+    cp_wait<0>();
+}
+
+template <int NS>
+__device__ __forceinline__ void moe_tc_down_body(const SwMoe& p) {
+    constexpr int K = 128 * NS;
+    __shared__ float red[2][SWD_MAXSLOTS][16];
+    __shared__ float xsum[SWD_MAXSLOTS][K / 32];
+    __shared__ float wt[SWD_MAXSLOTS];
+    const int H = p.d.out;
+    const int tid = threadIdx.x, j = tid >> 5, lane = tid & 31;
+    const int g = lane >> 2, t = lane & 3;
+    const int nslot = p.k + 1;
+    const int nb = (H + 15) / 16;
+    int bt = blockIdx.x;
+    if (bt >= nb) return;
+
+    const bool routed = j < p.k;
+    const int e = routed ? (int)((const u32*)p.ids)[j] : 0;
+    const QMat D = routed ? p.d : p.sd;
+    TcTile<NS> ta, tb;
+    tc_load<NS>(D, e, bt * 16, H, 0, g, t, ta);
+    if (lane == 0) wt[j] = routed ? ((const float*)p.wts)[j] : sigmoid_f(((const float*)p.slogit)[0]);
+    const int ch = tc_chunk<NS>(0, g, t);
+    float xv[32];
+#pragma unroll
+    for (int i = 0; i < 32; i++) xv[i] = 0.0f;
+    if (ch >= 0) xsum[j][ch] = sw_x_act((const u16*)p.act + (u64)j * K, ch, xv);
+    u32 xb[NS][8][2];
+    tc_build_b<NS>(xv, ch, g, xb);
+    __syncthreads();
+    float xs0, xs1;
+    tc_group_sums<NS>(xsum[j], 0, t, xs0, xs1);
+
+    int par = 0;
+    auto step = [&](TcTile<NS>& cur, TcTile<NS>& nxt) -> bool {
+        const int crow0 = bt * 16;
+        const int nbt = bt + gridDim.x;
+        if (nbt < nb) tc_load<NS>(D, e, nbt * 16, H, 0, g, t, nxt);
+        float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        tc_dot<NS>(cur, xb, d);
+        float ra, rb;
+        tc_finish<NS>(cur, d, xs0, xs1, t, ra, rb);
+        if (t == 0) {
+            red[par][j][g] = ra;
+            red[par][j][g + 8] = rb;
+        }
+        __syncthreads();
+        if (tid < 16) {
+            float v = 0.0f;
+            for (int s = 0; s < nslot; s++) v += wt[s] * red[par][s][tid];
+            const int o = crow0 + tid;
+            if (o < H) ((float*)p.h)[o] += v;
+        }
+        par ^= 1;
+        bt = nbt;
+        return nbt < nb;
+    };
+    while (step(ta, tb) && step(tb, ta)) {
+    }
+}
+
+#define MOE_TC_GATE_UP(NS, NW, S)                                                                           \
+    extern "C" __global__ void __launch_bounds__(32 * NW) moe_tc_gate_up_##NS##_##NW##_##S(SwMoe p) {      \
+        PDL_ENTRY();                                                                                        \
+        moe_tc_gate_up_body<NS, NW, S>(p);                                                                  \
+    }
+#define MOE_TC_DOWN(NS)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS) moe_tc_down_##NS(SwMoe p) {             \
+        PDL_ENTRY();                                                                                        \
+        moe_tc_down_body<NS>(p);                                                                            \
+    }
+MOE_TC_GATE_UP(2, 4, 4)
+MOE_TC_GATE_UP(2, 8, 3)
+MOE_TC_GATE_UP(2, 8, 4)
+MOE_TC_GATE_UP(2, 16, 2)
+MOE_TC_DOWN(1)
+MOE_TC_DOWN(2)
+MOE_TC_DOWN(4)
