@@ -552,19 +552,18 @@ fn fused_decode_forms_equal_their_compositions() {
     }
 }
 
-/// The opt-in tensor-core form of the streaming GEMV (`tc_gemv`: exact integer codes times bf16 x
-/// on mma.sync, f32 sums, scales and biases on the CUDA cores): the same function as the SIMT
-/// loop, so the same F32_TOL against the CPU, at every width it takes (K = 512, 1024, 2048), with
-/// rows that are not a multiple of its 32-row batches, through both prologues (the fused norm's x
-/// still bit-equal to rms_norm's). Ignored by default while the form is opt-in and unproven on a
-/// GPU (a kernel fault would poison the tests after it in the process): `scripts/h200-run tc`
-/// runs it alone with `--ignored`.
+/// The tensor-core form of the streaming GEMV (switch `tc_gemv`, and with `tc_all` at every width:
+/// exact integer codes times bf16 x on mma.sync, f32 sums, scales and biases on the CUDA cores):
+/// the same function as the SIMT loop, so the same F32_TOL against the CPU, at every width it
+/// takes (K = 512, 1024, 2048, 4096), with rows that are not a multiple of its 16-row tiles,
+/// through both prologues (the fused norm's x still bit-equal to rms_norm's at K = 2048, where
+/// the norm prologue runs on tensor cores) and the residual-add epilogue. The MoE form is in
+/// `moe_route_and_experts`.
 #[test]
-#[ignore = "opt-in tc_gemv: run alone by scripts/h200-run tc"]
 fn tc_gemv_matches_the_cpu() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(41);
-    g.set_enabled(&["tc_gemv"]).unwrap();
+    g.set_enabled(&["tc_all"]).unwrap();
     for (k, outs) in [(2048usize, vec![8192usize, 4096, 32, 32]), (2048, vec![50_000]), (1024, vec![300, 7]), (512, vec![100])] {
         let ws: Vec<HostLinear> = outs.iter().map(|&o| rand_quant(&mut rng, 1, o, k, 4, 64, false)).collect();
         let gws: Vec<_> = ws.iter().map(|w| g.upload_mat(w).unwrap()).collect();
@@ -1096,7 +1095,7 @@ fn moe_route_and_experts() {
                 // the slots' down outputs or of the sum, which the bound allows for), and with
                 // `fuse_moe` off (the composition: rounded output, then the add). 8-bit shared:
                 // the composition either way.
-                for (off, on) in [(&[][..], &[][..]), (&["fuse_moe"][..], &[][..]), (&[][..], &["tc_gemv"][..])] {
+                for (off, on) in [(&[][..], &[][..]), (&["fuse_moe"][..], &[][..]), (&[][..], &["tc_all"][..])] {
                     g.set_disabled(off).unwrap();
                     g.set_enabled(on).unwrap();
                     let mut gh = g.zeros(hid).unwrap();

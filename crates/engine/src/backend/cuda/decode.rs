@@ -181,13 +181,19 @@ impl Cuda {
             4096 => Some((2, 16)),
             _ => None,
         };
+        // On by default for K = 2048 only (measured faster there; `tc_all` for the rest).
         let tc = match tc_geom {
-            Some((_, nw)) => route.is_none() && bits == 4 && ws.iter().all(|w| w.gs == 64) && (pro == 0 || (pro == 1 && nw == 8)) && self.opted_in("tc_gemv"),
+            Some((_, nw)) => route.is_none() && bits == 4 && ws.iter().all(|w| w.gs == 64) && (pro == 0 || (pro == 1 && nw == 8)) && self.on("tc_gemv") && (k == 2048 || self.opted_in("tc_all")),
             None => false,
         };
         // K = 4096 (16 warps), 1024 and 512: one tile per batch (gemv.cu's instantiations).
         let (tc_u, tc_s) = match tc_geom {
-            Some((2, 8)) => (tc_env("LILY_CUDA_TC_U", &[1, 2], 1), tc_env("LILY_CUDA_TC_S", &[3, 4], 4)),
+            // 4 stages for the lm_head (102 against 104 us at 3), 3 for the layers' projections
+            // (in_proj 11.5 against 12.2, q|k|v 10.6 against 10.8).
+            Some((2, 8)) => {
+                let rows: usize = ws.iter().map(|w| w.out).sum();
+                (tc_env("LILY_CUDA_TC_U", &[1, 2], 1), tc_env("LILY_CUDA_TC_S", &[3, 4], if rows >= 65_536 { 4 } else { 3 }))
+            }
             Some((2, 16)) => (1, tc_env("LILY_CUDA_TC_S", &[3, 4], 4)),
             _ => (1, 4),
         };
@@ -295,7 +301,7 @@ impl Cuda {
             4096 => Some((2, 16)),
             _ => None,
         };
-        if let (true, 4, true, Some((ns, nw)), true) = (self.opted_in("tc_gemv"), bits, gs64, tc_hid, matches!(w, 128 | 256 | 512)) {
+        if let (true, 4, true, Some((ns, nw)), true) = (self.on("tc_gemv") && self.opted_in("tc_all"), bits, gs64, tc_hid, matches!(w, 128 | 256 | 512)) {
             let st = if nw == 8 { tc_env("LILY_CUDA_TC_S", &[3, 4], 4) } else if nw == 4 { 4 } else { 2 };
             let name = format!("moe_tc_gate_up_{ns}_{nw}_{st}");
             let threads = 32 * nw as u32;

@@ -66,7 +66,8 @@ pub const CASES: &[Case] = &[
 pub struct LabRow {
     pub short: &'static str,
     pub name: &'static str,
-    /// `on` (every decode optimisation on) or `off` (every switch of SWITCHES off).
+    /// `on` (every decode optimisation on, except those LILY_CUDA_DISABLE named) or `off` (every
+    /// switch of SWITCHES off).
     pub opts: &'static str,
     /// Weight bytes one call reads (0: an op that reads none).
     pub bytes: usize,
@@ -230,7 +231,7 @@ impl Cuda {
         let mut rows = Vec::new();
         let r = (|| -> Result<()> {
             for (k, case) in CASES.iter().enumerate().filter(|(_, c)| cases.is_empty() || cases.contains(&c.short)) {
-                let lab = Lab { cuda: self, cfg, d: Dims::from_config(cfg), case, cycle, calls, flip: k % 2 == 1, seed: 1 + 1000 * k as u32 };
+                let lab = Lab { cuda: self, cfg, d: Dims::from_config(cfg), case, cycle, calls, flip: k % 2 == 1, seed: 1 + 1000 * k as u32, on: &before };
                 for r in lab.run().with_context(|| format!("kernel lab, case `{}`", case.short))? {
                     row(&r);
                     rows.push(r);
@@ -305,6 +306,9 @@ struct Lab<'a> {
     flip: bool,
     /// Seed of the case's first matrix (the next ones count up).
     seed: u32,
+    /// The switches off in the `on` row: those the environment turned off (`LILY_CUDA_DISABLE`),
+    /// so one switch can be compared against the rest on.
+    on: &'a [&'static str],
 }
 
 impl Lab<'_> {
@@ -472,7 +476,7 @@ impl Lab<'_> {
     /// off, in the case's order; returns the `on` row first.
     fn variants(&self, bytes: usize, copies: usize, calls: usize, ops: &mut dyn FnMut(usize) -> Result<()>) -> Result<Vec<LabRow>> {
         let g = self.cuda;
-        let order: [(&'static str, &[&str]); 2] = if self.flip { [("off", SWITCHES), ("on", &[])] } else { [("on", &[]), ("off", SWITCHES)] };
+        let order: [(&'static str, &[&str]); 2] = if self.flip { [("off", SWITCHES), ("on", self.on)] } else { [("on", self.on), ("off", SWITCHES)] };
         let mut rows = Vec::new();
         for (opts, off) in order {
             g.set_disabled(off)?;

@@ -421,16 +421,22 @@ pub struct Cuda {
 /// * `fuse_residual`: the residual add in the output projections' epilogue; off, an add kernel;
 /// * `fuse_moe`: the routed + shared experts as two streaming launches with the combine and the
 ///   residual add in the second; off, moe_gate_up, moe_down, moe_combine and an add;
-/// * `fuse_route`: the top-k routing in the last block of the router's launch; off, moe_route.
-pub const SWITCHES: &[&str] = &["stream_gemv", "fuse_norm", "fuse_residual", "fuse_moe", "fuse_route"];
+/// * `fuse_route`: the top-k routing in the last block of the router's launch; off, moe_route;
+/// * `tc_gemv`: the streaming GEMVs of K = 2048 outside the MoE block (GDN in_proj, attention
+///   q|k|v, lm_head) on tensor cores with cp.async staging (gemv.cu's tc_gemv_*); off, the SIMT
+///   loop. Measured on the H200 (`lily lab`): in_proj 13.4 -> 11.5 us, q|k|v 12.4 -> 10.6,
+///   lm_head 118 -> 102.
+pub const SWITCHES: &[&str] = &["stream_gemv", "fuse_norm", "fuse_residual", "fuse_moe", "fuse_route", "tc_gemv"];
 
 /// Decode-path variants that are off unless asked for (`LILY_CUDA_ENABLE=name`,
 /// `Cuda::set_enabled`): written but not yet measured or run on a GPU.
-/// * `tc_gemv`: the streaming GEMVs' dot on tensor cores (gemv.cu's tc_gemv_*: 4-bit, group size
-///   64, K of 512, 1024 or 2048), for the matrices it takes.
+/// * `tc_all`: the tensor-core streaming dot (switch `tc_gemv`) also for the other widths (K 512,
+///   1024, 4096: out_proj, o_proj) and the MoE experts (moe.cu's moe_tc_*). Correct (cuda_ops) but
+///   measured slower on the H200 than the SIMT kernels there: out_proj 5.3 against 4.4 us, the
+///   experts 17.0 against 13.2 (one wave of blocks: the staging has nothing to overlap).
 /// * `fuse_gdn`: a GDN layer's decode mixer in three launches (the conv in the projections'
 ///   epilogue, the scan, the gated norm in out_proj's prologue with the residual add).
-pub const OPT_IN: &[&str] = &["tc_gemv", "fuse_gdn"];
+pub const OPT_IN: &[&str] = &["tc_all", "fuse_gdn"];
 
 impl Cuda {
     /// The first GPU.
