@@ -1719,6 +1719,42 @@ fn peaked_logits(rng: &mut Rng, vocab: usize) -> (Vec<f32>, [usize; 5]) {
     (l, peaks)
 }
 
+/// The logits after sampler.rs's steps 1-2, written out here on their own for the tests' rules:
+/// the repetition penalty once on each token of the prompt or the generated ones (divide a
+/// positive logit, multiply the others), then presence + frequency · count on generated tokens.
+fn penalised(l: &[f32], p: &SamplingParams, prompt: &[u32], generated: &[u32]) -> Vec<f32> {
+    let mut out = l.to_vec();
+    let mut count = std::collections::HashMap::<u32, u32>::new();
+    for &t in generated {
+        *count.entry(t).or_default() += 1;
+    }
+    let mut seen: Vec<u32> = prompt.iter().chain(generated).copied().collect();
+    seen.sort_unstable();
+    seen.dedup();
+    for t in seen {
+        let x = &mut out[t as usize];
+        if p.repetition_penalty != 1.0 {
+            *x = if *x > 0.0 { *x / p.repetition_penalty } else { *x * p.repetition_penalty };
+        }
+        if let Some(&c) = count.get(&t) {
+            *x -= p.presence_penalty + p.frequency_penalty * c as f32;
+        }
+    }
+    out
+}
+
+/// The ids of the n largest values (value desc, id asc).
+fn top_ids(l: &[f32], n: usize) -> Vec<u32> {
+    let mut ids: Vec<u32> = (0..l.len() as u32).collect();
+    let cmp = |&a: &u32, &b: &u32| l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b));
+    if n < ids.len() {
+        ids.select_nth_unstable_by(n, cmp);
+        ids.truncate(n);
+    }
+    ids.sort_by(cmp);
+    ids
+}
+
 /// `sample_step` on the device with a fixed seed against the host `Sampler` (the CPU twin): the
 /// same tokens draw for draw (the weights are the CPU's bit for bit and the f64 sums run in the
 /// CPU's order, so the tokens are equal), penalties counted on the device, and each truncation
@@ -1732,27 +1768,41 @@ fn sample_step_matches_the_host_sampler() {
     let (l, peaks) = peaked_logits(&mut rng, vocab);
     let gl = g.upload_vec(&l).unwrap();
     let base = SamplingParams { temperature: 1.0, seed: Some(5), ..Default::default() };
-    // (params, prompt, what every draw must satisfy)
-    type Rule = fn(u32, &[usize; 5]) -> bool;
+    // (params, prompt, what every draw must satisfy given the peaks and the logits after the
+    // penalties, worked out here on their own: `penalised` below)
+    type Rule = fn(u32, &[usize; 5], &[f32]) -> bool;
     let cases: Vec<(SamplingParams, Vec<u32>, Rule)> = vec![
-        (SamplingParams { top_k: 2, ..base.clone() }, vec![], |t, p| t as usize == p[0] || t as usize == p[1]),
+        (SamplingParams { top_k: 2, ..base.clone() }, vec![], |t, p, _| t as usize == p[0] || t as usize == p[1]),
         // p(peak j) ∝ e^{-0.5 j}, the noise's top 15 adding < 0.4%: the cumulative masses are
         // 0.43, 0.69, 0.84, 0.94, 0.997, so top-p 0.95 keeps the 5 peaks, 0.9 the best 4 and
         // 0.5 the best 2.
-        (SamplingParams { top_k: 20, top_p: 0.95, ..base.clone() }, vec![], |t, p| p.contains(&(t as usize))),
-        (SamplingParams { top_k: 20, top_p: 0.9, ..base.clone() }, vec![], |t, p| p[..4].contains(&(t as usize))),
-        (SamplingParams { top_k: 40, top_p: 0.5, ..base.clone() }, vec![], |t, p| p[..2].contains(&(t as usize))),
+        (SamplingParams { top_k: 20, top_p: 0.95, ..base.clone() }, vec![], |t, p, _| p.contains(&(t as usize))),
+        (SamplingParams { top_k: 20, top_p: 0.9, ..base.clone() }, vec![], |t, p, _| p[..4].contains(&(t as usize))),
+        (SamplingParams { top_k: 40, top_p: 0.5, ..base.clone() }, vec![], |t, p, _| p[..2].contains(&(t as usize))),
         // min-p 0.5: w ≥ 0.5 keeps peaks 0 and 1 (w = 1, e^{-0.5} = 0.61), not 2 (0.37).
-        (SamplingParams { top_k: 64, min_p: 0.5, ..base.clone() }, vec![], |t, p| p[..2].contains(&(t as usize))),
-        // The best token in the prompt with a repetition penalty of 4: 12 / 4 = 3 drops it.
-        (SamplingParams { top_k: 3, repetition_penalty: 4.0, ..base.clone() }, vec![17, 5, 6], |t, p| p[1..4].contains(&(t as usize))),
+        (SamplingParams { top_k: 64, min_p: 0.5, ..base.clone() }, vec![], |t, p, _| p[..2].contains(&(t as usize))),
+        // The best token in the prompt with a repetition penalty of 4: 12 / 4 = 3 drops it below
+        // peaks 1-3 at first; each drawn peak is divided by 4 in turn, so later draws reach peak 4,
+        // peak 0 again or the noise. What holds at every draw: the token is one of the 3 best of
+        // the penalised logits (logit desc, id asc), so never the prompt's peak 0 (at 3.0 from
+        // the first draw on) while 3 others rank above it.
+        (SamplingParams { top_k: 3, repetition_penalty: 4.0, ..base.clone() }, vec![17, 5, 6], |t, p, pl| {
+            pl[p[0]] == 3.0 && top_ids(pl, 3).contains(&t)
+        }),
         // Presence 2 + frequency 2 per draw: a drawn peak loses ≥ 4 at once, so the draws spread
-        // over the peaks (checked against the host below, draw for draw).
-        (SamplingParams { top_k: 10, temperature: 0.5, presence_penalty: 2.0, frequency_penalty: 2.0, ..base.clone() }, vec![], |_, _| true),
+        // over the peaks (checked against the host below, draw for draw), always among the 10
+        // best after the penalties.
+        (SamplingParams { top_k: 10, temperature: 0.5, presence_penalty: 2.0, frequency_penalty: 2.0, ..base.clone() }, vec![], |t, _, pl| {
+            top_ids(pl, 10).contains(&t)
+        }),
         // Greedy (temperature 0; top-k 1): the arg-max, with and without a penalty.
-        (SamplingParams { temperature: 0.0, ..base.clone() }, vec![], |t, p| t as usize == p[0]),
-        (SamplingParams { top_k: 1, ..base.clone() }, vec![], |t, p| t as usize == p[0]),
-        (SamplingParams { temperature: 0.0, repetition_penalty: 4.0, ..base.clone() }, vec![17], |t, p| t as usize == p[1]),
+        (SamplingParams { temperature: 0.0, ..base.clone() }, vec![], |t, p, _| t as usize == p[0]),
+        (SamplingParams { top_k: 1, ..base.clone() }, vec![], |t, p, _| t as usize == p[0]),
+        // Greedy with the repetition penalty: peak 0 (prompt) at 3.0, each pick divided by 4 in
+        // turn, so the picks walk down peaks 1-4 and on: always the penalised arg-max.
+        (SamplingParams { temperature: 0.0, repetition_penalty: 4.0, ..base.clone() }, vec![17], |t, p, pl| {
+            pl[p[0]] == 3.0 && top_ids(pl, 1) == [t]
+        }),
     ];
     for (p, prompt, rule) in cases {
         let mut dev = g.new_sampler(&p, 5, vocab, &prompt).unwrap().expect("these parameters are sampled on the device");
@@ -1765,7 +1815,7 @@ fn sample_step_matches_the_host_sampler() {
             let t = g.step_token(&step).unwrap();
             let want = host.sample_split(&mut l.clone(), &prompt, &generated);
             assert_eq!(t, want, "{p:?}: draw {i}");
-            assert!(rule(t, &peaks), "{p:?}: draw {i} picked {t}");
+            assert!(rule(t, &peaks, &penalised(&l, &p, &prompt, &generated)), "{p:?}: draw {i} picked {t}");
             generated.push(t);
         }
         if p.is_plain_greedy() {

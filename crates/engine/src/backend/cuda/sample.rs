@@ -19,10 +19,14 @@ use super::{Arg, Buf, Cuda, Mem, Step};
 use crate::rng::Rng;
 use crate::runtime::sampler::SamplingParams;
 
-/// Logits per block of sample_topk_partial (SMP_SLICE in sample.cu).
-const SLICE: usize = 4096;
-/// Threads of the sample kernels (SMP_THREADS); sample_topk_finish sorts up to 4 per thread.
-const THREADS: usize = 1024;
+/// Threads of sample_topk_partial (SMP_THREADS in sample.cu), 8 logits each.
+const THREADS: usize = 256;
+/// Logits per block of sample_topk_partial (SMP_SLICE).
+const SLICE: usize = 8 * THREADS;
+/// Threads of sample_topk_finish and logprobs_finish (FIN_THREADS).
+const FIN_THREADS: usize = 1024;
+/// Most candidates the finishing block selects from (FIN_THREADS · FIN_PER).
+const FIN_CANDS: usize = 8 * FIN_THREADS;
 /// Largest top-k on the device (SMP_KMAX).
 pub const KMAX: usize = 64;
 /// Most log-probability alternatives (OpenAI's `top_logprobs` allows 20).
@@ -66,8 +70,8 @@ impl Cuda {
         }
         let greedy = p.is_greedy();
         let k = if greedy { 1 } else { p.top_k };
-        // The slices' candidates must fit the finishing block's sort (4 per thread).
-        if k == 0 || k > KMAX || (!greedy && k >= vocab) || vocab.div_ceil(SLICE) * k > 4 * THREADS {
+        // The slices' candidates must fit the finishing block (8 per thread).
+        if k == 0 || k > KMAX || (!greedy && k >= vocab) || vocab.div_ceil(SLICE) * k > FIN_CANDS {
             return Ok(None);
         }
         let pen = p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
@@ -123,7 +127,7 @@ impl Cuda {
         self.launch(
             "sample_topk_finish",
             (1, 1, 1),
-            THREADS as u32,
+            FIN_THREADS as u32,
             0,
             &[
                 Arg::P(s.cands.ptr),
@@ -158,7 +162,7 @@ impl Cuda {
         }
         let kc = n.max(1);
         let p = vocab.div_ceil(SLICE);
-        if p * kc > 4 * THREADS {
+        if p * kc > FIN_CANDS {
             bail!("{op}: a vocabulary of {vocab} is too large for the device kernels");
         }
         if !self.buf_ok(logits, vocab, "logits", op) {
@@ -190,7 +194,7 @@ impl Cuda {
         self.launch(
             "logprobs_finish",
             (1, 1, 1),
-            THREADS as u32,
+            FIN_THREADS as u32,
             0,
             &[Arg::P(cands), Arg::I((p * kc) as i32), Arg::I(n as i32), Arg::P(part), Arg::I(p as i32), Arg::P(logits.mem.ptr), Arg::I(token as i32), Arg::P(out)],
         );

@@ -10,32 +10,41 @@
 // sample_topk_partial + sample_topk_finish  Backend::sample_step: the sampled pick with exactly
 //         the steps of runtime/sampler.rs (`Sampler::sample_split`) for top-k of 1..=SMP_KMAX
 //         (greedy included, as k = 1 with the greedy flag), fed back on the device like the arg-max.
-//         * sample_topk_partial (grid P = ceil(vocab / SMP_SLICE), SMP_THREADS threads): each
-//           block takes a contiguous slice of SMP_SLICE logits, applies the penalties (step 1-2,
-//           `penalise`, from the u32 counts [vocab]: generated count | SMP_SEEN when the token is
-//           in the prompt), packs each as a 64-bit candidate (order key of the logit << 32 |
-//           ~id: ordering candidates descending is (logit desc, id asc), the sampler's top-k
-//           order; 0 = none: NaN, and -inf, whose weight is 0 anyway), sorts the slice in shared
-//           memory (bitonic) and writes its best `kc` candidates to cands [P, kc]. The global
-//           top-k is within the union of the slices' top-k.
-//         * sample_topk_finish (one block of SMP_THREADS): sorts the P·kc candidates, keeps the
-//           best k, and runs steps 3-8 on them: greedy / non-finite best -> arg-max, no draw;
-//           else weights by exp_weight (bit for bit the CPU's: IEEE + * / with no contraction),
-//           top-p in (weight desc, id asc) order, min-p, and the draw in id order from the
-//           xoshiro256++ state rng [4 u64] (one u64 per draw). The f64 sums run sequentially in
-//           the CPU's order (k <= 64 values), so with the same seed the device draws the CPU's
-//           tokens. Writes step = (token, pos + 1) and counts[token] += 1 (when counts are kept),
-//           so a recorded step (CUDA graph) replays with no host input.
+//         * sample_topk_partial (grid P = ceil(vocab / SMP_SLICE), SMP_THREADS = 256 threads,
+//           SMP_PER = 8 logits a thread: 122 blocks at vocab 248,320, one wave on the H200's 132
+//           SMs, so the 1 MB read is spread over the GPU): each block takes a contiguous slice of
+//           SMP_SLICE = 2048 logits into registers, applies the penalties (step 1-2, `penalise`,
+//           from the u32 counts [vocab]: generated count | SMP_SEEN when the token is in the
+//           prompt), packs each as a 64-bit candidate (order key of the logit << 32 | ~id:
+//           ordering candidates descending is (logit desc, id asc), the sampler's top-k order;
+//           0 = none: NaN, and -inf, whose weight is 0 anyway) and writes its best `kc`
+//           candidates, sorted, to cands [P, kc]. No sort of the slice: `block_topk`, a radix
+//           select over the candidates' bits (shared-memory histograms of 8 bits a pass, usually
+//           1-2 passes) down to <= SEL_CAP candidates, ranked by counting. The global top-k is
+//           within the union of the slices' top-k.
+//         * sample_topk_finish (one block of FIN_THREADS = 1024, FIN_PER = 8 candidates a thread:
+//           P·k <= 8192): the same select keeps the best k of the P·kc candidates, and runs
+//           steps 3-8 on them: greedy / non-finite best -> arg-max, no draw; else weights by
+//           exp_weight (bit for bit the CPU's: IEEE + * / with no contraction), top-p in (weight
+//           desc, id asc) order, min-p, and the draw in id order from the xoshiro256++ state rng
+//           [4 u64] (one u64 per draw). The f64 sums run sequentially in the CPU's order (k <= 64
+//           values), so with the same seed the device draws the CPU's tokens. Writes step =
+//           (token, pos + 1) and counts[token] += 1 (when counts are kept), so a recorded step
+//           (CUDA graph) replays with no host input.
 //         A full-vocabulary path (top-k off, or k above SMP_KMAX) is not here yet: the backend
 //         then declines and the host samples (Cuda::new_sampler).
 // sample_count  counts[token] += 1 for a token the sampler did not draw (a forced token).
-// logprobs_finish  with sample_topk_partial in log-probability mode (lp = 1: raw logits, -inf
-//         kept, each block's max and sum of exp in f64): the chosen token's log-probability and
+// logprobs_finish  (one block of FIN_THREADS) with sample_topk_partial in log-probability mode
+//         (lp = 1: raw logits, -inf kept, each block's max and sum of exp in f64): the chosen token's log-probability and
 //         the n most likely (id, logprob), as generate.rs's `top_logprobs` on the host.
 
-#define SMP_THREADS 1024
-#define SMP_SLICE 4096
+#define SMP_THREADS 256
+#define SMP_PER 8
+#define SMP_SLICE (SMP_THREADS * SMP_PER)
+#define FIN_THREADS 1024
+#define FIN_PER 8
 #define SMP_KMAX 64
+#define SEL_CAP 256
 #define SMP_SEEN 0x80000000u
 #define NEG_INF_F64 __longlong_as_double(0xfff0000000000000ll)
 
@@ -96,22 +105,98 @@ __device__ __forceinline__ u64 xoshiro_next(u64* s) {
     return r;
 }
 
-// Sorts s[0..n) descending (n a power of two) with the whole block; ends with a barrier.
-__device__ void bitonic_desc(u64* s, int n) {
-    for (int k = 2; k <= n; k <<= 1) {
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            __syncthreads();
-            for (int t = threadIdx.x; t < n / 2; t += blockDim.x) {
-                int i = ((t & ~(j - 1)) << 1) | (t & (j - 1));
-                u64 a = s[i], b = s[i + j];
-                // Blocks with bit k clear sort descending, the others ascending: the merge of
-                // the next level then sees bitonic runs; the last level (k = n) is all descending.
-                bool desc = (i & k) == 0;
-                if ((a < b) == desc) { s[i] = b; s[i + j] = a; }
+// Shared state of block_topk.
+struct SelShared {
+    u32 hist[256];
+    u64 buf[SEL_CAP];
+    u64 prefix, mask;
+    int above, eq, kk, cnt, done;
+};
+
+// The block's best k (1 <= k <= SMP_KMAX) of the candidates it holds, PER per thread in v (0 =
+// none; the others distinct, as their ids are), written to out[0..k) in descending order (0 past
+// the valid ones); returns how many are valid. No sort of the whole set: a radix select over the
+// candidates' bits, 8 bits a pass from the top (the logit's key first), narrows to the prefix
+// holding the k-th best, stopping as soon as the candidates at or above that prefix number at
+// most SEL_CAP (logits spread over a few exponents: usually after 1-2 passes; always by the
+// last, where the prefix is the k-th best itself); those are ranked by counting (one compare
+// per pair). Ends with a barrier.
+template <int PER>
+__device__ int block_topk(const u64 (&v)[PER], int k, SelShared& sh, u64* out) {
+    const int t = threadIdx.x, lane = t & 31;
+    if (t == 0) { sh.prefix = 0; sh.mask = 0; sh.above = 0; sh.done = 0; sh.cnt = 0; }
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int b = t; b < 256; b += blockDim.x) sh.hist[b] = 0;
+        __syncthreads();
+        const u64 prefix = sh.prefix, mask = sh.mask;
+#pragma unroll
+        for (int i = 0; i < PER; i++)
+            if (v[i] && (v[i] & mask) == prefix) atomicAdd(&sh.hist[(u32)(v[i] >> shift) & 255u], 1u);
+        __syncthreads();
+        if (t < 32) {
+            // Lane L holds bins 255 - 8L down to 248 - 8L: lanes in descending bin order.
+            int c[8], sum = 0;
+#pragma unroll
+            for (int j = 0; j < 8; j++) { c[j] = (int)sh.hist[255 - 8 * lane - j]; sum += c[j]; }
+            int inc = sum;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                int n = __shfl_up_sync(FULL_MASK, inc, o);
+                if (lane >= o) inc += n;
+            }
+            const int total = __shfl_sync(FULL_MASK, inc, 31);
+            int kk, above = sh.above;
+            if (shift == 56) {
+                // The first pass sees every valid candidate: fewer than k, or few enough to rank
+                // them all, and the select is done before it starts.
+                kk = min(k, total);
+                if (lane == 0) sh.kk = kk;
+                if (total <= SEL_CAP) {
+                    if (lane == 0) sh.done = 1;
+                    kk = 0;
+                }
+            } else {
+                kk = sh.kk;
+            }
+            if (kk > 0) {
+                const int need = kk - above;  // >= 1: the k-th best is among the matching ones
+                const u32 hit = __ballot_sync(FULL_MASK, inc >= need);
+                if (lane == __ffs(hit) - 1) {
+                    int run = inc - sum;
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        if (run + c[j] >= need) {
+                            sh.prefix = prefix | ((u64)(255 - 8 * lane - j) << shift);
+                            sh.mask = mask | (255ull << shift);
+                            sh.above = above + run;
+                            sh.eq = c[j];
+                            sh.done = above + run + c[j] <= SEL_CAP;
+                            break;
+                        }
+                        run += c[j];
+                    }
+                }
             }
         }
+        __syncthreads();
+        if (sh.done) break;
     }
+    // The candidates at or above the prefix: the above ones and the prefix's own (<= SEL_CAP).
+    const u64 prefix = sh.prefix, mask = sh.mask;
+#pragma unroll
+    for (int i = 0; i < PER; i++)
+        if (v[i] && (v[i] & mask) >= prefix) sh.buf[atomicAdd(&sh.cnt, 1)] = v[i];
     __syncthreads();
+    const int n = sh.cnt, kk = sh.kk;
+    for (int j = t; j < n; j += blockDim.x) {
+        const u64 x = sh.buf[j];
+        int r = 0;
+        for (int i = 0; i < n; i++) r += sh.buf[i] > x;
+        if (r < kk) out[r] = x;
+    }
+    for (int j = kk + t; j < k; j += blockDim.x) out[j] = 0;
+    __syncthreads();
+    return kk;
 }
 
 __device__ __forceinline__ double block_sum_f64(double v, double* sh) {
@@ -127,66 +212,75 @@ __device__ __forceinline__ double block_sum_f64(double v, double* sh) {
     return v;
 }
 
-// grid P = ceil(vocab / SMP_SLICE), SMP_THREADS threads. counts: null when no penalty is on.
-// lp = 1: log-probability mode (raw logits; -inf is a candidate; part[2b], part[2b+1] = the
-// block's max logit and sum of exp(l - max), f64).
+// grid P = ceil(vocab / SMP_SLICE), SMP_THREADS threads; kc in 1..=SMP_KMAX. counts: null when
+// no penalty is on. lp = 1: log-probability mode (raw logits; -inf is a candidate; part[2b],
+// part[2b+1] = the block's max logit and sum of exp(l - max), f64).
 extern "C" __global__ void __launch_bounds__(SMP_THREADS)
 sample_topk_partial(const float* __restrict__ logits, const u32* __restrict__ counts, u64* __restrict__ cands, double* __restrict__ part,
                     int vocab, int kc, float rep, float pres, float freq, int lp) { PDL_ENTRY();
-    __shared__ u64 sk[SMP_SLICE];
+    __shared__ SelShared sh;
+    __shared__ u64 top[SMP_KMAX];
     __shared__ double shd[32];
     const int base = blockIdx.x * SMP_SLICE;
-    for (int j = threadIdx.x; j < SMP_SLICE; j += blockDim.x) {
-        int i = base + j;
-        u64 c = 0;
-        if (i < vocab) {
-            float l = logits[i];
-            if (counts) l = penalise(l, counts[i], rep, pres, freq);
-            // NaN fails both tests; -inf (weight 0, never drawn) is dropped when sampling.
-            bool ok = lp ? (l == l) : (l > NEG_INF);
-            if (ok) c = cand_of(l, (u32)i);
-        }
-        sk[j] = c;
+    float l[SMP_PER];
+#pragma unroll
+    for (int j = 0; j < SMP_PER; j++) {
+        const int i = base + j * SMP_THREADS + threadIdx.x;
+        l[j] = i < vocab ? logits[i] : __int_as_float(0x7fffffff);
     }
-    bitonic_desc(sk, SMP_SLICE);
-    for (int j = threadIdx.x; j < kc; j += blockDim.x) cands[(u64)blockIdx.x * kc + j] = j < SMP_SLICE ? sk[j] : 0;
+    u64 v[SMP_PER];
+#pragma unroll
+    for (int j = 0; j < SMP_PER; j++) {
+        const int i = base + j * SMP_THREADS + threadIdx.x;
+        float x = l[j];
+        if (counts && i < vocab) x = penalise(x, counts[i], rep, pres, freq);
+        // NaN (and the slice past the vocabulary) fails both tests; -inf (weight 0, never
+        // drawn) is dropped when sampling.
+        const bool ok = lp ? (x == x) : (x > NEG_INF);
+        v[j] = ok ? cand_of(x, (u32)i) : 0;
+    }
+    block_topk<SMP_PER>(v, kc, sh, top);
+    for (int j = threadIdx.x; j < kc; j += blockDim.x) cands[(u64)blockIdx.x * kc + j] = top[j];
     if (lp) {
         // The slice's max is its first candidate; the sum of exp in f64 as the host's top_logprobs.
-        double m = sk[0] ? (double)cand_l(sk[0]) : 0.0;
+        const u64 best = top[0];
+        const double m = best ? (double)cand_l(best) : 0.0;
         double e = 0.0;
-        for (int j = threadIdx.x; j < SMP_SLICE; j += blockDim.x)
-            if (sk[j]) e += exp((double)cand_l(sk[j]) - m);
+#pragma unroll
+        for (int j = 0; j < SMP_PER; j++)
+            if (v[j]) e += exp((double)cand_l(v[j]) - m);
         e = block_sum_f64(e, shd);
         if (threadIdx.x == 0) {
-            part[2 * blockIdx.x] = sk[0] ? m : NEG_INF_F64;
-            part[2 * blockIdx.x + 1] = sk[0] ? e : 0.0;
+            part[2 * blockIdx.x] = best ? m : NEG_INF_F64;
+            part[2 * blockIdx.x + 1] = best ? e : 0.0;
         }
     }
 }
 
-// Loads n candidates into s and sorts them descending (padding to a power of two with 0).
-__device__ int load_sorted(u64* s, const u64* __restrict__ cands, int n) {
-    int n2 = 1;
-    while (n2 < n) n2 <<= 1;
-    for (int j = threadIdx.x; j < n2; j += blockDim.x) s[j] = j < n ? cands[j] : 0;
-    bitonic_desc(s, n2);
-    return n2;
+// Loads the ncand <= FIN_THREADS·FIN_PER candidates of sample_topk_partial, FIN_PER per thread.
+__device__ __forceinline__ void load_cands(u64 (&v)[FIN_PER], const u64* __restrict__ cands, int ncand) {
+#pragma unroll
+    for (int j = 0; j < FIN_PER; j++) {
+        const int i = j * FIN_THREADS + threadIdx.x;
+        v[j] = i < ncand ? cands[i] : 0;
+    }
 }
 
-// One block of SMP_THREADS. ncand = P·kc <= SMP_THREADS·4; k in 1..=SMP_KMAX; greedy: step 3.
-// step = [token, pos]; counts may be null; rng = xoshiro256++ state.
-extern "C" __global__ void __launch_bounds__(SMP_THREADS)
+// One block of FIN_THREADS. ncand = P·k <= FIN_THREADS·FIN_PER; k in 1..=SMP_KMAX; greedy:
+// step 3. step = [token, pos]; counts may be null; rng = xoshiro256++ state.
+extern "C" __global__ void __launch_bounds__(FIN_THREADS)
 sample_topk_finish(const u64* __restrict__ cands, int ncand, int k, u32* __restrict__ step, u32* __restrict__ counts, u64* __restrict__ rng,
                    float temp, float top_p, float min_p, int greedy) { PDL_ENTRY();
-    __shared__ u64 s[SMP_THREADS * 4];
+    __shared__ SelShared sh;
+    __shared__ u64 s[SMP_KMAX];
     __shared__ float w[SMP_KMAX];
     __shared__ u32 ids[SMP_KMAX];
     __shared__ int ord[SMP_KMAX], keep[SMP_KMAX], byid[SMP_KMAX];
     __shared__ int nkeep;
-    load_sorted(s, cands, ncand);
-    // Candidates of the top k that exist (sorted: the valid ones come first).
-    int kk = 0;
-    while (kk < k && s[kk]) kk++;
+    u64 v[FIN_PER];
+    load_cands(v, cands, ncand);
+    // The best k, sorted; kk of them exist.
+    const int kk = block_topk<FIN_PER>(v, k, sh, s);
     const u64 best = s[0];
     const float m = best ? cand_l(best) : 0.0f;
     // Step 3 (greedy), no valid logit (the CPU's arg-max of all-NaN / -inf rows: 0), or a best
@@ -272,15 +366,19 @@ extern "C" __global__ void sample_count(u32* __restrict__ counts, u32 token) { P
     counts[token] += 1;
 }
 
-// One block of SMP_THREADS, after sample_topk_partial with lp = 1 and kc >= n over P blocks.
+// One block of FIN_THREADS, after sample_topk_partial with lp = 1 and kc = max(n, 1) over P blocks
+// (ncand = P·kc <= FIN_THREADS·FIN_PER).
 // out[0] = logit[token] - lse; out[1 + 2j], out[2 + 2j] = (id bits, logprob) of the j-th most
 // likely (logit desc, id asc, NaN skipped), j < n. lse = log Σ exp over non-NaN logits.
-extern "C" __global__ void __launch_bounds__(SMP_THREADS)
+extern "C" __global__ void __launch_bounds__(FIN_THREADS)
 logprobs_finish(const u64* __restrict__ cands, int ncand, int n, const double* __restrict__ part, int nparts, const float* __restrict__ logits,
                 u32 token, float* __restrict__ out) { PDL_ENTRY();
-    __shared__ u64 s[SMP_THREADS * 4];
+    __shared__ SelShared sh;
+    __shared__ u64 s[SMP_KMAX];
     __shared__ double lse_sh;
-    load_sorted(s, cands, ncand);
+    u64 v[FIN_PER];
+    load_cands(v, cands, ncand);
+    block_topk<FIN_PER>(v, n > 0 ? n : 1, sh, s);
     if (threadIdx.x == 0) {
         double m = NEG_INF_F64;
         for (int b = 0; b < nparts; b++) m = part[2 * b] > m ? part[2 * b] : m;
