@@ -391,15 +391,18 @@ pub struct Cuda {
     scratch_gen: AtomicU64,
     /// A step is being captured: allocations are refused.
     capturing: AtomicBool,
-    /// Kernels launched with programmatic dependent launch (sm_90 and later, `LILY_CUDA_PDL=1`;
-    /// see `launch`). Off by default: measured on the H200 (full preset, alternated on/off/on)
-    /// it gave decode +3% at 256 and +2% at 4K of context but -4% at 32K, and prefill at 4K -5.5%
-    /// (11.1K against 11.8K tok/s). Every kernel already starts with PDL_ENTRY, a no-op without
-    /// the launch attribute, so a per-shape policy can turn it on where it pays. The streaming
-    /// GEMVs (gemv.cu) go further: they let their dependent launch at entry and request their
-    /// first batch of weights before waiting, so under PDL the next layer's weights stream while
-    /// the previous kernel finishes. Not measured yet (no device time was left).
+    /// Every kernel launched with programmatic dependent launch (sm_90 and later,
+    /// `LILY_CUDA_PDL=1`; see `launch`). Off by default: measured on the H200 (full preset,
+    /// alternated on/off/on) it gave prefill at 4K -5.5% (11.1K against 11.8K tok/s). Inside a
+    /// recorded decode step it is on by default instead (`pdl_ok` and switch `pdl_step`): there
+    /// it measured decode 471 against 457 tok/s at 4K, 431 against 424 at 32K (two rounds each,
+    /// alternated). Every kernel starts with PDL_ENTRY, a no-op without the launch attribute; the
+    /// streaming GEMVs (gemv.cu) let their dependent launch at entry and request their first
+    /// weights before waiting, so the next layer's weights stream while the previous kernel
+    /// finishes.
     pdl: bool,
+    /// The device has programmatic dependent launch (sm_90 and later).
+    pdl_ok: bool,
     /// Page-locked staging for large device → host reads (`read`).
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>>,
     /// Decode-path optimisations switched off (ablations): names from [`SWITCHES`], set by
@@ -426,7 +429,9 @@ pub struct Cuda {
 ///   q|k|v, lm_head) on tensor cores with cp.async staging (gemv.cu's tc_gemv_*); off, the SIMT
 ///   loop. Measured on the H200 (`lily lab`): in_proj 13.4 -> 11.5 us, q|k|v 12.4 -> 10.6,
 ///   lm_head 118 -> 102.
-pub const SWITCHES: &[&str] = &["stream_gemv", "fuse_norm", "fuse_residual", "fuse_moe", "fuse_route", "tc_gemv"];
+/// * `pdl_step`: programmatic dependent launch for the kernels of a recorded decode step (the
+///   `pdl` field says what was measured); off, plain stream order.
+pub const SWITCHES: &[&str] = &["stream_gemv", "fuse_norm", "fuse_residual", "fuse_moe", "fuse_route", "tc_gemv", "pdl_step"];
 
 /// Decode-path variants that are off unless asked for (`LILY_CUDA_ENABLE=name`,
 /// `Cuda::set_enabled`): written but not yet measured or run on a GPU.
@@ -499,6 +504,7 @@ impl Cuda {
             capturing: AtomicBool::new(false),
             pinned: Mutex::new(None),
             pdl: major >= 9 && std::env::var("LILY_CUDA_PDL").is_ok_and(|v| v == "1"),
+            pdl_ok: major >= 9,
             disabled: std::sync::RwLock::new(HashSet::new()),
             enabled: std::sync::RwLock::new(HashSet::new()),
             occupancy: decode::Occupancy::default(),
@@ -554,7 +560,7 @@ impl Cuda {
     /// fusions that live in its kernels.
     fn on(&self, name: &'static str) -> bool {
         let d = self.disabled.read().unwrap_or_else(|e| e.into_inner());
-        !d.contains(name) && (name == "stream_gemv" || !d.contains("stream_gemv"))
+        !d.contains(name) && (name == "stream_gemv" || name == "pdl_step" || !d.contains("stream_gemv"))
     }
 
     /// Waits for all enqueued work and returns the first error of any op since the last check.
@@ -748,7 +754,8 @@ impl Cuda {
             })
             .collect();
         let r = self.ctx.bind_to_thread().and_then(|_| {
-            if !self.pdl {
+            let pdl = self.pdl || (self.pdl_ok && self.capturing.load(Ordering::Relaxed) && self.on("pdl_step"));
+            if !pdl {
                 // SAFETY: the argument list matches the kernel's signature (each call site mirrors
                 // its .cu declaration); buffers were bounds-checked by the op; `args` outlives the call.
                 return unsafe { dr::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, self.stream.cu_stream(), &mut ptrs) };
