@@ -3,7 +3,8 @@
 
 ncu --csv --metrics gpu__time_duration.sum,dram__bytes_read.sum over `lily generate` with
 LILY_CUDA_GRAPH=0: every kernel timed alone. The last decode step is the span after the
-second-to-last `argmax_step` up to the last one. Prints per kernel name: calls, total µs, µs per
+second-to-last pick of a token (`argmax_step`, greedy, or `sample_topk_finish`, sampling on the
+device: the checkpoint's default) up to the last one. Prints per kernel name: calls, total µs, µs per
 call, MB read per call, TB/s; then the step's kernel count, the sum of times and bytes.
 """
 import csv
@@ -29,9 +30,9 @@ def main(path):
         elif row["Metric Name"].startswith("dram__bytes_read"):
             k[2] = val * scale
     ks = list(kernels.values())
-    ends = [i for i, k in enumerate(ks) if k[0] == "argmax_step"]
+    ends = [i for i, k in enumerate(ks) if k[0] in ("argmax_step", "sample_topk_finish")]
     if len(ends) < 2:
-        sys.exit(f"ncu-step: {len(ends)} argmax_step kernels in {len(ks)}: no whole decode step")
+        sys.exit(f"ncu-step: {len(ends)} token picks in {len(ks)} kernels: no whole decode step")
     step = ks[ends[-2] + 1 : ends[-1] + 1]
     agg = OrderedDict()
     for name, us, mb in step:

@@ -174,19 +174,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
         const float* h = (const float*)p.x;
         const float* w = (const float*)p.nw;
         const float rr = sw_rms_scale(h, K, p.eps, sh);
-        const float4* h4 = (const float4*)(h + ch * 32);
-        const float4* w4 = (const float4*)(w + ch * 32);
-        xs = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const float4 hv = h4[i], wv = w4[i];
-            xv[4 * i] = bf16f(bf16_rn(hv.x * rr * wv.x));
-            xv[4 * i + 1] = bf16f(bf16_rn(hv.y * rr * wv.y));
-            xv[4 * i + 2] = bf16f(bf16_rn(hv.z * rr * wv.z));
-            xv[4 * i + 3] = bf16f(bf16_rn(hv.w * rr * wv.w));
-        }
-#pragma unroll
-        for (int i = 0; i < 32; i++) xs += xv[i];
+        xs = sw_x_norm(h, w, rr, ch, xv);
         if (blockIdx.x == 0 && p.xn != 0 && r == 0) {
             uint4* o = (uint4*)((u16*)p.xn + ch * 32);
 #pragma unroll
@@ -308,18 +296,7 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
         const float* w = (const float*)p.nw;
         const float rr = sw_rms_scale(h, K, p.eps, sh);
         if (ch >= 0) {
-            const float4* h4 = (const float4*)(h + ch * 32);
-            const float4* w4 = (const float4*)(w + ch * 32);
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                const float4 hv = h4[i], wv = w4[i];
-                xv[4 * i] = bf16f(bf16_rn(hv.x * rr * wv.x));
-                xv[4 * i + 1] = bf16f(bf16_rn(hv.y * rr * wv.y));
-                xv[4 * i + 2] = bf16f(bf16_rn(hv.z * rr * wv.z));
-                xv[4 * i + 3] = bf16f(bf16_rn(hv.w * rr * wv.w));
-            }
-#pragma unroll
-            for (int i = 0; i < 32; i++) xs += xv[i];
+            xs = sw_x_norm(h, w, rr, ch, xv);
             if (blockIdx.x == 0 && p.xn != 0) {
                 uint4* o = (uint4*)((u16*)p.xn + ch * 32);
 #pragma unroll
@@ -327,12 +304,9 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
             }
         }
     }
-    if (ch >= 0) xsum[ch] = xs;
     u32 xb[NS][8][2];
-    tc_build_b<NS>(xv, ch, g, xb);
-    __syncthreads();
     float xs0, xs1;
-    tc_group_sums<NS>(xsum, sb, t, xs0, xs1);
+    tc_setup_x<NS>(xv, xs, ch, xsum, sb, g, t, xb, xs0, xs1);
 
     for (int n = 0;; n++) {
         const int b = blockIdx.x + n * gridDim.x;

@@ -328,6 +328,14 @@ __device__ __forceinline__ void moe_sw_gate_up_body(const SwMoe& p) {
     }
 }
 
+// The down kernels' epilogue for output o (< H): the slots' partials red[s·stride + i] weighted
+// and summed in slot order (cpu/moe.rs's combine, then the shared expert), added to h[o].
+__device__ __forceinline__ void moe_down_add(const float* red, int stride, const float* wt, int nslot, int i, int o, int H, float* h) {
+    float v = 0.0f;
+    for (int s = 0; s < nslot; s++) v += wt[s] * red[s * stride + i];
+    if (o < H) h[o] += v;
+}
+
 template <int BITS, int C, int U>
 __device__ __forceinline__ void moe_sw_down_body(const SwMoe& p) {
     constexpr int K = 32 * C, RW = 32 / C, RB = RW * U;
@@ -372,12 +380,7 @@ __device__ __forceinline__ void moe_sw_down_body(const SwMoe& p) {
             for (int u = 0; u < U; u++) red[par][j][u * RW + r] = part[u];
         }
         __syncthreads();
-        if (tid < RB) {
-            float v = 0.0f;
-            for (int s = 0; s < nslot; s++) v += wt[s] * red[par][s][tid];
-            const int o = crow0 + tid;
-            if (o < H) ((float*)p.h)[o] += v;
-        }
+        if (tid < RB) moe_down_add(&red[par][0][0], RB, wt, nslot, tid, crow0 + tid, H, (float*)p.h);
         par ^= 1;
         bt = nbt;
         return nbt < nb;
@@ -449,12 +452,10 @@ __device__ __forceinline__ void moe_tc_gate_up_body(const SwMoe& p) {
     float xv[32];
 #pragma unroll
     for (int i = 0; i < 32; i++) xv[i] = 0.0f;
-    if (ch >= 0) xsum[ch] = sw_x_act((const u16*)p.x, ch, xv);
+    const float xs = ch >= 0 ? sw_x_act((const u16*)p.x, ch, xv) : 0.0f;
     u32 xb[NS][8][2];
-    tc_build_b<NS>(xv, ch, g, xb);
-    __syncthreads();
     float xs0, xs1;
-    tc_group_sums<NS>(xsum, sb, t, xs0, xs1);
+    tc_setup_x<NS>(xv, xs, ch, xsum, sb, g, t, xb, xs0, xs1);
 
     for (int n = 0;; n++) {
         const int bt = blockIdx.x + n * gridDim.x;
@@ -516,12 +517,10 @@ __device__ __forceinline__ void moe_tc_down_body(const SwMoe& p) {
     float xv[32];
 #pragma unroll
     for (int i = 0; i < 32; i++) xv[i] = 0.0f;
-    if (ch >= 0) xsum[j][ch] = sw_x_act((const u16*)p.act + (u64)j * K, ch, xv);
+    const float xs = ch >= 0 ? sw_x_act((const u16*)p.act + (u64)j * K, ch, xv) : 0.0f;
     u32 xb[NS][8][2];
-    tc_build_b<NS>(xv, ch, g, xb);
-    __syncthreads();
     float xs0, xs1;
-    tc_group_sums<NS>(xsum[j], 0, t, xs0, xs1);
+    tc_setup_x<NS>(xv, xs, ch, xsum[j], 0, g, t, xb, xs0, xs1);
 
     int par = 0;
     auto step = [&](TcTile<NS>& cur, TcTile<NS>& nxt) -> bool {
@@ -537,12 +536,7 @@ __device__ __forceinline__ void moe_tc_down_body(const SwMoe& p) {
             red[par][j][g + 8] = rb;
         }
         __syncthreads();
-        if (tid < 16) {
-            float v = 0.0f;
-            for (int s = 0; s < nslot; s++) v += wt[s] * red[par][s][tid];
-            const int o = crow0 + tid;
-            if (o < H) ((float*)p.h)[o] += v;
-        }
+        if (tid < 16) moe_down_add(&red[par][0][0], 16, wt, nslot, tid, crow0 + tid, H, (float*)p.h);
         par ^= 1;
         bt = nbt;
         return nbt < nb;

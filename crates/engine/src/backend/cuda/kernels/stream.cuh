@@ -170,3 +170,22 @@ __device__ __forceinline__ uint4 sw_pack8(const float (&xv)[32], int i) {
     for (int j = 0; j < 4; j++) w[j] = (u32)bf16_rn(xv[8 * i + 2 * j]) | ((u32)bf16_rn(xv[8 * i + 2 * j + 1]) << 16);
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
+
+// The lane's 32 x values of the norm prologue, bf16(h · rr · w) widened (inputs 32ch ..), with the
+// rms_norm kernel's exact expression, and their sum.
+__device__ __forceinline__ float sw_x_norm(const float* __restrict__ h, const float* __restrict__ w, float rr, int ch, float (&xv)[32]) {
+    const float4* h4 = (const float4*)(h + ch * 32);
+    const float4* w4 = (const float4*)(w + ch * 32);
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const float4 hv = h4[i], wv = w4[i];
+        xv[4 * i] = bf16f(bf16_rn(hv.x * rr * wv.x));
+        xv[4 * i + 1] = bf16f(bf16_rn(hv.y * rr * wv.y));
+        xv[4 * i + 2] = bf16f(bf16_rn(hv.z * rr * wv.z));
+        xv[4 * i + 3] = bf16f(bf16_rn(hv.w * rr * wv.w));
+    }
+    float xs = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 32; i++) xs += xv[i];
+    return xs;
+}

@@ -142,10 +142,15 @@ __device__ __forceinline__ void tc_build_b(const float (&xv)[32], int ch, int g,
     }
 }
 
-// Σx of the lane's two groups (span t of the warp), through shared memory `xsum` [K/32] where
-// each chunk holder wrote its chunk's sum before the barrier the caller placed.
+// From the lane's 32 x values (chunk ch, or none: ch < 0) and their sum xs: the B fragments, and
+// Σx of the lane's two groups (span t of the warp) through shared memory `xsum` [K/32] (chunk
+// sums; a block barrier between the writes and the reads, so every thread of the block calls it).
 template <int NS>
-__device__ __forceinline__ void tc_group_sums(const float* xsum, int sb, int t, float& xs0, float& xs1) {
+__device__ __forceinline__ void tc_setup_x(const float (&xv)[32], float xs, int ch, float* xsum, int sb, int g, int t, u32 (&xb)[NS][8][2],
+                                           float& xs0, float& xs1) {
+    if (ch >= 0) xsum[ch] = xs;
+    tc_build_b<NS>(xv, ch, g, xb);
+    __syncthreads();
     xs0 = xs1 = 0.0f;
     if (t < NS) {
         const int c0 = (sb + t) * 4;
