@@ -1,44 +1,57 @@
 #!/usr/bin/env python3
-# Run: python3 notes/tc_gemv_mapping.py (numpy). Checks gemv.cu tc_gemv_body index math, not the GPU.
-# Emulates tc_gemv_body's fragment mapping for one warp, one 16-row tile, one group (64 inputs):
-# builds the per-lane A/B registers exactly as the kernel does, then applies the mma.sync m16n8k16
-# definition (fragment layouts of mma.cuh) and compares with the direct dot of codes and x.
+# Run: python3 notes/tc_gemv_mapping.py (numpy). Checks the index math of tc_stream.cuh (tc_load,
+# tc_chunk, tc_build_b, tc_dot, tc_finish), not the GPU: for one warp and one 16-row tile of NS
+# spans of 128 inputs, it builds each lane's A and B registers as the kernels do, applies the
+# mma.sync m16n8k16 definition (fragment layouts of mma.cuh) and checks that column 2i + h of D is
+# the dot of group 2i + h (64 inputs) and that tc_finish's per-lane pairs sum to the row dot.
 import numpy as np
+
 rng = np.random.default_rng(1)
-q = rng.integers(0, 16, size=(16, 64))          # codes of rows 0..15, group inputs 0..63
-x = rng.standard_normal(64).astype(np.float32)
-# words: row r, word j (0..7) holds codes of inputs 8j..8j+7, nibble i = input 8j+i
-def word(r, j):
-    w = 0
-    for i in range(8):
-        w |= int(q[r, 8 * j + i]) << (4 * i)
-    return w
-def pair(w, i):  # (lo, hi) = nibble i, nibble i+4
-    return ((w >> (4 * i)) & 0xF, (w >> (4 * i + 16)) & 0xF)
+NS = 2
+K = 128 * NS                                     # this warp's slice of K (spans sb = 0 .. NS-1)
+q = rng.integers(0, 16, size=(16, K))            # codes of tile rows 0..15
+x = rng.standard_normal(K).astype(np.float32)
+s = rng.standard_normal((16, K // 64))           # scale and bias per row and group
+b = rng.standard_normal((16, K // 64))
+
+
+def word(r, j):  # u32 word j of row r: nibble i is input 8j + i
+    return sum(int(q[r, 8 * j + i]) << (4 * i) for i in range(8))
+
+
+def pair(w, p):  # tc_pair: (nibble p, nibble p + 4) as the bf16x2 (lo, hi)
+    return ((w >> (4 * p)) & 0xF, (w >> (4 * p + 16)) & 0xF)
+
+
 D = np.zeros((16, 8))
-for st in range(4):
-    # virtual A[16][16], B[16][8] assembled from lanes
-    A = np.full((16, 16), np.nan); B = np.full((16, 8), np.nan)
-    for lane in range(32):
-        g, t = lane >> 2, lane & 3
-        wa = (word(g, 2 * t), word(g, 2 * t + 1)); wb = (word(g + 8, 2 * t), word(g + 8, 2 * t + 1))
-        wA = wa[0] if st < 2 else wa[1]; wB = wb[0] if st < 2 else wb[1]
-        pp = 2 * (st % 2)
-        a = [pair(wA, pp), pair(wB, pp), pair(wA, pp + 1), pair(wB, pp + 1)]
-        # mma.cuh: a0 {row g, k 2c..2c+1}, a1 {row g+8, same k}, a2 {row g, k+8}, a3 {row g+8, k+8}
-        for (reg, (row, k0)) in zip(a, [(g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8)]):
-            A[row, k0], A[row, k0 + 1] = reg
-        # B: xf[b + pp], xf[b + pp + 4] (b0) and xf[b+pp+1], xf[b+pp+5] (b1); xf = x[16t .. 16t+15]
-        b = 8 * (st // 2)
-        xf = x[16 * t: 16 * t + 16]
-        b0 = (xf[b + pp], xf[b + pp + 4]); b1 = (xf[b + pp + 1], xf[b + pp + 5])
-        # B regs {k 2c..2c+1, n g}, {k+8, n g}
-        B[2 * t, g], B[2 * t + 1, g] = b0
-        B[2 * t + 8, g], B[2 * t + 9, g] = b1
-    assert not np.isnan(A).any() and not np.isnan(B).any()
-    D += A @ B
-ref = q.astype(np.float64) @ x.astype(np.float64)
-for n in range(8):
-    assert np.allclose(D[:, n], ref, rtol=1e-5, atol=1e-4), (n, D[:, n], ref)
-# every lane (g, t): c0 = D[g, 2t], c2 = D[g+8, 2t]
-print("tc_gemv mapping: D equals q·x in every column; max err", np.abs(D[:, 0] - ref).max())
+for i in range(NS):
+    for st in range(8):
+        A = np.zeros((16, 16))
+        B = np.zeros((16, 8))
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            j = 16 * i + 4 * t + st // 2            # word of the lane's 16-byte chunk in row
+            p = 2 * (st % 2)
+            for r, rows in ((g, 0), (g + 8, 1)):
+                lo0, hi0 = pair(word(r, j), p)      # a0 / a1: k 2t, 2t+1
+                lo1, hi1 = pair(word(r, j), p + 1)  # a2 / a3: k 2t+8, 2t+9
+                A[r, 2 * t], A[r, 2 * t + 1] = lo0, hi0
+                A[r, 2 * t + 8], A[r, 2 * t + 9] = lo1, hi1
+            # B: lane (n = g, t) holds column g; x only if g == 2i + t/2 (tc_chunk, tc_build_b).
+            if g // 2 == i and g % 2 == t // 2:
+                base = 128 * i + 32 * t + 8 * (st // 2) + p
+                B[2 * t, g], B[2 * t + 1, g] = x[base], x[base + 4]
+                B[2 * t + 8, g], B[2 * t + 9, g] = x[base + 1], x[base + 5]
+        D += A @ B
+for i in range(NS):
+    for h in range(2):
+        G = 2 * i + h
+        want = q[:, 64 * G:64 * G + 64] @ x[64 * G:64 * G + 64]
+        assert np.allclose(D[:, G], want), (i, h)
+assert np.allclose(D[:, 2 * NS:], 0)
+# tc_finish: lane t < NS scales columns 2t, 2t+1 (groups 2t, 2t+1), then the 4 lanes of a row sum.
+xs = x.reshape(-1, 64).sum(1)
+row = sum(s[:, 2 * t + h] * D[:, 2 * t + h] + b[:, 2 * t + h] * xs[2 * t + h] for t in range(NS) for h in range(2))
+w = s.repeat(64, 1) * q + b.repeat(64, 1)
+assert np.allclose(row, w @ x)
+print(f"tc_stream mapping OK: NS={NS}, group dots in D's columns, row dots match")
