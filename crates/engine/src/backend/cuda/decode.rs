@@ -339,11 +339,13 @@ fn tc_slot(ns: usize) -> usize {
     (2 * ns + 1) * 512
 }
 
-/// A tensor-core kernel parameter from the environment (the lab compares them): `var` if it names
-/// one of `allowed`, else `default`. Read once per variable.
+/// A tensor-core kernel parameter from the environment (the lab compares them): `LILY_CUDA_TC_U`
+/// (tiles per batch) or `LILY_CUDA_TC_S` (stages), if it names one of `allowed`, else `default`.
+/// Each is read once.
 fn tc_env(var: &'static str, allowed: &[usize], default: usize) -> usize {
-    static VARS: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<&'static str, Option<usize>>>> = std::sync::OnceLock::new();
-    let m = VARS.get_or_init(Default::default);
-    let v = *m.lock().unwrap_or_else(|e| e.into_inner()).entry(var).or_insert_with(|| std::env::var(var).ok().and_then(|s| s.parse().ok()));
+    static U: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    static S: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let cell = if var == "LILY_CUDA_TC_U" { &U } else { &S };
+    let v = *cell.get_or_init(|| std::env::var(var).ok().and_then(|s| s.parse().ok()));
     v.filter(|x| allowed.contains(x)).unwrap_or(default)
 }
