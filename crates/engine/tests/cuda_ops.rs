@@ -552,6 +552,53 @@ fn fused_decode_forms_equal_their_compositions() {
     }
 }
 
+/// The opt-in router as one thread-block cluster (`router_cluster`: logits written into the
+/// leader block's shared memory, one cluster barrier, the route there; 8 and 16 blocks): against
+/// the CPU, as `moe_router` is held in fused_decode_forms_equal_their_compositions: the fused
+/// norm's x bit-equal to rms_norm's, the logits within F32_TOL of the CPU's product of that x,
+/// the shared gate's logit too, and the route the CPU's route of the same f32 logits (ids equal,
+/// weights 1e-6), three tokens in a row. Ignored while opt-in and never run on a GPU (a fault
+/// would poison the tests after it): run alone with `--ignored router_cluster`.
+#[test]
+#[ignore = "opt-in router_cluster: not yet run on a GPU; run alone with --ignored"]
+fn router_cluster_matches_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let d = qwen_dims();
+    let hid = d.hidden;
+    let mut rng = Rng(53);
+    let ws = [rand_quant(&mut rng, 1, d.n_experts, hid, 8, 64, false), rand_quant(&mut rng, 1, 1, hid, 8, 64, false)];
+    let (gr, gs) = (g.upload_mat(&ws[0]).unwrap(), g.upload_mat(&ws[1]).unwrap());
+    let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
+    let gnw = g.upload_vec(&nw).unwrap();
+    g.set_enabled(&["router_cluster"]).unwrap();
+    for token in 0..3 {
+        let hv: Vec<f32> = rng.vec(hid, 4.0);
+        let gh = g.upload_vec(&hv).unwrap();
+        let mut kxn = g.act_zeros(hid).unwrap();
+        g.rms_norm(&gh, &gnw, 1, hid, d.eps, &mut kxn);
+        let kxn = h(&g, &kxn);
+        let (mut lg, mut sl, mut xn) = (g.zeros(d.n_experts).unwrap(), g.zeros(1).unwrap(), g.act_zeros(hid).unwrap());
+        let mut route = g.new_route(1, d.top_k).unwrap();
+        g.moe_router(&gh, &gnw, 1, d.eps, &mut xn, &gr, &gs, &d, &mut lg, &mut sl, &mut route);
+        assert!(h(&g, &xn).iter().zip(&kxn).all(|(a, b)| a.to_bits() == b.to_bits()), "router_cluster token {token}: the fused norm's x differs from rms_norm's");
+        let lv = h(&g, &lg);
+        let mut c = vec![0f32; d.n_experts];
+        Cpu.matmul_q(&kxn, &ws[0], 1, &mut c);
+        check(&format!("router_cluster token {token} (logits)"), rel_rows(&lv, &c, d.n_experts), F32_TOL);
+        let mut cs = vec![0f32; 1];
+        Cpu.matmul_q(&kxn, &ws[1], 1, &mut cs);
+        let scale = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+        check(&format!("router_cluster token {token} (shared gate, pooled scale)"), (h(&g, &sl)[0] - cs[0]).abs() / scale, F32_TOL);
+        let mut cr = CpuRoute::default();
+        Cpu.moe_route(&lv, &d, 1, &mut cr);
+        let (ids, w) = g.route_to_host(&route, 1).unwrap();
+        assert_eq!(ids, cr.ids, "router_cluster token {token}: the route differs from moe_route of its logits");
+        let werr = w.iter().zip(&cr.weights).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        check(&format!("router_cluster token {token} (route weights, absolute)"), werr, 1e-6);
+    }
+    g.set_enabled(&[]).unwrap();
+}
+
 /// The tensor-core form of the streaming GEMV (switch `tc_gemv`, and with `tc_all` at every width:
 /// exact integer codes times bf16 x on mma.sync, f32 sums, scales and biases on the CUDA cores):
 /// the same function as the SIMT loop, so the same F32_TOL against the CPU, at every width it

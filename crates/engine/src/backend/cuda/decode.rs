@@ -251,6 +251,30 @@ impl Cuda {
         self.launch(&name, (grid, 1, 1), threads, smem, &[Arg::S(Box::new(p))]);
     }
 
+    /// The router | shared gate of an MoE block with the norm prologue and the top-k route as one
+    /// thread-block cluster (gemv.cu's router_cluster_<CL>, opt-in `router_cluster`): 8-bit,
+    /// K = 2048, at most CL·16·3 rows. `false`: not taken (the caller launches sw_gemv_8).
+    pub(super) fn router_cluster(&self, x: SwX<'_>, ws: &[&Mat], outs: &[(u64, i32)], route: &Route, k: usize, norm: bool) -> bool {
+        let SwX::Norm { h, w, eps, xn } = x else { return false };
+        if !self.opted_in("router_cluster") || !self.pdl_ok || ws.len() != 2 || outs.len() != 2 {
+            return false;
+        }
+        let (r, sg) = (ws[0], ws[1]);
+        let cl = router_cluster_size();
+        let fits = Self::sw_bits(r.fmt) == Some(8) && sg.fmt == r.fmt && r.inp == 2048 && sg.inp == 2048 && r.gs == sg.gs && r.gs.is_multiple_of(32) && r.out + sg.out <= cl * 16 * 3 && r.out <= 1024 && outs[0].1 == 0;
+        if !fits {
+            return false;
+        }
+        let mut p = SwArgs { m: [QMat::none(); 4], out: [0; 4], obf: [0; 4], bstart: [0; 5], n: 2, x: h.mem.ptr, nw: w.mem.ptr, xn: xn.map_or(0, |b| b.mem.ptr), rids: route.ids.ptr, rwts: route.weights.ptr, counter: 0, eps, re: r.out as i32, rk: k as i32, ntopk: norm as i32, cw: 0, cst: 0, zp: 0, ck: 0, dv: 0 };
+        p.m[0] = r.q();
+        p.m[1] = sg.q();
+        p.out[0] = outs[0].0;
+        p.out[1] = outs[1].0;
+        p.obf[1] = outs[1].1;
+        self.launch_ex(&format!("router_cluster_{cl}"), (cl as u32, 1, 1), 512, 0, cl as u32, &[Arg::S(Box::new(p))]);
+        true
+    }
+
     /// `h += moe(x)` for one token as two streaming launches, when the experts and the shared
     /// expert share a format the kernels read and the shapes fit their geometry; `false`: not
     /// run (the caller composes the unfused ops).
@@ -348,4 +372,10 @@ fn tc_env(var: &'static str, allowed: &[usize], default: usize) -> usize {
     let cell = if var == "LILY_CUDA_TC_U" { &U } else { &S };
     let v = *cell.get_or_init(|| std::env::var(var).ok().and_then(|s| s.parse().ok()));
     v.filter(|x| allowed.contains(x)).unwrap_or(default)
+}
+
+/// Blocks of the router's cluster (`LILY_CUDA_ROUTER_CLUSTER`: 8, the portable size, or 16).
+fn router_cluster_size() -> usize {
+    static CL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CL.get_or_init(|| if std::env::var("LILY_CUDA_ROUTER_CLUSTER").ok().as_deref() == Some("8") { 8 } else { 16 })
 }

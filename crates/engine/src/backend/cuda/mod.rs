@@ -440,8 +440,12 @@ pub const SWITCHES: &[&str] = &["stream_gemv", "fuse_norm", "fuse_residual", "fu
 ///   measured slower on the H200 than the SIMT kernels there: out_proj 5.3 against 4.4 us, the
 ///   experts 17.0 against 13.2 (one wave of blocks: the staging has nothing to overlap).
 /// * `fuse_gdn`: a GDN layer's decode mixer in three launches (the conv in the projections'
-///   epilogue, the scan, the gated norm in out_proj's prologue with the residual add).
-pub const OPT_IN: &[&str] = &["tc_all", "fuse_gdn"];
+///   epilogue, the scan, the gated norm in out_proj's prologue with the residual add). Correct
+///   on the H200 but measured slower there (439 against 457 tok/s at 4K).
+/// * `router_cluster`: an MoE block's router | shared gate with the norm and the route as one
+///   thread-block cluster (gemv.cu's router_cluster_<CL>; `LILY_CUDA_ROUTER_CLUSTER=8|16` blocks,
+///   default 16). Written at stop 19, not yet run on a GPU.
+pub const OPT_IN: &[&str] = &["tc_all", "fuse_gdn", "router_cluster"];
 
 impl Cuda {
     /// The first GPU.
@@ -728,10 +732,22 @@ impl Cuda {
     }
 
     fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg]) {
+        self.launch_ex(name, grid, block, smem, 0, args)
+    }
+
+    /// `launch`, the blocks grouped in thread-block clusters of `cluster` along x (0: none; more
+    /// than 8, the non-portable sizes Hopper allows, is allowed on the function first).
+    fn launch_ex(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, cluster: u32, args: &[Arg]) {
         if self.failed() {
             return;
         }
         let Some(f) = self.func(name) else { return };
+        if cluster > 8 {
+            if let Err(e) = f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1) {
+                self.fail(format!("{name}: clusters of {cluster} blocks not allowed: {e}"));
+                return;
+            }
+        }
         if smem > 32 * 1024 {
             // Above 48 KiB of shared memory, static and dynamic together, a kernel must opt in
             // (the streaming kernels hold up to 17 KiB of static reductions besides).
@@ -755,18 +771,29 @@ impl Cuda {
             .collect();
         let r = self.ctx.bind_to_thread().and_then(|_| {
             let pdl = self.pdl || (self.pdl_ok && self.capturing.load(Ordering::Relaxed) && self.on("pdl_step"));
-            if !pdl {
+            if !pdl && cluster == 0 {
                 // SAFETY: the argument list matches the kernel's signature (each call site mirrors
                 // its .cu declaration); buffers were bounds-checked by the op; `args` outlives the call.
                 return unsafe { dr::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, self.stream.cu_stream(), &mut ptrs) };
             }
-            // Programmatic dependent launch (common.cuh, PDL_ENTRY): the kernel may be launched
-            // while the previous one runs; it waits for it on the device.
             // SAFETY: a zeroed attribute value is valid for this union; only the field of
             // `id` is read by the driver.
-            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            attr.value.programmaticStreamSerializationAllowed = 1;
+            let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
+            let mut n = 0;
+            if pdl {
+                // Programmatic dependent launch (common.cuh, PDL_ENTRY): the kernel may be launched
+                // while the previous one runs; it waits for it on the device.
+                attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attrs[n].value.programmaticStreamSerializationAllowed = 1;
+                n += 1;
+            }
+            if cluster > 0 {
+                attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+                attrs[n].value.clusterDim.x = cluster;
+                attrs[n].value.clusterDim.y = 1;
+                attrs[n].value.clusterDim.z = 1;
+                n += 1;
+            }
             let cfg = sys::CUlaunchConfig {
                 gridDimX: grid.0,
                 gridDimY: grid.1,
@@ -776,10 +803,10 @@ impl Cuda {
                 blockDimZ: 1,
                 sharedMemBytes: smem,
                 hStream: self.stream.cu_stream(),
-                attrs: &mut attr,
-                numAttrs: 1,
+                attrs: attrs.as_mut_ptr(),
+                numAttrs: n as u32,
             };
-            // SAFETY: as for launch_kernel above; `cfg` and `attr` outlive the call.
+            // SAFETY: as for launch_kernel above; `cfg` and `attrs` outlive the call.
             unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), ptrs.as_mut_ptr(), std::ptr::null_mut()) }.result()
         });
         if let Err(e) = r {
@@ -1148,7 +1175,11 @@ impl Backend for Cuda {
             && self.ensure(k <= route.cap, || format!("{op}: route holds {} entries, {k} needed", route.cap))
         {
             route.k = k;
-            self.sw_gemv_route(decode::SwX::Norm { h, w, eps, xn: Some(xn) }, &ws, &[(logits.mem.ptr, 0), (s.mem.ptr, s.bf16())], Some((route, k, d.norm_topk)), None);
+            let x = decode::SwX::Norm { h, w, eps, xn: Some(xn) };
+            let outs = [(logits.mem.ptr, 0), (s.mem.ptr, s.bf16())];
+            if !self.router_cluster(x, &ws, &outs, route, k, d.norm_topk) {
+                self.sw_gemv_route(decode::SwX::Norm { h, w, eps, xn: Some(xn) }, &ws, &outs, Some((route, k, d.norm_topk)), None);
+            }
         }
     }
     fn gdn_mixer_decode_add(&self, h: &mut Buf, norm: &Buf, eps: f32, w: &super::GdnWeights<'_, Self>, conv: &mut Buf, ssm: &mut Buf, d: &Dims, tmp: super::GdnScratch<'_, Self>) {

@@ -362,3 +362,141 @@ TC_GEMV_KERNEL(2, 16, 1, 3, 0)
 TC_GEMV_KERNEL(2, 16, 1, 4, 0)
 TC_GEMV_KERNEL(2, 4, 1, 4, 0)
 TC_GEMV_KERNEL(1, 4, 1, 4, 0)
+
+// ---- router_cluster_<CL>: an MoE block's router | shared gate (Backend::moe_router: 8-bit,
+// K = 2048, the norm prologue, the top-k route) as ONE thread-block cluster of CL blocks of
+// RC_WARPS warps (opt-in `router_cluster`; written at stop 19, not yet run on a GPU).
+// Why: the router launch is the largest single line of a decode step (ncu: 40 × 14.6 µs alone,
+// 6.45 µs in a graph for 0.65 MB, 3.6× its pure read). sw_gemv_8's route is a latency chain:
+// 33 blocks, then a __threadfence and a global ticket so that the last block can re-read the
+// 256 logits from L2 and route. Here every block writes its logits straight into the leader
+// block's shared memory (distributed shared memory: mapa + st.shared::cluster), one cluster
+// barrier orders them, and the leader's warp 0 routes from its own shared memory: no fence, no
+// atomic, no L2 round trip. Every block has all its rows in flight at once (MR rows per warp,
+// both of a lane's 32-code chunks), so the 0.56 MB is one DRAM latency, spread over CL SMs.
+// Rows: r = rank + CL·(warp + RC_WARPS·i), i < MR (matrix 0's rows, then matrix 1's). Lane l
+// owns chunks 2l and 2l + 1 of every row (K = 2048 = 64 chunks of 32 codes); x = bf16(h·rr·w)
+// goes through shared memory as f32 (8 KB). The norm: threads < 256 make the rms_norm kernel's
+// 256-strided sums, the others add zeros (block_sum's tree gives the same bits), so x equals
+// rms_norm's output bit for bit; the leader writes it to `xn`. Dots as stream.cuh's sw_dot (same
+// function; the chunks' partials are summed in another order than sw_gemv_8's).
+
+#define RC_WARPS 16
+#define RC_MR 3  // rows per warp at most: CL·RC_WARPS·RC_MR rows per launch
+
+__device__ __forceinline__ u32 cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+
+// v into the float at `p` (an address in this block's shared memory) of block `rank`'s copy.
+__device__ __forceinline__ void st_cluster_f32(const float* p, u32 rank, float v) {
+    u32 a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"(smem_u32(p)), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory");
+}
+
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+template <int CL>
+__device__ __forceinline__ void router_cluster_body(const SwArgs& p) {
+    constexpr int K = 2048;
+    __shared__ __align__(16) float xs[K];
+    __shared__ float lg[ROUTE_MAXE];
+    __shared__ float sh[32];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const u32 rank = cluster_rank();
+    const QMat m0 = p.m[0], m1 = p.m[1];
+    const int R = m0.out + m1.out;
+    const SwLane la = sw_lane(m0, 2 * lane), lb = sw_lane(m0, 2 * lane + 1);
+
+    // Every row of the warp requested before anything else (they do not depend on x).
+    SwUnit<8> ua[RC_MR], ub[RC_MR];
+#pragma unroll
+    for (int i = 0; i < RC_MR; i++) {
+        const int r = (int)rank + CL * (warp + RC_WARPS * i);
+        if (r < R) {
+            // Matrix 1 (the shared gate) as a copy selected by value: a reference chosen at run
+            // time would put both parameter structs in local memory.
+            QMat q = m0;
+            int o = r;
+            if (r >= m0.out) {
+                q = m1;
+                o = r - m0.out;
+            }
+            sw_load<8>(q, 0, o, la, ua[i]);
+            sw_load<8>(q, 0, o, lb, ub[i]);
+        } else {
+            sw_zero<8>(ua[i]);
+            sw_zero<8>(ub[i]);
+        }
+    }
+    PDL_WAIT();
+
+    const float* h = (const float*)p.x;
+    const float* w = (const float*)p.nw;
+    float ss = 0.0f;
+    if (tid < 256)
+        for (int i = tid; i < K; i += 256) ss += h[i] * h[i];
+    ss = block_sum(ss, sh);
+    const float rr = 1.0f / sqrtf(ss / (float)K + p.eps);
+    for (int i = tid; i < K; i += blockDim.x) {
+        const u16 b = bf16_rn(h[i] * rr * w[i]);
+        xs[i] = bf16f(b);
+        if (rank == 0 && p.xn != 0) ((u16*)p.xn)[i] = b;
+    }
+    __syncthreads();
+
+    // Chunk-major: the lane's 32 x of chunk 2l against every row, then of chunk 2l + 1.
+    float part[RC_MR];
+    float xv[32];
+#pragma unroll
+    for (int c = 0; c < 2; c++) {
+        const float4* x4 = (const float4*)(xs + (2 * lane + c) * 32);
+        float sx = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            const float4 v = x4[i];
+            xv[4 * i] = v.x;
+            xv[4 * i + 1] = v.y;
+            xv[4 * i + 2] = v.z;
+            xv[4 * i + 3] = v.w;
+        }
+#pragma unroll
+        for (int i = 0; i < 32; i++) sx += xv[i];
+#pragma unroll
+        for (int i = 0; i < RC_MR; i++) {
+            const float d = sw_dot<8>(c == 0 ? ua[i] : ub[i], xv, sx);
+            part[i] = c == 0 ? d : part[i] + d;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < RC_MR; i++) {
+        const int r = (int)rank + CL * (warp + RC_WARPS * i);
+        const float v = warp_sum(part[i]);
+        if (lane == 0 && r < R) {
+            if (r < m0.out) {
+                ((float*)p.out[0])[r] = v;
+                st_cluster_f32(&lg[r], 0, v);
+            } else {
+                store_out((void*)p.out[1], (u64)(r - m0.out), v, p.obf[1]);
+            }
+        }
+    }
+    cluster_sync();
+    if (rank == 0 && warp == 0) {
+        if (p.re <= 256) route_warp_n<8, true>(lg, (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk, lane);
+        else route_warp_n<ROUTE_MAXE / 32, true>(lg, (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk, lane);
+    }
+}
+
+#define ROUTER_CLUSTER_KERNEL(CL)                                                                        \
+    extern "C" __global__ void __launch_bounds__(32 * RC_WARPS, 1) router_cluster_##CL(SwArgs p) {       \
+        PDL_LAUNCH();                                                                                    \
+        router_cluster_body<CL>(p);                                                                      \
+    }
+ROUTER_CLUSTER_KERNEL(8)
+ROUTER_CLUSTER_KERNEL(16)
