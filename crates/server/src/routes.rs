@@ -26,6 +26,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use lily::runtime::generate::{Forced, Generation, TokenLogprob};
 use lily::runtime::stop::{FinishReason, StopRules};
+use lily::tokenizer::TemplateError;
 
 use crate::api::{self, ChatRequest, Common, CompletionRequest, Prompt, ToolChoice};
 use crate::error::{ApiError, ApiResult};
@@ -164,7 +165,7 @@ async fn blocking<T: Send + 'static>(f: impl FnOnce() -> ApiResult<T> + Send + '
 fn prepare_chat(app: &App, req: &ChatRequest) -> ApiResult<Prepared> {
     // `tool_choice: none` leaves the tools out of the prompt, so the model is not told about them.
     let tools = if req.tool_choice == ToolChoice::None { None } else { req.tools.as_ref() };
-    let text = app.template.render(&req.messages, tools, true, &req.template_kwargs).map_err(|e| ApiError::bad(format!("chat template: {e:#}")).with_code("invalid_messages"))?;
+    let text = app.template.render(&req.messages, tools, true, &req.template_kwargs).map_err(template_error)?;
     check_bytes(app, text.len())?;
     let ids = app.tok.encode(&text).map_err(|e| ApiError::bad(format!("{e:#}")))?;
     check_context(app, ids.len(), &req.common)?;
@@ -188,6 +189,16 @@ fn prepare_chat(app: &App, req: &ChatRequest) -> ApiResult<Prepared> {
         }
     }
     Ok(Prepared { ids, opens_think, forced })
+}
+
+/// A failed render as a 400. A [`TemplateError`]'s text already says "chat template"; the
+/// other errors (the renderer's own checks) get the prefix once.
+fn template_error(e: anyhow::Error) -> ApiError {
+    let msg = match e.downcast_ref::<TemplateError>() {
+        Some(te) => te.to_string(),
+        None => format!("chat template: {e:#}"),
+    };
+    ApiError::bad(msg).with_code("invalid_messages").param_name("messages")
 }
 
 fn prepare_completion(app: &App, req: &CompletionRequest) -> ApiResult<Prepared> {
