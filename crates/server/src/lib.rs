@@ -19,6 +19,7 @@
 //! - Shutdown (SIGINT/SIGTERM, or [`Server::shutdown`]): stop accepting, cancel the running and
 //!   queued generations (their clients get a 503 / an error event), drain, stop the model thread.
 
+pub mod anthropic;
 pub mod api;
 pub mod error;
 pub mod metrics;
