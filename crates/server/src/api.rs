@@ -627,7 +627,8 @@ mod tests {
             any::<f64>().prop_map(|x| serde_json::Number::from_f64(x).map(Value::Number).unwrap_or(Value::Null)),
             "[a-z_]{0,12}".prop_map(Value::from),
             prop_oneof![Just("user"), Just("assistant"), Just("tool"), Just("system"), Just("text"), Just("function"), Just("none"), Just("required"),
-                Just("tool_use"), Just("tool_result"), Just("thinking"), Just("enabled"), Just("any"), Just("tool")].prop_map(Value::from),
+                Just("tool_use"), Just("tool_result"), Just("thinking"), Just("enabled"), Just("any"), Just("tool"),
+                Just("function_call"), Just("function_call_output"), Just("message"), Just("input_text")].prop_map(Value::from),
         ];
         leaf.prop_recursive(4, 48, 6, |inner| {
             let keys = prop_oneof![
@@ -635,6 +636,7 @@ mod tests {
                 Just("arguments"), Just("tool_calls"), Just("type"), Just("text"), Just("max_tokens"), Just("stop"), Just("logprobs"),
                 Just("top_logprobs"), Just("prompt"), Just("temperature"), Just("stream_options"), Just("chat_template_kwargs"), Just("parameters"),
                 Just("system"), Just("input"), Just("tool_use_id"), Just("input_schema"), Just("thinking"), Just("stop_sequences"), Just("id"), Just("is_error"),
+                Just("instructions"), Just("call_id"), Just("output"), Just("previous_response_id"), Just("reasoning"), Just("effort"),
             ]
             .prop_map(str::to_string);
             prop_oneof![
@@ -653,6 +655,7 @@ mod tests {
                 let _ = chat_request(o);
                 let _ = completion_request(o);
                 let _ = crate::anthropic::messages_request(o);
+                let _ = crate::responses::responses_request(o, &|_| Some(std::sync::Arc::new(vec![serde_json::json!({"role": "user", "content": "x"})])));
             }
             let _ = body_object(&raw);
             let _ = body_object(v.to_string().as_bytes());

@@ -41,6 +41,7 @@ pub(crate) fn router(app: Arc<App>) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(crate::responses::create))
         .route("/v1/messages", post(crate::anthropic::messages))
         .route("/v1/messages/count_tokens", post(crate::anthropic::count_tokens))
         .route("/v1/models", get(models))
@@ -50,7 +51,7 @@ pub(crate) fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/health", get(health))
         .merge(api)
-        .fallback(|| async { ApiError::not_found("no such route; see /v1/chat/completions, /v1/completions, /v1/messages, /v1/models, /health, /metrics") })
+        .fallback(|| async { ApiError::not_found("no such route; see /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models, /health, /metrics") })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .with_state(app)
 }
