@@ -297,7 +297,8 @@ fn input_items(items: &[Value], out: &mut Vec<Value>) -> ApiResult<()> {
                 if t.is_empty() {
                     t = texts("summary");
                 }
-                reasoning = Some(t.join("\n\n"));
+                // Only `encrypted_content` (Codex sends it back): nothing this model can read.
+                reasoning = Some(t.join("\n\n")).filter(|r| !r.is_empty());
                 open_assistant = false;
             }
             t => return Err(ApiError::param(&p, format!("`{p}.type` {t:?} is not supported (message, function_call, function_call_output, reasoning)"))),
@@ -675,6 +676,10 @@ mod tests {
         assert!(body(json!({"input": "x", "text": {"format": {"type": "json_schema"}}})).is_err());
         assert!(body(json!({"input": "x", "reasoning": {"effort": "huge"}})).is_err());
         assert!(body(json!({"input": [{"type": "item_reference", "id": "x"}]})).is_err());
+        // A reasoning item with encrypted content only adds no reasoning.
+        let (b, _) = body(json!({"input": [{"role": "user", "content": "q"}, {"type": "reasoning", "summary": [], "encrypted_content": "xyz"}, {"role": "assistant", "content": [{"type": "output_text", "text": "a"}]}, {"role": "user", "content": "q2"}]})).unwrap();
+        assert!(b["messages"][1].get("reasoning_content").is_none());
+        assert!(api::chat_request(&b).is_ok());
         assert!(body(json!({"input": []})).is_err());
         assert!(body(json!({})).is_err());
         let (b, _) = body(json!({"input": "x", "reasoning": {"effort": "high"}})).unwrap();
