@@ -405,6 +405,8 @@ impl Msg {
                     self.begin(Open::Tool, json!({"type": "tool_use", "id": id, "name": name, "input": {}}), &mut ev);
                     continue;
                 }
+                // The parser sends a call's arguments right after its start, before anything else.
+                Part::ToolCallArgs { .. } if self.open != Open::Tool => continue,
                 Part::ToolCallArgs { args, .. } => json!({"type": "input_json_delta", "partial_json": args}),
             };
             ev.push(("content_block_delta", json!({"type": "content_block_delta", "index": self.blocks - 1, "delta": delta})));

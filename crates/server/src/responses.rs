@@ -427,6 +427,8 @@ impl Output {
                     let item_id = format!("fc_{}", self.app.new_id());
                     self.begin(Open::Call, json!({"id": item_id, "type": "function_call", "call_id": id, "name": name, "arguments": "", "status": "in_progress"}));
                 }
+                // The parser sends a call's arguments right after its start, before anything else.
+                Part::ToolCallArgs { .. } if self.open != Open::Call => {}
                 Part::ToolCallArgs { args, .. } => {
                     self.text.push_str(&args);
                     let (oi, id) = (self.index(), self.item_id());
