@@ -319,7 +319,7 @@ pub fn chat_request(o: &Map<String, Value>) -> ApiResult<ChatRequest> {
 ///   message, or at the end) it becomes a user message of its own at its place. Either way the
 ///   history before it renders exactly as before.
 ///
-/// Runs after [`message`]: roles are checked, `developer` is already `system`, content is a string
+/// Runs after `message` (below): roles are checked, `developer` is already `system`, content is a string
 /// or null.
 pub fn fold_system_messages(msgs: Vec<Value>) -> Vec<Value> {
     let is_system = |m: &Value| m.get("role").and_then(Value::as_str) == Some("system");

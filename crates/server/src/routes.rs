@@ -6,6 +6,10 @@
 //! role first, then deltas (`reasoning_content` + `reasoning`, `content`, `tool_calls`), a chunk
 //! with `finish_reason`, a usage chunk when asked, and `[DONE]`; an error after the stream began
 //! is an `{"error": …}` event. Comment lines keep the connection alive during long prefills.
+//!
+//! `/v1/responses` (responses.rs) and `/v1/messages` (anthropic.rs) reuse this path: their
+//! bodies become a [`ChatRequest`], then [`prepare_chat`] and [`submit`] as here, and they shape
+//! the same worker events and output-parser parts in their own dialect.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, Ordering};
