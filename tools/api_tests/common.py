@@ -34,6 +34,12 @@ LONG_REPLY = " ".join(["the cat sat on the mat."] * 150)
 SCRIPT = [
     # Must come first: the second turn of a tool conversation still contains the first turn's trigger.
     {"when": "<tool_response>", "reply": "It is sunny."},
+    # A chained Responses turn (test_responses.py): fires only when the earlier turn is in the prompt.
+    {"when": "<|im_start|>assistant\nJust the answer: 4.<|im_end|>\n<|im_start|>user\n[[chained]]", "reply": "Chained: 4 again."},
+    # Several system messages (test_messages_shapes.py): the triggers include how they render.
+    {"when": "<|im_start|>system\nFirst rule.\n\nSecond rule.<|im_end|>\n<|im_start|>user\n[[two-systems]]",
+     "reply": "Two systems, one block."},
+    {"when": "<|im_start|>user\nMid rule.\n\n[[mid-system]]", "reply": "Folded into the user turn."},
     {"when": "[[think]]", "reply": "<think>\nplan it\n</think>\n\nThe answer is 4."},
     # What a real model emits: the generation prompt already ends with "<think>\n".
     {"when": "[[think-open]]", "reply": "plan it\n</think>\n\nThe answer is 4."},

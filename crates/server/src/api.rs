@@ -234,7 +234,7 @@ pub fn chat_request(o: &Map<String, Value>) -> ApiResult<ChatRequest> {
     let messages = match f.get("messages") {
         None => return Err(ApiError::param("messages", "`messages` is required")),
         Some(Value::Array(a)) if a.is_empty() => return Err(ApiError::param("messages", "`messages` must not be empty")),
-        Some(Value::Array(a)) => Value::Array(a.iter().enumerate().map(|(i, m)| message(i, m)).collect::<ApiResult<_>>()?),
+        Some(Value::Array(a)) => Value::Array(fold_system_messages(a.iter().enumerate().map(|(i, m)| message(i, m)).collect::<ApiResult<_>>()?)),
         Some(v) => return Err(ApiError::param("messages", format!("`messages` must be an array of message objects, got {}", kind(v)))),
     };
     let tools = match f.get("tools") {
@@ -304,6 +304,61 @@ pub fn chat_request(o: &Map<String, Value>) -> ApiResult<ChatRequest> {
     Ok(ChatRequest { common, messages, tools, tool_choice, template_kwargs, cache_key: cache_key(o)? })
 }
 
+/// System messages where clients put them → what the chat template can render.
+///
+/// Clients send several system messages (langchain's `[("system", a), ("system", b), …]`, agents
+/// that add instructions), leading or in the middle. The Qwen3.6 template renders one system block
+/// at the start and raises on any other system message ("System message must be at the
+/// beginning"), so:
+/// - the leading ones become that one block, their texts joined with a blank line;
+/// - a later one cannot stay a system turn (the template cannot render it, and the model only saw
+///   one system prompt, at the top, in training; moving it to the top would also rewrite the start
+///   of the prompt and lose the prefix cache of the whole conversation). It is folded into the
+///   next message when that is a user message (its text first, then a blank line), which is where
+///   the model reads instructions mid-conversation; otherwise (before an assistant or tool
+///   message, or at the end) it becomes a user message of its own at its place. Either way the
+///   history before it renders exactly as before.
+///
+/// Runs after `message` (below): roles are checked, `developer` is already `system`, content is a string
+/// or null.
+pub fn fold_system_messages(msgs: Vec<Value>) -> Vec<Value> {
+    let is_system = |m: &Value| m.get("role").and_then(Value::as_str) == Some("system");
+    let text = |m: &Value| m.get("content").and_then(Value::as_str).unwrap_or_default().to_string();
+    let join = |texts: &[String]| texts.iter().filter(|t| !t.trim().is_empty()).cloned().collect::<Vec<_>>().join("\n\n");
+    let lead = msgs.iter().take_while(|m| is_system(m)).count();
+    let mut out = Vec::with_capacity(msgs.len());
+    if lead > 0 {
+        let mut first = msgs[0].clone();
+        if lead > 1 {
+            first["content"] = Value::from(join(&msgs[..lead].iter().map(text).collect::<Vec<_>>()));
+        }
+        out.push(first);
+    }
+    let user = |content: String| serde_json::json!({"role": "user", "content": content});
+    let mut pending: Vec<String> = Vec::new();
+    for mut m in msgs.into_iter().skip(lead) {
+        if is_system(&m) {
+            pending.push(text(&m));
+            continue;
+        }
+        if !pending.is_empty() {
+            let instructions = join(&std::mem::take(&mut pending));
+            if m.get("role").and_then(Value::as_str) == Some("user") {
+                let content = text(&m);
+                m["content"] = Value::from(if content.is_empty() { instructions } else if instructions.is_empty() { content } else { format!("{instructions}\n\n{content}") });
+            } else if !instructions.is_empty() {
+                out.push(user(instructions));
+            }
+        }
+        out.push(m);
+    }
+    let instructions = join(&pending);
+    if !instructions.is_empty() {
+        out.push(user(instructions));
+    }
+    out
+}
+
 /// One message: role checked, content a string, null or text parts (no images: this build
 /// serves the text model).
 fn message(i: usize, m: &Value) -> ApiResult<Value> {
@@ -327,8 +382,11 @@ fn message(i: usize, m: &Value) -> ApiResult<Value> {
             for (j, part) in parts.iter().enumerate() {
                 let t = part.get("type").and_then(Value::as_str);
                 match t {
-                    Some("text") | Some("input_text") if part.get("text").is_some_and(Value::is_string) => {}
-                    Some("text") | Some("input_text") => return Err(ApiError::param(&p, format!("`{p}.content[{j}]` is a text part without a string `text`"))),
+                    Some("text") | Some("input_text") | Some("output_text") if part.get("text").is_some_and(Value::is_string) => {}
+                    // An assistant's refusal part (OpenAI echoes them back in the history): not text
+                    // the model wrote in its turn's content, left out.
+                    Some("refusal") if role == "assistant" => {}
+                    Some("text") | Some("input_text") | Some("output_text") => return Err(ApiError::param(&p, format!("`{p}.content[{j}]` is a text part without a string `text`"))),
                     Some(t @ ("image_url" | "input_image" | "image" | "input_audio" | "video" | "video_url" | "file")) => {
                         return Err(ApiError::param(&p, format!("`{p}.content[{j}]` is a {t:?} part; this server runs the text model only")))
                     }
@@ -336,7 +394,7 @@ fn message(i: usize, m: &Value) -> ApiResult<Value> {
                 }
             }
             // The template renders a list of text parts by concatenating their `text`.
-            let text: String = parts.iter().filter_map(|x| x.get("text").and_then(Value::as_str)).collect();
+            let text: String = parts.iter().filter(|x| x.get("type").and_then(Value::as_str) != Some("refusal")).filter_map(|x| x.get("text").and_then(Value::as_str)).collect();
             out.insert("content".into(), Value::from(text));
         }
         Some(v) => return Err(ApiError::param(&p, format!("`{p}.content` must be a string or an array of content parts, got {}", kind(v)))),
@@ -475,6 +533,48 @@ mod tests {
     }
 
     #[test]
+    fn system_messages_anywhere() {
+        let roles = |r: &ChatRequest| r.messages.as_array().unwrap().iter().map(|m| format!("{}:{}", m["role"].as_str().unwrap(), m["content"].as_str().unwrap_or("-"))).collect::<Vec<_>>();
+        // langchain's [("system", a), ("system", b), ("human", q)]: one system block.
+        let r = chat(json!({"messages": [{"role": "system", "content": "a"}, {"role": "developer", "content": [{"type": "text", "text": "b"}]}, {"role": "user", "content": "q"}]})).unwrap();
+        assert_eq!(roles(&r), ["system:a\n\nb", "user:q"]);
+        // A later one is folded into the next user message...
+        let r = chat(json!({"messages": [{"role": "system", "content": "a"}, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "r1"},
+            {"role": "system", "content": "m1"}, {"role": "system", "content": ""}, {"role": "system", "content": "m2"}, {"role": "user", "content": "q2", "name": "bob"}]})).unwrap();
+        assert_eq!(roles(&r), ["system:a", "user:q1", "assistant:r1", "user:m1\n\nm2\n\nq2"]);
+        assert_eq!(r.messages[3]["name"], "bob");
+        // ...or kept in place as a user message when no user message follows at once.
+        let call = json!([{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]);
+        let r = chat(json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null, "tool_calls": call},
+            {"role": "system", "content": "s1"}, {"role": "tool", "tool_call_id": "c", "content": "x"}, {"role": "system", "content": "s2"}]})).unwrap();
+        assert_eq!(roles(&r), ["user:q", "assistant:-", "user:s1", "tool:x", "user:s2"]);
+        // An empty later system message adds nothing.
+        let r = chat(json!({"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": " "}]})).unwrap();
+        assert_eq!(roles(&r), ["user:q"]);
+        // Fields real OpenAI clients add are accepted.
+        let r = chat(json!({"messages": [{"role": "user", "content": "q", "name": "x"}], "parallel_tool_calls": false, "user": "u1", "metadata": {"k": "v"},
+            "store": false, "service_tier": "auto", "prompt_cache_retention": "24h", "verbosity": "low", "modalities": ["text"]}));
+        assert!(r.is_ok());
+        // An assistant refusal part in the history is accepted and left out.
+        let r = chat(json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}, {"type": "text", "text": "ok"}]}, {"role": "user", "content": "q"}]})).unwrap();
+        assert_eq!(r.messages[1]["content"], "ok");
+    }
+
+    /// The Qwen3.6 template renders what the folding makes of system messages anywhere.
+    #[test]
+    fn folded_system_messages_render() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/data/templates/model");
+        let t = lily::tokenizer::ChatTemplate::from_dir(&dir).unwrap();
+        let render = |v: Value| t.render(&chat(v).unwrap().messages, None, true, &Map::new()).unwrap();
+        let s = render(json!({"messages": [{"role": "system", "content": "a"}, {"role": "system", "content": "b"}, {"role": "user", "content": "q"}]}));
+        assert!(s.starts_with("<|im_start|>system\na\n\nb<|im_end|>\n<|im_start|>user\nq<|im_end|>\n"), "{s}");
+        let s = render(json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}, {"role": "system", "content": "m"}, {"role": "user", "content": "q2"}]}));
+        assert!(s.contains("<|im_start|>user\nm\n\nq2<|im_end|>"), "{s}");
+        let s = render(json!({"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "late"}]}));
+        assert!(s.contains("<|im_start|>user\nq<|im_end|>\n<|im_start|>user\nlate<|im_end|>"), "{s}");
+    }
+
+    #[test]
     fn thinking_switches() {
         let r = chat(json!({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "none"})).unwrap();
         assert_eq!(r.template_kwargs["enable_thinking"], false);
@@ -526,13 +626,17 @@ mod tests {
             any::<i64>().prop_map(Value::from),
             any::<f64>().prop_map(|x| serde_json::Number::from_f64(x).map(Value::Number).unwrap_or(Value::Null)),
             "[a-z_]{0,12}".prop_map(Value::from),
-            prop_oneof![Just("user"), Just("assistant"), Just("tool"), Just("system"), Just("text"), Just("function"), Just("none"), Just("required")].prop_map(Value::from),
+            prop_oneof![Just("user"), Just("assistant"), Just("tool"), Just("system"), Just("text"), Just("function"), Just("none"), Just("required"),
+                Just("tool_use"), Just("tool_result"), Just("thinking"), Just("enabled"), Just("any"), Just("tool"),
+                Just("function_call"), Just("function_call_output"), Just("message"), Just("input_text")].prop_map(Value::from),
         ];
         leaf.prop_recursive(4, 48, 6, |inner| {
             let keys = prop_oneof![
                 Just("messages"), Just("role"), Just("content"), Just("tools"), Just("tool_choice"), Just("function"), Just("name"),
                 Just("arguments"), Just("tool_calls"), Just("type"), Just("text"), Just("max_tokens"), Just("stop"), Just("logprobs"),
                 Just("top_logprobs"), Just("prompt"), Just("temperature"), Just("stream_options"), Just("chat_template_kwargs"), Just("parameters"),
+                Just("system"), Just("input"), Just("tool_use_id"), Just("input_schema"), Just("thinking"), Just("stop_sequences"), Just("id"), Just("is_error"),
+                Just("instructions"), Just("call_id"), Just("output"), Just("previous_response_id"), Just("reasoning"), Just("effort"),
             ]
             .prop_map(str::to_string);
             prop_oneof![
@@ -550,6 +654,8 @@ mod tests {
             if let Value::Object(o) = &v {
                 let _ = chat_request(o);
                 let _ = completion_request(o);
+                let _ = crate::anthropic::messages_request(o);
+                let _ = crate::responses::responses_request(o, &|_| Some(std::sync::Arc::new(vec![serde_json::json!({"role": "user", "content": "x"})])));
             }
             let _ = body_object(&raw);
             let _ = body_object(v.to_string().as_bytes());

@@ -45,7 +45,7 @@ impl ApiError {
     }
 
     pub fn unauthorized() -> Self {
-        Self::new(StatusCode::UNAUTHORIZED, "invalid_request_error", "Incorrect or missing API key: send `Authorization: Bearer <key>`")
+        Self::new(StatusCode::UNAUTHORIZED, "invalid_request_error", "Incorrect or missing API key: send `Authorization: Bearer <key>` or `x-api-key: <key>`")
             .with_code("invalid_api_key")
     }
 
@@ -75,6 +75,36 @@ impl ApiError {
     /// The JSON body (also sent as an SSE event when streaming already began).
     pub fn body(&self) -> Value {
         json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
+}
+
+impl ApiError {
+    /// Anthropic's error type for this status.
+    pub fn anthropic_type(&self) -> &'static str {
+        match self.status.as_u16() {
+            400 => "invalid_request_error",
+            401 => "authentication_error",
+            403 => "permission_error",
+            404 => "not_found_error",
+            413 => "request_too_large",
+            429 => "rate_limit_error",
+            503 | 529 => "overloaded_error",
+            _ => "api_error",
+        }
+    }
+
+    /// Anthropic's shape: `{"type": "error", "error": {"type", "message"}}` (also the data of an
+    /// `error` event when streaming already began).
+    pub fn anthropic_body(&self) -> Value {
+        json!({"type": "error", "error": {"type": self.anthropic_type(), "message": self.message}})
+    }
+
+    pub fn anthropic_response(&self) -> Response {
+        let mut r = (self.status, axum::Json(self.anthropic_body())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        r
     }
 }
 

@@ -11,7 +11,10 @@
 //! ```
 //!
 //! - `routes.rs`: the endpoints and response shapes; `api.rs`: request parsing; `output.rs`:
-//!   reasoning and tool-call parsing; `metrics.rs`: `/metrics`; `error.rs`: OpenAI errors.
+//!   reasoning and tool-call parsing; `metrics.rs`: `/metrics`; `error.rs`: OpenAI (and
+//!   Anthropic) errors. `responses.rs` (OpenAI's Responses API) and `anthropic.rs` (Anthropic's
+//!   Messages API) translate their bodies into chat requests and shape the same worker events
+//!   their own way: one request path, one generation loop, one output parser.
 //! - The model runs on its own OS thread so tokio's threads never block on compute; handlers
 //!   render and tokenize on the blocking pool.
 //! - A client that goes away drops its handler future or SSE stream; a guard in both sets the
@@ -19,10 +22,12 @@
 //! - Shutdown (SIGINT/SIGTERM, or [`Server::shutdown`]): stop accepting, cancel the running and
 //!   queued generations (their clients get a 503 / an error event), drain, stop the model thread.
 
+pub mod anthropic;
 pub mod api;
 pub mod error;
 pub mod metrics;
 pub mod output;
+pub mod responses;
 mod routes;
 pub mod worker;
 
@@ -110,6 +115,8 @@ pub(crate) struct App {
     backend: String,
     created: u64,
     next_id: AtomicU64,
+    /// Recent responses of `/v1/responses`, for `previous_response_id`.
+    responses: responses::Store,
 }
 
 impl App {
@@ -199,6 +206,7 @@ impl Server {
             backend,
             created,
             next_id: AtomicU64::new(0),
+            responses: responses::Store::default(),
         });
 
         let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("lily-http").build()?;

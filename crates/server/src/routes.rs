@@ -6,6 +6,10 @@
 //! role first, then deltas (`reasoning_content` + `reasoning`, `content`, `tool_calls`), a chunk
 //! with `finish_reason`, a usage chunk when asked, and `[DONE]`; an error after the stream began
 //! is an `{"error": …}` event. Comment lines keep the connection alive during long prefills.
+//!
+//! `/v1/responses` (responses.rs) and `/v1/messages` (anthropic.rs) reuse this path: their
+//! bodies become a [`ChatRequest`], then [`prepare_chat`] and [`submit`] as here, and they shape
+//! the same worker events and output-parser parts in their own dialect.
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,6 +30,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use lily::runtime::generate::{Forced, Generation, TokenLogprob};
 use lily::runtime::stop::{FinishReason, StopRules};
+use lily::tokenizer::TemplateError;
 
 use crate::api::{self, ChatRequest, Common, CompletionRequest, Prompt, ToolChoice};
 use crate::error::{ApiError, ApiResult};
@@ -40,6 +45,9 @@ pub(crate) fn router(app: Arc<App>) -> Router {
     let api = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/responses", post(crate::responses::create))
+        .route("/v1/messages", post(crate::anthropic::messages))
+        .route("/v1/messages/count_tokens", post(crate::anthropic::count_tokens))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
         .route("/metrics", get(metrics))
@@ -47,19 +55,23 @@ pub(crate) fn router(app: Arc<App>) -> Router {
     Router::new()
         .route("/health", get(health))
         .merge(api)
-        .fallback(|| async { ApiError::not_found("no such route; see /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics") })
+        .fallback(|| async { ApiError::not_found("no such route; see /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, /v1/models, /health, /metrics") })
         .method_not_allowed_fallback(|| async { ApiError::method_not_allowed() })
         .with_state(app)
 }
 
-/// Bearer key on every route but `/health` (when a key is set).
+/// The API key on every route but `/health` (when a key is set): `Authorization: Bearer KEY`
+/// (OpenAI's clients) or `x-api-key: KEY` (Anthropic's).
 async fn auth(State(app): AppState, req: Request, next: Next) -> Response {
     if let Some(key) = &app.api_key {
-        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim);
+        let h = req.headers();
+        let bearer = h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim);
+        let x_key = h.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim);
         // Constant-time comparison: the key must not leak through timing.
-        let ok = given.is_some_and(|g| g.len() == key.len() && g.bytes().zip(key.bytes()).fold(0u8, |a, (x, y)| a | (x ^ y)) == 0);
-        if !ok {
-            return ApiError::unauthorized().into_response();
+        let same = |g: &str| g.len() == key.len() && g.bytes().zip(key.bytes()).fold(0u8, |a, (x, y)| a | (x ^ y)) == 0;
+        if !(bearer.is_some_and(same) || x_key.is_some_and(same)) {
+            let e = ApiError::unauthorized();
+            return if crate::anthropic::is_anthropic_path(req.uri().path()) { e.anthropic_response() } else { e.into_response() };
         }
     }
     next.run(req).await
@@ -91,7 +103,7 @@ async fn model(State(app): AppState, axum::extract::Path(id): axum::extract::Pat
 }
 
 /// Reads the body within the size limit (a JSON 413 rather than axum's plain-text one).
-async fn read_body(app: &App, body: Body) -> ApiResult<Bytes> {
+pub(crate) async fn read_body(app: &App, body: Body) -> ApiResult<Bytes> {
     axum::body::to_bytes(body, app.max_body).await.map_err(|e| {
         let too_big = std::error::Error::source(&e).is_some_and(|s| s.to_string().contains("length limit")) || e.to_string().contains("length limit");
         if too_big {
@@ -103,7 +115,7 @@ async fn read_body(app: &App, body: Body) -> ApiResult<Bytes> {
 }
 
 /// A request ready to queue.
-struct Prepared {
+pub(crate) struct Prepared {
     ids: Vec<u32>,
     /// The prompt left a `<think>` open: generation starts in the reasoning.
     opens_think: bool,
@@ -111,7 +123,7 @@ struct Prepared {
 }
 
 /// Which endpoint, with what it needs for the response.
-enum Kind {
+pub(crate) enum Kind {
     Chat { tools: Option<Value>, parse_tools: bool },
     Text,
 }
@@ -151,22 +163,33 @@ async fn handle<R: Send + 'static>(
     r.unwrap_or_else(|e| reject(&app, e))
 }
 
-fn reject(app: &App, e: ApiError) -> Response {
+pub(crate) fn reject(app: &App, e: ApiError) -> Response {
     app.metrics.finish(Outcome::Rejected);
     e.into_response()
 }
 
 /// Runs CPU work (template, tokenizer) off the async threads.
-async fn blocking<T: Send + 'static>(f: impl FnOnce() -> ApiResult<T> + Send + 'static) -> ApiResult<T> {
+pub(crate) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> ApiResult<T> + Send + 'static) -> ApiResult<T> {
     tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))?
 }
 
-fn prepare_chat(app: &App, req: &ChatRequest) -> ApiResult<Prepared> {
+/// The chat request's prompt: rendered text and its tokens.
+fn render_chat(app: &App, req: &ChatRequest) -> ApiResult<(String, Vec<u32>)> {
     // `tool_choice: none` leaves the tools out of the prompt, so the model is not told about them.
     let tools = if req.tool_choice == ToolChoice::None { None } else { req.tools.as_ref() };
-    let text = app.template.render(&req.messages, tools, true, &req.template_kwargs).map_err(|e| ApiError::bad(format!("chat template: {e:#}")).with_code("invalid_messages"))?;
+    let text = app.template.render(&req.messages, tools, true, &req.template_kwargs).map_err(template_error)?;
     check_bytes(app, text.len())?;
     let ids = app.tok.encode(&text).map_err(|e| ApiError::bad(format!("{e:#}")))?;
+    Ok((text, ids))
+}
+
+/// Prompt tokens of a chat request, as it would run (Anthropic's `count_tokens`).
+pub(crate) fn count_chat_tokens(app: &App, req: &ChatRequest) -> ApiResult<usize> {
+    Ok(render_chat(app, req)?.1.len())
+}
+
+pub(crate) fn prepare_chat(app: &App, req: &ChatRequest) -> ApiResult<Prepared> {
+    let (text, ids) = render_chat(app, req)?;
     check_context(app, ids.len(), &req.common)?;
     let opens_think = output::prompt_opens_think(&text);
     let mut forced = Forced::default();
@@ -188,6 +211,16 @@ fn prepare_chat(app: &App, req: &ChatRequest) -> ApiResult<Prepared> {
         }
     }
     Ok(Prepared { ids, opens_think, forced })
+}
+
+/// A failed render as a 400. A [`TemplateError`]'s text already says "chat template"; the
+/// other errors (the renderer's own checks) get the prefix once.
+fn template_error(e: anyhow::Error) -> ApiError {
+    let msg = match e.downcast_ref::<TemplateError>() {
+        Some(te) => te.to_string(),
+        None => format!("chat template: {e:#}"),
+    };
+    ApiError::bad(msg).with_code("invalid_messages").param_name("messages")
 }
 
 fn prepare_completion(app: &App, req: &CompletionRequest) -> ApiResult<Prepared> {
@@ -244,7 +277,7 @@ fn check_context(app: &App, prompt: usize, c: &Common) -> ApiResult<()> {
 
 /// Sets the job's cancel flag when dropped: the client went away (its handler future or SSE
 /// stream was dropped) before the job ended.
-struct CancelOnDrop(Arc<AtomicBool>);
+pub(crate) struct CancelOnDrop(Arc<AtomicBool>);
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
@@ -254,13 +287,24 @@ impl Drop for CancelOnDrop {
 
 /// Queues the job and answers: JSON or SSE.
 async fn run(app: Arc<App>, common: Common, cache_key: Option<String>, prep: Prepared, kind: Kind) -> Response {
-    if app.shutdown.load(Ordering::Relaxed) {
-        return reject(&app, ApiError::unavailable("the server is shutting down", 5));
-    }
-    let sampling = match app.defaults.with_overrides(&common.sampling) {
-        Ok(s) => s,
-        Err(e) => return reject(&app, ApiError::bad(format!("{e:#}"))),
+    let (rx, guard, shaper) = match submit(&app, &common, cache_key, prep, &kind) {
+        Ok(x) => x,
+        Err(e) => return reject(&app, e),
     };
+    if common.stream {
+        stream_response(app, rx, guard, shaper)
+    } else {
+        collect_response(app, rx, guard, shaper).await
+    }
+}
+
+/// Queues the job: the one way into the model for every endpoint (each dialect then shapes the
+/// same events). Errors are not yet counted: the caller rejects them in its own dialect.
+pub(crate) fn submit(app: &Arc<App>, common: &Common, cache_key: Option<String>, prep: Prepared, kind: &Kind) -> ApiResult<(UnboundedReceiver<Event>, CancelOnDrop, Shaper)> {
+    if app.shutdown.load(Ordering::Relaxed) {
+        return Err(ApiError::unavailable("the server is shutting down", 5));
+    }
+    let sampling = app.defaults.with_overrides(&common.sampling).map_err(|e| ApiError::bad(format!("{e:#}")))?;
     let stop = StopRules { stop_ids: app.stop_ids.clone(), stop_strings: common.stop.clone(), max_tokens: common.max_tokens, max_context: app.max_context };
     let (tx, rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
@@ -278,19 +322,15 @@ async fn run(app: Arc<App>, common: Common, cache_key: Option<String>, prep: Pre
     };
     if app.queue.push(job).is_err() {
         let msg = if app.shutdown.load(Ordering::Relaxed) { "the server is shutting down" } else { "the server is busy: the request queue is full; retry shortly" };
-        return reject(&app, ApiError::unavailable(msg, 1));
+        return Err(ApiError::unavailable(msg, 1));
     }
     let guard = CancelOnDrop(cancel);
-    let shaper = Shaper::new(&app, &common, &kind, prep.opens_think, prompt_len);
-    if common.stream {
-        stream_response(app, rx, guard, shaper)
-    } else {
-        collect_response(app, rx, guard, shaper).await
-    }
+    let shaper = Shaper::new(app, common, kind, prep.opens_think, prompt_len);
+    Ok((rx, guard, shaper))
 }
 
 /// Turns worker events into OpenAI objects for one request.
-struct Shaper {
+pub(crate) struct Shaper {
     app: Arc<App>,
     id: String,
     chat: bool,
@@ -302,10 +342,10 @@ struct Shaper {
     /// Completions' legacy logprobs: tokens, token_logprobs, top_logprobs, text_offset.
     legacy_lp: Option<[Vec<Value>; 4]>,
     text_len: usize,
-    prompt_len: usize,
-    cached: usize,
+    pub(crate) prompt_len: usize,
+    pub(crate) cached: usize,
     /// Generated tokens before `</think>` when the prompt opened a think block.
-    reasoning_tokens: usize,
+    pub(crate) reasoning_tokens: usize,
     in_think: bool,
     parts: Vec<Part>,
 }
@@ -347,7 +387,7 @@ impl Shaper {
     }
 
     /// One token: its text as parts (chat) or text (completions); log-probs are recorded.
-    fn token(&mut self, id: Option<u32>, text: &str, lp: Option<TokenLogprob>) -> Vec<Part> {
+    pub(crate) fn token(&mut self, id: Option<u32>, text: &str, lp: Option<TokenLogprob>) -> Vec<Part> {
         if let Some(id) = id {
             if self.in_think {
                 if Some(id) == self.app.think_close {
@@ -400,6 +440,11 @@ impl Shaper {
             return json!({"tokens": a, "token_logprobs": b, "top_logprobs": c, "text_offset": d});
         }
         json!({"content": std::mem::take(&mut self.pending_lp), "refusal": null})
+    }
+
+    /// Whether the output parser found a tool call.
+    pub(crate) fn called_tools(&self) -> bool {
+        self.parser.as_ref().is_some_and(|p| p.tool_calls_seen() > 0)
     }
 
     fn finish_reason(&self, g: &Generation) -> &'static str {
@@ -478,12 +523,12 @@ impl Shaper {
         json!({"id": self.id, "object": self.object(false), "created": now(), "model": self.app.model_name, "system_fingerprint": fingerprint(), "choices": [choice], "usage": self.usage(g)})
     }
 
-    fn final_parts(&mut self) -> Vec<Part> {
+    pub(crate) fn final_parts(&mut self) -> Vec<Part> {
         self.parser.as_mut().map(|p| p.finish()).unwrap_or_default()
     }
 }
 
-fn now() -> u64 {
+pub(crate) fn now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
@@ -492,7 +537,7 @@ fn fingerprint() -> String {
 }
 
 /// Why a job ended without a generation result the client can use.
-fn ended_early(app: &App, g: &Generation) -> Option<ApiError> {
+pub(crate) fn ended_early(app: &App, g: &Generation) -> Option<ApiError> {
     g.finish.is_none().then(|| {
         if app.shutdown.load(Ordering::Relaxed) {
             ApiError::unavailable("the server is shutting down; the request was cancelled", 5)

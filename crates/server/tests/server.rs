@@ -167,7 +167,8 @@ fn shutdown_cancels_in_flight_requests_cleanly() {
 }
 
 /// Random mutations of valid bodies through the whole stack: every answer is a JSON object with
-/// `choices` or `error`, nothing crashes, nothing leaks a queue slot.
+/// `choices` (`content` for `/v1/messages`, `output` for `/v1/responses`) or `error`, nothing
+/// crashes, nothing leaks a queue slot.
 #[test]
 fn fuzzed_bodies_get_clean_answers() {
     let f = start(8, 256);
@@ -176,9 +177,17 @@ fn fuzzed_bodies_get_clean_answers() {
         json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}], "max_tokens": 2, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}}}], "tool_choice": "auto"}),
         json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{\"a\": 1}"}}]}, {"role": "tool", "tool_call_id": "c", "content": "r"}], "max_tokens": 2, "logprobs": true, "top_logprobs": 2}),
         json!({"prompt": "once upon", "max_tokens": 3, "logprobs": 2, "stream": false}),
+        // Anthropic's Messages API (`/v1/messages`).
+        json!({"system": [{"type": "text", "text": "s"}], "max_tokens": 2, "thinking": {"type": "enabled", "budget_tokens": 9}, "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+            "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {"a": 1}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "r"}]}]}),
+        // OpenAI's Responses API (`/v1/responses`).
+        json!({"instructions": "s", "max_output_tokens": 2, "reasoning": {"effort": "low"}, "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "q"}]}, {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c", "output": "r"}]}),
     ];
     let mut rng = lily::rng::Rng::new(42);
-    let n = 240;
+    let n = 300;
     for i in 0..n {
         let seed = &seeds[i % seeds.len()];
         let mut b = seed.to_string().into_bytes();
@@ -196,11 +205,19 @@ fn fuzzed_bodies_get_clean_answers() {
                 _ => b.truncate(at),
             }
         }
-        let path = if seed.get("prompt").is_some() { "/v1/completions" } else { "/v1/chat/completions" };
+        let (path, answer) = if seed.get("prompt").is_some() {
+            ("/v1/completions", "choices")
+        } else if seed.get("system").is_some() {
+            ("/v1/messages", "content")
+        } else if seed.get("input").is_some() {
+            ("/v1/responses", "output")
+        } else {
+            ("/v1/chat/completions", "choices")
+        };
         let (code, text) = send(&f.base, path, &b);
         let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("body {:?}: non-JSON answer {code}: {text}", String::from_utf8_lossy(&b)));
         match code {
-            200 => assert!(v["choices"].is_array(), "{text}"),
+            200 => assert!(v[answer].is_array(), "{text}"),
             400 | 413 => assert!(v["error"]["message"].is_string(), "{text}"),
             _ => panic!("body {:?}: status {code}: {text}", String::from_utf8_lossy(&b)),
         }
@@ -226,6 +243,15 @@ fn auth_and_routes() {
     }
     let v: Value = serde_json::from_str(&ureq::get(&format!("{base}/v1/models")).set("Authorization", "Bearer sekret").call().unwrap().into_string().unwrap()).unwrap();
     assert_eq!(v["data"][0]["object"], "model");
+    // Anthropic's clients send `x-api-key`, and get Anthropic's error shape on /v1/messages.
+    assert_eq!(ureq::get(&format!("{base}/v1/models")).set("x-api-key", "sekret").call().unwrap().status(), 200);
+    match ureq::post(&format!("{base}/v1/messages")).set("x-api-key", "nope").send_string("{}") {
+        Err(ureq::Error::Status(401, r)) => {
+            let v: Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
+            assert_eq!((v["type"].as_str(), v["error"]["type"].as_str()), (Some("error"), Some("authentication_error")), "{v}");
+        }
+        other => panic!("expected 401, got {:?}", other.map(|r| r.status())),
+    }
     match ureq::get(&format!("{base}/v1/nope")).set("Authorization", "Bearer sekret").call() {
         Err(ureq::Error::Status(404, r)) => assert!(r.into_string().unwrap().contains("\"error\"")),
         other => panic!("expected 404, got {:?}", other.map(|r| r.status())),
