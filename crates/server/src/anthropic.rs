@@ -44,7 +44,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use lily::runtime::generate::Generation;
 use lily::runtime::stop::{FinishReason, StopKind};
 
-use crate::api::{self, ChatRequest, ToolChoice};
+use crate::api::{self, get, kind, ChatRequest, ToolChoice};
 use crate::error::{ApiError, ApiResult};
 use crate::metrics::Outcome;
 use crate::output::{self, Part};
@@ -54,21 +54,6 @@ use crate::App;
 
 pub(crate) fn is_anthropic_path(path: &str) -> bool {
     path.starts_with("/v1/messages")
-}
-
-fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
-fn get<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
-    o.get(k).filter(|v| !v.is_null())
 }
 
 /// Text blocks (or a string) → one string; `what` names the field in errors.

@@ -137,8 +137,8 @@ impl<'a> Fields<'a> {
     }
 }
 
-/// "a string", "an array", … for messages.
-fn kind(v: &Value) -> &'static str {
+/// "a string", "an array", … for messages (every dialect's errors).
+pub(crate) fn kind(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
         Value::Bool(_) => "a boolean",
@@ -475,6 +475,11 @@ pub fn completion_request(o: &Map<String, Value>) -> ApiResult<CompletionRequest
         return Err(ApiError::param("prompt", "`prompt` must not be empty"));
     }
     Ok(CompletionRequest { common, prompt, cache_key: cache_key(o)? })
+}
+
+/// Field `k` of a request object, a JSON null counting as absent (the dialects' optional fields).
+pub(crate) fn get<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
+    o.get(k).filter(|v| !v.is_null())
 }
 
 #[cfg(test)]

@@ -48,7 +48,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use lily::runtime::generate::Generation;
 use lily::runtime::stop::FinishReason;
 
-use crate::api::{self, ChatRequest, ToolChoice};
+use crate::api::{self, get, kind, ChatRequest, ToolChoice};
 use crate::error::{ApiError, ApiResult};
 use crate::output::Part;
 use crate::routes::{self, CancelOnDrop, Kind, Shaper};
@@ -84,21 +84,6 @@ impl Store {
         order.push_back(id.clone());
         map.insert(id, Arc::new(conversation));
     }
-}
-
-fn kind(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
-    }
-}
-
-fn get<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
-    o.get(k).filter(|v| !v.is_null())
 }
 
 /// What the response echoes and what storing it needs, besides the chat request.
