@@ -146,16 +146,8 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     } else if constexpr (PRO == 2) {
         // x = bf16(rms_norm(y_head) · w · silu(z)) (gdn.cu's gdn_gated_norm, the same expression):
         // the dv / 32 lanes of a head (consecutive c) share its sum of squares by shuffles.
-        const float4* y4 = (const float4*)((const float*)p.x + ch * 32);
+        sw_ld32((const float*)p.x + ch * 32, xv);
         float ss = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const float4 yv = y4[i];
-            xv[4 * i] = yv.x;
-            xv[4 * i + 1] = yv.y;
-            xv[4 * i + 2] = yv.z;
-            xv[4 * i + 3] = yv.w;
-        }
 #pragma unroll
         for (int i = 0; i < 32; i++) ss += xv[i] * xv[i];
         for (int off = 1; off < p.dv / 32; off <<= 1) ss += __shfl_xor_sync(FULL_MASK, ss, off);
@@ -455,16 +447,8 @@ __device__ __forceinline__ void router_cluster_body(const SwArgs& p) {
     float xv[32];
 #pragma unroll
     for (int c = 0; c < 2; c++) {
-        const float4* x4 = (const float4*)(xs + (2 * lane + c) * 32);
+        sw_ld32(xs + (2 * lane + c) * 32, xv);
         float sx = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; i++) {
-            const float4 v = x4[i];
-            xv[4 * i] = v.x;
-            xv[4 * i + 1] = v.y;
-            xv[4 * i + 2] = v.z;
-            xv[4 * i + 3] = v.w;
-        }
 #pragma unroll
         for (int i = 0; i < 32; i++) sx += xv[i];
 #pragma unroll

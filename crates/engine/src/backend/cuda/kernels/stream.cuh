@@ -171,6 +171,19 @@ __device__ __forceinline__ uint4 sw_pack8(const float (&xv)[32], int i) {
     return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// 32 consecutive f32 values (16-byte aligned) into registers.
+__device__ __forceinline__ void sw_ld32(const float* __restrict__ p, float (&xv)[32]) {
+    const float4* p4 = (const float4*)p;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        const float4 v = p4[i];
+        xv[4 * i] = v.x;
+        xv[4 * i + 1] = v.y;
+        xv[4 * i + 2] = v.z;
+        xv[4 * i + 3] = v.w;
+    }
+}
+
 // The lane's 32 x values of the norm prologue, bf16(h · rr · w) widened (inputs 32ch ..), with the
 // rms_norm kernel's exact expression, and their sum.
 __device__ __forceinline__ float sw_x_norm(const float* __restrict__ h, const float* __restrict__ w, float rr, int ch, float (&xv)[32]) {
