@@ -192,9 +192,9 @@ impl Cuda {
             // (in_proj 11.5 against 12.2, q|k|v 10.6 against 10.8).
             Some((2, 8)) => {
                 let rows: usize = ws.iter().map(|w| w.out).sum();
-                (tc_env("LILY_CUDA_TC_U", &[1, 2], 1), tc_env("LILY_CUDA_TC_S", &[3, 4], if rows >= 65_536 { 4 } else { 3 }))
+                (tc_u(1), tc_s(if rows >= 65_536 { 4 } else { 3 }))
             }
-            Some((2, 16)) => (1, tc_env("LILY_CUDA_TC_S", &[3, 4], 4)),
+            Some((2, 16)) => (1, tc_s(4)),
             _ => (1, 4),
         };
         let rb = if tc { 16 * tc_u } else { rw * u };
@@ -326,7 +326,7 @@ impl Cuda {
             _ => None,
         };
         if let (true, 4, true, Some((ns, nw)), true) = (self.on("tc_gemv") && self.opted_in("tc_all"), bits, gs64, tc_hid, matches!(w, 128 | 256 | 512)) {
-            let st = if nw == 8 { tc_env("LILY_CUDA_TC_S", &[3, 4], 4) } else if nw == 4 { 4 } else { 2 };
+            let st = if nw == 8 { tc_s(4) } else if nw == 4 { 4 } else { 2 };
             let name = format!("moe_tc_gate_up_{ns}_{nw}_{st}");
             let threads = 32 * nw as u32;
             let smem = (st * nw * 2 * tc_slot(ns)) as u32;
@@ -363,15 +363,22 @@ fn tc_slot(ns: usize) -> usize {
     (2 * ns + 1) * 512
 }
 
-/// A tensor-core kernel parameter from the environment (the lab compares them): `LILY_CUDA_TC_U`
-/// (tiles per batch) or `LILY_CUDA_TC_S` (stages), if it names one of `allowed`, else `default`.
-/// Each is read once.
-fn tc_env(var: &'static str, allowed: &[usize], default: usize) -> usize {
+/// A tensor-core kernel parameter from the environment (the lab compares them), read once by
+/// the caller's OnceLock: `var` if it names one of `allowed`, else `default`.
+fn env_choice(cell: &std::sync::OnceLock<Option<usize>>, var: &str, allowed: &[usize], default: usize) -> usize {
+    cell.get_or_init(|| std::env::var(var).ok().and_then(|s| s.parse().ok())).filter(|x| allowed.contains(x)).unwrap_or(default)
+}
+
+/// Tiles of 16 rows per batch of the tensor-core GEMVs (`LILY_CUDA_TC_U`: 1 or 2).
+fn tc_u(default: usize) -> usize {
     static U: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    env_choice(&U, "LILY_CUDA_TC_U", &[1, 2], default)
+}
+
+/// cp.async stages of the tensor-core kernels (`LILY_CUDA_TC_S`: 3 or 4).
+fn tc_s(default: usize) -> usize {
     static S: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
-    let cell = if var == "LILY_CUDA_TC_U" { &U } else { &S };
-    let v = *cell.get_or_init(|| std::env::var(var).ok().and_then(|s| s.parse().ok()));
-    v.filter(|x| allowed.contains(x)).unwrap_or(default)
+    env_choice(&S, "LILY_CUDA_TC_S", &[3, 4], default)
 }
 
 /// Blocks of the router's cluster (`LILY_CUDA_ROUTER_CLUSTER`: 8, the portable size, or 16).

@@ -432,6 +432,8 @@ pub struct Cuda {
 /// * `pdl_step`: programmatic dependent launch for the kernels of a recorded decode step (the
 ///   `pdl` field says what was measured); off, plain stream order.
 pub const SWITCHES: &[&str] = &["stream_gemv", "fuse_norm", "fuse_residual", "fuse_moe", "fuse_route", "tc_gemv", "pdl_step"];
+/// The switches that do not live in the streaming kernels (`stream_gemv` off leaves them as set).
+const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 
 /// Decode-path variants that are off unless asked for (`LILY_CUDA_ENABLE=name`,
 /// `Cuda::set_enabled`): written but not yet measured or run on a GPU.
@@ -561,10 +563,10 @@ impl Cuda {
     }
 
     /// Whether optimisation `name` (one of [`SWITCHES`]) is on; `stream_gemv` off turns off the
-    /// fusions that live in its kernels.
+    /// switches that live in its kernels (all but [`OUTSIDE_STREAM`]).
     fn on(&self, name: &'static str) -> bool {
         let d = self.disabled.read().unwrap_or_else(|e| e.into_inner());
-        !d.contains(name) && (name == "stream_gemv" || name == "pdl_step" || !d.contains("stream_gemv"))
+        !d.contains(name) && (OUTSIDE_STREAM.contains(&name) || !d.contains("stream_gemv"))
     }
 
     /// Waits for all enqueued work and returns the first error of any op since the last check.
