@@ -113,29 +113,17 @@ pub fn chat_body(o: &Map<String, Value>) -> ApiResult<Map<String, Value>> {
     }
     out.insert("messages".into(), Value::Array(msgs));
     if let Some(tools) = get(o, "tools") {
-        let Value::Array(list) = tools else {
-            return Err(ApiError::param("tools", format!("`tools` must be an array of tool objects, got {}", kind(tools))));
-        };
-        let mut fns = Vec::new();
-        for (i, t) in list.iter().enumerate() {
-            let p = format!("tools[{i}]");
+        let fns = api::flat_tools(tools, |p, t| {
             match t.get("type").and_then(Value::as_str) {
                 None | Some("custom") => {}
-                Some(x) => return Err(ApiError::param(&p, format!("`{p}.type` {x:?} is a server tool, which this server does not run; give client tools with `name` and `input_schema`"))),
+                Some(x) => return Err(ApiError::param(p, format!("`{p}.type` {x:?} is a server tool, which this server does not run; give client tools with `name` and `input_schema`"))),
             }
-            let Some(name) = t.get("name").and_then(Value::as_str) else {
-                return Err(ApiError::param(&p, format!("`{p}.name` is required and must be a string")));
-            };
             let schema = t.get("input_schema").filter(|v| !v.is_null()).cloned().unwrap_or_else(|| json!({"type": "object", "properties": {}}));
             if !schema.is_object() {
-                return Err(ApiError::param(&p, format!("`{p}.input_schema` must be a JSON schema object")));
+                return Err(ApiError::param(p, format!("`{p}.input_schema` must be a JSON schema object")));
             }
-            let mut f = json!({"name": name, "parameters": schema});
-            if let Some(d) = t.get("description").and_then(Value::as_str) {
-                f["description"] = json!(d);
-            }
-            fns.push(json!({"type": "function", "function": f}));
-        }
+            Ok(Some(schema))
+        })?;
         out.insert("tools".into(), Value::Array(fns));
     }
     if let Some(tc) = get(o, "tool_choice") {

@@ -477,6 +477,32 @@ pub fn completion_request(o: &Map<String, Value>) -> ApiResult<CompletionRequest
     Ok(CompletionRequest { common, prompt, cache_key: cache_key(o)? })
 }
 
+/// A dialect's flat tool list (Anthropic's, the Responses API's: name at the top of each tool)
+/// → chat-completions tools. `tools` must be an array and every tool needs a string `name`;
+/// `each(path, tool)` checks the dialect's own fields and gives the schema (`parameters`) to use.
+pub(crate) fn flat_tools(tools: &Value, mut each: impl FnMut(&str, &Value) -> ApiResult<Option<Value>>) -> ApiResult<Vec<Value>> {
+    let Value::Array(list) = tools else {
+        return Err(ApiError::param("tools", format!("`tools` must be an array of tool objects, got {}", kind(tools))));
+    };
+    let mut fns = Vec::with_capacity(list.len());
+    for (i, t) in list.iter().enumerate() {
+        let p = format!("tools[{i}]");
+        let parameters = each(&p, t)?;
+        let Some(name) = t.get("name").and_then(Value::as_str) else {
+            return Err(ApiError::param(&p, format!("`{p}.name` is required and must be a string")));
+        };
+        let mut f = serde_json::json!({"name": name});
+        if let Some(d) = t.get("description").filter(|v| !v.is_null()) {
+            f["description"] = d.clone();
+        }
+        if let Some(s) = parameters {
+            f["parameters"] = s;
+        }
+        fns.push(serde_json::json!({"type": "function", "function": f}));
+    }
+    Ok(fns)
+}
+
 /// Field `k` of a request object, a JSON null counting as absent (the dialects' optional fields).
 pub(crate) fn get<'a>(o: &'a Map<String, Value>, k: &str) -> Option<&'a Value> {
     o.get(k).filter(|v| !v.is_null())

@@ -145,29 +145,15 @@ pub fn chat_body(o: &Map<String, Value>, previous: &dyn Fn(&str) -> Option<Arc<V
     out.insert("messages".into(), Value::Array(msgs));
     let mut tools_echo = Vec::new();
     if let Some(tools) = get(o, "tools") {
-        let Value::Array(list) = tools else {
-            return Err(ApiError::param("tools", format!("`tools` must be an array of tool objects, got {}", kind(tools))));
-        };
-        let mut fns = Vec::new();
-        for (i, t) in list.iter().enumerate() {
-            let p = format!("tools[{i}]");
+        let fns = api::flat_tools(tools, |p, t| {
             match t.get("type").and_then(Value::as_str) {
                 Some("function") => {}
-                Some(x) => return Err(ApiError::param(&p, format!("`{p}.type` {x:?} is not supported (only \"function\" tools)"))),
-                None => return Err(ApiError::param(&p, format!("`{p}.type` is required (\"function\")"))),
+                Some(x) => return Err(ApiError::param(p, format!("`{p}.type` {x:?} is not supported (only \"function\" tools)"))),
+                None => return Err(ApiError::param(p, format!("`{p}.type` is required (\"function\")"))),
             }
-            let Some(name) = t.get("name").and_then(Value::as_str) else {
-                return Err(ApiError::param(&p, format!("`{p}.name` is required and must be a string")));
-            };
-            let mut f = json!({"name": name});
-            for k in ["description", "parameters"] {
-                if let Some(v) = t.get(k).filter(|v| !v.is_null()) {
-                    f[k] = v.clone();
-                }
-            }
-            fns.push(json!({"type": "function", "function": f}));
             tools_echo.push(t.clone());
-        }
+            Ok(t.get("parameters").filter(|v| !v.is_null()).cloned())
+        })?;
         out.insert("tools".into(), Value::Array(fns));
     }
     if let Some(tc) = get(o, "tool_choice") {
