@@ -94,15 +94,23 @@ fn lengths(s: &str, flag: &str) -> Result<Vec<usize>> {
         .filter(|x| !x.trim().is_empty())
         .map(|x| {
             let x = x.trim().to_ascii_lowercase();
-            let (num, mul) = if let Some(n) = x.strip_suffix('k') { (n.to_string(), 1024) } else { (x.clone(), 1) };
-            num.parse::<usize>().map(|n| n * mul).map_err(|_| anyhow::anyhow!("--{flag}: `{x}` is not a length"))
+            let (num, mul) = if let Some(n) = x.strip_suffix('k') {
+                (n.to_string(), 1024)
+            } else {
+                (x.clone(), 1)
+            };
+            num.parse::<usize>()
+                .map(|n| n * mul)
+                .map_err(|_| anyhow::anyhow!("--{flag}: `{x}` is not a length"))
         })
         .collect()
 }
 
 /// The contract's synthetic prompt.
 pub fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
-    (0..n).map(|i| ((i as u64 * 2654435761) % (1u64 << 32) % vocab as u64) as u32).collect()
+    (0..n)
+        .map(|i| ((i as u64 * 2654435761) % (1u64 << 32) % vocab as u64) as u32)
+        .collect()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -153,7 +161,10 @@ fn measure_flops() -> f64 {
             let threads = rayon::current_num_threads();
             let t0 = Instant::now();
             // SAFETY: the features were detected above.
-            let s: f32 = (0..threads).into_par_iter().map(|_| unsafe { chains(iters) }).sum();
+            let s: f32 = (0..threads)
+                .into_par_iter()
+                .map(|_| unsafe { chains(iters) })
+                .sum();
             std::hint::black_box(s);
             return (threads * iters * 10 * 8 * 2) as f64 / t0.elapsed().as_secs_f64();
         }
@@ -166,10 +177,18 @@ const GDN_STATE_BYTES: usize = 4;
 
 /// Bytes moved per decoded token at a mean context of `ctx` tokens: the active weights, the GDN
 /// state read and written, and K and V of every cached position read.
-fn decode_bytes_per_token(cfg: &lily::Config, d: &Dims, weight_bytes: f64, ctx: f64, kv_elem: usize) -> f64 {
+fn decode_bytes_per_token(
+    cfg: &lily::Config,
+    d: &Dims,
+    weight_bytes: f64,
+    ctx: f64,
+    kv_elem: usize,
+) -> f64 {
     let gdn_layers = (cfg.num_hidden_layers - cfg.num_attention_layers()) as f64;
-    let state = gdn_layers * (d.gdn_v_heads * d.gdn_v_dim * d.gdn_k_dim * GDN_STATE_BYTES * 2) as f64;
-    let kv = cfg.num_attention_layers() as f64 * (2 * d.n_kv_heads * d.head_dim * kv_elem) as f64 * ctx;
+    let state =
+        gdn_layers * (d.gdn_v_heads * d.gdn_v_dim * d.gdn_k_dim * GDN_STATE_BYTES * 2) as f64;
+    let kv =
+        cfg.num_attention_layers() as f64 * (2 * d.n_kv_heads * d.head_dim * kv_elem) as f64 * ctx;
     weight_bytes + state + kv
 }
 
@@ -185,10 +204,20 @@ struct Roofline {
 
 /// Measured on the backend's device when it can, else on the CPU; a figure given on the command
 /// line replaces its measurement.
-fn ceilings<B: Backend>(b: &B, bandwidth: Option<f64>, peak_flops: Option<f64>) -> Result<Roofline> {
+fn ceilings<B: Backend>(
+    b: &B,
+    bandwidth: Option<f64>,
+    peak_flops: Option<f64>,
+) -> Result<Roofline> {
     let given = |what: &str, v: f64| format!("{what}: given ({v:.4e})");
     if let (Some(bw), Some(fl)) = (bandwidth, peak_flops) {
-        return Ok(Roofline { bandwidth: bw, flops: fl, method: format!("{}; {}", given("bandwidth", bw), given("matrix rate", fl)), bandwidth_measured: false, flops_measured: false });
+        return Ok(Roofline {
+            bandwidth: bw,
+            flops: fl,
+            method: format!("{}; {}", given("bandwidth", bw), given("matrix rate", fl)),
+            bandwidth_measured: false,
+            flops_measured: false,
+        });
     }
     let (bw, fl, method) = match b.measure_ceilings() {
         Some(r) => {
@@ -197,14 +226,28 @@ fn ceilings<B: Backend>(b: &B, bandwidth: Option<f64>, peak_flops: Option<f64>) 
         }
         None => {
             let threads = rayon::current_num_threads();
-            let bw = if bandwidth.is_none() { measure_bandwidth() } else { f64::NAN };
-            let fl = if peak_flops.is_none() { measure_flops() } else { f64::NAN };
+            let bw = if bandwidth.is_none() {
+                measure_bandwidth()
+            } else {
+                f64::NAN
+            };
+            let fl = if peak_flops.is_none() {
+                measure_flops()
+            } else {
+                f64::NAN
+            };
             let mut parts = Vec::new();
             if bandwidth.is_none() {
-                parts.push(format!("memory: parallel read of a 1 GiB f32 buffer, {threads} threads, best of 3"));
+                parts.push(format!(
+                    "memory: parallel read of a 1 GiB f32 buffer, {threads} threads, best of 3"
+                ));
             }
             if peak_flops.is_none() {
-                parts.push(if fl.is_nan() { "FMA: not measured (no AVX2 + FMA)".into() } else { format!("FMA: f32 AVX2 FMA chains, {threads} threads") });
+                parts.push(if fl.is_nan() {
+                    "FMA: not measured (no AVX2 + FMA)".into()
+                } else {
+                    format!("FMA: f32 AVX2 FMA chains, {threads} threads")
+                });
             }
             (bw, fl, format!("CPU: {}", parts.join("; ")))
         }
@@ -215,7 +258,13 @@ fn ceilings<B: Backend>(b: &B, bandwidth: Option<f64>, peak_flops: Option<f64>) 
         (_, Some(v)) => format!("{}; measured: {method}", given("matrix rate", v)),
         _ => method,
     };
-    Ok(Roofline { bandwidth: bandwidth.unwrap_or(bw), flops: peak_flops.unwrap_or(fl), method, bandwidth_measured: bandwidth.is_none(), flops_measured: peak_flops.is_none() })
+    Ok(Roofline {
+        bandwidth: bandwidth.unwrap_or(bw),
+        flops: peak_flops.unwrap_or(fl),
+        method,
+        bandwidth_measured: bandwidth.is_none(),
+        flops_measured: peak_flops.is_none(),
+    })
 }
 
 /// `4.21e12` → "4.21 T" (bytes or FLOP per second).
@@ -236,12 +285,19 @@ fn prefill_flops_per_token(c: &lily::Config, pos: usize) -> f64 {
         params += if attn {
             h * (2 * c.attn_q_dim() + 2 * c.attn_kv_dim()) as f64 + (c.attn_q_dim() as f64) * h
         } else {
-            h * (c.gdn_qkv_dim() + c.gdn_v_dim() + 2 * c.linear_num_value_heads) as f64 + c.gdn_v_dim() as f64 * h
+            h * (c.gdn_qkv_dim() + c.gdn_v_dim() + 2 * c.linear_num_value_heads) as f64
+                + c.gdn_v_dim() as f64 * h
         };
-        params += 3.0 * h * (c.moe_intermediate_size * c.num_experts_per_tok + c.shared_expert_intermediate_size) as f64;
+        params += 3.0
+            * h
+            * (c.moe_intermediate_size * c.num_experts_per_tok + c.shared_expert_intermediate_size)
+                as f64;
         params += h * (c.num_experts + 1) as f64;
     }
-    let attn = c.num_attention_layers() as f64 * 4.0 * (c.num_attention_heads * c.head_dim) as f64 * pos as f64;
+    let attn = c.num_attention_layers() as f64
+        * 4.0
+        * (c.num_attention_heads * c.head_dim) as f64
+        * pos as f64;
     2.0 * params + attn
 }
 
@@ -273,7 +329,10 @@ fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<
         None => {
             let d = PathBuf::from(".cache/lily/cpu-bench");
             if !d.join("config.json").exists() {
-                eprintln!("lily bench: synthesizing the cpu-bench preset into {} (once)", d.display());
+                eprintln!(
+                    "lily bench: synthesizing the cpu-bench preset into {} (once)",
+                    d.display()
+                );
                 let cfg = lily::synth::preset("cpu-bench")?;
                 lily::synth::write_checkpoint(&cfg, &d, 0, &|_, _| {})?;
             }
@@ -307,9 +366,19 @@ fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<
     eprintln!("lily bench: ceilings: {}", ceil.method);
     // Decode's roofline counts K and V as the backend stores them (f32 on the CPU, bf16 on CUDA).
     let kv_elem = m.backend.kv_elem_bytes();
-    let max_len = prefill.iter().chain(decode.iter()).copied().max().unwrap_or(0) + a.decode_tokens + 1;
+    let max_len = prefill
+        .iter()
+        .chain(decode.iter())
+        .copied()
+        .max()
+        .unwrap_or(0)
+        + a.decode_tokens
+        + 1;
     let mut rows = Vec::new();
-    println!("{:<8} {:>8} {:>12} {:>10} {:>10}", "phase", "length", "tok/s", "time s", "roofline");
+    println!(
+        "{:<8} {:>8} {:>12} {:>10} {:>10}",
+        "phase", "length", "tok/s", "time s", "roofline"
+    );
 
     for &n in &prefill {
         let ids = prompt_ids(n, cfg.vocab_size);
@@ -325,12 +394,23 @@ fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<
             }
         }
         let t = median(times);
-        let flops: f64 = (0..n).map(|p| prefill_flops_per_token(&cfg, p)).sum::<f64>()
+        let flops: f64 = (0..n)
+            .map(|p| prefill_flops_per_token(&cfg, p))
+            .sum::<f64>()
             + 2.0 * (cfg.vocab_size * cfg.hidden_size) as f64;
         let frac = flops / t / peak;
-        println!("{:<8} {:>8} {:>12.1} {:>10.3} {:>9.1}%", "prefill", n, n as f64 / t, t, 100.0 * frac);
-        rows.push(json!({"phase": "prefill", "length": n, "tok_s": n as f64 / t, "seconds": t,
-            "flop_s": flops / t, "roofline_fraction": frac}));
+        println!(
+            "{:<8} {:>8} {:>12.1} {:>10.3} {:>9.1}%",
+            "prefill",
+            n,
+            n as f64 / t,
+            t,
+            100.0 * frac
+        );
+        rows.push(
+            json!({"phase": "prefill", "length": n, "tok_s": n as f64 / t, "seconds": t,
+            "flop_s": flops / t, "roofline_fraction": frac}),
+        );
     }
 
     for &n in &decode {
@@ -352,9 +432,22 @@ fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<
         let t = median(times);
         let tps = a.decode_tokens as f64 / t;
         // The mean context over the generated tokens.
-        let bytes = decode_bytes_per_token(&cfg, &d, weight_bytes, n as f64 + a.decode_tokens as f64 / 2.0, kv_elem);
+        let bytes = decode_bytes_per_token(
+            &cfg,
+            &d,
+            weight_bytes,
+            n as f64 + a.decode_tokens as f64 / 2.0,
+            kv_elem,
+        );
         let frac = bytes * tps / bw;
-        println!("{:<8} {:>8} {:>12.2} {:>10.3} {:>9.1}%", "decode", n, tps, t, 100.0 * frac);
+        println!(
+            "{:<8} {:>8} {:>12.2} {:>10.3} {:>9.1}%",
+            "decode",
+            n,
+            tps,
+            t,
+            100.0 * frac
+        );
         rows.push(json!({"phase": "decode", "context": n, "tokens": a.decode_tokens, "tok_s": tps, "seconds": t,
             "bytes_per_token": bytes, "roofline_fraction": frac}));
     }
@@ -365,7 +458,11 @@ fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<
     if let Some(p) = &a.json {
         let machine = std::fs::read_to_string("/proc/cpuinfo")
             .ok()
-            .and_then(|s| s.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string()))
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .map(|l| l.split(':').nth(1).unwrap_or("").trim().to_string())
+            })
             .unwrap_or_default();
         let out = json!({
             "model": dir.display().to_string(),
@@ -390,7 +487,10 @@ fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<
 
 /// `--profile`: one prefill chunk and one decode step at `--profile-context`, per op family.
 fn profile<B: Backend>(m: &Qwen35<B>, prof: &Profiler, a: &BenchArgs) -> Result<serde_json::Value> {
-    let ctx = lengths(&a.profile_context, "profile-context")?.first().copied().unwrap_or(0);
+    let ctx = lengths(&a.profile_context, "profile-context")?
+        .first()
+        .copied()
+        .unwrap_or(0);
     let (chunk, steps) = (m.chunk, a.profile_steps.max(1));
     let n = ctx + 2 * chunk + 2 * steps + 1;
     let ids = prompt_ids(n, m.cfg.vocab_size);

@@ -100,7 +100,10 @@ const RESET: &str = "\x1b[0m";
 /// when the prompt opened `<think>`.
 pub fn split_reasoning(text: &str, thinking: bool) -> (String, String) {
     match text.find("</think>") {
-        Some(i) => (text[..i].trim().to_string(), text[i + "</think>".len()..].trim_start().to_string()),
+        Some(i) => (
+            text[..i].trim().to_string(),
+            text[i + "</think>".len()..].trim_start().to_string(),
+        ),
         None if thinking => (text.trim().to_string(), String::new()),
         None => (String::new(), text.to_string()),
     }
@@ -132,8 +135,18 @@ impl<B: Backend> Session<B> {
                 }
             }
         }
-        let cache = PrefixCache::new(CacheConfig { budget: CHAT_CACHE_BYTES, snapshot_every: 4096, turn_start: tok.token_id("<|im_start|>") });
-        Ok(Self { model, tok, template, stop_ids, cache })
+        let cache = PrefixCache::new(CacheConfig {
+            budget: CHAT_CACHE_BYTES,
+            snapshot_every: 4096,
+            turn_start: tok.token_id("<|im_start|>"),
+        });
+        Ok(Self {
+            model,
+            tok,
+            template,
+            stop_ids,
+            cache,
+        })
     }
 
     /// Renders `messages`, generates one assistant turn, streaming text to `on_text`.
@@ -152,17 +165,42 @@ impl<B: Backend> Session<B> {
         let prompt_text = self.template.render(messages, tools, true, kwargs)?;
         let prompt = self.tok.encode(&prompt_text)?;
         if prompt.len() >= max_context {
-            bail!("the conversation is {} tokens, more than the context of {max_context}", prompt.len());
+            bail!(
+                "the conversation is {} tokens, more than the context of {max_context}",
+                prompt.len()
+            );
         }
-        let rules = StopRules { stop_ids: self.stop_ids.clone(), stop_strings: stop_strings.to_vec(), max_tokens: Some(max_tokens), max_context };
+        let rules = StopRules {
+            stop_ids: self.stop_ids.clone(),
+            stop_strings: stop_strings.to_vec(),
+            max_tokens: Some(max_tokens),
+            max_context,
+        };
         rules.validate()?;
-        let req = GenRequest { prompt: &prompt, cached: 0, sampling, stop: rules, logprobs: None, forced: Forced::default(), cancel };
-        generate_cached(&self.model, &mut self.cache, &self.tok, None, max_context, req, &mut |_| {}, |e| {
-            if !e.text.is_empty() {
-                on_text(e.text);
-            }
-            true
-        })
+        let req = GenRequest {
+            prompt: &prompt,
+            cached: 0,
+            sampling,
+            stop: rules,
+            logprobs: None,
+            forced: Forced::default(),
+            cancel,
+        };
+        generate_cached(
+            &self.model,
+            &mut self.cache,
+            &self.tok,
+            None,
+            max_context,
+            req,
+            &mut |_| {},
+            |e| {
+                if !e.text.is_empty() {
+                    on_text(e.text);
+                }
+                true
+            },
+        )
     }
 }
 

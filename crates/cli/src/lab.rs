@@ -40,28 +40,60 @@ pub fn run(a: LabArgs) -> Result<()> {
     use lily::backend::Backend;
 
     let cfg = lily::synth::preset(&a.preset)?;
-    let cases: Vec<&str> = a.cases.as_deref().unwrap_or("").split(',').map(str::trim).filter(|s| !s.is_empty()).collect();
+    let cases: Vec<&str> = a
+        .cases
+        .as_deref()
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
     let known = lily::backend::cuda::lab::CASES;
     if let Some(c) = cases.iter().find(|c| !known.iter().any(|k| k.short == **c)) {
-        anyhow::bail!("--cases: unknown case `{c}` (known: {})", known.iter().map(|k| k.short).collect::<Vec<_>>().join(", "));
+        anyhow::bail!(
+            "--cases: unknown case `{c}` (known: {})",
+            known.iter().map(|k| k.short).collect::<Vec<_>>().join(", ")
+        );
     }
     if a.calls == 0 || a.calls > lily::backend::cuda::lab::MAX_CALLS {
-        anyhow::bail!("--calls {}: 1 to {} calls per graph", a.calls, lily::backend::cuda::lab::MAX_CALLS);
+        anyhow::bail!(
+            "--calls {}: 1 to {} calls per graph",
+            a.calls,
+            lily::backend::cuda::lab::MAX_CALLS
+        );
     }
     // Checked before the device is opened (creating the backend compiles the kernels).
     let cuda = lily::backend::cuda::Cuda::new()?;
-    println!("lily lab: {} (preset {}), switches off in `off` rows: {}", cuda.name(), a.preset, lily::backend::cuda::SWITCHES.join(", "));
+    println!(
+        "lily lab: {} (preset {}), switches off in `off` rows: {}",
+        cuda.name(),
+        a.preset,
+        lily::backend::cuda::SWITCHES.join(", ")
+    );
     let opt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or_else(|| "-".to_string(), f);
     println!(
         "{:<30} {:>4} {:>9} {:>9} {:>7} {:>9} {:>9} {:>6} {:>8} {:>6}",
-        "op", "opts", "MB/call", "µs/call", "TB/s", "read µs", "read TB/s", "ratio", "kernels", "calls"
+        "op",
+        "opts",
+        "MB/call",
+        "µs/call",
+        "TB/s",
+        "read µs",
+        "read TB/s",
+        "ratio",
+        "kernels",
+        "calls"
     );
     let mut print = |r: &LabRow| {
         println!(
             "{:<30} {:>4} {:>9} {:>9.2} {:>7} {:>9} {:>9} {:>6} {:>8.2} {:>6}",
             r.name,
             r.opts,
-            if r.bytes > 0 { format!("{:.2}", r.bytes as f64 / 1e6) } else { "0".into() },
+            if r.bytes > 0 {
+                format!("{:.2}", r.bytes as f64 / 1e6)
+            } else {
+                "0".into()
+            },
             r.op_s * 1e6,
             opt(r.op_bw(), &|b| format!("{:.2}", b / 1e12)),
             opt(r.read_s, &|t| format!("{:.2}", t * 1e6)),
@@ -108,7 +140,8 @@ pub fn run(a: LabArgs) -> Result<()> {
             "switches_off_in_off_rows": lily::backend::cuda::SWITCHES,
             "rows": rows,
         });
-        std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n").with_context(|| format!("{}: cannot write", p.display()))?;
+        std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("{}: cannot write", p.display()))?;
         eprintln!("lily: wrote {}", p.display());
     }
     Ok(())

@@ -20,7 +20,11 @@ use lily::backend::Backend;
 use lily::model::Logits;
 
 #[derive(Parser)]
-#[command(name = "lily", version, about = "lily: a fast inference engine for Qwen3.6-35B-A3B (MLX 4-bit checkpoints)")]
+#[command(
+    name = "lily",
+    version,
+    about = "lily: a fast inference engine for Qwen3.6-35B-A3B (MLX 4-bit checkpoints)"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -153,7 +157,10 @@ fn setup_threads(c: &Common) -> Result<()> {
         if n == 0 {
             bail!("--threads must be at least 1");
         }
-        rayon::ThreadPoolBuilder::new().num_threads(n).build_global().context("cannot start the thread pool")?;
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("cannot start the thread pool")?;
     }
     Ok(())
 }
@@ -196,7 +203,10 @@ pub fn parse_ids(s: &str) -> Result<Vec<u32>> {
         .split(',')
         .map(str::trim)
         .filter(|x| !x.is_empty())
-        .map(|x| x.parse::<u32>().with_context(|| format!("--prompt-ids: `{x}` is not a token id")))
+        .map(|x| {
+            x.parse::<u32>()
+                .with_context(|| format!("--prompt-ids: `{x}` is not a token id"))
+        })
         .collect::<Result<_>>()?;
     if ids.is_empty() {
         bail!("--prompt-ids: no token ids given");
@@ -209,7 +219,13 @@ pub fn load_model<B: Backend>(dir: &Path, b: B) -> Result<lily::model::Qwen35<B>
     let t0 = std::time::Instant::now();
     // Drawn only on a terminal (indicatif hides it otherwise).
     let bar = indicatif::ProgressBar::new(0);
-    bar.set_style(indicatif::ProgressStyle::with_template("loading {msg} [{bar:40}] layer {pos}/{len} {elapsed}").expect("static template").progress_chars("=> "));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "loading {msg} [{bar:40}] layer {pos}/{len} {elapsed}",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
+    );
     bar.set_message(b.name());
     let m = lily::runtime::load_with_progress(b, dir, &|done, total| {
         bar.set_length(total as u64);
@@ -236,9 +252,11 @@ fn synth(a: SynthArgs) -> Result<()> {
     }
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
-        indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
-            .expect("static template")
-            .progress_chars("=> "),
+        indicatif::ProgressStyle::with_template(
+            "{msg} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
     );
     bar.set_message(format!("synth {}", a.preset));
     let progress = |done: u64, total: u64| {
@@ -272,44 +290,83 @@ fn generate_on<B: Backend>(b: B, a: GenerateArgs) -> Result<()> {
     let m = load_model(&a.model, b)?;
     let sampling = a.sampling.params(&a.model)?;
     let has_tok = a.model.join("tokenizer.json").exists();
-    let tok = if has_tok { Some(lily::tokenizer::Tokenizer::from_dir(&a.model)?) } else { None };
-    let need_tok = || tok.as_ref().context("this checkpoint has no tokenizer.json (use --prompt-ids and --ids)");
+    let tok = if has_tok {
+        Some(lily::tokenizer::Tokenizer::from_dir(&a.model)?)
+    } else {
+        None
+    };
+    let need_tok = || {
+        tok.as_ref()
+            .context("this checkpoint has no tokenizer.json (use --prompt-ids and --ids)")
+    };
     let prompt = match (&a.prompt_ids, &a.prompt, &a.chat) {
         (Some(s), _, _) => parse_ids(s)?,
         (None, Some(text), _) => need_tok()?.encode(text)?,
         (None, None, Some(file)) => {
-            let text = std::fs::read_to_string(file).with_context(|| format!("{}: cannot read", file.display()))?;
-            let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", file.display()))?;
+            let text = std::fs::read_to_string(file)
+                .with_context(|| format!("{}: cannot read", file.display()))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("{}: not valid JSON", file.display()))?;
             let (messages, tools) = match &v {
                 serde_json::Value::Array(_) => (v.clone(), None),
-                _ => (v.get("messages").cloned().with_context(|| format!("{}: no `messages` array", file.display()))?, v.get("tools").cloned()),
+                _ => (
+                    v.get("messages")
+                        .cloned()
+                        .with_context(|| format!("{}: no `messages` array", file.display()))?,
+                    v.get("tools").cloned(),
+                ),
             };
             let kwargs = match &a.template_kwargs {
-                Some(k) => serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(k).context("--template-kwargs: not a JSON object")?,
+                Some(k) => serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(k)
+                    .context("--template-kwargs: not a JSON object")?,
                 None => Default::default(),
             };
             let tmpl = lily::tokenizer::ChatTemplate::from_dir(&a.model)?;
             need_tok()?.encode(&tmpl.render(&messages, tools.as_ref(), true, &kwargs)?)?
         }
-        (None, None, None) => bail!("give a prompt: --prompt-ids 1,2,3, --prompt TEXT or --chat FILE.json"),
+        (None, None, None) => {
+            bail!("give a prompt: --prompt-ids 1,2,3, --prompt TEXT or --chat FILE.json")
+        }
     };
     if prompt.len() >= a.max_context {
-        bail!("prompt of {} tokens does not fit the context of {} (--max-context)", prompt.len(), a.max_context);
+        bail!(
+            "prompt of {} tokens does not fit the context of {} (--max-context)",
+            prompt.len(),
+            a.max_context
+        );
     }
-    let stop_ids = if a.ignore_eos { Vec::new() } else { lily::tokenizer::stop_ids(&a.model)? };
+    let stop_ids = if a.ignore_eos {
+        Vec::new()
+    } else {
+        lily::tokenizer::stop_ids(&a.model)?
+    };
     let mut st = m.new_state(a.max_context)?;
     let stats;
     if let (Some(tok), false) = (tok.as_ref(), a.ids) {
         // Text out: stream as it comes.
-        let rules = lily::runtime::stop::StopRules { stop_ids, stop_strings: a.sampling.stop.clone(), max_tokens: Some(a.max_tokens), max_context: a.max_context };
+        let rules = lily::runtime::stop::StopRules {
+            stop_ids,
+            stop_strings: a.sampling.stop.clone(),
+            max_tokens: Some(a.max_tokens),
+            max_context: a.max_context,
+        };
         rules.validate()?;
         let cancel = std::sync::atomic::AtomicBool::new(false);
         let mut stdout = std::io::stdout();
-        let g = lily::runtime::generate::generate(&m, &mut st, tok, &prompt, &sampling, rules, &cancel, |t| {
-            use std::io::Write;
-            let _ = write!(stdout, "{t}");
-            let _ = stdout.flush();
-        })?;
+        let g = lily::runtime::generate::generate(
+            &m,
+            &mut st,
+            tok,
+            &prompt,
+            &sampling,
+            rules,
+            &cancel,
+            |t| {
+                use std::io::Write;
+                let _ = write!(stdout, "{t}");
+                let _ = stdout.flush();
+            },
+        )?;
         println!();
         stats = g.stats;
     } else {
@@ -320,18 +377,30 @@ fn generate_on<B: Backend>(b: B, a: GenerateArgs) -> Result<()> {
         // these parameters), reading back only the ids; otherwise on the host from the logits.
         let mut sampler = lily::runtime::sampler::Sampler::new(sampling.clone(), m.cfg.vocab_size)?;
         let plain = sampling.is_plain_greedy();
-        let mut dev = if plain { None } else { m.device_sampler(&sampling, sampler.seed(), &prompt)? };
+        let mut dev = if plain {
+            None
+        } else {
+            m.device_sampler(&sampling, sampler.seed(), &prompt)?
+        };
         let on_backend = plain || dev.is_some();
         let t0 = std::time::Instant::now();
         let mut logits = m.forward(&mut st, &prompt, Logits::Last, None)?;
         if let Some(d) = dev.as_mut() {
             m.sample_last(&mut st, d)?;
         }
-        let mut s = lily::runtime::GenStats { prompt_tokens: prompt.len(), prefill_s: t0.elapsed().as_secs_f64(), ..Default::default() };
+        let mut s = lily::runtime::GenStats {
+            prompt_tokens: prompt.len(),
+            prefill_s: t0.elapsed().as_secs_f64(),
+            ..Default::default()
+        };
         let t1 = std::time::Instant::now();
         let mut out: Vec<u32> = Vec::new();
         while out.len() < a.max_tokens && st.pos < a.max_context {
-            let id = if on_backend { m.picked(&st)? } else { sampler.sample_split(&mut logits, &prompt, &out) };
+            let id = if on_backend {
+                m.picked(&st)?
+            } else {
+                sampler.sample_split(&mut logits, &prompt, &out)
+            };
             out.push(id);
             if stop_ids.contains(&id) || out.len() == a.max_tokens || st.pos >= a.max_context {
                 break;
@@ -344,7 +413,13 @@ fn generate_on<B: Backend>(b: B, a: GenerateArgs) -> Result<()> {
         }
         s.decode_s = t1.elapsed().as_secs_f64();
         s.generated = out.len();
-        println!("{}", out.iter().map(|t| t.to_string()).collect::<Vec<_>>().join(","));
+        println!(
+            "{}",
+            out.iter()
+                .map(|t| t.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        );
         stats = s;
     }
     eprintln!(
@@ -396,14 +471,23 @@ fn eval_on<B: Backend>(b: B, a: EvalArgs) -> Result<()> {
     let mut st = m.new_state(ids.len())?;
     let t0 = std::time::Instant::now();
     let logits = m.forward(&mut st, &ids, Logits::All, None)?;
-    eprintln!("lily: {} positions in {:.3}s", ids.len(), t0.elapsed().as_secs_f64());
+    eprintln!(
+        "lily: {} positions in {:.3}s",
+        ids.len(),
+        t0.elapsed().as_secs_f64()
+    );
     if let Some(p) = &a.logits_out {
         lily::npy::write_f32(p, &[ids.len(), v], &logits)?;
     }
     if let Some(r) = &a.reference {
         let refa = lily::npy::read(r)?;
         if refa.shape != [ids.len(), v] {
-            bail!("{}: reference shape {:?} differs from [{}, {v}]", r.display(), refa.shape, ids.len());
+            bail!(
+                "{}: reference shape {:?} differs from [{}, {v}]",
+                r.display(),
+                refa.shape,
+                ids.len()
+            );
         }
         let ours: Vec<f64> = logits.iter().map(|&x| x as f64).collect();
         let (mut max_abs, mut ref_absmax, mut agree) = (0.0f64, 0.0f64, 0usize);

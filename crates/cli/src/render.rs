@@ -42,7 +42,9 @@ pub struct RenderArgs {
 fn read_json(path: &Path) -> Result<Value> {
     let text = if path.as_os_str() == "-" {
         let mut s = String::new();
-        std::io::stdin().read_to_string(&mut s).context("cannot read stdin")?;
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .context("cannot read stdin")?;
         s
     } else {
         std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?
@@ -56,36 +58,61 @@ pub fn run(args: RenderArgs) -> Result<()> {
         Value::Array(_) => (chat, None, Map::new()),
         Value::Object(mut o) => {
             let Some(m) = o.remove("messages") else {
-                bail!("{}: expected {{\"messages\": [...]}} or an array of messages", args.chat.display());
+                bail!(
+                    "{}: expected {{\"messages\": [...]}} or an array of messages",
+                    args.chat.display()
+                );
             };
             let kw = match o.remove("chat_template_kwargs") {
                 Some(Value::Object(kw)) => kw,
                 None | Some(Value::Null) => Map::new(),
-                Some(_) => bail!("{}: chat_template_kwargs must be an object", args.chat.display()),
+                Some(_) => bail!(
+                    "{}: chat_template_kwargs must be an object",
+                    args.chat.display()
+                ),
             };
             (m, o.remove("tools").filter(|t| !t.is_null()), kw)
         }
-        _ => bail!("{}: expected {{\"messages\": [...]}} or an array of messages", args.chat.display()),
+        _ => bail!(
+            "{}: expected {{\"messages\": [...]}} or an array of messages",
+            args.chat.display()
+        ),
     };
     if let Some(p) = &args.tools {
         tools = Some(match read_json(p)? {
-            Value::Object(mut o) => o.remove("tools").with_context(|| format!("{}: expected an array or {{\"tools\": [...]}}", p.display()))?,
+            Value::Object(mut o) => o.remove("tools").with_context(|| {
+                format!("{}: expected an array or {{\"tools\": [...]}}", p.display())
+            })?,
             v => v,
         });
     }
     if let Some(s) = &args.template_kwargs {
         match serde_json::from_str::<Value>(s).context("--template-kwargs: not valid JSON")? {
             Value::Object(o) => kwargs.extend(o),
-            _ => bail!("--template-kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}'"),
+            _ => bail!(
+                "--template-kwargs must be a JSON object, e.g. '{{\"enable_thinking\": false}}'"
+            ),
         }
     }
     let template = ChatTemplate::from_dir(&args.model)?;
-    let prompt = template.render(&messages, tools.as_ref(), !args.no_generation_prompt, &kwargs)?;
+    let prompt = template.render(
+        &messages,
+        tools.as_ref(),
+        !args.no_generation_prompt,
+        &kwargs,
+    )?;
     let mut out = std::io::stdout().lock();
     if args.ids {
         let tok = Tokenizer::from_dir(&args.model)?;
         let ids = tok.encode(&prompt)?;
-        writeln!(out, "{}", ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(","))?;
+        writeln!(
+            out,
+            "{}",
+            ids.iter()
+                .map(|i| i.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        )?;
     } else {
         out.write_all(prompt.as_bytes())?;
     }

@@ -11,7 +11,7 @@ use clap::Args;
 use serde_json::{json, Value};
 
 use lily::backend::Backend;
-use lily_server::{ModelRunner, Runner, Server, ServeOptions};
+use lily_server::{ModelRunner, Runner, ServeOptions, Server};
 
 use crate::Common;
 
@@ -60,9 +60,13 @@ pub struct ServeArgs {
 /// `4GiB`, `512M`, `1.5G`, `123456` (bytes) → bytes.
 pub fn parse_size(s: &str) -> Result<usize, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let x: f64 = num.parse().map_err(|_| format!("{s:?} is not a size like 4GiB or 512MiB"))?;
+    let x: f64 = num
+        .parse()
+        .map_err(|_| format!("{s:?} is not a size like 4GiB or 512MiB"))?;
     let mult = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,
         "k" | "kb" | "kib" => 1024.0,
@@ -84,24 +88,51 @@ pub struct CacheArgs {
 fn cpu_cache_default() -> usize {
     let total = std::fs::read_to_string("/proc/meminfo")
         .ok()
-        .and_then(|m| m.lines().find(|l| l.starts_with("MemTotal:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<usize>().ok()))
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<usize>().ok())
+        })
         .map(|kib| kib * 1024)
         .unwrap_or(8 << 30);
     (total / 4).min(4 << 30)
 }
 
 /// Loads the model on the chosen backend and returns it as a server runner.
-pub fn runner(model: &Path, common: &Common, max_context: Option<usize>, cache: CacheArgs) -> Result<(Box<dyn Runner>, usize)> {
+pub fn runner(
+    model: &Path,
+    common: &Common,
+    max_context: Option<usize>,
+    cache: CacheArgs,
+) -> Result<(Box<dyn Runner>, usize)> {
     #[cfg(feature = "cuda")]
     if let Some(b) = crate::pick_cuda(common)? {
         crate::setup_threads(common)?;
-        return runner_on(b, model, max_context, cache.bytes.unwrap_or(16 << 30), cache.snapshot_every);
+        return runner_on(
+            b,
+            model,
+            max_context,
+            cache.bytes.unwrap_or(16 << 30),
+            cache.snapshot_every,
+        );
     }
     let b = crate::setup(common)?;
-    runner_on(b, model, max_context, cache.bytes.unwrap_or_else(cpu_cache_default), cache.snapshot_every)
+    runner_on(
+        b,
+        model,
+        max_context,
+        cache.bytes.unwrap_or_else(cpu_cache_default),
+        cache.snapshot_every,
+    )
 }
 
-fn runner_on<B: Backend + 'static>(b: B, model: &Path, max_context: Option<usize>, cache_bytes: usize, every: usize) -> Result<(Box<dyn Runner>, usize)> {
+fn runner_on<B: Backend + 'static>(
+    b: B,
+    model: &Path,
+    max_context: Option<usize>,
+    cache_bytes: usize,
+    every: usize,
+) -> Result<(Box<dyn Runner>, usize)> {
     let m = crate::load_model(model, b)?;
     let limit = m.cfg.max_position_embeddings;
     let ctx = max_context.unwrap_or(limit);
@@ -109,15 +140,32 @@ fn runner_on<B: Backend + 'static>(b: B, model: &Path, max_context: Option<usize
         bail!("--max-context {ctx} is larger than the model's max_position_embeddings ({limit})");
     }
     let tok = Arc::new(lily::tokenizer::Tokenizer::from_dir(model)?);
-    eprintln!("lily: prefix cache {:.1} GiB, snapshot every {every} tokens", cache_bytes as f64 / (1u64 << 30) as f64);
-    Ok((Box::new(ModelRunner::new(m, tok, ctx, cache_bytes, every)), ctx))
+    eprintln!(
+        "lily: prefix cache {:.1} GiB, snapshot every {every} tokens",
+        cache_bytes as f64 / (1u64 << 30) as f64
+    );
+    Ok((
+        Box::new(ModelRunner::new(m, tok, ctx, cache_bytes, every)),
+        ctx,
+    ))
 }
 
 pub fn serve(a: ServeArgs) -> Result<()> {
     if !a.model.join("tokenizer.json").exists() {
-        bail!("{}: no tokenizer.json; the server needs the checkpoint's tokenizer and chat template", a.model.display());
+        bail!(
+            "{}: no tokenizer.json; the server needs the checkpoint's tokenizer and chat template",
+            a.model.display()
+        );
     }
-    let (runner, ctx) = runner(&a.model, &a.common, a.max_context, CacheArgs { bytes: a.cache_mem, snapshot_every: a.snapshot_every })?;
+    let (runner, ctx) = runner(
+        &a.model,
+        &a.common,
+        a.max_context,
+        CacheArgs {
+            bytes: a.cache_mem,
+            snapshot_every: a.snapshot_every,
+        },
+    )?;
     let mut o = ServeOptions::new(&a.model, ctx);
     o.host = a.host;
     o.port = a.port;
@@ -160,12 +208,23 @@ pub fn demo(a: DemoArgs) -> Result<()> {
         }
     };
     eprintln!("lily demo: random weights produce noise text; the point is that every path of the real model and the real HTTP API runs.");
-    let (runner, ctx) = runner(&dir, &a.common, Some(4096), CacheArgs { bytes: None, snapshot_every: 4096 })?;
+    let (runner, ctx) = runner(
+        &dir,
+        &a.common,
+        Some(4096),
+        CacheArgs {
+            bytes: None,
+            snapshot_every: 4096,
+        },
+    )?;
     let mut o = ServeOptions::new(&dir, ctx);
     o.port = 0;
     let server = Server::start(o, runner)?;
     let url = format!("http://{}/v1/chat/completions", server.addr);
-    eprintln!("lily demo: server on http://{} — POST {url} (stream)\n", server.addr);
+    eprintln!(
+        "lily demo: server on http://{} — POST {url} (stream)\n",
+        server.addr
+    );
     let r = stream_chat(&url, &a);
     server.shutdown(Duration::from_secs(10))?;
     r
@@ -173,11 +232,16 @@ pub fn demo(a: DemoArgs) -> Result<()> {
 
 /// Reads an SSE chat stream: calls `on_chunk` with each chunk object until `[DONE]`; an error
 /// event becomes an error. Returns the usage object of the last chunk that had one.
-pub fn read_sse(resp: ureq::Response, mut on_chunk: impl FnMut(&Value) -> Result<()>) -> Result<Value> {
+pub fn read_sse(
+    resp: ureq::Response,
+    mut on_chunk: impl FnMut(&Value) -> Result<()>,
+) -> Result<Value> {
     let mut usage = Value::Null;
     for line in BufReader::new(resp.into_reader()).lines() {
         let line = line?;
-        let Some(data) = line.strip_prefix("data: ") else { continue };
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
         if data == "[DONE]" {
             break;
         }
@@ -204,14 +268,19 @@ fn stream_chat(url: &str, a: &DemoArgs) -> Result<()> {
         "chat_template_kwargs": {"enable_thinking": a.think},
     });
     let t0 = Instant::now();
-    let resp = ureq::post(url).set("Content-Type", "application/json").send_string(&body.to_string()).context("the demo request failed")?;
+    let resp = ureq::post(url)
+        .set("Content-Type", "application/json")
+        .send_string(&body.to_string())
+        .context("the demo request failed")?;
     let dim = std::io::stdout().is_terminal();
     let mut out = std::io::stdout().lock();
     let mut ttft = None;
     let mut finish = String::new();
     println!("user: {}\nassistant:", a.prompt);
     let usage = read_sse(resp, |v| {
-        let Some(c) = v["choices"].get(0) else { return Ok(()) };
+        let Some(c) = v["choices"].get(0) else {
+            return Ok(());
+        };
         if let Some(f) = c["finish_reason"].as_str() {
             finish = f.to_string();
         }

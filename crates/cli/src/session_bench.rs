@@ -45,9 +45,49 @@ pub struct SessionBenchArgs {
 }
 
 const WORDS: &[&str] = &[
-    "fn", "let", "mut", "self", "return", "match", "Some", "None", "Ok", "Err", "state", "cache", "token", "layer", "kernel", "buffer",
-    "prefill", "decode", "expert", "router", "snapshot", "session", "request", "stream", "value", "index", "offset", "length", "error",
-    "result", "config", "model", "weight", "scale", "bias", "group", "norm", "gate", "attention", "delta", "recurrent", "conv", "head",
+    "fn",
+    "let",
+    "mut",
+    "self",
+    "return",
+    "match",
+    "Some",
+    "None",
+    "Ok",
+    "Err",
+    "state",
+    "cache",
+    "token",
+    "layer",
+    "kernel",
+    "buffer",
+    "prefill",
+    "decode",
+    "expert",
+    "router",
+    "snapshot",
+    "session",
+    "request",
+    "stream",
+    "value",
+    "index",
+    "offset",
+    "length",
+    "error",
+    "result",
+    "config",
+    "model",
+    "weight",
+    "scale",
+    "bias",
+    "group",
+    "norm",
+    "gate",
+    "attention",
+    "delta",
+    "recurrent",
+    "conv",
+    "head",
 ];
 
 /// Deterministic file-like text of about `tokens` tokens (≈ 1.3 tokens per word here).
@@ -74,12 +114,18 @@ struct Measure {
 fn request(base: &str, messages: &[Value], tools: &Value, max_tokens: usize) -> Result<Measure> {
     let body = json!({"messages": messages, "tools": tools, "max_tokens": max_tokens, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}});
     let t0 = Instant::now();
-    let r = ureq::post(&format!("{base}/v1/chat/completions")).timeout(Duration::from_secs(3600)).send_string(&body.to_string()).context("request failed")?;
+    let r = ureq::post(&format!("{base}/v1/chat/completions"))
+        .timeout(Duration::from_secs(3600))
+        .send_string(&body.to_string())
+        .context("request failed")?;
     let mut ttft = None;
     let (mut content, mut reasoning) = (String::new(), String::new());
     let usage = read_sse(r, |v| {
         let delta = &v["choices"][0]["delta"];
-        for (k, buf) in [("content", &mut content), ("reasoning_content", &mut reasoning)] {
+        for (k, buf) in [
+            ("content", &mut content),
+            ("reasoning_content", &mut reasoning),
+        ] {
             if let Some(s) = delta[k].as_str().filter(|s| !s.is_empty()) {
                 ttft.get_or_insert_with(|| t0.elapsed().as_secs_f64());
                 buf.push_str(s);
@@ -99,20 +145,37 @@ fn request(base: &str, messages: &[Value], tools: &Value, max_tokens: usize) -> 
         ttft_s: ttft.unwrap_or(total_s),
         total_s,
         prompt_tokens: usage["prompt_tokens"].as_u64().unwrap_or(0),
-        cached: usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0),
+        cached: usage["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap_or(0),
         message,
     })
 }
 
 fn metric(base: &str, name: &str) -> f64 {
-    let text = ureq::get(&format!("{base}/metrics")).call().ok().and_then(|r| r.into_string().ok()).unwrap_or_default();
-    text.lines().find(|l| l.starts_with(name) && l[name.len()..].starts_with(' ')).and_then(|l| l.rsplit(' ').next()?.parse().ok()).unwrap_or(0.0)
+    let text = ureq::get(&format!("{base}/metrics"))
+        .call()
+        .ok()
+        .and_then(|r| r.into_string().ok())
+        .unwrap_or_default();
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0)
 }
 
 pub fn run(a: SessionBenchArgs) -> Result<()> {
     let ctx = (a.context + a.context / 2 + 4096).max(8192);
     let start = |bytes: usize| -> Result<(Server, usize)> {
-        let (r, ctx) = runner(&a.model, &a.common, Some(ctx), CacheArgs { bytes: Some(bytes), snapshot_every: a.snapshot_every })?;
+        let (r, ctx) = runner(
+            &a.model,
+            &a.common,
+            Some(ctx),
+            CacheArgs {
+                bytes: Some(bytes),
+                snapshot_every: a.snapshot_every,
+            },
+        )?;
         let kv_elem = r.kv_elem_bytes();
         let mut o = ServeOptions::new(&a.model, ctx);
         o.port = 0;
@@ -120,15 +183,23 @@ pub fn run(a: SessionBenchArgs) -> Result<()> {
     };
     let (off, _) = start(0)?;
     let (on, kv_elem) = start(a.cache_mem)?;
-    let (b_off, b_on) = (format!("http://{}", off.addr), format!("http://{}", on.addr));
+    let (b_off, b_on) = (
+        format!("http://{}", off.addr),
+        format!("http://{}", on.addr),
+    );
     let tools = json!([
         {"type": "function", "function": {"name": "read_file", "description": "Read a file of the project", "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}},
         {"type": "function", "function": {"name": "run_tests", "description": "Run the test suite", "parameters": {"type": "object", "properties": {"filter": {"type": "string"}}}}}
     ]);
-    let mut messages = vec![json!({"role": "system", "content": "You are a coding agent. Read files, run tests, and explain changes briefly."})];
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are a coding agent. Read files, run tests, and explain changes briefly."}),
+    ];
     let per_turn = a.context / a.turns.max(1);
     let mut rows = Vec::new();
-    println!("{:>4} {:>8} {:>8} {:>11} {:>11} {:>8}", "turn", "prompt", "cached", "ttft off", "ttft on", "speedup");
+    println!(
+        "{:>4} {:>8} {:>8} {:>11} {:>11} {:>8}",
+        "turn", "prompt", "cached", "ttft off", "ttft on", "speedup"
+    );
     let (mut sum_off, mut sum_on) = (0.0, 0.0);
     for turn in 0..a.turns {
         messages.push(json!({"role": "user", "content": format!("{}\nWhat does this part do?", filler(turn, per_turn.saturating_sub(a.max_tokens + 16)))}));
@@ -141,7 +212,11 @@ pub fn run(a: SessionBenchArgs) -> Result<()> {
             (request(&b_off, &messages, &tools, a.max_tokens)?, y)
         };
         if m_off.prompt_tokens != m_on.prompt_tokens {
-            bail!("turn {turn}: the two servers saw different prompts ({} vs {} tokens)", m_off.prompt_tokens, m_on.prompt_tokens);
+            bail!(
+                "turn {turn}: the two servers saw different prompts ({} vs {} tokens)",
+                m_off.prompt_tokens,
+                m_on.prompt_tokens
+            );
         }
         sum_off += m_off.total_s;
         sum_on += m_on.total_s;
@@ -165,7 +240,9 @@ pub fn run(a: SessionBenchArgs) -> Result<()> {
     let d = lily::backend::Dims::from_config(c);
     let n_attn = c.layer_is_attention.iter().filter(|&&x| x).count();
     let n_gdn = c.layer_is_attention.len() - n_attn;
-    let snap_bytes = n_gdn * ((d.conv_kernel - 1) * d.conv_channels() + d.gdn_v_heads * d.gdn_v_dim * d.gdn_k_dim) * 4;
+    let snap_bytes = n_gdn
+        * ((d.conv_kernel - 1) * d.conv_channels() + d.gdn_v_heads * d.gdn_v_dim * d.gdn_k_dim)
+        * 4;
     let kv_per_token = n_attn * 2 * d.n_kv_heads * d.head_dim * kv_elem;
     println!(
         "\nsession time: cache off {sum_off:.2}s, on {sum_on:.2}s (ratio {:.2}×)\ncache: {entries} entries, {snaps} snapshots, {:.1} MiB held; theory: snapshot {:.2} MiB, KV {:.1} KiB/token ({kv_elem}-byte elements)",

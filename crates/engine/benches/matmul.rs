@@ -43,7 +43,15 @@ impl Q {
         Q { out, inp, w, s, b }
     }
     fn view(&self) -> MatView<'_> {
-        MatView::Quant(QuantView { out: self.out, inp: self.inp, bits: 4, group_size: 64, w: &self.w, scales: Floats::Bf16(&self.s), biases: Floats::Bf16(&self.b) })
+        MatView::Quant(QuantView {
+            out: self.out,
+            inp: self.inp,
+            bits: 4,
+            group_size: 64,
+            w: &self.w,
+            scales: Floats::Bf16(&self.s),
+            biases: Floats::Bf16(&self.b),
+        })
     }
     fn bytes(&self) -> usize {
         self.w.len() * 4 + self.s.len() * 2 + self.b.len() * 2
@@ -64,7 +72,10 @@ fn thread_cpu() -> Option<f64> {
         fn clock_gettime(clk: i32, tp: *mut Timespec) -> i32;
     }
     const CLOCK_THREAD_CPUTIME_ID: i32 = 3;
-    let mut ts = Timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: a plain libc call writing into a valid timespec.
     let rc = unsafe { clock_gettime(CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     (rc == 0).then(|| ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9)
@@ -113,7 +124,10 @@ fn cpu_note(th: usize, cpu: f64, per_s: f64, unit: &str) -> String {
 }
 
 fn pool(n: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap()
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build()
+        .unwrap()
 }
 
 fn main() {
@@ -146,7 +160,9 @@ fn main() {
     println!("== GEMV (rows = 1), 4-bit, bf16 scales: GB/s of weight bytes read");
     for (out, inp) in [(2048, 2048), (248320, 1024)] {
         let q = Q::new(out, inp);
-        let x: Vec<f32> = (0..inp).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
+        let x: Vec<f32> = (0..inp)
+            .map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5)
+            .collect();
         let mut y = vec![0f32; out];
         for (i, &th) in threads.iter().enumerate() {
             pool(th).install(|| {
@@ -166,7 +182,9 @@ fn main() {
     for (out, inp) in [(4096, 1024), (512, 1024), (512, 2048), (2048, 512)] {
         let q = Q::new(out, inp);
         let rows = 512;
-        let x: Vec<f32> = (0..rows * inp).map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5).collect();
+        let x: Vec<f32> = (0..rows * inp)
+            .map(|i| ((i * 7919) % 1000) as f32 * 1e-3 - 0.5)
+            .collect();
         let mut y = vec![0f32; rows * out];
         for &th in &threads {
             pool(th).install(|| {

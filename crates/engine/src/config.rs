@@ -92,9 +92,9 @@ fn get<'a>(obj: &'a Value, outer: &'a Value, key: &str) -> Option<&'a Value> {
 
 fn req_usize(text: &Value, outer: &Value, key: &str) -> Result<usize> {
     let v = get(text, outer, key).with_context(|| format!("config.json: missing field `{key}`"))?;
-    v.as_u64()
-        .map(|x| x as usize)
-        .with_context(|| format!("config.json: field `{key}` must be a non-negative integer, got {v}"))
+    v.as_u64().map(|x| x as usize).with_context(|| {
+        format!("config.json: field `{key}` must be a non-negative integer, got {v}")
+    })
 }
 
 fn opt_f64(text: &Value, outer: &Value, key: &str) -> Result<Option<f64>> {
@@ -121,14 +121,21 @@ fn parse_quant_spec(v: &Value, what: &str) -> Result<Option<QuantSpec>> {
     if v == &Value::Bool(false) || v.is_null() {
         return Ok(None);
     }
-    let bits = v.get("bits").and_then(Value::as_u64).with_context(|| format!("config.json: quantization {what}: missing integer `bits`"))?;
+    let bits = v
+        .get("bits")
+        .and_then(Value::as_u64)
+        .with_context(|| format!("config.json: quantization {what}: missing integer `bits`"))?;
     let gs = v
         .get("group_size")
         .and_then(Value::as_u64)
-        .with_context(|| format!("config.json: quantization {what}: missing integer `group_size`"))?;
+        .with_context(|| {
+            format!("config.json: quantization {what}: missing integer `group_size`")
+        })?;
     if let Some(mode) = v.get("mode").and_then(Value::as_str) {
         if mode != "affine" {
-            bail!("config.json: quantization {what}: mode `{mode}` is not supported (only `affine`)");
+            bail!(
+                "config.json: quantization {what}: mode `{mode}` is not supported (only `affine`)"
+            );
         }
     }
     if bits != 4 && bits != 8 {
@@ -137,13 +144,20 @@ fn parse_quant_spec(v: &Value, what: &str) -> Result<Option<QuantSpec>> {
     if gs != 64 {
         bail!("config.json: quantization {what}: group_size {gs} is not supported (64)");
     }
-    Ok(Some(QuantSpec { bits: bits as u32, group_size: gs as usize }))
+    Ok(Some(QuantSpec {
+        bits: bits as u32,
+        group_size: gs as usize,
+    }))
 }
 
 impl Quantization {
     fn from_json(v: Option<&Value>) -> Result<Self> {
-        let Some(v) = v else { return Ok(Self::default()) };
-        let Some(obj) = v.as_object() else { bail!("config.json: `quantization` must be an object") };
+        let Some(v) = v else {
+            return Ok(Self::default());
+        };
+        let Some(obj) = v.as_object() else {
+            bail!("config.json: `quantization` must be an object")
+        };
         let default = parse_quant_spec(v, "defaults")?;
         let mut overrides = BTreeMap::new();
         for (k, val) in obj {
@@ -151,7 +165,10 @@ impl Quantization {
                 continue;
             }
             if val.is_object() || val == &Value::Bool(false) {
-                overrides.insert(normalize_module_path(k), parse_quant_spec(val, &format!("override `{k}`"))?);
+                overrides.insert(
+                    normalize_module_path(k),
+                    parse_quant_spec(val, &format!("override `{k}`"))?,
+                );
             }
         }
         Ok(Self { default, overrides })
@@ -182,16 +199,24 @@ impl Config {
     /// Reads and checks `DIR/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let p = dir.join("config.json");
-        let text = std::fs::read_to_string(&p).with_context(|| format!("{}: cannot read", p.display()))?;
-        let v: Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", p.display()))?;
+        let text =
+            std::fs::read_to_string(&p).with_context(|| format!("{}: cannot read", p.display()))?;
+        let v: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not valid JSON", p.display()))?;
         Self::from_json(&v)
     }
 
     /// Parses a config (nested `text_config` or flat) and checks every supported value.
     pub fn from_json(outer: &Value) -> Result<Self> {
         let text = outer.get("text_config").unwrap_or(outer);
-        let model_type = get(text, outer, "model_type").and_then(Value::as_str).unwrap_or("").to_string();
-        let outer_type = outer.get("model_type").and_then(Value::as_str).unwrap_or("");
+        let model_type = get(text, outer, "model_type")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
+        let outer_type = outer
+            .get("model_type")
+            .and_then(Value::as_str)
+            .unwrap_or("");
         let ok_types = ["qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"];
         if !ok_types.contains(&model_type.as_str()) && !ok_types.contains(&outer_type) {
             bail!(
@@ -199,10 +224,15 @@ impl Config {
                 if model_type.is_empty() { outer_type } else { &model_type }
             );
         }
-        let rope = get(text, outer, "rope_parameters").cloned().unwrap_or(Value::Null);
+        let rope = get(text, outer, "rope_parameters")
+            .cloned()
+            .unwrap_or(Value::Null);
         let rope_f = |k: &str| -> Result<Option<f64>> {
             match rope.get(k) {
-                Some(v) => v.as_f64().map(Some).with_context(|| format!("config.json: rope_parameters.{k} must be a number")),
+                Some(v) => v
+                    .as_f64()
+                    .map(Some)
+                    .with_context(|| format!("config.json: rope_parameters.{k} must be a number")),
                 None => opt_f64(text, outer, k),
             }
         };
@@ -229,10 +259,16 @@ impl Config {
                 }
                 out
             }
-            _ => (0..num_hidden_layers).map(|i| (i + 1) % full_attention_interval.max(1) == 0).collect(),
+            _ => (0..num_hidden_layers)
+                .map(|i| (i + 1) % full_attention_interval.max(1) == 0)
+                .collect(),
         };
         let c = Config {
-            model_type: if model_type.is_empty() { outer_type.to_string() } else { model_type },
+            model_type: if model_type.is_empty() {
+                outer_type.to_string()
+            } else {
+                model_type
+            },
             hidden_size,
             num_hidden_layers,
             full_attention_interval,
@@ -251,7 +287,11 @@ impl Config {
             num_experts: req_usize(text, outer, "num_experts")?,
             num_experts_per_tok: req_usize(text, outer, "num_experts_per_tok")?,
             moe_intermediate_size: req_usize(text, outer, "moe_intermediate_size")?,
-            shared_expert_intermediate_size: req_usize(text, outer, "shared_expert_intermediate_size")?,
+            shared_expert_intermediate_size: req_usize(
+                text,
+                outer,
+                "shared_expert_intermediate_size",
+            )?,
             vocab_size: req_usize(text, outer, "vocab_size")?,
             tie_word_embeddings: opt_bool(text, outer, "tie_word_embeddings")?.unwrap_or(false),
             max_position_embeddings: match get(text, outer, "max_position_embeddings") {
@@ -260,7 +300,11 @@ impl Config {
             },
             norm_topk_prob: opt_bool(text, outer, "norm_topk_prob")?.unwrap_or(true),
             layer_is_attention,
-            quantization: Quantization::from_json(outer.get("quantization").or_else(|| outer.get("quantization_config")))?,
+            quantization: Quantization::from_json(
+                outer
+                    .get("quantization")
+                    .or_else(|| outer.get("quantization_config")),
+            )?,
         };
         c.validate()?;
         Ok(c)
@@ -282,7 +326,10 @@ impl Config {
             ("num_experts", self.num_experts),
             ("num_experts_per_tok", self.num_experts_per_tok),
             ("moe_intermediate_size", self.moe_intermediate_size),
-            ("shared_expert_intermediate_size", self.shared_expert_intermediate_size),
+            (
+                "shared_expert_intermediate_size",
+                self.shared_expert_intermediate_size,
+            ),
             ("vocab_size", self.vocab_size),
         ];
         for (k, v) in nz {
@@ -308,7 +355,11 @@ impl Config {
             );
         }
         if self.num_experts_per_tok > self.num_experts {
-            bail!("config.json: num_experts_per_tok ({}) exceeds num_experts ({})", self.num_experts_per_tok, self.num_experts);
+            bail!(
+                "config.json: num_experts_per_tok ({}) exceeds num_experts ({})",
+                self.num_experts_per_tok,
+                self.num_experts
+            );
         }
         if !self.attn_output_gate {
             bail!("config.json: attn_output_gate = false is not supported (Qwen3.5/3.6 gate every attention head)");
@@ -328,9 +379,18 @@ impl Config {
             for (k, v) in [
                 ("hidden_size", self.hidden_size),
                 ("moe_intermediate_size", self.moe_intermediate_size),
-                ("shared_expert_intermediate_size", self.shared_expert_intermediate_size),
-                ("num_attention_heads*head_dim", self.num_attention_heads * self.head_dim),
-                ("linear_num_value_heads*linear_value_head_dim", self.linear_num_value_heads * self.linear_value_head_dim),
+                (
+                    "shared_expert_intermediate_size",
+                    self.shared_expert_intermediate_size,
+                ),
+                (
+                    "num_attention_heads*head_dim",
+                    self.num_attention_heads * self.head_dim,
+                ),
+                (
+                    "linear_num_value_heads*linear_value_head_dim",
+                    self.linear_num_value_heads * self.linear_value_head_dim,
+                ),
             ] {
                 if v % q.group_size != 0 {
                     bail!("config.json: {k} = {v} is not a multiple of the quantization group size {}", q.group_size);
@@ -367,8 +427,17 @@ impl Config {
     /// `quantization` (and its copy `quantization_config`) with overrides spelled
     /// `language_model.model.layers.N…`.
     pub fn to_json(&self) -> Value {
-        let layer_types: Vec<&str> =
-            self.layer_is_attention.iter().map(|&a| if a { "full_attention" } else { "linear_attention" }).collect();
+        let layer_types: Vec<&str> = self
+            .layer_is_attention
+            .iter()
+            .map(|&a| {
+                if a {
+                    "full_attention"
+                } else {
+                    "linear_attention"
+                }
+            })
+            .collect();
         let text = serde_json::json!({
             "model_type": "qwen3_5_moe_text",
             "hidden_size": self.hidden_size,
@@ -451,8 +520,18 @@ mod tests {
         assert_eq!(c.gdn_qkv_dim(), 8192);
         assert_eq!(c.rope_theta, 1e7);
         let q = &c.quantization;
-        assert_eq!(q.spec_for("language_model.model.layers.0.mlp.gate").unwrap().bits, 8);
-        assert_eq!(q.spec_for("model.layers.1.mlp.shared_expert_gate").unwrap().bits, 8);
+        assert_eq!(
+            q.spec_for("language_model.model.layers.0.mlp.gate")
+                .unwrap()
+                .bits,
+            8
+        );
+        assert_eq!(
+            q.spec_for("model.layers.1.mlp.shared_expert_gate")
+                .unwrap()
+                .bits,
+            8
+        );
         assert_eq!(q.spec_for("model.layers.2.mlp.gate"), None);
         assert_eq!(q.spec_for("model.layers.5.mlp.gate").unwrap().bits, 4);
     }
@@ -476,7 +555,11 @@ mod tests {
             ("model_type", Value::from("llama"), "model_type"),
             ("num_attention_heads", Value::from(3), "num_key_value_heads"),
             ("hidden_size", Value::from("big"), "hidden_size"),
-            ("linear_conv_kernel_dim", Value::from(1), "linear_conv_kernel_dim"),
+            (
+                "linear_conv_kernel_dim",
+                Value::from(1),
+                "linear_conv_kernel_dim",
+            ),
         ] {
             let mut v = published_like();
             if field == "model_type" {
@@ -493,7 +576,10 @@ mod tests {
         v["quantization"]["bits"] = 3.into();
         assert!(format!("{:#}", Config::from_json(&v).unwrap_err()).contains("3-bit"));
         let mut v = published_like();
-        v["text_config"].as_object_mut().unwrap().remove("vocab_size");
+        v["text_config"]
+            .as_object_mut()
+            .unwrap()
+            .remove("vocab_size");
         assert!(format!("{:#}", Config::from_json(&v).unwrap_err()).contains("vocab_size"));
     }
 }

@@ -10,13 +10,20 @@ use anyhow::{bail, Context, Result};
 pub fn write_f32(path: &Path, shape: &[usize], data: &[f32]) -> Result<()> {
     assert_eq!(shape.iter().product::<usize>(), data.len());
     let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
-    let tuple = if dims.len() == 1 { format!("({},)", dims[0]) } else { format!("({})", dims.join(", ")) };
+    let tuple = if dims.len() == 1 {
+        format!("({},)", dims[0])
+    } else {
+        format!("({})", dims.join(", "))
+    };
     let mut header = format!("{{'descr': '<f4', 'fortran_order': False, 'shape': {tuple}, }}");
     // Pad so the data starts on a 64-byte boundary, header ends with '\n'.
     let total = 10 + header.len() + 1;
     header.push_str(&" ".repeat((64 - total % 64) % 64));
     header.push('\n');
-    let mut f = std::io::BufWriter::new(std::fs::File::create(path).with_context(|| format!("{}: cannot create", path.display()))?);
+    let mut f = std::io::BufWriter::new(
+        std::fs::File::create(path)
+            .with_context(|| format!("{}: cannot create", path.display()))?,
+    );
     f.write_all(b"\x93NUMPY\x01\x00")?;
     f.write_all(&(header.len() as u16).to_le_bytes())?;
     f.write_all(header.as_bytes())?;
@@ -44,13 +51,30 @@ pub fn read(path: &Path) -> Result<Array> {
         2 | 3 => (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12),
         v => bail!("{}: unsupported .npy version {v}", path.display()),
     };
-    let header = std::str::from_utf8(b.get(start..start + hlen).context("truncated .npy header")?)?;
+    let header = std::str::from_utf8(
+        b.get(start..start + hlen)
+            .context("truncated .npy header")?,
+    )?;
     if header.contains("'fortran_order': True") {
         bail!("{}: Fortran-order arrays are not supported", path.display());
     }
-    let descr = header.split("'descr':").nth(1).and_then(|s| s.split('\'').nth(1)).context("no descr in .npy header")?;
-    let shape_s = header.split("'shape':").nth(1).and_then(|s| s.split('(').nth(1)).and_then(|s| s.split(')').next()).context("no shape in .npy header")?;
-    let shape: Vec<usize> = shape_s.split(',').map(str::trim).filter(|s| !s.is_empty()).map(|s| s.parse()).collect::<Result<_, _>>()?;
+    let descr = header
+        .split("'descr':")
+        .nth(1)
+        .and_then(|s| s.split('\'').nth(1))
+        .context("no descr in .npy header")?;
+    let shape_s = header
+        .split("'shape':")
+        .nth(1)
+        .and_then(|s| s.split('(').nth(1))
+        .and_then(|s| s.split(')').next())
+        .context("no shape in .npy header")?;
+    let shape: Vec<usize> = shape_s
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse())
+        .collect::<Result<_, _>>()?;
     let n: usize = shape.iter().product();
     let body = &b[start + hlen..];
     let sz = match descr {

@@ -84,8 +84,10 @@ use common::{gpu, perplexity, prompt_ids};
 use lily::backend::cpu::{moe::Route as CpuRoute, Cpu, CpuStep};
 use lily::backend::cuda::Cuda;
 use lily::backend::{Backend, Dims, GdnParams, KvCache, MoeScratch, SharedExpert};
+use lily::loader::tensor::{
+    bf16_to_f32, f32_to_bf16 as bf16_bits, Dtype, HostLinear, HostTensor, LinearKind, Storage,
+};
 use lily::runtime::sampler::{Sampler, SamplingParams};
-use lily::loader::tensor::{bf16_to_f32, f32_to_bf16 as bf16_bits, Dtype, HostLinear, HostTensor, LinearKind, Storage};
 use rayon::prelude::*;
 
 const EXACT: f32 = 0.0;
@@ -96,7 +98,6 @@ const U: f32 = 1.0 / 256.0;
 /// max): F32_TOL for the f32 value plus its one rounding, U·(|c| + F32_TOL·max|c|) at most
 /// (module header). `check_act` asserts the sharper per-value form, which implies this.
 const ACT_TOL: f32 = U + (1.0 + U) * F32_TOL;
-
 
 /// splitmix64: seeded, reproducible inputs.
 struct Rng(u64);
@@ -147,46 +148,123 @@ fn bf16r(x: f32) -> f32 {
     bf16_to_f32(bf16_bits(x))
 }
 
-fn tensor_u32(name: &str, shape: Vec<usize>, dtype: Dtype, words: Vec<u32>, bytes: usize) -> HostTensor {
-    HostTensor { name: name.into(), dtype, shape, data: Storage::Owned(Arc::new(words), bytes) }
+fn tensor_u32(
+    name: &str,
+    shape: Vec<usize>,
+    dtype: Dtype,
+    words: Vec<u32>,
+    bytes: usize,
+) -> HostTensor {
+    HostTensor {
+        name: name.into(),
+        dtype,
+        shape,
+        data: Storage::Owned(Arc::new(words), bytes),
+    }
 }
 
 fn pack_u16(v: &[u16]) -> Vec<u32> {
-    v.chunks(2).map(|c| c[0] as u32 | (*c.get(1).unwrap_or(&0) as u32) << 16).collect()
+    v.chunks(2)
+        .map(|c| c[0] as u32 | (*c.get(1).unwrap_or(&0) as u32) << 16)
+        .collect()
 }
 
 /// A random MLX affine-quantized stack `[n, out, inp]` (codes uniform, scales ~0.01-0.02, biases
 /// centring the codes), with bf16 or f32 scales.
-fn rand_quant(rng: &mut Rng, n: usize, out: usize, inp: usize, bits: u32, gs: usize, f32_scales: bool) -> HostLinear {
+fn rand_quant(
+    rng: &mut Rng,
+    n: usize,
+    out: usize,
+    inp: usize,
+    bits: u32,
+    gs: usize,
+    f32_scales: bool,
+) -> HostLinear {
     let words = n * out * inp * bits as usize / 32;
     let w: Vec<u32> = (0..words).map(|_| rng.u64() as u32).collect();
     let ng = n * out * inp / gs;
     let levels = ((1u32 << bits) - 1) as f32;
-    let s: Vec<f32> = (0..ng).map(|_| (0.015 + 0.005 * rng.f()) * 15.0 / levels).collect();
-    let b: Vec<f32> = s.iter().map(|&s| -s * levels / 2.0 * (1.0 + 0.1 * rng.f())).collect();
+    let s: Vec<f32> = (0..ng)
+        .map(|_| (0.015 + 0.005 * rng.f()) * 15.0 / levels)
+        .collect();
+    let b: Vec<f32> = s
+        .iter()
+        .map(|&s| -s * levels / 2.0 * (1.0 + 0.1 * rng.f()))
+        .collect();
     let (scales, biases) = if f32_scales {
         (
-            tensor_u32("s", vec![n, out, inp / gs], Dtype::F32, s.iter().map(|v| v.to_bits()).collect(), 4 * ng),
-            tensor_u32("b", vec![n, out, inp / gs], Dtype::F32, b.iter().map(|v| v.to_bits()).collect(), 4 * ng),
+            tensor_u32(
+                "s",
+                vec![n, out, inp / gs],
+                Dtype::F32,
+                s.iter().map(|v| v.to_bits()).collect(),
+                4 * ng,
+            ),
+            tensor_u32(
+                "b",
+                vec![n, out, inp / gs],
+                Dtype::F32,
+                b.iter().map(|v| v.to_bits()).collect(),
+                4 * ng,
+            ),
         )
     } else {
         let sb: Vec<u16> = s.iter().map(|&v| bf16_bits(v)).collect();
         let bb: Vec<u16> = b.iter().map(|&v| bf16_bits(v)).collect();
-        (tensor_u32("s", vec![n, out, inp / gs], Dtype::BF16, pack_u16(&sb), 2 * ng), tensor_u32("b", vec![n, out, inp / gs], Dtype::BF16, pack_u16(&bb), 2 * ng))
+        (
+            tensor_u32(
+                "s",
+                vec![n, out, inp / gs],
+                Dtype::BF16,
+                pack_u16(&sb),
+                2 * ng,
+            ),
+            tensor_u32(
+                "b",
+                vec![n, out, inp / gs],
+                Dtype::BF16,
+                pack_u16(&bb),
+                2 * ng,
+            ),
+        )
     };
     HostLinear {
         name: format!("rand_q{bits}_{n}x{out}x{inp}"),
         n,
         out,
         inp,
-        kind: LinearKind::Quant { bits, group_size: gs, w: tensor_u32("w", vec![n, out, words / (n * out)], Dtype::U32, w, 4 * words), scales, biases },
+        kind: LinearKind::Quant {
+            bits,
+            group_size: gs,
+            w: tensor_u32(
+                "w",
+                vec![n, out, words / (n * out)],
+                Dtype::U32,
+                w,
+                4 * words,
+            ),
+            scales,
+            biases,
+        },
     }
 }
 
 /// A random unquantized bf16 matrix.
 fn rand_dense(rng: &mut Rng, out: usize, inp: usize) -> HostLinear {
     let v: Vec<u16> = (0..out * inp).map(|_| bf16_bits(rng.n() * 0.03)).collect();
-    HostLinear { name: format!("rand_dense_{out}x{inp}"), n: 1, out, inp, kind: LinearKind::Dense(tensor_u32("w", vec![out, inp], Dtype::BF16, pack_u16(&v), 2 * out * inp)) }
+    HostLinear {
+        name: format!("rand_dense_{out}x{inp}"),
+        n: 1,
+        out,
+        inp,
+        kind: LinearKind::Dense(tensor_u32(
+            "w",
+            vec![out, inp],
+            Dtype::BF16,
+            pack_u16(&v),
+            2 * out * inp,
+        )),
+    }
 }
 
 /// max over rows of `max |a − b| / max |b|` (rows of `row` values); NaN counts as infinite.
@@ -195,7 +273,13 @@ fn rel_rows(a: &[f32], b: &[f32], row: usize) -> f32 {
     let mut worst = 0f32;
     for (ra, rb) in a.chunks(row).zip(b.chunks(row)) {
         let scale = rb.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-        let e = ra.iter().zip(rb).fold(0f32, |m, (x, y)| if (x - y).is_nan() { f32::INFINITY } else { m.max((x - y).abs()) });
+        let e = ra.iter().zip(rb).fold(0f32, |m, (x, y)| {
+            if (x - y).is_nan() {
+                f32::INFINITY
+            } else {
+                m.max((x - y).abs())
+            }
+        });
         worst = worst.max(e / scale);
     }
     worst
@@ -217,23 +301,46 @@ fn check_act(what: &str, gpu: &[f32], cpu: &[f32], row: usize) {
     for (ra, rb) in gpu.chunks(row).zip(cpu.chunks(row)) {
         let scale = rb.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
         for (&a, &b) in ra.iter().zip(rb) {
-            let e = if (a - b).is_nan() { f32::INFINITY } else { ((a - b).abs() - U * b.abs()).max(0.0) / scale };
+            let e = if (a - b).is_nan() {
+                f32::INFINITY
+            } else {
+                ((a - b).abs() - U * b.abs()).max(0.0) / scale
+            };
             worst = worst.max(e);
         }
     }
     let plain = rel_rows(gpu, cpu, row);
     let bound = (1.0 + U) * F32_TOL;
     println!("{what:<58} err beyond bf16 rounding {worst:.2e} (tol {bound:.1e}); max rel err {plain:.2e} (tol {ACT_TOL:.2e})");
-    assert!(worst <= bound, "{what}: error beyond the outputs' bf16 rounding {worst:e} above {bound:e}");
-    assert!(plain <= ACT_TOL, "{what}: error {plain:e} above tolerance {ACT_TOL:e}");
+    assert!(
+        worst <= bound,
+        "{what}: error beyond the outputs' bf16 rounding {worst:e} above {bound:e}"
+    );
+    assert!(
+        plain <= ACT_TOL,
+        "{what}: error {plain:e} above tolerance {ACT_TOL:e}"
+    );
 }
 
 /// An activation output `act` of a GEMM equals its f32 output `f` rounded to bf16, bit for bit.
 fn check_rounded(what: &str, act: &[f32], f: &[f32]) {
     assert_eq!(act.len(), f.len());
-    let bad = act.iter().zip(f).filter(|(a, x)| a.to_bits() != bf16r(**x).to_bits()).count();
-    println!("{what:<58} bf16 output = f32 output rounded: {} of {} differ", bad, act.len());
-    assert_eq!(bad, 0, "{what}: {bad} of {} bf16 outputs are not the f32 output rounded to nearest even", act.len());
+    let bad = act
+        .iter()
+        .zip(f)
+        .filter(|(a, x)| a.to_bits() != bf16r(**x).to_bits())
+        .count();
+    println!(
+        "{what:<58} bf16 output = f32 output rounded: {} of {} differ",
+        bad,
+        act.len()
+    );
+    assert_eq!(
+        bad,
+        0,
+        "{what}: {bad} of {} bf16 outputs are not the f32 output rounded to nearest even",
+        act.len()
+    );
 }
 
 /// `v` rounded to bf16 (the values an activation buffer holds).
@@ -257,7 +364,10 @@ fn kernels_compile_with_nvrtc() {
             let dir = lily::backend::cuda::precompile_kernels("sm_90").unwrap();
             println!("kernel cache: {}", dir.display());
         }
-        Err(e) if format!("{e:#}").contains("could not be loaded") && std::env::var("LILY_REQUIRE_CUDA").is_err() => {
+        Err(e)
+            if format!("{e:#}").contains("could not be loaded")
+                && std::env::var("LILY_REQUIRE_CUDA").is_err() =>
+        {
             eprintln!("SKIPPED: {e:#}")
         }
         Err(e) => panic!("{e:#}"),
@@ -276,7 +386,14 @@ fn embed_dequantizes_rows_exactly() {
         let gt = g.upload_mat(&t).unwrap();
         let mut o = g.zeros(ids.len() * 2048).unwrap();
         g.embed(&gt, &ids, &mut o);
-        check(&format!("embed {bits}-bit{} [4096, 2048]", if f32s { " f32 scales" } else { "" }), rel_rows(&h(&g, &o), &c, 2048), EXACT);
+        check(
+            &format!(
+                "embed {bits}-bit{} [4096, 2048]",
+                if f32s { " f32 scales" } else { "" }
+            ),
+            rel_rows(&h(&g, &o), &c, 2048),
+            EXACT,
+        );
     }
 }
 
@@ -303,22 +420,43 @@ fn norms_and_elementwise() {
         let mut gh = g.upload_vec(&x).unwrap();
         let gr = g.upload_act(&r).unwrap();
         g.add_rms_norm(&mut gh, &gr, &gw, rows, dim, 1e-6, &mut go);
-        check(&format!("add_rms_norm [{rows}, {dim}] (residual, f32)"), rel_rows(&h(&g, &gh), &ch, dim), EXACT);
-        check_act(&format!("add_rms_norm [{rows}, {dim}] (normed)"), &h(&g, &go), &c, dim);
+        check(
+            &format!("add_rms_norm [{rows}, {dim}] (residual, f32)"),
+            rel_rows(&h(&g, &gh), &ch, dim),
+            EXACT,
+        );
+        check_act(
+            &format!("add_rms_norm [{rows}, {dim}] (normed)"),
+            &h(&g, &go),
+            &c,
+            dim,
+        );
 
         let mut ca = x.clone();
         Cpu.add(&mut ca, &r, rows * dim);
         let mut ga = g.upload_vec(&x).unwrap();
         g.add(&mut ga, &gr, rows * dim);
-        check(&format!("add [{rows}, {dim}] (f32)"), rel_rows(&h(&g, &ga), &ca, dim), EXACT);
+        check(
+            &format!("add [{rows}, {dim}] (f32)"),
+            rel_rows(&h(&g, &ga), &ca, dim),
+            EXACT,
+        );
 
         // Shared expert: swiglu over width 512, then the sigmoid-gated add over hidden (y, the
         // routed experts' output, is an activation updated in place; s, the gate logit, f32).
-        let (gg, uu) = (bf16v(rng.vec(rows * 512, 2.0)), bf16v(rng.vec(rows * 512, 1.0)));
+        let (gg, uu) = (
+            bf16v(rng.vec(rows * 512, 2.0)),
+            bf16v(rng.vec(rows * 512, 1.0)),
+        );
         let mut cs = vec![0f32; rows * 512];
         Cpu.swiglu(&gg, &uu, rows * 512, &mut cs);
         let mut gs = g.act_zeros(rows * 512).unwrap();
-        g.swiglu(&g.upload_act(&gg).unwrap(), &g.upload_act(&uu).unwrap(), rows * 512, &mut gs);
+        g.swiglu(
+            &g.upload_act(&gg).unwrap(),
+            &g.upload_act(&uu).unwrap(),
+            rows * 512,
+            &mut gs,
+        );
         check_act(&format!("swiglu [{rows}, 512]"), &h(&g, &gs), &cs, 512);
 
         let s = rng.vec(rows, 2.0);
@@ -327,7 +465,12 @@ fn norms_and_elementwise() {
         Cpu.add_sigmoid_gated(&mut cy, &r, &s, rows, dim);
         let mut gy = g.upload_act(&y).unwrap();
         g.add_sigmoid_gated(&mut gy, &gr, &g.upload_vec(&s).unwrap(), rows, dim);
-        check_act(&format!("add_sigmoid_gated [{rows}, {dim}]"), &h(&g, &gy), &cy, dim);
+        check_act(
+            &format!("add_sigmoid_gated [{rows}, {dim}]"),
+            &h(&g, &gy),
+            &cy,
+            dim,
+        );
     }
 }
 
@@ -337,15 +480,51 @@ fn matmul_q_gemv_and_gemm() {
     let mut rng = Rng(3);
     // (what, weight, rows tried): the projections of one layer at their real shapes.
     let cases: Vec<(&str, HostLinear, Vec<usize>)> = vec![
-        ("in_proj_qkv 4-bit [8192, 2048]", rand_quant(&mut rng, 1, 8192, 2048, 4, 64, false), vec![1, 2, 8, 9, 64, 130, 256]),
-        ("out_proj 4-bit [2048, 4096]", rand_quant(&mut rng, 1, 2048, 4096, 4, 64, false), vec![1, 8, 9, 100, 256]),
-        ("router 8-bit [256, 2048]", rand_quant(&mut rng, 1, 256, 2048, 8, 64, false), vec![1, 5, 77, 256]),
-        ("odd shape 4-bit [300, 96]", rand_quant(&mut rng, 1, 300, 96, 4, 32, false), vec![1, 9, 65]),
-        ("shared_expert_gate 8-bit [1, 2048]", rand_quant(&mut rng, 1, 1, 2048, 8, 64, false), vec![1, 33]),
-        ("in_proj_z 4-bit f32 scales [4096, 2048]", rand_quant(&mut rng, 1, 4096, 2048, 4, 64, true), vec![1, 40]),
-        ("in_proj_b 4-bit gs 32 [32, 2048]", rand_quant(&mut rng, 1, 32, 2048, 4, 32, false), vec![1, 20]),
-        ("dense bf16 [512, 2048]", rand_dense(&mut rng, 512, 2048), vec![1, 3, 70]),
-        ("lm_head 4-bit [248320, 2048]", rand_quant(&mut rng, 1, 248_320, 2048, 4, 64, false), vec![1, 9]),
+        (
+            "in_proj_qkv 4-bit [8192, 2048]",
+            rand_quant(&mut rng, 1, 8192, 2048, 4, 64, false),
+            vec![1, 2, 8, 9, 64, 130, 256],
+        ),
+        (
+            "out_proj 4-bit [2048, 4096]",
+            rand_quant(&mut rng, 1, 2048, 4096, 4, 64, false),
+            vec![1, 8, 9, 100, 256],
+        ),
+        (
+            "router 8-bit [256, 2048]",
+            rand_quant(&mut rng, 1, 256, 2048, 8, 64, false),
+            vec![1, 5, 77, 256],
+        ),
+        (
+            "odd shape 4-bit [300, 96]",
+            rand_quant(&mut rng, 1, 300, 96, 4, 32, false),
+            vec![1, 9, 65],
+        ),
+        (
+            "shared_expert_gate 8-bit [1, 2048]",
+            rand_quant(&mut rng, 1, 1, 2048, 8, 64, false),
+            vec![1, 33],
+        ),
+        (
+            "in_proj_z 4-bit f32 scales [4096, 2048]",
+            rand_quant(&mut rng, 1, 4096, 2048, 4, 64, true),
+            vec![1, 40],
+        ),
+        (
+            "in_proj_b 4-bit gs 32 [32, 2048]",
+            rand_quant(&mut rng, 1, 32, 2048, 4, 32, false),
+            vec![1, 20],
+        ),
+        (
+            "dense bf16 [512, 2048]",
+            rand_dense(&mut rng, 512, 2048),
+            vec![1, 3, 70],
+        ),
+        (
+            "lm_head 4-bit [248320, 2048]",
+            rand_quant(&mut rng, 1, 248_320, 2048, 4, 64, false),
+            vec![1, 9],
+        ),
     ];
     for (what, w, rows_list) in cases {
         let gw = g.upload_mat(&w).unwrap();
@@ -364,22 +543,49 @@ fn matmul_q_gemv_and_gemm() {
                 g.matmul_q(&gx, &gw, rows, &mut ga);
                 let scale_row = if w.out < 64 { rows * w.out } else { w.out };
                 let f = h(&g, &go);
-                check(&format!("matmul_q {what} rows {rows} (gemv)"), rel_rows(&f, &c, scale_row), F32_TOL);
-                check_rounded(&format!("matmul_q {what} rows {rows} (gemv)"), &h(&g, &ga), &f);
+                check(
+                    &format!("matmul_q {what} rows {rows} (gemv)"),
+                    rel_rows(&f, &c, scale_row),
+                    F32_TOL,
+                );
+                check_rounded(
+                    &format!("matmul_q {what} rows {rows} (gemv)"),
+                    &h(&g, &ga),
+                    &f,
+                );
                 continue;
             }
             g.set_tensor_core_gemm(false);
             g.matmul_q(&gx, &gw, rows, &mut go);
             g.matmul_q(&gx, &gw, rows, &mut ga);
             let f = h(&g, &go);
-            check(&format!("matmul_q {what} rows {rows} (f32 gemm)"), rel_rows(&f, &c, w.out), F32_TOL);
-            check_rounded(&format!("matmul_q {what} rows {rows} (f32 gemm)"), &h(&g, &ga), &f);
+            check(
+                &format!("matmul_q {what} rows {rows} (f32 gemm)"),
+                rel_rows(&f, &c, w.out),
+                F32_TOL,
+            );
+            check_rounded(
+                &format!("matmul_q {what} rows {rows} (f32 gemm)"),
+                &h(&g, &ga),
+                &f,
+            );
             g.set_tensor_core_gemm(true);
             g.matmul_q(&gx, &gw, rows, &mut go);
             g.matmul_q(&gx, &gw, rows, &mut ga);
             let f = h(&g, &go);
-            check_tc(&format!("matmul_q {what} rows {rows} (tc_gemm)"), &f, &c, &x, &w, rows);
-            check_rounded(&format!("matmul_q {what} rows {rows} (tc_gemm)"), &h(&g, &ga), &f);
+            check_tc(
+                &format!("matmul_q {what} rows {rows} (tc_gemm)"),
+                &f,
+                &c,
+                &x,
+                &w,
+                rows,
+            );
+            check_rounded(
+                &format!("matmul_q {what} rows {rows} (tc_gemm)"),
+                &h(&g, &ga),
+                &f,
+            );
         }
     }
 }
@@ -393,9 +599,20 @@ fn matmul_q_many_equals_one_by_one() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(12);
     let sets: Vec<Vec<HostLinear>> = vec![
-        vec![rand_quant(&mut rng, 1, 8192, 2048, 4, 64, false), rand_quant(&mut rng, 1, 4096, 2048, 4, 64, false), rand_quant(&mut rng, 1, 32, 2048, 4, 64, false), rand_quant(&mut rng, 1, 32, 2048, 4, 64, false)],
-        vec![rand_quant(&mut rng, 1, 256, 2048, 8, 64, false), rand_quant(&mut rng, 1, 1, 2048, 8, 64, false)],
-        vec![rand_quant(&mut rng, 1, 300, 2048, 4, 64, false), rand_quant(&mut rng, 1, 7, 2048, 8, 64, false)],
+        vec![
+            rand_quant(&mut rng, 1, 8192, 2048, 4, 64, false),
+            rand_quant(&mut rng, 1, 4096, 2048, 4, 64, false),
+            rand_quant(&mut rng, 1, 32, 2048, 4, 64, false),
+            rand_quant(&mut rng, 1, 32, 2048, 4, 64, false),
+        ],
+        vec![
+            rand_quant(&mut rng, 1, 256, 2048, 8, 64, false),
+            rand_quant(&mut rng, 1, 1, 2048, 8, 64, false),
+        ],
+        vec![
+            rand_quant(&mut rng, 1, 300, 2048, 4, 64, false),
+            rand_quant(&mut rng, 1, 7, 2048, 8, 64, false),
+        ],
     ];
     for ws in &sets {
         let x = bf16v(rng.vec(2048, 1.0));
@@ -411,10 +628,21 @@ fn matmul_q_many_equals_one_by_one() {
             let mut one = g.zeros(w.out).unwrap();
             g.matmul_q(&gx, gw, 1, &mut one);
             let (many, one) = (h(&g, &outs[i]), h(&g, &one));
-            assert!(many.iter().zip(&one).all(|(a, b)| a.to_bits() == b.to_bits()), "matmul_q_many matrix {i} ({}×{}) differs from matmul_q", w.out, w.inp);
+            assert!(
+                many.iter()
+                    .zip(&one)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "matmul_q_many matrix {i} ({}×{}) differs from matmul_q",
+                w.out,
+                w.inp
+            );
             let mut c = vec![0f32; w.out];
             Cpu.matmul_q(&x, w, 1, &mut c);
-            check(&format!("matmul_q_many matrix {i} [{}, {}]", w.out, w.inp), rel_rows(&many, &c, w.out), F32_TOL);
+            check(
+                &format!("matmul_q_many matrix {i} [{}, {}]", w.out, w.inp),
+                rel_rows(&many, &c, w.out),
+                F32_TOL,
+            );
         }
         // The same into activation buffers (as a GDN layer's projections are).
         let mut acts: Vec<_> = ws.iter().map(|w| g.act_zeros(w.out).unwrap()).collect();
@@ -424,7 +652,11 @@ fn matmul_q_many_equals_one_by_one() {
             g.matmul_q_many(&gx, &refs, 1, &mut outs_mut);
         }
         for (i, w) in ws.iter().enumerate() {
-            check_rounded(&format!("matmul_q_many matrix {i} [{}, {}] (bf16 out)", w.out, w.inp), &h(&g, &acts[i]), &h(&g, &outs[i]));
+            check_rounded(
+                &format!("matmul_q_many matrix {i} [{}, {}] (bf16 out)", w.out, w.inp),
+                &h(&g, &acts[i]),
+                &h(&g, &outs[i]),
+            );
         }
     }
 }
@@ -443,10 +675,34 @@ fn fused_decode_forms_equal_their_compositions() {
     let hid = d.hidden;
     let mut rng = Rng(31);
     let sets: Vec<(&str, Vec<HostLinear>)> = vec![
-        ("gdn in_proj qkv|z|b|a", vec![rand_quant(&mut rng, 1, 8192, hid, 4, 64, false), rand_quant(&mut rng, 1, 4096, hid, 4, 64, false), rand_quant(&mut rng, 1, 32, hid, 4, 64, false), rand_quant(&mut rng, 1, 32, hid, 4, 64, false)]),
-        ("attn q|k|v", vec![rand_quant(&mut rng, 1, 8192, hid, 4, 64, false), rand_quant(&mut rng, 1, 512, hid, 4, 64, false), rand_quant(&mut rng, 1, 512, hid, 4, 64, false)]),
-        ("router | shared gate 8-bit", vec![rand_quant(&mut rng, 1, 256, hid, 8, 64, false), rand_quant(&mut rng, 1, 1, hid, 8, 64, false)]),
-        ("lm_head-like 4-bit [50000, 2048]", vec![rand_quant(&mut rng, 1, 50_000, hid, 4, 64, false)]),
+        (
+            "gdn in_proj qkv|z|b|a",
+            vec![
+                rand_quant(&mut rng, 1, 8192, hid, 4, 64, false),
+                rand_quant(&mut rng, 1, 4096, hid, 4, 64, false),
+                rand_quant(&mut rng, 1, 32, hid, 4, 64, false),
+                rand_quant(&mut rng, 1, 32, hid, 4, 64, false),
+            ],
+        ),
+        (
+            "attn q|k|v",
+            vec![
+                rand_quant(&mut rng, 1, 8192, hid, 4, 64, false),
+                rand_quant(&mut rng, 1, 512, hid, 4, 64, false),
+                rand_quant(&mut rng, 1, 512, hid, 4, 64, false),
+            ],
+        ),
+        (
+            "router | shared gate 8-bit",
+            vec![
+                rand_quant(&mut rng, 1, 256, hid, 8, 64, false),
+                rand_quant(&mut rng, 1, 1, hid, 8, 64, false),
+            ],
+        ),
+        (
+            "lm_head-like 4-bit [50000, 2048]",
+            vec![rand_quant(&mut rng, 1, 50_000, hid, 4, 64, false)],
+        ),
     ];
     // h is the f32 residual stream (large values, as after many layers); w near 1 (MLX stores 1 + w).
     let hv: Vec<f32> = rng.vec(hid, 4.0);
@@ -470,14 +726,23 @@ fn fused_decode_forms_equal_their_compositions() {
                 g.rms_norm_matmul(&gh, &gnw, 1, hid, d.eps, &mut gxn, &refs, &mut om);
             }
             let xn = h(&g, &gxn);
-            assert!(xn.iter().zip(&kxn).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: the fused norm's x differs from rms_norm's (switches off: {off:?})");
+            assert!(
+                xn.iter().zip(&kxn).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: the fused norm's x differs from rms_norm's (switches off: {off:?})"
+            );
             runs.push(outs.iter().map(|o| h(&g, o)).collect::<Vec<_>>());
         }
         g.set_disabled(&[]).unwrap();
         check_act(&format!("rms_norm_matmul {what} (x)"), &kxn, &cxn, hid);
         let pool = ws.iter().map(|w| w.out).max().unwrap();
         for (i, w) in ws.iter().enumerate() {
-            assert!(runs[0][i].iter().zip(&runs[1][i]).all(|(a, b)| a.to_bits() == b.to_bits()), "{what}: matrix {i} differs between the fused and the unfused norm");
+            assert!(
+                runs[0][i]
+                    .iter()
+                    .zip(&runs[1][i])
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{what}: matrix {i} differs between the fused and the unfused norm"
+            );
             let mut c = vec![0f32; w.out];
             Cpu.matmul_q(&kxn, w, 1, &mut c);
             // Matrices of few outputs take the scale of the set's largest (pooled, as elsewhere).
@@ -485,11 +750,19 @@ fn fused_decode_forms_equal_their_compositions() {
                 let mut cp = vec![0f32; pool];
                 Cpu.matmul_q(&kxn, ws.iter().find(|m| m.out == pool).unwrap(), 1, &mut cp);
                 let scale = cp.iter().chain(&c).fold(0f32, |m, v| m.max(v.abs()));
-                runs[0][i].iter().zip(&c).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / scale
+                runs[0][i]
+                    .iter()
+                    .zip(&c)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+                    / scale
             } else {
                 rel_rows(&runs[0][i], &c, w.out)
             };
-            check(&format!("rms_norm_matmul {what} matrix {i} [{}, {}]", w.out, w.inp), err, F32_TOL);
+            check(
+                &format!("rms_norm_matmul {what} matrix {i} [{}, {}]", w.out, w.inp),
+                err,
+                F32_TOL,
+            );
         }
     }
 
@@ -502,20 +775,37 @@ fn fused_decode_forms_equal_their_compositions() {
         for token in 0..3 {
             let hv: Vec<f32> = rng.vec(hid, 4.0);
             let gh = g.upload_vec(&hv).unwrap();
-            let (mut lg, mut sl, mut xn) = (g.zeros(d.n_experts).unwrap(), g.zeros(1).unwrap(), g.act_zeros(hid).unwrap());
+            let (mut lg, mut sl, mut xn) = (
+                g.zeros(d.n_experts).unwrap(),
+                g.zeros(1).unwrap(),
+                g.act_zeros(hid).unwrap(),
+            );
             let mut route = g.new_route(1, d.top_k).unwrap();
-            g.moe_router(&gh, &gnw, 1, d.eps, &mut xn, &gr, &gs, &d, &mut lg, &mut sl, &mut route);
+            g.moe_router(
+                &gh, &gnw, 1, d.eps, &mut xn, &gr, &gs, &d, &mut lg, &mut sl, &mut route,
+            );
             let lv = h(&g, &lg);
             let mut cr = CpuRoute::default();
             Cpu.moe_route(&lv, &d, 1, &mut cr);
             let (ids, w) = g.route_to_host(&route, 1).unwrap();
             assert_eq!(ids, cr.ids, "moe_router token {token}: the last block's route differs from moe_route of its logits");
-            let werr = w.iter().zip(&cr.weights).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            check(&format!("moe_router token {token} (route weights, absolute)"), werr, 1e-6);
+            let werr = w
+                .iter()
+                .zip(&cr.weights)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            check(
+                &format!("moe_router token {token} (route weights, absolute)"),
+                werr,
+                1e-6,
+            );
             // The logits themselves: the router GEMV of the fused norm's x.
             let mut c = vec![0f32; d.n_experts];
             Cpu.matmul_q(&h(&g, &xn), &ws[0], 1, &mut c);
-            check(&format!("moe_router token {token} (logits)"), rel_rows(&lv, &c, d.n_experts), F32_TOL);
+            check(
+                &format!("moe_router token {token} (logits)"),
+                rel_rows(&lv, &c, d.n_experts),
+                F32_TOL,
+            );
         }
     }
 
@@ -534,12 +824,22 @@ fn fused_decode_forms_equal_their_compositions() {
         let mut o = g.zeros(rows * hid).unwrap();
         g.matmul_q(&gx, &gw, rows, &mut o);
         let sum: Vec<f32> = h0.iter().zip(h(&g, &o)).map(|(a, b)| a + b).collect();
-        assert!(fused.iter().zip(&sum).all(|(a, b)| a.to_bits() == b.to_bits()), "matmul_q_add rows {rows}: the epilogue's add differs from h + the f32 product");
+        assert!(
+            fused
+                .iter()
+                .zip(&sum)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "matmul_q_add rows {rows}: the epilogue's add differs from h + the f32 product"
+        );
         if rows == 1 {
             let mut c = h0.clone();
             let mut cr = vec![0f32; hid];
             Cpu.matmul_q_add(&x, &w, 1, &mut cr, &mut c);
-            check("matmul_q_add out_proj [2048, 4096] (decode, streaming)", rel_rows(&fused, &c, hid), F32_TOL);
+            check(
+                "matmul_q_add out_proj [2048, 4096] (decode, streaming)",
+                rel_rows(&fused, &c, hid),
+                F32_TOL,
+            );
         }
         // Unfused (the switch): the product rounded to a bf16 activation, then added.
         g.set_disabled(&["fuse_residual"]).unwrap();
@@ -548,7 +848,13 @@ fn fused_decode_forms_equal_their_compositions() {
         g.set_disabled(&[]).unwrap();
         let rr = h(&g, &r);
         let unf: Vec<f32> = h0.iter().zip(&rr).map(|(a, b)| a + b).collect();
-        assert!(h(&g, &gh2).iter().zip(&unf).all(|(a, b)| a.to_bits() == b.to_bits()), "matmul_q_add rows {rows} unfused: not h + the bf16 product");
+        assert!(
+            h(&g, &gh2)
+                .iter()
+                .zip(&unf)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "matmul_q_add rows {rows} unfused: not h + the bf16 product"
+        );
     }
 }
 
@@ -566,7 +872,10 @@ fn router_cluster_matches_the_cpu() {
     let d = qwen_dims();
     let hid = d.hidden;
     let mut rng = Rng(53);
-    let ws = [rand_quant(&mut rng, 1, d.n_experts, hid, 8, 64, false), rand_quant(&mut rng, 1, 1, hid, 8, 64, false)];
+    let ws = [
+        rand_quant(&mut rng, 1, d.n_experts, hid, 8, 64, false),
+        rand_quant(&mut rng, 1, 1, hid, 8, 64, false),
+    ];
     let (gr, gs) = (g.upload_mat(&ws[0]).unwrap(), g.upload_mat(&ws[1]).unwrap());
     let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
     let gnw = g.upload_vec(&nw).unwrap();
@@ -577,24 +886,54 @@ fn router_cluster_matches_the_cpu() {
         let mut kxn = g.act_zeros(hid).unwrap();
         g.rms_norm(&gh, &gnw, 1, hid, d.eps, &mut kxn);
         let kxn = h(&g, &kxn);
-        let (mut lg, mut sl, mut xn) = (g.zeros(d.n_experts).unwrap(), g.zeros(1).unwrap(), g.act_zeros(hid).unwrap());
+        let (mut lg, mut sl, mut xn) = (
+            g.zeros(d.n_experts).unwrap(),
+            g.zeros(1).unwrap(),
+            g.act_zeros(hid).unwrap(),
+        );
         let mut route = g.new_route(1, d.top_k).unwrap();
-        g.moe_router(&gh, &gnw, 1, d.eps, &mut xn, &gr, &gs, &d, &mut lg, &mut sl, &mut route);
-        assert!(h(&g, &xn).iter().zip(&kxn).all(|(a, b)| a.to_bits() == b.to_bits()), "router_cluster token {token}: the fused norm's x differs from rms_norm's");
+        g.moe_router(
+            &gh, &gnw, 1, d.eps, &mut xn, &gr, &gs, &d, &mut lg, &mut sl, &mut route,
+        );
+        assert!(
+            h(&g, &xn)
+                .iter()
+                .zip(&kxn)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "router_cluster token {token}: the fused norm's x differs from rms_norm's"
+        );
         let lv = h(&g, &lg);
         let mut c = vec![0f32; d.n_experts];
         Cpu.matmul_q(&kxn, &ws[0], 1, &mut c);
-        check(&format!("router_cluster token {token} (logits)"), rel_rows(&lv, &c, d.n_experts), F32_TOL);
+        check(
+            &format!("router_cluster token {token} (logits)"),
+            rel_rows(&lv, &c, d.n_experts),
+            F32_TOL,
+        );
         let mut cs = vec![0f32; 1];
         Cpu.matmul_q(&kxn, &ws[1], 1, &mut cs);
         let scale = c.iter().fold(0f32, |m, v| m.max(v.abs()));
-        check(&format!("router_cluster token {token} (shared gate, pooled scale)"), (h(&g, &sl)[0] - cs[0]).abs() / scale, F32_TOL);
+        check(
+            &format!("router_cluster token {token} (shared gate, pooled scale)"),
+            (h(&g, &sl)[0] - cs[0]).abs() / scale,
+            F32_TOL,
+        );
         let mut cr = CpuRoute::default();
         Cpu.moe_route(&lv, &d, 1, &mut cr);
         let (ids, w) = g.route_to_host(&route, 1).unwrap();
-        assert_eq!(ids, cr.ids, "router_cluster token {token}: the route differs from moe_route of its logits");
-        let werr = w.iter().zip(&cr.weights).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        check(&format!("router_cluster token {token} (route weights, absolute)"), werr, 1e-6);
+        assert_eq!(
+            ids, cr.ids,
+            "router_cluster token {token}: the route differs from moe_route of its logits"
+        );
+        let werr = w
+            .iter()
+            .zip(&cr.weights)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        check(
+            &format!("router_cluster token {token} (route weights, absolute)"),
+            werr,
+            1e-6,
+        );
     }
     g.set_enabled(&[]).unwrap();
 }
@@ -611,8 +950,16 @@ fn tc_gemv_matches_the_cpu() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(41);
     g.set_enabled(&["tc_all"]).unwrap();
-    for (k, outs) in [(2048usize, vec![8192usize, 4096, 32, 32]), (2048, vec![50_000]), (1024, vec![300, 7]), (512, vec![100])] {
-        let ws: Vec<HostLinear> = outs.iter().map(|&o| rand_quant(&mut rng, 1, o, k, 4, 64, false)).collect();
+    for (k, outs) in [
+        (2048usize, vec![8192usize, 4096, 32, 32]),
+        (2048, vec![50_000]),
+        (1024, vec![300, 7]),
+        (512, vec![100]),
+    ] {
+        let ws: Vec<HostLinear> = outs
+            .iter()
+            .map(|&o| rand_quant(&mut rng, 1, o, k, 4, 64, false))
+            .collect();
         let gws: Vec<_> = ws.iter().map(|w| g.upload_mat(w).unwrap()).collect();
         let refs: Vec<&_> = gws.iter().collect();
         let hv = rng.vec(k, 4.0);
@@ -627,7 +974,13 @@ fn tc_gemv_matches_the_cpu() {
             let mut om: Vec<&mut _> = gouts.iter_mut().collect();
             g.rms_norm_matmul(&gh, &gnw, 1, k, 1e-6, &mut gxn, &refs, &mut om);
         }
-        assert!(h(&g, &gxn).iter().zip(&kxn).all(|(a, b)| a.to_bits() == b.to_bits()), "tc_gemv K {k}: the fused norm's x differs from rms_norm's");
+        assert!(
+            h(&g, &gxn)
+                .iter()
+                .zip(&kxn)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "tc_gemv K {k}: the fused norm's x differs from rms_norm's"
+        );
         let pool = ws.iter().map(|w| w.out).max().unwrap();
         let mut cp = vec![0f32; pool];
         Cpu.matmul_q(&kxn, ws.iter().find(|w| w.out == pool).unwrap(), 1, &mut cp);
@@ -636,8 +989,19 @@ fn tc_gemv_matches_the_cpu() {
             let mut c = vec![0f32; w.out];
             Cpu.matmul_q(&kxn, w, 1, &mut c);
             let got = h(&g, &gouts[i]);
-            let err = if w.out < 64 { got.iter().zip(&c).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / pool_scale } else { rel_rows(&got, &c, w.out) };
-            check(&format!("tc_gemv (norm prologue) K {k} matrix {i} [{}, {k}]", w.out), err, F32_TOL);
+            let err = if w.out < 64 {
+                got.iter()
+                    .zip(&c)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+                    / pool_scale
+            } else {
+                rel_rows(&got, &c, w.out)
+            };
+            check(
+                &format!("tc_gemv (norm prologue) K {k} matrix {i} [{}, {k}]", w.out),
+                err,
+                F32_TOL,
+            );
             // The plain prologue (x an activation) through matmul_q.
             let gx = g.upload_act(&kxn).unwrap();
             let mut one = g.zeros(w.out).unwrap();
@@ -645,11 +1009,28 @@ fn tc_gemv_matches_the_cpu() {
             // The norm prologue runs on tensor cores only with 8 warps (K = 2048); elsewhere
             // rms_norm_matmul takes the SIMT kernel, and matmul_q is held to the CPU alone.
             if k == 2048 {
-                assert!(h(&g, &one).iter().zip(&got).all(|(a, b)| a.to_bits() == b.to_bits()), "tc_gemv K {k} matrix {i}: matmul_q differs from rms_norm_matmul on the same x");
+                assert!(
+                    h(&g, &one)
+                        .iter()
+                        .zip(&got)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "tc_gemv K {k} matrix {i}: matmul_q differs from rms_norm_matmul on the same x"
+                );
             } else {
                 let one = h(&g, &one);
-                let err = if w.out < 64 { one.iter().zip(&c).fold(0f32, |m, (a, b)| m.max((a - b).abs())) / pool_scale } else { rel_rows(&one, &c, w.out) };
-                check(&format!("tc_gemv (plain prologue) K {k} matrix {i} [{}, {k}]", w.out), err, F32_TOL);
+                let err = if w.out < 64 {
+                    one.iter()
+                        .zip(&c)
+                        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+                        / pool_scale
+                } else {
+                    rel_rows(&one, &c, w.out)
+                };
+                check(
+                    &format!("tc_gemv (plain prologue) K {k} matrix {i} [{}, {k}]", w.out),
+                    err,
+                    F32_TOL,
+                );
             }
         }
     }
@@ -666,7 +1047,11 @@ fn tc_gemv_matches_the_cpu() {
         let (gx, mut gh) = (g.upload_act(&x).unwrap(), g.upload_vec(&h0).unwrap());
         let mut r = g.act_zeros(rows).unwrap();
         g.matmul_q_add(&gx, &gw, 1, &mut r, &mut gh);
-        check(&format!("tc_gemv K 4096 rows {rows} (+ residual)"), rel_rows(&h(&g, &gh), &want, rows), F32_TOL);
+        check(
+            &format!("tc_gemv K 4096 rows {rows} (+ residual)"),
+            rel_rows(&h(&g, &gh), &want, rows),
+            F32_TOL,
+        );
     }
     g.set_enabled(&[]).unwrap();
 }
@@ -684,24 +1069,51 @@ fn fused_gdn_mixer_equals_its_composition() {
     let Some(g) = gpu() else { return };
     let d = qwen_dims();
     let mut rng = Rng(51);
-    let (c, hv, dv, dk, hid) = (d.conv_channels(), d.gdn_v_heads, d.gdn_v_dim, d.gdn_k_dim, d.hidden);
-    let mats: Vec<HostLinear> = [c, hv * dv, hv, hv].iter().map(|&o| rand_quant(&mut rng, 1, o, hid, 4, 64, false)).collect();
+    let (c, hv, dv, dk, hid) = (
+        d.conv_channels(),
+        d.gdn_v_heads,
+        d.gdn_v_dim,
+        d.gdn_k_dim,
+        d.hidden,
+    );
+    let mats: Vec<HostLinear> = [c, hv * dv, hv, hv]
+        .iter()
+        .map(|&o| rand_quant(&mut rng, 1, o, hid, 4, 64, false))
+        .collect();
     let outp = rand_quant(&mut rng, 1, hid, hv * dv, 4, 64, false);
     let gm: Vec<_> = mats.iter().map(|m| g.upload_mat(m).unwrap()).collect();
     let gout = g.upload_mat(&outp).unwrap();
     let conv_w = g.upload_vec(&rng.vec(c * d.conv_kernel, 0.5)).unwrap();
-    let a_log: Vec<f32> = (0..hv).map(|_| (1.0 + 7.5 * (rng.f() + 1.0)).ln()).collect();
+    let a_log: Vec<f32> = (0..hv)
+        .map(|_| (1.0 + 7.5 * (rng.f() + 1.0)).ln())
+        .collect();
     let dt_bias: Vec<f32> = (0..hv).map(|_| rng.f()).collect();
     let norm: Vec<f32> = (0..dv).map(|_| 1.0 + 0.1 * rng.f()).collect();
-    let params = GdnParams { a_log: g.upload_vec(&a_log).unwrap(), dt_bias: g.upload_vec(&dt_bias).unwrap(), norm: g.upload_vec(&norm).unwrap() };
-    let in_norm = g.upload_vec(&(0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect::<Vec<_>>()).unwrap();
-    let w = lily::backend::GdnWeights { in_proj: [&gm[0], &gm[1], &gm[2], &gm[3]], conv1d: &conv_w, params: &params, out_proj: &gout };
+    let params = GdnParams {
+        a_log: g.upload_vec(&a_log).unwrap(),
+        dt_bias: g.upload_vec(&dt_bias).unwrap(),
+        norm: g.upload_vec(&norm).unwrap(),
+    };
+    let in_norm = g
+        .upload_vec(&(0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect::<Vec<_>>())
+        .unwrap();
+    let w = lily::backend::GdnWeights {
+        in_proj: [&gm[0], &gm[1], &gm[2], &gm[3]],
+        conv1d: &conv_w,
+        params: &params,
+        out_proj: &gout,
+    };
     let h0 = rng.vec(hid, 4.0);
     let conv0: Vec<f32> = bf16v(rng.vec((d.conv_kernel - 1) * c, 1.0));
     let ssm0 = rng.vec(hv * dv * dk, 0.05);
     let run = |fused: bool| {
-        g.set_enabled(if fused { &["fuse_gdn"][..] } else { &[][..] }).unwrap();
-        let (mut gh, mut conv, mut ssm) = (g.upload_vec(&h0).unwrap(), g.upload_vec(&conv0).unwrap(), g.upload_vec(&ssm0).unwrap());
+        g.set_enabled(if fused { &["fuse_gdn"][..] } else { &[][..] })
+            .unwrap();
+        let (mut gh, mut conv, mut ssm) = (
+            g.upload_vec(&h0).unwrap(),
+            g.upload_vec(&conv0).unwrap(),
+            g.upload_vec(&ssm0).unwrap(),
+        );
         let mut steps = Vec::new();
         for _ in 0..3 {
             let (mut xn, mut qkv, mut qkv_c, mut z, mut b, mut a, mut y, mut r) = (
@@ -714,7 +1126,16 @@ fn fused_gdn_mixer_equals_its_composition() {
                 g.act_zeros(hv * dv).unwrap(),
                 g.act_zeros(hid).unwrap(),
             );
-            let tmp = lily::backend::GdnScratch { xn: &mut xn, qkv: &mut qkv, qkv_c: &mut qkv_c, z: &mut z, b: &mut b, a: &mut a, y: &mut y, r: &mut r };
+            let tmp = lily::backend::GdnScratch {
+                xn: &mut xn,
+                qkv: &mut qkv,
+                qkv_c: &mut qkv_c,
+                z: &mut z,
+                b: &mut b,
+                a: &mut a,
+                y: &mut y,
+                r: &mut r,
+            };
             g.gdn_mixer_decode_add(&mut gh, &in_norm, d.eps, &w, &mut conv, &mut ssm, &d, tmp);
             steps.push((h(&g, &gh), h(&g, &conv), h(&g, &ssm)));
         }
@@ -724,15 +1145,35 @@ fn fused_gdn_mixer_equals_its_composition() {
     let (fu, co) = (run(true), run(false));
     // The first token: identical inputs, so identical states. Later tokens start from h values a
     // rounding apart, so only their updates are compared.
-    assert!(fu[0].1.iter().zip(&co[0].1).all(|(a, b)| a.to_bits() == b.to_bits()), "fused GDN mixer: the conv state differs from the composition's");
-    assert!(fu[0].2.iter().zip(&co[0].2).all(|(a, b)| a.to_bits() == b.to_bits()), "fused GDN mixer: the recurrent state differs from the composition's");
+    assert!(
+        fu[0]
+            .1
+            .iter()
+            .zip(&co[0].1)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "fused GDN mixer: the conv state differs from the composition's"
+    );
+    assert!(
+        fu[0]
+            .2
+            .iter()
+            .zip(&co[0].2)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "fused GDN mixer: the recurrent state differs from the composition's"
+    );
     let (mut pf, mut pc) = (h0.clone(), h0.clone());
     for (step, ((a, _, _), (b, _, _))) in fu.iter().zip(&co).enumerate() {
         let da: Vec<f32> = a.iter().zip(&pf).map(|(x, p)| x - p).collect();
         let db: Vec<f32> = b.iter().zip(&pc).map(|(x, p)| x - p).collect();
         let e = rel_l2(&da, &db);
-        println!("fused GDN mixer token {step}: h update rel L2 vs the composition {e:.2e} (tol {:.1e})", 1.0 / 256.0);
-        assert!(e <= 1.0 / 256.0, "fused GDN mixer token {step}: relative L2 {e:e} of the update");
+        println!(
+            "fused GDN mixer token {step}: h update rel L2 vs the composition {e:.2e} (tol {:.1e})",
+            1.0 / 256.0
+        );
+        assert!(
+            e <= 1.0 / 256.0,
+            "fused GDN mixer token {step}: relative L2 {e:e} of the update"
+        );
         pf = a.clone();
         pc = b.clone();
     }
@@ -743,7 +1184,10 @@ fn fused_gdn_mixer_equals_its_composition() {
 fn sample_cols(out: usize, rows: usize) -> Vec<usize> {
     let tiles = out.div_ceil(64);
     let stride = (out * rows).div_ceil(1 << 21).max(1);
-    (0..tiles).filter(|t| t % stride == 0 || t + 1 == tiles).flat_map(|t| t * 64..(t * 64 + 64).min(out)).collect()
+    (0..tiles)
+        .filter(|t| t % stride == 0 || t + 1 == tiles)
+        .flat_map(|t| t * 64..(t * 64 + 64).min(out))
+        .collect()
 }
 
 /// The tensor-core GEMM's checks (module header): `gpu` and `cpu` are `[rows, out]`.
@@ -752,7 +1196,10 @@ fn check_tc(what: &str, gpu: &[f32], cpu: &[f32], x: &[f32], w: &HostLinear, row
     let acc = k as f64 * (0.5f64).powi(22);
     let u = U as f64;
     let cols = sample_cols(out, rows);
-    assert!(x.iter().all(|&v| v == bf16r(v)), "{what}: x must be bf16 values (an activation)");
+    assert!(
+        x.iter().all(|&v| v == bf16r(v)),
+        "{what}: x must be bf16 values (an activation)"
+    );
     let view = w.view(0);
     // (worst |gpu − emu| / bound, worst |gpu − cpu| / bound) over the sampled columns.
     let (emu, worst) = cols
@@ -781,9 +1228,18 @@ fn check_tc(what: &str, gpu: &[f32], cpu: &[f32], x: &[f32], w: &HostLinear, row
         .reduce(|| (0.0, 0.0), |a, b| (a.0.max(b.0), a.1.max(b.1)));
     let rms = rel_l2(gpu, cpu);
     println!("{what:<58} err/bound: {emu:.2} (bf16 emulation, {} cols), {worst:.3} (f32 CPU); rel L2 {rms:.2e}", cols.len());
-    assert!(emu <= 1.0, "{what}: {emu} times the accumulation bound off the bf16 emulation");
-    assert!(worst <= 1.0, "{what}: {worst} times the bf16 rounding bound off the CPU");
-    assert!(rms <= (0.5f64).powi(6), "{what}: relative L2 error {rms:e} above 2^-6");
+    assert!(
+        emu <= 1.0,
+        "{what}: {emu} times the accumulation bound off the bf16 emulation"
+    );
+    assert!(
+        worst <= 1.0,
+        "{what}: {worst} times the bf16 rounding bound off the CPU"
+    );
+    assert!(
+        rms <= (0.5f64).powi(6),
+        "{what}: relative L2 error {rms:e} above 2^-6"
+    );
 }
 
 /// ‖a − b‖₂ / ‖b‖₂ in f64 (NaN fails).
@@ -803,7 +1259,11 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
 
 /// A cache in the backend's KV element type (f32 on the CPU, bf16 on CUDA), as `SeqState` makes it.
 fn kv_new<B: Backend>(b: &B, cap: usize, kvd: usize) -> KvCache<B::Buf> {
-    KvCache { k: b.kv_zeros(cap * kvd).unwrap(), v: b.kv_zeros(cap * kvd).unwrap(), capacity: cap }
+    KvCache {
+        k: b.kv_zeros(cap * kvd).unwrap(),
+        v: b.kv_zeros(cap * kvd).unwrap(),
+        capacity: cap,
+    }
 }
 
 #[test]
@@ -824,16 +1284,55 @@ fn attention_prefill_then_decode() {
         // qg and k (normed and rotated in place) are activations: bf16 on both sides.
         let qg = bf16v(rng.vec(rows * hq * 2 * hd, 1.0));
         let k = bf16v(rng.vec(rows * kvd, 1.0));
-        let (mut cq, mut cgate, mut ck) = (vec![0f32; rows * hq * hd], vec![0f32; rows * hq * hd], k.clone());
-        Cpu.attn_qk_norm_rope(&qg, &mut ck, &qn, &kn, &d, rows, pos0, None, &mut cq, &mut cgate);
-        let (mut gq, mut ggate, mut gk) = (g.act_zeros(rows * hq * hd).unwrap(), g.act_zeros(rows * hq * hd).unwrap(), g.upload_act(&k).unwrap());
+        let (mut cq, mut cgate, mut ck) = (
+            vec![0f32; rows * hq * hd],
+            vec![0f32; rows * hq * hd],
+            k.clone(),
+        );
+        Cpu.attn_qk_norm_rope(
+            &qg, &mut ck, &qn, &kn, &d, rows, pos0, None, &mut cq, &mut cgate,
+        );
+        let (mut gq, mut ggate, mut gk) = (
+            g.act_zeros(rows * hq * hd).unwrap(),
+            g.act_zeros(rows * hq * hd).unwrap(),
+            g.upload_act(&k).unwrap(),
+        );
         g.set_step(&mut gstep, 0, pos0);
-        let (host_pos, step) = if use_step { (0, Some(&gstep)) } else { (pos0, None) };
-        g.attn_qk_norm_rope(&g.upload_act(&qg).unwrap(), &mut gk, &gqn, &gkn, &d, rows, host_pos, step, &mut gq, &mut ggate);
-        check_act(&format!("attn_qk_norm_rope rows {rows} pos {pos0} (q)"), &h(&g, &gq), &cq, hd);
-        check_act(&format!("attn_qk_norm_rope rows {rows} pos {pos0} (k)"), &h(&g, &gk), &ck, hd);
+        let (host_pos, step) = if use_step {
+            (0, Some(&gstep))
+        } else {
+            (pos0, None)
+        };
+        g.attn_qk_norm_rope(
+            &g.upload_act(&qg).unwrap(),
+            &mut gk,
+            &gqn,
+            &gkn,
+            &d,
+            rows,
+            host_pos,
+            step,
+            &mut gq,
+            &mut ggate,
+        );
+        check_act(
+            &format!("attn_qk_norm_rope rows {rows} pos {pos0} (q)"),
+            &h(&g, &gq),
+            &cq,
+            hd,
+        );
+        check_act(
+            &format!("attn_qk_norm_rope rows {rows} pos {pos0} (k)"),
+            &h(&g, &gk),
+            &ck,
+            hd,
+        );
         // The gate is a copy of qg's second half: bf16 to bf16.
-        check(&format!("attn_qk_norm_rope rows {rows} pos {pos0} (gate)"), rel_rows(&h(&g, &ggate), &cgate, hd), EXACT);
+        check(
+            &format!("attn_qk_norm_rope rows {rows} pos {pos0} (gate)"),
+            rel_rows(&h(&g, &ggate), &cgate, hd),
+            EXACT,
+        );
     }
 
     // Two prefill chunks, decode steps, a long chunk, decode steps past several splits (the
@@ -845,7 +1344,10 @@ fn attention_prefill_then_decode() {
     let mut ckv = kv_new(&Cpu, cap, kvd);
     let mut gkv = kv_new(&g, cap, kvd);
     let mut pos = 0;
-    for (step, rows) in [64usize, 37, 1, 1, 1, 500, 1, 1, 256, 1].into_iter().enumerate() {
+    for (step, rows) in [64usize, 37, 1, 1, 1, 500, 1, 1, 256, 1]
+        .into_iter()
+        .enumerate()
+    {
         // q, k, v and gate are activations (bf16 on both sides): the GPU's bf16 cache then holds
         // exactly the CPU's f32 values, so the tolerances below measure the kernels.
         let q = bf16v(rng.vec(rows * hq * hd, 1.0));
@@ -853,10 +1355,25 @@ fn attention_prefill_then_decode() {
         let v = bf16v(rng.vec(rows * kvd, 1.0));
         let gate = bf16v(rng.vec(rows * hq * hd, 2.0));
         let mut c = vec![0f32; rows * hq * hd];
-        let (gq, gk, gv, gg) = (g.upload_act(&q).unwrap(), g.upload_act(&k).unwrap(), g.upload_act(&v).unwrap(), g.upload_act(&gate).unwrap());
+        let (gq, gk, gv, gg) = (
+            g.upload_act(&q).unwrap(),
+            g.upload_act(&k).unwrap(),
+            g.upload_act(&v).unwrap(),
+            g.upload_act(&gate).unwrap(),
+        );
         let mut go = g.act_zeros(rows * hq * hd).unwrap();
         let what = if rows == 1 {
-            Cpu.attn_decode(&q, &k, &v, &gate, &mut ckv, &d, pos, &CpuStep { token: 0, pos }, &mut c);
+            Cpu.attn_decode(
+                &q,
+                &k,
+                &v,
+                &gate,
+                &mut ckv,
+                &d,
+                pos,
+                &CpuStep { token: 0, pos },
+                &mut c,
+            );
             g.set_step(&mut gstep, 0, pos);
             g.attn_decode(&gq, &gk, &gv, &gg, &mut gkv, &d, pos, &gstep, &mut go);
             format!("attn_decode step {step} at pos {pos}")
@@ -865,7 +1382,17 @@ fn attention_prefill_then_decode() {
             // Both paths; the second appends the same k, v again (idempotent).
             g.set_tensor_core_attention(true);
             g.attn_prefill(&gq, &gk, &gv, &gg, &mut gkv, &d, rows, pos, &mut go);
-            check_attn_tc(&format!("attn_prefill {rows} rows at pos {pos} (attn_tc)"), &h(&g, &go), &c, &q, &gate, &ckv, &d, rows, pos);
+            check_attn_tc(
+                &format!("attn_prefill {rows} rows at pos {pos} (attn_tc)"),
+                &h(&g, &go),
+                &c,
+                &q,
+                &gate,
+                &ckv,
+                &d,
+                rows,
+                pos,
+            );
             g.set_tensor_core_attention(false);
             g.attn_prefill(&gq, &gk, &gv, &gg, &mut gkv, &d, rows, pos, &mut go);
             g.set_tensor_core_attention(true);
@@ -874,12 +1401,26 @@ fn attention_prefill_then_decode() {
         check_act(&what, &h(&g, &go), &c, hd);
         pos += rows;
     }
-    check("attention KV cache after prefill + decode (K)", rel_rows(&h(&g, &gkv.k), &ckv.k, kvd), EXACT);
-    check("attention KV cache after prefill + decode (V)", rel_rows(&h(&g, &gkv.v), &ckv.v, kvd), EXACT);
+    check(
+        "attention KV cache after prefill + decode (K)",
+        rel_rows(&h(&g, &gkv.k), &ckv.k, kvd),
+        EXACT,
+    );
+    check(
+        "attention KV cache after prefill + decode (V)",
+        rel_rows(&h(&g, &gkv.v), &ckv.v, kvd),
+        EXACT,
+    );
     // The bf16 cache read back (to_host widens it) holds the CPU's rows 0..pos bit for bit.
     let same_bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-    assert!(same_bits(&g.to_host(&gkv.k, pos * kvd).unwrap(), &ckv.k[..pos * kvd]), "bf16 K cache differs from the CPU's rows 0..{pos}");
-    assert!(same_bits(&g.to_host(&gkv.v, pos * kvd).unwrap(), &ckv.v[..pos * kvd]), "bf16 V cache differs from the CPU's rows 0..{pos}");
+    assert!(
+        same_bits(&g.to_host(&gkv.k, pos * kvd).unwrap(), &ckv.k[..pos * kvd]),
+        "bf16 K cache differs from the CPU's rows 0..{pos}"
+    );
+    assert!(
+        same_bits(&g.to_host(&gkv.v, pos * kvd).unwrap(), &ckv.v[..pos * kvd]),
+        "bf16 V cache differs from the CPU's rows 0..{pos}"
+    );
 }
 
 /// Decode attention (the split kernel with the append folded in, then the combine) against the
@@ -899,10 +1440,34 @@ fn attention_decode_capacities() {
     let Some(g) = gpu() else { return };
     let qd = qwen_dims();
     let shapes = [
-        (qd, vec![(64usize, vec![0usize, 1, 7, 8, 63]), (1024, vec![0, 63, 64, 65, 520, 1023]), (131_072, vec![0, 5, 131_000, 131_071])]),
+        (
+            qd,
+            vec![
+                (64usize, vec![0usize, 1, 7, 8, 63]),
+                (1024, vec![0, 63, 64, 65, 520, 1023]),
+                (131_072, vec![0, 5, 131_000, 131_071]),
+            ],
+        ),
         (Dims { n_heads: 32, ..qd }, vec![(1024, vec![0, 9, 700])]),
-        (Dims { n_heads: 4, head_dim: 128, rotary_dim: 32, ..qd }, vec![(1024, vec![0, 100, 1000])]),
-        (Dims { n_heads: 2, n_kv_heads: 1, head_dim: 64, rotary_dim: 16, ..qd }, vec![(1024, vec![0, 64, 1023])]),
+        (
+            Dims {
+                n_heads: 4,
+                head_dim: 128,
+                rotary_dim: 32,
+                ..qd
+            },
+            vec![(1024, vec![0, 100, 1000])],
+        ),
+        (
+            Dims {
+                n_heads: 2,
+                n_kv_heads: 1,
+                head_dim: 64,
+                rotary_dim: 16,
+                ..qd
+            },
+            vec![(1024, vec![0, 64, 1023])],
+        ),
     ];
     let mut rng = Rng(11);
     let mut gstep = g.new_step().unwrap();
@@ -911,35 +1476,85 @@ fn attention_decode_capacities() {
         let (kvd, group) = (kvh * hd, hq / kvh);
         for (cap, positions) in caps {
             // Uniform values of unit variance (cheap for 2 × 67M values), bf16 on both sides.
-            let mut fill = |n: usize| -> Vec<f32> { (0..n).map(|_| bf16r(rng.f() * 1.7)).collect() };
-            let mut ckv = KvCache { k: fill(cap * kvd), v: fill(cap * kvd), capacity: cap };
-            let mut gkv = KvCache { k: g.upload_act(&ckv.k).unwrap(), v: g.upload_act(&ckv.v).unwrap(), capacity: cap };
+            let mut fill =
+                |n: usize| -> Vec<f32> { (0..n).map(|_| bf16r(rng.f() * 1.7)).collect() };
+            let mut ckv = KvCache {
+                k: fill(cap * kvd),
+                v: fill(cap * kvd),
+                capacity: cap,
+            };
+            let mut gkv = KvCache {
+                k: g.upload_act(&ckv.k).unwrap(),
+                v: g.upload_act(&ckv.v).unwrap(),
+                capacity: cap,
+            };
             for pos in positions {
                 let q = bf16v(rng.vec(hq * hd, 1.0));
                 let mut k = bf16v(rng.vec(kvd, 1.0));
                 let v = bf16v(rng.vec(kvd, 1.0));
                 let gate = bf16v(rng.vec(hq * hd, 2.0));
                 // Needle i: KV head i % kvh, its head slot (i / kvh) % group, at key spots[i].
-                let spots = [0, 7, 8, 63, 64, pos / 3, pos / 2, pos.saturating_sub(8), pos.saturating_sub(1), pos];
+                let spots = [
+                    0,
+                    7,
+                    8,
+                    63,
+                    64,
+                    pos / 3,
+                    pos / 2,
+                    pos.saturating_sub(8),
+                    pos.saturating_sub(1),
+                    pos,
+                ];
                 for (i, &j) in spots.iter().enumerate().filter(|(_, &j)| j <= pos) {
                     let (kh, head) = (i % kvh, (i % kvh) * group + (i / kvh) % group);
-                    let row: Vec<f32> = q[head * hd..][..hd].iter().map(|&x| bf16r(0.75 * x)).collect();
+                    let row: Vec<f32> = q[head * hd..][..hd]
+                        .iter()
+                        .map(|&x| bf16r(0.75 * x))
+                        .collect();
                     if j == pos {
                         k[kh * hd..][..hd].copy_from_slice(&row);
                     } else {
                         ckv.k[j * kvd + kh * hd..][..hd].copy_from_slice(&row);
-                        g.copy(&g.upload_act(&row).unwrap(), 0, &mut gkv.k, j * kvd + kh * hd, hd);
+                        g.copy(
+                            &g.upload_act(&row).unwrap(),
+                            0,
+                            &mut gkv.k,
+                            j * kvd + kh * hd,
+                            hd,
+                        );
                     }
                 }
                 let mut c = vec![0f32; hq * hd];
-                Cpu.attn_decode(&q, &k, &v, &gate, &mut ckv, &d, pos, &CpuStep { token: 0, pos }, &mut c);
-                let (gq, gk, gv, gg) = (g.upload_act(&q).unwrap(), g.upload_act(&k).unwrap(), g.upload_act(&v).unwrap(), g.upload_act(&gate).unwrap());
+                Cpu.attn_decode(
+                    &q,
+                    &k,
+                    &v,
+                    &gate,
+                    &mut ckv,
+                    &d,
+                    pos,
+                    &CpuStep { token: 0, pos },
+                    &mut c,
+                );
+                let (gq, gk, gv, gg) = (
+                    g.upload_act(&q).unwrap(),
+                    g.upload_act(&k).unwrap(),
+                    g.upload_act(&v).unwrap(),
+                    g.upload_act(&gate).unwrap(),
+                );
                 let mut go = g.act_zeros(hq * hd).unwrap();
                 g.set_step(&mut gstep, 0, pos);
                 g.attn_decode(&gq, &gk, &gv, &gg, &mut gkv, &d, pos, &gstep, &mut go);
-                check_act(&format!("attn_decode {hq}/{kvh} heads of {hd}, capacity {cap}, pos {pos}"), &h(&g, &go), &c, hd);
+                check_act(
+                    &format!("attn_decode {hq}/{kvh} heads of {hd}, capacity {cap}, pos {pos}"),
+                    &h(&g, &go),
+                    &c,
+                    hd,
+                );
             }
-            let same_bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            let same_bits =
+                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
             assert!(same_bits(&h(&g, &gkv.k), &ckv.k), "capacity {cap}: the bf16 K cache differs from the CPU's (a step's row not written, or another row written)");
             assert!(same_bits(&h(&g, &gkv.v), &ckv.v), "capacity {cap}: the bf16 V cache differs from the CPU's (a step's row not written, or another row written)");
         }
@@ -950,7 +1565,17 @@ fn attention_decode_capacities() {
 /// header; `gpu` is the op's bf16 output, `q` and `gate` bf16 values), and against the CPU in
 /// relative L2.
 #[allow(clippy::too_many_arguments)]
-fn check_attn_tc(what: &str, gpu: &[f32], cpu: &[f32], q: &[f32], gate: &[f32], kv: &KvCache<Vec<f32>>, d: &Dims, rows: usize, pos0: usize) {
+fn check_attn_tc(
+    what: &str,
+    gpu: &[f32],
+    cpu: &[f32],
+    q: &[f32],
+    gate: &[f32],
+    kv: &KvCache<Vec<f32>>,
+    d: &Dims,
+    rows: usize,
+    pos0: usize,
+) {
     let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
     let (kvd, grp) = (kvh * hd, hq / kvh);
     let u = U as f64;
@@ -980,7 +1605,10 @@ fn check_attn_tc(what: &str, gpu: &[f32], cpu: &[f32], q: &[f32], gate: &[f32], 
             let p: Vec<f64> = s.iter().map(|&x| (x - m).exp()).collect();
             let l: f64 = p.iter().sum();
             let dl: f64 = p.iter().zip(&ds).map(|(p, d)| p * (d.exp() - 1.0)).sum();
-            let fac: Vec<f64> = ds.iter().map(|d| d.exp() * (1.0 + u) * (1.0 + u) - 1.0).collect();
+            let fac: Vec<f64> = ds
+                .iter()
+                .map(|d| d.exp() * (1.0 + u) * (1.0 + u) - 1.0)
+                .collect();
             let (mut w1, mut w2) = (0f64, 0f64);
             for i in 0..hd {
                 let (mut num, mut dn) = (0f64, 0f64);
@@ -1002,9 +1630,18 @@ fn check_attn_tc(what: &str, gpu: &[f32], cpu: &[f32], q: &[f32], gate: &[f32], 
         .reduce(|| (0.0, 0.0), |a, b| (a.0.max(b.0), a.1.max(b.1)));
     let rms = rel_l2(gpu, cpu);
     println!("{what:<58} err/bound {worst:.3} (f64 reference; the CPU's f32 result {cpu_off:.1e}); rel L2 vs CPU {rms:.2e}");
-    assert!(cpu_off < 0.05, "{what}: the CPU's result is {cpu_off} times the bound off the f64 reference");
-    assert!(worst <= 1.0, "{what}: {worst} times the propagated bf16 bound off the f64 reference");
-    assert!(rms <= (0.5f64).powi(6), "{what}: relative L2 error {rms:e} above 2^-6");
+    assert!(
+        cpu_off < 0.05,
+        "{what}: the CPU's result is {cpu_off} times the bound off the f64 reference"
+    );
+    assert!(
+        worst <= 1.0,
+        "{what}: {worst} times the propagated bf16 bound off the f64 reference"
+    );
+    assert!(
+        rms <= (0.5f64).powi(6),
+        "{what}: relative L2 error {rms:e} above 2^-6"
+    );
 }
 
 #[test]
@@ -1035,18 +1672,43 @@ fn conv_and_gdn_prefill_then_decode() {
             Cpu.conv1d_prefill(&x, &w, &mut cst, &d, rows, &mut co);
             g.conv1d_prefill(&gx, &gw, &mut gst, &d, rows, &mut go);
         }
-        check_act(&format!("conv1d_{} {rows} rows (out)", if rows == 1 { "step" } else { "prefill" }), &h(&g, &go), &co, c);
-        check(&format!("conv1d_{} {rows} rows (state)", if rows == 1 { "step" } else { "prefill" }), rel_rows(&h(&g, &gst), &cst, c), EXACT);
+        check_act(
+            &format!(
+                "conv1d_{} {rows} rows (out)",
+                if rows == 1 { "step" } else { "prefill" }
+            ),
+            &h(&g, &go),
+            &co,
+            c,
+        );
+        check(
+            &format!(
+                "conv1d_{} {rows} rows (state)",
+                if rows == 1 { "step" } else { "prefill" }
+            ),
+            rel_rows(&h(&g, &gst), &cst, c),
+            EXACT,
+        );
     }
 
     // GDN: prefill 40 rows, then 3 decode steps, the f32 state carried. qkv, z, b, a and out are
     // activations: each step's inputs are the same bf16 values on both sides (outputs are not fed
     // back), so the state sees identical inputs and stays within f32 rounding of the CPU's.
-    let a_log: Vec<f32> = (0..hv).map(|_| (1.0 + 7.5 * (rng.f() + 1.0)).ln()).collect();
+    let a_log: Vec<f32> = (0..hv)
+        .map(|_| (1.0 + 7.5 * (rng.f() + 1.0)).ln())
+        .collect();
     let dt_bias: Vec<f32> = (0..hv).map(|_| rng.f()).collect();
     let norm: Vec<f32> = (0..dv).map(|_| 1.0 + 0.1 * rng.f()).collect();
-    let cp = GdnParams { a_log: a_log.clone(), dt_bias: dt_bias.clone(), norm: norm.clone() };
-    let gp = GdnParams { a_log: g.upload_vec(&a_log).unwrap(), dt_bias: g.upload_vec(&dt_bias).unwrap(), norm: g.upload_vec(&norm).unwrap() };
+    let cp = GdnParams {
+        a_log: a_log.clone(),
+        dt_bias: dt_bias.clone(),
+        norm: norm.clone(),
+    };
+    let gp = GdnParams {
+        a_log: g.upload_vec(&a_log).unwrap(),
+        dt_bias: g.upload_vec(&dt_bias).unwrap(),
+        norm: g.upload_vec(&norm).unwrap(),
+    };
     let mut cs = vec![0f32; hv * dv * dk];
     let mut gs = g.zeros(cs.len()).unwrap();
     for (step, rows) in [40usize, 1, 1, 1].into_iter().enumerate() {
@@ -1056,7 +1718,12 @@ fn conv_and_gdn_prefill_then_decode() {
         let a = bf16v(rng.vec(rows * hv, 1.5));
         let mut co = vec![0f32; rows * hv * dv];
         let mut go = g.act_zeros(rows * hv * dv).unwrap();
-        let (gqkv, gz, gb, ga) = (g.upload_act(&qkv).unwrap(), g.upload_act(&z).unwrap(), g.upload_act(&b).unwrap(), g.upload_act(&a).unwrap());
+        let (gqkv, gz, gb, ga) = (
+            g.upload_act(&qkv).unwrap(),
+            g.upload_act(&z).unwrap(),
+            g.upload_act(&b).unwrap(),
+            g.upload_act(&a).unwrap(),
+        );
         if rows == 1 {
             Cpu.gdn_decode(&qkv, &z, &b, &a, &cp, &mut cs, &d, &mut co);
             g.gdn_decode(&gqkv, &gz, &gb, &ga, &gp, &mut gs, &d, &mut go);
@@ -1064,12 +1731,25 @@ fn conv_and_gdn_prefill_then_decode() {
             Cpu.gdn_prefill(&qkv, &z, &b, &a, &cp, &mut cs, &d, rows, &mut co);
             g.gdn_prefill(&gqkv, &gz, &gb, &ga, &gp, &mut gs, &d, rows, &mut go);
         }
-        let kind = if rows == 1 { "gdn_decode" } else { "gdn_prefill" };
+        let kind = if rows == 1 {
+            "gdn_decode"
+        } else {
+            "gdn_prefill"
+        };
         // Per token (the out_proj input row), not per head: a head whose y = S·q nearly cancels is
         // scaled up by its RMS norm, and there f32 itself is ill-conditioned (the CPU's f32 result
         // was seen 4.6e-4 off an f64 port in such a head, whose outputs are ~1e-3 of the row's).
-        check_act(&format!("{kind} step {step}, {rows} rows (out)"), &h(&g, &go), &co, hv * dv);
-        check(&format!("{kind} step {step}, {rows} rows (fp32 state)"), rel_rows(&h(&g, &gs), &cs, dv * dk), F32_TOL);
+        check_act(
+            &format!("{kind} step {step}, {rows} rows (out)"),
+            &h(&g, &go),
+            &co,
+            hv * dv,
+        );
+        check(
+            &format!("{kind} step {step}, {rows} rows (fp32 state)"),
+            rel_rows(&h(&g, &gs), &cs, dv * dk),
+            F32_TOL,
+        );
     }
 }
 
@@ -1082,7 +1762,11 @@ fn moe_route_and_experts() {
     let gate = rand_quant(&mut rng, e, width, hid, 4, 64, false);
     let up = rand_quant(&mut rng, e, width, hid, 4, 64, false);
     let down = rand_quant(&mut rng, e, hid, width, 4, 64, false);
-    let (gg, gu, gd) = (g.upload_mat(&gate).unwrap(), g.upload_mat(&up).unwrap(), g.upload_mat(&down).unwrap());
+    let (gg, gu, gd) = (
+        g.upload_mat(&gate).unwrap(),
+        g.upload_mat(&up).unwrap(),
+        g.upload_mat(&down).unwrap(),
+    );
     for rows in [100usize, 256, 1] {
         // Router logits are f32.
         let mut logits = rng.vec(rows * e, 3.0);
@@ -1096,10 +1780,20 @@ fn moe_route_and_experts() {
         g.moe_route(&g.upload_vec(&logits).unwrap(), &d, rows, &mut gr);
         let (ids, w) = g.route_to_host(&gr, rows).unwrap();
         let mismatched = ids.iter().zip(&cr.ids).filter(|(a, b)| a != b).count();
-        println!("moe_route [{rows}, {e}] top-{k}: {mismatched} of {} ids differ", ids.len());
+        println!(
+            "moe_route [{rows}, {e}] top-{k}: {mismatched} of {} ids differ",
+            ids.len()
+        );
         assert_eq!(ids, cr.ids, "moe_route: expert ids differ");
-        let werr = w.iter().zip(&cr.weights).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        check(&format!("moe_route [{rows}, {e}] top-{k} (weights, absolute)"), werr, 1e-6);
+        let werr = w
+            .iter()
+            .zip(&cr.weights)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        check(
+            &format!("moe_route [{rows}, {e}] top-{k} (weights, absolute)"),
+            werr,
+            1e-6,
+        );
 
         // x and out are activations (x bf16 on both sides).
         let x = bf16v(rng.vec(rows * hid, 1.0));
@@ -1110,7 +1804,16 @@ fn moe_route_and_experts() {
         if rows == 1 {
             assert!(!Cpu.moe_experts_decode(&x, &cr, &gate, &up, &down, None, &d, &mut c));
             assert!(!g.moe_experts_decode(&gx, &gr, &gg, &gu, &gd, None, &d, &mut go));
-            check_moe(&format!("moe_experts_decode, {e} experts 4-bit [512, 2048]"), &h(&g, &go), &c, &x, &routed, rows, false, 1);
+            check_moe(
+                &format!("moe_experts_decode, {e} experts 4-bit [512, 2048]"),
+                &h(&g, &go),
+                &c,
+                &x,
+                &routed,
+                rows,
+                false,
+                1,
+            );
             // With the shared expert folded in (same format: slot k of the same kernels) and in
             // another format (8-bit: not folded, so added by the unfused ops as the model does,
             // whose gated add rounds the output a second time). The CPU never folds. The gate
@@ -1120,41 +1823,127 @@ fn moe_route_and_experts() {
                 let sgate = rand_quant(&mut rng, 1, width, hid, bits, 64, false);
                 let sup = rand_quant(&mut rng, 1, width, hid, bits, 64, false);
                 let sdown = rand_quant(&mut rng, 1, hid, width, bits, 64, false);
-                let (gsg, gsu, gsd, gl) = (g.upload_mat(&sgate).unwrap(), g.upload_mat(&sup).unwrap(), g.upload_mat(&sdown).unwrap(), g.upload_vec(&logit).unwrap());
+                let (gsg, gsu, gsd, gl) = (
+                    g.upload_mat(&sgate).unwrap(),
+                    g.upload_mat(&sup).unwrap(),
+                    g.upload_mat(&sdown).unwrap(),
+                    g.upload_vec(&logit).unwrap(),
+                );
                 let mut cs = vec![0f32; hid];
-                let csh = SharedExpert { gate: &sgate, up: &sup, down: &sdown, logit: &logit };
-                assert!(!Cpu.moe_experts_decode(&x, &cr, &gate, &up, &down, Some(&csh), &d, &mut cs));
+                let csh = SharedExpert {
+                    gate: &sgate,
+                    up: &sup,
+                    down: &sdown,
+                    logit: &logit,
+                };
+                assert!(!Cpu.moe_experts_decode(
+                    &x,
+                    &cr,
+                    &gate,
+                    &up,
+                    &down,
+                    Some(&csh),
+                    &d,
+                    &mut cs
+                ));
                 add_shared_expert(&Cpu, &x, &csh, width, hid, &mut cs);
                 let mut gs = g.act_zeros(hid).unwrap();
-                let gsh = SharedExpert { gate: &gsg, up: &gsu, down: &gsd, logit: &gl };
+                let gsh = SharedExpert {
+                    gate: &gsg,
+                    up: &gsu,
+                    down: &gsd,
+                    logit: &gl,
+                };
                 let folded = g.moe_experts_decode(&gx, &gr, &gg, &gu, &gd, Some(&gsh), &d, &mut gs);
-                assert_eq!(folded, bits == 4, "the shared expert is folded in exactly when it has the experts' format");
+                assert_eq!(
+                    folded,
+                    bits == 4,
+                    "the shared expert is folded in exactly when it has the experts' format"
+                );
                 if !folded {
                     add_shared_expert(&g, &gx, &gsh, width, hid, &mut gs);
                 }
                 let mut slots = routed.clone();
-                slots.push(Slot { t: 0, w: 1.0 / (1.0 + (-(logit[0] as f64)).exp()), mats: [&sgate, &sup, &sdown], e: 0 });
+                slots.push(Slot {
+                    t: 0,
+                    w: 1.0 / (1.0 + (-(logit[0] as f64)).exp()),
+                    mats: [&sgate, &sup, &sdown],
+                    e: 0,
+                });
                 let rounds = if bits == 4 { 1 } else { 2 };
-                check_moe(&format!("moe_experts_decode + {bits}-bit shared expert"), &h(&g, &gs), &cs, &x, &slots, rows, false, rounds);
-                assert!(rel_rows(&cs, &c, hid) > 1e-3, "the shared expert changed nothing");
+                check_moe(
+                    &format!("moe_experts_decode + {bits}-bit shared expert"),
+                    &h(&g, &gs),
+                    &cs,
+                    &x,
+                    &slots,
+                    rows,
+                    false,
+                    rounds,
+                );
+                assert!(
+                    rel_rows(&cs, &c, hid) > 1e-3,
+                    "the shared expert changed nothing"
+                );
                 // The whole block added into the residual stream (h = 0 here, so h is the MoE
                 // output): streaming (4-bit: the two moe_sw launches, no intermediate rounding of
                 // the slots' down outputs or of the sum, which the bound allows for), and with
                 // `fuse_moe` off (the composition: rounded output, then the add). 8-bit shared:
                 // the composition either way.
-                for (off, on) in [(&[][..], &[][..]), (&["fuse_moe"][..], &[][..]), (&[][..], &["tc_all"][..])] {
+                for (off, on) in [
+                    (&[][..], &[][..]),
+                    (&["fuse_moe"][..], &[][..]),
+                    (&[][..], &["tc_all"][..]),
+                ] {
                     g.set_disabled(off).unwrap();
                     g.set_enabled(on).unwrap();
                     let mut gh = g.zeros(hid).unwrap();
-                    let (mut t0, mut t1, mut t2, mut t3, mut t4) = (g.act_zeros(hid).unwrap(), g.act_zeros(width).unwrap(), g.act_zeros(width).unwrap(), g.act_zeros(width).unwrap(), g.act_zeros(hid).unwrap());
-                    let tmp = MoeScratch { out: &mut t0, g: &mut t1, u: &mut t2, act: &mut t3, down: &mut t4 };
+                    let (mut t0, mut t1, mut t2, mut t3, mut t4) = (
+                        g.act_zeros(hid).unwrap(),
+                        g.act_zeros(width).unwrap(),
+                        g.act_zeros(width).unwrap(),
+                        g.act_zeros(width).unwrap(),
+                        g.act_zeros(hid).unwrap(),
+                    );
+                    let tmp = MoeScratch {
+                        out: &mut t0,
+                        g: &mut t1,
+                        u: &mut t2,
+                        act: &mut t3,
+                        down: &mut t4,
+                    };
                     g.moe_decode_add(&gx, &gr, &gg, &gu, &gd, &gsh, &d, tmp, &mut gh);
                     g.set_disabled(&[]).unwrap();
                     g.set_enabled(&[]).unwrap();
                     let mut ch = vec![0f32; hid];
-                    let (mut c0, mut c1, mut c2, mut c3, mut c4) = (vec![0f32; hid], vec![0f32; width], vec![0f32; width], vec![0f32; width], vec![0f32; hid]);
-                    Cpu.moe_decode_add(&x, &cr, &gate, &up, &down, &csh, &d, MoeScratch { out: &mut c0, g: &mut c1, u: &mut c2, act: &mut c3, down: &mut c4 }, &mut ch);
-                    assert!(ch.iter().zip(&cs).all(|(a, b)| a.to_bits() == b.to_bits()), "the CPU's moe_decode_add is not its composition");
+                    let (mut c0, mut c1, mut c2, mut c3, mut c4) = (
+                        vec![0f32; hid],
+                        vec![0f32; width],
+                        vec![0f32; width],
+                        vec![0f32; width],
+                        vec![0f32; hid],
+                    );
+                    Cpu.moe_decode_add(
+                        &x,
+                        &cr,
+                        &gate,
+                        &up,
+                        &down,
+                        &csh,
+                        &d,
+                        MoeScratch {
+                            out: &mut c0,
+                            g: &mut c1,
+                            u: &mut c2,
+                            act: &mut c3,
+                            down: &mut c4,
+                        },
+                        &mut ch,
+                    );
+                    assert!(
+                        ch.iter().zip(&cs).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "the CPU's moe_decode_add is not its composition"
+                    );
                     check_moe(&format!("moe_decode_add + {bits}-bit shared (switches off: {off:?}, on: {on:?})"), &h(&g, &gh), &ch, &x, &slots, rows, false, rounds);
                 }
             }
@@ -1162,10 +1951,28 @@ fn moe_route_and_experts() {
             Cpu.moe_experts_prefill(&x, &cr, &gate, &up, &down, &d, rows, &mut c);
             g.set_tensor_core_gemm(false);
             g.moe_experts_prefill(&gx, &gr, &gg, &gu, &gd, &d, rows, &mut go);
-            check_moe(&format!("moe_experts_prefill {rows} rows (f32 gemm)"), &h(&g, &go), &c, &x, &routed, rows, false, 1);
+            check_moe(
+                &format!("moe_experts_prefill {rows} rows (f32 gemm)"),
+                &h(&g, &go),
+                &c,
+                &x,
+                &routed,
+                rows,
+                false,
+                1,
+            );
             g.set_tensor_core_gemm(true);
             g.moe_experts_prefill(&gx, &gr, &gg, &gu, &gd, &d, rows, &mut go);
-            check_moe(&format!("moe_experts_prefill {rows} rows (tc)"), &h(&g, &go), &c, &x, &routed, rows, true, 1);
+            check_moe(
+                &format!("moe_experts_prefill {rows} rows (tc)"),
+                &h(&g, &go),
+                &c,
+                &x,
+                &routed,
+                rows,
+                true,
+                1,
+            );
         }
     }
 }
@@ -1183,7 +1990,18 @@ struct Slot<'a> {
 /// The routed slots of a CPU route (slot t·k + j), over the stacks `mats` (gate, up, down).
 fn route_slots<'a>(route: &CpuRoute, mats: [&'a HostLinear; 3]) -> Vec<Slot<'a>> {
     let k = route.k;
-    route.ids.iter().zip(&route.weights).enumerate().map(|(s, (&e, &w))| Slot { t: s / k, w: w as f64, mats, e: e as usize }).collect()
+    route
+        .ids
+        .iter()
+        .zip(&route.weights)
+        .enumerate()
+        .map(|(s, (&e, &w))| Slot {
+            t: s / k,
+            w: w as f64,
+            mats,
+            e: e as usize,
+        })
+        .collect()
 }
 
 /// The experts (any path) against the CPU: per output, within a rounding bound propagated in f64
@@ -1209,11 +2027,27 @@ fn route_slots<'a>(route: &CpuRoute, mats: [&'a HostLinear; 3]) -> Vec<Slot<'a>>
 /// emulation of the f32 path's roundings (g, u, act, each slot's y, the output) is 2.8-3.6e-3 off
 /// the CPU here, held to 2^-7; the tensor-core path adds the weights' rounding, held to 2^-6.
 #[allow(clippy::too_many_arguments)]
-fn check_moe(what: &str, gpu: &[f32], cpu: &[f32], x: &[f32], slots: &[Slot], rows: usize, tc: bool, rounds: usize) {
+fn check_moe(
+    what: &str,
+    gpu: &[f32],
+    cpu: &[f32],
+    x: &[f32],
+    slots: &[Slot],
+    rows: usize,
+    tc: bool,
+    rounds: usize,
+) {
     let (hid, width) = (slots[0].mats[0].inp, slots[0].mats[0].out);
-    assert!(x.iter().all(|&v| v == bf16r(v)), "{what}: x must be bf16 values (an activation)");
+    assert!(
+        x.iter().all(|&v| v == bf16r(v)),
+        "{what}: x must be bf16 values (an activation)"
+    );
     let u = U as f64;
-    let (w_rel, acc_unit, l2_tol) = if tc { (u, (0.5f64).powi(22), (0.5f64).powi(6)) } else { ((0.5f64).powi(20), (0.5f64).powi(23), (0.5f64).powi(7)) };
+    let (w_rel, acc_unit, l2_tol) = if tc {
+        (u, (0.5f64).powi(22), (0.5f64).powi(6))
+    } else {
+        ((0.5f64).powi(20), (0.5f64).powi(23), (0.5f64).powi(7))
+    };
     let acc = |k: usize| k as f64 * acc_unit;
     let c_in = w_rel + acc(hid);
     let c_dn = w_rel + acc(width) * (1.0 + w_rel);
@@ -1222,7 +2056,10 @@ fn check_moe(what: &str, gpu: &[f32], cpu: &[f32], x: &[f32], slots: &[Slot], ro
     // (index, w·y, bound of w·y).
     let mut groups: std::collections::BTreeMap<(usize, usize), Vec<usize>> = Default::default();
     for (i, s) in slots.iter().enumerate() {
-        groups.entry((s.mats[0] as *const HostLinear as usize, s.e)).or_default().push(i);
+        groups
+            .entry((s.mats[0] as *const HostLinear as usize, s.e))
+            .or_default()
+            .push(i);
     }
     let groups: Vec<Vec<usize>> = groups.into_values().collect();
     type Part = (usize, Vec<f64>, Vec<f64>);
@@ -1247,7 +2084,10 @@ fn check_moe(what: &str, gpu: &[f32], cpu: &[f32], x: &[f32], slots: &[Slot], ro
                 for o in 0..width {
                     let (mut gv, mut sg, mut uv, mut su) = (0f64, 0f64, 0f64, 0f64);
                     for i in 0..hid {
-                        let (pg, pu) = (xt[i] as f64 * wg[o * hid + i] as f64, xt[i] as f64 * wu[o * hid + i] as f64);
+                        let (pg, pu) = (
+                            xt[i] as f64 * wg[o * hid + i] as f64,
+                            xt[i] as f64 * wu[o * hid + i] as f64,
+                        );
                         gv += pg;
                         sg += pg.abs();
                         uv += pu;
@@ -1283,7 +2123,12 @@ fn check_moe(what: &str, gpu: &[f32], cpu: &[f32], x: &[f32], slots: &[Slot], ro
             res
         })
         .collect();
-    let (mut yref, mut bsum, mut asum, mut n) = (vec![0f64; rows * hid], vec![0f64; rows * hid], vec![0f64; rows * hid], vec![0usize; rows]);
+    let (mut yref, mut bsum, mut asum, mut n) = (
+        vec![0f64; rows * hid],
+        vec![0f64; rows * hid],
+        vec![0f64; rows * hid],
+        vec![0usize; rows],
+    );
     for (i, y, b) in parts.into_iter().flatten() {
         let t = slots[i].t;
         n[t] += 1;
@@ -1305,20 +2150,57 @@ fn check_moe(what: &str, gpu: &[f32], cpu: &[f32], x: &[f32], slots: &[Slot], ro
         cpu_off = cpu_off.max((cpu[i] as f64 - r).abs() / (e + 1e-30));
     }
     let rms = rel_l2(gpu, cpu);
-    let popular = slots.iter().filter(|s| s.e == 3 && std::ptr::eq(s.mats[0], slots[0].mats[0])).count();
+    let popular = slots
+        .iter()
+        .filter(|s| s.e == 3 && std::ptr::eq(s.mats[0], slots[0].mats[0]))
+        .count();
     println!("{what:<58} err/bound {worst:.3} (f64 reference; the CPU's f32 result {cpu_off:.1e}); rel L2 vs CPU {rms:.2e} (tol {l2_tol:.1e}); expert 3 has {popular} rows");
     // The reference is the right function: the CPU's f32 result sits deep inside the bound.
-    assert!(cpu_off < 0.05, "{what}: the CPU's result is {cpu_off} times the bound off the f64 reference");
-    assert!(worst <= 1.0, "{what}: {worst} times the propagated bf16 bound off the f64 reference");
-    assert!(rms <= l2_tol, "{what}: relative L2 error {rms:e} above {l2_tol:e}");
+    assert!(
+        cpu_off < 0.05,
+        "{what}: the CPU's result is {cpu_off} times the bound off the f64 reference"
+    );
+    assert!(
+        worst <= 1.0,
+        "{what}: {worst} times the propagated bf16 bound off the f64 reference"
+    );
+    assert!(
+        rms <= l2_tol,
+        "{what}: relative L2 error {rms:e} above {l2_tol:e}"
+    );
 }
 
 /// `out += sigmoid(logit) · down(silu(gate(x)) · up(x))` with the unfused ops, as the model adds a
 /// shared expert that `moe_experts_decode` did not fold in: `lily::backend::add_shared_expert` on
 /// scratch made here.
-fn add_shared_expert<B: Backend>(b: &B, x: &B::Buf, sh: &SharedExpert<'_, B>, width: usize, hid: usize, out: &mut B::Buf) {
-    let (mut g, mut u, mut a, mut y) = (b.act_zeros(width).unwrap(), b.act_zeros(width).unwrap(), b.act_zeros(width).unwrap(), b.act_zeros(hid).unwrap());
-    lily::backend::add_shared_expert(b, x, sh, 1, hid, MoeScratch { out, g: &mut g, u: &mut u, act: &mut a, down: &mut y });
+fn add_shared_expert<B: Backend>(
+    b: &B,
+    x: &B::Buf,
+    sh: &SharedExpert<'_, B>,
+    width: usize,
+    hid: usize,
+    out: &mut B::Buf,
+) {
+    let (mut g, mut u, mut a, mut y) = (
+        b.act_zeros(width).unwrap(),
+        b.act_zeros(width).unwrap(),
+        b.act_zeros(width).unwrap(),
+        b.act_zeros(hid).unwrap(),
+    );
+    lily::backend::add_shared_expert(
+        b,
+        x,
+        sh,
+        1,
+        hid,
+        MoeScratch {
+            out,
+            g: &mut g,
+            u: &mut u,
+            act: &mut a,
+            down: &mut y,
+        },
+    );
 }
 
 #[test]
@@ -1331,17 +2213,34 @@ fn argmax_first_on_ties() {
     l[vocab + 200_000] = 50.0;
     l[2 * vocab + vocab - 1] = 60.0; // the last index
     let c: Vec<u32> = l.chunks(vocab).map(lily::runtime::argmax).collect();
-    assert_eq!(&c[1..], &[1000, vocab as u32 - 1], "the host arg-max: first on ties, last index");
+    assert_eq!(
+        &c[1..],
+        &[1000, vocab as u32 - 1],
+        "the host arg-max: first on ties, last index"
+    );
     // The decode step's two-pass pick: the host's index, and the position advanced by one. The
     // tie of row 1 falls in different first-pass slices, the last index in the last slice.
     let mut step = g.new_step().unwrap();
     for (r, &want) in c.iter().enumerate() {
         g.set_step(&mut step, 7, 100 + r);
-        g.argmax_step(&g.upload_vec(&l[r * vocab..(r + 1) * vocab]).unwrap(), vocab, &mut step);
+        g.argmax_step(
+            &g.upload_vec(&l[r * vocab..(r + 1) * vocab]).unwrap(),
+            vocab,
+            &mut step,
+        );
         assert_eq!(g.step_token(&step).unwrap(), want, "argmax_step row {r}");
-        let mut cs = CpuStep { token: 7, pos: 100 + r };
+        let mut cs = CpuStep {
+            token: 7,
+            pos: 100 + r,
+        };
         Cpu.argmax_step(&l[r * vocab..(r + 1) * vocab].to_vec(), vocab, &mut cs);
-        assert_eq!(cs, CpuStep { token: want, pos: 101 + r });
+        assert_eq!(
+            cs,
+            CpuStep {
+                token: want,
+                pos: 101 + r
+            }
+        );
     }
 }
 
@@ -1355,7 +2254,10 @@ fn bad_shapes_are_errors_not_crashes() {
     let mut o = g.act_zeros(64).unwrap();
     g.matmul_q(&x, &gw, 1, &mut o);
     let e = format!("{:#}", g.to_host(&o, 64).unwrap_err());
-    assert!(e.contains("needed") && !e.contains("bf16"), "not the size error: {e}");
+    assert!(
+        e.contains("needed") && !e.contains("bf16"),
+        "not the size error: {e}"
+    );
 }
 
 /// The attention kernels read a bf16 cache: one of f32 elements (`zeros`, not `kv_zeros`) is an
@@ -1365,8 +2267,17 @@ fn f32_kv_cache_is_an_error() {
     let Some(g) = gpu() else { return };
     let d = qwen_dims();
     let (hq, hd, kvd) = (d.n_heads, d.head_dim, d.n_kv_heads * d.head_dim);
-    let mut kv = KvCache { k: g.zeros(16 * kvd).unwrap(), v: g.zeros(16 * kvd).unwrap(), capacity: 16 };
-    let (q, k, v, gate) = (g.act_zeros(hq * hd).unwrap(), g.act_zeros(kvd).unwrap(), g.act_zeros(kvd).unwrap(), g.act_zeros(hq * hd).unwrap());
+    let mut kv = KvCache {
+        k: g.zeros(16 * kvd).unwrap(),
+        v: g.zeros(16 * kvd).unwrap(),
+        capacity: 16,
+    };
+    let (q, k, v, gate) = (
+        g.act_zeros(hq * hd).unwrap(),
+        g.act_zeros(kvd).unwrap(),
+        g.act_zeros(kvd).unwrap(),
+        g.act_zeros(hq * hd).unwrap(),
+    );
     let mut o = g.act_zeros(hq * hd).unwrap();
     g.attn_prefill(&q, &k, &v, &gate, &mut kv, &d, 1, 0, &mut o);
     let e = g.to_host(&o, hq * hd).unwrap_err();
@@ -1388,35 +2299,66 @@ fn f32_activation_is_an_error() {
     type Case = (&'static str, &'static str, fn(&Cuda, &HostLinear, bool));
     let cases: [Case; 6] = [
         ("rms_norm: f32 out", "rms_norm", |g, _, ok| {
-            let (x, nw) = (g.zeros(2 * 128).unwrap(), g.upload_vec(&[1.0; 128]).unwrap());
-            let mut out = if ok { g.act_zeros(2 * 128).unwrap() } else { g.zeros(2 * 128).unwrap() };
+            let (x, nw) = (
+                g.zeros(2 * 128).unwrap(),
+                g.upload_vec(&[1.0; 128]).unwrap(),
+            );
+            let mut out = if ok {
+                g.act_zeros(2 * 128).unwrap()
+            } else {
+                g.zeros(2 * 128).unwrap()
+            };
             g.rms_norm(&x, &nw, 2, 128, 1e-6, &mut out);
         }),
-        ("rms_norm: bf16 x (the residual stream is f32)", "rms_norm", |g, _, ok| {
-            let x = if ok { g.zeros(2 * 128).unwrap() } else { g.act_zeros(2 * 128).unwrap() };
-            let nw = g.upload_vec(&[1.0; 128]).unwrap();
-            let mut out = g.act_zeros(2 * 128).unwrap();
-            g.rms_norm(&x, &nw, 2, 128, 1e-6, &mut out);
-        }),
+        (
+            "rms_norm: bf16 x (the residual stream is f32)",
+            "rms_norm",
+            |g, _, ok| {
+                let x = if ok {
+                    g.zeros(2 * 128).unwrap()
+                } else {
+                    g.act_zeros(2 * 128).unwrap()
+                };
+                let nw = g.upload_vec(&[1.0; 128]).unwrap();
+                let mut out = g.act_zeros(2 * 128).unwrap();
+                g.rms_norm(&x, &nw, 2, 128, 1e-6, &mut out);
+            },
+        ),
         ("matmul_q: f32 x", "matmul_q", |g, w, ok| {
             let gw = g.upload_mat(w).unwrap();
-            let x = if ok { g.act_zeros(2 * 128).unwrap() } else { g.zeros(2 * 128).unwrap() };
+            let x = if ok {
+                g.act_zeros(2 * 128).unwrap()
+            } else {
+                g.zeros(2 * 128).unwrap()
+            };
             let mut out = g.zeros(2 * 64).unwrap();
             g.matmul_q(&x, &gw, 2, &mut out);
         }),
         ("add: f32 r", "add", |g, _, ok| {
             let mut h = g.zeros(256).unwrap();
-            let r = if ok { g.act_zeros(256).unwrap() } else { g.zeros(256).unwrap() };
+            let r = if ok {
+                g.act_zeros(256).unwrap()
+            } else {
+                g.zeros(256).unwrap()
+            };
             g.add(&mut h, &r, 256);
         }),
         ("swiglu: f32 u", "swiglu", |g, _, ok| {
             let gg = g.act_zeros(256).unwrap();
-            let u = if ok { g.act_zeros(256).unwrap() } else { g.zeros(256).unwrap() };
+            let u = if ok {
+                g.act_zeros(256).unwrap()
+            } else {
+                g.zeros(256).unwrap()
+            };
             let mut out = g.act_zeros(256).unwrap();
             g.swiglu(&gg, &u, 256, &mut out);
         }),
         ("argmax_step: bf16 logits", "argmax_step", |g, _, ok| {
-            let l = if ok { g.zeros(1000).unwrap() } else { g.act_zeros(1000).unwrap() };
+            let l = if ok {
+                g.zeros(1000).unwrap()
+            } else {
+                g.act_zeros(1000).unwrap()
+            };
             let mut step = g.new_step().unwrap();
             g.set_step(&mut step, 0, 0);
             g.argmax_step(&l, 1000, &mut step);
@@ -1424,7 +2366,8 @@ fn f32_activation_is_an_error() {
     ];
     for (what, op, call) in cases {
         call(&good, &w, true);
-        good.check().unwrap_or_else(|e| panic!("{what}, right types: {e:#}"));
+        good.check()
+            .unwrap_or_else(|e| panic!("{what}, right types: {e:#}"));
         let g = gpu().unwrap();
         call(&g, &w, false);
         let e = format!("{:#}", g.check().expect_err(what));
@@ -1461,25 +2404,34 @@ fn end_to_end(preset: &str) {
 
     let t0 = std::time::Instant::now();
     let mut cs = cpu.new_state(n + 64).unwrap();
-    let cl = cpu.forward(&mut cs, &ids, lily::model::Logits::All, None).unwrap();
+    let cl = cpu
+        .forward(&mut cs, &ids, lily::model::Logits::All, None)
+        .unwrap();
     let t_cpu = t0.elapsed();
     let t0 = std::time::Instant::now();
     let mut gs = cuda.new_state(n + 64).unwrap();
-    let gl = cuda.forward(&mut gs, &ids, lily::model::Logits::All, None).unwrap();
+    let gl = cuda
+        .forward(&mut gs, &ids, lily::model::Logits::All, None)
+        .unwrap();
     let t_gpu = t0.elapsed();
     let argmax = |r: &[f32]| lily::runtime::argmax(r);
-    let agree = (0..n).filter(|&t| argmax(&cl[t * v..][..v]) == argmax(&gl[t * v..][..v])).count();
+    let agree = (0..n)
+        .filter(|&t| argmax(&cl[t * v..][..v]) == argmax(&gl[t * v..][..v]))
+        .count();
     let err = rel_rows(&gl, &cl, v);
     println!("e2e {preset}, {n} positions (prefill): top-1 agreement {agree}/{n} ({:.2}%), max rel err {err:.2e}; cpu {:.3}s cuda {:.3}s", 100.0 * agree as f64 / n as f64, t_cpu.as_secs_f64(), t_gpu.as_secs_f64());
 
     // Decode: prefill 184, then 8 single-token steps, against the same CPU logits.
     let p = n - 8;
     let mut ds = cuda.new_state(n + 64).unwrap();
-    cuda.forward(&mut ds, &ids[..p], lily::model::Logits::None, None).unwrap();
+    cuda.forward(&mut ds, &ids[..p], lily::model::Logits::None, None)
+        .unwrap();
     let mut dagree = 0;
     let mut derr = 0f32;
     for t in p..n {
-        let l = cuda.forward(&mut ds, &ids[t..t + 1], lily::model::Logits::Last, None).unwrap();
+        let l = cuda
+            .forward(&mut ds, &ids[t..t + 1], lily::model::Logits::Last, None)
+            .unwrap();
         dagree += (argmax(&l) == argmax(&cl[t * v..][..v])) as usize;
         derr = derr.max(rel_rows(&l, &cl[t * v..][..v], v));
     }
@@ -1487,9 +2439,11 @@ fn end_to_end(preset: &str) {
 
     // Greedy continuations of a 32-token prompt.
     let (mut s1, mut s2) = (cpu.new_state(128).unwrap(), cuda.new_state(128).unwrap());
-    let (a, _) = lily::runtime::generate_greedy(&cpu, &mut s1, &ids[..32], 48, &[], |_| {}).unwrap();
+    let (a, _) =
+        lily::runtime::generate_greedy(&cpu, &mut s1, &ids[..32], 48, &[], |_| {}).unwrap();
     let t0 = std::time::Instant::now();
-    let (b, st) = lily::runtime::generate_greedy(&cuda, &mut s2, &ids[..32], 48, &[], |_| {}).unwrap();
+    let (b, st) =
+        lily::runtime::generate_greedy(&cuda, &mut s2, &ids[..32], 48, &[], |_| {}).unwrap();
     let same = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
     println!("e2e {preset}, greedy 48 tokens: identical for the first {same}; cuda decode {:.1} tok/s ({:.3}s incl. prefill)", st.generated as f64 / st.decode_s.max(1e-9), t0.elapsed().as_secs_f64());
 
@@ -1497,15 +2451,33 @@ fn end_to_end(preset: &str) {
     // and these positions; the CPU logits equal MLX-LM's f32 ones to 5e-7): at least as close in
     // top-1 agreement and in teacher-forced perplexity, and never below 95% top-1.
     let to64 = |l: &[f32]| l.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-    let (ppl_cpu, ppl_gpu) = (perplexity(&to64(&cl), v, &ids), perplexity(&to64(&gl), v, &ids));
+    let (ppl_cpu, ppl_gpu) = (
+        perplexity(&to64(&cl), v, &ids),
+        perplexity(&to64(&gl), v, &ids),
+    );
     let ppl_diff = (ppl_gpu / ppl_cpu - 1.0).abs();
-    println!("e2e {preset}: perplexity cpu {ppl_cpu:.4} cuda {ppl_gpu:.4} (rel diff {ppl_diff:.2e})");
+    println!(
+        "e2e {preset}: perplexity cpu {ppl_cpu:.4} cuda {ppl_gpu:.4} (rel diff {ppl_diff:.2e})"
+    );
     if preset == "small" {
-        let mlx: serde_json::Value = serde_json::from_str(include_str!("data/mlx_small_bf16_vs_f32.json")).unwrap();
-        let (mlx_top1, mlx_ppl) = (mlx["top1_agreement"].as_f64().unwrap(), mlx["perplexity_rel_diff"].as_f64().unwrap());
-        println!("e2e small: MLX-LM bf16 vs f32: top-1 {:.2}%, perplexity rel diff {mlx_ppl:.2e}", 100.0 * mlx_top1);
-        assert!(agree as f64 / n as f64 >= mlx_top1, "top-1 {agree}/{n} below MLX-LM bf16's {mlx_top1}");
-        assert!(ppl_diff <= mlx_ppl, "perplexity rel diff {ppl_diff:e} above MLX-LM bf16's {mlx_ppl:e}");
+        let mlx: serde_json::Value =
+            serde_json::from_str(include_str!("data/mlx_small_bf16_vs_f32.json")).unwrap();
+        let (mlx_top1, mlx_ppl) = (
+            mlx["top1_agreement"].as_f64().unwrap(),
+            mlx["perplexity_rel_diff"].as_f64().unwrap(),
+        );
+        println!(
+            "e2e small: MLX-LM bf16 vs f32: top-1 {:.2}%, perplexity rel diff {mlx_ppl:.2e}",
+            100.0 * mlx_top1
+        );
+        assert!(
+            agree as f64 / n as f64 >= mlx_top1,
+            "top-1 {agree}/{n} below MLX-LM bf16's {mlx_top1}"
+        );
+        assert!(
+            ppl_diff <= mlx_ppl,
+            "perplexity rel diff {ppl_diff:e} above MLX-LM bf16's {mlx_ppl:e}"
+        );
     }
     let pct = 100.0 * (agree + dagree) as f64 / (n + 8) as f64;
     assert!(pct >= 99.0, "top-1 agreement {pct:.2}% < 99%");
@@ -1515,8 +2487,16 @@ fn end_to_end(preset: &str) {
     // tiny; the f32 GEMMs and attn_rows (LILY_CUDA_GEMM=simt LILY_CUDA_ATTN=f32) 2.61e-3 and
     // 4.27e-3. (With f32 activations the latter measured 5-7e-4, the bf16 KV cache's rounding.)
     let tol = 1e-2;
-    let kind = if cuda.backend.tensor_core_gemm() || cuda.backend.tensor_core_attention() { "tc_gemm / attn_tc, bf16 activations" } else { "f32 gemm and attention, bf16 activations" };
-    check(&format!("e2e {preset}: logits (prefill, per position; {kind})"), err, tol);
+    let kind = if cuda.backend.tensor_core_gemm() || cuda.backend.tensor_core_attention() {
+        "tc_gemm / attn_tc, bf16 activations"
+    } else {
+        "f32 gemm and attention, bf16 activations"
+    };
+    check(
+        &format!("e2e {preset}: logits (prefill, per position; {kind})"),
+        err,
+        tol,
+    );
 }
 
 /// Rough per-op times at the real shapes (host clock around N back-to-back launches, then a sync:
@@ -1540,58 +2520,125 @@ fn op_timings() {
         }
         g.check().unwrap();
         let s = t0.elapsed().as_secs_f64() / n as f64;
-        println!("{what:<52} {:>9.1} us  {:>7.0} GB/s  {:>7.2} TFLOP/s", s * 1e6, bytes / s / 1e9, flops / s / 1e12);
+        println!(
+            "{what:<52} {:>9.1} us  {:>7.0} GB/s  {:>7.2} TFLOP/s",
+            s * 1e6,
+            bytes / s / 1e9,
+            flops / s / 1e12
+        );
     };
     // Projections: decode GEMV and a 256-row prefill GEMM.
-    for (what, out, inp, bits) in [("in_proj_qkv [8192, 2048] 4-bit", 8192, 2048, 4), ("lm_head [248320, 2048] 4-bit", 248_320, 2048, 4), ("router [256, 2048] 8-bit", 256, 2048, 8)] {
+    for (what, out, inp, bits) in [
+        ("in_proj_qkv [8192, 2048] 4-bit", 8192, 2048, 4),
+        ("lm_head [248320, 2048] 4-bit", 248_320, 2048, 4),
+        ("router [256, 2048] 8-bit", 256, 2048, 8),
+    ] {
         let w = rand_quant(&mut rng, 1, out, inp, bits, 64, false);
         let gw = g.upload_mat(&w).unwrap();
         let bytes = gw.nbytes() as f64;
         for rows in [1usize, 256] {
             let x = g.upload_act(&rng.vec(rows * inp, 1.0)).unwrap();
             // The logits and router logits are f32, the projections' outputs activations.
-            let mut o = if what.starts_with("in_proj") { g.act_zeros(rows * out).unwrap() } else { g.zeros(rows * out).unwrap() };
-            time(&format!("matmul_q {what} rows {rows}"), bytes, 2.0 * (rows * out * inp) as f64, &mut || g.matmul_q(&x, &gw, rows, &mut o));
+            let mut o = if what.starts_with("in_proj") {
+                g.act_zeros(rows * out).unwrap()
+            } else {
+                g.zeros(rows * out).unwrap()
+            };
+            time(
+                &format!("matmul_q {what} rows {rows}"),
+                bytes,
+                2.0 * (rows * out * inp) as f64,
+                &mut || g.matmul_q(&x, &gw, rows, &mut o),
+            );
         }
     }
     // MoE experts: decode (8 of 256) and a 256-row prefill.
     let (e, hid, width) = (d.n_experts, d.hidden, 512);
-    let (gate, up, down) = (rand_quant(&mut rng, e, width, hid, 4, 64, false), rand_quant(&mut rng, e, width, hid, 4, 64, false), rand_quant(&mut rng, e, hid, width, 4, 64, false));
-    let (gg, gu, gd) = (g.upload_mat(&gate).unwrap(), g.upload_mat(&up).unwrap(), g.upload_mat(&down).unwrap());
+    let (gate, up, down) = (
+        rand_quant(&mut rng, e, width, hid, 4, 64, false),
+        rand_quant(&mut rng, e, width, hid, 4, 64, false),
+        rand_quant(&mut rng, e, hid, width, 4, 64, false),
+    );
+    let (gg, gu, gd) = (
+        g.upload_mat(&gate).unwrap(),
+        g.upload_mat(&up).unwrap(),
+        g.upload_mat(&down).unwrap(),
+    );
     let per_expert = (gg.nbytes() + gu.nbytes() + gd.nbytes()) as f64 / e as f64;
     for rows in [1usize, 256] {
         let logits = g.upload_vec(&rng.vec(rows * e, 3.0)).unwrap();
         let mut r = g.new_route(rows, d.top_k).unwrap();
         let x = g.upload_act(&rng.vec(rows * hid, 1.0)).unwrap();
         let mut o = g.act_zeros(rows * hid).unwrap();
-        time(&format!("moe_route rows {rows}"), 0.0, 0.0, &mut || g.moe_route(&logits, &d, rows, &mut r));
+        time(&format!("moe_route rows {rows}"), 0.0, 0.0, &mut || {
+            g.moe_route(&logits, &d, rows, &mut r)
+        });
         let flops = 2.0 * 3.0 * (rows * d.top_k * width * hid) as f64;
         if rows == 1 {
-            time("moe_experts_decode (8 experts)", 8.0 * per_expert, flops, &mut || {
-                g.moe_experts_decode(&x, &r, &gg, &gu, &gd, None, &d, &mut o);
-            });
+            time(
+                "moe_experts_decode (8 experts)",
+                8.0 * per_expert,
+                flops,
+                &mut || {
+                    g.moe_experts_decode(&x, &r, &gg, &gu, &gd, None, &d, &mut o);
+                },
+            );
         } else {
-            time(&format!("moe_experts_prefill rows {rows}"), 256.0 * per_expert, flops, &mut || g.moe_experts_prefill(&x, &r, &gg, &gu, &gd, &d, rows, &mut o));
+            time(
+                &format!("moe_experts_prefill rows {rows}"),
+                256.0 * per_expert,
+                flops,
+                &mut || g.moe_experts_prefill(&x, &r, &gg, &gu, &gd, &d, rows, &mut o),
+            );
         }
     }
     // GDN recurrence (state read + written once per call) and attention over a 4K context.
     let (hv, dv, dk, c) = (d.gdn_v_heads, d.gdn_v_dim, d.gdn_k_dim, d.conv_channels());
-    let p = GdnParams { a_log: g.upload_vec(&vec![1.0; hv]).unwrap(), dt_bias: g.upload_vec(&vec![0.0; hv]).unwrap(), norm: g.upload_vec(&vec![1.0; dv]).unwrap() };
+    let p = GdnParams {
+        a_log: g.upload_vec(&vec![1.0; hv]).unwrap(),
+        dt_bias: g.upload_vec(&vec![0.0; hv]).unwrap(),
+        norm: g.upload_vec(&vec![1.0; dv]).unwrap(),
+    };
     let mut st = g.zeros(hv * dv * dk).unwrap();
     for rows in [1usize, 256] {
-        let (qkv, z, b, a) = (g.upload_act(&rng.vec(rows * c, 1.0)).unwrap(), g.upload_act(&rng.vec(rows * hv * dv, 1.0)).unwrap(), g.upload_act(&rng.vec(rows * hv, 1.0)).unwrap(), g.upload_act(&rng.vec(rows * hv, 1.0)).unwrap());
+        let (qkv, z, b, a) = (
+            g.upload_act(&rng.vec(rows * c, 1.0)).unwrap(),
+            g.upload_act(&rng.vec(rows * hv * dv, 1.0)).unwrap(),
+            g.upload_act(&rng.vec(rows * hv, 1.0)).unwrap(),
+            g.upload_act(&rng.vec(rows * hv, 1.0)).unwrap(),
+        );
         let mut o = g.act_zeros(rows * hv * dv).unwrap();
-        time(&format!("gdn (scan + gated norm) rows {rows}"), (8 * hv * dv * dk) as f64, 0.0, &mut || g.gdn_prefill(&qkv, &z, &b, &a, &p, &mut st, &d, rows, &mut o));
+        time(
+            &format!("gdn (scan + gated norm) rows {rows}"),
+            (8 * hv * dv * dk) as f64,
+            0.0,
+            &mut || g.gdn_prefill(&qkv, &z, &b, &a, &p, &mut st, &d, rows, &mut o),
+        );
     }
     let kvd = d.n_kv_heads * d.head_dim;
     let ctx = 4096;
     let mut kv = kv_new(&g, ctx + 256, kvd);
-    let (q, k, v, gt) = (g.upload_act(&rng.vec(256 * 16 * 256, 1.0)).unwrap(), g.upload_act(&rng.vec(256 * kvd, 1.0)).unwrap(), g.upload_act(&rng.vec(256 * kvd, 1.0)).unwrap(), g.upload_act(&rng.vec(256 * 16 * 256, 1.0)).unwrap());
+    let (q, k, v, gt) = (
+        g.upload_act(&rng.vec(256 * 16 * 256, 1.0)).unwrap(),
+        g.upload_act(&rng.vec(256 * kvd, 1.0)).unwrap(),
+        g.upload_act(&rng.vec(256 * kvd, 1.0)).unwrap(),
+        g.upload_act(&rng.vec(256 * 16 * 256, 1.0)).unwrap(),
+    );
     let mut o = g.act_zeros(256 * 16 * 256).unwrap();
     let mut step = g.new_step().unwrap();
     g.set_step(&mut step, 0, ctx);
-    time(&format!("attn_decode at context {ctx}"), (2 * ctx * kvd * g.kv_elem_bytes()) as f64, 0.0, &mut || g.attn_decode(&q, &k, &v, &gt, &mut kv, &d, ctx, &step, &mut o));
-    time(&format!("attn_prefill 256 rows at {ctx}"), 0.0, (4 * 256 * 16 * 256 * (ctx + 128)) as f64, &mut || g.attn_prefill(&q, &k, &v, &gt, &mut kv, &d, 256, ctx, &mut o));
+    time(
+        &format!("attn_decode at context {ctx}"),
+        (2 * ctx * kvd * g.kv_elem_bytes()) as f64,
+        0.0,
+        &mut || g.attn_decode(&q, &k, &v, &gt, &mut kv, &d, ctx, &step, &mut o),
+    );
+    time(
+        &format!("attn_prefill 256 rows at {ctx}"),
+        0.0,
+        (4 * 256 * 16 * 256 * (ctx + 128)) as f64,
+        &mut || g.attn_prefill(&q, &k, &v, &gt, &mut kv, &d, 256, ctx, &mut o),
+    );
 }
 
 /// Decode attention alone (append + split + combine, real shapes) at 256, 4K, 32K and 128K keys:
@@ -1611,7 +2658,12 @@ fn attn_decode_timings() {
     let d = qwen_dims();
     let mut rng = Rng(12);
     let (hq, hd, kvd) = (d.n_heads, d.head_dim, d.n_kv_heads * d.head_dim);
-    let (q, k, v, gt) = (g.upload_act(&rng.vec(hq * hd, 1.0)).unwrap(), g.upload_act(&rng.vec(kvd, 1.0)).unwrap(), g.upload_act(&rng.vec(kvd, 1.0)).unwrap(), g.upload_act(&rng.vec(hq * hd, 1.0)).unwrap());
+    let (q, k, v, gt) = (
+        g.upload_act(&rng.vec(hq * hd, 1.0)).unwrap(),
+        g.upload_act(&rng.vec(kvd, 1.0)).unwrap(),
+        g.upload_act(&rng.vec(kvd, 1.0)).unwrap(),
+        g.upload_act(&rng.vec(hq * hd, 1.0)).unwrap(),
+    );
     let mut o = g.act_zeros(hq * hd).unwrap();
     let mut step = g.new_step().unwrap();
     if !g.graphs() {
@@ -1628,14 +2680,28 @@ fn attn_decode_timings() {
         let mut caches: Vec<KvCache<_>> = (0..ncache)
             .map(|_| {
                 let vals: Vec<f32> = (0..ctx * kvd).map(|_| rng.f() * 1.7).collect();
-                KvCache { k: g.upload_act(&vals).unwrap(), v: g.upload_act(&vals).unwrap(), capacity: ctx }
+                KvCache {
+                    k: g.upload_act(&vals).unwrap(),
+                    v: g.upload_act(&vals).unwrap(),
+                    capacity: ctx,
+                }
             })
             .collect();
         g.set_step(&mut step, 0, ctx - 1);
         let mut direct = Vec::new();
         for i in 0..33 {
             let t0 = std::time::Instant::now();
-            g.attn_decode(&q, &k, &v, &gt, &mut caches[i % ncache], &d, ctx - 1, &step, &mut o);
+            g.attn_decode(
+                &q,
+                &k,
+                &v,
+                &gt,
+                &mut caches[i % ncache],
+                &d,
+                ctx - 1,
+                &step,
+                &mut o,
+            );
             g.check().unwrap();
             if i >= 3 {
                 direct.push(t0.elapsed().as_secs_f64());
@@ -1644,7 +2710,17 @@ fn attn_decode_timings() {
         let key = 0xa77e_dec0_0000_0000 | ctx as u64;
         let mut ops = || {
             for i in 0..calls {
-                g.attn_decode(&q, &k, &v, &gt, &mut caches[i % ncache], &d, ctx - 1, &step, &mut o);
+                g.attn_decode(
+                    &q,
+                    &k,
+                    &v,
+                    &gt,
+                    &mut caches[i % ncache],
+                    &d,
+                    ctx - 1,
+                    &step,
+                    &mut o,
+                );
             }
             Ok(())
         };
@@ -1658,7 +2734,11 @@ fn attn_decode_timings() {
             }
         }
         let (r, dct) = (median(recorded), median(direct));
-        let l2 = if ncache * cache_bytes < (100 << 20) { " (caches fit the L2)" } else { "" };
+        let l2 = if ncache * cache_bytes < (100 << 20) {
+            " (caches fit the L2)"
+        } else {
+            ""
+        };
         println!(
             "attn_decode {ctx:>6} keys ({:>6.1} MB read, {ncache} caches{l2}): recorded {:>7.1} us/call {:>5.2} TB/s; direct {:>7.1} us {:>5.2} TB/s",
             cache_bytes as f64 / 1e6,
@@ -1688,9 +2768,15 @@ fn recorded_decode_steps_equal_direct_ones() {
     // `all_logits`: the 40 greedy steps are fed from the host too and return their logits (the
     // same ops; the CPU's run, whose every row's top-2 gap is needed), so `logits` holds every
     // step's row (47) rather than the last 6.
-    fn run<B: Backend>(m: &lily::model::Qwen35<B>, ids: &[u32], all_logits: bool) -> (Vec<u32>, Vec<Vec<f32>>, f64) {
+    fn run<B: Backend>(
+        m: &lily::model::Qwen35<B>,
+        ids: &[u32],
+        all_logits: bool,
+    ) -> (Vec<u32>, Vec<Vec<f32>>, f64) {
         let mut st = m.new_state(1024).unwrap();
-        let l = m.forward(&mut st, ids, lily::model::Logits::Last, None).unwrap();
+        let l = m
+            .forward(&mut st, ids, lily::model::Logits::Last, None)
+            .unwrap();
         let mut toks = vec![lily::runtime::argmax(&l)];
         let mut logits = Vec::new();
         if all_logits {
@@ -1698,7 +2784,11 @@ fn recorded_decode_steps_equal_direct_ones() {
         }
         let t0 = std::time::Instant::now();
         for _ in 0..40 {
-            let feed = if all_logits { toks.last().copied() } else { None };
+            let feed = if all_logits {
+                toks.last().copied()
+            } else {
+                None
+            };
             match m.decode(&mut st, feed, !all_logits).unwrap() {
                 lily::model::Next::Token(t) => toks.push(t),
                 lily::model::Next::Logits(l) if all_logits => {
@@ -1730,7 +2820,10 @@ fn recorded_decode_steps_equal_direct_ones() {
     println!("decode loop on small: {tps_direct:.0} tok/s op by op, {tps_graph:.0} tok/s recorded; tokens {t_graph:?}");
     assert_eq!(t_graph, t_direct, "recorded steps picked other tokens");
     for (i, (a, b)) in l_graph.iter().zip(&l_direct).enumerate() {
-        assert!(a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()), "step {i}: recorded logits differ from direct ones");
+        assert!(
+            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "step {i}: recorded logits differ from direct ones"
+        );
     }
     assert_eq!(l_graph[0].len(), v);
     // Against the CPU: identical tokens up to the first step whose CPU top-2 logit gap is below
@@ -1751,7 +2844,11 @@ fn recorded_decode_steps_equal_direct_ones() {
             a - b < 2e-2 * l.iter().fold(0f32, |m, x| m.max(x.abs()))
         })
         .unwrap_or(t_cpu.len());
-    let same = t_cpu.iter().zip(&t_graph).take_while(|(a, b)| a == b).count();
+    let same = t_cpu
+        .iter()
+        .zip(&t_graph)
+        .take_while(|(a, b)| a == b)
+        .count();
     println!("decode loop on small: cpu and cuda tokens identical for the first {same} of {}; the cpu's first near-tie (top-2 gap < 2% of max |logit|) at step {near_tie}", t_cpu.len());
     assert!(same >= near_tie, "cuda greedy tokens leave the cpu's at step {same}, before the first near-tie at step {near_tie}");
 }
@@ -1781,7 +2878,11 @@ fn penalised(l: &[f32], p: &SamplingParams, prompt: &[u32], generated: &[u32]) -
     for t in seen {
         let x = &mut out[t as usize];
         if p.repetition_penalty != 1.0 {
-            *x = if *x > 0.0 { *x / p.repetition_penalty } else { *x * p.repetition_penalty };
+            *x = if *x > 0.0 {
+                *x / p.repetition_penalty
+            } else {
+                *x * p.repetition_penalty
+            };
         }
         if let Some(&c) = count.get(&t) {
             *x -= p.presence_penalty + p.frequency_penalty * c as f32;
@@ -1814,45 +2915,125 @@ fn sample_step_matches_the_host_sampler() {
     let vocab = 248_320;
     let (l, peaks) = peaked_logits(&mut rng, vocab);
     let gl = g.upload_vec(&l).unwrap();
-    let base = SamplingParams { temperature: 1.0, seed: Some(5), ..Default::default() };
+    let base = SamplingParams {
+        temperature: 1.0,
+        seed: Some(5),
+        ..Default::default()
+    };
     // (params, prompt, what every draw must satisfy given the peaks and the logits after the
     // penalties, worked out here on their own: `penalised` below)
     type Rule = fn(u32, &[usize; 5], &[f32]) -> bool;
     let cases: Vec<(SamplingParams, Vec<u32>, Rule)> = vec![
-        (SamplingParams { top_k: 2, ..base.clone() }, vec![], |t, p, _| t as usize == p[0] || t as usize == p[1]),
+        (
+            SamplingParams {
+                top_k: 2,
+                ..base.clone()
+            },
+            vec![],
+            |t, p, _| t as usize == p[0] || t as usize == p[1],
+        ),
         // p(peak j) ∝ e^{-0.5 j}, the noise's top 15 adding < 0.4%: the cumulative masses are
         // 0.43, 0.69, 0.84, 0.94, 0.997, so top-p 0.95 keeps the 5 peaks, 0.9 the best 4 and
         // 0.5 the best 2.
-        (SamplingParams { top_k: 20, top_p: 0.95, ..base.clone() }, vec![], |t, p, _| p.contains(&(t as usize))),
-        (SamplingParams { top_k: 20, top_p: 0.9, ..base.clone() }, vec![], |t, p, _| p[..4].contains(&(t as usize))),
-        (SamplingParams { top_k: 40, top_p: 0.5, ..base.clone() }, vec![], |t, p, _| p[..2].contains(&(t as usize))),
+        (
+            SamplingParams {
+                top_k: 20,
+                top_p: 0.95,
+                ..base.clone()
+            },
+            vec![],
+            |t, p, _| p.contains(&(t as usize)),
+        ),
+        (
+            SamplingParams {
+                top_k: 20,
+                top_p: 0.9,
+                ..base.clone()
+            },
+            vec![],
+            |t, p, _| p[..4].contains(&(t as usize)),
+        ),
+        (
+            SamplingParams {
+                top_k: 40,
+                top_p: 0.5,
+                ..base.clone()
+            },
+            vec![],
+            |t, p, _| p[..2].contains(&(t as usize)),
+        ),
         // min-p 0.5: w ≥ 0.5 keeps peaks 0 and 1 (w = 1, e^{-0.5} = 0.61), not 2 (0.37).
-        (SamplingParams { top_k: 64, min_p: 0.5, ..base.clone() }, vec![], |t, p, _| p[..2].contains(&(t as usize))),
+        (
+            SamplingParams {
+                top_k: 64,
+                min_p: 0.5,
+                ..base.clone()
+            },
+            vec![],
+            |t, p, _| p[..2].contains(&(t as usize)),
+        ),
         // The best token in the prompt with a repetition penalty of 4: 12 / 4 = 3 drops it below
         // peaks 1-3 at first; each drawn peak is divided by 4 in turn, so later draws reach peak 4,
         // peak 0 again or the noise. What holds at every draw: the token is one of the 3 best of
         // the penalised logits (logit desc, id asc), so never the prompt's peak 0 (at 3.0 from
         // the first draw on) while 3 others rank above it.
-        (SamplingParams { top_k: 3, repetition_penalty: 4.0, ..base.clone() }, vec![17, 5, 6], |t, p, pl| {
-            pl[p[0]] == 3.0 && top_ids(pl, 3).contains(&t)
-        }),
+        (
+            SamplingParams {
+                top_k: 3,
+                repetition_penalty: 4.0,
+                ..base.clone()
+            },
+            vec![17, 5, 6],
+            |t, p, pl| pl[p[0]] == 3.0 && top_ids(pl, 3).contains(&t),
+        ),
         // Presence 2 + frequency 2 per draw: a drawn peak loses ≥ 4 at once, so the draws spread
         // over the peaks (checked against the host below, draw for draw), always among the 10
         // best after the penalties.
-        (SamplingParams { top_k: 10, temperature: 0.5, presence_penalty: 2.0, frequency_penalty: 2.0, ..base.clone() }, vec![], |t, _, pl| {
-            top_ids(pl, 10).contains(&t)
-        }),
+        (
+            SamplingParams {
+                top_k: 10,
+                temperature: 0.5,
+                presence_penalty: 2.0,
+                frequency_penalty: 2.0,
+                ..base.clone()
+            },
+            vec![],
+            |t, _, pl| top_ids(pl, 10).contains(&t),
+        ),
         // Greedy (temperature 0; top-k 1): the arg-max, with and without a penalty.
-        (SamplingParams { temperature: 0.0, ..base.clone() }, vec![], |t, p, _| t as usize == p[0]),
-        (SamplingParams { top_k: 1, ..base.clone() }, vec![], |t, p, _| t as usize == p[0]),
+        (
+            SamplingParams {
+                temperature: 0.0,
+                ..base.clone()
+            },
+            vec![],
+            |t, p, _| t as usize == p[0],
+        ),
+        (
+            SamplingParams {
+                top_k: 1,
+                ..base.clone()
+            },
+            vec![],
+            |t, p, _| t as usize == p[0],
+        ),
         // Greedy with the repetition penalty: peak 0 (prompt) at 3.0, each pick divided by 4 in
         // turn, so the picks walk down peaks 1-4 and on: always the penalised arg-max.
-        (SamplingParams { temperature: 0.0, repetition_penalty: 4.0, ..base.clone() }, vec![17], |t, p, pl| {
-            pl[p[0]] == 3.0 && top_ids(pl, 1) == [t]
-        }),
+        (
+            SamplingParams {
+                temperature: 0.0,
+                repetition_penalty: 4.0,
+                ..base.clone()
+            },
+            vec![17],
+            |t, p, pl| pl[p[0]] == 3.0 && top_ids(pl, 1) == [t],
+        ),
     ];
     for (p, prompt, rule) in cases {
-        let mut dev = g.new_sampler(&p, 5, vocab, &prompt).unwrap().expect("these parameters are sampled on the device");
+        let mut dev = g
+            .new_sampler(&p, 5, vocab, &prompt)
+            .unwrap()
+            .expect("these parameters are sampled on the device");
         let mut host = Sampler::new(p.clone(), vocab).unwrap();
         let mut step = g.new_step().unwrap();
         g.set_step(&mut step, 0, 1000);
@@ -1862,7 +3043,10 @@ fn sample_step_matches_the_host_sampler() {
             let t = g.step_token(&step).unwrap();
             let want = host.sample_split(&mut l.clone(), &prompt, &generated);
             assert_eq!(t, want, "{p:?}: draw {i}");
-            assert!(rule(t, &peaks, &penalised(&l, &p, &prompt, &generated)), "{p:?}: draw {i} picked {t}");
+            assert!(
+                rule(t, &peaks, &penalised(&l, &p, &prompt, &generated)),
+                "{p:?}: draw {i} picked {t}"
+            );
             generated.push(t);
         }
         if p.is_plain_greedy() {
@@ -1873,9 +3057,15 @@ fn sample_step_matches_the_host_sampler() {
     }
     assert_eq!(h(&g, &gl), l, "sample_step changed its logits");
     // Parameters the device does not cover are declined, never sampled wrongly.
-    let off = SamplingParams { top_k: 0, ..base.clone() };
+    let off = SamplingParams {
+        top_k: 0,
+        ..base.clone()
+    };
     assert!(g.new_sampler(&off, 1, vocab, &[]).unwrap().is_none());
-    assert!(g.new_sampler(&SamplingParams { top_k: 65, ..base }, 1, vocab, &[]).unwrap().is_none());
+    assert!(g
+        .new_sampler(&SamplingParams { top_k: 65, ..base }, 1, vocab, &[])
+        .unwrap()
+        .is_none());
 }
 
 /// Log-probabilities on the device against the host's: the same top ids (ties are measure-zero
@@ -1891,7 +3081,10 @@ fn sample_logprobs_match_the_host() {
         let (lp, top) = g.logprobs(&gl, vocab, token, n).unwrap();
         let (wlp, wtop) = lily::runtime::sampler::token_logprobs(&l, token, n);
         assert!((lp - wlp).abs() < 1e-5, "{lp} vs {wlp}");
-        assert_eq!(top.iter().map(|x| x.0).collect::<Vec<_>>(), wtop.iter().map(|x| x.0).collect::<Vec<_>>());
+        assert_eq!(
+            top.iter().map(|x| x.0).collect::<Vec<_>>(),
+            wtop.iter().map(|x| x.0).collect::<Vec<_>>()
+        );
         assert!(top.iter().zip(&wtop).all(|(a, b)| (a.1 - b.1).abs() < 1e-5));
     }
 }
@@ -1919,10 +3112,21 @@ fn sample_distribution_matches_the_cpu() {
     // top-p both cut.
     let l = rng.vec(vocab, 3.0);
     let gl = g.upload_vec(&l).unwrap();
-    let p = SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.95, seed: Some(99), ..Default::default() };
-    let dist = Sampler::new(p.clone(), vocab).unwrap().distribution(&mut l.clone(), &[]);
+    let p = SamplingParams {
+        temperature: 1.0,
+        top_k: 20,
+        top_p: 0.95,
+        seed: Some(99),
+        ..Default::default()
+    };
+    let dist = Sampler::new(p.clone(), vocab)
+        .unwrap()
+        .distribution(&mut l.clone(), &[]);
     assert!(dist.len() > 3 && dist.len() <= 20, "kept {}", dist.len());
-    let mut dev = g.new_sampler(&p, 99, vocab, &[]).unwrap().expect("the default is sampled on the device");
+    let mut dev = g
+        .new_sampler(&p, 99, vocab, &[])
+        .unwrap()
+        .expect("the default is sampled on the device");
     let mut step = g.new_step().unwrap();
     g.set_step(&mut step, 0, 0);
     let n = 20_000;
@@ -1937,7 +3141,11 @@ fn sample_distribution_matches_the_cpu() {
         }
         *count.entry(t).or_default() += 1;
     }
-    let outside: usize = count.iter().filter(|(t, _)| !dist.iter().any(|d| d.0 == **t)).map(|x| x.1).sum();
+    let outside: usize = count
+        .iter()
+        .filter(|(t, _)| !dist.iter().any(|d| d.0 == **t))
+        .map(|x| x.1)
+        .sum();
     assert_eq!(outside, 0, "{outside} draws outside the kept set");
     let (mut chi2, mut bins, mut small_e, mut small_o) = (0.0, 0, 0.0, 0.0);
     for &(t, q) in &dist {
@@ -1954,7 +3162,10 @@ fn sample_distribution_matches_the_cpu() {
         bins += 1;
     }
     let limit = chi2_quantile((bins - 1) as f64, 3.719);
-    println!("sample_step: {} kept tokens, chi-square {chi2:.1} over {bins} bins (limit {limit:.1})", dist.len());
+    println!(
+        "sample_step: {} kept tokens, chi-square {chi2:.1} over {bins} bins (limit {limit:.1})",
+        dist.len()
+    );
     assert!(chi2 < limit, "chi-square {chi2} ≥ {limit}");
     // Time per token, the step's pick without the read (graph-free launches: an upper bound).
     let reps = 2000;
@@ -1964,5 +3175,8 @@ fn sample_distribution_matches_the_cpu() {
         g.sample_step(&gl, vocab, &mut dev, &mut step);
     }
     g.check().unwrap();
-    println!("sample_step at vocab {vocab}, top-k 20 top-p 0.95: {:.1} µs per token (launches included)", t0.elapsed().as_secs_f64() * 1e6 / reps as f64);
+    println!(
+        "sample_step at vocab {vocab}, top-k 20 top-p 0.95: {:.1} µs per token (launches included)",
+        t0.elapsed().as_secs_f64() * 1e6 / reps as f64
+    );
 }

@@ -31,9 +31,14 @@ fn prefill_then_decode_equals_longer_prefill() {
     m.forward(&mut st2, &ids[..37], Logits::None, None).unwrap();
     let v = m.cfg.vocab_size;
     for t in 37..41 {
-        let l = m.forward(&mut st2, &ids[t..t + 1], Logits::Last, None).unwrap();
+        let l = m
+            .forward(&mut st2, &ids[t..t + 1], Logits::Last, None)
+            .unwrap();
         let e = rel_err(&l, &full[t * v..(t + 1) * v]);
-        assert!(e < PATH_TOL, "position {t}: decode vs prefill rel err {e:e}");
+        assert!(
+            e < PATH_TOL,
+            "position {t}: decode vs prefill rel err {e:e}"
+        );
     }
     assert_eq!(st2.pos, 41);
 }
@@ -60,10 +65,15 @@ fn bad_input_is_an_error_not_a_panic() {
     let dir = synth("tiny", 0, &[]);
     let m = load(dir.path());
     let mut st = m.new_state(8).unwrap();
-    let e = m.forward(&mut st, &[m.cfg.vocab_size as u32], Logits::Last, None).unwrap_err();
+    let e = m
+        .forward(&mut st, &[m.cfg.vocab_size as u32], Logits::Last, None)
+        .unwrap_err();
     assert!(format!("{e:#}").contains("out of range"), "{e:#}");
     let e = m.forward(&mut st, &[1; 9], Logits::Last, None).unwrap_err();
-    assert!(format!("{e:#}").contains("context length exceeded"), "{e:#}");
+    assert!(
+        format!("{e:#}").contains("context length exceeded"),
+        "{e:#}"
+    );
     assert!(m.forward(&mut st, &[], Logits::Last, None).is_err());
     // The state is untouched by rejected calls and still usable.
     assert_eq!(st.pos, 0);

@@ -20,7 +20,16 @@ fn row(v: usize, seed: u64, scale: f32) -> Vec<f32> {
 }
 
 fn sampled(seed: u64) -> SamplingParams {
-    SamplingParams { temperature: 0.9, top_k: 20, top_p: 0.95, min_p: 0.01, presence_penalty: 0.5, frequency_penalty: 0.3, repetition_penalty: 1.2, seed: Some(seed) }
+    SamplingParams {
+        temperature: 0.9,
+        top_k: 20,
+        top_p: 0.95,
+        min_p: 0.01,
+        presence_penalty: 0.5,
+        frequency_penalty: 0.3,
+        repetition_penalty: 1.2,
+        seed: Some(seed),
+    }
 }
 
 /// The op draws what `sample_split` draws, counting its own picks and noted tokens as generated,
@@ -29,9 +38,29 @@ fn sampled(seed: u64) -> SamplingParams {
 fn cpu_sample_step_is_the_host_sampler() {
     let v = 3000;
     let prompt: Vec<u32> = (0..50).map(|i| (i * 37) % v as u32).collect();
-    for p in [sampled(7), SamplingParams { top_k: 0, ..sampled(8) }, SamplingParams { temperature: 0.0, ..sampled(9) }] {
-        let mut dev = Cpu.new_sampler(&p, 7, v, &prompt).unwrap().expect("the CPU samples every parameter set");
-        let mut host = Sampler::new(SamplingParams { seed: Some(7), ..p.clone() }, v).unwrap();
+    for p in [
+        sampled(7),
+        SamplingParams {
+            top_k: 0,
+            ..sampled(8)
+        },
+        SamplingParams {
+            temperature: 0.0,
+            ..sampled(9)
+        },
+    ] {
+        let mut dev = Cpu
+            .new_sampler(&p, 7, v, &prompt)
+            .unwrap()
+            .expect("the CPU samples every parameter set");
+        let mut host = Sampler::new(
+            SamplingParams {
+                seed: Some(7),
+                ..p.clone()
+            },
+            v,
+        )
+        .unwrap();
         let mut generated = Vec::new();
         let mut step = CpuStep { token: 0, pos: 10 };
         for i in 0..40 {
@@ -66,13 +95,23 @@ fn cpu_logprobs_are_the_hosts() {
 
 /// The host loop the generation loop must equal: sample each step's logits on the host, feed
 /// the token back.
-fn host_loop(m: &lily::model::Qwen35<Cpu>, prompt: &[u32], p: &SamplingParams, forced: &[u32], n: usize) -> Vec<u32> {
+fn host_loop(
+    m: &lily::model::Qwen35<Cpu>,
+    prompt: &[u32],
+    p: &SamplingParams,
+    forced: &[u32],
+    n: usize,
+) -> Vec<u32> {
     let mut st = m.new_state(512).unwrap();
     let mut s = Sampler::new(p.clone(), m.cfg.vocab_size).unwrap();
     let mut l = m.forward(&mut st, prompt, Logits::Last, None).unwrap();
     let mut ids = Vec::new();
     for i in 0..n {
-        let id = if i < forced.len() { forced[i] } else { s.sample_split(&mut l, prompt, &ids) };
+        let id = if i < forced.len() {
+            forced[i]
+        } else {
+            s.sample_split(&mut l, prompt, &ids)
+        };
         ids.push(id);
         l = match m.decode(&mut st, Some(id), false).unwrap() {
             Next::Logits(l) => l,
@@ -93,7 +132,18 @@ fn generation_on_the_backend_equals_host_sampling() {
     let n = 24;
     let gen = |p: &SamplingParams, stop: StopRules, forced: Vec<u32>, logprobs: Option<usize>| {
         let mut st = m.new_state(512).unwrap();
-        let req = GenRequest { prompt: &prompt, cached: 0, sampling: p, stop, logprobs, forced: Forced { now: forced, after: None }, cancel: &cancel };
+        let req = GenRequest {
+            prompt: &prompt,
+            cached: 0,
+            sampling: p,
+            stop,
+            logprobs,
+            forced: Forced {
+                now: forced,
+                after: None,
+            },
+            cancel: &cancel,
+        };
         let mut lps = Vec::new();
         let g = generate_ex(&m, &mut st, &tok, req, |e| {
             lps.extend(e.logprob);
@@ -102,8 +152,22 @@ fn generation_on_the_backend_equals_host_sampling() {
         .unwrap();
         (g, st.pos, lps)
     };
-    let budget = StopRules { max_tokens: Some(n), ..StopRules::new(512) };
-    for p in [sampled(11), SamplingParams { top_k: 0, top_p: 0.9, ..sampled(12) }, SamplingParams { temperature: 0.0, ..sampled(13) }] {
+    let budget = StopRules {
+        max_tokens: Some(n),
+        ..StopRules::new(512)
+    };
+    for p in [
+        sampled(11),
+        SamplingParams {
+            top_k: 0,
+            top_p: 0.9,
+            ..sampled(12)
+        },
+        SamplingParams {
+            temperature: 0.0,
+            ..sampled(13)
+        },
+    ] {
         let want = host_loop(&m, &prompt, &p, &[], n);
         let (g, pos, _) = gen(&p, budget.clone(), vec![], None);
         assert_eq!(g.ids, want, "{p:?}");
@@ -113,7 +177,11 @@ fn generation_on_the_backend_equals_host_sampling() {
         // Forced tokens are counted for the penalties and cost no draw.
         let forced = vec![want[3], 100, 101];
         let (g, _, _) = gen(&p, budget.clone(), forced.clone(), None);
-        assert_eq!(g.ids, host_loop(&m, &prompt, &p, &forced, n), "forced, {p:?}");
+        assert_eq!(
+            g.ids,
+            host_loop(&m, &prompt, &p, &forced, n),
+            "forced, {p:?}"
+        );
     }
     // A stop id: generation ends on it, and no step follows it.
     let p = sampled(11);
@@ -121,7 +189,15 @@ fn generation_on_the_backend_equals_host_sampling() {
     let at = 9;
     let stop_id = want[at];
     let first = want.iter().position(|&t| t == stop_id).unwrap();
-    let (g, pos, _) = gen(&p, StopRules { stop_ids: vec![stop_id], ..budget.clone() }, vec![], None);
+    let (g, pos, _) = gen(
+        &p,
+        StopRules {
+            stop_ids: vec![stop_id],
+            ..budget.clone()
+        },
+        vec![],
+        None,
+    );
     assert_eq!(g.ids, want[..=first]);
     assert_eq!(g.finish, Some(FinishReason::Stop(StopKind::Id(stop_id))));
     assert_eq!(pos, prompt.len() + first);
@@ -129,17 +205,34 @@ fn generation_on_the_backend_equals_host_sampling() {
     // emitted (that token's step may have been computed: the state says how far it went).
     let full = gen(&p, budget.clone(), vec![], None).0;
     let text = full.text.clone();
-    let stop: String = text.chars().skip(text.chars().count() / 2).take(2).collect();
+    let stop: String = text
+        .chars()
+        .skip(text.chars().count() / 2)
+        .take(2)
+        .collect();
     if !stop.is_empty() {
-        let (g, pos, _) = gen(&p, StopRules { stop_strings: vec![stop.clone()], ..budget.clone() }, vec![], None);
+        let (g, pos, _) = gen(
+            &p,
+            StopRules {
+                stop_strings: vec![stop.clone()],
+                ..budget.clone()
+            },
+            vec![],
+            None,
+        );
         assert_eq!(g.text, text[..text.find(&stop).unwrap()]);
         assert_eq!(g.ids, want[..g.ids.len()]);
         assert_eq!(g.finish, Some(FinishReason::Stop(StopKind::String(stop))));
-        assert!(pos == prompt.len() + g.ids.len() - 1 || pos == prompt.len() + g.ids.len(), "state at {pos}");
+        assert!(
+            pos == prompt.len() + g.ids.len() - 1 || pos == prompt.len() + g.ids.len(),
+            "state at {pos}"
+        );
     }
     // Log-probabilities: one per token, the sampled token's among them when it is likely.
     let (g, _, lps) = gen(&p, budget, vec![], Some(3));
     assert_eq!(g.ids, want);
     assert_eq!(lps.len(), n);
-    assert!(lps.iter().all(|l| l.top.len() == 3 && l.logprob <= 0.0 && l.top.windows(2).all(|w| w[0].1 >= w[1].1)));
+    assert!(lps.iter().all(|l| l.top.len() == 3
+        && l.logprob <= 0.0
+        && l.top.windows(2).all(|w| w[0].1 >= w[1].1)));
 }

@@ -42,7 +42,10 @@ fn oracle_py() -> Option<String> {
     match std::env::var("LILY_ORACLE_PY") {
         Ok(p) if !p.is_empty() => Some(p),
         _ => {
-            assert!(std::env::var("LILY_REQUIRE_ORACLE").is_err(), "LILY_ORACLE_PY not set");
+            assert!(
+                std::env::var("LILY_REQUIRE_ORACLE").is_err(),
+                "LILY_ORACLE_PY not set"
+            );
             eprintln!("SKIPPED: LILY_ORACLE_PY not set (run scripts/test)");
             None
         }
@@ -71,7 +74,12 @@ fn fixtures() -> Vec<Fixture> {
     let mut names: Vec<String> = std::fs::read_dir(&dir)
         .expect("templates dir")
         .filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().to_str().and_then(|n| n.strip_suffix(".json")).map(str::to_string))
+        .filter_map(|e| {
+            e.file_name()
+                .to_str()
+                .and_then(|n| n.strip_suffix(".json"))
+                .map(str::to_string)
+        })
         .collect();
     names.sort();
     names
@@ -99,8 +107,14 @@ fn fixtures() -> Vec<Fixture> {
 
 fn render_spec(t: &ChatTemplate, spec: &Value) -> anyhow::Result<String> {
     let empty = Map::new();
-    let kwargs = spec.get("kwargs").and_then(Value::as_object).unwrap_or(&empty);
-    let agp = spec.get("add_generation_prompt").and_then(Value::as_bool).unwrap_or(true);
+    let kwargs = spec
+        .get("kwargs")
+        .and_then(Value::as_object)
+        .unwrap_or(&empty);
+    let agp = spec
+        .get("add_generation_prompt")
+        .and_then(Value::as_bool)
+        .unwrap_or(true);
     t.render(&spec["messages"], spec.get("tools"), agp, kwargs)
 }
 
@@ -118,18 +132,32 @@ fn first_diff(a: &str, b: &str) -> String {
         }
         format!("{:?}", &s[lo..hi])
     };
-    format!("first difference at byte {i} (lengths {} vs {}):\n  lily: {}\n  ref:  {}", a.len(), b.len(), ctx(a), ctx(b))
+    format!(
+        "first difference at byte {i} (lengths {} vs {}):\n  lily: {}\n  ref:  {}",
+        a.len(),
+        b.len(),
+        ctx(a),
+        ctx(b)
+    )
 }
 
 fn check(name: &str, got: &anyhow::Result<String>, exp: &Expected) -> Option<String> {
     match (got, exp) {
         (Ok(g), Expected::Text(e)) if g == e => None,
-        (Ok(g), Expected::Text(e)) => Some(format!("{name}: rendering differs; {}", first_diff(g, e))),
-        (Ok(_), Expected::Raised(m) | Expected::Error(m)) => Some(format!("{name}: rendered, but the reference refuses it: {m}")),
-        (Err(e), Expected::Text(_)) => Some(format!("{name}: lily failed ({e:#}) where the reference renders")),
+        (Ok(g), Expected::Text(e)) => {
+            Some(format!("{name}: rendering differs; {}", first_diff(g, e)))
+        }
+        (Ok(_), Expected::Raised(m) | Expected::Error(m)) => Some(format!(
+            "{name}: rendered, but the reference refuses it: {m}"
+        )),
+        (Err(e), Expected::Text(_)) => Some(format!(
+            "{name}: lily failed ({e:#}) where the reference renders"
+        )),
         (Err(e), Expected::Raised(m)) => match e.downcast_ref::<TemplateError>() {
             Some(te) if te.raised && &te.message == m => None,
-            _ => Some(format!("{name}: expected raise_exception({m:?}), got: {e:#}")),
+            _ => Some(format!(
+                "{name}: expected raise_exception({m:?}), got: {e:#}"
+            )),
         },
         (Err(_), Expected::Error(_)) => None,
     }
@@ -140,8 +168,17 @@ fn fixtures_match_expected() {
     let t = ChatTemplate::from_dir(&model_dir()).expect("template");
     let fx = fixtures();
     assert!(fx.len() >= 20, "only {} fixtures", fx.len());
-    let failures: Vec<String> = fx.iter().filter_map(|f| check(&f.name, &render_spec(&t, &f.spec), &f.expected)).collect();
-    assert!(failures.is_empty(), "{} of {} fixtures fail:\n{}", failures.len(), fx.len(), failures.join("\n"));
+    let failures: Vec<String> = fx
+        .iter()
+        .filter_map(|f| check(&f.name, &render_spec(&t, &f.spec), &f.expected))
+        .collect();
+    assert!(
+        failures.is_empty(),
+        "{} of {} fixtures fail:\n{}",
+        failures.len(),
+        fx.len(),
+        failures.join("\n")
+    );
     eprintln!("{} fixtures match", fx.len());
 }
 
@@ -169,10 +206,14 @@ fn compare_live(results: &Map<String, Value>, also_checked_in: bool) {
     let t = ChatTemplate::from_dir(&model_dir()).expect("template");
     let mut failures = Vec::new();
     for f in fixtures() {
-        let r = results.get(&f.name).unwrap_or_else(|| panic!("{}: missing from render.py output", f.name));
+        let r = results
+            .get(&f.name)
+            .unwrap_or_else(|| panic!("{}: missing from render.py output", f.name));
         let live = match (r.get("text"), r.get("raised").and_then(Value::as_bool)) {
             (Some(Value::String(s)), _) => Expected::Text(s.clone()),
-            (_, Some(true)) => Expected::Raised(r["message"].as_str().unwrap_or_default().to_string()),
+            (_, Some(true)) => {
+                Expected::Raised(r["message"].as_str().unwrap_or_default().to_string())
+            }
             _ => Expected::Error(r["error"].as_str().unwrap_or_default().to_string()),
         };
         if let Some(fail) = check(&f.name, &render_spec(&t, &f.spec), &live) {
@@ -180,15 +221,25 @@ fn compare_live(results: &Map<String, Value>, also_checked_in: bool) {
         }
         if also_checked_in {
             let same = match (&live, &f.expected) {
-                (Expected::Text(a), Expected::Text(b)) | (Expected::Raised(a), Expected::Raised(b)) | (Expected::Error(a), Expected::Error(b)) => a == b,
+                (Expected::Text(a), Expected::Text(b))
+                | (Expected::Raised(a), Expected::Raised(b))
+                | (Expected::Error(a), Expected::Error(b)) => a == b,
                 _ => false,
             };
             if !same {
-                failures.push(format!("{}: checked-in expectation is stale (re-run render.py --write)", f.name));
+                failures.push(format!(
+                    "{}: checked-in expectation is stale (re-run render.py --write)",
+                    f.name
+                ));
             }
         }
     }
-    assert!(failures.is_empty(), "{} failures against the live reference:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} failures against the live reference:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
 }
 
 #[test]
@@ -211,12 +262,22 @@ fn reference_renderer_matches_apply_chat_template() {
 fn template_errors_are_errors_not_panics() {
     let t = ChatTemplate::from_dir(&model_dir()).unwrap();
     let none = Map::new();
-    for bad in [json!({"role": "user"}), json!("hi"), json!([1, 2]), json!([[]]), json!([{"role": 3, "content": "x"}])] {
+    for bad in [
+        json!({"role": "user"}),
+        json!("hi"),
+        json!([1, 2]),
+        json!([[]]),
+        json!([{"role": 3, "content": "x"}]),
+    ] {
         assert!(t.render(&bad, None, true, &none).is_err(), "{bad}");
     }
     let msgs = json!([{"role": "user", "content": "hi"}]);
-    assert!(t.render(&msgs, Some(&json!({"a": 1})), true, &none).is_err());
-    assert!(t.render(&msgs, Some(&json!(["not a schema"])), true, &none).is_err());
+    assert!(t
+        .render(&msgs, Some(&json!({"a": 1})), true, &none)
+        .is_err());
+    assert!(t
+        .render(&msgs, Some(&json!(["not a schema"])), true, &none)
+        .is_err());
     let mut kw = Map::new();
     kw.insert("messages".into(), json!([]));
     assert!(t.render(&msgs, None, true, &kw).is_err());
@@ -235,12 +296,19 @@ fn merges_path() -> PathBuf {
         repo_root().join("../shared/fixtures/qwen3.6/merges.txt"),
         PathBuf::from("/work/shared/fixtures/qwen3.6/merges.txt"),
     ];
-    candidates.iter().find(|p| p.exists()).cloned().unwrap_or_else(|| panic!("Qwen3.6 merges.txt not found in {candidates:?}"))
+    candidates
+        .iter()
+        .find(|p| p.exists())
+        .cloned()
+        .unwrap_or_else(|| panic!("Qwen3.6 merges.txt not found in {candidates:?}"))
 }
 
 /// GPT-2's byte → char map, in id order (printable bytes first).
 fn byte_symbols() -> Vec<char> {
-    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
     let mut cs = bs.clone();
     let mut n = 0;
     for b in 0..256u32 {
@@ -352,20 +420,33 @@ fn tricky_texts() -> Vec<String> {
 fn added_tokens_match_atomically() {
     let tok = qwen_tokenizer();
     let ids = tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\nx</think>\n\n<tool_call>\n</tool_call>").unwrap();
-    for (t, id) in [("<|im_start|>", 248_045), ("<|im_end|>", 248_046), ("<think>", 248_068), ("</think>", 248_069), ("<tool_call>", 248_058), ("</tool_call>", 248_059)] {
+    for (t, id) in [
+        ("<|im_start|>", 248_045),
+        ("<|im_end|>", 248_046),
+        ("<think>", 248_068),
+        ("</think>", 248_069),
+        ("<tool_call>", 248_058),
+        ("</tool_call>", 248_059),
+    ] {
         assert_eq!(tok.token_id(t), Some(id), "{t}");
         assert!(ids.contains(&id), "{t} not matched atomically in {ids:?}");
     }
     assert_eq!(ids[0], 248_045);
     assert!(tok.is_special(248_046) && tok.is_special(248_044));
-    assert!(!tok.is_special(248_068) && !tok.is_special(248_058), "<think>/<tool_call> are added but not special");
+    assert!(
+        !tok.is_special(248_068) && !tok.is_special(248_058),
+        "<think>/<tool_call> are added but not special"
+    );
     assert_eq!(tok.added_tokens().len(), 33);
     assert_eq!(tok.decode(&ids).unwrap(), "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\nx</think>\n\n<tool_call>\n</tool_call>");
     // The rendered prompt of a fixture starts with <|im_start|> and ends with the thinking header.
     let prompt = std::fs::read_to_string(templates_dir().join("system_user.expected.txt")).unwrap();
     let ids = tok.encode(&prompt).unwrap();
     assert_eq!(ids[0], 248_045);
-    assert_eq!(&ids[ids.len() - 2..], &[248_068, tok.encode("\n").unwrap()[0]]);
+    assert_eq!(
+        &ids[ids.len() - 2..],
+        &[248_068, tok.encode("\n").unwrap()[0]]
+    );
 }
 
 /// Streams `ids` through a StreamDecoder; checks that the text so far is always the longest
@@ -406,15 +487,25 @@ fn stream_decoder_concatenates_to_decode() {
         let full = tok.decode(&ids).unwrap();
         assert_eq!(stream(tok, &ids), full, "{text:?}");
         // Multi-byte characters really are split across tokens in these texts.
-        split_chars += ids.iter().filter(|&&id| std::str::from_utf8(&tok.token_bytes(id).unwrap()).is_err()).count();
+        split_chars += ids
+            .iter()
+            .filter(|&&id| std::str::from_utf8(&tok.token_bytes(id).unwrap()).is_err())
+            .count();
     }
-    assert!(split_chars > 10, "the texts should split some characters across tokens ({split_chars})");
+    assert!(
+        split_chars > 10,
+        "the texts should split some characters across tokens ({split_chars})"
+    );
 }
 
 #[test]
 fn stream_decoder_handles_markers_and_invalid_bytes() {
     let tok = qwen_tokenizer();
-    let byte = |b: u8| (0..256u32).find(|&i| tok.token_bytes(i).unwrap() == [b]).unwrap();
+    let byte = |b: u8| {
+        (0..256u32)
+            .find(|&i| tok.token_bytes(i).unwrap() == [b])
+            .unwrap()
+    };
     let think = tok.token_id("<think>").unwrap();
     let end_think = tok.token_id("</think>").unwrap();
     let call = tok.token_id("<tool_call>").unwrap();
@@ -457,7 +548,8 @@ fn tokenizer_matches_python_tokenizers() {
         }
     }
     let lily_ids: Vec<Vec<u32>> = texts.iter().map(|t| tok.encode(t).unwrap()).collect();
-    let req = json!({"tokenizer": qwen_dir().join("tokenizer.json"), "texts": texts, "decode": lily_ids});
+    let req =
+        json!({"tokenizer": qwen_dir().join("tokenizer.json"), "texts": texts, "decode": lily_ids});
     let mut child = Command::new(&py)
         .arg(repo_root().join("tools/template_ref/tokenize_ref.py"))
         .stdin(Stdio::piped())
@@ -473,14 +565,22 @@ fn tokenizer_matches_python_tokenizers() {
     for (i, text) in texts.iter().enumerate() {
         let py_ids: Vec<u32> = serde_json::from_value(r["ids"][i].clone()).unwrap();
         if py_ids != lily_ids[i] {
-            failures.push(format!("encode {text:?}:\n  lily {:?}\n  py   {py_ids:?}", lily_ids[i]));
+            failures.push(format!(
+                "encode {text:?}:\n  lily {:?}\n  py   {py_ids:?}",
+                lily_ids[i]
+            ));
         }
         let py_text = r["decoded"][i].as_str().unwrap();
         if py_text != tok.decode(&lily_ids[i]).unwrap() {
             failures.push(format!("decode of {text:?} differs"));
         }
     }
-    assert!(failures.is_empty(), "{} mismatches with Python tokenizers:\n{}", failures.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} mismatches with Python tokenizers:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
     eprintln!("{} texts: identical ids and decodes", texts.len());
 }
 
@@ -501,7 +601,11 @@ fn stream_decoder_window_path() {
         "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null, "end_of_word_suffix": null,
                   "fuse_unk": true, "byte_fallback": true, "ignore_merges": false, "vocab": vocab, "merges": []},
     });
-    std::fs::write(dir.join("tokenizer.json"), serde_json::to_string(&tj).unwrap()).unwrap();
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        serde_json::to_string(&tj).unwrap(),
+    )
+    .unwrap();
     let tok = Tokenizer::from_files(&dir.join("tokenizer.json"), None).unwrap();
     let mut d = tok.stream_decoder();
     assert_eq!(d.push(4).as_deref(), Some("hello"));
@@ -511,7 +615,11 @@ fn stream_decoder_window_path() {
     assert_eq!(d.push(2), None);
     assert_eq!(d.push(3).as_deref(), Some("你"));
     assert_eq!(d.push(9).as_deref(), Some("<think>"));
-    for ids in [vec![4, 5, 7, 1, 2, 3, 6, 9, 4], vec![1, 6, 8, 2], vec![4, 1, 2]] {
+    for ids in [
+        vec![4, 5, 7, 1, 2, 3, 6, 9, 4],
+        vec![1, 6, 8, 2],
+        vec![4, 1, 2],
+    ] {
         assert_eq!(stream(&tok, &ids), tok.decode(&ids).unwrap(), "{ids:?}");
     }
 }

@@ -72,14 +72,27 @@ fn blocks_text(v: &Value, what: &str) -> ApiResult<String> {
             // Separate blocks are separate paragraphs.
             Ok(texts.join("\n\n"))
         }
-        v => Err(ApiError::param(what, format!("`{what}` must be a string or an array of text blocks, got {}", kind(v)))),
+        v => Err(ApiError::param(
+            what,
+            format!(
+                "`{what}` must be a string or an array of text blocks, got {}",
+                kind(v)
+            ),
+        )),
     }
 }
 
 /// The Anthropic body as the body of an OpenAI chat request (see the module docs).
 pub fn chat_body(o: &Map<String, Value>) -> ApiResult<Map<String, Value>> {
     let mut out = Map::new();
-    for k in ["model", "max_tokens", "temperature", "top_p", "top_k", "stream"] {
+    for k in [
+        "model",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stream",
+    ] {
         if let Some(v) = get(o, k) {
             out.insert(k.into(), v.clone());
         }
@@ -88,14 +101,29 @@ pub fn chat_body(o: &Map<String, Value>) -> ApiResult<Map<String, Value>> {
         None => {}
         Some(Value::Array(a)) if a.iter().all(Value::is_string) => {
             if a.iter().any(|s| s.as_str().is_some_and(str::is_empty)) {
-                return Err(ApiError::param("stop_sequences", "stop sequences must not be empty"));
+                return Err(ApiError::param(
+                    "stop_sequences",
+                    "stop sequences must not be empty",
+                ));
             }
             if a.len() > api::MAX_STOPS {
-                return Err(ApiError::param("stop_sequences", format!("at most {} stop sequences are allowed, got {}", api::MAX_STOPS, a.len())));
+                return Err(ApiError::param(
+                    "stop_sequences",
+                    format!(
+                        "at most {} stop sequences are allowed, got {}",
+                        api::MAX_STOPS,
+                        a.len()
+                    ),
+                ));
             }
             out.insert("stop".into(), Value::Array(a.clone()));
         }
-        Some(_) => return Err(ApiError::param("stop_sequences", "`stop_sequences` must be an array of strings")),
+        Some(_) => {
+            return Err(ApiError::param(
+                "stop_sequences",
+                "`stop_sequences` must be an array of strings",
+            ))
+        }
     }
     let mut msgs: Vec<Value> = Vec::new();
     if let Some(system) = get(o, "system") {
@@ -103,13 +131,23 @@ pub fn chat_body(o: &Map<String, Value>) -> ApiResult<Map<String, Value>> {
     }
     match get(o, "messages") {
         None => return Err(ApiError::param("messages", "`messages` is required")),
-        Some(Value::Array(a)) if a.is_empty() => return Err(ApiError::param("messages", "`messages` must not be empty")),
+        Some(Value::Array(a)) if a.is_empty() => {
+            return Err(ApiError::param("messages", "`messages` must not be empty"))
+        }
         Some(Value::Array(a)) => {
             for (i, m) in a.iter().enumerate() {
                 message(i, m, &mut msgs)?;
             }
         }
-        Some(v) => return Err(ApiError::param("messages", format!("`messages` must be an array of message objects, got {}", kind(v)))),
+        Some(v) => {
+            return Err(ApiError::param(
+                "messages",
+                format!(
+                    "`messages` must be an array of message objects, got {}",
+                    kind(v)
+                ),
+            ))
+        }
     }
     out.insert("messages".into(), Value::Array(msgs));
     if let Some(tools) = get(o, "tools") {
@@ -118,9 +156,16 @@ pub fn chat_body(o: &Map<String, Value>) -> ApiResult<Map<String, Value>> {
                 None | Some("custom") => {}
                 Some(x) => return Err(ApiError::param(p, format!("`{p}.type` {x:?} is a server tool, which this server does not run; give client tools with `name` and `input_schema`"))),
             }
-            let schema = t.get("input_schema").filter(|v| !v.is_null()).cloned().unwrap_or_else(|| json!({"type": "object", "properties": {}}));
+            let schema = t
+                .get("input_schema")
+                .filter(|v| !v.is_null())
+                .cloned()
+                .unwrap_or_else(|| json!({"type": "object", "properties": {}}));
             if !schema.is_object() {
-                return Err(ApiError::param(p, format!("`{p}.input_schema` must be a JSON schema object")));
+                return Err(ApiError::param(
+                    p,
+                    format!("`{p}.input_schema` must be a JSON schema object"),
+                ));
             }
             Ok(Some(schema))
         })?;
@@ -133,9 +178,19 @@ pub fn chat_body(o: &Map<String, Value>) -> ApiResult<Map<String, Value>> {
             Some("none") => json!("none"),
             Some("tool") => match tc.get("name").and_then(Value::as_str) {
                 Some(n) => json!({"type": "function", "function": {"name": n}}),
-                None => return Err(ApiError::param("tool_choice", "`tool_choice` of type \"tool\" needs a `name`")),
+                None => {
+                    return Err(ApiError::param(
+                        "tool_choice",
+                        "`tool_choice` of type \"tool\" needs a `name`",
+                    ))
+                }
             },
-            _ => return Err(ApiError::param("tool_choice", "`tool_choice.type` must be one of auto, any, tool, none")),
+            _ => {
+                return Err(ApiError::param(
+                    "tool_choice",
+                    "`tool_choice.type` must be one of auto, any, tool, none",
+                ))
+            }
         };
         // Anthropic accepts `auto` / `none` without tools; the chat path does too.
         out.insert("tool_choice".into(), choice);
@@ -145,11 +200,22 @@ pub fn chat_body(o: &Map<String, Value>) -> ApiResult<Map<String, Value>> {
         Some(t) => match t.get("type").and_then(Value::as_str) {
             Some("enabled" | "adaptive" | "between_tools") => true,
             Some("disabled") => false,
-            _ => return Err(ApiError::param("thinking", "`thinking.type` must be one of enabled, adaptive, disabled")),
+            _ => {
+                return Err(ApiError::param(
+                    "thinking",
+                    "`thinking.type` must be one of enabled, adaptive, disabled",
+                ))
+            }
         },
     };
-    out.insert("chat_template_kwargs".into(), json!({"enable_thinking": thinking}));
-    if get(o, "output_config").and_then(|c| c.get("format")).is_some_and(|f| !f.is_null()) {
+    out.insert(
+        "chat_template_kwargs".into(),
+        json!({"enable_thinking": thinking}),
+    );
+    if get(o, "output_config")
+        .and_then(|c| c.get("format"))
+        .is_some_and(|f| !f.is_null())
+    {
         return Err(ApiError::param("output_config", "`output_config.format` (structured outputs) is not supported yet (no constrained decoding)"));
     }
     Ok(out)
@@ -160,7 +226,10 @@ pub fn chat_body(o: &Map<String, Value>) -> ApiResult<Map<String, Value>> {
 fn message(i: usize, m: &Value, out: &mut Vec<Value>) -> ApiResult<()> {
     let p = format!("messages[{i}]");
     let Value::Object(o) = m else {
-        return Err(ApiError::param(&p, format!("`{p}` must be an object, got {}", kind(m))));
+        return Err(ApiError::param(
+            &p,
+            format!("`{p}` must be an object, got {}", kind(m)),
+        ));
     };
     let role = match o.get("role").and_then(Value::as_str) {
         Some(r @ ("user" | "assistant")) => r,
@@ -174,28 +243,49 @@ fn message(i: usize, m: &Value, out: &mut Vec<Value>) -> ApiResult<()> {
             return Ok(());
         }
         Some(Value::Array(b)) => b,
-        Some(v) => return Err(ApiError::param(&p, format!("`{p}.content` must be a string or an array of content blocks, got {}", kind(v)))),
+        Some(v) => {
+            return Err(ApiError::param(
+                &p,
+                format!(
+                    "`{p}.content` must be a string or an array of content blocks, got {}",
+                    kind(v)
+                ),
+            ))
+        }
     };
     let mut texts: Vec<String> = Vec::new();
     let mut thinking: Vec<String> = Vec::new();
     let mut calls: Vec<Value> = Vec::new();
     for (j, b) in blocks.iter().enumerate() {
         let bp = format!("{p}.content[{j}]");
-        let str_field = |k: &str| b.get(k).and_then(Value::as_str).ok_or_else(|| ApiError::param(&p, format!("`{bp}` needs a string `{k}`")));
+        let str_field = |k: &str| {
+            b.get(k)
+                .and_then(Value::as_str)
+                .ok_or_else(|| ApiError::param(&p, format!("`{bp}` needs a string `{k}`")))
+        };
         match (role, b.get("type").and_then(Value::as_str)) {
             (_, Some("text")) => texts.push(str_field("text")?.to_string()),
             ("assistant", Some("thinking")) => thinking.push(str_field("thinking")?.to_string()),
             ("assistant", Some("redacted_thinking")) => {}
             ("assistant", Some("tool_use")) => {
-                let input = b.get("input").filter(|v| !v.is_null()).cloned().unwrap_or_else(|| json!({}));
+                let input = b
+                    .get("input")
+                    .filter(|v| !v.is_null())
+                    .cloned()
+                    .unwrap_or_else(|| json!({}));
                 if !input.is_object() {
-                    return Err(ApiError::param(&p, format!("`{bp}.input` must be an object")));
+                    return Err(ApiError::param(
+                        &p,
+                        format!("`{bp}.input` must be an object"),
+                    ));
                 }
                 calls.push(json!({"id": str_field("id")?, "type": "function", "function": {"name": str_field("name")?, "arguments": input}}));
             }
             ("user", Some("tool_result")) => {
                 if !texts.is_empty() {
-                    out.push(json!({"role": "user", "content": std::mem::take(&mut texts).join("\n\n")}));
+                    out.push(
+                        json!({"role": "user", "content": std::mem::take(&mut texts).join("\n\n")}),
+                    );
                 }
                 let mut content = match b.get("content").filter(|v| !v.is_null()) {
                     None => String::new(),
@@ -207,10 +297,23 @@ fn message(i: usize, m: &Value, out: &mut Vec<Value>) -> ApiResult<()> {
                 out.push(json!({"role": "tool", "tool_call_id": str_field("tool_use_id")?, "content": content}));
             }
             (_, Some(t @ ("image" | "document" | "search_result"))) => {
-                return Err(ApiError::param(&p, format!("`{bp}` is a {t:?} block; this server runs the text model only")))
+                return Err(ApiError::param(
+                    &p,
+                    format!("`{bp}` is a {t:?} block; this server runs the text model only"),
+                ))
             }
-            (_, Some(t)) => return Err(ApiError::param(&p, format!("`{bp}` is a {t:?} block, which a {role} message cannot hold here"))),
-            (_, None) => return Err(ApiError::param(&p, format!("`{bp}` must be a content block with a `type`"))),
+            (_, Some(t)) => {
+                return Err(ApiError::param(
+                    &p,
+                    format!("`{bp}` is a {t:?} block, which a {role} message cannot hold here"),
+                ))
+            }
+            (_, None) => {
+                return Err(ApiError::param(
+                    &p,
+                    format!("`{bp}` must be a content block with a `type`"),
+                ))
+            }
         }
     }
     if role == "assistant" {
@@ -222,7 +325,11 @@ fn message(i: usize, m: &Value, out: &mut Vec<Value>) -> ApiResult<()> {
             msg["tool_calls"] = Value::Array(calls);
         }
         out.push(msg);
-    } else if !texts.is_empty() || !blocks.iter().any(|b| b.get("type").and_then(Value::as_str) == Some("tool_result")) {
+    } else if !texts.is_empty()
+        || !blocks
+            .iter()
+            .any(|b| b.get("type").and_then(Value::as_str) == Some("tool_result"))
+    {
         out.push(json!({"role": "user", "content": texts.join("\n\n")}));
     }
     Ok(())
@@ -240,17 +347,28 @@ fn reject(app: &App, e: ApiError) -> Response {
 
 /// `POST /v1/messages`.
 pub(crate) async fn messages(State(app): State<Arc<App>>, body: Body) -> Response {
-    app.metrics.received.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    app.metrics
+        .received
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let r = async {
         let bytes = routes::read_body(&app, body).await?;
         let req = messages_request(&api::body_object(&bytes)?)?;
         let a = app.clone();
-        let (req, prep) = routes::blocking(move || routes::prepare_chat(&a, &req).map(|p| (req, p))).await?;
+        let (req, prep) =
+            routes::blocking(move || routes::prepare_chat(&a, &req).map(|p| (req, p))).await?;
         let parse_tools = req.tools.is_some() && req.tool_choice != ToolChoice::None;
-        let kind = Kind::Chat { tools: req.tools.clone(), parse_tools };
-        let (rx, guard, sh) = routes::submit(&app, &req.common, req.cache_key.clone(), prep, &kind)?;
+        let kind = Kind::Chat {
+            tools: req.tools.clone(),
+            parse_tools,
+        };
+        let (rx, guard, sh) =
+            routes::submit(&app, &req.common, req.cache_key.clone(), prep, &kind)?;
         let m = Msg::new(&app, sh);
-        Ok::<_, ApiError>(if req.common.stream { stream(app.clone(), rx, guard, m) } else { collect(app.clone(), rx, guard, m).await })
+        Ok::<_, ApiError>(if req.common.stream {
+            stream(app.clone(), rx, guard, m)
+        } else {
+            collect(app.clone(), rx, guard, m).await
+        })
     }
     .await;
     r.unwrap_or_else(|e| reject(&app, e))
@@ -292,13 +410,23 @@ struct Msg {
 
 impl Msg {
     fn new(app: &Arc<App>, sh: Shaper) -> Self {
-        Self { sh, id: format!("msg_{}", app.new_id()), model: app.model_name.clone(), open: Open::None, blocks: 0, parts: Vec::new(), started: false }
+        Self {
+            sh,
+            id: format!("msg_{}", app.new_id()),
+            model: app.model_name.clone(),
+            open: Open::None,
+            blocks: 0,
+            parts: Vec::new(),
+            started: false,
+        }
     }
 
     fn stop(&self, g: &Generation) -> (&'static str, Value) {
         match &g.finish {
             Some(FinishReason::Stop(StopKind::String(s))) => ("stop_sequence", json!(s)),
-            Some(FinishReason::Stop(_)) | None if self.sh.called_tools() => ("tool_use", Value::Null),
+            Some(FinishReason::Stop(_)) | None if self.sh.called_tools() => {
+                ("tool_use", Value::Null)
+            }
             Some(FinishReason::Stop(_)) | None => ("end_turn", Value::Null),
             Some(FinishReason::Length | FinishReason::ContextFull) => ("max_tokens", Value::Null),
         }
@@ -340,19 +468,28 @@ impl Msg {
             "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": null, "stop_sequence": null, "usage": self.usage(0),
         });
-        vec![("message_start", json!({"type": "message_start", "message": msg}))]
+        vec![(
+            "message_start",
+            json!({"type": "message_start", "message": msg}),
+        )]
     }
 
     fn close(&mut self, ev: &mut Vec<(&'static str, Value)>) {
         if self.open != Open::None {
-            ev.push(("content_block_stop", json!({"type": "content_block_stop", "index": self.blocks - 1})));
+            ev.push((
+                "content_block_stop",
+                json!({"type": "content_block_stop", "index": self.blocks - 1}),
+            ));
             self.open = Open::None;
         }
     }
 
     fn begin(&mut self, open: Open, block: Value, ev: &mut Vec<(&'static str, Value)>) {
         self.close(ev);
-        ev.push(("content_block_start", json!({"type": "content_block_start", "index": self.blocks, "content_block": block})));
+        ev.push((
+            "content_block_start",
+            json!({"type": "content_block_start", "index": self.blocks, "content_block": block}),
+        ));
         self.blocks += 1;
         self.open = open;
     }
@@ -364,7 +501,11 @@ impl Msg {
             let delta = match p {
                 Part::Reasoning(s) => {
                     if self.open != Open::Thinking {
-                        self.begin(Open::Thinking, json!({"type": "thinking", "thinking": "", "signature": ""}), &mut ev);
+                        self.begin(
+                            Open::Thinking,
+                            json!({"type": "thinking", "thinking": "", "signature": ""}),
+                            &mut ev,
+                        );
                     }
                     json!({"type": "thinking_delta", "thinking": s})
                 }
@@ -375,14 +516,23 @@ impl Msg {
                     json!({"type": "text_delta", "text": s})
                 }
                 Part::ToolCallStart { id, name, .. } => {
-                    self.begin(Open::Tool, json!({"type": "tool_use", "id": id, "name": name, "input": {}}), &mut ev);
+                    self.begin(
+                        Open::Tool,
+                        json!({"type": "tool_use", "id": id, "name": name, "input": {}}),
+                        &mut ev,
+                    );
                     continue;
                 }
                 // The parser sends a call's arguments right after its start, before anything else.
                 Part::ToolCallArgs { .. } if self.open != Open::Tool => continue,
-                Part::ToolCallArgs { args, .. } => json!({"type": "input_json_delta", "partial_json": args}),
+                Part::ToolCallArgs { args, .. } => {
+                    json!({"type": "input_json_delta", "partial_json": args})
+                }
             };
-            ev.push(("content_block_delta", json!({"type": "content_block_delta", "index": self.blocks - 1, "delta": delta})));
+            ev.push((
+                "content_block_delta",
+                json!({"type": "content_block_delta", "index": self.blocks - 1, "delta": delta}),
+            ));
         }
         ev
     }
@@ -398,7 +548,12 @@ impl Msg {
     }
 }
 
-async fn collect(app: Arc<App>, mut rx: UnboundedReceiver<Event>, guard: CancelOnDrop, mut m: Msg) -> Response {
+async fn collect(
+    app: Arc<App>,
+    mut rx: UnboundedReceiver<Event>,
+    guard: CancelOnDrop,
+    mut m: Msg,
+) -> Response {
     let _guard = guard;
     while let Some(ev) = rx.recv().await {
         match ev {
@@ -444,7 +599,9 @@ impl StreamState {
         }
         let Some(ev) = self.rx.recv().await else {
             self.done = true;
-            return Some(error_event(ApiError::internal("the model thread stopped before answering")));
+            return Some(error_event(ApiError::internal(
+                "the model thread stopped before answering",
+            )));
         };
         let m = &mut self.m;
         let out = match ev {
@@ -461,7 +618,11 @@ impl StreamState {
                 if let Some(e) = routes::ended_early(&self.app, &g) {
                     return Some(error_event(e));
                 }
-                let mut ev = if m.started { Vec::new() } else { m.start_event() };
+                let mut ev = if m.started {
+                    Vec::new()
+                } else {
+                    m.start_event()
+                };
                 ev.extend(m.end_events(&g));
                 ev
             }
@@ -475,10 +636,26 @@ impl StreamState {
 }
 
 fn stream(app: Arc<App>, rx: UnboundedReceiver<Event>, guard: CancelOnDrop, m: Msg) -> Response {
-    let st = StreamState { app, rx, m, _guard: guard, done: false };
-    let body = stream::unfold(st, |mut st| async move { st.next().await.map(|evs| (stream::iter(evs), st)) }).flatten();
-    let body: std::pin::Pin<Box<dyn Stream<Item = Result<Sse, Infallible>> + Send>> = Box::pin(body);
-    axum::response::Sse::new(body).keep_alive(KeepAlive::new().interval(Duration::from_secs(5)).text("keep-alive")).into_response()
+    let st = StreamState {
+        app,
+        rx,
+        m,
+        _guard: guard,
+        done: false,
+    };
+    let body = stream::unfold(st, |mut st| async move {
+        st.next().await.map(|evs| (stream::iter(evs), st))
+    })
+    .flatten();
+    let body: std::pin::Pin<Box<dyn Stream<Item = Result<Sse, Infallible>> + Send>> =
+        Box::pin(body);
+    axum::response::Sse::new(body)
+        .keep_alive(
+            KeepAlive::new()
+                .interval(Duration::from_secs(5))
+                .text("keep-alive"),
+        )
+        .into_response()
 }
 
 #[cfg(test)]
@@ -508,12 +685,21 @@ mod tests {
         assert_eq!(b["top_k"], 5);
         assert_eq!(b["tool_choice"], "required");
         assert_eq!(b["chat_template_kwargs"]["enable_thinking"], true);
-        assert_eq!(b["tools"][0]["function"]["parameters"]["properties"]["city"]["type"], "string");
+        assert_eq!(
+            b["tools"][0]["function"]["parameters"]["properties"]["city"]["type"],
+            "string"
+        );
         let m = b["messages"].as_array().unwrap();
         assert_eq!(m[0], json!({"role": "system", "content": "a\n\nb"}));
         assert_eq!(m[2]["reasoning_content"], "hmm");
-        assert_eq!(m[2]["tool_calls"][0]["function"]["arguments"], json!({"city": "Paris"}));
-        assert_eq!(m[3], json!({"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"}));
+        assert_eq!(
+            m[2]["tool_calls"][0]["function"]["arguments"],
+            json!({"city": "Paris"})
+        );
+        assert_eq!(
+            m[3],
+            json!({"role": "tool", "tool_call_id": "toolu_1", "content": "sunny"})
+        );
         assert_eq!(m[4], json!({"role": "user", "content": "thanks"}));
         let r = api::chat_request(&b).unwrap();
         assert_eq!(r.tool_choice, ToolChoice::Required);
@@ -528,33 +714,70 @@ mod tests {
             b[k] = v;
             messages_request(b.as_object().unwrap())
         };
-        assert_eq!(with("thinking", json!(null)).unwrap().template_kwargs["enable_thinking"], false);
-        assert_eq!(with("thinking", json!({"type": "disabled"})).unwrap().template_kwargs["enable_thinking"], false);
+        assert_eq!(
+            with("thinking", json!(null)).unwrap().template_kwargs["enable_thinking"],
+            false
+        );
+        assert_eq!(
+            with("thinking", json!({"type": "disabled"}))
+                .unwrap()
+                .template_kwargs["enable_thinking"],
+            false
+        );
         assert!(with("thinking", json!({"type": "sometimes"})).is_err());
-        assert_eq!(with("tool_choice", json!({"type": "none"})).unwrap().tool_choice, ToolChoice::None);
+        assert_eq!(
+            with("tool_choice", json!({"type": "none"}))
+                .unwrap()
+                .tool_choice,
+            ToolChoice::None
+        );
         assert!(with("tool_choice", json!({"type": "tool"})).is_err());
-        assert!(with("tools", json!([{"type": "web_search_20250305", "name": "web_search"}])).is_err());
+        assert!(with(
+            "tools",
+            json!([{"type": "web_search_20250305", "name": "web_search"}])
+        )
+        .is_err());
         assert!(with("stop_sequences", json!("END")).is_err());
         assert!(with("messages", json!([{"role": "system", "content": "x"}])).is_err());
-        assert!(with("messages", json!([{"role": "user", "content": [{"type": "image", "source": {}}]}])).is_err());
+        assert!(with(
+            "messages",
+            json!([{"role": "user", "content": [{"type": "image", "source": {}}]}])
+        )
+        .is_err());
         assert!(with("messages", json!([{"role": "user", "content": [{"type": "tool_use", "id": "a", "name": "b", "input": {}}]}])).is_err());
         assert!(with("messages", json!([])).is_err());
         assert!(with("temperature", json!("hot")).is_err());
-        assert!(with("output_config", json!({"format": {"type": "json_schema", "schema": {}}})).is_err());
+        assert!(with(
+            "output_config",
+            json!({"format": {"type": "json_schema", "schema": {}}})
+        )
+        .is_err());
         assert!(with("output_config", json!({"effort": "low"})).is_ok());
         // A tool result marked as an error says so.
         let b = body(json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "boom", "is_error": true}]}]})).unwrap();
-        assert_eq!(b["messages"][2], json!({"role": "tool", "tool_call_id": "t", "content": "Error: boom"}));
+        assert_eq!(
+            b["messages"][2],
+            json!({"role": "tool", "tool_call_id": "t", "content": "Error: boom"})
+        );
         assert_eq!(b["messages"].as_array().unwrap().len(), 3);
     }
 
     #[test]
     fn error_shapes() {
         let e = ApiError::param("x", "bad x");
-        assert_eq!(e.anthropic_body(), json!({"type": "error", "error": {"type": "invalid_request_error", "message": "bad x"}}));
-        assert_eq!(ApiError::unauthorized().anthropic_type(), "authentication_error");
-        assert_eq!(ApiError::unavailable("busy", 1).anthropic_type(), "overloaded_error");
+        assert_eq!(
+            e.anthropic_body(),
+            json!({"type": "error", "error": {"type": "invalid_request_error", "message": "bad x"}})
+        );
+        assert_eq!(
+            ApiError::unauthorized().anthropic_type(),
+            "authentication_error"
+        );
+        assert_eq!(
+            ApiError::unavailable("busy", 1).anthropic_type(),
+            "overloaded_error"
+        );
         assert_eq!(ApiError::internal("x").anthropic_type(), "api_error");
     }
 }

@@ -73,7 +73,9 @@ pub fn body_object(bytes: &[u8]) -> ApiResult<Map<String, Value>> {
     match serde_json::from_slice::<Value>(bytes) {
         Ok(Value::Object(o)) => Ok(o),
         Ok(_) => Err(ApiError::bad("request body must be a JSON object")),
-        Err(e) => Err(ApiError::bad(format!("request body is not valid JSON: {e}")).with_code("invalid_json")),
+        Err(e) => Err(
+            ApiError::bad(format!("request body is not valid JSON: {e}")).with_code("invalid_json"),
+        ),
     }
 }
 
@@ -89,9 +91,17 @@ impl<'a> Fields<'a> {
         match self.get(k) {
             None => Ok(None),
             Some(v) => match v.as_f64() {
-                Some(x) if x.is_finite() && (lo as f64..=hi as f64).contains(&x) => Ok(Some(x as f32)),
-                Some(x) => Err(ApiError::param(k, format!("`{k}` is {x}; it must be between {lo} and {hi}"))),
-                None => Err(ApiError::param(k, format!("`{k}` must be a number, got {}", kind(v)))),
+                Some(x) if x.is_finite() && (lo as f64..=hi as f64).contains(&x) => {
+                    Ok(Some(x as f32))
+                }
+                Some(x) => Err(ApiError::param(
+                    k,
+                    format!("`{k}` is {x}; it must be between {lo} and {hi}"),
+                )),
+                None => Err(ApiError::param(
+                    k,
+                    format!("`{k}` must be a number, got {}", kind(v)),
+                )),
             },
         }
     }
@@ -101,12 +111,25 @@ impl<'a> Fields<'a> {
             None => Ok(None),
             Some(v) => {
                 // 3.0 is accepted as 3 (JavaScript clients send floats for integers).
-                let i = v.as_i64().or_else(|| v.as_f64().filter(|x| x.fract() == 0.0 && x.abs() < 9.0e18).map(|x| x as i64));
+                let i = v.as_i64().or_else(|| {
+                    v.as_f64()
+                        .filter(|x| x.fract() == 0.0 && x.abs() < 9.0e18)
+                        .map(|x| x as i64)
+                });
                 match i {
                     Some(i) if (lo..=hi).contains(&i) => Ok(Some(i)),
-                    Some(i) => Err(ApiError::param(k, format!("`{k}` is {i}; it must be between {lo} and {hi}"))),
-                    None if v.is_number() && v.as_u64().is_some() => Err(ApiError::param(k, format!("`{k}` is {v}; it must be at most {hi}"))),
-                    None => Err(ApiError::param(k, format!("`{k}` must be an integer, got {}", kind(v)))),
+                    Some(i) => Err(ApiError::param(
+                        k,
+                        format!("`{k}` is {i}; it must be between {lo} and {hi}"),
+                    )),
+                    None if v.is_number() && v.as_u64().is_some() => Err(ApiError::param(
+                        k,
+                        format!("`{k}` is {v}; it must be at most {hi}"),
+                    )),
+                    None => Err(ApiError::param(
+                        k,
+                        format!("`{k}` must be an integer, got {}", kind(v)),
+                    )),
                 }
             }
         }
@@ -116,7 +139,10 @@ impl<'a> Fields<'a> {
         match self.get(k) {
             None => Ok(None),
             Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(v) => Err(ApiError::param(k, format!("`{k}` must be true or false, got {}", kind(v)))),
+            Some(v) => Err(ApiError::param(
+                k,
+                format!("`{k}` must be true or false, got {}", kind(v)),
+            )),
         }
     }
 
@@ -124,7 +150,10 @@ impl<'a> Fields<'a> {
         match self.get(k) {
             None => Ok(None),
             Some(Value::String(s)) => Ok(Some(s)),
-            Some(v) => Err(ApiError::param(k, format!("`{k}` must be a string, got {}", kind(v)))),
+            Some(v) => Err(ApiError::param(
+                k,
+                format!("`{k}` must be a string, got {}", kind(v)),
+            )),
         }
     }
 
@@ -132,7 +161,10 @@ impl<'a> Fields<'a> {
         match self.get(k) {
             None => Ok(None),
             Some(Value::Object(o)) => Ok(Some(o)),
-            Some(v) => Err(ApiError::param(k, format!("`{k}` must be an object, got {}", kind(v)))),
+            Some(v) => Err(ApiError::param(
+                k,
+                format!("`{k}` must be an object, got {}", kind(v)),
+            )),
         }
     }
 }
@@ -155,14 +187,19 @@ fn common(o: &Map<String, Value>, chat: bool) -> ApiResult<Common> {
     let f = Fields(o);
     let n = f.int_in("n", 1, 128)?;
     if n.is_some_and(|n| n != 1) {
-        return Err(ApiError::param("n", "only n=1 is supported (one choice per request)"));
+        return Err(ApiError::param(
+            "n",
+            "only n=1 is supported (one choice per request)",
+        ));
     }
     if f.int_in("best_of", 1, 128)?.is_some_and(|n| n != 1) {
         return Err(ApiError::param("best_of", "only best_of=1 is supported"));
     }
     let max_tokens = match f.int_in("max_completion_tokens", 0, i64::MAX)? {
         Some(x) => Some(("max_completion_tokens", x)),
-        None => f.int_in("max_tokens", 0, i64::MAX)?.map(|x| ("max_tokens", x)),
+        None => f
+            .int_in("max_tokens", 0, i64::MAX)?
+            .map(|x| ("max_tokens", x)),
     };
     let max_tokens = match max_tokens {
         None => None,
@@ -191,34 +228,73 @@ fn common(o: &Map<String, Value>, chat: bool) -> ApiResult<Common> {
         Some(Value::String(s)) => vec![s.clone()],
         Some(Value::Array(a)) => {
             if a.len() > MAX_STOPS {
-                return Err(ApiError::param("stop", format!("at most {MAX_STOPS} stop sequences are allowed, got {}", a.len())));
+                return Err(ApiError::param(
+                    "stop",
+                    format!(
+                        "at most {MAX_STOPS} stop sequences are allowed, got {}",
+                        a.len()
+                    ),
+                ));
             }
             a.iter()
-                .map(|v| v.as_str().map(str::to_string).ok_or_else(|| ApiError::param("stop", "`stop` must be a string or an array of strings")))
+                .map(|v| {
+                    v.as_str().map(str::to_string).ok_or_else(|| {
+                        ApiError::param("stop", "`stop` must be a string or an array of strings")
+                    })
+                })
                 .collect::<ApiResult<_>>()?
         }
-        Some(v) => return Err(ApiError::param("stop", format!("`stop` must be a string or an array of strings, got {}", kind(v)))),
+        Some(v) => {
+            return Err(ApiError::param(
+                "stop",
+                format!(
+                    "`stop` must be a string or an array of strings, got {}",
+                    kind(v)
+                ),
+            ))
+        }
     };
     if stop.iter().any(String::is_empty) {
         return Err(ApiError::param("stop", "stop sequences must not be empty"));
     }
     let stream = f.bool("stream")?.unwrap_or(false);
     let include_usage = match f.object("stream_options")? {
-        Some(so) => Fields(so).bool("include_usage").map_err(|_| ApiError::param("stream_options", "`stream_options.include_usage` must be true or false"))?.unwrap_or(false),
+        Some(so) => Fields(so)
+            .bool("include_usage")
+            .map_err(|_| {
+                ApiError::param(
+                    "stream_options",
+                    "`stream_options.include_usage` must be true or false",
+                )
+            })?
+            .unwrap_or(false),
         None => false,
     };
     let logprobs = if chat {
         let on = f.bool("logprobs")?.unwrap_or(false);
         let top = f.int_in("top_logprobs", 0, 20)?;
         match (on, top) {
-            (false, Some(t)) if t > 0 => return Err(ApiError::param("top_logprobs", "`top_logprobs` needs `logprobs: true`")),
+            (false, Some(t)) if t > 0 => {
+                return Err(ApiError::param(
+                    "top_logprobs",
+                    "`top_logprobs` needs `logprobs: true`",
+                ))
+            }
             (false, _) => None,
             (true, t) => Some(t.unwrap_or(0) as usize),
         }
     } else {
         f.int_in("logprobs", 0, 5)?.map(|n| n as usize)
     };
-    Ok(Common { model: f.str("model")?.map(str::to_string), sampling, max_tokens, stop, stream, include_usage, logprobs })
+    Ok(Common {
+        model: f.str("model")?.map(str::to_string),
+        sampling,
+        max_tokens,
+        stop,
+        stream,
+        include_usage,
+        logprobs,
+    })
 }
 
 fn cache_key(o: &Map<String, Value>) -> ApiResult<Option<String>> {
@@ -233,9 +309,24 @@ pub fn chat_request(o: &Map<String, Value>) -> ApiResult<ChatRequest> {
     let f = Fields(o);
     let messages = match f.get("messages") {
         None => return Err(ApiError::param("messages", "`messages` is required")),
-        Some(Value::Array(a)) if a.is_empty() => return Err(ApiError::param("messages", "`messages` must not be empty")),
-        Some(Value::Array(a)) => Value::Array(fold_system_messages(a.iter().enumerate().map(|(i, m)| message(i, m)).collect::<ApiResult<_>>()?)),
-        Some(v) => return Err(ApiError::param("messages", format!("`messages` must be an array of message objects, got {}", kind(v)))),
+        Some(Value::Array(a)) if a.is_empty() => {
+            return Err(ApiError::param("messages", "`messages` must not be empty"))
+        }
+        Some(Value::Array(a)) => Value::Array(fold_system_messages(
+            a.iter()
+                .enumerate()
+                .map(|(i, m)| message(i, m))
+                .collect::<ApiResult<_>>()?,
+        )),
+        Some(v) => {
+            return Err(ApiError::param(
+                "messages",
+                format!(
+                    "`messages` must be an array of message objects, got {}",
+                    kind(v)
+                ),
+            ))
+        }
     };
     let tools = match f.get("tools") {
         None => None,
@@ -246,7 +337,12 @@ pub fn chat_request(o: &Map<String, Value>) -> ApiResult<ChatRequest> {
             }
             Some(Value::Array(a.clone()))
         }
-        Some(v) => return Err(ApiError::param("tools", format!("`tools` must be an array of tool objects, got {}", kind(v)))),
+        Some(v) => {
+            return Err(ApiError::param(
+                "tools",
+                format!("`tools` must be an array of tool objects, got {}", kind(v)),
+            ))
+        }
     };
     let tool_choice = match f.get("tool_choice") {
         None => ToolChoice::Auto,
@@ -254,46 +350,89 @@ pub fn chat_request(o: &Map<String, Value>) -> ApiResult<ChatRequest> {
             "none" => ToolChoice::None,
             "auto" => ToolChoice::Auto,
             "required" => ToolChoice::Required,
-            _ => return Err(ApiError::param("tool_choice", format!("`tool_choice` {s:?} is not one of none, auto, required"))),
+            _ => {
+                return Err(ApiError::param(
+                    "tool_choice",
+                    format!("`tool_choice` {s:?} is not one of none, auto, required"),
+                ))
+            }
         },
         Some(Value::Object(c)) => {
-            let name = c.get("function").and_then(|f| f.get("name")).and_then(Value::as_str).or_else(|| c.get("name").and_then(Value::as_str));
+            let name = c
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .or_else(|| c.get("name").and_then(Value::as_str));
             match name {
                 Some(n) => ToolChoice::Named(n.to_string()),
                 None => return Err(ApiError::param("tool_choice", "a named `tool_choice` must be {\"type\": \"function\", \"function\": {\"name\": …}}")),
             }
         }
-        Some(v) => return Err(ApiError::param("tool_choice", format!("`tool_choice` must be a string or an object, got {}", kind(v)))),
+        Some(v) => {
+            return Err(ApiError::param(
+                "tool_choice",
+                format!(
+                    "`tool_choice` must be a string or an object, got {}",
+                    kind(v)
+                ),
+            ))
+        }
     };
     match (&tool_choice, &tools) {
         (ToolChoice::Required | ToolChoice::Named(_), None) => {
-            return Err(ApiError::param("tool_choice", "`tool_choice` asks for a tool call but no `tools` were given"))
+            return Err(ApiError::param(
+                "tool_choice",
+                "`tool_choice` asks for a tool call but no `tools` were given",
+            ))
         }
-        (ToolChoice::Named(n), Some(t)) if !t.as_array().is_some_and(|a| a.iter().any(|x| tool_name(x) == Some(n.as_str()))) => {
-            return Err(ApiError::param("tool_choice", format!("`tool_choice` names the function {n:?}, which is not in `tools`")))
+        (ToolChoice::Named(n), Some(t))
+            if !t
+                .as_array()
+                .is_some_and(|a| a.iter().any(|x| tool_name(x) == Some(n.as_str()))) =>
+        {
+            return Err(ApiError::param(
+                "tool_choice",
+                format!("`tool_choice` names the function {n:?}, which is not in `tools`"),
+            ))
         }
         _ => {}
     }
-    let mut template_kwargs = f.object("chat_template_kwargs")?.cloned().unwrap_or_default();
+    let mut template_kwargs = f
+        .object("chat_template_kwargs")?
+        .cloned()
+        .unwrap_or_default();
     for k in ["enable_thinking", "preserve_thinking"] {
         if let Some(v) = template_kwargs.get(k) {
             if !v.is_boolean() && !v.is_null() {
-                return Err(ApiError::param("chat_template_kwargs", format!("`chat_template_kwargs.{k}` must be true or false")));
+                return Err(ApiError::param(
+                    "chat_template_kwargs",
+                    format!("`chat_template_kwargs.{k}` must be true or false"),
+                ));
             }
         }
     }
     for k in ["messages", "tools", "documents", "add_generation_prompt"] {
         if template_kwargs.contains_key(k) {
-            return Err(ApiError::param("chat_template_kwargs", format!("`chat_template_kwargs.{k}` is set by the server and cannot be overridden")));
+            return Err(ApiError::param(
+                "chat_template_kwargs",
+                format!("`chat_template_kwargs.{k}` is set by the server and cannot be overridden"),
+            ));
         }
     }
     match f.str("reasoning_effort")? {
         None => {}
         Some("none") => {
-            template_kwargs.entry("enable_thinking").or_insert(Value::Bool(false));
+            template_kwargs
+                .entry("enable_thinking")
+                .or_insert(Value::Bool(false));
         }
         Some("minimal" | "low" | "medium" | "high" | "xhigh") => {}
-        Some(e) => return Err(ApiError::param("reasoning_effort", format!("`reasoning_effort` {e:?} is not one of none, minimal, low, medium, high"))),
+        Some(e) => {
+            return Err(ApiError::param(
+                "reasoning_effort",
+                format!("`reasoning_effort` {e:?} is not one of none, minimal, low, medium, high"),
+            ))
+        }
     }
     if let Some(rf) = f.object("response_format")? {
         match rf.get("type").and_then(Value::as_str) {
@@ -301,7 +440,14 @@ pub fn chat_request(o: &Map<String, Value>) -> ApiResult<ChatRequest> {
             Some(t) => return Err(ApiError::param("response_format", format!("`response_format` type {t:?} is not supported (no constrained decoding yet); use \"text\""))),
         }
     }
-    Ok(ChatRequest { common, messages, tools, tool_choice, template_kwargs, cache_key: cache_key(o)? })
+    Ok(ChatRequest {
+        common,
+        messages,
+        tools,
+        tool_choice,
+        template_kwargs,
+        cache_key: cache_key(o)?,
+    })
 }
 
 /// System messages where clients put them → what the chat template can render.
@@ -323,14 +469,27 @@ pub fn chat_request(o: &Map<String, Value>) -> ApiResult<ChatRequest> {
 /// or null.
 pub fn fold_system_messages(msgs: Vec<Value>) -> Vec<Value> {
     let is_system = |m: &Value| m.get("role").and_then(Value::as_str) == Some("system");
-    let text = |m: &Value| m.get("content").and_then(Value::as_str).unwrap_or_default().to_string();
-    let join = |texts: &[String]| texts.iter().filter(|t| !t.trim().is_empty()).cloned().collect::<Vec<_>>().join("\n\n");
+    let text = |m: &Value| {
+        m.get("content")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_string()
+    };
+    let join = |texts: &[String]| {
+        texts
+            .iter()
+            .filter(|t| !t.trim().is_empty())
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n\n")
+    };
     let lead = msgs.iter().take_while(|m| is_system(m)).count();
     let mut out = Vec::with_capacity(msgs.len());
     if lead > 0 {
         let mut first = msgs[0].clone();
         if lead > 1 {
-            first["content"] = Value::from(join(&msgs[..lead].iter().map(text).collect::<Vec<_>>()));
+            first["content"] =
+                Value::from(join(&msgs[..lead].iter().map(text).collect::<Vec<_>>()));
         }
         out.push(first);
     }
@@ -345,7 +504,13 @@ pub fn fold_system_messages(msgs: Vec<Value>) -> Vec<Value> {
             let instructions = join(&std::mem::take(&mut pending));
             if m.get("role").and_then(Value::as_str) == Some("user") {
                 let content = text(&m);
-                m["content"] = Value::from(if content.is_empty() { instructions } else if instructions.is_empty() { content } else { format!("{instructions}\n\n{content}") });
+                m["content"] = Value::from(if content.is_empty() {
+                    instructions
+                } else if instructions.is_empty() {
+                    content
+                } else {
+                    format!("{instructions}\n\n{content}")
+                });
             } else if !instructions.is_empty() {
                 out.push(user(instructions));
             }
@@ -364,12 +529,25 @@ pub fn fold_system_messages(msgs: Vec<Value>) -> Vec<Value> {
 fn message(i: usize, m: &Value) -> ApiResult<Value> {
     let p = format!("messages[{i}]");
     let Value::Object(o) = m else {
-        return Err(ApiError::param(&p, format!("`{p}` must be an object, got {}", kind(m))));
+        return Err(ApiError::param(
+            &p,
+            format!("`{p}` must be an object, got {}", kind(m)),
+        ));
     };
     let role = match o.get("role") {
         Some(Value::String(r)) if ROLES.contains(&r.as_str()) => r.as_str(),
-        Some(Value::String(r)) => return Err(ApiError::param(&p, format!("`{p}.role` {r:?} is not one of {}", ROLES.join(", ")))),
-        _ => return Err(ApiError::param(&p, format!("`{p}.role` is required and must be a string"))),
+        Some(Value::String(r)) => {
+            return Err(ApiError::param(
+                &p,
+                format!("`{p}.role` {r:?} is not one of {}", ROLES.join(", ")),
+            ))
+        }
+        _ => {
+            return Err(ApiError::param(
+                &p,
+                format!("`{p}.role` is required and must be a string"),
+            ))
+        }
     };
     let mut out = o.clone();
     if role == "developer" {
@@ -394,22 +572,42 @@ fn message(i: usize, m: &Value) -> ApiResult<Value> {
                 }
             }
             // The template renders a list of text parts by concatenating their `text`.
-            let text: String = parts.iter().filter(|x| x.get("type").and_then(Value::as_str) != Some("refusal")).filter_map(|x| x.get("text").and_then(Value::as_str)).collect();
+            let text: String = parts
+                .iter()
+                .filter(|x| x.get("type").and_then(Value::as_str) != Some("refusal"))
+                .filter_map(|x| x.get("text").and_then(Value::as_str))
+                .collect();
             out.insert("content".into(), Value::from(text));
         }
-        Some(v) => return Err(ApiError::param(&p, format!("`{p}.content` must be a string or an array of content parts, got {}", kind(v)))),
+        Some(v) => {
+            return Err(ApiError::param(
+                &p,
+                format!(
+                    "`{p}.content` must be a string or an array of content parts, got {}",
+                    kind(v)
+                ),
+            ))
+        }
     }
     if let Some(calls) = o.get("tool_calls").filter(|v| !v.is_null()) {
         let Value::Array(calls) = calls else {
-            return Err(ApiError::param(&p, format!("`{p}.tool_calls` must be an array")));
+            return Err(ApiError::param(
+                &p,
+                format!("`{p}.tool_calls` must be an array"),
+            ));
         };
         if role != "assistant" {
-            return Err(ApiError::param(&p, format!("`{p}.tool_calls` is only allowed on assistant messages")));
+            return Err(ApiError::param(
+                &p,
+                format!("`{p}.tool_calls` is only allowed on assistant messages"),
+            ));
         }
         for (j, c) in calls.iter().enumerate() {
             let func = c.get("function").unwrap_or(c);
             let ok_name = func.get("name").is_some_and(Value::is_string);
-            let ok_args = func.get("arguments").is_none_or(|a| a.is_string() || a.is_object());
+            let ok_args = func
+                .get("arguments")
+                .is_none_or(|a| a.is_string() || a.is_object());
             if !ok_name || !ok_args {
                 return Err(ApiError::param(&p, format!("`{p}.tool_calls[{j}]` must be {{\"type\": \"function\", \"function\": {{\"name\": string, \"arguments\": JSON string}}}}")));
             }
@@ -425,7 +623,10 @@ fn message(i: usize, m: &Value) -> ApiResult<Value> {
 }
 
 fn tool_name(t: &Value) -> Option<&str> {
-    t.get("function").unwrap_or(t).get("name").and_then(Value::as_str)
+    t.get("function")
+        .unwrap_or(t)
+        .get("name")
+        .and_then(Value::as_str)
 }
 
 fn tool(i: usize, t: &Value) -> ApiResult<()> {
@@ -435,14 +636,22 @@ fn tool(i: usize, t: &Value) -> ApiResult<()> {
     }
     match t.get("type").and_then(Value::as_str) {
         None | Some("function") => {}
-        Some(x) => return Err(ApiError::param(&p, format!("`{p}.type` {x:?} is not supported (only \"function\")"))),
+        Some(x) => {
+            return Err(ApiError::param(
+                &p,
+                format!("`{p}.type` {x:?} is not supported (only \"function\")"),
+            ))
+        }
     }
     if tool_name(t).is_none() {
         return Err(ApiError::param(&p, format!("`{p}` needs `function.name`")));
     }
     if let Some(params) = t.get("function").unwrap_or(t).get("parameters") {
         if !params.is_object() && !params.is_null() {
-            return Err(ApiError::param(&p, format!("`{p}.function.parameters` must be a JSON schema object")));
+            return Err(ApiError::param(
+                &p,
+                format!("`{p}.function.parameters` must be a JSON schema object"),
+            ));
         }
     }
     Ok(())
@@ -456,40 +665,82 @@ pub fn completion_request(o: &Map<String, Value>) -> ApiResult<CompletionRequest
         return Err(ApiError::param("echo", "`echo` is not supported"));
     }
     if f.str("suffix")?.is_some_and(|s| !s.is_empty()) {
-        return Err(ApiError::param("suffix", "`suffix` (fill-in-the-middle) is not supported"));
+        return Err(ApiError::param(
+            "suffix",
+            "`suffix` (fill-in-the-middle) is not supported",
+        ));
     }
-    let bad = || ApiError::param("prompt", "`prompt` must be a string, an array with one string, or an array of token ids");
-    let ids = |a: &[Value]| -> ApiResult<Vec<u32>> { a.iter().map(|v| v.as_u64().filter(|&x| x <= u32::MAX as u64).map(|x| x as u32).ok_or_else(bad)).collect() };
+    let bad = || {
+        ApiError::param(
+            "prompt",
+            "`prompt` must be a string, an array with one string, or an array of token ids",
+        )
+    };
+    let ids = |a: &[Value]| -> ApiResult<Vec<u32>> {
+        a.iter()
+            .map(|v| {
+                v.as_u64()
+                    .filter(|&x| x <= u32::MAX as u64)
+                    .map(|x| x as u32)
+                    .ok_or_else(bad)
+            })
+            .collect()
+    };
     let prompt = match f.get("prompt") {
         None => return Err(ApiError::param("prompt", "`prompt` is required")),
         Some(Value::String(s)) => Prompt::Text(s.clone()),
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => Prompt::Text(a[0].as_str().unwrap_or_default().to_string()),
-        Some(Value::Array(a)) if a.len() == 1 && a[0].is_array() => Prompt::Ids(ids(a[0].as_array().map(Vec::as_slice).unwrap_or_default())?),
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_string() => {
+            Prompt::Text(a[0].as_str().unwrap_or_default().to_string())
+        }
+        Some(Value::Array(a)) if a.len() == 1 && a[0].is_array() => {
+            Prompt::Ids(ids(a[0].as_array().map(Vec::as_slice).unwrap_or_default())?)
+        }
         Some(Value::Array(a)) if a.len() > 1 && a.iter().all(|x| x.is_string() || x.is_array()) => {
-            return Err(ApiError::param("prompt", "only one prompt per request is supported"))
+            return Err(ApiError::param(
+                "prompt",
+                "only one prompt per request is supported",
+            ))
         }
         Some(Value::Array(a)) => Prompt::Ids(ids(a)?),
         Some(_) => return Err(bad()),
     };
-    if matches!(&prompt, Prompt::Text(s) if s.is_empty()) || matches!(&prompt, Prompt::Ids(v) if v.is_empty()) {
+    if matches!(&prompt, Prompt::Text(s) if s.is_empty())
+        || matches!(&prompt, Prompt::Ids(v) if v.is_empty())
+    {
         return Err(ApiError::param("prompt", "`prompt` must not be empty"));
     }
-    Ok(CompletionRequest { common, prompt, cache_key: cache_key(o)? })
+    Ok(CompletionRequest {
+        common,
+        prompt,
+        cache_key: cache_key(o)?,
+    })
 }
 
 /// A dialect's flat tool list (Anthropic's, the Responses API's: name at the top of each tool)
 /// → chat-completions tools. `tools` must be an array and every tool needs a string `name`;
 /// `each(path, tool)` checks the dialect's own fields and gives the schema (`parameters`) to use.
-pub(crate) fn flat_tools(tools: &Value, mut each: impl FnMut(&str, &Value) -> ApiResult<Option<Value>>) -> ApiResult<Vec<Value>> {
+pub(crate) fn flat_tools(
+    tools: &Value,
+    mut each: impl FnMut(&str, &Value) -> ApiResult<Option<Value>>,
+) -> ApiResult<Vec<Value>> {
     let Value::Array(list) = tools else {
-        return Err(ApiError::param("tools", format!("`tools` must be an array of tool objects, got {}", kind(tools))));
+        return Err(ApiError::param(
+            "tools",
+            format!(
+                "`tools` must be an array of tool objects, got {}",
+                kind(tools)
+            ),
+        ));
     };
     let mut fns = Vec::with_capacity(list.len());
     for (i, t) in list.iter().enumerate() {
         let p = format!("tools[{i}]");
         let parameters = each(&p, t)?;
         let Some(name) = t.get("name").and_then(Value::as_str) else {
-            return Err(ApiError::param(&p, format!("`{p}.name` is required and must be a string")));
+            return Err(ApiError::param(
+                &p,
+                format!("`{p}.name` is required and must be a string"),
+            ));
         };
         let mut f = serde_json::json!({"name": name});
         if let Some(d) = t.get("description").filter(|v| !v.is_null()) {
@@ -519,7 +770,8 @@ mod tests {
 
     #[test]
     fn minimal_chat() {
-        let r = chat(json!({"model": "x", "messages": [{"role": "user", "content": "hi"}]})).unwrap();
+        let r =
+            chat(json!({"model": "x", "messages": [{"role": "user", "content": "hi"}]})).unwrap();
         assert_eq!(r.tool_choice, ToolChoice::Auto);
         assert!(!r.common.stream);
         assert_eq!(r.common.max_tokens, None);
@@ -533,14 +785,23 @@ mod tests {
             b[k] = v;
             chat(b)
         };
-        assert_eq!(with("temperature", json!("hot")).unwrap_err().param.as_deref(), Some("temperature"));
+        assert_eq!(
+            with("temperature", json!("hot"))
+                .unwrap_err()
+                .param
+                .as_deref(),
+            Some("temperature")
+        );
         assert!(with("temperature", json!(2.5)).is_err());
         assert!(with("temperature", json!(null)).is_ok());
         assert!(with("max_tokens", json!(-1)).is_err());
         assert!(with("max_tokens", json!(0)).is_err());
         assert!(with("max_tokens", json!(1e30)).is_err());
         assert!(with("max_tokens", json!(1_000_000_000_000u64)).is_err());
-        assert_eq!(with("max_tokens", json!(16.0)).unwrap().common.max_tokens, Some(16));
+        assert_eq!(
+            with("max_tokens", json!(16.0)).unwrap().common.max_tokens,
+            Some(16)
+        );
         assert!(with("n", json!(2)).is_err());
         assert!(with("stop", json!([1])).is_err());
         assert!(with("stop", json!("")).is_err());
@@ -550,7 +811,11 @@ mod tests {
         assert!(with("messages", json!("hi")).is_err());
         assert!(with("messages", json!([])).is_err());
         assert!(with("messages", json!([{"role": "wizard", "content": "x"}])).is_err());
-        assert!(with("messages", json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])).is_err());
+        assert!(with(
+            "messages",
+            json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+        )
+        .is_err());
         assert!(with("response_format", json!({"type": "json_schema"})).is_err());
         assert!(with("seed", json!(-5)).is_ok());
         assert!(with("whatever_unknown", json!({"a": 1})).is_ok());
@@ -565,26 +830,48 @@ mod tests {
 
     #[test]
     fn system_messages_anywhere() {
-        let roles = |r: &ChatRequest| r.messages.as_array().unwrap().iter().map(|m| format!("{}:{}", m["role"].as_str().unwrap(), m["content"].as_str().unwrap_or("-"))).collect::<Vec<_>>();
+        let roles = |r: &ChatRequest| {
+            r.messages
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| {
+                    format!(
+                        "{}:{}",
+                        m["role"].as_str().unwrap(),
+                        m["content"].as_str().unwrap_or("-")
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
         // langchain's [("system", a), ("system", b), ("human", q)]: one system block.
         let r = chat(json!({"messages": [{"role": "system", "content": "a"}, {"role": "developer", "content": [{"type": "text", "text": "b"}]}, {"role": "user", "content": "q"}]})).unwrap();
         assert_eq!(roles(&r), ["system:a\n\nb", "user:q"]);
         // A later one is folded into the next user message...
         let r = chat(json!({"messages": [{"role": "system", "content": "a"}, {"role": "user", "content": "q1"}, {"role": "assistant", "content": "r1"},
             {"role": "system", "content": "m1"}, {"role": "system", "content": ""}, {"role": "system", "content": "m2"}, {"role": "user", "content": "q2", "name": "bob"}]})).unwrap();
-        assert_eq!(roles(&r), ["system:a", "user:q1", "assistant:r1", "user:m1\n\nm2\n\nq2"]);
+        assert_eq!(
+            roles(&r),
+            ["system:a", "user:q1", "assistant:r1", "user:m1\n\nm2\n\nq2"]
+        );
         assert_eq!(r.messages[3]["name"], "bob");
         // ...or kept in place as a user message when no user message follows at once.
-        let call = json!([{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]);
+        let call =
+            json!([{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]);
         let r = chat(json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null, "tool_calls": call},
             {"role": "system", "content": "s1"}, {"role": "tool", "tool_call_id": "c", "content": "x"}, {"role": "system", "content": "s2"}]})).unwrap();
-        assert_eq!(roles(&r), ["user:q", "assistant:-", "user:s1", "tool:x", "user:s2"]);
+        assert_eq!(
+            roles(&r),
+            ["user:q", "assistant:-", "user:s1", "tool:x", "user:s2"]
+        );
         // An empty later system message adds nothing.
         let r = chat(json!({"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": " "}]})).unwrap();
         assert_eq!(roles(&r), ["user:q"]);
         // Fields real OpenAI clients add are accepted.
-        let r = chat(json!({"messages": [{"role": "user", "content": "q", "name": "x"}], "parallel_tool_calls": false, "user": "u1", "metadata": {"k": "v"},
-            "store": false, "service_tier": "auto", "prompt_cache_retention": "24h", "verbosity": "low", "modalities": ["text"]}));
+        let r = chat(
+            json!({"messages": [{"role": "user", "content": "q", "name": "x"}], "parallel_tool_calls": false, "user": "u1", "metadata": {"k": "v"},
+            "store": false, "service_tier": "auto", "prompt_cache_retention": "24h", "verbosity": "low", "modalities": ["text"]}),
+        );
         assert!(r.is_ok());
         // An assistant refusal part in the history is accepted and left out.
         let r = chat(json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "no"}, {"type": "text", "text": "ok"}]}, {"role": "user", "content": "q"}]})).unwrap();
@@ -594,20 +881,39 @@ mod tests {
     /// The Qwen3.6 template renders what the folding makes of system messages anywhere.
     #[test]
     fn folded_system_messages_render() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../engine/tests/data/templates/model");
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../engine/tests/data/templates/model");
         let t = lily::tokenizer::ChatTemplate::from_dir(&dir).unwrap();
-        let render = |v: Value| t.render(&chat(v).unwrap().messages, None, true, &Map::new()).unwrap();
-        let s = render(json!({"messages": [{"role": "system", "content": "a"}, {"role": "system", "content": "b"}, {"role": "user", "content": "q"}]}));
-        assert!(s.starts_with("<|im_start|>system\na\n\nb<|im_end|>\n<|im_start|>user\nq<|im_end|>\n"), "{s}");
-        let s = render(json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}, {"role": "system", "content": "m"}, {"role": "user", "content": "q2"}]}));
+        let render = |v: Value| {
+            t.render(&chat(v).unwrap().messages, None, true, &Map::new())
+                .unwrap()
+        };
+        let s = render(
+            json!({"messages": [{"role": "system", "content": "a"}, {"role": "system", "content": "b"}, {"role": "user", "content": "q"}]}),
+        );
+        assert!(
+            s.starts_with("<|im_start|>system\na\n\nb<|im_end|>\n<|im_start|>user\nq<|im_end|>\n"),
+            "{s}"
+        );
+        let s = render(
+            json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}, {"role": "system", "content": "m"}, {"role": "user", "content": "q2"}]}),
+        );
         assert!(s.contains("<|im_start|>user\nm\n\nq2<|im_end|>"), "{s}");
-        let s = render(json!({"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "late"}]}));
-        assert!(s.contains("<|im_start|>user\nq<|im_end|>\n<|im_start|>user\nlate<|im_end|>"), "{s}");
+        let s = render(
+            json!({"messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "late"}]}),
+        );
+        assert!(
+            s.contains("<|im_start|>user\nq<|im_end|>\n<|im_start|>user\nlate<|im_end|>"),
+            "{s}"
+        );
     }
 
     #[test]
     fn thinking_switches() {
-        let r = chat(json!({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "none"})).unwrap();
+        let r = chat(
+            json!({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "none"}),
+        )
+        .unwrap();
         assert_eq!(r.template_kwargs["enable_thinking"], false);
         let r = chat(json!({"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": true}})).unwrap();
         assert_eq!(r.template_kwargs["enable_thinking"], true);
@@ -628,15 +934,33 @@ mod tests {
     #[test]
     fn completion_prompts() {
         let c = |v: Value| completion_request(v.as_object().unwrap());
-        assert_eq!(c(json!({"prompt": "hi"})).unwrap().prompt, Prompt::Text("hi".into()));
-        assert_eq!(c(json!({"prompt": ["hi"]})).unwrap().prompt, Prompt::Text("hi".into()));
-        assert_eq!(c(json!({"prompt": [1, 2]})).unwrap().prompt, Prompt::Ids(vec![1, 2]));
-        assert_eq!(c(json!({"prompt": [[1, 2]]})).unwrap().prompt, Prompt::Ids(vec![1, 2]));
+        assert_eq!(
+            c(json!({"prompt": "hi"})).unwrap().prompt,
+            Prompt::Text("hi".into())
+        );
+        assert_eq!(
+            c(json!({"prompt": ["hi"]})).unwrap().prompt,
+            Prompt::Text("hi".into())
+        );
+        assert_eq!(
+            c(json!({"prompt": [1, 2]})).unwrap().prompt,
+            Prompt::Ids(vec![1, 2])
+        );
+        assert_eq!(
+            c(json!({"prompt": [[1, 2]]})).unwrap().prompt,
+            Prompt::Ids(vec![1, 2])
+        );
         assert!(c(json!({"prompt": ["a", "b"]})).is_err());
         assert!(c(json!({"prompt": [-1]})).is_err());
         assert!(c(json!({"prompt": ""})).is_err());
         assert!(c(json!({"prompt": "x", "echo": true})).is_err());
-        assert_eq!(c(json!({"prompt": "x", "logprobs": 2})).unwrap().common.logprobs, Some(2));
+        assert_eq!(
+            c(json!({"prompt": "x", "logprobs": 2}))
+                .unwrap()
+                .common
+                .logprobs,
+            Some(2)
+        );
         assert!(c(json!({"prompt": "x", "logprobs": 9})).is_err());
     }
 
@@ -645,7 +969,13 @@ mod tests {
         assert!(body_object(b"").is_err());
         assert!(body_object(b"[1]").is_err());
         assert!(body_object(b"{\"a\": \xff}").is_err());
-        assert_eq!(body_object(b"{\"a\": \"\xff\"}").unwrap_err().code.as_deref(), Some("invalid_json"));
+        assert_eq!(
+            body_object(b"{\"a\": \"\xff\"}")
+                .unwrap_err()
+                .code
+                .as_deref(),
+            Some("invalid_json")
+        );
         assert!(body_object(b"{}").is_ok());
     }
 
@@ -655,24 +985,74 @@ mod tests {
             Just(Value::Null),
             any::<bool>().prop_map(Value::from),
             any::<i64>().prop_map(Value::from),
-            any::<f64>().prop_map(|x| serde_json::Number::from_f64(x).map(Value::Number).unwrap_or(Value::Null)),
+            any::<f64>().prop_map(|x| serde_json::Number::from_f64(x)
+                .map(Value::Number)
+                .unwrap_or(Value::Null)),
             "[a-z_]{0,12}".prop_map(Value::from),
-            prop_oneof![Just("user"), Just("assistant"), Just("tool"), Just("system"), Just("text"), Just("function"), Just("none"), Just("required"),
-                Just("tool_use"), Just("tool_result"), Just("thinking"), Just("enabled"), Just("any"), Just("tool"),
-                Just("function_call"), Just("function_call_output"), Just("message"), Just("input_text")].prop_map(Value::from),
+            prop_oneof![
+                Just("user"),
+                Just("assistant"),
+                Just("tool"),
+                Just("system"),
+                Just("text"),
+                Just("function"),
+                Just("none"),
+                Just("required"),
+                Just("tool_use"),
+                Just("tool_result"),
+                Just("thinking"),
+                Just("enabled"),
+                Just("any"),
+                Just("tool"),
+                Just("function_call"),
+                Just("function_call_output"),
+                Just("message"),
+                Just("input_text")
+            ]
+            .prop_map(Value::from),
         ];
         leaf.prop_recursive(4, 48, 6, |inner| {
             let keys = prop_oneof![
-                Just("messages"), Just("role"), Just("content"), Just("tools"), Just("tool_choice"), Just("function"), Just("name"),
-                Just("arguments"), Just("tool_calls"), Just("type"), Just("text"), Just("max_tokens"), Just("stop"), Just("logprobs"),
-                Just("top_logprobs"), Just("prompt"), Just("temperature"), Just("stream_options"), Just("chat_template_kwargs"), Just("parameters"),
-                Just("system"), Just("input"), Just("tool_use_id"), Just("input_schema"), Just("thinking"), Just("stop_sequences"), Just("id"), Just("is_error"),
-                Just("instructions"), Just("call_id"), Just("output"), Just("previous_response_id"), Just("reasoning"), Just("effort"),
+                Just("messages"),
+                Just("role"),
+                Just("content"),
+                Just("tools"),
+                Just("tool_choice"),
+                Just("function"),
+                Just("name"),
+                Just("arguments"),
+                Just("tool_calls"),
+                Just("type"),
+                Just("text"),
+                Just("max_tokens"),
+                Just("stop"),
+                Just("logprobs"),
+                Just("top_logprobs"),
+                Just("prompt"),
+                Just("temperature"),
+                Just("stream_options"),
+                Just("chat_template_kwargs"),
+                Just("parameters"),
+                Just("system"),
+                Just("input"),
+                Just("tool_use_id"),
+                Just("input_schema"),
+                Just("thinking"),
+                Just("stop_sequences"),
+                Just("id"),
+                Just("is_error"),
+                Just("instructions"),
+                Just("call_id"),
+                Just("output"),
+                Just("previous_response_id"),
+                Just("reasoning"),
+                Just("effort"),
             ]
             .prop_map(str::to_string);
             prop_oneof![
                 proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
-                proptest::collection::btree_map(keys, inner, 0..5).prop_map(|m| Value::Object(m.into_iter().collect())),
+                proptest::collection::btree_map(keys, inner, 0..5)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
             ]
         })
     }

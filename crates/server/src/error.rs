@@ -21,7 +21,14 @@ pub type ApiResult<T> = Result<T, ApiError>;
 
 impl ApiError {
     fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
-        Self { status, message: message.into(), kind, param: None, code: None, retry_after: None }
+        Self {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: None,
+            retry_after: None,
+        }
     }
 
     /// 400 `invalid_request_error`.
@@ -31,7 +38,11 @@ impl ApiError {
 
     /// 400 about one request field.
     pub fn param(param: &str, message: impl Into<String>) -> Self {
-        Self { param: Some(param.to_string()), code: Some("invalid_value".into()), ..Self::bad(message) }
+        Self {
+            param: Some(param.to_string()),
+            code: Some("invalid_value".into()),
+            ..Self::bad(message)
+        }
     }
 
     pub fn param_name(mut self, p: &str) -> Self {
@@ -54,22 +65,36 @@ impl ApiError {
     }
 
     pub fn method_not_allowed() -> Self {
-        Self::new(StatusCode::METHOD_NOT_ALLOWED, "invalid_request_error", "method not allowed on this route").with_code("method_not_allowed")
+        Self::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "invalid_request_error",
+            "method not allowed on this route",
+        )
+        .with_code("method_not_allowed")
     }
 
     pub fn too_large(limit: usize) -> Self {
-        Self::new(StatusCode::PAYLOAD_TOO_LARGE, "invalid_request_error", format!("request body is larger than the limit of {limit} bytes"))
-            .with_code("request_too_large")
+        Self::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid_request_error",
+            format!("request body is larger than the limit of {limit} bytes"),
+        )
+        .with_code("request_too_large")
     }
 
     /// 503: the queue is full or the server is stopping; clients retry after `secs`.
     pub fn unavailable(message: impl Into<String>, secs: u64) -> Self {
-        Self { retry_after: Some(secs), ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message).with_code("server_overloaded") }
+        Self {
+            retry_after: Some(secs),
+            ..Self::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", message)
+                .with_code("server_overloaded")
+        }
     }
 
     /// 500: the engine failed on this request.
     pub fn internal(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message).with_code("internal_error")
+        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", message)
+            .with_code("internal_error")
     }
 
     /// The JSON body (also sent as an SSE event when streaming already began).
@@ -102,7 +127,8 @@ impl ApiError {
     pub fn anthropic_response(&self) -> Response {
         let mut r = (self.status, axum::Json(self.anthropic_body())).into_response();
         if let Some(s) = self.retry_after {
-            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         r
     }
@@ -112,7 +138,8 @@ impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (self.status, axum::Json(self.body())).into_response();
         if let Some(s) = self.retry_after {
-            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
         }
         r
     }

@@ -153,10 +153,15 @@ impl Server {
         let tok = Arc::new(Tokenizer::from_dir(dir)?);
         let template = ChatTemplate::from_dir(dir)?;
         let defaults = SamplingParams::from_generation_config(dir)?;
-        let end_of_turn = tok.token_id("<|im_end|>").context("the tokenizer has no <|im_end|> token; is this a Qwen3.6 checkpoint?")?;
+        let end_of_turn = tok
+            .token_id("<|im_end|>")
+            .context("the tokenizer has no <|im_end|> token; is this a Qwen3.6 checkpoint?")?;
         let mut stop_ids = lily::tokenizer::stop_ids(dir)?;
         if stop_ids.is_empty() {
-            stop_ids = [Some(end_of_turn), tok.token_id("<|endoftext|>")].into_iter().flatten().collect();
+            stop_ids = [Some(end_of_turn), tok.token_id("<|endoftext|>")]
+                .into_iter()
+                .flatten()
+                .collect();
         }
         if opts.max_context < 2 {
             bail!("--max-context must be at least 2");
@@ -167,8 +172,14 @@ impl Server {
         let script = match &opts.test_script {
             None => Vec::new(),
             Some(p) => {
-                let text = std::fs::read_to_string(p).with_context(|| format!("{}: cannot read the test script", p.display()))?;
-                let rules: Vec<ScriptRule> = serde_json::from_str(&text).with_context(|| format!("{}: expected a JSON list of {{\"when\", \"reply\"}}", p.display()))?;
+                let text = std::fs::read_to_string(p)
+                    .with_context(|| format!("{}: cannot read the test script", p.display()))?;
+                let rules: Vec<ScriptRule> = serde_json::from_str(&text).with_context(|| {
+                    format!(
+                        "{}: expected a JSON list of {{\"when\", \"reply\"}}",
+                        p.display()
+                    )
+                })?;
                 rules
                     .into_iter()
                     .map(|r| {
@@ -180,14 +191,24 @@ impl Server {
             }
         };
         let model_name = opts.model_name.clone().unwrap_or_else(|| {
-            dir.canonicalize().ok().and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned())).unwrap_or_else(|| "lily".into())
+            dir.canonicalize()
+                .ok()
+                .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .unwrap_or_else(|| "lily".into())
         });
         let metrics = Arc::new(Metrics::default());
         let shutdown = Arc::new(AtomicBool::new(false));
         let backend = runner.describe();
         let (queue, worker) = worker::spawn(runner, opts.queue, metrics.clone(), shutdown.clone());
-        let created = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-        let max_token_bytes = (0..tok.vocab_size() as u32).filter_map(|i| tok.token_bytes(i).map(|b| b.len())).max().unwrap_or(1).max(1);
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let max_token_bytes = (0..tok.vocab_size() as u32)
+            .filter_map(|i| tok.token_bytes(i).map(|b| b.len()))
+            .max()
+            .unwrap_or(1)
+            .max(1);
         let app = Arc::new(App {
             max_token_bytes,
             think_close: tok.token_id("</think>"),
@@ -209,30 +230,48 @@ impl Server {
             responses: responses::Store::default(),
         });
 
-        let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("lily-http").build()?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .thread_name("lily-http")
+            .build()?;
         let listener = rt
-            .block_on(tokio::net::TcpListener::bind((opts.host.as_str(), opts.port)))
+            .block_on(tokio::net::TcpListener::bind((
+                opts.host.as_str(),
+                opts.port,
+            )))
             .with_context(|| format!("cannot listen on {}:{}", opts.host, opts.port))?;
         let addr = listener.local_addr()?;
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let router = routes::router(app.clone());
-        let thread = std::thread::Builder::new().name("lily-server".into()).spawn(move || -> Result<()> {
-            rt.block_on(async move {
-                let app2 = app.clone();
-                let stopping = async move {
-                    let _ = stop_rx.await;
-                    // Cancel everything in flight so the graceful drain ends quickly.
-                    app2.shutdown.store(true, Ordering::SeqCst);
-                };
-                axum::serve(listener, router).with_graceful_shutdown(stopping).await.context("server failed")?;
-                Ok::<(), anyhow::Error>(())
+        let thread = std::thread::Builder::new()
+            .name("lily-server".into())
+            .spawn(move || -> Result<()> {
+                rt.block_on(async move {
+                    let app2 = app.clone();
+                    let stopping = async move {
+                        let _ = stop_rx.await;
+                        // Cancel everything in flight so the graceful drain ends quickly.
+                        app2.shutdown.store(true, Ordering::SeqCst);
+                    };
+                    axum::serve(listener, router)
+                        .with_graceful_shutdown(stopping)
+                        .await
+                        .context("server failed")?;
+                    Ok::<(), anyhow::Error>(())
+                })?;
+                // The last handle to the queue goes with the app; the model thread then drains and ends.
+                drop(rt);
+                worker
+                    .join()
+                    .map_err(|_| anyhow::anyhow!("the model thread panicked"))?;
+                Ok(())
             })?;
-            // The last handle to the queue goes with the app; the model thread then drains and ends.
-            drop(rt);
-            worker.join().map_err(|_| anyhow::anyhow!("the model thread panicked"))?;
-            Ok(())
-        })?;
-        Ok(Server { addr, stop: Some(stop_tx), thread: Some(thread), metrics })
+        Ok(Server {
+            addr,
+            stop: Some(stop_tx),
+            thread: Some(thread),
+            metrics,
+        })
     }
 
     /// Stops accepting, cancels what runs, waits for the drain (at most `grace`).
@@ -248,7 +287,8 @@ impl Server {
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
-            t.join().map_err(|_| anyhow::anyhow!("the server thread panicked"))??;
+            t.join()
+                .map_err(|_| anyhow::anyhow!("the server thread panicked"))??;
         }
         Ok(())
     }
@@ -263,12 +303,15 @@ impl Server {
 pub fn serve(opts: ServeOptions, runner: Box<dyn Runner>) -> Result<()> {
     let server = Server::start(opts, runner)?;
     eprintln!("lily: listening on http://{}", server.addr);
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
     rt.block_on(async {
         let ctrl_c = tokio::signal::ctrl_c();
         #[cfg(unix)]
         {
-            let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+            let mut term =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
             tokio::select! {
                 _ = ctrl_c => {},
                 _ = term.recv() => {},

@@ -18,7 +18,12 @@ pub enum Outcome {
     Rejected,
 }
 
-const OUTCOMES: [(Outcome, &str); 4] = [(Outcome::Ok, "ok"), (Outcome::Cancelled, "cancelled"), (Outcome::Error, "error"), (Outcome::Rejected, "rejected")];
+const OUTCOMES: [(Outcome, &str); 4] = [
+    (Outcome::Ok, "ok"),
+    (Outcome::Cancelled, "cancelled"),
+    (Outcome::Error, "error"),
+    (Outcome::Rejected, "rejected"),
+];
 
 #[derive(Default)]
 pub struct Metrics {
@@ -61,7 +66,14 @@ impl Metrics {
 
     /// One generation's timings: `prefilled` tokens in `prefill_s`, then `decoded` tokens
     /// after the first in `decode_s` (the first token comes from the prefill's logits).
-    pub fn record_generation(&self, ttft_s: f64, prefilled: usize, prefill_s: f64, decoded: usize, decode_s: f64) {
+    pub fn record_generation(
+        &self,
+        ttft_s: f64,
+        prefilled: usize,
+        prefill_s: f64,
+        decoded: usize,
+        decode_s: f64,
+    ) {
         let mut t = self.timing.lock().unwrap_or_else(|e| e.into_inner());
         t.ttft_sum += ttft_s;
         t.ttft_count += 1;
@@ -82,31 +94,99 @@ impl Metrics {
         let mut counter = |name: &str, help: &str, v: u64| {
             let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
         };
-        counter("lily_requests_received_total", "Generation requests received.", self.received.load(Relaxed));
-        counter("lily_prompt_tokens_total", "Prompt tokens of requests that ran.", self.prompt_tokens.load(Relaxed));
-        counter("lily_cached_prompt_tokens_total", "Prompt tokens served from the prefix cache.", self.cached_tokens.load(Relaxed));
-        counter("lily_generated_tokens_total", "Tokens generated.", self.generated_tokens.load(Relaxed));
-        counter("lily_prefix_cache_hits_total", "Requests that reused cached state.", self.cache_hits.load(Relaxed));
-        counter("lily_prefix_cache_misses_total", "Requests that found no cached state.", self.cache_misses.load(Relaxed));
-        counter("lily_prefix_cache_evictions_total", "Cache entries evicted.", self.cache_evictions.load(Relaxed));
+        counter(
+            "lily_requests_received_total",
+            "Generation requests received.",
+            self.received.load(Relaxed),
+        );
+        counter(
+            "lily_prompt_tokens_total",
+            "Prompt tokens of requests that ran.",
+            self.prompt_tokens.load(Relaxed),
+        );
+        counter(
+            "lily_cached_prompt_tokens_total",
+            "Prompt tokens served from the prefix cache.",
+            self.cached_tokens.load(Relaxed),
+        );
+        counter(
+            "lily_generated_tokens_total",
+            "Tokens generated.",
+            self.generated_tokens.load(Relaxed),
+        );
+        counter(
+            "lily_prefix_cache_hits_total",
+            "Requests that reused cached state.",
+            self.cache_hits.load(Relaxed),
+        );
+        counter(
+            "lily_prefix_cache_misses_total",
+            "Requests that found no cached state.",
+            self.cache_misses.load(Relaxed),
+        );
+        counter(
+            "lily_prefix_cache_evictions_total",
+            "Cache entries evicted.",
+            self.cache_evictions.load(Relaxed),
+        );
         let _ = writeln!(s, "# HELP lily_requests_finished_total Generation requests finished, by outcome.\n# TYPE lily_requests_finished_total counter");
         for (o, name) in OUTCOMES {
-            let _ = writeln!(s, "lily_requests_finished_total{{outcome=\"{name}\"}} {}", self.finished(o));
+            let _ = writeln!(
+                s,
+                "lily_requests_finished_total{{outcome=\"{name}\"}} {}",
+                self.finished(o)
+            );
         }
         let mut gauge = |name: &str, help: &str, v: String| {
             let _ = writeln!(s, "# HELP {name} {help}\n# TYPE {name} gauge\n{name} {v}");
         };
-        gauge("lily_queue_depth", "Requests waiting for the model.", self.queue_depth.load(Relaxed).to_string());
-        gauge("lily_requests_running", "Requests on the model now (0 or 1).", self.running.load(Relaxed).to_string());
-        gauge("lily_prefix_cache_bytes", "Bytes held by the prefix cache (KV at capacity + recurrent states + snapshots).", self.cache_bytes.load(Relaxed).to_string());
-        gauge("lily_prefix_cache_entries", "Sessions held by the prefix cache.", self.cache_entries.load(Relaxed).to_string());
-        gauge("lily_prefix_cache_snapshots", "Recurrent-state snapshots held.", self.cache_snapshots.load(Relaxed).to_string());
+        gauge(
+            "lily_queue_depth",
+            "Requests waiting for the model.",
+            self.queue_depth.load(Relaxed).to_string(),
+        );
+        gauge(
+            "lily_requests_running",
+            "Requests on the model now (0 or 1).",
+            self.running.load(Relaxed).to_string(),
+        );
+        gauge(
+            "lily_prefix_cache_bytes",
+            "Bytes held by the prefix cache (KV at capacity + recurrent states + snapshots).",
+            self.cache_bytes.load(Relaxed).to_string(),
+        );
+        gauge(
+            "lily_prefix_cache_entries",
+            "Sessions held by the prefix cache.",
+            self.cache_entries.load(Relaxed).to_string(),
+        );
+        gauge(
+            "lily_prefix_cache_snapshots",
+            "Recurrent-state snapshots held.",
+            self.cache_snapshots.load(Relaxed).to_string(),
+        );
         let t = self.timing.lock().unwrap_or_else(|e| e.into_inner());
-        gauge("lily_prefill_tokens_per_second", "Prefill speed of the last request.", format!("{:.3}", t.last_prefill_tps));
-        gauge("lily_decode_tokens_per_second", "Decode speed of the last request.", format!("{:.3}", t.last_decode_tps));
+        gauge(
+            "lily_prefill_tokens_per_second",
+            "Prefill speed of the last request.",
+            format!("{:.3}", t.last_prefill_tps),
+        );
+        gauge(
+            "lily_decode_tokens_per_second",
+            "Decode speed of the last request.",
+            format!("{:.3}", t.last_decode_tps),
+        );
         let avg = |tok: u64, secs: f64| if secs > 0.0 { tok as f64 / secs } else { 0.0 };
-        gauge("lily_prefill_tokens_per_second_avg", "Prefill tokens / prefill seconds since start.", format!("{:.3}", avg(t.prefill_tokens, t.prefill_s)));
-        gauge("lily_decode_tokens_per_second_avg", "Decode tokens / decode seconds since start.", format!("{:.3}", avg(t.decode_tokens, t.decode_s)));
+        gauge(
+            "lily_prefill_tokens_per_second_avg",
+            "Prefill tokens / prefill seconds since start.",
+            format!("{:.3}", avg(t.prefill_tokens, t.prefill_s)),
+        );
+        gauge(
+            "lily_decode_tokens_per_second_avg",
+            "Decode tokens / decode seconds since start.",
+            format!("{:.3}", avg(t.decode_tokens, t.decode_s)),
+        );
         let _ = writeln!(
             s,
             "# HELP lily_time_to_first_token_seconds From queueing a request to its first token.\n# TYPE lily_time_to_first_token_seconds summary\nlily_time_to_first_token_seconds_sum {:.6}\nlily_time_to_first_token_seconds_count {}",

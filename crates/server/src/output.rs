@@ -80,9 +80,16 @@ pub enum Part {
     Reasoning(String),
     Content(String),
     /// A tool call started: its index (0,1,..), id, function name.
-    ToolCallStart { index: usize, id: String, name: String },
+    ToolCallStart {
+        index: usize,
+        id: String,
+        name: String,
+    },
     /// More characters of the call's `arguments` JSON string.
-    ToolCallArgs { index: usize, args: String },
+    ToolCallArgs {
+        index: usize,
+        args: String,
+    },
 }
 
 /// Non-streaming result, built by running the streaming parser (so both agree exactly).
@@ -109,9 +116,14 @@ pub fn collect(parts: impl IntoIterator<Item = Part>) -> Parsed {
         match part {
             Part::Reasoning(s) => reasoning.push_str(&s),
             Part::Content(s) => content.push_str(&s),
-            Part::ToolCallStart { index, id, name } => {
-                calls.push((index, ToolCall { id, name, arguments: String::new() }))
-            }
+            Part::ToolCallStart { index, id, name } => calls.push((
+                index,
+                ToolCall {
+                    id,
+                    name,
+                    arguments: String::new(),
+                },
+            )),
             Part::ToolCallArgs { index, args } => {
                 if let Some((_, call)) = calls.iter_mut().rev().find(|(i, _)| *i == index) {
                     call.arguments.push_str(&args);
@@ -362,7 +374,11 @@ impl OutputParser {
         let index = self.calls;
         self.calls += 1;
         self.params_done = 0;
-        self.emit(Part::ToolCallStart { index, id: call_id(self.seed, index), name: name.clone() });
+        self.emit(Part::ToolCallStart {
+            index,
+            id: call_id(self.seed, index),
+            name: name.clone(),
+        });
         self.tool = name;
         self.emit_args("{");
         (State::CallBody, true)
@@ -394,7 +410,10 @@ impl OutputParser {
             self.take(TOOL_CALL_CLOSE.len());
             self.emit_args("}");
             return (State::AfterCall, true);
-        } else if [PARAM_OPEN, FUNCTION_CLOSE, TOOL_CALL_CLOSE].iter().any(|t| t.starts_with(self.buf.as_str())) {
+        } else if [PARAM_OPEN, FUNCTION_CLOSE, TOOL_CALL_CLOSE]
+            .iter()
+            .any(|t| t.starts_with(self.buf.as_str()))
+        {
             if !self.eof {
                 return (State::CallBody, false);
             }
@@ -422,7 +441,14 @@ impl OutputParser {
             self.params_done += 1;
             self.emit_args(&format!("{comma}{key}:\""));
         }
-        Param { key, types, streaming, started: false, pending_nl: false, value: String::new() }
+        Param {
+            key,
+            types,
+            streaming,
+            started: false,
+            pending_nl: false,
+            value: String::new(),
+        }
     }
 
     fn step_param(&mut self, mut p: Param) -> (State, bool) {
@@ -515,7 +541,12 @@ impl OutputParser {
         self.drop_leading(char::is_whitespace);
         if self.buf.starts_with(TOOL_CALL_OPEN) {
             self.take(TOOL_CALL_OPEN.len());
-            return (State::CallOpen { ws_before: String::new() }, true);
+            return (
+                State::CallOpen {
+                    ws_before: String::new(),
+                },
+                true,
+            );
         }
         if self.buf.is_empty() || (!self.eof && TOOL_CALL_OPEN.starts_with(self.buf.as_str())) {
             return (State::AfterCall, false);
@@ -566,19 +597,23 @@ impl OutputParser {
 
     fn emit_args(&mut self, args: &str) {
         let index = self.calls - 1;
-        self.emit(Part::ToolCallArgs { index, args: args.to_string() });
+        self.emit(Part::ToolCallArgs {
+            index,
+            args: args.to_string(),
+        });
     }
 
     /// Appends a part, merging it into the previous one of the same kind.
     fn emit(&mut self, part: Part) {
         match (self.out.last_mut(), part) {
-            (_, Part::Reasoning(s) | Part::Content(s) | Part::ToolCallArgs { args: s, .. }) if s.is_empty() => {}
-            (Some(Part::Reasoning(a)), Part::Reasoning(b)) | (Some(Part::Content(a)), Part::Content(b)) => {
-                a.push_str(&b)
-            }
-            (Some(Part::ToolCallArgs { index: i, args: a }), Part::ToolCallArgs { index: j, args: b }) if *i == j => {
-                a.push_str(&b)
-            }
+            (_, Part::Reasoning(s) | Part::Content(s) | Part::ToolCallArgs { args: s, .. })
+                if s.is_empty() => {}
+            (Some(Part::Reasoning(a)), Part::Reasoning(b))
+            | (Some(Part::Content(a)), Part::Content(b)) => a.push_str(&b),
+            (
+                Some(Part::ToolCallArgs { index: i, args: a }),
+                Part::ToolCallArgs { index: j, args: b },
+            ) if *i == j => a.push_str(&b),
             (_, part) => self.out.push(part),
         }
     }
@@ -593,7 +628,10 @@ enum Scan {
 }
 
 fn scan(buf: &str, tags: &[&'static str]) -> Scan {
-    let found = tags.iter().filter_map(|t| buf.find(t).map(|p| (p, *t))).min_by_key(|(p, _)| *p);
+    let found = tags
+        .iter()
+        .filter_map(|t| buf.find(t).map(|p| (p, *t)))
+        .min_by_key(|(p, _)| *p);
     if let Some((pos, tag)) = found {
         return Scan::Found(pos, tag);
     }
@@ -643,10 +681,20 @@ fn tool_schemas(tools: &Value) -> HashMap<String, HashMap<String, Vec<String>>> 
     let mut out = HashMap::new();
     for tool in list {
         let f = tool.get("function").unwrap_or(tool);
-        let Some(name) = f.get("name").and_then(Value::as_str) else { continue };
-        let props = f.get("parameters").and_then(|p| p.get("properties")).and_then(Value::as_object);
+        let Some(name) = f.get("name").and_then(Value::as_str) else {
+            continue;
+        };
+        let props = f
+            .get("parameters")
+            .and_then(|p| p.get("properties"))
+            .and_then(Value::as_object);
         let params = props
-            .map(|props| props.iter().map(|(k, s)| (k.clone(), schema_types(s))).collect())
+            .map(|props| {
+                props
+                    .iter()
+                    .map(|(k, s)| (k.clone(), schema_types(s)))
+                    .collect()
+            })
             .unwrap_or_default();
         out.insert(name.to_string(), params);
     }
@@ -659,12 +707,23 @@ fn tool_schemas(tools: &Value) -> HashMap<String, HashMap<String, Vec<String>>> 
 fn schema_types(schema: &Value) -> Vec<String> {
     match schema.get("type") {
         Some(Value::String(t)) => return vec![t.clone()],
-        Some(Value::Array(ts)) => return ts.iter().filter_map(Value::as_str).map(String::from).collect(),
+        Some(Value::Array(ts)) => {
+            return ts
+                .iter()
+                .filter_map(Value::as_str)
+                .map(String::from)
+                .collect()
+        }
         _ => {}
     }
     let mut types = Vec::new();
     for key in ["anyOf", "oneOf"] {
-        for alt in schema.get(key).and_then(Value::as_array).into_iter().flatten() {
+        for alt in schema
+            .get(key)
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
             let alt_types = schema_types(alt);
             if alt_types.is_empty() {
                 return Vec::new();
@@ -691,18 +750,28 @@ fn schema_types(schema: &Value) -> Vec<String> {
 fn convert(text: &str, types: &[String]) -> (Value, bool) {
     let t = text.trim();
     let int = || {
-        t.parse::<i64>().map(Value::from).ok().or_else(|| t.parse::<u64>().map(Value::from).ok())
+        t.parse::<i64>()
+            .map(Value::from)
+            .ok()
+            .or_else(|| t.parse::<u64>().map(Value::from).ok())
     };
     for ty in types {
         let v = match ty.as_str() {
             "integer" => int(),
             "number" => int().or_else(|| {
-                t.parse::<f64>().ok().and_then(serde_json::Number::from_f64).map(Value::Number)
+                t.parse::<f64>()
+                    .ok()
+                    .and_then(serde_json::Number::from_f64)
+                    .map(Value::Number)
             }),
             "boolean" if t.eq_ignore_ascii_case("true") => Some(Value::Bool(true)),
             "boolean" if t.eq_ignore_ascii_case("false") => Some(Value::Bool(false)),
-            "object" => serde_json::from_str::<Value>(t).ok().filter(Value::is_object),
-            "array" => serde_json::from_str::<Value>(t).ok().filter(Value::is_array),
+            "object" => serde_json::from_str::<Value>(t)
+                .ok()
+                .filter(Value::is_object),
+            "array" => serde_json::from_str::<Value>(t)
+                .ok()
+                .filter(Value::is_array),
             "null" if t == "null" || t == "None" => Some(Value::Null),
             _ => None,
         };
@@ -716,7 +785,10 @@ fn convert(text: &str, types: &[String]) -> (Value, bool) {
         }
         return (Value::String(text.to_string()), true);
     }
-    (Value::String(text.to_string()), types.iter().any(|t| t == "string"))
+    (
+        Value::String(text.to_string()),
+        types.iter().any(|t| t == "string"),
+    )
 }
 
 /// `call_` + 24 alphanumeric characters, a deterministic function of (seed, index).
@@ -780,7 +852,10 @@ mod tests {
 
     fn args(p: &Parsed, i: usize) -> Value {
         serde_json::from_str(&p.tool_calls[i].arguments).unwrap_or_else(|e| {
-            panic!("arguments {:?} are not JSON: {e}", p.tool_calls[i].arguments)
+            panic!(
+                "arguments {:?} are not JSON: {e}",
+                p.tool_calls[i].arguments
+            )
         })
     }
 
@@ -795,7 +870,10 @@ mod tests {
     /// Representative outputs: (text, in_reasoning).
     fn samples() -> Vec<(String, bool)> {
         let weather = call("get_weather", &[("city", "Paris"), ("days", "3")]);
-        let code = call("run_code", &[("code", "if a < b:\n    print(\"</think> é 日本\")\n")]);
+        let code = call(
+            "run_code",
+            &[("code", "if a < b:\n    print(\"</think> é 日本\")\n")],
+        );
         vec![
             ("Let me think.\n\nStep 2.\n</think>\n\nThe answer is 4.".into(), true),
             ("\n\nplain answer, no think\n".into(), false),
@@ -827,7 +905,14 @@ mod tests {
     #[test]
     fn thinking_off() {
         let p = parse("Hello there.", false);
-        assert_eq!(p, Parsed { reasoning: None, content: Some("Hello there.".into()), tool_calls: vec![] });
+        assert_eq!(
+            p,
+            Parsed {
+                reasoning: None,
+                content: Some("Hello there.".into()),
+                tool_calls: vec![]
+            }
+        );
         // Empty reasoning (thinking on, closed at once) is None, like the template's split.
         let p = parse("\n</think>\n\nHi", true);
         assert_eq!((p.reasoning, p.content.as_deref()), (None, Some("Hi")));
@@ -836,33 +921,51 @@ mod tests {
     #[test]
     fn model_opens_think_at_content_start() {
         let p = parse("\n<think>\nhmm\n</think>\n\nHi", false);
-        assert_eq!((p.reasoning.as_deref(), p.content.as_deref()), (Some("hmm"), Some("Hi")));
+        assert_eq!(
+            (p.reasoning.as_deref(), p.content.as_deref()),
+            (Some("hmm"), Some("Hi"))
+        );
         // Elsewhere `<think>` is text, and so is a stray `</think>` in content.
         let p = parse("a <think> b </think> c", false);
-        assert_eq!((p.reasoning, p.content.as_deref()), (None, Some("a <think> b </think> c")));
+        assert_eq!(
+            (p.reasoning, p.content.as_deref()),
+            (None, Some("a <think> b </think> c"))
+        );
         // A repeated `<think>` at the start of the reasoning is swallowed.
         let p = parse("<think>\nr\n</think>c", true);
-        assert_eq!((p.reasoning.as_deref(), p.content.as_deref()), (Some("r"), Some("c")));
+        assert_eq!(
+            (p.reasoning.as_deref(), p.content.as_deref()),
+            (Some("r"), Some("c"))
+        );
     }
 
     #[test]
     fn unterminated_reasoning() {
         let p = parse("thinking about it\n\n", true);
-        assert_eq!((p.reasoning.as_deref(), p.content), (Some("thinking about it"), None));
+        assert_eq!(
+            (p.reasoning.as_deref(), p.content),
+            (Some("thinking about it"), None)
+        );
         // A partial tag at the cut is text.
         let p = parse("thinking\n</thi", true);
         assert_eq!(p.reasoning.as_deref(), Some("thinking\n</thi"));
         // Tool calls are never parsed inside the reasoning.
         let text = call("get_weather", &[("city", "Paris")]);
         let p = parse(&text, true);
-        assert_eq!((p.reasoning.as_deref(), p.tool_calls.len()), (Some(text.as_str()), 0));
+        assert_eq!(
+            (p.reasoning.as_deref(), p.tool_calls.len()),
+            (Some(text.as_str()), 0)
+        );
     }
 
     #[test]
     fn streams_without_needless_holding() {
         let tools = tools();
         let mut p = OutputParser::new(true, Some(&tools), true, 1);
-        assert_eq!(p.push("Some reasoning"), vec![Part::Reasoning("Some reasoning".into())]);
+        assert_eq!(
+            p.push("Some reasoning"),
+            vec![Part::Reasoning("Some reasoning".into())]
+        );
         // Newlines and a possible tag are held...
         assert_eq!(p.push("\n</th"), vec![]);
         // ...and the newline dropped once `</think>` completes.
@@ -875,14 +978,29 @@ mod tests {
         assert_eq!(
             parts,
             vec![
-                Part::ToolCallStart { index: 0, id, name: "get_weather".into() },
-                Part::ToolCallArgs { index: 0, args: "{\"city\":\"Par".into() },
+                Part::ToolCallStart {
+                    index: 0,
+                    id,
+                    name: "get_weather".into()
+                },
+                Part::ToolCallArgs {
+                    index: 0,
+                    args: "{\"city\":\"Par".into()
+                },
             ]
         );
-        let args = |s: &str| vec![Part::ToolCallArgs { index: 0, args: s.into() }];
+        let args = |s: &str| {
+            vec![Part::ToolCallArgs {
+                index: 0,
+                args: s.into(),
+            }]
+        };
         assert_eq!(p.push("is\n"), args("is"));
         // The held '\n' was the value's last: dropped. A non-string value waits for its close.
-        assert_eq!(p.push("</parameter>\n<parameter=days>\n3\n</par"), args("\""));
+        assert_eq!(
+            p.push("</parameter>\n<parameter=days>\n3\n</par"),
+            args("\"")
+        );
         assert_eq!(p.push("ameter>\n</function>"), args(",\"days\":3}"));
         assert_eq!(p.push("\n</tool_call>\n"), vec![]);
         assert_eq!(p.finish(), vec![]);
@@ -896,7 +1014,10 @@ mod tests {
             for parse_tools in [true, false] {
                 let whole = run_pieces(&[&text], in_reasoning, parse_tools);
                 let expected = collect(whole);
-                let chars: Vec<&str> = text.char_indices().map(|(i, c)| &text[i..i + c.len_utf8()]).collect();
+                let chars: Vec<&str> = text
+                    .char_indices()
+                    .map(|(i, c)| &text[i..i + c.len_utf8()])
+                    .collect();
                 let one = collect(run_pieces(&chars, in_reasoning, parse_tools));
                 assert_eq!(one, expected, "1-char pieces of {text:?}");
                 for _ in 0..50 {
@@ -917,7 +1038,11 @@ mod tests {
                     let got = collect(parts);
                     assert_eq!(got, expected, "pieces {pieces:?}");
                     for (i, c) in got.tool_calls.iter().enumerate() {
-                        assert!(serde_json::from_str::<Value>(&c.arguments).is_ok(), "call {i}: {}", c.arguments);
+                        assert!(
+                            serde_json::from_str::<Value>(&c.arguments).is_ok(),
+                            "call {i}: {}",
+                            c.arguments
+                        );
                     }
                 }
                 if !parse_tools {
@@ -943,8 +1068,14 @@ mod tests {
         assert_eq!(p.tool_calls[1].name, "get_weather");
         assert_ne!(p.tool_calls[0].id, p.tool_calls[1].id);
         // Content after the calls is content again.
-        let p = parse(&format!("{}\n\nDone.", call("run_code", &[("code", "x")])), false);
-        assert_eq!((p.content.as_deref(), p.tool_calls.len()), (Some("Done."), 1));
+        let p = parse(
+            &format!("{}\n\nDone.", call("run_code", &[("code", "x")])),
+            false,
+        );
+        assert_eq!(
+            (p.content.as_deref(), p.tool_calls.len()),
+            (Some("Done."), 1)
+        );
     }
 
     #[test]
@@ -954,7 +1085,11 @@ mod tests {
             ("city", "42", json!("42")),
             ("days", " 3 ", json!(3)),
             ("days", "three", json!("three")),
-            ("days", "18446744073709551615", json!(18446744073709551615u64)),
+            (
+                "days",
+                "18446744073709551615",
+                json!(18446744073709551615u64),
+            ),
             ("temp", "3", json!(3)),
             ("temp", "-2.5", json!(-2.5)),
             ("temp", "1e3", json!(1000.0)),
@@ -1000,15 +1135,24 @@ mod tests {
         let p = parse(&call("run_code", &[("code", "")]), false);
         assert_eq!(p.tool_calls[0].arguments, r#"{"code":""}"#);
         // Value written on the tag's line, without newlines.
-        let p = parse("<tool_call><function=run_code><parameter=code>x</parameter></function></tool_call>", false);
+        let p = parse(
+            "<tool_call><function=run_code><parameter=code>x</parameter></function></tool_call>",
+            false,
+        );
         assert_eq!(p.tool_calls[0].arguments, r#"{"code":"x"}"#);
     }
 
     #[test]
     fn think_close_inside_param() {
-        let text = format!("r</think>\n\n{}", call("run_code", &[("code", "x</think>\n<think>y")]));
+        let text = format!(
+            "r</think>\n\n{}",
+            call("run_code", &[("code", "x</think>\n<think>y")])
+        );
         let p = parse(&text, true);
-        assert_eq!((p.reasoning.as_deref(), p.content.as_deref()), (Some("r"), None));
+        assert_eq!(
+            (p.reasoning.as_deref(), p.content.as_deref()),
+            (Some("r"), None)
+        );
         assert_eq!(args(&p, 0), json!({"code": "x</think>\n<think>y"}));
     }
 
@@ -1023,28 +1167,53 @@ mod tests {
             "ends with <tool_c",
         ] {
             let p = parse(text, false);
-            assert_eq!((p.content.as_deref(), p.tool_calls.len()), (Some(text), 0), "{text:?}");
+            assert_eq!(
+                (p.content.as_deref(), p.tool_calls.len()),
+                (Some(text), 0),
+                "{text:?}"
+            );
         }
         // A valid call right after a malformed tag still parses.
-        let p = parse(&format!("<tool_call>{}", call("run_code", &[("code", "c")])), false);
+        let p = parse(
+            &format!("<tool_call>{}", call("run_code", &[("code", "c")])),
+            false,
+        );
         assert_eq!(p.content.as_deref(), Some("<tool_call>"));
         assert_eq!(p.tool_calls[0].arguments, r#"{"code":"c"}"#);
         // Stray text inside a started call ends it; the text is content.
-        let p = parse("<tool_call>\n<function=run_code>\noops <parameter=code>\nc\n</parameter>", false);
+        let p = parse(
+            "<tool_call>\n<function=run_code>\noops <parameter=code>\nc\n</parameter>",
+            false,
+        );
         assert_eq!(p.tool_calls[0].arguments, "{}");
-        assert_eq!(p.content.as_deref(), Some("oops <parameter=code>\nc\n</parameter>"));
+        assert_eq!(
+            p.content.as_deref(),
+            Some("oops <parameter=code>\nc\n</parameter>")
+        );
         // Forgotten `</function>` or `</tool_call>`.
         let p = parse("<tool_call>\n<function=run_code>\n</tool_call>after", false);
-        assert_eq!((p.tool_calls[0].arguments.as_str(), p.content.as_deref()), ("{}", Some("after")));
-        let p = parse("<tool_call>\n<function=run_code>\n</function>\nafter", false);
-        assert_eq!((p.tool_calls[0].arguments.as_str(), p.content.as_deref()), ("{}", Some("after")));
+        assert_eq!(
+            (p.tool_calls[0].arguments.as_str(), p.content.as_deref()),
+            ("{}", Some("after"))
+        );
+        let p = parse(
+            "<tool_call>\n<function=run_code>\n</function>\nafter",
+            false,
+        );
+        assert_eq!(
+            (p.tool_calls[0].arguments.as_str(), p.content.as_deref()),
+            ("{}", Some("after"))
+        );
     }
 
     #[test]
     fn tools_not_parsed_when_disabled() {
         let text = format!("Sure.\n\n{}", call("run_code", &[("code", "x")]));
         let p = collect(run_pieces(&[&text], false, false));
-        assert_eq!((p.content.as_deref(), p.tool_calls.len()), (Some(text.as_str()), 0));
+        assert_eq!(
+            (p.content.as_deref(), p.tool_calls.len()),
+            (Some(text.as_str()), 0)
+        );
         // Without tools at all, calls are still parsed when asked to (all untyped).
         let mut parser = OutputParser::new(false, None, true, 0);
         let mut parts = parser.push(&call("f", &[("n", "1")]));
@@ -1057,7 +1226,10 @@ mod tests {
         let head = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n";
         // A cut string value is kept; a partial closing tag is dropped.
         let p = parse(&format!("{head}<parameter=city>\nLyon\n</para"), false);
-        assert_eq!(p.tool_calls[0].arguments, r#"{"city":"Paris","city":"Lyon"}"#);
+        assert_eq!(
+            p.tool_calls[0].arguments,
+            r#"{"city":"Paris","city":"Lyon"}"#
+        );
         // A cut value that already converts is kept, one that does not is dropped.
         let p = parse(&format!("{head}<parameter=days>\n4"), false);
         assert_eq!(args(&p, 0), json!({"city": "Paris", "days": 4}));
@@ -1069,7 +1241,10 @@ mod tests {
         let p = parse(&format!("{head}</func"), false);
         assert_eq!(args(&p, 0), json!({"city": "Paris"}));
         let p = parse("<tool_call>\n<function=run_code>", false);
-        assert_eq!((p.tool_calls[0].arguments.as_str(), p.content), ("{}", None));
+        assert_eq!(
+            (p.tool_calls[0].arguments.as_str(), p.content),
+            ("{}", None)
+        );
     }
 
     #[test]
@@ -1079,7 +1254,9 @@ mod tests {
             for index in 0..50 {
                 let id = call_id(seed, index);
                 assert_eq!(id.len(), 29);
-                assert!(id.starts_with("call_") && id[5..].bytes().all(|b| b.is_ascii_alphanumeric()));
+                assert!(
+                    id.starts_with("call_") && id[5..].bytes().all(|b| b.is_ascii_alphanumeric())
+                );
                 assert!(seen.insert(id));
             }
         }
@@ -1089,8 +1266,12 @@ mod tests {
     #[test]
     fn prompt_think_state() {
         assert!(prompt_opens_think("<|im_start|>assistant\n<think>\n"));
-        assert!(!prompt_opens_think("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+        assert!(!prompt_opens_think(
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        ));
         assert!(!prompt_opens_think("<|im_start|>assistant\n"));
-        assert!(prompt_opens_think("<think>\nold\n</think>\n\nx<|im_start|>assistant\n<think>\n"));
+        assert!(prompt_opens_think(
+            "<think>\nold\n</think>\n\nx<|im_start|>assistant\n<think>\n"
+        ));
     }
 }

@@ -97,9 +97,18 @@ pub struct Meta {
 
 /// The Responses body as the body of a chat request, with what the response needs.
 /// `previous` looks up a stored conversation.
-pub fn chat_body(o: &Map<String, Value>, previous: &dyn Fn(&str) -> Option<Arc<Vec<Value>>>) -> ApiResult<(Map<String, Value>, Meta)> {
+pub fn chat_body(
+    o: &Map<String, Value>,
+    previous: &dyn Fn(&str) -> Option<Arc<Vec<Value>>>,
+) -> ApiResult<(Map<String, Value>, Meta)> {
     let mut out = Map::new();
-    for k in ["model", "temperature", "top_p", "stream", "prompt_cache_key"] {
+    for k in [
+        "model",
+        "temperature",
+        "top_p",
+        "stream",
+        "prompt_cache_key",
+    ] {
         if let Some(v) = get(o, k) {
             out.insert(k.into(), v.clone());
         }
@@ -108,7 +117,10 @@ pub fn chat_body(o: &Map<String, Value>, previous: &dyn Fn(&str) -> Option<Arc<V
         out.insert("max_tokens".into(), v.clone());
     }
     if get(o, "conversation").is_some() {
-        return Err(ApiError::param("conversation", "`conversation` objects are not supported; chain responses with `previous_response_id`"));
+        return Err(ApiError::param(
+            "conversation",
+            "`conversation` objects are not supported; chain responses with `previous_response_id`",
+        ));
     }
     let mut history: Vec<Value> = Vec::new();
     let prev_id = match get(o, "previous_response_id") {
@@ -121,13 +133,26 @@ pub fn chat_body(o: &Map<String, Value>, previous: &dyn Fn(&str) -> Option<Arc<V
             history.extend(conv.iter().cloned());
             Some(id.clone())
         }
-        Some(v) => return Err(ApiError::param("previous_response_id", format!("`previous_response_id` must be a string, got {}", kind(v)))),
+        Some(v) => {
+            return Err(ApiError::param(
+                "previous_response_id",
+                format!("`previous_response_id` must be a string, got {}", kind(v)),
+            ))
+        }
     };
     match get(o, "input") {
         None => return Err(ApiError::param("input", "`input` is required")),
         Some(Value::String(s)) => history.push(json!({"role": "user", "content": s})),
         Some(Value::Array(items)) => input_items(items, &mut history)?,
-        Some(v) => return Err(ApiError::param("input", format!("`input` must be a string or an array of items, got {}", kind(v)))),
+        Some(v) => {
+            return Err(ApiError::param(
+                "input",
+                format!(
+                    "`input` must be a string or an array of items, got {}",
+                    kind(v)
+                ),
+            ))
+        }
     }
     let mut msgs = Vec::new();
     let instructions = match get(o, "instructions") {
@@ -136,7 +161,12 @@ pub fn chat_body(o: &Map<String, Value>, previous: &dyn Fn(&str) -> Option<Arc<V
             msgs.push(json!({"role": "system", "content": s}));
             Some(s.clone())
         }
-        Some(v) => return Err(ApiError::param("instructions", format!("`instructions` must be a string, got {}", kind(v)))),
+        Some(v) => {
+            return Err(ApiError::param(
+                "instructions",
+                format!("`instructions` must be a string, got {}", kind(v)),
+            ))
+        }
     };
     msgs.extend(history.iter().cloned());
     if msgs.is_empty() {
@@ -148,8 +178,18 @@ pub fn chat_body(o: &Map<String, Value>, previous: &dyn Fn(&str) -> Option<Arc<V
         let fns = api::flat_tools(tools, |p, t| {
             match t.get("type").and_then(Value::as_str) {
                 Some("function") => {}
-                Some(x) => return Err(ApiError::param(p, format!("`{p}.type` {x:?} is not supported (only \"function\" tools)"))),
-                None => return Err(ApiError::param(p, format!("`{p}.type` is required (\"function\")"))),
+                Some(x) => {
+                    return Err(ApiError::param(
+                        p,
+                        format!("`{p}.type` {x:?} is not supported (only \"function\" tools)"),
+                    ))
+                }
+                None => {
+                    return Err(ApiError::param(
+                        p,
+                        format!("`{p}.type` is required (\"function\")"),
+                    ))
+                }
             }
             tools_echo.push(t.clone());
             Ok(t.get("parameters").filter(|v| !v.is_null()).cloned())
@@ -164,15 +204,35 @@ pub fn chat_body(o: &Map<String, Value>, previous: &dyn Fn(&str) -> Option<Arc<V
         None => None,
         Some(Value::Object(r)) => match get(r, "effort") {
             None => None,
-            Some(Value::String(e)) if ["none", "minimal", "low", "medium", "high", "xhigh"].contains(&e.as_str()) => Some(e.clone()),
-            Some(_) => return Err(ApiError::param("reasoning", "`reasoning.effort` must be one of none, minimal, low, medium, high, xhigh")),
+            Some(Value::String(e))
+                if ["none", "minimal", "low", "medium", "high", "xhigh"].contains(&e.as_str()) =>
+            {
+                Some(e.clone())
+            }
+            Some(_) => {
+                return Err(ApiError::param(
+                    "reasoning",
+                    "`reasoning.effort` must be one of none, minimal, low, medium, high, xhigh",
+                ))
+            }
         },
-        Some(v) => return Err(ApiError::param("reasoning", format!("`reasoning` must be an object, got {}", kind(v)))),
+        Some(v) => {
+            return Err(ApiError::param(
+                "reasoning",
+                format!("`reasoning` must be an object, got {}", kind(v)),
+            ))
+        }
     };
     if let Some(e) = &effort {
-        out.insert("chat_template_kwargs".into(), json!({"enable_thinking": !matches!(e.as_str(), "none" | "minimal")}));
+        out.insert(
+            "chat_template_kwargs".into(),
+            json!({"enable_thinking": !matches!(e.as_str(), "none" | "minimal")}),
+        );
     }
-    if let Some(fmt) = get(o, "text").and_then(|t| t.get("format")).filter(|f| !f.is_null()) {
+    if let Some(fmt) = get(o, "text")
+        .and_then(|t| t.get("format"))
+        .filter(|f| !f.is_null())
+    {
         match fmt.get("type").and_then(Value::as_str) {
             Some("text") | None => {}
             Some(t) => return Err(ApiError::param("text", format!("`text.format` type {t:?} is not supported (no constrained decoding yet); use \"text\""))),
@@ -181,24 +241,64 @@ pub fn chat_body(o: &Map<String, Value>, previous: &dyn Fn(&str) -> Option<Arc<V
     let store = match get(o, "store") {
         None => true,
         Some(Value::Bool(b)) => *b,
-        Some(v) => return Err(ApiError::param("store", format!("`store` must be true or false, got {}", kind(v)))),
+        Some(v) => {
+            return Err(ApiError::param(
+                "store",
+                format!("`store` must be true or false, got {}", kind(v)),
+            ))
+        }
     };
     let mut echo = Map::new();
     echo.insert("instructions".into(), json!(instructions));
     echo.insert("tools".into(), Value::Array(tools_echo));
-    echo.insert("tool_choice".into(), get(o, "tool_choice").cloned().unwrap_or_else(|| json!("auto")));
-    echo.insert("parallel_tool_calls".into(), json!(get(o, "parallel_tool_calls").and_then(Value::as_bool).unwrap_or(true)));
-    echo.insert("temperature".into(), get(o, "temperature").cloned().unwrap_or(Value::Null));
-    echo.insert("top_p".into(), get(o, "top_p").cloned().unwrap_or(Value::Null));
-    echo.insert("max_output_tokens".into(), get(o, "max_output_tokens").cloned().unwrap_or(Value::Null));
+    echo.insert(
+        "tool_choice".into(),
+        get(o, "tool_choice")
+            .cloned()
+            .unwrap_or_else(|| json!("auto")),
+    );
+    echo.insert(
+        "parallel_tool_calls".into(),
+        json!(get(o, "parallel_tool_calls")
+            .and_then(Value::as_bool)
+            .unwrap_or(true)),
+    );
+    echo.insert(
+        "temperature".into(),
+        get(o, "temperature").cloned().unwrap_or(Value::Null),
+    );
+    echo.insert(
+        "top_p".into(),
+        get(o, "top_p").cloned().unwrap_or(Value::Null),
+    );
+    echo.insert(
+        "max_output_tokens".into(),
+        get(o, "max_output_tokens").cloned().unwrap_or(Value::Null),
+    );
     echo.insert("previous_response_id".into(), json!(prev_id));
-    echo.insert("reasoning".into(), json!({"effort": effort, "summary": null}));
+    echo.insert(
+        "reasoning".into(),
+        json!({"effort": effort, "summary": null}),
+    );
     echo.insert("store".into(), json!(store));
     echo.insert("text".into(), json!({"format": {"type": "text"}}));
     echo.insert("truncation".into(), json!("disabled"));
-    echo.insert("metadata".into(), get(o, "metadata").cloned().unwrap_or_else(|| json!({})));
-    echo.insert("user".into(), get(o, "user").cloned().unwrap_or(Value::Null));
-    Ok((out, Meta { history, store, echo }))
+    echo.insert(
+        "metadata".into(),
+        get(o, "metadata").cloned().unwrap_or_else(|| json!({})),
+    );
+    echo.insert(
+        "user".into(),
+        get(o, "user").cloned().unwrap_or(Value::Null),
+    );
+    Ok((
+        out,
+        Meta {
+            history,
+            store,
+            echo,
+        },
+    ))
 }
 
 /// Input items → chat messages, appended to `out`.
@@ -211,9 +311,16 @@ fn input_items(items: &[Value], out: &mut Vec<Value>) -> ApiResult<()> {
     for (i, it) in items.iter().enumerate() {
         let p = format!("input[{i}]");
         let Value::Object(o) = it else {
-            return Err(ApiError::param(&p, format!("`{p}` must be an object, got {}", kind(it))));
+            return Err(ApiError::param(
+                &p,
+                format!("`{p}` must be an object, got {}", kind(it)),
+            ));
         };
-        let str_field = |k: &str| o.get(k).and_then(Value::as_str).ok_or_else(|| ApiError::param(&p, format!("`{p}.{k}` is required and must be a string")));
+        let str_field = |k: &str| {
+            o.get(k).and_then(Value::as_str).ok_or_else(|| {
+                ApiError::param(&p, format!("`{p}.{k}` is required and must be a string"))
+            })
+        };
         let ty = o.get("type").and_then(Value::as_str).unwrap_or("message");
         match ty {
             "message" => {
@@ -305,7 +412,19 @@ struct Output {
 
 impl Output {
     fn new(app: &Arc<App>, sh: Shaper, echo: Map<String, Value>, streaming: bool) -> Self {
-        Self { app: app.clone(), id: format!("resp_{}", app.new_id()), created: routes::now(), echo, sh, items: Vec::new(), open: Open::None, text: String::new(), seq: 0, events: Vec::new(), streaming }
+        Self {
+            app: app.clone(),
+            id: format!("resp_{}", app.new_id()),
+            created: routes::now(),
+            echo,
+            sh,
+            items: Vec::new(),
+            open: Open::None,
+            text: String::new(),
+            seq: 0,
+            events: Vec::new(),
+            streaming,
+        }
     }
 
     fn emit(&mut self, mut ev: Value) {
@@ -321,7 +440,10 @@ impl Output {
     }
 
     fn item_id(&self) -> Value {
-        self.items.last().map(|i| i["id"].clone()).unwrap_or(Value::Null)
+        self.items
+            .last()
+            .map(|i| i["id"].clone())
+            .unwrap_or(Value::Null)
     }
 
     fn begin(&mut self, open: Open, item: Value) {
@@ -353,7 +475,9 @@ impl Output {
                 let item = item.clone();
                 self.emit(json!({"type": "response.output_text.done", "item_id": id, "output_index": oi, "content_index": 0, "text": text, "logprobs": []}));
                 self.emit(json!({"type": "response.content_part.done", "item_id": id, "output_index": oi, "content_index": 0, "part": text_part(&text)}));
-                self.emit(json!({"type": "response.output_item.done", "output_index": oi, "item": item}));
+                self.emit(
+                    json!({"type": "response.output_item.done", "output_index": oi, "item": item}),
+                );
             }
             Open::Reasoning => {
                 let part = json!({"type": "reasoning_text", "text": text});
@@ -361,13 +485,17 @@ impl Output {
                 let item = item.clone();
                 self.emit(json!({"type": "response.reasoning_text.done", "item_id": id, "output_index": oi, "content_index": 0, "text": text}));
                 self.emit(json!({"type": "response.content_part.done", "item_id": id, "output_index": oi, "content_index": 0, "part": part}));
-                self.emit(json!({"type": "response.output_item.done", "output_index": oi, "item": item}));
+                self.emit(
+                    json!({"type": "response.output_item.done", "output_index": oi, "item": item}),
+                );
             }
             Open::Call => {
                 item["arguments"] = json!(text);
                 let item = item.clone();
                 self.emit(json!({"type": "response.function_call_arguments.done", "item_id": id, "output_index": oi, "name": item["name"], "arguments": text}));
-                self.emit(json!({"type": "response.output_item.done", "output_index": oi, "item": item}));
+                self.emit(
+                    json!({"type": "response.output_item.done", "output_index": oi, "item": item}),
+                );
             }
             Open::None => {}
         }
@@ -416,7 +544,10 @@ impl Output {
             "status": "in_progress", "error": null, "incomplete_details": null, "output": [], "usage": null,
         });
         if let Some(g) = g {
-            let cut = matches!(g.finish, Some(FinishReason::Length | FinishReason::ContextFull));
+            let cut = matches!(
+                g.finish,
+                Some(FinishReason::Length | FinishReason::ContextFull)
+            );
             r["status"] = json!(if cut { "incomplete" } else { "completed" });
             if cut {
                 r["incomplete_details"] = json!({"reason": "max_output_tokens"});
@@ -438,10 +569,17 @@ impl Output {
     fn finish(&mut self, g: &Generation) -> Value {
         let tail = self.sh.final_parts();
         self.parts(tail);
-        let cut = matches!(g.finish, Some(FinishReason::Length | FinishReason::ContextFull));
+        let cut = matches!(
+            g.finish,
+            Some(FinishReason::Length | FinishReason::ContextFull)
+        );
         self.close(if cut { "incomplete" } else { "completed" });
         let r = self.response(Some(g));
-        let ty = if cut { "response.incomplete" } else { "response.completed" };
+        let ty = if cut {
+            "response.incomplete"
+        } else {
+            "response.completed"
+        };
         self.emit(json!({"type": ty, "response": r}));
         r
     }
@@ -465,7 +603,11 @@ impl Output {
             m["reasoning_content"] = json!(reasoning);
         }
         // Arguments of a call cut short may not be JSON: such a call is not stored.
-        calls.retain(|c| c["function"]["arguments"].as_str().is_some_and(|a| serde_json::from_str::<Map<String, Value>>(a).is_ok()));
+        calls.retain(|c| {
+            c["function"]["arguments"]
+                .as_str()
+                .is_some_and(|a| serde_json::from_str::<Map<String, Value>>(a).is_ok())
+        });
         if !calls.is_empty() {
             m["tool_calls"] = Value::Array(calls);
         }
@@ -478,25 +620,40 @@ fn text_part(text: &str) -> Value {
 }
 
 /// The chat request and its Responses metadata.
-pub fn responses_request(o: &Map<String, Value>, previous: &dyn Fn(&str) -> Option<Arc<Vec<Value>>>) -> ApiResult<(ChatRequest, Meta)> {
+pub fn responses_request(
+    o: &Map<String, Value>,
+    previous: &dyn Fn(&str) -> Option<Arc<Vec<Value>>>,
+) -> ApiResult<(ChatRequest, Meta)> {
     let (body, meta) = chat_body(o, previous)?;
     Ok((api::chat_request(&body)?, meta))
 }
 
 /// `POST /v1/responses`.
 pub(crate) async fn create(State(app): State<Arc<App>>, body: Body) -> Response {
-    app.metrics.received.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    app.metrics
+        .received
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let r = async {
         let bytes = routes::read_body(&app, body).await?;
-        let (req, meta) = responses_request(&api::body_object(&bytes)?, &|id| app.responses.get(id))?;
+        let (req, meta) =
+            responses_request(&api::body_object(&bytes)?, &|id| app.responses.get(id))?;
         let a = app.clone();
-        let (req, prep) = routes::blocking(move || routes::prepare_chat(&a, &req).map(|p| (req, p))).await?;
+        let (req, prep) =
+            routes::blocking(move || routes::prepare_chat(&a, &req).map(|p| (req, p))).await?;
         let parse_tools = req.tools.is_some() && req.tool_choice != ToolChoice::None;
-        let kind = Kind::Chat { tools: req.tools.clone(), parse_tools };
-        let (rx, guard, sh) = routes::submit(&app, &req.common, req.cache_key.clone(), prep, &kind)?;
+        let kind = Kind::Chat {
+            tools: req.tools.clone(),
+            parse_tools,
+        };
+        let (rx, guard, sh) =
+            routes::submit(&app, &req.common, req.cache_key.clone(), prep, &kind)?;
         let out = Output::new(&app, sh, meta.echo.clone(), req.common.stream);
         let keep = meta.store.then_some(meta.history);
-        Ok::<_, ApiError>(if req.common.stream { stream(app.clone(), rx, guard, out, keep) } else { collect(app.clone(), rx, guard, out, keep).await })
+        Ok::<_, ApiError>(if req.common.stream {
+            stream(app.clone(), rx, guard, out, keep)
+        } else {
+            collect(app.clone(), rx, guard, out, keep).await
+        })
     }
     .await;
     r.unwrap_or_else(|e| routes::reject(&app, e))
@@ -509,7 +666,13 @@ fn remember(app: &App, out: &Output, keep: Option<Vec<Value>>) {
     }
 }
 
-async fn collect(app: Arc<App>, mut rx: UnboundedReceiver<Event>, guard: CancelOnDrop, mut out: Output, keep: Option<Vec<Value>>) -> Response {
+async fn collect(
+    app: Arc<App>,
+    mut rx: UnboundedReceiver<Event>,
+    guard: CancelOnDrop,
+    mut out: Output,
+    keep: Option<Vec<Value>>,
+) -> Response {
     let _guard = guard;
     while let Some(ev) = rx.recv().await {
         match ev {
@@ -558,7 +721,9 @@ impl StreamState {
         }
         let Some(ev) = self.rx.recv().await else {
             self.done = true;
-            return Some(self.error(ApiError::internal("the model thread stopped before answering")));
+            return Some(self.error(ApiError::internal(
+                "the model thread stopped before answering",
+            )));
         };
         match ev {
             Event::Started { cached } => self.out.sh.cached = cached,
@@ -579,20 +744,51 @@ impl StreamState {
                 return Some(self.error(ApiError::internal(msg)));
             }
         }
-        Some(std::mem::take(&mut self.out.events).into_iter().map(sse).collect())
+        Some(
+            std::mem::take(&mut self.out.events)
+                .into_iter()
+                .map(sse)
+                .collect(),
+        )
     }
 }
 
-fn stream(app: Arc<App>, rx: UnboundedReceiver<Event>, guard: CancelOnDrop, mut out: Output, keep: Option<Vec<Value>>) -> Response {
+fn stream(
+    app: Arc<App>,
+    rx: UnboundedReceiver<Event>,
+    guard: CancelOnDrop,
+    mut out: Output,
+    keep: Option<Vec<Value>>,
+) -> Response {
     // `response.created` and `response.in_progress` go first, before the job leaves the queue.
     let r = out.response(None);
     out.emit(json!({"type": "response.created", "response": r}));
     out.emit(json!({"type": "response.in_progress", "response": r}));
-    let first: Vec<_> = std::mem::take(&mut out.events).into_iter().map(sse).collect();
-    let st = StreamState { app, rx, out, keep, _guard: guard, done: false };
-    let rest = stream::unfold(st, |mut st| async move { st.next().await.map(|evs| (stream::iter(evs), st)) }).flatten();
-    let body: std::pin::Pin<Box<dyn Stream<Item = Result<Sse, Infallible>> + Send>> = Box::pin(stream::iter(first).chain(rest));
-    axum::response::Sse::new(body).keep_alive(KeepAlive::new().interval(Duration::from_secs(5)).text("keep-alive")).into_response()
+    let first: Vec<_> = std::mem::take(&mut out.events)
+        .into_iter()
+        .map(sse)
+        .collect();
+    let st = StreamState {
+        app,
+        rx,
+        out,
+        keep,
+        _guard: guard,
+        done: false,
+    };
+    let rest = stream::unfold(st, |mut st| async move {
+        st.next().await.map(|evs| (stream::iter(evs), st))
+    })
+    .flatten();
+    let body: std::pin::Pin<Box<dyn Stream<Item = Result<Sse, Infallible>> + Send>> =
+        Box::pin(stream::iter(first).chain(rest));
+    axum::response::Sse::new(body)
+        .keep_alive(
+            KeepAlive::new()
+                .interval(Duration::from_secs(5))
+                .text("keep-alive"),
+        )
+        .into_response()
 }
 
 #[cfg(test)]
@@ -630,7 +826,10 @@ mod tests {
         assert_eq!(m[0], json!({"role": "system", "content": "be brief"}));
         assert_eq!(m[2]["reasoning_content"], "hmm");
         assert_eq!(m[2]["tool_calls"].as_array().unwrap().len(), 2);
-        assert_eq!(m[3], json!({"role": "tool", "tool_call_id": "c1", "content": "sunny"}));
+        assert_eq!(
+            m[3],
+            json!({"role": "tool", "tool_call_id": "c1", "content": "sunny"})
+        );
         assert_eq!(meta.history.len(), 4, "the history has no instructions");
         let r = api::chat_request(&b).unwrap();
         assert_eq!(r.tool_choice, ToolChoice::Named("get_weather".into()));
@@ -638,12 +837,32 @@ mod tests {
 
     #[test]
     fn previous_response_and_refusals() {
-        let prev = |id: &str| (id == "resp_a").then(|| Arc::new(vec![json!({"role": "user", "content": "q1"}), json!({"role": "assistant", "content": "a1"})]));
-        let (b, meta) = chat_body(json!({"previous_response_id": "resp_a", "input": "q2"}).as_object().unwrap(), &prev).unwrap();
+        let prev = |id: &str| {
+            (id == "resp_a").then(|| {
+                Arc::new(vec![
+                    json!({"role": "user", "content": "q1"}),
+                    json!({"role": "assistant", "content": "a1"}),
+                ])
+            })
+        };
+        let (b, meta) = chat_body(
+            json!({"previous_response_id": "resp_a", "input": "q2"})
+                .as_object()
+                .unwrap(),
+            &prev,
+        )
+        .unwrap();
         assert_eq!(b["messages"].as_array().unwrap().len(), 3);
         assert_eq!(meta.history.len(), 3);
         assert!(meta.store);
-        let e = chat_body(json!({"previous_response_id": "resp_b", "input": "q2"}).as_object().unwrap(), &prev).err().unwrap();
+        let e = chat_body(
+            json!({"previous_response_id": "resp_b", "input": "q2"})
+                .as_object()
+                .unwrap(),
+            &prev,
+        )
+        .err()
+        .unwrap();
         assert_eq!(e.code.as_deref(), Some("previous_response_not_found"));
         assert!(body(json!({"input": "x", "tools": [{"type": "web_search"}]})).is_err());
         assert!(body(json!({"input": "x", "text": {"format": {"type": "json_schema"}}})).is_err());

@@ -47,7 +47,10 @@ pub(crate) fn router(app: Arc<App>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/responses", post(crate::responses::create))
         .route("/v1/messages", post(crate::anthropic::messages))
-        .route("/v1/messages/count_tokens", post(crate::anthropic::count_tokens))
+        .route(
+            "/v1/messages/count_tokens",
+            post(crate::anthropic::count_tokens),
+        )
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model))
         .route("/metrics", get(metrics))
@@ -65,25 +68,50 @@ pub(crate) fn router(app: Arc<App>) -> Router {
 async fn auth(State(app): AppState, req: Request, next: Next) -> Response {
     if let Some(key) = &app.api_key {
         let h = req.headers();
-        let bearer = h.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer ")).map(str::trim);
-        let x_key = h.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim);
+        let bearer = h
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim);
+        let x_key = h
+            .get("x-api-key")
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim);
         // Constant-time comparison: the key must not leak through timing.
-        let same = |g: &str| g.len() == key.len() && g.bytes().zip(key.bytes()).fold(0u8, |a, (x, y)| a | (x ^ y)) == 0;
+        let same = |g: &str| {
+            g.len() == key.len()
+                && g.bytes()
+                    .zip(key.bytes())
+                    .fold(0u8, |a, (x, y)| a | (x ^ y))
+                    == 0
+        };
         if !(bearer.is_some_and(same) || x_key.is_some_and(same)) {
             let e = ApiError::unauthorized();
-            return if crate::anthropic::is_anthropic_path(req.uri().path()) { e.anthropic_response() } else { e.into_response() };
+            return if crate::anthropic::is_anthropic_path(req.uri().path()) {
+                e.anthropic_response()
+            } else {
+                e.into_response()
+            };
         }
     }
     next.run(req).await
 }
 
 async fn health(State(app): AppState) -> Response {
-    let code = if app.shutdown.load(Ordering::Relaxed) { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK };
+    let code = if app.shutdown.load(Ordering::Relaxed) {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    };
     (code, Json(crate::health(&app))).into_response()
 }
 
 async fn metrics(State(app): AppState) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render()).into_response()
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        app.metrics.render(),
+    )
+        .into_response()
 }
 
 fn model_card(app: &App) -> Value {
@@ -94,18 +122,27 @@ async fn models(State(app): AppState) -> Response {
     Json(json!({"object": "list", "data": [model_card(&app)]})).into_response()
 }
 
-async fn model(State(app): AppState, axum::extract::Path(id): axum::extract::Path<String>) -> Response {
+async fn model(
+    State(app): AppState,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> Response {
     if id == app.model_name {
         Json(model_card(&app)).into_response()
     } else {
-        ApiError::not_found(format!("the model {id:?} does not exist; this server serves {:?}", app.model_name)).into_response()
+        ApiError::not_found(format!(
+            "the model {id:?} does not exist; this server serves {:?}",
+            app.model_name
+        ))
+        .into_response()
     }
 }
 
 /// Reads the body within the size limit (a JSON 413 rather than axum's plain-text one).
 pub(crate) async fn read_body(app: &App, body: Body) -> ApiResult<Bytes> {
     axum::body::to_bytes(body, app.max_body).await.map_err(|e| {
-        let too_big = std::error::Error::source(&e).is_some_and(|s| s.to_string().contains("length limit")) || e.to_string().contains("length limit");
+        let too_big = std::error::Error::source(&e)
+            .is_some_and(|s| s.to_string().contains("length limit"))
+            || e.to_string().contains("length limit");
         if too_big {
             ApiError::too_large(app.max_body)
         } else {
@@ -124,7 +161,10 @@ pub(crate) struct Prepared {
 
 /// Which endpoint, with what it needs for the response.
 pub(crate) enum Kind {
-    Chat { tools: Option<Value>, parse_tools: bool },
+    Chat {
+        tools: Option<Value>,
+        parse_tools: bool,
+    },
     Text,
 }
 
@@ -132,15 +172,33 @@ async fn chat(State(app): AppState, body: Body) -> Response {
     handle(app, body, api::chat_request, |app, req: &ChatRequest| {
         let p = prepare_chat(app, req)?;
         let parse_tools = req.tools.is_some() && req.tool_choice != ToolChoice::None;
-        Ok((req.common.clone(), req.cache_key.clone(), p, Kind::Chat { tools: req.tools.clone(), parse_tools }))
+        Ok((
+            req.common.clone(),
+            req.cache_key.clone(),
+            p,
+            Kind::Chat {
+                tools: req.tools.clone(),
+                parse_tools,
+            },
+        ))
     })
     .await
 }
 
 async fn completions(State(app): AppState, body: Body) -> Response {
-    handle(app, body, api::completion_request, |app, req: &CompletionRequest| {
-        Ok((req.common.clone(), req.cache_key.clone(), prepare_completion(app, req)?, Kind::Text))
-    })
+    handle(
+        app,
+        body,
+        api::completion_request,
+        |app, req: &CompletionRequest| {
+            Ok((
+                req.common.clone(),
+                req.cache_key.clone(),
+                prepare_completion(app, req)?,
+                Kind::Text,
+            ))
+        },
+    )
     .await
 }
 
@@ -149,7 +207,9 @@ async fn handle<R: Send + 'static>(
     app: Arc<App>,
     body: Body,
     parse: impl FnOnce(&Map<String, Value>) -> ApiResult<R>,
-    prepare: impl FnOnce(&App, &R) -> ApiResult<(Common, Option<String>, Prepared, Kind)> + Send + 'static,
+    prepare: impl FnOnce(&App, &R) -> ApiResult<(Common, Option<String>, Prepared, Kind)>
+        + Send
+        + 'static,
 ) -> Response {
     app.metrics.received.fetch_add(1, Ordering::SeqCst);
     let r = async {
@@ -169,17 +229,31 @@ pub(crate) fn reject(app: &App, e: ApiError) -> Response {
 }
 
 /// Runs CPU work (template, tokenizer) off the async threads.
-pub(crate) async fn blocking<T: Send + 'static>(f: impl FnOnce() -> ApiResult<T> + Send + 'static) -> ApiResult<T> {
-    tokio::task::spawn_blocking(f).await.map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))?
+pub(crate) async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> ApiResult<T> + Send + 'static,
+) -> ApiResult<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(format!("request preparation failed: {e}")))?
 }
 
 /// The chat request's prompt: rendered text and its tokens.
 fn render_chat(app: &App, req: &ChatRequest) -> ApiResult<(String, Vec<u32>)> {
     // `tool_choice: none` leaves the tools out of the prompt, so the model is not told about them.
-    let tools = if req.tool_choice == ToolChoice::None { None } else { req.tools.as_ref() };
-    let text = app.template.render(&req.messages, tools, true, &req.template_kwargs).map_err(template_error)?;
+    let tools = if req.tool_choice == ToolChoice::None {
+        None
+    } else {
+        req.tools.as_ref()
+    };
+    let text = app
+        .template
+        .render(&req.messages, tools, true, &req.template_kwargs)
+        .map_err(template_error)?;
     check_bytes(app, text.len())?;
-    let ids = app.tok.encode(&text).map_err(|e| ApiError::bad(format!("{e:#}")))?;
+    let ids = app
+        .tok
+        .encode(&text)
+        .map_err(|e| ApiError::bad(format!("{e:#}")))?;
     Ok((text, ids))
 }
 
@@ -205,12 +279,28 @@ pub(crate) fn prepare_chat(app: &App, req: &ChatRequest) -> ApiResult<Prepared> 
         };
         if let Some(s) = start {
             match (opens_think, app.think_close) {
-                (true, Some(close)) => forced.after = Some((close, app.tok.encode(&format!("\n\n{s}")).map_err(|e| ApiError::internal(format!("{e:#}")))?)),
-                _ => forced.now = app.tok.encode(&s).map_err(|e| ApiError::internal(format!("{e:#}")))?,
+                (true, Some(close)) => {
+                    forced.after = Some((
+                        close,
+                        app.tok
+                            .encode(&format!("\n\n{s}"))
+                            .map_err(|e| ApiError::internal(format!("{e:#}")))?,
+                    ))
+                }
+                _ => {
+                    forced.now = app
+                        .tok
+                        .encode(&s)
+                        .map_err(|e| ApiError::internal(format!("{e:#}")))?
+                }
             }
         }
     }
-    Ok(Prepared { ids, opens_think, forced })
+    Ok(Prepared {
+        ids,
+        opens_think,
+        forced,
+    })
 }
 
 /// A failed render as a 400. A [`TemplateError`]'s text already says "chat template"; the
@@ -220,19 +310,29 @@ fn template_error(e: anyhow::Error) -> ApiError {
         Some(te) => te.to_string(),
         None => format!("chat template: {e:#}"),
     };
-    ApiError::bad(msg).with_code("invalid_messages").param_name("messages")
+    ApiError::bad(msg)
+        .with_code("invalid_messages")
+        .param_name("messages")
 }
 
 fn prepare_completion(app: &App, req: &CompletionRequest) -> ApiResult<Prepared> {
     let (ids, text) = match &req.prompt {
         Prompt::Text(t) => {
             check_bytes(app, t.len())?;
-            (app.tok.encode(t).map_err(|e| ApiError::bad(format!("{e:#}")))?, t.clone())
+            (
+                app.tok
+                    .encode(t)
+                    .map_err(|e| ApiError::bad(format!("{e:#}")))?,
+                t.clone(),
+            )
         }
         Prompt::Ids(ids) => {
             let vocab = app.tok.vocab_size();
             if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-                return Err(ApiError::param("prompt", format!("token id {bad} is out of range (the vocabulary has {vocab})")));
+                return Err(ApiError::param(
+                    "prompt",
+                    format!("token id {bad} is out of range (the vocabulary has {vocab})"),
+                ));
             }
             (ids.clone(), String::new())
         }
@@ -242,10 +342,18 @@ fn prepare_completion(app: &App, req: &CompletionRequest) -> ApiResult<Prepared>
     }
     check_context(app, ids.len(), &req.common)?;
     let mut forced = Forced::default();
-    if let Some((_, reply)) = app.script.iter().find(|(r, _)| !text.is_empty() && text.contains(&r.when)) {
+    if let Some((_, reply)) = app
+        .script
+        .iter()
+        .find(|(r, _)| !text.is_empty() && text.contains(&r.when))
+    {
         forced.now = reply.clone();
     }
-    Ok(Prepared { ids, opens_think: false, forced })
+    Ok(Prepared {
+        ids,
+        opens_think: false,
+        forced,
+    })
 }
 
 fn context_error(app: &App, detail: String) -> ApiError {
@@ -269,7 +377,10 @@ fn check_bytes(app: &App, bytes: usize) -> ApiResult<()> {
 /// A prompt must leave room for at least one generated token.
 fn check_context(app: &App, prompt: usize, c: &Common) -> ApiResult<()> {
     if prompt >= app.max_context {
-        let asked = c.max_tokens.map(|m| format!(" ({prompt} in the messages, {m} in the completion)")).unwrap_or_default();
+        let asked = c
+            .max_tokens
+            .map(|m| format!(" ({prompt} in the messages, {m} in the completion)"))
+            .unwrap_or_default();
         return Err(context_error(app, format!("{prompt} prompt tokens{asked}")));
     }
     Ok(())
@@ -286,7 +397,13 @@ impl Drop for CancelOnDrop {
 }
 
 /// Queues the job and answers: JSON or SSE.
-async fn run(app: Arc<App>, common: Common, cache_key: Option<String>, prep: Prepared, kind: Kind) -> Response {
+async fn run(
+    app: Arc<App>,
+    common: Common,
+    cache_key: Option<String>,
+    prep: Prepared,
+    kind: Kind,
+) -> Response {
     let (rx, guard, shaper) = match submit(&app, &common, cache_key, prep, &kind) {
         Ok(x) => x,
         Err(e) => return reject(&app, e),
@@ -300,12 +417,26 @@ async fn run(app: Arc<App>, common: Common, cache_key: Option<String>, prep: Pre
 
 /// Queues the job: the one way into the model for every endpoint (each dialect then shapes the
 /// same events). Errors are not yet counted: the caller rejects them in its own dialect.
-pub(crate) fn submit(app: &Arc<App>, common: &Common, cache_key: Option<String>, prep: Prepared, kind: &Kind) -> ApiResult<(UnboundedReceiver<Event>, CancelOnDrop, Shaper)> {
+pub(crate) fn submit(
+    app: &Arc<App>,
+    common: &Common,
+    cache_key: Option<String>,
+    prep: Prepared,
+    kind: &Kind,
+) -> ApiResult<(UnboundedReceiver<Event>, CancelOnDrop, Shaper)> {
     if app.shutdown.load(Ordering::Relaxed) {
         return Err(ApiError::unavailable("the server is shutting down", 5));
     }
-    let sampling = app.defaults.with_overrides(&common.sampling).map_err(|e| ApiError::bad(format!("{e:#}")))?;
-    let stop = StopRules { stop_ids: app.stop_ids.clone(), stop_strings: common.stop.clone(), max_tokens: common.max_tokens, max_context: app.max_context };
+    let sampling = app
+        .defaults
+        .with_overrides(&common.sampling)
+        .map_err(|e| ApiError::bad(format!("{e:#}")))?;
+    let stop = StopRules {
+        stop_ids: app.stop_ids.clone(),
+        stop_strings: common.stop.clone(),
+        max_tokens: common.max_tokens,
+        max_context: app.max_context,
+    };
     let (tx, rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     let prompt_len = prep.ids.len();
@@ -321,7 +452,11 @@ pub(crate) fn submit(app: &Arc<App>, common: &Common, cache_key: Option<String>,
         enqueued: Instant::now(),
     };
     if app.queue.push(job).is_err() {
-        let msg = if app.shutdown.load(Ordering::Relaxed) { "the server is shutting down" } else { "the server is busy: the request queue is full; retry shortly" };
+        let msg = if app.shutdown.load(Ordering::Relaxed) {
+            "the server is shutting down"
+        } else {
+            "the server is busy: the request queue is full; retry shortly"
+        };
         return Err(ApiError::unavailable(msg, 1));
     }
     let guard = CancelOnDrop(cancel);
@@ -351,18 +486,36 @@ pub(crate) struct Shaper {
 }
 
 impl Shaper {
-    fn new(app: &Arc<App>, common: &Common, kind: &Kind, opens_think: bool, prompt_len: usize) -> Self {
+    fn new(
+        app: &Arc<App>,
+        common: &Common,
+        kind: &Kind,
+        opens_think: bool,
+        prompt_len: usize,
+    ) -> Self {
         let id = app.new_id();
         let (chat, parser) = match kind {
             Kind::Chat { tools, parse_tools } => {
                 let seed = lily::rng::name_id(&id);
-                (true, Some(OutputParser::new(opens_think, tools.as_ref(), *parse_tools, seed)))
+                (
+                    true,
+                    Some(OutputParser::new(
+                        opens_think,
+                        tools.as_ref(),
+                        *parse_tools,
+                        seed,
+                    )),
+                )
             }
             Kind::Text => (false, None),
         };
         Self {
             app: app.clone(),
-            id: if chat { format!("chatcmpl-{id}") } else { format!("cmpl-{id}") },
+            id: if chat {
+                format!("chatcmpl-{id}")
+            } else {
+                format!("cmpl-{id}")
+            },
             chat,
             parser,
             include_usage: common.include_usage,
@@ -387,7 +540,12 @@ impl Shaper {
     }
 
     /// One token: its text as parts (chat) or text (completions); log-probs are recorded.
-    pub(crate) fn token(&mut self, id: Option<u32>, text: &str, lp: Option<TokenLogprob>) -> Vec<Part> {
+    pub(crate) fn token(
+        &mut self,
+        id: Option<u32>,
+        text: &str,
+        lp: Option<TokenLogprob>,
+    ) -> Vec<Part> {
         if let Some(id) = id {
             if self.in_think {
                 if Some(id) == self.app.think_close {
@@ -412,14 +570,20 @@ impl Shaper {
     fn token_entry(&self, id: u32, lp: f32) -> Value {
         let tok = &self.app.tok;
         let text = tok.decode(&[id]).unwrap_or_default();
-        let bytes = tok.token_bytes(id).unwrap_or_else(|| text.as_bytes().to_vec());
+        let bytes = tok
+            .token_bytes(id)
+            .unwrap_or_else(|| text.as_bytes().to_vec());
         json!({"token": text, "logprob": lp, "bytes": bytes})
     }
 
     fn record_lp(&mut self, id: u32, lp: &TokenLogprob) {
         if let Some(l) = &mut self.legacy_lp {
             let text = self.app.tok.decode(&[id]).unwrap_or_default();
-            let top: Map<String, Value> = lp.top.iter().map(|&(t, p)| (self.app.tok.decode(&[t]).unwrap_or_default(), json!(p))).collect();
+            let top: Map<String, Value> = lp
+                .top
+                .iter()
+                .map(|&(t, p)| (self.app.tok.decode(&[t]).unwrap_or_default(), json!(p)))
+                .collect();
             l[0].push(json!(text));
             l[1].push(json!(lp.logprob));
             l[2].push(Value::Object(top));
@@ -427,7 +591,12 @@ impl Shaper {
             return;
         }
         let mut e = self.token_entry(id, lp.logprob);
-        e["top_logprobs"] = Value::Array(lp.top.iter().map(|&(t, p)| self.token_entry(t, p)).collect());
+        e["top_logprobs"] = Value::Array(
+            lp.top
+                .iter()
+                .map(|&(t, p)| self.token_entry(t, p))
+                .collect(),
+        );
         self.pending_lp.push(e);
     }
 
@@ -444,12 +613,21 @@ impl Shaper {
 
     /// Whether the output parser found a tool call.
     pub(crate) fn called_tools(&self) -> bool {
-        self.parser.as_ref().is_some_and(|p| p.tool_calls_seen() > 0)
+        self.parser
+            .as_ref()
+            .is_some_and(|p| p.tool_calls_seen() > 0)
     }
 
     fn finish_reason(&self, g: &Generation) -> &'static str {
         match &g.finish {
-            Some(FinishReason::Stop(_)) if self.parser.as_ref().is_some_and(|p| p.tool_calls_seen() > 0) => "tool_calls",
+            Some(FinishReason::Stop(_))
+                if self
+                    .parser
+                    .as_ref()
+                    .is_some_and(|p| p.tool_calls_seen() > 0) =>
+            {
+                "tool_calls"
+            }
             Some(f) => f.openai(),
             None => "stop",
         }
@@ -489,7 +667,9 @@ impl Shaper {
                     Part::ToolCallStart { index, id, name } => {
                         json!({"tool_calls": [{"index": index, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]})
                     }
-                    Part::ToolCallArgs { index, args } => json!({"tool_calls": [{"index": index, "function": {"arguments": args}}]}),
+                    Part::ToolCallArgs { index, args } => {
+                        json!({"tool_calls": [{"index": index, "function": {"arguments": args}}]})
+                    }
                 };
                 json!({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": null})
             } else {
@@ -517,7 +697,16 @@ impl Shaper {
             }
             json!({"index": 0, "message": msg, "logprobs": lp, "finish_reason": finish})
         } else {
-            let text: String = std::mem::take(&mut self.parts).into_iter().filter_map(|p| if let Part::Content(s) = p { Some(s) } else { None }).collect();
+            let text: String = std::mem::take(&mut self.parts)
+                .into_iter()
+                .filter_map(|p| {
+                    if let Part::Content(s) = p {
+                        Some(s)
+                    } else {
+                        None
+                    }
+                })
+                .collect();
             json!({"index": 0, "text": text, "logprobs": lp, "finish_reason": finish})
         };
         json!({"id": self.id, "object": self.object(false), "created": now(), "model": self.app.model_name, "system_fingerprint": fingerprint(), "choices": [choice], "usage": self.usage(g)})
@@ -529,7 +718,10 @@ impl Shaper {
 }
 
 pub(crate) fn now() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
 }
 
 fn fingerprint() -> String {
@@ -547,7 +739,12 @@ pub(crate) fn ended_early(app: &App, g: &Generation) -> Option<ApiError> {
     })
 }
 
-async fn collect_response(app: Arc<App>, mut rx: UnboundedReceiver<Event>, guard: CancelOnDrop, mut sh: Shaper) -> Response {
+async fn collect_response(
+    app: Arc<App>,
+    mut rx: UnboundedReceiver<Event>,
+    guard: CancelOnDrop,
+    mut sh: Shaper,
+) -> Response {
     let _guard = guard;
     while let Some(ev) = rx.recv().await {
         match ev {
@@ -593,7 +790,9 @@ impl StreamState {
             Some(ev) => ev,
             None => {
                 self.done = true;
-                return Some(vec![data(&ApiError::internal("the model thread stopped before answering").body())]);
+                return Some(vec![data(
+                    &ApiError::internal("the model thread stopped before answering").body(),
+                )]);
             }
         };
         let sh = &mut self.sh;
@@ -633,14 +832,22 @@ impl StreamState {
             }
             Event::Failed(msg) => {
                 self.done = true;
-                return Some(vec![data(&ApiError::internal(msg).body()), Ok(Sse::default().data("[DONE]"))]);
+                return Some(vec![
+                    data(&ApiError::internal(msg).body()),
+                    Ok(Sse::default().data("[DONE]")),
+                ]);
             }
         };
         Some(out.iter().map(data).collect())
     }
 }
 
-fn stream_response(app: Arc<App>, rx: UnboundedReceiver<Event>, guard: CancelOnDrop, sh: Shaper) -> Response {
+fn stream_response(
+    app: Arc<App>,
+    rx: UnboundedReceiver<Event>,
+    guard: CancelOnDrop,
+    sh: Shaper,
+) -> Response {
     // The role comes first, before the job even leaves the queue (the first byte is fast).
     let first = if sh.chat {
         let c = sh.chunk(json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}));
@@ -648,8 +855,24 @@ fn stream_response(app: Arc<App>, rx: UnboundedReceiver<Event>, guard: CancelOnD
     } else {
         Vec::new()
     };
-    let st = StreamState { app, rx, sh, _guard: guard, done: false };
-    let rest = stream::unfold(st, |mut st| async move { st.next().await.map(|evs| (stream::iter(evs), st)) }).flatten();
-    let body: std::pin::Pin<Box<dyn Stream<Item = Result<Sse, Infallible>> + Send>> = Box::pin(stream::iter(first).chain(rest));
-    axum::response::Sse::new(body).keep_alive(KeepAlive::new().interval(Duration::from_secs(5)).text("keep-alive")).into_response()
+    let st = StreamState {
+        app,
+        rx,
+        sh,
+        _guard: guard,
+        done: false,
+    };
+    let rest = stream::unfold(st, |mut st| async move {
+        st.next().await.map(|evs| (stream::iter(evs), st))
+    })
+    .flatten();
+    let body: std::pin::Pin<Box<dyn Stream<Item = Result<Sse, Infallible>> + Send>> =
+        Box::pin(stream::iter(first).chain(rest));
+    axum::response::Sse::new(body)
+        .keep_alive(
+            KeepAlive::new()
+                .interval(Duration::from_secs(5))
+                .text("keep-alive"),
+        )
+        .into_response()
 }

@@ -41,8 +41,14 @@ pub struct Job {
 #[derive(Debug)]
 pub enum Event {
     /// The job left the queue; `cached` prompt tokens were reused.
-    Started { cached: usize },
-    Token { id: Option<u32>, text: String, logprob: Option<TokenLogprob> },
+    Started {
+        cached: usize,
+    },
+    Token {
+        id: Option<u32>,
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
     /// The end; `finish` is `None` when cancelled.
     Done(Box<Generation>),
     Failed(String),
@@ -52,7 +58,12 @@ pub enum Event {
 /// over the backend.
 pub trait Runner: Send {
     /// Runs one job; `started` gets the number of prompt tokens reused before the prefill.
-    fn run(&mut self, job: &Job, started: &mut dyn FnMut(usize), on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool) -> Result<Generation>;
+    fn run(
+        &mut self,
+        job: &Job,
+        started: &mut dyn FnMut(usize),
+        on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool,
+    ) -> Result<Generation>;
     fn cache_stats(&self) -> CacheStats;
     /// Backend name for `/health`.
     fn describe(&self) -> String;
@@ -71,14 +82,34 @@ pub struct ModelRunner<B: Backend> {
 impl<B: Backend> ModelRunner<B> {
     /// `cache_bytes` 0 turns the prefix cache off; `snapshot_every` 0 takes no periodic
     /// snapshots.
-    pub fn new(model: Qwen35<B>, tok: Arc<Tokenizer>, max_context: usize, cache_bytes: usize, snapshot_every: usize) -> Self {
-        let cfg = CacheConfig { budget: cache_bytes, snapshot_every, turn_start: tok.token_id("<|im_start|>") };
-        Self { model, tok, max_context, cache: PrefixCache::new(cfg) }
+    pub fn new(
+        model: Qwen35<B>,
+        tok: Arc<Tokenizer>,
+        max_context: usize,
+        cache_bytes: usize,
+        snapshot_every: usize,
+    ) -> Self {
+        let cfg = CacheConfig {
+            budget: cache_bytes,
+            snapshot_every,
+            turn_start: tok.token_id("<|im_start|>"),
+        };
+        Self {
+            model,
+            tok,
+            max_context,
+            cache: PrefixCache::new(cfg),
+        }
     }
 }
 
 impl<B: Backend + 'static> Runner for ModelRunner<B> {
-    fn run(&mut self, job: &Job, started: &mut dyn FnMut(usize), on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool) -> Result<Generation> {
+    fn run(
+        &mut self,
+        job: &Job,
+        started: &mut dyn FnMut(usize),
+        on_token: &mut dyn FnMut(TokenEvent<'_>) -> bool,
+    ) -> Result<Generation> {
         let req = GenRequest {
             prompt: &job.prompt,
             cached: 0,
@@ -88,7 +119,16 @@ impl<B: Backend + 'static> Runner for ModelRunner<B> {
             forced: job.forced.clone(),
             cancel: &job.cancel,
         };
-        generate_cached(&self.model, &mut self.cache, &self.tok, job.cache_key.as_deref(), self.max_context, req, started, on_token)
+        generate_cached(
+            &self.model,
+            &mut self.cache,
+            &self.tok,
+            job.cache_key.as_deref(),
+            self.max_context,
+            req,
+            started,
+            on_token,
+        )
     }
 
     fn cache_stats(&self) -> CacheStats {
@@ -126,14 +166,27 @@ impl Queue {
 }
 
 /// Starts the model thread. It ends when every [`Queue`] is dropped and the queue is drained.
-pub fn spawn(runner: Box<dyn Runner>, capacity: usize, metrics: Arc<Metrics>, shutdown: Arc<AtomicBool>) -> (Queue, std::thread::JoinHandle<()>) {
+pub fn spawn(
+    runner: Box<dyn Runner>,
+    capacity: usize,
+    metrics: Arc<Metrics>,
+    shutdown: Arc<AtomicBool>,
+) -> (Queue, std::thread::JoinHandle<()>) {
     let (tx, rx) = std::sync::mpsc::sync_channel(capacity);
     let m = metrics.clone();
-    let h = std::thread::Builder::new().name("lily-model".into()).spawn(move || work(runner, rx, m, shutdown)).expect("cannot start the model thread");
+    let h = std::thread::Builder::new()
+        .name("lily-model".into())
+        .spawn(move || work(runner, rx, m, shutdown))
+        .expect("cannot start the model thread");
     (Queue { tx, metrics }, h)
 }
 
-fn work(mut runner: Box<dyn Runner>, rx: Receiver<Job>, metrics: Arc<Metrics>, shutdown: Arc<AtomicBool>) {
+fn work(
+    mut runner: Box<dyn Runner>,
+    rx: Receiver<Job>,
+    metrics: Arc<Metrics>,
+    shutdown: Arc<AtomicBool>,
+) {
     while let Ok(job) = rx.recv() {
         metrics.queue_depth.fetch_sub(1, Ordering::SeqCst);
         metrics.running.fetch_add(1, Ordering::SeqCst);
@@ -143,8 +196,16 @@ fn work(mut runner: Box<dyn Runner>, rx: Receiver<Job>, metrics: Arc<Metrics>, s
     }
 }
 
-fn run_one(runner: &mut dyn Runner, job: &Job, metrics: &Metrics, shutdown: &AtomicBool) -> Outcome {
-    if job.cancel.load(Ordering::Relaxed) || job.events.is_closed() || shutdown.load(Ordering::Relaxed) {
+fn run_one(
+    runner: &mut dyn Runner,
+    job: &Job,
+    metrics: &Metrics,
+    shutdown: &AtomicBool,
+) -> Outcome {
+    if job.cancel.load(Ordering::Relaxed)
+        || job.events.is_closed()
+        || shutdown.load(Ordering::Relaxed)
+    {
         job.cancel.store(true, Ordering::Relaxed);
         let _ = job.events.send(Event::Done(Box::new(cancelled(job))));
         return Outcome::Cancelled;
@@ -154,31 +215,62 @@ fn run_one(runner: &mut dyn Runner, job: &Job, metrics: &Metrics, shutdown: &Ato
         if first.is_none() && e.id.is_some() {
             first = Some(job.enqueued.elapsed().as_secs_f64());
         }
-        let sent = job.events.send(Event::Token { id: e.id, text: e.text.to_string(), logprob: e.logprob }).is_ok();
+        let sent = job
+            .events
+            .send(Event::Token {
+                id: e.id,
+                text: e.text.to_string(),
+                logprob: e.logprob,
+            })
+            .is_ok();
         sent && !shutdown.load(Ordering::Relaxed)
     };
     let mut started = |cached: usize| {
         let _ = job.events.send(Event::Started { cached });
     };
     // A panic in the engine must not take the server down: it becomes this request's error.
-    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| runner.run(job, &mut started, &mut on_token)));
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        runner.run(job, &mut started, &mut on_token)
+    }));
     let c = runner.cache_stats();
     metrics.cache_hits.store(c.hits, Ordering::Relaxed);
     metrics.cache_misses.store(c.misses, Ordering::Relaxed);
-    metrics.cache_evictions.store(c.evictions, Ordering::Relaxed);
+    metrics
+        .cache_evictions
+        .store(c.evictions, Ordering::Relaxed);
     metrics.cache_bytes.store(c.bytes as u64, Ordering::Relaxed);
-    metrics.cache_entries.store(c.entries as u64, Ordering::Relaxed);
-    metrics.cache_snapshots.store(c.snapshots as u64, Ordering::Relaxed);
+    metrics
+        .cache_entries
+        .store(c.entries as u64, Ordering::Relaxed);
+    metrics
+        .cache_snapshots
+        .store(c.snapshots as u64, Ordering::Relaxed);
     match r {
         Ok(Ok(g)) => {
             let s = &g.stats;
-            metrics.prompt_tokens.fetch_add(s.prompt_tokens as u64, Ordering::Relaxed);
-            metrics.cached_tokens.fetch_add(s.cached_tokens as u64, Ordering::Relaxed);
-            metrics.generated_tokens.fetch_add(s.generated as u64, Ordering::Relaxed);
+            metrics
+                .prompt_tokens
+                .fetch_add(s.prompt_tokens as u64, Ordering::Relaxed);
+            metrics
+                .cached_tokens
+                .fetch_add(s.cached_tokens as u64, Ordering::Relaxed);
+            metrics
+                .generated_tokens
+                .fetch_add(s.generated as u64, Ordering::Relaxed);
             if let Some(ttft) = first {
-                metrics.record_generation(ttft, s.prompt_tokens - s.cached_tokens, s.prefill_s, s.generated.saturating_sub(1), s.decode_s);
+                metrics.record_generation(
+                    ttft,
+                    s.prompt_tokens - s.cached_tokens,
+                    s.prefill_s,
+                    s.generated.saturating_sub(1),
+                    s.decode_s,
+                );
             }
-            let outcome = if g.finish.is_some() { Outcome::Ok } else { Outcome::Cancelled };
+            let outcome = if g.finish.is_some() {
+                Outcome::Ok
+            } else {
+                Outcome::Cancelled
+            };
             let _ = job.events.send(Event::Done(Box::new(g)));
             outcome
         }
@@ -187,14 +279,28 @@ fn run_one(runner: &mut dyn Runner, job: &Job, metrics: &Metrics, shutdown: &Ato
             Outcome::Error
         }
         Err(p) => {
-            let msg = p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_default();
-            let _ = job.events.send(Event::Failed(format!("internal error in the engine: {msg}")));
+            let msg = p
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_default();
+            let _ = job.events.send(Event::Failed(format!(
+                "internal error in the engine: {msg}"
+            )));
             Outcome::Error
         }
     }
 }
 
 fn cancelled(job: &Job) -> Generation {
-    let stats = lily::runtime::GenStats { prompt_tokens: job.prompt.len(), ..Default::default() };
-    Generation { ids: Vec::new(), text: String::new(), finish: None, stats }
+    let stats = lily::runtime::GenStats {
+        prompt_tokens: job.prompt.len(),
+        ..Default::default()
+    };
+    Generation {
+        ids: Vec::new(),
+        text: String::new(),
+        finish: None,
+        stats,
+    }
 }

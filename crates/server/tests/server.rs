@@ -29,9 +29,17 @@ fn start_with(queue: usize, max_context: usize, key: Option<&str>) -> Fixture {
     o.queue = queue;
     o.max_body = 1 << 20;
     o.api_key = key.map(str::to_string);
-    let server = Server::start(o, Box::new(ModelRunner::new(m, tok, max_context, 256 << 20, 1024))).unwrap();
+    let server = Server::start(
+        o,
+        Box::new(ModelRunner::new(m, tok, max_context, 256 << 20, 1024)),
+    )
+    .unwrap();
     let base = format!("http://{}", server.addr);
-    Fixture { server, base, _dir: dir }
+    Fixture {
+        server,
+        base,
+        _dir: dir,
+    }
 }
 
 fn start(queue: usize, max_context: usize) -> Fixture {
@@ -39,10 +47,17 @@ fn start(queue: usize, max_context: usize) -> Fixture {
 }
 
 fn send(base: &str, path: &str, body: &[u8]) -> (u16, String) {
-    match ureq::post(&format!("{base}{path}")).set("Content-Type", "application/json").timeout(Duration::from_secs(60)).send_bytes(body) {
+    match ureq::post(&format!("{base}{path}"))
+        .set("Content-Type", "application/json")
+        .timeout(Duration::from_secs(60))
+        .send_bytes(body)
+    {
         Ok(r) => (r.status(), r.into_string().unwrap()),
         Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap()),
-        Err(e) => panic!("body {:?}: transport error {e}", String::from_utf8_lossy(body)),
+        Err(e) => panic!(
+            "body {:?}: transport error {e}",
+            String::from_utf8_lossy(body)
+        ),
     }
 }
 
@@ -52,8 +67,16 @@ fn post(base: &str, body: &Value) -> (u16, String) {
 
 /// Metric values by name (labels as written).
 fn metrics(base: &str) -> HashMap<String, f64> {
-    let text = ureq::get(&format!("{base}/metrics")).call().unwrap().into_string().unwrap();
-    text.lines().filter(|l| !l.starts_with('#')).filter_map(|l| l.rsplit_once(' ')).map(|(k, v)| (k.to_string(), v.parse().unwrap())).collect()
+    let text = ureq::get(&format!("{base}/metrics"))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| l.rsplit_once(' '))
+        .map(|(k, v)| (k.to_string(), v.parse().unwrap()))
+        .collect()
 }
 
 fn outcome(m: &HashMap<String, f64>, o: &str) -> f64 {
@@ -65,11 +88,20 @@ fn wait_settled(base: &str) -> HashMap<String, f64> {
     let t0 = Instant::now();
     loop {
         let m = metrics(base);
-        let finished: f64 = ["ok", "cancelled", "error", "rejected"].iter().map(|o| outcome(&m, o)).sum();
-        if m["lily_queue_depth"] == 0.0 && m["lily_requests_running"] == 0.0 && finished == m["lily_requests_received_total"] {
+        let finished: f64 = ["ok", "cancelled", "error", "rejected"]
+            .iter()
+            .map(|o| outcome(&m, o))
+            .sum();
+        if m["lily_queue_depth"] == 0.0
+            && m["lily_requests_running"] == 0.0
+            && finished == m["lily_requests_received_total"]
+        {
             return m;
         }
-        assert!(t0.elapsed() < Duration::from_secs(20), "metrics never balanced: {m:?}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "metrics never balanced: {m:?}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -80,7 +112,10 @@ fn long_stream_body(max_tokens: usize) -> String {
 
 /// Opens a streaming request and reads `lines` SSE data lines; returns the open reader.
 fn open_stream(base: &str, body: &str, lines: usize) -> Box<dyn BufRead> {
-    let r = ureq::post(&format!("{base}/v1/chat/completions")).set("Content-Type", "application/json").send_string(body).unwrap();
+    let r = ureq::post(&format!("{base}/v1/chat/completions"))
+        .set("Content-Type", "application/json")
+        .send_string(body)
+        .unwrap();
     let mut rd: Box<dyn BufRead> = Box::new(BufReader::new(r.into_reader()));
     let mut n = 0;
     let mut line = String::new();
@@ -104,7 +139,10 @@ fn disconnect_cancels_generation() {
     // Stopped long before the 6000 tokens asked for.
     assert!(m["lily_generated_tokens_total"] < 3000.0, "{m:?}");
     // The server still answers.
-    let (code, body) = post(&f.base, &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}));
+    let (code, body) = post(
+        &f.base,
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+    );
     assert_eq!(code, 200, "{body}");
     f.server.shutdown(Duration::from_secs(10)).unwrap();
 }
@@ -117,13 +155,23 @@ fn full_queue_answers_503_with_retry_after() {
     let t0 = Instant::now();
     let b = std::thread::spawn({
         let base = f.base.clone();
-        move || post(&base, &json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}))
+        move || {
+            post(
+                &base,
+                &json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}),
+            )
+        }
     });
     while metrics(&f.base)["lily_queue_depth"] < 1.0 {
-        assert!(t0.elapsed() < Duration::from_secs(10), "the second request never queued");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the second request never queued"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
-    match ureq::post(&format!("{}/v1/chat/completions", f.base)).send_string(&json!({"messages": [{"role": "user", "content": "y"}]}).to_string()) {
+    match ureq::post(&format!("{}/v1/chat/completions", f.base))
+        .send_string(&json!({"messages": [{"role": "user", "content": "y"}]}).to_string())
+    {
         Err(ureq::Error::Status(503, resp)) => {
             assert_eq!(resp.header("Retry-After"), Some("1"));
             let v: Value = serde_json::from_str(&resp.into_string().unwrap()).unwrap();
@@ -145,17 +193,29 @@ fn shutdown_cancels_in_flight_requests_cleanly() {
     let mut rd = open_stream(&f.base, &long_stream_body(6000), 2);
     let waiting = std::thread::spawn({
         let base = f.base.clone();
-        move || post(&base, &json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}))
+        move || {
+            post(
+                &base,
+                &json!({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5000}),
+            )
+        }
     });
     let t0 = Instant::now();
     while metrics(&f.base)["lily_queue_depth"] < 1.0 {
-        assert!(t0.elapsed() < Duration::from_secs(10), "the second request never queued");
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the second request never queued"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     let metrics = f.server.metrics.clone();
     let t0 = Instant::now();
     f.server.shutdown(Duration::from_secs(10)).unwrap();
-    assert!(t0.elapsed() < Duration::from_secs(5), "shutdown took {:?}", t0.elapsed());
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "shutdown took {:?}",
+        t0.elapsed()
+    );
     // The stream ends with an error event, then [DONE].
     let mut rest = String::new();
     let _ = std::io::Read::read_to_string(&mut rd, &mut rest);
@@ -163,7 +223,10 @@ fn shutdown_cancels_in_flight_requests_cleanly() {
     assert!(rest.trim_end().ends_with("data: [DONE]"), "{rest}");
     let (code, body) = waiting.join().unwrap();
     assert_eq!(code, 503, "{body}");
-    assert_eq!(metrics.finished(lily_server::metrics::Outcome::Cancelled), 2);
+    assert_eq!(
+        metrics.finished(lily_server::metrics::Outcome::Cancelled),
+        2
+    );
 }
 
 /// Random mutations of valid bodies through the whole stack: every answer is a JSON object with
@@ -215,11 +278,19 @@ fn fuzzed_bodies_get_clean_answers() {
             ("/v1/chat/completions", "choices")
         };
         let (code, text) = send(&f.base, path, &b);
-        let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("body {:?}: non-JSON answer {code}: {text}", String::from_utf8_lossy(&b)));
+        let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| {
+            panic!(
+                "body {:?}: non-JSON answer {code}: {text}",
+                String::from_utf8_lossy(&b)
+            )
+        });
         match code {
             200 => assert!(v[answer].is_array(), "{text}"),
             400 | 413 => assert!(v["error"]["message"].is_string(), "{text}"),
-            _ => panic!("body {:?}: status {code}: {text}", String::from_utf8_lossy(&b)),
+            _ => panic!(
+                "body {:?}: status {code}: {text}",
+                String::from_utf8_lossy(&b)
+            ),
         }
     }
     let m = wait_settled(&f.base);
@@ -232,31 +303,70 @@ fn fuzzed_bodies_get_clean_answers() {
 fn auth_and_routes() {
     let f = start_with(4, 512, Some("sekret"));
     let base = &f.base;
-    assert_eq!(ureq::get(&format!("{base}/health")).call().unwrap().status(), 200);
+    assert_eq!(
+        ureq::get(&format!("{base}/health"))
+            .call()
+            .unwrap()
+            .status(),
+        200
+    );
     match ureq::get(&format!("{base}/v1/models")).call() {
-        Err(ureq::Error::Status(401, r)) => assert!(r.into_string().unwrap().contains("invalid_api_key")),
-        other => panic!("expected 401, got {:?}", other.map(|r| r.status())),
-    }
-    match ureq::get(&format!("{base}/v1/models")).set("Authorization", "Bearer sekreT").call() {
-        Err(ureq::Error::Status(401, _)) => {}
-        other => panic!("expected 401, got {:?}", other.map(|r| r.status())),
-    }
-    let v: Value = serde_json::from_str(&ureq::get(&format!("{base}/v1/models")).set("Authorization", "Bearer sekret").call().unwrap().into_string().unwrap()).unwrap();
-    assert_eq!(v["data"][0]["object"], "model");
-    // Anthropic's clients send `x-api-key`, and get Anthropic's error shape on /v1/messages.
-    assert_eq!(ureq::get(&format!("{base}/v1/models")).set("x-api-key", "sekret").call().unwrap().status(), 200);
-    match ureq::post(&format!("{base}/v1/messages")).set("x-api-key", "nope").send_string("{}") {
         Err(ureq::Error::Status(401, r)) => {
-            let v: Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
-            assert_eq!((v["type"].as_str(), v["error"]["type"].as_str()), (Some("error"), Some("authentication_error")), "{v}");
+            assert!(r.into_string().unwrap().contains("invalid_api_key"))
         }
         other => panic!("expected 401, got {:?}", other.map(|r| r.status())),
     }
-    match ureq::get(&format!("{base}/v1/nope")).set("Authorization", "Bearer sekret").call() {
+    match ureq::get(&format!("{base}/v1/models"))
+        .set("Authorization", "Bearer sekreT")
+        .call()
+    {
+        Err(ureq::Error::Status(401, _)) => {}
+        other => panic!("expected 401, got {:?}", other.map(|r| r.status())),
+    }
+    let v: Value = serde_json::from_str(
+        &ureq::get(&format!("{base}/v1/models"))
+            .set("Authorization", "Bearer sekret")
+            .call()
+            .unwrap()
+            .into_string()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(v["data"][0]["object"], "model");
+    // Anthropic's clients send `x-api-key`, and get Anthropic's error shape on /v1/messages.
+    assert_eq!(
+        ureq::get(&format!("{base}/v1/models"))
+            .set("x-api-key", "sekret")
+            .call()
+            .unwrap()
+            .status(),
+        200
+    );
+    match ureq::post(&format!("{base}/v1/messages"))
+        .set("x-api-key", "nope")
+        .send_string("{}")
+    {
+        Err(ureq::Error::Status(401, r)) => {
+            let v: Value = serde_json::from_str(&r.into_string().unwrap()).unwrap();
+            assert_eq!(
+                (v["type"].as_str(), v["error"]["type"].as_str()),
+                (Some("error"), Some("authentication_error")),
+                "{v}"
+            );
+        }
+        other => panic!("expected 401, got {:?}", other.map(|r| r.status())),
+    }
+    match ureq::get(&format!("{base}/v1/nope"))
+        .set("Authorization", "Bearer sekret")
+        .call()
+    {
         Err(ureq::Error::Status(404, r)) => assert!(r.into_string().unwrap().contains("\"error\"")),
         other => panic!("expected 404, got {:?}", other.map(|r| r.status())),
     }
-    match ureq::get(&format!("{base}/v1/chat/completions")).set("Authorization", "Bearer sekret").call() {
+    match ureq::get(&format!("{base}/v1/chat/completions"))
+        .set("Authorization", "Bearer sekret")
+        .call()
+    {
         Err(ureq::Error::Status(405, _)) => {}
         other => panic!("expected 405, got {:?}", other.map(|r| r.status())),
     }
@@ -268,17 +378,34 @@ fn auth_and_routes() {
 fn context_and_body_limits() {
     let f = start(4, 64);
     let long = "word ".repeat(400);
-    let (code, text) = post(&f.base, &json!({"messages": [{"role": "user", "content": long}], "max_tokens": 8}));
+    let (code, text) = post(
+        &f.base,
+        &json!({"messages": [{"role": "user", "content": long}], "max_tokens": 8}),
+    );
     assert_eq!(code, 400, "{text}");
     let v: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(v["error"]["code"], "context_length_exceeded");
-    assert!(v["error"]["message"].as_str().unwrap().contains("64 tokens"), "{text}");
-    let big = format!("{{\"messages\": [{{\"role\": \"user\", \"content\": \"{}\"}}]}}", "a".repeat(2 << 20));
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("64 tokens"),
+        "{text}"
+    );
+    let big = format!(
+        "{{\"messages\": [{{\"role\": \"user\", \"content\": \"{}\"}}]}}",
+        "a".repeat(2 << 20)
+    );
     // The server answers 413 as soon as the limit is passed and closes the connection; a client
     // still writing the rest may see that as a reset instead of reading the answer (a race in
     // TCP, not in the server). Either way the request must be counted as rejected below.
-    match ureq::post(&format!("{}/v1/chat/completions", f.base)).timeout(Duration::from_secs(60)).send_bytes(big.as_bytes()) {
-        Err(ureq::Error::Status(413, r)) => assert!(r.into_string().unwrap().contains("request_too_large")),
+    match ureq::post(&format!("{}/v1/chat/completions", f.base))
+        .timeout(Duration::from_secs(60))
+        .send_bytes(big.as_bytes())
+    {
+        Err(ureq::Error::Status(413, r)) => {
+            assert!(r.into_string().unwrap().contains("request_too_large"))
+        }
         Err(ureq::Error::Transport(_)) => {}
         other => panic!("expected 413, got {:?}", other.map(|r| r.status())),
     }
@@ -292,7 +419,9 @@ fn context_and_body_limits() {
 fn non_streaming_disconnect_cancels() {
     let f = start(4, 8192);
     let body = json!({"messages": [{"role": "user", "content": "go"}], "max_tokens": 6000, "temperature": 0}).to_string();
-    let r = ureq::post(&format!("{}/v1/chat/completions", f.base)).timeout(Duration::from_millis(300)).send_string(&body);
+    let r = ureq::post(&format!("{}/v1/chat/completions", f.base))
+        .timeout(Duration::from_millis(300))
+        .send_string(&body);
     assert!(r.is_err(), "the request should time out on the client");
     let m = wait_settled(&f.base);
     assert_eq!(outcome(&m, "cancelled"), 1.0, "{m:?}");

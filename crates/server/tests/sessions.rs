@@ -40,13 +40,19 @@ fn start(dir: &std::path::Path, script: &std::path::Path, cache_bytes: usize) ->
     o.port = 0;
     o.test_script = Some(script.to_path_buf());
     // Small periodic snapshots so the test also exercises them.
-    let server = Server::start(o, Box::new(ModelRunner::new(m, tok, 8192, cache_bytes, 256))).unwrap();
+    let server = Server::start(
+        o,
+        Box::new(ModelRunner::new(m, tok, 8192, cache_bytes, 256)),
+    )
+    .unwrap();
     let base = format!("http://{}", server.addr);
     Srv { server, base }
 }
 
 fn chat(base: &str, body: &Value) -> Value {
-    let r = ureq::post(&format!("{base}/v1/chat/completions")).timeout(Duration::from_secs(300)).send_string(&body.to_string());
+    let r = ureq::post(&format!("{base}/v1/chat/completions"))
+        .timeout(Duration::from_secs(300))
+        .send_string(&body.to_string());
     match r {
         Ok(r) => serde_json::from_str(&r.into_string().unwrap()).unwrap(),
         Err(ureq::Error::Status(c, r)) => panic!("status {c}: {}", r.into_string().unwrap()),
@@ -65,7 +71,9 @@ struct Turn {
 /// An agent session: 8 user turns; turns 2 and 5 trigger a scripted tool call, whose result
 /// goes back in; the others are the model's own greedy text (thinking on for odd turns).
 fn session(base: &str, preserve: bool, key: Option<&str>, topic: &str) -> Vec<Turn> {
-    let mut messages = vec![json!({"role": "system", "content": format!("You are a careful coding agent working on {topic}.")})];
+    let mut messages = vec![
+        json!({"role": "system", "content": format!("You are a careful coding agent working on {topic}.")}),
+    ];
     let mut out = Vec::new();
     for turn in 0..8 {
         let ask = match turn {
@@ -85,14 +93,28 @@ fn session(base: &str, preserve: bool, key: Option<&str>, topic: &str) -> Vec<Tu
             }
             let r = chat(base, &body);
             let msg = r["choices"][0]["message"].clone();
-            let lps = r["choices"][0]["logprobs"]["content"].as_array().unwrap().iter().map(|e| e["logprob"].as_f64().unwrap()).collect();
+            let lps = r["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e["logprob"].as_f64().unwrap())
+                .collect();
             out.push(Turn {
-                reply: json!([msg["content"], msg["reasoning_content"], msg["tool_calls"].as_array().map(|c| c.iter().map(|x| x["function"].clone()).collect::<Vec<_>>())]),
+                reply: json!([
+                    msg["content"],
+                    msg["reasoning_content"],
+                    msg["tool_calls"]
+                        .as_array()
+                        .map(|c| c.iter().map(|x| x["function"].clone()).collect::<Vec<_>>())
+                ]),
                 logprobs: lps,
-                cached: r["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap(),
+                cached: r["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap(),
                 prompt_tokens: r["usage"]["prompt_tokens"].as_u64().unwrap(),
             });
-            let mut hist = json!({"role": "assistant", "content": msg["content"].as_str().unwrap_or("")});
+            let mut hist =
+                json!({"role": "assistant", "content": msg["content"].as_str().unwrap_or("")});
             if let Some(rc) = msg.get("reasoning_content").filter(|v| v.is_string()) {
                 hist["reasoning_content"] = rc.clone();
             }
@@ -116,9 +138,15 @@ fn same(a: &[Turn], b: &[Turn], what: &str) {
     assert_eq!(a.len(), b.len(), "{what}: turn counts differ");
     for (i, (x, y)) in a.iter().zip(b).enumerate() {
         assert_eq!(x.reply, y.reply, "{what}: request {i} differs");
-        assert_eq!(x.prompt_tokens, y.prompt_tokens, "{what}: request {i} prompt length differs");
+        assert_eq!(
+            x.prompt_tokens, y.prompt_tokens,
+            "{what}: request {i} prompt length differs"
+        );
         for (p, q) in x.logprobs.iter().zip(&y.logprobs) {
-            assert!((p - q).abs() < 1e-3, "{what}: request {i}: logprob {p} vs {q}");
+            assert!(
+                (p - q).abs() < 1e-3,
+                "{what}: request {i}: logprob {p} vs {q}"
+            );
         }
     }
 }
@@ -126,7 +154,13 @@ fn same(a: &[Turn], b: &[Turn], what: &str) {
 #[test]
 fn cache_on_off_and_evicting_give_identical_sessions() {
     let dir = tempfile::tempdir().unwrap();
-    lily::synth::write_checkpoint(&lily::synth::preset("small").unwrap(), dir.path(), 11, &|_, _| {}).unwrap();
+    lily::synth::write_checkpoint(
+        &lily::synth::preset("small").unwrap(),
+        dir.path(),
+        11,
+        &|_, _| {},
+    )
+    .unwrap();
     let script = dir.path().join("script.json");
     std::fs::write(&script, SCRIPT).unwrap();
 
@@ -136,7 +170,11 @@ fn cache_on_off_and_evicting_give_identical_sessions() {
     let tiny = start(dir.path(), &script, 2 << 20);
 
     for preserve in [false, true] {
-        let what = if preserve { "preserve_thinking" } else { "thinking dropped" };
+        let what = if preserve {
+            "preserve_thinking"
+        } else {
+            "thinking dropped"
+        };
         let reference = session(&off.base, preserve, None, "lily");
         assert!(reference.iter().all(|t| t.cached == 0));
         let cached = session(&on.base, preserve, None, "lily");
@@ -145,13 +183,21 @@ fn cache_on_off_and_evicting_give_identical_sessions() {
         // the previous request's final assistant header.
         for (i, t) in cached.iter().enumerate().skip(1) {
             let prev = cached[i - 1].prompt_tokens;
-            assert!(t.cached + 8 >= prev.min(t.prompt_tokens) / 2, "{what}: request {i} reused only {} of {} (previous prompt {prev})", t.cached, t.prompt_tokens);
+            assert!(
+                t.cached + 8 >= prev.min(t.prompt_tokens) / 2,
+                "{what}: request {i} reused only {} of {} (previous prompt {prev})",
+                t.cached,
+                t.prompt_tokens
+            );
             assert!(t.cached < t.prompt_tokens);
         }
         let total_cached: u64 = cached.iter().map(|t| t.cached).sum();
         let total: u64 = cached.iter().map(|t| t.prompt_tokens).sum();
         eprintln!("{what}: {total_cached} of {total} prompt tokens reused");
-        assert!(total_cached * 10 >= total * 6, "{what}: only {total_cached}/{total} reused");
+        assert!(
+            total_cached * 10 >= total * 6,
+            "{what}: only {total_cached}/{total} reused"
+        );
         let evicting = session(&tiny.base, preserve, None, "lily");
         same(&reference, &evicting, &format!("{what}, tiny budget"));
     }
@@ -168,12 +214,36 @@ fn cache_on_off_and_evicting_give_identical_sessions() {
     same(&ref_a, &a, "interleaved A");
     same(&ref_b, &b, "interleaved B");
 
-    let m = ureq::get(&format!("{}/metrics", on.base)).call().unwrap().into_string().unwrap();
+    let m = ureq::get(&format!("{}/metrics", on.base))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
     assert!(m.contains("lily_prefix_cache_hits_total"), "{m}");
-    let bytes: f64 = m.lines().find(|l| l.starts_with("lily_prefix_cache_bytes ")).unwrap().split(' ').nth(1).unwrap().parse().unwrap();
+    let bytes: f64 = m
+        .lines()
+        .find(|l| l.starts_with("lily_prefix_cache_bytes "))
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!(bytes > 0.0 && bytes <= (512u64 << 20) as f64);
-    let tm = ureq::get(&format!("{}/metrics", tiny.base)).call().unwrap().into_string().unwrap();
-    let ev: f64 = tm.lines().find(|l| l.starts_with("lily_prefix_cache_evictions_total ")).unwrap().split(' ').nth(1).unwrap().parse().unwrap();
+    let tm = ureq::get(&format!("{}/metrics", tiny.base))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    let ev: f64 = tm
+        .lines()
+        .find(|l| l.starts_with("lily_prefix_cache_evictions_total "))
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!(ev > 0.0, "the tiny budget never evicted: {tm}");
     for s in [off, on, tiny] {
         s.server.shutdown(Duration::from_secs(10)).unwrap();

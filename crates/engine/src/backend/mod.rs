@@ -151,7 +151,14 @@ pub trait Backend: Send + Sync {
     }
     fn to_host(&self, b: &Self::Buf, len: usize) -> Result<Vec<f32>>;
     /// `dst[dst_off .. dst_off+len] = src[src_off .. src_off+len]`.
-    fn copy(&self, src: &Self::Buf, src_off: usize, dst: &mut Self::Buf, dst_off: usize, len: usize);
+    fn copy(
+        &self,
+        src: &Self::Buf,
+        src_off: usize,
+        dst: &mut Self::Buf,
+        dst_off: usize,
+        len: usize,
+    );
     fn new_route(&self, rows: usize, top_k: usize) -> Result<Self::Route>;
     fn new_step(&self) -> Result<Self::Step>;
     /// Host → step: the token to feed next and its position.
@@ -165,16 +172,39 @@ pub trait Backend: Send + Sync {
     /// `out[0] = dequant(table[step.token])` (the decode step's input).
     fn embed_step(&self, table: &Self::Mat, step: &Self::Step, out: &mut Self::Buf);
     /// `out[t] = rms_norm(x[t]) * w` over `dim`. `x` is f32 (the residual stream).
-    fn rms_norm(&self, x: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, out: &mut Self::Buf);
+    fn rms_norm(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Vec,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+    );
     /// `h[t] += r[t]; out[t] = rms_norm(h[t]) * w`: the residual add fused with the next norm.
     /// `h` is f32.
-    fn add_rms_norm(&self, h: &mut Self::Buf, r: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, out: &mut Self::Buf);
+    fn add_rms_norm(
+        &self,
+        h: &mut Self::Buf,
+        r: &Self::Buf,
+        w: &Self::Vec,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+    );
     /// `out[t] = x[t] · Wᵀ` for a (quantized) matrix; `x` is `[rows, in]`, `out` `[rows, out]`.
     fn matmul_q(&self, x: &Self::Buf, w: &Self::Mat, rows: usize, out: &mut Self::Buf);
     /// `outs[i] = matmul_q(x, ws[i])` for matrices that read the same input (a GDN layer's four
     /// projections, attention's q/k/v, the router and the shared-expert gate): one launch on a
     /// GPU for a decode row. The default runs them one by one.
-    fn matmul_q_many(&self, x: &Self::Buf, ws: &[&Self::Mat], rows: usize, outs: &mut [&mut Self::Buf]) {
+    fn matmul_q_many(
+        &self,
+        x: &Self::Buf,
+        ws: &[&Self::Mat],
+        rows: usize,
+        outs: &mut [&mut Self::Buf],
+    ) {
         for (w, o) in ws.iter().zip(outs.iter_mut()) {
             self.matmul_q(x, w, rows, o);
         }
@@ -189,7 +219,17 @@ pub trait Backend: Send + Sync {
     /// decode step normalises `h` inside each block of the projections' launch (8 KB) instead of
     /// launching a norm.
     #[allow(clippy::too_many_arguments)]
-    fn rms_norm_matmul(&self, h: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, xn: &mut Self::Buf, ws: &[&Self::Mat], outs: &mut [&mut Self::Buf]) {
+    fn rms_norm_matmul(
+        &self,
+        h: &Self::Buf,
+        w: &Self::Vec,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        xn: &mut Self::Buf,
+        ws: &[&Self::Mat],
+        outs: &mut [&mut Self::Buf],
+    ) {
         self.rms_norm(h, w, rows, dim, eps, xn);
         self.matmul_q_many(xn, ws, rows, outs);
     }
@@ -197,8 +237,30 @@ pub trait Backend: Send + Sync {
     /// gate logit `s`, then `route = moe_route(logits)`. A GPU decode step routes in the last
     /// block of the router's launch.
     #[allow(clippy::too_many_arguments)]
-    fn moe_router(&self, h: &Self::Buf, w: &Self::Vec, rows: usize, eps: f32, xn: &mut Self::Buf, router: &Self::Mat, shared_gate: &Self::Mat, d: &Dims, logits: &mut Self::Buf, s: &mut Self::Buf, route: &mut Self::Route) {
-        self.rms_norm_matmul(h, w, rows, d.hidden, eps, xn, &[router, shared_gate], &mut [logits, s]);
+    fn moe_router(
+        &self,
+        h: &Self::Buf,
+        w: &Self::Vec,
+        rows: usize,
+        eps: f32,
+        xn: &mut Self::Buf,
+        router: &Self::Mat,
+        shared_gate: &Self::Mat,
+        d: &Dims,
+        logits: &mut Self::Buf,
+        s: &mut Self::Buf,
+        route: &mut Self::Route,
+    ) {
+        self.rms_norm_matmul(
+            h,
+            w,
+            rows,
+            d.hidden,
+            eps,
+            xn,
+            &[router, shared_gate],
+            &mut [logits, s],
+        );
         self.moe_route(logits, d, rows, route);
     }
     /// One token's Gated DeltaNet mixer added into the residual stream: `h += out_proj(gdn(conv(
@@ -206,13 +268,30 @@ pub trait Backend: Send + Sync {
     /// A GPU may run it as three launches (the conv in the projections' epilogue, the gated norm
     /// in out_proj's prologue).
     #[allow(clippy::too_many_arguments)]
-    fn gdn_mixer_decode_add(&self, h: &mut Self::Buf, norm: &Self::Vec, eps: f32, w: &GdnWeights<'_, Self>, conv: &mut Self::Buf, ssm: &mut Self::Buf, d: &Dims, tmp: GdnScratch<'_, Self>) {
+    fn gdn_mixer_decode_add(
+        &self,
+        h: &mut Self::Buf,
+        norm: &Self::Vec,
+        eps: f32,
+        w: &GdnWeights<'_, Self>,
+        conv: &mut Self::Buf,
+        ssm: &mut Self::Buf,
+        d: &Dims,
+        tmp: GdnScratch<'_, Self>,
+    ) {
         gdn_mixer_compose(self, h, norm, eps, w, conv, ssm, d, tmp)
     }
     /// `h[t] += x[t] · Wᵀ`: a layer's output projection added into the f32 residual stream. `r`
     /// (`[rows, out]` activations) is scratch the backend may use for the product; its contents
     /// afterwards are unspecified. A GPU adds in the projection's own epilogue, unrounded.
-    fn matmul_q_add(&self, x: &Self::Buf, w: &Self::Mat, rows: usize, r: &mut Self::Buf, h: &mut Self::Buf) {
+    fn matmul_q_add(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Mat,
+        rows: usize,
+        r: &mut Self::Buf,
+        h: &mut Self::Buf,
+    ) {
         self.matmul_q(x, w, rows, r);
         self.add(h, r, rows * self.mat_shape(w).0);
     }
@@ -222,7 +301,18 @@ pub trait Backend: Send + Sync {
     /// launches (gate|up of every slot; down with the weighted combine, the shared expert's gate
     /// and the residual add in its epilogue).
     #[allow(clippy::too_many_arguments)]
-    fn moe_decode_add(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, shared: &SharedExpert<'_, Self>, d: &Dims, tmp: MoeScratch<'_, Self>, h: &mut Self::Buf) {
+    fn moe_decode_add(
+        &self,
+        x: &Self::Buf,
+        route: &Self::Route,
+        gate: &Self::Mat,
+        up: &Self::Mat,
+        down: &Self::Mat,
+        shared: &SharedExpert<'_, Self>,
+        d: &Dims,
+        tmp: MoeScratch<'_, Self>,
+        h: &mut Self::Buf,
+    ) {
         moe_decode_compose(self, x, route, gate, up, down, shared, d, tmp, h)
     }
 
@@ -231,27 +321,97 @@ pub trait Backend: Send + Sync {
     /// rms-norms + RoPEs `k` in place. Positions are `pos0 .. pos0 + rows`; with a `step` (a
     /// decode step, one row) the position is read from it (it equals `pos0`).
     #[allow(clippy::too_many_arguments)]
-    fn attn_qk_norm_rope(&self, qg: &Self::Buf, k: &mut Self::Buf, q_norm: &Self::Vec, k_norm: &Self::Vec, d: &Dims, rows: usize, pos0: usize, step: Option<&Self::Step>, q: &mut Self::Buf, gate: &mut Self::Buf);
+    fn attn_qk_norm_rope(
+        &self,
+        qg: &Self::Buf,
+        k: &mut Self::Buf,
+        q_norm: &Self::Vec,
+        k_norm: &Self::Vec,
+        d: &Dims,
+        rows: usize,
+        pos0: usize,
+        step: Option<&Self::Step>,
+        q: &mut Self::Buf,
+        gate: &mut Self::Buf,
+    );
     /// Appends `k`, `v` at `pos0..pos0+rows` of the layer's cache, then causal attention of the
     /// `rows` queries over positions `0..pos0+rows`; `out = attn · sigmoid(gate)`.
     #[allow(clippy::too_many_arguments)]
-    fn attn_prefill(&self, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, gate: &Self::Buf, kv: &mut KvCache<Self::Buf>, d: &Dims, rows: usize, pos0: usize, out: &mut Self::Buf);
+    fn attn_prefill(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        gate: &Self::Buf,
+        kv: &mut KvCache<Self::Buf>,
+        d: &Dims,
+        rows: usize,
+        pos0: usize,
+        out: &mut Self::Buf,
+    );
     /// One query (the decode path) at the step's position, which equals `pos`: the device reads
     /// it from `step`, so that a recorded step is valid at any position below the capacity.
     #[allow(clippy::too_many_arguments)]
-    fn attn_decode(&self, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, gate: &Self::Buf, kv: &mut KvCache<Self::Buf>, d: &Dims, pos: usize, step: &Self::Step, out: &mut Self::Buf);
+    fn attn_decode(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        gate: &Self::Buf,
+        kv: &mut KvCache<Self::Buf>,
+        d: &Dims,
+        pos: usize,
+        step: &Self::Step,
+        out: &mut Self::Buf,
+    );
 
     // ---- Gated DeltaNet
     /// Causal depthwise conv (kernel K, no bias) + SiLU over `rows` new rows of `x` `[rows, C]`,
     /// reading and updating the conv state (the last K-1 pre-conv rows, f32).
-    fn conv1d_prefill(&self, x: &Self::Buf, w: &Self::Vec, state: &mut Self::Buf, d: &Dims, rows: usize, out: &mut Self::Buf);
-    fn conv1d_step(&self, x: &Self::Buf, w: &Self::Vec, state: &mut Self::Buf, d: &Dims, out: &mut Self::Buf);
+    fn conv1d_prefill(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Vec,
+        state: &mut Self::Buf,
+        d: &Dims,
+        rows: usize,
+        out: &mut Self::Buf,
+    );
+    fn conv1d_step(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Vec,
+        state: &mut Self::Buf,
+        d: &Dims,
+        out: &mut Self::Buf,
+    );
     /// The gated delta rule over `rows` tokens: l2-norm q/k, gates from `b`, `a`, the fp32
     /// recurrence on `state` `[Hv, Dv, Dk]` (f32), then `rms_norm(y) · silu(z)`. `out` is `[rows, Hv·Dv]`.
     #[allow(clippy::too_many_arguments)]
-    fn gdn_prefill(&self, qkv: &Self::Buf, z: &Self::Buf, b: &Self::Buf, a: &Self::Buf, w: &GdnParams<Self::Vec>, state: &mut Self::Buf, d: &Dims, rows: usize, out: &mut Self::Buf);
+    fn gdn_prefill(
+        &self,
+        qkv: &Self::Buf,
+        z: &Self::Buf,
+        b: &Self::Buf,
+        a: &Self::Buf,
+        w: &GdnParams<Self::Vec>,
+        state: &mut Self::Buf,
+        d: &Dims,
+        rows: usize,
+        out: &mut Self::Buf,
+    );
     #[allow(clippy::too_many_arguments)]
-    fn gdn_decode(&self, qkv: &Self::Buf, z: &Self::Buf, b: &Self::Buf, a: &Self::Buf, w: &GdnParams<Self::Vec>, state: &mut Self::Buf, d: &Dims, out: &mut Self::Buf);
+    fn gdn_decode(
+        &self,
+        qkv: &Self::Buf,
+        z: &Self::Buf,
+        b: &Self::Buf,
+        a: &Self::Buf,
+        w: &GdnParams<Self::Vec>,
+        state: &mut Self::Buf,
+        d: &Dims,
+        out: &mut Self::Buf,
+    );
 
     // ---- MoE
     /// Softmax over router logits `[rows, E]` (f32), top-k, renormalised weights.
@@ -259,18 +419,45 @@ pub trait Backend: Send + Sync {
     /// `out[t] = Σ_j w_tj · down_e(silu(gate_e(x_t)) · up_e(x_t))` over the chosen experts
     /// (grouped by expert for a block of tokens).
     #[allow(clippy::too_many_arguments)]
-    fn moe_experts_prefill(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, d: &Dims, rows: usize, out: &mut Self::Buf);
+    fn moe_experts_prefill(
+        &self,
+        x: &Self::Buf,
+        route: &Self::Route,
+        gate: &Self::Mat,
+        up: &Self::Mat,
+        down: &Self::Mat,
+        d: &Dims,
+        rows: usize,
+        out: &mut Self::Buf,
+    );
     /// The same for one token (fused gather-GEMV on a GPU). With `shared`, a backend may fold the
     /// shared expert in, added as `add_sigmoid_gated` would: `out += sigmoid(logit) ·
     /// down(silu(gate(x)) · up(x))` (on a GPU in the same launches as the routed experts), and
     /// then returns `true`. `false`: it did not, and the caller adds the shared expert with its
     /// unfused ops, as a prefill does (the CPU; a GPU whose shared expert has another format).
     #[allow(clippy::too_many_arguments)]
-    fn moe_experts_decode(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Self::Buf) -> bool;
+    fn moe_experts_decode(
+        &self,
+        x: &Self::Buf,
+        route: &Self::Route,
+        gate: &Self::Mat,
+        up: &Self::Mat,
+        down: &Self::Mat,
+        shared: Option<&SharedExpert<'_, Self>>,
+        d: &Dims,
+        out: &mut Self::Buf,
+    ) -> bool;
     /// `out[t] = silu(g[t]) · u[t]` (the shared expert's activation).
     fn swiglu(&self, g: &Self::Buf, u: &Self::Buf, len: usize, out: &mut Self::Buf);
     /// `y[t] += sigmoid(s[t]) · shared[t]` (the shared expert's scalar gate, `s` is `[rows, 1]`, f32).
-    fn add_sigmoid_gated(&self, y: &mut Self::Buf, shared: &Self::Buf, s: &Self::Buf, rows: usize, dim: usize);
+    fn add_sigmoid_gated(
+        &self,
+        y: &mut Self::Buf,
+        shared: &Self::Buf,
+        s: &Self::Buf,
+        rows: usize,
+        dim: usize,
+    );
 
     // ---- output
     /// The greedy pick of a decode step on the backend: `step.token = argmax(logits[0])` (the
@@ -282,13 +469,25 @@ pub trait Backend: Send + Sync {
     /// (the seed resolved by the caller: `Sampler::seed`), the `prompt`'s tokens counting for the
     /// repetition penalty (vLLM's split, `Sampler::sample_split`). `Ok(None)`: this backend does
     /// not sample these parameters itself, and the caller samples the logits on the host.
-    fn new_sampler(&self, params: &SamplingParams, seed: u64, vocab: usize, prompt: &[u32]) -> Result<Option<Self::Sampler>>;
+    fn new_sampler(
+        &self,
+        params: &SamplingParams,
+        seed: u64,
+        vocab: usize,
+        prompt: &[u32],
+    ) -> Result<Option<Self::Sampler>>;
     /// The sampled pick of a decode step on the backend: `step.token` = the token
     /// `Sampler::sample_split(logits[0], prompt, generated)` draws, `generated` being every token
     /// this sampler drew or was told of (`sample_note`); the token is counted, the generator
     /// advanced (one `u64` per draw, none when greedy) and `step.pos += 1`, as `argmax_step`.
     /// Logits are f32 and are not changed (log-probabilities read them raw).
-    fn sample_step(&self, logits: &Self::Buf, vocab: usize, s: &mut Self::Sampler, step: &mut Self::Step);
+    fn sample_step(
+        &self,
+        logits: &Self::Buf,
+        vocab: usize,
+        s: &mut Self::Sampler,
+        step: &mut Self::Step,
+    );
     /// Counts `token` as generated (for the penalties) without drawing: a token forced instead
     /// of sampled.
     fn sample_note(&self, s: &mut Self::Sampler, token: u32);
@@ -296,7 +495,13 @@ pub trait Backend: Send + Sync {
     /// `token`'s and the `n` most likely `(id, logprob)`, most likely first (ties: lower id),
     /// as `runtime::sampler::top_logprobs`. The default reads the logits back and computes them
     /// on the host; a device computes them where the logits are and reads back only these.
-    fn logprobs(&self, logits: &Self::Buf, vocab: usize, token: u32, n: usize) -> Result<(f32, Vec<(u32, f32)>)> {
+    fn logprobs(
+        &self,
+        logits: &Self::Buf,
+        vocab: usize,
+        token: u32,
+        n: usize,
+    ) -> Result<(f32, Vec<(u32, f32)>)> {
         let l = self.to_host(logits, vocab)?;
         Ok(crate::runtime::sampler::token_logprobs(&l, token, n))
     }
@@ -324,7 +529,14 @@ pub struct MoeScratch<'a, B: Backend + ?Sized> {
 
 /// `tmp.out += sigmoid(logit) · down(silu(gate(x)) · up(x))`: the shared expert as its unfused
 /// ops (every prefill; a decode step whose backend did not fold it into the routed experts).
-pub fn add_shared_expert<B: Backend + ?Sized>(b: &B, x: &B::Buf, sh: &SharedExpert<'_, B>, rows: usize, hidden: usize, tmp: MoeScratch<'_, B>) {
+pub fn add_shared_expert<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Buf,
+    sh: &SharedExpert<'_, B>,
+    rows: usize,
+    hidden: usize,
+    tmp: MoeScratch<'_, B>,
+) {
     let width = b.mat_shape(sh.gate).0;
     b.matmul_q_many(x, &[sh.gate, sh.up], rows, &mut [&mut *tmp.g, &mut *tmp.u]);
     b.swiglu(tmp.g, tmp.u, rows * width, tmp.act);
@@ -336,9 +548,33 @@ pub fn add_shared_expert<B: Backend + ?Sized>(b: &B, x: &B::Buf, sh: &SharedExpe
 /// expert's unfused ops where it did not, and the residual add (the default of `moe_decode_add`,
 /// and a GPU's fallback).
 #[allow(clippy::too_many_arguments)]
-pub fn moe_decode_compose<B: Backend + ?Sized>(b: &B, x: &B::Buf, route: &B::Route, gate: &B::Mat, up: &B::Mat, down: &B::Mat, shared: &SharedExpert<'_, B>, d: &Dims, tmp: MoeScratch<'_, B>, h: &mut B::Buf) {
+pub fn moe_decode_compose<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Buf,
+    route: &B::Route,
+    gate: &B::Mat,
+    up: &B::Mat,
+    down: &B::Mat,
+    shared: &SharedExpert<'_, B>,
+    d: &Dims,
+    tmp: MoeScratch<'_, B>,
+    h: &mut B::Buf,
+) {
     if !b.moe_experts_decode(x, route, gate, up, down, Some(shared), d, tmp.out) {
-        add_shared_expert(b, x, shared, 1, d.hidden, MoeScratch { out: &mut *tmp.out, g: &mut *tmp.g, u: &mut *tmp.u, act: &mut *tmp.act, down: &mut *tmp.down });
+        add_shared_expert(
+            b,
+            x,
+            shared,
+            1,
+            d.hidden,
+            MoeScratch {
+                out: &mut *tmp.out,
+                g: &mut *tmp.g,
+                u: &mut *tmp.u,
+                act: &mut *tmp.act,
+                down: &mut *tmp.down,
+            },
+        );
     }
     b.add(h, tmp.out, d.hidden);
 }
@@ -368,8 +604,27 @@ pub struct GdnScratch<'a, B: Backend + ?Sized> {
 /// The GDN mixer of one token as its unfused ops (the default of `gdn_mixer_decode_add`, and a
 /// GPU's fallback): the equations of MODEL.md §2 in order.
 #[allow(clippy::too_many_arguments)]
-pub fn gdn_mixer_compose<B: Backend + ?Sized>(b: &B, h: &mut B::Buf, norm: &B::Vec, eps: f32, w: &GdnWeights<'_, B>, conv: &mut B::Buf, ssm: &mut B::Buf, d: &Dims, t: GdnScratch<'_, B>) {
-    b.rms_norm_matmul(h, norm, 1, d.hidden, eps, t.xn, &w.in_proj, &mut [&mut *t.qkv, &mut *t.z, &mut *t.b, &mut *t.a]);
+pub fn gdn_mixer_compose<B: Backend + ?Sized>(
+    b: &B,
+    h: &mut B::Buf,
+    norm: &B::Vec,
+    eps: f32,
+    w: &GdnWeights<'_, B>,
+    conv: &mut B::Buf,
+    ssm: &mut B::Buf,
+    d: &Dims,
+    t: GdnScratch<'_, B>,
+) {
+    b.rms_norm_matmul(
+        h,
+        norm,
+        1,
+        d.hidden,
+        eps,
+        t.xn,
+        &w.in_proj,
+        &mut [&mut *t.qkv, &mut *t.z, &mut *t.b, &mut *t.a],
+    );
     b.conv1d_step(t.qkv, w.conv1d, conv, d, t.qkv_c);
     b.gdn_decode(t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, t.y);
     b.matmul_q_add(t.y, w.out_proj, 1, t.r, h);

@@ -56,8 +56,19 @@ impl Profiler {
     pub fn stop(&self) -> Report {
         self.on.store(false, Ordering::Relaxed);
         let stats = std::mem::take(&mut *self.stats.lock().unwrap_or_else(|e| e.into_inner()));
-        let mut ops: Vec<OpTime> = stats.into_iter().map(|(family, (calls, seconds))| OpTime { family, calls, seconds }).collect();
-        ops.sort_by(|a, b| b.seconds.total_cmp(&a.seconds).then_with(|| a.family.cmp(&b.family)));
+        let mut ops: Vec<OpTime> = stats
+            .into_iter()
+            .map(|(family, (calls, seconds))| OpTime {
+                family,
+                calls,
+                seconds,
+            })
+            .collect();
+        ops.sort_by(|a, b| {
+            b.seconds
+                .total_cmp(&a.seconds)
+                .then_with(|| a.family.cmp(&b.family))
+        });
         Report { ops }
     }
 
@@ -87,20 +98,56 @@ impl Report {
     /// Divides every total by `n` (a report over n identical steps → per step; calls rounded).
     pub fn per(&self, n: usize) -> Report {
         let n = n.max(1);
-        Report { ops: self.ops.iter().map(|o| OpTime { family: o.family.clone(), calls: o.calls.div_ceil(n as u64), seconds: o.seconds / n as f64 }).collect() }
+        Report {
+            ops: self
+                .ops
+                .iter()
+                .map(|o| OpTime {
+                    family: o.family.clone(),
+                    calls: o.calls.div_ceil(n as u64),
+                    seconds: o.seconds / n as f64,
+                })
+                .collect(),
+        }
     }
 
     /// A table: op family, calls, total ms, µs per call, share of the summed op time; then the
     /// `matmul_q` families summed.
     pub fn table(&self) -> String {
         let total = self.total().max(1e-12);
-        let mut s = format!("{:<44} {:>7} {:>10} {:>10} {:>7}\n", "op family", "calls", "total ms", "us/call", "share");
+        let mut s = format!(
+            "{:<44} {:>7} {:>10} {:>10} {:>7}\n",
+            "op family", "calls", "total ms", "us/call", "share"
+        );
         for o in &self.ops {
-            s += &format!("{:<44} {:>7} {:>10.3} {:>10.1} {:>6.1}%\n", o.family, o.calls, o.seconds * 1e3, o.seconds * 1e6 / o.calls.max(1) as f64, 100.0 * o.seconds / total);
+            s += &format!(
+                "{:<44} {:>7} {:>10.3} {:>10.1} {:>6.1}%\n",
+                o.family,
+                o.calls,
+                o.seconds * 1e3,
+                o.seconds * 1e6 / o.calls.max(1) as f64,
+                100.0 * o.seconds / total
+            );
         }
-        let (mc, ms) = self.ops.iter().filter(|o| o.family.starts_with("matmul_q")).fold((0, 0.0), |(c, t), o| (c + o.calls, t + o.seconds));
-        s += &format!("{:<44} {:>7} {:>10.3} {:>10} {:>6.1}%\n", "(matmul_q, all matrices)", mc, ms * 1e3, "", 100.0 * ms / total);
-        s += &format!("{:<44} {:>7} {:>10.3}\n", "(sum of ops)", self.ops.iter().map(|o| o.calls).sum::<u64>(), total * 1e3);
+        let (mc, ms) = self
+            .ops
+            .iter()
+            .filter(|o| o.family.starts_with("matmul_q"))
+            .fold((0, 0.0), |(c, t), o| (c + o.calls, t + o.seconds));
+        s += &format!(
+            "{:<44} {:>7} {:>10.3} {:>10} {:>6.1}%\n",
+            "(matmul_q, all matrices)",
+            mc,
+            ms * 1e3,
+            "",
+            100.0 * ms / total
+        );
+        s += &format!(
+            "{:<44} {:>7} {:>10.3}\n",
+            "(sum of ops)",
+            self.ops.iter().map(|o| o.calls).sum::<u64>(),
+            total * 1e3
+        );
         s
     }
 
@@ -140,7 +187,10 @@ pub struct Profiled<B> {
 impl<B: Backend> Profiled<B> {
     /// Wraps `inner`; the profiler starts off.
     pub fn new(inner: B) -> Self {
-        Self { inner, prof: Arc::new(Profiler::default()) }
+        Self {
+            inner,
+            prof: Arc::new(Profiler::default()),
+        }
     }
 
     /// The switch and the totals (keep a clone to start / stop around a region).
@@ -193,7 +243,10 @@ impl<B: Backend> Backend for Profiled<B> {
     }
 
     fn upload_mat(&self, m: &HostLinear) -> Result<Self::Mat> {
-        Ok(PMat { inner: self.inner.upload_mat(m)?, family: format!("matmul_q {}", matrix_label(&m.name)) })
+        Ok(PMat {
+            inner: self.inner.upload_mat(m)?,
+            family: format!("matmul_q {}", matrix_label(&m.name)),
+        })
     }
     fn upload_vec(&self, v: &[f32]) -> Result<Self::Vec> {
         self.inner.upload_vec(v)
@@ -219,7 +272,14 @@ impl<B: Backend> Backend for Profiled<B> {
     fn to_host(&self, b: &Self::Buf, len: usize) -> Result<Vec<f32>> {
         self.time("to_host", || self.inner.to_host(b, len))
     }
-    fn copy(&self, src: &Self::Buf, src_off: usize, dst: &mut Self::Buf, dst_off: usize, len: usize) {
+    fn copy(
+        &self,
+        src: &Self::Buf,
+        src_off: usize,
+        dst: &mut Self::Buf,
+        dst_off: usize,
+        len: usize,
+    ) {
         self.time("copy", || self.inner.copy(src, src_off, dst, dst_off, len))
     }
     fn new_route(&self, rows: usize, top_k: usize) -> Result<Self::Route> {
@@ -241,110 +301,421 @@ impl<B: Backend> Backend for Profiled<B> {
     fn embed_step(&self, table: &Self::Mat, step: &Self::Step, out: &mut Self::Buf) {
         self.time("embed", || self.inner.embed_step(&table.inner, step, out))
     }
-    fn rms_norm(&self, x: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, out: &mut Self::Buf) {
-        self.time("rms_norm", || self.inner.rms_norm(x, w, rows, dim, eps, out))
+    fn rms_norm(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Vec,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) {
+        self.time("rms_norm", || {
+            self.inner.rms_norm(x, w, rows, dim, eps, out)
+        })
     }
-    fn add_rms_norm(&self, h: &mut Self::Buf, r: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, out: &mut Self::Buf) {
-        self.time("add_rms_norm", || self.inner.add_rms_norm(h, r, w, rows, dim, eps, out))
+    fn add_rms_norm(
+        &self,
+        h: &mut Self::Buf,
+        r: &Self::Buf,
+        w: &Self::Vec,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Self::Buf,
+    ) {
+        self.time("add_rms_norm", || {
+            self.inner.add_rms_norm(h, r, w, rows, dim, eps, out)
+        })
     }
     fn matmul_q(&self, x: &Self::Buf, w: &Self::Mat, rows: usize, out: &mut Self::Buf) {
         self.time(&w.family, || self.inner.matmul_q(x, &w.inner, rows, out))
     }
-    fn matmul_q_many(&self, x: &Self::Buf, ws: &[&Self::Mat], rows: usize, outs: &mut [&mut Self::Buf]) {
+    fn matmul_q_many(
+        &self,
+        x: &Self::Buf,
+        ws: &[&Self::Mat],
+        rows: usize,
+        outs: &mut [&mut Self::Buf],
+    ) {
         let inner: Vec<&B::Mat> = ws.iter().map(|w| &w.inner).collect();
         if !self.prof.is_on() {
             return self.inner.matmul_q_many(x, &inner, rows, outs);
         }
-        let family = format!("matmul_q many ({})", ws.iter().map(|w| w.family.trim_start_matches("matmul_q ")).collect::<Vec<_>>().join(" | "));
+        let family = format!(
+            "matmul_q many ({})",
+            ws.iter()
+                .map(|w| w.family.trim_start_matches("matmul_q "))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
         self.time(&family, || self.inner.matmul_q_many(x, &inner, rows, outs))
     }
     fn add(&self, h: &mut Self::Buf, r: &Self::Buf, len: usize) {
         self.time("add", || self.inner.add(h, r, len))
     }
-    fn rms_norm_matmul(&self, h: &Self::Buf, w: &Self::Vec, rows: usize, dim: usize, eps: f32, xn: &mut Self::Buf, ws: &[&Self::Mat], outs: &mut [&mut Self::Buf]) {
+    fn rms_norm_matmul(
+        &self,
+        h: &Self::Buf,
+        w: &Self::Vec,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        xn: &mut Self::Buf,
+        ws: &[&Self::Mat],
+        outs: &mut [&mut Self::Buf],
+    ) {
         let inner: Vec<&B::Mat> = ws.iter().map(|w| &w.inner).collect();
         if !self.prof.is_on() {
-            return self.inner.rms_norm_matmul(h, w, rows, dim, eps, xn, &inner, outs);
+            return self
+                .inner
+                .rms_norm_matmul(h, w, rows, dim, eps, xn, &inner, outs);
         }
-        let family = format!("rms_norm + matmul_q ({})", ws.iter().map(|w| w.family.trim_start_matches("matmul_q ")).collect::<Vec<_>>().join(" | "));
-        self.time(&family, || self.inner.rms_norm_matmul(h, w, rows, dim, eps, xn, &inner, outs))
+        let family = format!(
+            "rms_norm + matmul_q ({})",
+            ws.iter()
+                .map(|w| w.family.trim_start_matches("matmul_q "))
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
+        self.time(&family, || {
+            self.inner
+                .rms_norm_matmul(h, w, rows, dim, eps, xn, &inner, outs)
+        })
     }
-    fn moe_router(&self, h: &Self::Buf, w: &Self::Vec, rows: usize, eps: f32, xn: &mut Self::Buf, router: &Self::Mat, shared_gate: &Self::Mat, d: &Dims, logits: &mut Self::Buf, s: &mut Self::Buf, route: &mut Self::Route) {
-        self.time("moe_router (rms_norm + router | shared gate + moe_route)", || self.inner.moe_router(h, w, rows, eps, xn, &router.inner, &shared_gate.inner, d, logits, s, route))
+    fn moe_router(
+        &self,
+        h: &Self::Buf,
+        w: &Self::Vec,
+        rows: usize,
+        eps: f32,
+        xn: &mut Self::Buf,
+        router: &Self::Mat,
+        shared_gate: &Self::Mat,
+        d: &Dims,
+        logits: &mut Self::Buf,
+        s: &mut Self::Buf,
+        route: &mut Self::Route,
+    ) {
+        self.time(
+            "moe_router (rms_norm + router | shared gate + moe_route)",
+            || {
+                self.inner.moe_router(
+                    h,
+                    w,
+                    rows,
+                    eps,
+                    xn,
+                    &router.inner,
+                    &shared_gate.inner,
+                    d,
+                    logits,
+                    s,
+                    route,
+                )
+            },
+        )
     }
-    fn gdn_mixer_decode_add(&self, h: &mut Self::Buf, norm: &Self::Vec, eps: f32, w: &GdnWeights<'_, Self>, conv: &mut Self::Buf, ssm: &mut Self::Buf, d: &Dims, tmp: GdnScratch<'_, Self>) {
+    fn gdn_mixer_decode_add(
+        &self,
+        h: &mut Self::Buf,
+        norm: &Self::Vec,
+        eps: f32,
+        w: &GdnWeights<'_, Self>,
+        conv: &mut Self::Buf,
+        ssm: &mut Self::Buf,
+        d: &Dims,
+        tmp: GdnScratch<'_, Self>,
+    ) {
         if !self.prof.is_on() {
-            let wi = GdnWeights::<B> { in_proj: w.in_proj.map(|m| &m.inner), conv1d: w.conv1d, params: w.params, out_proj: &w.out_proj.inner };
-            let ti = GdnScratch::<B> { xn: tmp.xn, qkv: tmp.qkv, qkv_c: tmp.qkv_c, z: tmp.z, b: tmp.b, a: tmp.a, y: tmp.y, r: tmp.r };
-            return self.inner.gdn_mixer_decode_add(h, norm, eps, &wi, conv, ssm, d, ti);
+            let wi = GdnWeights::<B> {
+                in_proj: w.in_proj.map(|m| &m.inner),
+                conv1d: w.conv1d,
+                params: w.params,
+                out_proj: &w.out_proj.inner,
+            };
+            let ti = GdnScratch::<B> {
+                xn: tmp.xn,
+                qkv: tmp.qkv,
+                qkv_c: tmp.qkv_c,
+                z: tmp.z,
+                b: tmp.b,
+                a: tmp.a,
+                y: tmp.y,
+                r: tmp.r,
+            };
+            return self
+                .inner
+                .gdn_mixer_decode_add(h, norm, eps, &wi, conv, ssm, d, ti);
         }
         // Profiled: the unfused ops, each charged to its own family.
         super::gdn_mixer_compose(self, h, norm, eps, w, conv, ssm, d, tmp)
     }
-    fn matmul_q_add(&self, x: &Self::Buf, w: &Self::Mat, rows: usize, r: &mut Self::Buf, h: &mut Self::Buf) {
+    fn matmul_q_add(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Mat,
+        rows: usize,
+        r: &mut Self::Buf,
+        h: &mut Self::Buf,
+    ) {
         let family = format!("{} + add", w.family);
         self.time(&family, || self.inner.matmul_q_add(x, &w.inner, rows, r, h))
     }
-    fn moe_decode_add(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, shared: &SharedExpert<'_, Self>, d: &Dims, tmp: MoeScratch<'_, Self>, h: &mut Self::Buf) {
-        let sh = SharedExpert::<B> { gate: &shared.gate.inner, up: &shared.up.inner, down: &shared.down.inner, logit: shared.logit };
-        let tmp = MoeScratch::<B> { out: tmp.out, g: tmp.g, u: tmp.u, act: tmp.act, down: tmp.down };
-        self.time("moe_decode_add", || self.inner.moe_decode_add(x, route, &gate.inner, &up.inner, &down.inner, &sh, d, tmp, h))
+    fn moe_decode_add(
+        &self,
+        x: &Self::Buf,
+        route: &Self::Route,
+        gate: &Self::Mat,
+        up: &Self::Mat,
+        down: &Self::Mat,
+        shared: &SharedExpert<'_, Self>,
+        d: &Dims,
+        tmp: MoeScratch<'_, Self>,
+        h: &mut Self::Buf,
+    ) {
+        let sh = SharedExpert::<B> {
+            gate: &shared.gate.inner,
+            up: &shared.up.inner,
+            down: &shared.down.inner,
+            logit: shared.logit,
+        };
+        let tmp = MoeScratch::<B> {
+            out: tmp.out,
+            g: tmp.g,
+            u: tmp.u,
+            act: tmp.act,
+            down: tmp.down,
+        };
+        self.time("moe_decode_add", || {
+            self.inner.moe_decode_add(
+                x,
+                route,
+                &gate.inner,
+                &up.inner,
+                &down.inner,
+                &sh,
+                d,
+                tmp,
+                h,
+            )
+        })
     }
 
-    fn attn_qk_norm_rope(&self, qg: &Self::Buf, k: &mut Self::Buf, q_norm: &Self::Vec, k_norm: &Self::Vec, d: &Dims, rows: usize, pos0: usize, step: Option<&Self::Step>, q: &mut Self::Buf, gate: &mut Self::Buf) {
-        self.time("attn_qk_norm_rope", || self.inner.attn_qk_norm_rope(qg, k, q_norm, k_norm, d, rows, pos0, step, q, gate))
+    fn attn_qk_norm_rope(
+        &self,
+        qg: &Self::Buf,
+        k: &mut Self::Buf,
+        q_norm: &Self::Vec,
+        k_norm: &Self::Vec,
+        d: &Dims,
+        rows: usize,
+        pos0: usize,
+        step: Option<&Self::Step>,
+        q: &mut Self::Buf,
+        gate: &mut Self::Buf,
+    ) {
+        self.time("attn_qk_norm_rope", || {
+            self.inner
+                .attn_qk_norm_rope(qg, k, q_norm, k_norm, d, rows, pos0, step, q, gate)
+        })
     }
-    fn attn_prefill(&self, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, gate: &Self::Buf, kv: &mut KvCache<Self::Buf>, d: &Dims, rows: usize, pos0: usize, out: &mut Self::Buf) {
-        self.time("attn_prefill", || self.inner.attn_prefill(q, k, v, gate, kv, d, rows, pos0, out))
+    fn attn_prefill(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        gate: &Self::Buf,
+        kv: &mut KvCache<Self::Buf>,
+        d: &Dims,
+        rows: usize,
+        pos0: usize,
+        out: &mut Self::Buf,
+    ) {
+        self.time("attn_prefill", || {
+            self.inner
+                .attn_prefill(q, k, v, gate, kv, d, rows, pos0, out)
+        })
     }
-    fn attn_decode(&self, q: &Self::Buf, k: &Self::Buf, v: &Self::Buf, gate: &Self::Buf, kv: &mut KvCache<Self::Buf>, d: &Dims, pos: usize, step: &Self::Step, out: &mut Self::Buf) {
-        self.time("attn_decode", || self.inner.attn_decode(q, k, v, gate, kv, d, pos, step, out))
+    fn attn_decode(
+        &self,
+        q: &Self::Buf,
+        k: &Self::Buf,
+        v: &Self::Buf,
+        gate: &Self::Buf,
+        kv: &mut KvCache<Self::Buf>,
+        d: &Dims,
+        pos: usize,
+        step: &Self::Step,
+        out: &mut Self::Buf,
+    ) {
+        self.time("attn_decode", || {
+            self.inner.attn_decode(q, k, v, gate, kv, d, pos, step, out)
+        })
     }
 
-    fn conv1d_prefill(&self, x: &Self::Buf, w: &Self::Vec, state: &mut Self::Buf, d: &Dims, rows: usize, out: &mut Self::Buf) {
-        self.time("conv1d_prefill", || self.inner.conv1d_prefill(x, w, state, d, rows, out))
+    fn conv1d_prefill(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Vec,
+        state: &mut Self::Buf,
+        d: &Dims,
+        rows: usize,
+        out: &mut Self::Buf,
+    ) {
+        self.time("conv1d_prefill", || {
+            self.inner.conv1d_prefill(x, w, state, d, rows, out)
+        })
     }
-    fn conv1d_step(&self, x: &Self::Buf, w: &Self::Vec, state: &mut Self::Buf, d: &Dims, out: &mut Self::Buf) {
-        self.time("conv1d_step", || self.inner.conv1d_step(x, w, state, d, out))
+    fn conv1d_step(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Vec,
+        state: &mut Self::Buf,
+        d: &Dims,
+        out: &mut Self::Buf,
+    ) {
+        self.time("conv1d_step", || {
+            self.inner.conv1d_step(x, w, state, d, out)
+        })
     }
-    fn gdn_prefill(&self, qkv: &Self::Buf, z: &Self::Buf, b: &Self::Buf, a: &Self::Buf, w: &GdnParams<Self::Vec>, state: &mut Self::Buf, d: &Dims, rows: usize, out: &mut Self::Buf) {
-        self.time("gdn_prefill", || self.inner.gdn_prefill(qkv, z, b, a, w, state, d, rows, out))
+    fn gdn_prefill(
+        &self,
+        qkv: &Self::Buf,
+        z: &Self::Buf,
+        b: &Self::Buf,
+        a: &Self::Buf,
+        w: &GdnParams<Self::Vec>,
+        state: &mut Self::Buf,
+        d: &Dims,
+        rows: usize,
+        out: &mut Self::Buf,
+    ) {
+        self.time("gdn_prefill", || {
+            self.inner.gdn_prefill(qkv, z, b, a, w, state, d, rows, out)
+        })
     }
-    fn gdn_decode(&self, qkv: &Self::Buf, z: &Self::Buf, b: &Self::Buf, a: &Self::Buf, w: &GdnParams<Self::Vec>, state: &mut Self::Buf, d: &Dims, out: &mut Self::Buf) {
-        self.time("gdn_decode", || self.inner.gdn_decode(qkv, z, b, a, w, state, d, out))
+    fn gdn_decode(
+        &self,
+        qkv: &Self::Buf,
+        z: &Self::Buf,
+        b: &Self::Buf,
+        a: &Self::Buf,
+        w: &GdnParams<Self::Vec>,
+        state: &mut Self::Buf,
+        d: &Dims,
+        out: &mut Self::Buf,
+    ) {
+        self.time("gdn_decode", || {
+            self.inner.gdn_decode(qkv, z, b, a, w, state, d, out)
+        })
     }
 
     fn moe_route(&self, logits: &Self::Buf, d: &Dims, rows: usize, route: &mut Self::Route) {
         self.time("moe_route", || self.inner.moe_route(logits, d, rows, route))
     }
-    fn moe_experts_prefill(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, d: &Dims, rows: usize, out: &mut Self::Buf) {
-        self.time("moe_experts_prefill", || self.inner.moe_experts_prefill(x, route, &gate.inner, &up.inner, &down.inner, d, rows, out))
+    fn moe_experts_prefill(
+        &self,
+        x: &Self::Buf,
+        route: &Self::Route,
+        gate: &Self::Mat,
+        up: &Self::Mat,
+        down: &Self::Mat,
+        d: &Dims,
+        rows: usize,
+        out: &mut Self::Buf,
+    ) {
+        self.time("moe_experts_prefill", || {
+            self.inner.moe_experts_prefill(
+                x,
+                route,
+                &gate.inner,
+                &up.inner,
+                &down.inner,
+                d,
+                rows,
+                out,
+            )
+        })
     }
-    fn moe_experts_decode(&self, x: &Self::Buf, route: &Self::Route, gate: &Self::Mat, up: &Self::Mat, down: &Self::Mat, shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Self::Buf) -> bool {
-        let sh = shared.map(|s| SharedExpert::<B> { gate: &s.gate.inner, up: &s.up.inner, down: &s.down.inner, logit: s.logit });
+    fn moe_experts_decode(
+        &self,
+        x: &Self::Buf,
+        route: &Self::Route,
+        gate: &Self::Mat,
+        up: &Self::Mat,
+        down: &Self::Mat,
+        shared: Option<&SharedExpert<'_, Self>>,
+        d: &Dims,
+        out: &mut Self::Buf,
+    ) -> bool {
+        let sh = shared.map(|s| SharedExpert::<B> {
+            gate: &s.gate.inner,
+            up: &s.up.inner,
+            down: &s.down.inner,
+            logit: s.logit,
+        });
         // Includes the shared expert where the inner backend folds it in (a GPU).
-        self.time("moe_experts_decode", || self.inner.moe_experts_decode(x, route, &gate.inner, &up.inner, &down.inner, sh.as_ref(), d, out))
+        self.time("moe_experts_decode", || {
+            self.inner.moe_experts_decode(
+                x,
+                route,
+                &gate.inner,
+                &up.inner,
+                &down.inner,
+                sh.as_ref(),
+                d,
+                out,
+            )
+        })
     }
     fn swiglu(&self, g: &Self::Buf, u: &Self::Buf, len: usize, out: &mut Self::Buf) {
         self.time("swiglu", || self.inner.swiglu(g, u, len, out))
     }
-    fn add_sigmoid_gated(&self, y: &mut Self::Buf, shared: &Self::Buf, s: &Self::Buf, rows: usize, dim: usize) {
-        self.time("add_sigmoid_gated", || self.inner.add_sigmoid_gated(y, shared, s, rows, dim))
+    fn add_sigmoid_gated(
+        &self,
+        y: &mut Self::Buf,
+        shared: &Self::Buf,
+        s: &Self::Buf,
+        rows: usize,
+        dim: usize,
+    ) {
+        self.time("add_sigmoid_gated", || {
+            self.inner.add_sigmoid_gated(y, shared, s, rows, dim)
+        })
     }
 
     fn argmax_step(&self, logits: &Self::Buf, vocab: usize, step: &mut Self::Step) {
         self.time("argmax", || self.inner.argmax_step(logits, vocab, step))
     }
-    fn new_sampler(&self, params: &crate::runtime::sampler::SamplingParams, seed: u64, vocab: usize, prompt: &[u32]) -> Result<Option<Self::Sampler>> {
+    fn new_sampler(
+        &self,
+        params: &crate::runtime::sampler::SamplingParams,
+        seed: u64,
+        vocab: usize,
+        prompt: &[u32],
+    ) -> Result<Option<Self::Sampler>> {
         self.inner.new_sampler(params, seed, vocab, prompt)
     }
-    fn sample_step(&self, logits: &Self::Buf, vocab: usize, s: &mut Self::Sampler, step: &mut Self::Step) {
+    fn sample_step(
+        &self,
+        logits: &Self::Buf,
+        vocab: usize,
+        s: &mut Self::Sampler,
+        step: &mut Self::Step,
+    ) {
         self.time("sample", || self.inner.sample_step(logits, vocab, s, step))
     }
     fn sample_note(&self, s: &mut Self::Sampler, token: u32) {
         self.inner.sample_note(s, token)
     }
-    fn logprobs(&self, logits: &Self::Buf, vocab: usize, token: u32, n: usize) -> Result<(f32, Vec<(u32, f32)>)> {
+    fn logprobs(
+        &self,
+        logits: &Self::Buf,
+        vocab: usize,
+        token: u32,
+        n: usize,
+    ) -> Result<(f32, Vec<(u32, f32)>)> {
         self.time("logprobs", || self.inner.logprobs(logits, vocab, token, n))
     }
 }
@@ -356,8 +727,14 @@ mod tests {
 
     #[test]
     fn labels_drop_the_layer() {
-        assert_eq!(matrix_label("model.layers.7.linear_attn.in_proj_qkv"), "linear_attn.in_proj_qkv");
-        assert_eq!(matrix_label("language_model.model.layers.39.mlp.switch_mlp.gate_proj"), "mlp.switch_mlp.gate_proj");
+        assert_eq!(
+            matrix_label("model.layers.7.linear_attn.in_proj_qkv"),
+            "linear_attn.in_proj_qkv"
+        );
+        assert_eq!(
+            matrix_label("language_model.model.layers.39.mlp.switch_mlp.gate_proj"),
+            "mlp.switch_mlp.gate_proj"
+        );
         assert_eq!(matrix_label("lm_head"), "lm_head");
         assert_eq!(matrix_label("model.embed_tokens"), "embed_tokens");
     }

@@ -95,16 +95,35 @@ impl HostWeights {
         let mut b = self.lm_head.nbytes() as u64 + (self.embed.nbytes() / cfg.vocab_size) as u64;
         for l in &self.layers {
             b += match &l.mixer {
-                Mixer::Gdn(g) => [&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a, &g.out_proj].iter().map(|m| m.nbytes() as u64).sum::<u64>(),
-                Mixer::Attn(a) => [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj].iter().map(|m| m.nbytes() as u64).sum(),
-            };
-            let m = &l.moe;
-            let per_expert = (m.gate_proj.nbytes() + m.up_proj.nbytes() + m.down_proj.nbytes()) / m.gate_proj.n;
-            b += (per_expert * cfg.num_experts_per_tok) as u64;
-            b += [&m.router, &m.shared_gate_proj, &m.shared_up_proj, &m.shared_down_proj, &m.shared_expert_gate]
+                Mixer::Gdn(g) => [
+                    &g.in_proj_qkv,
+                    &g.in_proj_z,
+                    &g.in_proj_b,
+                    &g.in_proj_a,
+                    &g.out_proj,
+                ]
                 .iter()
                 .map(|m| m.nbytes() as u64)
-                .sum::<u64>();
+                .sum::<u64>(),
+                Mixer::Attn(a) => [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj]
+                    .iter()
+                    .map(|m| m.nbytes() as u64)
+                    .sum(),
+            };
+            let m = &l.moe;
+            let per_expert =
+                (m.gate_proj.nbytes() + m.up_proj.nbytes() + m.down_proj.nbytes()) / m.gate_proj.n;
+            b += (per_expert * cfg.num_experts_per_tok) as u64;
+            b += [
+                &m.router,
+                &m.shared_gate_proj,
+                &m.shared_up_proj,
+                &m.shared_down_proj,
+                &m.shared_expert_gate,
+            ]
+            .iter()
+            .map(|m| m.nbytes() as u64)
+            .sum::<u64>();
         }
         b
     }
@@ -119,7 +138,11 @@ pub struct Checkpoint {
 /// Maps a stored name to the canonical text-model name (`model.…` / `lm_head.…`), or `None` for
 /// tensors a text-only engine skips (vision tower, MTP head).
 fn canonical_name(name: &str) -> Option<String> {
-    if name.contains("mtp.") || name.contains("visual") || name.contains("vision_tower") || name.contains("multi_modal_projector") {
+    if name.contains("mtp.")
+        || name.contains("visual")
+        || name.contains("vision_tower")
+        || name.contains("multi_modal_projector")
+    {
         return None;
     }
     let n = crate::config::normalize_module_path(name);
@@ -143,16 +166,25 @@ fn shape_str(s: &[usize]) -> String {
 
 impl Tensors {
     fn take(&self, name: &str) -> Result<&HostTensor> {
-        self.map.get(name).with_context(|| format!("checkpoint: missing tensor `{name}`"))
+        self.map
+            .get(name)
+            .with_context(|| format!("checkpoint: missing tensor `{name}`"))
     }
 
     fn expect(&self, name: &str, shape: &[usize], float: bool) -> Result<&HostTensor> {
         let t = self.take(name)?;
         if t.shape != shape {
-            bail!("checkpoint: tensor `{name}` has shape {} but the config implies {}", shape_str(&t.shape), shape_str(shape));
+            bail!(
+                "checkpoint: tensor `{name}` has shape {} but the config implies {}",
+                shape_str(&t.shape),
+                shape_str(shape)
+            );
         }
         if float && !matches!(t.dtype, Dtype::F32 | Dtype::BF16 | Dtype::F16) {
-            bail!("checkpoint: tensor `{name}` has dtype {} but a float (BF16/F16/F32) is expected", t.dtype.name());
+            bail!(
+                "checkpoint: tensor `{name}` has dtype {} but a float (BF16/F16/F32) is expected",
+                t.dtype.name()
+            );
         }
         Ok(t)
     }
@@ -174,7 +206,9 @@ impl Tensors {
     /// A linear layer `module` with `n` stacked matrices (None = a plain `[out, in]` matrix).
     fn linear(&self, module: &str, n: Option<usize>, out: usize, inp: usize) -> Result<HostLinear> {
         let lead: Vec<usize> = n.into_iter().collect();
-        let dims = |last: usize, rows: usize| -> Vec<usize> { lead.iter().copied().chain([rows, last]).collect() };
+        let dims = |last: usize, rows: usize| -> Vec<usize> {
+            lead.iter().copied().chain([rows, last]).collect()
+        };
         let wname = format!("{module}.weight");
         let sname = format!("{module}.scales");
         let kind = if self.map.contains_key(&sname) {
@@ -183,7 +217,10 @@ impl Tensors {
             })?;
             let w = self.take(&wname)?;
             if w.dtype != Dtype::U32 {
-                bail!("checkpoint: tensor `{wname}` has dtype {} but a quantized weight is U32", w.dtype.name());
+                bail!(
+                    "checkpoint: tensor `{wname}` has dtype {} but a quantized weight is U32",
+                    w.dtype.name()
+                );
             }
             let packed = inp * spec.bits as usize / 32;
             if w.shape != dims(packed, out) {
@@ -206,11 +243,21 @@ impl Tensors {
                 biases: biases.clone().aligned(),
             }
         } else if self.map.contains_key(&wname) {
-            LinearKind::Dense(self.expect(&wname, &dims(inp, out), true)?.clone().aligned())
+            LinearKind::Dense(
+                self.expect(&wname, &dims(inp, out), true)?
+                    .clone()
+                    .aligned(),
+            )
         } else {
             bail!("checkpoint: missing tensor `{wname}`");
         };
-        Ok(HostLinear { name: module.to_string(), n: n.unwrap_or(1), out, inp, kind })
+        Ok(HostLinear {
+            name: module.to_string(),
+            n: n.unwrap_or(1),
+            out,
+            inp,
+            kind,
+        })
     }
 
     /// Routed experts: MLX stacks them (`switch_mlp.P` [E, out, in]); the Hugging Face release
@@ -231,17 +278,25 @@ impl Tensors {
             bail!("checkpoint: missing tensor `{stacked}.weight` (MLX stacked experts) or `{src}` (Hugging Face fused experts)");
         }
         let full_rows = if proj == "down_proj" { out } else { 2 * out };
-        let all = self.expect(&src, &[e, full_rows, inp], true)?.to_f32_vec()?;
+        let all = self
+            .expect(&src, &[e, full_rows, inp], true)?
+            .to_f32_vec()?;
         let mut data = Vec::with_capacity(e * out * inp);
         for j in 0..e {
-            data.extend_from_slice(&all[(j * full_rows + rows.start) * inp..(j * full_rows + rows.end) * inp]);
+            data.extend_from_slice(
+                &all[(j * full_rows + rows.start) * inp..(j * full_rows + rows.end) * inp],
+            );
         }
         Ok(HostLinear {
             name: stacked.clone(),
             n: e,
             out,
             inp,
-            kind: LinearKind::Dense(HostTensor::from_f32(&format!("{stacked}.weight"), vec![e, out, inp], data)),
+            kind: LinearKind::Dense(HostTensor::from_f32(
+                &format!("{stacked}.weight"),
+                vec![e, out, inp],
+                data,
+            )),
         })
     }
 }
@@ -250,7 +305,10 @@ impl Checkpoint {
     /// Opens, maps and checks a checkpoint directory.
     pub fn open(dir: &Path) -> Result<Self> {
         if !dir.is_dir() {
-            bail!("{}: not a directory (expected a checkpoint with config.json and *.safetensors)", dir.display());
+            bail!(
+                "{}: not a directory (expected a checkpoint with config.json and *.safetensors)",
+                dir.display()
+            );
         }
         let config = Config::from_dir(dir)?;
         let raw = safetensors::read_dir(dir)?;
@@ -259,7 +317,10 @@ impl Checkpoint {
             if let Some(c) = canonical_name(&name) {
                 t.name = c.clone();
                 if let Some(prev) = map.insert(c.clone(), t) {
-                    bail!("checkpoint: tensor `{c}` is stored twice (as `{}` and `{name}`)", prev.name);
+                    bail!(
+                        "checkpoint: tensor `{c}` is stored twice (as `{}` and `{name}`)",
+                        prev.name
+                    );
                 }
             }
         }
@@ -276,7 +337,9 @@ fn build(cfg: &Config, map: HashMap<String, HostTensor>) -> Result<HostWeights> 
     let hf_layout = match first_gdn {
         Some(i) => {
             let name = format!("model.layers.{i}.linear_attn.conv1d.weight");
-            let t = map.get(&name).with_context(|| format!("checkpoint: missing tensor `{name}`"))?;
+            let t = map
+                .get(&name)
+                .with_context(|| format!("checkpoint: missing tensor `{name}`"))?;
             let (cdim, k) = (c.gdn_qkv_dim(), c.linear_conv_kernel_dim);
             if t.shape == [cdim, k, 1] {
                 false
@@ -288,7 +351,11 @@ fn build(cfg: &Config, map: HashMap<String, HostTensor>) -> Result<HostWeights> 
         }
         None => false,
     };
-    let t = Tensors { map, cfg: cfg.clone(), hf_layout };
+    let t = Tensors {
+        map,
+        cfg: cfg.clone(),
+        hf_layout,
+    };
     let mut layers = Vec::with_capacity(c.num_hidden_layers);
     for i in 0..c.num_hidden_layers {
         let p = format!("model.layers.{i}");
@@ -307,15 +374,33 @@ fn build(cfg: &Config, map: HashMap<String, HostTensor>) -> Result<HostWeights> 
             let (cdim, k) = (c.gdn_qkv_dim(), c.linear_conv_kernel_dim);
             let conv_name = format!("{g}.conv1d.weight");
             let conv = t.take(&conv_name)?;
-            let want = if hf_layout { vec![cdim, 1, k] } else { vec![cdim, k, 1] };
+            let want = if hf_layout {
+                vec![cdim, 1, k]
+            } else {
+                vec![cdim, k, 1]
+            };
             if conv.shape != want {
-                bail!("checkpoint: tensor `{conv_name}` has shape {:?} but {:?} is expected", conv.shape, want);
+                bail!(
+                    "checkpoint: tensor `{conv_name}` has shape {:?} but {:?} is expected",
+                    conv.shape,
+                    want
+                );
             }
             Mixer::Gdn(GdnWeights {
                 in_proj_qkv: t.linear(&format!("{g}.in_proj_qkv"), None, cdim, h)?,
                 in_proj_z: t.linear(&format!("{g}.in_proj_z"), None, c.gdn_v_dim(), h)?,
-                in_proj_b: t.linear(&format!("{g}.in_proj_b"), None, c.linear_num_value_heads, h)?,
-                in_proj_a: t.linear(&format!("{g}.in_proj_a"), None, c.linear_num_value_heads, h)?,
+                in_proj_b: t.linear(
+                    &format!("{g}.in_proj_b"),
+                    None,
+                    c.linear_num_value_heads,
+                    h,
+                )?,
+                in_proj_a: t.linear(
+                    &format!("{g}.in_proj_a"),
+                    None,
+                    c.linear_num_value_heads,
+                    h,
+                )?,
                 // [C, K, 1] and [C, 1, K] have the same element order: c major, k minor.
                 conv1d: conv.to_f32_vec()?,
                 a_log: t.vector(&format!("{g}.A_log"), c.linear_num_value_heads)?,

@@ -55,7 +55,11 @@ impl Dtype {
 /// Where a tensor's bytes live.
 #[derive(Clone)]
 pub enum Storage {
-    Mapped { map: Arc<Mmap>, offset: usize, len: usize },
+    Mapped {
+        map: Arc<Mmap>,
+        offset: usize,
+        len: usize,
+    },
     /// Owned, stored as u32 words so any 4-byte type can be viewed without misalignment.
     Owned(Arc<Vec<u32>>, usize),
 }
@@ -79,7 +83,12 @@ impl HostTensor {
     pub fn from_f32(name: &str, shape: Vec<usize>, v: Vec<f32>) -> Self {
         let len = v.len() * 4;
         let words: Vec<u32> = v.into_iter().map(f32::to_bits).collect();
-        Self { name: name.into(), dtype: Dtype::F32, shape, data: Storage::Owned(Arc::new(words), len) }
+        Self {
+            name: name.into(),
+            dtype: Dtype::F32,
+            shape,
+            data: Storage::Owned(Arc::new(words), len),
+        }
     }
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
@@ -98,8 +107,15 @@ impl HostTensor {
         let b = self.bytes();
         let mut words = vec![0u32; b.len().div_ceil(4)];
         // SAFETY: words has at least b.len() bytes.
-        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), words.as_mut_ptr() as *mut u8, b.len()) };
-        Self { name: self.name.clone(), dtype: self.dtype, shape: self.shape.clone(), data: Storage::Owned(Arc::new(words), b.len()) }
+        unsafe {
+            std::ptr::copy_nonoverlapping(b.as_ptr(), words.as_mut_ptr() as *mut u8, b.len())
+        };
+        Self {
+            name: self.name.clone(),
+            dtype: self.dtype,
+            shape: self.shape.clone(),
+            data: Storage::Owned(Arc::new(words), b.len()),
+        }
     }
     /// Makes the data aligned for its element type (mapped data is copied only if misaligned).
     pub fn aligned(self) -> Self {
@@ -128,7 +144,11 @@ impl HostTensor {
             Dtype::F32 => Floats::F32(self.f32s()),
             Dtype::BF16 => Floats::Bf16(self.u16s()),
             Dtype::F16 => Floats::F16(self.u16s()),
-            d => bail!("tensor `{}`: expected a float dtype, found {}", self.name, d.name()),
+            d => bail!(
+                "tensor `{}`: expected a float dtype, found {}",
+                self.name,
+                d.name()
+            ),
         })
     }
     /// Converts a float tensor to a Vec<f32> (small tensors: norms, conv, gates). Reads bytes,
@@ -136,17 +156,34 @@ impl HostTensor {
     pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
         let b = self.bytes();
         Ok(match self.dtype {
-            Dtype::F32 => b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect(),
-            Dtype::BF16 => b.chunks_exact(2).map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]]))).collect(),
-            Dtype::F16 => b.chunks_exact(2).map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32()).collect(),
-            d => bail!("tensor `{}`: expected a float dtype, found {}", self.name, d.name()),
+            Dtype::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            Dtype::BF16 => b
+                .chunks_exact(2)
+                .map(|c| bf16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+            Dtype::F16 => b
+                .chunks_exact(2)
+                .map(|c| half::f16::from_bits(u16::from_le_bytes([c[0], c[1]])).to_f32())
+                .collect(),
+            d => bail!(
+                "tensor `{}`: expected a float dtype, found {}",
+                self.name,
+                d.name()
+            ),
         })
     }
 }
 
 fn cast<T>(b: &[u8]) -> &[T] {
     let sz = std::mem::size_of::<T>();
-    assert_eq!(b.as_ptr() as usize % std::mem::align_of::<T>(), 0, "misaligned tensor data");
+    assert_eq!(
+        b.as_ptr() as usize % std::mem::align_of::<T>(),
+        0,
+        "misaligned tensor data"
+    );
     // SAFETY: alignment checked above; T is a plain number type; length rounded down.
     unsafe { std::slice::from_raw_parts(b.as_ptr() as *const T, b.len() / sz) }
 }
@@ -256,7 +293,11 @@ impl<'a> MatView<'a> {
                     ..*q
                 })
             }
-            Self::Dense(d) => Self::Dense(DenseView { out: r.len(), inp: d.inp, w: d.w.slice(r.start * d.inp..r.end * d.inp) }),
+            Self::Dense(d) => Self::Dense(DenseView {
+                out: r.len(),
+                inp: d.inp,
+                w: d.w.slice(r.start * d.inp..r.end * d.inp),
+            }),
         }
     }
     /// Dequantizes row `r` into `dst` (len = inp). The reference used by tests and by small ops.
@@ -296,7 +337,13 @@ pub struct HostLinear {
 
 #[derive(Clone, Debug)]
 pub enum LinearKind {
-    Quant { bits: u32, group_size: usize, w: HostTensor, scales: HostTensor, biases: HostTensor },
+    Quant {
+        bits: u32,
+        group_size: usize,
+        w: HostTensor,
+        scales: HostTensor,
+        biases: HostTensor,
+    },
     Dense(HostTensor),
 }
 
@@ -305,7 +352,13 @@ impl HostLinear {
     pub fn view(&self, e: usize) -> MatView<'_> {
         assert!(e < self.n);
         match &self.kind {
-            LinearKind::Quant { bits, group_size, w, scales, biases } => {
+            LinearKind::Quant {
+                bits,
+                group_size,
+                w,
+                scales,
+                biases,
+            } => {
                 let wpm = self.out * self.inp * *bits as usize / 32;
                 let gpm = self.out * self.inp / group_size;
                 MatView::Quant(QuantView {
@@ -314,20 +367,34 @@ impl HostLinear {
                     bits: *bits,
                     group_size: *group_size,
                     w: &w.u32s()[e * wpm..(e + 1) * wpm],
-                    scales: scales.floats().expect("checked at load").slice(e * gpm..(e + 1) * gpm),
-                    biases: biases.floats().expect("checked at load").slice(e * gpm..(e + 1) * gpm),
+                    scales: scales
+                        .floats()
+                        .expect("checked at load")
+                        .slice(e * gpm..(e + 1) * gpm),
+                    biases: biases
+                        .floats()
+                        .expect("checked at load")
+                        .slice(e * gpm..(e + 1) * gpm),
                 })
             }
             LinearKind::Dense(t) => {
                 let m = self.out * self.inp;
-                MatView::Dense(DenseView { out: self.out, inp: self.inp, w: t.floats().expect("checked at load").slice(e * m..(e + 1) * m) })
+                MatView::Dense(DenseView {
+                    out: self.out,
+                    inp: self.inp,
+                    w: t.floats()
+                        .expect("checked at load")
+                        .slice(e * m..(e + 1) * m),
+                })
             }
         }
     }
     /// Bytes of weight data (for bandwidth figures).
     pub fn nbytes(&self) -> usize {
         match &self.kind {
-            LinearKind::Quant { w, scales, biases, .. } => w.bytes().len() + scales.bytes().len() + biases.bytes().len(),
+            LinearKind::Quant {
+                w, scales, biases, ..
+            } => w.bytes().len() + scales.bytes().len() + biases.bytes().len(),
             LinearKind::Dense(t) => t.bytes().len(),
         }
     }

@@ -18,10 +18,12 @@
 
 use anyhow::{bail, Result};
 
-use crate::backend::{add_shared_expert, Backend, Dims, GdnParams, GdnScratch, GdnWeights, MoeScratch, SharedExpert};
+use crate::backend::{
+    add_shared_expert, Backend, Dims, GdnParams, GdnScratch, GdnWeights, MoeScratch, SharedExpert,
+};
 use crate::loader::{HostWeights, Mixer};
-use crate::runtime::sampler::SamplingParams;
 use crate::model::state::{LayerState, SeqState};
+use crate::runtime::sampler::SamplingParams;
 use crate::Config;
 
 /// Which logits a forward call returns.
@@ -133,7 +135,11 @@ struct Scratch<B: Backend> {
 
 impl<B: Backend> Scratch<B> {
     fn new(b: &B, c: &Config, rows: usize) -> Result<Self> {
-        let (h, vd, si) = (c.hidden_size, c.gdn_v_dim(), c.shared_expert_intermediate_size);
+        let (h, vd, si) = (
+            c.hidden_size,
+            c.gdn_v_dim(),
+            c.shared_expert_intermediate_size,
+        );
         let hv = c.linear_num_value_heads;
         Ok(Self {
             rows,
@@ -189,7 +195,12 @@ impl<B: Backend> Qwen35<B> {
 
     /// As [`Self::new`]; `progress(done, total)` is called after each layer (uploading 20 GB to
     /// a GPU takes seconds, reading it from disk the first time much longer).
-    pub fn new_with_progress(backend: B, cfg: Config, w: &HostWeights, progress: &dyn Fn(usize, usize)) -> Result<Self> {
+    pub fn new_with_progress(
+        backend: B,
+        cfg: Config,
+        w: &HostWeights,
+        progress: &dyn Fn(usize, usize),
+    ) -> Result<Self> {
         let chunk = backend.prefill_chunk();
         let b = &backend;
         let mut layers = Vec::with_capacity(w.layers.len());
@@ -201,7 +212,11 @@ impl<B: Backend> Qwen35<B> {
                     in_proj_b: b.upload_mat(&g.in_proj_b)?,
                     in_proj_a: b.upload_mat(&g.in_proj_a)?,
                     conv1d: b.upload_vec(&g.conv1d)?,
-                    params: GdnParams { a_log: b.upload_vec(&g.a_log)?, dt_bias: b.upload_vec(&g.dt_bias)?, norm: b.upload_vec(&g.norm)? },
+                    params: GdnParams {
+                        a_log: b.upload_vec(&g.a_log)?,
+                        dt_bias: b.upload_vec(&g.dt_bias)?,
+                        norm: b.upload_vec(&g.norm)?,
+                    },
                     out_proj: b.upload_mat(&g.out_proj)?,
                 }),
                 Mixer::Attn(a) => MixerLayer::Attn(AttnLayer {
@@ -251,15 +266,29 @@ impl<B: Backend> Qwen35<B> {
     /// Feeds `ids` after the state's current position. Returns the requested logits (host f32,
     /// `[1 or rows, vocab]`); one token without taps is a [`Self::decode`] step. With `taps`, the residual stream after each layer is appended
     /// (`[rows, hidden]` per layer, per chunk) — for tests against the oracle.
-    pub fn forward(&self, st: &mut SeqState<B>, ids: &[u32], want: Logits, mut taps: Option<&mut Vec<Vec<f32>>>) -> Result<Vec<f32>> {
+    pub fn forward(
+        &self,
+        st: &mut SeqState<B>,
+        ids: &[u32],
+        want: Logits,
+        mut taps: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<f32>> {
         if ids.is_empty() {
             bail!("forward: no tokens");
         }
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
-            bail!("token id {bad} is out of range (vocab_size {})", self.cfg.vocab_size);
+            bail!(
+                "token id {bad} is out of range (vocab_size {})",
+                self.cfg.vocab_size
+            );
         }
         if st.pos + ids.len() > st.max_context {
-            bail!("context length exceeded: {} tokens in the state + {} new > {} max", st.pos, ids.len(), st.max_context);
+            bail!(
+                "context length exceeded: {} tokens in the state + {} new > {} max",
+                st.pos,
+                ids.len(),
+                st.max_context
+            );
         }
         if ids.len() == 1 && taps.is_none() {
             // The decode path (recorded and replayed); its logits are read back.
@@ -309,22 +338,36 @@ impl<B: Backend> Qwen35<B> {
     /// `sampler`, or the greedy arg-max without one. [`Self::picked`] reads the pick,
     /// [`Self::step_logits`] / [`Self::logprobs`] the step's logits. On a device the step runs
     /// while the host goes on (until it reads).
-    pub fn decode_step(&self, st: &mut SeqState<B>, feed: Option<u32>, mut sampler: Option<&mut DeviceSampler<B>>) -> Result<()> {
+    pub fn decode_step(
+        &self,
+        st: &mut SeqState<B>,
+        feed: Option<u32>,
+        mut sampler: Option<&mut DeviceSampler<B>>,
+    ) -> Result<()> {
         let b = &self.backend;
         match feed {
-            Some(id) if id as usize >= self.cfg.vocab_size => bail!("token id {id} is out of range (vocab_size {})", self.cfg.vocab_size),
+            Some(id) if id as usize >= self.cfg.vocab_size => bail!(
+                "token id {id} is out of range (vocab_size {})",
+                self.cfg.vocab_size
+            ),
             Some(id) => b.set_step(&mut st.step, id, st.pos),
             None if !st.step_ready => bail!("decode: no token was picked on the backend to feed"),
             None => {}
         }
         if st.pos + 1 > st.max_context {
-            bail!("context length exceeded: {} tokens in the state + 1 new > {} max", st.pos, st.max_context);
+            bail!(
+                "context length exceeded: {} tokens in the state + 1 new > {} max",
+                st.pos,
+                st.max_context
+            );
         }
         st.reserve(b, &self.dims, st.pos + 1)?;
         let mut guard = self.scratch_for(1)?;
         let s = guard.as_mut().expect("just made");
         // A sampler's buffers and parameters are part of the record: its own key.
-        let sid = sampler.as_ref().map_or(0, |d| d.id.wrapping_mul(0xD1B5_4A32_D192_ED03));
+        let sid = sampler
+            .as_ref()
+            .map_or(0, |d| d.id.wrapping_mul(0xD1B5_4A32_D192_ED03));
         let key = st.buffers_id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ s.id ^ sid;
         let r = b.replay(key, &mut || self.decode_ops(st, s, sampler.as_deref_mut()));
         st.step_ready = r.is_ok();
@@ -344,7 +387,9 @@ impl<B: Backend> Qwen35<B> {
     /// The logits `[vocab]` of the last step or of a forward's last position (read back).
     pub fn step_logits(&self) -> Result<Vec<f32>> {
         let guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let s = guard.as_ref().ok_or_else(|| anyhow::anyhow!("step_logits: nothing was computed yet"))?;
+        let s = guard
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("step_logits: nothing was computed yet"))?;
         self.backend.to_host(&s.logits, self.cfg.vocab_size)
     }
 
@@ -353,14 +398,28 @@ impl<B: Backend> Qwen35<B> {
     /// these are read back). Call before the next step is enqueued.
     pub fn logprobs(&self, token: u32, n: usize) -> Result<(f32, Vec<(u32, f32)>)> {
         let guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let s = guard.as_ref().ok_or_else(|| anyhow::anyhow!("logprobs: nothing was computed yet"))?;
-        self.backend.logprobs(&s.logits, self.cfg.vocab_size, token, n)
+        let s = guard
+            .as_ref()
+            .ok_or_else(|| anyhow::anyhow!("logprobs: nothing was computed yet"))?;
+        self.backend
+            .logprobs(&s.logits, self.cfg.vocab_size, token, n)
     }
 
     /// A sampler on the backend for `params` with `seed` (see `Backend::new_sampler`); `None`
     /// when the backend leaves these parameters to the host.
-    pub fn device_sampler(&self, params: &SamplingParams, seed: u64, prompt: &[u32]) -> Result<Option<DeviceSampler<B>>> {
-        Ok(self.backend.new_sampler(params, seed, self.cfg.vocab_size, prompt)?.map(|inner| DeviceSampler { inner, id: crate::model::state::new_buffers_id() }))
+    pub fn device_sampler(
+        &self,
+        params: &SamplingParams,
+        seed: u64,
+        prompt: &[u32],
+    ) -> Result<Option<DeviceSampler<B>>> {
+        Ok(self
+            .backend
+            .new_sampler(params, seed, self.cfg.vocab_size, prompt)?
+            .map(|inner| DeviceSampler {
+                inner,
+                id: crate::model::state::new_buffers_id(),
+            }))
     }
 
     /// Draws the next token from the logits of a forward's last position (`Logits::Last`) into
@@ -371,9 +430,16 @@ impl<B: Backend> Qwen35<B> {
         }
         let b = &self.backend;
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let s = guard.as_mut().ok_or_else(|| anyhow::anyhow!("sample_last: no logits were computed"))?;
+        let s = guard
+            .as_mut()
+            .ok_or_else(|| anyhow::anyhow!("sample_last: no logits were computed"))?;
         b.set_step(&mut st.step, 0, st.pos - 1);
-        b.sample_step(&s.logits, self.cfg.vocab_size, &mut sampler.inner, &mut st.step);
+        b.sample_step(
+            &s.logits,
+            self.cfg.vocab_size,
+            &mut sampler.inner,
+            &mut st.step,
+        );
         st.step_ready = true;
         Ok(())
     }
@@ -386,11 +452,25 @@ impl<B: Backend> Qwen35<B> {
     /// The ops of a decode step (recorded): the layers on the step's token, the logits of the
     /// next token, and its pick (drawn by `sampler`, or the greedy arg-max) written back to the
     /// step (position + 1).
-    fn decode_ops(&self, st: &mut SeqState<B>, s: &mut Scratch<B>, sampler: Option<&mut DeviceSampler<B>>) -> Result<()> {
+    fn decode_ops(
+        &self,
+        st: &mut SeqState<B>,
+        s: &mut Scratch<B>,
+        sampler: Option<&mut DeviceSampler<B>>,
+    ) -> Result<()> {
         let (b, d) = (&self.backend, &self.dims);
         let hd = self.cfg.hidden_size;
         self.layers_ops(st, s, None, 1, None)?;
-        b.rms_norm_matmul(&s.h, &self.norm, 1, hd, d.eps, &mut s.xn, &[&self.lm_head], &mut [&mut s.logits]);
+        b.rms_norm_matmul(
+            &s.h,
+            &self.norm,
+            1,
+            hd,
+            d.eps,
+            &mut s.xn,
+            &[&self.lm_head],
+            &mut [&mut s.logits],
+        );
         match sampler {
             Some(d) => b.sample_step(&s.logits, self.cfg.vocab_size, &mut d.inner, &mut st.step),
             None => b.argmax_step(&s.logits, self.cfg.vocab_size, &mut st.step),
@@ -402,14 +482,24 @@ impl<B: Backend> Qwen35<B> {
     fn scratch_for(&self, t: usize) -> Result<std::sync::MutexGuard<'_, Option<Scratch<B>>>> {
         let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         if guard.as_ref().is_none_or(|s| s.rows < t) {
-            *guard = Some(Scratch::new(&self.backend, &self.cfg, if t == 1 { 1 } else { t.max(self.chunk) })?);
+            *guard = Some(Scratch::new(
+                &self.backend,
+                &self.cfg,
+                if t == 1 { 1 } else { t.max(self.chunk) },
+            )?);
         }
         Ok(guard)
     }
 
     /// One chunk of ≤ `chunk` prompt tokens, then the requested logits. After the last position's
     /// logits the state's step holds their greedy pick, ready for [`Self::decode`] with `None`.
-    fn forward_chunk(&self, st: &mut SeqState<B>, ids: &[u32], want: Logits, mut taps: Option<&mut Vec<Vec<f32>>>) -> Result<Vec<f32>> {
+    fn forward_chunk(
+        &self,
+        st: &mut SeqState<B>,
+        ids: &[u32],
+        want: Logits,
+        mut taps: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<Vec<f32>> {
         let b = &self.backend;
         let d = &self.dims;
         let c = &self.cfg;
@@ -453,7 +543,14 @@ impl<B: Backend> Qwen35<B> {
     /// (a prefill) or the step's token (`None`, the decode ops). Each residual add lands in the
     /// f32 stream `s.h` (on a GPU decode step inside the kernel that produces it), and each norm
     /// is fused with the projections that read it.
-    fn layers_ops(&self, st: &mut SeqState<B>, s: &mut Scratch<B>, ids: Option<&[u32]>, t: usize, mut taps: Option<&mut Vec<Vec<f32>>>) -> Result<()> {
+    fn layers_ops(
+        &self,
+        st: &mut SeqState<B>,
+        s: &mut Scratch<B>,
+        ids: Option<&[u32]>,
+        t: usize,
+        mut taps: Option<&mut Vec<Vec<f32>>>,
+    ) -> Result<()> {
         let b = &self.backend;
         let d = &self.dims;
         let hd = self.cfg.hidden_size;
@@ -473,19 +570,71 @@ impl<B: Backend> Qwen35<B> {
             // h = h + mixer(rms_norm(h, input_norm))
             match (&layer.mixer, ls) {
                 (MixerLayer::Gdn(g), LayerState::Gdn { conv, ssm }) if decode => {
-                    let w = GdnWeights { in_proj: [&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a], conv1d: &g.conv1d, params: &g.params, out_proj: &g.out_proj };
-                    let tmp = GdnScratch { xn: &mut s.xn, qkv: &mut s.qkv, qkv_c: &mut s.qkv_c, z: &mut s.z, b: &mut s.b, a: &mut s.a, y: &mut s.y, r: &mut s.r };
-                    b.gdn_mixer_decode_add(&mut s.h, &layer.input_norm, d.eps, &w, conv, ssm, d, tmp);
+                    let w = GdnWeights {
+                        in_proj: [&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a],
+                        conv1d: &g.conv1d,
+                        params: &g.params,
+                        out_proj: &g.out_proj,
+                    };
+                    let tmp = GdnScratch {
+                        xn: &mut s.xn,
+                        qkv: &mut s.qkv,
+                        qkv_c: &mut s.qkv_c,
+                        z: &mut s.z,
+                        b: &mut s.b,
+                        a: &mut s.a,
+                        y: &mut s.y,
+                        r: &mut s.r,
+                    };
+                    b.gdn_mixer_decode_add(
+                        &mut s.h,
+                        &layer.input_norm,
+                        d.eps,
+                        &w,
+                        conv,
+                        ssm,
+                        d,
+                        tmp,
+                    );
                 }
                 (MixerLayer::Gdn(g), LayerState::Gdn { conv, ssm }) => {
-                    b.rms_norm_matmul(&s.h, &layer.input_norm, t, hd, d.eps, &mut s.xn, &[&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a], &mut [&mut s.qkv, &mut s.z, &mut s.b, &mut s.a]);
+                    b.rms_norm_matmul(
+                        &s.h,
+                        &layer.input_norm,
+                        t,
+                        hd,
+                        d.eps,
+                        &mut s.xn,
+                        &[&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a],
+                        &mut [&mut s.qkv, &mut s.z, &mut s.b, &mut s.a],
+                    );
                     b.conv1d_prefill(&s.qkv, &g.conv1d, conv, d, t, &mut s.qkv_c);
                     b.gdn_prefill(&s.qkv_c, &s.z, &s.b, &s.a, &g.params, ssm, d, t, &mut s.y);
                     b.matmul_q_add(&s.y, &g.out_proj, t, &mut s.r, &mut s.h);
                 }
                 (MixerLayer::Attn(a), LayerState::Attn(kv)) => {
-                    b.rms_norm_matmul(&s.h, &layer.input_norm, t, hd, d.eps, &mut s.xn, &[&a.q_proj, &a.k_proj, &a.v_proj], &mut [&mut s.qg, &mut s.k, &mut s.v]);
-                    b.attn_qk_norm_rope(&s.qg, &mut s.k, &a.q_norm, &a.k_norm, d, t, pos0, decode.then_some(step), &mut s.q, &mut s.gate);
+                    b.rms_norm_matmul(
+                        &s.h,
+                        &layer.input_norm,
+                        t,
+                        hd,
+                        d.eps,
+                        &mut s.xn,
+                        &[&a.q_proj, &a.k_proj, &a.v_proj],
+                        &mut [&mut s.qg, &mut s.k, &mut s.v],
+                    );
+                    b.attn_qk_norm_rope(
+                        &s.qg,
+                        &mut s.k,
+                        &a.q_norm,
+                        &a.k_norm,
+                        d,
+                        t,
+                        pos0,
+                        decode.then_some(step),
+                        &mut s.q,
+                        &mut s.gate,
+                    );
                     if decode {
                         b.attn_decode(&s.q, &s.k, &s.v, &s.gate, kv, d, pos0, step, &mut s.o);
                     } else {
@@ -507,13 +656,55 @@ impl<B: Backend> Qwen35<B> {
         let d = &self.dims;
         let m = &layer.moe;
         let hd = self.cfg.hidden_size;
-        b.moe_router(&s.h, &layer.post_norm, t, d.eps, &mut s.xn, &m.router, &m.shared_expert_gate, d, &mut s.router_logits, &mut s.s, &mut s.route);
-        let shared = SharedExpert { gate: &m.shared_gate_proj, up: &m.shared_up_proj, down: &m.shared_down_proj, logit: &s.s };
-        let tmp = MoeScratch { out: &mut s.moe, g: &mut s.sg, u: &mut s.su, act: &mut s.sa, down: &mut s.sd };
+        b.moe_router(
+            &s.h,
+            &layer.post_norm,
+            t,
+            d.eps,
+            &mut s.xn,
+            &m.router,
+            &m.shared_expert_gate,
+            d,
+            &mut s.router_logits,
+            &mut s.s,
+            &mut s.route,
+        );
+        let shared = SharedExpert {
+            gate: &m.shared_gate_proj,
+            up: &m.shared_up_proj,
+            down: &m.shared_down_proj,
+            logit: &s.s,
+        };
+        let tmp = MoeScratch {
+            out: &mut s.moe,
+            g: &mut s.sg,
+            u: &mut s.su,
+            act: &mut s.sa,
+            down: &mut s.sd,
+        };
         if decode {
-            b.moe_decode_add(&s.xn, &s.route, &m.gate_proj, &m.up_proj, &m.down_proj, &shared, d, tmp, &mut s.h);
+            b.moe_decode_add(
+                &s.xn,
+                &s.route,
+                &m.gate_proj,
+                &m.up_proj,
+                &m.down_proj,
+                &shared,
+                d,
+                tmp,
+                &mut s.h,
+            );
         } else {
-            b.moe_experts_prefill(&s.xn, &s.route, &m.gate_proj, &m.up_proj, &m.down_proj, d, t, &mut *tmp.out);
+            b.moe_experts_prefill(
+                &s.xn,
+                &s.route,
+                &m.gate_proj,
+                &m.up_proj,
+                &m.down_proj,
+                d,
+                t,
+                &mut *tmp.out,
+            );
             add_shared_expert(b, &s.xn, &shared, t, hd, tmp);
             b.add(&mut s.h, &s.moe, t * hd);
         }

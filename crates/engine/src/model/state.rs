@@ -13,7 +13,10 @@ use crate::Config;
 
 pub enum LayerState<B: Backend> {
     /// `conv` `[K-1, C]` pre-conv rows, `ssm` `[Hv, Dv, Dk]` fp32.
-    Gdn { conv: B::Buf, ssm: B::Buf },
+    Gdn {
+        conv: B::Buf,
+        ssm: B::Buf,
+    },
     Attn(KvCache<B::Buf>),
 }
 
@@ -53,7 +56,11 @@ impl<B: Backend> SeqState<B> {
             .iter()
             .map(|&attn| -> Result<LayerState<B>> {
                 Ok(if attn {
-                    LayerState::Attn(KvCache { k: b.kv_zeros(cap * kvd)?, v: b.kv_zeros(cap * kvd)?, capacity: cap })
+                    LayerState::Attn(KvCache {
+                        k: b.kv_zeros(cap * kvd)?,
+                        v: b.kv_zeros(cap * kvd)?,
+                        capacity: cap,
+                    })
                 } else {
                     LayerState::Gdn {
                         conv: b.zeros((d.conv_kernel - 1) * d.conv_channels())?,
@@ -62,7 +69,15 @@ impl<B: Backend> SeqState<B> {
                 })
             })
             .collect::<Result<_>>()?;
-        Ok(Self { pos: 0, max_context, layers, step: b.new_step()?, step_ready: false, buffers_id: new_buffers_id(), kv_elem_bytes: b.kv_elem_bytes() })
+        Ok(Self {
+            pos: 0,
+            max_context,
+            layers,
+            step: b.new_step()?,
+            step_ready: false,
+            buffers_id: new_buffers_id(),
+            kv_elem_bytes: b.kv_elem_bytes(),
+        })
     }
 
     /// Makes room for positions `< need` in every KV cache (copying what is there).
@@ -71,12 +86,19 @@ impl<B: Backend> SeqState<B> {
         for l in &mut self.layers {
             if let LayerState::Attn(kv) = l {
                 if kv.capacity < need {
-                    let cap = need.next_power_of_two().max(kv.capacity * 2).min(self.max_context.max(need));
+                    let cap = need
+                        .next_power_of_two()
+                        .max(kv.capacity * 2)
+                        .min(self.max_context.max(need));
                     let mut k = b.kv_zeros(cap * kvd)?;
                     let mut v = b.kv_zeros(cap * kvd)?;
                     b.copy(&kv.k, 0, &mut k, 0, self.pos * kvd);
                     b.copy(&kv.v, 0, &mut v, 0, self.pos * kvd);
-                    *kv = KvCache { k, v, capacity: cap };
+                    *kv = KvCache {
+                        k,
+                        v,
+                        capacity: cap,
+                    };
                     self.buffers_id = new_buffers_id();
                 }
             }
@@ -92,7 +114,11 @@ impl<B: Backend> SeqState<B> {
             .iter()
             .map(|l| match l {
                 LayerState::Attn(kv) => 2 * kv.capacity * kvd * self.kv_elem_bytes,
-                LayerState::Gdn { .. } => ((d.conv_kernel - 1) * d.conv_channels() + d.gdn_v_heads * d.gdn_v_dim * d.gdn_k_dim) * 4,
+                LayerState::Gdn { .. } => {
+                    ((d.conv_kernel - 1) * d.conv_channels()
+                        + d.gdn_v_heads * d.gdn_v_dim * d.gdn_k_dim)
+                        * 4
+                }
             })
             .sum()
     }
@@ -115,7 +141,10 @@ impl<B: Backend> GdnSnapshot<B> {
 
 /// Elements of one GDN layer's (conv, ssm) state.
 fn gdn_sizes(d: &Dims) -> (usize, usize) {
-    ((d.conv_kernel - 1) * d.conv_channels(), d.gdn_v_heads * d.gdn_v_dim * d.gdn_k_dim)
+    (
+        (d.conv_kernel - 1) * d.conv_channels(),
+        d.gdn_v_heads * d.gdn_v_dim * d.gdn_k_dim,
+    )
 }
 
 impl<B: Backend> SeqState<B> {
@@ -133,20 +162,30 @@ impl<B: Backend> SeqState<B> {
             }
         }
         let bytes = layers.len() * (nc + ns) * 4;
-        Ok(GdnSnapshot { pos: self.pos, layers, bytes })
+        Ok(GdnSnapshot {
+            pos: self.pos,
+            layers,
+            bytes,
+        })
     }
 
     /// Goes back to `snap.pos` (which must not be past the current position): the GDN state is
     /// copied back, the KV cache is cut back.
     pub fn restore(&mut self, b: &B, d: &Dims, snap: &GdnSnapshot<B>) -> Result<()> {
         if snap.pos > self.pos {
-            anyhow::bail!("cannot restore a snapshot at {} into a state at {}", snap.pos, self.pos);
+            anyhow::bail!(
+                "cannot restore a snapshot at {} into a state at {}",
+                snap.pos,
+                self.pos
+            );
         }
         let (nc, ns) = gdn_sizes(d);
         let mut it = snap.layers.iter();
         for l in &mut self.layers {
             if let LayerState::Gdn { conv, ssm } = l {
-                let (c, s) = it.next().ok_or_else(|| anyhow::anyhow!("snapshot has fewer GDN layers than the state"))?;
+                let (c, s) = it.next().ok_or_else(|| {
+                    anyhow::anyhow!("snapshot has fewer GDN layers than the state")
+                })?;
                 b.copy(c, 0, conv, 0, nc);
                 b.copy(s, 0, ssm, 0, ns);
             }

@@ -110,7 +110,12 @@ impl<B: Backend> Entry<B> {
         if self.state.pos <= limit {
             return self.state.pos;
         }
-        self.snaps.iter().rev().map(|s| s.pos).find(|&p| p <= limit).unwrap_or(0)
+        self.snaps
+            .iter()
+            .rev()
+            .map(|s| s.pos)
+            .find(|&p| p <= limit)
+            .unwrap_or(0)
     }
 
     fn nbytes(&self, d: &Dims) -> usize {
@@ -120,7 +125,12 @@ impl<B: Backend> Entry<B> {
 
 impl<B: Backend> PrefixCache<B> {
     pub fn new(cfg: CacheConfig) -> Self {
-        Self { cfg, entries: Vec::new(), stats: CacheStats::default(), clock: 0 }
+        Self {
+            cfg,
+            entries: Vec::new(),
+            stats: CacheStats::default(),
+            clock: 0,
+        }
     }
 
     pub fn stats(&self) -> CacheStats {
@@ -128,7 +138,13 @@ impl<B: Backend> PrefixCache<B> {
     }
 
     /// A state for `prompt`, resumed from the cache where possible (see the module docs).
-    pub fn acquire(&mut self, m: &Qwen35<B>, prompt: &[u32], key: Option<&str>, max_context: usize) -> Result<Lease<B>> {
+    pub fn acquire(
+        &mut self,
+        m: &Qwen35<B>,
+        prompt: &[u32],
+        key: Option<&str>,
+        max_context: usize,
+    ) -> Result<Lease<B>> {
         let key = key.map(str::to_string);
         let best = self
             .entries
@@ -139,7 +155,12 @@ impl<B: Backend> PrefixCache<B> {
             .max_by_key(|&(p, same, _)| (p, same));
         let Some((p, _, i)) = best else {
             self.stats.misses += 1;
-            return Ok(Lease { state: m.new_state(max_context)?, cached: 0, key, snaps: Vec::new() });
+            return Ok(Lease {
+                state: m.new_state(max_context)?,
+                cached: 0,
+                key,
+                snaps: Vec::new(),
+            });
         };
         self.stats.hits += 1;
         let e = &self.entries[i];
@@ -151,24 +172,42 @@ impl<B: Backend> PrefixCache<B> {
         let lease = if same_conversation {
             let mut e = self.entries.swap_remove(i);
             if p < e.state.pos {
-                let at = e.snaps.iter().position(|s| s.pos == p).expect("resume point is a snapshot");
+                let at = e
+                    .snaps
+                    .iter()
+                    .position(|s| s.pos == p)
+                    .expect("resume point is a snapshot");
                 e.state.restore(&m.backend, &m.dims, &e.snaps[at])?;
                 e.snaps.truncate(at + 1);
             }
             // The state's max context is the server's, whatever it was when cached.
             e.state.max_context = max_context;
-            Lease { state: e.state, cached: p, key, snaps: e.snaps }
+            Lease {
+                state: e.state,
+                cached: p,
+                key,
+                snaps: e.snaps,
+            }
         } else {
             let mut st = if p == e.state.pos {
                 let snap = e.state.snapshot(&m.backend, &m.dims)?;
                 e.state.fork(&m.backend, &m.cfg, &snap)?
             } else {
-                let snap = e.snaps.iter().find(|s| s.pos == p).expect("resume point is a snapshot");
+                let snap = e
+                    .snaps
+                    .iter()
+                    .find(|s| s.pos == p)
+                    .expect("resume point is a snapshot");
                 e.state.fork(&m.backend, &m.cfg, snap)?
             };
             st.max_context = max_context;
             self.entries[i].last_used = self.tick();
-            Lease { state: st, cached: p, key, snaps: Vec::new() }
+            Lease {
+                state: st,
+                cached: p,
+                key,
+                snaps: Vec::new(),
+            }
         };
         self.refresh_bytes(&m.dims);
         Ok(lease)
@@ -186,7 +225,11 @@ impl<B: Backend> PrefixCache<B> {
             self.refresh_bytes(&m.dims);
             return;
         }
-        let boundary = self.cfg.turn_start.and_then(|t| prompt.iter().rposition(|&x| x == t)).unwrap_or(0);
+        let boundary = self
+            .cfg
+            .turn_start
+            .and_then(|t| prompt.iter().rposition(|&x| x == t))
+            .unwrap_or(0);
         let last_used = self.tick();
         let mut snaps = lease.snaps;
         snaps.retain(|s| s.pos < lease.state.pos);
@@ -195,7 +238,14 @@ impl<B: Backend> PrefixCache<B> {
         if let Some(k) = &lease.key {
             self.entries.retain(|e| e.key.as_ref() != Some(k));
         }
-        self.entries.push(Entry { key: lease.key, ids, state: lease.state, snaps, boundary, last_used });
+        self.entries.push(Entry {
+            key: lease.key,
+            ids,
+            state: lease.state,
+            snaps,
+            boundary,
+            last_used,
+        });
         self.evict(&m.dims);
     }
 
@@ -208,7 +258,12 @@ impl<B: Backend> PrefixCache<B> {
                 break;
             }
             if self.entries.len() > 1 {
-                let (i, _) = self.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used).expect("non-empty");
+                let (i, _) = self
+                    .entries
+                    .iter()
+                    .enumerate()
+                    .min_by_key(|(_, e)| e.last_used)
+                    .expect("non-empty");
                 self.entries.swap_remove(i);
                 self.stats.evictions += 1;
             } else if !self.entries[0].snaps.is_empty() {
@@ -247,7 +302,12 @@ fn prune<B: Backend>(snaps: &mut Vec<GdnSnapshot<B>>, every: usize) {
 
 /// Positions (token counts) in `(cached, prompt.len() - 1]` where the prefill stops to take a
 /// snapshot, ascending: before each turn start, every `every` tokens, and one before the end.
-pub fn prefill_plan(prompt: &[u32], cached: usize, turn_start: Option<u32>, every: usize) -> Vec<usize> {
+pub fn prefill_plan(
+    prompt: &[u32],
+    cached: usize,
+    turn_start: Option<u32>,
+    every: usize,
+) -> Vec<usize> {
     let end = prompt.len().saturating_sub(1);
     let mut at: Vec<usize> = Vec::new();
     if let Some(t) = turn_start {
@@ -266,7 +326,12 @@ pub fn prefill_plan(prompt: &[u32], cached: usize, turn_start: Option<u32>, ever
 
 /// Prefills `prompt[state.pos .. last planned stop]` with a snapshot at every planned stop;
 /// afterwards `lease.state.pos` is where the generation loop takes over (it feeds the rest).
-pub fn prefill_with_snapshots<B: Backend>(m: &Qwen35<B>, lease: &mut Lease<B>, prompt: &[u32], cfg: &CacheConfig) -> Result<()> {
+pub fn prefill_with_snapshots<B: Backend>(
+    m: &Qwen35<B>,
+    lease: &mut Lease<B>,
+    prompt: &[u32],
+    cfg: &CacheConfig,
+) -> Result<()> {
     if cfg.budget == 0 {
         return Ok(());
     }
@@ -305,7 +370,12 @@ pub fn generate_cached<B: Backend>(
     g.stats.cached_tokens = lease.cached;
     g.stats.prefill_s += before;
     g.stats.first_token_s += before;
-    let held: Vec<u32> = prompt.iter().chain(&g.ids).copied().take(lease.state.pos).collect();
+    let held: Vec<u32> = prompt
+        .iter()
+        .chain(&g.ids)
+        .copied()
+        .take(lease.state.pos)
+        .collect();
     cache.release(m, lease, held, prompt);
     Ok(g)
 }

@@ -99,7 +99,15 @@ pub fn generate<B: Backend>(
     mut on_text: impl FnMut(&str),
 ) -> Result<Generation> {
     // The prompt is fed after what the state holds (an earlier turn); penalties see only it.
-    let req = GenRequest { prompt, cached: 0, sampling, stop, logprobs: None, forced: Forced::default(), cancel };
+    let req = GenRequest {
+        prompt,
+        cached: 0,
+        sampling,
+        stop,
+        logprobs: None,
+        forced: Forced::default(),
+        cancel,
+    };
     generate_from(m, st, tok, req, |e| {
         if !e.text.is_empty() {
             on_text(e.text)
@@ -118,7 +126,11 @@ pub fn generate_ex<B: Backend>(
     on_token: impl FnMut(TokenEvent<'_>) -> bool,
 ) -> Result<Generation> {
     if st.pos != req.cached {
-        bail!("generate: the state holds {} tokens but the request says {} are cached", st.pos, req.cached);
+        bail!(
+            "generate: the state holds {} tokens but the request says {} are cached",
+            st.pos,
+            req.cached
+        );
     }
     generate_from(m, st, tok, req, on_token)
 }
@@ -132,22 +144,42 @@ fn generate_from<B: Backend>(
     req: GenRequest<'_>,
     mut on_token: impl FnMut(TokenEvent<'_>) -> bool,
 ) -> Result<Generation> {
-    let GenRequest { prompt, cached, sampling, stop, logprobs, forced, cancel } = req;
+    let GenRequest {
+        prompt,
+        cached,
+        sampling,
+        stop,
+        logprobs,
+        forced,
+        cancel,
+    } = req;
     if prompt.is_empty() {
         bail!("generate: empty prompt");
     }
     if cached >= prompt.len() {
         // At least one prompt token must be fed to get the logits of the first new token.
-        bail!("generate: {cached} cached tokens leave nothing of the {}-token prompt to feed", prompt.len());
+        bail!(
+            "generate: {cached} cached tokens leave nothing of the {}-token prompt to feed",
+            prompt.len()
+        );
     }
     let base = st.pos - cached;
-    let mut stats = GenStats { prompt_tokens: prompt.len(), cached_tokens: cached, ..Default::default() };
+    let mut stats = GenStats {
+        prompt_tokens: prompt.len(),
+        cached_tokens: cached,
+        ..Default::default()
+    };
     let mut checker = StopChecker::new(stop, base + prompt.len());
     // The host sampler resolves the seed (an unseeded request draws one) and samples wherever
     // the backend does not.
     let mut sampler = Sampler::new(sampling.clone(), m.cfg.vocab_size)?;
     let mut dec = tok.stream_decoder();
-    let mut out = Generation { ids: Vec::new(), text: String::new(), finish: None, stats: GenStats::default() };
+    let mut out = Generation {
+        ids: Vec::new(),
+        text: String::new(),
+        finish: None,
+        stats: GenStats::default(),
+    };
     if let Some(f) = checker.check_start() {
         out.finish = Some(f);
         out.stats = stats;
@@ -158,7 +190,11 @@ fn generate_from<B: Backend>(
     // Where each token is picked: on the backend (plain greedy: its arg-max; otherwise its own
     // sampler, when it has one for these parameters), reading back only the token id and, when
     // asked, the log-probabilities; or on the host from the step's logits (1 MB per token).
-    let mut dev = if sampling.is_plain_greedy() { None } else { m.device_sampler(sampling, sampler.seed(), prompt)? };
+    let mut dev = if sampling.is_plain_greedy() {
+        None
+    } else {
+        m.device_sampler(sampling, sampler.seed(), prompt)?
+    };
     let on_backend = sampling.is_plain_greedy() || dev.is_some();
     let t0 = Instant::now();
     let first = m.forward(st, &prompt[cached..], Logits::Last, None)?;
@@ -175,7 +211,11 @@ fn generate_from<B: Backend>(
             let rest = checker.finish();
             if !rest.is_empty() {
                 out.text.push_str(&rest);
-                on_token(TokenEvent { id: None, text: &rest, logprob: None });
+                on_token(TokenEvent {
+                    id: None,
+                    text: &rest,
+                    logprob: None,
+                });
             }
             break;
         }
@@ -200,7 +240,13 @@ fn generate_from<B: Backend>(
             (f, Some(l)) => {
                 let raw = logprobs.map(|k| (top_logprobs(l, k), l.clone()));
                 let id = f.unwrap_or_else(|| sampler.sample_split(l, prompt, &out.ids));
-                let lp = raw.map(|((top, lse), raw)| (raw.get(id as usize).map_or(f32::NEG_INFINITY, |&x| (x as f64 - lse) as f32), top));
+                let lp = raw.map(|((top, lse), raw)| {
+                    (
+                        raw.get(id as usize)
+                            .map_or(f32::NEG_INFINITY, |&x| (x as f64 - lse) as f32),
+                        top,
+                    )
+                });
                 (id, false, lp)
             }
         };
@@ -240,7 +286,11 @@ fn generate_from<B: Backend>(
         }
         out.text.push_str(&text);
         let logprob = logprob.map(|(logprob, top)| TokenLogprob { logprob, top });
-        let go_on = on_token(TokenEvent { id: Some(id), text: &text, logprob });
+        let go_on = on_token(TokenEvent {
+            id: Some(id),
+            text: &text,
+            logprob,
+        });
         if let Some(f) = step.finish {
             out.finish = Some(f);
             break;

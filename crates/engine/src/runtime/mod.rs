@@ -19,7 +19,11 @@ pub fn load<B: Backend>(backend: B, dir: &Path) -> Result<Qwen35<B>> {
 }
 
 /// As [`load`], reporting `(layers placed, layers)` as the weights go to the backend.
-pub fn load_with_progress<B: Backend>(backend: B, dir: &Path, progress: &dyn Fn(usize, usize)) -> Result<Qwen35<B>> {
+pub fn load_with_progress<B: Backend>(
+    backend: B,
+    dir: &Path,
+    progress: &dyn Fn(usize, usize),
+) -> Result<Qwen35<B>> {
     let ck = Checkpoint::open(dir)?;
     Qwen35::new_with_progress(backend, ck.config, &ck.weights, progress)
 }
@@ -50,7 +54,10 @@ pub fn generate_greedy<B: Backend>(
     stop: &[u32],
     mut on_token: impl FnMut(u32),
 ) -> Result<(Vec<u32>, GenStats)> {
-    let mut stats = GenStats { prompt_tokens: prompt.len(), ..Default::default() };
+    let mut stats = GenStats {
+        prompt_tokens: prompt.len(),
+        ..Default::default()
+    };
     let t0 = std::time::Instant::now();
     let logits = m.forward(st, prompt, Logits::Last, None)?;
     stats.prefill_s = t0.elapsed().as_secs_f64();

@@ -119,7 +119,10 @@ impl SamplingParams {
     /// Greedy with every penalty off: the pick is the arg-max of the raw logits, which a backend
     /// can make itself (`Qwen35::decode` with `greedy`), never sending the logits to the host.
     pub fn is_plain_greedy(&self) -> bool {
-        self.is_greedy() && self.repetition_penalty == 1.0 && self.presence_penalty == 0.0 && self.frequency_penalty == 0.0
+        self.is_greedy()
+            && self.repetition_penalty == 1.0
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
     }
 
     /// Defaults from `DIR/generation_config.json`: `temperature`, `top_k`, `top_p`, `min_p`,
@@ -132,8 +135,10 @@ impl SamplingParams {
         if !p.exists() {
             return Ok(Self::default());
         }
-        let text = std::fs::read_to_string(&p).with_context(|| format!("{}: cannot read", p.display()))?;
-        let v: Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", p.display()))?;
+        let text =
+            std::fs::read_to_string(&p).with_context(|| format!("{}: cannot read", p.display()))?;
+        let v: Value = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not valid JSON", p.display()))?;
         Self::from_generation_config_json(&v).with_context(|| format!("{}", p.display()))
     }
 
@@ -142,10 +147,16 @@ impl SamplingParams {
         let num = |k: &str| -> Result<Option<f32>> {
             match v.get(k) {
                 None | Some(Value::Null) => Ok(None),
-                Some(x) => x.as_f64().map(|x| Some(x as f32)).ok_or_else(|| anyhow!("{k} must be a number, got {x}")),
+                Some(x) => x
+                    .as_f64()
+                    .map(|x| Some(x as f32))
+                    .ok_or_else(|| anyhow!("{k} must be a number, got {x}")),
             }
         };
-        let mut p = Self { temperature: 1.0, ..Self::default() };
+        let mut p = Self {
+            temperature: 1.0,
+            ..Self::default()
+        };
         if let Some(t) = num("temperature")? {
             p.temperature = t;
         }
@@ -231,7 +242,10 @@ impl SamplingParams {
         if !(r.is_finite() && r > 0.0) {
             bail!("repetition_penalty must be a finite number > 0, got {r}");
         }
-        for (name, x) in [("presence_penalty", self.presence_penalty), ("frequency_penalty", self.frequency_penalty)] {
+        for (name, x) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
             if !(-2.0..=2.0).contains(&x) {
                 bail!("{name} must be in [-2, 2], got {x}");
             }
@@ -246,7 +260,10 @@ fn entropy_seed() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering as AO};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
     h.write_u128(nanos);
     h.write_u64(COUNTER.fetch_add(1, AO::Relaxed));
     h.finish()
@@ -349,7 +366,15 @@ impl Sampler {
     pub fn new(params: SamplingParams, vocab: usize) -> Result<Self> {
         params.validate()?;
         let seed = params.seed.unwrap_or_else(entropy_seed);
-        Ok(Self { params, vocab, seed, rng: Rng::splitmix(seed), counts: Vec::new(), dense: Vec::new(), kept: Vec::new() })
+        Ok(Self {
+            params,
+            vocab,
+            seed,
+            rng: Rng::splitmix(seed),
+            counts: Vec::new(),
+            dense: Vec::new(),
+            kept: Vec::new(),
+        })
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -386,22 +411,50 @@ impl Sampler {
     /// nothing.
     pub fn distribution(&mut self, logits: &mut [f32], history: &[u32]) -> Vec<(u32, f64)> {
         self.penalise(logits, &[], history);
-        let k = if self.params.is_greedy() { None } else { self.truncate(logits) };
+        let k = if self.params.is_greedy() {
+            None
+        } else {
+            self.truncate(logits)
+        };
         let pairs: Vec<(u32, f32)> = match k {
             None => return vec![(argmax(logits), 1.0)],
-            Some(Kept::Dense(_)) => self.dense.iter().enumerate().filter(|(_, &w)| w > 0.0).map(|(i, &w)| (i as u32, w)).collect(),
-            Some(Kept::Sparse) => self.kept.iter().copied().filter(|&(_, w)| w > 0.0).collect(),
+            Some(Kept::Dense(_)) => self
+                .dense
+                .iter()
+                .enumerate()
+                .filter(|(_, &w)| w > 0.0)
+                .map(|(i, &w)| (i as u32, w))
+                .collect(),
+            Some(Kept::Sparse) => self
+                .kept
+                .iter()
+                .copied()
+                .filter(|&(_, w)| w > 0.0)
+                .collect(),
         };
         let total: f64 = pairs.iter().map(|&(_, w)| w as f64).sum();
-        pairs.into_iter().map(|(i, w)| (i, w as f64 / total)).collect()
+        pairs
+            .into_iter()
+            .map(|(i, w)| (i, w as f64 / total))
+            .collect()
     }
 
     /// Steps 1–2. O(len(prompt) + len(generated)); a vocab-sized count table is allocated on
     /// first use and left zeroed.
     fn penalise(&mut self, logits: &mut [f32], prompt: &[u32], generated: &[u32]) {
-        assert_eq!(logits.len(), self.vocab, "sampler: {} logits for a vocabulary of {}", logits.len(), self.vocab);
+        assert_eq!(
+            logits.len(),
+            self.vocab,
+            "sampler: {} logits for a vocabulary of {}",
+            logits.len(),
+            self.vocab
+        );
         let p = &self.params;
-        let (rep, pres, freq) = (p.repetition_penalty, p.presence_penalty, p.frequency_penalty);
+        let (rep, pres, freq) = (
+            p.repetition_penalty,
+            p.presence_penalty,
+            p.frequency_penalty,
+        );
         if rep == 1.0 && pres == 0.0 && freq == 0.0 {
             return;
         }
@@ -456,7 +509,9 @@ impl Sampler {
             let mut worst = f32::NEG_INFINITY; // logit of the heap's top once full
             for (i, &l) in logits.iter().enumerate() {
                 // Quick reject (also drops NaN); equal logits lose to the lower id already in.
-                if l.partial_cmp(&worst) != Some(Ordering::Greater) && (heap.len() == top_k || l.is_nan()) {
+                if l.partial_cmp(&worst) != Some(Ordering::Greater)
+                    && (heap.len() == top_k || l.is_nan())
+                {
                     continue;
                 }
                 let c = Cand { l, id: i as u32 };
@@ -475,7 +530,8 @@ impl Sampler {
                 return None;
             }
             // Step 4 on the k survivors.
-            self.kept.extend(top.iter().map(|c| (c.id, exp_weight((c.l - m) / t))));
+            self.kept
+                .extend(top.iter().map(|c| (c.id, exp_weight((c.l - m) / t))));
             // Step 6.
             if p.top_p < 1.0 {
                 self.kept.sort_unstable_by(by_weight);
@@ -510,7 +566,9 @@ impl Sampler {
             // so `(bits(1) - bits(w)) >> 20` is a bin of 1/8 octave, larger weights first. Find
             // the bin where the cumulative mass crosses top_p · Z; better bins are kept whole
             // and only that bin's tokens are sorted, to find the last token of the nucleus.
-            let bin = |w: f32| ((1.0f32.to_bits().saturating_sub(w.to_bits()) >> 20) as usize).min(BINS - 1);
+            let bin = |w: f32| {
+                ((1.0f32.to_bits().saturating_sub(w.to_bits()) >> 20) as usize).min(BINS - 1)
+            };
             let mut hist = vec![0.0f64; BINS];
             for &w in &self.dense {
                 hist[bin(w)] += w as f64;
@@ -524,7 +582,13 @@ impl Sampler {
                 }
                 cum += h;
             }
-            self.kept.extend(self.dense.iter().enumerate().filter(|&(_, &w)| w > 0.0 && bin(w) == cut_bin).map(|(i, &w)| (i as u32, w)));
+            self.kept.extend(
+                self.dense
+                    .iter()
+                    .enumerate()
+                    .filter(|&(_, &w)| w > 0.0 && bin(w) == cut_bin)
+                    .map(|(i, &w)| (i as u32, w)),
+            );
             self.kept.sort_unstable_by(by_weight);
             // (Empty only if rounding kept the total short of the target: keep all.)
             if let Some(&(mut ic, mut wc)) = self.kept.last() {
@@ -573,9 +637,10 @@ impl Sampler {
             last
         };
         match k {
-            Kept::Dense(total) => {
-                pick(&mut self.dense.iter().enumerate().map(|(i, &w)| (i as u32, w)), total)
-            }
+            Kept::Dense(total) => pick(
+                &mut self.dense.iter().enumerate().map(|(i, &w)| (i as u32, w)),
+                total,
+            ),
             Kept::Sparse => {
                 let total: f64 = self.kept.iter().map(|&(_, w)| w as f64).sum();
                 pick(&mut self.kept.iter().copied(), total)
@@ -586,8 +651,16 @@ impl Sampler {
 
 /// The `k` most likely ids with their log-probabilities, and log Σ exp(logits) (f64).
 pub fn top_logprobs(logits: &[f32], k: usize) -> (Vec<(u32, f32)>, f64) {
-    let max = logits.iter().copied().filter(|x| !x.is_nan()).fold(f32::NEG_INFINITY, f32::max) as f64;
-    let sum: f64 = logits.iter().filter(|x| !x.is_nan()).map(|&x| (x as f64 - max).exp()).sum();
+    let max = logits
+        .iter()
+        .copied()
+        .filter(|x| !x.is_nan())
+        .fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = logits
+        .iter()
+        .filter(|x| !x.is_nan())
+        .map(|&x| (x as f64 - max).exp())
+        .sum();
     let lse = max + sum.ln();
     // Partial selection: keep the k best in a small sorted list (k ≤ 20).
     let mut top: Vec<(u32, f32)> = Vec::with_capacity(k + 1);
@@ -601,14 +674,24 @@ pub fn top_logprobs(logits: &[f32], k: usize) -> (Vec<(u32, f32)>, f64) {
             top.truncate(k);
         }
     }
-    (top.into_iter().map(|(i, x)| (i, (x as f64 - lse) as f32)).collect(), lse)
+    (
+        top.into_iter()
+            .map(|(i, x)| (i, (x as f64 - lse) as f32))
+            .collect(),
+        lse,
+    )
 }
 
 /// `token`'s log-probability under the raw `logits` and the `n` most likely `(id, logprob)`
 /// ([`top_logprobs`]): what a response reports per token (`Backend::logprobs`).
 pub fn token_logprobs(logits: &[f32], token: u32, n: usize) -> (f32, Vec<(u32, f32)>) {
     let (top, lse) = top_logprobs(logits, n);
-    (logits.get(token as usize).map_or(f32::NEG_INFINITY, |&x| (x as f64 - lse) as f32), top)
+    (
+        logits
+            .get(token as usize)
+            .map_or(f32::NEG_INFINITY, |&x| (x as f64 - lse) as f32),
+        top,
+    )
 }
 
 /// Σ w in f64, in index order (the order the draw walks).
@@ -626,12 +709,18 @@ mod tests {
     use super::*;
 
     fn sampling(t: f32) -> SamplingParams {
-        SamplingParams { temperature: t, ..Default::default() }
+        SamplingParams {
+            temperature: t,
+            ..Default::default()
+        }
     }
 
     fn softmax(l: &[f32], t: f32) -> Vec<f64> {
         let m = l.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-        let e: Vec<f64> = l.iter().map(|&x| ((x as f64 - m) / t as f64).exp()).collect();
+        let e: Vec<f64> = l
+            .iter()
+            .map(|&x| ((x as f64 - m) / t as f64).exp())
+            .collect();
         let z: f64 = e.iter().sum();
         e.iter().map(|x| x / z).collect()
     }
@@ -639,7 +728,9 @@ mod tests {
     /// Pseudo-random logits in [-scale, scale].
     fn logits(n: usize, seed: u64, scale: f32) -> Vec<f32> {
         let mut r = Rng::splitmix(seed);
-        (0..n).map(|_| (r.next_f64() as f32 * 2.0 - 1.0) * scale).collect()
+        (0..n)
+            .map(|_| (r.next_f64() as f32 * 2.0 - 1.0) * scale)
+            .collect()
     }
 
     fn sample_once(p: SamplingParams, l: &[f32], hist: &[u32]) -> u32 {
@@ -693,9 +784,17 @@ mod tests {
     fn seed_reproducible_and_seeds_differ() {
         let l = logits(500, 1, 2.0);
         let run = |seed| {
-            let p = SamplingParams { temperature: 1.0, top_k: 50, top_p: 0.9, seed: Some(seed), ..Default::default() };
+            let p = SamplingParams {
+                temperature: 1.0,
+                top_k: 50,
+                top_p: 0.9,
+                seed: Some(seed),
+                ..Default::default()
+            };
             let mut s = Sampler::new(p, l.len()).unwrap();
-            (0..64).map(|_| s.sample(&mut l.clone(), &[])).collect::<Vec<_>>()
+            (0..64)
+                .map(|_| s.sample(&mut l.clone(), &[]))
+                .collect::<Vec<_>>()
         };
         assert_eq!(run(42), run(42));
         assert_ne!(run(42), run(43));
@@ -713,9 +812,19 @@ mod tests {
         for seed in 0..20 {
             let l = logits(300, seed, 3.0);
             let want = argmax(&l);
-            let k1 = SamplingParams { temperature: 5.0, top_k: 1, seed: Some(seed), ..Default::default() };
+            let k1 = SamplingParams {
+                temperature: 5.0,
+                top_k: 1,
+                seed: Some(seed),
+                ..Default::default()
+            };
             assert_eq!(sample_once(k1, &l, &[]), want);
-            let p0 = SamplingParams { temperature: 5.0, top_p: 1e-6, seed: Some(seed), ..Default::default() };
+            let p0 = SamplingParams {
+                temperature: 5.0,
+                top_p: 1e-6,
+                seed: Some(seed),
+                ..Default::default()
+            };
             assert_eq!(sample_once(p0.clone(), &l, &[]), want);
             let p0k = SamplingParams { top_k: 40, ..p0 };
             assert_eq!(sample_once(p0k, &l, &[]), want);
@@ -725,7 +834,15 @@ mod tests {
     #[test]
     fn top_k_keeps_k_best() {
         let l = [1.0, 5.0, 3.0, 4.0, 2.0, 4.0];
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 3, ..Default::default() }, 6).unwrap();
+        let mut s = Sampler::new(
+            SamplingParams {
+                temperature: 1.0,
+                top_k: 3,
+                ..Default::default()
+            },
+            6,
+        )
+        .unwrap();
         let d = s.distribution(&mut l.to_vec(), &[]);
         // 5, 4, 4: the tie at 4 keeps both (ids 3 and 5); the third best is id 3 or 5 by id order.
         assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3, 5]);
@@ -733,7 +850,15 @@ mod tests {
         for (x, w) in d.iter().zip(want) {
             assert!((x.1 - w).abs() < 1e-6);
         }
-        let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_k: 2, ..Default::default() }, 6).unwrap();
+        let mut s = Sampler::new(
+            SamplingParams {
+                temperature: 1.0,
+                top_k: 2,
+                ..Default::default()
+            },
+            6,
+        )
+        .unwrap();
         let d = s.distribution(&mut l.to_vec(), &[]);
         assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![1, 3]);
     }
@@ -742,11 +867,28 @@ mod tests {
     fn top_p_nucleus() {
         // Probabilities 0.5, 0.25, 0.125, 0.125 (logits = ln p).
         // A fifth token of weight 0 lets top_k 4 take the heap path (top_k < vocab).
-        let l: Vec<f32> = [0.5f32, 0.25, 0.125, 0.125, 0.0].iter().map(|p| p.ln()).collect();
-        for (top_p, n) in [(0.49, 1), (0.51, 2), (0.74, 2), (0.8, 3), (0.9, 4), (1.0, 4)] {
+        let l: Vec<f32> = [0.5f32, 0.25, 0.125, 0.125, 0.0]
+            .iter()
+            .map(|p| p.ln())
+            .collect();
+        for (top_p, n) in [
+            (0.49, 1),
+            (0.51, 2),
+            (0.74, 2),
+            (0.8, 3),
+            (0.9, 4),
+            (1.0, 4),
+        ] {
             for top_k in [0, 4] {
-                let p = SamplingParams { temperature: 1.0, top_p, top_k, ..Default::default() };
-                let d = Sampler::new(p, 5).unwrap().distribution(&mut l.clone(), &[]);
+                let p = SamplingParams {
+                    temperature: 1.0,
+                    top_p,
+                    top_k,
+                    ..Default::default()
+                };
+                let d = Sampler::new(p, 5)
+                    .unwrap()
+                    .distribution(&mut l.clone(), &[]);
                 assert_eq!(d.len(), n, "top_p {top_p} top_k {top_k}");
             }
         }
@@ -758,9 +900,20 @@ mod tests {
         let mut l = vec![0.25f32; 11];
         l[10] = f32::NEG_INFINITY;
         for top_k in [0, 10] {
-            let p = SamplingParams { temperature: 0.8, top_p: 0.5, top_k, ..Default::default() };
-            let d = Sampler::new(p, 11).unwrap().distribution(&mut l.clone(), &[]);
-            assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1, 2, 3, 4], "top_k {top_k}");
+            let p = SamplingParams {
+                temperature: 0.8,
+                top_p: 0.5,
+                top_k,
+                ..Default::default()
+            };
+            let d = Sampler::new(p, 11)
+                .unwrap()
+                .distribution(&mut l.clone(), &[]);
+            assert_eq!(
+                d.iter().map(|x| x.0).collect::<Vec<_>>(),
+                vec![0, 1, 2, 3, 4],
+                "top_k {top_k}"
+            );
             assert!(d.iter().all(|x| (x.1 - 0.2).abs() < 1e-9));
         }
     }
@@ -770,14 +923,35 @@ mod tests {
         // p ∝ 1, 0.5, 0.2, 0.05: min_p 0.25 keeps the first two.
         let l: Vec<f32> = [1.0f32, 0.5, 0.2, 0.05].iter().map(|p| p.ln()).collect();
         for (top_k, top_p) in [(0, 1.0), (0, 0.99), (3, 1.0)] {
-            let p = SamplingParams { temperature: 1.0, min_p: 0.25, top_k, top_p, ..Default::default() };
-            let d = Sampler::new(p, 4).unwrap().distribution(&mut l.clone(), &[]);
-            assert_eq!(d.iter().map(|x| x.0).collect::<Vec<_>>(), vec![0, 1], "top_k {top_k} top_p {top_p}");
+            let p = SamplingParams {
+                temperature: 1.0,
+                min_p: 0.25,
+                top_k,
+                top_p,
+                ..Default::default()
+            };
+            let d = Sampler::new(p, 4)
+                .unwrap()
+                .distribution(&mut l.clone(), &[]);
+            assert_eq!(
+                d.iter().map(|x| x.0).collect::<Vec<_>>(),
+                vec![0, 1],
+                "top_k {top_k} top_p {top_p}"
+            );
             assert!((d[0].1 - 2.0 / 3.0).abs() < 1e-6);
         }
         // min_p 1 is greedy.
-        let p = SamplingParams { temperature: 1.0, min_p: 1.0, ..Default::default() };
-        assert_eq!(Sampler::new(p, 4).unwrap().distribution(&mut l.clone(), &[]), vec![(0, 1.0)]);
+        let p = SamplingParams {
+            temperature: 1.0,
+            min_p: 1.0,
+            ..Default::default()
+        };
+        assert_eq!(
+            Sampler::new(p, 4)
+                .unwrap()
+                .distribution(&mut l.clone(), &[]),
+            vec![(0, 1.0)]
+        );
     }
 
     /// The truncation against a brute-force reference (full sort, the documented definition)
@@ -787,11 +961,27 @@ mod tests {
         for seed in 0..40u64 {
             let n = 2000;
             let l = logits(n, seed, 1.0 + seed as f32);
-            for &(t, top_k, top_p, min_p) in
-                &[(1.0, 0, 0.9, 0.0), (0.7, 0, 0.5, 0.0), (1.3, 50, 0.95, 0.0), (1.0, 0, 0.95, 0.05), (2.0, 500, 0.8, 0.01), (0.5, 0, 1.0, 0.1)]
-            {
-                let p = SamplingParams { temperature: t, top_k, top_p, min_p, ..Default::default() };
-                let got: Vec<u32> = Sampler::new(p, n).unwrap().distribution(&mut l.clone(), &[]).iter().map(|x| x.0).collect();
+            for &(t, top_k, top_p, min_p) in &[
+                (1.0, 0, 0.9, 0.0),
+                (0.7, 0, 0.5, 0.0),
+                (1.3, 50, 0.95, 0.0),
+                (1.0, 0, 0.95, 0.05),
+                (2.0, 500, 0.8, 0.01),
+                (0.5, 0, 1.0, 0.1),
+            ] {
+                let p = SamplingParams {
+                    temperature: t,
+                    top_k,
+                    top_p,
+                    min_p,
+                    ..Default::default()
+                };
+                let got: Vec<u32> = Sampler::new(p, n)
+                    .unwrap()
+                    .distribution(&mut l.clone(), &[])
+                    .iter()
+                    .map(|x| x.0)
+                    .collect();
                 let mut order: Vec<u32> = (0..n as u32).collect();
                 order.sort_by(|&a, &b| l[b as usize].total_cmp(&l[a as usize]).then(a.cmp(&b)));
                 if top_k > 0 {
@@ -810,7 +1000,10 @@ mod tests {
                     }
                 }
                 keep.sort();
-                assert_eq!(got, keep, "seed {seed} t {t} top_k {top_k} top_p {top_p} min_p {min_p}");
+                assert_eq!(
+                    got, keep,
+                    "seed {seed} t {t} top_k {top_k} top_p {top_p} min_p {min_p}"
+                );
             }
         }
     }
@@ -819,7 +1012,10 @@ mod tests {
     fn repetition_penalty() {
         // Token 0 (positive) is divided, token 2 (negative) multiplied.
         let mut l = vec![2.0, 1.5, -1.0, -1.5];
-        let p = SamplingParams { repetition_penalty: 2.0, ..Default::default() };
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
         let mut s = Sampler::new(p, 4).unwrap();
         assert_eq!(s.sample(&mut l, &[0, 2, 0]), 1);
         assert_eq!(l, vec![1.0, 1.5, -2.0, -1.5]);
@@ -840,21 +1036,49 @@ mod tests {
         let close = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| (x - y).abs() < 1e-5);
         // Presence: -1 once for each seen token.
         let mut l = base.clone();
-        let mut s = Sampler::new(SamplingParams { presence_penalty: 1.0, ..Default::default() }, 4).unwrap();
+        let mut s = Sampler::new(
+            SamplingParams {
+                presence_penalty: 1.0,
+                ..Default::default()
+            },
+            4,
+        )
+        .unwrap();
         assert_eq!(s.sample(&mut l, &hist), 2);
         assert!(close(&l, &[2.0, 1.5, 2.1, 0.0]), "{l:?}");
         // Frequency: -0.3 per occurrence (presence 0.3 would keep token 0 first).
         let mut l = base.clone();
-        let mut s = Sampler::new(SamplingParams { frequency_penalty: 0.3, ..Default::default() }, 4).unwrap();
+        let mut s = Sampler::new(
+            SamplingParams {
+                frequency_penalty: 0.3,
+                ..Default::default()
+            },
+            4,
+        )
+        .unwrap();
         assert_eq!(s.sample(&mut l, &hist), 1);
         assert!(close(&l, &[2.1, 2.2, 2.1, 0.0]), "{l:?}");
         // Negative presence encourages repetition.
         let mut l = vec![1.0, 0.5, 0.2, 0.8];
-        let mut s = Sampler::new(SamplingParams { presence_penalty: -1.0, ..Default::default() }, 4).unwrap();
+        let mut s = Sampler::new(
+            SamplingParams {
+                presence_penalty: -1.0,
+                ..Default::default()
+            },
+            4,
+        )
+        .unwrap();
         assert_eq!(s.sample(&mut l, &[3]), 3);
         // vLLM split: presence/frequency ignore the prompt.
         let mut l = base.clone();
-        let mut s = Sampler::new(SamplingParams { presence_penalty: 1.0, ..Default::default() }, 4).unwrap();
+        let mut s = Sampler::new(
+            SamplingParams {
+                presence_penalty: 1.0,
+                ..Default::default()
+            },
+            4,
+        )
+        .unwrap();
         assert_eq!(s.sample_split(&mut l, &[0, 1], &[]), 0);
         assert_eq!(l, base);
         // Out-of-range ids are ignored.
@@ -875,7 +1099,16 @@ mod tests {
         // Plain, and through the top-p histogram path with a top_p that keeps every token
         // (the smallest probability is 0.0087 > 1 - 0.999).
         for top_p in [1.0, 0.999] {
-            let mut s = Sampler::new(SamplingParams { temperature: 1.0, top_p, seed: Some(123), ..Default::default() }, 8).unwrap();
+            let mut s = Sampler::new(
+                SamplingParams {
+                    temperature: 1.0,
+                    top_p,
+                    seed: Some(123),
+                    ..Default::default()
+                },
+                8,
+            )
+            .unwrap();
             let mut count = [0usize; 8];
             for _ in 0..n {
                 count[s.sample(&mut l.to_vec(), &[]) as usize] += 1;
@@ -883,14 +1116,27 @@ mod tests {
             let mut chi2 = 0.0;
             for i in 0..8 {
                 let f = count[i] as f64 / n as f64;
-                assert!((f - want[i]).abs() <= 0.015, "token {i}: {f} vs {}", want[i]);
+                assert!(
+                    (f - want[i]).abs() <= 0.015,
+                    "token {i}: {f} vs {}",
+                    want[i]
+                );
                 let e = want[i] * n as f64;
                 chi2 += (count[i] as f64 - e).powi(2) / e;
             }
             assert!(chi2 < 24.3, "chi2 {chi2}");
         }
         // Temperature 2 with top-k 4: the renormalised softmax of the 4 best at T=2.
-        let mut s = Sampler::new(SamplingParams { temperature: 2.0, top_k: 4, seed: Some(9), ..Default::default() }, 8).unwrap();
+        let mut s = Sampler::new(
+            SamplingParams {
+                temperature: 2.0,
+                top_k: 4,
+                seed: Some(9),
+                ..Default::default()
+            },
+            8,
+        )
+        .unwrap();
         let best = [3usize, 6, 0, 4];
         let want = softmax(&best.map(|i| l[i]), 2.0);
         let mut count = [0usize; 8];
@@ -900,7 +1146,10 @@ mod tests {
         for (j, &i) in best.iter().enumerate() {
             assert!((count[i] as f64 / n as f64 - want[j]).abs() <= 0.015);
         }
-        assert_eq!(count.iter().sum::<usize>(), best.iter().map(|&i| count[i]).sum::<usize>());
+        assert_eq!(
+            count.iter().sum::<usize>(),
+            best.iter().map(|&i| count[i]).sum::<usize>()
+        );
     }
 
     #[test]
@@ -908,16 +1157,76 @@ mod tests {
         let ok = SamplingParams::default();
         assert!(ok.validate().is_ok());
         let bad = [
-            (SamplingParams { temperature: -0.1, ..ok.clone() }, "temperature"),
-            (SamplingParams { temperature: f32::NAN, ..ok.clone() }, "temperature"),
-            (SamplingParams { temperature: f32::INFINITY, ..ok.clone() }, "temperature"),
-            (SamplingParams { top_p: 0.0, ..ok.clone() }, "top_p"),
-            (SamplingParams { top_p: 1.01, ..ok.clone() }, "top_p"),
-            (SamplingParams { min_p: -0.1, ..ok.clone() }, "min_p"),
-            (SamplingParams { min_p: f32::NAN, ..ok.clone() }, "min_p"),
-            (SamplingParams { repetition_penalty: 0.0, ..ok.clone() }, "repetition_penalty"),
-            (SamplingParams { presence_penalty: 2.5, ..ok.clone() }, "presence_penalty"),
-            (SamplingParams { frequency_penalty: f32::NAN, ..ok.clone() }, "frequency_penalty"),
+            (
+                SamplingParams {
+                    temperature: -0.1,
+                    ..ok.clone()
+                },
+                "temperature",
+            ),
+            (
+                SamplingParams {
+                    temperature: f32::NAN,
+                    ..ok.clone()
+                },
+                "temperature",
+            ),
+            (
+                SamplingParams {
+                    temperature: f32::INFINITY,
+                    ..ok.clone()
+                },
+                "temperature",
+            ),
+            (
+                SamplingParams {
+                    top_p: 0.0,
+                    ..ok.clone()
+                },
+                "top_p",
+            ),
+            (
+                SamplingParams {
+                    top_p: 1.01,
+                    ..ok.clone()
+                },
+                "top_p",
+            ),
+            (
+                SamplingParams {
+                    min_p: -0.1,
+                    ..ok.clone()
+                },
+                "min_p",
+            ),
+            (
+                SamplingParams {
+                    min_p: f32::NAN,
+                    ..ok.clone()
+                },
+                "min_p",
+            ),
+            (
+                SamplingParams {
+                    repetition_penalty: 0.0,
+                    ..ok.clone()
+                },
+                "repetition_penalty",
+            ),
+            (
+                SamplingParams {
+                    presence_penalty: 2.5,
+                    ..ok.clone()
+                },
+                "presence_penalty",
+            ),
+            (
+                SamplingParams {
+                    frequency_penalty: f32::NAN,
+                    ..ok.clone()
+                },
+                "frequency_penalty",
+            ),
         ];
         for (p, field) in bad {
             let e = p.validate().unwrap_err().to_string();
@@ -930,40 +1239,104 @@ mod tests {
     fn generation_config_and_overrides() {
         let dir = tempfile::tempdir().unwrap();
         // No file: greedy.
-        assert_eq!(SamplingParams::from_generation_config(dir.path()).unwrap(), SamplingParams::default());
+        assert_eq!(
+            SamplingParams::from_generation_config(dir.path()).unwrap(),
+            SamplingParams::default()
+        );
         std::fs::write(
             dir.path().join("generation_config.json"),
             r#"{"bos_token_id": 1, "do_sample": true, "eos_token_id": [2, 3], "temperature": 1.0, "top_k": 20, "top_p": 0.95}"#,
         )
         .unwrap();
         let g = SamplingParams::from_generation_config(dir.path()).unwrap();
-        let want = SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.95, ..Default::default() };
+        let want = SamplingParams {
+            temperature: 1.0,
+            top_k: 20,
+            top_p: 0.95,
+            ..Default::default()
+        };
         assert_eq!(g, want);
         // Missing fields are neutral; do_sample false is greedy; bad values are errors.
-        let j = |s: &str| SamplingParams::from_generation_config_json(&serde_json::from_str(s).unwrap());
-        assert_eq!(j("{}").unwrap(), SamplingParams { temperature: 1.0, ..Default::default() });
-        assert!(j(r#"{"do_sample": false, "temperature": 0.7}"#).unwrap().is_greedy());
-        assert_eq!(j(r#"{"top_k": -1, "min_p": 0.05, "repetition_penalty": 1.1}"#).unwrap().top_k, 0);
-        assert!(j(r#"{"top_p": 0}"#).unwrap_err().to_string().contains("top_p"));
-        assert!(j(r#"{"temperature": "hot"}"#).unwrap_err().to_string().contains("temperature"));
+        let j = |s: &str| {
+            SamplingParams::from_generation_config_json(&serde_json::from_str(s).unwrap())
+        };
+        assert_eq!(
+            j("{}").unwrap(),
+            SamplingParams {
+                temperature: 1.0,
+                ..Default::default()
+            }
+        );
+        assert!(j(r#"{"do_sample": false, "temperature": 0.7}"#)
+            .unwrap()
+            .is_greedy());
+        assert_eq!(
+            j(r#"{"top_k": -1, "min_p": 0.05, "repetition_penalty": 1.1}"#)
+                .unwrap()
+                .top_k,
+            0
+        );
+        assert!(j(r#"{"top_p": 0}"#)
+            .unwrap_err()
+            .to_string()
+            .contains("top_p"));
+        assert!(j(r#"{"temperature": "hot"}"#)
+            .unwrap_err()
+            .to_string()
+            .contains("temperature"));
         // Overrides from a request body.
-        let o: SamplingOverrides = serde_json::from_str(r#"{"temperature": 0.6, "top_k": -1, "seed": 7, "presence_penalty": 1.5}"#).unwrap();
+        let o: SamplingOverrides = serde_json::from_str(
+            r#"{"temperature": 0.6, "top_k": -1, "seed": 7, "presence_penalty": 1.5}"#,
+        )
+        .unwrap();
         let m = g.with_overrides(&o).unwrap();
-        assert_eq!(m, SamplingParams { temperature: 0.6, top_k: 0, top_p: 0.95, presence_penalty: 1.5, seed: Some(7), ..Default::default() });
+        assert_eq!(
+            m,
+            SamplingParams {
+                temperature: 0.6,
+                top_k: 0,
+                top_p: 0.95,
+                presence_penalty: 1.5,
+                seed: Some(7),
+                ..Default::default()
+            }
+        );
         assert_eq!(g.with_overrides(&SamplingOverrides::default()).unwrap(), g);
-        let o = SamplingOverrides { top_k: Some(-2), ..Default::default() };
-        assert!(g.with_overrides(&o).unwrap_err().to_string().contains("top_k"));
-        let o = SamplingOverrides { top_p: Some(2.0), ..Default::default() };
-        assert!(g.with_overrides(&o).unwrap_err().to_string().contains("top_p"));
+        let o = SamplingOverrides {
+            top_k: Some(-2),
+            ..Default::default()
+        };
+        assert!(g
+            .with_overrides(&o)
+            .unwrap_err()
+            .to_string()
+            .contains("top_k"));
+        let o = SamplingOverrides {
+            top_p: Some(2.0),
+            ..Default::default()
+        };
+        assert!(g
+            .with_overrides(&o)
+            .unwrap_err()
+            .to_string()
+            .contains("top_p"));
     }
 
     #[test]
     fn degenerate_logits() {
-        let p = SamplingParams { temperature: 1.0, top_p: 0.9, seed: Some(1), ..Default::default() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            top_p: 0.9,
+            seed: Some(1),
+            ..Default::default()
+        };
         let mut s = Sampler::new(p, 4).unwrap();
         assert_eq!(s.sample(&mut [f32::NEG_INFINITY; 4], &[]), 0);
         assert_eq!(s.sample(&mut [f32::NAN; 4], &[]), 0);
-        assert_eq!(s.sample(&mut [0.0, f32::INFINITY, 1.0, f32::INFINITY], &[]), 1);
+        assert_eq!(
+            s.sample(&mut [0.0, f32::INFINITY, 1.0, f32::INFINITY], &[]),
+            1
+        );
         // Masked (-inf) and NaN tokens are never drawn.
         for _ in 0..200 {
             let t = s.sample(&mut [f32::NEG_INFINITY, 0.0, f32::NAN, 0.0], &[]);
@@ -979,11 +1352,49 @@ mod tests {
         let hist: Vec<u32> = (0..2000u32).map(|i| (i * 7919) % v as u32).collect();
         let configs = [
             ("greedy", SamplingParams::default()),
-            ("T=1", SamplingParams { temperature: 1.0, ..Default::default() }),
-            ("qwen T=1 k=20 p=.95", SamplingParams { temperature: 1.0, top_k: 20, top_p: 0.95, ..Default::default() }),
-            ("T=1 p=.95", SamplingParams { temperature: 1.0, top_p: 0.95, ..Default::default() }),
-            ("T=1 p=.95 min_p=.05", SamplingParams { temperature: 1.0, top_p: 0.95, min_p: 0.05, ..Default::default() }),
-            ("k=20 + penalties (2000 hist)", SamplingParams { temperature: 1.0, top_k: 20, presence_penalty: 1.5, repetition_penalty: 1.1, ..Default::default() }),
+            (
+                "T=1",
+                SamplingParams {
+                    temperature: 1.0,
+                    ..Default::default()
+                },
+            ),
+            (
+                "qwen T=1 k=20 p=.95",
+                SamplingParams {
+                    temperature: 1.0,
+                    top_k: 20,
+                    top_p: 0.95,
+                    ..Default::default()
+                },
+            ),
+            (
+                "T=1 p=.95",
+                SamplingParams {
+                    temperature: 1.0,
+                    top_p: 0.95,
+                    ..Default::default()
+                },
+            ),
+            (
+                "T=1 p=.95 min_p=.05",
+                SamplingParams {
+                    temperature: 1.0,
+                    top_p: 0.95,
+                    min_p: 0.05,
+                    ..Default::default()
+                },
+            ),
+            (
+                "k=20 + penalties (2000 hist)",
+                SamplingParams {
+                    temperature: 1.0,
+                    top_k: 20,
+                    presence_penalty: 1.5,
+                    repetition_penalty: 1.1,
+                    ..Default::default()
+                },
+            ),
         ];
         for (name, p) in configs {
             let mut s = Sampler::new(SamplingParams { seed: Some(5), ..p }, v).unwrap();
@@ -996,7 +1407,10 @@ mod tests {
                 std::hint::black_box(s.sample(&mut buf, &hist));
                 best = best.min(t0.elapsed().as_secs_f64());
             }
-            eprintln!("sampler 248320 vocab, {name}: {:.0} µs/sample (best of 20)", best * 1e6);
+            eprintln!(
+                "sampler 248320 vocab, {name}: {:.0} µs/sample (best of 20)",
+                best * 1e6
+            );
         }
     }
 }

@@ -35,7 +35,10 @@ pub struct StopRules {
 impl StopRules {
     /// No stop ids or strings, no token budget.
     pub fn new(max_context: usize) -> Self {
-        Self { max_context, ..Default::default() }
+        Self {
+            max_context,
+            ..Default::default()
+        }
     }
 
     /// Empty stop strings are refused (they would match at once).
@@ -97,7 +100,14 @@ impl StopChecker {
     /// Empty stop strings are dropped (see [`StopRules::validate`]).
     pub fn new(mut rules: StopRules, prompt_len: usize) -> Self {
         rules.stop_strings.retain(|s| !s.is_empty());
-        Self { rules, prompt_len, generated: 0, held: String::new(), finished: None, done: false }
+        Self {
+            rules,
+            prompt_len,
+            generated: 0,
+            held: String::new(),
+            finished: None,
+            done: false,
+        }
     }
 
     /// Whether generation must not start at all: `max_tokens` 0 (`Length`) or a prompt that
@@ -116,7 +126,10 @@ impl StopChecker {
     /// after [`Self::finish`]), further calls return empty steps with the same reason.
     pub fn push(&mut self, id: u32, piece: &str) -> Step {
         if self.done {
-            return Step { text: String::new(), finish: self.finished.clone() };
+            return Step {
+                text: String::new(),
+                finish: self.finished.clone(),
+            };
         }
         self.generated += 1;
         if self.rules.stop_ids.contains(&id) {
@@ -129,7 +142,9 @@ impl StopChecker {
             if let Some(at) = self.held.find(s.as_str()) {
                 let better = match best {
                     None => true,
-                    Some((b, j)) => at < b || (at == b && s.len() < self.rules.stop_strings[j].len()),
+                    Some((b, j)) => {
+                        at < b || (at == b && s.len() < self.rules.stop_strings[j].len())
+                    }
                 };
                 if better {
                     best = Some((at, k));
@@ -142,7 +157,10 @@ impl StopChecker {
             let s = self.rules.stop_strings[k].clone();
             self.finished = Some(FinishReason::Stop(StopKind::String(s)));
             self.done = true;
-            return Step { text, finish: self.finished.clone() };
+            return Step {
+                text,
+                finish: self.finished.clone(),
+            };
         }
         if self.rules.max_tokens.is_some_and(|m| self.generated >= m) {
             return self.end(FinishReason::Length);
@@ -161,7 +179,10 @@ impl StopChecker {
     /// before it enqueues the next step, ahead of detokenizing.
     pub fn ends_at(&self, id: u32) -> bool {
         let n = self.generated + 1;
-        self.done || self.rules.stop_ids.contains(&id) || self.rules.max_tokens.is_some_and(|m| n >= m) || self.prompt_len + n >= self.rules.max_context
+        self.done
+            || self.rules.stop_ids.contains(&id)
+            || self.rules.max_tokens.is_some_and(|m| n >= m)
+            || self.prompt_len + n >= self.rules.max_context
     }
 
     /// Ends the generation for a reason of the caller's (cancelled, error; the finish reason
@@ -192,20 +213,34 @@ impl StopChecker {
     fn end(&mut self, f: FinishReason) -> Step {
         self.finished = Some(f.clone());
         self.done = true;
-        Step { text: std::mem::take(&mut self.held), finish: Some(f) }
+        Step {
+            text: std::mem::take(&mut self.held),
+            finish: Some(f),
+        }
     }
 
     /// Byte offset where the held-back suffix starts: the longest suffix of `held` that is a
     /// proper prefix of a stop string, on a character boundary; `held.len()` if none.
     fn hold_from(&self) -> usize {
-        let longest = self.rules.stop_strings.iter().map(String::len).max().unwrap_or(0);
+        let longest = self
+            .rules
+            .stop_strings
+            .iter()
+            .map(String::len)
+            .max()
+            .unwrap_or(0);
         let h = &self.held;
         for (i, _) in h.char_indices() {
             if h.len() - i >= longest {
                 continue;
             }
             let tail = &h[i..];
-            if self.rules.stop_strings.iter().any(|s| s.len() > tail.len() && s.starts_with(tail)) {
+            if self
+                .rules
+                .stop_strings
+                .iter()
+                .any(|s| s.len() > tail.len() && s.starts_with(tail))
+            {
                 return i;
             }
         }
@@ -218,7 +253,12 @@ mod tests {
     use super::*;
 
     fn rules(stops: &[&str]) -> StopRules {
-        StopRules { stop_ids: vec![0], stop_strings: stops.iter().map(|s| s.to_string()).collect(), max_tokens: None, max_context: 1000 }
+        StopRules {
+            stop_ids: vec![0],
+            stop_strings: stops.iter().map(|s| s.to_string()).collect(),
+            max_tokens: None,
+            max_context: 1000,
+        }
     }
 
     /// Feeds pieces (ids 10, 11, …); returns the emitted text per step and the finish reason.
@@ -242,7 +282,10 @@ mod tests {
 
     #[test]
     fn stop_string_split_over_three_pieces() {
-        let (out, f) = run(rules(&["<END>"]), &["Hello <", "EN", "D> trailing", "never"]);
+        let (out, f) = run(
+            rules(&["<END>"]),
+            &["Hello <", "EN", "D> trailing", "never"],
+        );
         assert_eq!(out, vec!["Hello ", "", ""]);
         assert_eq!(f, stop_str("<END>"));
         // Text after the stop string in the same piece, and before it, is handled.
@@ -297,7 +340,13 @@ mod tests {
         let mut c = StopChecker::new(rules(&["<END>"]), 5);
         assert_eq!(c.push(10, "hi <EN").text, "hi ");
         let s = c.push(0, "<|im_end|>");
-        assert_eq!(s, Step { text: "<EN".into(), finish: Some(FinishReason::Stop(StopKind::Id(0))) });
+        assert_eq!(
+            s,
+            Step {
+                text: "<EN".into(),
+                finish: Some(FinishReason::Stop(StopKind::Id(0)))
+            }
+        );
         assert_eq!(c.generated(), 2);
         assert_eq!(c.push(11, "more").text, "");
         assert_eq!(c.finish_reason().unwrap().openai(), "stop");
@@ -305,33 +354,70 @@ mod tests {
 
     #[test]
     fn max_tokens() {
-        let r = StopRules { max_tokens: Some(3), ..rules(&["<END>"]) };
+        let r = StopRules {
+            max_tokens: Some(3),
+            ..rules(&["<END>"])
+        };
         let mut c = StopChecker::new(r.clone(), 5);
         assert_eq!(c.check_start(), None);
         assert_eq!(c.push(10, "a").finish, None);
         assert_eq!(c.push(11, "b").finish, None);
         // The held "<E" is released at the end.
-        assert_eq!(c.push(12, "c<E"), Step { text: "c<E".into(), finish: Some(FinishReason::Length) });
+        assert_eq!(
+            c.push(12, "c<E"),
+            Step {
+                text: "c<E".into(),
+                finish: Some(FinishReason::Length)
+            }
+        );
         // A stop string in the last token still wins.
         let mut c = StopChecker::new(r, 5);
         c.push(10, "a");
         c.push(11, "b");
         assert_eq!(c.push(12, "<END>").finish, stop_str("<END>"));
-        let c = StopChecker::new(StopRules { max_tokens: Some(0), ..rules(&[]) }, 5);
+        let c = StopChecker::new(
+            StopRules {
+                max_tokens: Some(0),
+                ..rules(&[])
+            },
+            5,
+        );
         assert_eq!(c.check_start(), Some(FinishReason::Length));
     }
 
     #[test]
     fn context_full() {
-        let r = StopRules { max_context: 7, ..rules(&[]) };
+        let r = StopRules {
+            max_context: 7,
+            ..rules(&[])
+        };
         let mut c = StopChecker::new(r.clone(), 5);
-        assert_eq!(c.push(10, "a"), Step { text: "a".into(), finish: None });
+        assert_eq!(
+            c.push(10, "a"),
+            Step {
+                text: "a".into(),
+                finish: None
+            }
+        );
         let s = c.push(11, "b");
-        assert_eq!(s, Step { text: "b".into(), finish: Some(FinishReason::ContextFull) });
+        assert_eq!(
+            s,
+            Step {
+                text: "b".into(),
+                finish: Some(FinishReason::ContextFull)
+            }
+        );
         assert_eq!(s.finish.unwrap().openai(), "length");
-        assert_eq!(StopChecker::new(r, 7).check_start(), Some(FinishReason::ContextFull));
+        assert_eq!(
+            StopChecker::new(r, 7).check_start(),
+            Some(FinishReason::ContextFull)
+        );
         // max_tokens reached at the same step reports Length.
-        let r = StopRules { max_context: 7, max_tokens: Some(2), ..rules(&[]) };
+        let r = StopRules {
+            max_context: 7,
+            max_tokens: Some(2),
+            ..rules(&[])
+        };
         let mut c = StopChecker::new(r, 5);
         c.push(10, "a");
         assert_eq!(c.push(11, "b").finish, Some(FinishReason::Length));
@@ -349,7 +435,12 @@ mod tests {
 
     #[test]
     fn validation_and_no_stop_strings() {
-        assert!(StopRules { stop_strings: vec!["".into()], ..rules(&[]) }.validate().is_err());
+        assert!(StopRules {
+            stop_strings: vec!["".into()],
+            ..rules(&[])
+        }
+        .validate()
+        .is_err());
         assert!(rules(&["x"]).validate().is_ok());
         let (out, f) = run(rules(&[]), &["a", "b"]);
         assert_eq!(out, vec!["a", "b", ""]);

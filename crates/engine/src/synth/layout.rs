@@ -6,7 +6,10 @@ use std::collections::BTreeMap;
 
 use crate::config::{Config, QuantSpec};
 
-use super::plan::{Gen, Plan, QK_NORM_LEVEL, RMS_ATTN_OUT, RMS_GDN_OUT, RMS_SWIGLU, ROUTED_SHARE, SHARED_GATE_OFFSET, SHARED_SHARE};
+use super::plan::{
+    Gen, Plan, QK_NORM_LEVEL, RMS_ATTN_OUT, RMS_GDN_OUT, RMS_SWIGLU, ROUTED_SHARE,
+    SHARED_GATE_OFFSET, SHARED_SHARE,
+};
 use super::rng::name_id;
 
 /// Element type of a stored tensor.
@@ -50,7 +53,11 @@ pub struct Module {
 #[derive(Clone, Debug)]
 pub enum Kind {
     /// A linear layer `[n?, out, in]`: quantized (`weight`, `scales`, `biases`) or bf16 `weight`.
-    Linear { lead: Option<usize>, out: usize, quant: Option<QuantSpec> },
+    Linear {
+        lead: Option<usize>,
+        out: usize,
+        quant: Option<QuantSpec>,
+    },
     /// A plain tensor of this shape and dtype (norms, conv, A_log, dt_bias).
     Plain { shape: Vec<usize>, dtype: StDtype },
 }
@@ -76,15 +83,47 @@ impl Module {
     /// The tensors this module stores.
     pub fn stored(&self, index: usize) -> Vec<Stored> {
         match &self.kind {
-            Kind::Plain { shape, dtype } => vec![Stored { name: self.path.clone(), dtype: *dtype, shape: shape.clone(), module: index, part: 0 }],
+            Kind::Plain { shape, dtype } => vec![Stored {
+                name: self.path.clone(),
+                dtype: *dtype,
+                shape: shape.clone(),
+                module: index,
+                part: 0,
+            }],
             Kind::Linear { lead, out, quant } => {
-                let dims = |last: usize| -> Vec<usize> { lead.iter().copied().chain([*out, last]).collect() };
+                let dims = |last: usize| -> Vec<usize> {
+                    lead.iter().copied().chain([*out, last]).collect()
+                };
                 match quant {
-                    None => vec![Stored { name: format!("{}.weight", self.path), dtype: StDtype::BF16, shape: dims(self.cols), module: index, part: 0 }],
+                    None => vec![Stored {
+                        name: format!("{}.weight", self.path),
+                        dtype: StDtype::BF16,
+                        shape: dims(self.cols),
+                        module: index,
+                        part: 0,
+                    }],
                     Some(q) => vec![
-                        Stored { name: format!("{}.weight", self.path), dtype: StDtype::U32, shape: dims(self.cols * q.bits as usize / 32), module: index, part: 0 },
-                        Stored { name: format!("{}.scales", self.path), dtype: StDtype::BF16, shape: dims(self.cols / q.group_size), module: index, part: 1 },
-                        Stored { name: format!("{}.biases", self.path), dtype: StDtype::BF16, shape: dims(self.cols / q.group_size), module: index, part: 2 },
+                        Stored {
+                            name: format!("{}.weight", self.path),
+                            dtype: StDtype::U32,
+                            shape: dims(self.cols * q.bits as usize / 32),
+                            module: index,
+                            part: 0,
+                        },
+                        Stored {
+                            name: format!("{}.scales", self.path),
+                            dtype: StDtype::BF16,
+                            shape: dims(self.cols / q.group_size),
+                            module: index,
+                            part: 1,
+                        },
+                        Stored {
+                            name: format!("{}.biases", self.path),
+                            dtype: StDtype::BF16,
+                            shape: dims(self.cols / q.group_size),
+                            module: index,
+                            part: 2,
+                        },
                     ],
                 }
             }
@@ -99,62 +138,283 @@ pub fn modules(cfg: &Config, plan: &Plan) -> Vec<Module> {
     let sqd = (d as f32).sqrt();
     let res = plan.sublayer_rms;
     let mut v = Vec::new();
-    let lin = |v: &mut Vec<Module>, path: String, lead: Option<usize>, out: usize, inp: usize, gen: Gen| {
+    let lin = |v: &mut Vec<Module>,
+               path: String,
+               lead: Option<usize>,
+               out: usize,
+               inp: usize,
+               gen: Gen| {
         let quant = c.quantization.spec_for(&path);
-        v.push(Module { id: name_id(&path), gen, rows: lead.unwrap_or(1) * out, cols: inp, kind: Kind::Linear { lead, out, quant }, path });
+        v.push(Module {
+            id: name_id(&path),
+            gen,
+            rows: lead.unwrap_or(1) * out,
+            cols: inp,
+            kind: Kind::Linear { lead, out, quant },
+            path,
+        });
     };
     let plain = |v: &mut Vec<Module>, path: String, shape: Vec<usize>, dtype: StDtype, gen: Gen| {
         let cols = *shape.get(1).unwrap_or(&shape[0]);
         let rows = if shape.len() > 1 { shape[0] } else { 1 };
-        v.push(Module { id: name_id(&path), gen, rows, cols, kind: Kind::Plain { shape, dtype }, path });
+        v.push(Module {
+            id: name_id(&path),
+            gen,
+            rows,
+            cols,
+            kind: Kind::Plain { shape, dtype },
+            path,
+        });
     };
-    let input = |std: f32| Gen::Dense { std, writer: false, out: 1 };
-    let writer = |std: f32, out: usize| Gen::Dense { std, writer: true, out };
+    let input = |std: f32| Gen::Dense {
+        std,
+        writer: false,
+        out: 1,
+    };
+    let writer = |std: f32, out: usize| Gen::Dense {
+        std,
+        writer: true,
+        out,
+    };
     let norm1 = Gen::Norm { level: 1.0 };
 
-    lin(&mut v, "language_model.model.embed_tokens".into(), None, c.vocab_size, d, Gen::Embed);
+    lin(
+        &mut v,
+        "language_model.model.embed_tokens".into(),
+        None,
+        c.vocab_size,
+        d,
+        Gen::Embed,
+    );
     for l in 0..c.num_hidden_layers {
         let p = format!("language_model.model.layers.{l}");
-        plain(&mut v, format!("{p}.input_layernorm.weight"), vec![d], StDtype::BF16, norm1);
+        plain(
+            &mut v,
+            format!("{p}.input_layernorm.weight"),
+            vec![d],
+            StDtype::BF16,
+            norm1,
+        );
         if c.layer_is_attention[l] {
             let a = format!("{p}.self_attn");
             let (qd, kvd, hd) = (c.attn_q_dim(), c.attn_kv_dim(), c.head_dim);
-            lin(&mut v, format!("{a}.q_proj"), None, 2 * qd, d, input(1.0 / sqd));
-            lin(&mut v, format!("{a}.k_proj"), None, kvd, d, input(1.0 / sqd));
-            lin(&mut v, format!("{a}.v_proj"), None, kvd, d, input(1.0 / sqd));
-            lin(&mut v, format!("{a}.o_proj"), None, d, qd, writer(res / (RMS_ATTN_OUT * (qd as f32).sqrt()), d));
-            plain(&mut v, format!("{a}.q_norm.weight"), vec![hd], StDtype::BF16, Gen::Norm { level: QK_NORM_LEVEL });
-            plain(&mut v, format!("{a}.k_norm.weight"), vec![hd], StDtype::BF16, Gen::Norm { level: QK_NORM_LEVEL });
+            lin(
+                &mut v,
+                format!("{a}.q_proj"),
+                None,
+                2 * qd,
+                d,
+                input(1.0 / sqd),
+            );
+            lin(
+                &mut v,
+                format!("{a}.k_proj"),
+                None,
+                kvd,
+                d,
+                input(1.0 / sqd),
+            );
+            lin(
+                &mut v,
+                format!("{a}.v_proj"),
+                None,
+                kvd,
+                d,
+                input(1.0 / sqd),
+            );
+            lin(
+                &mut v,
+                format!("{a}.o_proj"),
+                None,
+                d,
+                qd,
+                writer(res / (RMS_ATTN_OUT * (qd as f32).sqrt()), d),
+            );
+            plain(
+                &mut v,
+                format!("{a}.q_norm.weight"),
+                vec![hd],
+                StDtype::BF16,
+                Gen::Norm {
+                    level: QK_NORM_LEVEL,
+                },
+            );
+            plain(
+                &mut v,
+                format!("{a}.k_norm.weight"),
+                vec![hd],
+                StDtype::BF16,
+                Gen::Norm {
+                    level: QK_NORM_LEVEL,
+                },
+            );
         } else {
             let g = format!("{p}.linear_attn");
-            let (cd, vd, hv, k) = (c.gdn_qkv_dim(), c.gdn_v_dim(), c.linear_num_value_heads, c.linear_conv_kernel_dim);
-            lin(&mut v, format!("{g}.in_proj_qkv"), None, cd, d, input(1.0 / sqd));
-            lin(&mut v, format!("{g}.in_proj_z"), None, vd, d, input(1.0 / sqd));
-            lin(&mut v, format!("{g}.in_proj_b"), None, hv, d, Gen::GdnB { layer: l });
+            let (cd, vd, hv, k) = (
+                c.gdn_qkv_dim(),
+                c.gdn_v_dim(),
+                c.linear_num_value_heads,
+                c.linear_conv_kernel_dim,
+            );
+            lin(
+                &mut v,
+                format!("{g}.in_proj_qkv"),
+                None,
+                cd,
+                d,
+                input(1.0 / sqd),
+            );
+            lin(
+                &mut v,
+                format!("{g}.in_proj_z"),
+                None,
+                vd,
+                d,
+                input(1.0 / sqd),
+            );
+            lin(
+                &mut v,
+                format!("{g}.in_proj_b"),
+                None,
+                hv,
+                d,
+                Gen::GdnB { layer: l },
+            );
             lin(&mut v, format!("{g}.in_proj_a"), None, hv, d, Gen::GdnA);
-            plain(&mut v, format!("{g}.conv1d.weight"), vec![cd, k, 1], StDtype::BF16, Gen::Conv);
-            plain(&mut v, format!("{g}.A_log"), vec![hv], StDtype::F32, Gen::ALog { layer: l });
-            plain(&mut v, format!("{g}.dt_bias"), vec![hv], StDtype::BF16, Gen::DtBias { layer: l });
-            plain(&mut v, format!("{g}.norm.weight"), vec![c.linear_value_head_dim], StDtype::BF16, norm1);
-            lin(&mut v, format!("{g}.out_proj"), None, d, vd, writer(res / (RMS_GDN_OUT * (vd as f32).sqrt()), d));
+            plain(
+                &mut v,
+                format!("{g}.conv1d.weight"),
+                vec![cd, k, 1],
+                StDtype::BF16,
+                Gen::Conv,
+            );
+            plain(
+                &mut v,
+                format!("{g}.A_log"),
+                vec![hv],
+                StDtype::F32,
+                Gen::ALog { layer: l },
+            );
+            plain(
+                &mut v,
+                format!("{g}.dt_bias"),
+                vec![hv],
+                StDtype::BF16,
+                Gen::DtBias { layer: l },
+            );
+            plain(
+                &mut v,
+                format!("{g}.norm.weight"),
+                vec![c.linear_value_head_dim],
+                StDtype::BF16,
+                norm1,
+            );
+            lin(
+                &mut v,
+                format!("{g}.out_proj"),
+                None,
+                d,
+                vd,
+                writer(res / (RMS_GDN_OUT * (vd as f32).sqrt()), d),
+            );
         }
-        plain(&mut v, format!("{p}.post_attention_layernorm.weight"), vec![d], StDtype::BF16, norm1);
+        plain(
+            &mut v,
+            format!("{p}.post_attention_layernorm.weight"),
+            vec![d],
+            StDtype::BF16,
+            norm1,
+        );
         let m = format!("{p}.mlp");
-        let (e, k, f, fs) = (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size, c.shared_expert_intermediate_size);
-        lin(&mut v, format!("{m}.gate"), None, e, d, Gen::Router { layer: l });
-        lin(&mut v, format!("{m}.switch_mlp.gate_proj"), Some(e), f, d, input(1.0 / sqd));
-        lin(&mut v, format!("{m}.switch_mlp.up_proj"), Some(e), f, d, input(1.0 / sqd));
+        let (e, k, f, fs) = (
+            c.num_experts,
+            c.num_experts_per_tok,
+            c.moe_intermediate_size,
+            c.shared_expert_intermediate_size,
+        );
+        lin(
+            &mut v,
+            format!("{m}.gate"),
+            None,
+            e,
+            d,
+            Gen::Router { layer: l },
+        );
+        lin(
+            &mut v,
+            format!("{m}.switch_mlp.gate_proj"),
+            Some(e),
+            f,
+            d,
+            input(1.0 / sqd),
+        );
+        lin(
+            &mut v,
+            format!("{m}.switch_mlp.up_proj"),
+            Some(e),
+            f,
+            d,
+            input(1.0 / sqd),
+        );
         let routed = res * ROUTED_SHARE * (k as f32).sqrt() / (RMS_SWIGLU * (f as f32).sqrt());
-        lin(&mut v, format!("{m}.switch_mlp.down_proj"), Some(e), d, f, writer(routed, d));
-        lin(&mut v, format!("{m}.shared_expert.gate_proj"), None, fs, d, input(1.0 / sqd));
-        lin(&mut v, format!("{m}.shared_expert.up_proj"), None, fs, d, input(1.0 / sqd));
+        lin(
+            &mut v,
+            format!("{m}.switch_mlp.down_proj"),
+            Some(e),
+            d,
+            f,
+            writer(routed, d),
+        );
+        lin(
+            &mut v,
+            format!("{m}.shared_expert.gate_proj"),
+            None,
+            fs,
+            d,
+            input(1.0 / sqd),
+        );
+        lin(
+            &mut v,
+            format!("{m}.shared_expert.up_proj"),
+            None,
+            fs,
+            d,
+            input(1.0 / sqd),
+        );
         let sigmoid_mean = 1.0 / (1.0 + (-SHARED_GATE_OFFSET).exp());
         let shared = res * SHARED_SHARE / (sigmoid_mean * RMS_SWIGLU * (fs as f32).sqrt());
-        lin(&mut v, format!("{m}.shared_expert.down_proj"), None, d, fs, writer(shared, d));
-        lin(&mut v, format!("{m}.shared_expert_gate"), None, 1, d, Gen::SharedGate);
+        lin(
+            &mut v,
+            format!("{m}.shared_expert.down_proj"),
+            None,
+            d,
+            fs,
+            writer(shared, d),
+        );
+        lin(
+            &mut v,
+            format!("{m}.shared_expert_gate"),
+            None,
+            1,
+            d,
+            Gen::SharedGate,
+        );
     }
-    plain(&mut v, "language_model.model.norm.weight".into(), vec![d], StDtype::BF16, norm1);
-    lin(&mut v, "language_model.lm_head".into(), None, c.vocab_size, d, Gen::LmHead);
+    plain(
+        &mut v,
+        "language_model.model.norm.weight".into(),
+        vec![d],
+        StDtype::BF16,
+        norm1,
+    );
+    lin(
+        &mut v,
+        "language_model.lm_head".into(),
+        None,
+        c.vocab_size,
+        d,
+        Gen::LmHead,
+    );
     v
 }
 
@@ -207,9 +467,17 @@ pub fn shards(modules: &[Module], max_bytes: u64) -> Vec<Shard> {
                     (s, o)
                 })
                 .collect();
-            let file = if n == 1 { "model.safetensors".to_string() } else { format!("model-{:05}-of-{:05}.safetensors", i + 1, n) };
+            let file = if n == 1 {
+                "model.safetensors".to_string()
+            } else {
+                format!("model-{:05}-of-{:05}.safetensors", i + 1, n)
+            };
             let header = header_bytes(&tensors);
-            Shard { file, tensors, header }
+            Shard {
+                file,
+                tensors,
+                header,
+            }
         })
         .collect()
 }

@@ -130,7 +130,13 @@ fn shape(
         max_position_embeddings: 262_144,
         norm_topk_prob: true,
         layer_is_attention: vec![],
-        quantization: Quantization { default: Some(QuantSpec { bits: 4, group_size: 64 }), overrides: Default::default() },
+        quantization: Quantization {
+            default: Some(QuantSpec {
+                bits: 4,
+                group_size: 64,
+            }),
+            overrides: Default::default(),
+        },
     };
     relayout(&mut c, 8);
     c
@@ -138,19 +144,33 @@ fn shape(
 
 /// Recomputes `layer_is_attention` and the 8-bit gate overrides (`gate_bits`) for every layer.
 fn relayout(c: &mut Config, gate_bits: u32) {
-    c.layer_is_attention = (0..c.num_hidden_layers).map(|i| (i + 1) % c.full_attention_interval.max(1) == 0).collect();
+    c.layer_is_attention = (0..c.num_hidden_layers)
+        .map(|i| (i + 1) % c.full_attention_interval.max(1) == 0)
+        .collect();
     c.quantization.overrides.clear();
     if let Some(d) = c.quantization.default {
         for i in 0..c.num_hidden_layers {
             for m in ["mlp.gate", "mlp.shared_expert_gate"] {
-                c.quantization.overrides.insert(format!("model.layers.{i}.{m}"), Some(QuantSpec { bits: gate_bits, group_size: d.group_size }));
+                c.quantization.overrides.insert(
+                    format!("model.layers.{i}.{m}"),
+                    Some(QuantSpec {
+                        bits: gate_bits,
+                        group_size: d.group_size,
+                    }),
+                );
             }
         }
     }
 }
 
 fn gate_bits(c: &Config) -> u32 {
-    c.quantization.overrides.values().flatten().map(|s| s.bits).next().unwrap_or(8)
+    c.quantization
+        .overrides
+        .values()
+        .flatten()
+        .map(|s| s.bits)
+        .next()
+        .unwrap_or(8)
 }
 
 /// A named configuration: `tiny`, `small`, `cpu-bench` or `qwen3.6-35b-a3b` (alias `full`).
@@ -159,8 +179,18 @@ pub fn preset(name: &str) -> Result<Config> {
         "tiny" => shape(128, 4, (2, 1, 64), (2, 4, 32), (8, 2, 64), 1024 + 64),
         "small" => shape(512, 8, (4, 2, 128), (4, 8, 64), (32, 4, 256), 4096 + 64),
         "cpu-bench" => shape(1024, 8, (8, 2, 256), (8, 16, 128), (64, 8, 512), 248_320),
-        "qwen3.6-35b-a3b" | "full" => shape(2048, 40, (16, 2, 256), (16, 32, 128), (256, 8, 512), 248_320),
-        _ => bail!("unknown synth preset `{name}` (known: {})", PRESETS.join(", ")),
+        "qwen3.6-35b-a3b" | "full" => shape(
+            2048,
+            40,
+            (16, 2, 256),
+            (16, 32, 128),
+            (256, 8, 512),
+            248_320,
+        ),
+        _ => bail!(
+            "unknown synth preset `{name}` (known: {})",
+            PRESETS.join(", ")
+        ),
     })
 }
 
@@ -184,7 +214,12 @@ const USIZE_FIELDS: &[&str] = &[
     "max_position_embeddings",
 ];
 const F64_FIELDS: &[&str] = &["partial_rotary_factor", "rope_theta", "rms_norm_eps"];
-const BOOL_FIELDS: &[&str] = &["attn_output_gate", "tie_word_embeddings", "norm_topk_prob", "quantize"];
+const BOOL_FIELDS: &[&str] = &[
+    "attn_output_gate",
+    "tie_word_embeddings",
+    "norm_topk_prob",
+    "quantize",
+];
 const QUANT_FIELDS: &[&str] = &["bits", "group_size", "gate_bits"];
 
 /// Applies one `--set field=value` override (config.json field names; plus `bits`, `group_size`,
@@ -195,9 +230,15 @@ pub fn apply_set(cfg: &mut Config, assignment: &str) -> Result<()> {
         bail!("--set `{assignment}`: expected FIELD=VALUE");
     };
     let (key, val) = (key.trim(), val.trim());
-    let int = || -> Result<usize> { val.parse::<usize>().with_context(|| format!("--set {key}={val}: expected a non-negative integer")) };
+    let int = || -> Result<usize> {
+        val.parse::<usize>()
+            .with_context(|| format!("--set {key}={val}: expected a non-negative integer"))
+    };
     let num = || -> Result<f64> {
-        val.parse::<f64>().ok().filter(|x| x.is_finite()).with_context(|| format!("--set {key}={val}: expected a number"))
+        val.parse::<f64>()
+            .ok()
+            .filter(|x| x.is_finite())
+            .with_context(|| format!("--set {key}={val}: expected a number"))
     };
     let boolean = || -> Result<bool> {
         match val {
@@ -257,7 +298,14 @@ pub fn apply_set(cfg: &mut Config, assignment: &str) -> Result<()> {
                 "tie_word_embeddings" => c.tie_word_embeddings = v,
                 "norm_topk_prob" => c.norm_topk_prob = v,
                 _ => {
-                    c.quantization.default = if v { Some(c.quantization.default.unwrap_or(QuantSpec { bits: 4, group_size: 64 })) } else { None };
+                    c.quantization.default = if v {
+                        Some(c.quantization.default.unwrap_or(QuantSpec {
+                            bits: 4,
+                            group_size: 64,
+                        }))
+                    } else {
+                        None
+                    };
                     relay = true;
                 }
             }
@@ -265,7 +313,9 @@ pub fn apply_set(cfg: &mut Config, assignment: &str) -> Result<()> {
         k if QUANT_FIELDS.contains(&k) => {
             let v = int()? as u32;
             let Some(d) = c.quantization.default.as_mut() else {
-                bail!("--set {key}={val}: the checkpoint is not quantized (set quantize=true first)");
+                bail!(
+                    "--set {key}={val}: the checkpoint is not quantized (set quantize=true first)"
+                );
             };
             match k {
                 "bits" => d.bits = v,
@@ -294,16 +344,30 @@ pub fn apply_set(cfg: &mut Config, assignment: &str) -> Result<()> {
 pub fn validate(c: &Config) -> Result<()> {
     c.validate()?;
     if c.hidden_size < 32 {
-        bail!("hidden_size {} is too small for a synthetic checkpoint (at least 32)", c.hidden_size);
+        bail!(
+            "hidden_size {} is too small for a synthetic checkpoint (at least 32)",
+            c.hidden_size
+        );
     }
     let n_add = tokenizer::n_added();
     if c.vocab_size < 256 + 32 + n_add {
-        bail!("vocab_size {} is too small for the synthetic tokenizer (at least {})", c.vocab_size, 256 + 32 + n_add);
+        bail!(
+            "vocab_size {} is too small for the synthetic tokenizer (at least {})",
+            c.vocab_size,
+            256 + 32 + n_add
+        );
     }
-    let specs = c.quantization.default.into_iter().chain(c.quantization.overrides.values().flatten().copied());
+    let specs = c
+        .quantization
+        .default
+        .into_iter()
+        .chain(c.quantization.overrides.values().flatten().copied());
     for q in specs {
         if q.group_size != 64 {
-            bail!("quantization group_size {} is not supported (64)", q.group_size);
+            bail!(
+                "quantization group_size {} is not supported (64)",
+                q.group_size
+            );
         }
         if !matches!(q.bits, 4 | 8) {
             bail!("quantization: {}-bit is not supported (4 or 8)", q.bits);
@@ -335,7 +399,13 @@ struct Unit {
 }
 
 /// Generates and writes one unit; returns the bytes written.
-fn run_unit(plan: &Plan, m: &layout::Module, u: &Unit, files: &[File], places: &[(usize, u64)]) -> Result<u64> {
+fn run_unit(
+    plan: &Plan,
+    m: &layout::Module,
+    u: &Unit,
+    files: &[File],
+    places: &[(usize, u64)],
+) -> Result<u64> {
     let cols = m.cols;
     let nrows = u.rows.len();
     let mut vals = vec![0f32; nrows * cols];
@@ -344,11 +414,14 @@ fn run_unit(plan: &Plan, m: &layout::Module, u: &Unit, files: &[File], places: &
     }
     let put = |part: usize, bytes: &[u8], elem_offset_bytes: u64| -> Result<()> {
         let (shard, base) = places[part];
-        write_at(&files[shard], bytes, base + elem_offset_bytes).with_context(|| format!("writing `{}`", m.path))
+        write_at(&files[shard], bytes, base + elem_offset_bytes)
+            .with_context(|| format!("writing `{}`", m.path))
     };
     let bf16 = |v: &[f32]| -> Vec<u8> {
         let mut b = vec![0u8; v.len() * 2];
-        b.chunks_exact_mut(2).zip(v).for_each(|(d, &x)| d.copy_from_slice(&quant::bf16_bits(x).to_le_bytes()));
+        b.chunks_exact_mut(2)
+            .zip(v)
+            .for_each(|(d, &x)| d.copy_from_slice(&quant::bf16_bits(x).to_le_bytes()));
         b
     };
     let r0 = u.rows.start as u64;
@@ -369,46 +442,84 @@ fn run_unit(plan: &Plan, m: &layout::Module, u: &Unit, files: &[File], places: &
                 biases.extend(p.bias.to_le_bytes());
             }
             let mut wb = vec![0u8; words.len() * 4];
-            wb.chunks_exact_mut(4).zip(&words).for_each(|(d, w)| d.copy_from_slice(&w.to_le_bytes()));
+            wb.chunks_exact_mut(4)
+                .zip(&words)
+                .for_each(|(d, w)| d.copy_from_slice(&w.to_le_bytes()));
             put(0, &wb, r0 * wpr as u64 * 4)?;
             put(1, &scales, r0 * gpr as u64 * 2)?;
             put(2, &biases, r0 * gpr as u64 * 2)?;
             (wb.len() + scales.len() + biases.len()) as u64
         }
-        layout::Kind::Linear { quant: None, .. } | layout::Kind::Plain { dtype: StDtype::BF16, .. } => {
+        layout::Kind::Linear { quant: None, .. }
+        | layout::Kind::Plain {
+            dtype: StDtype::BF16,
+            ..
+        } => {
             let b = bf16(&vals);
             put(0, &b, r0 * cols as u64 * 2)?;
             b.len() as u64
         }
-        layout::Kind::Plain { dtype: StDtype::F32, .. } => {
+        layout::Kind::Plain {
+            dtype: StDtype::F32,
+            ..
+        } => {
             let mut b = vec![0u8; vals.len() * 4];
-            b.chunks_exact_mut(4).zip(&vals).for_each(|(d, x)| d.copy_from_slice(&x.to_le_bytes()));
+            b.chunks_exact_mut(4)
+                .zip(&vals)
+                .for_each(|(d, x)| d.copy_from_slice(&x.to_le_bytes()));
             put(0, &b, r0 * cols as u64 * 4)?;
             b.len() as u64
         }
-        layout::Kind::Plain { dtype: StDtype::U32, .. } => bail!("internal: plain U32 tensor `{}`", m.path),
+        layout::Kind::Plain {
+            dtype: StDtype::U32,
+            ..
+        } => bail!("internal: plain U32 tensor `{}`", m.path),
     })
 }
 
 /// Writes a synthetic checkpoint of `cfg` into `dir` (created if needed; an older checkpoint's
 /// safetensors there are replaced). `progress(done, total)` is called on the calling thread with
 /// safetensors bytes written so far.
-pub fn write_checkpoint(cfg: &Config, dir: &Path, seed: u64, progress: &dyn Fn(u64, u64)) -> Result<SynthReport> {
+pub fn write_checkpoint(
+    cfg: &Config,
+    dir: &Path,
+    seed: u64,
+    progress: &dyn Fn(u64, u64),
+) -> Result<SynthReport> {
     write_with(cfg, dir, seed, progress, SHARD_BYTES)
 }
 
-fn write_with(cfg: &Config, dir: &Path, seed: u64, progress: &dyn Fn(u64, u64), shard_bytes: u64) -> Result<SynthReport> {
+fn write_with(
+    cfg: &Config,
+    dir: &Path,
+    seed: u64,
+    progress: &dyn Fn(u64, u64),
+    shard_bytes: u64,
+) -> Result<SynthReport> {
     let t0 = Instant::now();
     validate(cfg)?;
     std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
-    for e in std::fs::read_dir(dir).with_context(|| format!("{}: cannot list", dir.display()))?.flatten() {
+    for e in std::fs::read_dir(dir)
+        .with_context(|| format!("{}: cannot list", dir.display()))?
+        .flatten()
+    {
         let name = e.file_name().to_string_lossy().to_string();
-        if name == "model.safetensors.index.json" || (name.starts_with("model") && name.ends_with(".safetensors")) {
-            std::fs::remove_file(e.path()).with_context(|| format!("{}: cannot remove the old file", e.path().display()))?;
+        if name == "model.safetensors.index.json"
+            || (name.starts_with("model") && name.ends_with(".safetensors"))
+        {
+            std::fs::remove_file(e.path())
+                .with_context(|| format!("{}: cannot remove the old file", e.path().display()))?;
         }
     }
     let vocab = Vocab::build(cfg.vocab_size)?;
-    let plan = Plan::new(cfg, seed, VocabInfo { n_text: vocab.n_text, im_end: vocab.im_end() });
+    let plan = Plan::new(
+        cfg,
+        seed,
+        VocabInfo {
+            n_text: vocab.n_text,
+            im_end: vocab.im_end(),
+        },
+    );
     let modules = layout::modules(cfg, &plan);
     let shards = layout::shards(&modules, shard_bytes);
 
@@ -420,7 +531,8 @@ fn write_with(cfg: &Config, dir: &Path, seed: u64, progress: &dyn Fn(u64, u64), 
     for (si, s) in shards.iter().enumerate() {
         let p = dir.join(&s.file);
         let f = File::create(&p).with_context(|| format!("{}: cannot create", p.display()))?;
-        f.set_len(s.file_bytes()).with_context(|| format!("{}: cannot size", p.display()))?;
+        f.set_len(s.file_bytes())
+            .with_context(|| format!("{}: cannot size", p.display()))?;
         write_at(&f, &s.header, 0).with_context(|| format!("{}: cannot write", p.display()))?;
         for (t, off) in &s.tensors {
             places[t.module][t.part] = (si, s.header.len() as u64 + off);
@@ -439,7 +551,10 @@ fn write_with(cfg: &Config, dir: &Path, seed: u64, progress: &dyn Fn(u64, u64), 
         let step = ((1usize << 20) / m.cols.max(1)).max(1);
         let mut r = 0;
         while r < m.rows {
-            units.push(Unit { module: i, rows: r..(r + step).min(m.rows) });
+            units.push(Unit {
+                module: i,
+                rows: r..(r + step).min(m.rows),
+            });
             r += step;
         }
     }
@@ -451,14 +566,17 @@ fn write_with(cfg: &Config, dir: &Path, seed: u64, progress: &dyn Fn(u64, u64), 
             vals += units[end].rows.len() * modules[units[end].module].cols;
             end += 1;
         }
-        let bytes: Result<Vec<u64>> =
-            units[start..end].par_iter().map(|u| run_unit(&plan, &modules[u.module], u, &files, &places[u.module])).collect();
+        let bytes: Result<Vec<u64>> = units[start..end]
+            .par_iter()
+            .map(|u| run_unit(&plan, &modules[u.module], u, &files, &places[u.module]))
+            .collect();
         done += bytes?.iter().sum::<u64>();
         progress(done, total);
         start = end;
     }
     for (f, p) in files.iter().zip(&out_files) {
-        f.sync_all().with_context(|| format!("{}: cannot flush", p.display()))?;
+        f.sync_all()
+            .with_context(|| format!("{}: cannot flush", p.display()))?;
     }
     drop(files);
 
@@ -467,7 +585,8 @@ fn write_with(cfg: &Config, dir: &Path, seed: u64, progress: &dyn Fn(u64, u64), 
     config["text_config"]["eos_token_id"] = vocab.endoftext().into();
     let mut put_json = |name: &str, v: &serde_json::Value| -> Result<()> {
         let p = dir.join(name);
-        std::fs::write(&p, serde_json::to_string_pretty(v)? + "\n").with_context(|| format!("{}: cannot write", p.display()))?;
+        std::fs::write(&p, serde_json::to_string_pretty(v)? + "\n")
+            .with_context(|| format!("{}: cannot write", p.display()))?;
         out_files.push(p);
         Ok(())
     };
@@ -476,8 +595,16 @@ fn write_with(cfg: &Config, dir: &Path, seed: u64, progress: &dyn Fn(u64, u64), 
         put_json("model.safetensors.index.json", &layout::index_json(&shards))?;
     }
     out_files.extend(vocab.write(dir)?);
-    let bytes_written = out_files.iter().map(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0)).sum();
-    Ok(SynthReport { files: out_files, bytes_written, tensors, seconds: t0.elapsed().as_secs_f64() })
+    let bytes_written = out_files
+        .iter()
+        .map(|p| std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
+        .sum();
+    Ok(SynthReport {
+        files: out_files,
+        bytes_written,
+        tensors,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
 }
 
 #[cfg(test)]

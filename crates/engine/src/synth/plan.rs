@@ -50,18 +50,32 @@ pub enum Gen {
     Embed,
     LmHead,
     /// A norm weight: `level + NORM_JITTER·N`.
-    Norm { level: f32 },
+    Norm {
+        level: f32,
+    },
     /// A random matrix of this std; `writer` = an output projection into the residual stream
     /// whose rows (`row % out`) on structured dims are scaled down.
-    Dense { std: f32, writer: bool, out: usize },
-    Router { layer: usize },
+    Dense {
+        std: f32,
+        writer: bool,
+        out: usize,
+    },
+    Router {
+        layer: usize,
+    },
     SharedGate,
-    GdnB { layer: usize },
+    GdnB {
+        layer: usize,
+    },
     GdnA,
     /// conv1d rows: `[K]` per channel, mostly the current token.
     Conv,
-    ALog { layer: usize },
-    DtBias { layer: usize },
+    ALog {
+        layer: usize,
+    },
+    DtBias {
+        layer: usize,
+    },
 }
 
 struct LayerPlan {
@@ -112,7 +126,10 @@ impl Plan {
         let mut is_sd = vec![false; d];
         sd.iter().for_each(|&i| is_sd[i] = true);
         let free = (d - nc - 1) as f32;
-        let nu = ((d as f32 - ZETA_COMMON * ZETA_COMMON - ZETA_CLUSTER * ZETA_CLUSTER).max(0.25 * free) / free).sqrt();
+        let nu = ((d as f32 - ZETA_COMMON * ZETA_COMMON - ZETA_CLUSTER * ZETA_CLUSTER)
+            .max(0.25 * free)
+            / free)
+            .sqrt();
 
         // Next-token map: a permutation of the text tokens; other ids (added, filler, padding)
         // point at random text tokens; a few text tokens point at <|im_end|>.
@@ -142,9 +159,23 @@ impl Plan {
             fill[s as usize] += 1;
         }
 
-        let layers = (0..cfg.num_hidden_layers).map(|l| Self::layer_plan(cfg, seed, l, nc)).collect();
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|l| Self::layer_plan(cfg, seed, l, nc))
+            .collect();
         let sublayer_rms = (RESIDUAL_BUDGET / (2 * cfg.num_hidden_layers) as f32).sqrt();
-        Self { seed, d, sd, is_sd, nc, nu, pred_start, pred, succ, layers, sublayer_rms }
+        Self {
+            seed,
+            d,
+            sd,
+            is_sd,
+            nc,
+            nu,
+            pred_start,
+            pred,
+            succ,
+            layers,
+            sublayer_rms,
+        }
     }
 
     fn layer_plan(cfg: &Config, seed: u64, l: usize, nc: usize) -> LayerPlan {
@@ -155,9 +186,18 @@ impl Plan {
         r.shuffle(&mut order);
         let mut rank = vec![0usize; e];
         order.iter().enumerate().for_each(|(i, &x)| rank[x] = i);
-        let bias: Vec<f32> =
-            (0..e).map(|x| if e > 1 { ROUTER_BIAS_SPREAD * (1.0 - 2.0 * rank[x] as f32 / (e - 1) as f32) } else { 0.0 }).collect();
-        let weight: Vec<f64> = (0..e).map(|x| 1.0 / (rank[x] as f64 + 1.0).powf(0.8)).collect();
+        let bias: Vec<f32> = (0..e)
+            .map(|x| {
+                if e > 1 {
+                    ROUTER_BIAS_SPREAD * (1.0 - 2.0 * rank[x] as f32 / (e - 1) as f32)
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        let weight: Vec<f64> = (0..e)
+            .map(|x| 1.0 / (rank[x] as f64 + 1.0).powf(0.8))
+            .collect();
         let total: f64 = weight.iter().sum();
         // Each expert is chosen by at least one cluster (while slots last), the rest by popularity.
         let mut member = vec![false; e * nc];
@@ -194,7 +234,13 @@ impl Plan {
             a_log.push((-decay.ln() / sp).ln());
             beta_offset.push(-0.5 + 2.0 * r.uniform());
         }
-        LayerPlan { member, bias, a_log, dt_bias, beta_offset }
+        LayerPlan {
+            member,
+            bias,
+            a_log,
+            dt_bias,
+            beta_offset,
+        }
     }
 
     /// The cluster of a token.
@@ -237,21 +283,37 @@ impl Plan {
                 r.fill_normal(out, LM_BACKGROUND * LM_BETA / sqd);
                 let coef = LM_BETA / (d as f32 * self.nu);
                 let mut tmp = vec![0f32; d];
-                for &p in &self.pred[self.pred_start[row] as usize..self.pred_start[row + 1] as usize] {
+                for &p in
+                    &self.pred[self.pred_start[row] as usize..self.pred_start[row + 1] as usize]
+                {
                     self.token_noise(p as usize, &mut tmp);
                     out.iter_mut().zip(&tmp).for_each(|(o, &x)| *o += coef * x);
                 }
             }
-            Gen::Norm { level } => out.iter_mut().for_each(|x| *x = level + NORM_JITTER * r.normal()),
-            Gen::Dense { std, writer, out: n_out } => {
-                let s = if writer && self.is_sd.get(row % n_out).copied().unwrap_or(false) { std * WRITER_SD_SCALE } else { std };
+            Gen::Norm { level } => out
+                .iter_mut()
+                .for_each(|x| *x = level + NORM_JITTER * r.normal()),
+            Gen::Dense {
+                std,
+                writer,
+                out: n_out,
+            } => {
+                let s = if writer && self.is_sd.get(row % n_out).copied().unwrap_or(false) {
+                    std * WRITER_SD_SCALE
+                } else {
+                    std
+                };
                 r.fill_normal(out, s);
             }
             Gen::Router { layer } => {
                 let lp = &self.layers[layer];
                 r.fill_normal(out, ROUTER_NOISE / sqd);
                 for c in 0..self.nc {
-                    out[self.sd[1 + c]] = if lp.member[row * self.nc + c] { ROUTER_BOOST / ZETA_CLUSTER } else { 0.0 };
+                    out[self.sd[1 + c]] = if lp.member[row * self.nc + c] {
+                        ROUTER_BOOST / ZETA_CLUSTER
+                    } else {
+                        0.0
+                    };
                 }
                 out[self.sd[0]] = lp.bias[row] / ZETA_COMMON;
             }
@@ -267,7 +329,11 @@ impl Plan {
             Gen::Conv => {
                 let k = out.len();
                 for (j, x) in out.iter_mut().enumerate() {
-                    *x = if j + 1 == k { 0.7 + 0.1 * r.normal() } else { 0.2 * r.normal() };
+                    *x = if j + 1 == k {
+                        0.7 + 0.1 * r.normal()
+                    } else {
+                        0.2 * r.normal()
+                    };
                 }
             }
             Gen::ALog { layer } => out.copy_from_slice(&self.layers[layer].a_log),

@@ -118,12 +118,23 @@ fn min_max(w: &[f32]) -> (f32, f32) {
         lo[0] = if x < lo[0] { x } else { lo[0] };
         hi[0] = if x > hi[0] { x } else { hi[0] };
     }
-    (lo.iter().fold(f32::INFINITY, |a, &x| a.min(x)), hi.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x)))
+    (
+        lo.iter().fold(f32::INFINITY, |a, &x| a.min(x)),
+        hi.iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x)),
+    )
 }
 
 /// Codes of `w` for a given scale and bias (MLX's formula), with the group's edge value pinned to
 /// code 0 and the opposite extreme to n.
-fn codes_for(w: &[f32], bits: u32, scale: f32, bias: f32, v_edge: f32, v_far: f32, codes: &mut [u8]) {
+fn codes_for(
+    w: &[f32],
+    bits: u32,
+    scale: f32,
+    bias: f32,
+    v_edge: f32,
+    v_far: f32,
+    codes: &mut [u8],
+) {
     let n = (1i32 << bits) - 1;
     let inv = 1.0 / scale;
     const M: f32 = 12_582_912.0;
@@ -134,7 +145,13 @@ fn codes_for(w: &[f32], bits: u32, scale: f32, bias: f32, v_edge: f32, v_far: f3
         // After clamping to [−2, n+2] and adding 1.5·2²³, the rounded integer sits in the low
         // mantissa bits (nearest-even rounding, as rint); branch-free so the loop vectorizes.
         let q = (w[i] - bias) * inv;
-        let q = if q < -2.0 { -2.0 } else if q > hi { hi } else { q };
+        let q = if q < -2.0 {
+            -2.0
+        } else if q > hi {
+            hi
+        } else {
+            q
+        };
         let qi = ((q + M).to_bits() as i32 - m_bits).max(0).min(n);
         let qi = if w[i] == v_edge { 0 } else { qi };
         codes[i] = (if w[i] == v_far { n } else { qi }) as u8;
@@ -151,7 +168,11 @@ fn verify(w: &[f32], bits: u32, codes: &[u8], p: GroupParams) -> Option<f32> {
     if bf16_bits(s2) != p.scale || bf16_bits(b2) != p.bias || c2[..g] != codes[..g] {
         return None;
     }
-    Some(w.iter().zip(&deq[..g]).fold(0f32, |m, (a, b)| m.max((a - b).abs())))
+    Some(
+        w.iter()
+            .zip(&deq[..g])
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs())),
+    )
 }
 
 /// Encodes one group so the stored result is a fixed point of MLX's rule (see the module doc).
@@ -164,10 +185,17 @@ pub fn encode_group(w: &[f32], bits: u32, codes: &mut [u8]) -> GroupParams {
     let edge = if mask { w_min } else { w_max };
     let far = if mask { w_max } else { w_min };
     let sgn = if mask { 1.0f32 } else { -1.0 };
-    let q0 = if d > 1e-7 { (edge / (sgn * d)).rne() } else { 0.0 };
+    let q0 = if d > 1e-7 {
+        (edge / (sgn * d)).rne()
+    } else {
+        0.0
+    };
     if q0 >= 0.0 || w_min == w_max || d.is_nan() || d <= 1e-30 || w.len() > 256 {
         let (s, b) = mlx_quantize_group(w, bits, codes);
-        return GroupParams { scale: bf16_bits(s), bias: bf16_bits(b) };
+        return GroupParams {
+            scale: bf16_bits(s),
+            bias: bf16_bits(b),
+        };
     }
     let k_nat = (-q0) as u32;
     let straddles = k_nat <= n;
@@ -184,8 +212,23 @@ pub fn encode_group(w: &[f32], bits: u32, codes: &mut [u8]) -> GroupParams {
         let k0 = k_nat.max(n.div_ceil(2));
         let mut best: Option<(f32, f32, f32)> = None;
         // Candidates nearest first; stop at the first within 0.55 of a step at both ends.
-        const ORDER: [(i32, i32); 15] =
-            [(0, 0), (0, -1), (0, 1), (-1, 0), (1, 0), (0, -2), (0, 2), (-1, -1), (-1, 1), (1, -1), (1, 1), (-1, -2), (-1, 2), (1, -2), (1, 2)];
+        const ORDER: [(i32, i32); 15] = [
+            (0, 0),
+            (0, -1),
+            (0, 1),
+            (-1, 0),
+            (1, 0),
+            (0, -2),
+            (0, 2),
+            (-1, -1),
+            (-1, 1),
+            (1, -1),
+            (1, 1),
+            (-1, -2),
+            (-1, 2),
+            (1, -2),
+            (1, 2),
+        ];
         for (dk, u) in ORDER {
             let k = k0 as i32 + dk;
             if k < (n.div_ceil(2)) as i32 || k > n as i32 {
@@ -200,7 +243,9 @@ pub fn encode_group(w: &[f32], bits: u32, codes: &mut [u8]) -> GroupParams {
                 if q0b != -(k as f32) || bf16_bits(bias / q0b) != bf16_bits(scale) {
                     continue;
                 }
-                let err = (bias - edge).abs().max((bias + n as f32 * scale - far).abs());
+                let err = (bias - edge)
+                    .abs()
+                    .max((bias + n as f32 * scale - far).abs());
                 if best.is_none_or(|b| err < b.0) {
                     best = Some((err, scale, bias));
                 }
@@ -218,13 +263,20 @@ pub fn encode_group(w: &[f32], bits: u32, codes: &mut [u8]) -> GroupParams {
             }
         };
         codes_for(w, bits, scale, bias, edge, far, codes);
-        return GroupParams { scale: bf16_bits(scale), bias: bf16_bits(bias) };
+        return GroupParams {
+            scale: bf16_bits(scale),
+            bias: bf16_bits(bias),
+        };
     }
 
     // General path: candidates around the natural (K, S), each checked by running MLX's rule on
     // its dequantized values; plus the always-exact ones with K·S exact in bf16 (S rounded to
     // 8 − bits(K) significant bits). The candidate closest to `w` wins.
-    let (lo, hi) = if straddles { (n.div_ceil(2), n) } else { (1, u32::MAX) };
+    let (lo, hi) = if straddles {
+        (n.div_ceil(2), n)
+    } else {
+        (1, u32::MAX)
+    };
     let radius = if straddles { 2 } else { (k_nat / 8).max(2) };
     let mut best: Option<(f32, GroupParams, [u8; 256])> = None;
     let mut tmp = [0u8; 256];
@@ -235,7 +287,10 @@ pub fn encode_group(w: &[f32], bits: u32, codes: &mut [u8]) -> GroupParams {
         }
         let scale = sgn * s;
         let bias = bf16_value(bf16_bits(-(k as f32) * scale));
-        let p = GroupParams { scale: bf16_bits(scale), bias: bf16_bits(bias) };
+        let p = GroupParams {
+            scale: bf16_bits(scale),
+            bias: bf16_bits(bias),
+        };
         codes_for(w, bits, scale, bias, edge, far, &mut tmp[..g]);
         if let Some(err) = verify(w, bits, &tmp[..g], p) {
             if best.as_ref().is_none_or(|b| err < b.0) {
@@ -292,7 +347,10 @@ pub fn encode_group(w: &[f32], bits: u32, codes: &mut [u8]) -> GroupParams {
         }
         None => {
             let (s, b) = mlx_quantize_group(w, bits, codes);
-            GroupParams { scale: bf16_bits(s), bias: bf16_bits(b) }
+            GroupParams {
+                scale: bf16_bits(s),
+                bias: bf16_bits(b),
+            }
         }
     }
 }
@@ -300,14 +358,25 @@ pub fn encode_group(w: &[f32], bits: u32, codes: &mut [u8]) -> GroupParams {
 /// Packs codes little-endian into u32 words, lowest bits first (4-bit: 8 per word; 8-bit: 4).
 pub fn pack(codes: &[u8], bits: u32, out: &mut [u32]) {
     match bits {
-        4 => out.iter_mut().zip(codes.chunks_exact(8)).for_each(|(w, c)| {
-            *w = c.iter().enumerate().fold(0u32, |v, (i, &x)| v | (x as u32 & 15) << (4 * i));
-        }),
-        8 => out.iter_mut().zip(codes.chunks_exact(4)).for_each(|(w, c)| *w = u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        4 => out
+            .iter_mut()
+            .zip(codes.chunks_exact(8))
+            .for_each(|(w, c)| {
+                *w = c
+                    .iter()
+                    .enumerate()
+                    .fold(0u32, |v, (i, &x)| v | (x as u32 & 15) << (4 * i));
+            }),
+        8 => out
+            .iter_mut()
+            .zip(codes.chunks_exact(4))
+            .for_each(|(w, c)| *w = u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
         _ => {
             let per = (32 / bits) as usize;
             for (j, word) in out.iter_mut().enumerate() {
-                *word = (0..per).fold(0u32, |v, i| v | (codes[j * per + i] as u32) << (i as u32 * bits));
+                *word = (0..per).fold(0u32, |v, i| {
+                    v | (codes[j * per + i] as u32) << (i as u32 * bits)
+                });
             }
         }
     }
@@ -363,13 +432,20 @@ mod tests {
                 let wmax = w.iter().fold(0f32, |a, &x| a.max(x.abs()));
                 for (a, b) in w.iter().zip(&deq) {
                     worst = worst.max((a - b).abs() / step);
-                    assert!((a - b).abs() <= step * if bits == 4 { 1.0 } else { 6.0 } + 1e-6 * wmax, "bits {bits} t {t}: {a} vs {b}, step {step}");
+                    assert!(
+                        (a - b).abs() <= step * if bits == 4 { 1.0 } else { 6.0 } + 1e-6 * wmax,
+                        "bits {bits} t {t}: {a} vs {b}, step {step}"
+                    );
                 }
                 // MLX's rule on the dequantized values gives back the same bytes.
                 let mut c2 = vec![0u8; 64];
                 let (s2, b2) = mlx_quantize_group(&deq, bits, &mut c2);
                 assert_eq!(codes, c2, "bits {bits} t {t}");
-                assert_eq!((bf16_bits(s2), bf16_bits(b2)), (p.scale, p.bias), "bits {bits} t {t}");
+                assert_eq!(
+                    (bf16_bits(s2), bf16_bits(b2)),
+                    (p.scale, p.bias),
+                    "bits {bits} t {t}"
+                );
             }
             eprintln!("{bits}-bit: worst error {worst:.2} steps");
         }
@@ -383,7 +459,10 @@ mod tests {
             let mut codes = vec![0u8; 64];
             let (s, b) = mlx_quantize_group(&w, 4, &mut codes);
             for (x, &c) in w.iter().zip(&codes) {
-                assert!((s * c as f32 + b - x).abs() <= s.abs() * 1.0001 + 1e-6, "{t}");
+                assert!(
+                    (s * c as f32 + b - x).abs() <= s.abs() * 1.0001 + 1e-6,
+                    "{t}"
+                );
             }
         }
     }
@@ -406,4 +485,3 @@ mod tests {
         assert_eq!(round_sig(1.0 + 1.0 / 16.0 + 1.0 / 64.0, 5), 1.0625);
     }
 }
-

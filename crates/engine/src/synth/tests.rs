@@ -17,7 +17,14 @@ fn read_all(dir: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
             let bytes = std::fs::read(e.path()).unwrap();
             let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
             for (name, t) in st.tensors() {
-                out.insert(name, (format!("{:?}", t.dtype()), t.shape().to_vec(), t.data().to_vec()));
+                out.insert(
+                    name,
+                    (
+                        format!("{:?}", t.dtype()),
+                        t.shape().to_vec(),
+                        t.data().to_vec(),
+                    ),
+                );
             }
         }
     }
@@ -28,10 +35,14 @@ fn read_all(dir: &Path) -> BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
 fn expected(c: &Config) -> BTreeMap<String, (String, Vec<usize>)> {
     let mut m = BTreeMap::new();
     let mut lin = |path: &str, lead: Option<usize>, out: usize, inp: usize| {
-        let dims = |last: usize| -> Vec<usize> { lead.iter().copied().chain([out, last]).collect() };
+        let dims =
+            |last: usize| -> Vec<usize> { lead.iter().copied().chain([out, last]).collect() };
         match c.quantization.spec_for(path) {
             Some(q) => {
-                m.insert(format!("{path}.weight"), ("U32".into(), dims(inp * q.bits as usize / 32)));
+                m.insert(
+                    format!("{path}.weight"),
+                    ("U32".into(), dims(inp * q.bits as usize / 32)),
+                );
                 m.insert(format!("{path}.scales"), ("BF16".into(), dims(inp / 64)));
                 m.insert(format!("{path}.biases"), ("BF16".into(), dims(inp / 64)));
             }
@@ -48,17 +59,32 @@ fn expected(c: &Config) -> BTreeMap<String, (String, Vec<usize>)> {
     plain.insert(format!("{p}.norm.weight"), ("BF16".to_string(), vec![d]));
     for i in 0..c.num_hidden_layers {
         let l = format!("{p}.layers.{i}");
-        plain.insert(format!("{l}.input_layernorm.weight"), ("BF16".into(), vec![d]));
-        plain.insert(format!("{l}.post_attention_layernorm.weight"), ("BF16".into(), vec![d]));
+        plain.insert(
+            format!("{l}.input_layernorm.weight"),
+            ("BF16".into(), vec![d]),
+        );
+        plain.insert(
+            format!("{l}.post_attention_layernorm.weight"),
+            ("BF16".into(), vec![d]),
+        );
         if (i + 1) % c.full_attention_interval == 0 {
             let a = format!("{l}.self_attn");
-            let (q, kv) = (c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
+            let (q, kv) = (
+                c.num_attention_heads * c.head_dim,
+                c.num_key_value_heads * c.head_dim,
+            );
             lin(&format!("{a}.q_proj"), None, 2 * q, d);
             lin(&format!("{a}.k_proj"), None, kv, d);
             lin(&format!("{a}.v_proj"), None, kv, d);
             lin(&format!("{a}.o_proj"), None, d, q);
-            plain.insert(format!("{a}.q_norm.weight"), ("BF16".into(), vec![c.head_dim]));
-            plain.insert(format!("{a}.k_norm.weight"), ("BF16".into(), vec![c.head_dim]));
+            plain.insert(
+                format!("{a}.q_norm.weight"),
+                ("BF16".into(), vec![c.head_dim]),
+            );
+            plain.insert(
+                format!("{a}.k_norm.weight"),
+                ("BF16".into(), vec![c.head_dim]),
+            );
         } else {
             let g = format!("{l}.linear_attn");
             let kd = c.linear_num_key_heads * c.linear_key_head_dim;
@@ -69,13 +95,26 @@ fn expected(c: &Config) -> BTreeMap<String, (String, Vec<usize>)> {
             lin(&format!("{g}.in_proj_b"), None, hv, d);
             lin(&format!("{g}.in_proj_a"), None, hv, d);
             lin(&format!("{g}.out_proj"), None, d, vd);
-            plain.insert(format!("{g}.conv1d.weight"), ("BF16".into(), vec![2 * kd + vd, c.linear_conv_kernel_dim, 1]));
+            plain.insert(
+                format!("{g}.conv1d.weight"),
+                (
+                    "BF16".into(),
+                    vec![2 * kd + vd, c.linear_conv_kernel_dim, 1],
+                ),
+            );
             plain.insert(format!("{g}.A_log"), ("F32".into(), vec![hv]));
             plain.insert(format!("{g}.dt_bias"), ("BF16".into(), vec![hv]));
-            plain.insert(format!("{g}.norm.weight"), ("BF16".into(), vec![c.linear_value_head_dim]));
+            plain.insert(
+                format!("{g}.norm.weight"),
+                ("BF16".into(), vec![c.linear_value_head_dim]),
+            );
         }
         let mlp = format!("{l}.mlp");
-        let (e, f, fs) = (c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size);
+        let (e, f, fs) = (
+            c.num_experts,
+            c.moe_intermediate_size,
+            c.shared_expert_intermediate_size,
+        );
         lin(&format!("{mlp}.gate"), None, e, d);
         lin(&format!("{mlp}.switch_mlp.gate_proj"), Some(e), f, d);
         lin(&format!("{mlp}.switch_mlp.up_proj"), Some(e), f, d);
@@ -90,12 +129,22 @@ fn expected(c: &Config) -> BTreeMap<String, (String, Vec<usize>)> {
 }
 
 fn check_layout(cfg: &Config, dir: &Path) {
-    let got: BTreeMap<String, (String, Vec<usize>)> = read_all(dir).into_iter().map(|(k, (d, s, _))| (k, (d, s))).collect();
+    let got: BTreeMap<String, (String, Vec<usize>)> = read_all(dir)
+        .into_iter()
+        .map(|(k, (d, s, _))| (k, (d, s)))
+        .collect();
     let want = expected(cfg);
     for (k, v) in &want {
         assert_eq!(got.get(k), Some(v), "tensor `{k}`");
     }
-    assert_eq!(got.len(), want.len(), "extra tensors: {:?}", got.keys().filter(|k| !want.contains_key(*k)).collect::<Vec<_>>());
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "extra tensors: {:?}",
+        got.keys()
+            .filter(|k| !want.contains_key(*k))
+            .collect::<Vec<_>>()
+    );
 }
 
 #[test]
@@ -115,17 +164,36 @@ fn tiny_writes_fast_and_has_the_mlx_layout() {
     check_layout(&cfg, dir.path());
     // 8-bit gates, 4-bit elsewhere; A_log f32.
     let all = read_all(dir.path());
-    assert_eq!(all["language_model.model.layers.0.mlp.gate.weight"].1, vec![8, 32]);
-    assert_eq!(all["language_model.model.layers.0.mlp.switch_mlp.up_proj.weight"].1, vec![8, 64, 16]);
+    assert_eq!(
+        all["language_model.model.layers.0.mlp.gate.weight"].1,
+        vec![8, 32]
+    );
+    assert_eq!(
+        all["language_model.model.layers.0.mlp.switch_mlp.up_proj.weight"].1,
+        vec![8, 64, 16]
+    );
     assert_eq!(rep.tensors, all.len());
-    for f in ["config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja", "model.safetensors"] {
+    for f in [
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+        "chat_template.jinja",
+        "model.safetensors",
+    ] {
         assert!(dir.path().join(f).exists(), "{f}");
     }
     // config.json round-trips through the config parser.
     let back = Config::from_dir(dir.path()).unwrap();
     assert_eq!(back, cfg);
-    let gen: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("generation_config.json")).unwrap()).unwrap();
-    assert_eq!(gen["eos_token_id"], serde_json::json!([1088 - 31, 1088 - 33]));
+    let gen: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("generation_config.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        gen["eos_token_id"],
+        serde_json::json!([1088 - 31, 1088 - 33])
+    );
 }
 
 #[test]
@@ -133,10 +201,20 @@ fn sharded_and_unquantized_layouts() {
     let cfg = preset("tiny").unwrap();
     let dir = tempfile::tempdir().unwrap();
     let rep = write_with(&cfg, dir.path(), 3, &no_progress, 300_000).unwrap();
-    let index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.path().join("model.safetensors.index.json")).unwrap()).unwrap();
-    let shards = rep.files.iter().filter(|p| p.extension().is_some_and(|x| x == "safetensors")).count();
+    let index: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.path().join("model.safetensors.index.json")).unwrap(),
+    )
+    .unwrap();
+    let shards = rep
+        .files
+        .iter()
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .count();
     assert!(shards > 2, "{shards}");
-    assert!(dir.path().join(format!("model-00001-of-{shards:05}.safetensors")).exists());
+    assert!(dir
+        .path()
+        .join(format!("model-00001-of-{shards:05}.safetensors"))
+        .exists());
     assert_eq!(index["weight_map"].as_object().unwrap().len(), rep.tensors);
     check_layout(&cfg, dir.path());
     // Same bytes per tensor as the single-file checkpoint.
@@ -149,7 +227,9 @@ fn sharded_and_unquantized_layouts() {
     let d2 = tempfile::tempdir().unwrap();
     write(&bf, d2.path(), 3);
     check_layout(&bf, d2.path());
-    let cj: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(d2.path().join("config.json")).unwrap()).unwrap();
+    let cj: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d2.path().join("config.json")).unwrap())
+            .unwrap();
     assert!(cj.get("quantization").is_none());
 }
 
@@ -159,11 +239,17 @@ fn deterministic_across_thread_counts_and_seed_sensitive() {
     apply_set(&mut cfg, "num_hidden_layers=2").unwrap();
     let run = |threads: usize, seed: u64| {
         let dir = tempfile::tempdir().unwrap();
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
         pool.install(|| write(&cfg, dir.path(), seed));
         let mut files = BTreeMap::new();
         for e in std::fs::read_dir(dir.path()).unwrap().flatten() {
-            files.insert(e.file_name().to_string_lossy().to_string(), std::fs::read(e.path()).unwrap());
+            files.insert(
+                e.file_name().to_string_lossy().to_string(),
+                std::fs::read(e.path()).unwrap(),
+            );
         }
         files
     };
@@ -179,15 +265,25 @@ fn deterministic_across_thread_counts_and_seed_sensitive() {
 }
 
 /// Dequantized f32 matrix of a quantized module (all stacked matrices, rows concatenated).
-fn dequant(all: &BTreeMap<String, (String, Vec<usize>, Vec<u8>)>, path: &str) -> (Vec<f32>, usize, u32) {
+fn dequant(
+    all: &BTreeMap<String, (String, Vec<usize>, Vec<u8>)>,
+    path: &str,
+) -> (Vec<f32>, usize, u32) {
     let (_, wshape, w) = &all[&format!("{path}.weight")];
     let (_, sshape, s) = &all[&format!("{path}.scales")];
     let b = &all[&format!("{path}.biases")].2;
     let groups = *sshape.last().unwrap();
     let cols = groups * 64;
     let bits = (*wshape.last().unwrap() * 32 / cols) as u32;
-    let words: Vec<u32> = w.chunks_exact(4).map(|c| u32::from_le_bytes(c.try_into().unwrap())).collect();
-    let u16s = |v: &[u8]| -> Vec<u16> { v.chunks_exact(2).map(|c| u16::from_le_bytes(c.try_into().unwrap())).collect() };
+    let words: Vec<u32> = w
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let u16s = |v: &[u8]| -> Vec<u16> {
+        v.chunks_exact(2)
+            .map(|c| u16::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    };
     let (sc, bi) = (u16s(s), u16s(b));
     let per = 32 / bits as usize;
     let mask = (1u32 << bits) - 1;
@@ -202,12 +298,23 @@ fn dequant(all: &BTreeMap<String, (String, Vec<usize>, Vec<u8>)>, path: &str) ->
 }
 
 fn bf16_vec(all: &BTreeMap<String, (String, Vec<usize>, Vec<u8>)>, name: &str) -> Vec<f32> {
-    all[name].2.chunks_exact(2).map(|c| quant::bf16_value(u16::from_le_bytes([c[0], c[1]]))).collect()
+    all[name]
+        .2
+        .chunks_exact(2)
+        .map(|c| quant::bf16_value(u16::from_le_bytes([c[0], c[1]])))
+        .collect()
 }
 
 fn plan_for(cfg: &Config, seed: u64) -> Plan {
     let v = Vocab::build(cfg.vocab_size).unwrap();
-    Plan::new(cfg, seed, VocabInfo { n_text: v.n_text, im_end: v.im_end() })
+    Plan::new(
+        cfg,
+        seed,
+        VocabInfo {
+            n_text: v.n_text,
+            im_end: v.im_end(),
+        },
+    )
 }
 
 #[test]
@@ -239,12 +346,19 @@ fn quantization_round_trip() {
                 let step = sc[(r * cols + i) / 64].abs();
                 let err = (deq[r * cols + i] - x).abs();
                 // Half a step, plus the nudge that makes groups MLX fixed points (module doc of quant.rs).
-                assert!(err <= step * if bits == 4 { 1.0 } else { 4.0 } + 1e-7, "{path} row {r} col {i}: {x} vs {} (step {step})", deq[r * cols + i]);
+                assert!(
+                    err <= step * if bits == 4 { 1.0 } else { 4.0 } + 1e-7,
+                    "{path} row {r} col {i}: {x} vs {} (step {step})",
+                    deq[r * cols + i]
+                );
                 within_half += (err <= step * 0.5 + 1e-7) as usize;
                 total += 1;
             }
         }
-        assert!(within_half as f64 >= 0.97 * total as f64, "{path}: only {within_half}/{total} within half a step");
+        assert!(
+            within_half as f64 >= 0.97 * total as f64,
+            "{path}: only {within_half}/{total} within half a step"
+        );
     }
 }
 
@@ -255,7 +369,9 @@ fn rms_norm(x: &[f32], w: &[f32]) -> Vec<f32> {
 }
 
 fn matvec(w: &[f32], cols: usize, x: &[f32]) -> Vec<f32> {
-    w.chunks_exact(cols).map(|r| r.iter().zip(x).map(|(a, b)| a * b).sum()).collect()
+    w.chunks_exact(cols)
+        .map(|r| r.iter().zip(x).map(|(a, b)| a * b).sum())
+        .collect()
 }
 
 /// The conditioning, checked on the embeddings alone (the layers only add a bounded correction):
@@ -276,11 +392,16 @@ fn routing_and_next_token_margins() {
         let k = cfg.num_experts_per_tok;
         let mut min_route = f32::INFINITY;
         let (mut top1_ok, mut margins) = (0, vec![]);
-        let tokens: Vec<usize> = (0..cfg.vocab_size).step_by(if name == "small" { 7 } else { 1 }).collect();
+        let tokens: Vec<usize> = (0..cfg.vocab_size)
+            .step_by(if name == "small" { 7 } else { 1 })
+            .collect();
         for l in 0..cfg.num_hidden_layers {
             let (router, _, bits) = dequant(&all, &format!("{p}.layers.{l}.mlp.gate"));
             assert_eq!(bits, 8);
-            let post = bf16_vec(&all, &format!("{p}.layers.{l}.post_attention_layernorm.weight"));
+            let post = bf16_vec(
+                &all,
+                &format!("{p}.layers.{l}.post_attention_layernorm.weight"),
+            );
             for &t in &tokens {
                 let x = rms_norm(&emb[t * d..(t + 1) * d], &post);
                 let mut lg = matvec(&router, d, &x);
@@ -291,9 +412,16 @@ fn routing_and_next_token_margins() {
         for &t in &tokens {
             let x = rms_norm(&emb[t * d..(t + 1) * d], &final_norm);
             let lg = matvec(&head, d, &x);
-            let best = (0..lg.len()).max_by(|&a, &b| lg[a].partial_cmp(&lg[b]).unwrap()).unwrap();
+            let best = (0..lg.len())
+                .max_by(|&a, &b| lg[a].partial_cmp(&lg[b]).unwrap())
+                .unwrap();
             top1_ok += (best == plan.successor(t)) as usize;
-            let second = lg.iter().enumerate().filter(|&(i, _)| i != best).map(|(_, &v)| v).fold(f32::MIN, f32::max);
+            let second = lg
+                .iter()
+                .enumerate()
+                .filter(|&(i, _)| i != best)
+                .map(|(_, &v)| v)
+                .fold(f32::MIN, f32::max);
             margins.push(lg[best] - second);
         }
         margins.sort_by(|a, b| a.partial_cmp(b).unwrap());
@@ -301,7 +429,11 @@ fn routing_and_next_token_margins() {
         eprintln!("{name}: min routing margin {min_route:.2}, top-1 = successor {top1_ok}/{n}, margin p1 {:.2} p50 {:.2}", margins[n / 100], margins[n / 2]);
         assert!(min_route > 3.0, "{name}: routing margin {min_route}");
         assert!(top1_ok as f64 >= 0.99 * n as f64, "{name}: {top1_ok}/{n}");
-        assert!(margins[n / 100] > 2.0, "{name}: 1st percentile top-1 margin {}", margins[n / 100]);
+        assert!(
+            margins[n / 100] > 2.0,
+            "{name}: 1st percentile top-1 margin {}",
+            margins[n / 100]
+        );
     }
 }
 
@@ -317,13 +449,25 @@ fn apply_set_overrides_and_errors() {
     assert_eq!(c.vocab_size, 2048);
     apply_set(&mut c, "bits=8").unwrap();
     assert_eq!(c.quantization.default.unwrap().bits, 8);
-    assert_eq!(c.quantization.spec_for("model.layers.1.mlp.gate").unwrap().bits, 8);
+    assert_eq!(
+        c.quantization
+            .spec_for("model.layers.1.mlp.gate")
+            .unwrap()
+            .bits,
+        8
+    );
     apply_set(&mut c, "rope_theta=1e6").unwrap();
     assert_eq!(c.rope_theta, 1e6);
     apply_set(&mut c, "quantize=false").unwrap();
     assert!(c.quantization.default.is_none() && c.quantization.overrides.is_empty());
     apply_set(&mut c, "quantize=true").unwrap();
-    assert_eq!(c.quantization.spec_for("model.layers.1.mlp.shared_expert_gate").unwrap().bits, 8);
+    assert_eq!(
+        c.quantization
+            .spec_for("model.layers.1.mlp.shared_expert_gate")
+            .unwrap()
+            .bits,
+        8
+    );
 
     let before = c.clone();
     for (bad, needle) in [
@@ -359,10 +503,23 @@ fn presets_are_valid() {
     // About 19.4 GB.
     let plan_bytes: u64 = {
         let v = Vocab::build(full.vocab_size).unwrap();
-        let plan = Plan::new(&full, 0, VocabInfo { n_text: v.n_text, im_end: v.im_end() });
-        layout::shards(&layout::modules(&full, &plan), SHARD_BYTES).iter().map(|s| s.file_bytes()).sum()
+        let plan = Plan::new(
+            &full,
+            0,
+            VocabInfo {
+                n_text: v.n_text,
+                im_end: v.im_end(),
+            },
+        );
+        layout::shards(&layout::modules(&full, &plan), SHARD_BYTES)
+            .iter()
+            .map(|s| s.file_bytes())
+            .sum()
     };
-    assert!((19.0e9..20.0e9).contains(&(plan_bytes as f64)), "{plan_bytes}");
+    assert!(
+        (19.0e9..20.0e9).contains(&(plan_bytes as f64)),
+        "{plan_bytes}"
+    );
 }
 
 /// lily's own loader accepts the checkpoint.
@@ -381,7 +538,9 @@ fn loader_opens_synthetic_checkpoint() {
 #[test]
 #[ignore]
 fn write_full_preset() {
-    let Ok(dir) = std::env::var("LILY_SYNTH_FULL_DIR") else { return };
+    let Ok(dir) = std::env::var("LILY_SYNTH_FULL_DIR") else {
+        return;
+    };
     let name = std::env::var("LILY_SYNTH_PRESET").unwrap_or("qwen3.6-35b-a3b".into());
     let cfg = preset(&name).unwrap();
     let last = std::cell::Cell::new(0u64);
@@ -392,5 +551,11 @@ fn write_full_preset() {
         }
     })
     .unwrap();
-    eprintln!("{name}: {} files, {} tensors, {:.2} GB in {:.1} s", rep.files.len(), rep.tensors, rep.bytes_written as f64 / 1e9, rep.seconds);
+    eprintln!(
+        "{name}: {} files, {} tensors, {:.2} GB in {:.1} s",
+        rep.files.len(),
+        rep.tensors,
+        rep.bytes_written as f64 / 1e9,
+        rep.seconds
+    );
 }

@@ -26,8 +26,7 @@ pub const CHAT_TEMPLATE: &str = include_str!("fixtures/chat_template.jinja");
 /// The real id of the first added token (`<|endoftext|>`).
 pub const REAL_ADDED_BASE: usize = 248_044;
 /// The Qwen pre-tokenizer regex (Qwen3.5/3.6: letters with marks, single digits).
-pub const PRETOKENIZE_REGEX: &str =
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+pub const PRETOKENIZE_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// One added token of the fixture: content and whether it is "special".
 #[derive(Clone, Debug)]
@@ -51,7 +50,10 @@ pub struct Vocab {
 
 /// GPT-2's byte → printable-char map, in id order (printable bytes first).
 fn byte_symbols() -> Vec<char> {
-    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32).chain(0xA1..=0xAC).chain(0xAE..=0xFF).collect();
+    let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .collect();
     let mut cs = bs.clone();
     let mut n = 0;
     for b in 0..256u32 {
@@ -61,15 +63,26 @@ fn byte_symbols() -> Vec<char> {
             n += 1;
         }
     }
-    cs.into_iter().map(|c| char::from_u32(c).expect("valid char")).collect()
+    cs.into_iter()
+        .map(|c| char::from_u32(c).expect("valid char"))
+        .collect()
 }
 
 fn fixture_added() -> Result<Vec<(usize, String, bool)>> {
-    let v: Value = serde_json::from_str(TOKENIZER_CONFIG).context("fixture tokenizer_config.json")?;
-    let dec = v["added_tokens_decoder"].as_object().context("fixture: no added_tokens_decoder")?;
+    let v: Value =
+        serde_json::from_str(TOKENIZER_CONFIG).context("fixture tokenizer_config.json")?;
+    let dec = v["added_tokens_decoder"]
+        .as_object()
+        .context("fixture: no added_tokens_decoder")?;
     let mut out: Vec<(usize, String, bool)> = dec
         .iter()
-        .map(|(k, t)| (k.parse().unwrap_or(0), t["content"].as_str().unwrap_or("").to_string(), t["special"].as_bool().unwrap_or(false)))
+        .map(|(k, t)| {
+            (
+                k.parse().unwrap_or(0),
+                t["content"].as_str().unwrap_or("").to_string(),
+                t["special"].as_bool().unwrap_or(false),
+            )
+        })
         .collect();
     out.sort();
     Ok(out)
@@ -85,18 +98,28 @@ impl Vocab {
         let fixture = fixture_added()?;
         let n_add = fixture.len();
         let full = vocab_size >= REAL_ADDED_BASE + n_add;
-        let added_base = if full { REAL_ADDED_BASE } else { vocab_size.saturating_sub(n_add) };
+        let added_base = if full {
+            REAL_ADDED_BASE
+        } else {
+            vocab_size.saturating_sub(n_add)
+        };
         if added_base < 256 + 32 {
             bail!("vocab_size {vocab_size} is too small: the synthetic tokenizer needs 256 byte tokens, some merges and {n_add} added tokens (at least {})", 256 + 32 + n_add);
         }
         let mut tokens: Vec<String> = byte_symbols().into_iter().map(String::from).collect();
-        let mut ids: HashMap<String, usize> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i)).collect();
+        let mut ids: HashMap<String, usize> = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.clone(), i))
+            .collect();
         let mut merges = Vec::new();
         for line in MERGES.lines() {
             if tokens.len() >= added_base {
                 break;
             }
-            let Some((a, b)) = line.split_once(' ') else { continue };
+            let Some((a, b)) = line.split_once(' ') else {
+                continue;
+            };
             if !ids.contains_key(a) || !ids.contains_key(b) {
                 continue;
             }
@@ -111,16 +134,32 @@ impl Vocab {
         while tokens.len() < added_base {
             tokens.push(format!("<|synth_unused_{}|>", tokens.len() - n_text));
         }
-        let added =
-            fixture.into_iter().map(|(real, content, special)| Added { id: real - REAL_ADDED_BASE + added_base, content, special }).collect();
-        Ok(Self { tokens, n_text, merges, added, vocab_size })
+        let added = fixture
+            .into_iter()
+            .map(|(real, content, special)| Added {
+                id: real - REAL_ADDED_BASE + added_base,
+                content,
+                special,
+            })
+            .collect();
+        Ok(Self {
+            tokens,
+            n_text,
+            merges,
+            added,
+            vocab_size,
+        })
     }
 
     pub fn id_of(&self, content: &str) -> Option<usize> {
-        self.added.iter().find(|a| a.content == content).map(|a| a.id)
+        self.added
+            .iter()
+            .find(|a| a.content == content)
+            .map(|a| a.id)
     }
     pub fn endoftext(&self) -> usize {
-        self.id_of("<|endoftext|>").expect("fixture has <|endoftext|>")
+        self.id_of("<|endoftext|>")
+            .expect("fixture has <|endoftext|>")
     }
     pub fn im_end(&self) -> usize {
         self.id_of("<|im_end|>").expect("fixture has <|im_end|>")
@@ -165,8 +204,12 @@ impl Vocab {
 
     /// `tokenizer_config.json`: the fixture with the added-token ids of this vocabulary.
     pub fn tokenizer_config(&self) -> Result<Value> {
-        let mut v: Value = serde_json::from_str(TOKENIZER_CONFIG).context("fixture tokenizer_config.json")?;
-        let dec = v["added_tokens_decoder"].as_object().context("fixture: no added_tokens_decoder")?.clone();
+        let mut v: Value =
+            serde_json::from_str(TOKENIZER_CONFIG).context("fixture tokenizer_config.json")?;
+        let dec = v["added_tokens_decoder"]
+            .as_object()
+            .context("fixture: no added_tokens_decoder")?
+            .clone();
         let mut new = serde_json::Map::new();
         for (_, t) in dec {
             let content = t["content"].as_str().unwrap_or("");
@@ -201,8 +244,14 @@ impl Vocab {
             Ok(())
         };
         put("tokenizer.json", self.tokenizer_json())?;
-        put("tokenizer_config.json", serde_json::to_string_pretty(&self.tokenizer_config()?)? + "\n")?;
-        put("generation_config.json", serde_json::to_string_pretty(&self.generation_config())? + "\n")?;
+        put(
+            "tokenizer_config.json",
+            serde_json::to_string_pretty(&self.tokenizer_config()?)? + "\n",
+        )?;
+        put(
+            "generation_config.json",
+            serde_json::to_string_pretty(&self.generation_config())? + "\n",
+        )?;
         put("chat_template.jinja", CHAT_TEMPLATE.to_string())?;
         Ok(files)
     }
@@ -222,13 +271,22 @@ mod tests {
         let text = "<|im_start|>user\nHello, world! Ça va? 12345 naïve\t tabs  and   spaces<|im_end|>\n<|im_start|>assistant\n<think>\nhmm</think>\n\n<tool_call>\n<function=f>\n</function>\n</tool_call><|endoftext|>";
         let enc = tok.encode(text, false).unwrap();
         let ids = enc.get_ids();
-        for (s, id) in [("<|im_start|>", v.id_of("<|im_start|>")), ("<think>", v.id_of("<think>")), ("</tool_call>", v.id_of("</tool_call>"))] {
-            assert!(ids.contains(&(id.unwrap() as u32)), "{s} not matched atomically: {ids:?}");
+        for (s, id) in [
+            ("<|im_start|>", v.id_of("<|im_start|>")),
+            ("<think>", v.id_of("<think>")),
+            ("</tool_call>", v.id_of("</tool_call>")),
+        ] {
+            assert!(
+                ids.contains(&(id.unwrap() as u32)),
+                "{s} not matched atomically: {ids:?}"
+            );
         }
         assert!(ids.iter().all(|&i| (i as usize) < vocab_size));
         assert_eq!(tok.decode(ids, false).unwrap(), text);
         // Merges are used: far fewer tokens than bytes.
-        let plain = tok.encode("the quick brown fox jumps over the lazy dog", false).unwrap();
+        let plain = tok
+            .encode("the quick brown fox jumps over the lazy dog", false)
+            .unwrap();
         assert!(plain.get_ids().len() < 30, "{:?}", plain.get_ids());
         assert_eq!(tok.get_vocab_size(true), v.tokens.len() + 33);
     }

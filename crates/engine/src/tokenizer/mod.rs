@@ -42,26 +42,48 @@ impl Tokenizer {
     /// Loads `tokenizer.json` of a checkpoint directory, and `tokenizer_config.json` if present.
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let cfg = dir.join("tokenizer_config.json");
-        Self::from_files(&dir.join("tokenizer.json"), cfg.exists().then_some(cfg.as_path()))
+        Self::from_files(
+            &dir.join("tokenizer.json"),
+            cfg.exists().then_some(cfg.as_path()),
+        )
     }
 
     /// Loads a `tokenizer.json`; `config` (a `tokenizer_config.json`) marks the special tokens
     /// and may declare added tokens the tokenizer file lacks (their ids must then line up).
     pub fn from_files(tokenizer_json: &Path, config: Option<&Path>) -> Result<Self> {
         let p = tokenizer_json;
-        let mut inner = tokenizers::Tokenizer::from_file(p).map_err(|e| anyhow!("{}: cannot load tokenizer: {e}", p.display()))?;
+        let mut inner = tokenizers::Tokenizer::from_file(p)
+            .map_err(|e| anyhow!("{}: cannot load tokenizer: {e}", p.display()))?;
         // Prompts are never truncated or padded behind the caller's back.
-        inner.with_truncation(None).map_err(|e| anyhow!("tokenizer: {e}"))?;
+        inner
+            .with_truncation(None)
+            .map_err(|e| anyhow!("tokenizer: {e}"))?;
         inner.with_padding(None);
-        let mut added: Vec<AddedToken> =
-            inner.get_added_tokens_decoder().into_iter().map(|(id, t)| AddedToken { id, content: t.content, special: t.special }).collect();
+        let mut added: Vec<AddedToken> = inner
+            .get_added_tokens_decoder()
+            .into_iter()
+            .map(|(id, t)| AddedToken {
+                id,
+                content: t.content,
+                special: t.special,
+            })
+            .collect();
         if let Some(cp) = config {
-            let text = std::fs::read_to_string(cp).with_context(|| format!("{}: cannot read", cp.display()))?;
-            let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", cp.display()))?;
+            let text = std::fs::read_to_string(cp)
+                .with_context(|| format!("{}: cannot read", cp.display()))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("{}: not valid JSON", cp.display()))?;
             if let Some(dec) = v.get("added_tokens_decoder").and_then(|d| d.as_object()) {
                 for (k, t) in dec {
-                    let id: u32 = k.parse().with_context(|| format!("{}: added_tokens_decoder key {k:?} is not an id", cp.display()))?;
-                    let content = t.get("content").and_then(|c| c.as_str()).with_context(|| format!("{}: added token {id} has no content", cp.display()))?;
+                    let id: u32 = k.parse().with_context(|| {
+                        format!(
+                            "{}: added_tokens_decoder key {k:?} is not an id",
+                            cp.display()
+                        )
+                    })?;
+                    let content = t.get("content").and_then(|c| c.as_str()).with_context(|| {
+                        format!("{}: added token {id} has no content", cp.display())
+                    })?;
                     let special = t.get("special").and_then(|s| s.as_bool()).unwrap_or(false);
                     match inner.token_to_id(content) {
                         Some(x) if x == id => {}
@@ -79,24 +101,43 @@ impl Tokenizer {
                         }
                     }
                     added.retain(|a| a.id != id);
-                    added.push(AddedToken { id, content: content.to_string(), special });
+                    added.push(AddedToken {
+                        id,
+                        content: content.to_string(),
+                        special,
+                    });
                 }
             }
         }
         added.sort_by_key(|a| a.id);
         let special = added.iter().filter(|a| a.special).map(|a| a.id).collect();
-        let byte_level = matches!(inner.get_decoder(), Some(tokenizers::DecoderWrapper::ByteLevel(_)));
-        Ok(Self { inner, added, special, byte_level })
+        let byte_level = matches!(
+            inner.get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        );
+        Ok(Self {
+            inner,
+            added,
+            special,
+            byte_level,
+        })
     }
 
     /// Text to ids: added tokens match atomically, nothing is prepended or appended.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        Ok(self.inner.encode_fast(text, false).map_err(|e| anyhow!("tokenizer: {e}"))?.get_ids().to_vec())
+        Ok(self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| anyhow!("tokenizer: {e}"))?
+            .get_ids()
+            .to_vec())
     }
 
     /// Decodes ids to text, keeping special tokens visible (`<think>`, `<|im_end|>`).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
-        self.inner.decode(ids, false).map_err(|e| anyhow!("tokenizer: {e}"))
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| anyhow!("tokenizer: {e}"))
     }
 
     /// A streaming decoder for one generated sequence.
@@ -148,7 +189,9 @@ fn byte_of_char(c: char) -> Option<u8> {
         let mut t = [-1i16; 324];
         let mut n = 0;
         for b in 0..=255u16 {
-            let printable = (b'!' as u16..=b'~' as u16).contains(&b) || (0xA1..=0xAC).contains(&b) || (0xAE..=0xFF).contains(&b);
+            let printable = (b'!' as u16..=b'~' as u16).contains(&b)
+                || (0xA1..=0xAC).contains(&b)
+                || (0xAE..=0xFF).contains(&b);
             if printable {
                 t[b as usize] = b as i16;
             } else {
@@ -168,9 +211,13 @@ pub fn stop_ids(dir: &Path) -> Result<Vec<u32>> {
     if !p.exists() {
         return Ok(Vec::new());
     }
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p)?).with_context(|| format!("{}: not valid JSON", p.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p)?)
+        .with_context(|| format!("{}: not valid JSON", p.display()))?;
     Ok(match v.get("eos_token_id") {
-        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
+        Some(serde_json::Value::Array(a)) => a
+            .iter()
+            .filter_map(|x| x.as_u64().map(|x| x as u32))
+            .collect(),
         Some(x) => x.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
         None => Vec::new(),
     })
@@ -188,7 +235,9 @@ mod tests {
         assert_eq!(byte_of_char('é'), Some(0xE9));
         assert_eq!(byte_of_char(' '), None);
         assert_eq!(byte_of_char('中'), None);
-        let all: std::collections::HashSet<u8> = (0..324u32).filter_map(|c| byte_of_char(char::from_u32(c).unwrap())).collect();
+        let all: std::collections::HashSet<u8> = (0..324u32)
+            .filter_map(|c| byte_of_char(char::from_u32(c).unwrap()))
+            .collect();
         assert_eq!(all.len(), 256);
     }
 }

@@ -34,7 +34,11 @@ pub fn py_strip<'a>(s: &'a str, chars: Option<&str>, left: bool, right: bool) ->
 
 /// `str.split(sep=None, maxsplit=-1)` with Python semantics.
 pub fn py_split(s: &str, sep: Option<&str>, maxsplit: i64) -> Result<Vec<String>, Error> {
-    let max = if maxsplit < 0 { usize::MAX } else { maxsplit as usize };
+    let max = if maxsplit < 0 {
+        usize::MAX
+    } else {
+        maxsplit as usize
+    };
     match sep {
         Some("") => Err(Error::new(ErrorKind::InvalidOperation, "empty separator")),
         Some(sep) => {
@@ -79,7 +83,11 @@ pub fn py_float_repr(x: f64) -> String {
         return if x > 0.0 { "inf".into() } else { "-inf".into() };
     }
     if x == 0.0 {
-        return if x.is_sign_negative() { "-0.0".into() } else { "0.0".into() };
+        return if x.is_sign_negative() {
+            "-0.0".into()
+        } else {
+            "0.0".into()
+        };
     }
     // Rust's `{:e}` gives the shortest round-trip digits: "-1.2345e-7".
     let e = format!("{x:e}");
@@ -204,7 +212,11 @@ fn py_unprintable(c: char) -> bool {
 }
 
 fn repr_str(out: &mut String, s: &str) {
-    let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
     out.push(quote);
     for c in s.chars() {
         match c {
@@ -246,7 +258,13 @@ pub struct JsonOpts {
 impl Default for JsonOpts {
     /// transformers' defaults: `ensure_ascii=False, indent=None, separators=None, sort_keys=False`.
     fn default() -> Self {
-        Self { ensure_ascii: false, indent: None, item_sep: ", ".into(), key_sep: ": ".into(), sort_keys: false }
+        Self {
+            ensure_ascii: false,
+            indent: None,
+            item_sep: ", ".into(),
+            key_sep: ": ".into(),
+            sort_keys: false,
+        }
     }
 }
 
@@ -262,7 +280,10 @@ fn not_serializable(v: &Value) -> Error {
         ValueKind::Undefined => "Undefined".to_string(),
         k => k.to_string(),
     };
-    Error::new(ErrorKind::InvalidOperation, format!("tojson: object of type {what} is not JSON serializable"))
+    Error::new(
+        ErrorKind::InvalidOperation,
+        format!("tojson: object of type {what} is not JSON serializable"),
+    )
 }
 
 fn json_str(out: &mut String, s: &str, ensure_ascii: bool) {
@@ -313,7 +334,10 @@ fn json_key(k: &Value) -> Result<String, Error> {
             s
         }
         other => {
-            return Err(Error::new(ErrorKind::InvalidOperation, format!("tojson: keys must be str, int, float, bool or None, not {other}")))
+            return Err(Error::new(
+                ErrorKind::InvalidOperation,
+                format!("tojson: keys must be str, int, float, bool or None, not {other}"),
+            ))
         }
     })
 }
@@ -363,7 +387,10 @@ fn json_into(out: &mut String, v: &Value, o: &JsonOpts, level: usize) -> Result<
             }
             if o.sort_keys {
                 if items.iter().any(|(k, _)| k.kind() != ValueKind::String) {
-                    return Err(Error::new(ErrorKind::InvalidOperation, "tojson: sort_keys needs string keys"));
+                    return Err(Error::new(
+                        ErrorKind::InvalidOperation,
+                        "tojson: sort_keys needs string keys",
+                    ));
                 }
                 items.sort_by(|a, b| a.0.as_str().cmp(&b.0.as_str()));
             }
@@ -418,13 +445,21 @@ mod tests {
     fn json_dumps_matches_python() {
         let v = Value::from_pairs([
             ("a", Value::from(1)),
-            ("b", Value::from(vec![Value::from(1.0), Value::from(()), Value::from(true)])),
+            (
+                "b",
+                Value::from(vec![Value::from(1.0), Value::from(()), Value::from(true)]),
+            ),
             ("c", Value::from("é<>&\"\\\n\u{1}\u{7f}😀")),
             ("d", Value::from_pairs::<_, &str, Value>([])),
         ]);
         let o = JsonOpts::default();
         assert_eq!(py_json_dumps(&v, &o).unwrap(), "{\"a\": 1, \"b\": [1.0, null, true], \"c\": \"é<>&\\\"\\\\\\n\\u0001\u{7f}😀\", \"d\": {}}");
-        let o = JsonOpts { ensure_ascii: true, indent: Some("  ".into()), item_sep: ",".into(), ..JsonOpts::default() };
+        let o = JsonOpts {
+            ensure_ascii: true,
+            indent: Some("  ".into()),
+            item_sep: ",".into(),
+            ..JsonOpts::default()
+        };
         assert_eq!(
             py_json_dumps(&v, &o).unwrap(),
             "{\n  \"a\": 1,\n  \"b\": [\n    1.0,\n    null,\n    true\n  ],\n  \"c\": \"\\u00e9<>&\\\"\\\\\\n\\u0001\\u007f\\ud83d\\ude00\",\n  \"d\": {}\n}"
@@ -444,7 +479,13 @@ mod tests {
 
     #[test]
     fn repr_matches_python() {
-        let v = Value::from(vec![Value::from("it's"), Value::from(1), Value::from(()), Value::from(false), Value::from(2.5)]);
+        let v = Value::from(vec![
+            Value::from("it's"),
+            Value::from(1),
+            Value::from(()),
+            Value::from(false),
+            Value::from(2.5),
+        ]);
         assert_eq!(py_str(&v), "[\"it's\", 1, None, False, 2.5]");
         assert_eq!(py_repr(&Value::from("a\nb'\"")), "'a\\nb\\'\"'");
     }

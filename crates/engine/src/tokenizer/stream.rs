@@ -22,12 +22,26 @@ enum Mode {
     /// Byte-level BPE: bytes of an incomplete UTF-8 character waiting for the next token.
     Bytes { pending: Vec<u8> },
     /// Generic decoders: ids from `prefix`; `read` marks the ids whose text was emitted.
-    Window { ids: Vec<u32>, prefix: usize, read: usize },
+    Window {
+        ids: Vec<u32>,
+        prefix: usize,
+        read: usize,
+    },
 }
 
 impl<'a> StreamDecoder<'a> {
     pub fn new(tok: &'a Tokenizer) -> Self {
-        let mode = if tok.is_byte_level() { Mode::Bytes { pending: Vec::new() } } else { Mode::Window { ids: Vec::new(), prefix: 0, read: 0 } };
+        let mode = if tok.is_byte_level() {
+            Mode::Bytes {
+                pending: Vec::new(),
+            }
+        } else {
+            Mode::Window {
+                ids: Vec::new(),
+                prefix: 0,
+                read: 0,
+            }
+        };
         Self { tok, mode }
     }
 
@@ -45,7 +59,10 @@ impl<'a> StreamDecoder<'a> {
                 ids.push(id);
                 let before = self.tok.decode(&ids[*prefix..*read]).ok()?;
                 let now = self.tok.decode(&ids[*prefix..]).ok()?;
-                if now.len() > before.len() && !now.ends_with('\u{FFFD}') && now.is_char_boundary(before.len()) {
+                if now.len() > before.len()
+                    && !now.ends_with('\u{FFFD}')
+                    && now.is_char_boundary(before.len())
+                {
                     let out = now[before.len()..].to_string();
                     // Keep the last emitted ids as context for the next step; drop the rest.
                     let keep_from = *read;
@@ -103,7 +120,9 @@ fn drain_utf8(buf: &mut Vec<u8>, flush: bool) -> String {
             }
             Err(e) => {
                 let valid = e.valid_up_to();
-                out.push_str(std::str::from_utf8(&buf[start..start + valid]).expect("valid prefix"));
+                out.push_str(
+                    std::str::from_utf8(&buf[start..start + valid]).expect("valid prefix"),
+                );
                 match e.error_len() {
                     Some(n) => {
                         out.push('\u{FFFD}');

@@ -66,11 +66,17 @@ fn template_error(e: &Error) -> TemplateError {
     let mut src: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
     while let Some(s) = src {
         if let Some(r) = s.downcast_ref::<Raised>() {
-            return TemplateError { message: r.0.clone(), raised: true };
+            return TemplateError {
+                message: r.0.clone(),
+                raised: true,
+            };
         }
         src = s.source();
     }
-    TemplateError { message: e.to_string(), raised: false }
+    TemplateError {
+        message: e.to_string(),
+        raised: false,
+    }
 }
 
 /// A compiled chat template plus the special-token variables transformers passes to it.
@@ -85,7 +91,10 @@ pub struct ChatTemplate {
 
 impl fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ChatTemplate").field("names", &self.names).field("special_tokens", &self.special_tokens).finish()
+        f.debug_struct("ChatTemplate")
+            .field("names", &self.names)
+            .field("special_tokens", &self.special_tokens)
+            .finish()
     }
 }
 
@@ -96,14 +105,22 @@ impl ChatTemplate {
     pub fn from_dir(dir: &Path) -> Result<Self> {
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg: Option<Json> = if cfg_path.exists() {
-            let text = std::fs::read_to_string(&cfg_path).with_context(|| format!("{}: cannot read", cfg_path.display()))?;
-            Some(serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", cfg_path.display()))?)
+            let text = std::fs::read_to_string(&cfg_path)
+                .with_context(|| format!("{}: cannot read", cfg_path.display()))?;
+            Some(
+                serde_json::from_str(&text)
+                    .with_context(|| format!("{}: not valid JSON", cfg_path.display()))?,
+            )
         } else {
             None
         };
         let jinja = dir.join("chat_template.jinja");
         let templates: Vec<(String, String)> = if jinja.exists() {
-            vec![("default".into(), std::fs::read_to_string(&jinja).with_context(|| format!("{}: cannot read", jinja.display()))?)]
+            vec![(
+                "default".into(),
+                std::fs::read_to_string(&jinja)
+                    .with_context(|| format!("{}: cannot read", jinja.display()))?,
+            )]
         } else {
             match cfg.as_ref().and_then(|c| c.get("chat_template")) {
                 Some(Json::String(s)) => vec![("default".into(), s.clone())],
@@ -118,7 +135,8 @@ impl ChatTemplate {
             }
         };
         let specials = cfg.as_ref().map(special_tokens_map).unwrap_or_default();
-        Self::from_named(templates, specials).with_context(|| format!("{}: chat template", dir.display()))
+        Self::from_named(templates, specials)
+            .with_context(|| format!("{}: chat template", dir.display()))
     }
 
     /// A single template from source, with no special-token variables.
@@ -127,17 +145,25 @@ impl ChatTemplate {
     }
 
     /// Named templates (`default`, `tool_use`, …) and the special-token variables.
-    pub fn from_named(templates: Vec<(String, String)>, special_tokens: Vec<(String, String)>) -> Result<Self> {
+    pub fn from_named(
+        templates: Vec<(String, String)>,
+        special_tokens: Vec<(String, String)>,
+    ) -> Result<Self> {
         if templates.is_empty() {
             bail!("no chat template given");
         }
         let mut env = environment()?;
         let mut names = Vec::new();
         for (name, src) in templates {
-            env.add_template_owned(name.clone(), src).map_err(|e| anyhow!("template `{name}` does not compile: {e:#}"))?;
+            env.add_template_owned(name.clone(), src)
+                .map_err(|e| anyhow!("template `{name}` does not compile: {e:#}"))?;
             names.push(name);
         }
-        Ok(Self { env, names, special_tokens })
+        Ok(Self {
+            env,
+            names,
+            special_tokens,
+        })
     }
 
     /// The special-token variables (`eos_token`, …) the template sees.
@@ -157,14 +183,23 @@ impl ChatTemplate {
         if self.names.iter().any(|n| n == "default") {
             return Ok("default");
         }
-        bail!("the checkpoint has several chat templates ({}) and none is named `default`", self.names.join(", "))
+        bail!(
+            "the checkpoint has several chat templates ({}) and none is named `default`",
+            self.names.join(", ")
+        )
     }
 
     /// Renders a conversation: `messages` is the OpenAI-style array of message objects, `tools` an
     /// optional array of tool schemas, `kwargs` extra template variables (`enable_thinking`,
     /// `preserve_thinking`, …). Errors (bad input, `raise_exception`, engine failures) come back
     /// as `Err` with a [`TemplateError`] inside when the template itself failed.
-    pub fn render(&self, messages: &Json, tools: Option<&Json>, add_generation_prompt: bool, kwargs: &Map<String, Json>) -> Result<String> {
+    pub fn render(
+        &self,
+        messages: &Json,
+        tools: Option<&Json>,
+        add_generation_prompt: bool,
+        kwargs: &Map<String, Json>,
+    ) -> Result<String> {
         let msgs = normalize_messages(messages)?;
         if msgs.is_empty() {
             // transformers refuses before the template runs.
@@ -196,13 +231,28 @@ impl ChatTemplate {
         for (k, v) in kwargs {
             ctx.push((k.clone(), to_value(v)));
         }
-        ctx.push(("messages".into(), Value::from(msgs.iter().map(to_value).collect::<Vec<_>>())));
-        ctx.push(("tools".into(), tools.map(|t| Value::from(t.iter().map(to_value).collect::<Vec<_>>())).unwrap_or(Value::from(()))));
+        ctx.push((
+            "messages".into(),
+            Value::from(msgs.iter().map(to_value).collect::<Vec<_>>()),
+        ));
+        ctx.push((
+            "tools".into(),
+            tools
+                .map(|t| Value::from(t.iter().map(to_value).collect::<Vec<_>>()))
+                .unwrap_or(Value::from(())),
+        ));
         ctx.push(("documents".into(), Value::from(())));
-        ctx.push(("add_generation_prompt".into(), Value::from(add_generation_prompt)));
+        ctx.push((
+            "add_generation_prompt".into(),
+            Value::from(add_generation_prompt),
+        ));
         let name = self.pick(tools.is_some())?;
-        let tmpl = self.env.get_template(name).map_err(|e| anyhow::Error::new(template_error(&e)))?;
-        tmpl.render(Value::from_pairs(ctx)).map_err(|e| anyhow::Error::new(template_error(&e)))
+        let tmpl = self
+            .env
+            .get_template(name)
+            .map_err(|e| anyhow::Error::new(template_error(&e)))?;
+        tmpl.render(Value::from_pairs(ctx))
+            .map_err(|e| anyhow::Error::new(template_error(&e)))
     }
 }
 
@@ -216,7 +266,15 @@ pub fn special_tokens_map(cfg: &Json) -> Vec<(String, String)> {
         _ => None,
     };
     let mut out: Vec<(String, String)> = Vec::new();
-    for k in ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"] {
+    for k in [
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "sep_token",
+        "pad_token",
+        "cls_token",
+        "mask_token",
+    ] {
         if let Some(s) = cfg.get(k).and_then(content) {
             out.push((k.to_string(), s));
         }
@@ -239,15 +297,25 @@ pub fn special_tokens_map(cfg: &Json) -> Vec<(String, String)> {
 /// an object; null-valued keys are dropped; string tool-call arguments are parsed as JSON objects;
 /// reasoning is aliased as transformers' `_alias_reasoning_fields` does.
 pub fn normalize_messages(messages: &Json) -> Result<Vec<Json>> {
-    let list = messages.as_array().ok_or_else(|| anyhow!("messages must be a JSON array of message objects"))?;
+    let list = messages
+        .as_array()
+        .ok_or_else(|| anyhow!("messages must be a JSON array of message objects"))?;
     let mut out = Vec::with_capacity(list.len());
     for (i, m) in list.iter().enumerate() {
-        let obj = m.as_object().ok_or_else(|| anyhow!("message {i} is not a JSON object"))?;
-        let mut msg: Map<String, Json> = obj.iter().filter(|(_, v)| !v.is_null()).map(|(k, v)| (k.clone(), v.clone())).collect();
+        let obj = m
+            .as_object()
+            .ok_or_else(|| anyhow!("message {i} is not a JSON object"))?;
+        let mut msg: Map<String, Json> = obj
+            .iter()
+            .filter(|(_, v)| !v.is_null())
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         if let Some(Json::Array(calls)) = msg.get_mut("tool_calls") {
             for (j, call) in calls.iter_mut().enumerate() {
                 let target = match call {
-                    Json::Object(c) if c.get("function").is_some_and(Json::is_object) => c.get_mut("function"),
+                    Json::Object(c) if c.get("function").is_some_and(Json::is_object) => {
+                        c.get_mut("function")
+                    }
                     c => Some(c),
                 };
                 if let Some(Json::Object(f)) = target {
@@ -262,7 +330,10 @@ pub fn normalize_messages(messages: &Json) -> Result<Vec<Json>> {
                 }
             }
         }
-        let reasoning = ["reasoning_content", "thinking", "reasoning"].iter().find_map(|k| msg.get(*k)).cloned();
+        let reasoning = ["reasoning_content", "thinking", "reasoning"]
+            .iter()
+            .find_map(|k| msg.get(*k))
+            .cloned();
         if let Some(r) = reasoning {
             let mut aliased = Map::new();
             aliased.insert("thinking".into(), r.clone());
@@ -293,14 +364,23 @@ pub fn to_value(v: &Json) -> Value {
         }
         Json::String(s) => Value::from(s.as_str()),
         Json::Array(a) => Value::from(a.iter().map(to_value).collect::<Vec<_>>()),
-        Json::Object(o) => Value::from_pairs(o.iter().map(|(k, v)| (Value::from(k.as_str()), to_value(v)))),
+        Json::Object(o) => Value::from_pairs(
+            o.iter()
+                .map(|(k, v)| (Value::from(k.as_str()), to_value(v))),
+        ),
     }
 }
 
 /// The jinja2 environment of transformers, rebuilt in minijinja.
 fn environment() -> Result<Environment<'static>> {
     let mut env = Environment::new();
-    env.set_syntax(SyntaxConfig::builder().trim_blocks(true).lstrip_blocks(true).build().map_err(|e| anyhow!("{e}"))?);
+    env.set_syntax(
+        SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| anyhow!("{e}"))?,
+    );
     env.set_auto_escape_callback(|_| AutoEscape::None);
     env.set_undefined_behavior(minijinja::UndefinedBehavior::Lenient);
     env.set_recursion_limit(500);
@@ -316,7 +396,9 @@ fn environment() -> Result<Environment<'static>> {
         let text = pyfmt::py_str(&msg);
         Err(Error::new(ErrorKind::InvalidOperation, text.clone()).with_source(Raised(text)))
     });
-    env.add_function("strftime_now", |fmt: String| -> Result<Value, Error> { Ok(Value::from(strftime_utc(&fmt))) });
+    env.add_function("strftime_now", |fmt: String| -> Result<Value, Error> {
+        Ok(Value::from(strftime_utc(&fmt)))
+    });
     env.add_filter("tojson", tojson);
     env.add_filter("string", |v: Value| -> Value {
         if v.kind() == ValueKind::String {
@@ -334,22 +416,32 @@ fn environment() -> Result<Environment<'static>> {
 
 /// Python string methods: `strip`/`lstrip`/`rstrip`/`split` with Python's whitespace set, the rest
 /// from minijinja-contrib's pycompat.
-fn py_methods(state: &mut State, value: &Value, method: &str, args: &[Value]) -> Result<Value, Error> {
+fn py_methods(
+    state: &mut State,
+    value: &Value,
+    method: &str,
+    args: &[Value],
+) -> Result<Value, Error> {
     if let (ValueKind::String, Some(s)) = (value.kind(), value.as_str()) {
         let arg = |i: usize| -> Result<Option<String>, Error> {
             match args.get(i) {
                 None => Ok(None),
                 Some(a) if a.is_none() => Ok(None),
-                Some(a) => a
-                    .as_str()
-                    .map(|s| Some(s.to_string()))
-                    .ok_or_else(|| Error::new(ErrorKind::InvalidOperation, format!("{method}: argument must be a string or None"))),
+                Some(a) => a.as_str().map(|s| Some(s.to_string())).ok_or_else(|| {
+                    Error::new(
+                        ErrorKind::InvalidOperation,
+                        format!("{method}: argument must be a string or None"),
+                    )
+                }),
             }
         };
         match method {
             "strip" | "lstrip" | "rstrip" => {
                 if args.len() > 1 {
-                    return Err(Error::new(ErrorKind::TooManyArguments, format!("{method} takes at most 1 argument")));
+                    return Err(Error::new(
+                        ErrorKind::TooManyArguments,
+                        format!("{method} takes at most 1 argument"),
+                    ));
                 }
                 let chars = arg(0)?;
                 let (l, r) = match method {
@@ -361,14 +453,27 @@ fn py_methods(state: &mut State, value: &Value, method: &str, args: &[Value]) ->
             }
             "split" => {
                 if args.len() > 2 {
-                    return Err(Error::new(ErrorKind::TooManyArguments, "split takes at most 2 arguments"));
+                    return Err(Error::new(
+                        ErrorKind::TooManyArguments,
+                        "split takes at most 2 arguments",
+                    ));
                 }
                 let sep = arg(0)?;
                 let max = match args.get(1) {
                     None => -1,
-                    Some(v) => v.as_i64().ok_or_else(|| Error::new(ErrorKind::InvalidOperation, "split: maxsplit must be an integer"))?,
+                    Some(v) => v.as_i64().ok_or_else(|| {
+                        Error::new(
+                            ErrorKind::InvalidOperation,
+                            "split: maxsplit must be an integer",
+                        )
+                    })?,
                 };
-                return Ok(Value::from(pyfmt::py_split(s, sep.as_deref(), max)?.into_iter().map(Value::from).collect::<Vec<_>>()));
+                return Ok(Value::from(
+                    pyfmt::py_split(s, sep.as_deref(), max)?
+                        .into_iter()
+                        .map(Value::from)
+                        .collect::<Vec<_>>(),
+                ));
             }
             _ => {}
         }
@@ -380,14 +485,19 @@ fn py_methods(state: &mut State, value: &Value, method: &str, args: &[Value]) ->
 fn tojson(value: &Value, args: Rest<ValueOrKwargs>) -> Result<Value, Error> {
     let mut pos: Vec<Value> = args.into_values();
     let kw = match pos.last() {
-        Some(v) if v.is_kwargs() => Kwargs::try_from(pos.pop().expect("checked")).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?,
+        Some(v) if v.is_kwargs() => Kwargs::try_from(pos.pop().expect("checked"))
+            .map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?,
         _ => Kwargs::from_iter(std::iter::empty::<(String, Value)>()),
     };
     if pos.len() > 4 {
-        return Err(Error::new(ErrorKind::TooManyArguments, "tojson takes at most 4 arguments"));
+        return Err(Error::new(
+            ErrorKind::TooManyArguments,
+            "tojson takes at most 4 arguments",
+        ));
     }
     let mut pos = pos.into_iter();
-    let (ensure_ascii, indent, separators, sort_keys) = (pos.next(), pos.next(), pos.next(), pos.next());
+    let (ensure_ascii, indent, separators, sort_keys) =
+        (pos.next(), pos.next(), pos.next(), pos.next());
     let pick = |pos: Option<Value>, name: &str| -> Result<Option<Value>, Error> {
         match pos {
             Some(v) => Ok(Some(v)),
@@ -399,10 +509,19 @@ fn tojson(value: &Value, args: Rest<ValueOrKwargs>) -> Result<Value, Error> {
     let indent = match pick(indent, "indent")? {
         None => None,
         Some(v) if v.is_none() => None,
-        Some(v) if v.kind() == ValueKind::String => Some(v.as_str().unwrap_or_default().to_string()),
-        Some(v) if v.kind() == ValueKind::Bool => Some(if v.is_true() { " " } else { "" }.to_string()),
+        Some(v) if v.kind() == ValueKind::String => {
+            Some(v.as_str().unwrap_or_default().to_string())
+        }
+        Some(v) if v.kind() == ValueKind::Bool => {
+            Some(if v.is_true() { " " } else { "" }.to_string())
+        }
         Some(v) => {
-            let n = v.as_i64().ok_or_else(|| Error::new(ErrorKind::InvalidOperation, "tojson: indent must be an int or a string"))?;
+            let n = v.as_i64().ok_or_else(|| {
+                Error::new(
+                    ErrorKind::InvalidOperation,
+                    "tojson: indent must be an int or a string",
+                )
+            })?;
             Some(" ".repeat(n.max(0) as usize))
         }
     };
@@ -410,24 +529,63 @@ fn tojson(value: &Value, args: Rest<ValueOrKwargs>) -> Result<Value, Error> {
         Some(v) if !v.is_none() => {
             let parts: Vec<Value> = v.try_iter()?.collect();
             match parts.as_slice() {
-                [a, b] if a.as_str().is_some() && b.as_str().is_some() => {
-                    (a.as_str().unwrap_or_default().to_string(), b.as_str().unwrap_or_default().to_string())
+                [a, b] if a.as_str().is_some() && b.as_str().is_some() => (
+                    a.as_str().unwrap_or_default().to_string(),
+                    b.as_str().unwrap_or_default().to_string(),
+                ),
+                _ => {
+                    return Err(Error::new(
+                        ErrorKind::InvalidOperation,
+                        "tojson: separators must be a pair of strings",
+                    ))
                 }
-                _ => return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators must be a pair of strings")),
             }
         }
-        _ => (if indent.is_some() { "," } else { ", " }.to_string(), ": ".to_string()),
+        _ => (
+            if indent.is_some() { "," } else { ", " }.to_string(),
+            ": ".to_string(),
+        ),
     };
     kw.assert_all_used()?;
-    let opts = JsonOpts { ensure_ascii, indent, item_sep, key_sep, sort_keys };
+    let opts = JsonOpts {
+        ensure_ascii,
+        indent,
+        item_sep,
+        key_sep,
+        sort_keys,
+    };
     Ok(Value::from(pyfmt::py_json_dumps(value, &opts)?))
 }
 
 /// `datetime.now().strftime(fmt)` for the common directives, in UTC (no time-zone database here).
 fn strftime_utc(fmt: &str) -> String {
-    const MONTHS: [&str; 12] = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November", "December"];
-    const DAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0);
+    const MONTHS: [&str; 12] = [
+        "January",
+        "February",
+        "March",
+        "April",
+        "May",
+        "June",
+        "July",
+        "August",
+        "September",
+        "October",
+        "November",
+        "December",
+    ];
+    const DAYS: [&str; 7] = [
+        "Monday",
+        "Tuesday",
+        "Wednesday",
+        "Thursday",
+        "Friday",
+        "Saturday",
+        "Sunday",
+    ];
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0);
     let days = secs.div_euclid(86_400);
     let sod = secs.rem_euclid(86_400);
     let (h, mi, s) = (sod / 3600, sod % 3600 / 60, sod % 60);
@@ -485,7 +643,14 @@ mod tests {
     #[test]
     fn raise_exception_is_a_clear_error() {
         let t = ChatTemplate::from_source("{{ raise_exception('boom') }}").unwrap();
-        let e = t.render(&serde_json::json!([{"role": "user", "content": "x"}]), None, false, &Map::new()).unwrap_err();
+        let e = t
+            .render(
+                &serde_json::json!([{"role": "user", "content": "x"}]),
+                None,
+                false,
+                &Map::new(),
+            )
+            .unwrap_err();
         let te = e.downcast_ref::<TemplateError>().expect("a TemplateError");
         assert!(te.raised);
         assert_eq!(te.message, "boom");
@@ -499,8 +664,18 @@ mod tests {
         .unwrap();
         let mut kw = Map::new();
         kw.insert("x".into(), serde_json::json!({"z": "<é>", "a": [1, 2.0]}));
-        let s = t.render(&serde_json::json!([{"role": "user", "content": "x"}]), None, false, &kw).unwrap();
-        assert_eq!(s, "{\"z\": \"<é>\", \"a\": [1, 2.0]}|[\n  1,\n  2.0\n]|a|None|True|1e-05|2");
+        let s = t
+            .render(
+                &serde_json::json!([{"role": "user", "content": "x"}]),
+                None,
+                false,
+                &kw,
+            )
+            .unwrap();
+        assert_eq!(
+            s,
+            "{\"z\": \"<é>\", \"a\": [1, 2.0]}|[\n  1,\n  2.0\n]|a|None|True|1e-05|2"
+        );
     }
 
     #[test]

@@ -14,7 +14,10 @@ pub fn gpu() -> Option<lily::backend::cuda::Cuda> {
     match lily::backend::cuda::Cuda::new() {
         Ok(c) => Some(c),
         Err(e) => {
-            assert!(std::env::var("LILY_REQUIRE_CUDA").is_err(), "no usable GPU: {e:#}");
+            assert!(
+                std::env::var("LILY_REQUIRE_CUDA").is_err(),
+                "no usable GPU: {e:#}"
+            );
             eprintln!("SKIPPED: no usable GPU: {e:#}");
             None
         }
@@ -23,7 +26,9 @@ pub fn gpu() -> Option<lily::backend::cuda::Cuda> {
 
 /// The benchmark contract's synthetic prompt: `(i·2654435761 mod 2^32) mod vocab`.
 pub fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
-    (0..n).map(|i| ((i as u64 * 2654435761) % (1u64 << 32) % vocab as u64) as u32).collect()
+    (0..n)
+        .map(|i| ((i as u64 * 2654435761) % (1u64 << 32) % vocab as u64) as u32)
+        .collect()
 }
 
 /// Writes a preset checkpoint (with `--set` overrides) into a fresh temporary directory.
@@ -49,20 +54,30 @@ pub struct Oracle {
 
 impl Oracle {
     pub fn array(&self, name: &str) -> lily::npy::Array {
-        lily::npy::read(&self.out.join(name)).unwrap_or_else(|e| panic!("oracle output {name}: {e:#}"))
+        lily::npy::read(&self.out.join(name))
+            .unwrap_or_else(|e| panic!("oracle output {name}: {e:#}"))
     }
     pub fn summary(&self) -> serde_json::Value {
-        serde_json::from_str(&std::fs::read_to_string(self.out.join("summary.json")).expect("summary.json")).expect("json")
+        serde_json::from_str(
+            &std::fs::read_to_string(self.out.join("summary.json")).expect("summary.json"),
+        )
+        .expect("json")
     }
 }
 
 /// Runs MLX-LM on `dir` for `ids` (+ `gen` greedy tokens). `None` when the oracle is not set up
 /// (`scripts/test` sets it up; with LILY_REQUIRE_ORACLE=1 a missing oracle is a failure).
 pub fn oracle(dir: &Path, ids: &[u32], gen: usize) -> Option<Oracle> {
-    let (py, script) = match (std::env::var("LILY_ORACLE_PY"), std::env::var("LILY_ORACLE_SCRIPT")) {
+    let (py, script) = match (
+        std::env::var("LILY_ORACLE_PY"),
+        std::env::var("LILY_ORACLE_SCRIPT"),
+    ) {
         (Ok(p), Ok(s)) => (p, s),
         _ => {
-            assert!(std::env::var("LILY_REQUIRE_ORACLE").is_err(), "LILY_ORACLE_PY / LILY_ORACLE_SCRIPT not set");
+            assert!(
+                std::env::var("LILY_REQUIRE_ORACLE").is_err(),
+                "LILY_ORACLE_PY / LILY_ORACLE_SCRIPT not set"
+            );
             eprintln!("SKIPPED: MLX-LM oracle not set up (run scripts/test)");
             return None;
         }

@@ -24,7 +24,12 @@ use crate::backend::{Dims, KvCache};
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    let tail: f32 = ca
+        .remainder()
+        .iter()
+        .zip(cb.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
     for (x, y) in ca.zip(cb) {
         for l in 0..8 {
             acc[l] += x[l] * y[l];
@@ -54,7 +59,17 @@ fn rope_in_place(x: &mut [f32], pos: usize, rot: usize, theta: f64) {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn attn_qk_norm_rope(qg: &[f32], k: &mut [f32], qn: &[f32], kn: &[f32], d: &Dims, rows: usize, pos0: usize, q: &mut [f32], gate: &mut [f32]) {
+pub fn attn_qk_norm_rope(
+    qg: &[f32],
+    k: &mut [f32],
+    qn: &[f32],
+    kn: &[f32],
+    d: &Dims,
+    rows: usize,
+    pos0: usize,
+    q: &mut [f32],
+    gate: &mut [f32],
+) {
     let hd = d.head_dim;
     for t in 0..rows {
         for h in 0..d.n_heads {
@@ -80,20 +95,33 @@ const TK: usize = 64;
 /// Causal attention of `rows > 1` query rows over the cache (already holding their k/v), tiled;
 /// the same result as [`attention`] up to float rounding (online softmax).
 #[allow(clippy::too_many_arguments)]
-fn attention_tiled(q: &[f32], kc: &[f32], vc: &[f32], gate: &[f32], d: &Dims, rows: usize, pos0: usize, out: &mut [f32]) {
+fn attention_tiled(
+    q: &[f32],
+    kc: &[f32],
+    vc: &[f32],
+    gate: &[f32],
+    d: &Dims,
+    rows: usize,
+    pos0: usize,
+    out: &mut [f32],
+) {
     let hd = d.head_dim;
     let kvd = d.n_kv_heads * hd;
     let group = d.n_heads / d.n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
     let tiles = rows.div_ceil(TQ);
-    let tasks: Vec<(usize, usize)> = (0..d.n_kv_heads).flat_map(|g| (0..tiles).map(move |t| (g, t * TQ))).collect();
+    let tasks: Vec<(usize, usize)> = (0..d.n_kv_heads)
+        .flat_map(|g| (0..tiles).map(move |t| (g, t * TQ)))
+        .collect();
     let results: Vec<Vec<f32>> = tasks
         .par_iter()
         .map(|&(g, t0)| {
             let tn = TQ.min(rows - t0);
             // Query qi = r·group + hh: row t0 + r, head g·group + hh.
             let nq = tn * group;
-            let qv = |qi: usize| &q[((t0 + qi / group) * d.n_heads + g * group + qi % group) * hd..][..hd];
+            let qv = |qi: usize| {
+                &q[((t0 + qi / group) * d.n_heads + g * group + qi % group) * hd..][..hd]
+            };
             let (mut m, mut l) = (vec![f32::NEG_INFINITY; nq], vec![0.0f32; nq]);
             let mut acc = vec![0.0f32; nq * hd];
             let mut s = vec![0.0f32; TK];
@@ -148,10 +176,23 @@ fn attention_tiled(q: &[f32], kc: &[f32], vc: &[f32], gate: &[f32], d: &Dims, ro
 /// Appends k/v at `pos0..pos0+rows`, then for each query row t (absolute position pos0+t) and head:
 /// `o = Σ_j softmax_j(q·k_j / √hd) v_j` over j ≤ pos0+t, times `sigmoid(gate)`.
 #[allow(clippy::too_many_arguments)]
-pub fn attention(q: &[f32], k: &[f32], v: &[f32], gate: &[f32], kv: &mut KvCache<Vec<f32>>, d: &Dims, rows: usize, pos0: usize, out: &mut [f32]) {
+pub fn attention(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    gate: &[f32],
+    kv: &mut KvCache<Vec<f32>>,
+    d: &Dims,
+    rows: usize,
+    pos0: usize,
+    out: &mut [f32],
+) {
     let hd = d.head_dim;
     let kvd = d.n_kv_heads * hd;
-    assert!(pos0 + rows <= kv.capacity, "KV cache overflow: checked by the runtime");
+    assert!(
+        pos0 + rows <= kv.capacity,
+        "KV cache overflow: checked by the runtime"
+    );
     kv.k[pos0 * kvd..(pos0 + rows) * kvd].copy_from_slice(&k[..rows * kvd]);
     kv.v[pos0 * kvd..(pos0 + rows) * kvd].copy_from_slice(&v[..rows * kvd]);
     let (kc, vc) = (&kv.k, &kv.v);
@@ -160,31 +201,34 @@ pub fn attention(q: &[f32], k: &[f32], v: &[f32], gate: &[f32], kv: &mut KvCache
     }
     let group = d.n_heads / d.n_kv_heads;
     let scale = 1.0 / (hd as f32).sqrt();
-    out[..rows * d.n_heads * hd].par_chunks_mut(hd).enumerate().for_each_init(Vec::new, |scores: &mut Vec<f32>, (i, o)| {
-        let (t, h) = (i / d.n_heads, i % d.n_heads);
-        let kvh = h / group;
-        let qv = &q[i * hd..][..hd];
-        let n = pos0 + t + 1;
-        scores.clear();
-        let mut m = f32::NEG_INFINITY;
-        for j in 0..n {
-            let kj = &kc[j * kvd + kvh * hd..][..hd];
-            let s = dot(qv, kj) * scale;
-            m = m.max(s);
-            scores.push(s);
-        }
-        let mut denom = 0.0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - m).exp();
-            denom += *s;
-        }
-        o.iter_mut().for_each(|x| *x = 0.0);
-        for (j, &p) in scores.iter().enumerate() {
-            axpy(o, p, &vc[j * kvd + kvh * hd..][..hd]);
-        }
-        let g = &gate[i * hd..][..hd];
-        for (a, &gv) in o.iter_mut().zip(g) {
-            *a = *a / denom * sigmoid(gv);
-        }
-    });
+    out[..rows * d.n_heads * hd]
+        .par_chunks_mut(hd)
+        .enumerate()
+        .for_each_init(Vec::new, |scores: &mut Vec<f32>, (i, o)| {
+            let (t, h) = (i / d.n_heads, i % d.n_heads);
+            let kvh = h / group;
+            let qv = &q[i * hd..][..hd];
+            let n = pos0 + t + 1;
+            scores.clear();
+            let mut m = f32::NEG_INFINITY;
+            for j in 0..n {
+                let kj = &kc[j * kvd + kvh * hd..][..hd];
+                let s = dot(qv, kj) * scale;
+                m = m.max(s);
+                scores.push(s);
+            }
+            let mut denom = 0.0f32;
+            for s in scores.iter_mut() {
+                *s = (*s - m).exp();
+                denom += *s;
+            }
+            o.iter_mut().for_each(|x| *x = 0.0);
+            for (j, &p) in scores.iter().enumerate() {
+                axpy(o, p, &vc[j * kvd + kvh * hd..][..hd]);
+            }
+            let g = &gate[i * hd..][..hd];
+            for (a, &gv) in o.iter_mut().zip(g) {
+                *a = *a / denom * sigmoid(gv);
+            }
+        });
 }

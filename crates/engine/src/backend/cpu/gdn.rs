@@ -27,15 +27,18 @@ pub fn conv1d(x: &[f32], w: &[f32], state: &mut [f32], d: &Dims, rows: usize, ou
             x[(j - hist) * c + ch]
         }
     };
-    out[..rows * c].par_chunks_mut(c).enumerate().for_each(|(t, o)| {
-        for (ch, ov) in o.iter_mut().enumerate() {
-            let mut acc = 0.0f32;
-            for tap in 0..k {
-                acc += w[ch * k + tap] * at(t + tap, ch);
+    out[..rows * c]
+        .par_chunks_mut(c)
+        .enumerate()
+        .for_each(|(t, o)| {
+            for (ch, ov) in o.iter_mut().enumerate() {
+                let mut acc = 0.0f32;
+                for tap in 0..k {
+                    acc += w[ch * k + tap] * at(t + tap, ch);
+                }
+                *ov = silu(acc);
             }
-            *ov = silu(acc);
-        }
-    });
+        });
     // New state: the last `hist` rows of (state ++ x).
     let mut next = vec![0.0f32; hist * c];
     for j in 0..hist {
@@ -81,7 +84,11 @@ fn decay_dot(s: &mut [f32], k: &[f32], g: f32) -> f32 {
 fn update_dot(s: &mut [f32], k: &[f32], q: &[f32], delta: f32) -> f32 {
     let mut acc = [0f32; 8];
     let n8 = s.len() / 8 * 8;
-    for ((sv, kk), qq) in s[..n8].chunks_exact_mut(8).zip(k[..n8].chunks_exact(8)).zip(q[..n8].chunks_exact(8)) {
+    for ((sv, kk), qq) in s[..n8]
+        .chunks_exact_mut(8)
+        .zip(k[..n8].chunks_exact(8))
+        .zip(q[..n8].chunks_exact(8))
+    {
         for i in 0..8 {
             sv[i] += delta * kk[i];
             acc[i] += sv[i] * qq[i];
@@ -102,7 +109,17 @@ pub struct GdnParamsRef<'a> {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn gated_delta(qkv: &[f32], z: &[f32], b: &[f32], a: &[f32], p: &GdnParamsRef, state: &mut [f32], d: &Dims, rows: usize, out: &mut [f32]) {
+pub fn gated_delta(
+    qkv: &[f32],
+    z: &[f32],
+    b: &[f32],
+    a: &[f32],
+    p: &GdnParamsRef,
+    state: &mut [f32],
+    d: &Dims,
+    rows: usize,
+    out: &mut [f32],
+) {
     let (hk, hv, dk, dv) = (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim);
     let c = d.conv_channels();
     let rep = hv / hk;

@@ -62,19 +62,41 @@ pub fn matmul(x: &[f32], rows: usize, w: &MatView, out: &mut [f32]) {
 /// [`matmul`] with the implementation chosen by the caller (tests, benchmarks).
 pub fn matmul_with(x: &[f32], rows: usize, w: &MatView, out: &mut [f32], path: Path) {
     let (n_out, inp) = (w.out(), w.inp());
-    assert!(x.len() >= rows * inp, "matmul: x has {} values, {rows}×{inp} needed", x.len());
-    assert!(out.len() >= rows * n_out, "matmul: out has {} values, {rows}×{n_out} needed", out.len());
+    assert!(
+        x.len() >= rows * inp,
+        "matmul: x has {} values, {rows}×{inp} needed",
+        x.len()
+    );
+    assert!(
+        out.len() >= rows * n_out,
+        "matmul: out has {} values, {rows}×{n_out} needed",
+        out.len()
+    );
     let (x, out) = (&x[..rows * inp], &mut out[..rows * n_out]);
     if rows == 0 || n_out == 0 {
         return;
     }
     match w {
         MatView::Quant(q) => {
-            assert!(q.bits > 0 && 32 % q.bits == 0, "matmul: {}-bit codes not supported", q.bits);
-            assert!(q.group_size > 0 && inp % q.group_size == 0, "matmul: inp {inp} not a multiple of group {}", q.group_size);
-            assert!(q.w.len() >= n_out * inp * q.bits as usize / 32, "matmul: weight words too short");
+            assert!(
+                q.bits > 0 && 32 % q.bits == 0,
+                "matmul: {}-bit codes not supported",
+                q.bits
+            );
+            assert!(
+                q.group_size > 0 && inp % q.group_size == 0,
+                "matmul: inp {inp} not a multiple of group {}",
+                q.group_size
+            );
+            assert!(
+                q.w.len() >= n_out * inp * q.bits as usize / 32,
+                "matmul: weight words too short"
+            );
             let ng = n_out * inp / q.group_size;
-            assert!(q.scales.len() >= ng && q.biases.len() >= ng, "matmul: scales/biases too short");
+            assert!(
+                q.scales.len() >= ng && q.biases.len() >= ng,
+                "matmul: scales/biases too short"
+            );
         }
         MatView::Dense(d) => assert!(d.w.len() >= n_out * inp, "matmul: dense weight too short"),
     }
@@ -111,7 +133,9 @@ pub fn matmul_with(x: &[f32], rows: usize, w: &MatView, out: &mut [f32], path: P
 fn simd_supported(w: &MatView) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        let cpu = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+        let cpu = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
         cpu && match w {
             // The SIMD kernels work in blocks of 64 inputs; a larger group that is a multiple of 64
             // simply repeats its scale over several blocks.
@@ -197,8 +221,13 @@ mod scalar {
                             let xt = &x[t * inp..(t + 1) * inp];
                             let mut acc = 0f32;
                             for g in 0..ng {
-                                let dq: f32 = row[g * gs..(g + 1) * gs].iter().zip(&xt[g * gs..(g + 1) * gs]).map(|(a, b)| a * b).sum();
-                                acc += q.scales.get(r * ng + g) * dq + q.biases.get(r * ng + g) * gsums[t * ng + g];
+                                let dq: f32 = row[g * gs..(g + 1) * gs]
+                                    .iter()
+                                    .zip(&xt[g * gs..(g + 1) * gs])
+                                    .map(|(a, b)| a * b)
+                                    .sum();
+                                acc += q.scales.get(r * ng + g) * dq
+                                    + q.biases.get(r * ng + g) * gsums[t * ng + g];
                             }
                             // SAFETY: (t, r) is owned by this task (r in its chunk).
                             unsafe { *o.add(t * n_out + r) = acc };
@@ -207,7 +236,11 @@ mod scalar {
                     MatView::Dense(_) => {
                         w.row_f32(r, &mut row);
                         for t in 0..rows {
-                            let acc: f32 = row.iter().zip(&x[t * inp..(t + 1) * inp]).map(|(a, b)| a * b).sum();
+                            let acc: f32 = row
+                                .iter()
+                                .zip(&x[t * inp..(t + 1) * inp])
+                                .map(|(a, b)| a * b)
+                                .sum();
                             // SAFETY: as above.
                             unsafe { *o.add(t * n_out + r) = acc };
                         }
@@ -238,7 +271,10 @@ mod x86 {
         let dst = &mut dst[..n * rep];
         match (f, rep) {
             (Floats::F32(v), 1) => dst.copy_from_slice(&v[start..start + n]),
-            (Floats::Bf16(v), 1) => dst.iter_mut().zip(&v[start..start + n]).for_each(|(d, &s)| *d = bf16_to_f32(s)),
+            (Floats::Bf16(v), 1) => dst
+                .iter_mut()
+                .zip(&v[start..start + n])
+                .for_each(|(d, &s)| *d = bf16_to_f32(s)),
             _ => {
                 for i in 0..n {
                     let v = f.get(start + i);
@@ -347,7 +383,11 @@ mod x86 {
             xs[g] = xg.iter().sum();
             for p in 0..64 {
                 let i = (p / 8) % spv;
-                let sc = if i + 1 == spv { 1.0 } else { (-((bits as usize * i) as f32)).exp2() };
+                let sc = if i + 1 == spv {
+                    1.0
+                } else {
+                    (-((bits as usize * i) as f32)).exp2()
+                };
                 xp[g * 64 + p] = xg[slot_elem(bits, p)] * sc;
             }
         }
@@ -393,7 +433,10 @@ mod x86 {
                                 _mm256_srli_epi32::<24>(v[r])
                             }
                         } else {
-                            _mm256_and_si256(v[r], _mm256_set1_epi32((((1u32 << B) - 1) << (B as usize * i)) as i32))
+                            _mm256_and_si256(
+                                v[r],
+                                _mm256_set1_epi32((((1u32 << B) - 1) << (B as usize * i)) as i32),
+                            )
                         };
                         d[r] = _mm256_cvtepi32_ps(c);
                     }
@@ -465,7 +508,10 @@ mod x86 {
                                 _mm256_srli_epi32::<24>(v[r])
                             }
                         } else {
-                            _mm256_and_si256(v[r], _mm256_set1_epi32((((1u32 << B) - 1) << (B as usize * i)) as i32))
+                            _mm256_and_si256(
+                                v[r],
+                                _mm256_set1_epi32((((1u32 << B) - 1) << (B as usize * i)) as i32),
+                            )
                         };
                         d[r] = _mm256_mul_ps(_mm256_cvtepi32_ps(c), sv[r]);
                     }
@@ -503,12 +549,34 @@ mod x86 {
     ) {
         macro_rules! k {
             ($R:literal, $A:literal, $r:expr) => {
-                gemv_q_kern::<B, $R, T, $A>(w.add($r * wpr), wpr, s.add($r * nb), b.add($r * nb), nb, xp, xs, inp, out.add($r), ldo)
+                gemv_q_kern::<B, $R, T, $A>(
+                    w.add($r * wpr),
+                    wpr,
+                    s.add($r * nb),
+                    b.add($r * nb),
+                    nb,
+                    xp,
+                    xs,
+                    inp,
+                    out.add($r),
+                    ldo,
+                )
             };
         }
         macro_rules! kp {
             ($R:literal, $r:expr) => {
-                gemv_q_kern_ps::<B, $R, T>(w.add($r * wpr), wpr, s.add($r * nb), b.add($r * nb), nb, xp, xs, inp, out.add($r), ldo)
+                gemv_q_kern_ps::<B, $R, T>(
+                    w.add($r * wpr),
+                    wpr,
+                    s.add($r * nb),
+                    b.add($r * nb),
+                    nb,
+                    xp,
+                    xs,
+                    inp,
+                    out.add($r),
+                    ldo,
+                )
             };
         }
         let mut r = 0;
@@ -553,7 +621,15 @@ mod x86 {
     /// Output rows `o0..o1`, all rows of x, in blocks of 4 weight rows whose words stay in L1
     /// while every ≤4-row chunk of x passes over them (more rows per chunk would spill registers).
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn gemv_q_range(q: &QuantView, o0: usize, o1: usize, xp: &[f32], xs: &[f32], rows: usize, out: *mut f32) {
+    unsafe fn gemv_q_range(
+        q: &QuantView,
+        o0: usize,
+        o1: usize,
+        xp: &[f32],
+        xs: &[f32],
+        rows: usize,
+        out: *mut f32,
+    ) {
         let (inp, n_out) = (q.inp, q.out);
         let nb = inp / 64;
         let wpr = inp * q.bits as usize / 32;
@@ -579,14 +655,66 @@ mod x86 {
             let mut t = 0;
             while t < rows {
                 let tn = (rows - t).min(4);
-                let (xpt, xst, ot) = (xp.as_ptr().add(t * inp), xs.as_ptr().add(t * nb), out.add(t * n_out + o));
+                let (xpt, xst, ot) = (
+                    xp.as_ptr().add(t * inp),
+                    xs.as_ptr().add(t * nb),
+                    out.add(t * n_out + o),
+                );
                 macro_rules! go {
                     ($B:literal) => {
                         match tn {
-                            1 => gemv_q_block::<$B, 1>(nr, w, wpr, sbuf.as_ptr(), bbuf.as_ptr(), nb, xpt, xst, inp, ot, n_out),
-                            2 => gemv_q_block::<$B, 2>(nr, w, wpr, sbuf.as_ptr(), bbuf.as_ptr(), nb, xpt, xst, inp, ot, n_out),
-                            3 => gemv_q_block::<$B, 3>(nr, w, wpr, sbuf.as_ptr(), bbuf.as_ptr(), nb, xpt, xst, inp, ot, n_out),
-                            _ => gemv_q_block::<$B, 4>(nr, w, wpr, sbuf.as_ptr(), bbuf.as_ptr(), nb, xpt, xst, inp, ot, n_out),
+                            1 => gemv_q_block::<$B, 1>(
+                                nr,
+                                w,
+                                wpr,
+                                sbuf.as_ptr(),
+                                bbuf.as_ptr(),
+                                nb,
+                                xpt,
+                                xst,
+                                inp,
+                                ot,
+                                n_out,
+                            ),
+                            2 => gemv_q_block::<$B, 2>(
+                                nr,
+                                w,
+                                wpr,
+                                sbuf.as_ptr(),
+                                bbuf.as_ptr(),
+                                nb,
+                                xpt,
+                                xst,
+                                inp,
+                                ot,
+                                n_out,
+                            ),
+                            3 => gemv_q_block::<$B, 3>(
+                                nr,
+                                w,
+                                wpr,
+                                sbuf.as_ptr(),
+                                bbuf.as_ptr(),
+                                nb,
+                                xpt,
+                                xst,
+                                inp,
+                                ot,
+                                n_out,
+                            ),
+                            _ => gemv_q_block::<$B, 4>(
+                                nr,
+                                w,
+                                wpr,
+                                sbuf.as_ptr(),
+                                bbuf.as_ptr(),
+                                nb,
+                                xpt,
+                                xst,
+                                inp,
+                                ot,
+                                n_out,
+                            ),
                         }
                     };
                 }
@@ -609,7 +737,12 @@ mod x86 {
         let mut xp = vec![0f32; rows * inp];
         let mut xs = vec![0f32; rows * nb];
         for t in 0..rows {
-            prep_x(q.bits, &x[t * inp..(t + 1) * inp], &mut xp[t * inp..(t + 1) * inp], &mut xs[t * nb..(t + 1) * nb]);
+            prep_x(
+                q.bits,
+                &x[t * inp..(t + 1) * inp],
+                &mut xp[t * inp..(t + 1) * inp],
+                &mut xs[t * nb..(t + 1) * nb],
+            );
         }
         let bytes = q.out * inp * q.bits as usize / 8;
         let (chunk, par) = split_rows(q.out, bytes, 16);
@@ -626,7 +759,14 @@ mod x86 {
     /// R weight rows × T rows of x over the whole (any) inp; natural x order.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn gemv_d_kern<const DT: u8, const R: usize, const T: usize>(w: *const u8, o: usize, inp: usize, x: *const f32, out: *mut f32, ldo: usize) {
+    unsafe fn gemv_d_kern<const DT: u8, const R: usize, const T: usize>(
+        w: *const u8,
+        o: usize,
+        inp: usize,
+        x: *const f32,
+        out: *mut f32,
+        ldo: usize,
+    ) {
         let mut acc = [[_mm256_setzero_ps(); T]; R];
         let mut k = 0;
         while k + 8 <= inp {
@@ -654,7 +794,16 @@ mod x86 {
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn gemv_d_range<const DT: u8>(w: *const u8, o0: usize, o1: usize, inp: usize, n_out: usize, x: &[f32], rows: usize, out: *mut f32) {
+    unsafe fn gemv_d_range<const DT: u8>(
+        w: *const u8,
+        o0: usize,
+        o1: usize,
+        inp: usize,
+        n_out: usize,
+        x: &[f32],
+        rows: usize,
+        out: *mut f32,
+    ) {
         let esz = if DT == F32 { 4 } else { 2 };
         let end = w as usize + o1 * inp * esz;
         let mut o = o0;
@@ -750,9 +899,24 @@ mod x86 {
     /// c[r][0..16] (+)= Σ_k w[r][k] · xb[k][0..16] for r < 6.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn kern_6x16(w: *const f32, ldw: usize, xb: *const f32, kcl: usize, c: *mut f32, ldc: usize, first: bool) {
+    unsafe fn kern_6x16(
+        w: *const f32,
+        ldw: usize,
+        xb: *const f32,
+        kcl: usize,
+        c: *mut f32,
+        ldc: usize,
+        first: bool,
+    ) {
         let mut acc = [[_mm256_setzero_ps(); 2]; MR];
-        let (w0, w1, w2, w3, w4, w5) = (w, w.add(ldw), w.add(2 * ldw), w.add(3 * ldw), w.add(4 * ldw), w.add(5 * ldw));
+        let (w0, w1, w2, w3, w4, w5) = (
+            w,
+            w.add(ldw),
+            w.add(2 * ldw),
+            w.add(3 * ldw),
+            w.add(4 * ldw),
+            w.add(5 * ldw),
+        );
         let mut xb = xb;
         for k in 0..kcl {
             let x0 = _mm256_load_ps(xb);
@@ -789,7 +953,15 @@ mod x86 {
     /// does not pay for 16 rows.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn kern_12x8(w: *const f32, ldw: usize, xb: *const f32, kcl: usize, c: *mut f32, ldc: usize, first: bool) {
+    unsafe fn kern_12x8(
+        w: *const f32,
+        ldw: usize,
+        xb: *const f32,
+        kcl: usize,
+        c: *mut f32,
+        ldc: usize,
+        first: bool,
+    ) {
         let mut acc = [_mm256_setzero_ps(); 12];
         let mut xb = xb;
         for k in 0..kcl {
@@ -828,7 +1000,10 @@ mod x86 {
                     let d = dst.add(blk * 64);
                     macro_rules! slot {
                         ($slot:expr, $c:expr) => {
-                            _mm256_storeu_ps(d.add($slot * 8), _mm256_fmadd_ps(_mm256_cvtepi32_ps($c), sv, bv))
+                            _mm256_storeu_ps(
+                                d.add($slot * 8),
+                                _mm256_fmadd_ps(_mm256_cvtepi32_ps($c), sv, bv),
+                            )
                         };
                     }
                     if q.bits == 4 {
@@ -881,7 +1056,15 @@ mod x86 {
 
     /// One task: output rows `p·NP..` (≤ NP of them) × rows of x `tr·MC..` (≤ MC).
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn gemm_task(w: &MatView, p: usize, tr: usize, xt: *const f32, rows: usize, out: *mut f32, scratch: &mut [Line]) {
+    unsafe fn gemm_task(
+        w: &MatView,
+        p: usize,
+        tr: usize,
+        xt: *const f32,
+        rows: usize,
+        out: *mut f32,
+        scratch: &mut [Line],
+    ) {
         let (n_out, inp) = (w.out(), w.inp());
         let wt = scratch.as_mut_ptr() as *mut f32;
         let ct = wt.add(NP * KC);
@@ -904,11 +1087,27 @@ mod x86 {
                 let xb = xt.add(((t0 + tb) / NR) * inp * NR + k0 * NR);
                 if tl - tb <= NR / 2 {
                     for rb in (0..npad).step_by(2 * MR) {
-                        kern_12x8(wt.add(rb * KC), KC, xb, kcl, ct.add(rb * MC + tb), MC, k0 == 0);
+                        kern_12x8(
+                            wt.add(rb * KC),
+                            KC,
+                            xb,
+                            kcl,
+                            ct.add(rb * MC + tb),
+                            MC,
+                            k0 == 0,
+                        );
                     }
                 } else {
                     for rb in (0..npad).step_by(MR) {
-                        kern_6x16(wt.add(rb * KC), KC, xb, kcl, ct.add(rb * MC + tb), MC, k0 == 0);
+                        kern_6x16(
+                            wt.add(rb * KC),
+                            KC,
+                            xb,
+                            kcl,
+                            ct.add(rb * MC + tb),
+                            MC,
+                            k0 == 0,
+                        );
                     }
                 }
             }
@@ -961,7 +1160,17 @@ mod x86 {
             SCRATCH.with(|s| {
                 let mut s = s.borrow_mut();
                 // SAFETY: task (p, tr) writes only out[tr-rows][p-columns].
-                unsafe { gemm_task(w, i % np_count, i / np_count, xtp as *const f32, rows, optr.get(), &mut s) }
+                unsafe {
+                    gemm_task(
+                        w,
+                        i % np_count,
+                        i / np_count,
+                        xtp as *const f32,
+                        rows,
+                        optr.get(),
+                        &mut s,
+                    )
+                }
             })
         });
     }
@@ -1004,8 +1213,18 @@ mod tests {
         fn new(v: Vec<f32>, ty: Ty) -> Self {
             match ty {
                 Ty::F32 => Store::F32(v),
-                Ty::Bf16 => Store::U16(v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect(), ty),
-                Ty::F16 => Store::U16(v.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect(), ty),
+                Ty::Bf16 => Store::U16(
+                    v.iter()
+                        .map(|&x| half::bf16::from_f32(x).to_bits())
+                        .collect(),
+                    ty,
+                ),
+                Ty::F16 => Store::U16(
+                    v.iter()
+                        .map(|&x| half::f16::from_f32(x).to_bits())
+                        .collect(),
+                    ty,
+                ),
             }
         }
         fn floats(&self) -> Floats<'_> {
@@ -1018,28 +1237,75 @@ mod tests {
     }
 
     enum Mat {
-        Quant { out: usize, inp: usize, bits: u32, gs: usize, w: Vec<u32>, s: Store, b: Store },
-        Dense { out: usize, inp: usize, w: Store },
+        Quant {
+            out: usize,
+            inp: usize,
+            bits: u32,
+            gs: usize,
+            w: Vec<u32>,
+            s: Store,
+            b: Store,
+        },
+        Dense {
+            out: usize,
+            inp: usize,
+            w: Store,
+        },
     }
     impl Mat {
         /// Random codes; scales in [0.002, 0.02]; biases ≈ -s·2^(bits-1) (as MLX's min-based
         /// quantization gives: weights centred on 0) plus noise.
         fn quant(rng: &mut Rng, out: usize, inp: usize, bits: u32, gs: usize, ty: Ty) -> Self {
-            let w = (0..out * inp * bits as usize / 32).map(|_| rng.next() as u32).collect();
+            let w = (0..out * inp * bits as usize / 32)
+                .map(|_| rng.next() as u32)
+                .collect();
             let ng = out * inp / gs;
             let sv: Vec<f32> = (0..ng).map(|_| 0.011 + 0.009 * rng.f()).collect();
-            let bv: Vec<f32> = sv.iter().map(|&s| -s * (1u32 << (bits - 1)) as f32 * (1.0 + 0.2 * rng.f())).collect();
-            Mat::Quant { out, inp, bits, gs, w, s: Store::new(sv, ty), b: Store::new(bv, ty) }
+            let bv: Vec<f32> = sv
+                .iter()
+                .map(|&s| -s * (1u32 << (bits - 1)) as f32 * (1.0 + 0.2 * rng.f()))
+                .collect();
+            Mat::Quant {
+                out,
+                inp,
+                bits,
+                gs,
+                w,
+                s: Store::new(sv, ty),
+                b: Store::new(bv, ty),
+            }
         }
         fn dense(rng: &mut Rng, out: usize, inp: usize, ty: Ty) -> Self {
-            Mat::Dense { out, inp, w: Store::new((0..out * inp).map(|_| 0.1 * rng.f()).collect(), ty) }
+            Mat::Dense {
+                out,
+                inp,
+                w: Store::new((0..out * inp).map(|_| 0.1 * rng.f()).collect(), ty),
+            }
         }
         fn view(&self) -> MatView<'_> {
             match self {
-                Mat::Quant { out, inp, bits, gs, w, s, b } => {
-                    MatView::Quant(QuantView { out: *out, inp: *inp, bits: *bits, group_size: *gs, w, scales: s.floats(), biases: b.floats() })
-                }
-                Mat::Dense { out, inp, w } => MatView::Dense(DenseView { out: *out, inp: *inp, w: w.floats() }),
+                Mat::Quant {
+                    out,
+                    inp,
+                    bits,
+                    gs,
+                    w,
+                    s,
+                    b,
+                } => MatView::Quant(QuantView {
+                    out: *out,
+                    inp: *inp,
+                    bits: *bits,
+                    group_size: *gs,
+                    w,
+                    scales: s.floats(),
+                    biases: b.floats(),
+                }),
+                Mat::Dense { out, inp, w } => MatView::Dense(DenseView {
+                    out: *out,
+                    inp: *inp,
+                    w: w.floats(),
+                }),
             }
         }
     }
@@ -1056,7 +1322,11 @@ mod tests {
             for t in 0..rows {
                 let xt = &x[t * k..(t + 1) * k];
                 y[t * n + o] = row.iter().zip(xt).map(|(&a, &b)| a as f64 * b as f64).sum();
-                mag[t * n + o] = row.iter().zip(xt).map(|(&a, &b)| (a as f64 * b as f64).abs()).sum();
+                mag[t * n + o] = row
+                    .iter()
+                    .zip(xt)
+                    .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                    .sum();
             }
         }
         (y, mag)
@@ -1106,24 +1376,48 @@ mod tests {
 
     #[test]
     fn q4_bf16() {
-        grid(|r, o, i| Mat::quant(r, o, i, 4, 64, Ty::Bf16), "q4 bf16", &SIMD);
+        grid(
+            |r, o, i| Mat::quant(r, o, i, 4, 64, Ty::Bf16),
+            "q4 bf16",
+            &SIMD,
+        );
     }
     #[test]
     fn q8_bf16() {
-        grid(|r, o, i| Mat::quant(r, o, i, 8, 64, Ty::Bf16), "q8 bf16", &SIMD);
+        grid(
+            |r, o, i| Mat::quant(r, o, i, 8, 64, Ty::Bf16),
+            "q8 bf16",
+            &SIMD,
+        );
     }
     #[test]
     fn q4_f32_scales() {
-        grid(|r, o, i| Mat::quant(r, o, i, 4, 64, Ty::F32), "q4 f32", &SIMD);
+        grid(
+            |r, o, i| Mat::quant(r, o, i, 4, 64, Ty::F32),
+            "q4 f32",
+            &SIMD,
+        );
     }
     #[test]
     fn q8_f32_scales() {
-        grid(|r, o, i| Mat::quant(r, o, i, 8, 64, Ty::F32), "q8 f32", &SIMD);
+        grid(
+            |r, o, i| Mat::quant(r, o, i, 8, 64, Ty::F32),
+            "q8 f32",
+            &SIMD,
+        );
     }
     #[test]
     fn q4_q8_f16_scales() {
-        grid(|r, o, i| Mat::quant(r, o, i, 4, 64, Ty::F16), "q4 f16", &SIMD);
-        grid(|r, o, i| Mat::quant(r, o, i, 8, 64, Ty::F16), "q8 f16", &SIMD);
+        grid(
+            |r, o, i| Mat::quant(r, o, i, 4, 64, Ty::F16),
+            "q4 f16",
+            &SIMD,
+        );
+        grid(
+            |r, o, i| Mat::quant(r, o, i, 8, 64, Ty::F16),
+            "q8 f16",
+            &SIMD,
+        );
     }
     #[test]
     fn dense_bf16() {
@@ -1137,7 +1431,11 @@ mod tests {
     #[test]
     fn scalar_fallback() {
         let p = [Path::Scalar];
-        grid(|r, o, i| Mat::quant(r, o, i, 4, 64, Ty::Bf16), "q4 bf16", &p);
+        grid(
+            |r, o, i| Mat::quant(r, o, i, 4, 64, Ty::Bf16),
+            "q4 bf16",
+            &p,
+        );
         grid(|r, o, i| Mat::quant(r, o, i, 8, 64, Ty::F32), "q8 f32", &p);
         grid(|r, o, i| Mat::dense(r, o, i, Ty::Bf16), "dense bf16", &p);
         grid(|r, o, i| Mat::dense(r, o, i, Ty::F16), "dense f16", &p);
@@ -1195,7 +1493,10 @@ mod tests {
         let m = Mat::quant(&mut rng, 1000, 2048, 4, 64, Ty::Bf16);
         let x = xs(&mut rng, 40 * 2048);
         for n in [1, 2, 3] {
-            let pool = rayon::ThreadPoolBuilder::new().num_threads(n).build().unwrap();
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(n)
+                .build()
+                .unwrap();
             pool.install(|| {
                 for rows in [1, 4, 40] {
                     check(&x, rows, &m.view(), Path::Auto, &format!("{n} threads"));

@@ -70,7 +70,11 @@ impl Backend for Cpu {
         dst[dst_off..dst_off + len].copy_from_slice(&src[src_off..src_off + len]);
     }
     fn new_route(&self, rows: usize, top_k: usize) -> Result<moe::Route> {
-        Ok(moe::Route { ids: vec![0; rows * top_k], weights: vec![0.0; rows * top_k], k: top_k })
+        Ok(moe::Route {
+            ids: vec![0; rows * top_k],
+            weights: vec![0.0; rows * top_k],
+            k: top_k,
+        })
     }
     fn new_step(&self) -> Result<CpuStep> {
         Ok(CpuStep::default())
@@ -92,78 +96,229 @@ impl Backend for Cpu {
     fn embed_step(&self, table: &HostLinear, step: &CpuStep, out: &mut Vec<f32>) {
         self.embed(table, &[step.token], out)
     }
-    fn rms_norm(&self, x: &Vec<f32>, w: &Vec<f32>, rows: usize, dim: usize, eps: f32, out: &mut Vec<f32>) {
+    fn rms_norm(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) {
         norm::rms_norm(x, w, rows, dim, eps, out)
     }
-    fn add_rms_norm(&self, h: &mut Vec<f32>, r: &Vec<f32>, w: &Vec<f32>, rows: usize, dim: usize, eps: f32, out: &mut Vec<f32>) {
+    fn add_rms_norm(
+        &self,
+        h: &mut Vec<f32>,
+        r: &Vec<f32>,
+        w: &Vec<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Vec<f32>,
+    ) {
         norm::add_rms_norm(h, r, w, rows, dim, eps, out)
     }
     fn matmul_q(&self, x: &Vec<f32>, w: &HostLinear, rows: usize, out: &mut Vec<f32>) {
-        matmul::matmul(&x[..rows * w.inp], rows, &w.view(0), &mut out[..rows * w.out])
+        matmul::matmul(
+            &x[..rows * w.inp],
+            rows,
+            &w.view(0),
+            &mut out[..rows * w.out],
+        )
     }
     fn add(&self, h: &mut Vec<f32>, r: &Vec<f32>, len: usize) {
-        h[..len].iter_mut().zip(&r[..len]).for_each(|(a, b)| *a += b);
+        h[..len]
+            .iter_mut()
+            .zip(&r[..len])
+            .for_each(|(a, b)| *a += b);
     }
 
-    fn attn_qk_norm_rope(&self, qg: &Vec<f32>, k: &mut Vec<f32>, qn: &Vec<f32>, kn: &Vec<f32>, d: &Dims, rows: usize, pos0: usize, step: Option<&CpuStep>, q: &mut Vec<f32>, gate: &mut Vec<f32>) {
+    fn attn_qk_norm_rope(
+        &self,
+        qg: &Vec<f32>,
+        k: &mut Vec<f32>,
+        qn: &Vec<f32>,
+        kn: &Vec<f32>,
+        d: &Dims,
+        rows: usize,
+        pos0: usize,
+        step: Option<&CpuStep>,
+        q: &mut Vec<f32>,
+        gate: &mut Vec<f32>,
+    ) {
         let pos0 = step.map_or(pos0, |s| s.pos);
         attention::attn_qk_norm_rope(qg, k, qn, kn, d, rows, pos0, q, gate)
     }
-    fn attn_prefill(&self, q: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>, gate: &Vec<f32>, kv: &mut KvCache<Vec<f32>>, d: &Dims, rows: usize, pos0: usize, out: &mut Vec<f32>) {
+    fn attn_prefill(
+        &self,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        gate: &Vec<f32>,
+        kv: &mut KvCache<Vec<f32>>,
+        d: &Dims,
+        rows: usize,
+        pos0: usize,
+        out: &mut Vec<f32>,
+    ) {
         attention::attention(q, k, v, gate, kv, d, rows, pos0, out)
     }
-    fn attn_decode(&self, q: &Vec<f32>, k: &Vec<f32>, v: &Vec<f32>, gate: &Vec<f32>, kv: &mut KvCache<Vec<f32>>, d: &Dims, pos: usize, step: &CpuStep, out: &mut Vec<f32>) {
-        debug_assert_eq!(pos, step.pos, "attn_decode: the step is not at the state's position");
+    fn attn_decode(
+        &self,
+        q: &Vec<f32>,
+        k: &Vec<f32>,
+        v: &Vec<f32>,
+        gate: &Vec<f32>,
+        kv: &mut KvCache<Vec<f32>>,
+        d: &Dims,
+        pos: usize,
+        step: &CpuStep,
+        out: &mut Vec<f32>,
+    ) {
+        debug_assert_eq!(
+            pos, step.pos,
+            "attn_decode: the step is not at the state's position"
+        );
         attention::attention(q, k, v, gate, kv, d, 1, step.pos, out)
     }
 
-    fn conv1d_prefill(&self, x: &Vec<f32>, w: &Vec<f32>, state: &mut Vec<f32>, d: &Dims, rows: usize, out: &mut Vec<f32>) {
+    fn conv1d_prefill(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        state: &mut Vec<f32>,
+        d: &Dims,
+        rows: usize,
+        out: &mut Vec<f32>,
+    ) {
         gdn::conv1d(x, w, state, d, rows, out)
     }
-    fn conv1d_step(&self, x: &Vec<f32>, w: &Vec<f32>, state: &mut Vec<f32>, d: &Dims, out: &mut Vec<f32>) {
+    fn conv1d_step(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        state: &mut Vec<f32>,
+        d: &Dims,
+        out: &mut Vec<f32>,
+    ) {
         gdn::conv1d(x, w, state, d, 1, out)
     }
-    fn gdn_prefill(&self, qkv: &Vec<f32>, z: &Vec<f32>, b: &Vec<f32>, a: &Vec<f32>, w: &GdnParams<Vec<f32>>, state: &mut Vec<f32>, d: &Dims, rows: usize, out: &mut Vec<f32>) {
-        let p = gdn::GdnParamsRef { a_log: &w.a_log, dt_bias: &w.dt_bias, norm: &w.norm };
+    fn gdn_prefill(
+        &self,
+        qkv: &Vec<f32>,
+        z: &Vec<f32>,
+        b: &Vec<f32>,
+        a: &Vec<f32>,
+        w: &GdnParams<Vec<f32>>,
+        state: &mut Vec<f32>,
+        d: &Dims,
+        rows: usize,
+        out: &mut Vec<f32>,
+    ) {
+        let p = gdn::GdnParamsRef {
+            a_log: &w.a_log,
+            dt_bias: &w.dt_bias,
+            norm: &w.norm,
+        };
         gdn::gated_delta(qkv, z, b, a, &p, state, d, rows, out)
     }
-    fn gdn_decode(&self, qkv: &Vec<f32>, z: &Vec<f32>, b: &Vec<f32>, a: &Vec<f32>, w: &GdnParams<Vec<f32>>, state: &mut Vec<f32>, d: &Dims, out: &mut Vec<f32>) {
+    fn gdn_decode(
+        &self,
+        qkv: &Vec<f32>,
+        z: &Vec<f32>,
+        b: &Vec<f32>,
+        a: &Vec<f32>,
+        w: &GdnParams<Vec<f32>>,
+        state: &mut Vec<f32>,
+        d: &Dims,
+        out: &mut Vec<f32>,
+    ) {
         self.gdn_prefill(qkv, z, b, a, w, state, d, 1, out)
     }
 
     fn moe_route(&self, logits: &Vec<f32>, d: &Dims, rows: usize, route: &mut moe::Route) {
         moe::moe_route(logits, d, rows, route)
     }
-    fn moe_experts_prefill(&self, x: &Vec<f32>, route: &moe::Route, gate: &HostLinear, up: &HostLinear, down: &HostLinear, d: &Dims, rows: usize, out: &mut Vec<f32>) {
+    fn moe_experts_prefill(
+        &self,
+        x: &Vec<f32>,
+        route: &moe::Route,
+        gate: &HostLinear,
+        up: &HostLinear,
+        down: &HostLinear,
+        d: &Dims,
+        rows: usize,
+        out: &mut Vec<f32>,
+    ) {
         moe::moe_experts_prefill(x, route, gate, up, down, d, rows, out)
     }
     /// The routed experts only: the model adds the shared expert with its unfused ops.
-    fn moe_experts_decode(&self, x: &Vec<f32>, route: &moe::Route, gate: &HostLinear, up: &HostLinear, down: &HostLinear, _shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Vec<f32>) -> bool {
+    fn moe_experts_decode(
+        &self,
+        x: &Vec<f32>,
+        route: &moe::Route,
+        gate: &HostLinear,
+        up: &HostLinear,
+        down: &HostLinear,
+        _shared: Option<&SharedExpert<'_, Self>>,
+        d: &Dims,
+        out: &mut Vec<f32>,
+    ) -> bool {
         moe::moe_experts_decode(x, route, gate, up, down, d, out);
         false
     }
     fn swiglu(&self, g: &Vec<f32>, u: &Vec<f32>, len: usize, out: &mut Vec<f32>) {
         norm::swiglu(&g[..len], &u[..len], &mut out[..len])
     }
-    fn add_sigmoid_gated(&self, y: &mut Vec<f32>, shared: &Vec<f32>, s: &Vec<f32>, rows: usize, dim: usize) {
+    fn add_sigmoid_gated(
+        &self,
+        y: &mut Vec<f32>,
+        shared: &Vec<f32>,
+        s: &Vec<f32>,
+        rows: usize,
+        dim: usize,
+    ) {
         norm::add_sigmoid_gated(y, shared, s, rows, dim)
     }
 
     fn argmax_step(&self, logits: &Vec<f32>, vocab: usize, step: &mut CpuStep) {
-        *step = CpuStep { token: crate::runtime::argmax(&logits[..vocab]), pos: step.pos + 1 };
+        *step = CpuStep {
+            token: crate::runtime::argmax(&logits[..vocab]),
+            pos: step.pos + 1,
+        };
     }
 
     /// Every parameter set: the CPU samples with `runtime::Sampler` itself.
-    fn new_sampler(&self, params: &SamplingParams, seed: u64, vocab: usize, prompt: &[u32]) -> Result<Option<CpuSampler>> {
-        let sampler = Sampler::new(SamplingParams { seed: Some(seed), ..params.clone() }, vocab)?;
-        Ok(Some(CpuSampler { sampler, prompt: prompt.to_vec(), generated: Vec::new() }))
+    fn new_sampler(
+        &self,
+        params: &SamplingParams,
+        seed: u64,
+        vocab: usize,
+        prompt: &[u32],
+    ) -> Result<Option<CpuSampler>> {
+        let sampler = Sampler::new(
+            SamplingParams {
+                seed: Some(seed),
+                ..params.clone()
+            },
+            vocab,
+        )?;
+        Ok(Some(CpuSampler {
+            sampler,
+            prompt: prompt.to_vec(),
+            generated: Vec::new(),
+        }))
     }
     fn sample_step(&self, logits: &Vec<f32>, vocab: usize, s: &mut CpuSampler, step: &mut CpuStep) {
         // The sampler penalises its row in place: a copy keeps the logits raw, as on a device.
         let mut row = logits[..vocab].to_vec();
         let token = s.sampler.sample_split(&mut row, &s.prompt, &s.generated);
         s.generated.push(token);
-        *step = CpuStep { token, pos: step.pos + 1 };
+        *step = CpuStep {
+            token,
+            pos: step.pos + 1,
+        };
     }
     fn sample_note(&self, s: &mut CpuSampler, token: u32) {
         s.generated.push(token);

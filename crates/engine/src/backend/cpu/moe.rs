@@ -43,7 +43,11 @@ pub fn moe_route(logits: &[f32], d: &Dims, rows: usize, route: &mut Route) {
         // Stable: equal probabilities keep the lower expert id first.
         order.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]));
         let top = &order[..k];
-        let s: f32 = if d.norm_topk { top.iter().map(|&i| p[i as usize]).sum() } else { 1.0 };
+        let s: f32 = if d.norm_topk {
+            top.iter().map(|&i| p[i as usize]).sum()
+        } else {
+            1.0
+        };
         for j in 0..k {
             route.ids[t * k + j] = top[j];
             route.weights[t * k + j] = p[top[j] as usize] / s;
@@ -52,7 +56,14 @@ pub fn moe_route(logits: &[f32], d: &Dims, rows: usize, route: &mut Route) {
 }
 
 /// One expert's SwiGLU MLP on `n` rows: `down(silu(gate(x)) · up(x))`.
-fn expert_mlp(x: &[f32], n: usize, e: usize, gate: &HostLinear, up: &HostLinear, down: &HostLinear) -> Vec<f32> {
+fn expert_mlp(
+    x: &[f32],
+    n: usize,
+    e: usize,
+    gate: &HostLinear,
+    up: &HostLinear,
+    down: &HostLinear,
+) -> Vec<f32> {
     let width = gate.out;
     let mut g = vec![0.0f32; n * width];
     let mut u = vec![0.0f32; n * width];
@@ -66,7 +77,16 @@ fn expert_mlp(x: &[f32], n: usize, e: usize, gate: &HostLinear, up: &HostLinear,
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn moe_experts_prefill(x: &[f32], route: &Route, gate: &HostLinear, up: &HostLinear, down: &HostLinear, d: &Dims, rows: usize, out: &mut [f32]) {
+pub fn moe_experts_prefill(
+    x: &[f32],
+    route: &Route,
+    gate: &HostLinear,
+    up: &HostLinear,
+    down: &HostLinear,
+    d: &Dims,
+    rows: usize,
+    out: &mut [f32],
+) {
     let (h, k) = (d.hidden, route.k);
     // Tokens (and their slot) per expert.
     let mut groups: Vec<Vec<(usize, usize)>> = vec![Vec::new(); d.n_experts];
@@ -103,9 +123,20 @@ pub fn moe_experts_prefill(x: &[f32], route: &Route, gate: &HostLinear, up: &Hos
 }
 
 #[allow(clippy::too_many_arguments)]
-pub fn moe_experts_decode(x: &[f32], route: &Route, gate: &HostLinear, up: &HostLinear, down: &HostLinear, d: &Dims, out: &mut [f32]) {
+pub fn moe_experts_decode(
+    x: &[f32],
+    route: &Route,
+    gate: &HostLinear,
+    up: &HostLinear,
+    down: &HostLinear,
+    d: &Dims,
+    out: &mut [f32],
+) {
     let (h, k) = (d.hidden, route.k);
-    let ys: Vec<Vec<f32>> = (0..k).into_par_iter().map(|j| expert_mlp(&x[..h], 1, route.ids[j] as usize, gate, up, down)).collect();
+    let ys: Vec<Vec<f32>> = (0..k)
+        .into_par_iter()
+        .map(|j| expert_mlp(&x[..h], 1, route.ids[j] as usize, gate, up, down))
+        .collect();
     let o = &mut out[..h];
     o.iter_mut().for_each(|v| *v = 0.0);
     for (j, y) in ys.iter().enumerate() {

@@ -29,7 +29,15 @@ pub fn rms_norm(x: &[f32], w: &[f32], rows: usize, dim: usize, eps: f32, out: &m
 }
 
 /// `h[t] += r[t]; out[t] = rms_norm(h[t]) * w`.
-pub fn add_rms_norm(h: &mut [f32], r: &[f32], w: &[f32], rows: usize, dim: usize, eps: f32, out: &mut [f32]) {
+pub fn add_rms_norm(
+    h: &mut [f32],
+    r: &[f32],
+    w: &[f32],
+    rows: usize,
+    dim: usize,
+    eps: f32,
+    out: &mut [f32],
+) {
     out[..rows * dim]
         .par_chunks_mut(dim * ROWS_PER_TASK)
         .zip(h[..rows * dim].par_chunks_mut(dim * ROWS_PER_TASK))
@@ -72,7 +80,10 @@ pub fn swiglu(g: &[f32], u: &[f32], out: &mut [f32]) {
 pub fn add_sigmoid_gated(y: &mut [f32], shared: &[f32], s: &[f32], rows: usize, dim: usize) {
     for t in 0..rows {
         let g = sigmoid(s[t]);
-        for (a, &b) in y[t * dim..(t + 1) * dim].iter_mut().zip(&shared[t * dim..(t + 1) * dim]) {
+        for (a, &b) in y[t * dim..(t + 1) * dim]
+            .iter_mut()
+            .zip(&shared[t * dim..(t + 1) * dim])
+        {
             *a += g * b;
         }
     }

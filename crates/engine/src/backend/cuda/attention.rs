@@ -4,12 +4,31 @@ use super::*;
 
 impl Cuda {
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn attn_qk_norm_rope_op(&self, qg: &Buf, k: &mut Buf, q_norm: &Buf, k_norm: &Buf, d: &Dims, rows: usize, pos0: usize, step: Option<&Step>, q: &mut Buf, gate: &mut Buf) {
+    pub(super) fn attn_qk_norm_rope_op(
+        &self,
+        qg: &Buf,
+        k: &mut Buf,
+        q_norm: &Buf,
+        k_norm: &Buf,
+        d: &Dims,
+        rows: usize,
+        pos0: usize,
+        step: Option<&Step>,
+        q: &mut Buf,
+        gate: &mut Buf,
+    ) {
         let op = "attn_qk_norm_rope";
         let (h, kv, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
         if rows == 0
-            || !(self.ensure(hd % 32 == 0 && hd <= 256 && d.rotary_dim <= hd && d.rotary_dim.is_multiple_of(2), || format!("{op}: head_dim {hd} / rotary {} not supported", d.rotary_dim))
-                && self.act_ok(qg, rows * h * 2 * hd, "qg", op)
+            || !(self.ensure(
+                hd % 32 == 0 && hd <= 256 && d.rotary_dim <= hd && d.rotary_dim.is_multiple_of(2),
+                || {
+                    format!(
+                        "{op}: head_dim {hd} / rotary {} not supported",
+                        d.rotary_dim
+                    )
+                },
+            ) && self.act_ok(qg, rows * h * 2 * hd, "qg", op)
                 && self.act_ok(k, rows * kv * hd, "k", op)
                 && self.buf_ok(q_norm, hd, "q_norm", op)
                 && self.buf_ok(k_norm, hd, "k_norm", op)
@@ -43,14 +62,31 @@ impl Cuda {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn attn_prefill_op(&self, q: &Buf, k: &Buf, v: &Buf, gate: &Buf, kv: &mut KvCache<Buf>, d: &Dims, rows: usize, pos0: usize, out: &mut Buf) {
+    pub(super) fn attn_prefill_op(
+        &self,
+        q: &Buf,
+        k: &Buf,
+        v: &Buf,
+        gate: &Buf,
+        kv: &mut KvCache<Buf>,
+        d: &Dims,
+        rows: usize,
+        pos0: usize,
+        out: &mut Buf,
+    ) {
         let op = "attention";
         let (h, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
         let kvd = kvh * hd;
         if rows == 0
-            || !(self.ensure(hd % 32 == 0 && hd <= 256 && kvh > 0 && h % kvh == 0, || format!("{op}: {h} heads / {kvh} kv heads of {hd} not supported"))
-                && self.kv_ok(kv, kvd, op)
-                && self.ensure(pos0 + rows <= kv.capacity, || format!("{op}: KV cache overflow ({pos0} + {rows} > {})", kv.capacity))
+            || !(self.ensure(hd % 32 == 0 && hd <= 256 && kvh > 0 && h % kvh == 0, || {
+                format!("{op}: {h} heads / {kvh} kv heads of {hd} not supported")
+            }) && self.kv_ok(kv, kvd, op)
+                && self.ensure(pos0 + rows <= kv.capacity, || {
+                    format!(
+                        "{op}: KV cache overflow ({pos0} + {rows} > {})",
+                        kv.capacity
+                    )
+                })
                 && self.act_ok(q, rows * h * hd, "q", op)
                 && self.act_ok(k, rows * kvd, "k", op)
                 && self.act_ok(v, rows * kvd, "v", op)
@@ -65,19 +101,41 @@ impl Cuda {
             (grid1(rows * kvd / 4, 256), 1, 1),
             256,
             0,
-            &[Arg::P(k.mem.ptr), Arg::P(v.mem.ptr), Arg::P(kv.k.mem.ptr), Arg::P(kv.v.mem.ptr), Arg::I(kvd as i32), Arg::I(rows as i32), Arg::I(pos0 as i32), Arg::P(0)],
+            &[
+                Arg::P(k.mem.ptr),
+                Arg::P(v.mem.ptr),
+                Arg::P(kv.k.mem.ptr),
+                Arg::P(kv.v.mem.ptr),
+                Arg::I(kvd as i32),
+                Arg::I(rows as i32),
+                Arg::I(pos0 as i32),
+                Arg::P(0),
+            ],
         );
         let scale = 1.0 / (hd as f32).sqrt();
         let group = h / kvh;
         // Both kernels take (q, gate, K, V, out, H, KV, <rows | hd>, pos0, scale).
-        let (name, grid, threads, smem, rows_or_hd) = if self.tensor_core_attention() && matches!(hd, 64 | 128 | 256) && 64 % group == 0 {
-            // attn_tc_<hd>: 64 query rows (64/group tokens × group heads) per block, Q/K/V tiles of
-            // 64 × (hd + 8) bf16 in dynamic shared memory.
-            let tq = 64 / group;
-            (format!("attn_tc_{hd}"), (grid1(rows, tq), kvh as u32, 1), 128, (3 * 64 * (hd + 8) * 2) as u32, rows)
-        } else {
-            ("attn_rows".to_string(), (rows as u32, h as u32, 1), 256, 0, hd)
-        };
+        let (name, grid, threads, smem, rows_or_hd) =
+            if self.tensor_core_attention() && matches!(hd, 64 | 128 | 256) && 64 % group == 0 {
+                // attn_tc_<hd>: 64 query rows (64/group tokens × group heads) per block, Q/K/V tiles of
+                // 64 × (hd + 8) bf16 in dynamic shared memory.
+                let tq = 64 / group;
+                (
+                    format!("attn_tc_{hd}"),
+                    (grid1(rows, tq), kvh as u32, 1),
+                    128,
+                    (3 * 64 * (hd + 8) * 2) as u32,
+                    rows,
+                )
+            } else {
+                (
+                    "attn_rows".to_string(),
+                    (rows as u32, h as u32, 1),
+                    256,
+                    0,
+                    hd,
+                )
+            };
         self.launch(
             &name,
             grid,
@@ -99,7 +157,18 @@ impl Cuda {
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn attn_decode_op(&self, q: &Buf, k: &Buf, v: &Buf, gate: &Buf, kv: &mut KvCache<Buf>, d: &Dims, pos: usize, step: &Step, out: &mut Buf) {
+    pub(super) fn attn_decode_op(
+        &self,
+        q: &Buf,
+        k: &Buf,
+        v: &Buf,
+        gate: &Buf,
+        kv: &mut KvCache<Buf>,
+        d: &Dims,
+        pos: usize,
+        step: &Step,
+        out: &mut Buf,
+    ) {
         let op = "attn_decode";
         let (h, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
         let kvd = kvh * hd;
@@ -124,13 +193,20 @@ impl Cuda {
         // capacity takes fewer (at least 64 keys per block).
         let groups = (h / kvh).div_ceil(8);
         let x = kvh * groups;
-        let sms = self.ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_or(1, |n| n.max(1) as usize);
-        let ns = (sms / x).max(1).min(kv.capacity.div_ceil(ATT_DEC_WARPS * ATT_DEC_KEYS));
+        let sms = self
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_or(1, |n| n.max(1) as usize);
+        let ns = (sms / x)
+            .max(1)
+            .min(kv.capacity.div_ceil(ATT_DEC_WARPS * ATT_DEC_KEYS));
         // Partial states: the unnormalised outputs (8 head slots × hd f32 per block), then (max,
         // normaliser) per head slot.
         let (po, pml) = (x * ns * 8 * hd, x * ns * 16);
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(part) = self.scratch(&mut sc, "attn_part", 4 * (po + pml)) else { return };
+        let Some(part) = self.scratch(&mut sc, "attn_part", 4 * (po + pml)) else {
+            return;
+        };
         let pml_ptr = part + 4 * po as u64;
         let scale = 1.0 / (hd as f32).sqrt();
         // This step's k, v are read from their buffers and written into cache row pos by the
@@ -160,7 +236,17 @@ impl Cuda {
             (x as u32, (hd / 4) as u32, 1),
             256,
             (ns * 8 * 4) as u32,
-            &[Arg::P(part), Arg::P(pml_ptr), Arg::P(gate.mem.ptr), Arg::P(out.mem.ptr), Arg::I(h as i32), Arg::I(kvh as i32), Arg::I(hd as i32), Arg::I(ns as i32), Arg::P(posp)],
+            &[
+                Arg::P(part),
+                Arg::P(pml_ptr),
+                Arg::P(gate.mem.ptr),
+                Arg::P(out.mem.ptr),
+                Arg::I(h as i32),
+                Arg::I(kvh as i32),
+                Arg::I(hd as i32),
+                Arg::I(ns as i32),
+                Arg::P(posp),
+            ],
         );
     }
 }

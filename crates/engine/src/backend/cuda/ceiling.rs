@@ -40,10 +40,19 @@ impl Cuda {
     /// Copy bandwidth and bf16 matrix rate of this GPU, measured now (a second or so).
     pub fn measure_ceilings_now(&self) -> Result<Ceilings> {
         // A failed backend launches nothing: the timings would be of empty streams.
-        self.check().context("CUDA ceilings: the backend is in a failed state")?;
-        let (bandwidth, copy) = self.measure_copy().context("CUDA ceilings: measuring the copy bandwidth")?;
-        let (flops, matmul) = self.measure_matmul().context("CUDA ceilings: measuring the bf16 matrix rate")?;
-        Ok(Ceilings { bandwidth, flops, method: format!("copy: {copy}; matmul: {matmul}") })
+        self.check()
+            .context("CUDA ceilings: the backend is in a failed state")?;
+        let (bandwidth, copy) = self
+            .measure_copy()
+            .context("CUDA ceilings: measuring the copy bandwidth")?;
+        let (flops, matmul) = self
+            .measure_matmul()
+            .context("CUDA ceilings: measuring the bf16 matrix rate")?;
+        Ok(Ceilings {
+            bandwidth,
+            flops,
+            method: format!("copy: {copy}; matmul: {matmul}"),
+        })
     }
 
     fn measure_copy(&self) -> Result<(f64, String)> {
@@ -57,14 +66,27 @@ impl Cuda {
         let stream = self.stream.cu_stream();
         let t_memcpy = self.time_best(|| {
             // SAFETY: both allocations hold `size` bytes and do not overlap.
-            unsafe { dr::memcpy_dtod_async(dst.ptr, src.ptr, size, stream) }.context("cuMemcpyDtoDAsync")
+            unsafe { dr::memcpy_dtod_async(dst.ptr, src.ptr, size, stream) }
+                .context("cuMemcpyDtoDAsync")
         })?;
         let f = self.ceiling_fn("ceiling_copy")?;
         let blocks = 4 * self.sm_count()?; // 2048 threads per SM: one full wave
         let words = (size / 16) as u64;
-        let t_kernel = self.time_best(|| self.launch_raw(&f, "ceiling_copy", blocks, 512, &mut [arg(&src.ptr), arg(&dst.ptr), arg(&words)]))?;
+        let t_kernel = self.time_best(|| {
+            self.launch_raw(
+                &f,
+                "ceiling_copy",
+                blocks,
+                512,
+                &mut [arg(&src.ptr), arg(&dst.ptr), arg(&words)],
+            )
+        })?;
         let bw = |t: f64| 2.0 * size as f64 / t;
-        let (best, which) = if t_kernel < t_memcpy { (t_kernel, "copy kernel") } else { (t_memcpy, "cuMemcpyDtoD") };
+        let (best, which) = if t_kernel < t_memcpy {
+            (t_kernel, "copy kernel")
+        } else {
+            (t_memcpy, "cuMemcpyDtoD")
+        };
         let gib = size as f64 / (1u64 << 30) as f64;
         let method = format!("{which} 2×{gib:.2} GiB (read + written), best of {REPS} [cuMemcpyDtoD {:.0} GB/s, copy kernel {:.0} GB/s]", bw(t_memcpy) / 1e9, bw(t_kernel) / 1e9);
         Ok((bw(best), method))
@@ -75,14 +97,21 @@ impl Cuda {
             Ok(from) => {
                 // cudarc panics on a missing symbol (e.g. an older cuBLAS found first): catch it.
                 match catch_unwind(AssertUnwindSafe(|| self.cublas_gemm())) {
-                    Ok(Ok(flops)) => return Ok((flops, format!("cuBLAS GemmEx bf16 {GEMM_N}³ TN, f32 compute, best of {REPS} ({from})"))),
+                    Ok(Ok(flops)) => return Ok((
+                        flops,
+                        format!(
+                            "cuBLAS GemmEx bf16 {GEMM_N}³ TN, f32 compute, best of {REPS} ({from})"
+                        ),
+                    )),
                     Ok(Err(e)) => format!("cuBLAS failed: {e:#}"),
                     Err(p) => format!("cuBLAS panicked: {}", panic_text(&p)),
                 }
             }
             Err(e) => e,
         };
-        let flops = self.mma_rate().with_context(|| format!("the mma.sync fallback (after: {why})"))?;
+        let flops = self
+            .mma_rate()
+            .with_context(|| format!("the mma.sync fallback (after: {why})"))?;
         Ok((flops, format!("mma.sync m16n8k16 bf16 issue rate, registers only, best of {REPS} (no cuBLAS GEMM: {why})")))
     }
 
@@ -92,7 +121,11 @@ impl Cuda {
         let bytes = 2 * n * n;
         let (free, _) = self.mem_info()?;
         if free < 4 * bytes {
-            bail!("{} MiB free on the device, {} MiB needed for a {n}³ GEMM", free >> 20, (4 * bytes) >> 20);
+            bail!(
+                "{} MiB free on the device, {} MiB needed for a {n}³ GEMM",
+                free >> 20,
+                (4 * bytes) >> 20
+            );
         }
         let (a, b, c) = (self.alloc(bytes)?, self.alloc(bytes)?, self.alloc(bytes)?);
         self.fill_bf16(&a, 1)?;
@@ -100,7 +133,8 @@ impl Cuda {
         self.ctx.bind_to_thread()?;
         let h = Handle(blas::create_handle().map_err(|e| anyhow!("cublasCreate: {e}"))?);
         // SAFETY: a live handle and the backend's live stream.
-        unsafe { blas::set_stream(h.0, self.stream.cu_stream() as _) }.map_err(|e| anyhow!("cublasSetStream: {e}"))?;
+        unsafe { blas::set_stream(h.0, self.stream.cu_stream() as _) }
+            .map_err(|e| anyhow!("cublasSetStream: {e}"))?;
         let (alpha, beta) = (1.0f32, 0.0f32);
         let ni = n as i32;
         let t = self.time_best(|| {
@@ -141,7 +175,15 @@ impl Cuda {
         let threads = blocks as u64 * 256;
         let out = self.alloc(4 * threads as usize)?;
         let iters = MMA_ITERS;
-        let t = self.time_best(|| self.launch_raw(&f, "ceiling_mma", blocks, 256, &mut [arg(&out.ptr), arg(&iters)]))?;
+        let t = self.time_best(|| {
+            self.launch_raw(
+                &f,
+                "ceiling_mma",
+                blocks,
+                256,
+                &mut [arg(&out.ptr), arg(&iters)],
+            )
+        })?;
         let mmas = threads / 32 * iters as u64 * MMA_CHAINS;
         Ok((mmas * 2 * 16 * 8 * 16) as f64 / t)
     }
@@ -150,7 +192,13 @@ impl Cuda {
     fn fill_bf16(&self, m: &Mem, seed: u32) -> Result<()> {
         let f = self.ceiling_fn("ceiling_fill_bf16")?;
         let n = (m.bytes / 2) as u64;
-        self.launch_raw(&f, "ceiling_fill_bf16", 4 * self.sm_count()?, 256, &mut [arg(&m.ptr), arg(&n), arg(&seed)])
+        self.launch_raw(
+            &f,
+            "ceiling_fill_bf16",
+            4 * self.sm_count()?,
+            256,
+            &mut [arg(&m.ptr), arg(&n), arg(&seed)],
+        )
     }
 
     /// Seconds of the fastest of REPS runs of `f` (after WARMUP), between events on the stream.
@@ -177,19 +225,46 @@ impl Cuda {
     /// A kernel of ceiling.cu; looked up here (not with `func`) so that a missing file is this
     /// measurement's error rather than the backend's sticky one.
     fn ceiling_fn(&self, name: &str) -> Result<CudaFunction> {
-        self.modules.iter().find_map(|m| m.load_function(name).ok()).ok_or_else(|| anyhow!("no kernel `{name}`: kernels/ceiling.cu is not among the compiled kernel files"))
+        self.modules
+            .iter()
+            .find_map(|m| m.load_function(name).ok())
+            .ok_or_else(|| {
+                anyhow!(
+                    "no kernel `{name}`: kernels/ceiling.cu is not among the compiled kernel files"
+                )
+            })
     }
 
     /// Launches `f` on the stream, returning its error (unlike `launch`, which keeps it).
-    fn launch_raw(&self, f: &CudaFunction, name: &str, grid: u32, block: u32, args: &mut [*mut c_void]) -> Result<()> {
+    fn launch_raw(
+        &self,
+        f: &CudaFunction,
+        name: &str,
+        grid: u32,
+        block: u32,
+        args: &mut [*mut c_void],
+    ) -> Result<()> {
         self.ctx.bind_to_thread()?;
         // SAFETY: every caller passes the arguments of the kernel's declaration in ceiling.cu, by
         // address of locals that outlive the (enqueue-only) call.
-        unsafe { dr::launch_kernel(f.cu_function(), (grid, 1, 1), (block, 1, 1), 0, self.stream.cu_stream(), args) }.with_context(|| format!("launching {name}"))
+        unsafe {
+            dr::launch_kernel(
+                f.cu_function(),
+                (grid, 1, 1),
+                (block, 1, 1),
+                0,
+                self.stream.cu_stream(),
+                args,
+            )
+        }
+        .with_context(|| format!("launching {name}"))
     }
 
     fn sm_count(&self) -> Result<u32> {
-        Ok(self.ctx.attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32)
+        Ok(self
+            .ctx
+            .attribute(drv_sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            .max(1) as u32)
     }
 }
 
@@ -209,7 +284,10 @@ fn arg<T>(v: &T) -> *mut c_void {
 }
 
 fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
-    p.downcast_ref::<String>().cloned().or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string())).unwrap_or_else(|| "(no message)".into())
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "(no message)".into())
 }
 
 /// Whether cudarc can load cuBLAS (by soname, from the loader path: on the H200 image

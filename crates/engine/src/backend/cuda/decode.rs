@@ -77,10 +77,21 @@ pub(super) enum SwX<'a> {
     /// A bf16 activation.
     Act(&'a Buf),
     /// `bf16(rms_norm(h) · w)` computed by every block (h and w f32), written to `xn` by block 0.
-    Norm { h: &'a Buf, w: &'a Buf, eps: f32, xn: Option<&'a Buf> },
+    Norm {
+        h: &'a Buf,
+        w: &'a Buf,
+        eps: f32,
+        xn: Option<&'a Buf>,
+    },
     /// The GDN output's gated norm, `bf16(rms_norm(y_head) · w · silu(z))` per value head of `dv`
     /// (y f32 at `y`, the scan's scratch; z bf16; w f32 [dv]): out_proj's input, never stored.
-    Gated { y: u64, z: &'a Buf, w: &'a Buf, eps: f32, dv: usize },
+    Gated {
+        y: u64,
+        z: &'a Buf,
+        w: &'a Buf,
+        eps: f32,
+        dv: usize,
+    },
 }
 
 /// The GDN conv of output 0 (`sw_gemv` obf 3): taps [C, K] f32 and the state [K-1, C] f32.
@@ -108,7 +119,11 @@ impl Cuda {
     /// experts, whose pairs of gate and up chunks spill at 4); `LILY_CUDA_SW_U` (2, 4 or 8) for
     /// measuring. Capped so a batch fits the reduction buffer.
     fn sw_u(rw: usize, maxrb: usize, allowed: &[usize], default: usize) -> usize {
-        let want = std::env::var("LILY_CUDA_SW_U").ok().and_then(|v| v.parse().ok()).filter(|u| allowed.contains(u)).unwrap_or(default);
+        let want = std::env::var("LILY_CUDA_SW_U")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|u| allowed.contains(u))
+            .unwrap_or(default);
         let mut u = want.min(*allowed.iter().max().unwrap_or(&4));
         while u > allowed[0] && rw * u > maxrb {
             u /= 2;
@@ -127,13 +142,21 @@ impl Cuda {
             && k % 256 == 0
             && 16 % (k / 256) == 0
             && w0.gs % 32 == 0
-            && ws.iter().all(|w| w.fmt == w0.fmt && w.n == 1 && w.inp == k && w.gs == w0.gs && w.out > 0)
+            && ws
+                .iter()
+                .all(|w| w.fmt == w0.fmt && w.n == 1 && w.inp == k && w.gs == w0.gs && w.out > 0)
     }
 
     /// Blocks of kernel `name` the whole GPU holds at once with `threads` threads (one wave).
     fn resident_blocks(&self, name: &str, threads: u32, smem: u32) -> u32 {
         let key = format!("{name}/{threads}/{smem}");
-        if let Some(&n) = self.occupancy.0.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        if let Some(&n) = self
+            .occupancy
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+        {
             return n;
         }
         let per_sm = self
@@ -141,14 +164,23 @@ impl Cuda {
             .and_then(|f| {
                 if smem > 32 * 1024 {
                     // The opt-in `launch` makes, made first so the calculator counts with it.
-                    f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).ok()?;
+                    f.set_attribute(
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem as i32,
+                    )
+                    .ok()?;
                 }
-                f.occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None).ok()
+                f.occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+                    .ok()
             })
             .unwrap_or(1)
             .max(1);
         let n = per_sm * self.sm_count;
-        self.occupancy.0.lock().unwrap_or_else(|e| e.into_inner()).insert(key, n);
+        self.occupancy
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, n);
         n
     }
 
@@ -161,12 +193,23 @@ impl Cuda {
     /// `sw_gemv`, routing the token in the last block (`route`: the route to write, top-k, whether
     /// to renormalise) from output 0, which must then be f32 router logits.
     /// With `conv` (obf 3 on output 0), output 0 goes through the GDN conv step in the epilogue.
-    pub(super) fn sw_gemv_route(&self, x: SwX<'_>, ws: &[&Mat], outs: &[(u64, i32)], route: Option<(&Route, usize, bool)>, conv: Option<SwConv<'_>>) {
+    pub(super) fn sw_gemv_route(
+        &self,
+        x: SwX<'_>,
+        ws: &[&Mat],
+        outs: &[(u64, i32)],
+        route: Option<(&Route, usize, bool)>,
+        conv: Option<SwConv<'_>>,
+    ) {
         let k = ws[0].inp;
         let bits = Self::sw_bits(ws[0].fmt).expect("sw_fits");
         let rw = 32 / (k / 256);
         // 8-bit (the router): U = 2 only (gemv.cu's instantiations).
-        let u = if bits == 8 { 2 } else { Self::sw_u(rw, SW_MAXRB, &[2, 4], 4) };
+        let u = if bits == 8 {
+            2
+        } else {
+            Self::sw_u(rw, SW_MAXRB, &[2, 4], 4)
+        };
         let pro = match x {
             SwX::Act(_) => 0,
             SwX::Norm { .. } => 1,
@@ -183,7 +226,14 @@ impl Cuda {
         };
         // On by default for K = 2048 only (measured faster there; `tc_all` for the rest).
         let tc = match tc_geom {
-            Some((_, nw)) => route.is_none() && bits == 4 && ws.iter().all(|w| w.gs == 64) && (pro == 0 || (pro == 1 && nw == 8)) && self.on("tc_gemv") && (k == 2048 || self.opted_in("tc_all")),
+            Some((_, nw)) => {
+                route.is_none()
+                    && bits == 4
+                    && ws.iter().all(|w| w.gs == 64)
+                    && (pro == 0 || (pro == 1 && nw == 8))
+                    && self.on("tc_gemv")
+                    && (k == 2048 || self.opted_in("tc_all"))
+            }
             None => false,
         };
         // K = 4096 (16 warps), 1024 and 512: one tile per batch (gemv.cu's instantiations).
@@ -198,7 +248,28 @@ impl Cuda {
             _ => (1, 4),
         };
         let rb = if tc { 16 * tc_u } else { rw * u };
-        let mut p = SwArgs { m: [QMat::none(); 4], out: [0; 4], obf: [0; 4], bstart: [0; 5], n: ws.len() as i32, x: 0, nw: 0, xn: 0, rids: 0, rwts: 0, counter: 0, eps: 0.0, re: 0, rk: 0, ntopk: 0, cw: 0, cst: 0, zp: 0, ck: 0, dv: 0 };
+        let mut p = SwArgs {
+            m: [QMat::none(); 4],
+            out: [0; 4],
+            obf: [0; 4],
+            bstart: [0; 5],
+            n: ws.len() as i32,
+            x: 0,
+            nw: 0,
+            xn: 0,
+            rids: 0,
+            rwts: 0,
+            counter: 0,
+            eps: 0.0,
+            re: 0,
+            rk: 0,
+            ntopk: 0,
+            cw: 0,
+            cst: 0,
+            zp: 0,
+            ck: 0,
+            dv: 0,
+        };
         for (i, (w, o)) in ws.iter().zip(outs).enumerate() {
             p.m[i] = w.q();
             p.out[i] = o.0;
@@ -234,7 +305,9 @@ impl Cuda {
         if let Some((r, k, norm)) = route {
             let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
             // Zeroed when allocated; every launch leaves it at zero.
-            let Some(counter) = self.scratch(&mut sc, "route_counter", 4) else { return };
+            let Some(counter) = self.scratch(&mut sc, "route_counter", 4) else {
+                return;
+            };
             p.rids = r.ids.ptr;
             p.rwts = r.weights.ptr;
             p.counter = counter;
@@ -243,7 +316,11 @@ impl Cuda {
             p.ntopk = norm as i32;
         }
         let (name, threads, smem) = match (tc, tc_geom) {
-            (true, Some((ns, nw))) => (format!("tc_gemv_{ns}_{nw}_{tc_u}_{tc_s}_{pro}"), 32 * nw as u32, (tc_s * nw * tc_u * tc_slot(ns)) as u32),
+            (true, Some((ns, nw))) => (
+                format!("tc_gemv_{ns}_{nw}_{tc_u}_{tc_s}_{pro}"),
+                32 * nw as u32,
+                (tc_s * nw * tc_u * tc_slot(ns)) as u32,
+            ),
             _ => (format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256), 256, 0),
         };
         let batches = p.bstart[ws.len()] as u32;
@@ -254,24 +331,70 @@ impl Cuda {
     /// The router | shared gate of an MoE block with the norm prologue and the top-k route as one
     /// thread-block cluster (gemv.cu's router_cluster_<CL>, opt-in `router_cluster`): 8-bit,
     /// K = 2048, at most CL·16·3 rows. `false`: not taken (the caller launches sw_gemv_8).
-    pub(super) fn router_cluster(&self, x: SwX<'_>, ws: &[&Mat], outs: &[(u64, i32)], route: &Route, k: usize, norm: bool) -> bool {
-        let SwX::Norm { h, w, eps, xn } = x else { return false };
+    pub(super) fn router_cluster(
+        &self,
+        x: SwX<'_>,
+        ws: &[&Mat],
+        outs: &[(u64, i32)],
+        route: &Route,
+        k: usize,
+        norm: bool,
+    ) -> bool {
+        let SwX::Norm { h, w, eps, xn } = x else {
+            return false;
+        };
         if !self.opted_in("router_cluster") || !self.pdl_ok || ws.len() != 2 || outs.len() != 2 {
             return false;
         }
         let (r, sg) = (ws[0], ws[1]);
         let cl = router_cluster_size();
-        let fits = Self::sw_bits(r.fmt) == Some(8) && sg.fmt == r.fmt && r.inp == 2048 && sg.inp == 2048 && r.gs == sg.gs && r.gs.is_multiple_of(32) && r.out + sg.out <= cl * 16 * 3 && r.out <= 1024 && outs[0].1 == 0;
+        let fits = Self::sw_bits(r.fmt) == Some(8)
+            && sg.fmt == r.fmt
+            && r.inp == 2048
+            && sg.inp == 2048
+            && r.gs == sg.gs
+            && r.gs.is_multiple_of(32)
+            && r.out + sg.out <= cl * 16 * 3
+            && r.out <= 1024
+            && outs[0].1 == 0;
         if !fits {
             return false;
         }
-        let mut p = SwArgs { m: [QMat::none(); 4], out: [0; 4], obf: [0; 4], bstart: [0; 5], n: 2, x: h.mem.ptr, nw: w.mem.ptr, xn: xn.map_or(0, |b| b.mem.ptr), rids: route.ids.ptr, rwts: route.weights.ptr, counter: 0, eps, re: r.out as i32, rk: k as i32, ntopk: norm as i32, cw: 0, cst: 0, zp: 0, ck: 0, dv: 0 };
+        let mut p = SwArgs {
+            m: [QMat::none(); 4],
+            out: [0; 4],
+            obf: [0; 4],
+            bstart: [0; 5],
+            n: 2,
+            x: h.mem.ptr,
+            nw: w.mem.ptr,
+            xn: xn.map_or(0, |b| b.mem.ptr),
+            rids: route.ids.ptr,
+            rwts: route.weights.ptr,
+            counter: 0,
+            eps,
+            re: r.out as i32,
+            rk: k as i32,
+            ntopk: norm as i32,
+            cw: 0,
+            cst: 0,
+            zp: 0,
+            ck: 0,
+            dv: 0,
+        };
         p.m[0] = r.q();
         p.m[1] = sg.q();
         p.out[0] = outs[0].0;
         p.out[1] = outs[1].0;
         p.obf[1] = outs[1].1;
-        self.launch_ex(&format!("router_cluster_{cl}"), (cl as u32, 1, 1), 512, 0, cl as u32, &[Arg::S(Box::new(p))]);
+        self.launch_ex(
+            &format!("router_cluster_{cl}"),
+            (cl as u32, 1, 1),
+            512,
+            0,
+            cl as u32,
+            &[Arg::S(Box::new(p))],
+        );
         true
     }
 
@@ -279,12 +402,31 @@ impl Cuda {
     /// expert share a format the kernels read and the shapes fit their geometry; `false`: not
     /// run (the caller composes the unfused ops).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn moe_sw(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, sh: &SharedExpert<'_, Cuda>, h: &mut Buf) -> bool {
+    pub(super) fn moe_sw(
+        &self,
+        x: &Buf,
+        route: &Route,
+        gate: &Mat,
+        up: &Mat,
+        down: &Mat,
+        sh: &SharedExpert<'_, Cuda>,
+        h: &mut Buf,
+    ) -> bool {
         let (hid, w, k) = (gate.inp, gate.out, route.k);
         let fmt = gate.fmt;
-        let Some(bits) = Self::sw_bits(fmt) else { return false };
-        let same = [up.fmt, down.fmt, sh.gate.fmt, sh.up.fmt, sh.down.fmt].iter().all(|&f| f == fmt);
-        let shapes = sh.gate.out == w && sh.up.out == w && sh.down.inp == w && sh.gate.inp == hid && sh.down.out == hid && down.inp == w && down.out == hid;
+        let Some(bits) = Self::sw_bits(fmt) else {
+            return false;
+        };
+        let same = [up.fmt, down.fmt, sh.gate.fmt, sh.up.fmt, sh.down.fmt]
+            .iter()
+            .all(|&f| f == fmt);
+        let shapes = sh.gate.out == w
+            && sh.up.out == w
+            && sh.down.inp == w
+            && sh.gate.inp == hid
+            && sh.down.out == hid
+            && down.inp == w
+            && down.out == hid;
         let geometry = hid.is_multiple_of(256)
             && 16 % (hid / 256) == 0
             && w.is_multiple_of(64)
@@ -298,7 +440,9 @@ impl Cuda {
             return false;
         }
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(act) = self.scratch(&mut sc, "moe_sw_act", 2 * (k + 1) * w) else { return true };
+        let Some(act) = self.scratch(&mut sc, "moe_sw_act", 2 * (k + 1) * w) else {
+            return true;
+        };
         drop(sc);
         let p = SwMoe {
             g: gate.q(),
@@ -318,15 +462,29 @@ impl Cuda {
         };
         // On tensor cores (moe.cu's moe_tc_*): 4-bit, group size 64, hidden cut as tc_gemv's K,
         // the width W = 128·NS with NS ≤ 4.
-        let gs64 = [gate.gs, up.gs, down.gs, sh.gate.gs, sh.up.gs, sh.down.gs].iter().all(|&g| g == 64);
+        let gs64 = [gate.gs, up.gs, down.gs, sh.gate.gs, sh.up.gs, sh.down.gs]
+            .iter()
+            .all(|&g| g == 64);
         let tc_hid = match hid {
             1024 => Some((2, 4)),
             2048 => Some((2, 8)),
             4096 => Some((2, 16)),
             _ => None,
         };
-        if let (true, 4, true, Some((ns, nw)), true) = (self.on("tc_gemv") && self.opted_in("tc_all"), bits, gs64, tc_hid, matches!(w, 128 | 256 | 512)) {
-            let st = if nw == 8 { tc_s(4) } else if nw == 4 { 4 } else { 2 };
+        if let (true, 4, true, Some((ns, nw)), true) = (
+            self.on("tc_gemv") && self.opted_in("tc_all"),
+            bits,
+            gs64,
+            tc_hid,
+            matches!(w, 128 | 256 | 512),
+        ) {
+            let st = if nw == 8 {
+                tc_s(4)
+            } else if nw == 4 {
+                4
+            } else {
+                2
+            };
             let name = format!("moe_tc_gate_up_{ns}_{nw}_{st}");
             let threads = 32 * nw as u32;
             let smem = (st * nw * 2 * tc_slot(ns)) as u32;
@@ -365,8 +523,15 @@ fn tc_slot(ns: usize) -> usize {
 
 /// A tensor-core kernel parameter from the environment (the lab compares them), read once by
 /// the caller's OnceLock: `var` if it names one of `allowed`, else `default`.
-fn env_choice(cell: &std::sync::OnceLock<Option<usize>>, var: &str, allowed: &[usize], default: usize) -> usize {
-    cell.get_or_init(|| std::env::var(var).ok().and_then(|s| s.parse().ok())).filter(|x| allowed.contains(x)).unwrap_or(default)
+fn env_choice(
+    cell: &std::sync::OnceLock<Option<usize>>,
+    var: &str,
+    allowed: &[usize],
+    default: usize,
+) -> usize {
+    cell.get_or_init(|| std::env::var(var).ok().and_then(|s| s.parse().ok()))
+        .filter(|x| allowed.contains(x))
+        .unwrap_or(default)
 }
 
 /// Tiles of 16 rows per batch of the tensor-core GEMVs (`LILY_CUDA_TC_U`: 1 or 2).
@@ -384,5 +549,11 @@ fn tc_s(default: usize) -> usize {
 /// Blocks of the router's cluster (`LILY_CUDA_ROUTER_CLUSTER`: 8, the portable size, or 16).
 fn router_cluster_size() -> usize {
     static CL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CL.get_or_init(|| if std::env::var("LILY_CUDA_ROUTER_CLUSTER").ok().as_deref() == Some("8") { 8 } else { 16 })
+    *CL.get_or_init(|| {
+        if std::env::var("LILY_CUDA_ROUTER_CLUSTER").ok().as_deref() == Some("8") {
+            8
+        } else {
+            16
+        }
+    })
 }

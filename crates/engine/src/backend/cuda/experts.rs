@@ -7,9 +7,11 @@ impl Cuda {
         let op = "moe_route";
         let (e, k) = (d.n_experts, d.top_k);
         if rows == 0
-            || !(self.ensure(e <= 1024 && k <= 32 && k <= e && k > 0, || format!("{op}: {e} experts / top-{k} not supported"))
-                && self.ensure(rows * k <= route.cap, || format!("{op}: route holds {} entries, {rows}×{k} needed", route.cap))
-                && self.buf_ok(logits, rows * e, "logits", op))
+            || !(self.ensure(e <= 1024 && k <= 32 && k <= e && k > 0, || {
+                format!("{op}: {e} experts / top-{k} not supported")
+            }) && self.ensure(rows * k <= route.cap, || {
+                format!("{op}: route holds {} entries, {rows}×{k} needed", route.cap)
+            }) && self.buf_ok(logits, rows * e, "logits", op))
         {
             return;
         }
@@ -20,17 +22,40 @@ impl Cuda {
             (grid1(rows, ROUTE_WARPS), 1, 1),
             32 * ROUTE_WARPS as u32,
             0,
-            &[Arg::P(logits.mem.ptr), Arg::P(route.ids.ptr), Arg::P(route.weights.ptr), Arg::I(e as i32), Arg::I(k as i32), Arg::I(d.norm_topk as i32), Arg::I(rows as i32)],
+            &[
+                Arg::P(logits.mem.ptr),
+                Arg::P(route.ids.ptr),
+                Arg::P(route.weights.ptr),
+                Arg::I(e as i32),
+                Arg::I(k as i32),
+                Arg::I(d.norm_topk as i32),
+                Arg::I(rows as i32),
+            ],
         );
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn moe_experts_prefill_op(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, d: &Dims, rows: usize, out: &mut Buf) {
+    pub(super) fn moe_experts_prefill_op(
+        &self,
+        x: &Buf,
+        route: &Route,
+        gate: &Mat,
+        up: &Mat,
+        down: &Mat,
+        d: &Dims,
+        rows: usize,
+        out: &mut Buf,
+    ) {
         let op = "moe_experts_prefill";
         let (h, k, ne) = (d.hidden, route.k, d.n_experts);
         let width = gate.out;
         if rows == 0
-            || !(self.experts_ok(gate, up, down, d, op) && self.ensure(rows * k <= route.cap, || format!("{op}: route of {} entries, {rows}×{k} needed", route.cap)) && self.act_ok(x, rows * h, "x", op) && self.act_ok(out, rows * h, "out", op))
+            || !(self.experts_ok(gate, up, down, d, op)
+                && self.ensure(rows * k <= route.cap, || {
+                    format!("{op}: route of {} entries, {rows}×{k} needed", route.cap)
+                })
+                && self.act_ok(x, rows * h, "x", op)
+                && self.act_ok(out, rows * h, "out", op))
         {
             return;
         }
@@ -47,39 +72,127 @@ impl Cuda {
                 self.scratch(&mut sc, "moe_perm", 4 * n)?,
             ))
         })();
-        let Some((counts, offsets, cursor, tiles, ntiles, perm)) = bufs else { return };
+        let Some((counts, offsets, cursor, tiles, ntiles, perm)) = bufs else {
+            return;
+        };
         // The op's intermediates are bf16 activations (moe.cu).
-        let acts = (|| Some((self.scratch(&mut sc, "moe_g", 2 * n * width)?, self.scratch(&mut sc, "moe_u", 2 * n * width)?, self.scratch(&mut sc, "moe_act", 2 * n * width)?, self.scratch(&mut sc, "moe_y", 2 * n * h)?)))();
+        let acts = (|| {
+            Some((
+                self.scratch(&mut sc, "moe_g", 2 * n * width)?,
+                self.scratch(&mut sc, "moe_u", 2 * n * width)?,
+                self.scratch(&mut sc, "moe_act", 2 * n * width)?,
+                self.scratch(&mut sc, "moe_y", 2 * n * h)?,
+            ))
+        })();
         let Some((g, u, act, y)) = acts else { return };
         self.memset0(counts, 4 * ne);
-        self.launch("moe_count", (grid1(n, 256), 1, 1), 256, 0, &[Arg::P(route.ids.ptr), Arg::P(counts), Arg::I(n as i32)]);
-        self.launch("moe_plan", (1, 1, 1), 32, 0, &[Arg::P(counts), Arg::P(offsets), Arg::P(cursor), Arg::P(tiles), Arg::P(ntiles), Arg::I(ne as i32)]);
-        self.launch("moe_scatter", (grid1(n, 256), 1, 1), 256, 0, &[Arg::P(route.ids.ptr), Arg::P(cursor), Arg::P(perm), Arg::I(n as i32)]);
+        self.launch(
+            "moe_count",
+            (grid1(n, 256), 1, 1),
+            256,
+            0,
+            &[Arg::P(route.ids.ptr), Arg::P(counts), Arg::I(n as i32)],
+        );
+        self.launch(
+            "moe_plan",
+            (1, 1, 1),
+            32,
+            0,
+            &[
+                Arg::P(counts),
+                Arg::P(offsets),
+                Arg::P(cursor),
+                Arg::P(tiles),
+                Arg::P(ntiles),
+                Arg::I(ne as i32),
+            ],
+        );
+        self.launch(
+            "moe_scatter",
+            (grid1(n, 256), 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(route.ids.ptr),
+                Arg::P(cursor),
+                Arg::P(perm),
+                Arg::I(n as i32),
+            ],
+        );
         let tc = self.tensor_core_gemm();
-        let (kernel, threads, smem) = if tc { ("moe_tc_gemm", 128, TC_SMEM_1) } else { ("moe_gemm", 256, 0) };
+        let (kernel, threads, smem) = if tc {
+            ("moe_tc_gemm", 128, TC_SMEM_1)
+        } else {
+            ("moe_gemm", 256, 0)
+        };
         let gemm = |m: &Mat, src: u64, dst: u64, mode: i32| {
             self.launch(
                 &format!("{kernel}_{}", m.fmt.suffix()),
                 (grid1(m.out, 64), max_tiles as u32, 1),
                 threads,
                 smem,
-                &[Arg::P(src), Arg::Q(m.q()), Arg::P(perm), Arg::P(tiles), Arg::P(ntiles), Arg::P(dst), Arg::I(k as i32), Arg::I(mode)],
+                &[
+                    Arg::P(src),
+                    Arg::Q(m.q()),
+                    Arg::P(perm),
+                    Arg::P(tiles),
+                    Arg::P(ntiles),
+                    Arg::P(dst),
+                    Arg::I(k as i32),
+                    Arg::I(mode),
+                ],
             )
         };
         gemm(gate, x.mem.ptr, g, 0);
         gemm(up, x.mem.ptr, u, 0);
-        self.launch("swiglu", (grid1(n * width, 256), 1, 1), 256, 0, &[Arg::P(g), Arg::P(u), Arg::P(act), Arg::P((n * width) as u64)]);
+        self.launch(
+            "swiglu",
+            (grid1(n * width, 256), 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(g),
+                Arg::P(u),
+                Arg::P(act),
+                Arg::P((n * width) as u64),
+            ],
+        );
         gemm(down, act, y, 1);
-        self.launch("moe_combine", (rows as u32, grid1(h, 256), 1), 256, 0, &[Arg::P(y), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::I(h as i32), Arg::P(0)]);
+        self.launch(
+            "moe_combine",
+            (rows as u32, grid1(h, 256), 1),
+            256,
+            0,
+            &[
+                Arg::P(y),
+                Arg::P(route.weights.ptr),
+                Arg::P(out.mem.ptr),
+                Arg::I(k as i32),
+                Arg::I(h as i32),
+                Arg::P(0),
+            ],
+        );
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn moe_experts_decode_op(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Buf) -> bool {
+    pub(super) fn moe_experts_decode_op(
+        &self,
+        x: &Buf,
+        route: &Route,
+        gate: &Mat,
+        up: &Mat,
+        down: &Mat,
+        shared: Option<&SharedExpert<'_, Self>>,
+        d: &Dims,
+        out: &mut Buf,
+    ) -> bool {
         let op = "moe_experts_decode";
         let (h, k) = (d.hidden, route.k);
         let width = gate.out;
         if !(self.experts_ok(gate, up, down, d, op)
-            && self.ensure(gate.fmt == up.fmt, || format!("{op}: gate and up weights in different formats"))
+            && self.ensure(gate.fmt == up.fmt, || {
+                format!("{op}: gate and up weights in different formats")
+            })
             && self.act_ok(x, h, "x", op)
             && self.act_ok(out, h, "out", op))
         {
@@ -96,12 +209,18 @@ impl Cuda {
         }
         // The shared expert rides in the routed kernels as slot k when it has their format;
         // otherwise the model adds it with its unfused ops.
-        let fold = shared.filter(|sh| sh.gate.fmt == gate.fmt && sh.up.fmt == gate.fmt && sh.down.fmt == down.fmt);
+        let fold = shared.filter(|sh| {
+            sh.gate.fmt == gate.fmt && sh.up.fmt == gate.fmt && sh.down.fmt == down.fmt
+        });
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let ws = fold.map_or(0, |sh| sh.gate.out);
         let slots = k + fold.is_some() as usize;
-        let Some(act) = self.scratch(&mut sc, "moe_act1", 2 * (k * width + ws)) else { return false };
-        let Some(y) = self.scratch(&mut sc, "moe_y1", 2 * slots * h) else { return false };
+        let Some(act) = self.scratch(&mut sc, "moe_act1", 2 * (k * width + ws)) else {
+            return false;
+        };
+        let Some(y) = self.scratch(&mut sc, "moe_y1", 2 * slots * h) else {
+            return false;
+        };
         let none = QMat::none();
         let (sg, su, sd, slogit) = match fold {
             Some(sh) => (sh.gate.q(), sh.up.q(), sh.down.q(), sh.logit.mem.ptr),
@@ -112,10 +231,45 @@ impl Cuda {
             (grid1(width.max(ws), 8), slots as u32, 1),
             256,
             0,
-            &[Arg::P(x.mem.ptr), Arg::Q(gate.q()), Arg::Q(up.q()), Arg::P(route.ids.ptr), Arg::P(act), Arg::Q(sg), Arg::Q(su), Arg::I(k as i32)],
+            &[
+                Arg::P(x.mem.ptr),
+                Arg::Q(gate.q()),
+                Arg::Q(up.q()),
+                Arg::P(route.ids.ptr),
+                Arg::P(act),
+                Arg::Q(sg),
+                Arg::Q(su),
+                Arg::I(k as i32),
+            ],
         );
-        self.launch(&format!("moe_down_{}", down.fmt.suffix()), (grid1(h, 8), slots as u32, 1), 256, 0, &[Arg::P(act), Arg::Q(down.q()), Arg::P(route.ids.ptr), Arg::P(y), Arg::I(k as i32), Arg::Q(sd)]);
-        self.launch("moe_combine", (1, grid1(h, 256), 1), 256, 0, &[Arg::P(y), Arg::P(route.weights.ptr), Arg::P(out.mem.ptr), Arg::I(k as i32), Arg::I(h as i32), Arg::P(slogit)]);
+        self.launch(
+            &format!("moe_down_{}", down.fmt.suffix()),
+            (grid1(h, 8), slots as u32, 1),
+            256,
+            0,
+            &[
+                Arg::P(act),
+                Arg::Q(down.q()),
+                Arg::P(route.ids.ptr),
+                Arg::P(y),
+                Arg::I(k as i32),
+                Arg::Q(sd),
+            ],
+        );
+        self.launch(
+            "moe_combine",
+            (1, grid1(h, 256), 1),
+            256,
+            0,
+            &[
+                Arg::P(y),
+                Arg::P(route.weights.ptr),
+                Arg::P(out.mem.ptr),
+                Arg::I(k as i32),
+                Arg::I(h as i32),
+                Arg::P(slogit),
+            ],
+        );
         fold.is_some()
     }
 

@@ -4,7 +4,18 @@ use super::*;
 
 impl Cuda {
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn gdn_prefill_op(&self, qkv: &Buf, z: &Buf, b: &Buf, a: &Buf, w: &GdnParams<Buf>, state: &mut Buf, d: &Dims, rows: usize, out: &mut Buf) {
+    pub(super) fn gdn_prefill_op(
+        &self,
+        qkv: &Buf,
+        z: &Buf,
+        b: &Buf,
+        a: &Buf,
+        w: &GdnParams<Buf>,
+        state: &mut Buf,
+        d: &Dims,
+        rows: usize,
+        out: &mut Buf,
+    ) {
         self.gdn_scan_norm(qkv, z, b, a, w, state, d, rows, Some(out));
     }
 
@@ -12,13 +23,26 @@ impl Cuda {
     /// `out`, the gated norm into it; without, the caller normalises y itself (the fused GDN
     /// mixer's out_proj prologue).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn gdn_scan_norm(&self, qkv: &Buf, z: &Buf, b: &Buf, a: &Buf, w: &GdnParams<Buf>, state: &mut Buf, d: &Dims, rows: usize, out: Option<&mut Buf>) -> Option<u64> {
+    pub(super) fn gdn_scan_norm(
+        &self,
+        qkv: &Buf,
+        z: &Buf,
+        b: &Buf,
+        a: &Buf,
+        w: &GdnParams<Buf>,
+        state: &mut Buf,
+        d: &Dims,
+        rows: usize,
+        out: Option<&mut Buf>,
+    ) -> Option<u64> {
         let op = "gdn";
         let (hk, hv, dk, dv) = (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim);
         let c = d.conv_channels();
         if rows == 0
-            || !(self.ensure(matches!(dk, 32 | 64 | 128) && dv % 4 == 0 && hk > 0 && hv % hk == 0, || format!("{op}: key dim {dk} / value dim {dv} / heads {hk}:{hv} not supported"))
-                && self.act_ok(qkv, rows * c, "qkv", op)
+            || !(self.ensure(
+                matches!(dk, 32 | 64 | 128) && dv % 4 == 0 && hk > 0 && hv % hk == 0,
+                || format!("{op}: key dim {dk} / value dim {dv} / heads {hk}:{hv} not supported"),
+            ) && self.act_ok(qkv, rows * c, "qkv", op)
                 && self.act_ok(z, rows * hv * dv, "z", op)
                 && self.act_ok(b, rows * hv, "b", op)
                 && self.act_ok(a, rows * hv, "a", op)
@@ -26,13 +50,19 @@ impl Cuda {
                 && self.buf_ok(&w.dt_bias, hv, "dt_bias", op)
                 && self.buf_ok(&w.norm, dv, "norm", op)
                 && self.buf_ok(state, hv * dv * dk, "state", op)
-                && out.as_ref().is_none_or(|o| self.act_ok(o, rows * hv * dv, "out", op)))
+                && out
+                    .as_ref()
+                    .is_none_or(|o| self.act_ok(o, rows * hv * dv, "out", op)))
         {
             return None;
         }
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let y = self.scratch(&mut sc, "gdn_y", 4 * rows * hv * dv)?;
-        let rpw = if rows == 1 { GDN_RPW_DECODE } else { GDN_RPW_PREFILL };
+        let rpw = if rows == 1 {
+            GDN_RPW_DECODE
+        } else {
+            GDN_RPW_PREFILL
+        };
         let warps = hv * dv / rpw;
         self.launch(
             &format!("gdn_scan_{}_{rpw}", dk / 32),
@@ -59,29 +89,73 @@ impl Cuda {
                 (rows as u32, hv as u32, 1),
                 128,
                 0,
-                &[Arg::P(y), Arg::P(z.mem.ptr), Arg::P(w.norm.mem.ptr), Arg::P(out.mem.ptr), Arg::I(hv as i32), Arg::I(dv as i32), Arg::F(d.eps)],
+                &[
+                    Arg::P(y),
+                    Arg::P(z.mem.ptr),
+                    Arg::P(w.norm.mem.ptr),
+                    Arg::P(out.mem.ptr),
+                    Arg::I(hv as i32),
+                    Arg::I(dv as i32),
+                    Arg::F(d.eps),
+                ],
             );
         }
         Some(y)
     }
 
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn conv(&self, x: &Buf, w: &Buf, state: &mut Buf, d: &Dims, rows: usize, out: &mut Buf, name: &str) {
+    pub(super) fn conv(
+        &self,
+        x: &Buf,
+        w: &Buf,
+        state: &mut Buf,
+        d: &Dims,
+        rows: usize,
+        out: &mut Buf,
+        name: &str,
+    ) {
         let (c, k) = (d.conv_channels(), d.conv_kernel);
         if rows == 0
-            || !(self.ensure((1..=8).contains(&k), || format!("{name}: conv kernel {k} not supported (1..=8)"))
-                && self.act_ok(x, rows * c, "x", name)
+            || !(self.ensure((1..=8).contains(&k), || {
+                format!("{name}: conv kernel {k} not supported (1..=8)")
+            }) && self.act_ok(x, rows * c, "x", name)
                 && self.buf_ok(w, c * k, "w", name)
                 && self.buf_ok(state, (k - 1) * c, "state", name)
                 && self.act_ok(out, rows * c, "out", name))
         {
             return;
         }
-        let args = [Arg::P(x.mem.ptr), Arg::P(w.mem.ptr), Arg::P(state.mem.ptr), Arg::P(out.mem.ptr), Arg::I(c as i32), Arg::I(k as i32), Arg::I(rows as i32)];
+        let args = [
+            Arg::P(x.mem.ptr),
+            Arg::P(w.mem.ptr),
+            Arg::P(state.mem.ptr),
+            Arg::P(out.mem.ptr),
+            Arg::I(c as i32),
+            Arg::I(k as i32),
+            Arg::I(rows as i32),
+        ];
         if name == "conv1d_prefill" {
             // Rows split over blocks (CONV_RPT in gdn.cu), then the state replaced by its own launch.
-            self.launch(name, (grid1(c, 256), grid1(rows, CONV_RPT), 1), 256, 0, &args);
-            self.launch("conv1d_state", (grid1(c, 256), 1, 1), 256, 0, &[Arg::P(x.mem.ptr), Arg::P(state.mem.ptr), Arg::I(c as i32), Arg::I(k as i32), Arg::I(rows as i32)]);
+            self.launch(
+                name,
+                (grid1(c, 256), grid1(rows, CONV_RPT), 1),
+                256,
+                0,
+                &args,
+            );
+            self.launch(
+                "conv1d_state",
+                (grid1(c, 256), 1, 1),
+                256,
+                0,
+                &[
+                    Arg::P(x.mem.ptr),
+                    Arg::P(state.mem.ptr),
+                    Arg::I(c as i32),
+                    Arg::I(k as i32),
+                    Arg::I(rows as i32),
+                ],
+            );
         } else {
             self.launch(name, (grid1(c, 256), 1, 1), 256, 0, &args[..6]);
         }
@@ -92,7 +166,17 @@ impl Cuda {
     /// norm prologue (PRO 2) and the residual add. `false`: the shapes or formats do not fit (or
     /// the switch is off): nothing was launched.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn gdn_mixer_fused(&self, h: &mut Buf, norm: &Buf, eps: f32, w: &super::super::GdnWeights<'_, Cuda>, conv: &mut Buf, ssm: &mut Buf, d: &Dims, t: &super::super::GdnScratch<'_, Cuda>) -> bool {
+    pub(super) fn gdn_mixer_fused(
+        &self,
+        h: &mut Buf,
+        norm: &Buf,
+        eps: f32,
+        w: &super::super::GdnWeights<'_, Cuda>,
+        conv: &mut Buf,
+        ssm: &mut Buf,
+        d: &Dims,
+        t: &super::super::GdnScratch<'_, Cuda>,
+    ) -> bool {
         let op = "gdn_mixer_decode_add";
         let (c, kc, hv, dv) = (d.conv_channels(), d.conv_kernel, d.gdn_v_heads, d.gdn_v_dim);
         let [qkv, z, b, a] = w.in_proj;
@@ -122,10 +206,42 @@ impl Cuda {
         {
             return true;
         }
-        let outs = [(t.qkv_c.mem.ptr, 3), (t.z.mem.ptr, 1), (t.b.mem.ptr, 1), (t.a.mem.ptr, 1)];
-        self.sw_gemv_route(super::decode::SwX::Norm { h, w: norm, eps, xn: Some(t.xn) }, &w.in_proj, &outs, None, Some(super::decode::SwConv { w: w.conv1d, state: conv, k: kc }));
-        let Some(y) = self.gdn_scan_norm(t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, 1, None) else { return true };
-        self.sw_gemv(super::decode::SwX::Gated { y, z: t.z, w: &w.params.norm, eps: d.eps, dv }, &[w.out_proj], &[(h.mem.ptr, 2)]);
+        let outs = [
+            (t.qkv_c.mem.ptr, 3),
+            (t.z.mem.ptr, 1),
+            (t.b.mem.ptr, 1),
+            (t.a.mem.ptr, 1),
+        ];
+        self.sw_gemv_route(
+            super::decode::SwX::Norm {
+                h,
+                w: norm,
+                eps,
+                xn: Some(t.xn),
+            },
+            &w.in_proj,
+            &outs,
+            None,
+            Some(super::decode::SwConv {
+                w: w.conv1d,
+                state: conv,
+                k: kc,
+            }),
+        );
+        let Some(y) = self.gdn_scan_norm(t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, 1, None) else {
+            return true;
+        };
+        self.sw_gemv(
+            super::decode::SwX::Gated {
+                y,
+                z: t.z,
+                w: &w.params.norm,
+                eps: d.eps,
+                dv,
+            },
+            &[w.out_proj],
+            &[(h.mem.ptr, 2)],
+        );
         true
     }
 }

@@ -51,14 +51,38 @@ pub struct Case {
 }
 
 pub const CASES: &[Case] = &[
-    Case { short: "in_proj", name: "gdn in_proj (qkv|z|b|a)" },
-    Case { short: "qkv", name: "attn q|k|v" },
-    Case { short: "out_proj", name: "gdn out_proj (+ residual)" },
-    Case { short: "o_proj", name: "attn o_proj (+ residual)" },
-    Case { short: "router", name: "router | shared gate (8-bit)" },
-    Case { short: "route", name: "moe_route" },
-    Case { short: "experts", name: "experts (8 routed + shared)" },
-    Case { short: "lm_head", name: "lm_head" },
+    Case {
+        short: "in_proj",
+        name: "gdn in_proj (qkv|z|b|a)",
+    },
+    Case {
+        short: "qkv",
+        name: "attn q|k|v",
+    },
+    Case {
+        short: "out_proj",
+        name: "gdn out_proj (+ residual)",
+    },
+    Case {
+        short: "o_proj",
+        name: "attn o_proj (+ residual)",
+    },
+    Case {
+        short: "router",
+        name: "router | shared gate (8-bit)",
+    },
+    Case {
+        short: "route",
+        name: "moe_route",
+    },
+    Case {
+        short: "experts",
+        name: "experts (8 routed + shared)",
+    },
+    Case {
+        short: "lm_head",
+        name: "lm_head",
+    },
 ];
 
 /// One measured row: a case under one setting of the switches.
@@ -121,7 +145,15 @@ impl Cuda {
     /// A stack of `n` random matrices `[out, inp]` in exactly the format `mat_fmt` makes of an
     /// MLX bf16-scale checkpoint (Fmt::Q4Bf16 / Q8Bf16), filled on the device (`lab_fill_mat`):
     /// codes uniform, scales in [0.01, 0.02), biases centring the codes on zero.
-    pub fn random_mat(&self, n: usize, out: usize, inp: usize, bits: u32, gs: usize, seed: u32) -> Result<Mat> {
+    pub fn random_mat(
+        &self,
+        n: usize,
+        out: usize,
+        inp: usize,
+        bits: u32,
+        gs: usize,
+        seed: u32,
+    ) -> Result<Mat> {
         let fmt = match bits {
             4 => Fmt::Q4Bf16,
             8 => Fmt::Q8Bf16,
@@ -136,41 +168,70 @@ impl Cuda {
         let nw = n * out * inp * bits as usize / 32;
         let ng = n * out * inp / gs;
         self.lab_room(4 * nw + 4 * ng, "a random weight stack")?;
-        let (w, s, b) = (self.alloc(4 * nw)?, self.alloc(2 * ng)?, self.alloc(2 * ng)?);
+        let (w, s, b) = (
+            self.alloc(4 * nw)?,
+            self.alloc(2 * ng)?,
+            self.alloc(2 * ng)?,
+        );
         let zero = (1u32 << (bits - 1)) as f32;
         self.lab_fill(&w, nw, Some((&s, &b, ng)), seed, zero)?;
-        Ok(Mat { n, out, inp, fmt, gs, w, s: Some(s), b: Some(b) })
+        Ok(Mat {
+            n,
+            out,
+            inp,
+            fmt,
+            gs,
+            w,
+            s: Some(s),
+            b: Some(b),
+        })
     }
 
     /// Records `ops(0) .. ops(calls-1)` into one CUDA graph and returns the median seconds per
     /// call over REPS launches. The ops run once each directly first (a warm-up that makes every
     /// scratch buffer they need: `alloc` refuses to allocate while recording), then the graph is
     /// launched once untimed.
-    pub fn time_recorded(&self, calls: usize, ops: &mut dyn FnMut(usize) -> Result<()>) -> Result<f64> {
+    pub fn time_recorded(
+        &self,
+        calls: usize,
+        ops: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<f64> {
         Ok(self.time_graph(calls, ops)?.seconds)
     }
 
     /// `time_recorded` with the graph's node counts (kernel launches per call).
-    pub fn time_graph(&self, calls: usize, ops: &mut dyn FnMut(usize) -> Result<()>) -> Result<GraphTiming> {
+    pub fn time_graph(
+        &self,
+        calls: usize,
+        ops: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<GraphTiming> {
         if calls == 0 || calls > MAX_CALLS {
             bail!("kernel lab: {calls} calls per graph (1 to {MAX_CALLS})");
         }
-        self.check().context("kernel lab: the backend is in a failed state")?;
+        self.check()
+            .context("kernel lab: the backend is in a failed state")?;
         for i in 0..calls {
             ops(i)?;
         }
-        self.check().context("kernel lab: running the ops directly (warm-up)")?;
+        self.check()
+            .context("kernel lab: running the ops directly (warm-up)")?;
         let mut all = || -> Result<()> {
             for i in 0..calls {
                 ops(i)?;
             }
             Ok(())
         };
-        let graph = self.capture(&mut all).context("kernel lab: recording the calls")?;
+        let graph = self
+            .capture(&mut all)
+            .context("kernel lab: recording the calls")?;
         let (nodes, kernels) = graph_nodes(&graph)?;
-        let launch = |g: &CudaGraph| g.launch().map_err(|e| anyhow!("kernel lab: launching the recorded calls: {e}"));
+        let launch = |g: &CudaGraph| {
+            g.launch()
+                .map_err(|e| anyhow!("kernel lab: launching the recorded calls: {e}"))
+        };
         launch(&graph)?;
-        self.check().context("kernel lab: the first launch of the recorded calls")?;
+        self.check()
+            .context("kernel lab: the first launch of the recorded calls")?;
         let timing = Some(sys::CUevent_flags::CU_EVENT_DEFAULT);
         let mut ts = Vec::with_capacity(REPS);
         for _ in 0..REPS {
@@ -178,7 +239,11 @@ impl Cuda {
             launch(&graph)?;
             let t1 = self.stream.record_event(timing)?;
             // Waits for the work: an asynchronous fault surfaces here.
-            ts.push(t0.elapsed_ms(&t1).context("kernel lab: timing (a device error?)")? as f64 / 1e3);
+            ts.push(
+                t0.elapsed_ms(&t1)
+                    .context("kernel lab: timing (a device error?)")? as f64
+                    / 1e3,
+            );
         }
         self.check().context("kernel lab: the timed launches")?;
         ts.sort_by(f64::total_cmp);
@@ -186,7 +251,11 @@ impl Cuda {
         if !(t.is_finite() && t > 0.0) {
             bail!("kernel lab: a measured time of {t} s per call");
         }
-        Ok(GraphTiming { seconds: t, kernels, nodes })
+        Ok(GraphTiming {
+            seconds: t,
+            kernels,
+            nodes,
+        })
     }
 
     /// Median seconds per call of a pure streaming read of `bytes` bytes (`lab_read`), each call
@@ -203,12 +272,20 @@ impl Cuda {
         // Random contents, like the weights (the memory system does not see zeros differently
         // today, but a read of zeros would prove nothing should it start to).
         self.lab_fill(&buf, stride * copies / 4, None, 0x5eed, 0.0)?;
-        let blocks = (4 * self.lab_sms()? as usize).min(words.div_ceil(256)).max(1);
+        let blocks = (4 * self.lab_sms()? as usize)
+            .min(words.div_ceil(256))
+            .max(1);
         let sink = self.alloc(4 * blocks)?;
         let n = words as u64;
         self.time_recorded(calls, &mut |i| {
             let src = buf.ptr + ((i % copies) * stride) as u64;
-            self.launch("lab_read", (blocks as u32, 1, 1), 256, 0, &[Arg::P(src), Arg::P(n), Arg::P(sink.ptr)]);
+            self.launch(
+                "lab_read",
+                (blocks as u32, 1, 1),
+                256,
+                0,
+                &[Arg::P(src), Arg::P(n), Arg::P(sink.ptr)],
+            );
             Ok(())
         })
     }
@@ -216,23 +293,52 @@ impl Cuda {
     /// Runs the lab cases named (`CASES` short names; all when empty) at the shapes of `cfg`,
     /// each with the decode optimisations on and off. `row` sees each row as it is measured.
     /// The switches are restored afterwards.
-    pub fn run_lab(&self, cfg: &Config, cases: &[&str], calls: usize, row: &mut dyn FnMut(&LabRow)) -> Result<LabReport> {
+    pub fn run_lab(
+        &self,
+        cfg: &Config,
+        cases: &[&str],
+        calls: usize,
+        row: &mut dyn FnMut(&LabRow),
+    ) -> Result<LabReport> {
         for c in cases {
             if !CASES.iter().any(|k| k.short == *c) {
-                bail!("unknown lab case `{c}` (known: {})", CASES.iter().map(|k| k.short).collect::<Vec<_>>().join(", "));
+                bail!(
+                    "unknown lab case `{c}` (known: {})",
+                    CASES.iter().map(|k| k.short).collect::<Vec<_>>().join(", ")
+                );
             }
         }
         if calls == 0 || calls > MAX_CALLS {
             bail!("--calls {calls}: 1 to {MAX_CALLS}");
         }
-        let l2 = self.ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?.max(0) as usize;
+        let l2 = self
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?
+            .max(0) as usize;
         let cycle = (L2_FACTOR * l2).max(MIN_CYCLE);
         let before = self.disabled();
         let mut rows = Vec::new();
         let r = (|| -> Result<()> {
-            for (k, case) in CASES.iter().enumerate().filter(|(_, c)| cases.is_empty() || cases.contains(&c.short)) {
-                let lab = Lab { cuda: self, cfg, d: Dims::from_config(cfg), case, cycle, calls, flip: k % 2 == 1, seed: 1 + 1000 * k as u32, on: &before };
-                for r in lab.run().with_context(|| format!("kernel lab, case `{}`", case.short))? {
+            for (k, case) in CASES
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| cases.is_empty() || cases.contains(&c.short))
+            {
+                let lab = Lab {
+                    cuda: self,
+                    cfg,
+                    d: Dims::from_config(cfg),
+                    case,
+                    cycle,
+                    calls,
+                    flip: k % 2 == 1,
+                    seed: 1 + 1000 * k as u32,
+                    on: &before,
+                };
+                for r in lab
+                    .run()
+                    .with_context(|| format!("kernel lab, case `{}`", case.short))?
+                {
                     row(&r);
                     rows.push(r);
                 }
@@ -242,14 +348,40 @@ impl Cuda {
         let restored = self.set_disabled(&before);
         r?;
         restored?;
-        Ok(LabReport { device: self.device.clone(), l2_bytes: l2, cycle_bytes: cycle, rows })
+        Ok(LabReport {
+            device: self.device.clone(),
+            l2_bytes: l2,
+            cycle_bytes: cycle,
+            rows,
+        })
     }
 
     /// Fills `w` (`nw` u32 words) with random codes and, with `sb`, `ng` bf16 scales and biases.
-    fn lab_fill(&self, w: &Mem, nw: usize, sb: Option<(&Mem, &Mem, usize)>, seed: u32, zero: f32) -> Result<()> {
+    fn lab_fill(
+        &self,
+        w: &Mem,
+        nw: usize,
+        sb: Option<(&Mem, &Mem, usize)>,
+        seed: u32,
+        zero: f32,
+    ) -> Result<()> {
         let (s, b, ng) = sb.map_or((0, 0, 0), |(s, b, ng)| (s.ptr, b.ptr, ng));
         let blocks = 4 * self.lab_sms()?;
-        self.launch("lab_fill_mat", (blocks, 1, 1), 256, 0, &[Arg::P(w.ptr), Arg::P(nw as u64), Arg::P(s), Arg::P(b), Arg::P(ng as u64), Arg::I(seed as i32), Arg::F(zero)]);
+        self.launch(
+            "lab_fill_mat",
+            (blocks, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(w.ptr),
+                Arg::P(nw as u64),
+                Arg::P(s),
+                Arg::P(b),
+                Arg::P(ng as u64),
+                Arg::I(seed as i32),
+                Arg::F(zero),
+            ],
+        );
         if self.failed() {
             self.check()?;
         }
@@ -257,14 +389,21 @@ impl Cuda {
     }
 
     fn lab_sms(&self) -> Result<u32> {
-        Ok(self.ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32)
+        Ok(self
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?
+            .max(1) as u32)
     }
 
     /// An error unless `bytes` more fit in the device's free memory (with HEADROOM).
     fn lab_room(&self, bytes: usize, what: &str) -> Result<()> {
         let (free, _) = self.mem_info()?;
         if bytes + HEADROOM > free {
-            bail!("kernel lab: {what} needs {} MiB of device memory, {} MiB are free", (bytes + HEADROOM) >> 20, free >> 20);
+            bail!(
+                "kernel lab: {what} needs {} MiB of device memory, {} MiB are free",
+                (bytes + HEADROOM) >> 20,
+                free >> 20
+            );
         }
         Ok(())
     }
@@ -274,15 +413,21 @@ impl Cuda {
 fn graph_nodes(g: &CudaGraph) -> Result<(usize, usize)> {
     let mut n = 0usize;
     // SAFETY: the graph is live (owned by `g`, not destroyed here); a null array asks for the count.
-    unsafe { sys::cuGraphGetNodes(g.cu_graph(), std::ptr::null_mut(), &mut n) }.result().context("cuGraphGetNodes")?;
+    unsafe { sys::cuGraphGetNodes(g.cu_graph(), std::ptr::null_mut(), &mut n) }
+        .result()
+        .context("cuGraphGetNodes")?;
     let mut nodes: Vec<sys::CUgraphNode> = vec![std::ptr::null_mut(); n];
     // SAFETY: `nodes` holds `n` entries, the most the driver writes.
-    unsafe { sys::cuGraphGetNodes(g.cu_graph(), nodes.as_mut_ptr(), &mut n) }.result().context("cuGraphGetNodes")?;
+    unsafe { sys::cuGraphGetNodes(g.cu_graph(), nodes.as_mut_ptr(), &mut n) }
+        .result()
+        .context("cuGraphGetNodes")?;
     let mut kernels = 0;
     for &node in &nodes[..n.min(nodes.len())] {
         let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
         // SAFETY: `node` is a node of the live graph; `t` is written by the call.
-        unsafe { sys::cuGraphNodeGetType(node, &mut t) }.result().context("cuGraphNodeGetType")?;
+        unsafe { sys::cuGraphNodeGetType(node, &mut t) }
+            .result()
+            .context("cuGraphNodeGetType")?;
         kernels += (t == sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_KERNEL) as usize;
     }
     Ok((n, kernels))
@@ -329,32 +474,71 @@ impl Lab<'_> {
 
     /// A copy of each matrix of `shapes` (`(out, inp, bits)`): one set of a case's weights.
     fn mats(&mut self, shapes: &[(usize, usize, u32)], gs: usize) -> Result<Vec<Mat>> {
-        shapes.iter().map(|&(o, i, b)| self.cuda.random_mat(1, o, i, b, gs, self.next_seed())).collect()
+        shapes
+            .iter()
+            .map(|&(o, i, b)| self.cuda.random_mat(1, o, i, b, gs, self.next_seed()))
+            .collect()
     }
 
     fn run(mut self) -> Result<Vec<LabRow>> {
         let (cfg, d, g) = (self.cfg, self.d, self.cuda);
-        let q = cfg.quantization.default.context("the config is not quantized (the lab measures the quantized formats)")?;
-        let gate_q = cfg.quantization.spec_for("model.layers.0.mlp.gate").context("the router is not quantized")?;
-        let sgate_q = cfg.quantization.spec_for("model.layers.0.mlp.shared_expert_gate").context("the shared-expert gate is not quantized")?;
+        let q = cfg
+            .quantization
+            .default
+            .context("the config is not quantized (the lab measures the quantized formats)")?;
+        let gate_q = cfg
+            .quantization
+            .spec_for("model.layers.0.mlp.gate")
+            .context("the router is not quantized")?;
+        let sgate_q = cfg
+            .quantization
+            .spec_for("model.layers.0.mlp.shared_expert_gate")
+            .context("the shared-expert gate is not quantized")?;
         let (hd, gs, bits) = (d.hidden, q.group_size, q.bits);
         let mut rng = Rng::new(self.seed as u64);
         match self.case.short {
             "in_proj" => {
                 let (qkv, z, hv) = (cfg.gdn_qkv_dim(), cfg.gdn_v_dim(), d.gdn_v_heads);
-                self.norm_matmul(&[(qkv, hd, bits), (z, hd, bits), (hv, hd, bits), (hv, hd, bits)], &[false; 4], gs, self.calls, &mut rng)
+                self.norm_matmul(
+                    &[
+                        (qkv, hd, bits),
+                        (z, hd, bits),
+                        (hv, hd, bits),
+                        (hv, hd, bits),
+                    ],
+                    &[false; 4],
+                    gs,
+                    self.calls,
+                    &mut rng,
+                )
             }
             "qkv" => {
                 let qd = cfg.attn_q_dim() * if cfg.attn_output_gate { 2 } else { 1 };
                 let kv = cfg.attn_kv_dim();
-                self.norm_matmul(&[(qd, hd, bits), (kv, hd, bits), (kv, hd, bits)], &[false; 3], gs, self.calls, &mut rng)
+                self.norm_matmul(
+                    &[(qd, hd, bits), (kv, hd, bits), (kv, hd, bits)],
+                    &[false; 3],
+                    gs,
+                    self.calls,
+                    &mut rng,
+                )
             }
             "router" => {
                 if gate_q.group_size != sgate_q.group_size {
-                    bail!("router group size {} and shared-gate group size {} differ", gate_q.group_size, sgate_q.group_size);
+                    bail!(
+                        "router group size {} and shared-gate group size {} differ",
+                        gate_q.group_size,
+                        sgate_q.group_size
+                    );
                 }
                 // Both outputs f32: the router logits and the shared expert's gate logit.
-                self.norm_matmul(&[(d.n_experts, hd, gate_q.bits), (1, hd, sgate_q.bits)], &[true, true], gate_q.group_size, self.calls, &mut rng)
+                self.norm_matmul(
+                    &[(d.n_experts, hd, gate_q.bits), (1, hd, sgate_q.bits)],
+                    &[true, true],
+                    gate_q.group_size,
+                    self.calls,
+                    &mut rng,
+                )
             }
             "lm_head" => {
                 let calls = (self.calls / LM_HEAD_CALL_DIV).max(1);
@@ -377,7 +561,14 @@ impl Lab<'_> {
 
     /// `rms_norm_matmul(h, w, …, xn, ws, outs)` over copies of the matrices `shapes`; outputs f32
     /// where `f32_out` says (logits), activations otherwise.
-    fn norm_matmul(&mut self, shapes: &[(usize, usize, u32)], f32_out: &[bool], gs: usize, calls: usize, rng: &mut Rng) -> Result<Vec<LabRow>> {
+    fn norm_matmul(
+        &mut self,
+        shapes: &[(usize, usize, u32)],
+        f32_out: &[bool],
+        gs: usize,
+        calls: usize,
+        rng: &mut Rng,
+    ) -> Result<Vec<LabRow>> {
         let (g, d) = (self.cuda, self.d);
         let one = self.mats(shapes, gs)?;
         let bytes: usize = one.iter().map(Mat::nbytes).sum();
@@ -389,7 +580,11 @@ impl Lab<'_> {
         let h = g.upload_vec(&rand_vec(rng, d.hidden, -1.0, 1.0))?;
         let w = g.upload_vec(&rand_vec(rng, d.hidden, 0.9, 1.1))?;
         let mut xn = g.act_zeros(d.hidden)?;
-        let mut outs: Vec<_> = shapes.iter().zip(f32_out).map(|(&(o, _, _), &f)| if f { g.zeros(o) } else { g.act_zeros(o) }).collect::<Result<_>>()?;
+        let mut outs: Vec<_> = shapes
+            .iter()
+            .zip(f32_out)
+            .map(|(&(o, _, _), &f)| if f { g.zeros(o) } else { g.act_zeros(o) })
+            .collect::<Result<_>>()?;
         let calls = self.calls_for(calls, copies);
         self.variants(bytes, copies, calls, &mut |i| {
             let ws: Vec<&Mat> = sets[i % copies].iter().collect();
@@ -400,7 +595,13 @@ impl Lab<'_> {
     }
 
     /// `matmul_q_add(y, W [hidden, inp], 1, r, h)`: an output projection added into the residual.
-    fn matmul_add(&mut self, inp: usize, bits: u32, gs: usize, rng: &mut Rng) -> Result<Vec<LabRow>> {
+    fn matmul_add(
+        &mut self,
+        inp: usize,
+        bits: u32,
+        gs: usize,
+        rng: &mut Rng,
+    ) -> Result<Vec<LabRow>> {
         let (g, d) = (self.cuda, self.d);
         let shape = [(d.hidden, inp, bits)];
         let mut ws = self.mats(&shape, gs)?;
@@ -426,7 +627,10 @@ impl Lab<'_> {
     fn experts(&mut self, bits: u32, gs: usize, rng: &mut Rng) -> Result<Vec<LabRow>> {
         let (g, d, cfg) = (self.cuda, self.d, self.cfg);
         let (e, k, hd) = (d.n_experts, d.top_k, d.hidden);
-        let (wi, ws) = (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size);
+        let (wi, ws) = (
+            cfg.moe_intermediate_size,
+            cfg.shared_expert_intermediate_size,
+        );
         let gate = g.random_mat(e, wi, hd, bits, gs, self.next_seed())?;
         let up = g.random_mat(e, wi, hd, bits, gs, self.next_seed())?;
         let down = g.random_mat(e, hd, wi, bits, gs, self.next_seed())?;
@@ -461,27 +665,73 @@ impl Lab<'_> {
         let x = g.upload_act(&rand_vec(rng, hd, -1.0, 1.0))?;
         let logit = g.upload_vec(&[0.5])?;
         let mut h = g.upload_vec(&rand_vec(rng, hd, -1.0, 1.0))?;
-        let (mut out, mut tg, mut tu, mut ta, mut td) = (g.act_zeros(hd)?, g.act_zeros(ws)?, g.act_zeros(ws)?, g.act_zeros(ws)?, g.act_zeros(hd)?);
+        let (mut out, mut tg, mut tu, mut ta, mut td) = (
+            g.act_zeros(hd)?,
+            g.act_zeros(ws)?,
+            g.act_zeros(ws)?,
+            g.act_zeros(ws)?,
+            g.act_zeros(hd)?,
+        );
         let calls = self.calls_for(self.calls, copies);
         self.variants(bytes, copies, calls, &mut |i| {
             let s = &shared[i % copies];
-            let sh = SharedExpert { gate: &s[0], up: &s[1], down: &s[2], logit: &logit };
-            let tmp = MoeScratch { out: &mut out, g: &mut tg, u: &mut tu, act: &mut ta, down: &mut td };
-            g.moe_decode_add(&x, &routes[i % copies], &gate, &up, &down, &sh, &d, tmp, &mut h);
+            let sh = SharedExpert {
+                gate: &s[0],
+                up: &s[1],
+                down: &s[2],
+                logit: &logit,
+            };
+            let tmp = MoeScratch {
+                out: &mut out,
+                g: &mut tg,
+                u: &mut tu,
+                act: &mut ta,
+                down: &mut td,
+            };
+            g.moe_decode_add(
+                &x,
+                &routes[i % copies],
+                &gate,
+                &up,
+                &down,
+                &sh,
+                &d,
+                tmp,
+                &mut h,
+            );
             Ok(())
         })
     }
 
     /// Times `ops` and the pure read of `bytes` (from `copies` buffers) with the switches on and
     /// off, in the case's order; returns the `on` row first.
-    fn variants(&self, bytes: usize, copies: usize, calls: usize, ops: &mut dyn FnMut(usize) -> Result<()>) -> Result<Vec<LabRow>> {
+    fn variants(
+        &self,
+        bytes: usize,
+        copies: usize,
+        calls: usize,
+        ops: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<Vec<LabRow>> {
         let g = self.cuda;
-        let order: [(&'static str, &[&str]); 2] = if self.flip { [("off", SWITCHES), ("on", self.on)] } else { [("on", self.on), ("off", SWITCHES)] };
+        let order: [(&'static str, &[&str]); 2] = if self.flip {
+            [("off", SWITCHES), ("on", self.on)]
+        } else {
+            [("on", self.on), ("off", SWITCHES)]
+        };
         let mut rows = Vec::new();
         for (opts, off) in order {
             g.set_disabled(off)?;
-            let t = g.time_graph(calls, ops).with_context(|| format!("optimisations {opts}"))?;
-            let read_s = if bytes > 0 { Some(g.time_pure_read(bytes, copies, calls).context("the pure read")?) } else { None };
+            let t = g
+                .time_graph(calls, ops)
+                .with_context(|| format!("optimisations {opts}"))?;
+            let read_s = if bytes > 0 {
+                Some(
+                    g.time_pure_read(bytes, copies, calls)
+                        .context("the pure read")?,
+                )
+            } else {
+                None
+            };
             rows.push(LabRow {
                 short: self.case.short,
                 name: self.case.name,
@@ -510,7 +760,10 @@ mod tests {
         match Cuda::new() {
             Ok(c) => Some(c),
             Err(e) => {
-                assert!(std::env::var("LILY_REQUIRE_CUDA").is_err(), "no usable GPU: {e:#}");
+                assert!(
+                    std::env::var("LILY_REQUIRE_CUDA").is_err(),
+                    "no usable GPU: {e:#}"
+                );
                 eprintln!("SKIPPED: no usable GPU: {e:#}");
                 None
             }
@@ -525,10 +778,23 @@ mod tests {
         let (out, inp, gs) = (64, 256, 64);
         for bits in [4u32, 8] {
             let m = g.random_mat(1, out, inp, bits, gs, 3).unwrap();
-            assert_eq!(m.nbytes(), out * inp * bits as usize / 8 + 2 * 2 * out * inp / gs);
+            assert_eq!(
+                m.nbytes(),
+                out * inp * bits as usize / 8 + 2 * 2 * out * inp / gs
+            );
             let w: Vec<u32> = g.read(m.w.ptr, out * inp * bits as usize / 32).unwrap();
-            let s: Vec<f32> = g.read::<u16>(m.s.as_ref().unwrap().ptr, out * inp / gs).unwrap().into_iter().map(bf16_to_f32).collect();
-            let b: Vec<f32> = g.read::<u16>(m.b.as_ref().unwrap().ptr, out * inp / gs).unwrap().into_iter().map(bf16_to_f32).collect();
+            let s: Vec<f32> = g
+                .read::<u16>(m.s.as_ref().unwrap().ptr, out * inp / gs)
+                .unwrap()
+                .into_iter()
+                .map(bf16_to_f32)
+                .collect();
+            let b: Vec<f32> = g
+                .read::<u16>(m.b.as_ref().unwrap().ptr, out * inp / gs)
+                .unwrap()
+                .into_iter()
+                .map(bf16_to_f32)
+                .collect();
             let zero = (1u32 << (bits - 1)) as f32;
             for (s, b) in s.iter().zip(&b) {
                 assert!((0.01..0.02).contains(s), "scale {s}");
@@ -545,12 +811,17 @@ mod tests {
             for o in 0..out {
                 let want: f32 = (0..inp)
                     .map(|k| {
-                        let code = (w[(o * inp + k) / per] >> ((k % per) * bits as usize)) & ((1 << bits) - 1);
+                        let code = (w[(o * inp + k) / per] >> ((k % per) * bits as usize))
+                            & ((1 << bits) - 1);
                         let gi = (o * inp + k) / gs;
                         (s[gi] * code as f32 + b[gi]) * xr[k]
                     })
                     .sum();
-                assert!((y[o] - want).abs() <= 1e-3 * (1.0 + want.abs()), "{bits}-bit row {o}: {} vs {want}", y[o]);
+                assert!(
+                    (y[o] - want).abs() <= 1e-3 * (1.0 + want.abs()),
+                    "{bits}-bit row {o}: {} vs {want}",
+                    y[o]
+                );
             }
         }
     }

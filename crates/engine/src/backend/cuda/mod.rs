@@ -80,7 +80,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{anyhow, bail, Context, Result};
-use cudarc::driver::{result as dr, sys, CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr};
+use cudarc::driver::{
+    result as dr, sys, CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream,
+    DevicePtr,
+};
 
 use super::{Backend, Dims, GdnParams, KvCache, MoeScratch, SharedExpert};
 use crate::loader::tensor::{bf16_to_f32, f32_to_bf16, Dtype, HostLinear, HostTensor, LinearKind};
@@ -124,7 +127,15 @@ pub fn kernel_source(name: &str) -> Option<String> {
 pub fn compile_kernels(arch: &str) -> Result<Vec<(&'static str, usize)>> {
     let mut opts = vec![format!("--gpu-architecture={arch}")];
     opts.extend(nvrtc::OPTIONS.iter().map(|s| s.to_string()));
-    FILES.iter().map(|(f, _)| Ok((*f, nvrtc::compile(f, &kernel_source(f).expect("listed"), &opts)?.len()))).collect()
+    FILES
+        .iter()
+        .map(|(f, _)| {
+            Ok((
+                *f,
+                nvrtc::compile(f, &kernel_source(f).expect("listed"), &opts)?.len(),
+            ))
+        })
+        .collect()
 }
 
 /// Compiles (or finds in the disk cache) every kernel file for `arch`: fills the cache ahead of a
@@ -226,7 +237,17 @@ pub struct Mat {
 impl QMat {
     /// No matrix (an absent optional operand; kernels test the flag that goes with it).
     fn none() -> Self {
-        QMat { w: 0, s: 0, b: 0, out: 0, inp: 0, gs: 1, pad: 0, wpm: 0, gpm: 0 }
+        QMat {
+            w: 0,
+            s: 0,
+            b: 0,
+            out: 0,
+            inp: 0,
+            gs: 1,
+            pad: 0,
+            wpm: 0,
+            gpm: 0,
+        }
     }
 }
 
@@ -262,7 +283,9 @@ impl Mat {
     }
     /// Bytes on the device.
     pub fn nbytes(&self) -> usize {
-        self.w.bytes + self.s.as_ref().map_or(0, |m| m.bytes) + self.b.as_ref().map_or(0, |m| m.bytes)
+        self.w.bytes
+            + self.s.as_ref().map_or(0, |m| m.bytes)
+            + self.b.as_ref().map_or(0, |m| m.bytes)
     }
 }
 
@@ -431,7 +454,15 @@ pub struct Cuda {
 ///   lm_head 118 -> 102.
 /// * `pdl_step`: programmatic dependent launch for the kernels of a recorded decode step (the
 ///   `pdl` field says what was measured); off, plain stream order.
-pub const SWITCHES: &[&str] = &["stream_gemv", "fuse_norm", "fuse_residual", "fuse_moe", "fuse_route", "tc_gemv", "pdl_step"];
+pub const SWITCHES: &[&str] = &[
+    "stream_gemv",
+    "fuse_norm",
+    "fuse_residual",
+    "fuse_moe",
+    "fuse_route",
+    "tc_gemv",
+    "pdl_step",
+];
 /// The switches that do not live in the streaming kernels (`stream_gemv` off leaves them as set).
 const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 
@@ -461,21 +492,25 @@ impl Cuda {
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             bail!("CUDA backend: no NVIDIA driver found (libcuda.so could not be loaded); use --backend cpu");
         }
-        let n = CudaContext::device_count().map_err(|e| anyhow!("CUDA backend: the driver did not initialise: {e}"))?;
+        let n = CudaContext::device_count()
+            .map_err(|e| anyhow!("CUDA backend: the driver did not initialise: {e}"))?;
         if n <= 0 {
             bail!("CUDA backend: the driver sees no GPU");
         }
         if ordinal >= n as usize {
             bail!("CUDA backend: GPU {ordinal} asked for, {n} present");
         }
-        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow!("CUDA backend: cannot create a context on GPU {ordinal}: {e}"))?;
+        let ctx = CudaContext::new(ordinal)
+            .map_err(|e| anyhow!("CUDA backend: cannot create a context on GPU {ordinal}: {e}"))?;
         // One stream, ordered work: cudarc's per-buffer event tracking is not needed.
         // SAFETY: set before any allocation; all work goes to the one stream below.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream()?;
         let (major, minor) = ctx.compute_capability()?;
         let arch = format!("sm_{major}{minor}");
-        let sm_count = ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_or(1, |n| n.max(1) as u32);
+        let sm_count = ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_or(1, |n| n.max(1) as u32);
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         // Compile (or read from the cache) all files in parallel; NVRTC is thread-safe.
         let cubins: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
@@ -483,15 +518,24 @@ impl Cuda {
                 .iter()
                 .map(|(f, _)| {
                     let arch = &arch;
-                    s.spawn(move || nvrtc::cubin_cached(f, &kernel_source(f).expect("listed"), arch))
+                    s.spawn(move || {
+                        nvrtc::cubin_cached(f, &kernel_source(f).expect("listed"), arch)
+                    })
                 })
                 .collect();
-            hs.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("kernel compilation panicked")))).collect()
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(anyhow!("kernel compilation panicked")))
+                })
+                .collect()
         });
         let mut modules = Vec::new();
         for ((f, _), c) in FILES.iter().zip(cubins) {
             let c = c?;
-            let m = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(c)).with_context(|| format!("loading kernels {f} on {name} ({arch})"))?;
+            let m = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(c))
+                .with_context(|| format!("loading kernels {f} on {name} ({arch})"))?;
             modules.push(m);
         }
         Ok(Self {
@@ -517,10 +561,24 @@ impl Cuda {
             sm_count,
         })
         .and_then(|c: Self| {
-            let env_names = |var: &str| std::env::var(var).map(|v| v.split(',').map(|s| s.trim().to_string()).filter(|s| !s.is_empty()).collect::<Vec<_>>()).unwrap_or_default();
-            let (off, on) = (env_names("LILY_CUDA_DISABLE"), env_names("LILY_CUDA_ENABLE"));
-            c.set_disabled(&off.iter().map(String::as_str).collect::<Vec<_>>()).context("LILY_CUDA_DISABLE")?;
-            c.set_enabled(&on.iter().map(String::as_str).collect::<Vec<_>>()).context("LILY_CUDA_ENABLE")?;
+            let env_names = |var: &str| {
+                std::env::var(var)
+                    .map(|v| {
+                        v.split(',')
+                            .map(|s| s.trim().to_string())
+                            .filter(|s| !s.is_empty())
+                            .collect::<Vec<_>>()
+                    })
+                    .unwrap_or_default()
+            };
+            let (off, on) = (
+                env_names("LILY_CUDA_DISABLE"),
+                env_names("LILY_CUDA_ENABLE"),
+            );
+            c.set_disabled(&off.iter().map(String::as_str).collect::<Vec<_>>())
+                .context("LILY_CUDA_DISABLE")?;
+            c.set_enabled(&on.iter().map(String::as_str).collect::<Vec<_>>())
+                .context("LILY_CUDA_ENABLE")?;
             Ok(c)
         })
     }
@@ -544,16 +602,29 @@ impl Cuda {
     }
 
     /// `names` as a set of the static names in `known`; an unknown one is an error naming `what`.
-    fn known_names(names: &[&str], known: &[&'static str], what: &str) -> Result<HashSet<&'static str>> {
+    fn known_names(
+        names: &[&str],
+        known: &[&'static str],
+        what: &str,
+    ) -> Result<HashSet<&'static str>> {
         names
             .iter()
-            .map(|n| known.iter().copied().find(|k| k == n).ok_or_else(|| anyhow!("unknown {what} `{n}` (known: {})", known.join(", "))))
+            .map(|n| {
+                known
+                    .iter()
+                    .copied()
+                    .find(|k| k == n)
+                    .ok_or_else(|| anyhow!("unknown {what} `{n}` (known: {})", known.join(", ")))
+            })
             .collect()
     }
 
     /// Whether opt-in variant `name` (one of [`OPT_IN`]) is on.
     fn opted_in(&self, name: &'static str) -> bool {
-        self.enabled.read().unwrap_or_else(|e| e.into_inner()).contains(name)
+        self.enabled
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(name)
     }
 
     /// The switches now off.
@@ -614,7 +685,8 @@ impl Cuda {
     /// the error returned; the caller then runs the ops directly.
     fn capture(&self, ops: &mut dyn FnMut() -> Result<()>) -> Result<CudaGraph> {
         self.ctx.bind_to_thread()?;
-        self.stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        self.stream
+            .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
         self.capturing.store(true, Ordering::Relaxed);
         let r = ops();
         self.capturing.store(false, Ordering::Relaxed);
@@ -656,12 +728,19 @@ impl Cuda {
             bail!("CUDA backend: allocating {bytes} bytes while recording a decode step");
         }
         self.ctx.bind_to_thread()?;
-        let s = self.stream.alloc_zeros::<u8>(bytes.max(16)).with_context(|| format!("CUDA backend: allocating {bytes} bytes"))?;
+        let s = self
+            .stream
+            .alloc_zeros::<u8>(bytes.max(16))
+            .with_context(|| format!("CUDA backend: allocating {bytes} bytes"))?;
         let ptr = {
             let (ptr, _sync) = s.device_ptr(&self.stream);
             ptr
         };
-        Ok(Mem { _slice: s, ptr, bytes })
+        Ok(Mem {
+            _slice: s,
+            ptr,
+            bytes,
+        })
     }
 
     fn upload_bytes(&self, b: &[u8]) -> Result<Mem> {
@@ -669,7 +748,8 @@ impl Cuda {
         if !b.is_empty() {
             // SAFETY: `m` holds at least b.len() bytes; a copy from pageable memory is staged before
             // the call returns, so `b` may go away afterwards.
-            unsafe { dr::memcpy_htod_async(m.ptr, b, self.stream.cu_stream()) }.context("CUDA backend: upload")?;
+            unsafe { dr::memcpy_htod_async(m.ptr, b, self.stream.cu_stream()) }
+                .context("CUDA backend: upload")?;
         }
         Ok(m)
     }
@@ -680,18 +760,29 @@ impl Cuda {
         let bits: Vec<u16> = v.iter().map(|&x| f32_to_bf16(x)).collect();
         // SAFETY: u16 slice viewed as bytes.
         let b = unsafe { std::slice::from_raw_parts(bits.as_ptr() as *const u8, 2 * bits.len()) };
-        Ok(Buf { mem: self.upload_bytes(b)?, len: v.len(), elem: 2 })
+        Ok(Buf {
+            mem: self.upload_bytes(b)?,
+            len: v.len(),
+            elem: 2,
+        })
     }
 
     fn upload_f32(&self, v: &[f32]) -> Result<Mem> {
         // SAFETY: f32 slice viewed as bytes.
-        let b = unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) };
+        let b = unsafe {
+            std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v))
+        };
         self.upload_bytes(b)
     }
 
     /// A scratch buffer of at least `bytes` (kept between calls; grown when needed). Stream
     /// ordering makes reuse safe: work that read the old contents was enqueued before.
-    fn scratch(&self, sc: &mut HashMap<&'static str, Mem>, name: &'static str, bytes: usize) -> Option<u64> {
+    fn scratch(
+        &self,
+        sc: &mut HashMap<&'static str, Mem>,
+        name: &'static str,
+        bytes: usize,
+    ) -> Option<u64> {
         if let Some(m) = sc.get(name) {
             if m.bytes >= bytes {
                 return Some(m.ptr);
@@ -739,7 +830,15 @@ impl Cuda {
 
     /// `launch`, the blocks grouped in thread-block clusters of `cluster` along x (0: none; more
     /// than 8, the non-portable sizes Hopper allows, is allowed on the function first).
-    fn launch_ex(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, cluster: u32, args: &[Arg]) {
+    fn launch_ex(
+        &self,
+        name: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: u32,
+        cluster: u32,
+        args: &[Arg],
+    ) {
         if self.failed() {
             return;
         }
@@ -772,11 +871,21 @@ impl Cuda {
             })
             .collect();
         let r = self.ctx.bind_to_thread().and_then(|_| {
-            let pdl = self.pdl || (self.pdl_ok && self.capturing.load(Ordering::Relaxed) && self.on("pdl_step"));
+            let pdl = self.pdl
+                || (self.pdl_ok && self.capturing.load(Ordering::Relaxed) && self.on("pdl_step"));
             if !pdl && cluster == 0 {
                 // SAFETY: the argument list matches the kernel's signature (each call site mirrors
                 // its .cu declaration); buffers were bounds-checked by the op; `args` outlives the call.
-                return unsafe { dr::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, self.stream.cu_stream(), &mut ptrs) };
+                return unsafe {
+                    dr::launch_kernel(
+                        f.cu_function(),
+                        grid,
+                        (block, 1, 1),
+                        smem,
+                        self.stream.cu_stream(),
+                        &mut ptrs,
+                    )
+                };
             }
             // SAFETY: a zeroed attribute value is valid for this union; only the field of
             // `id` is read by the driver.
@@ -785,7 +894,8 @@ impl Cuda {
             if pdl {
                 // Programmatic dependent launch (common.cuh, PDL_ENTRY): the kernel may be launched
                 // while the previous one runs; it waits for it on the device.
-                attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+                attrs[n].id =
+                    sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
                 attrs[n].value.programmaticStreamSerializationAllowed = 1;
                 n += 1;
             }
@@ -809,10 +919,20 @@ impl Cuda {
                 numAttrs: n as u32,
             };
             // SAFETY: as for launch_kernel above; `cfg` and `attrs` outlive the call.
-            unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), ptrs.as_mut_ptr(), std::ptr::null_mut()) }.result()
+            unsafe {
+                sys::cuLaunchKernelEx(
+                    &cfg,
+                    f.cu_function(),
+                    ptrs.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                )
+            }
+            .result()
         });
         if let Err(e) = r {
-            self.fail(format!("launching {name} (grid {grid:?}, block {block}): {e}"));
+            self.fail(format!(
+                "launching {name} (grid {grid:?}, block {block}): {e}"
+            ));
         }
     }
 
@@ -821,7 +941,9 @@ impl Cuda {
             return;
         }
         // SAFETY: the caller checked both ranges.
-        let r = self.ctx.bind_to_thread().and_then(|_| unsafe { dr::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream()) });
+        let r = self.ctx.bind_to_thread().and_then(|_| unsafe {
+            dr::memcpy_dtod_async(dst, src, bytes, self.stream.cu_stream())
+        });
         if let Err(e) = r {
             self.fail(format!("device copy: {e}"));
         }
@@ -832,7 +954,10 @@ impl Cuda {
             return;
         }
         // SAFETY: the caller owns `bytes` bytes at `dst`.
-        let r = self.ctx.bind_to_thread().and_then(|_| unsafe { dr::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) });
+        let r = self
+            .ctx
+            .bind_to_thread()
+            .and_then(|_| unsafe { dr::memset_d8_async(dst, 0, bytes, self.stream.cu_stream()) });
         if let Err(e) = r {
             self.fail(format!("device memset: {e}"));
         }
@@ -842,7 +967,11 @@ impl Cuda {
     /// Large reads (a step's logits for the host sampler: 1 MB per token) go through a
     /// page-locked staging buffer: a copy into pageable memory measured 0.42 ms for them on the
     /// H200.
-    fn read<T: cudarc::driver::DeviceRepr + Default + Copy>(&self, src: u64, n: usize) -> Result<Vec<T>> {
+    fn read<T: cudarc::driver::DeviceRepr + Default + Copy>(
+        &self,
+        src: u64,
+        n: usize,
+    ) -> Result<Vec<T>> {
         // One wait per read (a decode step's token is read every step): the copy is queued behind
         // the work it reads, then `check` synchronizes and reports the first error of any op.
         if self.failed() {
@@ -861,7 +990,13 @@ impl Cuda {
         if pin.as_ref().is_none_or(|p| p.len() < bytes) {
             // SAFETY: the contents are written by the copy below before they are read. Flags 0:
             // cached page-locked memory (write-combined memory is slow for the CPU to read).
-            *pin = Some(unsafe { self.ctx.alloc_pinned_with_flags::<u8>(bytes.next_power_of_two(), 0) }.context("CUDA backend: page-locked staging buffer")?);
+            *pin = Some(
+                unsafe {
+                    self.ctx
+                        .alloc_pinned_with_flags::<u8>(bytes.next_power_of_two(), 0)
+                }
+                .context("CUDA backend: page-locked staging buffer")?,
+            );
         }
         let dst = pin.as_mut().expect("just made").as_mut_slice()?;
         // SAFETY: `src` holds `bytes` bytes and `dst` at least as many; `check` waits for the copy.
@@ -875,7 +1010,11 @@ impl Cuda {
     /// The route's ids and weights (tests, debugging).
     pub fn route_to_host(&self, r: &Route, rows: usize) -> Result<(Vec<u32>, Vec<f32>)> {
         if rows * r.k > r.cap {
-            bail!("route_to_host: {rows} rows of {} asked of a route of {} entries", r.k, r.cap);
+            bail!(
+                "route_to_host: {rows} rows of {} asked of a route of {} entries",
+                r.k,
+                r.cap
+            );
         }
         let ids = self.read::<u32>(r.ids.ptr, rows * r.k)?;
         let w = self.read::<u32>(r.weights.ptr, rows * r.k)?;
@@ -884,7 +1023,13 @@ impl Cuda {
 
     fn mat_fmt(&self, m: &HostLinear) -> Result<MatParts> {
         match &m.kind {
-            LinearKind::Quant { bits, group_size, w, scales, biases } => {
+            LinearKind::Quant {
+                bits,
+                group_size,
+                w,
+                scales,
+                biases,
+            } => {
                 let (bits, gs) = (*bits, *group_size);
                 if !(bits == 4 || bits == 8) {
                     bail!("`{}`: {bits}-bit weights are not supported by the CUDA backend (4 and 8 are)", m.name);
@@ -894,7 +1039,12 @@ impl Cuda {
                 }
                 let wb = w.bytes();
                 if wb.len() != m.n * m.out * m.inp * bits as usize / 8 {
-                    bail!("`{}`: {} bytes of codes, {} expected", m.name, wb.len(), m.n * m.out * m.inp * bits as usize / 8);
+                    bail!(
+                        "`{}`: {} bytes of codes, {} expected",
+                        m.name,
+                        wb.len(),
+                        m.n * m.out * m.inp * bits as usize / 8
+                    );
                 }
                 let ng = m.n * m.out * m.inp / gs;
                 let bf16 = scales.dtype == Dtype::BF16 && biases.dtype == Dtype::BF16;
@@ -920,7 +1070,12 @@ impl Cuda {
             LinearKind::Dense(t) => {
                 let v = t.to_f32_vec()?;
                 if v.len() != m.n * m.out * m.inp {
-                    bail!("`{}`: {} values, {} expected", m.name, v.len(), m.n * m.out * m.inp);
+                    bail!(
+                        "`{}`: {} values, {} expected",
+                        m.name,
+                        v.len(),
+                        m.n * m.out * m.inp
+                    );
                 }
                 Ok((Fmt::Dense, self.upload_f32(&v)?, None, None, 1))
             }
@@ -929,24 +1084,40 @@ impl Cuda {
 
     /// An f32 operand (`zeros`, `upload_vec`) of at least `need` elements.
     fn buf_ok(&self, b: &Buf, need: usize, what: &str, op: &str) -> bool {
-        self.ensure(b.elem == 4, || format!("{op}: `{what}` is a bf16 buffer, f32 needed")) && self.out_ok(b, need, what, op)
+        self.ensure(b.elem == 4, || {
+            format!("{op}: `{what}` is a bf16 buffer, f32 needed")
+        }) && self.out_ok(b, need, what, op)
     }
 
     /// An activation operand (bf16: `act_zeros`, `upload_act`) of at least `need` elements.
     fn act_ok(&self, b: &Buf, need: usize, what: &str, op: &str) -> bool {
-        self.ensure(b.elem == 2, || format!("{op}: `{what}` is an f32 buffer, a bf16 activation needed (act_zeros)")) && self.out_ok(b, need, what, op)
+        self.ensure(b.elem == 2, || {
+            format!("{op}: `{what}` is an f32 buffer, a bf16 activation needed (act_zeros)")
+        }) && self.out_ok(b, need, what, op)
     }
 
     /// At least `need` elements of either type: a GEMM output (an activation, or f32 for the
     /// logits and router logits: the kernel writes the buffer's type).
     fn out_ok(&self, b: &Buf, need: usize, what: &str, op: &str) -> bool {
-        self.ensure(b.len >= need, || format!("{op}: `{what}` holds {} values, {need} needed", b.len))
+        self.ensure(b.len >= need, || {
+            format!("{op}: `{what}` holds {} values, {need} needed", b.len)
+        })
     }
 
     /// The attention ops' check of a layer's cache: bf16 (from `kv_zeros`), `capacity` rows of `kvd`.
     fn kv_ok(&self, kv: &KvCache<Buf>, kvd: usize, op: &str) -> bool {
-        self.ensure(kv.k.elem == 2 && kv.v.elem == 2, || format!("{op}: the KV cache is not bf16 (allocate it with kv_zeros)"))
-            && self.ensure(kv.k.len >= kv.capacity * kvd && kv.v.len >= kv.capacity * kvd, || format!("{op}: KV cache of {} values for capacity {}", kv.k.len.min(kv.v.len), kv.capacity))
+        self.ensure(kv.k.elem == 2 && kv.v.elem == 2, || {
+            format!("{op}: the KV cache is not bf16 (allocate it with kv_zeros)")
+        }) && self.ensure(
+            kv.k.len >= kv.capacity * kvd && kv.v.len >= kv.capacity * kvd,
+            || {
+                format!(
+                    "{op}: KV cache of {} values for capacity {}",
+                    kv.k.len.min(kv.v.len),
+                    kv.capacity
+                )
+            },
+        )
     }
 }
 
@@ -976,7 +1147,8 @@ impl Backend for Cuda {
                 let r = recs.recs.remove(i);
                 let launched = r.graph.launch();
                 recs.recs.push(r);
-                return launched.map_err(|e| anyhow!("CUDA backend: launching a recorded decode step: {e}"));
+                return launched
+                    .map_err(|e| anyhow!("CUDA backend: launching a recorded decode step: {e}"));
             }
             recs.recs.remove(i); // stale: a scratch buffer it uses was replaced
         }
@@ -1021,23 +1193,48 @@ impl Backend for Cuda {
 
     fn upload_mat(&self, m: &HostLinear) -> Result<Mat> {
         if !m.inp.is_multiple_of(32) {
-            bail!("`{}`: input width {} is not a multiple of 32 (needed by the CUDA kernels)", m.name, m.inp);
+            bail!(
+                "`{}`: input width {} is not a multiple of 32 (needed by the CUDA kernels)",
+                m.name,
+                m.inp
+            );
         }
         let (fmt, w, s, b, gs) = self.mat_fmt(m)?;
-        Ok(Mat { n: m.n, out: m.out, inp: m.inp, fmt, gs, w, s, b })
+        Ok(Mat {
+            n: m.n,
+            out: m.out,
+            inp: m.inp,
+            fmt,
+            gs,
+            w,
+            s,
+            b,
+        })
     }
     fn upload_vec(&self, v: &[f32]) -> Result<Buf> {
-        Ok(Buf { mem: self.upload_f32(v)?, len: v.len(), elem: 4 })
+        Ok(Buf {
+            mem: self.upload_f32(v)?,
+            len: v.len(),
+            elem: 4,
+        })
     }
     fn mat_shape(&self, m: &Mat) -> (usize, usize) {
         (m.out, m.inp)
     }
     fn zeros(&self, len: usize) -> Result<Buf> {
-        Ok(Buf { mem: self.alloc(4 * len)?, len, elem: 4 })
+        Ok(Buf {
+            mem: self.alloc(4 * len)?,
+            len,
+            elem: 4,
+        })
     }
     /// bf16 (u16 bits): activations between ops (module header).
     fn act_zeros(&self, len: usize) -> Result<Buf> {
-        Ok(Buf { mem: self.alloc(2 * len)?, len, elem: 2 })
+        Ok(Buf {
+            mem: self.alloc(2 * len)?,
+            len,
+            elem: 2,
+        })
     }
     fn act_elem_bytes(&self) -> usize {
         2
@@ -1056,35 +1253,59 @@ impl Backend for Cuda {
         }
         if b.elem == 2 {
             // A bf16 activation or KV cache, widened exactly (taps, tests and debugging read it).
-            return Ok(self.read::<u16>(b.mem.ptr, len)?.into_iter().map(bf16_to_f32).collect());
+            return Ok(self
+                .read::<u16>(b.mem.ptr, len)?
+                .into_iter()
+                .map(bf16_to_f32)
+                .collect());
         }
-        Ok(self.read::<u32>(b.mem.ptr, len)?.into_iter().map(f32::from_bits).collect())
+        Ok(self
+            .read::<u32>(b.mem.ptr, len)?
+            .into_iter()
+            .map(f32::from_bits)
+            .collect())
     }
     fn copy(&self, src: &Buf, src_off: usize, dst: &mut Buf, dst_off: usize, len: usize) {
         // Raw bytes: both sides must hold the same element type (f32 to f32, a bf16 KV cache to another).
-        if self.ensure(src.elem == dst.elem, || format!("copy: {}-byte elements to {}-byte ones", src.elem, dst.elem))
-            && self.ensure(src_off + len <= src.len && dst_off + len <= dst.len, || format!("copy: {len} values at {src_off} of {} to {dst_off} of {}", src.len, dst.len))
-        {
+        if self.ensure(src.elem == dst.elem, || {
+            format!("copy: {}-byte elements to {}-byte ones", src.elem, dst.elem)
+        }) && self.ensure(src_off + len <= src.len && dst_off + len <= dst.len, || {
+            format!(
+                "copy: {len} values at {src_off} of {} to {dst_off} of {}",
+                src.len, dst.len
+            )
+        }) {
             self.dtod(src.at(src_off), dst.at(dst_off), src.elem * len);
         }
     }
     fn new_route(&self, rows: usize, top_k: usize) -> Result<Route> {
-        Ok(Route { ids: self.alloc(4 * rows * top_k)?, weights: self.alloc(4 * rows * top_k)?, cap: rows * top_k, k: top_k })
+        Ok(Route {
+            ids: self.alloc(4 * rows * top_k)?,
+            weights: self.alloc(4 * rows * top_k)?,
+            cap: rows * top_k,
+            k: top_k,
+        })
     }
 
     fn new_step(&self) -> Result<Step> {
-        Ok(Step { mem: self.alloc(8)? })
+        Ok(Step {
+            mem: self.alloc(8)?,
+        })
     }
     fn set_step(&self, step: &mut Step, token: u32, pos: usize) {
         if self.failed() {
             return;
         }
-        if !self.ensure(pos <= i32::MAX as usize, || format!("set_step: position {pos} out of range")) {
+        if !self.ensure(pos <= i32::MAX as usize, || {
+            format!("set_step: position {pos} out of range")
+        }) {
             return;
         }
         let rec = [token, pos as u32];
         // SAFETY: the step holds 8 bytes; staged copy from pageable memory (ordered on the stream).
-        if let Err(e) = unsafe { dr::memcpy_htod_async(step.mem.ptr, &rec[..], self.stream.cu_stream()) } {
+        if let Err(e) =
+            unsafe { dr::memcpy_htod_async(step.mem.ptr, &rec[..], self.stream.cu_stream()) }
+        {
             self.fail(format!("set_step: {e}"));
         }
     }
@@ -1097,7 +1318,13 @@ impl Backend for Cuda {
         }
         // The step's first word is the token id: the embed kernel of one row reads it as its ids.
         let name = format!("embed_{}", table.fmt.suffix());
-        self.launch(&name, (1, 1, 1), 256, 0, &[Arg::Q(table.q()), Arg::P(step.mem.ptr), Arg::P(out.mem.ptr)]);
+        self.launch(
+            &name,
+            (1, 1, 1),
+            256,
+            0,
+            &[Arg::Q(table.q()), Arg::P(step.mem.ptr), Arg::P(out.mem.ptr)],
+        );
     }
     fn embed(&self, table: &Mat, ids: &[u32], out: &mut Buf) {
         let rows = ids.len();
@@ -1105,31 +1332,86 @@ impl Backend for Cuda {
             return;
         }
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(dids) = self.scratch(&mut sc, "embed_ids", 4 * rows) else { return };
+        let Some(dids) = self.scratch(&mut sc, "embed_ids", 4 * rows) else {
+            return;
+        };
         // SAFETY: the scratch buffer holds `rows` u32; staged copy from pageable memory.
         if let Err(e) = unsafe { dr::memcpy_htod_async(dids, ids, self.stream.cu_stream()) } {
             self.fail(format!("embed: uploading ids: {e}"));
             return;
         }
         let name = format!("embed_{}", table.fmt.suffix());
-        self.launch(&name, (rows as u32, 1, 1), 256, 0, &[Arg::Q(table.q()), Arg::P(dids), Arg::P(out.mem.ptr)]);
+        self.launch(
+            &name,
+            (rows as u32, 1, 1),
+            256,
+            0,
+            &[Arg::Q(table.q()), Arg::P(dids), Arg::P(out.mem.ptr)],
+        );
     }
     fn rms_norm(&self, x: &Buf, w: &Buf, rows: usize, dim: usize, eps: f32, out: &mut Buf) {
-        if rows == 0 || !(self.buf_ok(x, rows * dim, "x", "rms_norm") && self.buf_ok(w, dim, "w", "rms_norm") && self.act_ok(out, rows * dim, "out", "rms_norm")) {
+        if rows == 0
+            || !(self.buf_ok(x, rows * dim, "x", "rms_norm")
+                && self.buf_ok(w, dim, "w", "rms_norm")
+                && self.act_ok(out, rows * dim, "out", "rms_norm"))
+        {
             return;
         }
-        self.launch("rms_norm", (rows as u32, 1, 1), 256, 0, &[Arg::P(x.mem.ptr), Arg::P(w.mem.ptr), Arg::P(out.mem.ptr), Arg::I(dim as i32), Arg::F(eps)]);
+        self.launch(
+            "rms_norm",
+            (rows as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(x.mem.ptr),
+                Arg::P(w.mem.ptr),
+                Arg::P(out.mem.ptr),
+                Arg::I(dim as i32),
+                Arg::F(eps),
+            ],
+        );
     }
-    fn add_rms_norm(&self, h: &mut Buf, r: &Buf, w: &Buf, rows: usize, dim: usize, eps: f32, out: &mut Buf) {
+    fn add_rms_norm(
+        &self,
+        h: &mut Buf,
+        r: &Buf,
+        w: &Buf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut Buf,
+    ) {
         let op = "add_rms_norm";
-        if rows == 0 || !(self.buf_ok(h, rows * dim, "h", op) && self.act_ok(r, rows * dim, "r", op) && self.buf_ok(w, dim, "w", op) && self.act_ok(out, rows * dim, "out", op)) {
+        if rows == 0
+            || !(self.buf_ok(h, rows * dim, "h", op)
+                && self.act_ok(r, rows * dim, "r", op)
+                && self.buf_ok(w, dim, "w", op)
+                && self.act_ok(out, rows * dim, "out", op))
+        {
             return;
         }
-        self.launch(op, (rows as u32, 1, 1), 256, 0, &[Arg::P(h.mem.ptr), Arg::P(r.mem.ptr), Arg::P(w.mem.ptr), Arg::P(out.mem.ptr), Arg::I(dim as i32), Arg::F(eps)]);
+        self.launch(
+            op,
+            (rows as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(h.mem.ptr),
+                Arg::P(r.mem.ptr),
+                Arg::P(w.mem.ptr),
+                Arg::P(out.mem.ptr),
+                Arg::I(dim as i32),
+                Arg::F(eps),
+            ],
+        );
     }
     fn matmul_q(&self, x: &Buf, w: &Mat, rows: usize, out: &mut Buf) {
         let op = "matmul_q";
-        if rows == 0 || !(self.ensure(w.n == 1, || format!("{op}: a stack of {} matrices", w.n)) && self.act_ok(x, rows * w.inp, "x", op) && self.out_ok(out, rows * w.out, "out", op)) {
+        if rows == 0
+            || !(self.ensure(w.n == 1, || format!("{op}: a stack of {} matrices", w.n))
+                && self.act_ok(x, rows * w.inp, "x", op)
+                && self.out_ok(out, rows * w.out, "out", op))
+        {
             return;
         }
         self.matmul_into(x, w, rows, out.mem.ptr, out.bf16());
@@ -1139,7 +1421,12 @@ impl Backend for Cuda {
         // otherwise (prefill, mixed formats) one matmul_q each.
         if rows == 1 && ws.len() == outs.len() && self.sw_fits(ws) {
             let op = "matmul_q_many";
-            if self.act_ok(x, ws[0].inp, "x", op) && ws.iter().zip(outs.iter()).all(|(w, o)| self.out_ok(o, w.out, "out", op)) {
+            if self.act_ok(x, ws[0].inp, "x", op)
+                && ws
+                    .iter()
+                    .zip(outs.iter())
+                    .all(|(w, o)| self.out_ok(o, w.out, "out", op))
+            {
                 let o: Vec<(u64, i32)> = outs.iter().map(|o| (o.mem.ptr, o.bf16())).collect();
                 self.sw_gemv(decode::SwX::Act(x), ws, &o);
             }
@@ -1147,23 +1434,75 @@ impl Backend for Cuda {
         }
         self.matmul_q_many_warp(x, ws, rows, outs)
     }
-    fn rms_norm_matmul(&self, h: &Buf, w: &Buf, rows: usize, dim: usize, eps: f32, xn: &mut Buf, ws: &[&Mat], outs: &mut [&mut Buf]) {
+    fn rms_norm_matmul(
+        &self,
+        h: &Buf,
+        w: &Buf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        xn: &mut Buf,
+        ws: &[&Mat],
+        outs: &mut [&mut Buf],
+    ) {
         let op = "rms_norm_matmul";
-        if rows == 1 && ws.len() == outs.len() && self.sw_fits(ws) && ws[0].inp == dim && self.on("fuse_norm") {
-            if self.buf_ok(h, dim, "h", op) && self.buf_ok(w, dim, "w", op) && self.act_ok(xn, dim, "xn", op) && ws.iter().zip(outs.iter()).all(|(m, o)| self.out_ok(o, m.out, "out", op)) {
+        if rows == 1
+            && ws.len() == outs.len()
+            && self.sw_fits(ws)
+            && ws[0].inp == dim
+            && self.on("fuse_norm")
+        {
+            if self.buf_ok(h, dim, "h", op)
+                && self.buf_ok(w, dim, "w", op)
+                && self.act_ok(xn, dim, "xn", op)
+                && ws
+                    .iter()
+                    .zip(outs.iter())
+                    .all(|(m, o)| self.out_ok(o, m.out, "out", op))
+            {
                 let o: Vec<(u64, i32)> = outs.iter().map(|o| (o.mem.ptr, o.bf16())).collect();
-                self.sw_gemv(decode::SwX::Norm { h, w, eps, xn: Some(xn) }, ws, &o);
+                self.sw_gemv(
+                    decode::SwX::Norm {
+                        h,
+                        w,
+                        eps,
+                        xn: Some(xn),
+                    },
+                    ws,
+                    &o,
+                );
             }
             return;
         }
         self.rms_norm(h, w, rows, dim, eps, xn);
         self.matmul_q_many(xn, ws, rows, outs);
     }
-    fn moe_router(&self, h: &Buf, w: &Buf, rows: usize, eps: f32, xn: &mut Buf, router: &Mat, shared_gate: &Mat, d: &Dims, logits: &mut Buf, s: &mut Buf, route: &mut Route) {
+    fn moe_router(
+        &self,
+        h: &Buf,
+        w: &Buf,
+        rows: usize,
+        eps: f32,
+        xn: &mut Buf,
+        router: &Mat,
+        shared_gate: &Mat,
+        d: &Dims,
+        logits: &mut Buf,
+        s: &mut Buf,
+        route: &mut Route,
+    ) {
         let op = "moe_router";
         let (e, k, dim) = (d.n_experts, d.top_k, d.hidden);
         let ws = [router, shared_gate];
-        let fits = rows == 1 && self.on("fuse_route") && self.on("fuse_norm") && self.sw_fits(&ws) && router.inp == dim && router.out == e && e <= 1024 && (1..=32).contains(&k) && k <= e;
+        let fits = rows == 1
+            && self.on("fuse_route")
+            && self.on("fuse_norm")
+            && self.sw_fits(&ws)
+            && router.inp == dim
+            && router.out == e
+            && e <= 1024
+            && (1..=32).contains(&k)
+            && k <= e;
         if !fits {
             self.rms_norm_matmul(h, w, rows, dim, eps, xn, &ws, &mut [logits, s]);
             self.moe_route(logits, d, rows, route);
@@ -1174,17 +1513,45 @@ impl Backend for Cuda {
             && self.act_ok(xn, dim, "xn", op)
             && self.buf_ok(logits, e, "logits", op)
             && self.out_ok(s, shared_gate.out, "s", op)
-            && self.ensure(k <= route.cap, || format!("{op}: route holds {} entries, {k} needed", route.cap))
+            && self.ensure(k <= route.cap, || {
+                format!("{op}: route holds {} entries, {k} needed", route.cap)
+            })
         {
             route.k = k;
-            let x = decode::SwX::Norm { h, w, eps, xn: Some(xn) };
+            let x = decode::SwX::Norm {
+                h,
+                w,
+                eps,
+                xn: Some(xn),
+            };
             let outs = [(logits.mem.ptr, 0), (s.mem.ptr, s.bf16())];
             if !self.router_cluster(x, &ws, &outs, route, k, d.norm_topk) {
-                self.sw_gemv_route(decode::SwX::Norm { h, w, eps, xn: Some(xn) }, &ws, &outs, Some((route, k, d.norm_topk)), None);
+                self.sw_gemv_route(
+                    decode::SwX::Norm {
+                        h,
+                        w,
+                        eps,
+                        xn: Some(xn),
+                    },
+                    &ws,
+                    &outs,
+                    Some((route, k, d.norm_topk)),
+                    None,
+                );
             }
         }
     }
-    fn gdn_mixer_decode_add(&self, h: &mut Buf, norm: &Buf, eps: f32, w: &super::GdnWeights<'_, Self>, conv: &mut Buf, ssm: &mut Buf, d: &Dims, tmp: super::GdnScratch<'_, Self>) {
+    fn gdn_mixer_decode_add(
+        &self,
+        h: &mut Buf,
+        norm: &Buf,
+        eps: f32,
+        w: &super::GdnWeights<'_, Self>,
+        conv: &mut Buf,
+        ssm: &mut Buf,
+        d: &Dims,
+        tmp: super::GdnScratch<'_, Self>,
+    ) {
         if !self.gdn_mixer_fused(h, norm, eps, w, conv, ssm, d, &tmp) {
             super::gdn_mixer_compose(self, h, norm, eps, w, conv, ssm, d, tmp);
         }
@@ -1197,7 +1564,11 @@ impl Backend for Cuda {
             self.add(h, r, rows * w.out);
             return;
         }
-        if rows == 0 || !(self.ensure(w.n == 1, || format!("{op}: a stack of {} matrices", w.n)) && self.act_ok(x, rows * w.inp, "x", op) && self.buf_ok(h, rows * w.out, "h", op)) {
+        if rows == 0
+            || !(self.ensure(w.n == 1, || format!("{op}: a stack of {} matrices", w.n))
+                && self.act_ok(x, rows * w.inp, "x", op)
+                && self.buf_ok(h, rows * w.out, "h", op))
+        {
             return;
         }
         if rows == 1 {
@@ -1207,9 +1578,24 @@ impl Backend for Cuda {
             self.matmul_into(x, w, rows, h.mem.ptr, 2);
         }
     }
-    fn moe_decode_add(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, shared: &SharedExpert<'_, Self>, d: &Dims, tmp: MoeScratch<'_, Self>, h: &mut Buf) {
+    fn moe_decode_add(
+        &self,
+        x: &Buf,
+        route: &Route,
+        gate: &Mat,
+        up: &Mat,
+        down: &Mat,
+        shared: &SharedExpert<'_, Self>,
+        d: &Dims,
+        tmp: MoeScratch<'_, Self>,
+        h: &mut Buf,
+    ) {
         let op = "moe_decode_add";
-        if !(self.experts_ok(gate, up, down, d, op) && self.act_ok(x, d.hidden, "x", op) && self.buf_ok(h, d.hidden, "h", op) && self.buf_ok(shared.logit, 1, "shared logit", op)) {
+        if !(self.experts_ok(gate, up, down, d, op)
+            && self.act_ok(x, d.hidden, "x", op)
+            && self.buf_ok(h, d.hidden, "h", op)
+            && self.buf_ok(shared.logit, 1, "shared logit", op))
+        {
             return;
         }
         if !self.moe_sw(x, route, gate, up, down, shared, h) {
@@ -1220,53 +1606,173 @@ impl Backend for Cuda {
         if len == 0 || !(self.buf_ok(h, len, "h", "add") && self.act_ok(r, len, "r", "add")) {
             return;
         }
-        self.launch("add_inplace", (grid1(len, 256), 1, 1), 256, 0, &[Arg::P(h.mem.ptr), Arg::P(r.mem.ptr), Arg::P(len as u64)]);
+        self.launch(
+            "add_inplace",
+            (grid1(len, 256), 1, 1),
+            256,
+            0,
+            &[Arg::P(h.mem.ptr), Arg::P(r.mem.ptr), Arg::P(len as u64)],
+        );
     }
 
-    fn attn_qk_norm_rope(&self, qg: &Buf, k: &mut Buf, q_norm: &Buf, k_norm: &Buf, d: &Dims, rows: usize, pos0: usize, step: Option<&Step>, q: &mut Buf, gate: &mut Buf) {
+    fn attn_qk_norm_rope(
+        &self,
+        qg: &Buf,
+        k: &mut Buf,
+        q_norm: &Buf,
+        k_norm: &Buf,
+        d: &Dims,
+        rows: usize,
+        pos0: usize,
+        step: Option<&Step>,
+        q: &mut Buf,
+        gate: &mut Buf,
+    ) {
         self.attn_qk_norm_rope_op(qg, k, q_norm, k_norm, d, rows, pos0, step, q, gate)
     }
-    fn attn_prefill(&self, q: &Buf, k: &Buf, v: &Buf, gate: &Buf, kv: &mut KvCache<Buf>, d: &Dims, rows: usize, pos0: usize, out: &mut Buf) {
+    fn attn_prefill(
+        &self,
+        q: &Buf,
+        k: &Buf,
+        v: &Buf,
+        gate: &Buf,
+        kv: &mut KvCache<Buf>,
+        d: &Dims,
+        rows: usize,
+        pos0: usize,
+        out: &mut Buf,
+    ) {
         self.attn_prefill_op(q, k, v, gate, kv, d, rows, pos0, out)
     }
-    fn attn_decode(&self, q: &Buf, k: &Buf, v: &Buf, gate: &Buf, kv: &mut KvCache<Buf>, d: &Dims, pos: usize, step: &Step, out: &mut Buf) {
+    fn attn_decode(
+        &self,
+        q: &Buf,
+        k: &Buf,
+        v: &Buf,
+        gate: &Buf,
+        kv: &mut KvCache<Buf>,
+        d: &Dims,
+        pos: usize,
+        step: &Step,
+        out: &mut Buf,
+    ) {
         self.attn_decode_op(q, k, v, gate, kv, d, pos, step, out)
     }
 
-    fn conv1d_prefill(&self, x: &Buf, w: &Buf, state: &mut Buf, d: &Dims, rows: usize, out: &mut Buf) {
+    fn conv1d_prefill(
+        &self,
+        x: &Buf,
+        w: &Buf,
+        state: &mut Buf,
+        d: &Dims,
+        rows: usize,
+        out: &mut Buf,
+    ) {
         self.conv(x, w, state, d, rows, out, "conv1d_prefill")
     }
     fn conv1d_step(&self, x: &Buf, w: &Buf, state: &mut Buf, d: &Dims, out: &mut Buf) {
         self.conv(x, w, state, d, 1, out, "conv1d_step")
     }
-    fn gdn_prefill(&self, qkv: &Buf, z: &Buf, b: &Buf, a: &Buf, w: &GdnParams<Buf>, state: &mut Buf, d: &Dims, rows: usize, out: &mut Buf) {
+    fn gdn_prefill(
+        &self,
+        qkv: &Buf,
+        z: &Buf,
+        b: &Buf,
+        a: &Buf,
+        w: &GdnParams<Buf>,
+        state: &mut Buf,
+        d: &Dims,
+        rows: usize,
+        out: &mut Buf,
+    ) {
         self.gdn_prefill_op(qkv, z, b, a, w, state, d, rows, out)
     }
-    fn gdn_decode(&self, qkv: &Buf, z: &Buf, b: &Buf, a: &Buf, w: &GdnParams<Buf>, state: &mut Buf, d: &Dims, out: &mut Buf) {
+    fn gdn_decode(
+        &self,
+        qkv: &Buf,
+        z: &Buf,
+        b: &Buf,
+        a: &Buf,
+        w: &GdnParams<Buf>,
+        state: &mut Buf,
+        d: &Dims,
+        out: &mut Buf,
+    ) {
         self.gdn_prefill(qkv, z, b, a, w, state, d, 1, out)
     }
 
     fn moe_route(&self, logits: &Buf, d: &Dims, rows: usize, route: &mut Route) {
         self.moe_route_op(logits, d, rows, route)
     }
-    fn moe_experts_prefill(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, d: &Dims, rows: usize, out: &mut Buf) {
+    fn moe_experts_prefill(
+        &self,
+        x: &Buf,
+        route: &Route,
+        gate: &Mat,
+        up: &Mat,
+        down: &Mat,
+        d: &Dims,
+        rows: usize,
+        out: &mut Buf,
+    ) {
         self.moe_experts_prefill_op(x, route, gate, up, down, d, rows, out)
     }
-    fn moe_experts_decode(&self, x: &Buf, route: &Route, gate: &Mat, up: &Mat, down: &Mat, shared: Option<&SharedExpert<'_, Self>>, d: &Dims, out: &mut Buf) -> bool {
+    fn moe_experts_decode(
+        &self,
+        x: &Buf,
+        route: &Route,
+        gate: &Mat,
+        up: &Mat,
+        down: &Mat,
+        shared: Option<&SharedExpert<'_, Self>>,
+        d: &Dims,
+        out: &mut Buf,
+    ) -> bool {
         self.moe_experts_decode_op(x, route, gate, up, down, shared, d, out)
     }
     fn swiglu(&self, g: &Buf, u: &Buf, len: usize, out: &mut Buf) {
-        if len == 0 || !(self.act_ok(g, len, "g", "swiglu") && self.act_ok(u, len, "u", "swiglu") && self.act_ok(out, len, "out", "swiglu")) {
+        if len == 0
+            || !(self.act_ok(g, len, "g", "swiglu")
+                && self.act_ok(u, len, "u", "swiglu")
+                && self.act_ok(out, len, "out", "swiglu"))
+        {
             return;
         }
-        self.launch("swiglu", (grid1(len, 256), 1, 1), 256, 0, &[Arg::P(g.mem.ptr), Arg::P(u.mem.ptr), Arg::P(out.mem.ptr), Arg::P(len as u64)]);
+        self.launch(
+            "swiglu",
+            (grid1(len, 256), 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(g.mem.ptr),
+                Arg::P(u.mem.ptr),
+                Arg::P(out.mem.ptr),
+                Arg::P(len as u64),
+            ],
+        );
     }
     fn add_sigmoid_gated(&self, y: &mut Buf, shared: &Buf, s: &Buf, rows: usize, dim: usize) {
         let op = "add_sigmoid_gated";
-        if rows == 0 || !(self.act_ok(y, rows * dim, "y", op) && self.act_ok(shared, rows * dim, "shared", op) && self.buf_ok(s, rows, "s", op)) {
+        if rows == 0
+            || !(self.act_ok(y, rows * dim, "y", op)
+                && self.act_ok(shared, rows * dim, "shared", op)
+                && self.buf_ok(s, rows, "s", op))
+        {
             return;
         }
-        self.launch(op, (grid1(rows * dim, 256), 1, 1), 256, 0, &[Arg::P(y.mem.ptr), Arg::P(shared.mem.ptr), Arg::P(s.mem.ptr), Arg::I(rows as i32), Arg::I(dim as i32)]);
+        self.launch(
+            op,
+            (grid1(rows * dim, 256), 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(y.mem.ptr),
+                Arg::P(shared.mem.ptr),
+                Arg::P(s.mem.ptr),
+                Arg::I(rows as i32),
+                Arg::I(dim as i32),
+            ],
+        );
     }
 
     fn argmax_step(&self, logits: &Buf, vocab: usize, step: &mut Step) {
@@ -1276,13 +1782,46 @@ impl Backend for Cuda {
         // Slices of at least 2048 logits, at most ARGMAX_PARTS of them (sample.cu).
         let parts = vocab.div_ceil(2048).min(ARGMAX_PARTS);
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let (Some(pv), Some(pi)) = (self.scratch(&mut sc, "argmax_pv", 4 * ARGMAX_PARTS), self.scratch(&mut sc, "argmax_pi", 4 * ARGMAX_PARTS)) else { return };
-        self.launch("argmax_partial", (parts as u32, 1, 1), 256, 0, &[Arg::P(logits.mem.ptr), Arg::P(pv), Arg::P(pi), Arg::I(vocab as i32)]);
-        self.launch("argmax_step", (1, 1, 1), 1024, 0, &[Arg::P(pv), Arg::P(pi), Arg::P(step.mem.ptr), Arg::I(parts as i32)]);
+        let (Some(pv), Some(pi)) = (
+            self.scratch(&mut sc, "argmax_pv", 4 * ARGMAX_PARTS),
+            self.scratch(&mut sc, "argmax_pi", 4 * ARGMAX_PARTS),
+        ) else {
+            return;
+        };
+        self.launch(
+            "argmax_partial",
+            (parts as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(logits.mem.ptr),
+                Arg::P(pv),
+                Arg::P(pi),
+                Arg::I(vocab as i32),
+            ],
+        );
+        self.launch(
+            "argmax_step",
+            (1, 1, 1),
+            1024,
+            0,
+            &[
+                Arg::P(pv),
+                Arg::P(pi),
+                Arg::P(step.mem.ptr),
+                Arg::I(parts as i32),
+            ],
+        );
     }
 
     // Sampling on the device: sample.rs.
-    fn new_sampler(&self, params: &crate::runtime::sampler::SamplingParams, seed: u64, vocab: usize, prompt: &[u32]) -> Result<Option<sample::Sampler>> {
+    fn new_sampler(
+        &self,
+        params: &crate::runtime::sampler::SamplingParams,
+        seed: u64,
+        vocab: usize,
+        prompt: &[u32],
+    ) -> Result<Option<sample::Sampler>> {
         self.new_sampler_op(params, seed, vocab, prompt)
     }
     fn sample_step(&self, logits: &Buf, vocab: usize, s: &mut sample::Sampler, step: &mut Step) {
@@ -1291,7 +1830,13 @@ impl Backend for Cuda {
     fn sample_note(&self, s: &mut sample::Sampler, token: u32) {
         self.sample_note_op(s, token)
     }
-    fn logprobs(&self, logits: &Buf, vocab: usize, token: u32, n: usize) -> Result<(f32, Vec<(u32, f32)>)> {
+    fn logprobs(
+        &self,
+        logits: &Buf,
+        vocab: usize,
+        token: u32,
+        n: usize,
+    ) -> Result<(f32, Vec<(u32, f32)>)> {
         self.logprobs_op(logits, vocab, token, n)
     }
 }

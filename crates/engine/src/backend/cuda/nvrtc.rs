@@ -90,12 +90,25 @@ pub fn compile(name: &str, src: &str, opts: &[String]) -> Result<Vec<u8>> {
     }
     let csrc = CString::new(src).context("kernel source holds a NUL byte")?;
     let cname = CString::new(name).context("kernel name holds a NUL byte")?;
-    let copts: Vec<CString> = opts.iter().map(|o| CString::new(o.as_str()).expect("option")).collect();
+    let copts: Vec<CString> = opts
+        .iter()
+        .map(|o| CString::new(o.as_str()).expect("option"))
+        .collect();
     let optp: Vec<*const c_char> = copts.iter().map(|c| c.as_ptr()).collect();
     let mut prog: sys::nvrtcProgram = std::ptr::null_mut();
     // SAFETY: plain NVRTC calls on live C strings; the program is destroyed on every path below.
     unsafe {
-        check(sys::nvrtcCreateProgram(&mut prog, csrc.as_ptr(), cname.as_ptr(), 0, std::ptr::null(), std::ptr::null()), "nvrtcCreateProgram")?;
+        check(
+            sys::nvrtcCreateProgram(
+                &mut prog,
+                csrc.as_ptr(),
+                cname.as_ptr(),
+                0,
+                std::ptr::null(),
+                std::ptr::null(),
+            ),
+            "nvrtcCreateProgram",
+        )?;
         let r = sys::nvrtcCompileProgram(prog, optp.len() as c_int, optp.as_ptr());
         let out = if r != sys::nvrtcResult::NVRTC_SUCCESS {
             let mut n = 0usize;
@@ -103,15 +116,23 @@ pub fn compile(name: &str, src: &str, opts: &[String]) -> Result<Vec<u8>> {
             let mut log = vec![0 as c_char; n.max(1)];
             sys::nvrtcGetProgramLog(prog, log.as_mut_ptr());
             let log = CStr::from_ptr(log.as_ptr()).to_string_lossy().into_owned();
-            Err(anyhow::anyhow!("NVRTC failed to compile {name} ({r:?}):\n{log}"))
+            Err(anyhow::anyhow!(
+                "NVRTC failed to compile {name} ({r:?}):\n{log}"
+            ))
         } else {
             let mut n = 0usize;
             let r = sys::nvrtcGetCUBINSize(prog, &mut n);
             if r != sys::nvrtcResult::NVRTC_SUCCESS || n == 0 {
-                Err(anyhow::anyhow!("NVRTC produced no cubin for {name} ({r:?})"))
+                Err(anyhow::anyhow!(
+                    "NVRTC produced no cubin for {name} ({r:?})"
+                ))
             } else {
                 let mut bin = vec![0u8; n];
-                check(sys::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut c_char), "nvrtcGetCUBIN").map(|_| bin)
+                check(
+                    sys::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut c_char),
+                    "nvrtcGetCUBIN",
+                )
+                .map(|_| bin)
             }
         };
         sys::nvrtcDestroyProgram(&mut prog);

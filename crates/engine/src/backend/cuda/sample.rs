@@ -63,7 +63,13 @@ impl Sampler {
 }
 
 impl Cuda {
-    pub(super) fn new_sampler_op(&self, p: &SamplingParams, seed: u64, vocab: usize, prompt: &[u32]) -> Result<Option<Sampler>> {
+    pub(super) fn new_sampler_op(
+        &self,
+        p: &SamplingParams,
+        seed: u64,
+        vocab: usize,
+        prompt: &[u32],
+    ) -> Result<Option<Sampler>> {
         p.validate()?;
         if vocab == 0 {
             bail!("new_sampler: empty vocabulary");
@@ -74,7 +80,8 @@ impl Cuda {
         if k == 0 || k > KMAX || (!greedy && k >= vocab) || vocab.div_ceil(SLICE) * k > FIN_CANDS {
             return Ok(None);
         }
-        let pen = p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        let pen =
+            p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
         let counts = if pen {
             let mut c = vec![0u32; vocab];
             for &t in prompt {
@@ -88,7 +95,8 @@ impl Cuda {
         };
         let st = Rng::splitmix(seed).state();
         // SAFETY: u64 words viewed as bytes.
-        let rng = self.upload_bytes(unsafe { std::slice::from_raw_parts(st.as_ptr() as *const u8, 32) })?;
+        let rng =
+            self.upload_bytes(unsafe { std::slice::from_raw_parts(st.as_ptr() as *const u8, 32) })?;
         let cands = self.alloc(8 * vocab.div_ceil(SLICE) * k)?;
         Ok(Some(Sampler {
             vocab,
@@ -108,12 +116,23 @@ impl Cuda {
 
     fn upload_u32(&self, v: &[u32]) -> Result<Mem> {
         // SAFETY: u32 slice viewed as bytes.
-        self.upload_bytes(unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, 4 * v.len()) })
+        self.upload_bytes(unsafe {
+            std::slice::from_raw_parts(v.as_ptr() as *const u8, 4 * v.len())
+        })
     }
 
-    pub(super) fn sample_step_op(&self, logits: &Buf, vocab: usize, s: &mut Sampler, step: &mut Step) {
+    pub(super) fn sample_step_op(
+        &self,
+        logits: &Buf,
+        vocab: usize,
+        s: &mut Sampler,
+        step: &mut Step,
+    ) {
         let op = "sample_step";
-        if !(self.ensure(vocab == s.vocab, || format!("{op}: {vocab} logits for a sampler of {}", s.vocab)) && self.buf_ok(logits, vocab, "logits", op)) {
+        if !(self.ensure(vocab == s.vocab, || {
+            format!("{op}: {vocab} logits for a sampler of {}", s.vocab)
+        }) && self.buf_ok(logits, vocab, "logits", op))
+        {
             return;
         }
         let p = s.blocks();
@@ -122,7 +141,18 @@ impl Cuda {
             (p as u32, 1, 1),
             THREADS as u32,
             0,
-            &[Arg::P(logits.mem.ptr), Arg::P(s.counts_ptr()), Arg::P(s.cands.ptr), Arg::P(0), Arg::I(vocab as i32), Arg::I(s.k as i32), Arg::F(s.rep), Arg::F(s.pres), Arg::F(s.freq), Arg::I(0)],
+            &[
+                Arg::P(logits.mem.ptr),
+                Arg::P(s.counts_ptr()),
+                Arg::P(s.cands.ptr),
+                Arg::P(0),
+                Arg::I(vocab as i32),
+                Arg::I(s.k as i32),
+                Arg::F(s.rep),
+                Arg::F(s.pres),
+                Arg::F(s.freq),
+                Arg::I(0),
+            ],
         );
         self.launch(
             "sample_topk_finish",
@@ -146,13 +176,30 @@ impl Cuda {
 
     pub(super) fn sample_note_op(&self, s: &mut Sampler, token: u32) {
         if let Some(c) = &s.counts {
-            if self.ensure((token as usize) < s.vocab, || format!("sample_note: token {token} outside the vocabulary of {}", s.vocab)) {
-                self.launch("sample_count", (1, 1, 1), 32, 0, &[Arg::P(c.ptr), Arg::I(token as i32)]);
+            if self.ensure((token as usize) < s.vocab, || {
+                format!(
+                    "sample_note: token {token} outside the vocabulary of {}",
+                    s.vocab
+                )
+            }) {
+                self.launch(
+                    "sample_count",
+                    (1, 1, 1),
+                    32,
+                    0,
+                    &[Arg::P(c.ptr), Arg::I(token as i32)],
+                );
             }
         }
     }
 
-    pub(super) fn logprobs_op(&self, logits: &Buf, vocab: usize, token: u32, n: usize) -> Result<(f32, Vec<(u32, f32)>)> {
+    pub(super) fn logprobs_op(
+        &self,
+        logits: &Buf,
+        vocab: usize,
+        token: u32,
+        n: usize,
+    ) -> Result<(f32, Vec<(u32, f32)>)> {
         let op = "logprobs";
         if n > LP_MAX {
             bail!("{op}: {n} alternatives asked, at most {LP_MAX}");
@@ -189,17 +236,40 @@ impl Cuda {
             (p as u32, 1, 1),
             THREADS as u32,
             0,
-            &[Arg::P(logits.mem.ptr), Arg::P(0), Arg::P(cands), Arg::P(part), Arg::I(vocab as i32), Arg::I(kc as i32), Arg::F(1.0), Arg::F(0.0), Arg::F(0.0), Arg::I(1)],
+            &[
+                Arg::P(logits.mem.ptr),
+                Arg::P(0),
+                Arg::P(cands),
+                Arg::P(part),
+                Arg::I(vocab as i32),
+                Arg::I(kc as i32),
+                Arg::F(1.0),
+                Arg::F(0.0),
+                Arg::F(0.0),
+                Arg::I(1),
+            ],
         );
         self.launch(
             "logprobs_finish",
             (1, 1, 1),
             FIN_THREADS as u32,
             0,
-            &[Arg::P(cands), Arg::I((p * kc) as i32), Arg::I(n as i32), Arg::P(part), Arg::I(p as i32), Arg::P(logits.mem.ptr), Arg::I(token as i32), Arg::P(out)],
+            &[
+                Arg::P(cands),
+                Arg::I((p * kc) as i32),
+                Arg::I(n as i32),
+                Arg::P(part),
+                Arg::I(p as i32),
+                Arg::P(logits.mem.ptr),
+                Arg::I(token as i32),
+                Arg::P(out),
+            ],
         );
         let v = self.read::<u32>(out, out_len)?;
-        let top = (0..n).map(|j| (v[1 + 2 * j], f32::from_bits(v[2 + 2 * j]))).filter(|&(id, _)| (id as usize) < vocab).collect();
+        let top = (0..n)
+            .map(|j| (v[1 + 2 * j], f32::from_bits(v[2 + 2 * j])))
+            .filter(|&(id, _)| (id as usize) < vocab)
+            .collect();
         Ok((f32::from_bits(v[0]), top))
     }
 }
