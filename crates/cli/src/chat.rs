@@ -184,6 +184,7 @@ impl<B: Backend> Session<B> {
             stop: rules,
             logprobs: None,
             forced: Forced::default(),
+            constraint: None,
             cancel,
         };
         generate_cached(

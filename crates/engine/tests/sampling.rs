@@ -142,6 +142,7 @@ fn generation_on_the_backend_equals_host_sampling() {
                 now: forced,
                 after: None,
             },
+            constraint: None,
             cancel: &cancel,
         };
         let mut lps = Vec::new();

@@ -28,6 +28,7 @@ use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
+use lily::runtime::constrain::Constraint;
 use lily::runtime::generate::{Forced, Generation, TokenLogprob};
 use lily::runtime::stop::{FinishReason, StopRules};
 use lily::tokenizer::TemplateError;
@@ -157,6 +158,8 @@ pub(crate) struct Prepared {
     /// The prompt left a `<think>` open: generation starts in the reasoning.
     opens_think: bool,
     forced: Forced,
+    /// Structured output: the grammar the answer must follow.
+    constraint: Option<Constraint>,
 }
 
 /// Which endpoint, with what it needs for the response.
@@ -300,6 +303,7 @@ pub(crate) fn prepare_chat(app: &App, req: &ChatRequest) -> ApiResult<Prepared> 
         ids,
         opens_think,
         forced,
+        constraint: None,
     })
 }
 
@@ -353,6 +357,7 @@ fn prepare_completion(app: &App, req: &CompletionRequest) -> ApiResult<Prepared>
         ids,
         opens_think: false,
         forced,
+        constraint: None,
     })
 }
 
@@ -446,6 +451,7 @@ pub(crate) fn submit(
         stop,
         logprobs: common.logprobs,
         forced: prep.forced,
+        constraint: prep.constraint,
         cache_key,
         cancel: cancel.clone(),
         events: tx,

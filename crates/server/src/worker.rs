@@ -16,6 +16,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use lily::backend::Backend;
 use lily::model::Qwen35;
 use lily::runtime::cache::{generate_cached, CacheConfig, CacheStats, PrefixCache};
+use lily::runtime::constrain::Constraint;
 use lily::runtime::generate::{Forced, GenRequest, Generation, TokenEvent, TokenLogprob};
 use lily::runtime::sampler::SamplingParams;
 use lily::runtime::stop::StopRules;
@@ -30,6 +31,8 @@ pub struct Job {
     pub stop: StopRules,
     pub logprobs: Option<usize>,
     pub forced: Forced,
+    /// Structured output (constrained decoding).
+    pub constraint: Option<Constraint>,
     /// `prompt_cache_key` of the request (for the prefix cache).
     pub cache_key: Option<String>,
     pub cancel: Arc<AtomicBool>,
@@ -117,6 +120,7 @@ impl<B: Backend + 'static> Runner for ModelRunner<B> {
             stop: job.stop.clone(),
             logprobs: job.logprobs,
             forced: job.forced.clone(),
+            constraint: job.constraint.clone(),
             cancel: &job.cancel,
         };
         generate_cached(

@@ -464,6 +464,10 @@ pub trait Backend: Send + Sync {
     /// first on ties, as `runtime::argmax`; logits are f32), `step.pos += 1`: the step is then
     /// ready to feed that token.
     fn argmax_step(&self, logits: &Self::Buf, vocab: usize, step: &mut Self::Step);
+    /// Constrained decoding: `logits[i] = -inf` for every `i < vocab` whose bit in `allowed` is
+    /// clear (bit i of word i / 32, LSB first; ids past the mask's words are disallowed), before
+    /// `argmax_step` or `sample_step` picks. `runtime::constrain::apply_mask` on the host.
+    fn mask_logits(&self, logits: &mut Self::Buf, vocab: usize, allowed: &[u32]);
 
     /// A sampler for one sequence that draws as `runtime::Sampler` with `params` and `seed`
     /// (the seed resolved by the caller: `Sampler::seed`), the `prompt`'s tokens counting for the

@@ -688,6 +688,9 @@ impl<B: Backend> Backend for Profiled<B> {
     fn argmax_step(&self, logits: &Self::Buf, vocab: usize, step: &mut Self::Step) {
         self.time("argmax", || self.inner.argmax_step(logits, vocab, step))
     }
+    fn mask_logits(&self, logits: &mut Self::Buf, vocab: usize, allowed: &[u32]) {
+        self.time("mask", || self.inner.mask_logits(logits, vocab, allowed))
+    }
     fn new_sampler(
         &self,
         params: &crate::runtime::sampler::SamplingParams,

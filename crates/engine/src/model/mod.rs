@@ -2,5 +2,5 @@
 pub mod qwen35;
 pub mod state;
 
-pub use qwen35::{DeviceSampler, Logits, Next, Qwen35};
+pub use qwen35::{DeviceSampler, Logits, Next, Pick, Qwen35};
 pub use state::SeqState;

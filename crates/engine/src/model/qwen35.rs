@@ -88,6 +88,16 @@ pub enum Next {
     Logits(Vec<f32>),
 }
 
+/// How a decode step picks its next token.
+pub enum Pick<'a, B: Backend> {
+    /// The greedy arg-max, on the backend.
+    Argmax,
+    /// Drawn by the sequence's sampler on the backend.
+    Sample(&'a mut DeviceSampler<B>),
+    /// Not in the step: [`Qwen35::pick_masked`] picks once a grammar's mask is known.
+    Later,
+}
+
 /// A sequence's sampler on the backend (`Qwen35::device_sampler`), with the id that keys the
 /// recorded steps it takes part in.
 pub struct DeviceSampler<B: Backend> {
@@ -342,7 +352,25 @@ impl<B: Backend> Qwen35<B> {
         &self,
         st: &mut SeqState<B>,
         feed: Option<u32>,
-        mut sampler: Option<&mut DeviceSampler<B>>,
+        sampler: Option<&mut DeviceSampler<B>>,
+    ) -> Result<()> {
+        self.decode_step_ex(
+            st,
+            feed,
+            match sampler {
+                Some(d) => Pick::Sample(d),
+                None => Pick::Argmax,
+            },
+        )
+    }
+
+    /// [`Self::decode_step`] with the pick chosen: `Pick::Later` computes the logits only (the
+    /// step records without a pick), for [`Self::pick_masked`] once a grammar's mask is known.
+    pub fn decode_step_ex(
+        &self,
+        st: &mut SeqState<B>,
+        feed: Option<u32>,
+        mut pick: Pick<'_, B>,
     ) -> Result<()> {
         let b = &self.backend;
         match feed {
@@ -364,15 +392,48 @@ impl<B: Backend> Qwen35<B> {
         st.reserve(b, &self.dims, st.pos + 1)?;
         let mut guard = self.scratch_for(1)?;
         let s = guard.as_mut().expect("just made");
-        // A sampler's buffers and parameters are part of the record: its own key.
-        let sid = sampler
-            .as_ref()
-            .map_or(0, |d| d.id.wrapping_mul(0xD1B5_4A32_D192_ED03));
+        // A sampler's buffers and parameters are part of the record: its own key; a step without
+        // a pick is another record.
+        let sid = match &pick {
+            Pick::Argmax => 0,
+            Pick::Sample(d) => d.id.wrapping_mul(0xD1B5_4A32_D192_ED03),
+            Pick::Later => 0x5157_4E4F_5049_434B,
+        };
+        let later = matches!(pick, Pick::Later);
         let key = st.buffers_id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ s.id ^ sid;
-        let r = b.replay(key, &mut || self.decode_ops(st, s, sampler.as_deref_mut()));
-        st.step_ready = r.is_ok();
+        let r = b.replay(key, &mut || self.decode_ops(st, s, &mut pick));
+        st.step_ready = r.is_ok() && !later;
         r?;
         st.pos += 1;
+        Ok(())
+    }
+
+    /// Picks the next token from the last step's logits (a `Pick::Later` step, or a forward's
+    /// last position) under a grammar's mask (`Backend::mask_logits`: `allowed` as u32 words,
+    /// LSB first): drawn by `sampler`, or the arg-max. The logits keep the mask afterwards.
+    pub fn pick_masked(
+        &self,
+        st: &mut SeqState<B>,
+        allowed: &[u32],
+        sampler: Option<&mut DeviceSampler<B>>,
+    ) -> Result<()> {
+        if st.pos == 0 {
+            bail!("pick_masked: nothing was fed");
+        }
+        let b = &self.backend;
+        let v = self.cfg.vocab_size;
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let s = guard
+            .as_mut()
+            .ok_or_else(|| anyhow::anyhow!("pick_masked: no logits were computed"))?;
+        b.mask_logits(&mut s.logits, v, allowed);
+        // The step's position is the fed token's; the pick moves it on by one, as in a step.
+        b.set_step(&mut st.step, 0, st.pos - 1);
+        match sampler {
+            Some(d) => b.sample_step(&s.logits, v, &mut d.inner, &mut st.step),
+            None => b.argmax_step(&s.logits, v, &mut st.step),
+        }
+        st.step_ready = true;
         Ok(())
     }
 
@@ -456,7 +517,7 @@ impl<B: Backend> Qwen35<B> {
         &self,
         st: &mut SeqState<B>,
         s: &mut Scratch<B>,
-        sampler: Option<&mut DeviceSampler<B>>,
+        pick: &mut Pick<'_, B>,
     ) -> Result<()> {
         let (b, d) = (&self.backend, &self.dims);
         let hd = self.cfg.hidden_size;
@@ -471,9 +532,12 @@ impl<B: Backend> Qwen35<B> {
             &[&self.lm_head],
             &mut [&mut s.logits],
         );
-        match sampler {
-            Some(d) => b.sample_step(&s.logits, self.cfg.vocab_size, &mut d.inner, &mut st.step),
-            None => b.argmax_step(&s.logits, self.cfg.vocab_size, &mut st.step),
+        match pick {
+            Pick::Sample(d) => {
+                b.sample_step(&s.logits, self.cfg.vocab_size, &mut d.inner, &mut st.step)
+            }
+            Pick::Argmax => b.argmax_step(&s.logits, self.cfg.vocab_size, &mut st.step),
+            Pick::Later => {}
         }
         Ok(())
     }

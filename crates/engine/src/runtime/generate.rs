@@ -18,7 +18,13 @@
 //! - force tokens instead of sampling them: a list to emit now, and a list to emit right after a
 //!   trigger id is generated (`tool_choice: required` forces the start of a tool call once the
 //!   model closes `</think>`; the server's test-script mode forces a whole reply). Forced tokens
-//!   go through the model, the stop rules and the detokenizer like sampled ones.
+//!   go through the model, the stop rules and the detokenizer like sampled ones;
+//! - constrain the output to a grammar (`constraint`: a JSON schema, a regex, …; see
+//!   `constrain.rs`). A constrained token is picked in two parts: the step computes the logits
+//!   (`Pick::Later`), and while it runs the host computes the grammar's mask for it; the mask
+//!   then goes to the backend (`mask_logits`, 31 KB of bits at the full vocabulary) and the pick
+//!   (arg-max or the sampler) runs there on the masked logits. Forced tokens advance the grammar
+//!   too. Log-probabilities of a constrained token are of the masked distribution.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -26,11 +32,12 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 
+use super::constrain::{apply_mask, Constraint, ConstraintState};
 use super::sampler::{top_logprobs, Sampler, SamplingParams};
 use super::stop::{FinishReason, StopChecker, StopRules};
 use super::GenStats;
 use crate::backend::Backend;
-use crate::model::{Logits, Qwen35, SeqState};
+use crate::model::{Logits, Pick, Qwen35, SeqState};
 use crate::tokenizer::Tokenizer;
 
 /// The result of one generation.
@@ -70,6 +77,8 @@ pub struct GenRequest<'a> {
     /// Report log-probabilities with this many alternatives (0..=20); `None`: off.
     pub logprobs: Option<usize>,
     pub forced: Forced,
+    /// Constrained decoding: the output follows this grammar (from where its `start` says).
+    pub constraint: Option<Constraint>,
     /// Setting it stops generation within one token.
     pub cancel: &'a AtomicBool,
 }
@@ -106,6 +115,7 @@ pub fn generate<B: Backend>(
         stop,
         logprobs: None,
         forced: Forced::default(),
+        constraint: None,
         cancel,
     };
     generate_from(m, st, tok, req, |e| {
@@ -151,6 +161,7 @@ fn generate_from<B: Backend>(
         stop,
         logprobs,
         forced,
+        constraint,
         cancel,
     } = req;
     if prompt.is_empty() {
@@ -187,6 +198,7 @@ fn generate_from<B: Backend>(
     }
     let mut queue: VecDeque<u32> = forced.now.into();
     let mut after = forced.after;
+    let mut grammar = constraint.map(|c| ConstraintState::new(c, m.cfg.vocab_size));
     // Where each token is picked: on the backend (plain greedy: its arg-max; otherwise its own
     // sampler, when it has one for these parameters), reading back only the token id and, when
     // asked, the log-probabilities; or on the host from the step's logits (1 MB per token).
@@ -198,7 +210,9 @@ fn generate_from<B: Backend>(
     let on_backend = sampling.is_plain_greedy() || dev.is_some();
     let t0 = Instant::now();
     let first = m.forward(st, &prompt[cached..], Logits::Last, None)?;
-    if let (Some(d), true) = (dev.as_mut(), queue.is_empty()) {
+    // Under an active grammar the first pick waits for its mask (in the loop).
+    let masked_first = grammar.as_ref().is_some_and(|g| g.active());
+    if let (Some(d), true, false) = (dev.as_mut(), queue.is_empty(), masked_first) {
         m.sample_last(st, d)?;
     }
     // The host path's logits of the current step (the prefill's first).
@@ -226,6 +240,15 @@ fn generate_from<B: Backend>(
         // the host. Log-probabilities are of the raw logits (the host sampler penalises its row
         // in place, so they are taken first).
         let forced_id = queue.pop_front();
+        // Under a grammar, the mask of this step (computed while the step runs on a device),
+        // applied before the pick: on the backend, or to the host's logits.
+        if let (None, Some(g)) = (forced_id, grammar.as_mut().filter(|g| g.active())) {
+            let mask = g.mask()?;
+            match host_logits.as_mut() {
+                Some(l) => apply_mask(l, &mask),
+                None => m.pick_masked(st, &mask, dev.as_mut())?,
+            }
+        }
         let (id, on_step, logprob) = match (forced_id, host_logits.as_mut()) {
             (Some(id), None) => {
                 if let Some(d) = dev.as_mut() {
@@ -256,6 +279,12 @@ fn generate_from<B: Backend>(
                 queue.extend(after.take().map(|a| a.1).unwrap_or_default());
             }
         }
+        if let Some(g) = grammar.as_mut() {
+            queue.extend(g.commit(id)?);
+            if queue.is_empty() {
+                g.lead_done();
+            }
+        }
         out.ids.push(id);
         if stats.first_token_s == 0.0 {
             stats.first_token_s = t0.elapsed().as_secs_f64();
@@ -269,8 +298,19 @@ fn generate_from<B: Backend>(
         // one is picked by arg-max and never used (the forced token replaces it), so the sampler
         // draws only for tokens it chooses, as the host sampler does.
         if !checker.ends_at(id) && !cancel.load(Ordering::Relaxed) {
-            let pick = if queue.is_empty() { dev.as_mut() } else { None };
-            m.decode_step(st, (!on_step).then_some(id), pick)?;
+            // The next token's pick: forced (the step's arg-max is not used), under the grammar
+            // (after its mask: not in the step), or the sampler's / the arg-max in the step.
+            let pick = match (
+                queue.is_empty(),
+                grammar.as_ref().is_some_and(|g| g.active()),
+                dev.as_mut(),
+            ) {
+                (false, _, _) => Pick::Argmax,
+                (true, true, _) => Pick::Later,
+                (true, false, Some(d)) => Pick::Sample(d),
+                (true, false, None) => Pick::Argmax,
+            };
+            m.decode_step_ex(st, (!on_step).then_some(id), pick)?;
         }
         let piece = dec.push(id).unwrap_or_default();
         let step = checker.push(id, &piece);
@@ -301,6 +341,10 @@ fn generate_from<B: Backend>(
         }
     }
     stats.decode_s = t1.elapsed().as_secs_f64();
+    if let Some(g) = &grammar {
+        stats.mask_s = g.mask_s;
+        stats.masks = g.masks;
+    }
     stats.generated = out.ids.len();
     out.stats = stats;
     Ok(out)

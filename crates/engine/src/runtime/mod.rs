@@ -1,6 +1,7 @@
 //! Runtime: loading a model onto a backend and the generation loop.
 
 pub mod cache;
+pub mod constrain;
 pub mod generate;
 pub mod sampler;
 pub mod stop;
@@ -42,6 +43,9 @@ pub struct GenStats {
     /// From the start of prefill to the first generated token.
     pub first_token_s: f64,
     pub decode_s: f64,
+    /// Constrained decoding: seconds spent computing grammar masks on the host, and how many.
+    pub mask_s: f64,
+    pub masks: usize,
 }
 
 /// Greedy generation: prefill `prompt`, then up to `max_tokens` tokens, stopping after any id in

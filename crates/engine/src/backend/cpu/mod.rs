@@ -288,6 +288,9 @@ impl Backend for Cpu {
             pos: step.pos + 1,
         };
     }
+    fn mask_logits(&self, logits: &mut Vec<f32>, vocab: usize, allowed: &[u32]) {
+        crate::runtime::constrain::apply_mask(&mut logits[..vocab], allowed);
+    }
 
     /// Every parameter set: the CPU samples with `runtime::Sampler` itself.
     fn new_sampler(

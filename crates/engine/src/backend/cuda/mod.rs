@@ -1814,6 +1814,10 @@ impl Backend for Cuda {
         );
     }
 
+    fn mask_logits(&self, logits: &mut Buf, vocab: usize, allowed: &[u32]) {
+        self.mask_logits_op(logits, vocab, allowed)
+    }
+
     // Sampling on the device: sample.rs.
     fn new_sampler(
         &self,

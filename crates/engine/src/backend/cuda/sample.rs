@@ -15,6 +15,8 @@
 
 use anyhow::{bail, Result};
 
+use cudarc::driver::result as dr;
+
 use super::{Arg, Buf, Cuda, Mem, Step};
 use crate::rng::Rng;
 use crate::runtime::sampler::SamplingParams;
@@ -170,6 +172,49 @@ impl Cuda {
                 Arg::F(s.top_p),
                 Arg::F(s.min_p),
                 Arg::I(s.greedy as i32),
+            ],
+        );
+    }
+
+    /// The allowed-token words go up (31 KB at the full vocabulary; the copy from pageable
+    /// memory may wait for the step in flight, which the mask was computed behind anyway), then
+    /// one thread per logit clears the disallowed ones.
+    pub(super) fn mask_logits_op(&self, logits: &mut Buf, vocab: usize, allowed: &[u32]) {
+        let op = "mask_logits";
+        if vocab == 0
+            || !self.buf_ok(logits, vocab, "logits", op)
+            || !self.ensure(logits.elem == 4, || format!("{op}: logits must be f32"))
+        {
+            return;
+        }
+        let nwords = allowed.len().min(vocab.div_ceil(32));
+        let words = {
+            let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+            let Some(p) = self.scratch(&mut sc, "mask_words", 4 * nwords.max(1)) else {
+                return;
+            };
+            p
+        };
+        if nwords > 0 {
+            // SAFETY: the scratch holds at least nwords u32; a copy from pageable memory is staged
+            // before the call returns.
+            if let Err(e) =
+                unsafe { dr::memcpy_htod_async(words, &allowed[..nwords], self.stream.cu_stream()) }
+            {
+                self.fail(format!("{op}: {e}"));
+                return;
+            }
+        }
+        self.launch(
+            op,
+            (vocab.div_ceil(256) as u32, 1, 1),
+            256,
+            0,
+            &[
+                Arg::P(logits.mem.ptr),
+                Arg::P(words),
+                Arg::I(vocab as i32),
+                Arg::I(nwords as i32),
             ],
         );
     }

@@ -34,6 +34,10 @@
 //         A full-vocabulary path (top-k off, or k above SMP_KMAX) is not here yet: the backend
 //         then declines and the host samples (Cuda::new_sampler).
 // sample_count  counts[token] += 1 for a token the sampler did not draw (a forced token).
+// mask_logits   constrained decoding (Backend::mask_logits, runtime/constrain.rs apply_mask):
+//         logits[i] = -inf where bit i of the allowed words is clear (bit i of word i / 32, LSB
+//         first: llguidance's mask), ids past the words disallowed. Grid ceil(vocab / 256), 256
+//         threads, one logit each (1 MB read, ~31 KB of words: a few µs before the pick).
 // logprobs_finish  (one block of FIN_THREADS) with sample_topk_partial in log-probability mode
 //         (lp = 1: raw logits, -inf kept, each block's max and sum of exp in f64): the chosen token's log-probability and
 //         the n most likely (id, logprob), as generate.rs's `top_logprobs` on the host.
@@ -364,6 +368,14 @@ sample_topk_finish(const u64* __restrict__ cands, int ncand, int k, u32* __restr
 // counts[token] += 1 (one thread): a forced token counts for the penalties as a drawn one.
 extern "C" __global__ void sample_count(u32* __restrict__ counts, u32 token) { PDL_ENTRY();
     counts[token] += 1;
+}
+
+extern "C" __global__ void mask_logits(float* __restrict__ logits, const u32* __restrict__ allowed, int vocab, int nwords) { PDL_ENTRY();
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= vocab) return;
+    const int w = i >> 5;
+    const u32 bits = w < nwords ? allowed[w] : 0u;
+    if (!((bits >> (i & 31)) & 1u)) logits[i] = -INFINITY;
 }
 
 // One block of FIN_THREADS, after sample_topk_partial with lp = 1 and kc = max(n, 1) over P blocks
