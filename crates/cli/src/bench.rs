@@ -79,6 +79,11 @@ pub struct BenchArgs {
     /// Time per op family for one prefill chunk and one decode step (see the module header).
     #[arg(long)]
     profile: bool,
+    /// Also measure constrained decoding at each `--decode` context: the generation loop with
+    /// and without this JSON schema (`builtin`: a 1 KB plan schema; or a file), greedy and
+    /// sampled (bench_schema.rs).
+    #[arg(long)]
+    schema: Option<String>,
     /// Context before the profiled chunk and steps.
     #[arg(long, default_value = "4k")]
     profile_context: String,
@@ -450,6 +455,17 @@ fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<
         );
         rows.push(json!({"phase": "decode", "context": n, "tokens": a.decode_tokens, "tok_s": tps, "seconds": t,
             "bytes_per_token": bytes, "roofline_fraction": frac}));
+    }
+    if let Some(sch) = &a.schema {
+        rows.extend(crate::bench_schema::rows(
+            &m,
+            &dir,
+            sch,
+            &decode,
+            a.decode_tokens,
+            a.rounds,
+            prompt_ids,
+        )?);
     }
     let profile = match &prof {
         Some(p) => Some(profile(&m, p, &a)?),

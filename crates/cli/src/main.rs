@@ -4,6 +4,7 @@
 //! issue lists them); keep them stable.
 
 mod bench;
+mod bench_schema;
 mod chat;
 mod lab;
 mod render;

@@ -97,12 +97,14 @@ impl Cuda {
             Ok(from) => {
                 // cudarc panics on a missing symbol (e.g. an older cuBLAS found first): catch it.
                 match catch_unwind(AssertUnwindSafe(|| self.cublas_gemm())) {
-                    Ok(Ok(flops)) => return Ok((
-                        flops,
-                        format!(
+                    Ok(Ok(flops)) => {
+                        return Ok((
+                            flops,
+                            format!(
                             "cuBLAS GemmEx bf16 {GEMM_N}³ TN, f32 compute, best of {REPS} ({from})"
                         ),
-                    )),
+                        ))
+                    }
                     Ok(Err(e)) => format!("cuBLAS failed: {e:#}"),
                     Err(p) => format!("cuBLAS panicked: {}", panic_text(&p)),
                 }
