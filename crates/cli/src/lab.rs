@@ -70,6 +70,14 @@ pub fn run(a: LabArgs) -> Result<()> {
         a.preset,
         lily::backend::cuda::SWITCHES.join(", ")
     );
+    // LILY_CUDA_ENABLE holds in both rows (an opt-in variant of a switched-off path is not reached).
+    let on = cuda.enabled();
+    if !on.is_empty() {
+        println!(
+            "lily lab: opt-in variants on (LILY_CUDA_ENABLE): {}",
+            on.join(", ")
+        );
+    }
     let opt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or_else(|| "-".to_string(), f);
     println!(
         "{:<30} {:>4} {:>9} {:>9} {:>7} {:>9} {:>9} {:>6} {:>8} {:>6}",

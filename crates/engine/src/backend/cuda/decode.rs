@@ -497,6 +497,9 @@ impl Cuda {
             self.launch(&name, (grid, 1, 1), threads, 0, &[Arg::E(Box::new(p))]);
             return true;
         }
+        if self.opted_in("moe_wide") && self.moe_wide(&p, bits, hid, w, k, [gate.gs, down.gs]) {
+            return true;
+        }
         // gate|up: the gemv geometry over hidden, RW rows per load.
         let rw = 32 / (hid / 256);
         let u = 2; // the one instantiated (moe.cu): 4 spills
@@ -514,6 +517,88 @@ impl Cuda {
         self.launch(&name, (grid, 1, 1), threads, 0, &[Arg::E(Box::new(p))]);
         true
     }
+}
+
+impl Cuda {
+    /// The opt-in wide form of `moe_sw` (moe.cu's moe_wide_*, switch `moe_wide`): every block
+    /// requests all its weights at once through cp.async into shared memory, the shared expert's
+    /// gate|up and all of down's weights before the PDL wait. Instantiated for hidden 2048 and
+    /// width 512 (the full model); `false`: the shapes do not fit (the caller runs moe_sw).
+    /// `gs`: the group sizes of gate|up and of down (the rest checked equal by the caller).
+    fn moe_wide(
+        &self,
+        p: &SwMoe,
+        bits: usize,
+        hid: usize,
+        w: usize,
+        k: usize,
+        gs: [usize; 2],
+    ) -> bool {
+        let (rpb, dr) = moe_wide_rows();
+        // A lane's scale word holds its group at the group's parity: groups per row even.
+        // The scale and bias words are copied 4 bytes at a time from the matrices' own buffers.
+        let aligned = [p.g, p.u, p.d, p.sg, p.su, p.sd]
+            .iter()
+            .all(|m| m.s % 4 == 0 && m.b % 4 == 0);
+        let fits = aligned
+            && hid == 2048
+            && w == 512
+            && (hid / gs[0]).is_multiple_of(2)
+            && (w / gs[1]).is_multiple_of(2)
+            && w.is_multiple_of(rpb)
+            && hid.is_multiple_of(dr)
+            && k < SWD_MAXSLOTS;
+        if !fits {
+            return false;
+        }
+        let np = bits / 4;
+        // gate|up: (k + 1)·W / RPB blocks of 256 threads, the shared expert's first; G = RPB / RW
+        // row groups of RW = 32 / (hid / 256) rows; shared memory G·(2·NP·256·16 + 2·2·256·4).
+        let c = hid / 256;
+        let g = rpb / (32 / c);
+        let smem = (g * (2 * np * 256 * 16 + 2 * 2 * 256 * 4)) as u32;
+        let grid = ((k + 1) * w / rpb) as u32;
+        self.launch(
+            &format!("moe_wide_gate_up_{bits}_{c}_{rpb}"),
+            (grid, 1, 1),
+            256,
+            smem,
+            &[Arg::E(Box::new(*p))],
+        );
+        // down: H / DR blocks, warp j slot j; G = DR / RW row groups of RW = 32 / (W / 32) rows;
+        // shared memory G·T·(16·NP + 8) with T = 32·(k + 1) threads.
+        let c = w / 32;
+        let threads = 32 * (k + 1);
+        let g = dr / (32 / c);
+        let smem = (g * threads * (16 * np + 8)) as u32;
+        self.launch(
+            &format!("moe_wide_down_{bits}_{c}_{dr}"),
+            ((hid / dr) as u32, 1, 1),
+            threads as u32,
+            smem,
+            &[Arg::E(Box::new(*p))],
+        );
+        true
+    }
+}
+
+/// Rows per block of moe_wide's gate|up and down kernels (`LILY_CUDA_MOE_WIDE=RPB,DR`, each 8,
+/// 16 or 32; default 16,16: 288 gate|up blocks, 2-3 per SM, and 128 down blocks, one per SM).
+fn moe_wide_rows() -> (usize, usize) {
+    static RD: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    *RD.get_or_init(|| {
+        let v = std::env::var("LILY_CUDA_MOE_WIDE").unwrap_or_default();
+        let mut it = v.split(',').map(|s| {
+            s.trim()
+                .parse::<usize>()
+                .ok()
+                .filter(|n| [8, 16, 32].contains(n))
+        });
+        (
+            it.next().flatten().unwrap_or(16),
+            it.next().flatten().unwrap_or(16),
+        )
+    })
 }
 
 /// Bytes of one warp's shared-memory slot for a 16-row tile of NS spans (tc_stream.cuh's TcSlot).

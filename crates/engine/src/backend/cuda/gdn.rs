@@ -244,4 +244,135 @@ impl Cuda {
         );
         true
     }
+
+    /// The GDN decode mixer with the opt-in `gdn_step`: in_proj (with the norm, rms_norm_matmul),
+    /// ONE launch for the conv, the gated delta step and the gated norm (gdn.cu's gdn_step_<K>),
+    /// out_proj with the residual add: 3 kernels where the composition runs 5. The scratch holds
+    /// what the composition leaves there (qkv, qkv_c, z, b, a, y). `false`: the switch is off or
+    /// the shapes do not fit the kernel (Dk = 128, Dv a multiple of 32 up to 128, clusters of at
+    /// most 8 blocks, 2 to 4 conv taps, sm_90): nothing was launched.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gdn_mixer_step(
+        &self,
+        h: &mut Buf,
+        norm: &Buf,
+        eps: f32,
+        w: &super::super::GdnWeights<'_, Cuda>,
+        conv: &mut Buf,
+        ssm: &mut Buf,
+        d: &Dims,
+        t: &mut super::super::GdnScratch<'_, Cuda>,
+    ) -> bool {
+        let Some(cl) = self.gdn_step_cluster(d) else {
+            return false;
+        };
+        self.rms_norm_matmul(
+            h,
+            norm,
+            1,
+            d.hidden,
+            eps,
+            t.xn,
+            &w.in_proj,
+            &mut [&mut *t.qkv, &mut *t.z, &mut *t.b, &mut *t.a],
+        );
+        self.gdn_step(
+            t.qkv, t.z, t.b, t.a, w.conv1d, w.params, conv, ssm, d, cl, t.qkv_c, t.y,
+        );
+        self.matmul_q_add(t.y, w.out_proj, 1, t.r, h);
+        true
+    }
+
+    /// The cluster size of gdn_step (blocks per key head: (Hv/Hk)·(Dv/32)) when the switch is on
+    /// and the shapes fit it.
+    fn gdn_step_cluster(&self, d: &Dims) -> Option<usize> {
+        let (hk, hv, dk, dv, kc) = (
+            d.gdn_k_heads,
+            d.gdn_v_heads,
+            d.gdn_k_dim,
+            d.gdn_v_dim,
+            d.conv_kernel,
+        );
+        let fits = self.opted_in("gdn_step")
+            && self.pdl_ok
+            && dk == 128
+            && dv.is_multiple_of(32)
+            && (32..=128).contains(&dv)
+            && hk > 0
+            && hv.is_multiple_of(hk)
+            && (2..=4).contains(&kc);
+        let cl = if fits { hv / hk * (dv / 32) } else { 0 };
+        (1..=8).contains(&cl).then_some(cl)
+    }
+
+    /// One token's conv1d_step + gdn_decode (the delta rule and the gated norm) as one launch:
+    /// `qkv` is in_proj's output before the conv; writes the conv output to `qkv_c` and the gated
+    /// norm's output to `out`, and replaces both states. Grid Hk·cl blocks of 256 threads in
+    /// clusters of cl (gdn.cu's header).
+    #[allow(clippy::too_many_arguments)]
+    fn gdn_step(
+        &self,
+        qkv: &Buf,
+        z: &Buf,
+        b: &Buf,
+        a: &Buf,
+        cw: &Buf,
+        p: &GdnParams<Buf>,
+        conv: &mut Buf,
+        ssm: &mut Buf,
+        d: &Dims,
+        cl: usize,
+        qkv_c: &mut Buf,
+        out: &mut Buf,
+    ) {
+        let op = "gdn_step";
+        let (hk, hv, dk, dv, kc) = (
+            d.gdn_k_heads,
+            d.gdn_v_heads,
+            d.gdn_k_dim,
+            d.gdn_v_dim,
+            d.conv_kernel,
+        );
+        let c = d.conv_channels();
+        if !(self.act_ok(qkv, c, "qkv", op)
+            && self.act_ok(z, hv * dv, "z", op)
+            && self.act_ok(b, hv, "b", op)
+            && self.act_ok(a, hv, "a", op)
+            && self.buf_ok(cw, c * kc, "conv1d", op)
+            && self.buf_ok(conv, (kc - 1) * c, "conv state", op)
+            && self.buf_ok(&p.a_log, hv, "a_log", op)
+            && self.buf_ok(&p.dt_bias, hv, "dt_bias", op)
+            && self.buf_ok(&p.norm, dv, "norm", op)
+            && self.buf_ok(ssm, hv * dv * dk, "state", op)
+            && self.act_ok(qkv_c, c, "qkv_c", op)
+            && self.act_ok(out, hv * dv, "out", op))
+        {
+            return;
+        }
+        self.launch_ex(
+            &format!("gdn_step_{kc}"),
+            ((hk * cl) as u32, 1, 1),
+            256,
+            0,
+            cl as u32,
+            &[
+                Arg::P(qkv.mem.ptr),
+                Arg::P(z.mem.ptr),
+                Arg::P(b.mem.ptr),
+                Arg::P(a.mem.ptr),
+                Arg::P(cw.mem.ptr),
+                Arg::P(conv.mem.ptr),
+                Arg::P(p.a_log.mem.ptr),
+                Arg::P(p.dt_bias.mem.ptr),
+                Arg::P(p.norm.mem.ptr),
+                Arg::P(ssm.mem.ptr),
+                Arg::P(qkv_c.mem.ptr),
+                Arg::P(out.mem.ptr),
+                Arg::I(hk as i32),
+                Arg::I(hv as i32),
+                Arg::I(dv as i32),
+                Arg::F(d.eps),
+            ],
+        );
+    }
 }

@@ -478,7 +478,24 @@ const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 /// * `router_cluster`: an MoE block's router | shared gate with the norm and the route as one
 ///   thread-block cluster (gemv.cu's router_cluster_<CL>; `LILY_CUDA_ROUTER_CLUSTER=8|16` blocks,
 ///   default 16). Written at stop 19, not yet run on a GPU.
-pub const OPT_IN: &[&str] = &["tc_all", "fuse_gdn", "router_cluster"];
+/// * `gdn_step`: a GDN layer's conv1d_step, gated delta step and gated norm as ONE kernel
+///   between the default in_proj and out_proj (gdn.cu's gdn_step_<K>: 128 blocks in clusters of
+///   8, one per key head; the state streamed by every block at once and requested before the PDL
+///   wait): -60 kernels per token, the same bits as the three kernels it replaces. Written after
+///   stop 19, not yet run on a GPU (`scripts/h200-run gdn`).
+/// * `moe_wide`: the decode experts (`moe_decode_add` with `fuse_moe`) as moe.cu's moe_wide_*:
+///   the same two launches and function as moe_sw_*, but every block requests all of its weights
+///   at once (cp.async into shared memory, one commit group per row group), the shared expert's
+///   gate|up and all of down's weights before the PDL wait. Full-model shapes only (hidden 2048,
+///   width 512); `LILY_CUDA_MOE_WIDE=RPB,DR` sets the rows per block (8|16|32 each, default
+///   16,16). Written for issue #13, not yet run on a GPU.
+pub const OPT_IN: &[&str] = &[
+    "tc_all",
+    "fuse_gdn",
+    "router_cluster",
+    "gdn_step",
+    "moe_wide",
+];
 
 impl Cuda {
     /// The first GPU.
@@ -625,6 +642,12 @@ impl Cuda {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .contains(name)
+    }
+
+    /// The opt-in variants now on.
+    pub fn enabled(&self) -> Vec<&'static str> {
+        let e = self.enabled.read().unwrap_or_else(|e| e.into_inner());
+        OPT_IN.iter().copied().filter(|s| e.contains(s)).collect()
     }
 
     /// The switches now off.
@@ -1550,9 +1573,12 @@ impl Backend for Cuda {
         conv: &mut Buf,
         ssm: &mut Buf,
         d: &Dims,
-        tmp: super::GdnScratch<'_, Self>,
+        mut tmp: super::GdnScratch<'_, Self>,
     ) {
-        if !self.gdn_mixer_fused(h, norm, eps, w, conv, ssm, d, &tmp) {
+        // gdn_step first (with fuse_gdn also on, it wins), then fuse_gdn, else the composition.
+        if !(self.gdn_mixer_step(h, norm, eps, w, conv, ssm, d, &mut tmp)
+            || self.gdn_mixer_fused(h, norm, eps, w, conv, ssm, d, &tmp))
+        {
             super::gdn_mixer_compose(self, h, norm, eps, w, conv, ssm, d, tmp);
         }
     }

@@ -234,6 +234,8 @@ FOR_EACH_FORMAT(MOE_KERNELS)
 //                  output rows, the slots' partials summed through shared memory. The per-slot
 //                  down outputs and the MoE output are not rounded to bf16 (they were, unfused).
 // Matches Backend::moe_decode_add's default (moe_experts_decode + the shared expert + add).
+//   moe_wide_*     (opt-in `moe_wide`, at the end of this file) the same two launches with every
+//                  block's weights requested at once through cp.async: see its section.
 
 #define SWG_MAXRB 128  // gate|up rows per batch at most
 #define SWD_MAXSLOTS 10
@@ -562,3 +564,235 @@ MOE_TC_GATE_UP(2, 16, 2)
 MOE_TC_DOWN(1)
 MOE_TC_DOWN(2)
 MOE_TC_DOWN(4)
+
+// ---- Decode, wide (opt-in switch `moe_wide`): the same two launches and the same function as
+// moe_sw_* above (bit for bit: the same chunk dot, the same shuffle and warp summation order, the
+// same epilogues), with the loads shaped for the bytes in flight that a one-wave kernel needs.
+// Matches Backend::moe_decode_add's default (cpu/moe.rs moe_experts_decode + the shared expert,
+// add_sigmoid_gated, then the residual add), f32 accumulation, act stored as bf16.
+//
+// Why. Full model: H = 2048, W = 512, k = 8 routed + 1 shared slot, 4-bit, group 64. gate|up
+// reads 9·512 row pairs of 2304 B (2·1024 B of codes + 2·32 groups of bf16 scale and bias) =
+// 10.6 MB, i.e. ~80 KB per SM of the H200's 132; down reads 9·2048 rows of 288 B = 5.3 MB, ~40 KB
+// per SM. At 4.3 TB/s and ~1 µs of loaded DRAM latency the GPU needs ~4.3 MB (~33 KB per SM) in
+// flight just to stream, and each SM's whole share is only 2.5 (gate|up) and 1.2 (down) of those
+// latencies long. moe_sw walks batches with two register sets (16 KB per block per set, ~2.2
+// batches per block): every batch after the first is requested only when the previous has
+// arrived, so the kernel pays the latency 3-4 times in a row (ids -> batch 0 -> batch 1 ...),
+// then a barrier per batch; down the same. Measured: 9.7 + 7.5 µs (ncu) for 2.5 + 1.2 µs of
+// reading. So here every block requests ALL of its weights at once, before computing anything:
+// each lane copies its own chunks (16 B of codes per 32 inputs, and the 4-byte words holding its
+// group's bf16 scale and bias) into its own slots of shared memory with cp.async, one commit group
+// per row group, then computes row group after row group as they land (cp.async.wait_group,
+// no barrier: a lane reads back only what it copied). A lane's share in flight is its whole
+// share: the SM's ~80 KB of gate|up and ~40 KB of down are all requested within the first
+// microsecond. Nothing is held in registers while in flight, so the depth costs no registers
+// (the tensor-core attempt, tc_all, spilled at 4 stages of registers in down).
+//
+// The latency chain at the start is cut where it can be:
+// * gate|up's blocks are ordered shared expert first (slot index 0 in the grid, written at act
+//   slot k as before): those need no expert id, so they request their weights before
+//   griddepcontrol.wait, while the router still runs. The routed blocks wait, read their id (one
+//   L2 round trip), then request theirs. Each block lets its dependent (down) launch right after
+//   its wait.
+// * down's blocks request all their weights BEFORE griddepcontrol.wait: launched (PDL) as soon
+//   as every gate|up block has passed its own wait, they stream down's 5.3 MB while gate|up
+//   computes, then wait for act. Their expert ids are read before the wait too, which is safe:
+//   the router that wrote them completed before any gate|up block got past its wait, hence
+//   before down was launched; they are read with ld.global.cg (L2, never a stale L1 line). The
+//   route weights and the shared gate logit are read after the wait (only the epilogue needs
+//   them). Without PDL (tests, LILY_CUDA_GRAPH=0) the wait and launch are no-ops: stream order.
+//
+//   moe_wide_gate_up_<B>_<C>_<RPB>  hidden = 256·C (C = 8: 2048), the gemv geometry (8 warps cut
+//                  K, lane = (row r of RW = 32/C, chunk c)), x in registers. A block is RPB rows
+//                  of one slot (G = RPB/RW row groups, each a commit group); grid (k+1)·W/RPB
+//                  blocks of 256 threads (288 at RPB 16: 2-3 per SM, all resident), dynamic
+//                  shared memory G·(2·BITS/4·4 KB + 4 KB) (48 KB at 4-bit, RPB 16).
+//                  act[j·W + o] = bf16(silu(Σ_w gate_w) · Σ_w up_w), one barrier per block.
+//   moe_wide_down_<B>_<C>_<DR>      width = 32·C (C = 16: 512). Warp j is slot j (32·(k+1)
+//                  threads), a block is DR output rows of every slot (G = DR/RW row groups, RW =
+//                  32/C), grid H/DR (128 at DR 16: one per SM), dynamic shared memory
+//                  G·32·(k+1)·(16·BITS/4 + 8) bytes (55 KB at 4-bit, DR 16). The slots' partials
+//                  combined in slot order, + sigmoid(slogit)·shared, added to h (moe_down_add).
+// Host requirements (decode.rs moe_wide): bf16 scales, groups per row even (the scale word
+// holding a lane's group has the group's parity), W % RPB == 0, H % DR == 0, k + 1 ≤ 10.
+// Tunables: LILY_CUDA_MOE_WIDE=RPB,DR (gate|up rows per block 8|16|32, down rows per block
+// 8|16|32; default 16,16). ptxas (sm_90, 4-bit): gate|up 64 / 77 / 80 registers at RPB 8 / 16 /
+// 32, down 78 / 72 / 96 at DR 8 / 16 / 32, no spills; 8-bit alike. At 16,16: gate|up 3 blocks per
+// SM by registers (all 288 resident), ~36 KB of DRAM bytes per block, ~80 KB per SM in flight;
+// down ~41 KB per block and per SM, requested while gate|up runs on SMs with room (2 gate|up
+// blocks + 1 down block fit in registers and shared memory).
+
+// cp.async.wait_group with a count known only after unrolling.
+__device__ __forceinline__ void cp_wait_n(int n) {
+    switch (n) {
+    case 0: cp_wait<0>(); break;
+    case 1: cp_wait<1>(); break;
+    case 2: cp_wait<2>(); break;
+    case 3: cp_wait<3>(); break;
+    case 4: cp_wait<4>(); break;
+    case 5: cp_wait<5>(); break;
+    case 6: cp_wait<6>(); break;
+    case 7: cp_wait<7>(); break;
+    case 8: cp_wait<8>(); break;
+    case 9: cp_wait<9>(); break;
+    case 10: cp_wait<10>(); break;
+    case 11: cp_wait<11>(); break;
+    case 12: cp_wait<12>(); break;
+    case 13: cp_wait<13>(); break;
+    case 14: cp_wait<14>(); break;
+    default: cp_wait<15>(); break;
+    }
+}
+
+// sw_load's chunk (row o of matrix e, the lane's chunk), copied into shared memory: its BITS/4
+// 16-byte code parts at code, code + cstride, ...; the 4-byte words holding its group's scale and
+// bias at sw and bw (the group's half: its parity, gch & 1, as groups per row and per matrix are
+// even).
+template <int BITS>
+__device__ __forceinline__ void wide_issue(const QMat& m, int e, int o, const SwLane& l, u32 code, u32 cstride, u32 sw, u32 bw) {
+    constexpr int WSHIFT = BITS == 4 ? 3 : 2;
+    const u32* row = (const u32*)m.w + (u64)e * m.wpm + (u64)o * (u64)(m.inp >> WSHIFT);
+    const uint4* p = (const uint4*)row + l.ch * (BITS / 4);
+#pragma unroll
+    for (int i = 0; i < BITS / 4; i++) cp16(code + i * cstride, p + i, true);
+    const u64 g = (u64)e * m.gpm + (u64)o * l.gpr + l.gch;
+    cp4(sw, (const u32*)m.s + (g >> 1), true);
+    cp4(bw, (const u32*)m.b + (g >> 1), true);
+}
+
+// The chunk wide_issue copied, back from shared memory (generic pointers into the same slots).
+template <int BITS>
+__device__ __forceinline__ void wide_fetch(const unsigned char* code, int cstride, const u32* sw, const u32* bw, int half, SwUnit<BITS>& un) {
+#pragma unroll
+    for (int i = 0; i < BITS / 4; i++) un.w[i] = *(const uint4*)(code + i * cstride);
+    un.s = (u16)(*sw >> (16 * half));
+    un.b = (u16)(*bw >> (16 * half));
+}
+
+template <int BITS, int C, int RPB>
+__device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p) {
+    constexpr int RW = 32 / C, G = RPB / RW, NP = BITS / 4, T = 256;
+    static_assert(G * RW == RPB && G >= 1 && G <= 16, "rows per block: a multiple of RW, at most 16 groups");
+    // Shared memory: codes [G][2 (gate, up)][NP][T] of 16 B, then scale words [G][2][T] and bias
+    // words [G][2][T] of 4 B: lane-consecutive, so copies and reads are conflict-free.
+    constexpr int CODES = G * 2 * NP * T * 16, SBW = G * 2 * T * 4;
+    extern __shared__ __align__(16) unsigned char wsm[];
+    __shared__ float red[2][SW_WARPS][RPB];
+    const int W = p.g.out;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int c = lane & (C - 1), r = lane / C;
+    const SwLane ln = sw_lane(p.g, warp * C + c);
+    const int half = (int)(ln.gch & 1u);
+    const int bps = W / RPB;  // blocks per slot
+    const int s = blockIdx.x / bps, row0 = (blockIdx.x % bps) * RPB;
+    const bool shared = s == 0;  // grid slot 0: the shared expert, act slot k
+    const int j = shared ? p.k : s - 1;
+    const u32 base = smem_u32(wsm);
+    auto code_at = [&](int q, int mt) { return ((q * 2 + mt) * NP * T + tid) * 16; };
+    auto sw_at = [&](int q, int mt) { return CODES + ((q * 2 + mt) * T + tid) * 4; };
+    auto issue = [&](int e) {
+        const QMat Gm = shared ? p.sg : p.g, Um = shared ? p.su : p.u;
+#pragma unroll
+        for (int q = 0; q < G; q++) {
+            const int o = row0 + q * RW + r;
+            wide_issue<BITS>(Gm, e, o, ln, base + code_at(q, 0), T * 16, base + sw_at(q, 0), base + SBW + sw_at(q, 0));
+            wide_issue<BITS>(Um, e, o, ln, base + code_at(q, 1), T * 16, base + sw_at(q, 1), base + SBW + sw_at(q, 1));
+            cp_commit();
+        }
+    };
+    // The shared expert's weights do not depend on the router: requested before the wait.
+    if (shared) issue(0);
+    PDL_WAIT();
+    PDL_LAUNCH();
+    if (!shared) issue((int)((const u32*)p.ids)[j]);
+
+    float xv[32];
+    const float xs = sw_x_act((const u16*)p.x, ln.ch, xv);
+#pragma unroll
+    for (int q = 0; q < G; q++) {
+        cp_wait_n(G - 1 - q);
+        SwUnit<BITS> ug[1], uu[1];
+        wide_fetch<BITS>(wsm + code_at(q, 0), T * 16, (const u32*)(wsm + sw_at(q, 0)), (const u32*)(wsm + SBW + sw_at(q, 0)), half, ug[0]);
+        wide_fetch<BITS>(wsm + code_at(q, 1), T * 16, (const u32*)(wsm + sw_at(q, 1)), (const u32*)(wsm + SBW + sw_at(q, 1)), half, uu[0]);
+        float pg[1], pu[1];
+        sw_dots<BITS, 1, C>(ug, xv, xs, pg);
+        sw_dots<BITS, 1, C>(uu, xv, xs, pu);
+        if (c == 0) {
+            red[0][warp][q * RW + r] = pg[0];
+            red[1][warp][q * RW + r] = pu[0];
+        }
+    }
+    __syncthreads();
+    if (tid < RPB) {
+        float g = 0.0f, uv = 0.0f;
+#pragma unroll
+        for (int w = 0; w < SW_WARPS; w++) {
+            g += red[0][w][tid];
+            uv += red[1][w][tid];
+        }
+        ((u16*)p.act)[(u64)j * W + row0 + tid] = bf16_rn(silu_f(g) * uv);
+    }
+}
+
+template <int BITS, int C, int DR>
+__device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
+    constexpr int K = 32 * C, RW = 32 / C, G = DR / RW, NP = BITS / 4;
+    static_assert(G * RW == DR && G >= 1 && G <= 16, "rows per block: a multiple of RW, at most 16 groups");
+    // Shared memory (T = 32·(k+1) threads): codes [G][NP][T] of 16 B, scale words [G][T], bias
+    // words [G][T].
+    extern __shared__ __align__(16) unsigned char wsm[];
+    __shared__ float red[SWD_MAXSLOTS][DR];
+    __shared__ float wt[SWD_MAXSLOTS];
+    const int H = p.d.out, T = blockDim.x;
+    const int tid = threadIdx.x, j = tid >> 5, lane = tid & 31;
+    const int c = lane & (C - 1), r = lane / C;
+    const int nslot = p.k + 1;
+    const int row0 = blockIdx.x * DR;
+    const int codes = G * NP * T * 16, sbw = G * T * 4;
+    const bool routed = j < p.k;
+    // Before the wait (module note above): the router that wrote the ids has completed.
+    const int e = routed ? (int)__ldcg((const unsigned int*)p.ids + j) : 0;
+    const QMat D = routed ? p.d : p.sd;
+    const SwLane ln = sw_lane(p.d, c);
+    const int half = (int)(ln.gch & 1u);
+    const u32 base = smem_u32(wsm);
+#pragma unroll
+    for (int q = 0; q < G; q++) {
+        const int o = row0 + q * RW + r;
+        wide_issue<BITS>(D, e, o, ln, base + (q * NP * T + tid) * 16, T * 16, base + codes + (q * T + tid) * 4, base + codes + sbw + (q * T + tid) * 4);
+        cp_commit();
+    }
+    PDL_WAIT();
+    PDL_LAUNCH();
+    if (lane == 0) wt[j] = routed ? ((const float*)p.wts)[j] : sigmoid_f(((const float*)p.slogit)[0]);
+    float xv[32];
+    const float xs = sw_x_act((const u16*)p.act + (u64)j * K, c, xv);
+#pragma unroll
+    for (int q = 0; q < G; q++) {
+        cp_wait_n(G - 1 - q);
+        SwUnit<BITS> un[1];
+        wide_fetch<BITS>(wsm + (q * NP * T + tid) * 16, T * 16, (const u32*)(wsm + codes + (q * T + tid) * 4), (const u32*)(wsm + codes + sbw + (q * T + tid) * 4), half, un[0]);
+        float part[1];
+        sw_dots<BITS, 1, C>(un, xv, xs, part);
+        if (c == 0) red[j][q * RW + r] = part[0];
+    }
+    __syncthreads();
+    if (tid < DR) moe_down_add(&red[0][0], DR, wt, nslot, tid, row0 + tid, H, (float*)p.h);
+}
+
+// No PDL_ENTRY: each body places its own wait (above).
+#define MOE_WIDE_GATE_UP(BITS, C, RPB)                                                                      \
+    extern "C" __global__ void __launch_bounds__(256, 3) moe_wide_gate_up_##BITS##_##C##_##RPB(SwMoe p) {  \
+        moe_wide_gate_up_body<BITS, C, RPB>(p);                                                             \
+    }
+#define MOE_WIDE_DOWN(BITS, C, DR)                                                                          \
+    extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS, 2) moe_wide_down_##BITS##_##C##_##DR(SwMoe p) { \
+        moe_wide_down_body<BITS, C, DR>(p);                                                                 \
+    }
+#define MOE_WIDE_KERNELS(BITS)                                                                              \
+    MOE_WIDE_GATE_UP(BITS, 8, 8) MOE_WIDE_GATE_UP(BITS, 8, 16) MOE_WIDE_GATE_UP(BITS, 8, 32)                 \
+    MOE_WIDE_DOWN(BITS, 16, 8) MOE_WIDE_DOWN(BITS, 16, 16) MOE_WIDE_DOWN(BITS, 16, 32)
+
+MOE_WIDE_KERNELS(4)
+MOE_WIDE_KERNELS(8)
