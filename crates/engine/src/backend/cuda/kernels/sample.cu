@@ -375,7 +375,7 @@ extern "C" __global__ void mask_logits(float* __restrict__ logits, const u32* __
     if (i >= vocab) return;
     const int w = i >> 5;
     const u32 bits = w < nwords ? allowed[w] : 0u;
-    if (!((bits >> (i & 31)) & 1u)) logits[i] = -INFINITY;
+    if (!((bits >> (i & 31)) & 1u)) logits[i] = NEG_INF;
 }
 
 // One block of FIN_THREADS, after sample_topk_partial with lp = 1 and kc = max(n, 1) over P blocks
