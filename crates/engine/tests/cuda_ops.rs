@@ -1109,6 +1109,8 @@ fn fused_gdn_mixer_equals_its_composition() {
     let run = |fused: bool| {
         g.set_enabled(if fused { &["fuse_gdn"][..] } else { &[][..] })
             .unwrap();
+        // gdn_step (on by default) comes before fuse_gdn: off here, so fuse_gdn is what runs.
+        g.set_disabled(&["gdn_step"]).unwrap();
         let (mut gh, mut conv, mut ssm) = (
             g.upload_vec(&h0).unwrap(),
             g.upload_vec(&conv0).unwrap(),
@@ -1140,6 +1142,7 @@ fn fused_gdn_mixer_equals_its_composition() {
             steps.push((h(&g, &gh), h(&g, &conv), h(&g, &ssm)));
         }
         g.set_enabled(&[]).unwrap();
+        g.set_disabled(&[]).unwrap();
         steps
     };
     let (fu, co) = (run(true), run(false));
@@ -1179,7 +1182,7 @@ fn fused_gdn_mixer_equals_its_composition() {
     }
 }
 
-/// The opt-in one-kernel GDN step (`gdn_step`: conv1d_step, the gated delta step and the gated
+/// The one-kernel GDN step (switch `gdn_step`: conv1d_step, the gated delta step and the gated
 /// norm as one launch between in_proj and out_proj, gdn.cu's gdn_step_<K>) at the model's head
 /// shapes (Hk 16, Hv 32, Dk = Dv 128, conv 4: clusters of 8 blocks), six tokens in a row from
 /// random states, each token's h drawn afresh so that every token's inputs are known. Against
@@ -1191,10 +1194,8 @@ fn fused_gdn_mixer_equals_its_composition() {
 /// backend's composition (the switch off; the trait default: rms_norm_matmul, conv1d_step,
 /// gdn_decode, matmul_q_add) from the same states and h: the kernel does the three kernels'
 /// arithmetic in their order, so qkv_c, y, both states and h must be equal bit for bit (checked
-/// last, after the CPU checks of every token). Ignored while opt-in and never run on a GPU (a
-/// fault would poison the tests after it): `scripts/h200-run gdn` runs it alone with --ignored.
+/// last, after the CPU checks of every token).
 #[test]
-#[ignore = "opt-in gdn_step: not yet run on a GPU; run alone by scripts/h200-run gdn"]
 fn gdn_step_matches_the_cpu() {
     let Some(g) = gpu() else { return };
     let d = qwen_dims();
@@ -1257,7 +1258,7 @@ fn gdn_step_matches_the_cpu() {
         ssm: Vec<f32>,
     }
     let run = |on: bool| -> Vec<Tok> {
-        g.set_enabled(if on { &["gdn_step"][..] } else { &[][..] })
+        g.set_disabled(if on { &[][..] } else { &["gdn_step"][..] })
             .unwrap();
         let (mut conv, mut ssm) = (g.upload_vec(&conv0).unwrap(), g.upload_vec(&ssm0).unwrap());
         let mut toks = Vec::new();
@@ -1296,7 +1297,7 @@ fn gdn_step_matches_the_cpu() {
                 ssm: h(&g, &ssm),
             });
         }
-        g.set_enabled(&[]).unwrap();
+        g.set_disabled(&[]).unwrap();
         toks
     };
     let (st, co) = (run(true), run(false));
@@ -2088,8 +2089,8 @@ fn moe_route_and_experts() {
                 for (off, on) in [
                     (&[][..], &[][..]),
                     (&["fuse_moe"][..], &[][..]),
-                    (&[][..], &["tc_all"][..]),
-                    (&[][..], &["moe_wide"][..]),
+                    (&["moe_wide"][..], &["tc_all"][..]),
+                    (&["moe_wide"][..], &[][..]),
                 ] {
                     g.set_disabled(off).unwrap();
                     g.set_enabled(on).unwrap();
@@ -2211,8 +2212,8 @@ fn moe_route_and_experts() {
                 },
                 &mut ch,
             );
-            for on in [&[][..], &["moe_wide"][..]] {
-                g.set_enabled(on).unwrap();
+            for off in [&[][..], &["moe_wide"][..]] {
+                g.set_disabled(off).unwrap();
                 let mut gh = g.zeros(hid).unwrap();
                 let (mut t0, mut t1, mut t2, mut t3, mut t4) = (
                     g.act_zeros(hid).unwrap(),
@@ -2229,9 +2230,9 @@ fn moe_route_and_experts() {
                     down: &mut t4,
                 };
                 g.moe_decode_add(&gx, &gr, &gg8, &gu8, &gd8, &gsh, &d, tmp, &mut gh);
-                g.set_enabled(&[]).unwrap();
+                g.set_disabled(&[]).unwrap();
                 check_moe(
-                    &format!("moe_decode_add, 8-bit experts + 8-bit shared (on: {on:?})"),
+                    &format!("moe_decode_add, 8-bit experts + 8-bit shared (off: {off:?})"),
                     &h(&g, &gh),
                     &ch,
                     &x,

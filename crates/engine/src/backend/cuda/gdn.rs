@@ -293,7 +293,7 @@ impl Cuda {
             d.gdn_v_dim,
             d.conv_kernel,
         );
-        let fits = self.opted_in("gdn_step")
+        let fits = self.on("gdn_step")
             && self.pdl_ok
             && dk == 128
             && dv.is_multiple_of(32)

@@ -454,6 +454,17 @@ pub struct Cuda {
 ///   lm_head 118 -> 102.
 /// * `pdl_step`: programmatic dependent launch for the kernels of a recorded decode step (the
 ///   `pdl` field says what was measured); off, plain stream order.
+/// * `gdn_step`: a GDN layer's conv1d_step, gated delta step and gated norm as ONE kernel
+///   between in_proj and out_proj (gdn.cu's gdn_step_<K>: 128 blocks in clusters of 8, one per
+///   key head; the state requested before the PDL wait): -60 kernels per token, the same bits as
+///   the three kernels (cuda_ops). Decode 491 against 464 tok/s at 4K, 448 against 423 at 32K on
+///   the H200 (two rounds alternated); off, conv1d_step + gdn_scan + gdn_gated_norm.
+/// * `moe_wide`: the decode experts (with `fuse_moe`) as moe.cu's moe_wide_*: the same two
+///   launches and function as moe_sw_*, but every block requests all of its weights at once
+///   (cp.async into shared memory, one commit group per row group), the shared expert's gate|up
+///   and all of down's weights before the PDL wait. Full-model shapes (hidden 2048, width 512);
+///   `LILY_CUDA_MOE_WIDE=RPB,DR` sets the rows per block (see decode.rs moe_wide_rows). Lab:
+///   11.6 against 13.7 us per layer at 16,8; off, moe_sw_*.
 pub const SWITCHES: &[&str] = &[
     "stream_gemv",
     "fuse_norm",
@@ -462,12 +473,14 @@ pub const SWITCHES: &[&str] = &[
     "fuse_route",
     "tc_gemv",
     "pdl_step",
+    "gdn_step",
+    "moe_wide",
 ];
 /// The switches that do not live in the streaming kernels (`stream_gemv` off leaves them as set).
 const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 
 /// Decode-path variants that are off unless asked for (`LILY_CUDA_ENABLE=name`,
-/// `Cuda::set_enabled`): written but not yet measured or run on a GPU.
+/// `Cuda::set_enabled`): correct, but not faster where measured.
 /// * `tc_all`: the tensor-core streaming dot (switch `tc_gemv`) also for the other widths (K 512,
 ///   1024, 4096: out_proj, o_proj) and the MoE experts (moe.cu's moe_tc_*). Correct (cuda_ops) but
 ///   measured slower on the H200 than the SIMT kernels there: out_proj 5.3 against 4.4 us, the
@@ -477,25 +490,9 @@ const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   on the H200 but measured slower there (439 against 457 tok/s at 4K).
 /// * `router_cluster`: an MoE block's router | shared gate with the norm and the route as one
 ///   thread-block cluster (gemv.cu's router_cluster_<CL>; `LILY_CUDA_ROUTER_CLUSTER=8|16` blocks,
-///   default 16). Written at stop 19, not yet run on a GPU.
-/// * `gdn_step`: a GDN layer's conv1d_step, gated delta step and gated norm as ONE kernel
-///   between the default in_proj and out_proj (gdn.cu's gdn_step_<K>: 128 blocks in clusters of
-///   8, one per key head; the state streamed by every block at once and requested before the PDL
-///   wait): -60 kernels per token, the same bits as the three kernels it replaces. Written after
-///   stop 19, not yet run on a GPU (`scripts/h200-run gdn`).
-/// * `moe_wide`: the decode experts (`moe_decode_add` with `fuse_moe`) as moe.cu's moe_wide_*:
-///   the same two launches and function as moe_sw_*, but every block requests all of its weights
-///   at once (cp.async into shared memory, one commit group per row group), the shared expert's
-///   gate|up and all of down's weights before the PDL wait. Full-model shapes only (hidden 2048,
-///   width 512); `LILY_CUDA_MOE_WIDE=RPB,DR` sets the rows per block (8|16|32 each, default
-///   16,16). Written for issue #13, not yet run on a GPU.
-pub const OPT_IN: &[&str] = &[
-    "tc_all",
-    "fuse_gdn",
-    "router_cluster",
-    "gdn_step",
-    "moe_wide",
-];
+///   default 16). Correct on the H200 but slower there (decode 461/457 against 470/463 tok/s
+///   at 4K, two rounds alternated): the cluster launch costs more than the ticket it removes.
+pub const OPT_IN: &[&str] = &["tc_all", "fuse_gdn", "router_cluster"];
 
 impl Cuda {
     /// The first GPU.
