@@ -53,6 +53,10 @@ SCRIPT = [
     {"when": "[[trip]]", "reply": TRIP_CALL},
     {"when": "[[complete]]", "reply": " and they lived happily ever after."},
     {"when": "[[long]]", "reply": LONG_REPLY},
+    # Structured outputs with thinking on (test_structured.py): the reasoning is forced and closed,
+    # then the model goes on (`open`: no end of turn) under the constraint, which starts after
+    # `</think>`. A random model would rarely close its reasoning by itself.
+    {"when": "[[json-think]]", "reply": "plan it\n</think>", "open": True},
 ]
 
 

@@ -16,7 +16,7 @@
 //!   off (Anthropic's default is no thinking).
 //! - `max_tokens`, `stop_sequences`, `temperature`, `top_p`, `top_k`, `stream` as they are;
 //!   `metadata`, `service_tier`, `output_config.effort` and other fields are ignored;
-//!   `output_config.format` (structured outputs) is refused until constrained decoding exists.
+//!   `output_config.format` (`{"type": "json_schema", "schema"}`) constrains the answer.
 //!
 //! Response: content blocks `thinking` (reasoning; `signature` is empty: nothing to verify here),
 //! `text`, `tool_use` (`input` is the parsed arguments); `stop_reason` end_turn / max_tokens /
@@ -212,12 +212,6 @@ pub fn chat_body(o: &Map<String, Value>) -> ApiResult<Map<String, Value>> {
         "chat_template_kwargs".into(),
         json!({"enable_thinking": thinking}),
     );
-    if get(o, "output_config")
-        .and_then(|c| c.get("format"))
-        .is_some_and(|f| !f.is_null())
-    {
-        return Err(ApiError::param("output_config", "`output_config.format` (structured outputs) is not supported yet (no constrained decoding)"));
-    }
     Ok(out)
 }
 
@@ -337,7 +331,23 @@ fn message(i: usize, m: &Value, out: &mut Vec<Value>) -> ApiResult<()> {
 
 /// Anthropic body → the chat request the chat path runs.
 pub fn messages_request(o: &Map<String, Value>) -> ApiResult<ChatRequest> {
-    api::chat_request(&chat_body(o)?)
+    let mut req = api::chat_request(&chat_body(o)?)?;
+    // Structured outputs: `output_config.format` = {"type": "json_schema", "schema": {…}}.
+    let format = match get(o, "output_config") {
+        None => None,
+        Some(Value::Object(c)) => get(c, "format"),
+        Some(v) => {
+            return Err(ApiError::param(
+                "output_config",
+                format!("`output_config` must be an object, got {}", kind(v)),
+            ))
+        }
+    };
+    if let Some(f) = format {
+        let s = api::flat_format("output_config", "output_config.format", f, false)?;
+        api::set_structured(&mut req, s)?;
+    }
+    Ok(req)
 }
 
 fn reject(app: &App, e: ApiError) -> Response {
@@ -751,7 +761,9 @@ mod tests {
             "output_config",
             json!({"format": {"type": "json_schema", "schema": {}}})
         )
-        .is_err());
+        .is_ok());
+        assert!(with("output_config", json!({"format": {"type": "json_schema"}})).is_err());
+        assert!(with("output_config", json!({"format": {"type": "xml"}})).is_err());
         assert!(with("output_config", json!({"effort": "low"})).is_ok());
         // A tool result marked as an error says so.
         let b = body(json!({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},

@@ -7,6 +7,7 @@
 
 use serde_json::{Map, Value};
 
+use lily::runtime::constrain::Grammar;
 use lily::runtime::sampler::SamplingOverrides;
 
 use crate::error::{ApiError, ApiResult};
@@ -44,6 +45,16 @@ pub struct ChatRequest {
     /// thinking off unless the kwargs set it.
     pub template_kwargs: Map<String, Value>,
     pub cache_key: Option<String>,
+    /// Structured output (`response_format`, `structured_outputs`, `guided_*`).
+    pub structured: Option<Structured>,
+}
+
+/// A structured-output request: what the answer must follow and the field that asked for it
+/// (named in errors, e.g. when the grammar does not compile).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Structured {
+    pub grammar: Grammar,
+    pub param: &'static str,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -57,6 +68,7 @@ pub struct CompletionRequest {
     pub common: Common,
     pub prompt: Prompt,
     pub cache_key: Option<String>,
+    pub structured: Option<Structured>,
 }
 
 /// Largest `max_tokens` accepted at all; a larger value is refused as absurd. Values that fit
@@ -434,11 +446,12 @@ pub fn chat_request(o: &Map<String, Value>) -> ApiResult<ChatRequest> {
             ))
         }
     }
-    if let Some(rf) = f.object("response_format")? {
-        match rf.get("type").and_then(Value::as_str) {
-            Some("text") | None => {}
-            Some(t) => return Err(ApiError::param("response_format", format!("`response_format` type {t:?} is not supported (no constrained decoding yet); use \"text\""))),
-        }
+    let structured = structured(o)?;
+    if let (Some(s), ToolChoice::Required | ToolChoice::Named(_)) = (&structured, &tool_choice) {
+        return Err(ApiError::param(
+            s.param,
+            format!("`{}` cannot be combined with a `tool_choice` that asks for a tool call: the answer is either the call or the formatted text", s.param),
+        ));
     }
     Ok(ChatRequest {
         common,
@@ -447,6 +460,7 @@ pub fn chat_request(o: &Map<String, Value>) -> ApiResult<ChatRequest> {
         tool_choice,
         template_kwargs,
         cache_key: cache_key(o)?,
+        structured,
     })
 }
 
@@ -646,6 +660,14 @@ fn tool(i: usize, t: &Value) -> ApiResult<()> {
     if tool_name(t).is_none() {
         return Err(ApiError::param(&p, format!("`{p}` needs `function.name`")));
     }
+    if let Some(strict) = t.get("function").unwrap_or(t).get("strict") {
+        if !strict.is_boolean() && !strict.is_null() {
+            return Err(ApiError::param(
+                &p,
+                format!("`{p}.function.strict` must be true or false"),
+            ));
+        }
+    }
     if let Some(params) = t.get("function").unwrap_or(t).get("parameters") {
         if !params.is_object() && !params.is_null() {
             return Err(ApiError::param(
@@ -713,7 +735,291 @@ pub fn completion_request(o: &Map<String, Value>) -> ApiResult<CompletionRequest
         common,
         prompt,
         cache_key: cache_key(o)?,
+        structured: structured(o)?,
     })
+}
+
+/// The structured-output fields, at most one of them: OpenAI's `response_format` (`text`,
+/// `json_object`, `json_schema`), vLLM's `structured_outputs` (`json`, `json_object`, `choice`,
+/// `regex`, `grammar`: exactly one) and vLLM's older top-level `guided_json`, `guided_choice`,
+/// `guided_regex`, `guided_grammar`. Whether a schema or grammar compiles is checked later, when
+/// it is compiled (still before the request is queued).
+pub fn structured(o: &Map<String, Value>) -> ApiResult<Option<Structured>> {
+    let f = Fields(o);
+    let mut found: Vec<Structured> = Vec::new();
+    if let Some(rf) = f.object("response_format")? {
+        if let Some(g) = response_format(rf)? {
+            found.push(Structured {
+                grammar: g,
+                param: "response_format",
+            });
+        }
+    }
+    if let Some(so) = f.object("structured_outputs")? {
+        found.push(Structured {
+            grammar: structured_outputs(so)?,
+            param: "structured_outputs",
+        });
+    }
+    for (k, make) in [
+        (
+            "guided_json",
+            json_grammar as fn(&str, &Value) -> ApiResult<Grammar>,
+        ),
+        ("guided_choice", choice_grammar),
+        ("guided_regex", regex_grammar),
+        ("guided_grammar", lark_grammar),
+    ] {
+        if let Some(v) = f.get(k) {
+            found.push(Structured {
+                grammar: make(k, v)?,
+                param: k,
+            });
+        }
+    }
+    if found.len() > 1 {
+        let names: Vec<String> = found.iter().map(|s| format!("`{}`", s.param)).collect();
+        return Err(ApiError::param(
+            found[1].param,
+            format!(
+                "a request takes one structured-output constraint; it has {}",
+                names.join(" and ")
+            ),
+        ));
+    }
+    Ok(found.pop())
+}
+
+/// OpenAI's `response_format`.
+fn response_format(rf: &Map<String, Value>) -> ApiResult<Option<Grammar>> {
+    const P: &str = "response_format";
+    match rf.get("type") {
+        None | Some(Value::Null) => Err(ApiError::param(
+            P,
+            "`response_format.type` is required: one of text, json_object, json_schema",
+        )),
+        Some(Value::String(t)) => match t.as_str() {
+            "text" => Ok(None),
+            "json_object" => Ok(Some(Grammar::JsonObject)),
+            "json_schema" => {
+                let js = match rf.get("json_schema") {
+                    Some(Value::Object(js)) => js,
+                    None | Some(Value::Null) => return Err(ApiError::param(P, "`response_format.json_schema` is required when `type` is \"json_schema\": {\"name\": …, \"schema\": {…}}")),
+                    Some(v) => return Err(ApiError::param(P, format!("`response_format.json_schema` must be an object, got {}", kind(v)))),
+                };
+                let jf = Fields(js);
+                let bad = |k: &str, what: &str| {
+                    ApiError::param(P, format!("`response_format.json_schema.{k}` {what}"))
+                };
+                match jf.get("name") {
+                    Some(Value::String(n)) if !n.is_empty() && n.chars().count() <= 64 => {}
+                    Some(Value::String(_)) => {
+                        return Err(bad("name", "must be 1 to 64 characters"))
+                    }
+                    Some(v) => {
+                        return Err(bad("name", &format!("must be a string, got {}", kind(v))))
+                    }
+                    None => return Err(bad("name", "is required")),
+                }
+                if jf.get("strict").is_some_and(|v| !v.is_boolean()) {
+                    return Err(bad("strict", "must be true or false"));
+                }
+                if jf.get("description").is_some_and(|v| !v.is_string()) {
+                    return Err(bad("description", "must be a string"));
+                }
+                match jf.get("schema") {
+                    None => Err(bad("schema", "is required (a JSON Schema object)")),
+                    Some(s @ (Value::Object(_) | Value::Bool(_))) => {
+                        Ok(Some(Grammar::JsonSchema(s.clone())))
+                    }
+                    Some(v) => Err(bad(
+                        "schema",
+                        &format!("must be a JSON Schema object, got {}", kind(v)),
+                    )),
+                }
+            }
+            other => Err(ApiError::param(
+                P,
+                format!(
+                    "`response_format.type` {other:?} is not one of text, json_object, json_schema"
+                ),
+            )),
+        },
+        Some(v) => Err(ApiError::param(
+            P,
+            format!("`response_format.type` must be a string, got {}", kind(v)),
+        )),
+    }
+}
+
+/// A flat output format, as the Responses API's `text.format` and Anthropic's
+/// `output_config.format` send it: `{"type": "json_schema", "schema": {…}, "name", "strict"}`,
+/// `{"type": "json_object"}` (Responses) or `{"type": "text"}`. `path` names the field in errors.
+pub(crate) fn flat_format(
+    param: &'static str,
+    path: &str,
+    fmt: &Value,
+    json_object: bool,
+) -> ApiResult<Option<Structured>> {
+    let Value::Object(fo) = fmt else {
+        return Err(ApiError::param(
+            param,
+            format!("`{path}` must be an object, got {}", kind(fmt)),
+        ));
+    };
+    let g = match fo.get("type").and_then(Value::as_str) {
+        Some("text") if json_object => return Ok(None),
+        Some("json_object") if json_object => Grammar::JsonObject,
+        Some("json_schema") => match Fields(fo).get("schema") {
+            Some(s @ (Value::Object(_) | Value::Bool(_))) => Grammar::JsonSchema(s.clone()),
+            None => {
+                return Err(ApiError::param(
+                    param,
+                    format!("`{path}.schema` is required (a JSON Schema object)"),
+                ))
+            }
+            Some(v) => {
+                return Err(ApiError::param(
+                    param,
+                    format!(
+                        "`{path}.schema` must be a JSON Schema object, got {}",
+                        kind(v)
+                    ),
+                ))
+            }
+        },
+        _ if json_object => {
+            return Err(ApiError::param(
+                param,
+                format!("`{path}.type` must be one of text, json_object, json_schema"),
+            ))
+        }
+        _ => {
+            return Err(ApiError::param(
+                param,
+                format!("`{path}.type` must be \"json_schema\""),
+            ))
+        }
+    };
+    Ok(Some(Structured { grammar: g, param }))
+}
+
+/// Sets a dialect's structured output on its chat request: refused when the request already
+/// asks for a tool call (the answer is either the call or the formatted text).
+pub(crate) fn set_structured(req: &mut ChatRequest, s: Option<Structured>) -> ApiResult<()> {
+    if let Some(s) = &s {
+        if matches!(req.tool_choice, ToolChoice::Required | ToolChoice::Named(_)) {
+            return Err(ApiError::param(
+                s.param,
+                format!("`{}` cannot be combined with a `tool_choice` that asks for a tool call: the answer is either the call or the formatted text", s.param),
+            ));
+        }
+        req.structured = Some(s.clone());
+    }
+    Ok(())
+}
+
+/// vLLM's `structured_outputs`: exactly one of `json`, `json_object`, `choice`, `regex`,
+/// `grammar` (its options such as `disable_any_whitespace` are ignored: JSON is always compact).
+fn structured_outputs(so: &Map<String, Value>) -> ApiResult<Grammar> {
+    const P: &str = "structured_outputs";
+    const KINDS: [&str; 5] = ["json", "json_object", "choice", "regex", "grammar"];
+    if let Some(k) = ["structural_tag"]
+        .iter()
+        .find(|k| Fields(so).get(k).is_some())
+    {
+        return Err(ApiError::param(
+            P,
+            format!("`structured_outputs.{k}` is not supported; use one of json, json_object, choice, regex, grammar"),
+        ));
+    }
+    let set: Vec<&str> = KINDS
+        .into_iter()
+        .filter(|k| match Fields(so).get(k) {
+            None => false,
+            Some(Value::Bool(b)) => *b || *k != "json_object",
+            Some(_) => true,
+        })
+        .collect();
+    let k = match set.as_slice() {
+        [k] => *k,
+        [] => return Err(ApiError::param(P, "`structured_outputs` needs one of json, json_object, choice, regex, grammar")),
+        many => return Err(ApiError::param(P, format!("`structured_outputs` takes exactly one of json, json_object, choice, regex, grammar; it has {}", many.join(" and ")))),
+    };
+    let path = format!("structured_outputs.{k}");
+    let v = &so[k];
+    match k {
+        "json" => json_grammar(&path, v),
+        "json_object" if v.is_boolean() => Ok(Grammar::JsonObject),
+        "json_object" => Err(ApiError::param(
+            P,
+            "`structured_outputs.json_object` must be true or false",
+        )),
+        "choice" => choice_grammar(&path, v),
+        "regex" => regex_grammar(&path, v),
+        _ => lark_grammar(&path, v),
+    }
+}
+
+fn param_of(path: &str) -> &str {
+    path.split('.').next().unwrap_or(path)
+}
+
+/// A JSON schema: an object (or a boolean), or the same as JSON text (vLLM takes both).
+fn json_grammar(path: &str, v: &Value) -> ApiResult<Grammar> {
+    match v {
+        Value::Object(_) | Value::Bool(_) => Ok(Grammar::JsonSchema(v.clone())),
+        Value::String(s) => match serde_json::from_str::<Value>(s) {
+            Ok(s @ (Value::Object(_) | Value::Bool(_))) => Ok(Grammar::JsonSchema(s)),
+            _ => Err(ApiError::param(
+                param_of(path),
+                format!("`{path}` is a string that is not a JSON Schema object"),
+            )),
+        },
+        v => Err(ApiError::param(
+            param_of(path),
+            format!("`{path}` must be a JSON Schema object, got {}", kind(v)),
+        )),
+    }
+}
+
+fn choice_grammar(path: &str, v: &Value) -> ApiResult<Grammar> {
+    let bad = || {
+        ApiError::param(
+            param_of(path),
+            format!("`{path}` must be a non-empty array of strings"),
+        )
+    };
+    let Value::Array(a) = v else {
+        return Err(bad());
+    };
+    if a.is_empty() {
+        return Err(bad());
+    }
+    a.iter()
+        .map(|x| x.as_str().map(str::to_string).ok_or_else(bad))
+        .collect::<ApiResult<Vec<_>>>()
+        .map(Grammar::Choice)
+}
+
+fn regex_grammar(path: &str, v: &Value) -> ApiResult<Grammar> {
+    match v {
+        Value::String(s) if !s.is_empty() => Ok(Grammar::Regex(s.clone())),
+        _ => Err(ApiError::param(
+            param_of(path),
+            format!("`{path}` must be a non-empty string (a regular expression)"),
+        )),
+    }
+}
+
+fn lark_grammar(path: &str, v: &Value) -> ApiResult<Grammar> {
+    match v {
+        Value::String(s) if !s.trim().is_empty() => Ok(Grammar::Lark(s.clone())),
+        _ => Err(ApiError::param(
+            param_of(path),
+            format!("`{path}` must be a non-empty string (a Lark grammar, llguidance's dialect)"),
+        )),
+    }
 }
 
 /// A dialect's flat tool list (Anthropic's, the Responses API's: name at the top of each tool)
@@ -817,8 +1123,142 @@ mod tests {
         )
         .is_err());
         assert!(with("response_format", json!({"type": "json_schema"})).is_err());
+        assert!(with("response_format", json!({"type": "text"}))
+            .unwrap()
+            .structured
+            .is_none());
         assert!(with("seed", json!(-5)).is_ok());
         assert!(with("whatever_unknown", json!({"a": 1})).is_ok());
+    }
+
+    #[test]
+    fn structured_outputs() {
+        let base = json!({"messages": [{"role": "user", "content": "hi"}]});
+        let with = |fields: Value| {
+            let mut b = base.clone();
+            for (k, v) in fields.as_object().unwrap() {
+                b[k] = v.clone();
+            }
+            chat(b)
+        };
+        let grammar = |fields: Value| {
+            with(fields)
+                .unwrap()
+                .structured
+                .map(|s| (s.grammar, s.param))
+        };
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        assert_eq!(
+            grammar(json!({"response_format": {"type": "json_object"}})),
+            Some((Grammar::JsonObject, "response_format"))
+        );
+        assert_eq!(
+            grammar(
+                json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": true, "description": "d"}}})
+            ),
+            Some((Grammar::JsonSchema(schema.clone()), "response_format"))
+        );
+        assert_eq!(grammar(json!({"response_format": {"type": "text"}})), None);
+        let err = |fields: Value| {
+            let e = with(fields).unwrap_err();
+            (e.param.unwrap_or_default(), e.message)
+        };
+        // OpenAI's required fields and types.
+        let (p, m) = err(
+            json!({"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}),
+        );
+        assert_eq!(p, "response_format");
+        assert!(m.contains("name"), "{m}");
+        assert!(err(
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
+        )
+        .1
+        .contains("schema"));
+        assert!(err(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}})).1.contains("schema"));
+        assert!(err(json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": "yes"}}})).1.contains("strict"));
+        assert!(err(json!({"response_format": {"type": "xml"}}))
+            .1
+            .contains("xml"));
+        assert!(err(json!({"response_format": {}})).1.contains("type"));
+        // vLLM's structured_outputs: exactly one kind.
+        assert_eq!(
+            grammar(json!({"structured_outputs": {"choice": ["a", "b"]}})),
+            Some((
+                Grammar::Choice(vec!["a".into(), "b".into()]),
+                "structured_outputs"
+            ))
+        );
+        assert_eq!(
+            grammar(json!({"structured_outputs": {"regex": "[0-9]+"}})),
+            Some((Grammar::Regex("[0-9]+".into()), "structured_outputs"))
+        );
+        assert_eq!(
+            grammar(json!({"structured_outputs": {"json": schema.to_string()}})),
+            Some((Grammar::JsonSchema(schema.clone()), "structured_outputs"))
+        );
+        assert_eq!(
+            grammar(json!({"structured_outputs": {"grammar": "start: \"x\""}})),
+            Some((Grammar::Lark("start: \"x\"".into()), "structured_outputs"))
+        );
+        assert_eq!(
+            grammar(json!({"structured_outputs": {"json_object": true}})),
+            Some((Grammar::JsonObject, "structured_outputs"))
+        );
+        assert!(
+            err(json!({"structured_outputs": {"choice": ["a"], "regex": "a"}}))
+                .1
+                .contains("exactly one")
+        );
+        assert!(err(json!({"structured_outputs": {}})).1.contains("one of"));
+        assert!(err(json!({"structured_outputs": {"choice": []}}))
+            .1
+            .contains("non-empty"));
+        assert!(err(json!({"structured_outputs": {"choice": [1]}}))
+            .1
+            .contains("strings"));
+        assert!(err(json!({"structured_outputs": {"structural_tag": {}}}))
+            .1
+            .contains("not supported"));
+        // The older guided_* fields.
+        assert_eq!(
+            grammar(json!({"guided_choice": ["x"]})),
+            Some((Grammar::Choice(vec!["x".into()]), "guided_choice"))
+        );
+        assert_eq!(
+            grammar(json!({"guided_json": schema})),
+            Some((Grammar::JsonSchema(schema.clone()), "guided_json"))
+        );
+        assert_eq!(
+            grammar(json!({"guided_regex": "a+"})),
+            Some((Grammar::Regex("a+".into()), "guided_regex"))
+        );
+        assert!(grammar(json!({"guided_grammar": "start: \"x\""})).is_some());
+        assert!(err(json!({"guided_regex": ""})).0 == "guided_regex");
+        // Two sources: a 400 naming both.
+        let (_, m) = err(json!({"response_format": {"type": "json_object"}, "guided_regex": "a"}));
+        assert!(
+            m.contains("`response_format`") && m.contains("`guided_regex`"),
+            "{m}"
+        );
+        // A forced tool call and a format cannot both hold.
+        let tools = json!([{"type": "function", "function": {"name": "f", "strict": true, "parameters": {"type": "object"}}}]);
+        assert!(err(json!({"tools": tools, "tool_choice": "required", "response_format": {"type": "json_object"}})).1.contains("tool_choice"));
+        assert!(with(json!({"tools": tools, "response_format": {"type": "json_object"}})).is_ok());
+        assert!(with(
+            json!({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]})
+        )
+        .is_err());
+        // Completions take the same fields.
+        let c = |v: Value| completion_request(v.as_object().unwrap());
+        assert_eq!(
+            c(json!({"prompt": "x", "guided_choice": ["a"]}))
+                .unwrap()
+                .structured
+                .unwrap()
+                .grammar,
+            Grammar::Choice(vec!["a".into()])
+        );
+        assert!(c(json!({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "n"}}})).is_err());
     }
 
     #[test]

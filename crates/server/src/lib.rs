@@ -29,6 +29,7 @@ pub mod metrics;
 pub mod output;
 pub mod responses;
 mod routes;
+pub mod structured;
 pub mod worker;
 
 use std::net::SocketAddr;
@@ -91,6 +92,10 @@ impl ServeOptions {
 pub struct ScriptRule {
     pub when: String,
     pub reply: String,
+    /// Force the reply, then let the model go on (no end of turn): e.g. a reasoning that ends in
+    /// `</think>`, after which a structured-output constraint takes over.
+    #[serde(default)]
+    pub open: bool,
 }
 
 /// What every handler shares.
@@ -101,6 +106,12 @@ pub(crate) struct App {
     stop_ids: Vec<u32>,
     /// `</think>`: where a forced tool-call start goes when the prompt opened a think block.
     think_close: Option<u32>,
+    /// Structured outputs: the grammar compiler for this tokenizer, or why it could not be set
+    /// up (then structured-output requests get that error; everything else still runs).
+    grammars: std::result::Result<lily::runtime::constrain::Grammars, String>,
+    /// What the template puts between `</think>` and the answer ("\n\n"): forced before a
+    /// constraint that starts after the reasoning.
+    think_lead: Vec<u32>,
     max_context: usize,
     /// The longest token in bytes: a prompt longer than `max_context` × this cannot fit, and is
     /// refused before tokenizing (tokenizing megabytes would tie up a core for seconds).
@@ -184,7 +195,9 @@ impl Server {
                     .into_iter()
                     .map(|r| {
                         let mut ids = tok.encode(&r.reply)?;
-                        ids.push(end_of_turn);
+                        if !r.open {
+                            ids.push(end_of_turn);
+                        }
                         Ok((r, ids))
                     })
                     .collect::<Result<_>>()?
@@ -209,8 +222,20 @@ impl Server {
             .max()
             .unwrap_or(1)
             .max(1);
+        let grammars = lily::config::Config::from_dir(dir)
+            .map(|c| c.vocab_size)
+            .and_then(|vocab| {
+                lily::runtime::constrain::Grammars::new(tok.clone(), vocab, &stop_ids)
+            })
+            .map_err(|e| format!("structured outputs are unavailable on this server: {e:#}"));
+        if let Err(e) = &grammars {
+            eprintln!("lily: {e}");
+        }
+        let think_lead = tok.encode("\n\n")?;
         let app = Arc::new(App {
             max_token_bytes,
+            grammars,
+            think_lead,
             think_close: tok.token_id("</think>"),
             tok,
             template,

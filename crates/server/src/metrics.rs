@@ -53,6 +53,9 @@ struct Timing {
     decode_tokens: u64,
     last_prefill_tps: f64,
     last_decode_tps: f64,
+    /// Grammar compilations (structured outputs): [cold, cached] seconds and counts.
+    compile_s: [f64; 2],
+    compiles: [u64; 2],
 }
 
 impl Metrics {
@@ -87,6 +90,13 @@ impl Metrics {
             t.decode_tokens += decoded as u64;
             t.last_decode_tps = decoded as f64 / decode_s;
         }
+    }
+
+    /// One structured-output grammar compiled (`cached`: taken from the compiler's cache).
+    pub fn record_compile(&self, seconds: f64, cached: bool) {
+        let mut t = self.timing.lock().unwrap_or_else(|e| e.into_inner());
+        t.compile_s[cached as usize] += seconds;
+        t.compiles[cached as usize] += 1;
     }
 
     pub fn render(&self) -> String {
@@ -192,6 +202,17 @@ impl Metrics {
             "# HELP lily_time_to_first_token_seconds From queueing a request to its first token.\n# TYPE lily_time_to_first_token_seconds summary\nlily_time_to_first_token_seconds_sum {:.6}\nlily_time_to_first_token_seconds_count {}",
             t.ttft_sum, t.ttft_count
         );
+        let _ = writeln!(
+            s,
+            "# HELP lily_grammar_compile_seconds Structured-output grammar compilation, cold or from the cache.\n# TYPE lily_grammar_compile_seconds summary"
+        );
+        for (i, cache) in ["cold", "cached"].into_iter().enumerate() {
+            let _ = writeln!(
+                s,
+                "lily_grammar_compile_seconds_sum{{cache=\"{cache}\"}} {:.6}\nlily_grammar_compile_seconds_count{{cache=\"{cache}\"}} {}",
+                t.compile_s[i], t.compiles[i]
+            );
+        }
         s
     }
 }

@@ -16,8 +16,8 @@
 //! - function `tools` (`name`, `description`, `parameters`) and `tool_choice`; other tool types
 //!   are refused. `max_output_tokens` → `max_tokens`; `temperature`, `top_p`, `prompt_cache_key`
 //!   as they are; `reasoning.effort` none / minimal → thinking off, others on (absent: the
-//!   model's default, on); `text.format` other than text is refused (no constrained decoding
-//!   yet). `parallel_tool_calls`, `metadata`, `user`, `truncation`, `include`, … are ignored.
+//!   model's default, on); `text.format` json_schema / json_object constrains the answer
+//!   (structured outputs). `parallel_tool_calls`, `metadata`, `user`, `truncation`, `include`, … are ignored.
 //!
 //! Output items, in generation order: `reasoning` (`content: [reasoning_text]`, empty
 //! `summary`), `message` (`output_text`), `function_call` (`call_id`, `name`, `arguments`).
@@ -228,15 +228,6 @@ pub fn chat_body(
             "chat_template_kwargs".into(),
             json!({"enable_thinking": !matches!(e.as_str(), "none" | "minimal")}),
         );
-    }
-    if let Some(fmt) = get(o, "text")
-        .and_then(|t| t.get("format"))
-        .filter(|f| !f.is_null())
-    {
-        match fmt.get("type").and_then(Value::as_str) {
-            Some("text") | None => {}
-            Some(t) => return Err(ApiError::param("text", format!("`text.format` type {t:?} is not supported (no constrained decoding yet); use \"text\""))),
-        }
     }
     let store = match get(o, "store") {
         None => true,
@@ -625,7 +616,17 @@ pub fn responses_request(
     previous: &dyn Fn(&str) -> Option<Arc<Vec<Value>>>,
 ) -> ApiResult<(ChatRequest, Meta)> {
     let (body, meta) = chat_body(o, previous)?;
-    Ok((api::chat_request(&body)?, meta))
+    let mut req = api::chat_request(&body)?;
+    // Structured outputs: `text.format` = {"type": "json_schema", "name", "schema", "strict"}
+    // or {"type": "json_object"}.
+    if let Some(fmt) = get(o, "text")
+        .and_then(|t| t.get("format"))
+        .filter(|f| !f.is_null())
+    {
+        let s = api::flat_format("text", "text.format", fmt, true)?;
+        api::set_structured(&mut req, s)?;
+    }
+    Ok((req, meta))
 }
 
 /// `POST /v1/responses`.
@@ -865,7 +866,13 @@ mod tests {
         .unwrap();
         assert_eq!(e.code.as_deref(), Some("previous_response_not_found"));
         assert!(body(json!({"input": "x", "tools": [{"type": "web_search"}]})).is_err());
-        assert!(body(json!({"input": "x", "text": {"format": {"type": "json_schema"}}})).is_err());
+        let req = |v: Value| responses_request(v.as_object().unwrap(), &prev);
+        assert!(req(json!({"input": "x", "text": {"format": {"type": "json_schema"}}})).is_err());
+        assert!(req(json!({"input": "x", "text": {"format": {"type": "yaml"}}})).is_err());
+        let (r, _) = req(json!({"input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {"type": "object"}, "strict": true}}})).unwrap();
+        assert_eq!(r.structured.unwrap().param, "text");
+        let (r, _) = req(json!({"input": "x", "text": {"format": {"type": "text"}}})).unwrap();
+        assert!(r.structured.is_none());
         assert!(body(json!({"input": "x", "reasoning": {"effort": "huge"}})).is_err());
         assert!(body(json!({"input": [{"type": "item_reference", "id": "x"}]})).is_err());
         // A reasoning item with encrypted content only adds no reasoning.

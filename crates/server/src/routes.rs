@@ -28,7 +28,7 @@ use futures_util::stream::{self, Stream, StreamExt};
 use serde_json::{json, Map, Value};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-use lily::runtime::constrain::Constraint;
+use lily::runtime::constrain::{Constraint, Grammar, Start};
 use lily::runtime::generate::{Forced, Generation, TokenLogprob};
 use lily::runtime::stop::{FinishReason, StopRules};
 use lily::tokenizer::TemplateError;
@@ -270,8 +270,25 @@ pub(crate) fn prepare_chat(app: &App, req: &ChatRequest) -> ApiResult<Prepared> 
     check_context(app, ids.len(), &req.common)?;
     let opens_think = output::prompt_opens_think(&text);
     let mut forced = Forced::default();
-    if let Some((_, reply)) = app.script.iter().find(|(r, _)| text.contains(&r.when)) {
+    let mut constraint = match &req.structured {
+        Some(s) => Some(compile(app, &s.grammar, s.param, opens_think)?),
+        None => None,
+    };
+    let script = app.script.iter().find(|(r, _)| text.contains(&r.when));
+    if let Some((_, reply)) = script {
         forced.now = reply.clone();
+    }
+    if script.is_some_and(|(r, _)| !r.open) {
+        // A whole scripted reply (test mode): nothing else is forced or constrained (the
+        // grammar would reject the forced tokens).
+        constraint = None;
+    } else if let Some(g) =
+        crate::structured::strict_call_grammar(req.tools.as_ref(), &req.tool_choice)
+    {
+        // Strict tools: the grammar writes the whole call (its start included), typed by the
+        // function's schema.
+        let g = g.map_err(|e| ApiError::param("tools", e))?;
+        constraint = Some(compile(app, &Grammar::Lark(g), "tools", opens_think)?);
     } else {
         // A required call is forced by writing the start of one where the answer begins: right
         // away, or after the model closes its reasoning.
@@ -303,8 +320,36 @@ pub(crate) fn prepare_chat(app: &App, req: &ChatRequest) -> ApiResult<Prepared> 
         ids,
         opens_think,
         forced,
-        constraint: None,
+        constraint,
     })
+}
+
+/// A structured-output grammar compiled for one request (a 400 naming the problem when it does
+/// not compile), in the handler so a bad schema never reaches the queue. With the prompt in a
+/// think block the constraint starts after `</think>` and the blank line the template puts there:
+/// the reasoning stays free.
+fn compile(app: &App, g: &Grammar, param: &str, opens_think: bool) -> ApiResult<Constraint> {
+    let grammars = app
+        .grammars
+        .as_ref()
+        .map_err(|e| ApiError::param(param, e.clone()))?;
+    let compiled = grammars.compile(g).map_err(|e| {
+        ApiError::param(
+            param,
+            format!("`{param}` cannot be used for constrained decoding: {e:#}"),
+        )
+        .with_code("invalid_grammar")
+    })?;
+    app.metrics
+        .record_compile(compiled.compile_s, compiled.cached);
+    let start = match (opens_think, app.think_close) {
+        (true, Some(trigger)) => Start::After {
+            trigger,
+            lead: app.think_lead.clone(),
+        },
+        _ => Start::Now,
+    };
+    Ok(Constraint { compiled, start })
 }
 
 /// A failed render as a 400. A [`TemplateError`]'s text already says "chat template"; the
@@ -353,11 +398,18 @@ fn prepare_completion(app: &App, req: &CompletionRequest) -> ApiResult<Prepared>
     {
         forced.now = reply.clone();
     }
+    let constraint = match &req.structured {
+        // A scripted reply (test mode) is not constrained; the grammar is still checked.
+        Some(s) => {
+            Some(compile(app, &s.grammar, s.param, false)?).filter(|_| forced.now.is_empty())
+        }
+        None => None,
+    };
     Ok(Prepared {
         ids,
         opens_think: false,
         forced,
-        constraint: None,
+        constraint,
     })
 }
 
