@@ -28,12 +28,10 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::api::ToolChoice;
+// JSON inside the grammar takes the engine's layout (compact, no free whitespace).
+use lily::runtime::constrain::json_options;
 
-/// JSON layout inside the grammar: the engine's (compact, no free whitespace).
-fn json_options() -> Value {
-    json!({"whitespace_flexible": false, "item_separator": ",", "key_separator": ":"})
-}
+use crate::api::ToolChoice;
 
 fn function(t: &Value) -> &Value {
     t.get("function").unwrap_or(t)

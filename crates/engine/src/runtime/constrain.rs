@@ -51,7 +51,7 @@ pub enum Grammar {
 
 /// JSON is generated compact and in one layout (no free whitespace): a grammar that lets the
 /// model pick whitespace lets a weak model pick it forever.
-fn json_options() -> Value {
+pub fn json_options() -> Value {
     json!({"whitespace_flexible": false, "item_separator": ",", "key_separator": ":"})
 }
 
@@ -62,10 +62,7 @@ impl Grammar {
             Grammar::JsonObject => Self::schema_grammar(json!({"type": "object"})),
             Grammar::JsonSchema(s) => {
                 if !(s.is_object() || s.is_boolean()) {
-                    bail!(
-                        "a JSON schema must be an object (or a boolean), not {}",
-                        kind_of(s)
-                    );
+                    bail!("a JSON schema must be an object (or a boolean)");
                 }
                 Self::schema_grammar(s.clone())
             }
@@ -112,17 +109,6 @@ impl Grammar {
             }
             Grammar::Lark(g) => format!("lark:{g}"),
         }
-    }
-}
-
-fn kind_of(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "an array",
-        Value::Object(_) => "an object",
     }
 }
 
