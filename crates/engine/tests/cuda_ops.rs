@@ -948,17 +948,45 @@ fn router_cluster_matches_the_cpu() {
 #[test]
 fn tc_gemv_matches_the_cpu() {
     let Some(g) = gpu() else { return };
+    streaming_gemv_checks(&g, "tc_all", &[]);
+}
+
+/// The opt-in wide form of the streaming GEMV (`gemv_wide`: every block's weights requested at
+/// once through cp.async, gemv.cu's gemv_wide_*) through `tc_gemv_matches_the_cpu`'s checks: it
+/// takes K = 2048 (ahead of tc_gemv, on by default) and K = 4096, both prologues, the residual-add
+/// epilogue, rows past the last whole block; plus 8-bit matrices. The SIMT loop's function, so the
+/// same F32_TOL. Cheap alone: `cargo test --release -p lily-engine --features cuda --test
+/// cuda_ops gemv_wide`.
+#[test]
+fn gemv_wide_matches_the_cpu() {
+    let Some(g) = gpu() else { return };
+    streaming_gemv_checks(
+        &g,
+        "gemv_wide",
+        &[
+            (2048, 8, vec![1000, 24]),
+            (4096, 8, vec![300]),
+            (4096, 4, vec![2048, 40]),
+        ],
+    );
+}
+
+/// The streaming GEMV checks of `tc_gemv_matches_the_cpu` with opt-in variant `variant` on (reset
+/// after), and the extra (K, bits, rows of each matrix) cases `more`.
+fn streaming_gemv_checks(g: &Cuda, variant: &str, more: &[(usize, u32, Vec<usize>)]) {
     let mut rng = Rng(41);
-    g.set_enabled(&["tc_all"]).unwrap();
-    for (k, outs) in [
-        (2048usize, vec![8192usize, 4096, 32, 32]),
-        (2048, vec![50_000]),
-        (1024, vec![300, 7]),
-        (512, vec![100]),
-    ] {
+    g.set_enabled(&[variant]).unwrap();
+    let mut cases = vec![
+        (2048usize, 4u32, vec![8192usize, 4096, 32, 32]),
+        (2048, 4, vec![50_000]),
+        (1024, 4, vec![300, 7]),
+        (512, 4, vec![100]),
+    ];
+    cases.extend(more.iter().cloned());
+    for (k, bits, outs) in cases {
         let ws: Vec<HostLinear> = outs
             .iter()
-            .map(|&o| rand_quant(&mut rng, 1, o, k, 4, 64, false))
+            .map(|&o| rand_quant(&mut rng, 1, o, k, bits, 64, false))
             .collect();
         let gws: Vec<_> = ws.iter().map(|w| g.upload_mat(w).unwrap()).collect();
         let refs: Vec<&_> = gws.iter().collect();
@@ -979,7 +1007,7 @@ fn tc_gemv_matches_the_cpu() {
                 .iter()
                 .zip(&kxn)
                 .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "tc_gemv K {k}: the fused norm's x differs from rms_norm's"
+            "{variant} K {k}: the fused norm's x differs from rms_norm's"
         );
         let pool = ws.iter().map(|w| w.out).max().unwrap();
         let mut cp = vec![0f32; pool];
@@ -998,7 +1026,10 @@ fn tc_gemv_matches_the_cpu() {
                 rel_rows(&got, &c, w.out)
             };
             check(
-                &format!("tc_gemv (norm prologue) K {k} matrix {i} [{}, {k}]", w.out),
+                &format!(
+                    "{variant} (norm prologue) K {k} {bits}-bit matrix {i} [{}, {k}]",
+                    w.out
+                ),
                 err,
                 F32_TOL,
             );
@@ -1014,7 +1045,7 @@ fn tc_gemv_matches_the_cpu() {
                         .iter()
                         .zip(&got)
                         .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "tc_gemv K {k} matrix {i}: matmul_q differs from rms_norm_matmul on the same x"
+                    "{variant} K {k} matrix {i}: matmul_q differs from rms_norm_matmul on the same x"
                 );
             } else {
                 let one = h(&g, &one);
@@ -1027,7 +1058,10 @@ fn tc_gemv_matches_the_cpu() {
                     rel_rows(&one, &c, w.out)
                 };
                 check(
-                    &format!("tc_gemv (plain prologue) K {k} matrix {i} [{}, {k}]", w.out),
+                    &format!(
+                        "{variant} (plain prologue) K {k} {bits}-bit matrix {i} [{}, {k}]",
+                        w.out
+                    ),
                     err,
                     F32_TOL,
                 );
@@ -1048,7 +1082,7 @@ fn tc_gemv_matches_the_cpu() {
         let mut r = g.act_zeros(rows).unwrap();
         g.matmul_q_add(&gx, &gw, 1, &mut r, &mut gh);
         check(
-            &format!("tc_gemv K 4096 rows {rows} (+ residual)"),
+            &format!("{variant} K 4096 rows {rows} (+ residual)"),
             rel_rows(&h(&g, &gh), &want, rows),
             F32_TOL,
         );

@@ -224,18 +224,23 @@ impl Cuda {
             4096 => Some((2, 16)),
             _ => None,
         };
+        // The opt-in wide form (gemv.cu's gemv_wide_*) wins over both when it applies: with
+        // `gemv_wide` on, K = 2048 goes there instead of tc_gemv (on by default), K = 4096
+        // instead of the SIMT loop (or tc_all's tensor cores). Its rows per block, else None.
+        let wide = self.gemv_wide_rows(ws, k, pro, route.is_some());
         // On by default for K = 2048 only (measured faster there; `tc_all` for the rest).
-        let tc = match tc_geom {
-            Some((_, nw)) => {
-                route.is_none()
-                    && bits == 4
-                    && ws.iter().all(|w| w.gs == 64)
-                    && (pro == 0 || (pro == 1 && nw == 8))
-                    && self.on("tc_gemv")
-                    && (k == 2048 || self.opted_in("tc_all"))
-            }
-            None => false,
-        };
+        let tc = wide.is_none()
+            && match tc_geom {
+                Some((_, nw)) => {
+                    route.is_none()
+                        && bits == 4
+                        && ws.iter().all(|w| w.gs == 64)
+                        && (pro == 0 || (pro == 1 && nw == 8))
+                        && self.on("tc_gemv")
+                        && (k == 2048 || self.opted_in("tc_all"))
+                }
+                None => false,
+            };
         // K = 4096 (16 warps), 1024 and 512: one tile per batch (gemv.cu's instantiations).
         let (tc_u, tc_s) = match tc_geom {
             // 4 stages for the lm_head (102 against 104 us at 3), 3 for the layers' projections
@@ -247,7 +252,11 @@ impl Cuda {
             Some((2, 16)) => (1, tc_s(4)),
             _ => (1, 4),
         };
-        let rb = if tc { 16 * tc_u } else { rw * u };
+        let rb = match wide {
+            Some(rpb) => rpb,
+            None if tc => 16 * tc_u,
+            None => rw * u,
+        };
         let mut p = SwArgs {
             m: [QMat::none(); 4],
             out: [0; 4],
@@ -314,6 +323,15 @@ impl Cuda {
             p.re = ws[0].out as i32;
             p.rk = k as i32;
             p.ntopk = norm as i32;
+        }
+        if let Some(rpb) = wide {
+            // Every block at once (no batch loop): G = RPB / RW row groups, shared memory
+            // G·256·(16·BITS/4 + 8) bytes.
+            let name = format!("gemv_wide_{bits}_{}_{rpb}_{pro}", k / 256);
+            let smem = (rpb / rw * 256 * (16 * bits / 4 + 8)) as u32;
+            let grid = p.bstart[ws.len()] as u32;
+            self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::S(Box::new(p))]);
+            return;
         }
         let (name, threads, smem) = match (tc, tc_geom) {
             (true, Some((ns, nw))) => (
@@ -520,6 +538,30 @@ impl Cuda {
 }
 
 impl Cuda {
+    /// Rows per block of the opt-in wide streaming GEMV (gemv.cu's gemv_wide_*, switch
+    /// `gemv_wide`) for these matrices, or None where it does not apply: it takes K = 2048 and
+    /// 4096, the plain and the norm prologue (`pro` 0, 1), every epilogue but the route, groups
+    /// per row even (a lane's scale word holds its group at the group's parity) and scale and
+    /// bias buffers 4-byte aligned (copied a word at a time). `sw_fits` already holds. Only the
+    /// layers' projections (fewer than 65,536 rows in all): the lm_head (vocabulary rows, 286 MB,
+    /// many waves of blocks) stays on tc_gemv's stages.
+    fn gemv_wide_rows(&self, ws: &[&Mat], k: usize, pro: usize, route: bool) -> Option<usize> {
+        let rows: usize = ws.iter().map(|w| w.out).sum();
+        if !self.opted_in("gemv_wide") || route || pro > 1 || rows >= 65_536 {
+            return None;
+        }
+        let fits = ws.iter().all(|w| {
+            let q = w.q();
+            (w.inp / w.gs).is_multiple_of(2) && q.s % 4 == 0 && q.b % 4 == 0
+        });
+        let (r4096, r2048) = gemv_wide_rows();
+        match k {
+            4096 if fits => Some(r4096),
+            2048 if fits => Some(r2048),
+            _ => None,
+        }
+    }
+
     /// The opt-in wide form of `moe_sw` (moe.cu's moe_wide_*, switch `moe_wide`): every block
     /// requests all its weights at once through cp.async into shared memory, the shared expert's
     /// gate|up and all of down's weights before the PDL wait. Instantiated for hidden 2048 and
@@ -598,6 +640,22 @@ fn moe_wide_rows() -> (usize, usize) {
         });
         let rpb = it.next().flatten().filter(|&n| n >= 8).unwrap_or(16);
         (rpb, it.next().flatten().unwrap_or(8))
+    })
+}
+
+/// Rows per block of gemv_wide at K = 4096 and at K = 2048 (`LILY_CUDA_GEMV_WIDE=R4096,R2048`:
+/// 8, 16 or 32 at K = 4096, 16, 32 or 64 at K = 2048; gemv.cu's instantiations). Default 16,32:
+/// out_proj and o_proj (2048 rows) are 128 blocks of 48 KB at 4-bit, one per SM; in_proj (~12,300
+/// rows) ~385 and q|k|v (~9,200) ~290 blocks of 48 KB, 2-3 per SM, all resident. Not yet
+/// measured: the `wide` step of scripts/h200-run compares settings.
+fn gemv_wide_rows() -> (usize, usize) {
+    static RD: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    *RD.get_or_init(|| {
+        let v = std::env::var("LILY_CUDA_GEMV_WIDE").unwrap_or_default();
+        let mut it = v.split(',').map(|s| s.trim().parse::<usize>().ok());
+        let a = it.next().flatten().filter(|n| [8, 16, 32].contains(n));
+        let b = it.next().flatten().filter(|n| [16, 32, 64].contains(n));
+        (a.unwrap_or(16), b.unwrap_or(32))
     })
 }
 

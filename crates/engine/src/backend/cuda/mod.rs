@@ -97,6 +97,7 @@ const HEADERS: &[(&str, &str)] = &[
     ("stream.cuh", include_str!("kernels/stream.cuh")),
     ("tc_gemm.cuh", include_str!("kernels/tc_gemm.cuh")),
     ("tc_stream.cuh", include_str!("kernels/tc_stream.cuh")),
+    ("wide.cuh", include_str!("kernels/wide.cuh")),
 ];
 const FILES: &[(&str, &str)] = &[
     ("norm.cu", include_str!("kernels/norm.cu")),
@@ -492,7 +493,14 @@ const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   thread-block cluster (gemv.cu's router_cluster_<CL>; `LILY_CUDA_ROUTER_CLUSTER=8|16` blocks,
 ///   default 16). Correct on the H200 but slower there (decode 461/457 against 470/463 tok/s
 ///   at 4K, two rounds alternated): the cluster launch costs more than the ticket it removes.
-pub const OPT_IN: &[&str] = &["tc_all", "fuse_gdn", "router_cluster"];
+/// * `gemv_wide`: the decode projections (the streaming GEMV at K = 2048 and 4096: GDN in_proj,
+///   attention q|k|v with the norm prologue, out_proj and o_proj with the residual add) as
+///   gemv.cu's gemv_wide_*: the SIMT loop's function, but every block requests all of its weights
+///   at once (cp.async into shared memory, one commit group per row group) before the PDL wait,
+///   as `moe_wide` does for the experts. Where it applies it wins over `tc_gemv` (K = 2048) and
+///   the SIMT loop (K = 4096). `LILY_CUDA_GEMV_WIDE=R4096,R2048` sets the rows per block (see
+///   decode.rs gemv_wide_rows). Written at stop 19, not yet run on a GPU.
+pub const OPT_IN: &[&str] = &["tc_all", "fuse_gdn", "router_cluster", "gemv_wide"];
 
 impl Cuda {
     /// The first GPU.

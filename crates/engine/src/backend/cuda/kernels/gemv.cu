@@ -107,39 +107,12 @@ __device__ __forceinline__ void sw_store(const SwArgs& p, int i, int o, float v)
     store_out((void*)out, (u64)o, v, obf);
 }
 
-template <int BITS, int C, int U, int PRO>
-__device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
-    constexpr int K = 256 * C, RW = 32 / C, RB = RW * U;
-    static_assert(RB <= SW_MAXRB, "batch larger than the reduction buffer");
-    __shared__ float red[2][SW_WARPS][RB];
-    __shared__ float sh[32];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int c = lane & (C - 1), r = lane / C;
-    const SwLane ln = sw_lane(p.m[0], warp * C + c);
-    const int ch = ln.ch;
-    const int total = p.bstart[p.n];
-    int bt = blockIdx.x;
-    if (bt >= total) return;
-
-    // The first batch's weights are requested before x is known: they do not depend on it.
-    int mi, row0;
-    sw_locate(p, bt, RB, mi, row0);
-    QMat m = sw_mat(p, mi);
-    SwUnit<BITS> un[U], un2[U];
-    auto load = [&](SwUnit<BITS> (&dst)[U]) {
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int o = row0 + u * RW + r;
-            if (o < m.out) sw_load<BITS>(m, 0, o, ln, dst[u]);
-            else sw_zero<BITS>(dst[u]);
-        }
-    };
-    load(un);
-    // Only now may x (written by the previous kernel) be read: with programmatic dependent launch
-    // (LILY_CUDA_PDL=1) the weights above were requested while that kernel finished.
-    PDL_WAIT();
-
-    float xv[32];
+// The lane's 32 x values (inputs 32ch ..) of prologue PRO (module header) and their sum; with PRO
+// 1, block 0's lanes of row r = 0 also write x to `xn`. Every thread of the block calls it (PRO 1
+// sums over the block).
+template <int C, int PRO>
+__device__ __forceinline__ float sw_x_pro(const SwArgs& p, int ch, int r, float* sh, float (&xv)[32]) {
+    constexpr int K = 256 * C;
     float xs;
     if constexpr (PRO == 0) {
         xs = sw_x_act((const u16*)p.x, ch, xv);
@@ -173,6 +146,43 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
             for (int i = 0; i < 4; i++) o[i] = sw_pack8(xv, i);
         }
     }
+    return xs;
+}
+
+template <int BITS, int C, int U, int PRO>
+__device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
+    constexpr int RW = 32 / C, RB = RW * U;
+    static_assert(RB <= SW_MAXRB, "batch larger than the reduction buffer");
+    __shared__ float red[2][SW_WARPS][RB];
+    __shared__ float sh[32];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int c = lane & (C - 1), r = lane / C;
+    const SwLane ln = sw_lane(p.m[0], warp * C + c);
+    const int ch = ln.ch;
+    const int total = p.bstart[p.n];
+    int bt = blockIdx.x;
+    if (bt >= total) return;
+
+    // The first batch's weights are requested before x is known: they do not depend on it.
+    int mi, row0;
+    sw_locate(p, bt, RB, mi, row0);
+    QMat m = sw_mat(p, mi);
+    SwUnit<BITS> un[U], un2[U];
+    auto load = [&](SwUnit<BITS> (&dst)[U]) {
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int o = row0 + u * RW + r;
+            if (o < m.out) sw_load<BITS>(m, 0, o, ln, dst[u]);
+            else sw_zero<BITS>(dst[u]);
+        }
+    };
+    load(un);
+    // Only now may x (written by the previous kernel) be read: with programmatic dependent launch
+    // (LILY_CUDA_PDL=1) the weights above were requested while that kernel finished.
+    PDL_WAIT();
+
+    float xv[32];
+    const float xs = sw_x_pro<C, PRO>(p, ch, r, sh, xv);
 
     // Two register sets: batch bt in `cur` while batch bt + gridDim.x loads into `nxt`.
     int par = 0;
@@ -232,6 +242,97 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
 SW_GEMV_C(4, 4)
 SW_GEMV_C(4, 2)
 SW_GEMV_C(8, 2)
+
+// ---- gemv_wide_<B>_<C>_<RPB>_<PRO> (opt-in switch `gemv_wide`): the decode projections with every
+// block's weights requested at once (wide.cuh), the same function as sw_gemv_<B>_<C>_<U>_<PRO>
+// bit for bit: the same chunk dot and shuffles (sw_dots), the warps' partials summed in warp
+// order, the same prologues (sw_x_pro) and epilogues (sw_store); so it matches cpu/matmul.rs and
+// the compositions named in the module header (rms_norm_matmul, matmul_q_add). Not the route.
+//
+// Why. The projections of a decode step are one wave or less of work: GDN in_proj 14.2 MB and
+// attention q|k|v 10.6 MB at K = 2048 (~108 and ~80 KB per SM of the H200's 132), out_proj and
+// o_proj 4.7 MB at K = 4096 (~36 KB per SM). sw_gemv and tc_gemv walk batches (two register sets,
+// or cp.async stages S - 1 ahead), so each block pays the DRAM latency once per batch or stage
+// in a row: lab in_proj 9.5 µs, q|k|v 8.6, out_proj 4.4 against pure reads of 5.4, 4.4, 3.2.
+// moe_wide (the same loads for the experts) took 13.7 -> 11.6 µs per layer. Here every lane
+// copies all of its chunks of the block's rows into its own slots of shared memory before the
+// PDL wait (weights never depend on the previous kernel), one commit group per row group, then
+// computes x (the prologue: needs the previous kernel) and the row groups as they land.
+//
+// Geometry: sw_gemv's (256 threads = 8 warps cutting K = 256·C into slices, lane = (row r of
+// RW = 32/C, chunk c)). A block is RPB consecutive rows of one matrix (G = RPB/RW row groups, at
+// most 16: cp_wait_n's counts); matrix i has blocks [bstart[i], bstart[i+1]) counted in RPB rows,
+// rows past a matrix's end are copied as zeros and not stored. Grid: every block (bstart[n]), no
+// loop: the host sizes RPB so the grid is about one wave. Dynamic shared memory: codes
+// [G][BITS/4][256] of 16 B, then scale words [G][256] and bias words [G][256] of 4 B (lane-
+// consecutive: conflict-free), G·256·(16·BITS/4 + 8) bytes: 4-bit 48 KB at C = 16, RPB 16 (out_proj:
+// 128 blocks) and 48 KB at C = 8, RPB 32 (in_proj: ~385 blocks, 3 per SM); 96 KB at RPB 64.
+// Host requirements (decode.rs gemv_wide): no route, PRO 0 or 1, K = 2048 or 4096, groups per
+// row even (a scale word holds the lane's group at the group's parity), scales and biases 4-byte
+// aligned. Rows per block: LILY_CUDA_GEMV_WIDE=R4096,R2048 (decode.rs gemv_wide_rows).
+
+template <int BITS, int C, int RPB, int PRO>
+__device__ __forceinline__ void gemv_wide_body(const SwArgs& p) {
+    constexpr int RW = 32 / C, G = RPB / RW, NP = BITS / 4, T = 256;
+    static_assert(G * RW == RPB && G >= 1 && G <= 16, "rows per block: a multiple of RW, at most 16 groups");
+    constexpr int CODES = G * NP * T * 16, SBW = G * T * 4;
+    extern __shared__ __align__(16) unsigned char wsm[];
+    __shared__ float red[SW_WARPS][RPB];
+    __shared__ float sh[32];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int c = lane & (C - 1), r = lane / C;
+    const SwLane ln = sw_lane(p.m[0], warp * C + c);
+    const int half = (int)(ln.gch & 1u);
+    int mi, row0;
+    sw_locate(p, blockIdx.x, RPB, mi, row0);
+    const QMat m = sw_mat(p, mi);
+    const u32 base = smem_u32(wsm);
+    auto code_at = [&](int q) { return (q * NP * T + tid) * 16; };
+    auto sw_at = [&](int q) { return CODES + (q * T + tid) * 4; };
+    // Every weight of the block, before the wait: they do not depend on the previous kernel.
+#pragma unroll
+    for (int q = 0; q < G; q++) {
+        const int o = row0 + q * RW + r;
+        const bool ok = o < m.out;
+        wide_issue<BITS>(m, 0, ok ? o : 0, ln, base + code_at(q), T * 16, base + sw_at(q), base + SBW + sw_at(q), ok);
+        cp_commit();
+    }
+    PDL_WAIT();
+
+    float xv[32];
+    const float xs = sw_x_pro<C, PRO>(p, ln.ch, r, sh, xv);
+#pragma unroll
+    for (int q = 0; q < G; q++) {
+        cp_wait_n(G - 1 - q);
+        SwUnit<BITS> un[1];
+        wide_fetch<BITS>(wsm + code_at(q), T * 16, (const u32*)(wsm + sw_at(q)), (const u32*)(wsm + SBW + sw_at(q)), half, un[0]);
+        float part[1];
+        sw_dots<BITS, 1, C>(un, xv, xs, part);
+        if (c == 0) red[warp][q * RW + r] = part[0];
+    }
+    __syncthreads();
+    if (tid < RPB) {
+        float v = 0.0f;
+#pragma unroll
+        for (int w = 0; w < SW_WARPS; w++) v += red[w][tid];
+        const int o = row0 + tid;
+        if (o < m.out) sw_store(p, mi, o, v);
+    }
+}
+
+// gemv_wide_<B>_<C>_<RPB>_<PRO>: C = 16 (K = 4096; RPB 8, 16, 32) and C = 8 (K = 2048; RPB 16, 32,
+// 64), PRO 0 and 1.
+#define GEMV_WIDE_KERNEL(BITS, C, RPB, PRO)                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, 2) gemv_wide_##BITS##_##C##_##RPB##_##PRO(SwArgs p) {     \
+        PDL_LAUNCH();                                                                                             \
+        gemv_wide_body<BITS, C, RPB, PRO>(p);                                                                     \
+    }
+#define GEMV_WIDE_PRO(BITS, C, RPB) GEMV_WIDE_KERNEL(BITS, C, RPB, 0) GEMV_WIDE_KERNEL(BITS, C, RPB, 1)
+#define GEMV_WIDE_BITS(BITS)                                                                                      \
+    GEMV_WIDE_PRO(BITS, 16, 8) GEMV_WIDE_PRO(BITS, 16, 16) GEMV_WIDE_PRO(BITS, 16, 32)                            \
+    GEMV_WIDE_PRO(BITS, 8, 16) GEMV_WIDE_PRO(BITS, 8, 32) GEMV_WIDE_PRO(BITS, 8, 64)
+GEMV_WIDE_BITS(4)
+GEMV_WIDE_BITS(8)
 
 // ---- tc_gemv_<NS>_<NW>_<U>_<S>_<PRO>: the same products on tensor cores (tc_stream.cuh has the
 // dot, its exactness and fragment geometry): 4-bit, group size 64, K = 128·NS·NW, NW warps each

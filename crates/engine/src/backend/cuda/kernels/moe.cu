@@ -623,52 +623,7 @@ MOE_TC_DOWN(4)
 // down ~41 KB per block and per SM, requested while gate|up runs on SMs with room (2 gate|up
 // blocks + 1 down block fit in registers and shared memory).
 
-// cp.async.wait_group with a count known only after unrolling.
-__device__ __forceinline__ void cp_wait_n(int n) {
-    switch (n) {
-    case 0: cp_wait<0>(); break;
-    case 1: cp_wait<1>(); break;
-    case 2: cp_wait<2>(); break;
-    case 3: cp_wait<3>(); break;
-    case 4: cp_wait<4>(); break;
-    case 5: cp_wait<5>(); break;
-    case 6: cp_wait<6>(); break;
-    case 7: cp_wait<7>(); break;
-    case 8: cp_wait<8>(); break;
-    case 9: cp_wait<9>(); break;
-    case 10: cp_wait<10>(); break;
-    case 11: cp_wait<11>(); break;
-    case 12: cp_wait<12>(); break;
-    case 13: cp_wait<13>(); break;
-    case 14: cp_wait<14>(); break;
-    default: cp_wait<15>(); break;
-    }
-}
-
-// sw_load's chunk (row o of matrix e, the lane's chunk), copied into shared memory: its BITS/4
-// 16-byte code parts at code, code + cstride, ...; the 4-byte words holding its group's scale and
-// bias at sw and bw (the group's half: its parity, gch & 1, as groups per row and per matrix are
-// even).
-template <int BITS>
-__device__ __forceinline__ void wide_issue(const QMat& m, int e, int o, const SwLane& l, u32 code, u32 cstride, u32 sw, u32 bw) {
-    constexpr int WSHIFT = BITS == 4 ? 3 : 2;
-    const u32* row = (const u32*)m.w + (u64)e * m.wpm + (u64)o * (u64)(m.inp >> WSHIFT);
-    const uint4* p = (const uint4*)row + l.ch * (BITS / 4);
-#pragma unroll
-    for (int i = 0; i < BITS / 4; i++) cp16(code + i * cstride, p + i, true);
-    const u64 g = (u64)e * m.gpm + (u64)o * l.gpr + l.gch;
-    cp4(sw, (const u32*)m.s + (g >> 1), true);
-    cp4(bw, (const u32*)m.b + (g >> 1), true);
-}
-
-// The chunk wide_issue copied, back from shared memory (generic pointers into the same slots).
-template <int BITS>
-__device__ __forceinline__ void wide_fetch(const unsigned char* code, int cstride, const u32* sw, const u32* bw, int half, SwUnit<BITS>& un) {
-#pragma unroll
-    for (int i = 0; i < BITS / 4; i++) un.w[i] = *(const uint4*)(code + i * cstride);
-    un.s = (u16)(*sw >> (16 * half));
-    un.b = (u16)(*bw >> (16 * half));
-}
+// cp_wait_n, wide_issue and wide_fetch: wide.cuh (shared with gemv.cu's gemv_wide_*).
 
 template <int BITS, int C, int RPB>
 __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p) {
@@ -696,8 +651,8 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p) {
 #pragma unroll
         for (int q = 0; q < G; q++) {
             const int o = row0 + q * RW + r;
-            wide_issue<BITS>(Gm, e, o, ln, base + code_at(q, 0), T * 16, base + sw_at(q, 0), base + SBW + sw_at(q, 0));
-            wide_issue<BITS>(Um, e, o, ln, base + code_at(q, 1), T * 16, base + sw_at(q, 1), base + SBW + sw_at(q, 1));
+            wide_issue<BITS>(Gm, e, o, ln, base + code_at(q, 0), T * 16, base + sw_at(q, 0), base + SBW + sw_at(q, 0), true);
+            wide_issue<BITS>(Um, e, o, ln, base + code_at(q, 1), T * 16, base + sw_at(q, 1), base + SBW + sw_at(q, 1), true);
             cp_commit();
         }
     };
@@ -760,7 +715,7 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
 #pragma unroll
     for (int q = 0; q < G; q++) {
         const int o = row0 + q * RW + r;
-        wide_issue<BITS>(D, e, o, ln, base + (q * NP * T + tid) * 16, T * 16, base + codes + (q * T + tid) * 4, base + codes + sbw + (q * T + tid) * 4);
+        wide_issue<BITS>(D, e, o, ln, base + (q * NP * T + tid) * 16, T * 16, base + codes + (q * T + tid) * 4, base + codes + sbw + (q * T + tid) * 4, true);
         cp_commit();
     }
     PDL_WAIT();
