@@ -499,7 +499,10 @@ const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   at once (cp.async into shared memory, one commit group per row group) before the PDL wait,
 ///   as `moe_wide` does for the experts. Where it applies it wins over `tc_gemv` (K = 2048) and
 ///   the SIMT loop (K = 4096). `LILY_CUDA_GEMV_WIDE=R4096,R2048` sets the rows per block (see
-///   decode.rs gemv_wide_rows). Written at stop 19, not yet run on a GPU.
+///   decode.rs gemv_wide_rows). Correct on the H200 (cuda_ops, 4- and 8-bit) but much slower
+///   there (lab, µs: in_proj 14.1 / 12.7 at 32 / 64 rows against tc_gemv's 9.5, out_proj 6.4 at
+///   16 rows and 3.95 at 8 against the SIMT loop's 3.37; decode 436-444 against 510-516 tok/s):
+///   a block that waits for its whole share before its dot has nothing to overlap the wait with.
 pub const OPT_IN: &[&str] = &["tc_all", "fuse_gdn", "router_cluster", "gemv_wide"];
 
 impl Cuda {
