@@ -331,6 +331,7 @@ pub(crate) fn prepare_chat(app: &App, req: &ChatRequest) -> ApiResult<Prepared> 
 fn compile(app: &App, g: &Grammar, param: &str, opens_think: bool) -> ApiResult<Constraint> {
     let grammars = app
         .grammars
+        .wait()
         .as_ref()
         .map_err(|e| ApiError::param(param, e.clone()))?;
     let compiled = grammars.compile(g).map_err(|e| {
