@@ -118,7 +118,7 @@ pub fn prompt_ids(n: usize, vocab: usize) -> Vec<u32> {
         .collect()
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
 }
@@ -464,7 +464,6 @@ fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<
             &decode,
             a.decode_tokens,
             a.rounds,
-            prompt_ids,
         )?);
     }
     let profile = match &prof {

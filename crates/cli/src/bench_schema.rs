@@ -29,6 +29,8 @@ use lily::runtime::sampler::SamplingParams;
 use lily::runtime::stop::StopRules;
 use lily::tokenizer::{stop_ids, Tokenizer};
 
+use crate::bench::{median, prompt_ids};
+
 /// The built-in schema: an agent's plan (nested objects, enums, bounded numbers and strings).
 pub fn builtin_schema() -> Value {
     json!({
@@ -60,11 +62,6 @@ pub fn builtin_schema() -> Value {
         "required": ["steps", "summary", "risk"],
         "additionalProperties": false
     })
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
 }
 
 /// One measured generation: (decode tok/s, time to first token s, mask ms per token, tokens).
@@ -111,7 +108,6 @@ fn one<B: Backend>(
     ))
 }
 
-#[allow(clippy::too_many_arguments)]
 pub fn rows<B: Backend>(
     m: &Qwen35<B>,
     dir: &Path,
@@ -119,7 +115,6 @@ pub fn rows<B: Backend>(
     contexts: &[usize],
     n: usize,
     rounds: usize,
-    prompt_ids: impl Fn(usize, usize) -> Vec<u32>,
 ) -> Result<Vec<Value>> {
     if n < 2 {
         bail!("--schema needs --decode-tokens of at least 2");

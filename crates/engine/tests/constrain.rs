@@ -71,7 +71,7 @@ fn walk(
         if stops.contains(&id) {
             return (tok.decode(&ids).unwrap(), true);
         }
-        st.commit(id).unwrap();
+        st.commit(id, false).unwrap();
         ids.push(id);
     }
     (tok.decode(&ids).unwrap(), false)
@@ -215,6 +215,7 @@ fn run(
     stops: &[u32],
     sampling: &SamplingParams,
     c: Option<Constraint>,
+    after: Option<(u32, Vec<u32>)>,
     max_tokens: usize,
 ) -> lily::runtime::generate::Generation {
     let prompt = prompt_ids(12, m.cfg.vocab_size);
@@ -232,7 +233,10 @@ fn run(
         sampling,
         stop,
         logprobs: None,
-        forced: Forced::default(),
+        forced: Forced {
+            now: Vec::new(),
+            after,
+        },
         constraint: c,
         cancel: &cancel,
     };
@@ -262,7 +266,7 @@ fn generation_follows_the_grammar() {
             compiled: g.compile(&Grammar::JsonSchema(schema.clone())).unwrap(),
             start: Start::Now,
         };
-        let out = run(&m, &tok, &stops, p, Some(c), 64);
+        let out = run(&m, &tok, &stops, p, Some(c), None, 64);
         assert!(
             matches!(out.finish, Some(FinishReason::Stop(StopKind::Id(_)))),
             "{:?}: {:?}",
@@ -279,7 +283,7 @@ fn generation_follows_the_grammar() {
         assert_eq!(out.stats.masks, out.ids.len(), "one mask per picked token");
     }
     // Unconstrained, the same model makes no JSON.
-    let free = run(&m, &tok, &stops, &greedy, None, 16);
+    let free = run(&m, &tok, &stops, &greedy, None, None, 16);
     assert!(
         serde_json::from_str::<Value>(&free.text).is_err(),
         "{:?}",
@@ -291,12 +295,18 @@ fn generation_follows_the_grammar() {
     let lead = tok.encode("\n\n").unwrap();
     let c = Constraint {
         compiled: g.compile(&Grammar::Choice(vec!["ok".into()])).unwrap(),
-        start: Start::After {
-            trigger,
-            lead: lead.clone(),
-        },
+        start: Start::After(trigger),
     };
-    let out = run(&m, &tok, &stops, &greedy, Some(c), 64);
+    // The lead goes out through the loop's own forcing after the trigger.
+    let out = run(
+        &m,
+        &tok,
+        &stops,
+        &greedy,
+        Some(c),
+        Some((trigger, lead.clone())),
+        64,
+    );
     let first = free.ids.iter().position(|&t| t == trigger).unwrap();
     assert_eq!(out.ids[..=first], free.ids[..=first]);
     assert_eq!(out.ids[first + 1..first + 1 + lead.len()], lead[..]);
@@ -306,7 +316,7 @@ fn generation_follows_the_grammar() {
         compiled: g.compile(&Grammar::Regex("a{40}".into())).unwrap(),
         start: Start::Now,
     };
-    let out = run(&m, &tok, &stops, &greedy, Some(c), 5);
+    let out = run(&m, &tok, &stops, &greedy, Some(c), None, 5);
     assert_eq!(out.finish, Some(FinishReason::Length));
     assert!(
         !out.text.is_empty() && out.text.chars().all(|c| c == 'a'),

@@ -316,6 +316,18 @@ pub(crate) fn prepare_chat(app: &App, req: &ChatRequest) -> ApiResult<Prepared> 
             }
         }
     }
+    // A constraint that starts after the reasoning: the blank line the template puts after
+    // `</think>` is forced first, as a required call's start is.
+    if let (
+        Some(Constraint {
+            start: Start::After(close),
+            ..
+        }),
+        None,
+    ) = (&constraint, &forced.after)
+    {
+        forced.after = Some((*close, app.think_lead.clone()));
+    }
     Ok(Prepared {
         ids,
         opens_think,
@@ -344,10 +356,7 @@ fn compile(app: &App, g: &Grammar, param: &str, opens_think: bool) -> ApiResult<
     app.metrics
         .record_compile(compiled.compile_s, compiled.cached);
     let start = match (opens_think, app.think_close) {
-        (true, Some(trigger)) => Start::After {
-            trigger,
-            lead: app.think_lead.clone(),
-        },
+        (true, Some(trigger)) => Start::After(trigger),
         _ => Start::Now,
     };
     Ok(Constraint { compiled, start })

@@ -36,7 +36,7 @@ fn walk(g: &Grammars, tok: &Tokenizer, stops: &[u32], grammar: &Grammar, seed: u
             .filter(|a| !stops.contains(a))
             .collect();
         let id = others[(rng.uniform() * others.len() as f32) as usize % others.len()];
-        st.commit(id).unwrap();
+        st.commit(id, false).unwrap();
         ids.push(id);
     }
     panic!("no end within 600 tokens: {:?}", tok.decode(&ids).unwrap());

@@ -15,8 +15,8 @@
 //!   clone; the lexer's lazily built states are shared between clones, so later requests also get
 //!   faster masks).
 //! - [`Constraint`]: a compiled grammar for one generation, and where it starts ([`Start`]): at
-//!   the first token, or after the reasoning (the `</think>` id, then a few forced tokens such as
-//!   the blank line the template puts there).
+//!   the first token, or after the reasoning (the `</think>` id, then the tokens the caller
+//!   forces after it through the loop's `Forced::after`, such as the template's blank line).
 //! - [`ConstraintState`]: one generation's matcher. `mask` gives the allowed tokens of the next
 //!   step as u32 words (bit i of word i / 32, LSB first: llguidance's `SimpleVob`), the form the
 //!   backend's `mask_logits` takes; `commit` advances it by the chosen token. Once the grammar is
@@ -274,13 +274,13 @@ fn clean_error(e: &str) -> String {
 }
 
 /// Where a constraint starts.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Start {
     /// At the first generated token.
     Now,
-    /// After `trigger` is generated (the reasoning's `</think>`): the `lead` tokens are forced
-    /// (the template's blank line), then the grammar constrains the rest.
-    After { trigger: u32, lead: Vec<u32> },
+    /// After this id is generated (the reasoning's `</think>`) and the tokens forced after it
+    /// (`Forced::after` on the same trigger: the template's blank line) are out.
+    After(u32),
 }
 
 /// A compiled grammar for one generation and where it starts.
@@ -293,7 +293,6 @@ pub struct Constraint {
 /// One generation's matcher (see the module documentation).
 pub struct ConstraintState {
     matcher: Matcher,
-    /// Waiting for the trigger; `lead` queued after it.
     start: Start,
     phase: Phase,
     words: usize,
@@ -307,8 +306,8 @@ pub struct ConstraintState {
 enum Phase {
     /// Before the trigger (reasoning).
     Waiting,
-    /// Trigger seen: the lead tokens are being forced.
-    Leading,
+    /// Trigger seen: the tokens forced after it are going out.
+    Triggered,
     Active,
 }
 
@@ -334,13 +333,6 @@ impl ConstraintState {
         self.phase == Phase::Active
     }
 
-    /// Called when the forced queue has drained: after the lead, the grammar takes over.
-    pub fn lead_done(&mut self) {
-        if self.phase == Phase::Leading {
-            self.phase = Phase::Active;
-        }
-    }
-
     /// The allowed tokens of the next step: `words` u32 words, LSB first.
     pub fn mask(&mut self) -> Result<Vec<u32>> {
         let t0 = Instant::now();
@@ -358,35 +350,21 @@ impl ConstraintState {
         Ok(w)
     }
 
-    /// Advances by the token just emitted. Returns the tokens to force next (the lead, when
-    /// `id` is the trigger).
-    pub fn commit(&mut self, id: u32) -> Result<Vec<u32>> {
-        match self.phase {
-            Phase::Waiting => {
-                if let Start::After { trigger, lead } = &self.start {
-                    if *trigger == id {
-                        self.phase = if lead.is_empty() {
-                            Phase::Active
-                        } else {
-                            Phase::Leading
-                        };
-                        return Ok(lead.clone());
-                    }
-                }
-                Ok(Vec::new())
-            }
-            Phase::Leading => Ok(Vec::new()),
-            Phase::Active => {
-                if self.matcher.is_stopped() {
-                    // Only a stop id can follow a complete grammar, and it ends the generation.
-                    return Ok(Vec::new());
-                }
-                self.matcher
-                    .consume_token(id)
-                    .map_err(|e| anyhow!("constrained decoding: token {id} rejected: {e}"))?;
-                Ok(Vec::new())
-            }
+    /// Advances by the token just emitted; `forcing`: tokens are still queued to be forced next
+    /// (after the trigger the grammar waits for them to go out).
+    pub fn commit(&mut self, id: u32, forcing: bool) -> Result<()> {
+        if self.phase == Phase::Waiting && self.start == Start::After(id) {
+            self.phase = Phase::Triggered;
+        } else if self.phase == Phase::Active && !self.matcher.is_stopped() {
+            // (Once the grammar is complete only a stop id follows, and it ends the generation.)
+            self.matcher
+                .consume_token(id)
+                .map_err(|e| anyhow!("constrained decoding: token {id} rejected: {e}"))?;
         }
+        if self.phase == Phase::Triggered && !forcing {
+            self.phase = Phase::Active;
+        }
+        Ok(())
     }
 }
 

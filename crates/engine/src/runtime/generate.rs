@@ -280,10 +280,7 @@ fn generate_from<B: Backend>(
             }
         }
         if let Some(g) = grammar.as_mut() {
-            queue.extend(g.commit(id)?);
-            if queue.is_empty() {
-                g.lead_done();
-            }
+            g.commit(id, !queue.is_empty())?;
         }
         out.ids.push(id);
         if stats.first_token_s == 0.0 {
