@@ -83,7 +83,9 @@ use common::{gpu, perplexity, prompt_ids};
 
 use lily::backend::cpu::{moe::Route as CpuRoute, Cpu, CpuStep};
 use lily::backend::cuda::Cuda;
-use lily::backend::{Backend, Dims, GdnParams, KvCache, MoeScratch, SharedExpert};
+use lily::backend::{
+    Backend, Dims, GdnParams, KvCache, MoeScratch, MoeWeights, RouterScratch, SharedExpert,
+};
 use lily::loader::tensor::{
     bf16_to_f32, f32_to_bf16 as bf16_bits, Dtype, HostLinear, HostTensor, LinearKind, Storage,
 };
@@ -2300,6 +2302,196 @@ fn moe_route_and_experts() {
                 &routed,
                 rows,
                 true,
+                1,
+            );
+        }
+    }
+}
+
+/// The MoE block of one token with the router folded into the experts' first launch (opt-in
+/// `moe_step`, Backend::moe_step_add), at the kernels' full-model shapes (hidden 2048, width 512,
+/// 256 experts, top 8; an 8-bit router and shared gate), 4-bit and 8-bit experts, three tokens in
+/// a row (the router blocks' count must be back at zero for each launch):
+/// * bit for bit the GPU's composition (the default: the router's own launch, then moe_wide):
+///   x, logits, the shared gate's logit, the route and h. It is the same arithmetic in the same
+///   order (sw_gemv's x, chunk dot and warp order; route.cuh), so no tolerance.
+/// * against the CPU: the logits within F32_TOL of the CPU's router on the GPU's x (as
+///   `router_cluster_matches_the_cpu`), the route equal to the CPU's moe_route of the GPU's
+///   logits (weights within 1e-6), and the MoE output within check_moe's bound of the CPU's
+///   moe_decode_add on that x and route. h is small (0.05) so that taking it back out of the
+///   f32 residual sum costs far less than the bound.
+#[test]
+fn moe_step_matches_its_composition_and_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let d = qwen_dims();
+    let (e, hid, width) = (d.n_experts, d.hidden, 512);
+    let mut rng = Rng(71);
+    let router = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
+    let sgate = rand_quant(&mut rng, 1, 1, hid, 8, 64, false);
+    let (grt, gsg) = (
+        g.upload_mat(&router).unwrap(),
+        g.upload_mat(&sgate).unwrap(),
+    );
+    let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
+    let gnw = g.upload_vec(&nw).unwrap();
+    for bits in [4u32, 8] {
+        let m = [
+            rand_quant(&mut rng, e, width, hid, bits, 64, false),
+            rand_quant(&mut rng, e, width, hid, bits, 64, false),
+            rand_quant(&mut rng, e, hid, width, bits, 64, false),
+            rand_quant(&mut rng, 1, width, hid, bits, 64, false),
+            rand_quant(&mut rng, 1, width, hid, bits, 64, false),
+            rand_quant(&mut rng, 1, hid, width, bits, 64, false),
+        ];
+        let gm: Vec<_> = m.iter().map(|w| g.upload_mat(w).unwrap()).collect();
+        let gw = MoeWeights {
+            router: &grt,
+            shared_gate: &gsg,
+            gate: &gm[0],
+            up: &gm[1],
+            down: &gm[2],
+            shared_gate_proj: &gm[3],
+            shared_up_proj: &gm[4],
+            shared_down_proj: &gm[5],
+        };
+        for token in 0..3 {
+            let hv = rng.vec(hid, 0.05);
+            // (h, x, logits, shared logit, route ids, route weights) after one op.
+            type Out = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<u32>, Vec<f32>);
+            let run = |on: &[&str]| -> Out {
+                g.set_enabled(on).unwrap();
+                let mut gh = g.upload_vec(&hv).unwrap();
+                let (mut xn, mut lg, mut sl) = (
+                    g.act_zeros(hid).unwrap(),
+                    g.zeros(e).unwrap(),
+                    g.zeros(1).unwrap(),
+                );
+                let mut route = g.new_route(1, d.top_k).unwrap();
+                let (mut t0, mut t1, mut t2, mut t3, mut t4) = (
+                    g.act_zeros(hid).unwrap(),
+                    g.act_zeros(width).unwrap(),
+                    g.act_zeros(width).unwrap(),
+                    g.act_zeros(width).unwrap(),
+                    g.act_zeros(hid).unwrap(),
+                );
+                g.moe_step_add(
+                    &mut gh,
+                    &gnw,
+                    d.eps,
+                    &gw,
+                    &d,
+                    RouterScratch {
+                        xn: &mut xn,
+                        logits: &mut lg,
+                        s: &mut sl,
+                        route: &mut route,
+                    },
+                    MoeScratch {
+                        out: &mut t0,
+                        g: &mut t1,
+                        u: &mut t2,
+                        act: &mut t3,
+                        down: &mut t4,
+                    },
+                );
+                g.set_enabled(&[]).unwrap();
+                let (ids, w) = g.route_to_host(&route, 1).unwrap();
+                (h(&g, &gh), h(&g, &xn), h(&g, &lg), h(&g, &sl), ids, w)
+            };
+            let fused = run(&["moe_step"]);
+            let comp = run(&[]);
+            let same =
+                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            let what = format!("moe_step {bits}-bit experts, token {token}");
+            assert!(
+                same(&fused.1, &comp.1),
+                "{what}: x differs from the composition's"
+            );
+            assert!(
+                same(&fused.2, &comp.2),
+                "{what}: logits differ from the composition's"
+            );
+            assert!(
+                same(&fused.3, &comp.3),
+                "{what}: the shared gate's logit differs"
+            );
+            assert_eq!(
+                fused.4, comp.4,
+                "{what}: route ids differ from the composition's"
+            );
+            assert!(
+                same(&fused.5, &comp.5),
+                "{what}: route weights differ from the composition's"
+            );
+            assert!(
+                same(&fused.0, &comp.0),
+                "{what}: h differs from the composition's"
+            );
+            println!("{what}: bit-equal to the composition (route {:?})", fused.4);
+
+            // Against the CPU, on the GPU's x.
+            let (gh, xn, lv, sv, ids, w) = fused;
+            let mut c = vec![0f32; e];
+            Cpu.matmul_q(&xn, &router, 1, &mut c);
+            check(&format!("{what} (logits)"), rel_rows(&lv, &c, e), F32_TOL);
+            let mut cr = CpuRoute::default();
+            Cpu.moe_route(&lv, &d, 1, &mut cr);
+            assert_eq!(
+                ids, cr.ids,
+                "{what}: the route differs from moe_route of its logits"
+            );
+            let werr = w
+                .iter()
+                .zip(&cr.weights)
+                .fold(0f32, |mx, (a, b)| mx.max((a - b).abs()));
+            check(&format!("{what} (route weights, absolute)"), werr, 1e-6);
+            let csh = SharedExpert {
+                gate: &m[3],
+                up: &m[4],
+                down: &m[5],
+                logit: &sv,
+            };
+            let mut ch = vec![0f32; hid];
+            let (mut c0, mut c1, mut c2, mut c3, mut c4) = (
+                vec![0f32; hid],
+                vec![0f32; width],
+                vec![0f32; width],
+                vec![0f32; width],
+                vec![0f32; hid],
+            );
+            Cpu.moe_decode_add(
+                &xn,
+                &cr,
+                &m[0],
+                &m[1],
+                &m[2],
+                &csh,
+                &d,
+                MoeScratch {
+                    out: &mut c0,
+                    g: &mut c1,
+                    u: &mut c2,
+                    act: &mut c3,
+                    down: &mut c4,
+                },
+                &mut ch,
+            );
+            let mut slots = route_slots(&cr, [&m[0], &m[1], &m[2]]);
+            slots.push(Slot {
+                t: 0,
+                w: 1.0 / (1.0 + (-(sv[0] as f64)).exp()),
+                mats: [&m[3], &m[4], &m[5]],
+                e: 0,
+            });
+            let out: Vec<f32> = gh.iter().zip(&hv).map(|(a, b)| a - b).collect();
+            check_moe(
+                &format!("{what} (MoE output)"),
+                &out,
+                &ch,
+                &xn,
+                &slots,
+                1,
+                false,
                 1,
             );
         }

@@ -316,6 +316,24 @@ pub trait Backend: Send + Sync {
         moe_decode_compose(self, x, route, gate, up, down, shared, d, tmp, h)
     }
 
+    /// One token's whole MoE block added into the residual stream: `moe_router` (x = rms_norm(h)
+    /// · norm into `r.xn`, the router logits, the shared gate's logit `r.s`, the top-k `r.route`),
+    /// then `moe_decode_add` on that x. A GPU folds the router into the experts' first launch: it
+    /// is 0.6 MB of weights between two launches that each wait for the one before.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_step_add(
+        &self,
+        h: &mut Self::Buf,
+        norm: &Self::Vec,
+        eps: f32,
+        w: &MoeWeights<'_, Self>,
+        d: &Dims,
+        r: RouterScratch<'_, Self>,
+        tmp: MoeScratch<'_, Self>,
+    ) {
+        moe_step_compose(self, h, norm, eps, w, d, r, tmp)
+    }
+
     // ---- gated attention
     /// Splits `q_proj` output `[rows, heads, 2·hd]` into query (rms-normed, RoPE) and gate, and
     /// rms-norms + RoPEs `k` in place. Positions are `pos0 .. pos0 + rows`; with a `step` (a
@@ -581,6 +599,63 @@ pub fn moe_decode_compose<B: Backend + ?Sized>(
         );
     }
     b.add(h, tmp.out, d.hidden);
+}
+
+/// An MoE block's weights, for `moe_step_add`: the router and the shared expert's gate (one row),
+/// the routed experts' stacks, and the shared expert.
+pub struct MoeWeights<'a, B: Backend + ?Sized> {
+    pub router: &'a B::Mat,
+    pub shared_gate: &'a B::Mat,
+    pub gate: &'a B::Mat,
+    pub up: &'a B::Mat,
+    pub down: &'a B::Mat,
+    pub shared_gate_proj: &'a B::Mat,
+    pub shared_up_proj: &'a B::Mat,
+    pub shared_down_proj: &'a B::Mat,
+}
+
+/// What `moe_router` writes, for `moe_step_add`: the normed x (activation), the router's f32
+/// logits `[experts]`, the shared gate's logit `[1]` and the route.
+pub struct RouterScratch<'a, B: Backend + ?Sized> {
+    pub xn: &'a mut B::Buf,
+    pub logits: &'a mut B::Buf,
+    pub s: &'a mut B::Buf,
+    pub route: &'a mut B::Route,
+}
+
+/// One token's MoE block as its two ops (the default of `moe_step_add`, and a GPU's fallback):
+/// the router, then the experts with the shared expert, added into h.
+#[allow(clippy::too_many_arguments)]
+pub fn moe_step_compose<B: Backend + ?Sized>(
+    b: &B,
+    h: &mut B::Buf,
+    norm: &B::Vec,
+    eps: f32,
+    w: &MoeWeights<'_, B>,
+    d: &Dims,
+    r: RouterScratch<'_, B>,
+    tmp: MoeScratch<'_, B>,
+) {
+    b.moe_router(
+        h,
+        norm,
+        1,
+        eps,
+        r.xn,
+        w.router,
+        w.shared_gate,
+        d,
+        r.logits,
+        r.s,
+        r.route,
+    );
+    let shared = SharedExpert {
+        gate: w.shared_gate_proj,
+        up: w.shared_up_proj,
+        down: w.shared_down_proj,
+        logit: r.s,
+    };
+    b.moe_decode_add(r.xn, r.route, w.gate, w.up, w.down, &shared, d, tmp, h);
 }
 
 /// A GDN layer's weights, for `gdn_mixer_decode_add`: in_proj qkv, z, b, a; the conv taps; the

@@ -21,7 +21,10 @@ use std::time::Instant;
 
 use anyhow::Result;
 
-use super::{Backend, Dims, GdnParams, GdnScratch, GdnWeights, KvCache, MoeScratch, SharedExpert};
+use super::{
+    Backend, Dims, GdnParams, GdnScratch, GdnWeights, KvCache, MoeScratch, MoeWeights,
+    RouterScratch, SharedExpert,
+};
 use crate::loader::tensor::HostLinear;
 
 /// Switch and accumulated times; shared between the wrapper and whoever reads the report.
@@ -450,6 +453,45 @@ impl<B: Backend> Backend for Profiled<B> {
         }
         // Profiled: the unfused ops, each charged to its own family.
         super::gdn_mixer_compose(self, h, norm, eps, w, conv, ssm, d, tmp)
+    }
+    fn moe_step_add(
+        &self,
+        h: &mut Self::Buf,
+        norm: &Self::Vec,
+        eps: f32,
+        w: &MoeWeights<'_, Self>,
+        d: &Dims,
+        r: RouterScratch<'_, Self>,
+        tmp: MoeScratch<'_, Self>,
+    ) {
+        if !self.prof.is_on() {
+            let wi = MoeWeights::<B> {
+                router: &w.router.inner,
+                shared_gate: &w.shared_gate.inner,
+                gate: &w.gate.inner,
+                up: &w.up.inner,
+                down: &w.down.inner,
+                shared_gate_proj: &w.shared_gate_proj.inner,
+                shared_up_proj: &w.shared_up_proj.inner,
+                shared_down_proj: &w.shared_down_proj.inner,
+            };
+            let ri = RouterScratch::<B> {
+                xn: r.xn,
+                logits: r.logits,
+                s: r.s,
+                route: r.route,
+            };
+            let ti = MoeScratch::<B> {
+                out: tmp.out,
+                g: tmp.g,
+                u: tmp.u,
+                act: tmp.act,
+                down: tmp.down,
+            };
+            return self.inner.moe_step_add(h, norm, eps, &wi, d, ri, ti);
+        }
+        // Profiled: the router and the experts, each charged to its own family.
+        super::moe_step_compose(self, h, norm, eps, w, d, r, tmp)
     }
     fn matmul_q_add(
         &self,

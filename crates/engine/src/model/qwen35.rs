@@ -19,7 +19,8 @@
 use anyhow::{bail, Result};
 
 use crate::backend::{
-    add_shared_expert, Backend, Dims, GdnParams, GdnScratch, GdnWeights, MoeScratch, SharedExpert,
+    add_shared_expert, Backend, Dims, GdnParams, GdnScratch, GdnWeights, MoeScratch, MoeWeights,
+    RouterScratch, SharedExpert,
 };
 use crate::loader::{HostWeights, Mixer};
 use crate::model::state::{LayerState, SeqState};
@@ -720,6 +721,34 @@ impl<B: Backend> Qwen35<B> {
         let d = &self.dims;
         let m = &layer.moe;
         let hd = self.cfg.hidden_size;
+        let tmp = MoeScratch {
+            out: &mut s.moe,
+            g: &mut s.sg,
+            u: &mut s.su,
+            act: &mut s.sa,
+            down: &mut s.sd,
+        };
+        if decode {
+            // One token: the router and the experts as one op (a GPU folds them together).
+            let w = MoeWeights {
+                router: &m.router,
+                shared_gate: &m.shared_expert_gate,
+                gate: &m.gate_proj,
+                up: &m.up_proj,
+                down: &m.down_proj,
+                shared_gate_proj: &m.shared_gate_proj,
+                shared_up_proj: &m.shared_up_proj,
+                shared_down_proj: &m.shared_down_proj,
+            };
+            let r = RouterScratch {
+                xn: &mut s.xn,
+                logits: &mut s.router_logits,
+                s: &mut s.s,
+                route: &mut s.route,
+            };
+            b.moe_step_add(&mut s.h, &layer.post_norm, d.eps, &w, d, r, tmp);
+            return;
+        }
         b.moe_router(
             &s.h,
             &layer.post_norm,
@@ -739,38 +768,17 @@ impl<B: Backend> Qwen35<B> {
             down: &m.shared_down_proj,
             logit: &s.s,
         };
-        let tmp = MoeScratch {
-            out: &mut s.moe,
-            g: &mut s.sg,
-            u: &mut s.su,
-            act: &mut s.sa,
-            down: &mut s.sd,
-        };
-        if decode {
-            b.moe_decode_add(
-                &s.xn,
-                &s.route,
-                &m.gate_proj,
-                &m.up_proj,
-                &m.down_proj,
-                &shared,
-                d,
-                tmp,
-                &mut s.h,
-            );
-        } else {
-            b.moe_experts_prefill(
-                &s.xn,
-                &s.route,
-                &m.gate_proj,
-                &m.up_proj,
-                &m.down_proj,
-                d,
-                t,
-                &mut *tmp.out,
-            );
-            add_shared_expert(b, &s.xn, &shared, t, hd, tmp);
-            b.add(&mut s.h, &s.moe, t * hd);
-        }
+        b.moe_experts_prefill(
+            &s.xn,
+            &s.route,
+            &m.gate_proj,
+            &m.up_proj,
+            &m.down_proj,
+            d,
+            t,
+            &mut *tmp.out,
+        );
+        add_shared_expert(b, &s.xn, &shared, t, hd, tmp);
+        b.add(&mut s.h, &s.moe, t * hd);
     }
 }

@@ -19,7 +19,9 @@ use std::sync::Mutex;
 
 use cudarc::driver::sys;
 
-use super::{grid1, Arg, Buf, Cuda, Fmt, Mat, QMat, Route, SharedExpert};
+use super::{
+    grid1, Arg, Buf, Cuda, Dims, Fmt, Mat, MoeWeights, QMat, Route, RouterScratch, SharedExpert,
+};
 
 /// `struct SwArgs` of gemv.cu (same layout).
 #[repr(C)]
@@ -64,6 +66,26 @@ pub(super) struct SwMoe {
     act: u64,
     h: u64,
     k: i32,
+    pad: i32,
+    counter: u64,
+}
+
+/// `struct SwStep` of moe.cu (same layout): moe_step_gate_up's arguments.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct SwStep {
+    m: SwMoe,
+    r: QMat,
+    rs: QMat,
+    nw: u64,
+    xn: u64,
+    logits: u64,
+    s: u64,
+    eps: f32,
+    e: i32,
+    ntopk: i32,
+    sobf: i32,
+    probe: i32,
     pad: i32,
 }
 
@@ -342,7 +364,11 @@ impl Cuda {
             _ => (format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256), 256, 0),
         };
         let batches = p.bstart[ws.len()] as u32;
-        let grid = batches.min(self.resident_blocks(&name, threads, smem));
+        let mut grid = batches.min(self.resident_blocks(&name, threads, smem));
+        let rows: usize = ws.iter().map(|w| w.out).sum();
+        if let (Some(cap), true) = (sw_per_sm(), rows < 65_536) {
+            grid = grid.min(cap * self.sm_count).max(1);
+        }
         self.launch(&name, (grid, 1, 1), threads, smem, &[Arg::S(Box::new(p))]);
     }
 
@@ -416,6 +442,86 @@ impl Cuda {
         true
     }
 
+    /// The bits of the experts' format when the two streaming MoE launches take them (the routed
+    /// and the shared experts in one format the kernels read, shapes fitting their geometry, `k`
+    /// slots within the down kernel's), else None.
+    fn moe_sw_bits(
+        &self,
+        gate: &Mat,
+        up: &Mat,
+        down: &Mat,
+        sh: [&Mat; 3],
+        k: usize,
+    ) -> Option<usize> {
+        let (hid, w) = (gate.inp, gate.out);
+        let fmt = gate.fmt;
+        let bits = Self::sw_bits(fmt)?;
+        let [sg, su, sd] = sh;
+        let same = [up.fmt, down.fmt, sg.fmt, su.fmt, sd.fmt]
+            .iter()
+            .all(|&f| f == fmt);
+        let shapes = sg.out == w
+            && su.out == w
+            && sd.inp == w
+            && sg.inp == hid
+            && sd.out == hid
+            && down.inp == w
+            && down.out == hid;
+        let geometry = hid.is_multiple_of(256)
+            && 16 % (hid / 256) == 0
+            && w.is_multiple_of(64)
+            && w <= 1024
+            && 32 % (w / 32) == 0
+            && gate.gs.is_multiple_of(32)
+            && [up.gs, sg.gs, su.gs].iter().all(|&g| g == gate.gs)
+            && down.gs.is_multiple_of(32)
+            && sd.gs == down.gs;
+        (self.on("fuse_moe") && same && shapes && geometry && k < SWD_MAXSLOTS && k > 0)
+            .then_some(bits)
+    }
+
+    /// The experts' launch arguments (act in scratch), or None where the scratch failed (recorded).
+    #[allow(clippy::too_many_arguments)]
+    fn moe_sw_args(
+        &self,
+        x: &Buf,
+        route: &Route,
+        k: usize,
+        gate: &Mat,
+        up: &Mat,
+        down: &Mat,
+        sh: [&Mat; 3],
+        slogit: &Buf,
+        h: &Buf,
+        counter: bool,
+    ) -> Option<SwMoe> {
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        let act = self.scratch(&mut sc, "moe_sw_act", 2 * (k + 1) * gate.out)?;
+        // Zeroed when allocated; moe_wide_down leaves it at zero after every moe_step launch.
+        let counter = if counter {
+            self.scratch(&mut sc, "moe_step_counter", 4)?
+        } else {
+            0
+        };
+        Some(SwMoe {
+            g: gate.q(),
+            u: up.q(),
+            d: down.q(),
+            sg: sh[0].q(),
+            su: sh[1].q(),
+            sd: sh[2].q(),
+            x: x.mem.ptr,
+            ids: route.ids.ptr,
+            wts: route.weights.ptr,
+            slogit: slogit.mem.ptr,
+            act,
+            h: h.mem.ptr,
+            k: k as i32,
+            pad: 0,
+            counter,
+        })
+    }
+
     /// `h += moe(x)` for one token as two streaming launches, when the experts and the shared
     /// expert share a format the kernels read and the shapes fit their geometry; `false`: not
     /// run (the caller composes the unfused ops).
@@ -431,52 +537,12 @@ impl Cuda {
         h: &mut Buf,
     ) -> bool {
         let (hid, w, k) = (gate.inp, gate.out, route.k);
-        let fmt = gate.fmt;
-        let Some(bits) = Self::sw_bits(fmt) else {
+        let shm = [sh.gate, sh.up, sh.down];
+        let Some(bits) = self.moe_sw_bits(gate, up, down, shm, k) else {
             return false;
         };
-        let same = [up.fmt, down.fmt, sh.gate.fmt, sh.up.fmt, sh.down.fmt]
-            .iter()
-            .all(|&f| f == fmt);
-        let shapes = sh.gate.out == w
-            && sh.up.out == w
-            && sh.down.inp == w
-            && sh.gate.inp == hid
-            && sh.down.out == hid
-            && down.inp == w
-            && down.out == hid;
-        let geometry = hid.is_multiple_of(256)
-            && 16 % (hid / 256) == 0
-            && w.is_multiple_of(64)
-            && w <= 1024
-            && 32 % (w / 32) == 0
-            && gate.gs.is_multiple_of(32)
-            && [up.gs, sh.gate.gs, sh.up.gs].iter().all(|&g| g == gate.gs)
-            && down.gs.is_multiple_of(32)
-            && sh.down.gs == down.gs;
-        if !(self.on("fuse_moe") && same && shapes && geometry && k < SWD_MAXSLOTS && k > 0) {
-            return false;
-        }
-        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(act) = self.scratch(&mut sc, "moe_sw_act", 2 * (k + 1) * w) else {
+        let Some(p) = self.moe_sw_args(x, route, k, gate, up, down, shm, sh.logit, h, false) else {
             return true;
-        };
-        drop(sc);
-        let p = SwMoe {
-            g: gate.q(),
-            u: up.q(),
-            d: down.q(),
-            sg: sh.gate.q(),
-            su: sh.up.q(),
-            sd: sh.down.q(),
-            x: x.mem.ptr,
-            ids: route.ids.ptr,
-            wts: route.weights.ptr,
-            slogit: sh.logit.mem.ptr,
-            act,
-            h: h.mem.ptr,
-            k: k as i32,
-            pad: 0,
         };
         // On tensor cores (moe.cu's moe_tc_*): 4-bit, group size 64, hidden cut as tc_gemv's K,
         // the width W = 128·NS with NS ≤ 4.
@@ -562,20 +628,17 @@ impl Cuda {
         }
     }
 
-    /// The opt-in wide form of `moe_sw` (moe.cu's moe_wide_*, switch `moe_wide`): every block
-    /// requests all its weights at once through cp.async into shared memory, the shared expert's
-    /// gate|up and all of down's weights before the PDL wait. Instantiated for hidden 2048 and
-    /// width 512 (the full model); `false`: the shapes do not fit (the caller runs moe_sw).
-    /// `gs`: the group sizes of gate|up and of down (the rest checked equal by the caller).
-    fn moe_wide(
+    /// moe_wide's rows per block (gate|up, down) when its kernels take these experts, else None:
+    /// instantiated for hidden 2048 and width 512 (the full model). `gs`: the group sizes of
+    /// gate|up and of down (the rest checked equal by moe_sw_bits).
+    fn moe_wide_fits(
         &self,
         p: &SwMoe,
-        bits: usize,
         hid: usize,
         w: usize,
         k: usize,
         gs: [usize; 2],
-    ) -> bool {
+    ) -> Option<(usize, usize)> {
         let (rpb, dr) = moe_wide_rows();
         // A lane's scale word holds its group at the group's parity: groups per row even.
         // The scale and bias words are copied 4 bytes at a time from the matrices' own buffers.
@@ -590,29 +653,38 @@ impl Cuda {
             && w.is_multiple_of(rpb)
             && hid.is_multiple_of(dr)
             && k < SWD_MAXSLOTS;
-        if !fits {
+        fits.then_some((rpb, dr))
+    }
+
+    /// The wide form of `moe_sw` (moe.cu's moe_wide_*, switch `moe_wide`): every block requests
+    /// all its weights at once through cp.async into shared memory, the shared expert's gate|up
+    /// and all of down's weights before the PDL wait. `false`: the shapes do not fit (the caller
+    /// runs moe_sw).
+    fn moe_wide(
+        &self,
+        p: &SwMoe,
+        bits: usize,
+        hid: usize,
+        w: usize,
+        k: usize,
+        gs: [usize; 2],
+    ) -> bool {
+        let Some((rpb, dr)) = self.moe_wide_fits(p, hid, w, k, gs) else {
             return false;
-        }
-        let np = bits / 4;
-        // gate|up: (k + 1)·W / RPB blocks of 256 threads, the shared expert's first; G = RPB / RW
-        // row groups of RW = 32 / (hid / 256) rows; shared memory G·(2·NP·256·16 + 2·2·256·4).
-        let c = hid / 256;
-        let g = rpb / (32 / c);
-        let smem = (g * (2 * np * 256 * 16 + 2 * 2 * 256 * 4)) as u32;
-        let grid = ((k + 1) * w / rpb) as u32;
-        self.launch(
-            &format!("moe_wide_gate_up_{bits}_{c}_{rpb}"),
-            (grid, 1, 1),
-            256,
-            smem,
-            &[Arg::E(Box::new(*p))],
-        );
-        // down: H / DR blocks, warp j slot j; G = DR / RW row groups of RW = 32 / (W / 32) rows;
-        // shared memory G·T·(16·NP + 8) with T = 32·(k + 1) threads.
+        };
+        let (name, grid, smem) = moe_wide_gate_up_launch("moe_wide", bits, hid, w, k, rpb);
+        self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::E(Box::new(*p))]);
+        self.moe_wide_down(p, bits, hid, w, k, dr);
+        true
+    }
+
+    /// moe_wide's down launch: H / DR blocks, warp j slot j; G = DR / RW row groups of RW =
+    /// 32 / (W / 32) rows; shared memory G·T·(16·NP + 8) with T = 32·(k + 1) threads.
+    fn moe_wide_down(&self, p: &SwMoe, bits: usize, hid: usize, w: usize, k: usize, dr: usize) {
         let c = w / 32;
         let threads = 32 * (k + 1);
         let g = dr / (32 / c);
-        let smem = (g * threads * (16 * np + 8)) as u32;
+        let smem = (g * threads * (16 * (bits / 4) + 8)) as u32;
         self.launch(
             &format!("moe_wide_down_{bits}_{c}_{dr}"),
             ((hid / dr) as u32, 1, 1),
@@ -620,8 +692,142 @@ impl Cuda {
             smem,
             &[Arg::E(Box::new(*p))],
         );
+    }
+
+    /// The MoE block of one token with the router folded into the experts' gate|up launch
+    /// (moe.cu's moe_step_gate_up_*, opt-in `moe_step`), then moe_wide's down. Takes an 8-bit
+    /// router and shared gate of K = hidden, at most 256 experts, and whatever moe_wide takes;
+    /// the whole gate|up grid must be resident at once (its routed blocks wait for its router
+    /// blocks). `false`: not taken (the caller composes moe_router and moe_decode_add).
+    pub(super) fn moe_step(
+        &self,
+        h: &mut Buf,
+        norm: &Buf,
+        eps: f32,
+        mw: &MoeWeights<'_, Cuda>,
+        d: &Dims,
+        r: &mut RouterScratch<'_, Cuda>,
+    ) -> bool {
+        let op = "moe_step_add";
+        let (e, k, hid) = (d.n_experts, d.top_k, d.hidden);
+        let (rt, rs) = (mw.router, mw.shared_gate);
+        let shm = [mw.shared_gate_proj, mw.shared_up_proj, mw.shared_down_proj];
+        let router = self.opted_in("moe_step")
+            && self.on("moe_wide")
+            && self.on("fuse_route")
+            && self.on("fuse_norm")
+            && !(self.on("tc_gemv") && self.opted_in("tc_all"))
+            && self.sw_fits(&[rt, rs])
+            && Self::sw_bits(rt.fmt) == Some(8)
+            && rt.inp == hid
+            && rt.out == e
+            && rs.out == 1
+            && e <= 256
+            && (1..=32).contains(&k)
+            && k <= e
+            && r.s.bf16() == 0;
+        let Some(bits) = router
+            .then(|| self.moe_sw_bits(mw.gate, mw.up, mw.down, shm, k))
+            .flatten()
+        else {
+            return false;
+        };
+        if !(self.experts_ok(mw.gate, mw.up, mw.down, d, op)
+            && self.buf_ok(h, hid, "h", op)
+            && self.buf_ok(norm, hid, "norm", op)
+            && self.act_ok(r.xn, hid, "xn", op)
+            && self.buf_ok(r.logits, e, "logits", op)
+            && self.buf_ok(r.s, 1, "s", op)
+            && self.ensure(k <= r.route.cap, || {
+                format!("{op}: route holds {} entries, {k} needed", r.route.cap)
+            }))
+        {
+            return true;
+        }
+        let w = mw.gate.out;
+        let Some(p) =
+            self.moe_sw_args(r.xn, r.route, k, mw.gate, mw.up, mw.down, shm, r.s, h, true)
+        else {
+            return true;
+        };
+        let Some((rpb, dr)) = self.moe_wide_fits(&p, hid, w, k, [mw.gate.gs, mw.down.gs]) else {
+            return false;
+        };
+        let (name, grid, smem) = moe_wide_gate_up_launch("moe_step", bits, hid, w, k, rpb);
+        // The router's blocks are the first ceil((E + 1) / RW) of the grid; all must be resident.
+        let nrj = (e + 1).div_ceil(32 / (hid / 256)) as u32;
+        if nrj > grid || self.resident_blocks(&name, 256, smem) < grid {
+            return false;
+        }
+        r.route.k = k;
+        let st = SwStep {
+            m: p,
+            r: rt.q(),
+            rs: rs.q(),
+            nw: norm.mem.ptr,
+            xn: r.xn.mem.ptr,
+            logits: r.logits.mem.ptr,
+            s: r.s.mem.ptr,
+            eps,
+            e: e as i32,
+            ntopk: d.norm_topk as i32,
+            sobf: r.s.bf16(),
+            probe: moe_step_probe(),
+            pad: 0,
+        };
+        self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::T(Box::new(st))]);
+        self.moe_wide_down(&p, bits, hid, w, k, dr);
         true
     }
+}
+
+/// A cap on the blocks per SM of the layers' streaming GEMVs (`LILY_CUDA_SW_PER_SM`, a probe: by
+/// default they fill every SM, which leaves the next kernel of a step no room to launch early
+/// under PDL and request its weights while they finish). Measured on the H200 at 1 block per
+/// SM: decode at 4K 458.8 against 494.1 tok/s (moe_step on), 464.3 against 503.7 (off): the
+/// GEMVs lose more than the early launches win.
+fn sw_per_sm() -> Option<u32> {
+    static P: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    *P.get_or_init(|| {
+        std::env::var("LILY_CUDA_SW_PER_SM")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n| n > 0)
+    })
+}
+
+/// Timing probes of moe_step_gate_up (`LILY_MOE_STEP_PROBE`, bits: 1 no wait for the router's
+/// count, 2 no route, 4 no norm, 8 no fence). Each leaves a phase out, so the step's time without
+/// it is that phase's cost in place; the results are wrong. 0 (the default): none.
+fn moe_step_probe() -> i32 {
+    static P: std::sync::OnceLock<i32> = std::sync::OnceLock::new();
+    *P.get_or_init(|| {
+        std::env::var("LILY_MOE_STEP_PROBE")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    })
+}
+
+/// Name, grid and dynamic shared memory of moe_wide's gate|up launch (`kind` moe_wide or
+/// moe_step): (k + 1)·W / RPB blocks of 256 threads, the shared expert's first; G = RPB / RW row
+/// groups of RW = 32 / (hid / 256) rows; shared memory G·(2·NP·256·16 + 2·2·256·4).
+fn moe_wide_gate_up_launch(
+    kind: &str,
+    bits: usize,
+    hid: usize,
+    w: usize,
+    k: usize,
+    rpb: usize,
+) -> (String, u32, u32) {
+    let c = hid / 256;
+    let g = rpb / (32 / c);
+    let smem = (g * (2 * (bits / 4) * 256 * 16 + 2 * 2 * 256 * 4)) as u32;
+    (
+        format!("{kind}_gate_up_{bits}_{c}_{rpb}"),
+        ((k + 1) * w / rpb) as u32,
+        smem,
+    )
 }
 
 /// Rows per block of moe_wide's gate|up and down kernels (`LILY_CUDA_MOE_WIDE=RPB,DR`: RPB 8, 16

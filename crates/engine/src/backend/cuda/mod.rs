@@ -85,7 +85,9 @@ use cudarc::driver::{
     DevicePtr,
 };
 
-use super::{Backend, Dims, GdnParams, KvCache, MoeScratch, SharedExpert};
+use super::{
+    Backend, Dims, GdnParams, KvCache, MoeScratch, MoeWeights, RouterScratch, SharedExpert,
+};
 use crate::loader::tensor::{bf16_to_f32, f32_to_bf16, Dtype, HostLinear, HostTensor, LinearKind};
 
 /// The kernel files, compiled in this order (`*.cuh` headers are prepended to each).
@@ -344,6 +346,7 @@ enum Arg {
     M(Box<Many>),
     S(Box<decode::SwArgs>),
     E(Box<decode::SwMoe>),
+    T(Box<decode::SwStep>),
 }
 
 /// Reads of at least this many bytes go through the page-locked staging buffer.
@@ -438,6 +441,11 @@ pub struct Cuda {
     occupancy: decode::Occupancy,
     /// Streaming multiprocessors of the device.
     sm_count: u32,
+    /// A timing probe, never for results: kernels whose names start with one of these prefixes
+    /// are left out of recorded decode steps (`LILY_CUDA_SKIP=gdn_step,attn_`). The step's time
+    /// without them, against the full step's, is their cost in place (overlap with their
+    /// neighbours included), which neither the lab nor ncu's kernel-by-kernel times give.
+    skip: Vec<String>,
 }
 
 /// The decode-path optimisations that can be switched off, each against an otherwise identical
@@ -503,7 +511,21 @@ const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   there (lab, µs: in_proj 14.1 / 12.7 at 32 / 64 rows against tc_gemv's 9.5, out_proj 6.4 at
 ///   16 rows and 3.95 at 8 against the SIMT loop's 3.37; decode 436-444 against 510-516 tok/s):
 ///   a block that waits for its whole share before its dot has nothing to overlap the wait with.
-pub const OPT_IN: &[&str] = &["tc_all", "fuse_gdn", "router_cluster", "gemv_wide"];
+/// * `moe_step`: an MoE block's router (norm, router | shared gate GEMV, top-k) folded into
+///   moe_wide's gate|up launch (moe.cu's moe_step_gate_up_*, Backend::moe_step_add): -40
+///   kernels per token, no launch boundary between the router and the experts' loads. Bit-equal
+///   to the composition on the H200 (cuda_ops) but slower there: decode at 4K 505.5 / 503.8
+///   against 531.5 / 538.0 tok/s, at 128K 357.9 / 361.1 against 382.6 / 386.8 (two rounds
+///   alternated, commit of the unrolled norm). Its probes (LILY_MOE_STEP_PROBE) put the
+///   routed blocks' wait for the router blocks' count at 3.1 µs a layer and each block's own
+///   route at 3.1: more than the launch boundary it removes.
+pub const OPT_IN: &[&str] = &[
+    "tc_all",
+    "fuse_gdn",
+    "router_cluster",
+    "gemv_wide",
+    "moe_step",
+];
 
 impl Cuda {
     /// The first GPU.
@@ -584,6 +606,14 @@ impl Cuda {
             enabled: std::sync::RwLock::new(HashSet::new()),
             occupancy: decode::Occupancy::default(),
             sm_count,
+            skip: std::env::var("LILY_CUDA_SKIP")
+                .map(|v| {
+                    v.split(',')
+                        .map(|s| s.trim().to_string())
+                        .filter(|s| !s.is_empty())
+                        .collect()
+                })
+                .unwrap_or_default(),
         })
         .and_then(|c: Self| {
             let env_names = |var: &str| {
@@ -873,6 +903,12 @@ impl Cuda {
         if self.failed() {
             return;
         }
+        if !self.skip.is_empty()
+            && self.capturing.load(Ordering::Relaxed)
+            && self.skip.iter().any(|p| name.starts_with(p.as_str()))
+        {
+            return;
+        }
         let Some(f) = self.func(name) else { return };
         if cluster > 8 {
             if let Err(e) = f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1) {
@@ -899,6 +935,7 @@ impl Cuda {
                 Arg::M(v) => &**v as *const Many as *mut c_void,
                 Arg::S(v) => &**v as *const decode::SwArgs as *mut c_void,
                 Arg::E(v) => &**v as *const decode::SwMoe as *mut c_void,
+                Arg::T(v) => &**v as *const decode::SwStep as *mut c_void,
             })
             .collect();
         let r = self.ctx.bind_to_thread().and_then(|_| {
@@ -1634,6 +1671,20 @@ impl Backend for Cuda {
         }
         if !self.moe_sw(x, route, gate, up, down, shared, h) {
             super::moe_decode_compose(self, x, route, gate, up, down, shared, d, tmp, h);
+        }
+    }
+    fn moe_step_add(
+        &self,
+        h: &mut Buf,
+        norm: &Buf,
+        eps: f32,
+        w: &MoeWeights<'_, Self>,
+        d: &Dims,
+        mut r: RouterScratch<'_, Self>,
+        tmp: MoeScratch<'_, Self>,
+    ) {
+        if !self.moe_step(h, norm, eps, w, d, &mut r) {
+            super::moe_step_compose(self, h, norm, eps, w, d, r, tmp);
         }
     }
     fn add(&self, h: &mut Buf, r: &Buf, len: usize) {

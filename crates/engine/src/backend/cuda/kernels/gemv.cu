@@ -55,15 +55,6 @@ struct SwArgs {
     int dv;       // PRO 2: value head size (a multiple of 32, dv / 32 a power of two)
 };
 
-// 1 / sqrt(mean(h²) + eps) over the block, with the rms_norm kernel's exact arithmetic (the same
-// strided per-thread sums over 256 threads, the same block_sum, the same expression).
-__device__ __forceinline__ float sw_rms_scale(const float* __restrict__ h, int K, float eps, float* sh) {
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) ss += h[i] * h[i];
-    ss = block_sum(ss, sh);
-    return 1.0f / sqrtf(ss / (float)K + eps);
-}
-
 __device__ __forceinline__ void sw_locate(const SwArgs& p, int bt, int rb, int& mi, int& row0) {
     mi = 0;
 #pragma unroll
@@ -138,7 +129,7 @@ __device__ __forceinline__ float sw_x_pro(const SwArgs& p, int ch, int r, float*
     } else {
         const float* h = (const float*)p.x;
         const float* w = (const float*)p.nw;
-        const float rr = sw_rms_scale(h, K, p.eps, sh);
+        const float rr = sw_rms_scale<K, 256>(h, p.eps, sh);
         xs = sw_x_norm(h, w, rr, ch, xv);
         if (blockIdx.x == 0 && p.xn != 0 && r == 0) {
             uint4* o = (uint4*)((u16*)p.xn + ch * 32);
@@ -177,6 +168,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
         }
     };
     load(un);
+    if constexpr (PRO == 1) sw_prefetch_norm((const float*)p.nw, ch);
     // Only now may x (written by the previous kernel) be read: with programmatic dependent launch
     // (LILY_CUDA_PDL=1) the weights above were requested while that kernel finished.
     PDL_WAIT();
@@ -297,6 +289,7 @@ __device__ __forceinline__ void gemv_wide_body(const SwArgs& p) {
         wide_issue<BITS>(m, 0, ok ? o : 0, ln, base + code_at(q), T * 16, base + sw_at(q), base + SBW + sw_at(q), ok);
         cp_commit();
     }
+    if constexpr (PRO == 1) sw_prefetch_norm((const float*)p.nw, ln.ch);
     PDL_WAIT();
 
     float xv[32];
@@ -375,9 +368,10 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
     // The first batches' weights are requested before x is known: they do not depend on it.
 #pragma unroll
     for (int n = 0; n < S - 1; n++) issue(n);
+    const int ch = tc_chunk<NS>(sb, g, t);
+    if (PRO == 1 && ch >= 0) sw_prefetch_norm((const float*)p.nw, ch);
     PDL_WAIT();
 
-    const int ch = tc_chunk<NS>(sb, g, t);
     float xv[32];
 #pragma unroll
     for (int i = 0; i < 32; i++) xv[i] = 0.0f;
@@ -387,7 +381,7 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
     } else {
         const float* h = (const float*)p.x;
         const float* w = (const float*)p.nw;
-        const float rr = sw_rms_scale(h, K, p.eps, sh);
+        const float rr = sw_rms_scale<K, 32 * NW>(h, p.eps, sh);
         if (ch >= 0) {
             xs = sw_x_norm(h, w, rr, ch, xv);
             if (blockIdx.x == 0 && p.xn != 0) {

@@ -252,6 +252,7 @@ struct SwMoe {
     u64 h;            // float* [H]: the residual stream
     int k;
     int pad;
+    u64 counter;      // moe_step: u32 router blocks done, reset by moe_wide_down (0: none)
 };
 
 template <int BITS, int C, int U>
@@ -625,8 +626,58 @@ MOE_TC_DOWN(4)
 
 // cp_wait_n, wide_issue and wide_fetch: wide.cuh (shared with gemv.cu's gemv_wide_*).
 
-template <int BITS, int C, int RPB>
-__device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p) {
+// ---- moe_step_gate_up_<B>_<C>_<RPB> (opt-in `moe_step`, Backend::moe_step_add): the router folded
+// into moe_wide's gate|up launch. Matches moe_step_compose: moe_router (rms_norm + router | shared
+// gate as sw_gemv_8 computes them, bit for bit: the same x, chunk dot, shuffles and warp order;
+// the route as route.cuh) then moe_decode_add (moe_wide, unchanged).
+//
+// Why. In a recorded step the router's own launch cost 12 µs a layer (decode at 4K without it:
+// 674 against 509 tok/s, LILY_CUDA_SKIP), for 0.6 MB of weights: its 33 blocks are a chain (wait
+// for out_proj, norm, dot, fence, ticket, route in the last block, grid completion) and only
+// then may gate|up read its expert ids and request the experts' 8.4 MB. Here every gate|up block
+// normalises h itself (8 KB), the first NRJ = ceil((E + 1) / RW) blocks each compute RW router
+// rows (their weights requested before the PDL wait), store the logits and count themselves on
+// `counter`; the routed blocks wait for the count (one thread polls with ld.acquire), route in
+// their first warp from the logits in L2 (route.cuh, each block for itself: no second round
+// trip), then request their expert's rows. The shared expert's blocks never wait for the router.
+// The first routed block writes ids and weights for down, then lets it launch (down reads them
+// before its own PDL wait); down resets the counter after its wait, when every gate|up block is
+// done.
+// Progress: a routed block spins until the router blocks (the lowest indices, scheduled first)
+// are done, so the whole grid must be resident at once: the host checks it (resident_blocks).
+// Measured on the H200 (full preset, decode at 4K): correct, bit-equal to the composition, but
+// slower: 505 against 535 tok/s. Its phases left out one at a time (LILY_MOE_STEP_PROBE, before
+// sw_rms_scale was unrolled): the wait for the count 3.1 µs a layer, the route 3.1, the norm 6.6
+// (now unrolled everywhere), the fence nothing. The router's own launch it replaces cost about
+// as much as the wait and the route together, so it stays opt-in.
+
+struct SwStep {
+    SwMoe m;
+    QMat r, rs;       // the router [E, H] and the shared expert's gate [1, H], 8-bit
+    u64 nw;           // const float* [H]: the norm weight (the norm's input is m.h)
+    u64 xn;           // u16* [H]: x, written by block 0
+    u64 logits;       // float* [E]
+    u64 s;            // the shared gate's logit [1] (store_out with sobf)
+    float eps;
+    int e;            // experts
+    int ntopk;        // renormalise the top-k weights
+    int sobf;
+    int probe;        // timing probes only (LILY_MOE_STEP_PROBE, wrong results): 1 no count
+                      // wait, 2 no route (the last ids), 4 no norm (x from xn), 8 no fence
+    int pad;
+};
+
+__device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// ST: SwStep with STEP (moe_step_gate_up), else unused (the kernel passes p again): a reference,
+// not a pointer, so the kernel's parameter is read in place (its address would copy it to the
+// stack).
+template <int BITS, int C, int RPB, bool STEP, typename ST>
+__device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& st) {
     constexpr int RW = 32 / C, G = RPB / RW, NP = BITS / 4, T = 256;
     static_assert(G * RW == RPB && G >= 1 && G <= 16, "rows per block: a multiple of RW, at most 16 groups");
     // Shared memory: codes [G][2 (gate, up)][NP][T] of 16 B, then scale words [G][2][T] and bias
@@ -658,12 +709,92 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p) {
     };
     // The shared expert's weights do not depend on the router: requested before the wait.
     if (shared) issue(0);
-    PDL_WAIT();
-    PDL_LAUNCH();
-    if (!shared) issue((int)((const u32*)p.ids)[j]);
-
     float xv[32];
-    const float xs = sw_x_act((const u16*)p.x, ln.ch, xv);
+    float xs;
+    if constexpr (!STEP) {
+        PDL_WAIT();
+        PDL_LAUNCH();
+        if (!shared) issue((int)((const u32*)p.ids)[j]);
+        xs = sw_x_act((const u16*)p.x, ln.ch, xv);
+    } else {
+        // Router rows o = RW·b + r of [router; shared gate] for the first NRJ blocks b, requested
+        // before the wait like the shared expert's weights.
+        __shared__ float sh[32];
+        __shared__ float rred[SW_WARPS][RW];
+        __shared__ u32 rid[32];
+        __shared__ float rwt[32];
+        const int E = st.e, nrj = (E + 1 + RW - 1) / RW;
+        const bool rjob = (int)blockIdx.x < nrj;
+        const SwLane rl = sw_lane(st.r, warp * C + c);
+        SwUnit<8> ru[1];
+        const int ro = blockIdx.x * RW + r;
+        if (rjob && ro < E) sw_load<8>(st.r, 0, ro, rl, ru[0]);
+        else if (rjob && ro == E) sw_load<8>(st.rs, 0, 0, rl, ru[0]);
+        else sw_zero<8>(ru[0]);
+        sw_prefetch_norm((const float*)st.nw, ln.ch);
+        PDL_WAIT();
+        // x = bf16(rms_norm(h) · w) as sw_gemv's prologue 1 (sw_x_pro), block 0 storing it.
+        const float* hh = (const float*)p.h;
+        if (st.probe & 4) {
+            xs = sw_x_act((const u16*)p.x, ln.ch, xv);
+        } else {
+            const float rr = sw_rms_scale<256 * C, 256>(hh, st.eps, sh);
+            xs = sw_x_norm(hh, (const float*)st.nw, rr, ln.ch, xv);
+        }
+        if (blockIdx.x == 0 && r == 0 && !(st.probe & 4)) {
+            uint4* o = (uint4*)((u16*)st.xn + ln.ch * 32);
+#pragma unroll
+            for (int i = 0; i < 4; i++) o[i] = sw_pack8(xv, i);
+        }
+        if (rjob) {
+            float part[1];
+            sw_dots<8, 1, C>(ru, xv, xs, part);
+            if (c == 0) rred[warp][r] = part[0];
+            __syncthreads();
+            if (tid < RW) {
+                float v = 0.0f;
+#pragma unroll
+                for (int w = 0; w < SW_WARPS; w++) v += rred[w][tid];
+                const int o = blockIdx.x * RW + tid;
+                if (o < E) ((float*)st.logits)[o] = v;
+                else if (o == E) store_out((void*)st.s, 0, v, st.sobf);
+            }
+            // Make the logits visible, then count this block (gemv.cu's route ticket).
+            if (!(st.probe & 8)) __threadfence();
+            __syncthreads();
+            if (tid == 0) atomicAdd((u32*)p.counter, 1u);
+        }
+        if (shared) {
+            PDL_LAUNCH();
+        } else {
+            if (tid == 0 && !(st.probe & 1))
+                while (ld_acquire_u32((const u32*)p.counter) < (u32)nrj) {
+                }
+            __syncthreads();
+            // E <= 256 (the host checks): 8 experts per lane (the general route_warp spills here).
+            if (st.probe & 2) {
+                if (tid < p.k) {
+                    rid[tid] = __ldcg((const unsigned int*)p.ids + tid);
+                    rwt[tid] = __ldcg((const float*)p.wts + tid);
+                }
+            } else if (warp == 0) {
+                route_warp_n<8>((const float*)st.logits, rid, rwt, E, p.k, st.ntopk, lane);
+            }
+            __syncthreads();
+            if ((int)blockIdx.x == bps) {
+                // The first routed block: the route for down (read before its PDL wait) and the
+                // host, visible before this block lets down launch.
+                if (tid < p.k) {
+                    ((u32*)p.ids)[tid] = rid[tid];
+                    ((float*)p.wts)[tid] = rwt[tid];
+                    __threadfence();
+                }
+                __syncthreads();
+            }
+            PDL_LAUNCH();
+            issue((int)rid[j]);
+        }
+    }
 #pragma unroll
     for (int q = 0; q < G; q++) {
         cp_wait_n(G - 1 - q);
@@ -720,6 +851,9 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     }
     PDL_WAIT();
     PDL_LAUNCH();
+    // moe_step: every gate|up block is done (the wait above), so the router count goes back to 0
+    // for the next launch.
+    if (p.counter != 0 && blockIdx.x == 0 && tid == 0) *(u32*)p.counter = 0u;
     if (lane == 0) wt[j] = routed ? ((const float*)p.wts)[j] : sigmoid_f(((const float*)p.slogit)[0]);
     float xv[32];
     const float xs = sw_x_act((const u16*)p.act + (u64)j * K, c, xv);
@@ -739,7 +873,10 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
 // No PDL_ENTRY: each body places its own wait (above).
 #define MOE_WIDE_GATE_UP(BITS, C, RPB)                                                                      \
     extern "C" __global__ void __launch_bounds__(256, 3) moe_wide_gate_up_##BITS##_##C##_##RPB(SwMoe p) {  \
-        moe_wide_gate_up_body<BITS, C, RPB>(p);                                                             \
+        moe_wide_gate_up_body<BITS, C, RPB, false>(p, p);                                                    \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, 3) moe_step_gate_up_##BITS##_##C##_##RPB(SwStep q) { \
+        moe_wide_gate_up_body<BITS, C, RPB, true>(q.m, q);                                                  \
     }
 #define MOE_WIDE_DOWN(BITS, C, DR)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS, 2) moe_wide_down_##BITS##_##C##_##DR(SwMoe p) { \

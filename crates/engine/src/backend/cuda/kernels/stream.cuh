@@ -202,3 +202,31 @@ __device__ __forceinline__ float sw_x_norm(const float* __restrict__ h, const fl
     for (int i = 0; i < 32; i++) xs += xv[i];
     return xs;
 }
+
+// 1 / sqrt(mean(h²) + eps) over a block of T threads, with the rms_norm kernel's exact arithmetic
+// (thread t sums h[t]², h[t + T]², ... in that order, then the same block_sum, the same
+// expression). K and T compile-time, the loads unrolled: all K / T of a thread's loads are in
+// flight at once. With the loop's stride read from blockDim (as rms_norm's), they were K / T
+// dependent L2 round trips on every normed decode kernel's critical path: leaving the norm out
+// of moe_step_gate_up made decode at 4K 568 against 494 tok/s (LILY_MOE_STEP_PROBE=4), 6.6 µs
+// a layer for an 8 KB read.
+template <int K, int T>
+__device__ __forceinline__ float sw_rms_scale(const float* __restrict__ h, float eps, float* sh) {
+    static_assert(K % T == 0, "the block's threads must divide K");
+    float v[K / T];
+#pragma unroll
+    for (int j = 0; j < K / T; j++) v[j] = h[threadIdx.x + T * j];
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < K / T; j++) ss += v[j] * v[j];
+    ss = block_sum(ss, sh);
+    return 1.0f / sqrtf(ss / (float)K + eps);
+}
+
+// Requests the lane's chunk of a norm weight (32 f32: one 128-byte line, inputs 32ch ..) into L1
+// before the PDL wait. The weight never depends on the previous kernel, and sw_x_norm reads it
+// only after the block's sum of squares: a DRAM round trip there (a layer's norm weight is not
+// in L2 a token later) would sit on the critical path.
+__device__ __forceinline__ void sw_prefetch_norm(const float* w, int ch) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(w + ch * 32));
+}
