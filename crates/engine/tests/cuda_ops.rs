@@ -2148,31 +2148,7 @@ fn moe_route_and_experts() {
                     g.moe_decode_add(&gx, &gr, &gg, &gu, &gd, &gsh, &d, tmp, &mut gh);
                     g.set_disabled(&[]).unwrap();
                     g.set_enabled(&[]).unwrap();
-                    let mut ch = vec![0f32; hid];
-                    let (mut c0, mut c1, mut c2, mut c3, mut c4) = (
-                        vec![0f32; hid],
-                        vec![0f32; width],
-                        vec![0f32; width],
-                        vec![0f32; width],
-                        vec![0f32; hid],
-                    );
-                    Cpu.moe_decode_add(
-                        &x,
-                        &cr,
-                        &gate,
-                        &up,
-                        &down,
-                        &csh,
-                        &d,
-                        MoeScratch {
-                            out: &mut c0,
-                            g: &mut c1,
-                            u: &mut c2,
-                            act: &mut c3,
-                            down: &mut c4,
-                        },
-                        &mut ch,
-                    );
+                    let ch = cpu_moe_decode_add(&x, &cr, [&gate, &up, &down], &csh, &d);
                     assert!(
                         ch.iter().zip(&cs).all(|(a, b)| a.to_bits() == b.to_bits()),
                         "the CPU's moe_decode_add is not its composition"
@@ -2223,31 +2199,7 @@ fn moe_route_and_experts() {
                 mats: [&sg8, &su8, &sd8],
                 e: 0,
             });
-            let mut ch = vec![0f32; hid];
-            let (mut c0, mut c1, mut c2, mut c3, mut c4) = (
-                vec![0f32; hid],
-                vec![0f32; width],
-                vec![0f32; width],
-                vec![0f32; width],
-                vec![0f32; hid],
-            );
-            Cpu.moe_decode_add(
-                &x,
-                &cr,
-                &gate8,
-                &up8,
-                &down8,
-                &csh,
-                &d,
-                MoeScratch {
-                    out: &mut c0,
-                    g: &mut c1,
-                    u: &mut c2,
-                    act: &mut c3,
-                    down: &mut c4,
-                },
-                &mut ch,
-            );
+            let ch = cpu_moe_decode_add(&x, &cr, [&gate8, &up8, &down8], &csh, &d);
             for off in [&[][..], &["moe_wide"][..]] {
                 g.set_disabled(off).unwrap();
                 let mut gh = g.zeros(hid).unwrap();
@@ -2451,31 +2403,7 @@ fn moe_step_matches_its_composition_and_the_cpu() {
                 down: &m[5],
                 logit: &sv,
             };
-            let mut ch = vec![0f32; hid];
-            let (mut c0, mut c1, mut c2, mut c3, mut c4) = (
-                vec![0f32; hid],
-                vec![0f32; width],
-                vec![0f32; width],
-                vec![0f32; width],
-                vec![0f32; hid],
-            );
-            Cpu.moe_decode_add(
-                &xn,
-                &cr,
-                &m[0],
-                &m[1],
-                &m[2],
-                &csh,
-                &d,
-                MoeScratch {
-                    out: &mut c0,
-                    g: &mut c1,
-                    u: &mut c2,
-                    act: &mut c3,
-                    down: &mut c4,
-                },
-                &mut ch,
-            );
+            let ch = cpu_moe_decode_add(&xn, &cr, [&m[0], &m[1], &m[2]], &csh, &d);
             let mut slots = route_slots(&cr, [&m[0], &m[1], &m[2]]);
             slots.push(Slot {
                 t: 0,
@@ -2496,6 +2424,44 @@ fn moe_step_matches_its_composition_and_the_cpu() {
             );
         }
     }
+}
+
+/// The CPU's moe_decode_add of one token into a zero h (its scratch made here): the MoE output.
+#[allow(clippy::ptr_arg)] // the CPU backend's Buf is a Vec
+fn cpu_moe_decode_add(
+    x: &Vec<f32>,
+    route: &CpuRoute,
+    mats: [&HostLinear; 3],
+    sh: &SharedExpert<'_, Cpu>,
+    d: &Dims,
+) -> Vec<f32> {
+    let (hid, width) = (mats[0].inp, mats[0].out);
+    let mut h = vec![0f32; hid];
+    let (mut c0, mut c1, mut c2, mut c3, mut c4) = (
+        vec![0f32; hid],
+        vec![0f32; width],
+        vec![0f32; width],
+        vec![0f32; width],
+        vec![0f32; hid],
+    );
+    Cpu.moe_decode_add(
+        x,
+        route,
+        mats[0],
+        mats[1],
+        mats[2],
+        sh,
+        d,
+        MoeScratch {
+            out: &mut c0,
+            g: &mut c1,
+            u: &mut c2,
+            act: &mut c3,
+            down: &mut c4,
+        },
+        &mut h,
+    );
+    h
 }
 
 /// One expert slot of an MoE output: token `t`, its weight, the expert's matrices (stacks) and
