@@ -47,6 +47,8 @@ pub(super) struct SwArgs {
     zp: u64,
     ck: i32,
     dv: i32,
+    rblock: i32,
+    pad: i32,
 }
 
 /// `struct SwMoe` of moe.cu (same layout).
@@ -300,6 +302,8 @@ impl Cuda {
             zp: 0,
             ck: 0,
             dv: 0,
+            rblock: 0,
+            pad: 0,
         };
         for (i, (w, o)) in ws.iter().zip(outs).enumerate() {
             p.m[i] = w.q();
@@ -345,6 +349,8 @@ impl Cuda {
             p.re = ws[0].out as i32;
             p.rk = k as i32;
             p.ntopk = norm as i32;
+            // The whole last block routes (route.cuh route_block: 256 threads, E <= 256).
+            p.rblock = (self.opted_in("route_block") && ws[0].out <= 256) as i32;
         }
         if let Some(rpb) = wide {
             // Every block at once (no batch loop): G = RPB / RW row groups, shared memory
@@ -425,6 +431,8 @@ impl Cuda {
             zp: 0,
             ck: 0,
             dv: 0,
+            rblock: 0,
+            pad: 0,
         };
         p.m[0] = r.q();
         p.m[1] = sg.q();

@@ -28,7 +28,9 @@
 // conv step of output 0's channel o (opt-in `fuse_gdn`: conv1d_step in the in_proj epilogue).
 // ROUTE (rids != 0: the router | shared-gate launch of an MoE block, Backend::moe_router): the
 // last block to finish routes the token from matrix 0's f32 logits (route.cuh), saving the
-// moe_route launch; blocks count themselves on `counter` after a __threadfence.
+// moe_route launch; blocks count themselves on `counter` after a __threadfence. The route is
+// route_warp (one warp, k arg-max rounds) or, with `rblock` (opt-in `route_block`, E <= 256),
+// route_block (the whole block, a rank per expert): the same ids and weights.
 
 #define SW_MAXRB 128  // rows per batch at most (C = 1, U = 4)
 
@@ -53,6 +55,8 @@ struct SwArgs {
     u64 zp;       // PRO 2: z, const u16* [K]
     int ck;       // obf 3: conv taps
     int dv;       // PRO 2: value head size (a multiple of 32, dv / 32 a power of two)
+    int rblock;   // ROUTE: route with the whole last block (route.cuh route_block; E <= 256)
+    int pad;
 };
 
 __device__ __forceinline__ void sw_locate(const SwArgs& p, int bt, int rb, int& mi, int& row0) {
@@ -216,7 +220,8 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
         if (tid == 0) last = atomicAdd((u32*)p.counter, 1u) == gridDim.x - 1;
         __syncthreads();
         if (last) {
-            if (warp == 0) route_warp((const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk, lane);
+            if (p.rblock) route_block((const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk);
+            else if (warp == 0) route_warp((const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk, lane);
             if (tid == 0) *(u32*)p.counter = 0u;
         }
     }

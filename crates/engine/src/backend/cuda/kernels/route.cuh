@@ -62,3 +62,65 @@ __device__ __forceinline__ void route_warp(const float* __restrict__ l, u32* __r
     if (E <= 256) route_warp_n<8>(l, ids, weights, E, k, norm_topk, lane);
     else route_warp_n<ROUTE_MAXE / 32>(l, ids, weights, E, k, norm_topk, lane);
 }
+
+// route_block: route_warp_n<8>'s function (the same ids and weights, bit for bit) computed by a
+// whole block of 256 threads over E <= 256 experts: the router's last block (gemv.cu, opt-in
+// `route_block`). Called by every thread of the block (it holds barriers).
+// Why: route_warp picks the k experts in k dependent rounds of a warp arg-max (each ~10 shuffles
+// and compares on the critical path): ~3 µs a layer of the router's chain on the H200 (the route
+// left out of moe_step, LILY_MOE_STEP_PROBE=2). Here thread e holds expert e's probability and
+// counts the experts that beat it (`better`: higher p, ties to the lower id, as the k rounds
+// choose): that count is its slot. One pass over 256 values in shared memory, no rounds.
+// Arithmetic as route_warp_n<8>: the max is exact in any order; lane l of warp 0 sums p[l + 32i]
+// for i = 0..7 in order, then warp_sum; p / s; the chosen p summed in slot order by one thread.
+__device__ __forceinline__ void route_block(const float* __restrict__ l, u32* __restrict__ ids, float* __restrict__ weights, int E, int k,
+                                            int norm_topk) {
+    __shared__ __align__(16) float ps[256];
+    __shared__ float top[32];
+    __shared__ float wmax[8];
+    __shared__ float ssum;
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const float v = t < E ? __ldcg(l + t) : NEG_INF;
+    const float wm = warp_max(v);
+    if (lane == 0) wmax[warp] = wm;
+    __syncthreads();
+    float m = wmax[0];
+#pragma unroll
+    for (int w = 1; w < 8; w++) m = fmaxf(m, wmax[w]);
+    ps[t] = t < E ? expf(v - m) : 0.0f;
+    __syncthreads();
+    if (warp == 0) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            if (lane + 32 * i < E) s += ps[lane + 32 * i];
+        s = warp_sum(s);
+        if (lane == 0) ssum = s;
+    }
+    __syncthreads();
+    const float p = t < E ? ps[t] / ssum : NEG_INF;
+    __syncthreads();  // every read of the exponentials is done
+    ps[t] = p;
+    __syncthreads();
+    if (t < E) {
+        int r = 0;
+        const float4* p4 = (const float4*)ps;
+#pragma unroll 8
+        for (int e4 = 0; e4 < 64; e4++) {
+            const float4 q = p4[e4];
+            r += better(q.x, 4 * e4, p, t) + better(q.y, 4 * e4 + 1, p, t) + better(q.z, 4 * e4 + 2, p, t) + better(q.w, 4 * e4 + 3, p, t);
+        }
+        if (r < k) {
+            top[r] = p;
+            ids[r] = (u32)t;
+        }
+    }
+    __syncthreads();
+    if (t == 0) {
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) sum += top[j];  // in slot order, as route_warp
+        ssum = sum;
+    }
+    __syncthreads();
+    if (t < k) weights[t] = top[t] / (norm_topk ? ssum : 1.0f);
+}
