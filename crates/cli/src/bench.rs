@@ -17,6 +17,9 @@
 //! the given figure. The figures, how they were obtained (`ceilings_method`) and whether each was
 //! measured or given go to the JSON.
 //!
+//! `--in-place` (CUDA) measures what each kernel family costs inside a recorded decode step: the
+//! step with the family's kernels left out against the full step (see `in_place`).
+//!
 //! `--profile` adds time per op family (backend/profile.rs: every op bracketed by a device sync)
 //! for one prefill chunk and one decode step, at `--profile-context` (default 4K) tokens of
 //! context: after an unprofiled prefill of that context, one chunk of `--chunk` tokens (default
@@ -90,6 +93,12 @@ pub struct BenchArgs {
     /// Decode steps averaged in the profile.
     #[arg(long, default_value_t = 8)]
     profile_steps: usize,
+    /// Each kernel family's cost inside a recorded decode step (CUDA): at each `--decode`
+    /// context, decode with the family's kernels left out of the step (garbage tokens, true
+    /// times), alternated with the full step, `--rounds` times. `default` (the families of a
+    /// layer) or comma-separated kernel-name prefixes.
+    #[arg(long)]
+    in_place: Option<String>,
     #[command(flatten)]
     common: Common,
 }
@@ -306,28 +315,72 @@ fn prefill_flops_per_token(c: &lily::Config, pos: usize) -> f64 {
     2.0 * params + attn
 }
 
+/// Leaves the kernels whose names start with these prefixes out of recorded decode steps (a
+/// timing probe of the backend: `--in-place`).
+type SkipHook<B> = fn(&B, &[&str]);
+
 pub fn run(a: BenchArgs) -> Result<()> {
     #[cfg(feature = "cuda")]
     if let Some(b) = crate::pick_cuda(&a.common)? {
-        return run_on(b, a);
+        let skip: SkipHook<lily::backend::cuda::Cuda> = |b, p| b.set_skip(p);
+        return run_on(b, a, Some(skip));
     }
     let b = crate::setup(&a.common)?;
-    run_on(b, a)
+    run_on(b, a, None)
 }
 
-fn run_on<B: Backend>(b: B, a: BenchArgs) -> Result<()> {
+fn run_on<B: Backend>(b: B, a: BenchArgs, skip: Option<SkipHook<B>>) -> Result<()> {
     if a.profile {
+        if a.in_place.is_some() {
+            bail!("--in-place and --profile measure different things: ask for one at a time");
+        }
         let p = Profiled::new(b);
         let prof = p.profiler();
-        bench(p, a, Some(prof))
+        bench(p, a, Some(prof), None)
     } else {
-        bench(b, a, None)
+        bench(b, a, None, skip)
     }
 }
 
-fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<()> {
+/// `--in-place default`: kernel-name prefixes of the CUDA backend's decode families, each with
+/// what it holds.
+const IN_PLACE_FAMILIES: &[(&str, &str)] = &[
+    ("tc_gemv", "GDN in_proj, attention q|k|v (+ norm), lm_head"),
+    ("gdn_step", "GDN conv + gated delta step + gated norm"),
+    ("sw_gemv_4", "out_proj, o_proj (+ residual)"),
+    ("sw_gemv_8", "router | shared gate (+ norm, + route)"),
+    ("moe_wide_gate", "experts gate|up (8 routed + shared)"),
+    ("moe_wide_down", "experts down (+ combine, + residual)"),
+    ("attn_", "attention: qk norm + RoPE, decode, combine"),
+    ("sample_", "sampling (greedy: none)"),
+];
+
+fn bench<B: Backend>(
+    b: B,
+    a: BenchArgs,
+    prof: Option<Arc<Profiler>>,
+    skip: Option<SkipHook<B>>,
+) -> Result<()> {
     if a.rounds == 0 {
         bail!("--rounds must be at least 1");
+    }
+    let families: Vec<(String, String)> = match a.in_place.as_deref() {
+        None => Vec::new(),
+        Some("default") => IN_PLACE_FAMILIES
+            .iter()
+            .map(|(p, w)| (p.to_string(), w.to_string()))
+            .collect(),
+        Some(list) => list
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(|p| (p.to_string(), String::new()))
+            .collect(),
+    };
+    if a.in_place.is_some() && (skip.is_none() || families.is_empty()) {
+        bail!(
+            "--in-place needs the CUDA backend and at least one kernel-name prefix (or `default`)"
+        );
     }
     let dir = match &a.model {
         Some(d) => d.clone(),
@@ -456,6 +509,9 @@ fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<
         rows.push(json!({"phase": "decode", "context": n, "tokens": a.decode_tokens, "tok_s": tps, "seconds": t,
             "bytes_per_token": bytes, "roofline_fraction": frac}));
     }
+    if let Some(skip) = skip.filter(|_| !families.is_empty()) {
+        rows.extend(in_place(&m, skip, &families, &decode, &a, max_len)?);
+    }
     if let Some(sch) = &a.schema {
         rows.extend(crate::bench_schema::rows(
             &m,
@@ -498,6 +554,84 @@ fn bench<B: Backend>(b: B, a: BenchArgs, prof: Option<Arc<Profiler>>) -> Result<
         std::fs::write(p, serde_json::to_string_pretty(&out)?)?;
     }
     Ok(())
+}
+
+/// `--in-place`: at each decode context, the greedy decode loop timed with each family's kernels
+/// left out of the recorded step and with the full step, alternated, `--rounds` times; the
+/// step's time saved is the family's cost in place (its post-wait work on the critical path, the
+/// overlap with its neighbours included). Each measurement starts from a fresh prefill and
+/// decodes 4 tokens untimed first (recording the step with this skip set).
+fn in_place<B: Backend>(
+    m: &Qwen35<B>,
+    skip: SkipHook<B>,
+    families: &[(String, String)],
+    decode: &[usize],
+    a: &BenchArgs,
+    max_len: usize,
+) -> Result<Vec<serde_json::Value>> {
+    const WARM: usize = 4;
+    let vocab = m.cfg.vocab_size;
+    let mut rows = Vec::new();
+    println!(
+        "{:<8} {:>8} {:<16} {:>10} {:>12}  holds",
+        "in-place", "context", "left out", "tok/s", "µs step|saved"
+    );
+    for &n in decode {
+        let ids = prompt_ids(n, vocab);
+        let time = |prefixes: &[&str]| -> Result<f64> {
+            skip(&m.backend, prefixes);
+            let mut st = m.new_state(max_len + WARM)?;
+            m.forward(&mut st, &ids, Logits::Last, None)?;
+            for _ in 0..WARM {
+                std::hint::black_box(m.decode(&mut st, None, true)?);
+            }
+            let t0 = Instant::now();
+            for _ in 0..a.decode_tokens {
+                std::hint::black_box(m.decode(&mut st, None, true)?);
+            }
+            Ok(t0.elapsed().as_secs_f64() / a.decode_tokens as f64)
+        };
+        let (mut full, mut without) = (Vec::new(), vec![Vec::new(); families.len()]);
+        for r in 0..a.rounds {
+            for (i, (p, _)) in families.iter().enumerate() {
+                // Alternated: the full step before each family on even rounds, after on odd.
+                if r % 2 == 0 {
+                    full.push(time(&[])?);
+                }
+                without[i].push(time(&[p.as_str()])?);
+                if r % 2 == 1 {
+                    full.push(time(&[])?);
+                }
+            }
+        }
+        skip(&m.backend, &[]);
+        let step = median(full);
+        println!(
+            "{:<8} {:>8} {:<16} {:>10.1} {:>12.1}  the full step",
+            "in-place",
+            n,
+            "none",
+            1.0 / step,
+            1e6 * step
+        );
+        rows.push(json!({"phase": "in_place", "context": n, "left_out": null, "tok_s": 1.0 / step, "step_us": 1e6 * step}));
+        for ((p, what), w) in families.iter().zip(without) {
+            let t = median(w);
+            println!(
+                "{:<8} {:>8} {:<16} {:>10.1} {:>12.1}  {what}",
+                "in-place",
+                n,
+                p,
+                1.0 / t,
+                1e6 * (step - t)
+            );
+            rows.push(
+                json!({"phase": "in_place", "context": n, "left_out": p, "holds": what,
+                "tok_s": 1.0 / t, "step_us": 1e6 * t, "step_us_saved": 1e6 * (step - t)}),
+            );
+        }
+    }
+    Ok(rows)
 }
 
 /// `--profile`: one prefill chunk and one decode step at `--profile-context`, per op family.

@@ -195,6 +195,23 @@ fn bench_writes_json() {
 }
 
 #[test]
+fn bench_in_place_needs_the_cuda_backend() {
+    // The in-place probe leaves kernels out of recorded CUDA steps: on the CPU it is a clear
+    // error before any model is loaded, and it does not combine with --profile.
+    let e = fails(&["bench", "--backend", "cpu", "--in-place", "default"]);
+    assert!(e.contains("CUDA backend"), "{e}");
+    let e = fails(&[
+        "bench",
+        "--backend",
+        "cpu",
+        "--in-place",
+        "attn_",
+        "--profile",
+    ]);
+    assert!(e.contains("--profile"), "{e}");
+}
+
+#[test]
 fn bad_input_gets_a_one_line_error() {
     let d = tempfile::tempdir().unwrap();
     let m = d.path().join("m");

@@ -445,7 +445,8 @@ pub struct Cuda {
     /// are left out of recorded decode steps (`LILY_CUDA_SKIP=gdn_step,attn_`). The step's time
     /// without them, against the full step's, is their cost in place (overlap with their
     /// neighbours included), which neither the lab nor ncu's kernel-by-kernel times give.
-    skip: Vec<String>,
+    /// `lily bench --in-place` sets it per measurement ([`Cuda::set_skip`]).
+    skip: std::sync::RwLock<Vec<String>>,
 }
 
 /// The decode-path optimisations that can be switched off, each against an otherwise identical
@@ -606,14 +607,16 @@ impl Cuda {
             enabled: std::sync::RwLock::new(HashSet::new()),
             occupancy: decode::Occupancy::default(),
             sm_count,
-            skip: std::env::var("LILY_CUDA_SKIP")
-                .map(|v| {
-                    v.split(',')
-                        .map(|s| s.trim().to_string())
-                        .filter(|s| !s.is_empty())
-                        .collect()
-                })
-                .unwrap_or_default(),
+            skip: std::sync::RwLock::new(
+                std::env::var("LILY_CUDA_SKIP")
+                    .map(|v| {
+                        v.split(',')
+                            .map(|s| s.trim().to_string())
+                            .filter(|s| !s.is_empty())
+                            .collect()
+                    })
+                    .unwrap_or_default(),
+            ),
         })
         .and_then(|c: Self| {
             let env_names = |var: &str| {
@@ -645,6 +648,20 @@ impl Cuda {
         *self.disabled.write().unwrap_or_else(|e| e.into_inner()) = set;
         *self.records.lock().unwrap_or_else(|e| e.into_inner()) = Records::default();
         Ok(())
+    }
+
+    /// A timing probe (never for results): recorded decode steps leave out every kernel whose name
+    /// starts with one of `prefixes` (none: the full step). Recorded steps are dropped.
+    pub fn set_skip(&self, prefixes: &[&str]) {
+        *self.skip.write().unwrap_or_else(|e| e.into_inner()) =
+            prefixes.iter().map(|p| p.to_string()).collect();
+        *self.records.lock().unwrap_or_else(|e| e.into_inner()) = Records::default();
+    }
+
+    /// Whether kernel `name` is left out of recorded steps (`set_skip`, `LILY_CUDA_SKIP`).
+    fn skipped(&self, name: &str) -> bool {
+        let s = self.skip.read().unwrap_or_else(|e| e.into_inner());
+        !s.is_empty() && s.iter().any(|p| name.starts_with(p.as_str()))
     }
 
     /// Switches on exactly the opt-in variants named (from [`OPT_IN`]; an unknown name is an
@@ -903,10 +920,7 @@ impl Cuda {
         if self.failed() {
             return;
         }
-        if !self.skip.is_empty()
-            && self.capturing.load(Ordering::Relaxed)
-            && self.skip.iter().any(|p| name.starts_with(p.as_str()))
-        {
+        if self.capturing.load(Ordering::Relaxed) && self.skipped(name) {
             return;
         }
         let Some(f) = self.func(name) else { return };
