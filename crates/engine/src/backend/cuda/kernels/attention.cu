@@ -80,49 +80,73 @@
 //                    fixed order (bit-reproducible), normalises, applies sigmoid(gate) and writes
 //                    out [H, hd]. Details and the fragment layouts at the kernels.
 
-extern "C" __global__ void __launch_bounds__(128)
+// Launched with 128 threads (mod.rs), hd <= 256: a thread owns elements tid and tid + 128
+// (QNR_PER of them, loads unrolled: with a stride read from blockDim the loops made dependent
+// round trips). What never depends on the previous kernel comes before the PDL wait: the norm
+// weight (read after the block's sum, it would add a DRAM round trip to the step's critical
+// path) and the RoPE angles (f64 pow, sin and cos of the step's position, constant during a
+// replayed step: the previous step wrote it before this step's graph started).
+#define QNR_T 128
+#define QNR_PER 2
+extern "C" __global__ void __launch_bounds__(QNR_T)
 attn_qk_norm_rope(const u16* __restrict__ qg, u16* __restrict__ k, const float* __restrict__ qn,
                   const float* __restrict__ kn, u16* __restrict__ q, u16* __restrict__ gate, int H, int KV, int hd,
-                  int rot, double theta, int pos0, float eps, const int* __restrict__ posp) { PDL_ENTRY();
+                  int rot, double theta, int pos0, float eps, const int* __restrict__ posp) {
     extern __shared__ float y[];
     __shared__ float sh[32];
-    int t = blockIdx.x, hh = blockIdx.y;
+    const int t = blockIdx.x, hh = blockIdx.y, tid = threadIdx.x;
+    const float* w = hh < H ? qn : kn;
+    float wv[QNR_PER];
+#pragma unroll
+    for (int j = 0; j < QNR_PER; j++) wv[j] = tid + QNR_T * j < hd ? w[tid + QNR_T * j] : 0.0f;
+    const int half = rot / 2;
+    float rs = 0.0f, rc = 1.0f;  // sin, cos of pair tid (tid < half)
+    if (tid < half) {
+        const double pos = (double)((posp ? posp[0] : pos0) + t);
+        const double inv = pow(theta, -(2.0 * (double)tid) / (double)rot);
+        const double ang = pos * inv;
+        rs = (float)sin(ang);
+        rc = (float)cos(ang);
+    }
+    PDL_ENTRY();
     const u16* src;
     u16* dst;
-    const float* w;
     if (hh < H) {
         src = qg + ((u64)t * H + hh) * 2 * hd;
         dst = q + ((u64)t * H + hh) * hd;
-        w = qn;
         u16* g = gate + ((u64)t * H + hh) * hd;
-        for (int i = threadIdx.x; i < hd; i += blockDim.x) g[i] = src[hd + i];  // bf16 to bf16: a copy
+#pragma unroll
+        for (int j = 0; j < QNR_PER; j++)
+            if (tid + QNR_T * j < hd) g[tid + QNR_T * j] = src[hd + tid + QNR_T * j];  // bf16 to bf16: a copy
     } else {
         src = k + ((u64)t * KV + (hh - H)) * hd;
         dst = (u16*)src;
-        w = kn;
     }
+    float v[QNR_PER];
+#pragma unroll
+    for (int j = 0; j < QNR_PER; j++) v[j] = tid + QNR_T * j < hd ? bf16f(src[tid + QNR_T * j]) : 0.0f;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) {
-        float v = bf16f(src[i]);
-        y[i] = v;
-        ss += v * v;
-    }
+#pragma unroll
+    for (int j = 0; j < QNR_PER; j++)
+        if (tid + QNR_T * j < hd) {
+            y[tid + QNR_T * j] = v[j];
+            ss += v[j] * v[j];
+        }
     ss = block_sum(ss, sh);  // its barriers also order the y[] writes above
-    float r = 1.0f / sqrtf(ss / (float)hd + eps);
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) y[i] = y[i] * r * w[i];
+    const float r = 1.0f / sqrtf(ss / (float)hd + eps);
+#pragma unroll
+    for (int j = 0; j < QNR_PER; j++)
+        if (tid + QNR_T * j < hd) y[tid + QNR_T * j] = y[tid + QNR_T * j] * r * wv[j];
     __syncthreads();
-    int half = rot / 2;
-    double pos = (double)((posp ? posp[0] : pos0) + t);
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        double inv = pow(theta, -(2.0 * (double)i) / (double)rot);
-        double ang = pos * inv;
-        float s = (float)sin(ang), c = (float)cos(ang);
-        float a = y[i], b = y[i + half];
-        y[i] = a * c - b * s;
-        y[i + half] = a * s + b * c;
+    if (tid < half) {
+        const float a = y[tid], b = y[tid + half];
+        y[tid] = a * rc - b * rs;
+        y[tid + half] = a * rs + b * rc;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < hd; i += blockDim.x) dst[i] = bf16_rn(y[i]);
+#pragma unroll
+    for (int j = 0; j < QNR_PER; j++)
+        if (tid + QNR_T * j < hd) dst[tid + QNR_T * j] = bf16_rn(y[tid + QNR_T * j]);
 }
 
 #define ATT_WARPS 8
