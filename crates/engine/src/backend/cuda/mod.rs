@@ -27,7 +27,7 @@
 //!   the step's small ops too: the RMS norm before a layer's projections (`rms_norm_matmul`,
 //!   `moe_router`), the residual add after its output projection (`matmul_q_add`), the top-8
 //!   routing (the router's last block), the MoE combine, shared-expert gate and residual add
-//!   (`moe_decode_add`). Each has a switch (`SWITCHES`, `LILY_CUDA_DISABLE`).
+//!   (`moe_decode_add`). Each has a switch (`SWITCHES` in switches.rs, `LILY_CUDA_DISABLE`).
 //! * GEMM by shape: `matmul_q` with rows ≤ 8 (decode, tiny batches) runs the GEMV kernels (f32 FMAs),
 //!   which stream each weight row once and are memory-bound (one row: the streaming GEMVs above
 //!   where they fit, else the warp-per-row kernels of matmul.cu); so do matrices of at most 64 outputs
@@ -73,6 +73,9 @@ pub mod lab;
 mod matmul;
 mod nvrtc;
 mod sample;
+mod switches;
+
+pub use switches::{OPT_IN, SWITCHES};
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::c_void;
@@ -449,85 +452,6 @@ pub struct Cuda {
     skip: std::sync::RwLock<Vec<String>>,
 }
 
-/// The decode-path optimisations that can be switched off, each against an otherwise identical
-/// engine (`LILY_CUDA_DISABLE=name,name`, `Cuda::set_disabled`):
-/// * `stream_gemv`: the weight-streaming decode GEMVs (decode.rs, gemv.cu); off, the warp-per-row
-///   GEMVs of matmul.cu (which also turns the fusions below off: they live in those kernels);
-/// * `fuse_norm`: the RMS norm inside the projections' launch; off, its own kernel first;
-/// * `fuse_residual`: the residual add in the output projections' epilogue; off, an add kernel;
-/// * `fuse_moe`: the routed + shared experts as two streaming launches with the combine and the
-///   residual add in the second; off, moe_gate_up, moe_down, moe_combine and an add;
-/// * `fuse_route`: the top-k routing in the last block of the router's launch; off, moe_route;
-/// * `tc_gemv`: the streaming GEMVs of K = 2048 outside the MoE block (GDN in_proj, attention
-///   q|k|v, lm_head) on tensor cores with cp.async staging (gemv.cu's tc_gemv_*); off, the SIMT
-///   loop. Measured on the H200 (`lily lab`): in_proj 13.4 -> 11.5 us, q|k|v 12.4 -> 10.6,
-///   lm_head 118 -> 102.
-/// * `pdl_step`: programmatic dependent launch for the kernels of a recorded decode step (the
-///   `pdl` field says what was measured); off, plain stream order.
-/// * `gdn_step`: a GDN layer's conv1d_step, gated delta step and gated norm as ONE kernel
-///   between in_proj and out_proj (gdn.cu's gdn_step_<K>: 128 blocks in clusters of 8, one per
-///   key head; the state requested before the PDL wait): -60 kernels per token, the same bits as
-///   the three kernels (cuda_ops). Decode 491 against 464 tok/s at 4K, 448 against 423 at 32K on
-///   the H200 (two rounds alternated); off, conv1d_step + gdn_scan + gdn_gated_norm.
-/// * `moe_wide`: the decode experts (with `fuse_moe`) as moe.cu's moe_wide_*: the same two
-///   launches and function as moe_sw_*, but every block requests all of its weights at once
-///   (cp.async into shared memory, one commit group per row group), the shared expert's gate|up
-///   and all of down's weights before the PDL wait. Full-model shapes (hidden 2048, width 512);
-///   `LILY_CUDA_MOE_WIDE=RPB,DR` sets the rows per block (see decode.rs moe_wide_rows). Lab:
-///   11.6 against 13.7 us per layer at 16,8; off, moe_sw_*.
-pub const SWITCHES: &[&str] = &[
-    "stream_gemv",
-    "fuse_norm",
-    "fuse_residual",
-    "fuse_moe",
-    "fuse_route",
-    "tc_gemv",
-    "pdl_step",
-    "gdn_step",
-    "moe_wide",
-];
-/// The switches that do not live in the streaming kernels (`stream_gemv` off leaves them as set).
-const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
-
-/// Decode-path variants that are off unless asked for (`LILY_CUDA_ENABLE=name`,
-/// `Cuda::set_enabled`): correct, but not faster where measured.
-/// * `tc_all`: the tensor-core streaming dot (switch `tc_gemv`) also for the other widths (K 512,
-///   1024, 4096: out_proj, o_proj) and the MoE experts (moe.cu's moe_tc_*). Correct (cuda_ops) but
-///   measured slower on the H200 than the SIMT kernels there: out_proj 5.3 against 4.4 us, the
-///   experts 17.0 against 13.2 (one wave of blocks: the staging has nothing to overlap).
-/// * `fuse_gdn`: a GDN layer's decode mixer in three launches (the conv in the projections'
-///   epilogue, the scan, the gated norm in out_proj's prologue with the residual add). Correct
-///   on the H200 but measured slower there (439 against 457 tok/s at 4K).
-/// * `router_cluster`: an MoE block's router | shared gate with the norm and the route as one
-///   thread-block cluster (gemv.cu's router_cluster_<CL>; `LILY_CUDA_ROUTER_CLUSTER=8|16` blocks,
-///   default 16). Correct on the H200 but slower there (decode 461/457 against 470/463 tok/s
-///   at 4K, two rounds alternated): the cluster launch costs more than the ticket it removes.
-/// * `gemv_wide`: the decode projections (the streaming GEMV at K = 2048 and 4096: GDN in_proj,
-///   attention q|k|v with the norm prologue, out_proj and o_proj with the residual add) as
-///   gemv.cu's gemv_wide_*: the SIMT loop's function, but every block requests all of its weights
-///   at once (cp.async into shared memory, one commit group per row group) before the PDL wait,
-///   as `moe_wide` does for the experts. Where it applies it wins over `tc_gemv` (K = 2048) and
-///   the SIMT loop (K = 4096). `LILY_CUDA_GEMV_WIDE=R4096,R2048` sets the rows per block (see
-///   decode.rs gemv_wide_rows). Correct on the H200 (cuda_ops, 4- and 8-bit) but much slower
-///   there (lab, µs: in_proj 14.1 / 12.7 at 32 / 64 rows against tc_gemv's 9.5, out_proj 6.4 at
-///   16 rows and 3.95 at 8 against the SIMT loop's 3.37; decode 436-444 against 510-516 tok/s):
-///   a block that waits for its whole share before its dot has nothing to overlap the wait with.
-/// * `moe_step`: an MoE block's router (norm, router | shared gate GEMV, top-k) folded into
-///   moe_wide's gate|up launch (moe.cu's moe_step_gate_up_*, Backend::moe_step_add): -40
-///   kernels per token, no launch boundary between the router and the experts' loads. Bit-equal
-///   to the composition on the H200 (cuda_ops) but slower there: decode at 4K 505.5 / 503.8
-///   against 531.5 / 538.0 tok/s, at 128K 357.9 / 361.1 against 382.6 / 386.8 (two rounds
-///   alternated, commit of the unrolled norm). Its probes (LILY_MOE_STEP_PROBE) put the
-///   routed blocks' wait for the router blocks' count at 3.1 µs a layer and each block's own
-///   route at 3.1: more than the launch boundary it removes.
-pub const OPT_IN: &[&str] = &[
-    "tc_all",
-    "fuse_gdn",
-    "router_cluster",
-    "gemv_wide",
-    "moe_step",
-];
-
 impl Cuda {
     /// The first GPU.
     pub fn new() -> Result<Self> {
@@ -639,83 +563,6 @@ impl Cuda {
                 .context("LILY_CUDA_ENABLE")?;
             Ok(c)
         })
-    }
-
-    /// Switches off exactly the decode-path optimisations named (from [`SWITCHES`]; an unknown
-    /// name is an error), the others on. Recorded steps are dropped: they hold the old kernels.
-    pub fn set_disabled(&self, names: &[&str]) -> Result<()> {
-        let set = Self::known_names(names, SWITCHES, "CUDA switch")?;
-        *self.disabled.write().unwrap_or_else(|e| e.into_inner()) = set;
-        *self.records.lock().unwrap_or_else(|e| e.into_inner()) = Records::default();
-        Ok(())
-    }
-
-    /// A timing probe (never for results): recorded decode steps leave out every kernel whose name
-    /// starts with one of `prefixes` (none: the full step). Recorded steps are dropped.
-    pub fn set_skip(&self, prefixes: &[&str]) {
-        *self.skip.write().unwrap_or_else(|e| e.into_inner()) =
-            prefixes.iter().map(|p| p.to_string()).collect();
-        *self.records.lock().unwrap_or_else(|e| e.into_inner()) = Records::default();
-    }
-
-    /// Whether kernel `name` is left out of recorded steps (`set_skip`, `LILY_CUDA_SKIP`).
-    fn skipped(&self, name: &str) -> bool {
-        let s = self.skip.read().unwrap_or_else(|e| e.into_inner());
-        !s.is_empty() && s.iter().any(|p| name.starts_with(p.as_str()))
-    }
-
-    /// Switches on exactly the opt-in variants named (from [`OPT_IN`]; an unknown name is an
-    /// error). Recorded steps are dropped.
-    pub fn set_enabled(&self, names: &[&str]) -> Result<()> {
-        let set = Self::known_names(names, OPT_IN, "opt-in CUDA variant")?;
-        *self.enabled.write().unwrap_or_else(|e| e.into_inner()) = set;
-        *self.records.lock().unwrap_or_else(|e| e.into_inner()) = Records::default();
-        Ok(())
-    }
-
-    /// `names` as a set of the static names in `known`; an unknown one is an error naming `what`.
-    fn known_names(
-        names: &[&str],
-        known: &[&'static str],
-        what: &str,
-    ) -> Result<HashSet<&'static str>> {
-        names
-            .iter()
-            .map(|n| {
-                known
-                    .iter()
-                    .copied()
-                    .find(|k| k == n)
-                    .ok_or_else(|| anyhow!("unknown {what} `{n}` (known: {})", known.join(", ")))
-            })
-            .collect()
-    }
-
-    /// Whether opt-in variant `name` (one of [`OPT_IN`]) is on.
-    fn opted_in(&self, name: &'static str) -> bool {
-        self.enabled
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(name)
-    }
-
-    /// The opt-in variants now on.
-    pub fn enabled(&self) -> Vec<&'static str> {
-        let e = self.enabled.read().unwrap_or_else(|e| e.into_inner());
-        OPT_IN.iter().copied().filter(|s| e.contains(s)).collect()
-    }
-
-    /// The switches now off.
-    pub fn disabled(&self) -> Vec<&'static str> {
-        let d = self.disabled.read().unwrap_or_else(|e| e.into_inner());
-        SWITCHES.iter().copied().filter(|s| d.contains(s)).collect()
-    }
-
-    /// Whether optimisation `name` (one of [`SWITCHES`]) is on; `stream_gemv` off turns off the
-    /// switches that live in its kernels (all but [`OUTSIDE_STREAM`]).
-    fn on(&self, name: &'static str) -> bool {
-        let d = self.disabled.read().unwrap_or_else(|e| e.into_inner());
-        !d.contains(name) && (OUTSIDE_STREAM.contains(&name) || !d.contains("stream_gemv"))
     }
 
     /// Waits for all enqueued work and returns the first error of any op since the last check.
