@@ -778,18 +778,7 @@ fn fused_decode_forms_equal_their_compositions() {
             let hv: Vec<f32> = rng.vec(hid, 4.0);
             let gh = g.upload_vec(&hv).unwrap();
             let (xn, lv, _, ids, w) = gpu_router(&g, &gh, &gnw, &gr, &gs, &d);
-            let mut cr = CpuRoute::default();
-            Cpu.moe_route(&lv, &d, 1, &mut cr);
-            assert_eq!(ids, cr.ids, "moe_router token {token}: the last block's route differs from moe_route of its logits");
-            let werr = w
-                .iter()
-                .zip(&cr.weights)
-                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-            check(
-                &format!("moe_router token {token} (route weights, absolute)"),
-                werr,
-                1e-6,
-            );
+            check_route_of_logits(&format!("moe_router token {token}"), &lv, &ids, &w, &d);
             // The logits themselves: the router GEMV of the fused norm's x.
             let mut c = vec![0f32; d.n_experts];
             Cpu.matmul_q(&xn, &ws[0], 1, &mut c);
@@ -898,21 +887,7 @@ fn router_cluster_matches_the_cpu() {
             (sl[0] - cs[0]).abs() / scale,
             F32_TOL,
         );
-        let mut cr = CpuRoute::default();
-        Cpu.moe_route(&lv, &d, 1, &mut cr);
-        assert_eq!(
-            ids, cr.ids,
-            "router_cluster token {token}: the route differs from moe_route of its logits"
-        );
-        let werr = w
-            .iter()
-            .zip(&cr.weights)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        check(
-            &format!("router_cluster token {token} (route weights, absolute)"),
-            werr,
-            1e-6,
-        );
+        check_route_of_logits(&format!("router_cluster token {token}"), &lv, &ids, &w, &d);
     }
     g.set_enabled(&[]).unwrap();
 }
@@ -960,12 +935,7 @@ fn route_block_equals_route_warp() {
                 w.iter().zip(&w_w).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "{what}: weights differ from route_warp's"
             );
-            let mut cr = CpuRoute::default();
-            Cpu.moe_route(&lv, &d, 1, &mut cr);
-            assert_eq!(
-                ids, cr.ids,
-                "{what}: the route differs from the CPU's moe_route"
-            );
+            check_route_of_logits(&what, &lv, &ids, &w, &d);
             if name == "tied" {
                 assert_eq!(
                     lv[5].to_bits(),
@@ -976,6 +946,30 @@ fn route_block_equals_route_warp() {
             println!("{what}: ids {ids:?} equal to route_warp's and the CPU's");
         }
     }
+}
+
+/// A GPU route (one token) against the CPU's moe_route of the same f32 logits: ids equal, weights
+/// within 1e-6 (the softmax's f32 arithmetic in another order). Returns the CPU's route.
+#[allow(clippy::ptr_arg)] // the CPU backend's Buf is a Vec
+fn check_route_of_logits(
+    what: &str,
+    logits: &Vec<f32>,
+    ids: &[u32],
+    w: &[f32],
+    d: &Dims,
+) -> CpuRoute {
+    let mut cr = CpuRoute::default();
+    Cpu.moe_route(logits, d, 1, &mut cr);
+    assert_eq!(
+        ids, cr.ids,
+        "{what}: the route differs from moe_route of its logits"
+    );
+    let werr = w
+        .iter()
+        .zip(&cr.weights)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    check(&format!("{what} (route weights, absolute)"), werr, 1e-6);
+    cr
 }
 
 /// One token through the GPU's moe_router (norm, router | shared gate, route): x, the logits, the
@@ -2456,32 +2450,22 @@ fn moe_step_matches_its_composition_and_the_cpu() {
             };
             let fused = run(&["moe_step"]);
             let comp = run(&[]);
-            let same =
-                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
             let what = format!("moe_step {bits}-bit experts, token {token}");
-            assert!(
-                same(&fused.1, &comp.1),
-                "{what}: x differs from the composition's"
-            );
-            assert!(
-                same(&fused.2, &comp.2),
-                "{what}: logits differ from the composition's"
-            );
-            assert!(
-                same(&fused.3, &comp.3),
-                "{what}: the shared gate's logit differs"
-            );
+            for (part, a, b) in [
+                ("h", &fused.0, &comp.0),
+                ("x", &fused.1, &comp.1),
+                ("the logits", &fused.2, &comp.2),
+                ("the shared gate's logit", &fused.3, &comp.3),
+                ("the route weights", &fused.5, &comp.5),
+            ] {
+                assert!(
+                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                    "{what}: {part} differs from the composition's"
+                );
+            }
             assert_eq!(
                 fused.4, comp.4,
                 "{what}: route ids differ from the composition's"
-            );
-            assert!(
-                same(&fused.5, &comp.5),
-                "{what}: route weights differ from the composition's"
-            );
-            assert!(
-                same(&fused.0, &comp.0),
-                "{what}: h differs from the composition's"
             );
             println!("{what}: bit-equal to the composition (route {:?})", fused.4);
 
@@ -2490,17 +2474,7 @@ fn moe_step_matches_its_composition_and_the_cpu() {
             let mut c = vec![0f32; e];
             Cpu.matmul_q(&xn, &router, 1, &mut c);
             check(&format!("{what} (logits)"), rel_rows(&lv, &c, e), F32_TOL);
-            let mut cr = CpuRoute::default();
-            Cpu.moe_route(&lv, &d, 1, &mut cr);
-            assert_eq!(
-                ids, cr.ids,
-                "{what}: the route differs from moe_route of its logits"
-            );
-            let werr = w
-                .iter()
-                .zip(&cr.weights)
-                .fold(0f32, |mx, (a, b)| mx.max((a - b).abs()));
-            check(&format!("{what} (route weights, absolute)"), werr, 1e-6);
+            let cr = check_route_of_logits(&what, &lv, &ids, &w, &d);
             let csh = SharedExpert {
                 gate: &m[3],
                 up: &m[4],
