@@ -481,14 +481,9 @@ impl<B: Backend> Backend for Profiled<B> {
                 s: r.s,
                 route: r.route,
             };
-            let ti = MoeScratch::<B> {
-                out: tmp.out,
-                g: tmp.g,
-                u: tmp.u,
-                act: tmp.act,
-                down: tmp.down,
-            };
-            return self.inner.moe_step_add(h, norm, eps, &wi, d, ri, ti);
+            return self
+                .inner
+                .moe_step_add(h, norm, eps, &wi, d, ri, inner_moe_scratch(tmp));
         }
         // Profiled: the router and the experts, each charged to its own family.
         super::moe_step_compose(self, h, norm, eps, w, d, r, tmp)
@@ -522,13 +517,7 @@ impl<B: Backend> Backend for Profiled<B> {
             down: &shared.down.inner,
             logit: shared.logit,
         };
-        let tmp = MoeScratch::<B> {
-            out: tmp.out,
-            g: tmp.g,
-            u: tmp.u,
-            act: tmp.act,
-            down: tmp.down,
-        };
+        let tmp = inner_moe_scratch(tmp);
         self.time("moe_decode_add", || {
             self.inner.moe_decode_add(
                 x,
@@ -800,5 +789,16 @@ mod tests {
         assert_eq!(r.ops.len(), 1);
         assert_eq!((r.ops[0].family.as_str(), r.ops[0].calls), ("add", 2));
         assert!(r.table().contains("add"));
+    }
+}
+
+/// The MoE scratch of the wrapper as the inner backend's (the same buffers).
+fn inner_moe_scratch<B: Backend>(t: MoeScratch<'_, Profiled<B>>) -> MoeScratch<'_, B> {
+    MoeScratch {
+        out: t.out,
+        g: t.g,
+        u: t.u,
+        act: t.act,
+        down: t.down,
     }
 }

@@ -370,11 +370,7 @@ impl Cuda {
             _ => (format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256), 256, 0),
         };
         let batches = p.bstart[ws.len()] as u32;
-        let mut grid = batches.min(self.resident_blocks(&name, threads, smem));
-        let rows: usize = ws.iter().map(|w| w.out).sum();
-        if let (Some(cap), true) = (sw_per_sm(), rows < 65_536) {
-            grid = grid.min(cap * self.sm_count).max(1);
-        }
+        let grid = batches.min(self.resident_blocks(&name, threads, smem));
         self.launch(&name, (grid, 1, 1), threads, smem, &[Arg::S(Box::new(p))]);
     }
 
@@ -787,21 +783,6 @@ impl Cuda {
         self.moe_wide_down(&p, bits, hid, w, k, dr);
         true
     }
-}
-
-/// A cap on the blocks per SM of the layers' streaming GEMVs (`LILY_CUDA_SW_PER_SM`, a probe: by
-/// default they fill every SM, which leaves the next kernel of a step no room to launch early
-/// under PDL and request its weights while they finish). Measured on the H200 at 1 block per
-/// SM: decode at 4K 458.8 against 494.1 tok/s (moe_step on), 464.3 against 503.7 (off): the
-/// GEMVs lose more than the early launches win.
-fn sw_per_sm() -> Option<u32> {
-    static P: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
-    *P.get_or_init(|| {
-        std::env::var("LILY_CUDA_SW_PER_SM")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&n| n > 0)
-    })
 }
 
 /// Timing probes of moe_step_gate_up (`LILY_MOE_STEP_PROBE`, bits: 1 no wait for the router's
