@@ -893,14 +893,13 @@ fn router_cluster_matches_the_cpu() {
     g.set_enabled(&[]).unwrap();
 }
 
-/// The router's route by the whole last block (opt-in `route_block`, route.cuh route_block)
-/// against route_warp (the default): the same ids and weights bit for bit, for 20 tokens of
+/// The router's route by the whole last block (switch `route_block`, route.cuh route_block: the
+/// default) against route_warp (the switch off): the same ids and weights bit for bit, for 20 tokens of
 /// random h through the router | shared gate launch (256 experts, top 8), and, on the same
 /// logits, equal to the CPU's moe_route. Half the tokens get a router whose rows 5 and 9, and
 /// 40 and 41, are copies of row 200: exact ties in the logits, which both forms must break
 /// toward the lower id.
 #[test]
-#[ignore = "opt-in route_block: not yet run on a GPU; run alone with --ignored"]
 fn route_block_equals_route_warp() {
     let Some(g) = gpu() else { return };
     let d = qwen_dims();
@@ -918,14 +917,14 @@ fn route_block_equals_route_warp() {
         for token in 0..10 {
             let hv: Vec<f32> = rng.vec(hid, 4.0);
             let gh = g.upload_vec(&hv).unwrap();
-            let run = |on: &[&str]| {
-                g.set_enabled(on).unwrap();
+            let run = |off: &[&str]| {
+                g.set_disabled(off).unwrap();
                 let (_, lg, _, ids, w) = gpu_router(&g, &gh, &gnw, &gr, &gs, &d);
-                g.set_enabled(&[]).unwrap();
+                g.set_disabled(&[]).unwrap();
                 (lg, ids, w)
             };
-            let (lv, ids, w) = run(&["route_block"]);
-            let (lw, ids_w, w_w) = run(&[]);
+            let (lv, ids, w) = run(&[]);
+            let (lw, ids_w, w_w) = run(&["route_block"]);
             let what = format!("route_block, {name} router, token {token}");
             assert!(
                 lv.iter().zip(&lw).all(|(a, b)| a.to_bits() == b.to_bits()),
@@ -3549,13 +3548,25 @@ fn recorded_decode_steps_equal_direct_ones() {
     let (t_direct, l_direct, tps_direct) = run(&cuda, &ids, false);
     cuda.backend.set_graphs(true);
     let (t_graph, l_graph, tps_graph) = run(&cuda, &ids, false);
+    // The L2 prefetch (Backend::prefetch, opt-in `l2_prefetch`) is a cache hint: the same bits.
+    cuda.backend.set_enabled(&["l2_prefetch"]).unwrap();
+    let (t_pf, l_pf, _) = run(&cuda, &ids, false);
+    cuda.backend.set_enabled(&[]).unwrap();
     let (t_cpu, l_cpu, _) = run(&cpu, &ids, true);
     println!("decode loop on small: {tps_direct:.0} tok/s op by op, {tps_graph:.0} tok/s recorded; tokens {t_graph:?}");
     assert_eq!(t_graph, t_direct, "recorded steps picked other tokens");
-    for (i, (a, b)) in l_graph.iter().zip(&l_direct).enumerate() {
+    assert_eq!(
+        t_pf, t_direct,
+        "steps with the L2 prefetch picked other tokens"
+    );
+    for (i, ((a, b), c)) in l_graph.iter().zip(&l_direct).zip(&l_pf).enumerate() {
         assert!(
             a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
             "step {i}: recorded logits differ from direct ones"
+        );
+        assert!(
+            c.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "step {i}: logits with the L2 prefetch differ"
         );
     }
     assert_eq!(l_graph[0].len(), v);

@@ -354,6 +354,10 @@ impl<B: Backend> Backend for Profiled<B> {
         );
         self.time(&family, || self.inner.matmul_q_many(x, &inner, rows, outs))
     }
+    fn prefetch(&self, ws: &[&Self::Mat]) {
+        let inner: Vec<&B::Mat> = ws.iter().map(|m| &m.inner).collect();
+        self.inner.prefetch(&inner)
+    }
     fn add(&self, h: &mut Self::Buf, r: &Self::Buf, len: usize) {
         self.time("add", || self.inner.add(h, r, len))
     }

@@ -5,7 +5,7 @@
 //! speed a plain read of the same bytes reaches. `lily bench --profile` times ops inside a whole
 //! step, with a sync around each; here each op runs alone, so its kernels can be judged and
 //! compared with the ones they replace:
-//! * Every call is L2-cold. A case holds enough distinct copies of its weights that the bytes read
+//! * Every call is L2-cold (unless `LILY_LAB_HOT=1`: two copies, L2-hot). A case holds enough distinct copies of its weights that the bytes read
 //!   between two reads of one copy are at least [`L2_FACTOR`] × the L2 (and [`MIN_CYCLE`]): an
 //!   H200 has 50 MB of L2, a layer's in_proj is 14 MB. The copies are made on the device
 //!   ([`Cuda::random_mat`], `lab_fill_mat` in kernels/lab.cu), not uploaded (one lm_head is 286 MB).
@@ -315,7 +315,13 @@ impl Cuda {
             .ctx
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?
             .max(0) as usize;
-        let cycle = (L2_FACTOR * l2).max(MIN_CYCLE);
+        // LILY_LAB_HOT=1: two copies only (a layer's weights fit the L2 twice): the op with its
+        // weights already in L2, the bound on what prefetching them into L2 could give.
+        let cycle = if std::env::var("LILY_LAB_HOT").is_ok_and(|v| v == "1") {
+            1
+        } else {
+            (L2_FACTOR * l2).max(MIN_CYCLE)
+        };
         let before = self.disabled();
         let mut rows = Vec::new();
         let r = (|| -> Result<()> {

@@ -35,6 +35,12 @@ use super::{Cuda, Records};
 ///   and all of down's weights before the PDL wait. Full-model shapes (hidden 2048, width 512);
 ///   `LILY_CUDA_MOE_WIDE=RPB,DR` sets the rows per block (see decode.rs moe_wide_rows). Lab:
 ///   11.6 against 13.7 us per layer at 16,8; off, moe_sw_*.
+/// * `route_block`: the router's top-k route (in sw_gemv_8's last block, switch `fuse_route`)
+///   by the whole block, each expert's slot its count of better experts (route.cuh
+///   route_block), rather than one warp's k dependent arg-max rounds (route_warp): the same ids
+///   and weights bit for bit (cuda_ops, exact ties included). Decode on the H200 (two rounds
+///   alternated): 4K 556.0 / 547.1 against 539.5 / 539.3 tok/s, 128K 389.7 / 390.5 against
+///   385.5 / 380.9; off, route_warp.
 pub const SWITCHES: &[&str] = &[
     "stream_gemv",
     "fuse_norm",
@@ -45,6 +51,7 @@ pub const SWITCHES: &[&str] = &[
     "pdl_step",
     "gdn_step",
     "moe_wide",
+    "route_block",
 ];
 /// The switches that do not live in the streaming kernels (`stream_gemv` off leaves them as set).
 pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
@@ -80,12 +87,23 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   alternated, commit of the unrolled norm). Its probes (LILY_MOE_STEP_PROBE) put the
 ///   routed blocks' wait for the router blocks' count at 3.1 µs a layer and each block's own
 ///   route at 3.1: more than the launch boundary it removes.
+/// * `l2_prefetch`: Backend::prefetch honoured: a decode step's router (sw_gemv_8, a chain of
+///   dependent steps over 0.6 MB while the memory system idles) asks the L2, before its PDL wait,
+///   for the next layer's input projections (GDN in_proj 14 MB, attention q|k|v 11 MB: cp.async
+///   .bulk.prefetch.L2, common.cuh l2_prefetch), so that those tc_gemv launches two kernels later
+///   read from L2. `LILY_CUDA_L2PF=last` with the evict-last policy. Same bits (cuda_ops), but
+///   slower on the H200: decode at 4K 517.5 / 513.5 (evict-last 514.5 / 517.4) against 545.6 /
+///   545.9 tok/s off, at 128K 376.1 / 370.8 against 385.8 / 386.5. Why: tc_gemv is not bound by
+///   DRAM. The lab with its weights already in L2 (`LILY_LAB_HOT=1`) gives in_proj 8.03 against
+///   8.78 µs cold, q|k|v 6.67 against 7.51 (an L2 read of the same bytes: 2.9 / 2.5 µs), so there
+///   is little to win, and the prefetch's 14 MB then compete with the experts' reads.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
     "router_cluster",
     "gemv_wide",
     "moe_step",
+    "l2_prefetch",
 ];
 
 impl Cuda {

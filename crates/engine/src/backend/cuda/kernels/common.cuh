@@ -142,3 +142,49 @@ __device__ __forceinline__ void block_argmax(float& v, int& i, float* shv, int* 
     if (lane < nw) { v = shv[lane]; i = shi[lane]; } else { v = NEG_INF; i = 0x7fffffff; }
     warp_argmax(v, i);
 }
+
+// ---- L2 prefetch (opt-in `l2_prefetch`; host: decode.rs `L2Pf`, Backend::prefetch) ----
+// A decode step is a chain of kernels that each wait for the one before; the small ones (the
+// router: 0.6 MB, 12 µs a layer in place) leave the memory system idle while their chain of
+// dependent steps runs. A kernel that carries an L2Pf asks the L2 for the ranges listed (the
+// weights of ops a few kernels later: the next layer's first projection) with cp.async.bulk's
+// L2 prefetch before its own PDL wait: fire and forget, no registers or shared memory held, no
+// effect on any result. Chunk c of the ranges (in order, L2PF_CHUNK bytes each) goes to block
+// c % gridDim.x, so every SM's copy engine takes a share. `bytes` are multiples of 16 (the host
+// rounds down), pointers 16-byte aligned (allocations are 256-aligned).
+#define L2PF_N 12
+#define L2PF_CHUNK 32768u
+struct L2Pf {
+    u64 ptr[L2PF_N];
+    u32 bytes[L2PF_N];
+    int n;           // ranges in use (0: none)
+    int evict_last;  // ask the L2 to keep these lines over normal ones (createpolicy evict_last)
+};
+
+__device__ __forceinline__ void l2_prefetch(const L2Pf& f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (f.n == 0) return;
+    const u32 nthr = gridDim.x * blockDim.x;
+    const u32 g = threadIdx.x * gridDim.x + blockIdx.x;  // consecutive chunks on different blocks
+    u64 pol = 0;
+    if (f.evict_last) asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(pol));
+    u32 base = 0;  // chunks of the ranges before range i
+#pragma unroll
+    for (int i = 0; i < L2PF_N; i++) {
+        if (i < f.n) {
+            const u32 b = f.bytes[i];
+            const u32 nc = (b + L2PF_CHUNK - 1) / L2PF_CHUNK;
+            for (u32 c = (g + nthr - base % nthr) % nthr; c < nc; c += nthr) {
+                const u64 a = f.ptr[i] + (u64)c * L2PF_CHUNK;
+                const u32 rest = b - c * L2PF_CHUNK;
+                const u32 sz = rest < L2PF_CHUNK ? rest : L2PF_CHUNK;
+                if (f.evict_last)
+                    asm volatile("cp.async.bulk.prefetch.L2.global.L2::cache_hint [%0], %1, %2;" ::"l"(a), "r"(sz), "l"(pol) : "memory");
+                else
+                    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(sz) : "memory");
+            }
+            base += nc;
+        }
+    }
+#endif
+}

@@ -64,8 +64,8 @@ __device__ __forceinline__ void route_warp(const float* __restrict__ l, u32* __r
 }
 
 // route_block: route_warp_n<8>'s function (the same ids and weights, bit for bit) computed by a
-// whole block of 256 threads over E <= 256 experts: the router's last block (gemv.cu, opt-in
-// `route_block`). Called by every thread of the block (it holds barriers).
+// whole block of 256 threads over E <= 256 experts: the router's last block (gemv.cu, switch
+// `route_block`, the default). Called by every thread of the block (it holds barriers).
 // Why: route_warp picks the k experts in k dependent rounds of a warp arg-max (each ~10 shuffles
 // and compares on the critical path): ~3 µs a layer of the router's chain on the H200 (the route
 // left out of moe_step, LILY_MOE_STEP_PROBE=2). Here thread e holds expert e's probability and
