@@ -1890,6 +1890,109 @@ fn attention_decode_capacities() {
     }
 }
 
+/// The decode attention from q_proj's output (Backend::attn_decode_qk) with `attn_fold` on (one
+/// launch, attn_decode_qk_<HD>) against its composition on the GPU (attn_qk_norm_rope, then
+/// attn_decode; each tested against the CPU above): the same bits in the output, the gate and
+/// both caches, since the folded kernel does attn_qk_norm_rope's arithmetic in its order. Shapes:
+/// the model's (16 / 2 heads of 256, 64 rotated dims), 32 heads (two groups of 8 per KV head),
+/// head 128 with 4 heads to a KV head, head 64; positions from the first to deep in the cache.
+#[test]
+fn attn_fold_equals_its_composition() {
+    let Some(g) = gpu() else { return };
+    let qd = qwen_dims();
+    let shapes = [
+        (qd, vec![0usize, 1, 63, 700, 1023]),
+        (Dims { n_heads: 32, ..qd }, vec![0, 9, 700]),
+        (
+            Dims {
+                n_heads: 4,
+                n_kv_heads: 1,
+                head_dim: 128,
+                rotary_dim: 32,
+                ..qd
+            },
+            vec![0, 100, 1000],
+        ),
+        (
+            Dims {
+                n_heads: 2,
+                n_kv_heads: 1,
+                head_dim: 64,
+                rotary_dim: 16,
+                ..qd
+            },
+            vec![0, 64, 1023],
+        ),
+    ];
+    let cap = 1024;
+    let mut rng = Rng(23);
+    let mut gstep = g.new_step().unwrap();
+    for (d, positions) in shapes {
+        let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
+        let kvd = kvh * hd;
+        let fill: Vec<f32> = bf16v(rng.vec(2 * cap * kvd, 1.0));
+        let cache = || KvCache {
+            k: g.upload_act(&fill[..cap * kvd]).unwrap(),
+            v: g.upload_act(&fill[cap * kvd..]).unwrap(),
+            capacity: cap,
+        };
+        let (mut kv_a, mut kv_b) = (cache(), cache());
+        let qn = g
+            .upload_vec(&(0..hd).map(|_| 1.0 + 0.2 * rng.f()).collect::<Vec<_>>())
+            .unwrap();
+        let kn = g
+            .upload_vec(&(0..hd).map(|_| 1.0 + 0.2 * rng.f()).collect::<Vec<_>>())
+            .unwrap();
+        for pos in positions {
+            let qg = g.upload_act(&bf16v(rng.vec(hq * 2 * hd, 2.0))).unwrap();
+            let kh = bf16v(rng.vec(kvd, 2.0));
+            let v = g.upload_act(&bf16v(rng.vec(kvd, 1.0))).unwrap();
+            g.set_step(&mut gstep, 0, pos);
+            let run = |fold: bool, kv: &mut KvCache<<Cuda as Backend>::Buf>| {
+                g.set_enabled(if fold { &["attn_fold"][..] } else { &[][..] })
+                    .unwrap();
+                let mut k = g.upload_act(&kh).unwrap();
+                let (mut q, mut gate, mut out) = (
+                    g.act_zeros(hq * hd).unwrap(),
+                    g.act_zeros(hq * hd).unwrap(),
+                    g.act_zeros(hq * hd).unwrap(),
+                );
+                g.attn_decode_qk(
+                    &qg, &mut k, &v, &qn, &kn, kv, &d, pos, &gstep, &mut q, &mut gate, &mut out,
+                );
+                g.set_enabled(&[]).unwrap();
+                (h(&g, &out), h(&g, &gate))
+            };
+            let (out_a, gate_a) = run(false, &mut kv_a);
+            let (out_b, gate_b) = run(true, &mut kv_b);
+            let what = format!(
+                "attn_fold {hq}/{kvh} heads of {hd}, rot {}, pos {pos}",
+                d.rotary_dim
+            );
+            let same =
+                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+            assert!(out_a.iter().any(|x| *x != 0.0), "{what}: no output");
+            assert!(
+                same(&out_b, &out_a),
+                "{what}: the output differs from the composition's"
+            );
+            assert!(
+                same(&gate_b, &gate_a),
+                "{what}: the gate differs from the composition's"
+            );
+            assert!(
+                same(&h(&g, &kv_b.k), &h(&g, &kv_a.k)),
+                "{what}: the K cache differs (the normed key's row, or another row written)"
+            );
+            assert!(
+                same(&h(&g, &kv_b.v), &h(&g, &kv_a.v)),
+                "{what}: the V cache differs"
+            );
+            println!("{what}: output, gate and caches bit-equal to the composition");
+        }
+    }
+}
+
 /// Tensor-core prefill attention against an f64 reference with the propagated bf16 bound (module
 /// header; `gpu` is the op's bf16 output, `q` and `gate` bf16 values), and against the CPU in
 /// relative L2.
@@ -3548,10 +3651,20 @@ fn recorded_decode_steps_equal_direct_ones() {
     let (t_direct, l_direct, tps_direct) = run(&cuda, &ids, false);
     cuda.backend.set_graphs(true);
     let (t_graph, l_graph, tps_graph) = run(&cuda, &ids, false);
-    // The L2 prefetch (Backend::prefetch, opt-in `l2_prefetch`) is a cache hint: the same bits.
+    // The L2 prefetch (Backend::prefetch, opt-in `l2_prefetch`) is a cache hint, and the folded
+    // attention (opt-in `attn_fold`) claims attn_qk_norm_rope's arithmetic: the same bits.
     cuda.backend.set_enabled(&["l2_prefetch"]).unwrap();
     let (t_pf, l_pf, _) = run(&cuda, &ids, false);
+    cuda.backend.set_enabled(&["attn_fold"]).unwrap();
+    let (t_fold, l_fold, _) = run(&cuda, &ids, false);
     cuda.backend.set_enabled(&[]).unwrap();
+    assert_eq!(t_fold, t_direct, "steps with attn_fold picked other tokens");
+    for (i, (a, b)) in l_fold.iter().zip(&l_direct).enumerate() {
+        assert!(
+            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "step {i}: logits with attn_fold differ"
+        );
+    }
     let (t_cpu, l_cpu, _) = run(&cpu, &ids, true);
     println!("decode loop on small: {tps_direct:.0} tok/s op by op, {tps_graph:.0} tok/s recorded; tokens {t_graph:?}");
     assert_eq!(t_graph, t_direct, "recorded steps picked other tokens");

@@ -390,6 +390,29 @@ pub trait Backend: Send + Sync {
         step: &Self::Step,
         out: &mut Self::Buf,
     );
+    /// One decode step's attention from q_proj's output: `attn_qk_norm_rope` (one row, at the
+    /// step's position) then `attn_decode`. A GPU folds the first into the second's launch.
+    /// `q` and `gate` are scratch; so is `k` afterwards (the composition leaves it normed and
+    /// rotated, a fused kernel as it was): the cache row `pos` holds the normed, rotated key.
+    #[allow(clippy::too_many_arguments)]
+    fn attn_decode_qk(
+        &self,
+        qg: &Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        q_norm: &Self::Vec,
+        k_norm: &Self::Vec,
+        kv: &mut KvCache<Self::Buf>,
+        d: &Dims,
+        pos: usize,
+        step: &Self::Step,
+        q: &mut Self::Buf,
+        gate: &mut Self::Buf,
+        out: &mut Self::Buf,
+    ) {
+        self.attn_qk_norm_rope(qg, k, q_norm, k_norm, d, 1, pos, Some(step), q, gate);
+        self.attn_decode(q, k, v, gate, kv, d, pos, step, out);
+    }
 
     // ---- Gated DeltaNet
     /// Causal depthwise conv (kernel K, no bias) + SiLU over `rows` new rows of `x` `[rows, C]`,

@@ -588,6 +588,26 @@ impl<B: Backend> Backend for Profiled<B> {
             self.inner.attn_decode(q, k, v, gate, kv, d, pos, step, out)
         })
     }
+    fn attn_decode_qk(
+        &self,
+        qg: &Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        q_norm: &Self::Vec,
+        k_norm: &Self::Vec,
+        kv: &mut KvCache<Self::Buf>,
+        d: &Dims,
+        pos: usize,
+        step: &Self::Step,
+        q: &mut Self::Buf,
+        gate: &mut Self::Buf,
+        out: &mut Self::Buf,
+    ) {
+        self.time("attn_decode", || {
+            self.inner
+                .attn_decode_qk(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out)
+        })
+    }
 
     fn conv1d_prefill(
         &self,

@@ -698,21 +698,35 @@ impl<B: Backend> Qwen35<B> {
                         &[&a.q_proj, &a.k_proj, &a.v_proj],
                         &mut [&mut s.qg, &mut s.k, &mut s.v],
                     );
-                    b.attn_qk_norm_rope(
-                        &s.qg,
-                        &mut s.k,
-                        &a.q_norm,
-                        &a.k_norm,
-                        d,
-                        t,
-                        pos0,
-                        decode.then_some(step),
-                        &mut s.q,
-                        &mut s.gate,
-                    );
                     if decode {
-                        b.attn_decode(&s.q, &s.k, &s.v, &s.gate, kv, d, pos0, step, &mut s.o);
+                        // attn_qk_norm_rope + attn_decode (a GPU may fold them into one launch)
+                        b.attn_decode_qk(
+                            &s.qg,
+                            &mut s.k,
+                            &s.v,
+                            &a.q_norm,
+                            &a.k_norm,
+                            kv,
+                            d,
+                            pos0,
+                            step,
+                            &mut s.q,
+                            &mut s.gate,
+                            &mut s.o,
+                        );
                     } else {
+                        b.attn_qk_norm_rope(
+                            &s.qg,
+                            &mut s.k,
+                            &a.q_norm,
+                            &a.k_norm,
+                            d,
+                            t,
+                            pos0,
+                            None,
+                            &mut s.q,
+                            &mut s.gate,
+                        );
                         b.attn_prefill(&s.q, &s.k, &s.v, &s.gate, kv, d, t, pos0, &mut s.o);
                     }
                     b.matmul_q_add(&s.o, &a.o_proj, t, &mut s.r, &mut s.h);

@@ -2,6 +2,18 @@
 
 use super::*;
 
+/// `struct DecQk` of attention.cu (same layout): attn_decode_qk_<HD>'s extra arguments.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct DecQk {
+    qn: u64,
+    kn: u64,
+    gate: u64,
+    rot: i32,
+    theta: f64,
+    eps: f32,
+}
+
 impl Cuda {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attn_qk_norm_rope_op(
@@ -156,6 +168,49 @@ impl Cuda {
         );
     }
 
+    /// Backend::attn_decode_qk: with `attn_fold` on (and a RoPE the folded kernel takes), one
+    /// launch attn_decode_qk_<HD> (attn_qk_norm_rope inside attn_decode) and the combine; else
+    /// the composition.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn attn_decode_qk_op(
+        &self,
+        qg: &Buf,
+        k: &mut Buf,
+        v: &Buf,
+        q_norm: &Buf,
+        k_norm: &Buf,
+        kv: &mut KvCache<Buf>,
+        d: &Dims,
+        pos: usize,
+        step: &Step,
+        q: &mut Buf,
+        gate: &mut Buf,
+        out: &mut Buf,
+    ) {
+        let hd = d.head_dim;
+        let fold = self.opted_in("attn_fold")
+            && d.rotary_dim <= hd
+            && d.rotary_dim.is_multiple_of(2)
+            && self.buf_ok(q_norm, hd, "q_norm", "attn_decode_qk")
+            && self.buf_ok(k_norm, hd, "k_norm", "attn_decode_qk")
+            && self.act_ok(qg, d.n_heads * 2 * hd, "qg", "attn_decode_qk");
+        if !fold {
+            self.attn_qk_norm_rope_op(qg, k, q_norm, k_norm, d, 1, pos, Some(step), q, gate);
+            self.attn_decode_op(q, k, v, gate, kv, d, pos, step, out, None);
+            return;
+        }
+        let f = DecQk {
+            qn: q_norm.mem.ptr,
+            kn: k_norm.mem.ptr,
+            gate: gate.mem.ptr,
+            rot: d.rotary_dim as i32,
+            theta: d.rope_theta,
+            eps: d.eps,
+        };
+        self.attn_decode_op(qg, k, v, gate, kv, d, pos, step, out, Some(f));
+    }
+
+    /// attn_decode, or with `qk` attn_decode_qk_<HD> reading q_proj's output (`q` is then qg).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attn_decode_op(
         &self,
@@ -168,14 +223,16 @@ impl Cuda {
         pos: usize,
         step: &Step,
         out: &mut Buf,
+        qk: Option<DecQk>,
     ) {
         let op = "attn_decode";
         let (h, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
         let kvd = kvh * hd;
+        let qlen = if qk.is_some() { h * 2 * hd } else { h * hd };
         if !(self.ensure(matches!(hd, 64 | 128 | 256) && kvh > 0 && h % kvh == 0, || format!("{op}: {h} heads / {kvh} kv heads of {hd} not supported (head_dim 64, 128 or 256)"))
             && self.kv_ok(kv, kvd, op)
             && self.ensure(pos < kv.capacity, || format!("{op}: KV cache overflow ({pos} + 1 > {})", kv.capacity))
-            && self.act_ok(q, h * hd, "q", op)
+            && self.act_ok(q, qlen, "q", op)
             && self.act_ok(k, kvd, "k", op)
             && self.act_ok(v, kvd, "v", op)
             && self.act_ok(gate, h * hd, "gate", op)
@@ -211,24 +268,32 @@ impl Cuda {
         let scale = 1.0 / (hd as f32).sqrt();
         // This step's k, v are read from their buffers and written into cache row pos by the
         // same launch (no kv_append). Dynamic shared memory: the 8 warps' output fragments, f32.
+        let mut args = vec![
+            Arg::P(q.mem.ptr),
+            Arg::P(k.mem.ptr),
+            Arg::P(v.mem.ptr),
+            Arg::P(kv.k.mem.ptr),
+            Arg::P(kv.v.mem.ptr),
+            Arg::P(part),
+            Arg::P(pml_ptr),
+            Arg::I(h as i32),
+            Arg::I(kvh as i32),
+            Arg::P(posp),
+            Arg::F(scale),
+        ];
+        let name = match qk {
+            Some(f) => {
+                args.push(Arg::A(Box::new(f)));
+                format!("attn_decode_qk_{hd}")
+            }
+            None => format!("attn_decode_{hd}"),
+        };
         self.launch(
-            &format!("attn_decode_{hd}"),
+            &name,
             (x as u32, ns as u32, 1),
             (ATT_DEC_WARPS * 32) as u32,
             (ATT_DEC_WARPS * 8 * hd * 4) as u32,
-            &[
-                Arg::P(q.mem.ptr),
-                Arg::P(k.mem.ptr),
-                Arg::P(v.mem.ptr),
-                Arg::P(kv.k.mem.ptr),
-                Arg::P(kv.v.mem.ptr),
-                Arg::P(part),
-                Arg::P(pml_ptr),
-                Arg::I(h as i32),
-                Arg::I(kvh as i32),
-                Arg::P(posp),
-                Arg::F(scale),
-            ],
+            &args,
         );
         // One block per (head group, fragment row of 32 outputs); shared memory: ns × 8 factors.
         self.launch(

@@ -350,6 +350,7 @@ enum Arg {
     S(Box<decode::SwArgs>),
     E(Box<decode::SwMoe>),
     T(Box<decode::SwStep>),
+    A(Box<attention::DecQk>),
 }
 
 /// Reads of at least this many bytes go through the page-locked staging buffer.
@@ -800,6 +801,7 @@ impl Cuda {
                 Arg::S(v) => &**v as *const decode::SwArgs as *mut c_void,
                 Arg::E(v) => &**v as *const decode::SwMoe as *mut c_void,
                 Arg::T(v) => &**v as *const decode::SwStep as *mut c_void,
+                Arg::A(v) => &**v as *const attention::DecQk as *mut c_void,
             })
             .collect();
         let r = self.ctx.bind_to_thread().and_then(|_| {
@@ -1608,7 +1610,24 @@ impl Backend for Cuda {
         step: &Step,
         out: &mut Buf,
     ) {
-        self.attn_decode_op(q, k, v, gate, kv, d, pos, step, out)
+        self.attn_decode_op(q, k, v, gate, kv, d, pos, step, out, None)
+    }
+    fn attn_decode_qk(
+        &self,
+        qg: &Buf,
+        k: &mut Buf,
+        v: &Buf,
+        q_norm: &Buf,
+        k_norm: &Buf,
+        kv: &mut KvCache<Buf>,
+        d: &Dims,
+        pos: usize,
+        step: &Step,
+        q: &mut Buf,
+        gate: &mut Buf,
+        out: &mut Buf,
+    ) {
+        self.attn_decode_qk_op(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out)
     }
 
     fn conv1d_prefill(

@@ -97,6 +97,11 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   DRAM. The lab with its weights already in L2 (`LILY_LAB_HOT=1`) gives in_proj 8.03 against
 ///   8.78 µs cold, q|k|v 6.67 against 7.51 (an L2 read of the same bytes: 2.9 / 2.5 µs), so there
 ///   is little to win, and the prefetch's 14 MB then compete with the experts' reads.
+/// * `attn_fold`: a decode step's attn_qk_norm_rope folded into attn_decode's launch
+///   (Backend::attn_decode_qk; attention.cu attn_decode_qk_<HD>): every block norms and rotates
+///   its group's 8 query heads and its key itself (the same bits: attn_qk_norm_rope's arithmetic
+///   in its order) before its key loop: one launch boundary fewer per attention layer. Not yet
+///   measured.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -104,6 +109,7 @@ pub const OPT_IN: &[&str] = &[
     "gemv_wide",
     "moe_step",
     "l2_prefetch",
+    "attn_fold",
 ];
 
 impl Cuda {

@@ -79,6 +79,15 @@
 //                    (KV * HG, hd / 4), 256 threads) merges the nb partial states per head in a
 //                    fixed order (bit-reproducible), normalises, applies sigmoid(gate) and writes
 //                    out [H, hd]. Details and the fragment layouts at the kernels.
+// attn_decode_qk_<HD> (opt-in `attn_fold`, Backend::attn_decode_qk) attn_qk_norm_rope folded into
+//                    attn_decode_<HD>: the same grid, taking q_proj's output qg [H, 2 hd] instead
+//                    of q. Each block norms and rotates its group's query heads and its KV head's
+//                    key itself, one warp a row, into shared memory (attn_qk_norm_rope's
+//                    arithmetic in its order: the same bits, dec_qk_row says how), reads q from
+//                    there and the newest key through a pointer to it; the blocks of split 0
+//                    write the gate halves for the combine. The angles and norm weights come
+//                    before the PDL wait. One launch boundary (~5 µs in place) fewer per layer;
+//                    k (the input) is left as it was, un-normed.
 
 // Launched with 128 threads (mod.rs), hd <= 256: a thread owns elements tid and tid + 128
 // (QNR_PER of them, loads unrolled: with a stride read from blockDim the loops made dependent
@@ -327,10 +336,98 @@ __device__ __forceinline__ void dec_load_v(uint4 (&vr)[2][HD / 64], const u16* _
 // c0 + w, c0 + w + 8, ... . The 8 warps' states are merged through shared memory into one partial
 // state per block: pml[x][s][h] = (max, normaliser) for its 8 head slots and part[x][s] the
 // unnormalised output in fragment order (element k * 32 + lane holds o[k / 4][k % 4] of lane).
+// attn_decode_qk_<HD>'s extra inputs (QK = true): the query|gate projection instead of q, the
+// norm weights [HD] f32, the gate output, the RoPE's rotated dims, base and the norm's eps.
+struct DecQk {
+    const float* qn;
+    const float* kn;
+    u16* gate;
+    int rot;
+    double theta;
+    float eps;
+};
+
+// attn_qk_norm_rope's function for one decode row, inside attn_decode_qk_<HD> (QK = true): rows
+// r = warp, warp + 8, ... of the block's gh query heads and its KV head's key (row gh), one warp a
+// row, lane l holding dims l + 32j. The arithmetic is attn_qk_norm_rope's, in its order: that
+// kernel's 128 threads hold dims i and i + 128 and sum their squares in that order; its
+// block_sum is the four warps' warp_sum (S0..S3) then (S0 + S2) + (S1 + S3). Lane l here sums
+// the same pairs for "thread" l + 32w (w < 4), warp_sum's each (the same butterfly), and adds
+// them in that order, so x, r, the rotation and the bf16 results are the same bits. The RoPE
+// pairs go through the warp's f32 row in shared memory (a pair can span lanes). The angles (f64,
+// as the CPU) and the norm weights come before the PDL wait: they never depend on the kernel
+// before (the position was written by the previous step, before this step's graph started).
 template <int HD>
+struct DecQkPre {
+    static constexpr int NJ = HD / 32;             // dims per lane
+    static constexpr int NP = (HD / 2 + 31) / 32;  // RoPE pairs per lane at most
+    float qw[NJ], kw[NJ], rs[NP], rc[NP];
+};
+
+template <int HD>
+__device__ __forceinline__ void dec_qk_pre(const DecQk& f, int pos, int lane, DecQkPre<HD>& pre) {
+#pragma unroll
+    for (int j = 0; j < DecQkPre<HD>::NJ; j++) {
+        pre.qw[j] = f.qn[lane + 32 * j];
+        pre.kw[j] = f.kn[lane + 32 * j];
+    }
+    const int half = f.rot / 2;
+#pragma unroll
+    for (int p = 0; p < DecQkPre<HD>::NP; p++) {
+        const int i = lane + 32 * p;
+        pre.rs[p] = 0.0f;
+        pre.rc[p] = 1.0f;
+        if (i < half) {
+            const double inv = pow(f.theta, -(2.0 * (double)i) / (double)f.rot);
+            const double ang = (double)pos * inv;
+            pre.rs[p] = (float)sin(ang);
+            pre.rc[p] = (float)cos(ang);
+        }
+    }
+}
+
+// One row: src (bf16 [HD]) normed by w, rotated, rounded to bf16 into dst; ys: the warp's f32 row.
+template <int HD>
+__device__ __forceinline__ void dec_qk_row(const u16* __restrict__ src, const float (&w)[HD / 32], const DecQkPre<HD>& pre,
+                                           const DecQk& f, float* ys, u16* dst, int lane) {
+    constexpr int NJ = HD / 32;
+    float v[NJ];
+#pragma unroll
+    for (int j = 0; j < NJ; j++) v[j] = bf16f(src[lane + 32 * j]);
+    float S[4];
+#pragma unroll
+    for (int w4 = 0; w4 < 4; w4++) {
+        float ss = 0.0f;
+#pragma unroll
+        for (int jj = 0; jj < 2; jj++)
+            if (w4 + 4 * jj < NJ) ss += v[w4 + 4 * jj] * v[w4 + 4 * jj];
+        S[w4] = w4 < NJ ? warp_sum(ss) : 0.0f;
+    }
+    const float ss = (S[0] + S[2]) + (S[1] + S[3]);
+    const float r = 1.0f / sqrtf(ss / (float)HD + f.eps);
+#pragma unroll
+    for (int j = 0; j < NJ; j++) ys[lane + 32 * j] = v[j] * r * w[j];
+    __syncwarp();
+    const int half = f.rot / 2;
+#pragma unroll
+    for (int p = 0; p < DecQkPre<HD>::NP; p++) {
+        const int i = lane + 32 * p;
+        if (i < half) {
+            const float a = ys[i], b = ys[i + half];
+            ys[i] = a * pre.rc[p] - b * pre.rs[p];
+            ys[i + half] = a * pre.rs[p] + b * pre.rc[p];
+        }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < NJ; j++) dst[lane + 32 * j] = bf16_rn(ys[lane + 32 * j]);
+}
+
+template <int HD, bool QK>
 __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                                  u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part,
-                                                 float* __restrict__ pml, int H, int KV, const int* __restrict__ posp, float scale) {
+                                                 float* __restrict__ pml, int H, int KV, const int* __restrict__ posp, float scale,
+                                                 const DecQk& f) {
     constexpr int NA = HD / 32;  // 16-byte pieces of a K row per lane (two k-steps each)
     constexpr int NC = HD / 64;  // 16-byte pieces of a V row per lane and key
     constexpr int NT = HD / 16;  // m-tiles (16 dims) of the output
@@ -339,11 +436,42 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
     const int G = H / KV, HG = (G + 7) / 8;
     const int x = blockIdx.x, kvh = x / HG, hg = x - kvh * HG, s = blockIdx.y, ns = gridDim.y;
     const int gh = min(8, G - 8 * hg);  // query heads in this block's group
-    const int pos = posp[0], n = pos + 1;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const u64 kvd = (u64)KV * HD;
     const u16* kin = k + (u64)kvh * HD;
     const u16* vin = v + (u64)kvh * HD;
+    // QK: this block's normed, rotated query heads and key (attn_qk_norm_rope's outputs), in
+    // shared memory: q is read from here, and the newest key through a generic pointer to kt.
+    __shared__ __align__(16) u16 qt[QK ? 8 : 1][QK ? HD : 8];
+    __shared__ __align__(16) u16 kt[QK ? HD : 8];
+    __shared__ float ys[QK ? DEC_W : 1][QK ? HD : 1];
+    int pos;
+    if constexpr (QK) {
+        pos = posp[0];
+        DecQkPre<HD> pre;
+        dec_qk_pre<HD>(f, pos, lane, pre);
+        PDL_ENTRY();
+        for (int r = warp; r <= gh; r += DEC_W) {
+            const bool isk = r == gh;
+            const u16* src = isk ? kin : q + (u64)(kvh * G + 8 * hg + r) * 2 * HD;
+            float w[HD / 32];  // selected value by value: a selected array would live in local memory
+#pragma unroll
+            for (int j = 0; j < HD / 32; j++) w[j] = isk ? pre.kw[j] : pre.qw[j];
+            dec_qk_row<HD>(src, w, pre, f, ys[warp], isk ? kt : qt[r], lane);
+            if (!isk && s == 0) {
+                // The gate half of the head, for attn_decode_combine (a copy, as attn_qk_norm_rope).
+                u16* gd = f.gate + (u64)(kvh * G + 8 * hg + r) * HD;
+#pragma unroll
+                for (int j = 0; j < HD / 32; j++) gd[lane + 32 * j] = src[HD + lane + 32 * j];
+            }
+        }
+        __syncthreads();
+        kin = kt;
+    } else {
+        PDL_ENTRY();
+        pos = posp[0];
+    }
+    const int n = pos + 1;
     if (s == 0 && hg == 0) {
         // This step's k, v of KV head kvh into cache row pos (one block per KV head writes it).
         u16* kd = kc + (u64)pos * kvd + (u64)kvh * HD;
@@ -361,7 +489,7 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
     // Q fragments of head slot g (zeros past the group's heads), as the K pieces (see above).
     uint4 qf[NA];
     {
-        const u16* qp = q + (u64)(kvh * G + 8 * hg + g) * HD + 8 * t;
+        const u16* qp = (QK ? &qt[g < gh ? g : 0][0] : q + (u64)(kvh * G + 8 * hg + g) * HD) + 8 * t;
 #pragma unroll
         for (int a = 0; a < NA; a++) qf[a] = g < gh ? *(const uint4*)(qp + 32 * a) : make_uint4(0u, 0u, 0u, 0u);
     }
@@ -476,8 +604,15 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
     extern "C" __global__ void __launch_bounds__(DEC_W * 32, 1)                                                    \
     attn_decode_##HD(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ kc, \
                      u16* __restrict__ vc, float* __restrict__ part, float* __restrict__ pml, int H, int KV,        \
-                     const int* __restrict__ posp, float scale) { PDL_ENTRY();                                       \
-        attn_decode_body<HD>(q, k, v, kc, vc, part, pml, H, KV, posp, scale);                                        \
+                     const int* __restrict__ posp, float scale) {                                                   \
+        const DecQk none = {nullptr, nullptr, nullptr, 0, 0.0, 0.0f};                                                \
+        attn_decode_body<HD, false>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);                            \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(DEC_W * 32, 1)                                                    \
+    attn_decode_qk_##HD(const u16* __restrict__ qg, const u16* __restrict__ k, const u16* __restrict__ v,            \
+                        u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part, float* __restrict__ pml, \
+                        int H, int KV, const int* __restrict__ posp, float scale, DecQk f) {                         \
+        attn_decode_body<HD, true>(qg, k, v, kc, vc, part, pml, H, KV, posp, scale, f);                               \
     }
 ATTN_DECODE(64)
 ATTN_DECODE(128)
