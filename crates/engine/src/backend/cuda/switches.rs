@@ -100,8 +100,17 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 /// * `attn_fold`: a decode step's attn_qk_norm_rope folded into attn_decode's launch
 ///   (Backend::attn_decode_qk; attention.cu attn_decode_qk_<HD>): every block norms and rotates
 ///   its group's 8 query heads and its key itself (the same bits: attn_qk_norm_rope's arithmetic
-///   in its order) before its key loop: one launch boundary fewer per attention layer. Not yet
-///   measured.
+///   in its order) before its key loop: one launch boundary fewer per attention layer. Bit-equal
+///   to the composition on the H200 (cuda_ops, four shapes), but not faster: decode at 4K 550.4 /
+///   555.9 against 545.0 / 554.3 tok/s, at 128K 387.3 / 386.3 against 400.0 / 398.2 (two rounds
+///   alternated). Every one of the 132 blocks now norms and rotates 9 rows before its first key
+///   load, where the separate kernel did it once, in parallel over 18 blocks: at 128K, where
+///   each block streams 2 MB of cache, that delay costs more than the boundary saved. And
+///   found after the measurement (no device time left to re-run it): with the newest key in
+///   shared memory, one pointer that could be shared or global made every K load of the key
+///   loop a generic ld.v4 instead of ld.global.nc.v4 (the PTX, attention.cu dec_load_k); the key
+///   now has a load of its own and the loop's are ld.global.nc.v4 again (222 registers, no
+///   spills). Next: `scripts/h200-run tests,fold`.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",

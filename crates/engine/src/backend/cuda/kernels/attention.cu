@@ -309,13 +309,26 @@ __device__ __forceinline__ int dec_blocks(int n, int ns) {
     return min(ns, (chunks + DEC_W - 1) / DEC_W);
 }
 
-template <int HD>
+// SK: the newest key `kin` is in shared memory (attn_decode_qk_<HD>'s kt). It then gets a load of
+// its own: one pointer that may be shared or global makes every K load of the loop a generic
+// ld.v4 instead of ld.global.nc.v4 (seen in the PTX of the first attn_decode_qk). The cache rows
+// read here are below pos, which no block of the launch writes: the read-only path is safe, as
+// the plain kernel's compiler already assumed.
+template <int HD, bool SK = false>
 __device__ __forceinline__ void dec_load_k(uint4 (&kr)[HD / 32], const u16* __restrict__ kc, const u16* __restrict__ kin,
                                            u64 kvd, int kvh, int c, int pos, int lane) {
     const int j = c * DEC_KEYS + (lane >> 2);
-    const u16* p = (j == pos ? kin : kc + (u64)j * kvd + (u64)kvh * HD) + 8 * (lane & 3);
+    if constexpr (SK) {
+        const u16* pg = kc + (u64)j * kvd + (u64)kvh * HD + 8 * (lane & 3);
+        const u16* ps = kin + 8 * (lane & 3);
 #pragma unroll
-    for (int a = 0; a < HD / 32; a++) kr[a] = j <= pos ? *(const uint4*)(p + 32 * a) : make_uint4(0u, 0u, 0u, 0u);
+        for (int a = 0; a < HD / 32; a++)
+            kr[a] = j < pos ? __ldg((const uint4*)(pg + 32 * a)) : j == pos ? *(const uint4*)(ps + 32 * a) : make_uint4(0u, 0u, 0u, 0u);
+    } else {
+        const u16* p = (j == pos ? kin : kc + (u64)j * kvd + (u64)kvh * HD) + 8 * (lane & 3);
+#pragma unroll
+        for (int a = 0; a < HD / 32; a++) kr[a] = j <= pos ? *(const uint4*)(p + 32 * a) : make_uint4(0u, 0u, 0u, 0u);
+    }
 }
 
 template <int HD>
@@ -501,7 +514,7 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
     uint4 kr[NA], vr[2][NC];
     int c = c0 + warp;
     if (c < c1) {
-        dec_load_k<HD>(kr, kc, kin, kvd, kvh, c, pos, lane);
+        dec_load_k<HD, QK>(kr, kc, kin, kvd, kvh, c, pos, lane);
         dec_load_v<HD>(vr, vc, vin, kvd, kvh, c, pos, lane);
     }
     for (; c < c1; c += DEC_W) {
@@ -514,7 +527,7 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
             mma_bf16_16816(s0, ka, qf[a].x, qf[a].y);
             mma_bf16_16816(s1, kb, qf[a].z, qf[a].w);
         }
-        if (cn < c1) dec_load_k<HD>(kr, kc, kin, kvd, kvh, cn, pos, lane);
+        if (cn < c1) dec_load_k<HD, QK>(kr, kc, kin, kvd, kvh, cn, pos, lane);
         // Online softmax of heads 2t, 2t + 1 over key j (masked past pos); the max over the chunk's
         // 8 keys is over the 8 lanes of the same t. Key j0 <= pos is in every chunk, so the max is
         // finite after the first.
