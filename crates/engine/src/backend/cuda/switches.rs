@@ -110,7 +110,9 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   shared memory, one pointer that could be shared or global made every K load of the key
 ///   loop a generic ld.v4 instead of ld.global.nc.v4 (the PTX, attention.cu dec_load_k); the key
 ///   now has a load of its own and the loop's are ld.global.nc.v4 again (222 registers, no
-///   spills). Next: `scripts/h200-run tests,fold`.
+///   spills). Also since: only the two blocks that use the key (its cache writer, the last
+///   split with keys) norm it, so no warp of the others has two rows, and blocks past the keys'
+///   share skip the rows. Next: `scripts/h200-run tests,fold`.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",

@@ -81,8 +81,9 @@
 //                    out [H, hd]. Details and the fragment layouts at the kernels.
 // attn_decode_qk_<HD> (opt-in `attn_fold`, Backend::attn_decode_qk) attn_qk_norm_rope folded into
 //                    attn_decode_<HD>: the same grid, taking q_proj's output qg [H, 2 hd] instead
-//                    of q. Each block norms and rotates its group's query heads and its KV head's
-//                    key itself, one warp a row, into shared memory (attn_qk_norm_rope's
+//                    of q. Each block with keys norms and rotates its group's query heads (and,
+//                    in the two blocks that use it, its KV head's key) itself, one warp a row,
+//                    into shared memory (attn_qk_norm_rope's
 //                    arithmetic in its order: the same bits, dec_qk_row says how), reads q from
 //                    there and the newest key through a pointer to it; the blocks of split 0
 //                    write the gate halves for the combine. The angles and norm weights come
@@ -464,7 +465,13 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
         DecQkPre<HD> pre;
         dec_qk_pre<HD>(f, pos, lane, pre);
         PDL_ENTRY();
-        for (int r = warp; r <= gh; r += DEC_W) {
+        // Blocks past the keys' share (dec_blocks) skip it all: they return below. The key's row
+        // is needed only by the block that writes it to the cache (split 0 of group 0) and by the
+        // one whose chunks reach pos (the last with keys); the others leave it out, so that none of
+        // their warps has two rows (8 query heads a group in the model).
+        const int nbk = dec_blocks(pos + 1, ns);
+        const bool needk = (s == 0 && hg == 0) || s == nbk - 1;
+        for (int r = warp; s < nbk && r < gh + (needk ? 1 : 0); r += DEC_W) {
             const bool isk = r == gh;
             const u16* src = isk ? kin : q + (u64)(kvh * G + 8 * hg + r) * 2 * HD;
             float w[HD / 32];  // selected value by value: a selected array would live in local memory
