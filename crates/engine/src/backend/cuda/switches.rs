@@ -108,11 +108,13 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   each block streams 2 MB of cache, that delay costs more than the boundary saved. And
 ///   found after the measurement (no device time left to re-run it): with the newest key in
 ///   shared memory, one pointer that could be shared or global made every K load of the key
-///   loop a generic ld.v4 instead of ld.global.nc.v4 (the PTX, attention.cu dec_load_k); the key
-///   now has a load of its own and the loop's are ld.global.nc.v4 again (222 registers, no
-///   spills). Also since: only the two blocks that use the key (its cache writer, the last
-///   split with keys) norm it, so no warp of the others has two rows, and blocks past the keys'
-///   share skip the rows. Next: `scripts/h200-run tests,fold`.
+///   loop a generic ld.v4. Now the loop loads the cache alone (ld.global.v4; row pos read but
+///   unused) and the one chunk holding pos has its key replaced from shared memory after a
+///   warp-uniform test (attention.cu dec_patch_k): the key loop is 415 SASS instructions at HD
+///   256 against the plain kernel's 401 (`scripts/sass`; the measured version had 404 with 8
+///   generic loads). Also since: only the two blocks that use the key (its cache writer, the
+///   last split with keys) norm it, so no warp of the others has two rows, and blocks past the
+///   keys' share skip the rows. Next: `scripts/h200-run tests,fold`.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",

@@ -310,25 +310,29 @@ __device__ __forceinline__ int dec_blocks(int n, int ns) {
     return min(ns, (chunks + DEC_W - 1) / DEC_W);
 }
 
-// SK: the newest key `kin` is in shared memory (attn_decode_qk_<HD>'s kt). It then gets a load of
-// its own: one pointer that may be shared or global makes every K load of the loop a generic
-// ld.v4 instead of ld.global.nc.v4 (seen in the PTX of the first attn_decode_qk). The cache rows
-// read here are below pos, which no block of the launch writes: the read-only path is safe, as
-// the plain kernel's compiler already assumed.
-template <int HD, bool SK = false>
+template <int HD>
 __device__ __forceinline__ void dec_load_k(uint4 (&kr)[HD / 32], const u16* __restrict__ kc, const u16* __restrict__ kin,
                                            u64 kvd, int kvh, int c, int pos, int lane) {
     const int j = c * DEC_KEYS + (lane >> 2);
-    if constexpr (SK) {
-        const u16* pg = kc + (u64)j * kvd + (u64)kvh * HD + 8 * (lane & 3);
-        const u16* ps = kin + 8 * (lane & 3);
+    const u16* p = (j == pos ? kin : kc + (u64)j * kvd + (u64)kvh * HD) + 8 * (lane & 3);
 #pragma unroll
-        for (int a = 0; a < HD / 32; a++)
-            kr[a] = j < pos ? __ldg((const uint4*)(pg + 32 * a)) : j == pos ? *(const uint4*)(ps + 32 * a) : make_uint4(0u, 0u, 0u, 0u);
-    } else {
-        const u16* p = (j == pos ? kin : kc + (u64)j * kvd + (u64)kvh * HD) + 8 * (lane & 3);
+    for (int a = 0; a < HD / 32; a++) kr[a] = j <= pos ? *(const uint4*)(p + 32 * a) : make_uint4(0u, 0u, 0u, 0u);
+}
+
+// attn_decode_qk_<HD>: the newest key is in shared memory (kt), normed there. The loads above
+// then take kin = cache row pos (global, its value stale or being written by the writer block:
+// read, never used), and only the chunk that holds pos, a warp-uniform test, has that key
+// replaced from kt. (A
+// pointer that may be shared or global made every K load of the loop a generic ld.v4 instead of
+// ld.global.nc.v4; a per-piece select between the two loads added ~80 instructions, branches, to
+// every chunk of the loop; forcing __ldg here added ~60 and changed the plain kernel's loop too.
+// As it is, the key loop is 415 instructions at HD 256 against the plain kernel's 401, with
+// ld.global.v4 (not .nc: kin now derives from the cache, which the launch writes): scripts/sass.)
+template <int HD>
+__device__ __forceinline__ void dec_patch_k(uint4 (&kr)[HD / 32], const u16* kt, int c, int pos, int lane) {
+    if (c * DEC_KEYS + (lane >> 2) == pos) {
 #pragma unroll
-        for (int a = 0; a < HD / 32; a++) kr[a] = j <= pos ? *(const uint4*)(p + 32 * a) : make_uint4(0u, 0u, 0u, 0u);
+        for (int a = 0; a < HD / 32; a++) kr[a] = *(const uint4*)(kt + 8 * (lane & 3) + 32 * a);
     }
 }
 
@@ -486,7 +490,7 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
             }
         }
         __syncthreads();
-        kin = kt;
+        kin = kc + (u64)pos * kvd + (u64)kvh * HD;  // cache row pos, replaced by dec_patch_k
     } else {
         PDL_ENTRY();
         pos = posp[0];
@@ -496,8 +500,9 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
         // This step's k, v of KV head kvh into cache row pos (one block per KV head writes it).
         u16* kd = kc + (u64)pos * kvd + (u64)kvh * HD;
         u16* vd = vc + (u64)pos * kvd + (u64)kvh * HD;
+        const u16* ksrc = QK ? (const u16*)kt : kin;  // QK: the normed key (kin is row pos itself)
         for (int i = tid; i < HD / 4; i += blockDim.x) {
-            if (i < HD / 8) ((uint4*)kd)[i] = ((const uint4*)kin)[i];
+            if (i < HD / 8) ((uint4*)kd)[i] = ((const uint4*)ksrc)[i];
             else ((uint4*)vd)[i - HD / 8] = ((const uint4*)vin)[i - HD / 8];
         }
     }
@@ -521,7 +526,8 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
     uint4 kr[NA], vr[2][NC];
     int c = c0 + warp;
     if (c < c1) {
-        dec_load_k<HD, QK>(kr, kc, kin, kvd, kvh, c, pos, lane);
+        dec_load_k<HD>(kr, kc, kin, kvd, kvh, c, pos, lane);
+        if (QK && c == pos / DEC_KEYS) dec_patch_k<HD>(kr, kt, c, pos, lane);
         dec_load_v<HD>(vr, vc, vin, kvd, kvh, c, pos, lane);
     }
     for (; c < c1; c += DEC_W) {
@@ -534,7 +540,10 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
             mma_bf16_16816(s0, ka, qf[a].x, qf[a].y);
             mma_bf16_16816(s1, kb, qf[a].z, qf[a].w);
         }
-        if (cn < c1) dec_load_k<HD, QK>(kr, kc, kin, kvd, kvh, cn, pos, lane);
+        if (cn < c1) {
+            dec_load_k<HD>(kr, kc, kin, kvd, kvh, cn, pos, lane);
+            if (QK && cn == pos / DEC_KEYS) dec_patch_k<HD>(kr, kt, cn, pos, lane);
+        }
         // Online softmax of heads 2t, 2t + 1 over key j (masked past pos); the max over the chunk's
         // 8 keys is over the 8 lanes of the same t. Key j0 <= pos is in every chunk, so the max is
         // finite after the first.
