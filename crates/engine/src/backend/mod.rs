@@ -316,14 +316,6 @@ pub trait Backend: Send + Sync {
         moe_decode_compose(self, x, route, gate, up, down, shared, d, tmp, h)
     }
 
-    /// A hint, never a result: the ops after the next one will read these weights. A device whose
-    /// next op is bound by its chain of dependent steps rather than by its reads (a decode step's
-    /// router) may start moving them into its cache meanwhile. Nothing is computed, and every
-    /// output is the same with or without it; the CPU has nothing to do.
-    fn prefetch(&self, ws: &[&Self::Mat]) {
-        let _ = ws;
-    }
-
     /// One token's whole MoE block added into the residual stream: `moe_router` (x = rms_norm(h)
     /// · norm into `r.xn`, the router logits, the shared gate's logit `r.s`, the top-k `r.route`),
     /// then `moe_decode_add` on that x. A GPU folds the router into the experts' first launch: it

@@ -354,10 +354,6 @@ impl<B: Backend> Backend for Profiled<B> {
         );
         self.time(&family, || self.inner.matmul_q_many(x, &inner, rows, outs))
     }
-    fn prefetch(&self, ws: &[&Self::Mat]) {
-        let inner: Vec<&B::Mat> = ws.iter().map(|m| &m.inner).collect();
-        self.inner.prefetch(&inner)
-    }
     fn add(&self, h: &mut Self::Buf, r: &Self::Buf, len: usize) {
         self.time("add", || self.inner.add(h, r, len))
     }
@@ -778,6 +774,17 @@ impl<B: Backend> Backend for Profiled<B> {
     }
 }
 
+/// The MoE scratch of the wrapper as the inner backend's (the same buffers).
+fn inner_moe_scratch<B: Backend>(t: MoeScratch<'_, Profiled<B>>) -> MoeScratch<'_, B> {
+    MoeScratch {
+        out: t.out,
+        g: t.g,
+        u: t.u,
+        act: t.act,
+        down: t.down,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -813,16 +820,5 @@ mod tests {
         assert_eq!(r.ops.len(), 1);
         assert_eq!((r.ops[0].family.as_str(), r.ops[0].calls), ("add", 2));
         assert!(r.table().contains("add"));
-    }
-}
-
-/// The MoE scratch of the wrapper as the inner backend's (the same buffers).
-fn inner_moe_scratch<B: Backend>(t: MoeScratch<'_, Profiled<B>>) -> MoeScratch<'_, B> {
-    MoeScratch {
-        out: t.out,
-        g: t.g,
-        u: t.u,
-        act: t.act,
-        down: t.down,
     }
 }

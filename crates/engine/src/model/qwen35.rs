@@ -80,16 +80,6 @@ struct Layer<B: Backend> {
     moe: MoeLayer<B>,
 }
 
-impl<B: Backend> Layer<B> {
-    /// The projections that read the layer's normed input: what a decode step reads first in it.
-    fn input_projections(&self) -> Vec<&B::Mat> {
-        match &self.mixer {
-            MixerLayer::Gdn(g) => vec![&g.in_proj_qkv, &g.in_proj_z, &g.in_proj_b, &g.in_proj_a],
-            MixerLayer::Attn(a) => vec![&a.q_proj, &a.k_proj, &a.v_proj],
-        }
-    }
-}
-
 /// What a decode step gives back to the host.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Next {
@@ -732,13 +722,6 @@ impl<B: Backend> Qwen35<B> {
                     b.matmul_q_add(&s.o, &a.o_proj, t, &mut s.r, &mut s.h);
                 }
                 _ => bail!("layer {i}: state does not match the layer kind"),
-            }
-            // The next layer's first weights may move toward the device's cache while the router's
-            // dependent steps run (a hint: no result changes).
-            if decode {
-                if let Some(next) = self.layers.get(i + 1) {
-                    b.prefetch(&next.input_projections());
-                }
             }
             // h = h + moe(rms_norm(h, post_norm))
             self.moe(layer, s, t, decode);

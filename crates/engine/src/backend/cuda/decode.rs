@@ -49,23 +49,7 @@ pub(super) struct SwArgs {
     dv: i32,
     rblock: i32,
     pad: i32,
-    pf: L2Pf,
 }
-
-/// `struct L2Pf` of common.cuh (same layout): byte ranges a kernel asks the L2 to prefetch before
-/// its PDL wait (opt-in `l2_prefetch`, [`Cuda::prefetch_next`]).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct L2Pf {
-    ptr: [u64; L2PF_N],
-    bytes: [u32; L2PF_N],
-    n: i32,
-    evict_last: i32,
-}
-
-/// Ranges of an L2Pf (L2PF_N in common.cuh): a GDN layer's four projections' codes, scales and
-/// biases.
-const L2PF_N: usize = 12;
 
 /// `struct SwMoe` of moe.cu (same layout).
 #[repr(C)]
@@ -224,33 +208,6 @@ impl Cuda {
         n
     }
 
-    /// Backend::prefetch: with `l2_prefetch` on, the codes, scales and biases of `ws` (up to
-    /// L2PF_N ranges) become the prefetch of the next streaming GEMV launched (a decode step's
-    /// router: the hint comes right before the MoE block); off, any pending one is dropped.
-    /// `LILY_CUDA_L2PF=last` asks for the L2's evict-last policy on those lines.
-    pub(super) fn prefetch_next(&self, ws: &[&Mat]) {
-        let mut f = L2Pf::default();
-        if self.opted_in("l2_prefetch") {
-            f.evict_last = std::env::var("LILY_CUDA_L2PF").is_ok_and(|v| v == "last") as i32;
-            let mems = ws
-                .iter()
-                .flat_map(|m| [Some(&m.w), m.s.as_ref(), m.b.as_ref()])
-                .flatten();
-            for (i, mem) in mems.take(L2PF_N).enumerate() {
-                f.ptr[i] = mem.ptr;
-                // A multiple of 16 (cp.async.bulk); a matrix's tail of < 16 bytes is not worth it.
-                f.bytes[i] = (mem.bytes.min(u32::MAX as usize) & !15) as u32;
-                f.n = i as i32 + 1;
-            }
-        }
-        *self.l2_next.lock().unwrap_or_else(|e| e.into_inner()) = f;
-    }
-
-    /// The pending prefetch, cleared.
-    fn take_prefetch(&self) -> L2Pf {
-        std::mem::take(&mut *self.l2_next.lock().unwrap_or_else(|e| e.into_inner()))
-    }
-
     /// `outs[i] (type obf[i]: 0 f32, 1 bf16, 2 f32 +=) = x · ws[i]ᵀ` for one row of x, one launch
     /// (callers check `sw_fits` and the buffers).
     pub(super) fn sw_gemv(&self, x: SwX<'_>, ws: &[&Mat], outs: &[(u64, i32)]) {
@@ -347,7 +304,6 @@ impl Cuda {
             dv: 0,
             rblock: 0,
             pad: 0,
-            pf: L2Pf::default(),
         };
         for (i, (w, o)) in ws.iter().zip(outs).enumerate() {
             p.m[i] = w.q();
@@ -396,9 +352,6 @@ impl Cuda {
             // The whole last block routes (route.cuh route_block: 256 threads, E <= 256).
             p.rblock = (self.on("route_block") && ws[0].out <= 256) as i32;
         }
-        // A pending prefetch (Backend::prefetch) rides on this launch if it is sw_gemv's, and is
-        // dropped otherwise: it is meant for the launch right after the hint.
-        let pf = self.take_prefetch();
         if let Some(rpb) = wide {
             // Every block at once (no batch loop): G = RPB / RW row groups, shared memory
             // G·256·(16·BITS/4 + 8) bytes.
@@ -416,9 +369,6 @@ impl Cuda {
             ),
             _ => (format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256), 256, 0),
         };
-        if !tc {
-            p.pf = pf;
-        }
         let batches = p.bstart[ws.len()] as u32;
         let grid = batches.min(self.resident_blocks(&name, threads, smem));
         self.launch(&name, (grid, 1, 1), threads, smem, &[Arg::S(Box::new(p))]);
@@ -479,7 +429,6 @@ impl Cuda {
             dv: 0,
             rblock: 0,
             pad: 0,
-            pf: L2Pf::default(),
         };
         p.m[0] = r.q();
         p.m[1] = sg.q();

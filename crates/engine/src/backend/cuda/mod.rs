@@ -458,8 +458,6 @@ pub struct Cuda {
     /// neighbours included), which neither the lab nor ncu's kernel-by-kernel times give.
     /// `lily bench --in-place` sets it per measurement ([`Cuda::set_skip`]).
     skip: std::sync::RwLock<Vec<String>>,
-    /// The L2 prefetch the next streaming GEMV carries (Backend::prefetch, opt-in `l2_prefetch`).
-    l2_next: Mutex<decode::L2Pf>,
 }
 
 impl Cuda {
@@ -541,7 +539,6 @@ impl Cuda {
             enabled: std::sync::RwLock::new(HashSet::new()),
             occupancy: decode::Occupancy::default(),
             sm_count,
-            l2_next: Mutex::new(decode::L2Pf::default()),
             skip: std::sync::RwLock::new(
                 std::env::var("LILY_CUDA_SKIP")
                     .map(|v| {
@@ -1101,9 +1098,6 @@ impl Backend for Cuda {
         if !self.moe_sw(x, route, gate, up, down, shared, h) {
             super::moe_decode_compose(self, x, route, gate, up, down, shared, d, tmp, h);
         }
-    }
-    fn prefetch(&self, ws: &[&Mat]) {
-        self.prefetch_next(ws)
     }
     fn moe_step_add(
         &self,

@@ -87,16 +87,6 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   alternated, commit of the unrolled norm). Its probes (LILY_MOE_STEP_PROBE) put the
 ///   routed blocks' wait for the router blocks' count at 3.1 µs a layer and each block's own
 ///   route at 3.1: more than the launch boundary it removes.
-/// * `l2_prefetch`: Backend::prefetch honoured: a decode step's router (sw_gemv_8, a chain of
-///   dependent steps over 0.6 MB while the memory system idles) asks the L2, before its PDL wait,
-///   for the next layer's input projections (GDN in_proj 14 MB, attention q|k|v 11 MB: cp.async
-///   .bulk.prefetch.L2, common.cuh l2_prefetch), so that those tc_gemv launches two kernels later
-///   read from L2. `LILY_CUDA_L2PF=last` with the evict-last policy. Same bits (cuda_ops), but
-///   slower on the H200: decode at 4K 517.5 / 513.5 (evict-last 514.5 / 517.4) against 545.6 /
-///   545.9 tok/s off, at 128K 376.1 / 370.8 against 385.8 / 386.5. Why: tc_gemv is not bound by
-///   DRAM. The lab with its weights already in L2 (`LILY_LAB_HOT=1`) gives in_proj 8.03 against
-///   8.78 µs cold, q|k|v 6.67 against 7.51 (an L2 read of the same bytes: 2.9 / 2.5 µs), so there
-///   is little to win, and the prefetch's 14 MB then compete with the experts' reads.
 /// * `attn_fold`: a decode step's attn_qk_norm_rope folded into attn_decode's launch
 ///   (Backend::attn_decode_qk; attention.cu attn_decode_qk_<HD>): every block norms and rotates
 ///   its group's 8 query heads and its key itself (the same bits: attn_qk_norm_rope's arithmetic
@@ -121,7 +111,6 @@ pub const OPT_IN: &[&str] = &[
     "router_cluster",
     "gemv_wide",
     "moe_step",
-    "l2_prefetch",
     "attn_fold",
 ];
 

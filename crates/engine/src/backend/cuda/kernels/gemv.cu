@@ -57,7 +57,6 @@ struct SwArgs {
     int dv;       // PRO 2: value head size (a multiple of 32, dv / 32 a power of two)
     int rblock;   // ROUTE: route with the whole last block (route.cuh route_block; E <= 256)
     int pad;
-    L2Pf pf;      // ranges to prefetch into L2 before the PDL wait (sw_gemv only; n = 0: none)
 };
 
 __device__ __forceinline__ void sw_locate(const SwArgs& p, int bt, int rb, int& mi, int& row0) {
@@ -174,7 +173,6 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     };
     load(un);
     if constexpr (PRO == 1) sw_prefetch_norm((const float*)p.nw, ch);
-    l2_prefetch(p.pf);
     // Only now may x (written by the previous kernel) be read: with programmatic dependent launch
     // (LILY_CUDA_PDL=1) the weights above were requested while that kernel finished.
     PDL_WAIT();
