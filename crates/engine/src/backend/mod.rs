@@ -402,8 +402,9 @@ pub trait Backend: Send + Sync {
         gate: &mut Self::Buf,
         out: &mut Self::Buf,
     ) {
-        self.attn_qk_norm_rope(qg, k, q_norm, k_norm, d, 1, pos, Some(step), q, gate);
-        self.attn_decode(q, k, v, gate, kv, d, pos, step, out);
+        attn_decode_qk_compose(
+            self, qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out,
+        )
     }
 
     // ---- Gated DeltaNet
@@ -622,6 +623,29 @@ pub fn moe_decode_compose<B: Backend + ?Sized>(
         );
     }
     b.add(h, tmp.out, d.hidden);
+}
+
+/// One decode step's attention as its two ops (the default of `attn_decode_qk`, a GPU's
+/// fallback, and a profiled run's split): attn_qk_norm_rope at the step's position, then
+/// attn_decode.
+#[allow(clippy::too_many_arguments)]
+pub fn attn_decode_qk_compose<B: Backend + ?Sized>(
+    b: &B,
+    qg: &B::Buf,
+    k: &mut B::Buf,
+    v: &B::Buf,
+    q_norm: &B::Vec,
+    k_norm: &B::Vec,
+    kv: &mut KvCache<B::Buf>,
+    d: &Dims,
+    pos: usize,
+    step: &B::Step,
+    q: &mut B::Buf,
+    gate: &mut B::Buf,
+    out: &mut B::Buf,
+) {
+    b.attn_qk_norm_rope(qg, k, q_norm, k_norm, d, 1, pos, Some(step), q, gate);
+    b.attn_decode(q, k, v, gate, kv, d, pos, step, out);
 }
 
 /// An MoE block's weights, for `moe_step_add`: the router and the shared expert's gate (one row),

@@ -599,10 +599,15 @@ impl<B: Backend> Backend for Profiled<B> {
         gate: &mut Self::Buf,
         out: &mut Self::Buf,
     ) {
-        self.time("attn_decode", || {
-            self.inner
-                .attn_decode_qk(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out)
-        })
+        if !self.prof.is_on() {
+            return self
+                .inner
+                .attn_decode_qk(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out);
+        }
+        // Profiled: attn_qk_norm_rope and attn_decode, each charged to its own family.
+        super::attn_decode_qk_compose(
+            self, qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out,
+        )
     }
 
     fn conv1d_prefill(

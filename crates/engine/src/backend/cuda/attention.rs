@@ -195,9 +195,9 @@ impl Cuda {
             && self.buf_ok(k_norm, hd, "k_norm", "attn_decode_qk")
             && self.act_ok(qg, d.n_heads * 2 * hd, "qg", "attn_decode_qk");
         if !fold {
-            self.attn_qk_norm_rope_op(qg, k, q_norm, k_norm, d, 1, pos, Some(step), q, gate);
-            self.attn_decode_op(q, k, v, gate, kv, d, pos, step, out, None);
-            return;
+            return crate::backend::attn_decode_qk_compose(
+                self, qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out,
+            );
         }
         let f = DecQk {
             qn: q_norm.mem.ptr,
