@@ -20,6 +20,11 @@
 //! `--in-place` (CUDA) measures what each kernel family costs inside a recorded decode step: the
 //! step with the family's kernels left out against the full step (see `in_place`).
 //!
+//! `--trace` (CUDA) says where a recorded decode step's time goes, kernel by kernel: every block
+//! of every kernel stamps the global timer (kernels built with the trace: LILY_CUDA_TRACE, set by
+//! the flag), and backend/trace.rs sums per kernel name its time in place, split into its own work
+//! after its wait and the boundary to the next kernel (see `trace`).
+//!
 //! `--profile` adds time per op family (backend/profile.rs: every op bracketed by a device sync)
 //! for one prefill chunk and one decode step, at `--profile-context` (default 4K) tokens of
 //! context: after an unprofiled prefill of that context, one chunk of `--chunk` tokens (default
@@ -40,6 +45,7 @@ use rayon::prelude::*;
 use serde_json::json;
 
 use lily::backend::profile::{Profiled, Profiler};
+use lily::backend::trace::{BlockRec, Launch};
 use lily::backend::{Backend, Dims};
 use lily::loader::Checkpoint;
 use lily::model::{Logits, Qwen35};
@@ -99,6 +105,14 @@ pub struct BenchArgs {
     /// layer) or comma-separated kernel-name prefixes.
     #[arg(long)]
     in_place: Option<String>,
+    /// Trace `--trace-steps` recorded decode steps at each `--decode` context (CUDA; kernels
+    /// built with the trace, so the other rows of this run are not the contract's): per kernel
+    /// name, µs a step in place, its body after the PDL wait, the gap to the next kernel.
+    #[arg(long)]
+    trace: bool,
+    /// Decode steps traced per context (32 bytes per block per step are kept on the device).
+    #[arg(long, default_value_t = 8)]
+    trace_steps: usize,
     #[command(flatten)]
     common: Common,
 }
@@ -319,26 +333,47 @@ fn prefill_flops_per_token(c: &lily::Config, pos: usize) -> f64 {
 /// timing probe of the backend: `--in-place`).
 type SkipHook<B> = fn(&B, &[&str]);
 
+/// The CUDA backend's timing probes, seen by the generic benchmark.
+struct Probes<B> {
+    skip: SkipHook<B>,
+    /// Starts the in-place trace (`--trace`).
+    trace_begin: fn(&B) -> Result<()>,
+    /// Stops it: the block records and the launches they belong to.
+    trace_end: fn(&B) -> Result<(Vec<BlockRec>, Vec<Launch>)>,
+}
+
 pub fn run(a: BenchArgs) -> Result<()> {
     #[cfg(feature = "cuda")]
-    if let Some(b) = crate::pick_cuda(&a.common)? {
-        let skip: SkipHook<lily::backend::cuda::Cuda> = |b, p| b.set_skip(p);
-        return run_on(b, a, Some(skip));
+    {
+        if a.trace {
+            // Read once, by the backend's constructor below: every kernel built with the trace.
+            std::env::set_var("LILY_CUDA_TRACE", "1");
+        }
+        if let Some(b) = crate::pick_cuda(&a.common)? {
+            let probes = Probes::<lily::backend::cuda::Cuda> {
+                skip: |b, p| b.set_skip(p),
+                trace_begin: |b| b.trace_begin(),
+                trace_end: |b| b.trace_end(),
+            };
+            return run_on(b, a, Some(probes));
+        }
     }
     let b = crate::setup(&a.common)?;
     run_on(b, a, None)
 }
 
-fn run_on<B: Backend>(b: B, a: BenchArgs, skip: Option<SkipHook<B>>) -> Result<()> {
+fn run_on<B: Backend>(b: B, a: BenchArgs, probes: Option<Probes<B>>) -> Result<()> {
     if a.profile {
-        if a.in_place.is_some() {
-            bail!("--in-place and --profile measure different things: ask for one at a time");
+        if a.in_place.is_some() || a.trace {
+            bail!(
+                "--in-place, --trace and --profile measure different things: ask for one at a time"
+            );
         }
         let p = Profiled::new(b);
         let prof = p.profiler();
         bench(p, a, Some(prof), None)
     } else {
-        bench(b, a, None, skip)
+        bench(b, a, None, probes)
     }
 }
 
@@ -359,7 +394,7 @@ fn bench<B: Backend>(
     b: B,
     a: BenchArgs,
     prof: Option<Arc<Profiler>>,
-    skip: Option<SkipHook<B>>,
+    probes: Option<Probes<B>>,
 ) -> Result<()> {
     if a.rounds == 0 {
         bail!("--rounds must be at least 1");
@@ -377,7 +412,10 @@ fn bench<B: Backend>(
             .map(|p| (p.to_string(), String::new()))
             .collect(),
     };
-    if a.in_place.is_some() && (skip.is_none() || families.is_empty()) {
+    if a.trace && probes.is_none() {
+        bail!("--trace needs the CUDA backend");
+    }
+    if a.in_place.is_some() && (probes.is_none() || families.is_empty()) {
         bail!(
             "--in-place needs the CUDA backend and at least one kernel-name prefix (or `default`)"
         );
@@ -509,8 +547,11 @@ fn bench<B: Backend>(
         rows.push(json!({"phase": "decode", "context": n, "tokens": a.decode_tokens, "tok_s": tps, "seconds": t,
             "bytes_per_token": bytes, "roofline_fraction": frac}));
     }
-    if let Some(skip) = skip.filter(|_| !families.is_empty()) {
-        rows.extend(in_place(&m, skip, &families, &decode, &a, max_len)?);
+    if let Some(p) = probes.as_ref().filter(|_| !families.is_empty()) {
+        rows.extend(in_place(&m, p.skip, &families, &decode, &a, max_len)?);
+    }
+    if let Some(p) = probes.as_ref().filter(|_| a.trace) {
+        rows.extend(trace(&m, p, &decode, &a, max_len)?);
     }
     if let Some(sch) = &a.schema {
         rows.extend(crate::bench_schema::rows(
@@ -636,6 +677,58 @@ fn in_place<B: Backend>(
                 "tok_s": 1.0 / t, "step_us": 1e6 * t, "step_us_saved": 1e6 * (step - t)}),
             );
         }
+    }
+    Ok(rows)
+}
+
+/// `--trace`: at each decode context (one prefill), `--trace-steps` greedy decode steps timed
+/// untraced, then as many traced (the trace's cost is the difference), and the traced steps'
+/// kernels summed per name (backend/trace.rs).
+fn trace<B: Backend>(
+    m: &Qwen35<B>,
+    p: &Probes<B>,
+    decode: &[usize],
+    a: &BenchArgs,
+    max_len: usize,
+) -> Result<Vec<serde_json::Value>> {
+    const WARM: usize = 4;
+    let steps = a.trace_steps.max(1);
+    let mut rows = Vec::new();
+    for &n in decode {
+        let ids = prompt_ids(n, m.cfg.vocab_size);
+        let mut st = m.new_state(max_len.max(n + WARM + 2 * steps + 1))?;
+        let first = argmax(&m.forward(&mut st, &ids, Logits::Last, None)?);
+        std::hint::black_box(m.decode(&mut st, Some(first), true)?);
+        for _ in 1..WARM {
+            std::hint::black_box(m.decode(&mut st, None, true)?);
+        }
+        let run = |st: &mut lily::model::SeqState<B>| -> Result<f64> {
+            let t0 = Instant::now();
+            for _ in 0..steps {
+                std::hint::black_box(m.decode(st, None, true)?);
+            }
+            Ok(t0.elapsed().as_secs_f64() / steps as f64)
+        };
+        let plain = run(&mut st)?;
+        (p.trace_begin)(&m.backend)?;
+        let traced = run(&mut st);
+        let (recs, launches) = (p.trace_end)(&m.backend)?;
+        let traced = traced?;
+        let spans = lily::backend::trace::attribute(&recs, &launches)?;
+        let table = lily::backend::trace::summarize(&launches, &spans, &recs, steps);
+        println!();
+        println!(
+            "trace at context {n}: a step {:.1} µs untraced, {:.1} µs traced (wall clock, {steps} steps each)",
+            plain * 1e6,
+            traced * 1e6
+        );
+        print!("{}", table.text());
+        let mut j = table.json();
+        j["phase"] = json!("trace");
+        j["context"] = json!(n);
+        j["step_us_untraced"] = json!(plain * 1e6);
+        j["step_us_traced"] = json!(traced * 1e6);
+        rows.push(j);
     }
     Ok(rows)
 }

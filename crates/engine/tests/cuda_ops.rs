@@ -3213,6 +3213,44 @@ fn f32_activation_is_an_error() {
 
 /// The `small` preset end to end: CUDA logits against the CPU's over 192 teacher-forced positions
 /// (one prefill), decode steps after a prefill, and greedy continuations.
+/// The in-place trace (backend/trace.rs, `lily bench --trace`) on `tiny`: greedy tokens with the
+/// traced kernels, tracing, equal the plain backend's (the stamps change no result), and every
+/// block record of the prefill's direct launches and the recorded decode steps falls into its
+/// launch (attribute checks each record's grid size), the times in place adding up to the span.
+#[test]
+fn trace_attributes_every_block_and_changes_nothing() {
+    let Some(g) = gpu() else { return };
+    let t = Cuda::with_trace(0).unwrap();
+    assert!(t.trace_available() && !g.trace_available());
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = lily::synth::preset("tiny").unwrap();
+    lily::synth::write_checkpoint(&cfg, dir.path(), 0, &|_, _| {}).unwrap();
+    let plain = lily::runtime::load(g, dir.path()).unwrap();
+    let traced = lily::runtime::load(t, dir.path()).unwrap();
+    let ids = prompt_ids(24, plain.cfg.vocab_size);
+    let (mut s1, mut s2) = (plain.new_state(64).unwrap(), traced.new_state(64).unwrap());
+    let (a, _) = lily::runtime::generate_greedy(&plain, &mut s1, &ids, 12, &[], |_| {}).unwrap();
+    traced.backend.trace_begin().unwrap();
+    let b = lily::runtime::generate_greedy(&traced, &mut s2, &ids, 12, &[], |_| {});
+    let (recs, launches) = traced.backend.trace_end().unwrap();
+    assert_eq!(a, b.unwrap().0, "tokens with the trace on");
+    assert!(launches.len() > 12, "{} launches", launches.len());
+    assert!(recs.iter().all(|r| r.start <= r.wait && r.wait <= r.end));
+    let spans = lily::backend::trace::attribute(&recs, &launches).unwrap();
+    let table = lily::backend::trace::summarize(&launches, &spans, &recs, 12);
+    let sum: f64 = table.kernels.iter().map(|k| k.in_place).sum();
+    assert!(
+        (sum - table.span_ns).abs() < 1.0,
+        "{sum} against {}",
+        table.span_ns
+    );
+    println!("{}", table.text());
+    // An empty trace: no records, no launches.
+    traced.backend.trace_begin().unwrap();
+    let (recs, launches) = traced.backend.trace_end().unwrap();
+    assert!(recs.is_empty() && launches.is_empty());
+}
+
 #[test]
 fn small_preset_end_to_end() {
     end_to_end("small");

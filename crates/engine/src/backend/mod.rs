@@ -18,6 +18,7 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod profile;
+pub mod trace;
 
 use anyhow::Result;
 

@@ -14,6 +14,7 @@ impl Cuda {
         self.ctx.bind_to_thread()?;
         self.stream
             .begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        self.trace_capture_begin();
         self.capturing.store(true, Ordering::Relaxed);
         let r = ops();
         self.capturing.store(false, Ordering::Relaxed);
@@ -268,10 +269,11 @@ impl Cuda {
             }
             .result()
         });
-        if let Err(e) = r {
-            self.fail(format!(
+        match r {
+            Ok(()) => self.trace_launch(name, grid),
+            Err(e) => self.fail(format!(
                 "launching {name} (grid {grid:?}, block {block}): {e}"
-            ));
+            )),
         }
     }
 

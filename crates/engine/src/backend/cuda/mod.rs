@@ -81,6 +81,7 @@ mod matmul;
 mod nvrtc;
 mod sample;
 mod switches;
+mod trace;
 
 pub use switches::{OPT_IN, SWITCHES};
 
@@ -329,6 +330,8 @@ struct Record {
     /// The scratch generation it was captured at.
     gen: u64,
     graph: CudaGraph,
+    /// The kernels it launches, in order (kept only when tracing: trace.rs).
+    launches: Vec<crate::backend::trace::Launch>,
 }
 
 /// Recorded steps, most recently used last, and the keys seen once (run directly, to warm up).
@@ -458,6 +461,8 @@ pub struct Cuda {
     /// neighbours included), which neither the lab nor ncu's kernel-by-kernel times give.
     /// `lily bench --in-place` sets it per measurement ([`Cuda::set_skip`]).
     skip: std::sync::RwLock<Vec<String>>,
+    /// The in-place trace (`LILY_CUDA_TRACE=1` at creation; trace.rs), or None.
+    tracer: Option<trace::Tracer>,
 }
 
 impl Cuda {
@@ -468,6 +473,16 @@ impl Cuda {
 
     /// GPU `ordinal`: creates the context and stream and loads (compiling if needed) every kernel.
     pub fn with_device(ordinal: usize) -> Result<Self> {
+        Self::with_options(ordinal, false)
+    }
+
+    /// GPU `ordinal` with the in-place trace (trace.rs; as `LILY_CUDA_TRACE=1`): every kernel
+    /// built with it, [`Cuda::trace_begin`] and [`Cuda::trace_end`] usable.
+    pub fn with_trace(ordinal: usize) -> Result<Self> {
+        Self::with_options(ordinal, true)
+    }
+
+    fn with_options(ordinal: usize, trace: bool) -> Result<Self> {
         // SAFETY: probing for the library has no preconditions.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             bail!("CUDA backend: no NVIDIA driver found (libcuda.so could not be loaded); use --backend cpu");
@@ -492,6 +507,8 @@ impl Cuda {
             .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_or(1, |n| n.max(1) as u32);
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        // The in-place trace (trace.rs): every file compiled with LILY_TRACE.
+        let tracing = trace || std::env::var("LILY_CUDA_TRACE").is_ok_and(|v| v == "1");
         // Compile (or read from the cache) all files in parallel; NVRTC is thread-safe.
         let cubins: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
             let hs: Vec<_> = FILES
@@ -499,7 +516,13 @@ impl Cuda {
                 .map(|(f, _)| {
                     let arch = &arch;
                     s.spawn(move || {
-                        nvrtc::cubin_cached(f, &kernel_source(f).expect("listed"), arch)
+                        let src = kernel_source(f).expect("listed");
+                        let src = if tracing {
+                            trace::traced_source(src)
+                        } else {
+                            src
+                        };
+                        nvrtc::cubin_cached(f, &src, arch)
                     })
                 })
                 .collect();
@@ -549,8 +572,12 @@ impl Cuda {
                     })
                     .unwrap_or_default(),
             ),
+            tracer: None,
         })
-        .and_then(|c: Self| {
+        .and_then(|mut c: Self| {
+            if tracing {
+                c.tracer = Some(c.make_tracer().context("LILY_CUDA_TRACE")?);
+            }
             let env_names = |var: &str| {
                 std::env::var(var)
                     .map(|v| {
@@ -640,6 +667,7 @@ impl Backend for Cuda {
             if recs.recs[i].gen == gen {
                 let r = recs.recs.remove(i);
                 let launched = r.graph.launch();
+                self.trace_replayed(&r.launches);
                 recs.recs.push(r);
                 return launched
                     .map_err(|e| anyhow!("CUDA backend: launching a recorded decode step: {e}"));
@@ -659,10 +687,17 @@ impl Backend for Cuda {
         match self.capture(ops) {
             Ok(graph) => {
                 let launched = graph.launch();
+                let launches = self.trace_captured();
+                self.trace_replayed(&launches);
                 if recs.recs.len() >= MAX_RECORDS {
                     recs.recs.remove(0);
                 }
-                recs.recs.push(Record { key, gen, graph });
+                recs.recs.push(Record {
+                    key,
+                    gen,
+                    graph,
+                    launches,
+                });
                 launched.map_err(|e| anyhow!("CUDA backend: launching a recorded decode step: {e}"))
             }
             Err(e) => {

@@ -102,6 +102,7 @@ extern "C" __global__ void __launch_bounds__(QNR_T)
 attn_qk_norm_rope(const u16* __restrict__ qg, u16* __restrict__ k, const float* __restrict__ qn,
                   const float* __restrict__ kn, u16* __restrict__ q, u16* __restrict__ gate, int H, int KV, int hd,
                   int rot, double theta, int pos0, float eps, const int* __restrict__ posp) {
+    KTRACE();
     extern __shared__ float y[];
     __shared__ float sh[32];
     const int t = blockIdx.x, hh = blockIdx.y, tid = threadIdx.x;
@@ -214,7 +215,7 @@ __device__ __forceinline__ void attn_range(const u16* __restrict__ qp, const u16
 
 extern "C" __global__ void __launch_bounds__(256)
 attn_rows(const u16* __restrict__ q, const u16* __restrict__ gate, const u16* __restrict__ kc,
-          const u16* __restrict__ vc, u16* __restrict__ out, int H, int KV, int hd, int pos0, float scale) { PDL_ENTRY();
+          const u16* __restrict__ vc, u16* __restrict__ out, int H, int KV, int hd, int pos0, float scale) { KTRACE(); PDL_ENTRY();
     __shared__ float sm[ATT_WARPS], sl[ATT_WARPS];
     __shared__ float sacc[ATT_WARPS][ATT_MAXD * 32];
     const int t = blockIdx.x, h = blockIdx.y;
@@ -232,7 +233,7 @@ attn_rows(const u16* __restrict__ q, const u16* __restrict__ gate, const u16* __
 
 extern "C" __global__ void __launch_bounds__(256)
 kv_append(const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ kc, u16* __restrict__ vc,
-          int kvd, int rows, int pos0, const int* __restrict__ posp) { PDL_ENTRY();
+          int kvd, int rows, int pos0, const int* __restrict__ posp) { KTRACE(); PDL_ENTRY();
     // Element i .. i+3 of the rows (kvd % 4 == 0: the four stay in one row, and the 8-byte loads
     // and stores at i and at (p0 * kvd + i) bf16 are aligned).
     const u64 i = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * 4;
@@ -634,6 +635,7 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
     attn_decode_##HD(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ kc, \
                      u16* __restrict__ vc, float* __restrict__ part, float* __restrict__ pml, int H, int KV,        \
                      const int* __restrict__ posp, float scale) {                                                   \
+        KTRACE();                                                                                                    \
         const DecQk none = {nullptr, nullptr, nullptr, 0, 0.0, 0.0f};                                                \
         attn_decode_body<HD, false>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);                            \
     }                                                                                                                \
@@ -641,6 +643,7 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
     attn_decode_qk_##HD(const u16* __restrict__ qg, const u16* __restrict__ k, const u16* __restrict__ v,            \
                         u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part, float* __restrict__ pml, \
                         int H, int KV, const int* __restrict__ posp, float scale, DecQk f) {                         \
+        KTRACE();                                                                                                    \
         attn_decode_body<HD, true>(qg, k, v, kc, vc, part, pml, H, KV, posp, scale, f);                               \
     }
 ATTN_DECODE(64)
@@ -657,7 +660,7 @@ ATTN_DECODE(256)
 // floats.
 extern "C" __global__ void __launch_bounds__(256)
 attn_decode_combine(const float* __restrict__ part, const float* __restrict__ pml, const u16* __restrict__ gate,
-                    u16* __restrict__ out, int H, int KV, int hd, int ns, const int* __restrict__ posp) { PDL_ENTRY();
+                    u16* __restrict__ out, int H, int KV, int hd, int ns, const int* __restrict__ posp) { KTRACE(); PDL_ENTRY();
     extern __shared__ float cf[];  // [ns][8]
     __shared__ float cl[8], red[8][32];
     const int G = H / KV, HG = (G + 7) / 8;
@@ -869,7 +872,7 @@ __device__ __forceinline__ void attn_tc_body(const u16* __restrict__ q, const u1
 #define ATTN_TC(HD)                                                                                              \
     extern "C" __global__ void __launch_bounds__(128)                                                            \
     attn_tc_##HD(const u16* q, const u16* gate, const u16* kc, const u16* vc, u16* out, int H, int KV,           \
-                 int rows, int pos0, float scale) { PDL_ENTRY();                                                              \
+                 int rows, int pos0, float scale) { KTRACE(); PDL_ENTRY();                                                    \
         attn_tc_body<HD>(q, gate, kc, vc, out, H, KV, rows, pos0, scale);                                        \
     }
 ATTN_TC(64)

@@ -15,6 +15,70 @@ typedef unsigned long long u64;
 
 #define FULL_MASK 0xffffffffu
 
+// The in-place trace (`lily bench --trace`, LILY_CUDA_TRACE=1: mod.rs then compiles every file with
+// LILY_TRACE defined; without it KTRACE and TRACE_WAITED are empty and the kernels are the
+// measured ones, instruction for instruction). Every kernel's first statement is KTRACE(): thread 0
+// of each block takes the global time (%globaltimer, ns, the same clock on every SM) as it starts,
+// after its PDL wait returns (PDL_WAIT / PDL_ENTRY, TRACE_WAITED) and as the kernel's scope ends
+// (the destructor, on every return path), and appends one record per block to the buffer the host
+// set in `lily_trace_buf` (a u32 cursor padded to 32 bytes, then `lily_trace_cap` records). The
+// host (cuda/trace.rs, backend/trace.rs) groups the records by launch: a kernel's waits all return
+// after the previous kernel completes, so sorted by the wait, the blocks fall into the recorded
+// step's launches in order. What it adds: ~10 instructions and one atomic a block.
+#ifdef LILY_TRACE
+struct TraceRec {
+    u64 start, wait, end;
+    u32 blocks, smid;
+};
+__device__ u64 lily_trace_buf;  // 0: not tracing
+__device__ u32 lily_trace_cap;
+__device__ __forceinline__ u64 trace_now() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+__device__ __forceinline__ bool trace_thread0() { return threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0; }
+// When thread 0's PDL wait returned (0: the kernel has no wait).
+__device__ __forceinline__ u64* trace_wait_slot() {
+    __shared__ u64 w;
+    return &w;
+}
+struct TraceScope {
+    u64 t0;
+    __device__ __forceinline__ TraceScope() {
+        t0 = trace_now();
+        if (trace_thread0()) *trace_wait_slot() = 0;
+    }
+    __device__ __forceinline__ ~TraceScope() {
+        if (!trace_thread0() || lily_trace_buf == 0) return;
+        const u64 w = *trace_wait_slot(), t1 = trace_now();
+        u32 smid;
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        const u32 i = atomicAdd((u32*)lily_trace_buf, 1u);
+        if (i < lily_trace_cap) {
+            TraceRec* r = (TraceRec*)(lily_trace_buf + 32) + i;
+            r->start = t0;
+            r->wait = w ? w : t0;
+            r->end = t1;
+            r->blocks = gridDim.x * gridDim.y * gridDim.z;
+            r->smid = smid;
+        }
+    }
+};
+#define KTRACE() TraceScope lily_trace_scope_
+#define TRACE_WAITED()                              \
+    do {                                            \
+        if (trace_thread0()) *trace_wait_slot() = trace_now(); \
+    } while (0)
+#else
+#define KTRACE() \
+    do {         \
+    } while (0)
+#define TRACE_WAITED() \
+    do {               \
+    } while (0)
+#endif
+
 // Programmatic dependent launch (Hopper; opt-in, LILY_CUDA_PDL=1, see `pdl` in mod.rs for the
 // measurement): the host launches every kernel allowed to start while the previous kernel still
 // runs; each kernel's first statement waits until that kernel has completed and its writes are
@@ -25,6 +89,7 @@ typedef unsigned long long u64;
 #define PDL_ENTRY()                                              \
     do {                                                         \
         asm volatile("griddepcontrol.wait;" ::: "memory");       \
+        TRACE_WAITED();                                          \
         asm volatile("griddepcontrol.launch_dependents;" :::);   \
     } while (0)
 // The two halves, for a kernel that does independent work first (the streaming GEMVs request
@@ -33,7 +98,11 @@ typedef unsigned long long u64;
 // dependent start while its own predecessor may still run, so the dependent's own pre-wait work
 // must touch nothing any kernel writes (weights only).
 #define PDL_LAUNCH() asm volatile("griddepcontrol.launch_dependents;" :::)
-#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#define PDL_WAIT()                                         \
+    do {                                                   \
+        asm volatile("griddepcontrol.wait;" ::: "memory"); \
+        TRACE_WAITED();                                    \
+    } while (0)
 #else
 #define PDL_ENTRY() \
     do {            \

@@ -77,7 +77,7 @@ __device__ __forceinline__ void conv_walk(const u16* __restrict__ x, const float
 
 extern "C" __global__ void __launch_bounds__(256)
 conv1d_prefill(const u16* __restrict__ x, const float* __restrict__ w, const float* __restrict__ state,
-               u16* __restrict__ out, int C, int K, int rows) { PDL_ENTRY();
+               u16* __restrict__ out, int C, int K, int rows) { KTRACE(); PDL_ENTRY();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     const int t0 = blockIdx.y * CONV_RPT;
     if (c >= C) return;
@@ -95,7 +95,7 @@ conv1d_prefill(const u16* __restrict__ x, const float* __restrict__ w, const flo
 
 // state <- the last K-1 pre-conv rows of (old state, x): row rows-(K-1)+i for i < K-1. With
 // rows < K-1 the old rows shift down in place (ascending i reads old[i + rows] before it is written).
-extern "C" __global__ void conv1d_state(const u16* __restrict__ x, float* __restrict__ state, int C, int K, int rows) { PDL_ENTRY();
+extern "C" __global__ void conv1d_state(const u16* __restrict__ x, float* __restrict__ state, int C, int K, int rows) { KTRACE(); PDL_ENTRY();
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= C) return;
     for (int i = 0; i < K - 1; i++) {
@@ -104,7 +104,7 @@ extern "C" __global__ void conv1d_state(const u16* __restrict__ x, float* __rest
     }
 }
 
-extern "C" __global__ void conv1d_step(const u16* x, const float* w, float* state, u16* out, int C, int K) { PDL_ENTRY();
+extern "C" __global__ void conv1d_step(const u16* x, const float* w, float* state, u16* out, int C, int K) { KTRACE(); PDL_ENTRY();
     conv_walk(x, w, state, out, C, K, 1);
 }
 
@@ -207,7 +207,7 @@ __device__ __forceinline__ void gdn_scan_body(const u16* __restrict__ qkv, const
 #define GDN_SCAN(NC, RPW)                                                                                   \
     extern "C" __global__ void __launch_bounds__(128)                                                       \
     gdn_scan_##NC##_##RPW(const u16* qkv, const u16* b, const u16* a, const float* a_log,                   \
-                          const float* dt_bias, float* state, float* y, int rows, int hk, int hv, int dv) { PDL_ENTRY(); \
+                          const float* dt_bias, float* state, float* y, int rows, int hk, int hv, int dv) { KTRACE(); PDL_ENTRY(); \
         gdn_scan_body<NC, RPW>(qkv, b, a, a_log, dt_bias, state, y, rows, hk, hv, dv);                      \
     }
 GDN_SCAN(1, 2)
@@ -219,7 +219,7 @@ GDN_SCAN(4, 4)
 
 extern "C" __global__ void __launch_bounds__(128)
 gdn_gated_norm(const float* __restrict__ y, const u16* __restrict__ z, const float* __restrict__ w, u16* __restrict__ out,
-               int hv, int dv, float eps) { PDL_ENTRY();
+               int hv, int dv, float eps) { KTRACE(); PDL_ENTRY();
     __shared__ float sh[32];
     const u64 base = ((u64)blockIdx.x * hv + blockIdx.y) * dv;
     float ss = 0.0f;
@@ -490,6 +490,7 @@ __device__ __forceinline__ void gdn_step_body(const u16* __restrict__ qkv, const
     extern "C" __global__ void __launch_bounds__(GDN_STEP_THREADS)                                                     \
     gdn_step_##K(const u16* qkv, const u16* z, const u16* b, const u16* a, const float* cw, float* cst, const float* a_log, \
                  const float* dt_bias, const float* nw, float* state, u16* qkv_c, u16* out, int hk, int hv, int dv, float eps) { \
+        KTRACE();                                                                                                      \
         gdn_step_body<K>(qkv, z, b, a, cw, cst, a_log, dt_bias, nw, state, qkv_c, out, hk, hv, dv, eps);                  \
     }
 GDN_STEP_KERNEL(2)

@@ -16,7 +16,7 @@
 // pure read waits for the kernel before it and lets the next one launch early, as the ops do.
 
 extern "C" __global__ void __launch_bounds__(256)
-lab_fill_mat(u32* __restrict__ w, u64 nw, u16* __restrict__ s, u16* __restrict__ b, u64 ng, u32 seed, float zero) { PDL_ENTRY();
+lab_fill_mat(u32* __restrict__ w, u64 nw, u16* __restrict__ s, u16* __restrict__ b, u64 ng, u32 seed, float zero) { KTRACE(); PDL_ENTRY();
     u64 stride = (u64)gridDim.x * blockDim.x;
     u64 salt = (u64)seed << 40;
     for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < nw; i += stride) w[i] = mix_hash(i ^ salt);
@@ -31,7 +31,7 @@ lab_fill_mat(u32* __restrict__ w, u64 nw, u16* __restrict__ s, u16* __restrict__
 __device__ __forceinline__ u32 lab_mix(uint4 v) { return v.x ^ v.y ^ v.z ^ v.w; }
 
 extern "C" __global__ void __launch_bounds__(256)
-lab_read(const uint4* __restrict__ src, u64 n, float* __restrict__ sink) { PDL_ENTRY();
+lab_read(const uint4* __restrict__ src, u64 n, float* __restrict__ sink) { KTRACE(); PDL_ENTRY();
     __shared__ float sh[32];
     u64 stride = (u64)gridDim.x * blockDim.x;
     u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;

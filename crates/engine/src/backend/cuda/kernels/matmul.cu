@@ -122,15 +122,15 @@ __device__ __forceinline__ void gemv_many_body(const u16* __restrict__ x, const 
 // gemv<R>[a]_<fmt>: one kernel of the gemv family (R rows of x at most, AHEAD loads or not).
 #define GEMV_KERNEL(KERNEL, NAME, BITS, SB, R, AHEAD)                                                              \
     extern "C" __global__ void __launch_bounds__(256) KERNEL##_##NAME(const u16* x, QMat m, void* out, int rows, int obf) { \
-        PDL_ENTRY();                                                                                              \
+        KTRACE(); PDL_ENTRY();                                                                                    \
         gemv_body<BITS, SB, R, AHEAD>(x, m, out, rows, obf);                                                      \
     }
 
 #define MATMUL_KERNELS(NAME, BITS, SB)                                                                            \
-    extern "C" __global__ void __launch_bounds__(256) gemv_many_##NAME(const u16* x, Many p) { PDL_ENTRY();        \
+    extern "C" __global__ void __launch_bounds__(256) gemv_many_##NAME(const u16* x, Many p) { KTRACE(); PDL_ENTRY();        \
         gemv_many_body<BITS, SB, false>(x, p);                                                                    \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(256) gemv_manya_##NAME(const u16* x, Many p) { PDL_ENTRY();       \
+    extern "C" __global__ void __launch_bounds__(256) gemv_manya_##NAME(const u16* x, Many p) { KTRACE(); PDL_ENTRY();       \
         gemv_many_body<BITS, SB, true>(x, p);                                                                     \
     }                                                                                                             \
     GEMV_KERNEL(gemv1a, NAME, BITS, SB, 1, true)                                                                  \
@@ -138,12 +138,12 @@ __device__ __forceinline__ void gemv_many_body(const u16* __restrict__ x, const 
     GEMV_KERNEL(gemv2, NAME, BITS, SB, 2, false)                                                                  \
     GEMV_KERNEL(gemv4, NAME, BITS, SB, 4, false)                                                                  \
     GEMV_KERNEL(gemv8, NAME, BITS, SB, 8, false)                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) gemm_##NAME(const u16* x, QMat m, void* out, int rows, int obf) { PDL_ENTRY(); \
+    extern "C" __global__ void __launch_bounds__(256) gemm_##NAME(const u16* x, QMat m, void* out, int rows, int obf) { KTRACE(); PDL_ENTRY(); \
         gemm_body<BITS, SB>(x, m, out, rows, obf);                                                                \
     }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(TC_THREADS) tc_gemm_##NAME(const u16* x, QMat m, void* out, int rows, int obf) { PDL_ENTRY(); \
+    extern "C" __global__ void __launch_bounds__(TC_THREADS) tc_gemm_##NAME(const u16* x, QMat m, void* out, int rows, int obf) { KTRACE(); PDL_ENTRY(); \
         tc_gemm_body<BITS, SB>(x, m, out, rows, obf);                                                             \
     }                                                                                                             \
-    extern "C" __global__ void embed_##NAME(QMat m, const u32* ids, float* out) { PDL_ENTRY(); embed_body<BITS, SB>(m, ids, out); }
+    extern "C" __global__ void embed_##NAME(QMat m, const u32* ids, float* out) { KTRACE(); PDL_ENTRY(); embed_body<BITS, SB>(m, ids, out); }
 
 FOR_EACH_FORMAT(MATMUL_KERNELS)

@@ -49,20 +49,20 @@
 
 extern "C" __global__ void __launch_bounds__(32 * ROUTE_WARPS)
 moe_route(const float* __restrict__ logits, u32* __restrict__ ids, float* __restrict__ weights, int E, int k, int norm_topk,
-          int rows) { PDL_ENTRY();
+          int rows) { KTRACE(); PDL_ENTRY();
     const int t = blockIdx.x * ROUTE_WARPS + (threadIdx.x >> 5);
     if (t >= rows) return;
     route_warp(logits + (u64)t * E, ids + (u64)t * k, weights + (u64)t * k, E, k, norm_topk, threadIdx.x & 31);
 }
 
-extern "C" __global__ void moe_count(const u32* __restrict__ ids, int* __restrict__ counts, int n) { PDL_ENTRY();
+extern "C" __global__ void moe_count(const u32* __restrict__ ids, int* __restrict__ counts, int n) { KTRACE(); PDL_ENTRY();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) atomicAdd(&counts[ids[i]], 1);
 }
 
 // tiles: int3 (expert, first position, rows) as 3 ints each.
 extern "C" __global__ void moe_plan(const int* __restrict__ counts, int* __restrict__ offsets, int* __restrict__ cursor,
-                                    int* __restrict__ tiles, int* __restrict__ ntiles, int E) { PDL_ENTRY();
+                                    int* __restrict__ tiles, int* __restrict__ ntiles, int E) { KTRACE(); PDL_ENTRY();
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     int off = 0, nt = 0;
     for (int e = 0; e < E; e++) {
@@ -81,7 +81,7 @@ extern "C" __global__ void moe_plan(const int* __restrict__ counts, int* __restr
     *ntiles = nt;
 }
 
-extern "C" __global__ void moe_scatter(const u32* __restrict__ ids, int* __restrict__ cursor, int* __restrict__ perm, int n) { PDL_ENTRY();
+extern "C" __global__ void moe_scatter(const u32* __restrict__ ids, int* __restrict__ cursor, int* __restrict__ perm, int n) { KTRACE(); PDL_ENTRY();
     int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) {
         int p = atomicAdd(&cursor[ids[i]], 1);
@@ -155,7 +155,7 @@ __device__ __forceinline__ void moe_tc_gemm_body(const u16* __restrict__ x, QMat
 }
 
 extern "C" __global__ void moe_combine(const u16* __restrict__ y, const float* __restrict__ w, u16* __restrict__ out,
-                                       int k, int dim, const float* __restrict__ slogit) { PDL_ENTRY();
+                                       int k, int dim, const float* __restrict__ slogit) { KTRACE(); PDL_ENTRY();
     const int t = blockIdx.x, rows = gridDim.x;
     const int i = blockIdx.y * blockDim.x + threadIdx.x;
     if (i >= dim) return;
@@ -199,20 +199,20 @@ __device__ __forceinline__ void moe_down_body(const u16* __restrict__ act, QMat 
 #define MOE_KERNELS(NAME, BITS, SB)                                                                              \
     extern "C" __global__ void __launch_bounds__(256)                                                            \
     moe_gemm_##NAME(const u16* x, QMat m, const int* perm, const int* tiles, const int* ntiles, u16* out, int k,   \
-                    int mode) { PDL_ENTRY();                                                                     \
+                    int mode) { KTRACE(); PDL_ENTRY();                                                           \
         moe_gemm_body<BITS, SB>(x, m, perm, tiles, ntiles, out, k, mode);                                        \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(TC_THREADS)                                                     \
     moe_tc_gemm_##NAME(const u16* x, QMat m, const int* perm, const int* tiles, const int* ntiles, u16* out, int k, \
-                       int mode) { PDL_ENTRY();                                                                  \
+                       int mode) { KTRACE(); PDL_ENTRY();                                                        \
         moe_tc_gemm_body<BITS, SB>(x, m, perm, tiles, ntiles, out, k, mode);                                     \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                                            \
-    moe_gate_up_##NAME(const u16* x, QMat g, QMat u, const u32* ids, u16* act, QMat sg, QMat su, int k) { PDL_ENTRY(); \
+    moe_gate_up_##NAME(const u16* x, QMat g, QMat u, const u32* ids, u16* act, QMat sg, QMat su, int k) { KTRACE(); PDL_ENTRY(); \
         moe_gate_up_body<BITS, SB>(x, g, u, ids, act, sg, su, k);                                                \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256)                                                            \
-    moe_down_##NAME(const u16* act, QMat d, const u32* ids, u16* y, int k, QMat sd) { PDL_ENTRY();               \
+    moe_down_##NAME(const u16* act, QMat d, const u32* ids, u16* y, int k, QMat sd) { KTRACE(); PDL_ENTRY();     \
         moe_down_body<BITS, SB>(act, d, ids, y, k, sd);                                                          \
     }
 
@@ -395,12 +395,12 @@ __device__ __forceinline__ void moe_sw_down_body(const SwMoe& p) {
 // moe_sw_gate_up_<B>_<C>_<U> (hidden = 256·C) and moe_sw_down_<B>_<C>_<U> (width = 32·C).
 #define MOE_SW_GATE_UP(BITS, C, U)                                                                          \
     extern "C" __global__ void __launch_bounds__(256, 2) moe_sw_gate_up_##BITS##_##C##_##U(SwMoe p) {        \
-        PDL_ENTRY();                                                                                        \
+        KTRACE(); PDL_ENTRY();                                                                              \
         moe_sw_gate_up_body<BITS, C, U>(p);                                                                 \
     }
 #define MOE_SW_DOWN(BITS, C, U)                                                                             \
     extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS, 2) moe_sw_down_##BITS##_##C##_##U(SwMoe p) { \
-        PDL_ENTRY();                                                                                        \
+        KTRACE(); PDL_ENTRY();                                                                              \
         moe_sw_down_body<BITS, C, U>(p);                                                                    \
     }
 #define MOE_SW_KERNELS(BITS)                                                                                \
@@ -550,12 +550,12 @@ __device__ __forceinline__ void moe_tc_down_body(const SwMoe& p) {
 
 #define MOE_TC_GATE_UP(NS, NW, S)                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * NW) moe_tc_gate_up_##NS##_##NW##_##S(SwMoe p) {      \
-        PDL_ENTRY();                                                                                        \
+        KTRACE(); PDL_ENTRY();                                                                              \
         moe_tc_gate_up_body<NS, NW, S>(p);                                                                  \
     }
 #define MOE_TC_DOWN(NS)                                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS) moe_tc_down_##NS(SwMoe p) {             \
-        PDL_ENTRY();                                                                                        \
+        KTRACE(); PDL_ENTRY();                                                                              \
         moe_tc_down_body<NS>(p);                                                                            \
     }
 MOE_TC_GATE_UP(2, 4, 4)
@@ -873,13 +873,16 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
 // No PDL_ENTRY: each body places its own wait (above).
 #define MOE_WIDE_GATE_UP(BITS, C, RPB)                                                                      \
     extern "C" __global__ void __launch_bounds__(256, 3) moe_wide_gate_up_##BITS##_##C##_##RPB(SwMoe p) {  \
+        KTRACE();                                                                                            \
         moe_wide_gate_up_body<BITS, C, RPB, false>(p, p);                                                    \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(256, 3) moe_step_gate_up_##BITS##_##C##_##RPB(SwStep q) { \
+        KTRACE();                                                                                           \
         moe_wide_gate_up_body<BITS, C, RPB, true>(q.m, q);                                                  \
     }
 #define MOE_WIDE_DOWN(BITS, C, DR)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS, 2) moe_wide_down_##BITS##_##C##_##DR(SwMoe p) { \
+        KTRACE();                                                                                           \
         moe_wide_down_body<BITS, C, DR>(p);                                                                 \
     }
 #define MOE_WIDE_KERNELS(BITS)                                                                              \

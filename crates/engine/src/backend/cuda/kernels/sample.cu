@@ -221,7 +221,7 @@ __device__ __forceinline__ double block_sum_f64(double v, double* sh) {
 // part[2b+1] = the block's max logit and sum of exp(l - max), f64).
 extern "C" __global__ void __launch_bounds__(SMP_THREADS)
 sample_topk_partial(const float* __restrict__ logits, const u32* __restrict__ counts, u64* __restrict__ cands, double* __restrict__ part,
-                    int vocab, int kc, float rep, float pres, float freq, int lp) { PDL_ENTRY();
+                    int vocab, int kc, float rep, float pres, float freq, int lp) { KTRACE(); PDL_ENTRY();
     __shared__ SelShared sh;
     __shared__ u64 top[SMP_KMAX];
     __shared__ double shd[32];
@@ -274,7 +274,7 @@ __device__ __forceinline__ void load_cands(u64 (&v)[FIN_PER], const u64* __restr
 // step 3. step = [token, pos]; counts may be null; rng = xoshiro256++ state.
 extern "C" __global__ void __launch_bounds__(FIN_THREADS)
 sample_topk_finish(const u64* __restrict__ cands, int ncand, int k, u32* __restrict__ step, u32* __restrict__ counts, u64* __restrict__ rng,
-                   float temp, float top_p, float min_p, int greedy) { PDL_ENTRY();
+                   float temp, float top_p, float min_p, int greedy) { KTRACE(); PDL_ENTRY();
     __shared__ SelShared sh;
     __shared__ u64 s[SMP_KMAX];
     __shared__ float w[SMP_KMAX];
@@ -366,11 +366,11 @@ sample_topk_finish(const u64* __restrict__ cands, int ncand, int k, u32* __restr
 }
 
 // counts[token] += 1 (one thread): a forced token counts for the penalties as a drawn one.
-extern "C" __global__ void sample_count(u32* __restrict__ counts, u32 token) { PDL_ENTRY();
+extern "C" __global__ void sample_count(u32* __restrict__ counts, u32 token) { KTRACE(); PDL_ENTRY();
     counts[token] += 1;
 }
 
-extern "C" __global__ void mask_logits(float* __restrict__ logits, const u32* __restrict__ allowed, int vocab, int nwords) { PDL_ENTRY();
+extern "C" __global__ void mask_logits(float* __restrict__ logits, const u32* __restrict__ allowed, int vocab, int nwords) { KTRACE(); PDL_ENTRY();
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= vocab) return;
     const int w = i >> 5;
@@ -384,7 +384,7 @@ extern "C" __global__ void mask_logits(float* __restrict__ logits, const u32* __
 // likely (logit desc, id asc, NaN skipped), j < n. lse = log Σ exp over non-NaN logits.
 extern "C" __global__ void __launch_bounds__(FIN_THREADS)
 logprobs_finish(const u64* __restrict__ cands, int ncand, int n, const double* __restrict__ part, int nparts, const float* __restrict__ logits,
-                u32 token, float* __restrict__ out) { PDL_ENTRY();
+                u32 token, float* __restrict__ out) { KTRACE(); PDL_ENTRY();
     __shared__ SelShared sh;
     __shared__ u64 s[SMP_KMAX];
     __shared__ double lse_sh;
@@ -410,7 +410,7 @@ logprobs_finish(const u64* __restrict__ cands, int ncand, int n, const double* _
 }
 
 extern "C" __global__ void __launch_bounds__(256)
-argmax_partial(const float* __restrict__ logits, float* __restrict__ pv, int* __restrict__ pi, int vocab) { PDL_ENTRY();
+argmax_partial(const float* __restrict__ logits, float* __restrict__ pv, int* __restrict__ pi, int vocab) { KTRACE(); PDL_ENTRY();
     __shared__ float shv[32];
     __shared__ int shi[32];
     const int per = (vocab + gridDim.x - 1) / gridDim.x;
@@ -426,7 +426,7 @@ argmax_partial(const float* __restrict__ logits, float* __restrict__ pv, int* __
 }
 
 extern "C" __global__ void __launch_bounds__(1024)
-argmax_step(const float* __restrict__ pv, const int* __restrict__ pi, u32* __restrict__ step, int nparts) { PDL_ENTRY();
+argmax_step(const float* __restrict__ pv, const int* __restrict__ pi, u32* __restrict__ step, int nparts) { KTRACE(); PDL_ENTRY();
     __shared__ float shv[32];
     __shared__ int shi[32];
     float bv = NEG_INF;

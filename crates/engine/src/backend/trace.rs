@@ -1,0 +1,338 @@
+//! The in-place trace of recorded decode steps (`lily bench --trace`): where a step's time goes,
+//! kernel by kernel, inside the replayed graph.
+//!
+//! Why: a decode step is a chain of ~264 kernels, each waiting (programmatic dependent launch)
+//! for the full completion of the one before. The lab times a kernel back to back with itself,
+//! Nsight Compute times each alone, `--in-place` times a step without a family; none says how a
+//! kernel's time in place splits between its own work and the boundary to the next kernel, or
+//! whether its blocks were resident (their weights requested) before the previous kernel ended.
+//!
+//! What the device gives (cuda/kernels/common.cuh, `KTRACE`): one [`BlockRec`] per block of every
+//! kernel run while tracing, three global-timer stamps (start, PDL wait returned, end) and the
+//! grid size; what the host gives: the launches in the order they ran ([`Launch`]). This module
+//! attributes the records to the launches and sums them per kernel name. It needs no GPU (tested
+//! here on made-up records).
+//!
+//! Attribution: a kernel's waits all return after the previous kernel has completed, and all its
+//! blocks have passed their wait before it completes, so the records sorted by wait fall into
+//! the launches in order, each taking as many records as its grid has blocks (checked: every
+//! record of a launch must carry that launch's grid size, else the trace is reported as out of
+//! order rather than misattributed).
+//!
+//! Per launch, with `first_wait` the earliest wait of its blocks:
+//! * `in_place` = the next launch's `first_wait` − this one's: its share of the chain;
+//! * `body` = its last block's end − `first_wait`: its own work after the wait;
+//! * `gap` = `in_place` − `body`: completion, memory flush and the next kernel's wait returning;
+//! * `lead` = `first_wait` − its earliest start: how long before its wait it was already running
+//!   (0 for a kernel whose blocks could not be resident before the previous one finished);
+//! * `spread` = its latest wait − `first_wait`: blocks that started late (not resident at the wait).
+
+use std::collections::BTreeMap;
+
+use anyhow::{bail, Result};
+
+/// One block of one kernel, as the device recorded it (global timer, ns).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct BlockRec {
+    pub start: u64,
+    /// When its PDL wait returned (its start if it has none).
+    pub wait: u64,
+    pub end: u64,
+    /// Blocks in its grid.
+    pub blocks: u32,
+    pub smid: u32,
+}
+
+/// One kernel launch as the host issued it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Launch {
+    pub name: String,
+    pub blocks: u32,
+}
+
+/// One launch's timeline (ns).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Span {
+    pub first_start: u64,
+    pub first_wait: u64,
+    pub last_wait: u64,
+    pub last_end: u64,
+}
+
+/// The records grouped by launch, in launch order (module header: attribution).
+pub fn attribute(recs: &[BlockRec], launches: &[Launch]) -> Result<Vec<Span>> {
+    let want: u64 = launches.iter().map(|l| l.blocks as u64).sum();
+    if recs.len() as u64 != want {
+        bail!(
+            "trace: {} block records for {} launches of {want} blocks (a kernel without KTRACE, \
+             or launches the host did not log)",
+            recs.len(),
+            launches.len()
+        );
+    }
+    let mut r = recs.to_vec();
+    r.sort_by_key(|b| (b.wait, b.start));
+    let mut out = Vec::with_capacity(launches.len());
+    let mut at = 0usize;
+    for (i, l) in launches.iter().enumerate() {
+        let blk = &r[at..at + l.blocks as usize];
+        at += l.blocks as usize;
+        if let Some(b) = blk.iter().find(|b| b.blocks != l.blocks) {
+            bail!(
+                "trace: launch {i} ({}, {} blocks) took a record of a {}-block grid: the records \
+                 do not fall into launch order",
+                l.name,
+                l.blocks,
+                b.blocks
+            );
+        }
+        if blk.is_empty() {
+            bail!("trace: launch {i} ({}) has an empty grid", l.name);
+        }
+        out.push(Span {
+            first_start: blk.iter().map(|b| b.start).min().unwrap_or(0),
+            first_wait: blk[0].wait,
+            last_wait: blk[blk.len() - 1].wait,
+            last_end: blk.iter().map(|b| b.end).max().unwrap_or(0),
+        });
+    }
+    Ok(out)
+}
+
+/// Per kernel name: calls and summed times (ns) over the traced steps.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct KernelSum {
+    pub name: String,
+    pub calls: usize,
+    pub blocks: u64,
+    pub in_place: f64,
+    pub body: f64,
+    pub gap: f64,
+    pub lead: f64,
+    pub spread: f64,
+}
+
+/// A trace summed per kernel name.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Table {
+    /// Steps traced (the per-step figures divide by it).
+    pub steps: usize,
+    /// From the first launch's wait to the last launch's end (ns).
+    pub span_ns: f64,
+    /// Sorted by time in place, largest first.
+    pub kernels: Vec<KernelSum>,
+    /// The smallest nonzero difference between two stamps: the timer's resolution as seen.
+    pub tick_ns: u64,
+}
+
+/// Sums `spans` (from [`attribute`]) per kernel name over `steps` traced steps. The last launch's
+/// time in place is its body (nothing follows it).
+pub fn summarize(launches: &[Launch], spans: &[Span], recs: &[BlockRec], steps: usize) -> Table {
+    let mut by: BTreeMap<&str, KernelSum> = BTreeMap::new();
+    for (i, (l, s)) in launches.iter().zip(spans).enumerate() {
+        let body = s.last_end.saturating_sub(s.first_wait) as f64;
+        let in_place = match spans.get(i + 1) {
+            Some(n) => n.first_wait.saturating_sub(s.first_wait) as f64,
+            None => body,
+        };
+        let k = by.entry(&l.name).or_insert_with(|| KernelSum {
+            name: l.name.clone(),
+            ..Default::default()
+        });
+        k.calls += 1;
+        k.blocks += l.blocks as u64;
+        k.in_place += in_place;
+        k.body += body;
+        k.gap += in_place - body;
+        k.lead += s.first_wait.saturating_sub(s.first_start) as f64;
+        k.spread += s.last_wait.saturating_sub(s.first_wait) as f64;
+    }
+    let mut kernels: Vec<KernelSum> = by.into_values().collect();
+    kernels.sort_by(|a, b| b.in_place.total_cmp(&a.in_place));
+    let span_ns = match (spans.first(), spans.last()) {
+        (Some(a), Some(b)) => b.last_end.saturating_sub(a.first_wait) as f64,
+        _ => 0.0,
+    };
+    let mut stamps: Vec<u64> = recs.iter().flat_map(|r| [r.start, r.wait, r.end]).collect();
+    stamps.sort_unstable();
+    let tick_ns = stamps
+        .windows(2)
+        .map(|w| w[1] - w[0])
+        .filter(|&d| d > 0)
+        .min()
+        .unwrap_or(0);
+    Table {
+        steps: steps.max(1),
+        span_ns,
+        kernels,
+        tick_ns,
+    }
+}
+
+impl Table {
+    /// A text table: per kernel name, calls and µs per step, and the split of one call.
+    pub fn text(&self) -> String {
+        let st = self.steps as f64;
+        let total: f64 = self.kernels.iter().map(|k| k.in_place).sum();
+        let mut s = format!(
+            "trace: {} steps, {:.1} µs a step from the first wait to the last end (timer tick {} ns)\n",
+            self.steps,
+            self.span_ns / st / 1e3,
+            self.tick_ns
+        );
+        s += &format!(
+            "{:<32} {:>6} {:>7} {:>10} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8}\n",
+            "kernel",
+            "calls",
+            "blocks",
+            "µs/step",
+            "share",
+            "in place",
+            "body",
+            "gap",
+            "lead",
+            "spread"
+        );
+        for k in &self.kernels {
+            let c = k.calls as f64;
+            s += &format!(
+                "{:<32} {:>6.1} {:>7.0} {:>10.1} {:>5.1}% | {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}\n",
+                k.name,
+                c / st,
+                k.blocks as f64 / c,
+                k.in_place / st / 1e3,
+                100.0 * k.in_place / total.max(1.0),
+                k.in_place / c / 1e3,
+                k.body / c / 1e3,
+                k.gap / c / 1e3,
+                k.lead / c / 1e3,
+                k.spread / c / 1e3
+            );
+        }
+        let calls: usize = self.kernels.iter().map(|k| k.calls).sum();
+        let (body, gap): (f64, f64) = self
+            .kernels
+            .iter()
+            .fold((0.0, 0.0), |(b, g), k| (b + k.body, g + k.gap));
+        s += &format!(
+            "{:<32} {:>6.1} {:>7} {:>10.1} {:>6} | per step: body {:.1} µs, gaps {:.1} µs\n",
+            "all",
+            calls as f64 / st,
+            "",
+            total / st / 1e3,
+            "",
+            body / st / 1e3,
+            gap / st / 1e3
+        );
+        s
+    }
+
+    /// The table as JSON rows (µs per call and per step).
+    pub fn json(&self) -> serde_json::Value {
+        let st = self.steps as f64;
+        let rows: Vec<serde_json::Value> = self
+            .kernels
+            .iter()
+            .map(|k| {
+                let c = k.calls as f64;
+                serde_json::json!({
+                    "kernel": k.name, "calls_per_step": c / st, "blocks": k.blocks as f64 / c,
+                    "us_per_step": k.in_place / st / 1e3, "in_place_us": k.in_place / c / 1e3,
+                    "body_us": k.body / c / 1e3, "gap_us": k.gap / c / 1e3,
+                    "lead_us": k.lead / c / 1e3, "spread_us": k.spread / c / 1e3,
+                })
+            })
+            .collect();
+        serde_json::json!({"steps": self.steps, "span_us_per_step": self.span_ns / st / 1e3,
+            "tick_ns": self.tick_ns, "kernels": rows})
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(start: u64, wait: u64, end: u64, blocks: u32) -> BlockRec {
+        BlockRec {
+            start,
+            wait,
+            end,
+            blocks,
+            smid: 0,
+        }
+    }
+    fn launch(name: &str, blocks: u32) -> Launch {
+        Launch {
+            name: name.into(),
+            blocks,
+        }
+    }
+
+    /// Two kernels of 2 and 3 blocks, the second launched early (PDL: its blocks start before
+    /// the first ends) and its records shuffled: grouped by wait, each launch gets its own.
+    #[test]
+    fn attributes_by_wait_and_sums_per_name() {
+        let launches = vec![launch("a", 2), launch("b", 3), launch("a", 2)];
+        let recs = vec![
+            rec(40, 120, 150, 3),
+            rec(0, 10, 100, 2),
+            rec(45, 110, 160, 3),
+            rec(5, 12, 90, 2),
+            rec(60, 111, 140, 3),
+            rec(150, 170, 200, 2),
+            rec(155, 175, 190, 2),
+        ];
+        let spans = attribute(&recs, &launches).unwrap();
+        assert_eq!(
+            spans,
+            vec![
+                Span {
+                    first_start: 0,
+                    first_wait: 10,
+                    last_wait: 12,
+                    last_end: 100
+                },
+                Span {
+                    first_start: 40,
+                    first_wait: 110,
+                    last_wait: 120,
+                    last_end: 160
+                },
+                Span {
+                    first_start: 150,
+                    first_wait: 170,
+                    last_wait: 175,
+                    last_end: 200
+                },
+            ]
+        );
+        let t = summarize(&launches, &spans, &recs, 1);
+        assert_eq!(t.span_ns, 190.0);
+        assert_eq!(t.tick_ns, 1);
+        let b = t.kernels.iter().find(|k| k.name == "b").unwrap();
+        // b: in place 170 - 110, body 160 - 110, lead 110 - 40, spread 120 - 110.
+        assert_eq!(
+            (b.in_place, b.body, b.gap, b.lead, b.spread),
+            (60.0, 50.0, 10.0, 70.0, 10.0)
+        );
+        let a = t.kernels.iter().find(|k| k.name == "a").unwrap();
+        // a: (110 - 10) + the last launch's body (200 - 170).
+        assert_eq!((a.calls, a.in_place, a.body), (2, 130.0, 90.0 + 30.0));
+        assert_eq!(t.kernels[0].name, "a", "sorted by time in place");
+        assert!(t.text().contains("in place"));
+        assert_eq!(t.json()["kernels"][0]["kernel"], "a");
+    }
+
+    /// Records that do not match the launches are an error, not a wrong table.
+    #[test]
+    fn refuses_a_trace_that_does_not_fit() {
+        let launches = vec![launch("a", 2), launch("b", 1)];
+        let too_few = vec![rec(0, 1, 2, 2), rec(0, 1, 2, 2)];
+        assert!(attribute(&too_few, &launches).is_err());
+        // b's block waited before a's second: a takes a 1-block record.
+        let crossed = vec![rec(0, 1, 5, 2), rec(0, 3, 9, 2), rec(0, 2, 6, 1)];
+        let e = attribute(&crossed, &launches).unwrap_err().to_string();
+        assert!(e.contains("launch order"), "{e}");
+    }
+}
