@@ -161,6 +161,27 @@ pub fn precompile_kernels(arch: &str) -> Result<std::path::PathBuf> {
     Ok(nvrtc::cache_dir())
 }
 
+/// `LILY_CUDA_DEFINE=NAME=VALUE,...`: compile-time parameters of the kernel files (those a file
+/// guards with `#ifndef`, e.g. gemv.cu's SW_MINB) overridden for a measurement, as `#define`
+/// lines ahead of every file (the cubin cache keys on the source, so each setting compiles once).
+/// A lab knob: the defaults are what was measured best.
+fn lab_defines() -> Result<String> {
+    let Ok(v) = std::env::var("LILY_CUDA_DEFINE") else {
+        return Ok(String::new());
+    };
+    let mut s = String::new();
+    for d in v.split(',').map(str::trim).filter(|d| !d.is_empty()) {
+        let (name, val) = d.split_once('=').unwrap_or((d, "1"));
+        let ok =
+            |t: &str| !t.is_empty() && t.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !ok(name) || !ok(val) {
+            bail!("LILY_CUDA_DEFINE: `{d}` is not NAME=VALUE (letters, digits, _)");
+        }
+        s += &format!("#define {name} {val}\n");
+    }
+    Ok(s)
+}
+
 /// A device allocation (bytes) and its raw address.
 struct Mem {
     _slice: CudaSlice<u8>,
@@ -509,12 +530,13 @@ impl Cuda {
         let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
         // The in-place trace (trace.rs): every file compiled with LILY_TRACE.
         let tracing = trace || std::env::var("LILY_CUDA_TRACE").is_ok_and(|v| v == "1");
+        let defines = lab_defines()?;
         // Compile (or read from the cache) all files in parallel; NVRTC is thread-safe.
         let cubins: Vec<Result<Vec<u8>>> = std::thread::scope(|s| {
             let hs: Vec<_> = FILES
                 .iter()
                 .map(|(f, _)| {
-                    let arch = &arch;
+                    let (arch, defines) = (&arch, &defines);
                     s.spawn(move || {
                         let src = kernel_source(f).expect("listed");
                         let src = if tracing {
@@ -522,7 +544,7 @@ impl Cuda {
                         } else {
                             src
                         };
-                        nvrtc::cubin_cached(f, &src, arch)
+                        nvrtc::cubin_cached(f, &format!("{defines}{src}"), arch)
                     })
                 })
                 .collect();
