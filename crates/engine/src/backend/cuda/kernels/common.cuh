@@ -116,6 +116,32 @@ struct TraceScope {
 #endif
 #define NEG_INF __int_as_float(0xff800000)
 
+// Blocks per SM the decode step's main kernels are compiled for (the second argument of their
+// __launch_bounds__, which caps their registers at 64K / (threads · MINB)): the measured
+// defaults, overridable for a measurement by LILY_CUDA_DEFINE (mod.rs). The streaming kernels'
+// grids are sized to the blocks the GPU holds (decode.rs resident_blocks), so these also decide
+// whether the next kernel's blocks fit beside a running one (programmatic dependent launch).
+#ifndef SW_MINB
+#define SW_MINB 2  // sw_gemv_*: 256 threads
+#endif
+// tc_gemv_*, gdn_step_*: no minimum unless one is given (a minimum of 1 is not the same code).
+#ifdef TC_MINB
+#define TC_BOUNDS(T) __launch_bounds__(T, TC_MINB)
+#else
+#define TC_BOUNDS(T) __launch_bounds__(T)
+#endif
+#ifdef GDN_MINB
+#define GDN_BOUNDS(T) __launch_bounds__(T, GDN_MINB)
+#else
+#define GDN_BOUNDS(T) __launch_bounds__(T)
+#endif
+#ifndef MWG_MINB
+#define MWG_MINB 3  // moe_wide_gate_up_*: 256 threads
+#endif
+#ifndef MWD_MINB
+#define MWD_MINB 2  // moe_wide_down_*: 32·SWD_MAXSLOTS threads
+#endif
+
 // Activations between ops are bf16 (u16 bits: the CUDA backend's act_zeros): a kernel widens
 // them to f32 as it reads, computes and accumulates in f32, and rounds its activation outputs once
 // to nearest even as it writes (bf16_rn). The f32 buffers are the residual stream, logits, router

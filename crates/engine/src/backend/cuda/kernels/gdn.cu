@@ -487,7 +487,7 @@ __device__ __forceinline__ void gdn_step_body(const u16* __restrict__ qkv, const
 
 // gdn_step_<K>: K conv taps (2 to 4; the model has 4).
 #define GDN_STEP_KERNEL(K)                                                                                             \
-    extern "C" __global__ void __launch_bounds__(GDN_STEP_THREADS)                                                     \
+    extern "C" __global__ void GDN_BOUNDS(GDN_STEP_THREADS)                                                                 \
     gdn_step_##K(const u16* qkv, const u16* z, const u16* b, const u16* a, const float* cw, float* cst, const float* a_log, \
                  const float* dt_bias, const float* nw, float* state, u16* qkv_c, u16* out, int hk, int hv, int dv, float eps) { \
         KTRACE();                                                                                                      \

@@ -229,7 +229,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
 
 // sw_gemv_<B>_<C>_<U>_<PRO>: K = 256·C inputs (C = 1, 2, 4, 8, 16: K = 256 … 4096).
 #define SW_GEMV_KERNEL(BITS, C, U, PRO)                                                                    \
-    extern "C" __global__ void __launch_bounds__(256, 2) sw_gemv_##BITS##_##C##_##U##_##PRO(SwArgs p) { \
+    extern "C" __global__ void __launch_bounds__(256, SW_MINB) sw_gemv_##BITS##_##C##_##U##_##PRO(SwArgs p) { \
         KTRACE();                                                                                          \
         PDL_LAUNCH();                                                                                      \
         sw_gemv_body<BITS, C, U, PRO>(p);                                                                  \
@@ -440,7 +440,7 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
 
 // tc_gemv_<NS>_<NW>_<U>_<S>_<PRO>: K = 128·NS·NW (1024: 2·4, 2048: 2·8, 4096: 2·16; 512: 1·4).
 #define TC_GEMV_KERNEL(NS, NW, U, S, PRO)                                                                         \
-    extern "C" __global__ void __launch_bounds__(32 * NW) tc_gemv_##NS##_##NW##_##U##_##S##_##PRO(SwArgs p) {     \
+    extern "C" __global__ void TC_BOUNDS(32 * NW) tc_gemv_##NS##_##NW##_##U##_##S##_##PRO(SwArgs p) {                \
         KTRACE();                                                                                                 \
         PDL_LAUNCH();                                                                                             \
         tc_gemv_body<NS, NW, U, S, PRO>(p);                                                                       \

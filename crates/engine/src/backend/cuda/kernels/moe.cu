@@ -872,7 +872,7 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
 
 // No PDL_ENTRY: each body places its own wait (above).
 #define MOE_WIDE_GATE_UP(BITS, C, RPB)                                                                      \
-    extern "C" __global__ void __launch_bounds__(256, 3) moe_wide_gate_up_##BITS##_##C##_##RPB(SwMoe p) {  \
+    extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_wide_gate_up_##BITS##_##C##_##RPB(SwMoe p) {  \
         KTRACE();                                                                                            \
         moe_wide_gate_up_body<BITS, C, RPB, false>(p, p);                                                    \
     }                                                                                                       \
@@ -881,7 +881,7 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
         moe_wide_gate_up_body<BITS, C, RPB, true>(q.m, q);                                                  \
     }
 #define MOE_WIDE_DOWN(BITS, C, DR)                                                                          \
-    extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS, 2) moe_wide_down_##BITS##_##C##_##DR(SwMoe p) { \
+    extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS, MWD_MINB) moe_wide_down_##BITS##_##C##_##DR(SwMoe p) { \
         KTRACE();                                                                                           \
         moe_wide_down_body<BITS, C, DR>(p);                                                                 \
     }
