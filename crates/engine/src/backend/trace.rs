@@ -25,7 +25,10 @@
 //! * `gap` = `in_place` − `body`: completion, memory flush and the next kernel's wait returning;
 //! * `lead` = `first_wait` − its earliest start: how long before its wait it was already running
 //!   (0 for a kernel whose blocks could not be resident before the previous one finished);
-//! * `spread` = its latest wait − `first_wait`: blocks that started late (not resident at the wait).
+//! * `spread` = its latest wait − `first_wait`: blocks that started late (not resident at the wait);
+//! * `early`: the share of its blocks that started before the previous launch's last block ended;
+//! * where the kernel marks two phases of its body (TRACE_MARK), the block that ended last (the
+//!   one the next kernel waited for): its wait to mark 1, mark 1 to mark 2, mark 2 to its end.
 
 use std::collections::BTreeMap;
 
@@ -38,6 +41,9 @@ pub struct BlockRec {
     pub start: u64,
     /// When its PDL wait returned (its start if it has none).
     pub wait: u64,
+    /// When it passed the kernel's TRACE_MARK(1) and TRACE_MARK(2) (0: unmarked).
+    pub mark1: u64,
+    pub mark2: u64,
     pub end: u64,
     /// Blocks in its grid.
     pub blocks: u32,
@@ -58,6 +64,10 @@ pub struct Span {
     pub first_wait: u64,
     pub last_wait: u64,
     pub last_end: u64,
+    /// The block that ended last (the one the next kernel waited for): its wait and marks.
+    pub crit: BlockRec,
+    /// Blocks that started before the previous launch's last block ended (resident early).
+    pub early: u32,
 }
 
 /// The records grouped by launch, in launch order (module header: attribution).
@@ -90,11 +100,15 @@ pub fn attribute(recs: &[BlockRec], launches: &[Launch]) -> Result<Vec<Span>> {
         if blk.is_empty() {
             bail!("trace: launch {i} ({}) has an empty grid", l.name);
         }
+        let prev_end = out.last().map(|p: &Span| p.last_end);
+        let crit = *blk.iter().max_by_key(|b| b.end).expect("not empty");
         out.push(Span {
             first_start: blk.iter().map(|b| b.start).min().unwrap_or(0),
             first_wait: blk[0].wait,
             last_wait: blk[blk.len() - 1].wait,
-            last_end: blk.iter().map(|b| b.end).max().unwrap_or(0),
+            last_end: crit.end,
+            crit,
+            early: prev_end.map_or(0, |e| blk.iter().filter(|b| b.start < e).count() as u32),
         });
     }
     Ok(out)
@@ -111,6 +125,14 @@ pub struct KernelSum {
     pub gap: f64,
     pub lead: f64,
     pub spread: f64,
+    /// Blocks resident before the previous launch ended (summed over calls).
+    pub early: u64,
+    /// The last block's phases, summed over the calls that mark them: its wait to mark 1, mark 1
+    /// to mark 2, mark 2 to its end.
+    pub marked: usize,
+    pub to_mark1: f64,
+    pub mark1_2: f64,
+    pub mark2_end: f64,
 }
 
 /// A trace summed per kernel name.
@@ -147,6 +169,15 @@ pub fn summarize(launches: &[Launch], spans: &[Span], recs: &[BlockRec], steps: 
         k.gap += in_place - body;
         k.lead += s.first_wait.saturating_sub(s.first_start) as f64;
         k.spread += s.last_wait.saturating_sub(s.first_wait) as f64;
+        k.early += s.early as u64;
+        let c = &s.crit;
+        if c.mark1 >= c.wait && c.mark2 >= c.mark1 && c.end >= c.mark2 && c.mark1 > 0 && c.mark2 > 0
+        {
+            k.marked += 1;
+            k.to_mark1 += (c.mark1 - c.wait) as f64;
+            k.mark1_2 += (c.mark2 - c.mark1) as f64;
+            k.mark2_end += (c.end - c.mark2) as f64;
+        }
     }
     let mut kernels: Vec<KernelSum> = by.into_values().collect();
     kernels.sort_by(|a, b| b.in_place.total_cmp(&a.in_place));
@@ -182,7 +213,7 @@ impl Table {
             self.tick_ns
         );
         s += &format!(
-            "{:<32} {:>6} {:>7} {:>10} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8}\n",
+            "{:<32} {:>6} {:>7} {:>10} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8} {:>6} | {:>7} {:>7} {:>7}\n",
             "kernel",
             "calls",
             "blocks",
@@ -192,12 +223,27 @@ impl Table {
             "body",
             "gap",
             "lead",
-            "spread"
+            "spread",
+            "early",
+            "→mark1",
+            "→mark2",
+            "→end"
         );
         for k in &self.kernels {
             let c = k.calls as f64;
+            let marks = if k.marked > 0 {
+                let m = k.marked as f64 * 1e3;
+                format!(
+                    " | {:>7.2} {:>7.2} {:>7.2}",
+                    k.to_mark1 / m,
+                    k.mark1_2 / m,
+                    k.mark2_end / m
+                )
+            } else {
+                String::new()
+            };
             s += &format!(
-                "{:<32} {:>6.1} {:>7.0} {:>10.1} {:>5.1}% | {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}\n",
+                "{:<32} {:>6.1} {:>7.0} {:>10.1} {:>5.1}% | {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>5.0}%{marks}\n",
                 k.name,
                 c / st,
                 k.blocks as f64 / c,
@@ -207,7 +253,8 @@ impl Table {
                 k.body / c / 1e3,
                 k.gap / c / 1e3,
                 k.lead / c / 1e3,
-                k.spread / c / 1e3
+                k.spread / c / 1e3,
+                100.0 * k.early as f64 / k.blocks.max(1) as f64
             );
         }
         let calls: usize = self.kernels.iter().map(|k| k.calls).sum();
@@ -241,6 +288,12 @@ impl Table {
                     "us_per_step": k.in_place / st / 1e3, "in_place_us": k.in_place / c / 1e3,
                     "body_us": k.body / c / 1e3, "gap_us": k.gap / c / 1e3,
                     "lead_us": k.lead / c / 1e3, "spread_us": k.spread / c / 1e3,
+                    "early_fraction": k.early as f64 / k.blocks.max(1) as f64,
+                    "last_block_us": if k.marked > 0 {
+                        let m = k.marked as f64 * 1e3;
+                        serde_json::json!({"wait_to_mark1": k.to_mark1 / m,
+                            "mark1_to_mark2": k.mark1_2 / m, "mark2_to_end": k.mark2_end / m})
+                    } else { serde_json::Value::Null },
                 })
             })
             .collect();
@@ -259,7 +312,7 @@ mod tests {
             wait,
             end,
             blocks,
-            smid: 0,
+            ..Default::default()
         }
     }
     fn launch(name: &str, blocks: u32) -> Launch {
@@ -284,29 +337,26 @@ mod tests {
             rec(155, 175, 190, 2),
         ];
         let spans = attribute(&recs, &launches).unwrap();
+        let times = |s: &Span| {
+            (
+                s.first_start,
+                s.first_wait,
+                s.last_wait,
+                s.last_end,
+                s.early,
+            )
+        };
         assert_eq!(
-            spans,
+            spans.iter().map(times).collect::<Vec<_>>(),
+            // b's three blocks all started before a's last end (100); a's second launch's none
+            // before b's (160) but 155.
             vec![
-                Span {
-                    first_start: 0,
-                    first_wait: 10,
-                    last_wait: 12,
-                    last_end: 100
-                },
-                Span {
-                    first_start: 40,
-                    first_wait: 110,
-                    last_wait: 120,
-                    last_end: 160
-                },
-                Span {
-                    first_start: 150,
-                    first_wait: 170,
-                    last_wait: 175,
-                    last_end: 200
-                },
+                (0, 10, 12, 100, 0),
+                (40, 110, 120, 160, 3),
+                (150, 170, 175, 200, 2)
             ]
         );
+        assert_eq!(spans[1].crit, recs[2], "b's last block to end");
         let t = summarize(&launches, &spans, &recs, 1);
         assert_eq!(t.span_ns, 190.0);
         assert_eq!(t.tick_ns, 1);
@@ -320,8 +370,28 @@ mod tests {
         // a: (110 - 10) + the last launch's body (200 - 170).
         assert_eq!((a.calls, a.in_place, a.body), (2, 130.0, 90.0 + 30.0));
         assert_eq!(t.kernels[0].name, "a", "sorted by time in place");
+        assert_eq!((b.early, b.marked), (3, 0), "unmarked: no phases");
         assert!(t.text().contains("in place"));
         assert_eq!(t.json()["kernels"][0]["kernel"], "a");
+    }
+
+    /// The phases of the block that ended last, where the kernel marks them.
+    #[test]
+    fn marks_split_the_last_block() {
+        let launches = vec![launch("k", 2)];
+        let mut a = rec(0, 10, 50, 2);
+        let mut b = rec(0, 12, 70, 2);
+        (a.mark1, a.mark2) = (20, 40);
+        (b.mark1, b.mark2) = (30, 60);
+        let spans = attribute(&[a, b], &launches).unwrap();
+        let t = summarize(&launches, &spans, &[a, b], 1);
+        let k = &t.kernels[0];
+        // b ended last: 12 -> 30 -> 60 -> 70.
+        assert_eq!(
+            (k.marked, k.to_mark1, k.mark1_2, k.mark2_end),
+            (1, 18.0, 30.0, 10.0)
+        );
+        assert!(t.text().contains("→mark1"));
     }
 
     /// Records that do not match the launches are an error, not a wrong table.

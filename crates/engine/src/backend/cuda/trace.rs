@@ -11,7 +11,7 @@
 use super::*;
 use crate::backend::trace::{BlockRec, Launch};
 
-/// Records the buffer holds (32 bytes each: 32 MiB, about 400 decode steps of the full model).
+/// Records the buffer holds (48 bytes each: 48 MiB, about 20 decode steps of the full model).
 const TRACE_CAP: usize = 1 << 20;
 
 pub(super) struct Tracer {
@@ -96,15 +96,17 @@ impl Cuda {
         if n > TRACE_CAP {
             bail!("trace: {n} block records, the buffer holds {TRACE_CAP}: trace fewer steps");
         }
-        let words = self.read::<u64>(t.buf.ptr + 32, n * 4)?;
+        let words = self.read::<u64>(t.buf.ptr + 32, n * 6)?;
         let recs = words
-            .chunks_exact(4)
+            .chunks_exact(6)
             .map(|w| BlockRec {
                 start: w[0],
                 wait: w[1],
-                end: w[2],
-                blocks: w[3] as u32,
-                smid: (w[3] >> 32) as u32,
+                mark1: w[2],
+                mark2: w[3],
+                end: w[4],
+                blocks: w[5] as u32,
+                smid: (w[5] >> 32) as u32,
             })
             .collect();
         let log = std::mem::take(&mut *t.log.lock().unwrap_or_else(|e| e.into_inner()));

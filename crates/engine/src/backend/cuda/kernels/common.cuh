@@ -19,7 +19,8 @@ typedef unsigned long long u64;
 // LILY_TRACE defined; without it KTRACE and TRACE_WAITED are empty and the kernels are the
 // measured ones, instruction for instruction). Every kernel's first statement is KTRACE(): thread 0
 // of each block takes the global time (%globaltimer, ns, the same clock on every SM) as it starts,
-// after its PDL wait returns (PDL_WAIT / PDL_ENTRY, TRACE_WAITED) and as the kernel's scope ends
+// after its PDL wait returns (PDL_WAIT / PDL_ENTRY, TRACE_WAITED), where the kernel marks two phases
+// of its body (TRACE_MARK(1), TRACE_MARK(2): e.g. x ready, the weights' loop done) and as its scope ends
 // (the destructor, on every return path), and appends one record per block to the buffer the host
 // set in `lily_trace_buf` (a u32 cursor padded to 32 bytes, then `lily_trace_cap` records). The
 // host (cuda/trace.rs, backend/trace.rs) groups the records by launch: a kernel's waits all return
@@ -27,7 +28,7 @@ typedef unsigned long long u64;
 // step's launches in order. What it adds: ~10 instructions and one atomic a block.
 #ifdef LILY_TRACE
 struct TraceRec {
-    u64 start, wait, end;
+    u64 start, wait, mark1, mark2, end;
     u32 blocks, smid;
 };
 __device__ u64 lily_trace_buf;  // 0: not tracing
@@ -38,20 +39,22 @@ __device__ __forceinline__ u64 trace_now() {
     return t;
 }
 __device__ __forceinline__ bool trace_thread0() { return threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0; }
-// When thread 0's PDL wait returned (0: the kernel has no wait).
+// When thread 0's PDL wait returned (slot 0; 0: the kernel has no wait) and passed TRACE_MARK(1),
+// TRACE_MARK(2) (slots 1, 2: phases of a kernel's body, where it marks them; 0: unmarked).
 __device__ __forceinline__ u64* trace_wait_slot() {
-    __shared__ u64 w;
-    return &w;
+    __shared__ u64 w[3];
+    return w;
 }
 struct TraceScope {
     u64 t0;
     __device__ __forceinline__ TraceScope() {
         t0 = trace_now();
-        if (trace_thread0()) *trace_wait_slot() = 0;
+        if (trace_thread0()) trace_wait_slot()[0] = trace_wait_slot()[1] = trace_wait_slot()[2] = 0;
     }
     __device__ __forceinline__ ~TraceScope() {
         if (!trace_thread0() || lily_trace_buf == 0) return;
-        const u64 w = *trace_wait_slot(), t1 = trace_now();
+        const u64* sl = trace_wait_slot();
+        const u64 w = sl[0], t1 = trace_now();
         u32 smid;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
         const u32 i = atomicAdd((u32*)lily_trace_buf, 1u);
@@ -59,6 +62,8 @@ struct TraceScope {
             TraceRec* r = (TraceRec*)(lily_trace_buf + 32) + i;
             r->start = t0;
             r->wait = w ? w : t0;
+            r->mark1 = sl[1];
+            r->mark2 = sl[2];
             r->end = t1;
             r->blocks = gridDim.x * gridDim.y * gridDim.z;
             r->smid = smid;
@@ -66,9 +71,13 @@ struct TraceScope {
     }
 };
 #define KTRACE() TraceScope lily_trace_scope_
-#define TRACE_WAITED()                              \
-    do {                                            \
-        if (trace_thread0()) *trace_wait_slot() = trace_now(); \
+#define TRACE_WAITED()                                            \
+    do {                                                          \
+        if (trace_thread0()) trace_wait_slot()[0] = trace_now(); \
+    } while (0)
+#define TRACE_MARK(i)                                             \
+    do {                                                          \
+        if (trace_thread0()) trace_wait_slot()[i] = trace_now(); \
     } while (0)
 #else
 #define KTRACE() \
@@ -76,6 +85,9 @@ struct TraceScope {
     } while (0)
 #define TRACE_WAITED() \
     do {               \
+    } while (0)
+#define TRACE_MARK(i) \
+    do {              \
     } while (0)
 #endif
 

@@ -179,6 +179,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
 
     float xv[32];
     const float xs = sw_x_pro<C, PRO>(p, ch, r, sh, xv);
+    TRACE_MARK(1);  // x ready
 
     // Two register sets: batch bt in `cur` while batch bt + gridDim.x loads into `nxt`.
     int par = 0;
@@ -210,6 +211,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     };
     while (step(un, un2) && step(un2, un)) {
     }
+    TRACE_MARK(2);  // every batch reduced and stored
     if (p.rids != 0) {
         // Route in the last block to finish (moe_route's arithmetic, route.cuh): each block makes
         // its logits visible, then takes a ticket; the last ticket's block routes and resets the
@@ -401,6 +403,7 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
     u32 xb[NS][8][2];
     float xs0, xs1;
     tc_setup_x<NS>(xv, xs, ch, xsum, sb, g, t, xb, xs0, xs1);
+    TRACE_MARK(1);  // x ready
 
     for (int n = 0;; n++) {
         const int b = blockIdx.x + n * gridDim.x;
@@ -424,6 +427,7 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
             }
         }
         __syncthreads();
+        if (n == 0) TRACE_MARK(2);  // the first batch computed
         if (tid < RB) {
             int mi, row0;
             sw_locate(p, b, RB, mi, row0);

@@ -795,6 +795,7 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
             issue((int)rid[j]);
         }
     }
+    TRACE_MARK(1);  // x ready, the routed rows requested
 #pragma unroll
     for (int q = 0; q < G; q++) {
         cp_wait_n(G - 1 - q);
@@ -809,6 +810,7 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
             red[1][warp][q * RW + r] = pu[0];
         }
     }
+    TRACE_MARK(2);  // every row group's dots done
     __syncthreads();
     if (tid < RPB) {
         float g = 0.0f, uv = 0.0f;
@@ -857,6 +859,7 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     if (lane == 0) wt[j] = routed ? ((const float*)p.wts)[j] : sigmoid_f(((const float*)p.slogit)[0]);
     float xv[32];
     const float xs = sw_x_act((const u16*)p.act + (u64)j * K, c, xv);
+    TRACE_MARK(1);  // x ready
 #pragma unroll
     for (int q = 0; q < G; q++) {
         cp_wait_n(G - 1 - q);
@@ -866,6 +869,7 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
         sw_dots<BITS, 1, C>(un, xv, xs, part);
         if (c == 0) red[j][q * RW + r] = part[0];
     }
+    TRACE_MARK(2);  // every row group's dots done
     __syncthreads();
     if (tid < DR) moe_down_add(&red[0][0], DR, wt, nslot, tid, row0 + tid, H, (float*)p.h);
 }
