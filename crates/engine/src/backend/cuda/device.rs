@@ -137,11 +137,17 @@ impl Cuda {
         }
         for m in &self.modules {
             if let Ok(f) = m.load_function(name) {
-                if name.contains("tc_") || name.starts_with("sw_") || name.starts_with("moe_sw_") {
+                if name.contains("tc_")
+                    || name.starts_with("sw_")
+                    || name.starts_with("moe_sw_")
+                    || self.opted_in("carveout_all")
+                {
                     // Tensor-core and streaming kernels hold 36–101 KiB of shared memory per block:
                     // ask for the largest shared-memory carveout, so that the split of L1 never
                     // limits the blocks per SM (two of attn_tc_256 need 203 KiB, two staged GEMVs
-                    // 177 KiB). The GEMMs measured the same with and without it.
+                    // 177 KiB). The GEMMs measured the same with and without it. `carveout_all`
+                    // (opt-in, switches.rs) asks it for every kernel: so that no SM has to drain
+                    // and re-split its L1 between two kernels of a decode step.
                     let _ = f.set_attribute(cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100);
                 }
                 fs.insert(name.to_string(), f.clone());

@@ -105,6 +105,13 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   generic loads). Also since: only the two blocks that use the key (its cache writer, the
 ///   last split with keys) norm it, so no warp of the others has two rows, and blocks past the
 ///   keys' share skip the rows. Next: `scripts/h200-run tests,fold`.
+/// * `carveout_all`: the largest shared-memory carveout asked for every kernel, not only the
+///   tensor-core and streaming ones (device.rs `func`; read when a kernel is first loaded, so set
+///   it at creation: `LILY_CUDA_ENABLE`). Why: stop 23's trace (`lily bench --trace`) put the
+///   boundary from the experts' down (moe_wide_*, no carveout asked) to the next layer's tc_gemv
+///   (61 KiB of stages a block, carveout 100) at 2.9 µs, where every other boundary of the step
+///   is ~0.7: an SM whose L1 / shared split must change cannot take the next kernel's blocks
+///   until it has drained. Not yet measured (`scripts/h200-run carve`).
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -112,6 +119,7 @@ pub const OPT_IN: &[&str] = &[
     "gemv_wide",
     "moe_step",
     "attn_fold",
+    "carveout_all",
 ];
 
 impl Cuda {
