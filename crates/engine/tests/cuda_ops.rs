@@ -2551,26 +2551,31 @@ fn moe_step_matches_its_composition_and_the_cpu() {
                 let (ids, w) = g.route_to_host(&route, 1).unwrap();
                 (h(&g, &gh), h(&g, &xn), h(&g, &lg), h(&g, &sl), ids, w)
             };
-            let fused = run(&["moe_step"]);
             let comp = run(&[]);
-            let what = format!("moe_step {bits}-bit experts, token {token}");
-            for (part, a, b) in [
-                ("h", &fused.0, &comp.0),
-                ("x", &fused.1, &comp.1),
-                ("the logits", &fused.2, &comp.2),
-                ("the shared gate's logit", &fused.3, &comp.3),
-                ("the route weights", &fused.5, &comp.5),
-            ] {
-                assert!(
-                    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                    "{what}: {part} differs from the composition's"
+            // The route in the experts' launch (opt-in route_experts): the same bits too.
+            let routed = run(&["route_experts"]);
+            let fused = run(&["moe_step"]);
+            for (variant, got) in [("moe_step", &fused), ("route_experts", &routed)] {
+                let what = format!("{variant} {bits}-bit experts, token {token}");
+                for (part, a, b) in [
+                    ("h", &got.0, &comp.0),
+                    ("x", &got.1, &comp.1),
+                    ("the logits", &got.2, &comp.2),
+                    ("the shared gate's logit", &got.3, &comp.3),
+                    ("the route weights", &got.5, &comp.5),
+                ] {
+                    assert!(
+                        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        "{what}: {part} differs from the composition's"
+                    );
+                }
+                assert_eq!(
+                    got.4, comp.4,
+                    "{what}: route ids differ from the composition's"
                 );
+                println!("{what}: bit-equal to the composition (route {:?})", got.4);
             }
-            assert_eq!(
-                fused.4, comp.4,
-                "{what}: route ids differ from the composition's"
-            );
-            println!("{what}: bit-equal to the composition (route {:?})", fused.4);
+            let what = format!("moe_step {bits}-bit experts, token {token}");
 
             // Against the CPU, on the GPU's x.
             let (gh, xn, lv, sv, ids, w) = fused;

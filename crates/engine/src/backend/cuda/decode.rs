@@ -793,6 +793,96 @@ impl Cuda {
     }
 }
 
+impl Cuda {
+    /// The MoE block of one token with the route taken out of the router's launch (opt-in
+    /// `route_experts`): the router | shared gate as a plain streaming GEMV with the norm
+    /// prologue (sw_gemv: logits, the shared gate's logit and x, no ticket and no last block),
+    /// then moe.cu's moe_route_gate_up_* (moe_wide's gate|up, every routed block routing the
+    /// token itself from the logits after its wait) and moe_wide's down. The same arithmetic as
+    /// moe_router + moe_decode_add (route_block's route, bit for bit). `false`: not taken.
+    pub(super) fn moe_route_experts(
+        &self,
+        h: &mut Buf,
+        norm: &Buf,
+        eps: f32,
+        mw: &MoeWeights<'_, Cuda>,
+        d: &Dims,
+        r: &mut RouterScratch<'_, Cuda>,
+    ) -> bool {
+        let op = "moe_step_add";
+        let (e, k, hid) = (d.n_experts, d.top_k, d.hidden);
+        let (rt, rs) = (mw.router, mw.shared_gate);
+        let shm = [mw.shared_gate_proj, mw.shared_up_proj, mw.shared_down_proj];
+        let fits = self.opted_in("route_experts")
+            && self.on("moe_wide")
+            && self.on("fuse_norm")
+            && self.sw_fits(&[rt, rs])
+            && rt.inp == hid
+            && rt.out == e
+            && e <= 256
+            && (1..=32).contains(&k)
+            && k <= e;
+        let Some(bits) = fits
+            .then(|| self.moe_sw_bits(mw.gate, mw.up, mw.down, shm, k))
+            .flatten()
+        else {
+            return false;
+        };
+        let w = mw.gate.out;
+        let Some(p) = self.moe_sw_args(
+            r.xn, r.route, k, mw.gate, mw.up, mw.down, shm, r.s, h, false,
+        ) else {
+            return true;
+        };
+        let Some((rpb, dr)) = self.moe_wide_fits(&p, hid, w, k, [mw.gate.gs, mw.down.gs]) else {
+            return false;
+        };
+        if !(self.experts_ok(mw.gate, mw.up, mw.down, d, op)
+            && self.buf_ok(h, hid, "h", op)
+            && self.buf_ok(norm, hid, "norm", op)
+            && self.act_ok(r.xn, hid, "xn", op)
+            && self.buf_ok(r.logits, e, "logits", op)
+            && self.out_ok(r.s, rs.out, "s", op)
+            && self.ensure(k <= r.route.cap, || {
+                format!("{op}: route holds {} entries, {k} needed", r.route.cap)
+            }))
+        {
+            return true;
+        }
+        r.route.k = k;
+        let x = SwX::Norm {
+            h,
+            w: norm,
+            eps,
+            xn: Some(r.xn),
+        };
+        self.sw_gemv(
+            x,
+            &[rt, rs],
+            &[(r.logits.mem.ptr, 0), (r.s.mem.ptr, r.s.bf16())],
+        );
+        let (name, grid, smem) = moe_wide_gate_up_launch("moe_route", bits, hid, w, k, rpb);
+        let st = SwStep {
+            m: p,
+            r: QMat::none(),
+            rs: QMat::none(),
+            nw: 0,
+            xn: 0,
+            logits: r.logits.mem.ptr,
+            s: 0,
+            eps,
+            e: e as i32,
+            ntopk: d.norm_topk as i32,
+            sobf: 0,
+            probe: 0,
+            pad: 0,
+        };
+        self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::T(Box::new(st))]);
+        self.moe_wide_down(&p, bits, hid, w, k, dr);
+        true
+    }
+}
+
 /// Timing probes of moe_step_gate_up (`LILY_MOE_STEP_PROBE`, bits: 1 no wait for the router's
 /// count, 2 no route, 4 no norm, 8 no fence). Each leaves a phase out, so the step's time without
 /// it is that phase's cost in place; the results are wrong. 0 (the default): none.

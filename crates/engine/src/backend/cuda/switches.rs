@@ -112,6 +112,13 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   (61 KiB of stages a block, carveout 100) at 2.9 µs, where every other boundary of the step
 ///   is ~0.7: an SM whose L1 / shared split must change cannot take the next kernel's blocks
 ///   until it has drained. Not yet measured (`scripts/h200-run carve`).
+/// * `route_experts`: the route taken out of the router's launch (Backend::moe_step_add;
+///   decode.rs moe_route_experts, moe.cu moe_route_gate_up_*): the router a plain streaming GEMV
+///   (no ticket, no last block), every routed gate|up block routing the token itself from the
+///   logits after its wait (route_block: the same ids and weights). Why: stop 23's trace put the
+///   router's body at 10.0 µs a layer for 0.56 MB, where the lab times the same kernel at 3.3;
+///   its ticket and last-block route are a serial tail the experts then wait for. Not yet
+///   measured (`scripts/h200-run rexp`).
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -120,6 +127,7 @@ pub const OPT_IN: &[&str] = &[
     "moe_step",
     "attn_fold",
     "carveout_all",
+    "route_experts",
 ];
 
 impl Cuda {

@@ -676,7 +676,12 @@ __device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
 // ST: SwStep with STEP (moe_step_gate_up), else unused (the kernel passes p again): a reference,
 // not a pointer, so the kernel's parameter is read in place (its address would copy it to the
 // stack).
-template <int BITS, int C, int RPB, bool STEP, typename ST>
+// ROUTE (with !STEP and ST = SwStep: moe_route_gate_up, opt-in `route_experts`): the router ran
+// as its own launch without its route (no ticket, no last block: its logits only); here every
+// routed block routes the token itself from those logits after its wait (route.cuh route_block,
+// the whole block: route_warp's ids and weights, bit for bit), and the first routed block writes
+// them for down and the host before it lets down launch (down reads them before its own wait).
+template <int BITS, int C, int RPB, bool STEP, typename ST, bool ROUTE = false>
 __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& st) {
     constexpr int RW = 32 / C, G = RPB / RW, NP = BITS / 4, T = 256;
     static_assert(G * RW == RPB && G >= 1 && G <= 16, "rows per block: a multiple of RW, at most 16 groups");
@@ -711,7 +716,28 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
     if (shared) issue(0);
     float xv[32];
     float xs;
-    if constexpr (!STEP) {
+    if constexpr (!STEP && ROUTE) {
+        __shared__ u32 rid[32];
+        __shared__ float rwt[32];
+        PDL_WAIT();
+        if (!shared) {  // block-uniform: route_block holds barriers
+            route_block((const float*)st.logits, rid, rwt, st.e, p.k, st.ntopk);
+            __syncthreads();
+            if ((int)blockIdx.x == bps) {
+                // The first routed block: the route for down (read before its PDL wait) and the
+                // host, visible before this block lets down launch.
+                if (tid < p.k) {
+                    ((u32*)p.ids)[tid] = rid[tid];
+                    ((float*)p.wts)[tid] = rwt[tid];
+                    __threadfence();
+                }
+                __syncthreads();
+            }
+        }
+        PDL_LAUNCH();
+        if (!shared) issue((int)rid[j]);
+        xs = sw_x_act((const u16*)p.x, ln.ch, xv);
+    } else if constexpr (!STEP) {
         PDL_WAIT();
         PDL_LAUNCH();
         if (!shared) issue((int)((const u32*)p.ids)[j]);
@@ -879,6 +905,10 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_wide_gate_up_##BITS##_##C##_##RPB(SwMoe p) {  \
         KTRACE();                                                                                            \
         moe_wide_gate_up_body<BITS, C, RPB, false>(p, p);                                                    \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_route_gate_up_##BITS##_##C##_##RPB(SwStep q) { \
+        KTRACE();                                                                                           \
+        moe_wide_gate_up_body<BITS, C, RPB, false, SwStep, true>(q.m, q);                                   \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(256, 3) moe_step_gate_up_##BITS##_##C##_##RPB(SwStep q) { \
         KTRACE();                                                                                           \
