@@ -107,18 +107,23 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   keys' share skip the rows. Next: `scripts/h200-run tests,fold`.
 /// * `carveout_all`: the largest shared-memory carveout asked for every kernel, not only the
 ///   tensor-core and streaming ones (device.rs `func`; read when a kernel is first loaded, so set
-///   it at creation: `LILY_CUDA_ENABLE`). Why: stop 23's trace (`lily bench --trace`) put the
-///   boundary from the experts' down (moe_wide_*, no carveout asked) to the next layer's tc_gemv
-///   (61 KiB of stages a block, carveout 100) at 2.9 µs, where every other boundary of the step
-///   is ~0.7: an SM whose L1 / shared split must change cannot take the next kernel's blocks
-///   until it has drained. Not yet measured (`scripts/h200-run carve`).
+///   it at creation: `LILY_CUDA_ENABLE`). Why it was tried: stop 23's first trace (`lily bench
+///   --trace`) put the boundary from the experts' down (moe_wide_*, no carveout asked) to the
+///   next layer's tc_gemv (61 KiB of stages a block, carveout 100) at 2.9 µs where the step's
+///   other boundaries were ~0.7, as if an SM had to drain to re-split its L1. Not faster on the
+///   H200 (`scripts/h200-run carve`, 4K, alternated): 546.8 / 550.2 against 555.4 tok/s; and the
+///   second trace (with marks) put that boundary at 1.3 µs without it.
 /// * `route_experts`: the route taken out of the router's launch (Backend::moe_step_add;
 ///   decode.rs moe_route_experts, moe.cu moe_route_gate_up_*): the router a plain streaming GEMV
 ///   (no ticket, no last block), every routed gate|up block routing the token itself from the
-///   logits after its wait (route_block: the same ids and weights). Why: stop 23's trace put the
-///   router's body at 10.0 µs a layer for 0.56 MB, where the lab times the same kernel at 3.3;
-///   its ticket and last-block route are a serial tail the experts then wait for. Not yet
-///   measured (`scripts/h200-run rexp`).
+///   logits after its wait (route_block: the same ids and weights). Why it was tried: the trace
+///   put the router's body at 10.0 µs a layer for 0.56 MB, its last block's ticket and route at
+///   4.1 of them. Bit-equal to the composition on the H200 (cuda_ops, 4- and 8-bit experts,
+///   three tokens) and the same greedy ids on the full preset, but slower (`scripts/h200-run
+///   rexp`, two rounds alternated): 4K 528.2 / 532.9 against 552.1 / 557.5 tok/s, 128K 393.3 /
+///   397.9 against 398.3 / 398.0. The route moves onto the path of every routed block, between
+///   its wait and its first weight request (gate|up's wait to x was already 4.1 µs), where the
+///   router's last block did it once while the experts' blocks sat waiting anyway.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
