@@ -45,7 +45,7 @@ use rayon::prelude::*;
 use serde_json::json;
 
 use lily::backend::profile::{Profiled, Profiler};
-use lily::backend::trace::{BlockRec, Launch};
+use lily::backend::trace::Traced;
 use lily::backend::{Backend, Dims};
 use lily::loader::Checkpoint;
 use lily::model::{Logits, Qwen35};
@@ -339,7 +339,7 @@ struct Probes<B> {
     /// Starts the in-place trace (`--trace`).
     trace_begin: fn(&B) -> Result<()>,
     /// Stops it: the block records and the launches they belong to.
-    trace_end: fn(&B) -> Result<(Vec<BlockRec>, Vec<Launch>)>,
+    trace_end: fn(&B) -> Result<Traced>,
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {

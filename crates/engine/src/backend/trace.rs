@@ -57,6 +57,9 @@ pub struct Launch {
     pub blocks: u32,
 }
 
+/// What a traced stretch of steps gives: the block records and the launches they belong to.
+pub type Traced = (Vec<BlockRec>, Vec<Launch>);
+
 /// One launch's timeline (ns).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Span {

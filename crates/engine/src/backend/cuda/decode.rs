@@ -706,6 +706,48 @@ impl Cuda {
         );
     }
 
+    /// The experts' bits when an MoE block's router and experts take the one-token forms that
+    /// route on the device (moe_step, moe_route_experts): moe_wide's experts, the router | shared
+    /// gate one streaming GEMV over K = hidden with the norm prologue, at most 256 experts
+    /// (route_block), top-k of 1 to 32. None: not taken.
+    fn moe_step_experts(&self, mw: &MoeWeights<'_, Cuda>, d: &Dims) -> Option<usize> {
+        let (e, k, hid) = (d.n_experts, d.top_k, d.hidden);
+        let (rt, rs) = (mw.router, mw.shared_gate);
+        let shm = [mw.shared_gate_proj, mw.shared_up_proj, mw.shared_down_proj];
+        let fits = self.on("moe_wide")
+            && self.on("fuse_norm")
+            && self.sw_fits(&[rt, rs])
+            && rt.inp == hid
+            && rt.out == e
+            && e <= 256
+            && (1..=32).contains(&k)
+            && k <= e;
+        fits.then(|| self.moe_sw_bits(mw.gate, mw.up, mw.down, shm, k))
+            .flatten()
+    }
+
+    /// The operands of moe_step_add checked (a failure is recorded: the op is then skipped).
+    fn moe_step_operands_ok(
+        &self,
+        h: &Buf,
+        norm: &Buf,
+        mw: &MoeWeights<'_, Cuda>,
+        d: &Dims,
+        r: &RouterScratch<'_, Cuda>,
+    ) -> bool {
+        let op = "moe_step_add";
+        let (e, k, hid) = (d.n_experts, d.top_k, d.hidden);
+        self.experts_ok(mw.gate, mw.up, mw.down, d, op)
+            && self.buf_ok(h, hid, "h", op)
+            && self.buf_ok(norm, hid, "norm", op)
+            && self.act_ok(r.xn, hid, "xn", op)
+            && self.buf_ok(r.logits, e, "logits", op)
+            && self.out_ok(r.s, mw.shared_gate.out, "s", op)
+            && self.ensure(k <= r.route.cap, || {
+                format!("{op}: route holds {} entries, {k} needed", r.route.cap)
+            })
+    }
+
     /// The MoE block of one token with the router folded into the experts' gate|up launch
     /// (moe.cu's moe_step_gate_up_*, opt-in `moe_step`), then moe_wide's down. Takes an 8-bit
     /// router and shared gate of K = hidden, at most 256 experts, and whatever moe_wide takes;
@@ -720,40 +762,19 @@ impl Cuda {
         d: &Dims,
         r: &mut RouterScratch<'_, Cuda>,
     ) -> bool {
-        let op = "moe_step_add";
         let (e, k, hid) = (d.n_experts, d.top_k, d.hidden);
         let (rt, rs) = (mw.router, mw.shared_gate);
         let shm = [mw.shared_gate_proj, mw.shared_up_proj, mw.shared_down_proj];
         let router = self.opted_in("moe_step")
-            && self.on("moe_wide")
             && self.on("fuse_route")
-            && self.on("fuse_norm")
             && !(self.on("tc_gemv") && self.opted_in("tc_all"))
-            && self.sw_fits(&[rt, rs])
             && Self::sw_bits(rt.fmt) == Some(8)
-            && rt.inp == hid
-            && rt.out == e
             && rs.out == 1
-            && e <= 256
-            && (1..=32).contains(&k)
-            && k <= e
             && r.s.bf16() == 0;
-        let Some(bits) = router
-            .then(|| self.moe_sw_bits(mw.gate, mw.up, mw.down, shm, k))
-            .flatten()
-        else {
+        let Some(bits) = router.then(|| self.moe_step_experts(mw, d)).flatten() else {
             return false;
         };
-        if !(self.experts_ok(mw.gate, mw.up, mw.down, d, op)
-            && self.buf_ok(h, hid, "h", op)
-            && self.buf_ok(norm, hid, "norm", op)
-            && self.act_ok(r.xn, hid, "xn", op)
-            && self.buf_ok(r.logits, e, "logits", op)
-            && self.buf_ok(r.s, 1, "s", op)
-            && self.ensure(k <= r.route.cap, || {
-                format!("{op}: route holds {} entries, {k} needed", r.route.cap)
-            }))
-        {
+        if !self.moe_step_operands_ok(h, norm, mw, d, r) {
             return true;
         }
         let w = mw.gate.out;
@@ -809,23 +830,11 @@ impl Cuda {
         d: &Dims,
         r: &mut RouterScratch<'_, Cuda>,
     ) -> bool {
-        let op = "moe_step_add";
         let (e, k, hid) = (d.n_experts, d.top_k, d.hidden);
         let (rt, rs) = (mw.router, mw.shared_gate);
         let shm = [mw.shared_gate_proj, mw.shared_up_proj, mw.shared_down_proj];
-        let fits = self.opted_in("route_experts")
-            && self.on("moe_wide")
-            && self.on("fuse_norm")
-            && self.sw_fits(&[rt, rs])
-            && rt.inp == hid
-            && rt.out == e
-            && e <= 256
-            && (1..=32).contains(&k)
-            && k <= e;
-        let Some(bits) = fits
-            .then(|| self.moe_sw_bits(mw.gate, mw.up, mw.down, shm, k))
-            .flatten()
-        else {
+        let fits = self.opted_in("route_experts");
+        let Some(bits) = fits.then(|| self.moe_step_experts(mw, d)).flatten() else {
             return false;
         };
         let w = mw.gate.out;
@@ -837,16 +846,7 @@ impl Cuda {
         let Some((rpb, dr)) = self.moe_wide_fits(&p, hid, w, k, [mw.gate.gs, mw.down.gs]) else {
             return false;
         };
-        if !(self.experts_ok(mw.gate, mw.up, mw.down, d, op)
-            && self.buf_ok(h, hid, "h", op)
-            && self.buf_ok(norm, hid, "norm", op)
-            && self.act_ok(r.xn, hid, "xn", op)
-            && self.buf_ok(r.logits, e, "logits", op)
-            && self.out_ok(r.s, rs.out, "s", op)
-            && self.ensure(k <= r.route.cap, || {
-                format!("{op}: route holds {} entries, {k} needed", r.route.cap)
-            }))
-        {
+        if !self.moe_step_operands_ok(h, norm, mw, d, r) {
             return true;
         }
         r.route.k = k;

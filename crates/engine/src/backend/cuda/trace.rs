@@ -9,7 +9,7 @@
 //! the launches it captured).
 
 use super::*;
-use crate::backend::trace::{BlockRec, Launch};
+use crate::backend::trace::{BlockRec, Launch, Traced};
 
 /// Records the buffer holds (48 bytes each: 48 MiB, about 20 decode steps of the full model).
 const TRACE_CAP: usize = 1 << 20;
@@ -85,7 +85,7 @@ impl Cuda {
     }
 
     /// Stops tracing (after the queued work): the records and the launches they belong to.
-    pub fn trace_end(&self) -> Result<(Vec<BlockRec>, Vec<Launch>)> {
+    pub fn trace_end(&self) -> Result<Traced> {
         let Some(t) = &self.tracer else {
             bail!("trace: the backend was created without LILY_CUDA_TRACE=1");
         };

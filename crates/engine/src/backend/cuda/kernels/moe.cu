@@ -676,6 +676,19 @@ __device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
 // ST: SwStep with STEP (moe_step_gate_up), else unused (the kernel passes p again): a reference,
 // not a pointer, so the kernel's parameter is read in place (its address would copy it to the
 // stack).
+// The first routed block of a gate|up launch that routes itself (blockIdx.x == bps: moe_step,
+// moe_route): the route for down (read before its own PDL wait) and the host, visible before this
+// block lets down launch. Every thread of the block calls it (a barrier).
+__device__ __forceinline__ void moe_publish_route(const SwMoe& p, const u32* rid, const float* rwt, int bps, int tid) {
+    if ((int)blockIdx.x != bps) return;
+    if (tid < p.k) {
+        ((u32*)p.ids)[tid] = rid[tid];
+        ((float*)p.wts)[tid] = rwt[tid];
+        __threadfence();
+    }
+    __syncthreads();
+}
+
 // ROUTE (with !STEP and ST = SwStep: moe_route_gate_up, opt-in `route_experts`): the router ran
 // as its own launch without its route (no ticket, no last block: its logits only); here every
 // routed block routes the token itself from those logits after its wait (route.cuh route_block,
@@ -723,16 +736,7 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
         if (!shared) {  // block-uniform: route_block holds barriers
             route_block((const float*)st.logits, rid, rwt, st.e, p.k, st.ntopk);
             __syncthreads();
-            if ((int)blockIdx.x == bps) {
-                // The first routed block: the route for down (read before its PDL wait) and the
-                // host, visible before this block lets down launch.
-                if (tid < p.k) {
-                    ((u32*)p.ids)[tid] = rid[tid];
-                    ((float*)p.wts)[tid] = rwt[tid];
-                    __threadfence();
-                }
-                __syncthreads();
-            }
+            moe_publish_route(p, rid, rwt, bps, tid);
         }
         PDL_LAUNCH();
         if (!shared) issue((int)rid[j]);
@@ -807,16 +811,7 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
                 route_warp_n<8>((const float*)st.logits, rid, rwt, E, p.k, st.ntopk, lane);
             }
             __syncthreads();
-            if ((int)blockIdx.x == bps) {
-                // The first routed block: the route for down (read before its PDL wait) and the
-                // host, visible before this block lets down launch.
-                if (tid < p.k) {
-                    ((u32*)p.ids)[tid] = rid[tid];
-                    ((float*)p.wts)[tid] = rwt[tid];
-                    __threadfence();
-                }
-                __syncthreads();
-            }
+            moe_publish_route(p, rid, rwt, bps, tid);
             PDL_LAUNCH();
             issue((int)rid[j]);
         }
