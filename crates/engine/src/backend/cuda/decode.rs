@@ -684,7 +684,13 @@ impl Cuda {
         let Some((rpb, dr)) = self.moe_wide_fits(p, hid, w, k, gs) else {
             return false;
         };
-        let (name, grid, smem) = moe_wide_gate_up_launch("moe_wide", bits, hid, w, k, rpb);
+        // x requested before the routed rows (opt-in `x_first`): moe.cu's moe_xfirst_gate_up_*.
+        let kind = if self.opted_in("x_first") {
+            "moe_xfirst"
+        } else {
+            "moe_wide"
+        };
+        let (name, grid, smem) = moe_wide_gate_up_launch(kind, bits, hid, w, k, rpb);
         self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::E(Box::new(*p))]);
         self.moe_wide_down(p, bits, hid, w, k, dr);
         true

@@ -124,6 +124,11 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   397.9 against 398.3 / 398.0. The route moves onto the path of every routed block, between
 ///   its wait and its first weight request (gate|up's wait to x was already 4.1 µs), where the
 ///   router's last block did it once while the experts' blocks sat waiting anyway.
+/// * `x_first`: the experts' gate|up requests x (an L2 read) before its routed rows (DRAM,
+///   cp.async) and widens it after (moe.cu moe_xfirst_gate_up_*; the same arithmetic). Why: the
+///   trace (stop 23) puts gate|up's wait-to-x at 4.1 µs of its 7.6 µs body; if the x loads wait
+///   behind the rows' requests in the SM's miss path, requesting them first saves most of it.
+///   Written after the device time was spent: not yet run (`scripts/h200-run xfirst`).
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -133,6 +138,7 @@ pub const OPT_IN: &[&str] = &[
     "attn_fold",
     "carveout_all",
     "route_experts",
+    "x_first",
 ];
 
 impl Cuda {

@@ -144,20 +144,39 @@ __device__ __forceinline__ void sw_dots(const SwUnit<BITS> (&un)[U], const float
         for (int off = C >> 1; off > 0; off >>= 1) part[u] += __shfl_xor_sync(FULL_MASK, part[u], off);
 }
 
+// The 8 bf16 of one 16-byte word of x widened into xv[8i .. 8i+8).
+__device__ __forceinline__ void sw_widen8(const uint4 v, float (&xv)[32], int i) {
+    const u32 w4[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        xv[8 * i + 2 * j] = bf16_lo(w4[j]);
+        xv[8 * i + 2 * j + 1] = bf16_hi(w4[j]);
+    }
+}
+
 // The lane's 32 x values from a bf16 activation (inputs 32ch ..), widened, and their sum.
 __device__ __forceinline__ float sw_x_act(const u16* __restrict__ x, int ch, float (&xv)[32]) {
     const uint4* p = (const uint4*)(x + (u64)ch * 32);
     float xs = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const uint4 v = p[i];
-        const u32 w4[4] = {v.x, v.y, v.z, v.w};
+    for (int i = 0; i < 4; i++) sw_widen8(p[i], xv, i);
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            xv[8 * i + 2 * j] = bf16_lo(w4[j]);
-            xv[8 * i + 2 * j + 1] = bf16_hi(w4[j]);
-        }
-    }
+    for (int i = 0; i < 32; i++) xs += xv[i];
+    return xs;
+}
+
+// sw_x_act in two halves, for a kernel that requests x before other loads and widens it after
+// them (moe.cu's x_first): the four 16-byte words as loaded, then widened and summed (the same
+// arithmetic and order).
+__device__ __forceinline__ void sw_x_words(const u16* __restrict__ x, int ch, uint4 (&xw)[4]) {
+    const uint4* p = (const uint4*)(x + (u64)ch * 32);
+#pragma unroll
+    for (int i = 0; i < 4; i++) xw[i] = p[i];
+}
+__device__ __forceinline__ float sw_x_widen(const uint4 (&xw)[4], float (&xv)[32]) {
+    float xs = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; i++) sw_widen8(xw[i], xv, i);
 #pragma unroll
     for (int i = 0; i < 32; i++) xs += xv[i];
     return xs;
