@@ -378,7 +378,14 @@ impl Cuda {
             _ => (format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256), 256, 0),
         };
         let batches = p.bstart[ws.len()] as u32;
-        let grid = batches.min(self.resident_blocks(&name, threads, smem));
+        let mut grid = batches.min(self.resident_blocks(&name, threads, smem));
+        if k == 4096 && !tc {
+            // A lab knob (LILY_CUDA_SW4096_GRID=n): out_proj's and o_proj's grid capped at n
+            // blocks. Their 256 blocks (two an SM on 124 SMs) leave 8 SMs with a slot for the
+            // router that follows, so 28% of its 33 blocks start only after they end and request
+            // their weights then (stop 23's trace); 231 would leave 33.
+            grid = grid.min(sw4096_grid());
+        }
         self.launch(&name, (grid, 1, 1), threads, smem, &[Arg::S(Box::new(p))]);
     }
 
@@ -887,6 +894,18 @@ impl Cuda {
         self.moe_wide_down(&p, bits, hid, w, k, dr);
         true
     }
+}
+
+/// `LILY_CUDA_SW4096_GRID` (see sw_gemv_route), u32::MAX when unset.
+fn sw4096_grid() -> u32 {
+    static G: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *G.get_or_init(|| {
+        std::env::var("LILY_CUDA_SW4096_GRID")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n: &u32| n > 0)
+            .unwrap_or(u32::MAX)
+    })
 }
 
 /// Timing probes of moe_step_gate_up (`LILY_MOE_STEP_PROBE`, bits: 1 no wait for the router's
