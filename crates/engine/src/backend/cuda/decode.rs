@@ -199,14 +199,6 @@ impl Cuda {
             })
             .unwrap_or(1)
             .max(1);
-        // A lab knob (LILY_CUDA_LEAVE=n): n block slots per SM left free, so that the next
-        // kernel's blocks fit beside this one's and request their weights before its wait
-        // (with LILY_CUDA_DEFINE's lower launch bounds). Off: the grid is one full wave.
-        let leave = std::env::var("LILY_CUDA_LEAVE")
-            .ok()
-            .and_then(|v| v.parse::<u32>().ok())
-            .unwrap_or(0);
-        let per_sm = per_sm.saturating_sub(leave).max(1);
         let n = per_sm * self.sm_count;
         self.occupancy
             .0

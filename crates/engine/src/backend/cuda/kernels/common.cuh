@@ -39,9 +39,9 @@ __device__ __forceinline__ u64 trace_now() {
     return t;
 }
 __device__ __forceinline__ bool trace_thread0() { return threadIdx.x == 0 && threadIdx.y == 0 && threadIdx.z == 0; }
-// When thread 0's PDL wait returned (slot 0; 0: the kernel has no wait) and passed TRACE_MARK(1),
-// TRACE_MARK(2) (slots 1, 2: phases of a kernel's body, where it marks them; 0: unmarked).
-__device__ __forceinline__ u64* trace_wait_slot() {
+// Thread 0's stamps of the block: when its PDL wait returned (slot 0; 0: the kernel has no wait)
+// and when it passed TRACE_MARK(1), TRACE_MARK(2) (slots 1, 2; 0: unmarked).
+__device__ __forceinline__ u64* trace_slots() {
     __shared__ u64 w[3];
     return w;
 }
@@ -49,11 +49,11 @@ struct TraceScope {
     u64 t0;
     __device__ __forceinline__ TraceScope() {
         t0 = trace_now();
-        if (trace_thread0()) trace_wait_slot()[0] = trace_wait_slot()[1] = trace_wait_slot()[2] = 0;
+        if (trace_thread0()) trace_slots()[0] = trace_slots()[1] = trace_slots()[2] = 0;
     }
     __device__ __forceinline__ ~TraceScope() {
         if (!trace_thread0() || lily_trace_buf == 0) return;
-        const u64* sl = trace_wait_slot();
+        const u64* sl = trace_slots();
         const u64 w = sl[0], t1 = trace_now();
         u32 smid;
         asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
@@ -71,13 +71,10 @@ struct TraceScope {
     }
 };
 #define KTRACE() TraceScope lily_trace_scope_
-#define TRACE_WAITED()                                            \
-    do {                                                          \
-        if (trace_thread0()) trace_wait_slot()[0] = trace_now(); \
-    } while (0)
-#define TRACE_MARK(i)                                             \
-    do {                                                          \
-        if (trace_thread0()) trace_wait_slot()[i] = trace_now(); \
+#define TRACE_WAITED() TRACE_MARK(0)
+#define TRACE_MARK(i)                                        \
+    do {                                                     \
+        if (trace_thread0()) trace_slots()[i] = trace_now(); \
     } while (0)
 #else
 #define KTRACE() \
@@ -148,7 +145,7 @@ struct TraceScope {
 #define GDN_BOUNDS(T) __launch_bounds__(T)
 #endif
 #ifndef MWG_MINB
-#define MWG_MINB 3  // moe_wide_gate_up_*: 256 threads
+#define MWG_MINB 3  // moe_*_gate_up_* (moe_wide, moe_xfirst, moe_route, moe_step): 256 threads
 #endif
 #ifndef MWD_MINB
 #define MWD_MINB 2  // moe_wide_down_*: 32·SWD_MAXSLOTS threads

@@ -673,9 +673,6 @@ __device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
     return v;
 }
 
-// ST: SwStep with STEP (moe_step_gate_up), else unused (the kernel passes p again): a reference,
-// not a pointer, so the kernel's parameter is read in place (its address would copy it to the
-// stack).
 // The first routed block of a gate|up launch that routes itself (blockIdx.x == bps: moe_step,
 // moe_route): the route for down (read before its own PDL wait) and the host, visible before this
 // block lets down launch. Every thread of the block calls it (a barrier).
@@ -689,15 +686,22 @@ __device__ __forceinline__ void moe_publish_route(const SwMoe& p, const u32* rid
     __syncthreads();
 }
 
-// ROUTE (with !STEP and ST = SwStep: moe_route_gate_up, opt-in `route_experts`): the router ran
-// as its own launch without its route (no ticket, no last block: its logits only); here every
-// routed block routes the token itself from those logits after its wait (route.cuh route_block,
-// the whole block: route_warp's ids and weights, bit for bit), and the first routed block writes
-// them for down and the host before it lets down launch (down reads them before its own wait).
-// XF (with !STEP, !ROUTE: moe_xfirst_gate_up, opt-in `x_first`): x's words are requested before
-// the routed rows and widened after them (sw_x_words, sw_x_widen: the same arithmetic). Why: the
-// trace puts gate|up's wait-to-x at 4.1 µs, its rows' cp.async requests ahead of x's L2 loads.
-template <int BITS, int C, int RPB, bool STEP, typename ST, bool ROUTE = false, bool XF = false>
+// What a gate|up launch does between its PDL wait and its routed rows' requests (MODE):
+// GU_PLAIN  (moe_wide_gate_up): the ids the router wrote, then x.
+// GU_XFIRST (moe_xfirst_gate_up, opt-in `x_first`): x's words are requested before the routed
+//           rows and widened after them (sw_x_words, sw_x_widen: the same arithmetic). Why: the
+//           trace puts gate|up's wait-to-x at 4.1 µs, its rows' cp.async requests ahead of x's
+//           L2 loads.
+// GU_ROUTE  (moe_route_gate_up, opt-in `route_experts`): the router ran as its own launch without
+//           its route (its logits only); every routed block routes the token itself from those
+//           logits after its wait (route.cuh route_block: route_warp's ids and weights, bit for
+//           bit), and the first routed block publishes them for down and the host.
+// GU_STEP   (moe_step_gate_up, opt-in `moe_step`): the router inside this launch (below).
+// ST: SwStep with GU_ROUTE and GU_STEP, else unused (the kernel passes p again): a reference,
+// not a pointer, so the kernel's parameter is read in place (its address would copy it to the
+// stack).
+enum GuMode { GU_PLAIN, GU_XFIRST, GU_ROUTE, GU_STEP };
+template <int BITS, int C, int RPB, int MODE, typename ST>
 __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& st) {
     constexpr int RW = 32 / C, G = RPB / RW, NP = BITS / 4, T = 256;
     static_assert(G * RW == RPB && G >= 1 && G <= 16, "rows per block: a multiple of RW, at most 16 groups");
@@ -732,7 +736,7 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
     if (shared) issue(0);
     float xv[32];
     float xs;
-    if constexpr (!STEP && ROUTE) {
+    if constexpr (MODE == GU_ROUTE) {
         __shared__ u32 rid[32];
         __shared__ float rwt[32];
         PDL_WAIT();
@@ -744,14 +748,14 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
         PDL_LAUNCH();
         if (!shared) issue((int)rid[j]);
         xs = sw_x_act((const u16*)p.x, ln.ch, xv);
-    } else if constexpr (!STEP && XF) {
+    } else if constexpr (MODE == GU_XFIRST) {
         PDL_WAIT();
         PDL_LAUNCH();
         uint4 xw[4];
         sw_x_words((const u16*)p.x, ln.ch, xw);
         if (!shared) issue((int)((const u32*)p.ids)[j]);
         xs = sw_x_widen(xw, xv);
-    } else if constexpr (!STEP) {
+    } else if constexpr (MODE == GU_PLAIN) {
         PDL_WAIT();
         PDL_LAUNCH();
         if (!shared) issue((int)((const u32*)p.ids)[j]);
@@ -909,19 +913,19 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
 #define MOE_WIDE_GATE_UP(BITS, C, RPB)                                                                      \
     extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_wide_gate_up_##BITS##_##C##_##RPB(SwMoe p) {  \
         KTRACE();                                                                                            \
-        moe_wide_gate_up_body<BITS, C, RPB, false>(p, p);                                                    \
+        moe_wide_gate_up_body<BITS, C, RPB, GU_PLAIN>(p, p);                                                \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_xfirst_gate_up_##BITS##_##C##_##RPB(SwMoe p) { \
         KTRACE();                                                                                           \
-        moe_wide_gate_up_body<BITS, C, RPB, false, SwMoe, false, true>(p, p);                               \
+        moe_wide_gate_up_body<BITS, C, RPB, GU_XFIRST>(p, p);                                               \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_route_gate_up_##BITS##_##C##_##RPB(SwStep q) { \
         KTRACE();                                                                                           \
-        moe_wide_gate_up_body<BITS, C, RPB, false, SwStep, true>(q.m, q);                                   \
+        moe_wide_gate_up_body<BITS, C, RPB, GU_ROUTE>(q.m, q);                                              \
     }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256, 3) moe_step_gate_up_##BITS##_##C##_##RPB(SwStep q) { \
+    extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_step_gate_up_##BITS##_##C##_##RPB(SwStep q) { \
         KTRACE();                                                                                           \
-        moe_wide_gate_up_body<BITS, C, RPB, true>(q.m, q);                                                  \
+        moe_wide_gate_up_body<BITS, C, RPB, GU_STEP>(q.m, q);                                               \
     }
 #define MOE_WIDE_DOWN(BITS, C, DR)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS, MWD_MINB) moe_wide_down_##BITS##_##C##_##DR(SwMoe p) { \
