@@ -105,8 +105,9 @@ __device__ __forceinline__ void sw_store(const SwArgs& p, int i, int o, float v)
 // The lane's 32 x values (inputs 32ch ..) of prologue PRO (module header) and their sum; with PRO
 // 1, block 0's lanes of row r = 0 also write x to `xn`. Every thread of the block calls it (PRO 1
 // sums over the block).
+// nw: PRO 1's norm weight (p.nw itself, or the block's copy in shared memory, cp_stage_norm).
 template <int C, int PRO>
-__device__ __forceinline__ float sw_x_pro(const SwArgs& p, int ch, int r, float* sh, float (&xv)[32]) {
+__device__ __forceinline__ float sw_x_pro(const SwArgs& p, const float* nw, int ch, int r, float* sh, float (&xv)[32]) {
     constexpr int K = 256 * C;
     float xs;
     if constexpr (PRO == 0) {
@@ -132,9 +133,8 @@ __device__ __forceinline__ float sw_x_pro(const SwArgs& p, int ch, int r, float*
         }
     } else {
         const float* h = (const float*)p.x;
-        const float* w = (const float*)p.nw;
         const float rr = sw_rms_scale<K, 256>(h, p.eps, sh);
-        xs = sw_x_norm(h, w, rr, ch, xv);
+        xs = sw_x_norm(h, nw, rr, ch, xv);
         if (blockIdx.x == 0 && p.xn != 0 && r == 0) {
             uint4* o = (uint4*)((u16*)p.xn + ch * 32);
 #pragma unroll
@@ -150,6 +150,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     static_assert(RB <= SW_MAXRB, "batch larger than the reduction buffer");
     __shared__ float red[2][SW_WARPS][RB];
     __shared__ float sh[32];
+    __shared__ __align__(16) float wn[PRO == 1 ? 256 * C : 4];  // PRO 1: the norm weight
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int c = lane & (C - 1), r = lane / C;
     const SwLane ln = sw_lane(p.m[0], warp * C + c);
@@ -172,13 +173,19 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
         }
     };
     load(un);
-    if constexpr (PRO == 1) sw_prefetch_norm((const float*)p.nw, ch);
+    if constexpr (PRO == 1) {
+        cp_stage_norm<256 * C, 256>((const float*)p.nw, smem_u32(wn));
+        cp_commit();
+    }
     // Only now may x (written by the previous kernel) be read: with programmatic dependent launch
     // (LILY_CUDA_PDL=1) the weights above were requested while that kernel finished.
     PDL_WAIT();
+    // This thread's copies of the norm weight have landed; sw_rms_scale's barrier publishes them
+    // to the block before sw_x_norm reads them.
+    if constexpr (PRO == 1) cp_wait<0>();
 
     float xv[32];
-    const float xs = sw_x_pro<C, PRO>(p, ch, r, sh, xv);
+    const float xs = sw_x_pro<C, PRO>(p, wn, ch, r, sh, xv);
     TRACE_MARK(1);  // x ready
 
     // Two register sets: batch bt in `cur` while batch bt + gridDim.x loads into `nxt`.
@@ -301,7 +308,7 @@ __device__ __forceinline__ void gemv_wide_body(const SwArgs& p) {
     PDL_WAIT();
 
     float xv[32];
-    const float xs = sw_x_pro<C, PRO>(p, ln.ch, r, sh, xv);
+    const float xs = sw_x_pro<C, PRO>(p, (const float*)p.nw, ln.ch, r, sh, xv);
 #pragma unroll
     for (int q = 0; q < G; q++) {
         cp_wait_n(G - 1 - q);
@@ -355,6 +362,7 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
     __shared__ float red[2][NW][RB];
     __shared__ float xsum[K / 32];
     __shared__ float sh[32];
+    __shared__ __align__(16) float wn[PRO == 1 ? K : 4];  // PRO 1: the norm weight
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int sb = warp * NS;
@@ -374,12 +382,19 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
         }
         cp_commit();
     };
+    // PRO 1: the norm weight first, in a commit group of its own (group 0; batch n is group n + 1).
+    if constexpr (PRO == 1) {
+        cp_stage_norm<K, 32 * NW>((const float*)p.nw, smem_u32(wn));
+        cp_commit();
+    }
     // The first batches' weights are requested before x is known: they do not depend on it.
 #pragma unroll
     for (int n = 0; n < S - 1; n++) issue(n);
     const int ch = tc_chunk<NS>(sb, g, t);
-    if (PRO == 1 && ch >= 0) sw_prefetch_norm((const float*)p.nw, ch);
     PDL_WAIT();
+    // The norm weight's group has landed (the S - 1 batches' may be pending); sw_rms_scale's
+    // barrier publishes it to the block.
+    if constexpr (PRO == 1) cp_wait<S - 1>();
 
     float xv[32];
 #pragma unroll
@@ -389,10 +404,9 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
         if (ch >= 0) xs = sw_x_act((const u16*)p.x, ch, xv);
     } else {
         const float* h = (const float*)p.x;
-        const float* w = (const float*)p.nw;
         const float rr = sw_rms_scale<K, 32 * NW>(h, p.eps, sh);
         if (ch >= 0) {
-            xs = sw_x_norm(h, w, rr, ch, xv);
+            xs = sw_x_norm(h, wn, rr, ch, xv);
             if (blockIdx.x == 0 && p.xn != 0) {
                 uint4* o = (uint4*)((u16*)p.xn + ch * 32);
 #pragma unroll

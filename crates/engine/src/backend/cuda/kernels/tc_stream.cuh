@@ -182,6 +182,24 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
+// A norm weight (K f32, 16-byte aligned) copied into shared memory `dst` by the block's T threads
+// (16 bytes per copy), in the caller's open commit group: the normed decode GEMVs (gemv.cu
+// sw_gemv and tc_gemv, prologue 1) issue it before their PDL wait, so that the x of sw_x_norm
+// reads it from shared memory after the block's sum of squares. Why not a prefetch into L1
+// (sw_prefetch_norm, what they did before): the PDL wait (griddepcontrol.wait) is an acquire,
+// and the L1 lines fetched before it are not what the loads after it read; the weight then came
+// from L2 or DRAM after the sum, one more round trip on every normed kernel's critical path
+// (the router's x took 5.0 us after its wait at 4K, trace of stop 24).
+template <int K, int T>
+__device__ __forceinline__ void cp_stage_norm(const float* __restrict__ w, u32 dst) {
+    static_assert(K % 4 == 0, "16-byte copies");
+#pragma unroll
+    for (int i = 0; i < (K / 4 + T - 1) / T; i++) {
+        const int q = (int)threadIdx.x + T * i;
+        if ((K / 4) % T == 0 || q < K / 4) cp16(dst + 16 * q, w + 4 * q, true);
+    }
+}
+
 // tc_load's tile, copied into the slot at shared address `slot` (this warp's), zeros past `rows`.
 // A source address past the end is never formed for a row that is not copied (src-size 0 still
 // needs a valid-looking address: the row is clamped to 0).
