@@ -48,7 +48,7 @@ pub(super) struct SwArgs {
     ck: i32,
     dv: i32,
     rblock: i32,
-    pad: i32,
+    late: i32,
 }
 
 /// `struct SwMoe` of moe.cu (same layout).
@@ -303,7 +303,7 @@ impl Cuda {
             ck: 0,
             dv: 0,
             rblock: 0,
-            pad: 0,
+            late: 0,
         };
         for (i, (w, o)) in ws.iter().zip(outs).enumerate() {
             p.m[i] = w.q();
@@ -351,6 +351,8 @@ impl Cuda {
             p.ntopk = norm as i32;
             // The whole last block routes (route.cuh route_block: 256 threads, E <= 256).
             p.rblock = (self.on("route_block") && ws[0].out <= 256) as i32;
+            // The experts' gate|up launches only when the router ends (opt-in `router_late`).
+            p.late = self.opted_in("router_late") as i32;
         }
         if let Some(rpb) = wide {
             // Every block at once (no batch loop): G = RPB / RW row groups, shared memory
@@ -435,7 +437,7 @@ impl Cuda {
             ck: 0,
             dv: 0,
             rblock: 0,
-            pad: 0,
+            late: 0,
         };
         p.m[0] = r.q();
         p.m[1] = sg.q();

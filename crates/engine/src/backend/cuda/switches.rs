@@ -129,6 +129,11 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   trace (stop 23) puts gate|up's wait-to-x at 4.1 µs of its 7.6 µs body; if the x loads wait
 ///   behind the rows' requests in the SM's miss path, requesting them first saves most of it.
 ///   Written after the device time was spent: not yet run (`scripts/h200-run xfirst`).
+/// * `router_late`: the router | shared gate (sw_gemv_8 with the route) lets the experts' gate|up
+///   launch only when it ends, instead of at its start. A diagnostic: with it, no block of
+///   gate|up sits on the router's SMs (waiting, requesting the shared expert's rows) while the
+///   router's critical path runs, so the trace says whether they are what makes the router's
+///   x take 4.7 µs after its wait (stop 24) where its whole lab call takes 4.0.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -139,6 +144,7 @@ pub const OPT_IN: &[&str] = &[
     "carveout_all",
     "route_experts",
     "x_first",
+    "router_late",
 ];
 
 impl Cuda {

@@ -56,7 +56,7 @@ struct SwArgs {
     int ck;       // obf 3: conv taps
     int dv;       // PRO 2: value head size (a multiple of 32, dv / 32 a power of two)
     int rblock;   // ROUTE: route with the whole last block (route.cuh route_block; E <= 256)
-    int pad;
+    int late;     // ROUTE: the next kernel launches only when this one ends (opt-in `router_late`)
 };
 
 __device__ __forceinline__ void sw_locate(const SwArgs& p, int bt, int rb, int& mi, int& row0) {
@@ -240,7 +240,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
 #define SW_GEMV_KERNEL(BITS, C, U, PRO)                                                                    \
     extern "C" __global__ void __launch_bounds__(256, SW_MINB) sw_gemv_##BITS##_##C##_##U##_##PRO(SwArgs p) { \
         KTRACE();                                                                                          \
-        PDL_LAUNCH();                                                                                      \
+        if (!p.late) PDL_LAUNCH();                                                                         \
         sw_gemv_body<BITS, C, U, PRO>(p);                                                                  \
     }
 #define SW_GEMV_PRO(BITS, C, U) SW_GEMV_KERNEL(BITS, C, U, 0) SW_GEMV_KERNEL(BITS, C, U, 1) SW_GEMV_KERNEL(BITS, C, U, 2)
