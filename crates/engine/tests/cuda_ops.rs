@@ -2552,16 +2552,10 @@ fn moe_step_matches_its_composition_and_the_cpu() {
                 (h(&g, &gh), h(&g, &xn), h(&g, &lg), h(&g, &sl), ids, w)
             };
             let comp = run(&[]);
-            // The route in the experts' launch (opt-in route_experts) and x requested before
-            // the rows (x_first): the same bits too.
+            // The route in the experts' launch (opt-in route_experts): the same bits too.
             let routed = run(&["route_experts"]);
-            let xfirst = run(&["x_first"]);
             let fused = run(&["moe_step"]);
-            for (variant, got) in [
-                ("moe_step", &fused),
-                ("route_experts", &routed),
-                ("x_first", &xfirst),
-            ] {
+            for (variant, got) in [("moe_step", &fused), ("route_experts", &routed)] {
                 let what = format!("{variant} {bits}-bit experts, token {token}");
                 for (part, a, b) in [
                     ("h", &got.0, &comp.0),

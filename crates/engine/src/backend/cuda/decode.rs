@@ -48,7 +48,7 @@ pub(super) struct SwArgs {
     ck: i32,
     dv: i32,
     rblock: i32,
-    late: i32,
+    pad: i32,
 }
 
 /// `struct SwMoe` of moe.cu (same layout).
@@ -303,7 +303,7 @@ impl Cuda {
             ck: 0,
             dv: 0,
             rblock: 0,
-            late: 0,
+            pad: 0,
         };
         for (i, (w, o)) in ws.iter().zip(outs).enumerate() {
             p.m[i] = w.q();
@@ -351,8 +351,6 @@ impl Cuda {
             p.ntopk = norm as i32;
             // The whole last block routes (route.cuh route_block: 256 threads, E <= 256).
             p.rblock = (self.on("route_block") && ws[0].out <= 256) as i32;
-            // The experts' gate|up launches only when the router ends (opt-in `router_late`).
-            p.late = self.opted_in("router_late") as i32;
         }
         if let Some(rpb) = wide {
             // Every block at once (no batch loop): G = RPB / RW row groups, shared memory
@@ -372,14 +370,7 @@ impl Cuda {
             _ => (format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256), 256, 0),
         };
         let batches = p.bstart[ws.len()] as u32;
-        let mut grid = batches.min(self.resident_blocks(&name, threads, smem));
-        if k == 4096 && !tc {
-            // A lab knob (LILY_CUDA_SW4096_GRID=n): out_proj's and o_proj's grid capped at n
-            // blocks. Their 256 blocks (two an SM on 124 SMs) leave 8 SMs with a slot for the
-            // router that follows, so 28% of its 33 blocks start only after they end and request
-            // their weights then (stop 23's trace); 231 would leave 33.
-            grid = grid.min(sw4096_grid());
-        }
+        let grid = batches.min(self.resident_blocks(&name, threads, smem));
         self.launch(&name, (grid, 1, 1), threads, smem, &[Arg::S(Box::new(p))]);
     }
 
@@ -437,7 +428,7 @@ impl Cuda {
             ck: 0,
             dv: 0,
             rblock: 0,
-            late: 0,
+            pad: 0,
         };
         p.m[0] = r.q();
         p.m[1] = sg.q();
@@ -685,13 +676,7 @@ impl Cuda {
         let Some((rpb, dr)) = self.moe_wide_fits(p, hid, w, k, gs) else {
             return false;
         };
-        // x requested before the routed rows (opt-in `x_first`): moe.cu's moe_xfirst_gate_up_*.
-        let kind = if self.opted_in("x_first") {
-            "moe_xfirst"
-        } else {
-            "moe_wide"
-        };
-        let (name, grid, smem) = moe_wide_gate_up_launch(kind, bits, hid, w, k, rpb);
+        let (name, grid, smem) = moe_wide_gate_up_launch("moe_wide", bits, hid, w, k, rpb);
         self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::E(Box::new(*p))]);
         self.moe_wide_down(p, bits, hid, w, k, dr);
         true
@@ -888,18 +873,6 @@ impl Cuda {
         self.moe_wide_down(&p, bits, hid, w, k, dr);
         true
     }
-}
-
-/// `LILY_CUDA_SW4096_GRID` (see sw_gemv_route), u32::MAX when unset.
-fn sw4096_grid() -> u32 {
-    static G: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *G.get_or_init(|| {
-        std::env::var("LILY_CUDA_SW4096_GRID")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&n: &u32| n > 0)
-            .unwrap_or(u32::MAX)
-    })
 }
 
 /// Timing probes of moe_step_gate_up (`LILY_MOE_STEP_PROBE`, bits: 1 no wait for the router's

@@ -124,16 +124,6 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   397.9 against 398.3 / 398.0. The route moves onto the path of every routed block, between
 ///   its wait and its first weight request (gate|up's wait to x was already 4.1 µs), where the
 ///   router's last block did it once while the experts' blocks sat waiting anyway.
-/// * `x_first`: the experts' gate|up requests x (an L2 read) before its routed rows (DRAM,
-///   cp.async) and widens it after (moe.cu moe_xfirst_gate_up_*; the same arithmetic). Why: the
-///   trace (stop 23) puts gate|up's wait-to-x at 4.1 µs of its 7.6 µs body; if the x loads wait
-///   behind the rows' requests in the SM's miss path, requesting them first saves most of it.
-///   Written after the device time was spent: not yet run (`scripts/h200-run xfirst`).
-/// * `router_late`: the router | shared gate (sw_gemv_8 with the route) lets the experts' gate|up
-///   launch only when it ends, instead of at its start. A diagnostic: with it, no block of
-///   gate|up sits on the router's SMs (waiting, requesting the shared expert's rows) while the
-///   router's critical path runs, so the trace says whether they are what makes the router's
-///   x take 4.7 µs after its wait (stop 24) where its whole lab call takes 4.0.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -143,8 +133,6 @@ pub const OPT_IN: &[&str] = &[
     "attn_fold",
     "carveout_all",
     "route_experts",
-    "x_first",
-    "router_late",
 ];
 
 impl Cuda {

@@ -56,7 +56,7 @@ struct SwArgs {
     int ck;       // obf 3: conv taps
     int dv;       // PRO 2: value head size (a multiple of 32, dv / 32 a power of two)
     int rblock;   // ROUTE: route with the whole last block (route.cuh route_block; E <= 256)
-    int late;     // ROUTE: the next kernel launches only when this one ends (opt-in `router_late`)
+    int pad;
 };
 
 __device__ __forceinline__ void sw_locate(const SwArgs& p, int bt, int rb, int& mi, int& row0) {
@@ -224,9 +224,15 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
         // its logits visible, then takes a ticket; the last ticket's block routes and resets the
         // counter for the next launch (a recorded step replays this one).
         __shared__ int last;
+#if TICKET_ONE
+        // One thread's acq_rel ticket after the barrier (common.cuh ticket_acq_rel).
+        __syncthreads();
+        if (tid == 0) last = ticket_acq_rel((u32*)p.counter) == gridDim.x - 1;
+#else
         __threadfence();
         __syncthreads();
         if (tid == 0) last = atomicAdd((u32*)p.counter, 1u) == gridDim.x - 1;
+#endif
         __syncthreads();
         if (last) {
             if (p.rblock) route_block((const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk);
@@ -240,7 +246,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
 #define SW_GEMV_KERNEL(BITS, C, U, PRO)                                                                    \
     extern "C" __global__ void __launch_bounds__(256, SW_MINB) sw_gemv_##BITS##_##C##_##U##_##PRO(SwArgs p) { \
         KTRACE();                                                                                          \
-        if (!p.late) PDL_LAUNCH();                                                                         \
+        PDL_LAUNCH();                                                                                      \
         sw_gemv_body<BITS, C, U, PRO>(p);                                                                  \
     }
 #define SW_GEMV_PRO(BITS, C, U) SW_GEMV_KERNEL(BITS, C, U, 0) SW_GEMV_KERNEL(BITS, C, U, 1) SW_GEMV_KERNEL(BITS, C, U, 2)

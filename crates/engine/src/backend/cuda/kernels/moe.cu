@@ -688,10 +688,6 @@ __device__ __forceinline__ void moe_publish_route(const SwMoe& p, const u32* rid
 
 // What a gate|up launch does between its PDL wait and its routed rows' requests (MODE):
 // GU_PLAIN  (moe_wide_gate_up): the ids the router wrote, then x.
-// GU_XFIRST (moe_xfirst_gate_up, opt-in `x_first`): x's words are requested before the routed
-//           rows and widened after them (sw_x_words, sw_x_widen: the same arithmetic). Why: the
-//           trace puts gate|up's wait-to-x at 4.1 µs, its rows' cp.async requests ahead of x's
-//           L2 loads.
 // GU_ROUTE  (moe_route_gate_up, opt-in `route_experts`): the router ran as its own launch without
 //           its route (its logits only); every routed block routes the token itself from those
 //           logits after its wait (route.cuh route_block: route_warp's ids and weights, bit for
@@ -700,7 +696,7 @@ __device__ __forceinline__ void moe_publish_route(const SwMoe& p, const u32* rid
 // ST: SwStep with GU_ROUTE and GU_STEP, else unused (the kernel passes p again): a reference,
 // not a pointer, so the kernel's parameter is read in place (its address would copy it to the
 // stack).
-enum GuMode { GU_PLAIN, GU_XFIRST, GU_ROUTE, GU_STEP };
+enum GuMode { GU_PLAIN, GU_ROUTE, GU_STEP };
 template <int BITS, int C, int RPB, int MODE, typename ST>
 __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& st) {
     constexpr int RW = 32 / C, G = RPB / RW, NP = BITS / 4, T = 256;
@@ -748,13 +744,6 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
         PDL_LAUNCH();
         if (!shared) issue((int)rid[j]);
         xs = sw_x_act((const u16*)p.x, ln.ch, xv);
-    } else if constexpr (MODE == GU_XFIRST) {
-        PDL_WAIT();
-        PDL_LAUNCH();
-        uint4 xw[4];
-        sw_x_words((const u16*)p.x, ln.ch, xw);
-        if (!shared) issue((int)((const u32*)p.ids)[j]);
-        xs = sw_x_widen(xw, xv);
     } else if constexpr (MODE == GU_PLAIN) {
         PDL_WAIT();
         PDL_LAUNCH();
@@ -914,10 +903,6 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_wide_gate_up_##BITS##_##C##_##RPB(SwMoe p) {  \
         KTRACE();                                                                                            \
         moe_wide_gate_up_body<BITS, C, RPB, GU_PLAIN>(p, p);                                                \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_xfirst_gate_up_##BITS##_##C##_##RPB(SwMoe p) { \
-        KTRACE();                                                                                           \
-        moe_wide_gate_up_body<BITS, C, RPB, GU_XFIRST>(p, p);                                               \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_route_gate_up_##BITS##_##C##_##RPB(SwStep q) { \
         KTRACE();                                                                                           \

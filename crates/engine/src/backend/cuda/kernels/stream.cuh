@@ -59,7 +59,13 @@ __device__ __forceinline__ SwLane sw_lane(const QMat& m, int ch) {
 // L1 (the data still passes through L2).
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
     uint4 v;
+#if L2_FIRST
+    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p), "l"(l2_first_policy()));
+#else
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+#endif
     return v;
 }
 
@@ -160,23 +166,6 @@ __device__ __forceinline__ float sw_x_act(const u16* __restrict__ x, int ch, flo
     float xs = 0.0f;
 #pragma unroll
     for (int i = 0; i < 4; i++) sw_widen8(p[i], xv, i);
-#pragma unroll
-    for (int i = 0; i < 32; i++) xs += xv[i];
-    return xs;
-}
-
-// sw_x_act in two halves, for a kernel that requests x before other loads and widens it after
-// them (moe.cu's x_first): the four 16-byte words as loaded, then widened and summed (the same
-// arithmetic and order).
-__device__ __forceinline__ void sw_x_words(const u16* __restrict__ x, int ch, uint4 (&xw)[4]) {
-    const uint4* p = (const uint4*)(x + (u64)ch * 32);
-#pragma unroll
-    for (int i = 0; i < 4; i++) xw[i] = p[i];
-}
-__device__ __forceinline__ float sw_x_widen(const uint4 (&xw)[4], float (&xv)[32]) {
-    float xs = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; i++) sw_widen8(xw[i], xv, i);
 #pragma unroll
     for (int i = 0; i < 32; i++) xs += xv[i];
     return xs;
