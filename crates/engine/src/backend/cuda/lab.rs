@@ -5,7 +5,8 @@
 //! speed a plain read of the same bytes reaches. `lily bench --profile` times ops inside a whole
 //! step, with a sync around each; here each op runs alone, so its kernels can be judged and
 //! compared with the ones they replace:
-//! * Every call is L2-cold (unless `LILY_LAB_HOT=1`: two copies, L2-hot). A case holds enough distinct copies of its weights that the bytes read
+//! * Every call is L2-cold (unless `LILY_LAB_HOT=1`: two copies, L2-hot; with `LILY_LAB_FLUSH=1`
+//!   the whole L2 is flushed before every call, code and inputs too: `Cuda::time_graph`). A case holds enough distinct copies of its weights that the bytes read
 //!   between two reads of one copy are at least [`L2_FACTOR`] × the L2 (and [`MIN_CYCLE`]): an
 //!   H200 has 50 MB of L2, a layer's in_proj is 14 MB. The copies are made on the device
 //!   ([`Cuda::random_mat`], `lab_fill_mat` in kernels/lab.cu), not uploaded (one lm_head is 286 MB).
@@ -199,8 +200,62 @@ impl Cuda {
         Ok(self.time_graph(calls, ops)?.seconds)
     }
 
-    /// `time_recorded` with the graph's node counts (kernel launches per call).
+    /// `time_recorded` with the graph's node counts (kernel launches per call). With
+    /// `LILY_LAB_FLUSH=1` every call is preceded by a streaming read of twice the L2 (`lab_read`
+    /// over a buffer of its own), and the figures are those of the graph with the reads minus
+    /// those of the reads alone: the op with nothing of its own in L2 (its code and inputs
+    /// neither), as in a decode step, where 1.67 GB of weights a token pass through the L2.
     pub fn time_graph(
+        &self,
+        calls: usize,
+        ops: &mut dyn FnMut(usize) -> Result<()>,
+    ) -> Result<GraphTiming> {
+        if !std::env::var("LILY_LAB_FLUSH").is_ok_and(|v| v == "1") {
+            return self.time_graph_plain(calls, ops);
+        }
+        let l2 = self
+            .ctx
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?
+            .max(1 << 20) as usize;
+        let words = 2 * l2 / 16;
+        self.lab_room(16 * words, "the L2 flush's buffer")?;
+        let buf = self.alloc(16 * words)?;
+        self.lab_fill(&buf, 4 * words, None, 0xf105, 0.0)?;
+        let blocks = 4 * self.lab_sms()?;
+        let sink = self.alloc(4 * blocks as usize)?;
+        let flush = || {
+            self.launch(
+                "lab_read",
+                (blocks, 1, 1),
+                256,
+                0,
+                &[Arg::P(buf.ptr), Arg::P(words as u64), Arg::P(sink.ptr)],
+            )
+        };
+        let with = self.time_graph_plain(calls, &mut |i| {
+            flush();
+            ops(i)
+        })?;
+        let alone = self.time_graph_plain(calls, &mut |_| {
+            flush();
+            Ok(())
+        })?;
+        let t = with.seconds - alone.seconds;
+        if !(t > 0.0) {
+            bail!(
+                "kernel lab (LILY_LAB_FLUSH): the op measured {t} s per call beside the flush ({} s with it, {} s alone)",
+                with.seconds,
+                alone.seconds
+            );
+        }
+        Ok(GraphTiming {
+            seconds: t,
+            kernels: with.kernels - alone.kernels,
+            nodes: with.nodes - alone.nodes,
+        })
+    }
+
+    fn time_graph_plain(
         &self,
         calls: usize,
         ops: &mut dyn FnMut(usize) -> Result<()>,
