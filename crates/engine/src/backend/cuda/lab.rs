@@ -241,7 +241,7 @@ impl Cuda {
             Ok(())
         })?;
         let t = with.seconds - alone.seconds;
-        if !(t > 0.0) {
+        if !(t.is_finite() && t > 0.0) {
             bail!(
                 "kernel lab (LILY_LAB_FLUSH): the op measured {t} s per call beside the flush ({} s with it, {} s alone)",
                 with.seconds,
