@@ -28,7 +28,9 @@
 //! * `spread` = its latest wait − `first_wait`: blocks that started late (not resident at the wait);
 //! * `early`: the share of its blocks that started before the previous launch's last block ended;
 //! * where the kernel marks two phases of its body (TRACE_MARK), the block that ended last (the
-//!   one the next kernel waited for): its wait to mark 1, mark 1 to mark 2, mark 2 to its end.
+//!   one the next kernel waited for): its wait to mark 1, mark 1 to mark 2, mark 2 to its end;
+//!   and over all its blocks, each one's own wait to mark 1, median and 90th percentile: whether
+//!   the first phase is slow in every block or only in the last one.
 
 use std::collections::BTreeMap;
 
@@ -71,6 +73,9 @@ pub struct Span {
     pub crit: BlockRec,
     /// Blocks that started before the previous launch's last block ended (resident early).
     pub early: u32,
+    /// Over the blocks that passed mark 1: their own wait to mark 1 (ns), median and 90th
+    /// percentile (nearest rank); none if no block marked it.
+    pub to_mark1_q: Option<(u64, u64)>,
 }
 
 /// The records grouped by launch, in launch order (module header: attribution).
@@ -105,6 +110,13 @@ pub fn attribute(recs: &[BlockRec], launches: &[Launch]) -> Result<Vec<Span>> {
         }
         let prev_end = out.last().map(|p: &Span| p.last_end);
         let crit = *blk.iter().max_by_key(|b| b.end).expect("not empty");
+        let mut m1: Vec<u64> = blk
+            .iter()
+            .filter(|b| b.mark1 > 0 && b.mark1 >= b.wait)
+            .map(|b| b.mark1 - b.wait)
+            .collect();
+        m1.sort_unstable();
+        let rank = |q: f64| m1[((q * m1.len() as f64).ceil() as usize).clamp(1, m1.len()) - 1];
         out.push(Span {
             first_start: blk.iter().map(|b| b.start).min().unwrap_or(0),
             first_wait: blk[0].wait,
@@ -112,6 +124,7 @@ pub fn attribute(recs: &[BlockRec], launches: &[Launch]) -> Result<Vec<Span>> {
             last_end: crit.end,
             crit,
             early: prev_end.map_or(0, |e| blk.iter().filter(|b| b.start < e).count() as u32),
+            to_mark1_q: (!m1.is_empty()).then(|| (rank(0.5), rank(0.9))),
         });
     }
     Ok(out)
@@ -136,6 +149,11 @@ pub struct KernelSum {
     pub to_mark1: f64,
     pub mark1_2: f64,
     pub mark2_end: f64,
+    /// Every block's own wait to mark 1, median and 90th percentile per call, summed over the
+    /// `q_calls` calls that mark it.
+    pub q_calls: usize,
+    pub mark1_p50: f64,
+    pub mark1_p90: f64,
 }
 
 /// A trace summed per kernel name.
@@ -181,6 +199,11 @@ pub fn summarize(launches: &[Launch], spans: &[Span], recs: &[BlockRec], steps: 
             k.mark1_2 += (c.mark2 - c.mark1) as f64;
             k.mark2_end += (c.end - c.mark2) as f64;
         }
+        if let Some((p50, p90)) = s.to_mark1_q {
+            k.q_calls += 1;
+            k.mark1_p50 += p50 as f64;
+            k.mark1_p90 += p90 as f64;
+        }
     }
     let mut kernels: Vec<KernelSum> = by.into_values().collect();
     kernels.sort_by(|a, b| b.in_place.total_cmp(&a.in_place));
@@ -216,7 +239,7 @@ impl Table {
             self.tick_ns
         );
         s += &format!(
-            "{:<32} {:>6} {:>7} {:>10} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8} {:>6} | {:>7} {:>7} {:>7}\n",
+            "{:<32} {:>6} {:>7} {:>10} {:>6} | {:>8} {:>8} {:>8} {:>8} {:>8} {:>6} | {:>7} {:>7} {:>7} | {:>6} {:>6}\n",
             "kernel",
             "calls",
             "blocks",
@@ -230,11 +253,13 @@ impl Table {
             "early",
             "→mark1",
             "→mark2",
-            "→end"
+            "→end",
+            "m1 p50",
+            "m1 p90"
         );
         for k in &self.kernels {
             let c = k.calls as f64;
-            let marks = if k.marked > 0 {
+            let mut marks = if k.marked > 0 {
                 let m = k.marked as f64 * 1e3;
                 format!(
                     " | {:>7.2} {:>7.2} {:>7.2}",
@@ -245,6 +270,10 @@ impl Table {
             } else {
                 String::new()
             };
+            if k.marked > 0 && k.q_calls > 0 {
+                let q = k.q_calls as f64 * 1e3;
+                marks += &format!(" | {:>6.2} {:>6.2}", k.mark1_p50 / q, k.mark1_p90 / q);
+            }
             s += &format!(
                 "{:<32} {:>6.1} {:>7.0} {:>10.1} {:>5.1}% | {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>5.0}%{marks}\n",
                 k.name,
@@ -296,6 +325,10 @@ impl Table {
                         let m = k.marked as f64 * 1e3;
                         serde_json::json!({"wait_to_mark1": k.to_mark1 / m,
                             "mark1_to_mark2": k.mark1_2 / m, "mark2_to_end": k.mark2_end / m})
+                    } else { serde_json::Value::Null },
+                    "all_blocks_wait_to_mark1_us": if k.q_calls > 0 {
+                        let q = k.q_calls as f64 * 1e3;
+                        serde_json::json!({"p50": k.mark1_p50 / q, "p90": k.mark1_p90 / q})
                     } else { serde_json::Value::Null },
                 })
             })
@@ -394,7 +427,13 @@ mod tests {
             (k.marked, k.to_mark1, k.mark1_2, k.mark2_end),
             (1, 18.0, 30.0, 10.0)
         );
-        assert!(t.text().contains("→mark1"));
+        // Every block's own wait to mark 1: a 10, b 18 (nearest rank: p50 10, p90 18).
+        assert_eq!((k.q_calls, k.mark1_p50, k.mark1_p90), (1, 10.0, 18.0));
+        assert!(t.text().contains("→mark1") && t.text().contains("m1 p90"));
+        assert_eq!(
+            t.json()["kernels"][0]["all_blocks_wait_to_mark1_us"]["p90"],
+            0.018
+        );
     }
 
     /// Records that do not match the launches are an error, not a wrong table.
