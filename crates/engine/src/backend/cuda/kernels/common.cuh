@@ -158,17 +158,13 @@ struct TraceScope {
 // each PDL wait: every decode kernel's first phase after its wait takes 1.5-4.7 µs for an L2
 // read or two, stop 24's traces), h and the activations, the norm weights, and at short context
 // the KV cache (80 MB at 4K). The KV cache's reads keep the normal policy.
-// TICKET_ONE (a lab define, LILY_CUDA_DEFINE=TICKET_ONE=1; 0 by default): the router's
-// last-block ticket (gemv.cu) taken by one thread with ticket_acq_rel after the block's barrier,
-// instead of a __threadfence() in all 256 threads before it (MEMBAR.SC.GPU, a sequentially
-// consistent fence, then CCTL.IVALL, in every thread) and a relaxed atomicAdd. The release of
-// the acq_rel atomic covers the block's logit stores that the barrier ordered before it
-// (cumulativity: cooperative groups' grid sync relies on the same, with a fence by one thread);
-// its acquire, followed by the last block's barrier, orders the other blocks' logits before the
-// route's L2 reads. Why: the trace puts the router's ticket and route at 4.2 µs a layer.
-#ifndef TICKET_ONE
-#define TICKET_ONE 0
-#endif
+// The ticket of a last-block pattern taken by one thread after the block's barrier (gemv.cu's
+// router with opt-in `ticket_one`), instead of a __threadfence() in every thread before it
+// (MEMBAR.SC.GPU, a sequentially consistent fence, then CCTL.IVALL, in each) and a relaxed
+// atomicAdd. The release of the acq_rel atomic covers the block's stores that the barrier
+// ordered before it (cumulativity: cooperative groups' grid sync relies on the same, with a fence
+// by one thread); its acquire, followed by the last block's barrier, orders the other blocks'
+// stores before the last block's L2 reads.
 __device__ __forceinline__ u32 ticket_acq_rel(u32* counter) {
     u32 old;
     asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
