@@ -230,7 +230,7 @@ impl Cuda {
         router: &Mat,
         shared_gate: &Mat,
         d: &Dims,
-        r: RouterScratch<'_, Self>,
+        r: &mut RouterScratch<'_, Self>,
         experts: Option<[&Mat; 3]>,
     ) {
         let RouterScratch {

@@ -1042,13 +1042,13 @@ impl Backend for Cuda {
         s: &mut Buf,
         route: &mut Route,
     ) {
-        let r = RouterScratch {
+        let mut r = RouterScratch {
             xn,
             logits,
             s,
             route,
         };
-        self.router_experts(h, w, rows, eps, router, shared_gate, d, r, None);
+        self.router_experts(h, w, rows, eps, router, shared_gate, d, &mut r, None);
     }
     fn gdn_mixer_decode_add(
         &self,
@@ -1138,21 +1138,10 @@ impl Backend for Cuda {
             w.router,
             w.shared_gate,
             d,
-            RouterScratch {
-                xn: &mut *r.xn,
-                logits: &mut *r.logits,
-                s: &mut *r.s,
-                route: &mut *r.route,
-            },
+            &mut r,
             Some([w.gate, w.up, w.down]),
         );
-        let shared = SharedExpert {
-            gate: w.shared_gate_proj,
-            up: w.shared_up_proj,
-            down: w.shared_down_proj,
-            logit: r.s,
-        };
-        self.moe_decode_add(r.xn, r.route, w.gate, w.up, w.down, &shared, d, tmp, h);
+        super::moe_step_experts_compose(self, h, w, d, r, tmp);
     }
     fn add(&self, h: &mut Buf, r: &Buf, len: usize) {
         if len == 0 || !(self.buf_ok(h, len, "h", "add") && self.act_ok(r, len, "r", "add")) {
