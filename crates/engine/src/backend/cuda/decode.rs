@@ -787,7 +787,7 @@ impl Cuda {
     }
 
     /// The experts' bits when an MoE block's router and experts take the one-token forms that
-    /// route on the device (moe_step, moe_route_experts): moe_wide's experts, the router | shared
+    /// route on the device (moe_step): moe_wide's experts, the router | shared
     /// gate one streaming GEMV over K = hidden with the norm prologue, at most 256 experts
     /// (route_block), top-k of 1 to 32. None: not taken.
     fn moe_step_experts(&self, mw: &MoeWeights<'_, Cuda>, d: &Dims) -> Option<usize> {
@@ -886,75 +886,6 @@ impl Cuda {
             ntopk: d.norm_topk as i32,
             sobf: r.s.bf16(),
             probe: moe_step_probe(),
-            pad: 0,
-        };
-        self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::T(Box::new(st))]);
-        self.moe_wide_down(&p, bits, hid, w, k, dr);
-        true
-    }
-}
-
-impl Cuda {
-    /// The MoE block of one token with the route taken out of the router's launch (opt-in
-    /// `route_experts`): the router | shared gate as a plain streaming GEMV with the norm
-    /// prologue (sw_gemv: logits, the shared gate's logit and x, no ticket and no last block),
-    /// then moe.cu's moe_route_gate_up_* (moe_wide's gate|up, every routed block routing the
-    /// token itself from the logits after its wait) and moe_wide's down. The same arithmetic as
-    /// moe_router + moe_decode_add (route_block's route, bit for bit). `false`: not taken.
-    pub(super) fn moe_route_experts(
-        &self,
-        h: &mut Buf,
-        norm: &Buf,
-        eps: f32,
-        mw: &MoeWeights<'_, Cuda>,
-        d: &Dims,
-        r: &mut RouterScratch<'_, Cuda>,
-    ) -> bool {
-        let (e, k, hid) = (d.n_experts, d.top_k, d.hidden);
-        let (rt, rs) = (mw.router, mw.shared_gate);
-        let shm = [mw.shared_gate_proj, mw.shared_up_proj, mw.shared_down_proj];
-        let fits = self.opted_in("route_experts");
-        let Some(bits) = fits.then(|| self.moe_step_experts(mw, d)).flatten() else {
-            return false;
-        };
-        let w = mw.gate.out;
-        let Some(p) = self.moe_sw_args(
-            r.xn, r.route, k, mw.gate, mw.up, mw.down, shm, r.s, h, false,
-        ) else {
-            return true;
-        };
-        let Some((rpb, dr)) = self.moe_wide_fits(&p, hid, w, k, [mw.gate.gs, mw.down.gs]) else {
-            return false;
-        };
-        if !self.moe_step_operands_ok(h, norm, mw, d, r) {
-            return true;
-        }
-        r.route.k = k;
-        let x = SwX::Norm {
-            h,
-            w: norm,
-            eps,
-            xn: Some(r.xn),
-        };
-        self.sw_gemv(
-            x,
-            &[rt, rs],
-            &[(r.logits.mem.ptr, 0), (r.s.mem.ptr, r.s.bf16())],
-        );
-        let (name, grid, smem) = moe_wide_gate_up_launch("moe_route", bits, hid, w, k, rpb);
-        let st = SwStep {
-            m: p,
-            r: QMat::none(),
-            rs: QMat::none(),
-            nw: 0,
-            xn: 0,
-            logits: r.logits.mem.ptr,
-            s: 0,
-            eps,
-            e: e as i32,
-            ntopk: d.norm_topk as i32,
-            sobf: 0,
-            probe: 0,
             pad: 0,
         };
         self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::T(Box::new(st))]);

@@ -1124,9 +1124,7 @@ impl Backend for Cuda {
         mut r: RouterScratch<'_, Self>,
         tmp: MoeScratch<'_, Self>,
     ) {
-        if self.moe_step(h, norm, eps, w, d, &mut r)
-            || self.moe_route_experts(h, norm, eps, w, d, &mut r)
-        {
+        if self.moe_step(h, norm, eps, w, d, &mut r) {
             return;
         }
         // moe_step_compose's two ops, the router told the routed experts' stacks.

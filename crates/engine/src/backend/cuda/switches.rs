@@ -113,17 +113,6 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   other boundaries were ~0.7, as if an SM had to drain to re-split its L1. Not faster on the
 ///   H200 (`scripts/h200-run carve`, 4K, alternated): 546.8 / 550.2 against 555.4 tok/s; and the
 ///   second trace (with marks) put that boundary at 1.3 µs without it.
-/// * `route_experts`: the route taken out of the router's launch (Backend::moe_step_add;
-///   decode.rs moe_route_experts, moe.cu moe_route_gate_up_*): the router a plain streaming GEMV
-///   (no ticket, no last block), every routed gate|up block routing the token itself from the
-///   logits after its wait (route_block: the same ids and weights). Why it was tried: the trace
-///   put the router's body at 10.0 µs a layer for 0.56 MB, its last block's ticket and route at
-///   4.1 of them. Bit-equal to the composition on the H200 (cuda_ops, 4- and 8-bit experts,
-///   three tokens) and the same greedy ids on the full preset, but slower (`scripts/h200-run
-///   rexp`, two rounds alternated): 4K 528.2 / 532.9 against 552.1 / 557.5 tok/s, 128K 393.3 /
-///   397.9 against 398.3 / 398.0. The route moves onto the path of every routed block, between
-///   its wait and its first weight request (gate|up's wait to x was already 4.1 µs), where the
-///   router's last block did it once while the experts' blocks sat waiting anyway.
 /// * `expert_l2` (written at stop 24, not yet run): the router's last block, once it has the
 ///   route, asks the L2 for the routed experts' gate, up and down rows (gemv.cu
 ///   expert_l2_prefetch: cp.async.bulk.prefetch.L2, ~12 MB). Why: gate|up's blocks request them
@@ -143,7 +132,6 @@ pub const OPT_IN: &[&str] = &[
     "moe_step",
     "attn_fold",
     "carveout_all",
-    "route_experts",
     "expert_l2",
     "ticket_one",
 ];

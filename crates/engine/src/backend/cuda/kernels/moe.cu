@@ -673,8 +673,8 @@ __device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
     return v;
 }
 
-// The first routed block of a gate|up launch that routes itself (blockIdx.x == bps: moe_step,
-// moe_route): the route for down (read before its own PDL wait) and the host, visible before this
+// The first routed block of a gate|up launch that routes itself (blockIdx.x == bps: moe_step):
+// the route for down (read before its own PDL wait) and the host, visible before this
 // block lets down launch. Every thread of the block calls it (a barrier).
 __device__ __forceinline__ void moe_publish_route(const SwMoe& p, const u32* rid, const float* rwt, int bps, int tid) {
     if ((int)blockIdx.x != bps) return;
@@ -688,15 +688,11 @@ __device__ __forceinline__ void moe_publish_route(const SwMoe& p, const u32* rid
 
 // What a gate|up launch does between its PDL wait and its routed rows' requests (MODE):
 // GU_PLAIN  (moe_wide_gate_up): the ids the router wrote, then x.
-// GU_ROUTE  (moe_route_gate_up, opt-in `route_experts`): the router ran as its own launch without
-//           its route (its logits only); every routed block routes the token itself from those
-//           logits after its wait (route.cuh route_block: route_warp's ids and weights, bit for
-//           bit), and the first routed block publishes them for down and the host.
 // GU_STEP   (moe_step_gate_up, opt-in `moe_step`): the router inside this launch (below).
-// ST: SwStep with GU_ROUTE and GU_STEP, else unused (the kernel passes p again): a reference,
+// ST: SwStep with GU_STEP, else unused (the kernel passes p again): a reference,
 // not a pointer, so the kernel's parameter is read in place (its address would copy it to the
 // stack).
-enum GuMode { GU_PLAIN, GU_ROUTE, GU_STEP };
+enum GuMode { GU_PLAIN, GU_STEP };
 template <int BITS, int C, int RPB, int MODE, typename ST>
 __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& st) {
     constexpr int RW = 32 / C, G = RPB / RW, NP = BITS / 4, T = 256;
@@ -732,19 +728,7 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
     if (shared) issue(0);
     float xv[32];
     float xs;
-    if constexpr (MODE == GU_ROUTE) {
-        __shared__ u32 rid[32];
-        __shared__ float rwt[32];
-        PDL_WAIT();
-        if (!shared) {  // block-uniform: route_block holds barriers
-            route_block((const float*)st.logits, rid, rwt, st.e, p.k, st.ntopk);
-            __syncthreads();
-            moe_publish_route(p, rid, rwt, bps, tid);
-        }
-        PDL_LAUNCH();
-        if (!shared) issue((int)rid[j]);
-        xs = sw_x_act((const u16*)p.x, ln.ch, xv);
-    } else if constexpr (MODE == GU_PLAIN) {
+    if constexpr (MODE == GU_PLAIN) {
         PDL_WAIT();
         PDL_LAUNCH();
         if (!shared) issue((int)((const u32*)p.ids)[j]);
@@ -903,10 +887,6 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_wide_gate_up_##BITS##_##C##_##RPB(SwMoe p) {  \
         KTRACE();                                                                                            \
         moe_wide_gate_up_body<BITS, C, RPB, GU_PLAIN>(p, p);                                                \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_route_gate_up_##BITS##_##C##_##RPB(SwStep q) { \
-        KTRACE();                                                                                           \
-        moe_wide_gate_up_body<BITS, C, RPB, GU_ROUTE>(q.m, q);                                              \
     }                                                                                                       \
     extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_step_gate_up_##BITS##_##C##_##RPB(SwStep q) { \
         KTRACE();                                                                                           \
