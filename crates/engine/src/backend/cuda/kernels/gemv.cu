@@ -333,6 +333,12 @@ __device__ __forceinline__ void gemv_wide_body(const SwArgs& p) {
     const u32 base = smem_u32(wsm);
     auto code_at = [&](int q) { return (q * NP * T + tid) * 16; };
     auto sw_at = [&](int q) { return CODES + (q * T + tid) * 4; };
+    // PRO 1: the norm weight first, in a commit group of its own (row group q is group q + 1).
+    __shared__ __align__(16) float wn[PRO == 1 ? 256 * C : 4];
+    if constexpr (PRO == 1) {
+        cp_stage_norm<256 * C, T>((const float*)p.nw, smem_u32(wn));
+        cp_commit();
+    }
     // Every weight of the block, before the wait: they do not depend on the previous kernel.
 #pragma unroll
     for (int q = 0; q < G; q++) {
@@ -341,11 +347,11 @@ __device__ __forceinline__ void gemv_wide_body(const SwArgs& p) {
         wide_issue<BITS>(m, 0, ok ? o : 0, ln, base + code_at(q), T * 16, base + sw_at(q), base + SBW + sw_at(q), ok);
         cp_commit();
     }
-    if constexpr (PRO == 1) sw_prefetch_norm((const float*)p.nw, ln.ch);
     PDL_WAIT();
+    if constexpr (PRO == 1) cp_wait_n(G);  // the norm weight's group (sw_rms_scale's barrier publishes it)
 
     float xv[32];
-    const float xs = sw_x_pro<C, PRO>(p, (const float*)p.nw, ln.ch, r, sh, xv);
+    const float xs = sw_x_pro<C, PRO>(p, wn, ln.ch, r, sh, xv);
 #pragma unroll
     for (int q = 0; q < G; q++) {
         cp_wait_n(G - 1 - q);

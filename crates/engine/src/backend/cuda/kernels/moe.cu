@@ -724,6 +724,12 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
             cp_commit();
         }
     };
+    // GU_STEP: the norm weight first, in a commit group of its own (row group q is group q + 1).
+    __shared__ __align__(16) float wn[MODE == GU_STEP ? 256 * C : 4];
+    if constexpr (MODE == GU_STEP) {
+        cp_stage_norm<256 * C, T>((const float*)st.nw, smem_u32(wn));
+        cp_commit();
+    }
     // The shared expert's weights do not depend on the router: requested before the wait.
     if (shared) issue(0);
     float xv[32];
@@ -748,15 +754,15 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
         if (rjob && ro < E) sw_load<8>(st.r, 0, ro, rl, ru[0]);
         else if (rjob && ro == E) sw_load<8>(st.rs, 0, 0, rl, ru[0]);
         else sw_zero<8>(ru[0]);
-        sw_prefetch_norm((const float*)st.nw, ln.ch);
         PDL_WAIT();
+        cp_wait_n(shared ? G : 0);  // the norm weight's group (sw_rms_scale's barrier publishes it)
         // x = bf16(rms_norm(h) · w) as sw_gemv's prologue 1 (sw_x_pro), block 0 storing it.
         const float* hh = (const float*)p.h;
         if (st.probe & 4) {
             xs = sw_x_act((const u16*)p.x, ln.ch, xv);
         } else {
             const float rr = sw_rms_scale<256 * C, 256>(hh, st.eps, sh);
-            xs = sw_x_norm(hh, (const float*)st.nw, rr, ln.ch, xv);
+            xs = sw_x_norm(hh, wn, rr, ln.ch, xv);
         }
         if (blockIdx.x == 0 && r == 0 && !(st.probe & 4)) {
             uint4* o = (uint4*)((u16*)st.xn + ln.ch * 32);

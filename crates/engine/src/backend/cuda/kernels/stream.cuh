@@ -230,13 +230,3 @@ __device__ __forceinline__ float sw_rms_scale(const float* __restrict__ h, float
     ss = block_sum(ss, sh);
     return 1.0f / sqrtf(ss / (float)K + eps);
 }
-
-// Requests the lane's chunk of a norm weight (32 f32: one 128-byte line, inputs 32ch ..) into L1
-// before the PDL wait. The weight never depends on the previous kernel, and sw_x_norm reads it
-// only after the block's sum of squares: a DRAM round trip there (a layer's norm weight is not
-// in L2 a token later) would sit on the critical path. Used by the opt-in gemv_wide and moe_step
-// only: the lines may not survive the PDL wait (an acquire), so sw_gemv and tc_gemv copy the
-// weight into shared memory instead (tc_stream.cuh cp_stage_norm).
-__device__ __forceinline__ void sw_prefetch_norm(const float* w, int ch) {
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(w + ch * 32));
-}

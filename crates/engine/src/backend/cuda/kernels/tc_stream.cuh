@@ -203,10 +203,11 @@ template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // A norm weight (K f32, 16-byte aligned) copied into shared memory `dst` by the block's T threads
-// (16 bytes per copy), in the caller's open commit group: the normed decode GEMVs (gemv.cu
-// sw_gemv and tc_gemv, prologue 1) issue it before their PDL wait, so that the x of sw_x_norm
-// reads it from shared memory after the block's sum of squares. Why not a prefetch into L1
-// (sw_prefetch_norm, what they did before): the PDL wait (griddepcontrol.wait) is an acquire,
+// (16 bytes per copy), in the caller's open commit group: every decode kernel with a norm
+// prologue (gemv.cu sw_gemv, tc_gemv and gemv_wide with prologue 1, moe.cu's moe_step gate|up)
+// issues it before its PDL wait, so that the x of sw_x_norm reads it from shared memory after
+// the block's sum of squares. Why not a prefetch into L1 (sw_prefetch_norm, what they did
+// before): the PDL wait (griddepcontrol.wait) is an acquire,
 // and the L1 lines fetched before it are not what the loads after it read; the weight then came
 // from L2 or DRAM after the sum, one more round trip on every normed kernel's critical path
 // (the router's x took 5.0 us after its wait at 4K, trace of stop 24).
