@@ -171,12 +171,6 @@ __device__ __forceinline__ void expert_l2_prefetch(const QMat& g, const QMat& u,
     }
 }
 
-#ifndef SW_PF
-#define SW_PF 0
-#endif
-#ifndef TC_PF
-#define TC_PF 0
-#endif
 template <int BITS, int C, int U, int PRO>
 __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     constexpr int RW = 32 / C, RB = RW * U;
@@ -205,19 +199,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
             else sw_zero<BITS>(dst[u]);
         }
     };
-    // SW_PF (a lab define, 0 by default; PRO 1 only, i.e. the router): 1 asks the L2 for the first
-    // batch before the wait and loads it after; 2 requests it only after the wait. The question:
-    // do the router's h loads after its wait (3.1 µs median to x in place, stop 24) queue behind
-    // its weight loads still in flight from DRAM?
-    constexpr int PF = PRO == 1 ? SW_PF : 0;
-    if constexpr (PF == 0) load(un);
-    if constexpr (PF == 1 || PF == 3) {
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int o = row0 + u * RW + r;
-            if (o < m.out) sw_prefetch_l2<BITS>(m, 0, o, ln);
-        }
-    }
+    load(un);
     if constexpr (PRO == 1) {
         cp_stage_norm<256 * C, 256>((const float*)p.nw, smem_u32(wn));
         cp_commit();
@@ -225,14 +207,12 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     // Only now may x (written by the previous kernel) be read: with programmatic dependent launch
     // (LILY_CUDA_PDL=1) the weights above were requested while that kernel finished.
     PDL_WAIT();
-    if constexpr (PF == 1 || PF == 2) load(un);
     // This thread's copies of the norm weight have landed; sw_rms_scale's barrier publishes them
     // to the block before sw_x_norm reads them.
     if constexpr (PRO == 1) cp_wait<0>();
 
     float xv[32];
     const float xs = sw_x_pro<C, PRO>(p, wn, ch, r, sh, xv);
-    if constexpr (PF == 3) load(un);  // 3: as 1, but x is read before the weights are loaded
     TRACE_MARK(1);  // x ready
 
     // Two register sets: batch bt in `cur` while batch bt + gridDim.x loads into `nxt`.
@@ -451,30 +431,10 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
         cp_commit();
     }
     // The first batches' weights are requested before x is known: they do not depend on it.
-    // TC_PF (a lab define, 0 by default): 1 asks the L2 for them before the wait and copies them
-    // after it (do the loads of h after the wait queue behind copies still in flight from DRAM?).
-    if constexpr (TC_PF == 0) {
 #pragma unroll
-        for (int n = 0; n < S - 1; n++) issue(n);
-    } else {
-#pragma unroll
-        for (int n = 0; n < S - 1; n++) {
-            const int b = blockIdx.x + n * gridDim.x;
-            if (b < total) {
-                int mi, row0;
-                sw_locate(p, b, RB, mi, row0);
-                const QMat m = sw_mat(p, mi);
-#pragma unroll
-                for (int u = 0; u < U; u++) tc_prefetch_l2<NS>(m, 0, row0 + 16 * u, m.out, sb, g, t);
-            }
-        }
-    }
+    for (int n = 0; n < S - 1; n++) issue(n);
     const int ch = tc_chunk<NS>(sb, g, t);
     PDL_WAIT();
-    if constexpr (TC_PF != 0) {
-#pragma unroll
-        for (int n = 0; n < S - 1; n++) issue(n);
-    }
     // The norm weight's group has landed (the S - 1 batches' may be pending); sw_rms_scale's
     // barrier publishes it to the block.
     if constexpr (PRO == 1) cp_wait<S - 1>();

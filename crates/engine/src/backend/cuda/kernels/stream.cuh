@@ -82,20 +82,6 @@ __device__ __forceinline__ void sw_load(const QMat& m, int e, int o, const SwLan
     un.b = __ldg((const unsigned short*)m.b + g);
 }
 
-// sw_load's lines asked of the L2 only (`prefetch.global.L2`: nothing returns to the SM, no
-// register waits): the lab define SW_PF (gemv.cu) requests a normed sw_gemv's first weights this
-// way before its PDL wait and loads them after it.
-template <int BITS>
-__device__ __forceinline__ void sw_prefetch_l2(const QMat& m, int e, int o, const SwLane& l) {
-    constexpr int WSHIFT = BITS == 4 ? 3 : 2;
-    const u32* row = (const u32*)m.w + (u64)e * m.wpm + (u64)o * (u64)(m.inp >> WSHIFT);
-    const uint4* p = (const uint4*)row + l.ch * (BITS / 4);
-    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-    const u64 g = (u64)e * m.gpm + (u64)o * l.gpr + l.gch;
-    asm volatile("prefetch.global.L2 [%0];" ::"l"((const unsigned short*)m.s + g));
-    asm volatile("prefetch.global.L2 [%0];" ::"l"((const unsigned short*)m.b + g));
-}
-
 template <int BITS>
 __device__ __forceinline__ void sw_zero(SwUnit<BITS>& un) {
 #pragma unroll

@@ -247,31 +247,6 @@ __device__ __forceinline__ void tc_issue(const QMat& m, int e, int r0, int rows,
     }
 }
 
-// tc_issue's lines asked of the L2 only (`prefetch.global.L2`: nothing returns to the SM): the
-// lab define TC_PF (gemv.cu) requests tc_gemv's first batches this way before its PDL wait and
-// copies them after it.
-template <int NS>
-__device__ __forceinline__ void tc_prefetch_l2(const QMat& m, int e, int r0, int rows, int sb, int g, int t) {
-    const u64 rw = (u64)(m.inp >> 3);
-    const u32 gpr = (u32)(m.inp >> 6);
-    const int ra = r0 + g, rb = r0 + g + 8;
-    const bool oa = ra < rows, ob = rb < rows;
-    const u32* wa = (const u32*)m.w + (u64)e * m.wpm + (u64)(oa ? ra : 0) * rw + (u64)sb * 16 + 4 * t;
-    const u32* wb = (const u32*)m.w + (u64)e * m.wpm + (u64)(ob ? rb : 0) * rw + (u64)sb * 16 + 4 * t;
-#pragma unroll
-    for (int i = 0; i < NS; i++) {
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(wa + 16 * i));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(wb + 16 * i));
-    }
-    if (t < NS) {
-        const u64 ga = (u64)e * m.gpm + (u64)(oa ? ra : 0) * gpr + 2 * (sb + t), gb = (u64)e * m.gpm + (u64)(ob ? rb : 0) * gpr + 2 * (sb + t);
-        asm volatile("prefetch.global.L2 [%0];" ::"l"((const u16*)m.s + ga));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"((const u16*)m.b + ga));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"((const u16*)m.s + gb));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"((const u16*)m.b + gb));
-    }
-}
-
 // The lane's share of the tile in `slot` (generic pointer to this warp's slot), once its copies
 // have landed.
 template <int NS>
