@@ -2465,8 +2465,7 @@ fn moe_route_and_experts() {
 /// `moe_step`, Backend::moe_step_add), at the kernels' full-model shapes (hidden 2048, width 512,
 /// 256 experts, top 8; an 8-bit router and shared gate), 4-bit and 8-bit experts, three tokens in
 /// a row (the router blocks' count must be back at zero for each launch):
-/// * bit for bit the GPU's composition (the default: the router's own launch, then moe_wide),
-///   as are the opt-ins expert_l2 and ticket_one:
+/// * bit for bit the GPU's composition (the default: the router's own launch, then moe_wide):
 ///   x, logits, the shared gate's logit, the route and h. It is the same arithmetic in the same
 ///   order (sw_gemv's x, chunk dot and warp order; route.cuh), so no tolerance.
 /// * against the CPU: the logits within F32_TOL of the CPU's router on the GPU's x (as
@@ -2553,16 +2552,8 @@ fn moe_step_matches_its_composition_and_the_cpu() {
                 (h(&g, &gh), h(&g, &xn), h(&g, &lg), h(&g, &sl), ids, w)
             };
             let comp = run(&[]);
-            // The routed rows asked of the L2 by the router (expert_l2: a hint, nothing else
-            // may change) and its ticket by one acq_rel atomic (ticket_one): the same bits too.
             let fused = run(&["moe_step"]);
-            let l2 = run(&["expert_l2"]);
-            let ticket = run(&["ticket_one"]);
-            for (variant, got) in [
-                ("moe_step", &fused),
-                ("expert_l2", &l2),
-                ("ticket_one", &ticket),
-            ] {
+            for (variant, got) in [("moe_step", &fused)] {
                 let what = format!("{variant} {bits}-bit experts, token {token}");
                 for (part, a, b) in [
                     ("h", &got.0, &comp.0),

@@ -697,19 +697,6 @@ pub fn moe_step_compose<B: Backend + ?Sized>(
         r.s,
         r.route,
     );
-    moe_step_experts_compose(b, h, w, d, r, tmp);
-}
-
-/// `moe_step_compose`'s second op: the routed and shared experts of the route the router wrote
-/// into `r`, added into `h` (a backend that runs its own router, then this).
-pub fn moe_step_experts_compose<B: Backend + ?Sized>(
-    b: &B,
-    h: &mut B::Buf,
-    w: &MoeWeights<'_, B>,
-    d: &Dims,
-    r: RouterScratch<'_, B>,
-    tmp: MoeScratch<'_, B>,
-) {
     let shared = SharedExpert {
         gate: w.shared_gate_proj,
         up: w.shared_up_proj,

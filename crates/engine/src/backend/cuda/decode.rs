@@ -19,8 +19,6 @@ use std::sync::Mutex;
 
 use cudarc::driver::sys;
 
-use crate::backend::Backend;
-
 use super::{
     grid1, Arg, Buf, Cuda, Dims, Fmt, Mat, MoeWeights, QMat, Route, RouterScratch, SharedExpert,
 };
@@ -50,8 +48,7 @@ pub(super) struct SwArgs {
     ck: i32,
     dv: i32,
     rblock: i32,
-    tk1: i32,
-    xm: [QMat; 3],
+    pad: i32,
 }
 
 /// `struct SwMoe` of moe.cu (same layout).
@@ -217,90 +214,15 @@ impl Cuda {
         self.sw_gemv_route(x, ws, outs, None, None)
     }
 
-    /// `Backend::moe_router` (one row: the router | shared gate launch that routes in its last
-    /// block), told the routed experts' stacks when it runs for `moe_step_add`: that block then
-    /// asks the L2 for their rows (gemv.cu expert_l2_prefetch, opt-in `expert_l2`).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn router_experts(
-        &self,
-        h: &Buf,
-        w: &Buf,
-        rows: usize,
-        eps: f32,
-        router: &Mat,
-        shared_gate: &Mat,
-        d: &Dims,
-        r: &mut RouterScratch<'_, Self>,
-        experts: Option<[&Mat; 3]>,
-    ) {
-        let RouterScratch {
-            xn,
-            logits,
-            s,
-            route,
-        } = r;
-        let op = "moe_router";
-        let (e, k, dim) = (d.n_experts, d.top_k, d.hidden);
-        let ws = [router, shared_gate];
-        let fits = rows == 1
-            && self.on("fuse_route")
-            && self.on("fuse_norm")
-            && self.sw_fits(&ws)
-            && router.inp == dim
-            && router.out == e
-            && e <= 1024
-            && (1..=32).contains(&k)
-            && k <= e;
-        if !fits {
-            self.rms_norm_matmul(h, w, rows, dim, eps, xn, &ws, &mut [logits, s]);
-            self.moe_route(logits, d, rows, route);
-            return;
-        }
-        if self.buf_ok(h, dim, "h", op)
-            && self.buf_ok(w, dim, "w", op)
-            && self.act_ok(xn, dim, "xn", op)
-            && self.buf_ok(logits, e, "logits", op)
-            && self.out_ok(s, shared_gate.out, "s", op)
-            && self.ensure(k <= route.cap, || {
-                format!("{op}: route holds {} entries, {k} needed", route.cap)
-            })
-        {
-            route.k = k;
-            let x = SwX::Norm {
-                h,
-                w,
-                eps,
-                xn: Some(xn),
-            };
-            let outs = [(logits.mem.ptr, 0), (s.mem.ptr, s.bf16())];
-            if !self.router_cluster(x, &ws, &outs, route, k, d.norm_topk) {
-                self.sw_gemv_route(
-                    SwX::Norm {
-                        h,
-                        w,
-                        eps,
-                        xn: Some(xn),
-                    },
-                    &ws,
-                    &outs,
-                    Some((route, k, d.norm_topk, experts)),
-                    None,
-                );
-            }
-        }
-    }
-
     /// `sw_gemv`, routing the token in the last block (`route`: the route to write, top-k, whether
-    /// to renormalise, and the routed experts' gate, up and down stacks, which the last block asks
-    /// the L2 for once it has the route with opt-in `expert_l2`) from output 0, which must then be
-    /// f32 router logits.
+    /// to renormalise) from output 0, which must then be f32 router logits.
     /// With `conv` (obf 3 on output 0), output 0 goes through the GDN conv step in the epilogue.
     pub(super) fn sw_gemv_route(
         &self,
         x: SwX<'_>,
         ws: &[&Mat],
         outs: &[(u64, i32)],
-        route: Option<(&Route, usize, bool, Option<[&Mat; 3]>)>,
+        route: Option<(&Route, usize, bool)>,
         conv: Option<SwConv<'_>>,
     ) {
         let k = ws[0].inp;
@@ -381,8 +303,7 @@ impl Cuda {
             ck: 0,
             dv: 0,
             rblock: 0,
-            tk1: 0,
-            xm: [QMat::none(); 3],
+            pad: 0,
         };
         for (i, (w, o)) in ws.iter().zip(outs).enumerate() {
             p.m[i] = w.q();
@@ -416,7 +337,7 @@ impl Cuda {
             p.cst = c.state.mem.ptr;
             p.ck = c.k as i32;
         }
-        if let Some((r, k, norm, experts)) = route {
+        if let Some((r, k, norm)) = route {
             let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
             // Zeroed when allocated; every launch leaves it at zero.
             let Some(counter) = self.scratch(&mut sc, "route_counter", 4) else {
@@ -430,14 +351,6 @@ impl Cuda {
             p.ntopk = norm as i32;
             // The whole last block routes (route.cuh route_block: 256 threads, E <= 256).
             p.rblock = (self.on("route_block") && ws[0].out <= 256) as i32;
-            // The ticket by one thread's acq_rel atomic (opt-in `ticket_one`).
-            p.tk1 = self.opted_in("ticket_one") as i32;
-            if let Some(ex) = experts.filter(|ex| self.opted_in("expert_l2") && expert_l2_fits(ex))
-            {
-                for (x, m) in p.xm.iter_mut().zip(ex) {
-                    *x = m.q();
-                }
-            }
         }
         if let Some(rpb) = wide {
             // Every block at once (no batch loop): G = RPB / RW row groups, shared memory
@@ -515,8 +428,7 @@ impl Cuda {
             ck: 0,
             dv: 0,
             rblock: 0,
-            tk1: 0,
-            xm: [QMat::none(); 3],
+            pad: 0,
         };
         p.m[0] = r.q();
         p.m[1] = sg.q();
@@ -892,17 +804,6 @@ impl Cuda {
         self.moe_wide_down(&p, bits, hid, w, k, dr);
         true
     }
-}
-
-/// Whether gemv.cu's expert_l2_prefetch can take these gate, up and down stacks: bf16 scales and
-/// biases, the same bytes per expert in all three, each part whole 16-byte units.
-fn expert_l2_fits(ex: &[&Mat; 3]) -> bool {
-    let q = ex.map(|m| m.q());
-    ex.iter()
-        .all(|m| matches!(m.fmt, Fmt::Q4Bf16 | Fmt::Q8Bf16) && m.s.is_some() && m.b.is_some())
-        && q.iter().all(|m| m.wpm == q[0].wpm && m.gpm == q[0].gpm)
-        && (4 * q[0].wpm).is_multiple_of(16)
-        && (2 * q[0].gpm).is_multiple_of(16)
 }
 
 /// Timing probes of moe_step_gate_up (`LILY_MOE_STEP_PROBE`, bits: 1 no wait for the router's

@@ -1042,13 +1042,55 @@ impl Backend for Cuda {
         s: &mut Buf,
         route: &mut Route,
     ) {
-        let mut r = RouterScratch {
-            xn,
-            logits,
-            s,
-            route,
-        };
-        self.router_experts(h, w, rows, eps, router, shared_gate, d, &mut r, None);
+        let op = "moe_router";
+        let (e, k, dim) = (d.n_experts, d.top_k, d.hidden);
+        let ws = [router, shared_gate];
+        let fits = rows == 1
+            && self.on("fuse_route")
+            && self.on("fuse_norm")
+            && self.sw_fits(&ws)
+            && router.inp == dim
+            && router.out == e
+            && e <= 1024
+            && (1..=32).contains(&k)
+            && k <= e;
+        if !fits {
+            self.rms_norm_matmul(h, w, rows, dim, eps, xn, &ws, &mut [logits, s]);
+            self.moe_route(logits, d, rows, route);
+            return;
+        }
+        if self.buf_ok(h, dim, "h", op)
+            && self.buf_ok(w, dim, "w", op)
+            && self.act_ok(xn, dim, "xn", op)
+            && self.buf_ok(logits, e, "logits", op)
+            && self.out_ok(s, shared_gate.out, "s", op)
+            && self.ensure(k <= route.cap, || {
+                format!("{op}: route holds {} entries, {k} needed", route.cap)
+            })
+        {
+            route.k = k;
+            let x = decode::SwX::Norm {
+                h,
+                w,
+                eps,
+                xn: Some(xn),
+            };
+            let outs = [(logits.mem.ptr, 0), (s.mem.ptr, s.bf16())];
+            if !self.router_cluster(x, &ws, &outs, route, k, d.norm_topk) {
+                self.sw_gemv_route(
+                    decode::SwX::Norm {
+                        h,
+                        w,
+                        eps,
+                        xn: Some(xn),
+                    },
+                    &ws,
+                    &outs,
+                    Some((route, k, d.norm_topk)),
+                    None,
+                );
+            }
+        }
     }
     fn gdn_mixer_decode_add(
         &self,
@@ -1124,22 +1166,9 @@ impl Backend for Cuda {
         mut r: RouterScratch<'_, Self>,
         tmp: MoeScratch<'_, Self>,
     ) {
-        if self.moe_step(h, norm, eps, w, d, &mut r) {
-            return;
+        if !self.moe_step(h, norm, eps, w, d, &mut r) {
+            super::moe_step_compose(self, h, norm, eps, w, d, r, tmp);
         }
-        // moe_step_compose's two ops, the router told the routed experts' stacks.
-        self.router_experts(
-            h,
-            norm,
-            1,
-            eps,
-            w.router,
-            w.shared_gate,
-            d,
-            &mut r,
-            Some([w.gate, w.up, w.down]),
-        );
-        super::moe_step_experts_compose(self, h, w, d, r, tmp);
     }
     fn add(&self, h: &mut Buf, r: &Buf, len: usize) {
         if len == 0 || !(self.buf_ok(h, len, "h", "add") && self.act_ok(r, len, "r", "add")) {

@@ -113,17 +113,6 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   other boundaries were ~0.7, as if an SM had to drain to re-split its L1. Not faster on the
 ///   H200 (`scripts/h200-run carve`, 4K, alternated): 546.8 / 550.2 against 555.4 tok/s; and the
 ///   second trace (with marks) put that boundary at 1.3 µs without it.
-/// * `expert_l2` (written at stop 24, not yet run): the router's last block, once it has the
-///   route, asks the L2 for the routed experts' gate, up and down rows (gemv.cu
-///   expert_l2_prefetch: cp.async.bulk.prefetch.L2, ~12 MB). Why: gate|up's blocks request them
-///   only after their PDL wait and an L2 read of the ids, ~1.4 µs later, and the DRAM idles
-///   through the router's ticket and route (stop 24's trace: gate|up's wait to its rows 4.1 µs,
-///   then 3.0 µs of dots for 8 MB). Stop 22's l2_prefetch (the next layer's projections from the
-///   router) lost, but those weights were not on a DRAM-latency path.
-/// * `ticket_one` (written at stop 24, not yet run): the router's ticket taken by one thread's
-///   `atom.acq_rel.gpu` after the block's barrier, instead of `__threadfence()` in all 256
-///   threads (MEMBAR.SC.GPU and CCTL.IVALL in each) then a relaxed atomic (common.cuh
-///   ticket_acq_rel). The ticket and route are 4.2 µs a layer in stop 24's trace.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -132,8 +121,6 @@ pub const OPT_IN: &[&str] = &[
     "moe_step",
     "attn_fold",
     "carveout_all",
-    "expert_l2",
-    "ticket_one",
 ];
 
 impl Cuda {

@@ -151,37 +151,6 @@ struct TraceScope {
 #define MWD_MINB 2  // moe_wide_down_*: 32·SWD_MAXSLOTS threads
 #endif
 
-// L2_FIRST (a lab define, LILY_CUDA_DEFINE=L2_FIRST=1; 0 by default): the decode step's weight
-// streams (ld_stream16, cp16_w, cp4_w: sw_gemv, tc_gemv with the lm_head, moe_wide, moe_sw) carry
-// an L2 evict-first policy. Why: every weight is read once a token, 1.67 GB through a 60 MB L2,
-// so by default they push out what is read again: the kernels' code (fetched on demand after
-// each PDL wait: every decode kernel's first phase after its wait takes 1.5-4.7 µs for an L2
-// read or two, stop 24's traces), h and the activations, the norm weights, and at short context
-// the KV cache (80 MB at 4K). The KV cache's reads keep the normal policy.
-// The ticket of a last-block pattern taken by one thread after the block's barrier (gemv.cu's
-// router with opt-in `ticket_one`), instead of a __threadfence() in every thread before it
-// (MEMBAR.SC.GPU, a sequentially consistent fence, then CCTL.IVALL, in each) and a relaxed
-// atomicAdd. The release of the acq_rel atomic covers the block's stores that the barrier
-// ordered before it (cumulativity: cooperative groups' grid sync relies on the same, with a fence
-// by one thread); its acquire, followed by the last block's barrier, orders the other blocks'
-// stores before the last block's L2 reads.
-__device__ __forceinline__ u32 ticket_acq_rel(u32* counter) {
-    u32 old;
-    asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;" : "=r"(old) : "l"(counter) : "memory");
-    return old;
-}
-
-#ifndef L2_FIRST
-#define L2_FIRST 0
-#endif
-#if L2_FIRST
-__device__ __forceinline__ u64 l2_first_policy() {
-    u64 p;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
-    return p;
-}
-#endif
-
 // Activations between ops are bf16 (u16 bits: the CUDA backend's act_zeros): a kernel widens
 // them to f32 as it reads, computes and accumulates in f32, and rounds its activation outputs once
 // to nearest even as it writes (bf16_rn). The f32 buffers are the residual stream, logits, router

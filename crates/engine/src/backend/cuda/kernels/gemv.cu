@@ -56,8 +56,7 @@ struct SwArgs {
     int ck;       // obf 3: conv taps
     int dv;       // PRO 2: value head size (a multiple of 32, dv / 32 a power of two)
     int rblock;   // ROUTE: route with the whole last block (route.cuh route_block; E <= 256)
-    int tk1;      // ROUTE: the ticket by one thread's acq_rel atomic (opt-in `ticket_one`)
-    QMat xm[3];   // ROUTE: the routed experts' stacks to ask the L2 for (opt-in `expert_l2`), or w = 0
+    int pad;
 };
 
 __device__ __forceinline__ void sw_locate(const SwArgs& p, int bt, int rb, int& mi, int& row0) {
@@ -145,32 +144,6 @@ __device__ __forceinline__ float sw_x_pro(const SwArgs& p, const float* nw, int 
     return xs;
 }
 
-// The routed experts' rows asked of the L2 by the router's last block as soon as it has the route
-// (opt-in `expert_l2`: switches.rs says why): cp.async.bulk.prefetch.L2 (no registers, nothing to
-// wait for), 64 KB a request spread over the block's threads, each of the k experts' gate, up
-// and down codes, scales and biases. The host passes the stacks only where all three have the
-// same bytes per expert, bf16 scales and whole 16-byte units (decode.rs expert_l2_fits).
-__device__ __forceinline__ void expert_l2_prefetch(const QMat& g, const QMat& u, const QMat& dn, const u32* ids, int k) {
-    constexpr u64 CH = 65536;
-    const u64 wb = g.wpm * 4, sb = g.gpm * 2;  // bytes per expert: codes; scales (and biases)
-    const int ncw = (int)((wb + CH - 1) / CH), np = ncw + 2;
-    for (int job = threadIdx.x; job < k * 3 * np; job += blockDim.x) {
-        const int j = job / (3 * np), mi = (job / np) % 3, part = job % np;
-        const u64 e = __ldcg(ids + j);
-        u64 a;
-        u32 n;
-        if (part < ncw) {
-            a = (mi == 0 ? g.w : mi == 1 ? u.w : dn.w) + e * wb + (u64)part * CH;
-            n = (u32)min(CH, wb - (u64)part * CH);
-        } else {
-            const bool sc = part == ncw;
-            a = (mi == 0 ? (sc ? g.s : g.b) : mi == 1 ? (sc ? u.s : u.b) : (sc ? dn.s : dn.b)) + e * sb;
-            n = (u32)sb;
-        }
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a), "r"(n) : "memory");
-    }
-}
-
 template <int BITS, int C, int U, int PRO>
 __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     constexpr int RW = 32 / C, RB = RW * U;
@@ -251,24 +224,14 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
         // its logits visible, then takes a ticket; the last ticket's block routes and resets the
         // counter for the next launch (a recorded step replays this one).
         __shared__ int last;
-        if (p.tk1) {
-            // One thread's acq_rel ticket after the barrier (common.cuh ticket_acq_rel).
-            __syncthreads();
-            if (tid == 0) last = ticket_acq_rel((u32*)p.counter) == gridDim.x - 1;
-        } else {
-            __threadfence();
-            __syncthreads();
-            if (tid == 0) last = atomicAdd((u32*)p.counter, 1u) == gridDim.x - 1;
-        }
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) last = atomicAdd((u32*)p.counter, 1u) == gridDim.x - 1;
         __syncthreads();
         if (last) {
             if (p.rblock) route_block((const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk);
             else if (warp == 0) route_warp((const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk, lane);
             if (tid == 0) *(u32*)p.counter = 0u;
-            if (p.xm[0].w != 0) {
-                __syncthreads();  // the ids are written (route_warp's by warp 0 alone)
-                expert_l2_prefetch(p.xm[0], p.xm[1], p.xm[2], (const u32*)p.rids, p.rk);
-            }
         }
     }
 }

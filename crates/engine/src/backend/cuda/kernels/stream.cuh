@@ -59,13 +59,7 @@ __device__ __forceinline__ SwLane sw_lane(const QMat& m, int ch) {
 // L1 (the data still passes through L2).
 __device__ __forceinline__ uint4 ld_stream16(const void* p) {
     uint4 v;
-#if L2_FIRST
-    asm("ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-        : "l"(p), "l"(l2_first_policy()));
-#else
     asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
-#endif
     return v;
 }
 

@@ -178,26 +178,6 @@ __device__ __forceinline__ void cp16(u32 dst, const void* src, bool ok) {
 __device__ __forceinline__ void cp4(u32 dst, const void* src, bool ok) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0) : "memory");
 }
-// cp16 and cp4 for the decode step's weight streams (tc_issue, wide.cuh's wide_issue): the same
-// copies, with L2_FIRST's evict-first policy (common.cuh).
-__device__ __forceinline__ void cp16_w(u32 dst, const void* src, bool ok) {
-#if L2_FIRST
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0),
-                 "l"(l2_first_policy())
-                 : "memory");
-#else
-    cp16(dst, src, ok);
-#endif
-}
-__device__ __forceinline__ void cp4_w(u32 dst, const void* src, bool ok) {
-#if L2_FIRST
-    asm volatile("cp.async.ca.shared.global.L2::cache_hint [%0], [%1], 4, %2, %3;" ::"r"(dst), "l"(src), "r"(ok ? 4 : 0),
-                 "l"(l2_first_policy())
-                 : "memory");
-#else
-    cp4(dst, src, ok);
-#endif
-}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
@@ -234,16 +214,16 @@ __device__ __forceinline__ void tc_issue(const QMat& m, int e, int r0, int rows,
     const u32* wb = (const u32*)m.w + (u64)e * m.wpm + (u64)(ob ? rb : 0) * rw + (u64)sb * 16 + 4 * t;
 #pragma unroll
     for (int i = 0; i < NS; i++) {
-        cp16_w(slot + (2 * i) * 512 + lane * 16, wa + 16 * i, oa);
-        cp16_w(slot + (2 * i + 1) * 512 + lane * 16, wb + 16 * i, ob);
+        cp16(slot + (2 * i) * 512 + lane * 16, wa + 16 * i, oa);
+        cp16(slot + (2 * i + 1) * 512 + lane * 16, wb + 16 * i, ob);
     }
     if (t < NS) {
         const u64 ga = (u64)e * m.gpm + (u64)(oa ? ra : 0) * gpr + 2 * (sb + t), gb = (u64)e * m.gpm + (u64)(ob ? rb : 0) * gpr + 2 * (sb + t);
         const u32 sc = slot + 2 * NS * 512 + lane * 16;
-        cp4_w(sc, (const u16*)m.s + ga, oa);
-        cp4_w(sc + 4, (const u16*)m.b + ga, oa);
-        cp4_w(sc + 8, (const u16*)m.s + gb, ob);
-        cp4_w(sc + 12, (const u16*)m.b + gb, ob);
+        cp4(sc, (const u16*)m.s + ga, oa);
+        cp4(sc + 4, (const u16*)m.b + ga, oa);
+        cp4(sc + 8, (const u16*)m.s + gb, ob);
+        cp4(sc + 12, (const u16*)m.b + gb, ob);
     }
 }
 

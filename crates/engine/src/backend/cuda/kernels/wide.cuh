@@ -40,10 +40,10 @@ __device__ __forceinline__ void wide_issue(const QMat& m, int e, int o, const Sw
     const u32* row = (const u32*)m.w + (u64)e * m.wpm + (u64)o * (u64)(m.inp >> WSHIFT);
     const uint4* p = (const uint4*)row + l.ch * (BITS / 4);
 #pragma unroll
-    for (int i = 0; i < BITS / 4; i++) cp16_w(code + i * cstride, p + i, ok);
+    for (int i = 0; i < BITS / 4; i++) cp16(code + i * cstride, p + i, ok);
     const u64 g = (u64)e * m.gpm + (u64)o * l.gpr + l.gch;
-    cp4_w(sw, (const u32*)m.s + (g >> 1), ok);
-    cp4_w(bw, (const u32*)m.b + (g >> 1), ok);
+    cp4(sw, (const u32*)m.s + (g >> 1), ok);
+    cp4(bw, (const u32*)m.b + (g >> 1), ok);
 }
 
 // The chunk wide_issue copied, back from shared memory (generic pointers into the same slots).
