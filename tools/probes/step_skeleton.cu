@@ -1,0 +1,313 @@
+// step_skeleton.cu: what one dependent phase of a decode step costs at the floor, in the two
+// designs issue #13 names, measured side by side on the same work:
+//   chain    one kernel per phase, launched with programmatic dependent launch (PDL) and replayed
+//            from a CUDA graph: today's decode step (each block requests its weights, waits for
+//            the previous kernel with griddepcontrol.wait, then reads x);
+//   plain    the same chain without PDL (each kernel starts when the previous one has ended);
+//   persist  one persistent kernel, every block resident, the phases ordered on the device by a
+//            grid barrier (fence, atomic arrival, spin on the count: cooperative groups' pattern),
+//            each block requesting its next phase's weights before it waits for this phase.
+// Each phase p is the decode step's typical op, a normed streaming GEMV of the residual:
+//   x = y_p (2048 f32, written by the previous phase: every block reads all of it from L2),
+//   rr = 1 / sqrt(mean(x²) + 1e-6) (a block reduction),
+//   y_{p+1}[i] = x[i]·rr + 1e-3 · Σ_j W_p[i, j] · x[j mod 2048]·rr
+// with W_p int8 [2048, KW] (KW bytes a row, 0 to 4096: 0 to 8 MB a phase), each phase's weights
+// distinct, N phases in a row (N·KW·2048 bytes: for KW >= 1024, hundreds of MB, so every phase's
+// weights come from DRAM, as in a decode step, where 1.67 GB a token pass through a 60 MB L2).
+// Every design computes the same bits (a row by one warp, the same order): checked.
+// Launch shape: G blocks of 256 threads (G = 128 or 256: 16 or 8 rows a block, 2 or 1 a warp),
+// each block's slice of W_p (rows [b·2048/G, (b+1)·2048/G), contiguous) copied to shared memory
+// by cp.async before the wait (double-buffered in persist).
+// Why: the in-place trace (lily bench --trace) puts a decode kernel's first phase after its wait
+// at 1-5 µs and a token's 264 kernels at 6.7 µs each; 1,000 tok/s at 4K needs ~3.8. This says
+// what the chain costs a phase when the work is minimal, what a persistent kernel would, and
+// the bandwidth floor (one streaming read of all N phases' weights) beside them.
+//
+// Build and run on the GPU machine (scripts/h200-run skeleton):
+//   nvcc -O3 -arch=sm_90 -std=c++17 tools/probes/step_skeleton.cu -o /tmp/skeleton && /tmp/skeleton
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#define CK(x)                                                                 \
+    do {                                                                      \
+        cudaError_t e_ = (x);                                                 \
+        if (e_ != cudaSuccess) {                                              \
+            printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+            exit(1);                                                          \
+        }                                                                     \
+    } while (0)
+
+constexpr int D = 2048;  // the hidden size: every phase's input and output
+constexpr int T = 256;   // threads a block (8 warps)
+
+struct Args {
+    const int8_t* w;    // phase p's weights at w + p·D·kw: [D][kw] int8
+    int kw;             // bytes a row (a multiple of 512; 0: no weights)
+    float* y;           // [nph + 1][D]: y[0] the input, y[p + 1] phase p's output
+    int nph;            // phases
+    unsigned* bar;      // persist: the grid barrier's arrival count (monotonic over launches)
+    unsigned epoch;     // persist: arrivals before this launch (launch index · nph · G)
+};
+
+__device__ __forceinline__ void cp16(uint32_t dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
+
+// The block's slice of phase p's weights into shared memory `dst` (one commit group).
+__device__ __forceinline__ void issue_slice(const Args& a, int p, int rpb, unsigned char* dst) {
+    if (a.kw > 0) {
+        const unsigned char* src = (const unsigned char*)a.w + ((size_t)p * D + (size_t)blockIdx.x * rpb) * a.kw;
+        const int n16 = rpb * a.kw / 16;
+        for (int i = threadIdx.x; i < n16; i += T) cp16(smem_u32(dst + 16 * i), src + 16 * i);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Phase p after its dependency is met: x from L2 into shared memory with the block's sum of
+// squares, then (once `wait_slice` has the slice landed) the dots and the block's rows of y_{p+1}.
+template <typename W>
+__device__ __forceinline__ void phase_body(const Args& a, int p, int rpb, const unsigned char* ws, W wait_slice) {
+    __shared__ float xs[D];
+    __shared__ float sh[9];
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const float* x = a.y + (size_t)p * D;
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < D / T; i++) {
+        const float v = __ldcg(x + tid + T * i);  // L2: written by another block / kernel
+        xs[tid + T * i] = v;
+        ss += v * v;
+    }
+    ss = warp_sum(ss);
+    if (lane == 0) sh[warp] = ss;
+    wait_slice();
+    __syncthreads();
+    if (warp == 0) {
+        float t = lane < 8 ? sh[lane] : 0.0f;
+        t = warp_sum(t);
+        if (lane == 0) sh[8] = t;
+    }
+    __syncthreads();
+    const float rr = rsqrtf(sh[8] / (float)D + 1e-6f);
+    float* out = a.y + (size_t)(p + 1) * D;
+    for (int r = warp; r < rpb; r += 8) {
+        float acc = 0.0f;
+        if (a.kw > 0) {
+            const uint4* wr = (const uint4*)(ws + (size_t)r * a.kw);
+            for (int c = lane; c < a.kw / 16; c += 32) {
+                const uint4 v = wr[c];
+                const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int q = 0; q < 16; q++) {
+                    const int8_t b = (int8_t)((u[q >> 2] >> (8 * (q & 3))) & 0xffu);
+                    acc += (float)b * xs[(c * 16 + q) & (D - 1)];
+                }
+            }
+            acc = warp_sum(acc);
+        }
+        const int row = blockIdx.x * rpb + r;
+        if (lane == 0) out[row] = xs[row] * rr + 1e-3f * acc * rr;
+    }
+}
+
+// One phase as its own kernel (chain: launched with PDL; plain: without, where the griddepcontrol
+// instructions do nothing).
+__global__ void __launch_bounds__(T) chain_phase(Args a, int p) {
+    extern __shared__ __align__(16) unsigned char wsm[];
+    const int rpb = D / gridDim.x;
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+    issue_slice(a, p, rpb, wsm);  // weights never depend on the previous phase
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    phase_body(a, p, rpb, wsm, [] { asm volatile("cp.async.wait_group 0;" ::: "memory"); });
+}
+
+// Every phase in one kernel; all blocks resident (the host checks the occupancy).
+__global__ void __launch_bounds__(T) persist(Args a) {
+    extern __shared__ __align__(16) unsigned char wsm[];
+    const int G = gridDim.x, rpb = D / G;
+    const size_t slice = (size_t)rpb * a.kw;
+    issue_slice(a, 0, rpb, wsm);
+    for (int p = 0; p < a.nph; p++) {
+        const bool more = p + 1 < a.nph;
+        if (more) issue_slice(a, p + 1, rpb, wsm + ((p + 1) & 1) * slice);  // one phase ahead
+        if (p > 0) {
+            // Wait until every block has finished phase p - 1.
+            if (threadIdx.x == 0) {
+                const unsigned target = a.epoch + (unsigned)p * G;
+                unsigned seen;
+                do {
+                    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(a.bar) : "memory");
+                } while ((int)(seen - target) < 0);
+            }
+            __syncthreads();
+        }
+        auto wait_slice = [more] {
+            if (more) asm volatile("cp.async.wait_group 1;" ::: "memory");
+            else asm volatile("cp.async.wait_group 0;" ::: "memory");
+        };
+        phase_body(a, p, rpb, wsm + (p & 1) * slice, wait_slice);
+        // Arrive: this block's rows of y_{p+1} are written.
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(a.bar, 1u);
+        }
+    }
+}
+
+// The bandwidth floor: one streaming read of n16 16-byte words.
+__global__ void __launch_bounds__(512) read_all(const uint4* __restrict__ p, size_t n16, unsigned* sink) {
+    unsigned acc = 0;
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x, stride = (size_t)gridDim.x * blockDim.x;
+#pragma unroll 4
+    for (; i < n16; i += stride) {
+        const uint4 v = __ldcs(p + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+__global__ void fill_weights(int8_t* w, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint32_t h = (uint32_t)i * 2654435761u ^ (uint32_t)(i >> 32);
+        h ^= h >> 15;
+        h *= 2246822519u;
+        h ^= h >> 13;
+        w[i] = (int8_t)((int)(h % 17u) - 8);
+    }
+}
+
+static double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+}
+
+int main(int argc, char** argv) {
+    const int nph = argc > 1 ? atoi(argv[1]) : 240;
+    const int reps = 9;
+    const int kws[] = {0, 512, 1024, 2048, 4096};
+    const int grids[] = {128, 256};
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const size_t wbytes = (size_t)nph * D * 4096;
+    int8_t* w;
+    float* y;
+    unsigned *bar, *sink;
+    CK(cudaMalloc(&w, wbytes));
+    CK(cudaMalloc(&y, (size_t)(nph + 1) * D * 4));
+    CK(cudaMalloc(&bar, 4));
+    CK(cudaMalloc(&sink, 4));
+    CK(cudaMemset(bar, 0, 4));
+    // Weights in [-8, 8] (a hash of the index), the input of unit scale: deterministic.
+    fill_weights<<<sms * 8, 256>>>(w, wbytes);
+    {
+        std::vector<float> hy(D);
+        for (int i = 0; i < D; i++) hy[i] = (float)((i * 37) % 101 - 50) / 29.0f;
+        CK(cudaMemcpy(y, hy.data(), D * 4, cudaMemcpyHostToDevice));
+    }
+    CK(cudaDeviceSynchronize());
+    CK(cudaFuncSetAttribute(chain_phase, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
+    CK(cudaFuncSetAttribute(persist, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
+    cudaStream_t st;
+    CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    auto timed = [&](auto&& launch) {
+        std::vector<double> t;
+        for (int r = 0; r < reps + 2; r++) {
+            CK(cudaEventRecord(e0, st));
+            launch();
+            CK(cudaEventRecord(e1, st));
+            CK(cudaEventSynchronize(e1));
+            float ms;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            if (r >= 2) t.push_back(ms * 1e3);
+        }
+        return median(t);
+    };
+    unsigned launches = 0;  // persist launches so far (its barrier's epoch)
+    printf("step_skeleton: %d phases, %d SMs; us a phase (median of %d), the phase's weights over that time\n", nph, sms, reps);
+    printf("%6s %8s %5s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %s\n", "KW", "MB/phase", "G", "floor us", "TB/s", "chain us",
+           "TB/s", "plain us", "TB/s", "persist", "TB/s", "bits");
+    for (int kw : kws) {
+        const double mb = (double)D * kw / 1e6;
+        // The floor: all nph phases' weights in one streaming read.
+        double floor_us = 0.0;
+        if (kw > 0) {
+            const size_t n16 = (size_t)nph * D * kw / 16;
+            floor_us = timed([&] { read_all<<<sms * 4, 512, 0, st>>>((const uint4*)w, n16, sink); }) / nph;
+        }
+        for (int G : grids) {
+            const size_t slice = (size_t)(D / G) * kw;
+            Args a{w, kw, y, nph, bar, 0};
+            // chain (PDL) and plain, each a recorded graph of nph launches.
+            double chain_us[2];
+            std::vector<float> outs[3];
+            for (int pdl = 1; pdl >= 0; pdl--) {
+                cudaGraph_t g;
+                cudaGraphExec_t ge;
+                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+                for (int p = 0; p < nph; p++) {
+                    cudaLaunchConfig_t cfg = {};
+                    cfg.gridDim = dim3(G);
+                    cfg.blockDim = dim3(T);
+                    cfg.dynamicSmemBytes = slice;
+                    cfg.stream = st;
+                    cudaLaunchAttribute at[1];
+                    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                    at[0].val.programmaticStreamSerializationAllowed = 1;
+                    cfg.attrs = at;
+                    cfg.numAttrs = pdl;
+                    CK(cudaLaunchKernelEx(&cfg, chain_phase, a, p));
+                }
+                CK(cudaStreamEndCapture(st, &g));
+                CK(cudaGraphInstantiate(&ge, g, 0));
+                chain_us[pdl] = timed([&] { CK(cudaGraphLaunch(ge, st)); }) / nph;
+                outs[pdl].resize(D);
+                CK(cudaMemcpy(outs[pdl].data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
+                CK(cudaGraphExecDestroy(ge));
+                CK(cudaGraphDestroy(g));
+            }
+            // persist: needs every block resident at once, with the double buffer.
+            double persist_us = -1.0;
+            int per_sm = 0;
+            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, persist, T, 2 * slice));
+            if (per_sm * sms >= G) {
+                persist_us = timed([&] {
+                                 a.epoch = launches * (unsigned)nph * (unsigned)G;
+                                 launches++;
+                                 persist<<<G, T, 2 * slice, st>>>(a);
+                             }) /
+                             nph;
+                // Later launches continue the count from here: reset it (its epoch restarts).
+                CK(cudaStreamSynchronize(st));
+                CK(cudaMemset(bar, 0, 4));
+                launches = 0;
+                outs[2].resize(D);
+                CK(cudaMemcpy(outs[2].data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
+            }
+            CK(cudaGetLastError());
+            const bool same = memcmp(outs[0].data(), outs[1].data(), D * 4) == 0 &&
+                              (outs[2].empty() || memcmp(outs[0].data(), outs[2].data(), D * 4) == 0);
+            auto tbs = [&](double us) { return us > 0 && kw > 0 ? mb / us : 0.0; };
+            printf("%6d %8.2f %5d | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %s\n", kw, mb, G, floor_us,
+                   tbs(floor_us), chain_us[1], tbs(chain_us[1]), chain_us[0], tbs(chain_us[0]), persist_us, tbs(persist_us),
+                   same ? "equal" : "DIFFER");
+        }
+    }
+    printf("a token of the full preset runs 264 kernels and reads 1.67 GB (~6.3 MB a kernel); 1,000 tok/s needs ~3.8 us a kernel\n");
+    return 0;
+}
