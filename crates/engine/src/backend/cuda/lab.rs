@@ -6,7 +6,8 @@
 //! step, with a sync around each; here each op runs alone, so its kernels can be judged and
 //! compared with the ones they replace:
 //! * Every call is L2-cold (unless `LILY_LAB_HOT=1`: two copies, L2-hot; with `LILY_LAB_FLUSH=1`
-//!   the whole L2 is flushed before every call, code and inputs too: `Cuda::time_graph`). A case holds enough distinct copies of its weights that the bytes read
+//!   the whole L2 is flushed before every call, code and inputs too; with `=2` only the page-table
+//!   caches, by one read a 2 MB page: `Cuda::time_graph`). A case holds enough distinct copies of its weights that the bytes read
 //!   between two reads of one copy are at least [`L2_FACTOR`] × the L2 (and [`MIN_CYCLE`]): an
 //!   H200 has 50 MB of L2, a layer's in_proj is 14 MB. The copies are made on the device
 //!   ([`Cuda::random_mat`], `lab_fill_mat` in kernels/lab.cu), not uploaded (one lm_head is 286 MB).
@@ -205,32 +206,68 @@ impl Cuda {
     /// over a buffer of its own), and the figures are those of the graph with the reads minus
     /// those of the reads alone: the op with nothing of its own in L2 (its code and inputs
     /// neither), as in a decode step, where 1.67 GB of weights a token pass through the L2.
+    /// With `LILY_LAB_FLUSH=2` the flush is one 16-byte read every 2 MB over up to 32 GiB
+    /// (`lab_touch`): the GPU's page-table caches replaced, the L2 nearly untouched (a line a
+    /// page). Stop 25's full flush cost in_proj, out_proj, the router and the experts 6-15 µs a
+    /// call; this says how much of that is the TLB.
     pub fn time_graph(
         &self,
         calls: usize,
         ops: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<GraphTiming> {
-        if !std::env::var("LILY_LAB_FLUSH").is_ok_and(|v| v == "1") {
+        let mode = std::env::var("LILY_LAB_FLUSH").unwrap_or_default();
+        if mode != "1" && mode != "2" {
             return self.time_graph_plain(calls, ops);
         }
-        let l2 = self
-            .ctx
-            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?
-            .max(1 << 20) as usize;
-        let words = 2 * l2 / 16;
-        self.lab_room(16 * words, "the L2 flush's buffer")?;
-        let buf = self.alloc(16 * words)?;
-        self.lab_fill(&buf, 4 * words, None, 0xf105, 0.0)?;
         let blocks = 4 * self.lab_sms()?;
         let sink = self.alloc(4 * blocks as usize)?;
-        let flush = || {
-            self.launch(
-                "lab_read",
-                (blocks, 1, 1),
-                256,
-                0,
-                &[Arg::P(buf.ptr), Arg::P(words as u64), Arg::P(sink.ptr)],
-            )
+        let (_buf, flush): (Mem, Box<dyn Fn() + '_>) = if mode == "1" {
+            let l2 = self
+                .ctx
+                .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?
+                .max(1 << 20) as usize;
+            let words = 2 * l2 / 16;
+            self.lab_room(16 * words, "the L2 flush's buffer")?;
+            let buf = self.alloc(16 * words)?;
+            self.lab_fill(&buf, 4 * words, None, 0xf105, 0.0)?;
+            let (p, s) = (buf.ptr, sink.ptr);
+            let f = move || {
+                self.launch(
+                    "lab_read",
+                    (blocks, 1, 1),
+                    256,
+                    0,
+                    &[Arg::P(p), Arg::P(words as u64), Arg::P(s)],
+                )
+            };
+            (buf, Box::new(f))
+        } else {
+            const PAGE: usize = 2 << 20;
+            let (free, _) = self.mem_info()?;
+            let bytes = (32usize << 30).min(free.saturating_sub(HEADROOM) / 2) / PAGE * PAGE;
+            if bytes < 1024 * PAGE {
+                bail!(
+                    "kernel lab (LILY_LAB_FLUSH=2): {} MiB free, too few pages to replace the TLB",
+                    free >> 20
+                );
+            }
+            let buf = self.alloc(bytes)?;
+            let (p, s, pages) = (buf.ptr, sink.ptr, (bytes / PAGE) as u64);
+            let f = move || {
+                self.launch(
+                    "lab_touch",
+                    (blocks, 1, 1),
+                    256,
+                    0,
+                    &[
+                        Arg::P(p),
+                        Arg::P(pages),
+                        Arg::P((PAGE / 16) as u64),
+                        Arg::P(s),
+                    ],
+                )
+            };
+            (buf, Box::new(f))
         };
         let with = self.time_graph_plain(calls, &mut |i| {
             flush();

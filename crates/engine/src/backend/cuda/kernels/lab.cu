@@ -12,7 +12,11 @@
 //               their sum; each block's sum goes to sink[blockIdx.x] (gridDim.x floats) so that no
 //               load is optimised away. Launch one wave: at most 4 blocks of 256 per SM, fewer when
 //               n is small (about one word per thread).
-// Both start with PDL_ENTRY like every kernel of the backend (common.cuh): with LILY_CUDA_PDL=1 a
+// lab_touch     One 16-byte word every `stride` words of src, `pages` of them (grid-stride; each
+//               block's sum to sink[blockIdx.x]): with a 2 MB stride over tens of GB, every GPU
+//               page-table cache entry is replaced while the L2 takes only a line a page
+//               (LILY_LAB_FLUSH=2, lab.rs time_graph). Any grid, 256 threads.
+// All start with PDL_ENTRY like every kernel of the backend (common.cuh): with LILY_CUDA_PDL=1 a
 // pure read waits for the kernel before it and lets the next one launch early, as the ops do.
 
 extern "C" __global__ void __launch_bounds__(256)
@@ -41,6 +45,15 @@ lab_read(const uint4* __restrict__ src, u64 n, float* __restrict__ sink) { KTRAC
         acc += lab_mix(a) + lab_mix(b) + lab_mix(c) + lab_mix(d);
     }
     for (; i < n; i += stride) acc += lab_mix(src[i]);
+    float t = block_sum((float)acc, sh);
+    if (threadIdx.x == 0) sink[blockIdx.x] = t;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+lab_touch(const uint4* __restrict__ src, u64 pages, u64 stride, float* __restrict__ sink) { KTRACE(); PDL_ENTRY();
+    __shared__ float sh[32];
+    u32 acc = 0;
+    for (u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; i < pages; i += (u64)gridDim.x * blockDim.x) acc += lab_mix(src[i * stride]);
     float t = block_sum((float)acc, sh);
     if (threadIdx.x == 0) sink[blockIdx.x] = t;
 }
