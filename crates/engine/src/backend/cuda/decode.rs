@@ -97,6 +97,7 @@ const SW_MAXRB: usize = 128;
 const SWD_MAXSLOTS: usize = 10;
 
 /// The x of a streaming GEMV.
+#[derive(Clone, Copy)]
 pub(super) enum SwX<'a> {
     /// A bf16 activation.
     Act(&'a Buf),

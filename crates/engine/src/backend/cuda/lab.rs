@@ -216,12 +216,16 @@ impl Cuda {
         ops: &mut dyn FnMut(usize) -> Result<()>,
     ) -> Result<GraphTiming> {
         let mode = std::env::var("LILY_LAB_FLUSH").unwrap_or_default();
-        if mode != "1" && mode != "2" {
+        if !matches!(mode.as_str(), "1" | "2") {
+            if !matches!(mode.as_str(), "" | "0") {
+                bail!("LILY_LAB_FLUSH={mode}: 0 (none), 1 (the whole L2) or 2 (the page-table caches)");
+            }
             return self.time_graph_plain(calls, ops);
         }
         let blocks = 4 * self.lab_sms()?;
         let sink = self.alloc(4 * blocks as usize)?;
-        let (_buf, flush): (Mem, Box<dyn Fn() + '_>) = if mode == "1" {
+        // The flush kernel, its buffer (kept alive while the graphs are recorded) and arguments.
+        let (name, _buf, args) = if mode == "1" {
             let l2 = self
                 .ctx
                 .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE)?
@@ -230,17 +234,8 @@ impl Cuda {
             self.lab_room(16 * words, "the L2 flush's buffer")?;
             let buf = self.alloc(16 * words)?;
             self.lab_fill(&buf, 4 * words, None, 0xf105, 0.0)?;
-            let (p, s) = (buf.ptr, sink.ptr);
-            let f = move || {
-                self.launch(
-                    "lab_read",
-                    (blocks, 1, 1),
-                    256,
-                    0,
-                    &[Arg::P(p), Arg::P(words as u64), Arg::P(s)],
-                )
-            };
-            (buf, Box::new(f))
+            let args = [buf.ptr, words as u64, sink.ptr].map(Arg::P);
+            ("lab_read", buf, Vec::from(args))
         } else {
             const PAGE: usize = 2 << 20;
             let (free, _) = self.mem_info()?;
@@ -252,23 +247,10 @@ impl Cuda {
                 );
             }
             let buf = self.alloc(bytes)?;
-            let (p, s, pages) = (buf.ptr, sink.ptr, (bytes / PAGE) as u64);
-            let f = move || {
-                self.launch(
-                    "lab_touch",
-                    (blocks, 1, 1),
-                    256,
-                    0,
-                    &[
-                        Arg::P(p),
-                        Arg::P(pages),
-                        Arg::P((PAGE / 16) as u64),
-                        Arg::P(s),
-                    ],
-                )
-            };
-            (buf, Box::new(f))
+            let args = [buf.ptr, (bytes / PAGE) as u64, (PAGE / 16) as u64, sink.ptr].map(Arg::P);
+            ("lab_touch", buf, Vec::from(args))
         };
+        let flush = || self.launch(name, (blocks, 1, 1), 256, 0, &args);
         let with = self.time_graph_plain(calls, &mut |i| {
             flush();
             ops(i)

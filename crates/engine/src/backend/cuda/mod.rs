@@ -1077,18 +1077,7 @@ impl Backend for Cuda {
             };
             let outs = [(logits.mem.ptr, 0), (s.mem.ptr, s.bf16())];
             if !self.router_cluster(x, &ws, &outs, route, k, d.norm_topk) {
-                self.sw_gemv_route(
-                    decode::SwX::Norm {
-                        h,
-                        w,
-                        eps,
-                        xn: Some(xn),
-                    },
-                    &ws,
-                    &outs,
-                    Some((route, k, d.norm_topk)),
-                    None,
-                );
+                self.sw_gemv_route(x, &ws, &outs, Some((route, k, d.norm_topk)), None);
             }
         }
     }
