@@ -2462,7 +2462,8 @@ fn moe_route_and_experts() {
 }
 
 /// The MoE block of one token with the router folded into the experts' first launch (opt-in
-/// `moe_step`, Backend::moe_step_add), at the kernels' full-model shapes (hidden 2048, width 512,
+/// `moe_step`, Backend::moe_step_add), and with the route moved into the experts' launches
+/// (opt-in `late_route`: every block routes the logits itself), at the kernels' full-model shapes (hidden 2048, width 512,
 /// 256 experts, top 8; an 8-bit router and shared gate), 4-bit and 8-bit experts, three tokens in
 /// a row (the router blocks' count must be back at zero for each launch):
 /// * bit for bit the GPU's composition (the default: the router's own launch, then moe_wide):
@@ -2553,7 +2554,8 @@ fn moe_step_matches_its_composition_and_the_cpu() {
             };
             let comp = run(&[]);
             let fused = run(&["moe_step"]);
-            for (variant, got) in [("moe_step", &fused)] {
+            let late = run(&["late_route"]);
+            for (variant, got) in [("moe_step", &fused), ("late_route", &late)] {
                 let what = format!("{variant} {bits}-bit experts, token {token}");
                 for (part, a, b) in [
                     ("h", &got.0, &comp.0),

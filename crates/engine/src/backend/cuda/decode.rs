@@ -68,8 +68,11 @@ pub(super) struct SwMoe {
     act: u64,
     h: u64,
     k: i32,
-    pad: i32,
+    re: i32,
     counter: u64,
+    logits: u64,
+    ntopk: i32,
+    pad: i32,
 }
 
 /// `struct SwStep` of moe.cu (same layout): moe_step_gate_up's arguments.
@@ -522,8 +525,11 @@ impl Cuda {
             act,
             h: h.mem.ptr,
             k: k as i32,
-            pad: 0,
+            re: 0,
             counter,
+            logits: 0,
+            ntopk: 0,
+            pad: 0,
         })
     }
 
@@ -679,19 +685,30 @@ impl Cuda {
         };
         let (name, grid, smem) = moe_wide_gate_up_launch("moe_wide", bits, hid, w, k, rpb);
         self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::E(Box::new(*p))]);
-        self.moe_wide_down(p, bits, hid, w, k, dr);
+        self.moe_wide_down("moe_wide", p, bits, hid, w, k, dr);
         true
     }
 
-    /// moe_wide's down launch: H / DR blocks, warp j slot j; G = DR / RW row groups of RW =
-    /// 32 / (W / 32) rows; shared memory G·T·(16·NP + 8) with T = 32·(k + 1) threads.
-    fn moe_wide_down(&self, p: &SwMoe, bits: usize, hid: usize, w: usize, k: usize, dr: usize) {
+    /// moe_wide's down launch (`kind` moe_wide or moe_late): H / DR blocks, warp j slot j; G = DR
+    /// / RW row groups of RW = 32 / (W / 32) rows; shared memory G·T·(16·NP + 8) with T = 32·(k +
+    /// 1) threads.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_wide_down(
+        &self,
+        kind: &str,
+        p: &SwMoe,
+        bits: usize,
+        hid: usize,
+        w: usize,
+        k: usize,
+        dr: usize,
+    ) {
         let c = w / 32;
         let threads = 32 * (k + 1);
         let g = dr / (32 / c);
         let smem = (g * threads * (16 * (bits / 4) + 8)) as u32;
         self.launch(
-            &format!("moe_wide_down_{bits}_{c}_{dr}"),
+            &format!("{kind}_down_{bits}_{c}_{dr}"),
             ((hid / dr) as u32, 1, 1),
             threads as u32,
             smem,
@@ -802,7 +819,64 @@ impl Cuda {
             pad: 0,
         };
         self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::T(Box::new(st))]);
-        self.moe_wide_down(&p, bits, hid, w, k, dr);
+        self.moe_wide_down("moe_wide", &p, bits, hid, w, k, dr);
+        true
+    }
+
+    /// The MoE block of one token with the route moved out of the router's launch into the
+    /// experts' (opt-in `late_route`): the router | shared gate as a plain streaming GEMV with the
+    /// norm prologue (sw_gemv_8: the logits, the shared gate's logit and x; no ticket, no route in
+    /// a last block), then moe_wide's two launches in which every routed gate|up block (after its
+    /// PDL wait) and every down block (before its own) routes the logits itself (moe.cu's
+    /// moe_late_*, route.cuh route_block: the composition's ids and weights, bit for bit). Why:
+    /// the router's last block (fence, ticket, the logits read back, the route) is a chain of
+    /// ~4 µs a layer after its dots (`lily bench --trace`), where a block-wide route is ~1.5.
+    /// `false`: not taken (the caller composes moe_router and moe_decode_add).
+    pub(super) fn moe_late(
+        &self,
+        h: &mut Buf,
+        norm: &Buf,
+        eps: f32,
+        mw: &MoeWeights<'_, Cuda>,
+        d: &Dims,
+        r: &mut RouterScratch<'_, Cuda>,
+    ) -> bool {
+        let (e, k, hid) = (d.n_experts, d.top_k, d.hidden);
+        let shm = [mw.shared_gate_proj, mw.shared_up_proj, mw.shared_down_proj];
+        let taken = self.opted_in("late_route")
+            && self.on("fuse_route")
+            && self.on("route_block")
+            && !(self.on("tc_gemv") && self.opted_in("tc_all"));
+        let Some(bits) = taken.then(|| self.moe_step_experts(mw, d)).flatten() else {
+            return false;
+        };
+        if !self.moe_step_operands_ok(h, norm, mw, d, r) {
+            return true;
+        }
+        let w = mw.gate.out;
+        let Some(mut p) =
+            self.moe_sw_args(r.xn, r.route, k, mw.gate, mw.up, mw.down, shm, r.s, h, false)
+        else {
+            return true;
+        };
+        let Some((rpb, dr)) = self.moe_wide_fits(&p, hid, w, k, [mw.gate.gs, mw.down.gs]) else {
+            return false;
+        };
+        p.re = e as i32;
+        p.logits = r.logits.mem.ptr;
+        p.ntopk = d.norm_topk as i32;
+        r.route.k = k;
+        let x = SwX::Norm {
+            h,
+            w: norm,
+            eps,
+            xn: Some(r.xn),
+        };
+        let outs = [(r.logits.mem.ptr, 0), (r.s.mem.ptr, r.s.bf16())];
+        self.sw_gemv(x, &[mw.router, mw.shared_gate], &outs);
+        let (name, grid, smem) = moe_wide_gate_up_launch("moe_late", bits, hid, w, k, rpb);
+        self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::E(Box::new(p))]);
+        self.moe_wide_down("moe_late", &p, bits, hid, w, k, dr);
         true
     }
 }

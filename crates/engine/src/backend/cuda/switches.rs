@@ -105,6 +105,14 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   generic loads). Also since: only the two blocks that use the key (its cache writer, the
 ///   last split with keys) norm it, so no warp of the others has two rows, and blocks past the
 ///   keys' share skip the rows. Next: `scripts/h200-run tests,fold`.
+/// * `late_route`: an MoE block's top-k route moved out of the router's launch (Backend::
+///   moe_step_add; decode.rs moe_late): the router | shared gate a plain streaming GEMV (no
+///   fence, ticket or route in a last block), and every routed gate|up block (after its PDL wait)
+///   and every down block (before its own) routing the logits itself with route.cuh's
+///   route_block (moe.cu's moe_late_*): the composition's bits (cuda_ops). Why: the in-place
+///   trace puts the router's chain after its dots at 4.15 µs a layer (fence, ticket, logits read
+///   back, route), where the route alone is ~1.5 µs and gate|up reads the ids after its wait
+///   anyway. Not yet measured.
 /// * `carveout_all`: the largest shared-memory carveout asked for every kernel, not only the
 ///   tensor-core and streaming ones (device.rs `func`; read when a kernel is first loaded, so set
 ///   it at creation: `LILY_CUDA_ENABLE`). Why it was tried: stop 23's first trace (`lily bench
@@ -121,6 +129,7 @@ pub const OPT_IN: &[&str] = &[
     "moe_step",
     "attn_fold",
     "carveout_all",
+    "late_route",
 ];
 
 impl Cuda {

@@ -251,8 +251,11 @@ struct SwMoe {
     u64 act;          // u16* [(k + 1)·W]
     u64 h;            // float* [H]: the residual stream
     int k;
-    int pad;
+    int re;           // moe_late: the experts routed from `logits` (0: the route is in ids, wts)
     u64 counter;      // moe_step: u32 router blocks done, reset by moe_wide_down (0: none)
+    u64 logits;       // moe_late: const float* [re], the router's logits (each block routes)
+    int ntopk;        // moe_late: renormalise the top-k weights
+    int pad;
 };
 
 template <int BITS, int C, int U>
@@ -689,10 +692,12 @@ __device__ __forceinline__ void moe_publish_route(const SwMoe& p, const u32* rid
 // What a gate|up launch does between its PDL wait and its routed rows' requests (MODE):
 // GU_PLAIN  (moe_wide_gate_up): the ids the router wrote, then x.
 // GU_STEP   (moe_step_gate_up, opt-in `moe_step`): the router inside this launch (below).
+// GU_LATE   (moe_late_gate_up, opt-in `late_route`): x, then each routed block routes the
+//           logits itself (route.cuh route_block), then requests its expert's rows.
 // ST: SwStep with GU_STEP, else unused (the kernel passes p again): a reference,
 // not a pointer, so the kernel's parameter is read in place (its address would copy it to the
 // stack).
-enum GuMode { GU_PLAIN, GU_STEP };
+enum GuMode { GU_PLAIN, GU_STEP, GU_LATE };
 template <int BITS, int C, int RPB, int MODE, typename ST>
 __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& st) {
     constexpr int RW = 32 / C, G = RPB / RW, NP = BITS / 4, T = 256;
@@ -739,6 +744,17 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
         PDL_LAUNCH();
         if (!shared) issue((int)((const u32*)p.ids)[j]);
         xs = sw_x_act((const u16*)p.x, ln.ch, xv);
+    } else if constexpr (MODE == GU_LATE) {
+        __shared__ u32 rid[32];
+        __shared__ float rwt[32];
+        PDL_WAIT();
+        PDL_LAUNCH();
+        // x's loads first: they overlap the logits' round trip and the route.
+        xs = sw_x_act((const u16*)p.x, ln.ch, xv);
+        if (!shared) {
+            route_block((const float*)p.logits, rid, rwt, p.re, p.k, p.ntopk);  // ids published by its barriers
+            issue((int)rid[j]);
+        }
     } else {
         // Router rows o = RW·b + r of [router; shared gate] for the first NRJ blocks b, requested
         // before the wait like the shared expert's weights.
@@ -837,7 +853,10 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
     }
 }
 
-template <int BITS, int C, int DR>
+// LATE (moe_late_down, opt-in `late_route`): the block routes the logits itself before its wait
+// (route.cuh route_block; the router completed before any gate|up block passed its wait, hence
+// before this launch), block 0 writing the route for the host.
+template <int BITS, int C, int DR, bool LATE>
 __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     constexpr int K = 32 * C, RW = 32 / C, G = DR / RW, NP = BITS / 4;
     static_assert(G * RW == DR && G >= 1 && G <= 16, "rows per block: a multiple of RW, at most 16 groups");
@@ -853,8 +872,18 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     const int row0 = blockIdx.x * DR;
     const int codes = G * NP * T * 16, sbw = G * T * 4;
     const bool routed = j < p.k;
+    __shared__ u32 rid[LATE ? 32 : 1];
+    __shared__ float rwt[LATE ? 32 : 1];
+    if constexpr (LATE) {
+        route_block((const float*)p.logits, rid, rwt, p.re, p.k, p.ntopk);
+        __syncthreads();  // the weights (written after route_block's last barrier)
+        if (blockIdx.x == 0 && tid < p.k) {
+            ((u32*)p.ids)[tid] = rid[tid];
+            ((float*)p.wts)[tid] = rwt[tid];
+        }
+    }
     // Before the wait (module note above): the router that wrote the ids has completed.
-    const int e = routed ? (int)__ldcg((const unsigned int*)p.ids + j) : 0;
+    const int e = !routed ? 0 : LATE ? (int)rid[j] : (int)__ldcg((const unsigned int*)p.ids + j);
     const QMat D = routed ? p.d : p.sd;
     const SwLane ln = sw_lane(p.d, c);
     const int half = (int)(ln.gch & 1u);
@@ -870,7 +899,7 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     // moe_step: every gate|up block is done (the wait above), so the router count goes back to 0
     // for the next launch.
     if (p.counter != 0 && blockIdx.x == 0 && tid == 0) *(u32*)p.counter = 0u;
-    if (lane == 0) wt[j] = routed ? ((const float*)p.wts)[j] : sigmoid_f(((const float*)p.slogit)[0]);
+    if (lane == 0) wt[j] = routed ? (LATE ? rwt[j] : ((const float*)p.wts)[j]) : sigmoid_f(((const float*)p.slogit)[0]);
     float xv[32];
     const float xs = sw_x_act((const u16*)p.act + (u64)j * K, c, xv);
     TRACE_MARK(1);  // x ready
@@ -897,11 +926,19 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_step_gate_up_##BITS##_##C##_##RPB(SwStep q) { \
         KTRACE();                                                                                           \
         moe_wide_gate_up_body<BITS, C, RPB, GU_STEP>(q.m, q);                                               \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_late_gate_up_##BITS##_##C##_##RPB(SwMoe p) { \
+        KTRACE();                                                                                           \
+        moe_wide_gate_up_body<BITS, C, RPB, GU_LATE>(p, p);                                                 \
     }
 #define MOE_WIDE_DOWN(BITS, C, DR)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS, MWD_MINB) moe_wide_down_##BITS##_##C##_##DR(SwMoe p) { \
         KTRACE();                                                                                           \
-        moe_wide_down_body<BITS, C, DR>(p);                                                                 \
+        moe_wide_down_body<BITS, C, DR, false>(p);                                                          \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS, MWD_MINB) moe_late_down_##BITS##_##C##_##DR(SwMoe p) { \
+        KTRACE();                                                                                           \
+        moe_wide_down_body<BITS, C, DR, true>(p);                                                           \
     }
 #define MOE_WIDE_KERNELS(BITS)                                                                              \
     MOE_WIDE_GATE_UP(BITS, 8, 8) MOE_WIDE_GATE_UP(BITS, 8, 16) MOE_WIDE_GATE_UP(BITS, 8, 32)                 \

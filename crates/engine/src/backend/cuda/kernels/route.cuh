@@ -64,8 +64,10 @@ __device__ __forceinline__ void route_warp(const float* __restrict__ l, u32* __r
 }
 
 // route_block: route_warp_n<8>'s function (the same ids and weights, bit for bit) computed by a
-// whole block of 256 threads over E <= 256 experts: the router's last block (gemv.cu, switch
-// `route_block`, the default). Called by every thread of the block (it holds barriers).
+// whole block of at least 256 threads over E <= 256 experts: the router's last block (gemv.cu,
+// switch `route_block`, the default), and every block of the experts' launches with `late_route`
+// (moe.cu moe_late_*: 256 and 288 threads; threads from 256 on only meet the barriers). Called by
+// every thread of the block (it holds barriers). ids and weights may be shared or global.
 // Why: route_warp picks the k experts in k dependent rounds of a warp arg-max (each ~10 shuffles
 // and compares on the critical path): ~3 µs a layer of the router's chain on the H200 (the route
 // left out of moe_step, LILY_MOE_STEP_PROBE=2). Here thread e holds expert e's probability and
@@ -80,14 +82,15 @@ __device__ __forceinline__ void route_block(const float* __restrict__ l, u32* __
     __shared__ float wmax[8];
     __shared__ float ssum;
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const bool mine = t < 256;  // threads 256 and on (a 288-thread block) only meet the barriers
     const float v = t < E ? __ldcg(l + t) : NEG_INF;
     const float wm = warp_max(v);
-    if (lane == 0) wmax[warp] = wm;
+    if (lane == 0 && mine) wmax[warp] = wm;
     __syncthreads();
     float m = wmax[0];
 #pragma unroll
     for (int w = 1; w < 8; w++) m = fmaxf(m, wmax[w]);
-    ps[t] = t < E ? expf(v - m) : 0.0f;
+    if (mine) ps[t] = t < E ? expf(v - m) : 0.0f;
     __syncthreads();
     if (warp == 0) {
         float s = 0.0f;
@@ -100,7 +103,7 @@ __device__ __forceinline__ void route_block(const float* __restrict__ l, u32* __
     __syncthreads();
     const float p = t < E ? ps[t] / ssum : NEG_INF;
     __syncthreads();  // every read of the exponentials is done
-    ps[t] = p;
+    if (mine) ps[t] = p;
     __syncthreads();
     if (t < E) {
         int r = 0;
