@@ -7,6 +7,12 @@
 //   persist  one persistent kernel, every block resident, the phases ordered on the device by a
 //            grid barrier (fence, atomic arrival, spin on the count: cooperative groups' pattern),
 //            each block requesting its next phase's weights before it waits for this phase.
+//   cluster  persist with the dependency cluster-local: clusters of 8 blocks, cluster c owning
+//            rows [c·2048/ncl, (c+1)·2048/ncl) of every phase and reading only its own rows of
+//            y_p (a block-diagonal GEMV: the same weight bytes), phases ordered by the hardware
+//            cluster barrier. What a phase costs when a fusion keeps its dependency inside a
+//            cluster (an expert's gate|up -> down, a key head's in_proj -> delta step). Its
+//            function differs from the others' (no bit check).
 // Each phase p is the decode step's typical op, a normed streaming GEMV of the residual:
 //   x = y_p (2048 f32, written by the previous phase: every block reads all of it from L2),
 //   rr = 1 / sqrt(mean(x²) + 1e-6) (a block reduction),
@@ -167,6 +173,71 @@ __global__ void __launch_bounds__(T) persist(Args a) {
     }
 }
 
+// persist with cluster-local dependencies (the `cluster` design above): launched with clusters
+// of CL blocks; x is the cluster's own XL = D / ncl rows of y_p.
+__global__ void __launch_bounds__(T) clustered(Args a) {
+    extern __shared__ __align__(16) unsigned char wsm[];
+    __shared__ float xs[D];
+    __shared__ float sh[9];
+    const int G = gridDim.x, rpb = D / G;
+    uint32_t cl, ncl;
+    asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(cl));
+    asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(ncl));
+    const int XL = D / (int)ncl;  // a power of two (G, CL powers of two)
+    const size_t slice = (size_t)rpb * a.kw;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    issue_slice(a, 0, rpb, wsm);
+    for (int p = 0; p < a.nph; p++) {
+        const bool more = p + 1 < a.nph;
+        if (more) issue_slice(a, p + 1, rpb, wsm + ((p + 1) & 1) * slice);
+        if (p > 0) {
+            // Every block of the cluster has written its rows of y_p (global, through L2).
+            asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+            asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+        }
+        const float* x = a.y + (size_t)p * D + (size_t)cl * XL;
+        float ss = 0.0f;
+        for (int i = tid; i < XL; i += T) {
+            const float v = __ldcg(x + i);
+            xs[i] = v;
+            ss += v * v;
+        }
+        ss = warp_sum(ss);
+        if (lane == 0) sh[warp] = ss;
+        if (more) asm volatile("cp.async.wait_group 1;" ::: "memory");
+        else asm volatile("cp.async.wait_group 0;" ::: "memory");
+        __syncthreads();
+        if (warp == 0) {
+            float t = lane < 8 ? sh[lane] : 0.0f;
+            t = warp_sum(t);
+            if (lane == 0) sh[8] = t;
+        }
+        __syncthreads();
+        const float rr = rsqrtf(sh[8] / (float)XL + 1e-6f);
+        const unsigned char* ws = wsm + (p & 1) * slice;
+        float* out = a.y + (size_t)(p + 1) * D;
+        for (int r = warp; r < rpb; r += 8) {
+            float acc = 0.0f;
+            if (a.kw > 0) {
+                const uint4* wr = (const uint4*)(ws + (size_t)r * a.kw);
+                for (int c = lane; c < a.kw / 16; c += 32) {
+                    const uint4 v = wr[c];
+                    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                    for (int q = 0; q < 16; q++) {
+                        const int8_t b = (int8_t)((u[q >> 2] >> (8 * (q & 3))) & 0xffu);
+                        acc += (float)b * xs[(c * 16 + q) & (XL - 1)];
+                    }
+                }
+                acc = warp_sum(acc);
+            }
+            const int row = blockIdx.x * rpb + r;
+            if (lane == 0) out[row] = xs[row & (XL - 1)] * rr + 1e-3f * acc * rr;
+        }
+        __syncthreads();  // xs is rewritten by the next phase
+    }
+}
+
 // The bandwidth floor: one streaming read of n16 16-byte words.
 __global__ void __launch_bounds__(512) read_all(const uint4* __restrict__ p, size_t n16, unsigned* sink) {
     unsigned acc = 0;
@@ -220,6 +291,7 @@ int main(int argc, char** argv) {
     CK(cudaDeviceSynchronize());
     CK(cudaFuncSetAttribute(chain_phase, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
     CK(cudaFuncSetAttribute(persist, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
+    CK(cudaFuncSetAttribute(clustered, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     cudaEvent_t e0, e1;
@@ -240,8 +312,8 @@ int main(int argc, char** argv) {
     };
     unsigned launches = 0;  // persist launches so far (its barrier's epoch)
     printf("step_skeleton: %d phases, %d SMs; us a phase (median of %d), the phase's weights over that time\n", nph, sms, reps);
-    printf("%6s %8s %5s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %s\n", "KW", "MB/phase", "G", "floor us", "TB/s", "chain us",
-           "TB/s", "plain us", "TB/s", "persist", "TB/s", "bits");
+    printf("%6s %8s %5s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %s\n", "KW", "MB/phase", "G", "floor us", "TB/s",
+           "chain us", "TB/s", "plain us", "TB/s", "persist", "TB/s", "cluster", "TB/s", "bits");
     for (int kw : kws) {
         const double mb = (double)D * kw / 1e6;
         // The floor: all nph phases' weights in one streaming read.
@@ -299,13 +371,32 @@ int main(int argc, char** argv) {
                 outs[2].resize(D);
                 CK(cudaMemcpy(outs[2].data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
             }
+            // cluster: clusters of 8, every cluster resident at once (checked).
+            double cluster_us = -1.0;
+            {
+                cudaLaunchConfig_t cfg = {};
+                cfg.gridDim = dim3(G);
+                cfg.blockDim = dim3(T);
+                cfg.dynamicSmemBytes = 2 * slice;
+                cfg.stream = st;
+                cudaLaunchAttribute at[1];
+                at[0].id = cudaLaunchAttributeClusterDimension;
+                at[0].val.clusterDim.x = 8;
+                at[0].val.clusterDim.y = 1;
+                at[0].val.clusterDim.z = 1;
+                cfg.attrs = at;
+                cfg.numAttrs = 1;
+                int ncl = 0;
+                CK(cudaOccupancyMaxActiveClusters(&ncl, clustered, &cfg));
+                if (ncl * 8 >= G) cluster_us = timed([&] { CK(cudaLaunchKernelEx(&cfg, clustered, a)); }) / nph;
+            }
             CK(cudaGetLastError());
             const bool same = memcmp(outs[0].data(), outs[1].data(), D * 4) == 0 &&
                               (outs[2].empty() || memcmp(outs[0].data(), outs[2].data(), D * 4) == 0);
             auto tbs = [&](double us) { return us > 0 && kw > 0 ? mb / us : 0.0; };
-            printf("%6d %8.2f %5d | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %s\n", kw, mb, G, floor_us,
-                   tbs(floor_us), chain_us[1], tbs(chain_us[1]), chain_us[0], tbs(chain_us[0]), persist_us, tbs(persist_us),
-                   same ? "equal" : "DIFFER");
+            printf("%6d %8.2f %5d | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %s\n", kw, mb, G,
+                   floor_us, tbs(floor_us), chain_us[1], tbs(chain_us[1]), chain_us[0], tbs(chain_us[0]), persist_us,
+                   tbs(persist_us), cluster_us, tbs(cluster_us), same ? "equal" : "DIFFER");
         }
     }
     printf("a token of the full preset runs 264 kernels and reads 1.67 GB (~6.3 MB a kernel); 1,000 tok/s needs ~3.8 us a kernel\n");
