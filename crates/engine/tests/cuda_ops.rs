@@ -894,7 +894,8 @@ fn router_cluster_matches_the_cpu() {
 }
 
 /// The router's route by the whole last block (switch `route_block`, route.cuh route_block: the
-/// default) against route_warp (the switch off): the same ids and weights bit for bit, for 20 tokens of
+/// default; and route_sort, opt-in `route_sort`) against route_warp (the switch off): the same ids
+/// and weights bit for bit, for 20 tokens of
 /// random h through the router | shared gate launch (256 experts, top 8), and, on the same
 /// logits, equal to the CPU's moe_route. Half the tokens get a router whose rows 5 and 9, and
 /// 40 and 41, are copies of row 200: exact ties in the logits, which both forms must break
@@ -925,16 +926,25 @@ fn route_block_equals_route_warp() {
             };
             let (lv, ids, w) = run(&[]);
             let (lw, ids_w, w_w) = run(&["route_block"]);
-            let what = format!("route_block, {name} router, token {token}");
-            assert!(
-                lv.iter().zip(&lw).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{what}: the logits differ"
-            );
-            assert_eq!(ids, ids_w, "{what}: ids differ from route_warp's");
-            assert!(
-                w.iter().zip(&w_w).all(|(a, b)| a.to_bits() == b.to_bits()),
-                "{what}: weights differ from route_warp's"
-            );
+            g.set_enabled(&["route_sort"]).unwrap();
+            let (ls, ids_s, w_s) = run(&[]);
+            g.set_enabled(&[]).unwrap();
+            for (form, (l2, ids2, w2)) in [
+                ("route_block", (&lv, &ids, &w)),
+                ("route_sort", (&ls, &ids_s, &w_s)),
+            ] {
+                let what = format!("{form}, {name} router, token {token}");
+                assert!(
+                    l2.iter().zip(&lw).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: the logits differ"
+                );
+                assert_eq!(ids2, &ids_w, "{what}: ids differ from route_warp's");
+                assert!(
+                    w2.iter().zip(&w_w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{what}: weights differ from route_warp's"
+                );
+            }
+            let what = format!("route_block and route_sort, {name} router, token {token}");
             check_route_of_logits(&what, &lv, &ids, &w, &d);
             if name == "tied" {
                 assert_eq!(

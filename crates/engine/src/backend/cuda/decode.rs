@@ -353,8 +353,13 @@ impl Cuda {
             p.re = ws[0].out as i32;
             p.rk = k as i32;
             p.ntopk = norm as i32;
-            // The whole last block routes (route.cuh route_block: 256 threads, E <= 256).
-            p.rblock = (self.on("route_block") && ws[0].out <= 256) as i32;
+            // The whole last block routes (route.cuh, 256 threads, E <= 256): route_block, or
+            // route_sort (opt-in) for k <= 8.
+            p.rblock = match (self.on("route_block") && ws[0].out <= 256, k <= 8) {
+                (false, _) => 0,
+                (true, true) if self.opted_in("route_sort") => 2,
+                (true, _) => 1,
+            };
         }
         if let Some(rpb) = wide {
             // Every block at once (no batch loop): G = RPB / RW row groups, shared memory
@@ -854,9 +859,9 @@ impl Cuda {
             return true;
         }
         let w = mw.gate.out;
-        let Some(mut p) =
-            self.moe_sw_args(r.xn, r.route, k, mw.gate, mw.up, mw.down, shm, r.s, h, false)
-        else {
+        let Some(mut p) = self.moe_sw_args(
+            r.xn, r.route, k, mw.gate, mw.up, mw.down, shm, r.s, h, false,
+        ) else {
             return true;
         };
         let Some((rpb, dr)) = self.moe_wide_fits(&p, hid, w, k, [mw.gate.gs, mw.down.gs]) else {

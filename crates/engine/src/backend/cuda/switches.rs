@@ -112,7 +112,15 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   route_block (moe.cu's moe_late_*): the composition's bits (cuda_ops). Why: the in-place
 ///   trace puts the router's chain after its dots at 4.15 µs a layer (fence, ticket, logits read
 ///   back, route), where the route alone is ~1.5 µs and gate|up reads the ids after its wait
-///   anyway. Not yet measured.
+///   anyway. Measured on the H200 with route_block in every block (4K, two rounds alternated):
+///   491.4 / 493.2 against 575.2 / 570.3 tok/s, 128K 354.6 / 356.0 against 395.7 / 400.8: the
+///   router lost its tail (10.5 -> 6.3 µs a layer) but gate|up's wait -> rows requested grew
+///   4.2 -> 12.5 µs: route_block's rank loop (every thread against all 256 experts) run by 288
+///   gate|up and 256 down blocks at once. Since then the experts' blocks use `route_sort`.
+/// * `route_sort`: the router's last block routes with route.cuh's route_sort (k <= 8: per-warp
+///   bitonic sorts of 32, then each of the 64 warp-best candidates ranked against the other
+///   lists, ~30 compares a thread against route_block's 256) rather than route_block: the same
+///   ids and weights (cuda_ops). Not yet measured.
 /// * `carveout_all`: the largest shared-memory carveout asked for every kernel, not only the
 ///   tensor-core and streaming ones (device.rs `func`; read when a kernel is first loaded, so set
 ///   it at creation: `LILY_CUDA_ENABLE`). Why it was tried: stop 23's first trace (`lily bench
@@ -130,6 +138,7 @@ pub const OPT_IN: &[&str] = &[
     "attn_fold",
     "carveout_all",
     "late_route",
+    "route_sort",
 ];
 
 impl Cuda {

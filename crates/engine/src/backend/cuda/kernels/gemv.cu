@@ -30,7 +30,9 @@
 // last block to finish routes the token from matrix 0's f32 logits (route.cuh), saving the
 // moe_route launch; blocks count themselves on `counter` after a __threadfence. The route is
 // route_block (the whole block, a rank per expert; `rblock`, switch `route_block`, E <= 256: the
-// default, 2-3% faster decode) or route_warp (one warp, k arg-max rounds): the same ids and weights.
+// default, 2-3% faster decode), route_sort (`rblock` 2, opt-in `route_sort`: per-warp bitonic
+// sorts and a 64-candidate rank, k <= 8) or route_warp (one warp, k arg-max rounds): the same ids
+// and weights.
 
 #define SW_MAXRB 128  // rows per batch at most (C = 1, U = 4)
 
@@ -55,7 +57,7 @@ struct SwArgs {
     u64 zp;       // PRO 2: z, const u16* [K]
     int ck;       // obf 3: conv taps
     int dv;       // PRO 2: value head size (a multiple of 32, dv / 32 a power of two)
-    int rblock;   // ROUTE: route with the whole last block (route.cuh route_block; E <= 256)
+    int rblock;   // ROUTE: the whole last block routes (E <= 256): 1 route_block, 2 route_sort (k <= 8)
     int pad;
 };
 
@@ -229,7 +231,8 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
         if (tid == 0) last = atomicAdd((u32*)p.counter, 1u) == gridDim.x - 1;
         __syncthreads();
         if (last) {
-            if (p.rblock) route_block((const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk);
+            if (p.rblock == 2) route_sort((const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk);
+            else if (p.rblock) route_block((const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk);
             else if (warp == 0) route_warp((const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk, lane);
             if (tid == 0) *(u32*)p.counter = 0u;
         }

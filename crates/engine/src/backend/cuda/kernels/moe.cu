@@ -693,7 +693,8 @@ __device__ __forceinline__ void moe_publish_route(const SwMoe& p, const u32* rid
 // GU_PLAIN  (moe_wide_gate_up): the ids the router wrote, then x.
 // GU_STEP   (moe_step_gate_up, opt-in `moe_step`): the router inside this launch (below).
 // GU_LATE   (moe_late_gate_up, opt-in `late_route`): x, then each routed block routes the
-//           logits itself (route.cuh route_block), then requests its expert's rows.
+//           logits itself (route.cuh route_sort for k <= 8, else route_block), then requests
+//           its expert's rows.
 // ST: SwStep with GU_STEP, else unused (the kernel passes p again): a reference,
 // not a pointer, so the kernel's parameter is read in place (its address would copy it to the
 // stack).
@@ -752,7 +753,9 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
         // x's loads first: they overlap the logits' round trip and the route.
         xs = sw_x_act((const u16*)p.x, ln.ch, xv);
         if (!shared) {
-            route_block((const float*)p.logits, rid, rwt, p.re, p.k, p.ntopk);  // ids published by its barriers
+            // ids published by the route's barriers.
+            if (p.k <= 8) route_sort((const float*)p.logits, rid, rwt, p.re, p.k, p.ntopk);
+            else route_block((const float*)p.logits, rid, rwt, p.re, p.k, p.ntopk);
             issue((int)rid[j]);
         }
     } else {
@@ -854,7 +857,7 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
 }
 
 // LATE (moe_late_down, opt-in `late_route`): the block routes the logits itself before its wait
-// (route.cuh route_block; the router completed before any gate|up block passed its wait, hence
+// (route.cuh route_sort or route_block; the router completed before any gate|up block passed its wait, hence
 // before this launch), block 0 writing the route for the host.
 template <int BITS, int C, int DR, bool LATE>
 __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
@@ -875,7 +878,8 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     __shared__ u32 rid[LATE ? 32 : 1];
     __shared__ float rwt[LATE ? 32 : 1];
     if constexpr (LATE) {
-        route_block((const float*)p.logits, rid, rwt, p.re, p.k, p.ntopk);
+        if (p.k <= 8) route_sort((const float*)p.logits, rid, rwt, p.re, p.k, p.ntopk);
+        else route_block((const float*)p.logits, rid, rwt, p.re, p.k, p.ntopk);
         __syncthreads();  // the weights (written after route_block's last barrier)
         if (blockIdx.x == 0 && tid < p.k) {
             ((u32*)p.ids)[tid] = rid[tid];

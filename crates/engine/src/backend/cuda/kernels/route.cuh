@@ -127,3 +127,93 @@ __device__ __forceinline__ void route_block(const float* __restrict__ l, u32* __
     __syncthreads();
     if (t < k) weights[t] = top[t] / (norm_topk ? ssum : 1.0f);
 }
+
+// route_sort: route_block's function (the same ids and weights, bit for bit: the same softmax
+// arithmetic, the same `better` order) for top-k of at most 8, by a selection that costs each
+// thread ~30 compares instead of E: every warp sorts its 32 experts best first (a bitonic network
+// of shuffles: 15 compare-exchanges a lane), the 8 warps' first 8 go to shared memory, and each
+// of those 64 candidates counts the candidates of the other warps' lists that beat it (its rank
+// among the 64, which is its rank among all E: a warp's 9th is beaten by its first 8). Why:
+// route_block's rank loop (every thread against all 256) is ~1,000 instructions a thread; run by
+// every block of the experts' launches (opt-in `late_route`) it made gate|up 8 µs a layer slower
+// on the H200 (2-3 blocks an SM, and down's blocks routing beside them). Switch `route_sort`
+// (opt-in) puts it in the router's last block too. Called by every thread of a block of at least
+// 256 (threads from 256 on only meet the barriers); E <= 256, k <= 8.
+__device__ __forceinline__ void route_sort(const float* __restrict__ l, u32* __restrict__ ids, float* __restrict__ weights, int E, int k,
+                                           int norm_topk) {
+    __shared__ __align__(16) float ps[256];
+    __shared__ float cv[64];
+    __shared__ int ci[64];
+    __shared__ float top[32];
+    __shared__ float wmax[8];
+    __shared__ float ssum;
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const bool mine = t < 256;
+    // The softmax exactly as route_block (and route_warp_n<8>) computes it.
+    const float v = t < E ? __ldcg(l + t) : NEG_INF;
+    const float wm = warp_max(v);
+    if (lane == 0 && mine) wmax[warp] = wm;
+    __syncthreads();
+    float m = wmax[0];
+#pragma unroll
+    for (int w = 1; w < 8; w++) m = fmaxf(m, wmax[w]);
+    if (mine) ps[t] = t < E ? expf(v - m) : 0.0f;
+    __syncthreads();
+    if (warp == 0) {
+        float s = 0.0f;
+#pragma unroll
+        for (int i = 0; i < 8; i++)
+            if (lane + 32 * i < E) s += ps[lane + 32 * i];
+        s = warp_sum(s);
+        if (lane == 0) ssum = s;
+    }
+    __syncthreads();
+    if (mine) {
+        // The warp's 32 (p, id) best first: bitonic, lane 0 ends with the best. In a run of kk
+        // lanes sorted best first ((lane & kk) == 0) the lower lane of each pair keeps the better.
+        float p = t < E ? ps[t] / ssum : NEG_INF;
+        int id = t;
+#pragma unroll
+        for (int kk = 2; kk <= 32; kk <<= 1) {
+#pragma unroll
+            for (int j = kk >> 1; j > 0; j >>= 1) {
+                const float op = __shfl_xor_sync(0xffffffffu, p, j);
+                const int oi = __shfl_xor_sync(0xffffffffu, id, j);
+                const bool ob = better(op, oi, p, id);
+                const bool keep_better = ((lane & j) == 0) == ((lane & kk) == 0 || kk == 32);
+                if (keep_better == ob) {
+                    p = op;
+                    id = oi;
+                }
+            }
+        }
+        if (lane < 8) {
+            cv[warp * 8 + lane] = p;
+            ci[warp * 8 + lane] = id;
+        }
+    }
+    __syncthreads();
+    if (t < 64) {
+        const float p = cv[t];
+        const int id = ci[t], w = t >> 3;
+        int r = t & 7;  // beaten by the candidates before it in its own list
+#pragma unroll
+        for (int o = 0; o < 8; o++) {
+            if (o == w) continue;
+#pragma unroll
+            for (int q = 0; q < 8; q++) r += better(cv[o * 8 + q], ci[o * 8 + q], p, id);
+        }
+        if (r < k) {
+            top[r] = p;
+            ids[r] = (u32)id;
+        }
+    }
+    __syncthreads();
+    if (t == 0) {
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) sum += top[j];  // in slot order, as route_warp
+        ssum = sum;
+    }
+    __syncthreads();
+    if (t < k) weights[t] = top[t] / (norm_topk ? ssum : 1.0f);
+}
