@@ -833,9 +833,10 @@ impl Cuda {
     /// norm prologue (sw_gemv_8: the logits, the shared gate's logit and x; no ticket, no route in
     /// a last block), then moe_wide's two launches in which every routed gate|up block (after its
     /// PDL wait) and every down block (before its own) routes the logits itself (moe.cu's
-    /// moe_late_*, route.cuh route_block: the composition's ids and weights, bit for bit). Why:
+    /// moe_late_*, route.cuh route_sort: the composition's ids and weights, bit for bit). Why:
     /// the router's last block (fence, ticket, the logits read back, the route) is a chain of
-    /// ~4 µs a layer after its dots (`lily bench --trace`), where a block-wide route is ~1.5.
+    /// ~4 µs a layer after its dots (`lily bench --trace`). Measured neutral on the H200: the
+    /// route on gate|up's critical path costs as much (switches.rs `late_route`).
     /// `false`: not taken (the caller composes moe_router and moe_decode_add).
     pub(super) fn moe_late(
         &self,

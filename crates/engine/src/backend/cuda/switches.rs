@@ -105,22 +105,6 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   generic loads). Also since: only the two blocks that use the key (its cache writer, the
 ///   last split with keys) norm it, so no warp of the others has two rows, and blocks past the
 ///   keys' share skip the rows. Next: `scripts/h200-run tests,fold`.
-/// * `late_route`: an MoE block's top-k route moved out of the router's launch (Backend::
-///   moe_step_add; decode.rs moe_late): the router | shared gate a plain streaming GEMV (no
-///   fence, ticket or route in a last block), and every routed gate|up block (after its PDL wait)
-///   and every down block (before its own) routing the logits itself with route.cuh's
-///   route_block (moe.cu's moe_late_*): the composition's bits (cuda_ops). Why: the in-place
-///   trace puts the router's chain after its dots at 4.15 µs a layer (fence, ticket, logits read
-///   back, route), where the route alone is ~1.5 µs and gate|up reads the ids after its wait
-///   anyway. Measured on the H200 with route_block in every block (4K, two rounds alternated):
-///   491.4 / 493.2 against 575.2 / 570.3 tok/s, 128K 354.6 / 356.0 against 395.7 / 400.8: the
-///   router lost its tail (10.5 -> 6.3 µs a layer) but gate|up's wait -> rows requested grew
-///   4.2 -> 12.5 µs: route_block's rank loop (every thread against all 256 experts) run by 288
-///   gate|up and 256 down blocks at once. Since then the experts' blocks use `route_sort`.
-/// * `route_sort`: the router's last block routes with route.cuh's route_sort (k <= 8: per-warp
-///   bitonic sorts of 32, then each of the 64 warp-best candidates ranked against the other
-///   lists, ~30 compares a thread against route_block's 256) rather than route_block: the same
-///   ids and weights (cuda_ops). Not yet measured.
 /// * `carveout_all`: the largest shared-memory carveout asked for every kernel, not only the
 ///   tensor-core and streaming ones (device.rs `func`; read when a kernel is first loaded, so set
 ///   it at creation: `LILY_CUDA_ENABLE`). Why it was tried: stop 23's first trace (`lily bench
@@ -129,6 +113,27 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   other boundaries were ~0.7, as if an SM had to drain to re-split its L1. Not faster on the
 ///   H200 (`scripts/h200-run carve`, 4K, alternated): 546.8 / 550.2 against 555.4 tok/s; and the
 ///   second trace (with marks) put that boundary at 1.3 µs without it.
+/// * `late_route`: an MoE block's top-k route moved out of the router's launch (Backend::
+///   moe_step_add; decode.rs moe_late): the router | shared gate a plain streaming GEMV (no
+///   fence, ticket or route in a last block), and every routed gate|up block (after its PDL wait)
+///   and every down block (before its own) routing the logits itself (moe.cu's moe_late_*,
+///   route.cuh route_sort for k <= 8): the composition's bits (cuda_ops). Why: the in-place trace
+///   puts the router's chain after its dots at 4.1 µs a layer (fence, ticket, logits read back,
+///   route), and gate|up reads the ids after its wait anyway. Correct on the H200 (cuda_ops;
+///   greedy ids of the full preset equal to the default's, `h200-run optcheck`) but not faster
+///   (4K, two rounds alternated): 574.9 / 566.4 against 571.1 / 563.6 tok/s, 128K 400.7 / 399.2
+///   against 397.9 / 401.6. In place the router went 10.5 -> 6.5 µs a layer and gate|up 8.3 ->
+///   11.0 (its wait -> rows requested 4.0 -> 8.0): the route moved onto gate|up's critical path
+///   costs as much latency as the ticket it removes. With route_block in every block instead of
+///   route_sort it was 15% slower (491 against 575: route_block's rank loop, every thread against
+///   all 256 experts, run by 544 blocks at once).
+/// * `route_sort`: the router's last block routes with route.cuh's route_sort (k <= 8: per-warp
+///   bitonic sorts of 32, then each of the 64 warp-best candidates ranked against the other
+///   lists: ~30 compares a thread against route_block's 256) rather than route_block: the same
+///   ids and weights (cuda_ops, exact ties included). Less work but a longer dependent chain (15
+///   shuffle stages, then the merge): slower in one block on the H200, 552.4 / 552.4 against
+///   571.1 / 563.6 tok/s at 4K, 387.9 / 387.6 against 397.9 / 401.6 at 128K (the router's tail
+///   4.1 -> 5.1 µs). It stays for `late_route`, where the work, not the latency, decides.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",

@@ -136,8 +136,10 @@ __device__ __forceinline__ void route_block(const float* __restrict__ l, u32* __
 // among the 64, which is its rank among all E: a warp's 9th is beaten by its first 8). Why:
 // route_block's rank loop (every thread against all 256) is ~1,000 instructions a thread; run by
 // every block of the experts' launches (opt-in `late_route`) it made gate|up 8 µs a layer slower
-// on the H200 (2-3 blocks an SM, and down's blocks routing beside them). Switch `route_sort`
-// (opt-in) puts it in the router's last block too. Called by every thread of a block of at least
+// on the H200 (2-3 blocks an SM, and down's blocks routing beside them); with route_sort there,
+// late_route is as fast as the default (the route's latency now on gate|up's path). Opt-in
+// `route_sort` puts it in the router's last block too, where it is slower than route_block (its
+// chain of 15 dependent shuffle stages: the router's tail 4.1 -> 5.1 µs a layer). Called by every thread of a block of at least
 // 256 (threads from 256 on only meet the barriers); E <= 256, k <= 8.
 __device__ __forceinline__ void route_sort(const float* __restrict__ l, u32* __restrict__ ids, float* __restrict__ weights, int E, int k,
                                            int norm_topk) {
