@@ -2,7 +2,9 @@
 // designs issue #13 names, measured side by side on the same work:
 //   chain    one kernel per phase, launched with programmatic dependent launch (PDL) and replayed
 //            from a CUDA graph: today's decode step (each block requests its weights, waits for
-//            the previous kernel with griddepcontrol.wait, then reads x);
+//            the previous kernel with griddepcontrol.wait, lets its dependent launch, reads x);
+//   early    the chain with each kernel letting its dependent launch first thing, before its
+//            own wait (stop 26's `chain`: every phase slower, even with no weights);
 //   plain    the same chain without PDL (each kernel starts when the previous one has ended);
 //   persist  one persistent kernel, every block resident, the phases ordered on the device by a
 //            grid barrier (fence, atomic arrival, spin on the count: cooperative groups' pattern),
@@ -15,8 +17,10 @@
 //            function differs from the others' (no bit check).
 // Each phase p is the decode step's typical op, a normed streaming GEMV of the residual:
 //   x = y_p (2048 f32, written by the previous phase: every block reads all of it from L2),
-//   rr = 1 / sqrt(mean(x²) + 1e-6) (a block reduction),
-//   y_{p+1}[i] = x[i]·rr + 1e-3 · Σ_j W_p[i, j] · x[j mod 2048]·rr
+//   rr = 1 / sqrt(mean(x²) + 1e-6) (a block reduction), xq = int8(round(32·x·rr)) (clamped),
+//   y_{p+1}[i] = x[i]·rr + 1e-3 · rr · Σ_j W_p[i, j] · xq[j mod 2048]
+// (the dot by dp4a, 4 bytes an instruction, so that 8 MB a phase is memory-bound: stop 26's
+// scalar loop ran at 0.4 TB/s)
 // with W_p int8 [2048, KW] (KW bytes a row, 0 to 4096: 0 to 8 MB a phase), each phase's weights
 // distinct, N phases in a row (N·KW·2048 bytes: for KW >= 1024, hundreds of MB, so every phase's
 // weights come from DRAM, as in a decode step, where 1.67 GB a token pass through a 60 MB L2).
@@ -81,6 +85,36 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
+// The block's rpb rows of y_{p+1} from its weight slice ws (kw bytes a row), one warp a row:
+// the row's dot of int8 weights with xq (XL int8, cycled) by dp4a.
+__device__ __forceinline__ void rows_out(const unsigned char* ws, int kw, int rpb, const int8_t* xq, int XL, const float* xs, float rr,
+                                         float* out) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int r = warp; r < rpb; r += 8) {
+        int acc = 0;
+        if (kw > 0) {
+            const uint4* wr = (const uint4*)(ws + (size_t)r * kw);
+            for (int c = lane; c < kw / 16; c += 32) {
+                const uint4 v = wr[c];
+                const uint4 q = *(const uint4*)(xq + ((c * 16) & (XL - 1)));
+                acc = __dp4a((int)v.x, (int)q.x, acc);
+                acc = __dp4a((int)v.y, (int)q.y, acc);
+                acc = __dp4a((int)v.z, (int)q.z, acc);
+                acc = __dp4a((int)v.w, (int)q.w, acc);
+            }
+            acc = __reduce_add_sync(0xffffffffu, acc);
+        }
+        const int row = blockIdx.x * rpb + r;
+        if (lane == 0) out[row] = xs[row & (XL - 1)] * rr + 1e-3f * (float)acc * rr;
+    }
+}
+
+// x·rr quantized for the dot (every thread of the block; a barrier after).
+__device__ __forceinline__ void quantize_x(const float* xs, float rr, int XL, int8_t* xq) {
+    for (int i = threadIdx.x; i < XL; i += T) xq[i] = (int8_t)rintf(fminf(fmaxf(32.0f * xs[i] * rr, -127.0f), 127.0f));
+    __syncthreads();
+}
+
 // Phase p after its dependency is met: x from L2 into shared memory with the block's sum of
 // squares, then (once `wait_slice` has the slice landed) the dots and the block's rows of y_{p+1}.
 template <typename W>
@@ -107,35 +141,21 @@ __device__ __forceinline__ void phase_body(const Args& a, int p, int rpb, const 
     }
     __syncthreads();
     const float rr = rsqrtf(sh[8] / (float)D + 1e-6f);
-    float* out = a.y + (size_t)(p + 1) * D;
-    for (int r = warp; r < rpb; r += 8) {
-        float acc = 0.0f;
-        if (a.kw > 0) {
-            const uint4* wr = (const uint4*)(ws + (size_t)r * a.kw);
-            for (int c = lane; c < a.kw / 16; c += 32) {
-                const uint4 v = wr[c];
-                const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                for (int q = 0; q < 16; q++) {
-                    const int8_t b = (int8_t)((u[q >> 2] >> (8 * (q & 3))) & 0xffu);
-                    acc += (float)b * xs[(c * 16 + q) & (D - 1)];
-                }
-            }
-            acc = warp_sum(acc);
-        }
-        const int row = blockIdx.x * rpb + r;
-        if (lane == 0) out[row] = xs[row] * rr + 1e-3f * acc * rr;
-    }
+    __shared__ __align__(16) int8_t xq[D];
+    quantize_x(xs, rr, D, xq);
+    rows_out(ws, a.kw, rpb, xq, D, xs, rr, a.y + (size_t)(p + 1) * D);
 }
 
-// One phase as its own kernel (chain: launched with PDL; plain: without, where the griddepcontrol
-// instructions do nothing).
+// One phase as its own kernel (chain, early: launched with PDL; plain: without, where the
+// griddepcontrol instructions do nothing). EARLY: the dependent may launch before this wait.
+template <bool EARLY>
 __global__ void __launch_bounds__(T) chain_phase(Args a, int p) {
     extern __shared__ __align__(16) unsigned char wsm[];
     const int rpb = D / gridDim.x;
-    asm volatile("griddepcontrol.launch_dependents;" :::);
+    if (EARLY) asm volatile("griddepcontrol.launch_dependents;" :::);
     issue_slice(a, p, rpb, wsm);  // weights never depend on the previous phase
     asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (!EARLY) asm volatile("griddepcontrol.launch_dependents;" :::);
     phase_body(a, p, rpb, wsm, [] { asm volatile("cp.async.wait_group 0;" ::: "memory"); });
 }
 
@@ -178,6 +198,7 @@ __global__ void __launch_bounds__(T) persist(Args a) {
 __global__ void __launch_bounds__(T) clustered(Args a) {
     extern __shared__ __align__(16) unsigned char wsm[];
     __shared__ float xs[D];
+    __shared__ __align__(16) int8_t xq[D];
     __shared__ float sh[9];
     const int G = gridDim.x, rpb = D / G;
     uint32_t cl, ncl;
@@ -214,26 +235,8 @@ __global__ void __launch_bounds__(T) clustered(Args a) {
         }
         __syncthreads();
         const float rr = rsqrtf(sh[8] / (float)XL + 1e-6f);
-        const unsigned char* ws = wsm + (p & 1) * slice;
-        float* out = a.y + (size_t)(p + 1) * D;
-        for (int r = warp; r < rpb; r += 8) {
-            float acc = 0.0f;
-            if (a.kw > 0) {
-                const uint4* wr = (const uint4*)(ws + (size_t)r * a.kw);
-                for (int c = lane; c < a.kw / 16; c += 32) {
-                    const uint4 v = wr[c];
-                    const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-                    for (int q = 0; q < 16; q++) {
-                        const int8_t b = (int8_t)((u[q >> 2] >> (8 * (q & 3))) & 0xffu);
-                        acc += (float)b * xs[(c * 16 + q) & (XL - 1)];
-                    }
-                }
-                acc = warp_sum(acc);
-            }
-            const int row = blockIdx.x * rpb + r;
-            if (lane == 0) out[row] = xs[row & (XL - 1)] * rr + 1e-3f * acc * rr;
-        }
+        quantize_x(xs, rr, XL, xq);
+        rows_out(wsm + (p & 1) * slice, a.kw, rpb, xq, XL, xs, rr, a.y + (size_t)(p + 1) * D);
         __syncthreads();  // xs is rewritten by the next phase
     }
 }
@@ -289,7 +292,8 @@ int main(int argc, char** argv) {
         CK(cudaMemcpy(y, hy.data(), D * 4, cudaMemcpyHostToDevice));
     }
     CK(cudaDeviceSynchronize());
-    CK(cudaFuncSetAttribute(chain_phase, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
+    CK(cudaFuncSetAttribute(chain_phase<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
+    CK(cudaFuncSetAttribute(chain_phase<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
     CK(cudaFuncSetAttribute(persist, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
     CK(cudaFuncSetAttribute(clustered, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
     cudaStream_t st;
@@ -312,8 +316,8 @@ int main(int argc, char** argv) {
     };
     unsigned launches = 0;  // persist launches so far (its barrier's epoch)
     printf("step_skeleton: %d phases, %d SMs; us a phase (median of %d), the phase's weights over that time\n", nph, sms, reps);
-    printf("%6s %8s %5s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %s\n", "KW", "MB/phase", "G", "floor us", "TB/s",
-           "chain us", "TB/s", "plain us", "TB/s", "persist", "TB/s", "cluster", "TB/s", "bits");
+    printf("%6s %8s %5s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %s\n", "KW", "MB/phase", "G", "floor us",
+           "TB/s", "chain us", "TB/s", "early us", "TB/s", "plain us", "TB/s", "persist", "TB/s", "cluster", "TB/s", "bits");
     for (int kw : kws) {
         const double mb = (double)D * kw / 1e6;
         // The floor: all nph phases' weights in one streaming read.
@@ -325,10 +329,12 @@ int main(int argc, char** argv) {
         for (int G : grids) {
             const size_t slice = (size_t)(D / G) * kw;
             Args a{w, kw, y, nph, bar, 0};
-            // chain (PDL) and plain, each a recorded graph of nph launches.
-            double chain_us[2];
-            std::vector<float> outs[3];
-            for (int pdl = 1; pdl >= 0; pdl--) {
+            // chain (v 0: PDL, dependents after the wait), early (v 1: PDL, before it) and plain
+            // (v 2: no PDL), each a recorded graph of nph launches.
+            double chain_us[3];
+            std::vector<float> outs[4];
+            for (int v = 0; v < 3; v++) {
+                const int pdl = v < 2;
                 cudaGraph_t g;
                 cudaGraphExec_t ge;
                 CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
@@ -343,13 +349,14 @@ int main(int argc, char** argv) {
                     at[0].val.programmaticStreamSerializationAllowed = 1;
                     cfg.attrs = at;
                     cfg.numAttrs = pdl;
-                    CK(cudaLaunchKernelEx(&cfg, chain_phase, a, p));
+                    if (v == 1) CK(cudaLaunchKernelEx(&cfg, chain_phase<true>, a, p));
+                    else CK(cudaLaunchKernelEx(&cfg, chain_phase<false>, a, p));
                 }
                 CK(cudaStreamEndCapture(st, &g));
                 CK(cudaGraphInstantiate(&ge, g, 0));
-                chain_us[pdl] = timed([&] { CK(cudaGraphLaunch(ge, st)); }) / nph;
-                outs[pdl].resize(D);
-                CK(cudaMemcpy(outs[pdl].data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
+                chain_us[v] = timed([&] { CK(cudaGraphLaunch(ge, st)); }) / nph;
+                outs[v].resize(D);
+                CK(cudaMemcpy(outs[v].data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
                 CK(cudaGraphExecDestroy(ge));
                 CK(cudaGraphDestroy(g));
             }
@@ -368,8 +375,8 @@ int main(int argc, char** argv) {
                 CK(cudaStreamSynchronize(st));
                 CK(cudaMemset(bar, 0, 4));
                 launches = 0;
-                outs[2].resize(D);
-                CK(cudaMemcpy(outs[2].data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
+                outs[3].resize(D);
+                CK(cudaMemcpy(outs[3].data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
             }
             // cluster: clusters of 8, every cluster resident at once (checked).
             double cluster_us = -1.0;
@@ -391,12 +398,12 @@ int main(int argc, char** argv) {
                 if (ncl * 8 >= G) cluster_us = timed([&] { CK(cudaLaunchKernelEx(&cfg, clustered, a)); }) / nph;
             }
             CK(cudaGetLastError());
-            const bool same = memcmp(outs[0].data(), outs[1].data(), D * 4) == 0 &&
-                              (outs[2].empty() || memcmp(outs[0].data(), outs[2].data(), D * 4) == 0);
+            bool same = true;
+            for (int v = 1; v < 4; v++) same = same && (outs[v].empty() || memcmp(outs[0].data(), outs[v].data(), D * 4) == 0);
             auto tbs = [&](double us) { return us > 0 && kw > 0 ? mb / us : 0.0; };
-            printf("%6d %8.2f %5d | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %s\n", kw, mb, G,
-                   floor_us, tbs(floor_us), chain_us[1], tbs(chain_us[1]), chain_us[0], tbs(chain_us[0]), persist_us,
-                   tbs(persist_us), cluster_us, tbs(cluster_us), same ? "equal" : "DIFFER");
+            printf("%6d %8.2f %5d | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %s\n", kw,
+                   mb, G, floor_us, tbs(floor_us), chain_us[0], tbs(chain_us[0]), chain_us[1], tbs(chain_us[1]), chain_us[2],
+                   tbs(chain_us[2]), persist_us, tbs(persist_us), cluster_us, tbs(cluster_us), same ? "equal" : "DIFFER");
         }
     }
     printf("a token of the full preset runs 264 kernels and reads 1.67 GB (~6.3 MB a kernel); 1,000 tok/s needs ~3.8 us a kernel\n");
