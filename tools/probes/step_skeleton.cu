@@ -115,21 +115,11 @@ __device__ __forceinline__ void quantize_x(const float* xs, float rr, int XL, in
     __syncthreads();
 }
 
-// Phase p after its dependency is met: x from L2 into shared memory with the block's sum of
-// squares, then (once `wait_slice` has the slice landed) the dots and the block's rows of y_{p+1}.
+// rr = 1 / sqrt(Σ x² / n + 1e-6) from each thread's partial sum of squares ss (a block reduction;
+// wait_slice runs between the warps' sums and the barrier). Every thread calls it.
 template <typename W>
-__device__ __forceinline__ void phase_body(const Args& a, int p, int rpb, const unsigned char* ws, W wait_slice) {
-    __shared__ float xs[D];
-    __shared__ float sh[9];
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const float* x = a.y + (size_t)p * D;
-    float ss = 0.0f;
-#pragma unroll
-    for (int i = 0; i < D / T; i++) {
-        const float v = __ldcg(x + tid + T * i);  // L2: written by another block / kernel
-        xs[tid + T * i] = v;
-        ss += v * v;
-    }
+__device__ __forceinline__ float block_rr(float ss, float* sh, int n, W wait_slice) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     ss = warp_sum(ss);
     if (lane == 0) sh[warp] = ss;
     wait_slice();
@@ -140,7 +130,25 @@ __device__ __forceinline__ void phase_body(const Args& a, int p, int rpb, const 
         if (lane == 0) sh[8] = t;
     }
     __syncthreads();
-    const float rr = rsqrtf(sh[8] / (float)D + 1e-6f);
+    return rsqrtf(sh[8] / (float)n + 1e-6f);
+}
+
+// Phase p after its dependency is met: x from L2 into shared memory with the block's sum of
+// squares, then (once `wait_slice` has the slice landed) the dots and the block's rows of y_{p+1}.
+template <typename W>
+__device__ __forceinline__ void phase_body(const Args& a, int p, int rpb, const unsigned char* ws, W wait_slice) {
+    __shared__ float xs[D];
+    __shared__ float sh[9];
+    const int tid = threadIdx.x;
+    const float* x = a.y + (size_t)p * D;
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < D / T; i++) {
+        const float v = __ldcg(x + tid + T * i);  // L2: written by another block / kernel
+        xs[tid + T * i] = v;
+        ss += v * v;
+    }
+    const float rr = block_rr(ss, sh, D, wait_slice);
     __shared__ __align__(16) int8_t xq[D];
     quantize_x(xs, rr, D, xq);
     rows_out(ws, a.kw, rpb, xq, D, xs, rr, a.y + (size_t)(p + 1) * D);
@@ -206,7 +214,7 @@ __global__ void __launch_bounds__(T) clustered(Args a) {
     asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(ncl));
     const int XL = D / (int)ncl;  // a power of two (G, CL powers of two)
     const size_t slice = (size_t)rpb * a.kw;
-    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int tid = threadIdx.x;
     issue_slice(a, 0, rpb, wsm);
     for (int p = 0; p < a.nph; p++) {
         const bool more = p + 1 < a.nph;
@@ -223,18 +231,10 @@ __global__ void __launch_bounds__(T) clustered(Args a) {
             xs[i] = v;
             ss += v * v;
         }
-        ss = warp_sum(ss);
-        if (lane == 0) sh[warp] = ss;
-        if (more) asm volatile("cp.async.wait_group 1;" ::: "memory");
-        else asm volatile("cp.async.wait_group 0;" ::: "memory");
-        __syncthreads();
-        if (warp == 0) {
-            float t = lane < 8 ? sh[lane] : 0.0f;
-            t = warp_sum(t);
-            if (lane == 0) sh[8] = t;
-        }
-        __syncthreads();
-        const float rr = rsqrtf(sh[8] / (float)XL + 1e-6f);
+        const float rr = block_rr(ss, sh, XL, [more] {
+            if (more) asm volatile("cp.async.wait_group 1;" ::: "memory");
+            else asm volatile("cp.async.wait_group 0;" ::: "memory");
+        });
         quantize_x(xs, rr, XL, xq);
         rows_out(wsm + (p & 1) * slice, a.kw, rpb, xq, XL, xs, rr, a.y + (size_t)(p + 1) * D);
         __syncthreads();  // xs is rewritten by the next phase

@@ -75,57 +75,76 @@ __device__ __forceinline__ void route_warp(const float* __restrict__ l, u32* __r
 // choose): that count is its slot. One pass over 256 values in shared memory, no rounds.
 // Arithmetic as route_warp_n<8>: the max is exact in any order; lane l of warp 0 sums p[l + 32i]
 // for i = 0..7 in order, then warp_sum; p / s; the chosen p summed in slot order by one thread.
-__device__ __forceinline__ void route_block(const float* __restrict__ l, u32* __restrict__ ids, float* __restrict__ weights, int E, int k,
-                                            int norm_topk) {
-    __shared__ __align__(16) float ps[256];
-    __shared__ float top[32];
-    __shared__ float wmax[8];
-    __shared__ float ssum;
+// The shared memory of route_block and route_sort (ps first: read as float4).
+struct __align__(16) RouteSmem {
+    float ps[256];  // the exponentials, then (route_block) the probabilities
+    float top[32];  // the chosen p by slot
+    float wmax[8];  // the warps' maxima
+    float ssum;     // the sum of the exponentials, then of the chosen p
+};
+
+// route_warp_n<8>'s softmax over a block (route_block's note): thread t's p, NEG_INF from E on.
+// Every thread of the block calls it (three barriers).
+__device__ __forceinline__ float route_softmax(const float* __restrict__ l, int E, RouteSmem& s) {
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
     const bool mine = t < 256;  // threads 256 and on (a 288-thread block) only meet the barriers
     const float v = t < E ? __ldcg(l + t) : NEG_INF;
     const float wm = warp_max(v);
-    if (lane == 0 && mine) wmax[warp] = wm;
+    if (lane == 0 && mine) s.wmax[warp] = wm;
     __syncthreads();
-    float m = wmax[0];
+    float m = s.wmax[0];
 #pragma unroll
-    for (int w = 1; w < 8; w++) m = fmaxf(m, wmax[w]);
-    if (mine) ps[t] = t < E ? expf(v - m) : 0.0f;
+    for (int w = 1; w < 8; w++) m = fmaxf(m, s.wmax[w]);
+    if (mine) s.ps[t] = t < E ? expf(v - m) : 0.0f;
     __syncthreads();
     if (warp == 0) {
-        float s = 0.0f;
+        float sum = 0.0f;
 #pragma unroll
         for (int i = 0; i < 8; i++)
-            if (lane + 32 * i < E) s += ps[lane + 32 * i];
-        s = warp_sum(s);
-        if (lane == 0) ssum = s;
+            if (lane + 32 * i < E) sum += s.ps[lane + 32 * i];
+        sum = warp_sum(sum);
+        if (lane == 0) s.ssum = sum;
     }
     __syncthreads();
-    const float p = t < E ? ps[t] / ssum : NEG_INF;
+    return t < E ? s.ps[t] / s.ssum : NEG_INF;
+}
+
+// The weights from the chosen p in s.top[0, k) (written before the call): summed in slot order by
+// one thread, as route_warp. Every thread of the block calls it (barriers).
+__device__ __forceinline__ void route_weights(RouteSmem& s, float* __restrict__ weights, int k, int norm_topk) {
+    const int t = threadIdx.x;
+    __syncthreads();
+    if (t == 0) {
+        float sum = 0.0f;
+        for (int j = 0; j < k; j++) sum += s.top[j];
+        s.ssum = sum;
+    }
+    __syncthreads();
+    if (t < k) weights[t] = s.top[t] / (norm_topk ? s.ssum : 1.0f);
+}
+
+__device__ __forceinline__ void route_block(const float* __restrict__ l, u32* __restrict__ ids, float* __restrict__ weights, int E, int k,
+                                            int norm_topk) {
+    __shared__ RouteSmem s;
+    const int t = threadIdx.x;
+    const float p = route_softmax(l, E, s);
     __syncthreads();  // every read of the exponentials is done
-    if (mine) ps[t] = p;
+    if (t < 256) s.ps[t] = p;
     __syncthreads();
     if (t < E) {
         int r = 0;
-        const float4* p4 = (const float4*)ps;
+        const float4* p4 = (const float4*)s.ps;
 #pragma unroll 8
         for (int e4 = 0; e4 < 64; e4++) {
             const float4 q = p4[e4];
             r += better(q.x, 4 * e4, p, t) + better(q.y, 4 * e4 + 1, p, t) + better(q.z, 4 * e4 + 2, p, t) + better(q.w, 4 * e4 + 3, p, t);
         }
         if (r < k) {
-            top[r] = p;
+            s.top[r] = p;
             ids[r] = (u32)t;
         }
     }
-    __syncthreads();
-    if (t == 0) {
-        float sum = 0.0f;
-        for (int j = 0; j < k; j++) sum += top[j];  // in slot order, as route_warp
-        ssum = sum;
-    }
-    __syncthreads();
-    if (t < k) weights[t] = top[t] / (norm_topk ? ssum : 1.0f);
+    route_weights(s, weights, k, norm_topk);
 }
 
 // route_sort: route_block's function (the same ids and weights, bit for bit: the same softmax
@@ -143,37 +162,14 @@ __device__ __forceinline__ void route_block(const float* __restrict__ l, u32* __
 // 256 (threads from 256 on only meet the barriers); E <= 256, k <= 8.
 __device__ __forceinline__ void route_sort(const float* __restrict__ l, u32* __restrict__ ids, float* __restrict__ weights, int E, int k,
                                            int norm_topk) {
-    __shared__ __align__(16) float ps[256];
+    __shared__ RouteSmem s;
     __shared__ float cv[64];
     __shared__ int ci[64];
-    __shared__ float top[32];
-    __shared__ float wmax[8];
-    __shared__ float ssum;
     const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    const bool mine = t < 256;
-    // The softmax exactly as route_block (and route_warp_n<8>) computes it.
-    const float v = t < E ? __ldcg(l + t) : NEG_INF;
-    const float wm = warp_max(v);
-    if (lane == 0 && mine) wmax[warp] = wm;
-    __syncthreads();
-    float m = wmax[0];
-#pragma unroll
-    for (int w = 1; w < 8; w++) m = fmaxf(m, wmax[w]);
-    if (mine) ps[t] = t < E ? expf(v - m) : 0.0f;
-    __syncthreads();
-    if (warp == 0) {
-        float s = 0.0f;
-#pragma unroll
-        for (int i = 0; i < 8; i++)
-            if (lane + 32 * i < E) s += ps[lane + 32 * i];
-        s = warp_sum(s);
-        if (lane == 0) ssum = s;
-    }
-    __syncthreads();
-    if (mine) {
+    float p = route_softmax(l, E, s);
+    if (t < 256) {
         // The warp's 32 (p, id) best first: bitonic, lane 0 ends with the best. In a run of kk
         // lanes sorted best first ((lane & kk) == 0) the lower lane of each pair keeps the better.
-        float p = t < E ? ps[t] / ssum : NEG_INF;
         int id = t;
 #pragma unroll
         for (int kk = 2; kk <= 32; kk <<= 1) {
@@ -196,26 +192,19 @@ __device__ __forceinline__ void route_sort(const float* __restrict__ l, u32* __r
     }
     __syncthreads();
     if (t < 64) {
-        const float p = cv[t];
+        const float c = cv[t];
         const int id = ci[t], w = t >> 3;
         int r = t & 7;  // beaten by the candidates before it in its own list
 #pragma unroll
         for (int o = 0; o < 8; o++) {
             if (o == w) continue;
 #pragma unroll
-            for (int q = 0; q < 8; q++) r += better(cv[o * 8 + q], ci[o * 8 + q], p, id);
+            for (int q = 0; q < 8; q++) r += better(cv[o * 8 + q], ci[o * 8 + q], c, id);
         }
         if (r < k) {
-            top[r] = p;
+            s.top[r] = c;
             ids[r] = (u32)id;
         }
     }
-    __syncthreads();
-    if (t == 0) {
-        float sum = 0.0f;
-        for (int j = 0; j < k; j++) sum += top[j];  // in slot order, as route_warp
-        ssum = sum;
-    }
-    __syncthreads();
-    if (t < k) weights[t] = top[t] / (norm_topk ? ssum : 1.0f);
+    route_weights(s, weights, k, norm_topk);
 }
