@@ -33,6 +33,9 @@
 // what the chain costs a phase when the work is minimal, what a persistent kernel would, and
 // the bandwidth floor (one streaming read of all N phases' weights) beside them.
 //
+// First it prints how many clusters of 4-16 blocks the GPU holds at once at 32-200 KB of shared
+// memory a block: a cluster per MoE slot (9 a layer) needs all 9 resident.
+//
 // Build and run on the GPU machine (scripts/h200-run skeleton):
 //   nvcc -O3 -arch=sm_90 -std=c++17 tools/probes/step_skeleton.cu -o /tmp/skeleton && /tmp/skeleton
 #include <cuda_runtime.h>
@@ -295,7 +298,7 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(chain_phase<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
     CK(cudaFuncSetAttribute(chain_phase<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
     CK(cudaFuncSetAttribute(persist, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
-    CK(cudaFuncSetAttribute(clustered, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
+    CK(cudaFuncSetAttribute(clustered, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     cudaEvent_t e0, e1;
@@ -314,6 +317,40 @@ int main(int argc, char** argv) {
         }
         return median(t);
     };
+    // How many thread-block clusters of CL blocks (256 threads, SMEM KB of dynamic shared memory
+    // each) the GPU holds at once: whether an MoE layer's 9 slots (8 routed experts and the shared
+    // one), a cluster each, can all be resident (cudaOccupancyMaxActiveClusters; CL > 8 needs the
+    // non-portable size, allowed here).
+    CK(cudaFuncSetAttribute(clustered, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    printf("clusters resident at once (cudaOccupancyMaxActiveClusters), 256 threads a block:\n%10s", "smem KB");
+    const int cls[] = {4, 8, 12, 14, 16};
+    for (int cl : cls) printf(" %8s%-3d", "CL=", cl);
+    printf("\n");
+    for (int kb : {32, 64, 110, 150, 200}) {
+        printf("%10d", kb);
+        for (int cl : cls) {
+            cudaLaunchConfig_t cfg = {};
+            cfg.gridDim = dim3(cl * 16);
+            cfg.blockDim = dim3(T);
+            cfg.dynamicSmemBytes = (size_t)kb * 1024;
+            cudaLaunchAttribute at[1];
+            at[0].id = cudaLaunchAttributeClusterDimension;
+            at[0].val.clusterDim.x = cl;
+            at[0].val.clusterDim.y = 1;
+            at[0].val.clusterDim.z = 1;
+            cfg.attrs = at;
+            cfg.numAttrs = 1;
+            int n = 0;
+            const cudaError_t e = cudaOccupancyMaxActiveClusters(&n, clustered, &cfg);
+            if (e != cudaSuccess) {
+                (void)cudaGetLastError();
+                printf(" %11s", "error");
+            } else {
+                printf(" %11d", n);
+            }
+        }
+        printf("\n");
+    }
     unsigned launches = 0;  // persist launches so far (its barrier's epoch)
     printf("step_skeleton: %d phases, %d SMs; us a phase (median of %d), the phase's weights over that time\n", nph, sms, reps);
     printf("%6s %8s %5s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %s\n", "KW", "MB/phase", "G", "floor us",
