@@ -126,7 +126,8 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   11.0 (its wait -> rows requested 4.0 -> 8.0): the route moved onto gate|up's critical path
 ///   costs as much latency as the ticket it removes. With route_block in every block instead of
 ///   route_sort it was 15% slower (491 against 575: route_block's rank loop, every thread against
-///   all 256 experts, run by 544 blocks at once).
+///   all 256 experts, run by 544 blocks at once). Stop 23's `route_experts` (gate|up only,
+///   removed) was the same idea: 528.2 / 532.9 against 552.1 / 557.5 at 4K.
 /// * `route_sort`: the router's last block routes with route.cuh's route_sort (k <= 8: per-warp
 ///   bitonic sorts of 32, then each of the 64 warp-best candidates ranked against the other
 ///   lists: ~30 compares a thread against route_block's 256) rather than route_block: the same
