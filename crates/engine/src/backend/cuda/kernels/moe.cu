@@ -857,8 +857,8 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
 }
 
 // LATE (moe_late_down, opt-in `late_route`): the block routes the logits itself before its wait
-// (route.cuh route_sort or route_block; the router completed before any gate|up block passed its wait, hence
-// before this launch), block 0 writing the route for the host.
+// (route.cuh route_sort or route_block; the router completed before any gate|up block passed
+// its wait, hence before this launch), block 0 writing the route for the host.
 template <int BITS, int C, int DR, bool LATE>
 __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     constexpr int K = 32 * C, RW = 32 / C, G = DR / RW, NP = BITS / 4;
@@ -880,7 +880,7 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     if constexpr (LATE) {
         if (p.k <= 8) route_sort((const float*)p.logits, rid, rwt, p.re, p.k, p.ntopk);
         else route_block((const float*)p.logits, rid, rwt, p.re, p.k, p.ntopk);
-        __syncthreads();  // the weights (written after route_block's last barrier)
+        __syncthreads();  // the weights (written after the route's last barrier)
         if (blockIdx.x == 0 && tid < p.k) {
             ((u32*)p.ids)[tid] = rid[tid];
             ((float*)p.wts)[tid] = rwt[tid];
