@@ -763,11 +763,23 @@ impl Cuda {
             })
     }
 
-    /// The MoE block of one token with the router folded into the experts' gate|up launch
-    /// (moe.cu's moe_step_gate_up_*, opt-in `moe_step`), then moe_wide's down. Takes an 8-bit
-    /// router and shared gate of K = hidden, at most 256 experts, and whatever moe_wide takes;
-    /// the whole gate|up grid must be resident at once (its routed blocks wait for its router
-    /// blocks). `false`: not taken (the caller composes moe_router and moe_decode_add).
+    /// The MoE block of one token (Backend::moe_step_add) in moe_wide's launches with the route
+    /// moved, by one of two opt-ins:
+    /// * `moe_step`: the router folded into the experts' gate|up launch (moe.cu's
+    ///   moe_step_gate_up_*), then moe_wide's down. Takes an 8-bit router and shared gate of K =
+    ///   hidden; the whole gate|up grid must be resident at once (its routed blocks wait for its
+    ///   router blocks).
+    /// * `late_route`: the router | shared gate as a plain streaming GEMV with the norm prologue
+    ///   (sw_gemv_8: the logits, the shared gate's logit and x; no ticket, no route in a last
+    ///   block), then moe_wide's two launches in which every routed gate|up block (after its PDL
+    ///   wait) and every down block (before its own) routes the logits itself (moe.cu's
+    ///   moe_late_*, route.cuh route_sort). Why: the router's last block (fence, ticket, the
+    ///   logits read back, the route) is a chain of ~4 µs a layer after its dots (`lily bench
+    ///   --trace`). Measured neutral on the H200: the route on gate|up's critical path costs as
+    ///   much (switches.rs `late_route`).
+    ///
+    /// Both give the composition's bits, take at most 256 experts and whatever moe_wide takes.
+    /// `false`: not taken (the caller composes moe_router and moe_decode_add).
     pub(super) fn moe_step(
         &self,
         h: &mut Buf,
@@ -777,82 +789,20 @@ impl Cuda {
         d: &Dims,
         r: &mut RouterScratch<'_, Cuda>,
     ) -> bool {
+        let fold = self.opted_in("moe_step");
+        if !(fold || self.opted_in("late_route")) {
+            return false;
+        }
         let (e, k, hid) = (d.n_experts, d.top_k, d.hidden);
         let (rt, rs) = (mw.router, mw.shared_gate);
         let shm = [mw.shared_gate_proj, mw.shared_up_proj, mw.shared_down_proj];
-        let router = self.opted_in("moe_step")
-            && self.on("fuse_route")
-            && !(self.on("tc_gemv") && self.opted_in("tc_all"))
-            && Self::sw_bits(rt.fmt) == Some(8)
-            && rs.out == 1
-            && r.s.bf16() == 0;
-        let Some(bits) = router.then(|| self.moe_step_experts(mw, d)).flatten() else {
-            return false;
+        let router = if fold {
+            Self::sw_bits(rt.fmt) == Some(8) && rs.out == 1 && r.s.bf16() == 0
+        } else {
+            self.on("route_block")
         };
-        if !self.moe_step_operands_ok(h, norm, mw, d, r) {
-            return true;
-        }
-        let w = mw.gate.out;
-        let Some(p) =
-            self.moe_sw_args(r.xn, r.route, k, mw.gate, mw.up, mw.down, shm, r.s, h, true)
-        else {
-            return true;
-        };
-        let Some((rpb, dr)) = self.moe_wide_fits(&p, hid, w, k, [mw.gate.gs, mw.down.gs]) else {
-            return false;
-        };
-        let (name, grid, smem) = moe_wide_gate_up_launch("moe_step", bits, hid, w, k, rpb);
-        // The router's blocks are the first ceil((E + 1) / RW) of the grid; all must be resident.
-        let nrj = (e + 1).div_ceil(32 / (hid / 256)) as u32;
-        if nrj > grid || self.resident_blocks(&name, 256, smem) < grid {
-            return false;
-        }
-        r.route.k = k;
-        let st = SwStep {
-            m: p,
-            r: rt.q(),
-            rs: rs.q(),
-            nw: norm.mem.ptr,
-            xn: r.xn.mem.ptr,
-            logits: r.logits.mem.ptr,
-            s: r.s.mem.ptr,
-            eps,
-            e: e as i32,
-            ntopk: d.norm_topk as i32,
-            sobf: r.s.bf16(),
-            probe: moe_step_probe(),
-            pad: 0,
-        };
-        self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::T(Box::new(st))]);
-        self.moe_wide_down("moe_wide", &p, bits, hid, w, k, dr);
-        true
-    }
-
-    /// The MoE block of one token with the route moved out of the router's launch into the
-    /// experts' (opt-in `late_route`): the router | shared gate as a plain streaming GEMV with the
-    /// norm prologue (sw_gemv_8: the logits, the shared gate's logit and x; no ticket, no route in
-    /// a last block), then moe_wide's two launches in which every routed gate|up block (after its
-    /// PDL wait) and every down block (before its own) routes the logits itself (moe.cu's
-    /// moe_late_*, route.cuh route_sort: the composition's ids and weights, bit for bit). Why:
-    /// the router's last block (fence, ticket, the logits read back, the route) is a chain of
-    /// ~4 µs a layer after its dots (`lily bench --trace`). Measured neutral on the H200: the
-    /// route on gate|up's critical path costs as much (switches.rs `late_route`).
-    /// `false`: not taken (the caller composes moe_router and moe_decode_add).
-    pub(super) fn moe_late(
-        &self,
-        h: &mut Buf,
-        norm: &Buf,
-        eps: f32,
-        mw: &MoeWeights<'_, Cuda>,
-        d: &Dims,
-        r: &mut RouterScratch<'_, Cuda>,
-    ) -> bool {
-        let (e, k, hid) = (d.n_experts, d.top_k, d.hidden);
-        let shm = [mw.shared_gate_proj, mw.shared_up_proj, mw.shared_down_proj];
-        let taken = self.opted_in("late_route")
-            && self.on("fuse_route")
-            && self.on("route_block")
-            && !(self.on("tc_gemv") && self.opted_in("tc_all"));
+        let taken =
+            router && self.on("fuse_route") && !(self.on("tc_gemv") && self.opted_in("tc_all"));
         let Some(bits) = taken.then(|| self.moe_step_experts(mw, d)).flatten() else {
             return false;
         };
@@ -860,29 +810,56 @@ impl Cuda {
             return true;
         }
         let w = mw.gate.out;
-        let Some(mut p) = self.moe_sw_args(
-            r.xn, r.route, k, mw.gate, mw.up, mw.down, shm, r.s, h, false,
-        ) else {
+        let Some(mut p) =
+            self.moe_sw_args(r.xn, r.route, k, mw.gate, mw.up, mw.down, shm, r.s, h, fold)
+        else {
             return true;
         };
         let Some((rpb, dr)) = self.moe_wide_fits(&p, hid, w, k, [mw.gate.gs, mw.down.gs]) else {
             return false;
         };
-        p.re = e as i32;
-        p.logits = r.logits.mem.ptr;
-        p.ntopk = d.norm_topk as i32;
+        if fold {
+            let (name, grid, smem) = moe_wide_gate_up_launch("moe_step", bits, hid, w, k, rpb);
+            // The router's blocks are the first ceil((E + 1) / RW) of the grid; all must be
+            // resident.
+            let nrj = (e + 1).div_ceil(32 / (hid / 256)) as u32;
+            if nrj > grid || self.resident_blocks(&name, 256, smem) < grid {
+                return false;
+            }
+            let st = SwStep {
+                m: p,
+                r: rt.q(),
+                rs: rs.q(),
+                nw: norm.mem.ptr,
+                xn: r.xn.mem.ptr,
+                logits: r.logits.mem.ptr,
+                s: r.s.mem.ptr,
+                eps,
+                e: e as i32,
+                ntopk: d.norm_topk as i32,
+                sobf: r.s.bf16(),
+                probe: moe_step_probe(),
+                pad: 0,
+            };
+            self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::T(Box::new(st))]);
+        } else {
+            p.re = e as i32;
+            p.logits = r.logits.mem.ptr;
+            p.ntopk = d.norm_topk as i32;
+            let x = SwX::Norm {
+                h,
+                w: norm,
+                eps,
+                xn: Some(r.xn),
+            };
+            let outs = [(r.logits.mem.ptr, 0), (r.s.mem.ptr, r.s.bf16())];
+            self.sw_gemv(x, &[rt, rs], &outs);
+            let (name, grid, smem) = moe_wide_gate_up_launch("moe_late", bits, hid, w, k, rpb);
+            self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::E(Box::new(p))]);
+        }
         r.route.k = k;
-        let x = SwX::Norm {
-            h,
-            w: norm,
-            eps,
-            xn: Some(r.xn),
-        };
-        let outs = [(r.logits.mem.ptr, 0), (r.s.mem.ptr, r.s.bf16())];
-        self.sw_gemv(x, &[mw.router, mw.shared_gate], &outs);
-        let (name, grid, smem) = moe_wide_gate_up_launch("moe_late", bits, hid, w, k, rpb);
-        self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::E(Box::new(p))]);
-        self.moe_wide_down("moe_late", &p, bits, hid, w, k, dr);
+        let down = if fold { "moe_wide" } else { "moe_late" };
+        self.moe_wide_down(down, &p, bits, hid, w, k, dr);
         true
     }
 }

@@ -1155,8 +1155,7 @@ impl Backend for Cuda {
         mut r: RouterScratch<'_, Self>,
         tmp: MoeScratch<'_, Self>,
     ) {
-        if !(self.moe_step(h, norm, eps, w, d, &mut r) || self.moe_late(h, norm, eps, w, d, &mut r))
-        {
+        if !self.moe_step(h, norm, eps, w, d, &mut r) {
             super::moe_step_compose(self, h, norm, eps, w, d, r, tmp);
         }
     }

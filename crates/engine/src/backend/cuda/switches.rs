@@ -114,7 +114,7 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   H200 (`scripts/h200-run carve`, 4K, alternated): 546.8 / 550.2 against 555.4 tok/s; and the
 ///   second trace (with marks) put that boundary at 1.3 µs without it.
 /// * `late_route`: an MoE block's top-k route moved out of the router's launch (Backend::
-///   moe_step_add; decode.rs moe_late): the router | shared gate a plain streaming GEMV (no
+///   moe_step_add; decode.rs moe_step): the router | shared gate a plain streaming GEMV (no
 ///   fence, ticket or route in a last block), and every routed gate|up block (after its PDL wait)
 ///   and every down block (before its own) routing the logits itself (moe.cu's moe_late_*,
 ///   route.cuh route_sort for k <= 8): the composition's bits (cuda_ops). Why: the in-place trace

@@ -123,6 +123,7 @@ __device__ __forceinline__ void route_weights(RouteSmem& s, float* __restrict__ 
     if (t < k) weights[t] = s.top[t] / (norm_topk ? s.ssum : 1.0f);
 }
 
+// route_block (the note above RouteSmem).
 __device__ __forceinline__ void route_block(const float* __restrict__ l, u32* __restrict__ ids, float* __restrict__ weights, int E, int k,
                                             int norm_topk) {
     __shared__ RouteSmem s;
