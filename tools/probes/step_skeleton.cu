@@ -9,6 +9,11 @@
 //   persist  one persistent kernel, every block resident, the phases ordered on the device by a
 //            grid barrier (fence, atomic arrival, spin on the count: cooperative groups' pattern),
 //            each block requesting its next phase's weights before it waits for this phase.
+//   deepS    persist with a ring of S weight slices a block (S = 3, 4, 6): S - 1 phases' weights
+//            in flight ahead of the one computed, the weight stream running ahead of the
+//            dependency chain as in a megakernel (Hazy Research's Llama-1B). Whether a phase then
+//            costs the barrier and the arithmetic only, which a chain of kernels cannot reach
+//            (PDL lets one kernel ahead request its weights, not several).
 //   cluster  persist with the dependency cluster-local: clusters of 8 blocks, cluster c owning
 //            rows [c·2048/ncl, (c+1)·2048/ncl) of every phase and reading only its own rows of
 //            y_p (a block-diagonal GEMV: the same weight bytes), phases ordered by the hardware
@@ -170,15 +175,34 @@ __global__ void __launch_bounds__(T) chain_phase(Args a, int p) {
     phase_body(a, p, rpb, wsm, [] { asm volatile("cp.async.wait_group 0;" ::: "memory"); });
 }
 
-// Every phase in one kernel; all blocks resident (the host checks the occupancy).
+// cp.async.wait_group n for a run-time n (0-7): all but the newest n commit groups have landed.
+__device__ __forceinline__ void cp_wait_pending(int n) {
+    switch (n) {
+    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
+    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
+    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
+    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
+    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
+    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
+    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
+    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
+    }
+}
+
+// Every phase in one kernel; all blocks resident (the host checks the occupancy). The block's
+// weight slices sit in a ring of S buffers: S - 1 phases' weights are in flight ahead of the
+// phase being computed (S = 2: one phase ahead, `persist`; S > 2: `deep`, the megakernel form,
+// where the weight stream runs ahead of the dependency chain; a buffer is refilled only after
+// its phase's dots, so the refill is issued at the top of the next phase).
+template <int S>
 __global__ void __launch_bounds__(T) persist(Args a) {
     extern __shared__ __align__(16) unsigned char wsm[];
     const int G = gridDim.x, rpb = D / G;
     const size_t slice = (size_t)rpb * a.kw;
-    issue_slice(a, 0, rpb, wsm);
+    for (int q = 0; q < S - 1 && q < a.nph; q++) issue_slice(a, q, rpb, wsm + q * slice);
     for (int p = 0; p < a.nph; p++) {
-        const bool more = p + 1 < a.nph;
-        if (more) issue_slice(a, p + 1, rpb, wsm + ((p + 1) & 1) * slice);  // one phase ahead
+        const int ahead = p + S - 1;  // the buffer of phase p - 1, free since its dots
+        if (ahead < a.nph) issue_slice(a, ahead, rpb, wsm + (ahead % S) * slice);
         if (p > 0) {
             // Wait until every block has finished phase p - 1.
             if (threadIdx.x == 0) {
@@ -190,11 +214,8 @@ __global__ void __launch_bounds__(T) persist(Args a) {
             }
             __syncthreads();
         }
-        auto wait_slice = [more] {
-            if (more) asm volatile("cp.async.wait_group 1;" ::: "memory");
-            else asm volatile("cp.async.wait_group 0;" ::: "memory");
-        };
-        phase_body(a, p, rpb, wsm + (p & 1) * slice, wait_slice);
+        const int newer = min(S - 1, a.nph - 1 - p);  // groups committed after phase p's
+        phase_body(a, p, rpb, wsm + (p % S) * slice, [newer] { cp_wait_pending(newer); });
         // Arrive: this block's rows of y_{p+1} are written.
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -274,7 +295,7 @@ static double median(std::vector<double> v) {
 int main(int argc, char** argv) {
     const int nph = argc > 1 ? atoi(argv[1]) : 240;
     const int reps = 9;
-    const int kws[] = {0, 512, 1024, 2048, 4096};
+    const int kws[] = {0, 512, 1024, 2048, 3072, 4096};
     const int grids[] = {128, 256};
     int sms = 0;
     CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
@@ -297,7 +318,10 @@ int main(int argc, char** argv) {
     CK(cudaDeviceSynchronize());
     CK(cudaFuncSetAttribute(chain_phase<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
     CK(cudaFuncSetAttribute(chain_phase<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
-    CK(cudaFuncSetAttribute(persist, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
+    CK(cudaFuncSetAttribute(persist<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+    CK(cudaFuncSetAttribute(persist<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+    CK(cudaFuncSetAttribute(persist<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+    CK(cudaFuncSetAttribute(persist<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
     CK(cudaFuncSetAttribute(clustered, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
@@ -353,8 +377,9 @@ int main(int argc, char** argv) {
     }
     unsigned launches = 0;  // persist launches so far (its barrier's epoch)
     printf("step_skeleton: %d phases, %d SMs; us a phase (median of %d), the phase's weights over that time\n", nph, sms, reps);
-    printf("%6s %8s %5s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %s\n", "KW", "MB/phase", "G", "floor us",
-           "TB/s", "chain us", "TB/s", "early us", "TB/s", "plain us", "TB/s", "persist", "TB/s", "cluster", "TB/s", "bits");
+    printf("%6s %8s %5s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %s\n", "KW",
+           "MB/phase", "G", "floor us", "TB/s", "chain us", "TB/s", "early us", "TB/s", "plain us", "TB/s", "persist", "TB/s", "deep3",
+           "TB/s", "deep4", "TB/s", "deep6", "TB/s", "cluster", "TB/s", "bits");
     for (int kw : kws) {
         const double mb = (double)D * kw / 1e6;
         // The floor: all nph phases' weights in one streaming read.
@@ -369,7 +394,7 @@ int main(int argc, char** argv) {
             // chain (v 0: PDL, dependents after the wait), early (v 1: PDL, before it) and plain
             // (v 2: no PDL), each a recorded graph of nph launches.
             double chain_us[3];
-            std::vector<float> outs[4];
+            std::vector<float> outs[3];
             for (int v = 0; v < 3; v++) {
                 const int pdl = v < 2;
                 cudaGraph_t g;
@@ -397,23 +422,30 @@ int main(int argc, char** argv) {
                 CK(cudaGraphExecDestroy(ge));
                 CK(cudaGraphDestroy(g));
             }
-            // persist: needs every block resident at once, with the double buffer.
-            double persist_us = -1.0;
-            int per_sm = 0;
-            CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, persist, T, 2 * slice));
-            if (per_sm * sms >= G) {
-                persist_us = timed([&] {
-                                 a.epoch = launches * (unsigned)nph * (unsigned)G;
-                                 launches++;
-                                 persist<<<G, T, 2 * slice, st>>>(a);
-                             }) /
-                             nph;
+            // persist (a ring of 2 slices) and deep (3, 4, 6): every block resident at once.
+            double persist_us[4] = {-1.0, -1.0, -1.0, -1.0};
+            const int rings[4] = {2, 3, 4, 6};
+            std::vector<float> pouts[4];
+            for (int v = 0; v < 4; v++) {
+                const int S = rings[v];
+                auto kern = S == 2 ? persist<2> : S == 3 ? persist<3> : S == 4 ? persist<4> : persist<6>;
+                int per_sm = 0;
+                if (S * slice > 227 * 1024) continue;
+                if (v > 0 && kw == 0) continue;  // no weights: the ring changes nothing
+                CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, T, S * slice));
+                if (per_sm * sms < G) continue;
+                persist_us[v] = timed([&] {
+                                    a.epoch = launches * (unsigned)nph * (unsigned)G;
+                                    launches++;
+                                    kern<<<G, T, S * slice, st>>>(a);
+                                }) /
+                                nph;
                 // Later launches continue the count from here: reset it (its epoch restarts).
                 CK(cudaStreamSynchronize(st));
                 CK(cudaMemset(bar, 0, 4));
                 launches = 0;
-                outs[3].resize(D);
-                CK(cudaMemcpy(outs[3].data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
+                pouts[v].resize(D);
+                CK(cudaMemcpy(pouts[v].data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
             }
             // cluster: clusters of 8, every cluster resident at once (checked).
             double cluster_us = -1.0;
@@ -436,11 +468,13 @@ int main(int argc, char** argv) {
             }
             CK(cudaGetLastError());
             bool same = true;
-            for (int v = 1; v < 4; v++) same = same && (outs[v].empty() || memcmp(outs[0].data(), outs[v].data(), D * 4) == 0);
+            for (int v = 1; v < 3; v++) same = same && (outs[v].empty() || memcmp(outs[0].data(), outs[v].data(), D * 4) == 0);
+            for (int v = 0; v < 4; v++) same = same && (pouts[v].empty() || memcmp(outs[0].data(), pouts[v].data(), D * 4) == 0);
             auto tbs = [&](double us) { return us > 0 && kw > 0 ? mb / us : 0.0; };
-            printf("%6d %8.2f %5d | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %s\n", kw,
-                   mb, G, floor_us, tbs(floor_us), chain_us[0], tbs(chain_us[0]), chain_us[1], tbs(chain_us[1]), chain_us[2],
-                   tbs(chain_us[2]), persist_us, tbs(persist_us), cluster_us, tbs(cluster_us), same ? "equal" : "DIFFER");
+            printf("%6d %8.2f %5d | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f", kw, mb, G, floor_us, tbs(floor_us),
+                   chain_us[0], tbs(chain_us[0]), chain_us[1], tbs(chain_us[1]), chain_us[2], tbs(chain_us[2]));
+            for (int v = 0; v < 4; v++) printf(" | %9.2f %7.2f", persist_us[v], tbs(persist_us[v]));
+            printf(" | %9.2f %7.2f | %s\n", cluster_us, tbs(cluster_us), same ? "equal" : "DIFFER");
         }
     }
     printf("a token of the full preset runs 264 kernels and reads 1.67 GB (~6.3 MB a kernel); 1,000 tok/s needs ~3.8 us a kernel\n");
