@@ -318,10 +318,10 @@ int main(int argc, char** argv) {
     CK(cudaDeviceSynchronize());
     CK(cudaFuncSetAttribute(chain_phase<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
     CK(cudaFuncSetAttribute(chain_phase<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
-    CK(cudaFuncSetAttribute(persist<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
-    CK(cudaFuncSetAttribute(persist<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
-    CK(cudaFuncSetAttribute(persist<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
-    CK(cudaFuncSetAttribute(persist<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, 227 * 1024));
+    CK(cudaFuncSetAttribute(persist<2>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    CK(cudaFuncSetAttribute(persist<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    CK(cudaFuncSetAttribute(persist<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    CK(cudaFuncSetAttribute(persist<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
     CK(cudaFuncSetAttribute(clustered, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
@@ -430,7 +430,7 @@ int main(int argc, char** argv) {
                 const int S = rings[v];
                 auto kern = S == 2 ? persist<2> : S == 3 ? persist<3> : S == 4 ? persist<4> : persist<6>;
                 int per_sm = 0;
-                if (S * slice > 227 * 1024) continue;
+                if (S * slice > 200 * 1024) continue;
                 if (v > 0 && kw == 0) continue;  // no weights: the ring changes nothing
                 CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, T, S * slice));
                 if (per_sm * sms < G) continue;
