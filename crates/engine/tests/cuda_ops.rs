@@ -76,19 +76,18 @@
 #![cfg(feature = "cuda")]
 
 mod common;
-
-use std::sync::Arc;
+#[path = "common/ops.rs"]
+mod ops;
 
 use common::{gpu, perplexity, prompt_ids};
+use ops::{bf16r, check, kv_new, qwen_dims, rand_dense, rand_quant, rel_rows, tensor_u32, Rng};
 
 use lily::backend::cpu::{moe::Route as CpuRoute, Cpu, CpuStep};
 use lily::backend::cuda::Cuda;
 use lily::backend::{
     Backend, Dims, GdnParams, KvCache, MoeScratch, MoeWeights, RouterScratch, SharedExpert,
 };
-use lily::loader::tensor::{
-    bf16_to_f32, f32_to_bf16 as bf16_bits, Dtype, HostLinear, HostTensor, LinearKind, Storage,
-};
+use lily::loader::tensor::{HostLinear, HostTensor, LinearKind};
 use lily::runtime::sampler::{Sampler, SamplingParams};
 use rayon::prelude::*;
 
@@ -100,197 +99,6 @@ const U: f32 = 1.0 / 256.0;
 /// max): F32_TOL for the f32 value plus its one rounding, U·(|c| + F32_TOL·max|c|) at most
 /// (module header). `check_act` asserts the sharper per-value form, which implies this.
 const ACT_TOL: f32 = U + (1.0 + U) * F32_TOL;
-
-/// splitmix64: seeded, reproducible inputs.
-struct Rng(u64);
-impl Rng {
-    fn u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        ((self.u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    /// Roughly normal (sum of 4 uniforms, unit variance).
-    fn n(&mut self) -> f32 {
-        (self.f() + self.f() + self.f() + self.f()) * 0.866
-    }
-    fn vec(&mut self, len: usize, scale: f32) -> Vec<f32> {
-        (0..len).map(|_| self.n() * scale).collect()
-    }
-}
-
-/// The real Qwen3.6-35B-A3B shapes (MODEL.md §1).
-fn qwen_dims() -> Dims {
-    Dims {
-        hidden: 2048,
-        eps: 1e-6,
-        n_heads: 16,
-        n_kv_heads: 2,
-        head_dim: 256,
-        rotary_dim: 64,
-        rope_theta: 1e7,
-        gdn_k_heads: 16,
-        gdn_v_heads: 32,
-        gdn_k_dim: 128,
-        gdn_v_dim: 128,
-        conv_kernel: 4,
-        n_experts: 256,
-        top_k: 8,
-        norm_topk: true,
-    }
-}
-
-/// `x` rounded to bf16 (nearest even), as an f32.
-fn bf16r(x: f32) -> f32 {
-    bf16_to_f32(bf16_bits(x))
-}
-
-fn tensor_u32(
-    name: &str,
-    shape: Vec<usize>,
-    dtype: Dtype,
-    words: Vec<u32>,
-    bytes: usize,
-) -> HostTensor {
-    HostTensor {
-        name: name.into(),
-        dtype,
-        shape,
-        data: Storage::Owned(Arc::new(words), bytes),
-    }
-}
-
-fn pack_u16(v: &[u16]) -> Vec<u32> {
-    v.chunks(2)
-        .map(|c| c[0] as u32 | (*c.get(1).unwrap_or(&0) as u32) << 16)
-        .collect()
-}
-
-/// A random MLX affine-quantized stack `[n, out, inp]` (codes uniform, scales ~0.01-0.02, biases
-/// centring the codes), with bf16 or f32 scales.
-fn rand_quant(
-    rng: &mut Rng,
-    n: usize,
-    out: usize,
-    inp: usize,
-    bits: u32,
-    gs: usize,
-    f32_scales: bool,
-) -> HostLinear {
-    let words = n * out * inp * bits as usize / 32;
-    let w: Vec<u32> = (0..words).map(|_| rng.u64() as u32).collect();
-    let ng = n * out * inp / gs;
-    let levels = ((1u32 << bits) - 1) as f32;
-    let s: Vec<f32> = (0..ng)
-        .map(|_| (0.015 + 0.005 * rng.f()) * 15.0 / levels)
-        .collect();
-    let b: Vec<f32> = s
-        .iter()
-        .map(|&s| -s * levels / 2.0 * (1.0 + 0.1 * rng.f()))
-        .collect();
-    let (scales, biases) = if f32_scales {
-        (
-            tensor_u32(
-                "s",
-                vec![n, out, inp / gs],
-                Dtype::F32,
-                s.iter().map(|v| v.to_bits()).collect(),
-                4 * ng,
-            ),
-            tensor_u32(
-                "b",
-                vec![n, out, inp / gs],
-                Dtype::F32,
-                b.iter().map(|v| v.to_bits()).collect(),
-                4 * ng,
-            ),
-        )
-    } else {
-        let sb: Vec<u16> = s.iter().map(|&v| bf16_bits(v)).collect();
-        let bb: Vec<u16> = b.iter().map(|&v| bf16_bits(v)).collect();
-        (
-            tensor_u32(
-                "s",
-                vec![n, out, inp / gs],
-                Dtype::BF16,
-                pack_u16(&sb),
-                2 * ng,
-            ),
-            tensor_u32(
-                "b",
-                vec![n, out, inp / gs],
-                Dtype::BF16,
-                pack_u16(&bb),
-                2 * ng,
-            ),
-        )
-    };
-    HostLinear {
-        name: format!("rand_q{bits}_{n}x{out}x{inp}"),
-        n,
-        out,
-        inp,
-        kind: LinearKind::Quant {
-            bits,
-            group_size: gs,
-            w: tensor_u32(
-                "w",
-                vec![n, out, words / (n * out)],
-                Dtype::U32,
-                w,
-                4 * words,
-            ),
-            scales,
-            biases,
-        },
-    }
-}
-
-/// A random unquantized bf16 matrix.
-fn rand_dense(rng: &mut Rng, out: usize, inp: usize) -> HostLinear {
-    let v: Vec<u16> = (0..out * inp).map(|_| bf16_bits(rng.n() * 0.03)).collect();
-    HostLinear {
-        name: format!("rand_dense_{out}x{inp}"),
-        n: 1,
-        out,
-        inp,
-        kind: LinearKind::Dense(tensor_u32(
-            "w",
-            vec![out, inp],
-            Dtype::BF16,
-            pack_u16(&v),
-            2 * out * inp,
-        )),
-    }
-}
-
-/// max over rows of `max |a − b| / max |b|` (rows of `row` values); NaN counts as infinite.
-fn rel_rows(a: &[f32], b: &[f32], row: usize) -> f32 {
-    assert_eq!(a.len(), b.len());
-    let mut worst = 0f32;
-    for (ra, rb) in a.chunks(row).zip(b.chunks(row)) {
-        let scale = rb.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-        let e = ra.iter().zip(rb).fold(0f32, |m, (x, y)| {
-            if (x - y).is_nan() {
-                f32::INFINITY
-            } else {
-                m.max((x - y).abs())
-            }
-        });
-        worst = worst.max(e / scale);
-    }
-    worst
-}
-
-fn check(what: &str, err: f32, tol: f32) {
-    println!("{what:<58} max rel err {err:.2e}  (tol {tol:.0e})");
-    assert!(err <= tol, "{what}: error {err:e} above tolerance {tol:e}");
-}
 
 /// An activation output (bf16: the kernel's f32 value y rounded once) against the CPU's f32
 /// value c, where y is within F32_TOL of c relative to the row max: per value
@@ -1593,15 +1401,6 @@ fn rel_l2(a: &[f32], b: &[f32]) -> f64 {
         f64::INFINITY
     } else {
         r
-    }
-}
-
-/// A cache in the backend's KV element type (f32 on the CPU, bf16 on CUDA), as `SeqState` makes it.
-fn kv_new<B: Backend>(b: &B, cap: usize, kvd: usize) -> KvCache<B::Buf> {
-    KvCache {
-        k: b.kv_zeros(cap * kvd).unwrap(),
-        v: b.kv_zeros(cap * kvd).unwrap(),
-        capacity: cap,
     }
 }
 

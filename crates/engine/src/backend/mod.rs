@@ -19,6 +19,8 @@ pub mod cpu;
 pub mod cuda;
 pub mod profile;
 pub mod trace;
+#[cfg(feature = "wgpu")]
+pub mod wgpu;
 
 use anyhow::Result;
 

@@ -1,0 +1,374 @@
+//! The wgpu backend (`--backend wgpu`, cargo feature `wgpu`): WGSL kernels through wgpu, on
+//! Metal on a Mac and on Vulkan elsewhere (issue #14). Written once for both; tested in CI on
+//! Mesa's lavapipe (a CPU Vulkan), its shaders translated to Metal Shading Language by naga in
+//! the tests (`check`), so a shader Metal would reject fails on Linux.
+//!
+//! Layout: `device` (adapter, pipelines, the shared command encoder, buffers), one file per op
+//! family with its WGSL in `shaders/<family>.wgsl` (`norm`, `matmul`, `attention`, `gdn`, `moe`,
+//! `output`), each prefixed with `shaders/common.wgsl` (and `shaders/quant.wgsl` where it reads
+//! weights). The op names are the trait's, the CPU files' and the CUDA kernels'.
+//!
+//! Element types: activations, the residual stream, states and the KV cache are f32 here (the
+//! trait's defaults: `act_zeros` and `kv_zeros` are `zeros`); weights stay in the checkpoint's
+//! 4/8-bit codes with bf16 scales and biases, dequantized inside the kernels; accumulation f32.
+//! Routing, the next token and the recurrent state stay on the GPU; sampling other than greedy
+//! runs on the host for now (`new_sampler` returns `None`).
+
+mod attention;
+mod check;
+mod device;
+mod gdn;
+mod matmul;
+mod moe;
+mod norm;
+mod output;
+
+use anyhow::{bail, Result};
+
+use super::{Backend, Dims, GdnParams, KvCache, SharedExpert};
+use crate::loader::tensor::HostLinear;
+use crate::runtime::sampler::SamplingParams;
+pub use check::translate_to_msl;
+pub use device::AdapterReport;
+use device::{as_bytes, Ctx};
+
+/// The wgpu backend: one device and queue.
+pub struct Wgpu {
+    ctx: Ctx,
+}
+
+/// An f32 buffer on the device (`len` elements).
+pub struct WBuf {
+    buf: ::wgpu::Buffer,
+    len: usize,
+}
+
+/// A matrix or stack of `n` matrices `[out, inp]` on the device, in the checkpoint's format
+/// (shaders/quant.wgsl): codes `w`, scales `s` and biases `b` (bf16 pairs when `sb16`), or a dense
+/// f32 matrix in `w` (`bits` 32).
+pub struct WMat {
+    n: usize,
+    out: usize,
+    inp: usize,
+    bits: u32,
+    gs: usize,
+    sb16: bool,
+    w: ::wgpu::Buffer,
+    s: ::wgpu::Buffer,
+    b: ::wgpu::Buffer,
+}
+
+impl WMat {
+    /// The 8 words of quant.wgsl's `QMat`.
+    fn qmat(&self) -> [u32; 8] {
+        [
+            self.out as u32,
+            self.inp as u32,
+            self.bits,
+            self.gs as u32,
+            self.sb16 as u32,
+            0,
+            0,
+            0,
+        ]
+    }
+}
+
+/// Expert routing on the device: `ids` u32 and `weights` f32, `[rows, k]`.
+pub struct WRoute {
+    ids: ::wgpu::Buffer,
+    weights: ::wgpu::Buffer,
+    rows: usize,
+    k: usize,
+}
+
+/// A decode step's token and position on the device: u32 `[token, pos]`.
+pub struct WStep {
+    buf: ::wgpu::Buffer,
+}
+
+impl Wgpu {
+    /// The best GPU adapter (`LILY_WGPU_ADAPTER` names one); a software adapter such as
+    /// lavapipe only with `allow_software` (tests; `--backend wgpu` asks for it explicitly).
+    pub fn new(allow_software: bool) -> Result<Self> {
+        Ok(Self {
+            ctx: Ctx::new(allow_software)?,
+        })
+    }
+    /// What the adapter is and offers.
+    pub fn report(&self) -> &AdapterReport {
+        &self.ctx.report
+    }
+    /// Uploads host f32 values as a buffer (tests, and the ops' host-side inputs).
+    pub fn upload(&self, v: &[f32]) -> Result<WBuf> {
+        Ok(WBuf {
+            buf: self.ctx.upload(as_bytes(v))?,
+            len: v.len(),
+        })
+    }
+}
+
+impl Backend for Wgpu {
+    type Buf = WBuf;
+    type Mat = WMat;
+    type Vec = WBuf;
+    type Route = WRoute;
+    type Step = WStep;
+    type Sampler = ();
+
+    fn name(&self) -> String {
+        let r = &self.ctx.report;
+        format!("wgpu ({}, {}, {})", r.name, r.backend, r.device_type)
+    }
+    fn sync(&self) -> Result<()> {
+        self.ctx.sync()
+    }
+    fn prefill_chunk(&self) -> usize {
+        512
+    }
+
+    fn upload_mat(&self, m: &HostLinear) -> Result<WMat> {
+        matmul::upload_mat(&self.ctx, m)
+    }
+    fn upload_vec(&self, v: &[f32]) -> Result<WBuf> {
+        self.upload(v)
+    }
+    fn mat_shape(&self, m: &WMat) -> (usize, usize) {
+        (m.out, m.inp)
+    }
+    fn zeros(&self, len: usize) -> Result<WBuf> {
+        Ok(WBuf {
+            buf: self.ctx.buffer(4 * len as u64)?,
+            len,
+        })
+    }
+    fn to_host(&self, b: &WBuf, len: usize) -> Result<Vec<f32>> {
+        if len > b.len {
+            bail!("to_host: {len} elements asked of a buffer of {}", b.len);
+        }
+        let bytes = self.ctx.read(&b.buf, 4 * len as u64)?;
+        Ok(bytes
+            .chunks_exact(4)
+            .take(len)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+    fn copy(&self, src: &WBuf, src_off: usize, dst: &mut WBuf, dst_off: usize, len: usize) {
+        if src_off + len > src.len || dst_off + len > dst.len {
+            self.ctx.fail(format!(
+                "copy: {len} elements from {src_off} of {} into {dst_off} of {}",
+                src.len, dst.len
+            ));
+            return;
+        }
+        self.ctx.copy(
+            &src.buf,
+            4 * src_off as u64,
+            &dst.buf,
+            4 * dst_off as u64,
+            4 * len as u64,
+        );
+    }
+    fn new_route(&self, rows: usize, top_k: usize) -> Result<WRoute> {
+        Ok(WRoute {
+            ids: self.ctx.buffer(4 * (rows * top_k) as u64)?,
+            weights: self.ctx.buffer(4 * (rows * top_k) as u64)?,
+            rows,
+            k: top_k,
+        })
+    }
+    fn new_step(&self) -> Result<WStep> {
+        Ok(WStep {
+            buf: self.ctx.buffer(8)?,
+        })
+    }
+    fn set_step(&self, step: &mut WStep, token: u32, pos: usize) {
+        // A queue write lands before the next submission's commands: submit the ones recorded
+        // so far first, so that they still read the step as it was.
+        self.ctx.flush();
+        self.ctx
+            .queue
+            .write_buffer(&step.buf, 0, as_bytes(&[token, pos as u32]));
+    }
+    fn step_token(&self, step: &WStep) -> Result<u32> {
+        let b = self.ctx.read(&step.buf, 4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn embed(&self, table: &WMat, ids: &[u32], out: &mut WBuf) {
+        output::embed(&self.ctx, table, ids, out)
+    }
+    fn embed_step(&self, table: &WMat, step: &WStep, out: &mut WBuf) {
+        output::embed_step(&self.ctx, table, step, out)
+    }
+    fn rms_norm(&self, x: &WBuf, w: &WBuf, rows: usize, dim: usize, eps: f32, out: &mut WBuf) {
+        norm::rms_norm(&self.ctx, x, w, rows, dim, eps, out)
+    }
+    fn add_rms_norm(
+        &self,
+        h: &mut WBuf,
+        r: &WBuf,
+        w: &WBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut WBuf,
+    ) {
+        norm::add_rms_norm(&self.ctx, h, r, w, rows, dim, eps, out)
+    }
+    fn matmul_q(&self, x: &WBuf, w: &WMat, rows: usize, out: &mut WBuf) {
+        matmul::matmul_q(&self.ctx, x, w, 0, rows, out)
+    }
+    fn add(&self, h: &mut WBuf, r: &WBuf, len: usize) {
+        norm::add(&self.ctx, h, r, len)
+    }
+
+    fn attn_qk_norm_rope(
+        &self,
+        qg: &WBuf,
+        k: &mut WBuf,
+        q_norm: &WBuf,
+        k_norm: &WBuf,
+        d: &Dims,
+        rows: usize,
+        pos0: usize,
+        step: Option<&WStep>,
+        q: &mut WBuf,
+        gate: &mut WBuf,
+    ) {
+        attention::attn_qk_norm_rope(
+            &self.ctx, qg, k, q_norm, k_norm, d, rows, pos0, step, q, gate,
+        )
+    }
+    fn attn_prefill(
+        &self,
+        q: &WBuf,
+        k: &WBuf,
+        v: &WBuf,
+        gate: &WBuf,
+        kv: &mut KvCache<WBuf>,
+        d: &Dims,
+        rows: usize,
+        pos0: usize,
+        out: &mut WBuf,
+    ) {
+        attention::attn_prefill(&self.ctx, q, k, v, gate, kv, d, rows, pos0, out)
+    }
+    fn attn_decode(
+        &self,
+        q: &WBuf,
+        k: &WBuf,
+        v: &WBuf,
+        gate: &WBuf,
+        kv: &mut KvCache<WBuf>,
+        d: &Dims,
+        pos: usize,
+        step: &WStep,
+        out: &mut WBuf,
+    ) {
+        attention::attn_decode(&self.ctx, q, k, v, gate, kv, d, pos, step, out)
+    }
+
+    fn conv1d_prefill(
+        &self,
+        x: &WBuf,
+        w: &WBuf,
+        state: &mut WBuf,
+        d: &Dims,
+        rows: usize,
+        out: &mut WBuf,
+    ) {
+        gdn::conv1d(&self.ctx, x, w, state, d, rows, out)
+    }
+    fn conv1d_step(&self, x: &WBuf, w: &WBuf, state: &mut WBuf, d: &Dims, out: &mut WBuf) {
+        gdn::conv1d(&self.ctx, x, w, state, d, 1, out)
+    }
+    fn gdn_prefill(
+        &self,
+        qkv: &WBuf,
+        z: &WBuf,
+        b: &WBuf,
+        a: &WBuf,
+        w: &GdnParams<WBuf>,
+        state: &mut WBuf,
+        d: &Dims,
+        rows: usize,
+        out: &mut WBuf,
+    ) {
+        gdn::gated_delta(&self.ctx, qkv, z, b, a, w, state, d, rows, out)
+    }
+    fn gdn_decode(
+        &self,
+        qkv: &WBuf,
+        z: &WBuf,
+        b: &WBuf,
+        a: &WBuf,
+        w: &GdnParams<WBuf>,
+        state: &mut WBuf,
+        d: &Dims,
+        out: &mut WBuf,
+    ) {
+        gdn::gated_delta(&self.ctx, qkv, z, b, a, w, state, d, 1, out)
+    }
+
+    fn moe_route(&self, logits: &WBuf, d: &Dims, rows: usize, route: &mut WRoute) {
+        moe::moe_route(&self.ctx, logits, d, rows, route)
+    }
+    fn moe_experts_prefill(
+        &self,
+        x: &WBuf,
+        route: &WRoute,
+        gate: &WMat,
+        up: &WMat,
+        down: &WMat,
+        d: &Dims,
+        rows: usize,
+        out: &mut WBuf,
+    ) {
+        moe::moe_experts(&self.ctx, x, route, gate, up, down, d, rows, out)
+    }
+    /// The routed experts only: the model adds the shared expert with its unfused ops.
+    fn moe_experts_decode(
+        &self,
+        x: &WBuf,
+        route: &WRoute,
+        gate: &WMat,
+        up: &WMat,
+        down: &WMat,
+        _shared: Option<&SharedExpert<'_, Self>>,
+        d: &Dims,
+        out: &mut WBuf,
+    ) -> bool {
+        moe::moe_experts(&self.ctx, x, route, gate, up, down, d, 1, out);
+        false
+    }
+    fn swiglu(&self, g: &WBuf, u: &WBuf, len: usize, out: &mut WBuf) {
+        norm::swiglu(&self.ctx, g, u, len, out)
+    }
+    fn add_sigmoid_gated(&self, y: &mut WBuf, shared: &WBuf, s: &WBuf, rows: usize, dim: usize) {
+        norm::add_sigmoid_gated(&self.ctx, y, shared, s, rows, dim)
+    }
+
+    fn argmax_step(&self, logits: &WBuf, vocab: usize, step: &mut WStep) {
+        output::argmax_step(&self.ctx, logits, vocab, step)
+    }
+    fn mask_logits(&self, logits: &mut WBuf, vocab: usize, allowed: &[u32]) {
+        output::mask_logits(&self.ctx, logits, vocab, allowed)
+    }
+
+    /// Sampling other than greedy runs on the host (the runtime reads the logits back).
+    fn new_sampler(
+        &self,
+        _params: &SamplingParams,
+        _seed: u64,
+        _vocab: usize,
+        _prompt: &[u32],
+    ) -> Result<Option<()>> {
+        Ok(None)
+    }
+    fn sample_step(&self, _logits: &WBuf, _vocab: usize, _s: &mut (), _step: &mut WStep) {
+        self.ctx
+            .fail("sample_step: the wgpu backend samples on the host (new_sampler gave none)");
+    }
+    fn sample_note(&self, _s: &mut (), _token: u32) {}
+}

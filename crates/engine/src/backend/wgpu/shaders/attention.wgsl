@@ -1,0 +1,1 @@
+// attention.wgsl: (to be written)

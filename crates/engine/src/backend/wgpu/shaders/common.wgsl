@@ -1,0 +1,15 @@
+// common.wgsl: helpers every shader file of the wgpu backend is prefixed with (device.rs
+// concatenates them): bf16 unpacking and the flat workgroup index of a dispatch whose x count
+// was folded into y (Ctx::dispatch: at most 65,535 workgroups a dimension).
+// Subgroups are not assumed anywhere (lavapipe's are 8 lanes wide, Apple's and NVIDIA's 32):
+// reductions go through workgroup memory.
+
+fn bf16_lo(w: u32) -> f32 { return bitcast<f32>(w << 16u); }
+fn bf16_hi(w: u32) -> f32 { return bitcast<f32>(w & 0xffff0000u); }
+
+// Workgroup index of a dispatch of n workgroups folded as (65535, ceil(n / 65535)).
+fn wg_index(wid: vec3<u32>) -> u32 { return wid.y * 65535u + wid.x; }
+
+fn sigmoid_f(x: f32) -> f32 { return 1.0 / (1.0 + exp(-x)); }
+fn silu_f(x: f32) -> f32 { return x * sigmoid_f(x); }
+fn softplus_f(x: f32) -> f32 { if (x > 20.0) { return x; } return log(1.0 + exp(x)); }

@@ -1,0 +1,1 @@
+// gdn.wgsl: (to be written)

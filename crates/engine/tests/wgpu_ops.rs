@@ -1,0 +1,252 @@
+//! Every wgpu op against the CPU op (the oracle), on seeded random inputs at the real
+//! Qwen3.6-35B-A3B shapes, and the shaders' translation to Metal Shading Language. Built only with
+//! `--features wgpu`. In CI the adapter is Mesa's lavapipe (a CPU Vulkan, subgroups of 8); each
+//! test skips with a message when no adapter is found (LILY_REQUIRE_WGPU=1 makes that a failure).
+//!
+//! Types and tolerances. The wgpu backend keeps activations, states and the KV cache in f32 (the
+//! CPU's types) and reads the same quantized weights, so what differs is summation order, FMA
+//! contraction and the reduction trees:
+//! * `EXACT` (0): copies, the residual add (one f32 add on both sides), elementwise ops whose
+//!   expression is the CPU's (`swiglu`, `add_sigmoid_gated`: `exp` may differ by an ulp or two on
+//!   a GPU, so these get `ELEM_TOL`).
+//! * `F32_TOL` = 1e-5 as `max |gpu − cpu| / max |cpu|` per output row (the row's scale) for sums
+//!   of f32 products (norms, GEMV/GEMM over K ≤ 4096): about 100 f32 epsilons, where a real bug
+//!   (a wrong index, group or scale) moves outputs by O(1e-1).
+#![cfg(feature = "wgpu")]
+
+#[path = "common/ops.rs"]
+mod ops;
+// One op family a file.
+#[path = "wgpu/attention.rs"]
+mod attention;
+#[path = "wgpu/gdn.rs"]
+mod gdn;
+#[path = "wgpu/moe.rs"]
+mod moe;
+#[path = "wgpu/output.rs"]
+mod output;
+
+use lily::backend::cpu::Cpu;
+use lily::backend::wgpu::Wgpu;
+use lily::backend::Backend;
+use ops::{check, qwen_dims, rand_dense, rand_quant, rel_rows, Rng};
+
+const EXACT: f32 = 0.0;
+const F32_TOL: f32 = 1e-5;
+/// Elementwise transcendental ops: a GPU's `exp` is within a few ulps of the host's.
+const ELEM_TOL: f32 = 1e-6;
+
+/// The test adapter: the best GPU, else a software one (lavapipe); `None` skips the test.
+fn gpu() -> Option<Wgpu> {
+    match Wgpu::new(true) {
+        Ok(g) => {
+            let r = g.report();
+            eprintln!(
+                "wgpu adapter: {} ({}, {}), subgroups {}-{}, f16 {}, workgroup memory {} B",
+                r.name,
+                r.backend,
+                r.device_type,
+                r.subgroup_min,
+                r.subgroup_max,
+                r.f16,
+                r.workgroup_storage
+            );
+            Some(g)
+        }
+        Err(e) => {
+            if std::env::var("LILY_REQUIRE_WGPU").as_deref() == Ok("1") {
+                panic!("LILY_REQUIRE_WGPU=1 but no wgpu adapter: {e:#}");
+            }
+            eprintln!("skipping: no wgpu adapter ({e:#})");
+            None
+        }
+    }
+}
+
+fn h(g: &Wgpu, b: &<Wgpu as Backend>::Buf, len: usize) -> Vec<f32> {
+    let v = g.to_host(b, len).expect("to_host");
+    g.sync().expect("the ops before this read");
+    v
+}
+
+#[test]
+fn shaders_validate_and_translate_to_msl() {
+    let out = lily::backend::wgpu::translate_to_msl()
+        .expect("every shader is valid WGSL and translates to MSL");
+    // Kept as an artifact of the build for review (not committed): target/wgsl-msl/<file>.metal.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/wgsl-msl");
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, msl) in &out {
+        assert!(
+            msl.contains("kernel void") || !msl.contains("@compute"),
+            "{name}: no kernel in the MSL"
+        );
+        std::fs::write(dir.join(format!("{name}.metal")), msl).unwrap();
+        println!("{name}.wgsl -> {} bytes of MSL", msl.len());
+    }
+}
+
+#[test]
+fn copies_and_reads_back_exactly() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(11);
+    let a = rng.vec(1000, 1.0);
+    let src = g.upload(&a).unwrap();
+    let mut dst = g.zeros(1200).unwrap();
+    g.copy(&src, 100, &mut dst, 150, 700);
+    let back = h(&g, &dst, 1200);
+    let mut want = vec![0.0; 1200];
+    want[150..850].copy_from_slice(&a[100..800]);
+    check(
+        "copy (700 of 1000 into 1200)",
+        rel_rows(&back, &want, 1200),
+        EXACT,
+    );
+}
+
+#[test]
+fn norms_and_elementwise() {
+    let Some(g) = gpu() else { return };
+    let d = qwen_dims();
+    let mut rng = Rng(2);
+    for rows in [1usize, 7, 64] {
+        let dim = d.hidden;
+        let x = rng.vec(rows * dim, 1.0);
+        let w = rng.vec(dim, 0.5);
+        let r = rng.vec(rows * dim, 0.3);
+        // rms_norm
+        let mut c_out = vec![0.0; rows * dim];
+        Cpu.rms_norm(&x, &w, rows, dim, d.eps, &mut c_out);
+        let (gx, gw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+        let mut g_out = g.zeros(rows * dim).unwrap();
+        g.rms_norm(&gx, &gw, rows, dim, d.eps, &mut g_out);
+        check(
+            &format!("rms_norm rows {rows}"),
+            rel_rows(&h(&g, &g_out, rows * dim), &c_out, dim),
+            F32_TOL,
+        );
+        // add_rms_norm: h and the normed output
+        let mut c_h = x.clone();
+        Cpu.add_rms_norm(&mut c_h, &r, &w, rows, dim, d.eps, &mut c_out);
+        let mut g_h = g.upload(&x).unwrap();
+        let gr = g.upload(&r).unwrap();
+        g.add_rms_norm(&mut g_h, &gr, &gw, rows, dim, d.eps, &mut g_out);
+        check(
+            &format!("add_rms_norm rows {rows} (h)"),
+            rel_rows(&h(&g, &g_h, rows * dim), &c_h, dim),
+            EXACT,
+        );
+        check(
+            &format!("add_rms_norm rows {rows} (out)"),
+            rel_rows(&h(&g, &g_out, rows * dim), &c_out, dim),
+            F32_TOL,
+        );
+        // add
+        let mut c_a = x.clone();
+        Cpu.add(&mut c_a, &r, rows * dim);
+        let mut g_a = g.upload(&x).unwrap();
+        g.add(&mut g_a, &gr, rows * dim);
+        check(
+            &format!("add rows {rows}"),
+            rel_rows(&h(&g, &g_a, rows * dim), &c_a, dim),
+            EXACT,
+        );
+        // swiglu at the shared expert's width
+        let n = rows * 512;
+        let (gg, uu) = (rng.vec(n, 2.0), rng.vec(n, 1.0));
+        let mut c_s = vec![0.0; n];
+        Cpu.swiglu(&gg, &uu, n, &mut c_s);
+        let mut g_s = g.zeros(n).unwrap();
+        g.swiglu(
+            &g.upload(&gg).unwrap(),
+            &g.upload(&uu).unwrap(),
+            n,
+            &mut g_s,
+        );
+        check(
+            &format!("swiglu rows {rows}"),
+            rel_rows(&h(&g, &g_s, n), &c_s, 512),
+            ELEM_TOL,
+        );
+        // add_sigmoid_gated
+        let s = rng.vec(rows, 2.0);
+        let sh = rng.vec(rows * dim, 1.0);
+        let mut c_y = x.clone();
+        Cpu.add_sigmoid_gated(&mut c_y, &sh, &s, rows, dim);
+        let mut g_y = g.upload(&x).unwrap();
+        g.add_sigmoid_gated(
+            &mut g_y,
+            &g.upload(&sh).unwrap(),
+            &g.upload(&s).unwrap(),
+            rows,
+            dim,
+        );
+        check(
+            &format!("add_sigmoid_gated rows {rows}"),
+            rel_rows(&h(&g, &g_y, rows * dim), &c_y, dim),
+            ELEM_TOL,
+        );
+    }
+}
+
+#[test]
+fn matmul_q_gemv_and_gemm() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(3);
+    // (out, inp, bits, group, f32 scales): the model's in_proj-like, out_proj-like, 8-bit
+    // router-like shapes, odd output counts, f32 scales, and a dense matrix.
+    let cases: [(usize, usize, u32, usize, bool); 5] = [
+        (1000, 2048, 4, 64, false),
+        (2048, 4096, 4, 64, false),
+        (256, 2048, 8, 64, false),
+        (37, 512, 4, 32, true),
+        (300, 1024, 8, 128, true),
+    ];
+    for (out, inp, bits, gs, f32s) in cases {
+        let m = rand_quant(&mut rng, 1, out, inp, bits, gs, f32s);
+        let gm = g.upload_mat(&m).unwrap();
+        for rows in [1usize, 5, 40] {
+            let x = rng.vec(rows * inp, 1.0);
+            let mut c = vec![0.0; rows * out];
+            Cpu.matmul_q(&x, &m, rows, &mut c);
+            let mut o = g.zeros(rows * out).unwrap();
+            g.matmul_q(&g.upload(&x).unwrap(), &gm, rows, &mut o);
+            let what = format!(
+                "matmul_q {bits}-bit g{gs}{} [{out}, {inp}] rows {rows}",
+                if f32s { " f32 scales" } else { "" }
+            );
+            check(&what, rel_rows(&h(&g, &o, rows * out), &c, out), F32_TOL);
+        }
+    }
+    let m = rand_dense(&mut rng, 70, 256);
+    let gm = g.upload_mat(&m).unwrap();
+    for rows in [1usize, 3] {
+        let x = rng.vec(rows * 256, 1.0);
+        let mut c = vec![0.0; rows * 70];
+        Cpu.matmul_q(&x, &m, rows, &mut c);
+        let mut o = g.zeros(rows * 70).unwrap();
+        g.matmul_q(&g.upload(&x).unwrap(), &gm, rows, &mut o);
+        check(
+            &format!("matmul_q dense [70, 256] rows {rows}"),
+            rel_rows(&h(&g, &o, rows * 70), &c, 70),
+            F32_TOL,
+        );
+    }
+}
+
+#[test]
+fn bad_shapes_are_errors_not_crashes() {
+    let Some(g) = gpu() else { return };
+    let x = g.zeros(10).unwrap();
+    let mut o = g.zeros(10).unwrap();
+    let w = g.zeros(2048).unwrap();
+    g.rms_norm(&x, &w, 4, 2048, 1e-6, &mut o);
+    let e = g
+        .sync()
+        .expect_err("a norm over more elements than the buffers hold");
+    assert!(e.to_string().contains("rms_norm"), "{e}");
+    // The backend goes on working after the error was returned.
+    g.add(&mut o, &x, 10);
+    g.sync().expect("a valid op after the error");
+    assert!(g.to_host(&o, 11).is_err());
+}
