@@ -358,6 +358,11 @@ pub fn run(a: BenchArgs) -> Result<()> {
             return run_on(b, a, Some(probes));
         }
     }
+    #[cfg(feature = "wgpu")]
+    if let Some(b) = crate::pick_wgpu(&a.common)? {
+        crate::setup_threads(&a.common)?;
+        return run_on(b, a, None);
+    }
     let b = crate::setup(&a.common)?;
     run_on(b, a, None)
 }

@@ -215,6 +215,11 @@ pub fn run(a: ChatArgs) -> Result<()> {
         crate::setup_threads(&a.common)?;
         return run_on(b, a);
     }
+    #[cfg(feature = "wgpu")]
+    if let Some(b) = crate::pick_wgpu(&a.common)? {
+        crate::setup_threads(&a.common)?;
+        return run_on(b, a);
+    }
     let b = crate::setup(&a.common)?;
     run_on(b, a)
 }

@@ -39,6 +39,9 @@ pub enum BackendKind {
     Cpu,
     /// NVIDIA GPUs (needs a build with `--features cuda`).
     Cuda,
+    /// Any GPU through wgpu: Metal on a Mac, Vulkan elsewhere (needs `--features wgpu`). Asked
+    /// for by name it also takes a software adapter (lavapipe); `auto` never does.
+    Wgpu,
 }
 
 /// Flags every subcommand takes.
@@ -177,12 +180,41 @@ pub fn pick_cuda(c: &Common) -> Result<Option<lily::backend::cuda::Cuda>> {
                 Ok(Some(b))
             }
             Err(e) => {
-                eprintln!("lily: backend auto: no CUDA device ({e:#}); using the CPU");
+                eprintln!("lily: backend auto: no CUDA device ({e:#})");
                 Ok(None)
             }
         },
-        BackendKind::Cpu => Ok(None),
+        BackendKind::Cpu | BackendKind::Wgpu => Ok(None),
     }
+}
+
+/// The wgpu backend when it is asked for (`wgpu`: any adapter, software ones included) or a
+/// hardware GPU adapter exists (`auto`, after CUDA); `None` = use the CPU. Says which adapter.
+#[cfg(feature = "wgpu")]
+pub fn pick_wgpu(c: &Common) -> Result<Option<lily::backend::wgpu::Wgpu>> {
+    let b = match c.backend {
+        BackendKind::Wgpu => lily::backend::wgpu::Wgpu::new(true)?,
+        BackendKind::Auto => match lily::backend::wgpu::Wgpu::new(false) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("lily: backend auto: no wgpu GPU adapter ({e:#})");
+                return Ok(None);
+            }
+        },
+        BackendKind::Cpu | BackendKind::Cuda => return Ok(None),
+    };
+    let r = b.report();
+    eprintln!(
+        "lily: backend {} → {} (subgroups {}-{}, f16 {}, {} KiB workgroup memory, largest binding {} MiB)",
+        if c.backend == BackendKind::Auto { "auto" } else { "wgpu" },
+        lily::backend::Backend::name(&b),
+        r.subgroup_min,
+        r.subgroup_max,
+        r.f16,
+        r.workgroup_storage / 1024,
+        r.max_binding >> 20
+    );
+    Ok(Some(b))
 }
 
 /// Sets up threads and resolves the CPU backend (GPU dispatch happens before, see `pick_cuda`).
@@ -196,6 +228,8 @@ pub fn setup(c: &Common) -> Result<Cpu> {
         }
         BackendKind::Cuda if cfg!(feature = "cuda") => bail!("--backend cuda: this command runs no model on a device (it works the same with --backend cpu)"),
         BackendKind::Cuda => bail!("--backend cuda: this build has no CUDA backend (build with `--features cuda`)"),
+        BackendKind::Wgpu if cfg!(feature = "wgpu") => bail!("--backend wgpu: this command runs no model on a device (it works the same with --backend cpu)"),
+        BackendKind::Wgpu => bail!("--backend wgpu: this build has no wgpu backend (build with `--features wgpu`)"),
     }
 }
 
@@ -280,6 +314,11 @@ fn synth(a: SynthArgs) -> Result<()> {
 fn generate(a: GenerateArgs) -> Result<()> {
     #[cfg(feature = "cuda")]
     if let Some(b) = pick_cuda(&a.common)? {
+        setup_threads(&a.common)?;
+        return generate_on(b, a);
+    }
+    #[cfg(feature = "wgpu")]
+    if let Some(b) = pick_wgpu(&a.common)? {
         setup_threads(&a.common)?;
         return generate_on(b, a);
     }
@@ -455,6 +494,11 @@ fn top1(row: &[f64]) -> usize {
 fn eval(a: EvalArgs) -> Result<()> {
     #[cfg(feature = "cuda")]
     if let Some(b) = pick_cuda(&a.common)? {
+        setup_threads(&a.common)?;
+        return eval_on(b, a);
+    }
+    #[cfg(feature = "wgpu")]
+    if let Some(b) = pick_wgpu(&a.common)? {
         setup_threads(&a.common)?;
         return eval_on(b, a);
     }

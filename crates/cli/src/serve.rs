@@ -84,18 +84,45 @@ pub struct CacheArgs {
     pub snapshot_every: usize,
 }
 
+/// The machine's memory in bytes (`/proc/meminfo`; `sysctl hw.memsize` on a Mac), if known.
+fn machine_memory() -> Option<usize> {
+    #[cfg(target_os = "macos")]
+    {
+        let out = std::process::Command::new("sysctl")
+            .args(["-n", "hw.memsize"])
+            .output()
+            .ok()?;
+        return String::from_utf8_lossy(&out.stdout).trim().parse().ok();
+    }
+    #[allow(unreachable_code)]
+    std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find(|l| l.starts_with("MemTotal:"))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<usize>().ok())
+            .map(|kib| kib * 1024)
+    })
+}
+
 /// A quarter of the machine's memory, at most 4 GiB (CPU default of `--cache-mem`).
 fn cpu_cache_default() -> usize {
-    let total = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|m| {
-            m.lines()
-                .find(|l| l.starts_with("MemTotal:"))
-                .and_then(|l| l.split_whitespace().nth(1)?.parse::<usize>().ok())
-        })
-        .map(|kib| kib * 1024)
-        .unwrap_or(8 << 30);
-    (total / 4).min(4 << 30)
+    (machine_memory().unwrap_or(8 << 30) / 4).min(4 << 30)
+}
+
+/// The wgpu backend's prefix-cache default, said on stderr: an eighth of the machine's memory, at
+/// most 4 GiB. On a Mac the GPU shares that memory with the model (19.4 GB for the full
+/// checkpoint) and the KV cache, so the cache takes less than the CPU's quarter: a 36 GB Mac
+/// keeps 4 GiB for it and ~12 GB for everything else.
+#[cfg(feature = "wgpu")]
+fn wgpu_cache_default(b: &lily::backend::wgpu::Wgpu) -> usize {
+    let mem = machine_memory();
+    let bytes = (mem.unwrap_or(8 << 30) / 8).min(4 << 30);
+    eprintln!(
+        "lily: prefix cache {:.1} GiB on {} (an eighth of the machine's {}, at most 4 GiB; --cache-mem sets it)",
+        bytes as f64 / (1u64 << 30) as f64,
+        b.report().name,
+        mem.map_or("unknown memory (8 GiB assumed)".to_string(), |m| format!("{:.1} GiB", m as f64 / (1u64 << 30) as f64)),
+    );
+    bytes
 }
 
 /// Loads the model on the chosen backend and returns it as a server runner.
@@ -115,6 +142,12 @@ pub fn runner(
             cache.bytes.unwrap_or(16 << 30),
             cache.snapshot_every,
         );
+    }
+    #[cfg(feature = "wgpu")]
+    if let Some(b) = crate::pick_wgpu(common)? {
+        crate::setup_threads(common)?;
+        let bytes = cache.bytes.unwrap_or_else(|| wgpu_cache_default(&b));
+        return runner_on(b, model, max_context, bytes, cache.snapshot_every);
     }
     let b = crate::setup(common)?;
     runner_on(

@@ -14,11 +14,14 @@
 //!   (a wrong index, group or scale) moves outputs by O(1e-1).
 #![cfg(feature = "wgpu")]
 
+mod common;
 #[path = "common/ops.rs"]
 mod ops;
 // One op family a file.
 #[path = "wgpu/attention.rs"]
 mod attention;
+#[path = "wgpu/e2e.rs"]
+mod e2e;
 #[path = "wgpu/gdn.rs"]
 mod gdn;
 #[path = "wgpu/moe.rs"]

@@ -1,7 +1,8 @@
 // matmul.wgsl: matmul_q, out[t] = x[t] · Wᵀ for a quantized (or dense) matrix (cpu/matmul.rs
 // `matmul`). x f32 [rows, in] at x_off, out f32 [rows, out] at out_off; matrix e of the stack.
-// gemv (rows = 1): a workgroup of 256 = 8 outputs × 32 threads striding k (consecutive threads
-//   read consecutive elements), summed by a tree in workgroup memory; ceil(out / 8) workgroups.
+// gemv (rows = 1): a workgroup of 256 = 8 outputs × 32 threads striding the row's code words
+//   (consecutive threads read consecutive words: 32 / bits elements each, one scale and bias
+//   a word), summed by a tree in workgroup memory; ceil(out / 8) workgroups.
 // gemm (rows > 1): a 16 × 16 tile of (row, output) a workgroup, k in chunks of 64 with the
 //   chunk's dequantized weights and x staged in workgroup memory (8 KB); ceil(out / 16) ·
 //   ceil(rows / 16) workgroups.
@@ -30,8 +31,30 @@ fn gemv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let lane = li % 32u;
     var acc = 0.0;
     if (o < p.m.out) {
-        for (var k = lane; k < p.m.inp; k += 32u) {
-            acc += q_weight(p.m, p.e, o, k) * x[p.x_off + k];
+        if (p.m.bits == 32u) {
+            for (var k = lane; k < p.m.inp; k += 32u) {
+                acc += q_weight(p.m, p.e, o, k) * x[p.x_off + k];
+            }
+        } else {
+            let per = 32u / p.m.bits;
+            let wpr = p.m.inp / per;
+            let row = p.e * p.m.out + o;
+            let mask = (1u << p.m.bits) - 1u;
+            for (var j = lane; j < wpr; j += 32u) {
+                let word = qw[row * wpr + j];
+                let k0 = j * per;
+                // scale·Σ code·x + bias·Σ x over the word's elements: the same products as
+                // q_weight's (s·code + b)·x up to the order of the f32 sums.
+                var sq = 0.0;
+                var sx = 0.0;
+                for (var i = 0u; i < per; i++) {
+                    let xv = x[p.x_off + k0 + i];
+                    sq += f32((word >> (i * p.m.bits)) & mask) * xv;
+                    sx += xv;
+                }
+                let g = row * (p.m.inp / p.m.gs) + k0 / p.m.gs;
+                acc += q_sb(g, p.m.sb16, false) * sq + q_sb(g, p.m.sb16, true) * sx;
+            }
         }
     }
     red[li] = acc;
