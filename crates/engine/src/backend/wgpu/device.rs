@@ -9,7 +9,10 @@
 //! backend does.
 //!
 //! Parameters reach a kernel as a small uniform block (`binding 0`, u32 words, f32 by bits);
-//! storage buffers follow at bindings 1, 2, … in the order the op passes them.
+//! storage buffers follow at bindings 1, 2, … in the order the op passes them. The blocks of one
+//! submission live in one arena buffer, each at its own aligned offset, written by the queue
+//! (its writes land before the submission's commands run, after the earlier submissions'):
+//! no buffer is created per dispatch.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -20,6 +23,8 @@ use anyhow::{anyhow, bail, Context, Result};
 /// Dispatches recorded before the encoder is submitted on its own: long prefill blocks keep the
 /// GPU busy while the host records the rest.
 const FLUSH_EVERY: usize = 256;
+/// Bytes of the parameter arena a dispatch may use (a QMat and a few words; attention passes its RoPE frequencies).
+const PARAM_BYTES: u64 = 2048;
 
 /// One WGSL file: its name (for errors and the MSL check) and its text.
 #[derive(Clone, Copy)]
@@ -61,8 +66,12 @@ pub(super) struct Ctx {
     pub report: AdapterReport,
     pipelines: Mutex<HashMap<(&'static str, &'static str), Arc<::wgpu::ComputePipeline>>>,
     modules: Mutex<HashMap<&'static str, Arc<::wgpu::ShaderModule>>>,
+    /// The encoder being recorded and its dispatches so far (also the next free arena slot).
     enc: Mutex<Option<(::wgpu::CommandEncoder, usize)>>,
     err: Arc<Mutex<Option<String>>>,
+    /// FLUSH_EVERY parameter blocks, `stride` bytes apart (the adapter's uniform offset alignment).
+    arena: ::wgpu::Buffer,
+    stride: u64,
 }
 
 /// Adapter types in the order `auto` prefers them; software adapters (lavapipe reports `Cpu`)
@@ -147,6 +156,13 @@ impl Ctx {
             max_buffer: limits.max_buffer_size,
             storage_buffers: limits.max_storage_buffers_per_shader_stage,
         };
+        let stride = PARAM_BYTES.max(limits.min_uniform_buffer_offset_alignment as u64);
+        let arena = device.create_buffer(&::wgpu::BufferDescriptor {
+            label: Some("params"),
+            size: stride * FLUSH_EVERY as u64,
+            usage: ::wgpu::BufferUsages::UNIFORM | ::wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
         Ok(Self {
             device,
             queue,
@@ -155,6 +171,8 @@ impl Ctx {
             modules: Mutex::new(HashMap::new()),
             enc: Mutex::new(None),
             err,
+            arena,
+            stride,
         })
     }
 
@@ -225,16 +243,26 @@ impl Ctx {
         let pipe = self.pipeline(sh, entry);
         let mut words = params.to_vec();
         words.resize(words.len().div_ceil(4).max(1) * 4, 0);
-        let ub = self
-            .device
-            .create_buffer_init(&::wgpu::util::BufferInitDescriptor {
-                label: None,
-                contents: as_bytes(&words),
-                usage: ::wgpu::BufferUsages::UNIFORM,
-            });
+        if 4 * words.len() as u64 > PARAM_BYTES {
+            self.fail(format!("{entry}: {} bytes of parameters, at most {PARAM_BYTES}", 4 * words.len()));
+            return;
+        }
+        let (gx, gy) = if groups <= 65535 {
+            (groups, 1)
+        } else {
+            (65535, groups.div_ceil(65535))
+        };
+        let mut g = self.enc.lock().unwrap();
+        let (enc, n) = g.get_or_insert_with(|| (self.device.create_command_encoder(&Default::default()), 0));
+        let off = *n as u64 * self.stride;
+        self.queue.write_buffer(&self.arena, off, as_bytes(&words));
         let mut entries = vec![::wgpu::BindGroupEntry {
             binding: 0,
-            resource: ub.as_entire_binding(),
+            resource: ::wgpu::BindingResource::Buffer(::wgpu::BufferBinding {
+                buffer: &self.arena,
+                offset: off,
+                size: ::wgpu::BufferSize::new(4 * words.len() as u64),
+            }),
         }];
         for (i, b) in bufs.iter().enumerate() {
             entries.push(::wgpu::BindGroupEntry {
@@ -247,14 +275,6 @@ impl Ctx {
             layout: &pipe.get_bind_group_layout(0),
             entries: &entries,
         });
-        let (gx, gy) = if groups <= 65535 {
-            (groups, 1)
-        } else {
-            (65535, groups.div_ceil(65535))
-        };
-        let mut g = self.enc.lock().unwrap();
-        let (enc, n) =
-            g.get_or_insert_with(|| (self.device.create_command_encoder(&Default::default()), 0));
         {
             let mut cp = enc.begin_compute_pass(&Default::default());
             cp.set_pipeline(&pipe);
@@ -276,8 +296,8 @@ impl Ctx {
         let mut g = self.enc.lock().unwrap();
         let (enc, n) =
             g.get_or_insert_with(|| (self.device.create_command_encoder(&Default::default()), 0));
+        let _ = n; // copies take no parameter slot
         enc.copy_buffer_to_buffer(src, so, dst, dof, bytes);
-        *n += 1;
     }
 
     /// Submits whatever is recorded.

@@ -12,4 +12,3 @@ fn wg_index(wid: vec3<u32>) -> u32 { return wid.y * 65535u + wid.x; }
 
 fn sigmoid_f(x: f32) -> f32 { return 1.0 / (1.0 + exp(-x)); }
 fn silu_f(x: f32) -> f32 { return x * sigmoid_f(x); }
-fn softplus_f(x: f32) -> f32 { if (x > 20.0) { return x; } return log(1.0 + exp(x)); }
