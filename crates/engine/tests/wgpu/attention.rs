@@ -1,4 +1,453 @@
 //! wgpu attention ops against the CPU (a module of wgpu_ops.rs; its header states the tolerances).
+//!
+//! All at F32_TOL per head row: the GPU runs the CPU's arithmetic in f32 with another summation
+//! order (online softmax over chunks of 256 keys, split ranges merged for decode) and its own
+//! `exp`; the RoPE angles are exact on both sides (f64 on the CPU, 64-bit fixed-point turns on the
+//! GPU), sin/cos within an f32 ulp or two. The gate copy and the KV cache appends are EXACT.
 
-#[allow(unused_imports)]
+use super::ops::kv_new;
 use super::*;
+use lily::backend::cpu::CpuStep;
+use lily::backend::{Dims, KvCache};
+
+/// The model's shape and the smaller ones the kernels must also take: 32 heads (16 a KV head),
+/// head 128 (4 heads a KV head), head 64 (one KV head).
+fn shapes() -> Vec<Dims> {
+    let qd = qwen_dims();
+    vec![
+        qd,
+        Dims { n_heads: 32, ..qd },
+        Dims {
+            n_heads: 4,
+            head_dim: 128,
+            rotary_dim: 32,
+            ..qd
+        },
+        Dims {
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 64,
+            rotary_dim: 16,
+            ..qd
+        },
+    ]
+}
+
+#[test]
+fn attention_qk_norm_rope() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(4);
+    let mut gstep = g.new_step().unwrap();
+    for d in shapes() {
+        let (hq, hd, kvd) = (d.n_heads, d.head_dim, d.n_kv_heads * d.head_dim);
+        let qn: Vec<f32> = (0..hd).map(|_| 1.0 + 0.1 * rng.f()).collect();
+        let kn: Vec<f32> = (0..hd).map(|_| 1.0 + 0.1 * rng.f()).collect();
+        let (gqn, gkn) = (g.upload_vec(&qn).unwrap(), g.upload_vec(&kn).unwrap());
+        // Large positions too (angles exact on both sides); the step form reads its position
+        // from the step (the host value beside it is wrong on purpose: the step's must win).
+        for (rows, pos0, use_step) in [
+            (5, 0, false),
+            (3, 100_000, false),
+            (40, 262_000, false),
+            (1, 77_777, true),
+            (1, 3, true),
+        ] {
+            let qg = rng.vec(rows * hq * 2 * hd, 1.0);
+            let k = rng.vec(rows * kvd, 1.0);
+            let (mut cq, mut cgate, mut ck) = (
+                vec![0f32; rows * hq * hd],
+                vec![0f32; rows * hq * hd],
+                k.clone(),
+            );
+            Cpu.attn_qk_norm_rope(
+                &qg, &mut ck, &qn, &kn, &d, rows, pos0, None, &mut cq, &mut cgate,
+            );
+            let (mut gq, mut ggate, mut gk) = (
+                g.zeros(rows * hq * hd).unwrap(),
+                g.zeros(rows * hq * hd).unwrap(),
+                g.upload(&k).unwrap(),
+            );
+            g.set_step(&mut gstep, 0, pos0);
+            let (host_pos, step) = if use_step {
+                (0, Some(&gstep))
+            } else {
+                (pos0, None)
+            };
+            g.attn_qk_norm_rope(
+                &g.upload(&qg).unwrap(),
+                &mut gk,
+                &gqn,
+                &gkn,
+                &d,
+                rows,
+                host_pos,
+                step,
+                &mut gq,
+                &mut ggate,
+            );
+            let what = format!(
+                "attn_qk_norm_rope {hq}/{} heads of {hd} rows {rows} pos {pos0}",
+                d.n_kv_heads
+            );
+            check(
+                &format!("{what} (q)"),
+                rel_rows(&h(&g, &gq, rows * hq * hd), &cq, hd),
+                F32_TOL,
+            );
+            check(
+                &format!("{what} (k)"),
+                rel_rows(&h(&g, &gk, rows * kvd), &ck, hd),
+                F32_TOL,
+            );
+            check(
+                &format!("{what} (gate)"),
+                rel_rows(&h(&g, &ggate, rows * hq * hd), &cgate, hd),
+                EXACT,
+            );
+        }
+    }
+}
+
+/// Two prefill chunks, decode steps, a long chunk (500 rows: many chunks of 256 keys), decode
+/// steps, another chunk, a decode: the cache carries over between the ops and must equal the
+/// CPU's bit for bit after.
+#[test]
+fn attention_prefill_then_decode() {
+    let Some(g) = gpu() else { return };
+    let d = qwen_dims();
+    let mut rng = Rng(5);
+    let (hq, hd, kvd) = (d.n_heads, d.head_dim, d.n_kv_heads * d.head_dim);
+    let cap = 20_000;
+    let mut ckv = kv_new(&Cpu, cap, kvd);
+    let mut gkv = kv_new(&g, cap, kvd);
+    let mut gstep = g.new_step().unwrap();
+    let mut pos = 0;
+    for (step, rows) in [64usize, 37, 1, 1, 1, 500, 1, 1, 256, 1]
+        .into_iter()
+        .enumerate()
+    {
+        let q = rng.vec(rows * hq * hd, 1.0);
+        let k = rng.vec(rows * kvd, 1.0);
+        let v = rng.vec(rows * kvd, 1.0);
+        let gate = rng.vec(rows * hq * hd, 2.0);
+        let mut c = vec![0f32; rows * hq * hd];
+        let (gq, gk, gv, gg) = (
+            g.upload(&q).unwrap(),
+            g.upload(&k).unwrap(),
+            g.upload(&v).unwrap(),
+            g.upload(&gate).unwrap(),
+        );
+        let mut go = g.zeros(rows * hq * hd).unwrap();
+        let what = if rows == 1 {
+            Cpu.attn_decode(
+                &q,
+                &k,
+                &v,
+                &gate,
+                &mut ckv,
+                &d,
+                pos,
+                &CpuStep { token: 0, pos },
+                &mut c,
+            );
+            g.set_step(&mut gstep, 0, pos);
+            g.attn_decode(&gq, &gk, &gv, &gg, &mut gkv, &d, pos, &gstep, &mut go);
+            format!("attn_decode step {step} at pos {pos}")
+        } else {
+            Cpu.attn_prefill(&q, &k, &v, &gate, &mut ckv, &d, rows, pos, &mut c);
+            g.attn_prefill(&gq, &gk, &gv, &gg, &mut gkv, &d, rows, pos, &mut go);
+            format!("attn_prefill {rows} rows at pos {pos}")
+        };
+        check(
+            &what,
+            rel_rows(&h(&g, &go, rows * hq * hd), &c, hd),
+            F32_TOL,
+        );
+        pos += rows;
+    }
+    check(
+        "attention KV cache after prefill + decode (K)",
+        rel_rows(&h(&g, &gkv.k, cap * kvd), &ckv.k, kvd),
+        EXACT,
+    );
+    check(
+        "attention KV cache after prefill + decode (V)",
+        rel_rows(&h(&g, &gkv.v, cap * kvd), &ckv.v, kvd),
+        EXACT,
+    );
+}
+
+/// Both caches filled with the same random rows (so a row read past the causal limit, or a row
+/// not appended, shows), and the same values on the GPU.
+fn filled_caches(
+    g: &Wgpu,
+    rng: &mut Rng,
+    cap: usize,
+    kvd: usize,
+) -> (KvCache<Vec<f32>>, KvCache<<Wgpu as Backend>::Buf>) {
+    let c = KvCache {
+        k: rng.vec(cap * kvd, 1.0),
+        v: rng.vec(cap * kvd, 1.0),
+        capacity: cap,
+    };
+    let gk = KvCache {
+        k: g.upload(&c.k).unwrap(),
+        v: g.upload(&c.v).unwrap(),
+        capacity: cap,
+    };
+    (c, gk)
+}
+
+/// Prefill chunks deep in a filled cache (a prompt's later chunks: keys in many chunks of 256,
+/// up to the last row of the cache), in every head shape. Sizes kept small: lavapipe on a CI
+/// machine's few cores runs a few GFLOP/s at best.
+#[test]
+fn attention_prefill_shapes() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(6);
+    for (d, (cap, chunks)) in shapes().into_iter().zip([
+        (6000, vec![(40usize, 5000usize), (3, 5997)]),
+        (1024, vec![(100, 0), (150, 100)]),
+        (1024, vec![(257, 0), (2, 257), (511, 259)]),
+        (1024, vec![(255, 0), (512, 255), (257, 767)]),
+    ]) {
+        let (hq, hd, kvd) = (d.n_heads, d.head_dim, d.n_kv_heads * d.head_dim);
+        let (mut ckv, mut gkv) = filled_caches(&g, &mut rng, cap, kvd);
+        for (rows, pos0) in chunks {
+            let q = rng.vec(rows * hq * hd, 1.0);
+            let k = rng.vec(rows * kvd, 1.0);
+            let v = rng.vec(rows * kvd, 1.0);
+            let gate = rng.vec(rows * hq * hd, 2.0);
+            let mut c = vec![0f32; rows * hq * hd];
+            Cpu.attn_prefill(&q, &k, &v, &gate, &mut ckv, &d, rows, pos0, &mut c);
+            let mut go = g.zeros(rows * hq * hd).unwrap();
+            g.attn_prefill(
+                &g.upload(&q).unwrap(),
+                &g.upload(&k).unwrap(),
+                &g.upload(&v).unwrap(),
+                &g.upload(&gate).unwrap(),
+                &mut gkv,
+                &d,
+                rows,
+                pos0,
+                &mut go,
+            );
+            check(
+                &format!(
+                    "attn_prefill {hq}/{} heads of {hd}, {rows} rows at pos {pos0}",
+                    d.n_kv_heads
+                ),
+                rel_rows(&h(&g, &go, rows * hq * hd), &c, hd),
+                F32_TOL,
+            );
+        }
+        let kv_err = rel_rows(&h(&g, &gkv.k, cap * kvd), &ckv.k, kvd).max(rel_rows(
+            &h(&g, &gkv.v, cap * kvd),
+            &ckv.v,
+            kvd,
+        ));
+        check(
+            &format!("attn_prefill {hq}/{} heads of {hd}: KV cache", d.n_kv_heads),
+            kv_err,
+            EXACT,
+        );
+    }
+}
+
+/// Decode against the CPU over capacities whose split counts differ (attention.rs: at most 32
+/// splits of whole 256-key chunks: 1 split at 64 and 256, 4 at 1024, 27 of 768 at 20000) and
+/// positions at the start (0: one key, the step's own), at the edges of chunks and splits, and at
+/// the last row. Caches filled with random rows beforehand (a row read past the position shows);
+/// needles, key rows that match one query head (a score about 12: much of its attention), sit at
+/// chunk and split edges and in the step's own k, so a key skipped, misplaced or counted twice
+/// moves that head's output by O(1). After the steps the caches equal the CPU's bit for bit.
+#[test]
+fn attention_decode_capacities() {
+    let Some(g) = gpu() else { return };
+    let qd = qwen_dims();
+    let sh = shapes();
+    let cases: Vec<(Dims, usize, Vec<usize>)> = vec![
+        (qd, 64, vec![0, 1, 7, 8, 63]),
+        (qd, 1024, vec![0, 255, 256, 257, 520, 1023]),
+        (qd, 20_000, vec![0, 767, 768, 5000, 19_999]),
+        (sh[1], 1024, vec![0, 9, 700]),
+        (sh[2], 1024, vec![0, 100, 1000]),
+        (sh[3], 1024, vec![0, 64, 1023]),
+    ];
+    let mut rng = Rng(11);
+    let mut gstep = g.new_step().unwrap();
+    for (d, cap, positions) in cases {
+        let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
+        let (kvd, group) = (kvh * hd, hq / kvh);
+        let (mut ckv, mut gkv) = filled_caches(&g, &mut rng, cap, kvd);
+        for pos in positions {
+            let q = rng.vec(hq * hd, 1.0);
+            let mut k = rng.vec(kvd, 1.0);
+            let v = rng.vec(kvd, 1.0);
+            let gate = rng.vec(hq * hd, 2.0);
+            // Needle i: KV head i % kvh, its head slot (i / kvh) % group, at key spots[i].
+            let spots = [
+                0,
+                255,
+                256,
+                767,
+                768,
+                pos / 3,
+                pos / 2,
+                pos.saturating_sub(256),
+                pos.saturating_sub(1),
+                pos,
+            ];
+            for (i, &j) in spots.iter().enumerate().filter(|(_, &j)| j <= pos) {
+                let (kh, head) = (i % kvh, (i % kvh) * group + (i / kvh) % group);
+                let row: Vec<f32> = q[head * hd..][..hd].iter().map(|&x| 0.75 * x).collect();
+                if j == pos {
+                    k[kh * hd..][..hd].copy_from_slice(&row);
+                } else {
+                    ckv.k[j * kvd + kh * hd..][..hd].copy_from_slice(&row);
+                    g.copy(
+                        &g.upload(&row).unwrap(),
+                        0,
+                        &mut gkv.k,
+                        j * kvd + kh * hd,
+                        hd,
+                    );
+                }
+            }
+            let mut c = vec![0f32; hq * hd];
+            Cpu.attn_decode(
+                &q,
+                &k,
+                &v,
+                &gate,
+                &mut ckv,
+                &d,
+                pos,
+                &CpuStep { token: 0, pos },
+                &mut c,
+            );
+            let mut go = g.zeros(hq * hd).unwrap();
+            g.set_step(&mut gstep, 0, pos);
+            g.attn_decode(
+                &g.upload(&q).unwrap(),
+                &g.upload(&k).unwrap(),
+                &g.upload(&v).unwrap(),
+                &g.upload(&gate).unwrap(),
+                &mut gkv,
+                &d,
+                pos,
+                &gstep,
+                &mut go,
+            );
+            // The CPU op sums its keys one after the other in f32: for a head with no needle
+            // (diffuse attention, output ~ 1/√n of its terms) its own error relative to the row
+            // grows like √n·ε (≈ 1e-5 at 20000 keys). So the GPU is held to F32_TOL against an
+            // f64 reference, and to F32_TOL plus the CPU's own measured error against the CPU.
+            let r = reference_decode(&q, &gate, &ckv, &d, pos);
+            let gout = h(&g, &go, hq * hd);
+            let what = format!("attn_decode {hq}/{kvh} heads of {hd}, capacity {cap}, pos {pos}");
+            let cpu_err = rel_rows(&c, &r, hd);
+            println!("{:<58} CPU vs f64 {cpu_err:.2e}", what);
+            check(&format!("{what} vs f64"), rel_rows(&gout, &r, hd), F32_TOL);
+            check(&what, rel_rows(&gout, &c, hd), F32_TOL + cpu_err);
+        }
+        let kv_err = rel_rows(&h(&g, &gkv.k, cap * kvd), &ckv.k, kvd).max(rel_rows(
+            &h(&g, &gkv.v, cap * kvd),
+            &ckv.v,
+            kvd,
+        ));
+        check(
+            &format!("attn_decode {hq}/{kvh} heads of {hd}, capacity {cap}: KV cache"),
+            kv_err,
+            EXACT,
+        );
+    }
+}
+
+/// One decode row's gated attention in f64 over the cache's rows 0..=pos (which hold the step's
+/// k, v), rounded to f32 at the end.
+fn reference_decode(
+    q: &[f32],
+    gate: &[f32],
+    kv: &KvCache<Vec<f32>>,
+    d: &Dims,
+    pos: usize,
+) -> Vec<f32> {
+    let (hq, hd) = (d.n_heads, d.head_dim);
+    let (kvd, group) = (d.n_kv_heads * hd, hq / d.n_kv_heads);
+    let scale = 1.0 / (hd as f64).sqrt();
+    let mut out = vec![0f32; hq * hd];
+    for h in 0..hq {
+        let (qv, kh) = (&q[h * hd..][..hd], h / group);
+        let s: Vec<f64> = (0..=pos)
+            .map(|j| {
+                let k = &kv.k[j * kvd + kh * hd..][..hd];
+                qv.iter()
+                    .zip(k)
+                    .map(|(&a, &b)| a as f64 * b as f64)
+                    .sum::<f64>()
+                    * scale
+            })
+            .collect();
+        let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let p: Vec<f64> = s.iter().map(|&x| (x - m).exp()).collect();
+        let l: f64 = p.iter().sum();
+        let mut o = vec![0f64; hd];
+        for (j, &pj) in p.iter().enumerate() {
+            for (a, &v) in o.iter_mut().zip(&kv.v[j * kvd + kh * hd..][..hd]) {
+                *a += pj * v as f64;
+            }
+        }
+        for (i, a) in o.iter().enumerate() {
+            let gv = gate[h * hd + i] as f64;
+            out[h * hd + i] = (a / l / (1.0 + (-gv).exp())) as f32;
+        }
+    }
+    out
+}
+
+/// A decode or prefill past the cache's capacity, and short buffers, are errors returned by the
+/// next sync, not crashes; the backend works after.
+#[test]
+fn attention_bad_shapes_are_errors() {
+    let Some(g) = gpu() else { return };
+    let d = qwen_dims();
+    let (hq, hd, kvd) = (d.n_heads, d.head_dim, d.n_kv_heads * d.head_dim);
+    let cap = 16;
+    let mut kv = kv_new(&g, cap, kvd);
+    let (q, k, v, gate) = (
+        g.zeros(hq * hd).unwrap(),
+        g.zeros(kvd).unwrap(),
+        g.zeros(kvd).unwrap(),
+        g.zeros(hq * hd).unwrap(),
+    );
+    let mut out = g.zeros(hq * hd).unwrap();
+    let mut step = g.new_step().unwrap();
+    g.set_step(&mut step, 0, cap);
+    g.attn_decode(&q, &k, &v, &gate, &mut kv, &d, cap, &step, &mut out);
+    let e = g.sync().expect_err("a decode at the capacity");
+    assert!(e.to_string().contains("attn_decode"), "{e}");
+    println!("decode past the capacity: {e}");
+    // The backend goes on working: a valid step, then a prefill past the end.
+    g.set_step(&mut step, 0, cap - 1);
+    g.attn_decode(&q, &k, &v, &gate, &mut kv, &d, cap - 1, &step, &mut out);
+    g.sync().expect("a valid decode after the error");
+    g.attn_prefill(&q, &k, &v, &gate, &mut kv, &d, 1, cap, &mut out);
+    let e = g.sync().expect_err("a prefill past the capacity");
+    assert!(e.to_string().contains("attn_prefill"), "{e}");
+    // Buffers too small for the rows asked.
+    g.attn_prefill(&q, &k, &v, &gate, &mut kv, &d, 4, 0, &mut out);
+    let e = g
+        .sync()
+        .expect_err("a prefill of 4 rows from 1-row buffers");
+    assert!(e.to_string().contains("attn_prefill"), "{e}");
+    let (mut q2, mut gate2, mut k2) = (
+        g.zeros(hq * hd).unwrap(),
+        g.zeros(hq * hd).unwrap(),
+        g.zeros(kvd).unwrap(),
+    );
+    let qn = g.zeros(hd).unwrap();
+    g.attn_qk_norm_rope(&q, &mut k2, &qn, &qn, &d, 1, 0, None, &mut q2, &mut gate2);
+    let e = g.sync().expect_err("qg of one row holds half of it");
+    assert!(e.to_string().contains("attn_qk_norm_rope"), "{e}");
+}

@@ -1,5 +1,10 @@
 //! Gated attention: q/k norm + RoPE, prefill and decode attention (shaders/attention.wgsl;
 //! cpu/attention.rs is the twin).
+//!
+//! Prefill appends k/v with buffer copies, then `attn_rows` (a workgroup per row and head).
+//! Decode reads its position from the step on the device: `kv_append_step` writes the row,
+//! `attn_split` spreads the keys over `splits` ranges per head (chosen from the capacity, so the
+//! launch is the same at every position), `attn_combine` merges them.
 
 use super::device::{Ctx, Shader};
 use super::{WBuf, WStep};
@@ -13,51 +18,284 @@ pub const SHADER: Shader = Shader {
     ),
 };
 
+/// The largest head the kernels take (two dims a thread of 256) and rotated dims (the turn
+/// table of 128 pairs in the parameter block).
+const MAX_HD: usize = 512;
+const MAX_ROT: usize = 256;
+/// Keys a workgroup scores at once (attention.wgsl `CHUNK`); most splits of a decode.
+const CHUNK: usize = 256;
+const MAX_SPLITS: usize = 32;
+
+/// Whether the head shape is one the kernels take; records the error if not.
+fn dims_ok(ctx: &Ctx, op: &str, d: &Dims) -> bool {
+    let hd = d.head_dim;
+    if hd == 0
+        || hd > MAX_HD
+        || d.n_kv_heads == 0
+        || d.n_heads % d.n_kv_heads != 0
+        || d.rotary_dim % 2 != 0
+        || d.rotary_dim > hd
+        || d.rotary_dim > MAX_ROT
+    {
+        ctx.fail(format!(
+            "{op}: {} heads over {} KV heads of {hd} dims, {} rotated: not a shape the wgpu kernels take (head dim ≤ {MAX_HD}, rotated dims even and ≤ min(head dim, {MAX_ROT}))",
+            d.n_heads, d.n_kv_heads, d.rotary_dim
+        ));
+        return false;
+    }
+    true
+}
+
+/// Whether each buffer holds its `need` elements; records the error if not.
+fn fits(ctx: &Ctx, op: &str, bufs: &[(&str, &WBuf, usize)]) -> bool {
+    if let Some((name, b, need)) = bufs.iter().find(|(_, b, need)| b.len < *need) {
+        ctx.fail(format!(
+            "{op}: {name} needs {need} elements, its buffer has {}",
+            b.len
+        ));
+        return false;
+    }
+    true
+}
+
+/// attention.wgsl's `P`.
+fn params(d: &Dims, rows: usize, pos0: usize, cap: usize, splits: usize, span: usize) -> [u32; 12] {
+    [
+        rows as u32,
+        d.n_heads as u32,
+        d.n_kv_heads as u32,
+        d.head_dim as u32,
+        pos0 as u32,
+        cap as u32,
+        splits as u32,
+        span as u32,
+        (1.0 / (d.head_dim as f32).sqrt()).to_bits(),
+        0,
+        0,
+        0,
+    ]
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn attn_qk_norm_rope(
     ctx: &Ctx,
-    _qg: &WBuf,
-    _k: &mut WBuf,
-    _q_norm: &WBuf,
-    _k_norm: &WBuf,
-    _d: &Dims,
-    _rows: usize,
-    _pos0: usize,
-    _step: Option<&WStep>,
-    _q: &mut WBuf,
-    _gate: &mut WBuf,
+    qg: &WBuf,
+    k: &mut WBuf,
+    q_norm: &WBuf,
+    k_norm: &WBuf,
+    d: &Dims,
+    rows: usize,
+    pos0: usize,
+    step: Option<&WStep>,
+    q: &mut WBuf,
+    gate: &mut WBuf,
 ) {
-    ctx.fail("attn_qk_norm_rope: not written for wgpu yet");
+    const OP: &str = "attn_qk_norm_rope";
+    let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
+    if !dims_ok(ctx, OP, d)
+        || !fits(
+            ctx,
+            OP,
+            &[
+                ("qg", qg, rows * hq * 2 * hd),
+                ("k", k, rows * kvh * hd),
+                ("q_norm", q_norm, hd),
+                ("k_norm", k_norm, hd),
+                ("q", q, rows * hq * hd),
+                ("gate", gate, rows * hq * hd),
+            ],
+        )
+    {
+        return;
+    }
+    if step.is_some() && rows != 1 {
+        ctx.fail(format!("{OP}: a step is one row, {rows} asked"));
+        return;
+    }
+    if pos0 + rows > u32::MAX as usize {
+        ctx.fail(format!("{OP}: positions {pos0}+{rows} past u32"));
+        return;
+    }
+    // PR: 8 words, then inv_freq(i) / 2π as 2^-64 turns, (lo, hi) a pair, room for 128 pairs
+    // (1056 bytes: the block is bound at its full size). inv_freq as the CPU computes it (f64);
+    // pos · inv_freq is then exact mod one turn in the shader.
+    let mut p = vec![0u32; 8 + 4 * 64];
+    p[..8].copy_from_slice(&[
+        rows as u32,
+        hq as u32,
+        kvh as u32,
+        hd as u32,
+        d.rotary_dim as u32,
+        pos0 as u32,
+        d.eps.to_bits(),
+        0,
+    ]);
+    let rot = d.rotary_dim;
+    for i in 0..rot / 2 {
+        let inv = d.rope_theta.powf(-(2.0 * i as f64) / rot as f64);
+        // Below 1 turn a position: the fraction's 64 bits (f64's 53 significant ones).
+        let f = ((inv / (2.0 * std::f64::consts::PI)).fract() * 18446744073709551616.0) as u64;
+        p[8 + 2 * i] = f as u32;
+        p[9 + 2 * i] = (f >> 32) as u32;
+    }
+    let groups = (rows * (hq + kvh)) as u32;
+    match step {
+        Some(s) => ctx.dispatch(
+            &SHADER,
+            "qk_norm_rope_step",
+            &p,
+            &[
+                &qg.buf,
+                &k.buf,
+                &q_norm.buf,
+                &k_norm.buf,
+                &q.buf,
+                &gate.buf,
+                &s.buf,
+            ],
+            groups,
+        ),
+        None => ctx.dispatch(
+            &SHADER,
+            "qk_norm_rope",
+            &p,
+            &[&qg.buf, &k.buf, &q_norm.buf, &k_norm.buf, &q.buf, &gate.buf],
+            groups,
+        ),
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
 pub fn attn_prefill(
     ctx: &Ctx,
-    _q: &WBuf,
-    _k: &WBuf,
-    _v: &WBuf,
-    _gate: &WBuf,
-    _kv: &mut KvCache<WBuf>,
-    _d: &Dims,
-    _rows: usize,
-    _pos0: usize,
-    _out: &mut WBuf,
+    q: &WBuf,
+    k: &WBuf,
+    v: &WBuf,
+    gate: &WBuf,
+    kv: &mut KvCache<WBuf>,
+    d: &Dims,
+    rows: usize,
+    pos0: usize,
+    out: &mut WBuf,
 ) {
-    ctx.fail("attn_prefill: not written for wgpu yet");
+    const OP: &str = "attn_prefill";
+    let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
+    let kvd = kvh * hd;
+    if !dims_ok(ctx, OP, d) {
+        return;
+    }
+    if pos0 + rows > kv.capacity {
+        ctx.fail(format!(
+            "{OP}: positions {pos0}..{} past the KV cache's capacity {}",
+            pos0 + rows,
+            kv.capacity
+        ));
+        return;
+    }
+    if !fits(
+        ctx,
+        OP,
+        &[
+            ("q", q, rows * hq * hd),
+            ("k", k, rows * kvd),
+            ("v", v, rows * kvd),
+            ("gate", gate, rows * hq * hd),
+            ("out", out, rows * hq * hd),
+            ("the K cache", &kv.k, kv.capacity * kvd),
+            ("the V cache", &kv.v, kv.capacity * kvd),
+        ],
+    ) {
+        return;
+    }
+    let (at, bytes) = (4 * (pos0 * kvd) as u64, 4 * (rows * kvd) as u64);
+    ctx.copy(&k.buf, 0, &kv.k.buf, at, bytes);
+    ctx.copy(&v.buf, 0, &kv.v.buf, at, bytes);
+    ctx.dispatch(
+        &SHADER,
+        "attn_rows",
+        &params(d, rows, pos0, kv.capacity, 1, 0),
+        &[&q.buf, &kv.k.buf, &kv.v.buf, &gate.buf, &out.buf],
+        (rows * hq) as u32,
+    );
+}
+
+/// Keys a decode split covers, and the split count, for a cache of `cap` rows: at most
+/// `MAX_SPLITS` splits of whole chunks.
+fn split(cap: usize) -> (usize, usize) {
+    let span = cap.div_ceil(MAX_SPLITS).next_multiple_of(CHUNK).max(CHUNK);
+    (span, cap.div_ceil(span).max(1))
 }
 
 #[allow(clippy::too_many_arguments)]
 pub fn attn_decode(
     ctx: &Ctx,
-    _q: &WBuf,
-    _k: &WBuf,
-    _v: &WBuf,
-    _gate: &WBuf,
-    _kv: &mut KvCache<WBuf>,
-    _d: &Dims,
-    _pos: usize,
-    _step: &WStep,
-    _out: &mut WBuf,
+    q: &WBuf,
+    k: &WBuf,
+    v: &WBuf,
+    gate: &WBuf,
+    kv: &mut KvCache<WBuf>,
+    d: &Dims,
+    pos: usize,
+    step: &WStep,
+    out: &mut WBuf,
 ) {
-    ctx.fail("attn_decode: not written for wgpu yet");
+    const OP: &str = "attn_decode";
+    let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
+    let kvd = kvh * hd;
+    if !dims_ok(ctx, OP, d) {
+        return;
+    }
+    // The device reads the step's position (equal to `pos`); the host checks this one.
+    if pos >= kv.capacity {
+        ctx.fail(format!(
+            "{OP}: position {pos} past the KV cache's capacity {}",
+            kv.capacity
+        ));
+        return;
+    }
+    if !fits(
+        ctx,
+        OP,
+        &[
+            ("q", q, hq * hd),
+            ("k", k, kvd),
+            ("v", v, kvd),
+            ("gate", gate, hq * hd),
+            ("out", out, hq * hd),
+            ("the K cache", &kv.k, kv.capacity * kvd),
+            ("the V cache", &kv.v, kv.capacity * kvd),
+        ],
+    ) {
+        return;
+    }
+    let (span, splits) = split(kv.capacity);
+    let part = match ctx.buffer(4 * (hq * splits * (hd + 2)) as u64) {
+        Ok(b) => b,
+        Err(e) => {
+            ctx.fail(format!("{OP}: the splits' scratch: {e:#}"));
+            return;
+        }
+    };
+    let p = params(d, 1, 0, kv.capacity, splits, span);
+    ctx.dispatch(
+        &SHADER,
+        "kv_append_step",
+        &p,
+        &[&k.buf, &v.buf, &step.buf, &kv.k.buf, &kv.v.buf],
+        kvd.div_ceil(256) as u32,
+    );
+    ctx.dispatch(
+        &SHADER,
+        "attn_split",
+        &p,
+        &[&q.buf, &kv.k.buf, &kv.v.buf, &step.buf, &part],
+        (hq * splits) as u32,
+    );
+    ctx.dispatch(
+        &SHADER,
+        "attn_combine",
+        &p,
+        &[&part, &gate.buf, &out.buf],
+        hq as u32,
+    );
 }

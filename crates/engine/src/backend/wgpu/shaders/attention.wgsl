@@ -1,1 +1,401 @@
-// attention.wgsl: (to be written)
+// attention.wgsl: the gated full-attention layer (cpu/attention.rs), all f32. Layouts: qg
+// [rows, heads, 2·hd] (query | gate per head, q_proj's output); q, gate, out [rows, heads·hd];
+// k, v [rows, kv_heads·hd]; the KV cache kc, vc [capacity, kv_heads·hd]. Query head h reads KV
+// head h / (heads / kv_heads). A step buffer is u32 [token, pos].
+//
+// qk_norm_rope / qk_norm_rope_step (cpu `attn_qk_norm_rope`): one workgroup of 256 per (row,
+//   head) over the heads then the KV heads: rows · (heads + kv_heads) workgroups. rms_norm of the
+//   head's hd values (sum of squares by a tree in workgroup memory), times the norm weights, then
+//   rotate-half RoPE on dims 0..rot, pairs (i, i + rot/2), at position pos0 + row (the _step
+//   entry: the step's pos, one row). q heads read qg's first half into q and copy the second half
+//   into gate; KV heads norm and rotate k in place. The angle pos · inv_freq(i) is exact: the host
+//   gives each inv_freq(i) / 2π as a 64-bit fixed-point fraction of a turn (from f64, as the CPU
+//   computes it), the shader multiplies by pos in integers (mod one turn), reduces to an octant and
+//   evaluates sin/cos by polynomials on [-π/4, π/4]: no f64, no reliance on a GPU's sin at large
+//   arguments. Bindings: 0 params (PR, with the turn table: 1056 bytes), 1 qg, 2 k, 3 q_norm,
+//   4 k_norm, 5 q, 6 gate, (_step: 7 step).
+//
+// attn_rows (cpu `attention`, rows > 1; the k/v append is a buffer copy on the host side): one
+//   workgroup of 256 per (row, head), rows · heads workgroups; row t sees keys 0..=pos0 + t. Keys in
+//   chunks of 256: a thread a key's score (q staged in workgroup memory), the chunk's max by a tree,
+//   p = exp(s − m) in workgroup memory, then each thread owns dims li and li + 256 of the output
+//   and accumulates Σ p·v with an online softmax (running max, rescaled sum). out = acc / l ·
+//   sigmoid(gate). Bindings: 0 params (P), 1 q, 2 kc, 3 vc, 4 gate, 5 out.
+//
+// kv_append_step (cpu `attention`'s append, decode): kc[pos], vc[pos] = k, v at the step's pos (not
+//   written past the capacity). ceil(kv_dim / 256) workgroups. Bindings: 1 k, 2 v, 3 step, 4 kc,
+//   5 vc.
+// attn_split (cpu `attention`, one row, at the step's pos): the keys 0..=pos split into `splits`
+//   ranges of `span` keys (the host picks them from the capacity: a recorded step works at any
+//   position); one workgroup per (head, split), heads · splits workgroups, the loop of attn_rows
+//   over its range; writes the partial (m, l, acc[hd]) at part[(h · splits + s) · (hd + 2)] (an
+//   empty range: m = −1e30, l = 0). Bindings: 1 q, 2 kc, 3 vc, 4 step, 5 part.
+// attn_combine: one workgroup per head merges its splits' partials (weights exp(m_s − M)), then
+//   out = acc / l · sigmoid(gate). Bindings: 1 part, 2 gate, 3 out.
+//
+// No subgroup width is assumed; workgroup memory: 4 KB (attn_*), 1 KB (qk_norm_rope). Head dim up
+// to 512 (two dims a thread), rot up to 256. "Minus infinity" is −1e30 (finite: Metal's fast math
+// assumes no infinities); masked keys get p = 0 by a select.
+
+struct P {
+    rows: u32,
+    nh: u32,
+    nkv: u32,
+    hd: u32,
+    pos0: u32,
+    cap: u32,
+    splits: u32,
+    span: u32,
+    scale: f32,
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
+}
+
+// qk_norm_rope's parameters: turns[i / 2] holds inv_freq(i) / 2π as 2^-64 turns, (lo, hi) words
+// of pair i at components (i % 2) · 2 and + 1 (uniform arrays have a 16-byte stride).
+struct PR {
+    rows: u32,
+    nh: u32,
+    nkv: u32,
+    hd: u32,
+    rot: u32,
+    pos0: u32,
+    eps: f32,
+    pad: u32,
+    turns: array<vec4<u32>, 64>,
+}
+
+const NEG_BIG: f32 = -1.0e30;
+const CHUNK: u32 = 256u;
+
+var<workgroup> red: array<f32, 256>;
+
+fn wg_sum(v: f32, li: u32) -> f32 {
+    red[li] = v;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            red[li] += red[li + s];
+        }
+        workgroupBarrier();
+    }
+    let t = red[0];
+    workgroupBarrier();
+    return t;
+}
+
+fn wg_max(v: f32, li: u32) -> f32 {
+    red[li] = v;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            red[li] = max(red[li], red[li + s]);
+        }
+        workgroupBarrier();
+    }
+    let t = red[0];
+    workgroupBarrier();
+    return t;
+}
+
+// ---- qk_norm_rope
+
+@group(0) @binding(0) var<uniform> pr: PR;
+@group(0) @binding(1) var<storage, read> nr_qg: array<f32>;
+@group(0) @binding(2) var<storage, read_write> nr_k: array<f32>;
+@group(0) @binding(3) var<storage, read> nr_qn: array<f32>;
+@group(0) @binding(4) var<storage, read> nr_kn: array<f32>;
+@group(0) @binding(5) var<storage, read_write> nr_q: array<f32>;
+@group(0) @binding(6) var<storage, read_write> nr_gate: array<f32>;
+@group(0) @binding(7) var<storage, read> nr_step: array<u32>;
+
+// The full 64-bit product a · b as (lo, hi).
+fn mul_wide(a: u32, b: u32) -> vec2<u32> {
+    let a0 = a & 0xffffu;
+    let a1 = a >> 16u;
+    let b0 = b & 0xffffu;
+    let b1 = b >> 16u;
+    let p00 = a0 * b0;
+    let p01 = a0 * b1;
+    let p10 = a1 * b0;
+    let p11 = a1 * b1;
+    let mid = (p00 >> 16u) + (p01 & 0xffffu) + (p10 & 0xffffu);
+    let lo = (mid << 16u) | (p00 & 0xffffu);
+    let hi = p11 + (p01 >> 16u) + (p10 >> 16u) + (mid >> 16u);
+    return vec2<u32>(lo, hi);
+}
+
+// (cos, sin) of pos · f turns, f a 64-bit fraction (lo, hi) of a turn.
+fn turn_cos_sin(pos: u32, f: vec2<u32>) -> vec2<f32> {
+    let a = mul_wide(pos, f.x);
+    // The product's bits 32..95 of 2^-64 turns, mod one turn: top word, then the next.
+    let top = a.y + pos * f.y;
+    // Nearest quarter turn q, remainder in [-1/8, 1/8) turn.
+    let t = top + 0x20000000u;
+    let q = t >> 30u;
+    let r = i32(t & 0x3fffffffu) - 0x20000000;
+    let x = (f32(r) + f32(a.x) * 2.3283064365386963e-10) * 1.4629180792671596e-9; // 2π / 2^32
+    let x2 = x * x;
+    let s = x + x * x2 * (-1.6666667e-1 + x2 * (8.3333333e-3 + x2 * (-1.9841270e-4
+        + x2 * (2.7557319e-6 + x2 * -2.5052108e-8))));
+    let c = 1.0 + x2 * (-0.5 + x2 * (4.1666668e-2 + x2 * (-1.3888889e-3 + x2 * (2.4801587e-5
+        + x2 * (-2.7557319e-7 + x2 * 2.0876757e-9)))));
+    switch q {
+        case 0u: { return vec2<f32>(c, s); }
+        case 1u: { return vec2<f32>(-s, c); }
+        case 2u: { return vec2<f32>(-c, -s); }
+        default: { return vec2<f32>(s, -c); }
+    }
+}
+
+fn nr_load(is_q: bool, i: u32) -> f32 {
+    if (is_q) {
+        return nr_qg[i];
+    }
+    return nr_k[i];
+}
+
+fn nr_store(is_q: bool, i: u32, v: f32) {
+    if (is_q) {
+        nr_q[i] = v;
+    } else {
+        nr_k[i] = v;
+    }
+}
+
+// Head `wg` (of rows · (heads + kv heads)): norm, RoPE at `pos`, and the gate copy.
+fn norm_rope_head(wg: u32, li: u32, pos: u32) {
+    let nall = pr.nh + pr.nkv;
+    let t = wg / nall;
+    let hh = wg % nall;
+    let hd = pr.hd;
+    let is_q = hh < pr.nh;
+    var src: u32;
+    var dst: u32;
+    if (is_q) {
+        src = (t * pr.nh + hh) * 2u * hd;
+        dst = (t * pr.nh + hh) * hd;
+    } else {
+        src = (t * pr.nkv + hh - pr.nh) * hd;
+        dst = src;
+    }
+    var ss = 0.0;
+    for (var i = li; i < hd; i += 256u) {
+        let v = nr_load(is_q, src + i);
+        ss += v * v;
+    }
+    let r = 1.0 / sqrt(wg_sum(ss, li) / f32(hd) + pr.eps);
+    let half = pr.rot / 2u;
+    for (var i = li; i < hd; i += 256u) {
+        var w: f32;
+        if (is_q) {
+            w = nr_qn[i];
+        } else {
+            w = nr_kn[i];
+        }
+        let a = nr_load(is_q, src + i) * r * w;
+        if (i < half) {
+            var wb: f32;
+            if (is_q) {
+                wb = nr_qn[i + half];
+            } else {
+                wb = nr_kn[i + half];
+            }
+            let b = nr_load(is_q, src + i + half) * r * wb;
+            let tv = pr.turns[i / 2u];
+            var f = tv.xy;
+            if (i % 2u == 1u) {
+                f = tv.zw;
+            }
+            let cs = turn_cos_sin(pos, f);
+            nr_store(is_q, dst + i, a * cs.x - b * cs.y);
+            nr_store(is_q, dst + i + half, a * cs.y + b * cs.x);
+        } else if (i >= pr.rot) {
+            nr_store(is_q, dst + i, a);
+        }
+        if (is_q) {
+            nr_gate[dst + i] = nr_qg[src + hd + i];
+        }
+    }
+}
+
+@compute @workgroup_size(256)
+fn qk_norm_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let wg = wg_index(wid);
+    norm_rope_head(wg, li, pr.pos0 + wg / (pr.nh + pr.nkv));
+}
+
+@compute @workgroup_size(256)
+fn qk_norm_rope_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    norm_rope_head(wg_index(wid), li, nr_step[1]);
+}
+
+// ---- attention over the cache
+
+@group(0) @binding(0) var<uniform> p: P;
+@group(0) @binding(1) var<storage, read> at_q: array<f32>;
+@group(0) @binding(2) var<storage, read> at_kc: array<f32>;
+@group(0) @binding(3) var<storage, read> at_vc: array<f32>;
+
+var<workgroup> qs: array<f32, 512>;
+var<workgroup> ps: array<f32, 256>;
+
+// A partial softmax-weighted sum: running max m, sum l, and this thread's dims li, li + 256.
+struct Part {
+    m: f32,
+    l: f32,
+    a0: f32,
+    a1: f32,
+}
+
+// Query at_q[qoff..qoff + hd] over the cache's keys j0..j1 of KV head kvh. Every thread calls it
+// (j0, j1 uniform over the workgroup).
+fn attend(li: u32, qoff: u32, kvh: u32, j0: u32, j1: u32) -> Part {
+    let hd = p.hd;
+    let kvd = p.nkv * hd;
+    let koff = kvh * hd;
+    for (var i = li; i < hd; i += 256u) {
+        qs[i] = at_q[qoff + i];
+    }
+    workgroupBarrier();
+    var r = Part(NEG_BIG, 0.0, 0.0, 0.0);
+    for (var c0 = j0; c0 < j1; c0 += CHUNK) {
+        let n = min(CHUNK, j1 - c0);
+        let j = c0 + li;
+        var s = NEG_BIG;
+        if (li < n) {
+            let kb = j * kvd + koff;
+            var acc = 0.0;
+            for (var i = 0u; i < hd; i++) {
+                acc += qs[i] * at_kc[kb + i];
+            }
+            s = acc * p.scale;
+        }
+        let mn = max(r.m, wg_max(s, li));
+        ps[li] = select(0.0, exp(s - mn), li < n);
+        let corr = exp(r.m - mn);
+        workgroupBarrier();
+        var l = 0.0;
+        var a0 = 0.0;
+        var a1 = 0.0;
+        let d0 = li;
+        let d1 = li + 256u;
+        for (var jj = 0u; jj < n; jj++) {
+            let pj = ps[jj];
+            let vb = (c0 + jj) * kvd + koff;
+            l += pj;
+            if (d0 < hd) {
+                a0 += pj * at_vc[vb + d0];
+            }
+            if (d1 < hd) {
+                a1 += pj * at_vc[vb + d1];
+            }
+        }
+        r.l = r.l * corr + l;
+        r.a0 = r.a0 * corr + a0;
+        r.a1 = r.a1 * corr + a1;
+        r.m = mn;
+        workgroupBarrier();
+    }
+    return r;
+}
+
+@group(0) @binding(4) var<storage, read> ar_gate: array<f32>;
+@group(0) @binding(5) var<storage, read_write> ar_out: array<f32>;
+
+@compute @workgroup_size(256)
+fn attn_rows(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let wg = wg_index(wid);
+    let t = wg / p.nh;
+    let h = wg % p.nh;
+    let kvh = h / (p.nh / p.nkv);
+    let off = (t * p.nh + h) * p.hd;
+    let r = attend(li, off, kvh, 0u, p.pos0 + t + 1u);
+    if (li < p.hd) {
+        ar_out[off + li] = r.a0 / r.l * sigmoid_f(ar_gate[off + li]);
+    }
+    if (li + 256u < p.hd) {
+        ar_out[off + li + 256u] = r.a1 / r.l * sigmoid_f(ar_gate[off + li + 256u]);
+    }
+}
+
+@group(0) @binding(4) var<storage, read> as_step: array<u32>;
+@group(0) @binding(5) var<storage, read_write> as_part: array<f32>;
+
+@compute @workgroup_size(256)
+fn attn_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let wg = wg_index(wid);
+    let h = wg / p.splits;
+    let s = wg % p.splits;
+    let kvh = h / (p.nh / p.nkv);
+    // Keys 0..=pos, never past the capacity (the host refuses such a step).
+    let n = min(as_step[1] + 1u, p.cap);
+    let j0 = min(s * p.span, n);
+    let j1 = min(j0 + p.span, n);
+    let r = attend(li, h * p.hd, kvh, j0, j1);
+    let base = (h * p.splits + s) * (p.hd + 2u);
+    if (li == 0u) {
+        as_part[base] = r.m;
+        as_part[base + 1u] = r.l;
+    }
+    if (li < p.hd) {
+        as_part[base + 2u + li] = r.a0;
+    }
+    if (li + 256u < p.hd) {
+        as_part[base + 2u + li + 256u] = r.a1;
+    }
+}
+
+@group(0) @binding(1) var<storage, read> ac_part: array<f32>;
+@group(0) @binding(2) var<storage, read> ac_gate: array<f32>;
+@group(0) @binding(3) var<storage, read_write> ac_out: array<f32>;
+
+@compute @workgroup_size(256)
+fn attn_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let h = wg_index(wid);
+    let stride = p.hd + 2u;
+    let b0 = h * p.splits * stride;
+    var m = NEG_BIG;
+    for (var s = 0u; s < p.splits; s++) {
+        m = max(m, ac_part[b0 + s * stride]);
+    }
+    var l = 0.0;
+    var a0 = 0.0;
+    var a1 = 0.0;
+    for (var s = 0u; s < p.splits; s++) {
+        let b = b0 + s * stride;
+        let w = exp(ac_part[b] - m);
+        l += w * ac_part[b + 1u];
+        if (li < p.hd) {
+            a0 += w * ac_part[b + 2u + li];
+        }
+        if (li + 256u < p.hd) {
+            a1 += w * ac_part[b + 2u + li + 256u];
+        }
+    }
+    let off = h * p.hd;
+    if (li < p.hd) {
+        ac_out[off + li] = a0 / l * sigmoid_f(ac_gate[off + li]);
+    }
+    if (li + 256u < p.hd) {
+        ac_out[off + li + 256u] = a1 / l * sigmoid_f(ac_gate[off + li + 256u]);
+    }
+}
+
+@group(0) @binding(1) var<storage, read> ak_k: array<f32>;
+@group(0) @binding(2) var<storage, read> ak_v: array<f32>;
+@group(0) @binding(3) var<storage, read> ak_step: array<u32>;
+@group(0) @binding(4) var<storage, read_write> ak_kc: array<f32>;
+@group(0) @binding(5) var<storage, read_write> ak_vc: array<f32>;
+
+@compute @workgroup_size(256)
+fn kv_append_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let i = wg_index(wid) * 256u + li;
+    let kvd = p.nkv * p.hd;
+    let pos = ak_step[1];
+    if (i < kvd && pos < p.cap) {
+        ak_kc[pos * kvd + i] = ak_k[i];
+        ak_vc[pos * kvd + i] = ak_v[i];
+    }
+}
