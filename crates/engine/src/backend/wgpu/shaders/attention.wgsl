@@ -69,32 +69,16 @@ struct PR {
 const NEG_BIG: f32 = -1.0e30;
 const CHUNK: u32 = 256u;
 
-var<workgroup> red: array<f32, 256>;
-
-fn wg_sum(v: f32, li: u32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = 128u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            red[li] += red[li + s];
-        }
-        workgroupBarrier();
-    }
-    let t = red[0];
-    workgroupBarrier();
-    return t;
-}
-
 fn wg_max(v: f32, li: u32) -> f32 {
-    red[li] = v;
+    wg_red[li] = v;
     workgroupBarrier();
     for (var s = 128u; s > 0u; s >>= 1u) {
         if (li < s) {
-            red[li] = max(red[li], red[li + s]);
+            wg_red[li] = max(wg_red[li], wg_red[li + s]);
         }
         workgroupBarrier();
     }
-    let t = red[0];
+    let t = wg_red[0];
     workgroupBarrier();
     return t;
 }

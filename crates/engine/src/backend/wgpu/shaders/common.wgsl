@@ -10,5 +10,23 @@ fn bf16_hi(w: u32) -> f32 { return bitcast<f32>(w & 0xffff0000u); }
 // Workgroup index of a dispatch of n workgroups folded as (65535, ceil(n / 65535)).
 fn wg_index(wid: vec3<u32>) -> u32 { return wid.y * 65535u + wid.x; }
 
+// The sum of every invocation's v over a workgroup of 256 (all call it: uniform control flow),
+// by a tree in workgroup memory.
+var<workgroup> wg_red: array<f32, 256>;
+
+fn wg_sum(v: f32, li: u32) -> f32 {
+    wg_red[li] = v;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            wg_red[li] += wg_red[li + s];
+        }
+        workgroupBarrier();
+    }
+    let t = wg_red[0];
+    workgroupBarrier();
+    return t;
+}
+
 fn sigmoid_f(x: f32) -> f32 { return 1.0 / (1.0 + exp(-x)); }
 fn silu_f(x: f32) -> f32 { return x * sigmoid_f(x); }

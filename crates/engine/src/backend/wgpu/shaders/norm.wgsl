@@ -16,23 +16,6 @@ struct P {
 
 @group(0) @binding(0) var<uniform> p: P;
 
-var<workgroup> red: array<f32, 256>;
-
-// The workgroup's sum of v (every thread calls it; uniform control flow).
-fn wg_sum(v: f32, li: u32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = 128u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            red[li] += red[li + s];
-        }
-        workgroupBarrier();
-    }
-    let t = red[0];
-    workgroupBarrier();
-    return t;
-}
-
 @group(0) @binding(1) var<storage, read> rn_x: array<f32>;
 @group(0) @binding(2) var<storage, read> rn_w: array<f32>;
 @group(0) @binding(3) var<storage, read_write> rn_out: array<f32>;
