@@ -244,7 +244,10 @@ impl Ctx {
         let mut words = params.to_vec();
         words.resize(words.len().div_ceil(4).max(1) * 4, 0);
         if 4 * words.len() as u64 > PARAM_BYTES {
-            self.fail(format!("{entry}: {} bytes of parameters, at most {PARAM_BYTES}", 4 * words.len()));
+            self.fail(format!(
+                "{entry}: {} bytes of parameters, at most {PARAM_BYTES}",
+                4 * words.len()
+            ));
             return;
         }
         let (gx, gy) = if groups <= 65535 {
@@ -253,7 +256,8 @@ impl Ctx {
             (65535, groups.div_ceil(65535))
         };
         let mut g = self.enc.lock().unwrap();
-        let (enc, n) = g.get_or_insert_with(|| (self.device.create_command_encoder(&Default::default()), 0));
+        let (enc, n) =
+            g.get_or_insert_with(|| (self.device.create_command_encoder(&Default::default()), 0));
         let off = *n as u64 * self.stride;
         self.queue.write_buffer(&self.arena, off, as_bytes(&words));
         let mut entries = vec![::wgpu::BindGroupEntry {
