@@ -29,6 +29,10 @@ const MAX_TOP_K: usize = 64;
 /// Outputs a workgroup of `moe_gate_up` / `moe_down` computes.
 const GATE_UP_OUTS: usize = 8;
 const DOWN_OUTS: usize = 32;
+/// Rows from which a block's experts run grouped by expert (moe_gate_up_grouped,
+/// moe_down_grouped, moe_combine): each expert's rows read once a block, not once a slot. Below
+/// it (decode, short blocks) a slot a workgroup reads only the experts chosen.
+const GROUPED_FROM: usize = 4;
 
 /// moe.wgsl's parameter block: two matrices, then rows, k, experts, norm_topk.
 fn params(m: [u32; 8], m2: [u32; 8], rows: usize, k: usize, n_exp: usize, norm: bool) -> Vec<u32> {
@@ -161,36 +165,71 @@ fn experts(
         }
         return Ok(());
     }
-    let g1 = rows * k * width.div_ceil(GATE_UP_OUTS);
-    let g2 = rows * hid.div_ceil(DOWN_OUTS);
-    let (Ok(g1), Ok(g2)) = (u32::try_from(g1), u32::try_from(g2)) else {
-        bail!("{rows} rows: too many workgroups for one launch");
+    let gate_up = [
+        &gate.w, &gate.s, &gate.b, &up.w, &up.s, &up.b, &x.buf, &route.ids,
+    ];
+    let launch = |n: usize| {
+        u32::try_from(n)
+            .map_err(|_| anyhow::anyhow!("{rows} rows: too many workgroups for one launch"))
     };
     let act = ctx.buffer(4 * (rows * k * width) as u64)?;
-    ctx.dispatch(
-        &SHADER,
-        "moe_gate_up",
-        &params(gate.qmat(), up.qmat(), rows, k, n, false),
-        &[
-            &gate.w, &gate.s, &gate.b, &up.w, &up.s, &up.b, &x.buf, &route.ids, &act,
-        ],
-        g1,
-    );
-    ctx.dispatch(
-        &SHADER,
-        "moe_down",
-        &params(down.qmat(), [0; 8], rows, k, n, false),
-        &[
-            &down.w,
-            &down.s,
-            &down.b,
-            &act,
-            &route.ids,
-            &route.weights,
-            &out.buf,
-        ],
-        g2,
-    );
+    let p_up = params(gate.qmat(), up.qmat(), rows, k, n, false);
+    let p_down = params(down.qmat(), [0; 8], rows, k, n, false);
+    if rows < GROUPED_FROM {
+        // A slot a workgroup: each reads its expert's rows itself.
+        let g1 = launch(rows * k * width.div_ceil(GATE_UP_OUTS))?;
+        let g2 = launch(rows * hid.div_ceil(DOWN_OUTS))?;
+        ctx.dispatch(
+            &SHADER,
+            "moe_gate_up",
+            &p_up,
+            &[&gate_up[..], &[&act]].concat(),
+            g1,
+        );
+        ctx.dispatch(
+            &SHADER,
+            "moe_down",
+            &p_down,
+            &[
+                &down.w,
+                &down.s,
+                &down.b,
+                &act,
+                &route.ids,
+                &route.weights,
+                &out.buf,
+            ],
+            g2,
+        );
+    } else {
+        // Grouped by expert: each expert's rows are read once a block; the slots' down outputs
+        // go to `y` and are summed in slot order by moe_combine.
+        let g1 = launch(n * width.div_ceil(GATE_UP_OUTS))?;
+        let g2 = launch(n * hid.div_ceil(DOWN_OUTS))?;
+        let g3 = launch((rows * hid).div_ceil(256))?;
+        let y = ctx.buffer(4 * (rows * k * hid) as u64)?;
+        ctx.dispatch(
+            &SHADER,
+            "moe_gate_up_grouped",
+            &p_up,
+            &[&gate_up[..], &[&act]].concat(),
+            g1,
+        );
+        ctx.dispatch(
+            &SHADER,
+            "moe_down_grouped",
+            &p_down,
+            &[&down.w, &down.s, &down.b, &act, &route.ids, &y],
+            g2,
+        );
+        ctx.dispatch(
+            &SHADER,
+            "moe_combine",
+            &p_down,
+            &[&y, &route.weights, &out.buf],
+            g3,
+        );
+    }
     Ok(())
 }
 

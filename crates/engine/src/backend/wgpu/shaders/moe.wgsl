@@ -21,6 +21,11 @@
 //   256 = 32 outputs × 8 lanes, each slot's act row staged in workgroup memory, the dot product
 //   by a tree; rows · ceil(hidden / 32) workgroups.
 //   Bindings: 1-3 down (qw, qs, qb, params m), 4 act, 5 ids, 6 weights, 7 out f32 [rows, hidden].
+// moe_gate_up_grouped, moe_down_grouped, moe_combine (prefill blocks of ≥ 4 rows, moe.rs
+//   GROUPED_FROM): the same outputs grouped by expert, a workgroup per (expert, 8 or 32 rows)
+//   walking the block's slots and computing those routed to it (n_exp · ceil(width / 8) and
+//   n_exp · ceil(hidden / 32) workgroups); down writes each slot's y [rows·k, hidden], and
+//   moe_combine sums every token's slots in order (ceil(rows · hidden / 256) workgroups).
 // Weights are dequantized as quant.wgsl's q_weight (w = s·code + b), a word at a time: moe.rs
 // checks that in % (32 / bits) == 0 and gs % (32 / bits) == 0, so a word never straddles a group.
 // Each entry uses its own names for bindings 4.. (and moe_route for 1-3): a pipeline's layout
@@ -220,18 +225,11 @@ fn dot_u(m: QMat, row: u32, k0: u32, k1: u32, lane: u32, lanes: u32) -> f32 {
     return acc;
 }
 
-@compute @workgroup_size(256)
-fn moe_gate_up(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+// act[slot, o] for output o of this invocation's group of 32 lanes (every invocation of the
+// workgroup calls it: it stages x[slot / k] and has barriers).
+fn gate_up_slot(slot: u32, o: u32, lane: u32, li: u32) {
     let width = p.m.out;
     let hid = p.m.inp;
-    let blocks = (width + 7u) / 8u;
-    let wg = wg_index(wid);
-    let slot = wg / blocks;
-    if (slot >= p.rows * p.k) {
-        return;
-    }
-    let o = (wg % blocks) * 8u + li / 32u;
-    let lane = li % 32u;
     let t = slot / p.k;
     let e = min(gu_ids[slot], p.n_exp - 1u);
     var ga = 0.0;
@@ -261,6 +259,37 @@ fn moe_gate_up(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
     if (lane == 0u && o < width) {
         gu_act[slot * width + o] = silu_f(red[li]) * red2[li];
     }
+    workgroupBarrier();
+}
+
+@compute @workgroup_size(256)
+fn moe_gate_up(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let blocks = (p.m.out + 7u) / 8u;
+    let wg = wg_index(wid);
+    let slot = wg / blocks;
+    if (slot >= p.rows * p.k) {
+        return;
+    }
+    gate_up_slot(slot, (wg % blocks) * 8u + li / 32u, li % 32u, li);
+}
+
+// The same outputs for a prefill block grouped by expert: a workgroup per (expert, 8 rows of
+// gate and up) walks the block's slots and computes those routed to its expert, so each
+// expert's rows are read from memory once a block (then from cache) instead of once a slot.
+@compute @workgroup_size(256)
+fn moe_gate_up_grouped(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let blocks = (p.m.out + 7u) / 8u;
+    let wg = wg_index(wid);
+    let e = wg / blocks;
+    if (e >= p.n_exp) {
+        return;
+    }
+    let o = (wg % blocks) * 8u + li / 32u;
+    for (var slot = 0u; slot < p.rows * p.k; slot++) {
+        if (min(gu_ids[slot], p.n_exp - 1u) == e) {
+            gate_up_slot(slot, o, li % 32u, li);
+        }
+    }
 }
 
 @group(0) @binding(4) var<storage, read> dn_act: array<f32>;
@@ -268,10 +297,40 @@ fn moe_gate_up(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
 @group(0) @binding(6) var<storage, read> dn_w: array<f32>;
 @group(0) @binding(7) var<storage, read_write> dn_out: array<f32>;
 
+// down_e[o] · act[slot] for output o of this invocation's group of 8 lanes, valid in lane 0
+// (every invocation calls it: it stages the slot's act row and has barriers).
+fn down_slot(slot: u32, o: u32, lane: u32, li: u32) -> f32 {
+    let hid = p.m.out;
+    let width = p.m.inp;
+    let e = min(dn_ids[slot], p.n_exp - 1u);
+    var acc = 0.0;
+    for (var k0 = 0u; k0 < width; k0 += CH) {
+        let k1 = min(k0 + CH, width);
+        for (var i = li; i < k1 - k0; i += 256u) {
+            xs[i] = dn_act[slot * width + k0 + i];
+        }
+        workgroupBarrier();
+        if (o < hid) {
+            acc += dot_q(p.m, e * hid + o, k0, k1, lane, 8u);
+        }
+        workgroupBarrier();
+    }
+    red[li] = acc;
+    workgroupBarrier();
+    for (var s = 4u; s > 0u; s >>= 1u) {
+        if (lane < s) {
+            red[li] += red[li + s];
+        }
+        workgroupBarrier();
+    }
+    let y = red[li];
+    workgroupBarrier();
+    return y;
+}
+
 @compute @workgroup_size(256)
 fn moe_down(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let hid = p.m.out;
-    let width = p.m.inp;
     let blocks = (hid + 31u) / 32u;
     let wg = wg_index(wid);
     let t = wg / blocks;
@@ -283,33 +342,60 @@ fn moe_down(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     var total = 0.0;
     for (var j = 0u; j < p.k; j++) {
         let slot = t * p.k + j;
-        let e = min(dn_ids[slot], p.n_exp - 1u);
-        var acc = 0.0;
-        for (var k0 = 0u; k0 < width; k0 += CH) {
-            let k1 = min(k0 + CH, width);
-            for (var i = li; i < k1 - k0; i += 256u) {
-                xs[i] = dn_act[slot * width + k0 + i];
-            }
-            workgroupBarrier();
-            if (o < hid) {
-                acc += dot_q(p.m, e * hid + o, k0, k1, lane, 8u);
-            }
-            workgroupBarrier();
-        }
-        red[li] = acc;
-        workgroupBarrier();
-        for (var s = 4u; s > 0u; s >>= 1u) {
-            if (lane < s) {
-                red[li] += red[li + s];
-            }
-            workgroupBarrier();
-        }
+        let y = down_slot(slot, o, lane, li);
         if (lane == 0u) {
-            total += dn_w[slot] * red[li];
+            total += dn_w[slot] * y;
         }
-        workgroupBarrier();
     }
     if (lane == 0u && o < hid) {
         dn_out[t * hid + o] = total;
     }
+}
+
+// Grouped by expert (prefill): y[slot, o] = down_e[o] · act[slot] for the slots routed to the
+// workgroup's expert, a workgroup per (expert, 32 outputs); moe_combine then sums each token's
+// slots in order. The same y bits as moe_down's (the same lanes and tree).
+@group(0) @binding(6) var<storage, read_write> dg_y: array<f32>;
+
+@compute @workgroup_size(256)
+fn moe_down_grouped(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let hid = p.m.out;
+    let blocks = (hid + 31u) / 32u;
+    let wg = wg_index(wid);
+    let e = wg / blocks;
+    if (e >= p.n_exp) {
+        return;
+    }
+    let o = (wg % blocks) * 32u + li / 8u;
+    let lane = li % 8u;
+    for (var slot = 0u; slot < p.rows * p.k; slot++) {
+        if (min(dn_ids[slot], p.n_exp - 1u) == e) {
+            let y = down_slot(slot, o, lane, li);
+            if (lane == 0u && o < hid) {
+                dg_y[slot * hid + o] = y;
+            }
+        }
+    }
+}
+
+// out[t, o] = Σ_j w[t, j] · y[t·k + j, o], j = 0..k in order from 0 (moe_down's sum).
+// Bindings: 1 y, 2 weights, 3 out; ceil(rows · hidden / 256) workgroups.
+@group(0) @binding(1) var<storage, read> cb_y: array<f32>;
+@group(0) @binding(2) var<storage, read> cb_w: array<f32>;
+@group(0) @binding(3) var<storage, read_write> cb_out: array<f32>;
+
+@compute @workgroup_size(256)
+fn moe_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let hid = p.m.out;
+    let i = wg_index(wid) * 256u + li;
+    if (i >= p.rows * hid) {
+        return;
+    }
+    let t = i / hid;
+    let o = i % hid;
+    var total = 0.0;
+    for (var j = 0u; j < p.k; j++) {
+        total += cb_w[t * p.k + j] * cb_y[(t * p.k + j) * hid + o];
+    }
+    cb_out[i] = total;
 }
