@@ -269,7 +269,7 @@ pub fn attn_decode(
         return;
     }
     let (span, splits) = split(kv.capacity);
-    let part = match ctx.buffer(4 * (hq * splits * (hd + 2)) as u64) {
+    let part = match ctx.scratch("attn_decode.part", 4 * (hq * splits * (hd + 2)) as u64) {
         Ok(b) => b,
         Err(e) => {
             ctx.fail(format!("{OP}: the splits' scratch: {e:#}"));

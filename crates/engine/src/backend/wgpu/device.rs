@@ -72,6 +72,8 @@ pub(super) struct Ctx {
     /// FLUSH_EVERY parameter blocks, `stride` bytes apart (the adapter's uniform offset alignment).
     arena: ::wgpu::Buffer,
     stride: u64,
+    /// Scratch buffers of the ops, by name, kept from call to call (`scratch`).
+    scratch: Mutex<HashMap<&'static str, ::wgpu::Buffer>>,
 }
 
 /// Adapter types in the order `auto` prefers them; software adapters (lavapipe reports `Cpu`)
@@ -173,6 +175,7 @@ impl Ctx {
             err,
             arena,
             stride,
+            scratch: Mutex::new(HashMap::new()),
         })
     }
 
@@ -330,6 +333,28 @@ impl Ctx {
             usage: storage_usage(),
             mapped_at_creation: false,
         }))
+    }
+
+    /// The op's scratch buffer `name` of at least `bytes`, kept for the next call (grown to a
+    /// power of two when too small): an op's intermediates (the arg-max partials, the experts'
+    /// activations, the decode attention's splits) are not allocated again every token. Every
+    /// use is a dispatch recorded in order on the one queue, so a later call's writes come after
+    /// an earlier call's reads.
+    pub fn scratch(&self, name: &'static str, bytes: u64) -> Result<::wgpu::Buffer> {
+        let mut m = self.scratch.lock().unwrap();
+        if let Some(b) = m.get(name) {
+            if b.size() >= bytes {
+                return Ok(b.clone());
+            }
+        }
+        let b = self.buffer(
+            bytes
+                .max(4)
+                .next_power_of_two()
+                .min(self.report.max_binding),
+        )?;
+        m.insert(name, b.clone());
+        Ok(b)
     }
 
     /// A storage buffer holding `data` (padded to 4 bytes).

@@ -172,7 +172,7 @@ fn experts(
         u32::try_from(n)
             .map_err(|_| anyhow::anyhow!("{rows} rows: too many workgroups for one launch"))
     };
-    let act = ctx.buffer(4 * (rows * k * width) as u64)?;
+    let act = ctx.scratch("moe.act", 4 * (rows * k * width) as u64)?;
     let p_up = params(gate.qmat(), up.qmat(), rows, k, n, false);
     let p_down = params(down.qmat(), [0; 8], rows, k, n, false);
     if rows < GROUPED_FROM {
@@ -207,7 +207,7 @@ fn experts(
         let g1 = launch(n * width.div_ceil(GATE_UP_OUTS))?;
         let g2 = launch(n * hid.div_ceil(DOWN_OUTS))?;
         let g3 = launch((rows * hid).div_ceil(256))?;
-        let y = ctx.buffer(4 * (rows * k * hid) as u64)?;
+        let y = ctx.scratch("moe.y", 4 * (rows * k * hid) as u64)?;
         ctx.dispatch(
             &SHADER,
             "moe_gate_up_grouped",

@@ -71,7 +71,10 @@ pub fn argmax_step(ctx: &Ctx, logits: &WBuf, vocab: usize, step: &mut WStep) {
         return;
     }
     let blocks = vocab.div_ceil(AM_BLOCK);
-    let (pv, pi) = match (ctx.buffer(4 * blocks as u64), ctx.buffer(4 * blocks as u64)) {
+    let (pv, pi) = match (
+        ctx.scratch("argmax.v", 4 * blocks as u64),
+        ctx.scratch("argmax.i", 4 * blocks as u64),
+    ) {
         (Ok(a), Ok(b)) => (a, b),
         (Err(e), _) | (_, Err(e)) => return ctx.fail(format!("argmax_step: {e:#}")),
     };
