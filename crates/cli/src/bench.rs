@@ -761,7 +761,9 @@ fn profile<B: Backend>(m: &Qwen35<B>, prof: &Profiler, a: &BenchArgs) -> Result<
     };
     let plain_chunk = timed(&mut st, ctx)?;
     prof.start();
+    b.device_times(true);
     let prof_chunk = timed(&mut st, ctx + chunk);
+    let prefill_dev = b.device_times(false);
     let prefill = prof.stop();
     let prof_chunk = prof_chunk?;
 
@@ -775,7 +777,9 @@ fn profile<B: Backend>(m: &Qwen35<B>, prof: &Profiler, a: &BenchArgs) -> Result<
     };
     let plain_step = decode_steps(&mut st)?;
     prof.start();
+    b.device_times(true);
     let prof_step = decode_steps(&mut st);
+    let decode_dev = b.device_times(false).map(|r| r.per(steps));
     let decode = prof.stop().per(steps);
     let prof_step = prof_step?;
 
@@ -787,6 +791,10 @@ fn profile<B: Backend>(m: &Qwen35<B>, prof: &Profiler, a: &BenchArgs) -> Result<
         prof_chunk * 1e3
     );
     print!("{}", prefill.table());
+    if let Some(r) = &prefill_dev {
+        println!("device time of the same chunk per op family · kernel (timestamp queries):");
+        print!("{}", r.table());
+    }
     println!();
     println!(
         "profile: one decode step at context {} (mean of {steps}): {:.3} ms unprofiled, {:.3} ms profiled",
@@ -795,16 +803,26 @@ fn profile<B: Backend>(m: &Qwen35<B>, prof: &Profiler, a: &BenchArgs) -> Result<
         prof_step * 1e3
     );
     print!("{}", decode.table());
+    if let Some(r) = &decode_dev {
+        println!("device time of the same step per op family · kernel (timestamp queries):");
+        print!("{}", r.table());
+    }
     let mut pj = prefill.to_json();
     pj["context"] = json!(ctx + chunk);
     pj["tokens"] = json!(chunk);
     pj["unprofiled_ms"] = json!(plain_chunk * 1e3);
     pj["profiled_ms"] = json!(prof_chunk * 1e3);
+    if let Some(r) = &prefill_dev {
+        pj["device"] = r.to_json();
+    }
     let mut dj = decode.to_json();
     dj["context"] = json!(ctx + 2 * chunk + 1);
     dj["steps_averaged"] = json!(steps);
     dj["unprofiled_ms"] = json!(plain_step * 1e3);
     dj["profiled_ms"] = json!(prof_step * 1e3);
+    if let Some(r) = &decode_dev {
+        dj["device"] = r.to_json();
+    }
     Ok(json!({"prefill_chunk": pj, "decode_step": dj}))
 }
 

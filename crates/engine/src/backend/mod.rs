@@ -124,6 +124,20 @@ pub trait Backend: Send + Sync {
         ops()
     }
 
+    /// Names the op family whose device work is enqueued next, for a backend that times its
+    /// kernels on the device (`device_times`); the `Profiled` wrapper calls it before each op.
+    fn label(&self, family: &str) {
+        let _ = family;
+    }
+
+    /// Device time per kernel from the device's own clock (timestamp queries): `true` starts
+    /// timing every kernel (totals cleared), `false` stops and returns the totals per `family ·
+    /// kernel`. `None`: the backend cannot (the CPU; CUDA has Nsight Compute).
+    fn device_times(&self, on: bool) -> Option<profile::Report> {
+        let _ = on;
+        None
+    }
+
     // ---- memory
     fn upload_mat(&self, m: &HostLinear) -> Result<Self::Mat>;
     fn upload_vec(&self, v: &[f32]) -> Result<Self::Vec>;

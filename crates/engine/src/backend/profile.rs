@@ -59,20 +59,7 @@ impl Profiler {
     pub fn stop(&self) -> Report {
         self.on.store(false, Ordering::Relaxed);
         let stats = std::mem::take(&mut *self.stats.lock().unwrap_or_else(|e| e.into_inner()));
-        let mut ops: Vec<OpTime> = stats
-            .into_iter()
-            .map(|(family, (calls, seconds))| OpTime {
-                family,
-                calls,
-                seconds,
-            })
-            .collect();
-        ops.sort_by(|a, b| {
-            b.seconds
-                .total_cmp(&a.seconds)
-                .then_with(|| a.family.cmp(&b.family))
-        });
-        Report { ops }
+        Report::from_totals(stats.into_iter().map(|(f, (c, s))| (f, c, s)))
     }
 
     fn is_on(&self) -> bool {
@@ -94,6 +81,24 @@ impl Profiler {
 }
 
 impl Report {
+    /// A report from `(family, calls, seconds)` totals, longest first.
+    pub fn from_totals(t: impl IntoIterator<Item = (String, u64, f64)>) -> Report {
+        let mut ops: Vec<OpTime> = t
+            .into_iter()
+            .map(|(family, calls, seconds)| OpTime {
+                family,
+                calls,
+                seconds,
+            })
+            .collect();
+        ops.sort_by(|a, b| {
+            b.seconds
+                .total_cmp(&a.seconds)
+                .then_with(|| a.family.cmp(&b.family))
+        });
+        Report { ops }
+    }
+
     pub fn total(&self) -> f64 {
         self.ops.iter().map(|o| o.seconds).sum()
     }
@@ -207,6 +212,7 @@ impl<B: Backend> Profiled<B> {
         }
         // Errors are left to the inner backend: an op that failed reports at the next check.
         let _ = self.inner.sync();
+        self.inner.label(family);
         let t0 = Instant::now();
         let r = f();
         let _ = self.inner.sync();
@@ -234,6 +240,12 @@ impl<B: Backend> Backend for Profiled<B> {
     }
     fn measure_ceilings(&self) -> Option<Result<super::Ceilings>> {
         self.inner.measure_ceilings()
+    }
+    fn label(&self, family: &str) {
+        self.inner.label(family)
+    }
+    fn device_times(&self, on: bool) -> Option<Report> {
+        self.inner.device_times(on)
     }
     /// A profiled step runs op by op (each bracketed by syncs, which a record cannot hold);
     /// with the profiler off the inner backend records and replays as usual.

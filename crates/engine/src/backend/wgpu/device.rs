@@ -1,9 +1,20 @@
 //! The wgpu device under the backend: adapter choice, the shader and pipeline cache, buffers,
 //! and the one command encoder every op records into.
 //!
-//! Ops record compute passes into a shared encoder; nothing reaches the GPU until something
-//! needs a result (`to_host`, `step_token`, `sync`) or the encoder has grown long
-//! (`FLUSH_EVERY` dispatches), when it is finished and submitted. The `Backend` trait's ops
+//! Ops record their dispatches into one compute pass of a shared encoder (wgpu orders the
+//! dispatches of a pass by their buffer uses, as separate passes would be, without a pass's
+//! begin and end each); a copy ends the pass. Nothing reaches the GPU until something needs a
+//! result (`to_host`, `step_token`, `sync`) or the encoder has grown long (`FLUSH_EVERY`
+//! dispatches), when it is finished and submitted.
+//!
+//! A decode step is recorded once (`begin_record` / `end_record`: each dispatch's parameters in
+//! a buffer of its own, its bind group made once) and replayed every token by `replay_items`,
+//! which only re-encodes the dispatches: no parameter write, bind group or pipeline lookup per
+//! op (wgpu cannot resubmit a command buffer; this is the nearest to a CUDA graph it has).
+//!
+//! With timestamps on (`set_timing`, `lily bench --profile`), every dispatch gets a pass of its
+//! own bracketed by the GPU's timestamps, and each flush waits for them: the device time of
+//! each kernel, charged to the op family the `Profiled` wrapper names (`set_label`). The `Backend` trait's ops
 //! return nothing, so an error inside one (a validation error wgpu reports, a shape past the
 //! adapter's limits) is kept and returned by the next call that returns a `Result`, as the CUDA
 //! backend does.
@@ -25,6 +36,8 @@ use anyhow::{anyhow, bail, Context, Result};
 const FLUSH_EVERY: usize = 256;
 /// Bytes of the parameter arena a dispatch may use (a QMat and a few words; attention passes its RoPE frequencies).
 const PARAM_BYTES: u64 = 2048;
+/// Read-backs up to this size share one mappable buffer.
+const SMALL_READ: u64 = 1 << 16;
 
 /// One WGSL file: its name (for errors and the MSL check) and its text.
 #[derive(Clone, Copy)]
@@ -60,14 +73,61 @@ pub struct AdapterReport {
     pub storage_buffers: u32,
 }
 
+/// One op of a recorded decode step.
+pub(super) enum Item {
+    Dispatch {
+        entry: &'static str,
+        pipe: Arc<::wgpu::ComputePipeline>,
+        bg: ::wgpu::BindGroup,
+        gx: u32,
+        gy: u32,
+    },
+    Copy {
+        src: ::wgpu::Buffer,
+        so: u64,
+        dst: ::wgpu::Buffer,
+        dof: u64,
+        bytes: u64,
+    },
+}
+
+/// The encoder being recorded: its open compute pass, dispatches since the last submission,
+/// parameter-arena slots used, and the kernels of its timed passes (two queries each).
+struct Open {
+    enc: ::wgpu::CommandEncoder,
+    pass: Option<::wgpu::ComputePass<'static>>,
+    n: usize,
+    slots: usize,
+    timed: Vec<String>,
+}
+
+/// The timestamp profiler (`set_timing`): the query set and its buffers, the op family being
+/// charged, and the totals per `family · kernel`.
+struct Timing {
+    on: bool,
+    label: String,
+    qs: ::wgpu::QuerySet,
+    resolve: ::wgpu::Buffer,
+    back: ::wgpu::Buffer,
+    totals: HashMap<String, (u64, f64)>,
+}
+
 pub(super) struct Ctx {
     pub device: ::wgpu::Device,
     pub queue: ::wgpu::Queue,
     pub report: AdapterReport,
     pipelines: Mutex<HashMap<(&'static str, &'static str), Arc<::wgpu::ComputePipeline>>>,
     modules: Mutex<HashMap<&'static str, Arc<::wgpu::ShaderModule>>>,
-    /// The encoder being recorded and its dispatches so far (also the next free arena slot).
-    enc: Mutex<Option<(::wgpu::CommandEncoder, usize)>>,
+    /// The encoder being recorded (`None` between submissions).
+    enc: Mutex<Option<Open>>,
+    /// The ops of a decode step being recorded (`begin_record`).
+    rec: Mutex<Option<Vec<Item>>>,
+    /// `None` where the adapter has no timestamp queries.
+    timing: Mutex<Option<Timing>>,
+    /// Bumped whenever a scratch buffer is replaced: records holding the old one are stale.
+    scratch_gen: std::sync::atomic::AtomicU64,
+    /// A mappable buffer for small read-backs (the step's token every decode step).
+    readback: Mutex<Option<::wgpu::Buffer>>,
     err: Arc<Mutex<Option<String>>>,
     /// FLUSH_EVERY parameter blocks, `stride` bytes apart (the adapter's uniform offset alignment).
     arena: ::wgpu::Buffer,
@@ -124,7 +184,9 @@ impl Ctx {
         };
         let info = adapter.get_info();
         let feats = adapter.features();
-        let wanted = ::wgpu::Features::SUBGROUP | ::wgpu::Features::SHADER_F16;
+        let wanted = ::wgpu::Features::SUBGROUP
+            | ::wgpu::Features::SHADER_F16
+            | ::wgpu::Features::TIMESTAMP_QUERY;
         let limits = adapter.limits();
         let (device, queue) =
             pollster::block_on(adapter.request_device(&::wgpu::DeviceDescriptor {
@@ -165,6 +227,31 @@ impl Ctx {
             usage: ::wgpu::BufferUsages::UNIFORM | ::wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
+        let timing = feats.contains(::wgpu::Features::TIMESTAMP_QUERY).then(|| {
+            let n = 2 * FLUSH_EVERY as u64;
+            Timing {
+                on: false,
+                label: String::new(),
+                qs: device.create_query_set(&::wgpu::QuerySetDescriptor {
+                    label: Some("timestamps"),
+                    ty: ::wgpu::QueryType::Timestamp,
+                    count: n as u32,
+                }),
+                resolve: device.create_buffer(&::wgpu::BufferDescriptor {
+                    label: Some("timestamps resolved"),
+                    size: 8 * n,
+                    usage: ::wgpu::BufferUsages::QUERY_RESOLVE | ::wgpu::BufferUsages::COPY_SRC,
+                    mapped_at_creation: false,
+                }),
+                back: device.create_buffer(&::wgpu::BufferDescriptor {
+                    label: Some("timestamps read back"),
+                    size: 8 * n,
+                    usage: ::wgpu::BufferUsages::MAP_READ | ::wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                }),
+                totals: HashMap::new(),
+            }
+        });
         Ok(Self {
             device,
             queue,
@@ -172,6 +259,10 @@ impl Ctx {
             pipelines: Mutex::new(HashMap::new()),
             modules: Mutex::new(HashMap::new()),
             enc: Mutex::new(None),
+            rec: Mutex::new(None),
+            timing: Mutex::new(timing),
+            scratch_gen: std::sync::atomic::AtomicU64::new(0),
+            readback: Mutex::new(None),
             err,
             arena,
             stride,
@@ -185,6 +276,11 @@ impl Ctx {
         if g.is_none() {
             *g = Some(msg.into());
         }
+    }
+
+    /// Whether an op failed since the last check.
+    pub fn has_error(&self) -> bool {
+        self.err.lock().unwrap().is_some()
     }
 
     /// The first error since the last check, as an `Err` (and cleared).
@@ -258,41 +354,119 @@ impl Ctx {
         } else {
             (65535, groups.div_ceil(65535))
         };
+        let bind = |buffer: &::wgpu::Buffer, offset: u64| {
+            let mut entries = vec![::wgpu::BindGroupEntry {
+                binding: 0,
+                resource: ::wgpu::BindingResource::Buffer(::wgpu::BufferBinding {
+                    buffer,
+                    offset,
+                    size: ::wgpu::BufferSize::new(4 * words.len() as u64),
+                }),
+            }];
+            for (i, b) in bufs.iter().enumerate() {
+                entries.push(::wgpu::BindGroupEntry {
+                    binding: i as u32 + 1,
+                    resource: b.as_entire_binding(),
+                });
+            }
+            self.device.create_bind_group(&::wgpu::BindGroupDescriptor {
+                label: None,
+                layout: &pipe.get_bind_group_layout(0),
+                entries: &entries,
+            })
+        };
+        let mut rec = self.rec.lock().unwrap();
         let mut g = self.enc.lock().unwrap();
-        let (enc, n) =
-            g.get_or_insert_with(|| (self.device.create_command_encoder(&Default::default()), 0));
-        let off = *n as u64 * self.stride;
-        self.queue.write_buffer(&self.arena, off, as_bytes(&words));
-        let mut entries = vec![::wgpu::BindGroupEntry {
-            binding: 0,
-            resource: ::wgpu::BindingResource::Buffer(::wgpu::BufferBinding {
-                buffer: &self.arena,
-                offset: off,
-                size: ::wgpu::BufferSize::new(4 * words.len() as u64),
-            }),
-        }];
-        for (i, b) in bufs.iter().enumerate() {
-            entries.push(::wgpu::BindGroupEntry {
-                binding: i as u32 + 1,
-                resource: b.as_entire_binding(),
+        let open = g.get_or_insert_with(|| self.open());
+        let bg = if let Some(items) = rec.as_mut() {
+            // A recorded step keeps its parameters in a buffer of its own, read at every replay.
+            let ub = self
+                .device
+                .create_buffer_init(&::wgpu::util::BufferInitDescriptor {
+                    label: Some(entry),
+                    contents: as_bytes(&words),
+                    usage: ::wgpu::BufferUsages::UNIFORM,
+                });
+            let bg = bind(&ub, 0);
+            items.push(Item::Dispatch {
+                entry,
+                pipe: pipe.clone(),
+                bg: bg.clone(),
+                gx,
+                gy,
             });
+            bg
+        } else {
+            // slots ≤ n < FLUSH_EVERY here: the encoder is submitted when n reaches it.
+            let off = open.slots as u64 * self.stride;
+            open.slots += 1;
+            self.queue.write_buffer(&self.arena, off, as_bytes(&words));
+            bind(&self.arena, off)
+        };
+        drop(rec);
+        self.encode(open, entry, &pipe, &bg, gx, gy);
+        if open.n >= FLUSH_EVERY {
+            let o = g.take().unwrap();
+            self.submit(o);
         }
-        let bg = self.device.create_bind_group(&::wgpu::BindGroupDescriptor {
-            label: None,
-            layout: &pipe.get_bind_group_layout(0),
-            entries: &entries,
-        });
-        {
-            let mut cp = enc.begin_compute_pass(&Default::default());
-            cp.set_pipeline(&pipe);
-            cp.set_bind_group(0, &bg, &[]);
-            cp.dispatch_workgroups(gx, gy, 1);
+    }
+    /// A fresh encoder with no pass open.
+    fn open(&self) -> Open {
+        Open {
+            enc: self.device.create_command_encoder(&Default::default()),
+            pass: None,
+            n: 0,
+            slots: 0,
+            timed: Vec::new(),
         }
-        *n += 1;
-        if *n >= FLUSH_EVERY {
-            let (enc, _) = g.take().unwrap();
-            self.queue.submit([enc.finish()]);
+    }
+
+    /// Encodes one dispatch into `open`: into its compute pass, or, with timestamps on, into a
+    /// pass of its own with its start and end written to the next two queries.
+    fn encode(
+        &self,
+        open: &mut Open,
+        entry: &'static str,
+        pipe: &::wgpu::ComputePipeline,
+        bg: &::wgpu::BindGroup,
+        gx: u32,
+        gy: u32,
+    ) {
+        let t = self.timing.lock().unwrap();
+        match t.as_ref().filter(|t| t.on) {
+            Some(t) => {
+                open.pass = None;
+                let i = 2 * open.timed.len() as u32;
+                let mut cp = open.enc.begin_compute_pass(&::wgpu::ComputePassDescriptor {
+                    label: None,
+                    timestamp_writes: Some(::wgpu::ComputePassTimestampWrites {
+                        query_set: &t.qs,
+                        beginning_of_pass_write_index: Some(i),
+                        end_of_pass_write_index: Some(i + 1),
+                    }),
+                });
+                cp.set_pipeline(pipe);
+                cp.set_bind_group(0, bg, &[]);
+                cp.dispatch_workgroups(gx, gy, 1);
+                open.timed.push(if t.label.is_empty() {
+                    entry.to_string()
+                } else {
+                    format!("{} · {entry}", t.label)
+                });
+            }
+            None => {
+                drop(t);
+                let enc = &mut open.enc;
+                let cp = open.pass.get_or_insert_with(|| {
+                    enc.begin_compute_pass(&Default::default())
+                        .forget_lifetime()
+                });
+                cp.set_pipeline(pipe);
+                cp.set_bind_group(0, bg, &[]);
+                cp.dispatch_workgroups(gx, gy, 1);
+            }
         }
+        open.n += 1;
     }
 
     /// Records a buffer-to-buffer copy (byte offsets and size multiples of 4).
@@ -300,17 +474,78 @@ impl Ctx {
         if bytes == 0 {
             return;
         }
+        if let Some(items) = self.rec.lock().unwrap().as_mut() {
+            items.push(Item::Copy {
+                src: src.clone(),
+                so,
+                dst: dst.clone(),
+                dof,
+                bytes,
+            });
+        }
+        self.copy_now(src, so, dst, dof, bytes);
+    }
+
+    /// A copy into the encoder, never part of a record.
+    fn copy_now(&self, src: &::wgpu::Buffer, so: u64, dst: &::wgpu::Buffer, dof: u64, bytes: u64) {
         let mut g = self.enc.lock().unwrap();
-        let (enc, n) =
-            g.get_or_insert_with(|| (self.device.create_command_encoder(&Default::default()), 0));
-        let _ = n; // copies take no parameter slot
-        enc.copy_buffer_to_buffer(src, so, dst, dof, bytes);
+        let open = g.get_or_insert_with(|| self.open());
+        open.pass = None; // a copy is outside compute passes
+        open.enc.copy_buffer_to_buffer(src, so, dst, dof, bytes);
+    }
+
+    /// Ends the pass, submits, and with timed passes waits for their timestamps and charges
+    /// each kernel its time.
+    fn submit(&self, mut open: Open) {
+        open.pass = None;
+        let mut t = self.timing.lock().unwrap();
+        let timed = std::mem::take(&mut open.timed);
+        match t.as_mut().filter(|_| !timed.is_empty()) {
+            None => {
+                drop(t);
+                self.queue.submit([open.enc.finish()]);
+            }
+            Some(t) => {
+                let q = 2 * timed.len() as u32;
+                open.enc.resolve_query_set(&t.qs, 0..q, &t.resolve, 0);
+                open.enc
+                    .copy_buffer_to_buffer(&t.resolve, 0, &t.back, 0, 8 * q as u64);
+                self.queue.submit([open.enc.finish()]);
+                let period = self.queue.get_timestamp_period() as f64 * 1e-9;
+                let slice = t.back.slice(..8 * q as u64);
+                slice.map_async(::wgpu::MapMode::Read, |_| {});
+                if self
+                    .device
+                    .poll(::wgpu::PollType::wait_indefinitely())
+                    .is_err()
+                {
+                    return;
+                }
+                let ticks: Vec<u64> = match slice.get_mapped_range() {
+                    Ok(r) => r
+                        .chunks_exact(8)
+                        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+                        .collect(),
+                    Err(_) => Vec::new(),
+                };
+                t.back.unmap();
+                for (i, name) in timed.into_iter().enumerate() {
+                    let (a, b) = (ticks.get(2 * i), ticks.get(2 * i + 1));
+                    if let (Some(&a), Some(&b)) = (a, b) {
+                        let e = t.totals.entry(name).or_insert((0, 0.0));
+                        e.0 += 1;
+                        e.1 += b.saturating_sub(a) as f64 * period;
+                    }
+                }
+            }
+        }
     }
 
     /// Submits whatever is recorded.
     pub fn flush(&self) {
-        if let Some((enc, _)) = self.enc.lock().unwrap().take() {
-            self.queue.submit([enc.finish()]);
+        let o = self.enc.lock().unwrap().take();
+        if let Some(o) = o {
+            self.submit(o);
         }
     }
 
@@ -321,6 +556,78 @@ impl Ctx {
             .poll(::wgpu::PollType::wait_indefinitely())
             .map_err(|e| anyhow!("wgpu: waiting for the device: {e}"))?;
         self.check()
+    }
+
+    /// Starts recording the ops that follow (they still run) as a replayable step.
+    pub fn begin_record(&self) {
+        *self.rec.lock().unwrap() = Some(Vec::new());
+    }
+
+    /// The ops recorded since `begin_record`.
+    pub fn end_record(&self) -> Vec<Item> {
+        self.rec.lock().unwrap().take().unwrap_or_default()
+    }
+
+    /// Encodes a recorded step again: its dispatches with their own parameters and bind groups.
+    pub fn replay_items(&self, items: &[Item]) {
+        for it in items {
+            match it {
+                Item::Dispatch {
+                    entry,
+                    pipe,
+                    bg,
+                    gx,
+                    gy,
+                } => {
+                    let mut g = self.enc.lock().unwrap();
+                    let open = g.get_or_insert_with(|| self.open());
+                    self.encode(open, entry, pipe, bg, *gx, *gy);
+                    if open.n >= FLUSH_EVERY {
+                        let o = g.take().unwrap();
+                        self.submit(o);
+                    }
+                }
+                Item::Copy {
+                    src,
+                    so,
+                    dst,
+                    dof,
+                    bytes,
+                } => self.copy_now(src, *so, dst, *dof, *bytes),
+            }
+        }
+    }
+
+    /// How many times a scratch buffer was replaced (a record made before is stale).
+    pub fn scratch_gen(&self) -> u64 {
+        self.scratch_gen.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Starts (clearing the totals) or stops timing every dispatch; stopping returns each
+    /// `family · kernel`'s calls and seconds of device time.
+    pub fn set_timing(&self, on: bool) -> Option<Vec<(String, u64, f64)>> {
+        self.flush();
+        let mut t = self.timing.lock().unwrap();
+        let t = t.as_mut()?;
+        t.on = on;
+        if on {
+            t.totals.clear();
+            return Some(Vec::new());
+        }
+        Some(
+            std::mem::take(&mut t.totals)
+                .into_iter()
+                .map(|(k, (c, s))| (k, c, s))
+                .collect(),
+        )
+    }
+
+    /// The op family the next dispatches are charged to while timing.
+    pub fn set_label(&self, family: &str) {
+        if let Some(t) = self.timing.lock().unwrap().as_mut().filter(|t| t.on) {
+            t.label.clear();
+            t.label.push_str(family);
+        }
     }
 
     /// A storage buffer of `bytes` (at least 4), zero-filled (wgpu zero-initialises).
@@ -353,7 +660,10 @@ impl Ctx {
                 .next_power_of_two()
                 .min(self.report.max_binding),
         )?;
-        m.insert(name, b.clone());
+        if m.insert(name, b.clone()).is_some() {
+            self.scratch_gen
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         Ok(b)
     }
 
@@ -394,19 +704,34 @@ impl Ctx {
         if bytes == 0 {
             return Ok(Vec::new());
         }
-        let st = self.device.create_buffer(&::wgpu::BufferDescriptor {
-            label: Some("readback"),
-            size: bytes,
-            usage: ::wgpu::BufferUsages::MAP_READ | ::wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        self.copy(b, 0, &st, 0, bytes);
+        if self.rec.lock().unwrap().is_some() {
+            bail!("wgpu: a read-back inside a recorded decode step");
+        }
+        // Small reads (a step's token, a few logits) reuse one buffer instead of making one.
+        let mut cached = self.readback.lock().unwrap();
+        let st = match cached.as_ref().filter(|c| c.size() >= bytes) {
+            Some(c) => c.clone(),
+            None => {
+                let st = self.device.create_buffer(&::wgpu::BufferDescriptor {
+                    label: Some("readback"),
+                    size: bytes.max(SMALL_READ),
+                    usage: ::wgpu::BufferUsages::MAP_READ | ::wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                });
+                if bytes <= SMALL_READ {
+                    *cached = Some(st.clone());
+                }
+                st
+            }
+        };
+        self.copy_now(b, 0, &st, 0, bytes);
         self.flush();
         let slot = Arc::new(Mutex::new(None));
         let s2 = slot.clone();
-        st.slice(..).map_async(::wgpu::MapMode::Read, move |r| {
-            *s2.lock().unwrap() = Some(r);
-        });
+        st.slice(..bytes)
+            .map_async(::wgpu::MapMode::Read, move |r| {
+                *s2.lock().unwrap() = Some(r);
+            });
         self.device
             .poll(::wgpu::PollType::wait_indefinitely())
             .map_err(|e| anyhow!("wgpu: waiting for the device: {e}"))?;
@@ -417,7 +742,7 @@ impl Ctx {
             None => bail!("wgpu: a read-back buffer was not mapped after the wait"),
         }
         let out = st
-            .slice(..)
+            .slice(..bytes)
             .get_mapped_range()
             .map_err(|e| anyhow!("wgpu: reading a mapped buffer: {e:?}"))?
             .to_vec();

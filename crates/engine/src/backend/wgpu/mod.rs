@@ -32,10 +32,32 @@ pub use check::translate_to_msl;
 pub use device::AdapterReport;
 use device::{as_bytes, Ctx};
 
-/// The wgpu backend: one device and queue.
+/// The wgpu backend: one device and queue, and the decode steps it recorded.
 pub struct Wgpu {
     ctx: Ctx,
+    records: std::sync::Mutex<Records>,
+    /// `LILY_WGPU_REPLAY=0` runs every decode step op by op (the ablation of `replay`).
+    replay_on: bool,
 }
+
+/// Recorded decode steps by key, least recently used first, and the keys seen once.
+#[derive(Default)]
+struct Records {
+    recs: Vec<Record>,
+    seen: std::collections::HashSet<u64>,
+}
+
+struct Record {
+    key: u64,
+    /// `Ctx::scratch_gen` when recorded: a scratch buffer replaced since makes it stale.
+    gen: u64,
+    items: Vec<device::Item>,
+}
+
+/// Records kept (sequences decoding at once, samplers and pick kinds included).
+const MAX_RECORDS: usize = 16;
+/// Keys remembered as seen once before being forgotten.
+const MAX_SEEN: usize = 4096;
 
 /// An f32 buffer on the device (`len` elements).
 pub struct WBuf {
@@ -93,6 +115,8 @@ impl Wgpu {
     pub fn new(allow_software: bool) -> Result<Self> {
         Ok(Self {
             ctx: Ctx::new(allow_software)?,
+            records: Default::default(),
+            replay_on: std::env::var("LILY_WGPU_REPLAY").as_deref() != Ok("0"),
         })
     }
     /// What the adapter is and offers.
@@ -119,6 +143,52 @@ impl Backend for Wgpu {
     fn name(&self) -> String {
         let r = &self.ctx.report;
         format!("wgpu ({}, {}, {})", r.name, r.backend, r.device_type)
+    }
+    /// A decode step is run directly the first time its key is seen (so every buffer it uses
+    /// exists), recorded the second (`Ctx::begin_record`: it still runs), and replayed from then
+    /// on: the dispatches re-encoded with the parameters and bind groups made when recorded.
+    fn replay(&self, key: u64, ops: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        if !self.replay_on {
+            return ops();
+        }
+        let gen = self.ctx.scratch_gen();
+        let mut recs = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = recs.recs.iter().position(|r| r.key == key) {
+            let r = recs.recs.remove(i);
+            if r.gen == gen {
+                self.ctx.replay_items(&r.items);
+                recs.recs.push(r);
+                return Ok(());
+            }
+        }
+        if recs.seen.len() >= MAX_SEEN {
+            recs.seen.clear();
+        }
+        if recs.seen.insert(key) {
+            drop(recs);
+            return ops();
+        }
+        self.ctx.begin_record();
+        let r = ops();
+        let items = self.ctx.end_record();
+        r?;
+        // An op that failed while recording reports at the next check; its record is not kept.
+        if self.ctx.has_error() || self.ctx.scratch_gen() != gen {
+            return Ok(());
+        }
+        if recs.recs.len() >= MAX_RECORDS {
+            recs.recs.remove(0);
+        }
+        recs.recs.push(Record { key, gen, items });
+        Ok(())
+    }
+    fn label(&self, family: &str) {
+        self.ctx.set_label(family)
+    }
+    fn device_times(&self, on: bool) -> Option<super::profile::Report> {
+        self.ctx
+            .set_timing(on)
+            .map(super::profile::Report::from_totals)
     }
     fn sync(&self) -> Result<()> {
         self.ctx.sync()
