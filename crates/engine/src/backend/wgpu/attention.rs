@@ -1,10 +1,14 @@
 //! Gated attention: q/k norm + RoPE, prefill and decode attention (shaders/attention.wgsl;
 //! cpu/attention.rs is the twin).
 //!
-//! Prefill appends k/v with buffer copies, then `attn_rows` (a workgroup per row and head).
+//! Prefill appends k/v with buffer copies, then `attn_rows_gqa` (a workgroup per row and KV
+//! head, its query heads together; `attn_rows`, a workgroup per row and query head, takes the
+//! shapes it cannot).
 //! Decode reads its position from the step on the device: `kv_append_step` writes the row,
-//! `attn_split` spreads the keys over `splits` ranges per head (chosen from the capacity, so the
-//! launch is the same at every position), `attn_combine` merges them.
+//! `attn_split_gqa` spreads the keys over `splits` ranges per KV head (the count chosen from the
+//! capacity, so the launch is the same at every position; the ranges from the position), its
+//! query heads together (`attn_split`, a query head a workgroup, takes the shapes it cannot),
+//! `attn_combine` merges them.
 
 use super::device::{Ctx, Shader};
 use super::{WBuf, WStep};
@@ -25,6 +29,21 @@ const MAX_ROT: usize = 256;
 /// Keys a workgroup scores at once (attention.wgsl `CHUNK`); most splits of a decode.
 const CHUNK: usize = 256;
 const MAX_SPLITS: usize = 32;
+/// attn_split_gqa: query heads a KV head it takes (attention.wgsl `GQ_MAXG`), the splits at most
+/// (a KV head's keys over up to 128 workgroups: 256 on the model's two KV heads, enough for a
+/// big GPU) and the capacity's keys a split at least.
+const GQA_MAX_GROUP: usize = 8;
+const GQA_MAX_SPLITS: usize = 128;
+const GQA_KEYS: usize = 64;
+
+/// Whether the grouped kernels (`attn_split_gqa`, `attn_rows_gqa`) take this shape: up to 8
+/// query heads a KV head, heads of up to 256 in vec4s (the model's: 8 of 256). Others go a
+/// query head a workgroup. `LILY_WGPU_GQA=0` sends every shape that way (the ablation).
+fn gqa(d: &Dims) -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let on = *ON.get_or_init(|| std::env::var("LILY_WGPU_GQA").as_deref() != Ok("0"));
+    on && d.n_heads / d.n_kv_heads <= GQA_MAX_GROUP && d.head_dim <= 256 && d.head_dim % 4 == 0
+}
 
 /// Whether the head shape is one the kernels take; records the error if not.
 fn dims_ok(ctx: &Ctx, op: &str, d: &Dims) -> bool {
@@ -210,12 +229,17 @@ pub fn attn_prefill(
     let (at, bytes) = (4 * (pos0 * kvd) as u64, 4 * (rows * kvd) as u64);
     ctx.copy(&k.buf, 0, &kv.k.buf, at, bytes);
     ctx.copy(&v.buf, 0, &kv.v.buf, at, bytes);
+    let (entry, groups) = if gqa(d) {
+        ("attn_rows_gqa", rows * kvh)
+    } else {
+        ("attn_rows", rows * hq)
+    };
     ctx.dispatch(
         &SHADER,
-        "attn_rows",
+        entry,
         &params(d, rows, pos0, kv.capacity, 1, 0),
         &[&q.buf, &kv.k.buf, &kv.v.buf, &gate.buf, &out.buf],
-        (rows * hq) as u32,
+        groups as u32,
     );
 }
 
@@ -268,7 +292,12 @@ pub fn attn_decode(
     ) {
         return;
     }
-    let (span, splits) = split(kv.capacity);
+    let gqa = gqa(d);
+    let (span, splits) = if gqa {
+        (0, (kv.capacity / GQA_KEYS).clamp(1, GQA_MAX_SPLITS))
+    } else {
+        split(kv.capacity)
+    };
     let part = match ctx.scratch("attn_decode.part", 4 * (hq * splits * (hd + 2)) as u64) {
         Ok(b) => b,
         Err(e) => {
@@ -284,12 +313,17 @@ pub fn attn_decode(
         &[&k.buf, &v.buf, &step.buf, &kv.k.buf, &kv.v.buf],
         kvd.div_ceil(256) as u32,
     );
+    let (entry, groups) = if gqa {
+        ("attn_split_gqa", kvh * splits)
+    } else {
+        ("attn_split", hq * splits)
+    };
     ctx.dispatch(
         &SHADER,
-        "attn_split",
+        entry,
         &p,
         &[&q.buf, &kv.k.buf, &kv.v.buf, &step.buf, &part],
-        (hq * splits) as u32,
+        groups as u32,
     );
     ctx.dispatch(
         &SHADER,

@@ -383,3 +383,180 @@ fn kv_append_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
         ak_vc[pos * kvd + i] = ak_v[i];
     }
 }
+
+// ---- attn_split_gqa: decode attention a workgroup per (KV head, split), its G ≤ 8 query heads
+// together, so each key and value row is read once for all of them (attn_split reads them once a
+// query head). Keys of the split in chunks of GQ_CHUNK = 32:
+//   scores: thread li = key (li / 8) × part (li % 8); the part's vec4s c ≡ part (mod 8) of the
+//     key row (8 threads read a row's consecutive 16-byte words), dotted with every query head
+//     (staged in workgroup memory); the 8 parts summed by thread (key, head) afterwards;
+//   softmax: thread g < G takes head g's 32 scores: the chunk max, the new running max, the
+//     rescale of the old sums and p = exp(s − m) in workgroup memory (its order is the CPU's
+//     one-pass form, as attend's);
+//   values: thread li owns dim li of every head and adds Σ p·v over the chunk's rows (a row read
+//     by all threads at once, coalesced).
+// The split's range adapts to the step's position: n = pos + 1 keys over `splits` splits (fixed
+// by the capacity, so a recorded step launches the same) of ceil(n / splits) keys. Partials as
+// attn_split's, for attn_combine. Takes hd ≤ 256, hd % 4 == 0, G ≤ 8 (attention.rs checks).
+// Bindings: 1 q, 2 kc (vec4), 3 vc, 4 step, 5 part. Workgroup memory 18.4 KB.
+
+const GQ_CHUNK: u32 = 32u;
+const GQ_MAXG: u32 = 8u;
+
+@group(0) @binding(1) var<storage, read> ag_q: array<f32>;
+@group(0) @binding(2) var<storage, read> ag_kc: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> ag_vc: array<f32>;
+@group(0) @binding(4) var<storage, read> ag_step: array<u32>;
+@group(0) @binding(5) var<storage, read_write> ag_part: array<f32>;
+
+var<workgroup> gq_q: array<vec4<f32>, 512>;
+var<workgroup> gq_red: array<f32, 2048>;
+var<workgroup> gq_p: array<f32, 256>;
+var<workgroup> gq_m: array<f32, 8>;
+var<workgroup> gq_l: array<f32, 8>;
+var<workgroup> gq_corr: array<f32, 8>;
+
+// Attention of the G query heads of KV head kvh (at ag_q[qoff + (kvh·G + g)·hd ..]) over keys
+// j0..j1: each head's sum Σ p·v at dim li in the result, its running max and sum left in gq_m,
+// gq_l. Every thread calls it (j0, j1 uniform).
+fn gqa_attend(li: u32, qoff: u32, kvh: u32, j0: u32, j1: u32) -> array<f32, 8> {
+    let hd = p.hd;
+    let hd4 = hd / 4u;
+    let kvd = p.nkv * hd;
+    let G = p.nh / p.nkv;
+    // The group's query heads h = kvh·G + g, as vec4s.
+    for (var i = li; i < G * hd4; i += 256u) {
+        let g = i / hd4;
+        let c = i % hd4;
+        let qb = qoff + (kvh * G + g) * hd + 4u * c;
+        gq_q[i] = vec4<f32>(ag_q[qb], ag_q[qb + 1u], ag_q[qb + 2u], ag_q[qb + 3u]);
+    }
+    if (li < GQ_MAXG) {
+        gq_m[li] = NEG_BIG;
+        gq_l[li] = 0.0;
+        gq_corr[li] = 1.0;
+    }
+    workgroupBarrier();
+    var acc: array<f32, 8>;
+    for (var g = 0u; g < GQ_MAXG; g++) {
+        acc[g] = 0.0;
+    }
+    let key = li / 8u;
+    let part = li % 8u;
+    for (var c0 = j0; c0 < j1; c0 += GQ_CHUNK) {
+        let cn = min(GQ_CHUNK, j1 - c0);
+        // Scores: this thread's part of key c0 + key, for every head.
+        var dots: array<f32, 8>;
+        for (var g = 0u; g < GQ_MAXG; g++) {
+            dots[g] = 0.0;
+        }
+        if (key < cn) {
+            let kb = ((c0 + key) * kvd + kvh * hd) / 4u;
+            for (var c = part; c < hd4; c += 8u) {
+                let kv4 = ag_kc[kb + c];
+                // Constant bounds (and a test) so that the arrays stay in registers.
+                for (var g = 0u; g < GQ_MAXG; g++) {
+                    if (g < G) {
+                        dots[g] += dot(gq_q[g * hd4 + c], kv4);
+                    }
+                }
+            }
+        }
+        for (var g = 0u; g < GQ_MAXG; g++) {
+            gq_red[li * 8u + g] = dots[g];
+        }
+        workgroupBarrier();
+        {
+            // Thread (key k, head g) sums the key's 8 parts.
+            let k = li / 8u;
+            let g = li % 8u;
+            // Heads past G stay at p = 0 (their sums are never written).
+            var sc = select(0.0, NEG_BIG, g < G);
+            if (k < cn && g < G) {
+                var t = 0.0;
+                for (var q = 0u; q < 8u; q++) {
+                    t += gq_red[(k * 8u + q) * 8u + g];
+                }
+                sc = t * p.scale;
+            }
+            gq_p[g * GQ_CHUNK + k] = sc;
+        }
+        workgroupBarrier();
+        if (li < G) {
+            let g = li;
+            var cm = NEG_BIG;
+            for (var k = 0u; k < cn; k++) {
+                cm = max(cm, gq_p[g * GQ_CHUNK + k]);
+            }
+            let mo = gq_m[g];
+            let mn = max(mo, cm);
+            let corr = exp(mo - mn);
+            var l = 0.0;
+            for (var k = 0u; k < GQ_CHUNK; k++) {
+                let e = select(0.0, exp(gq_p[g * GQ_CHUNK + k] - mn), k < cn);
+                gq_p[g * GQ_CHUNK + k] = e;
+                l += e;
+            }
+            gq_m[g] = mn;
+            gq_l[g] = gq_l[g] * corr + l;
+            gq_corr[g] = corr;
+        }
+        workgroupBarrier();
+        if (li < hd) {
+            for (var g = 0u; g < GQ_MAXG; g++) {
+                acc[g] *= gq_corr[g];
+            }
+            for (var k = 0u; k < cn; k++) {
+                let v = ag_vc[(c0 + k) * kvd + kvh * hd + li];
+                for (var g = 0u; g < GQ_MAXG; g++) {
+                    acc[g] += gq_p[g * GQ_CHUNK + k] * v;
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    return acc;
+}
+
+@compute @workgroup_size(256)
+fn attn_split_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let wg = wg_index(wid);
+    let kvh = wg / p.splits;
+    let s = wg % p.splits;
+    let n = min(ag_step[1] + 1u, p.cap);
+    let span = (n + p.splits - 1u) / p.splits;
+    let j0 = min(s * span, n);
+    let j1 = min(j0 + span, n);
+    let acc = gqa_attend(li, 0u, kvh, j0, j1);
+    let G = p.nh / p.nkv;
+    for (var g = 0u; g < G; g++) {
+        let h = kvh * G + g;
+        let base = (h * p.splits + s) * (p.hd + 2u);
+        if (li == 0u) {
+            ag_part[base] = gq_m[g];
+            ag_part[base + 1u] = gq_l[g];
+        }
+        if (li < p.hd) {
+            ag_part[base + 2u + li] = acc[g];
+        }
+    }
+}
+
+// attn_rows_gqa (prefill, the shapes attn_split_gqa takes): a workgroup per (row t, KV head),
+// its G query heads over keys 0..=pos0 + t, then out = acc / l · sigmoid(gate). rows · nkv
+// workgroups. Bindings: 1 q, 2 kc, 3 vc, 4 gate, 5 out (attn_rows's).
+@compute @workgroup_size(256)
+fn attn_rows_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let wg = wg_index(wid);
+    let t = wg / p.nkv;
+    let kvh = wg % p.nkv;
+    let row = t * p.nh * p.hd;
+    let acc = gqa_attend(li, row, kvh, 0u, p.pos0 + t + 1u);
+    let G = p.nh / p.nkv;
+    if (li < p.hd) {
+        for (var g = 0u; g < G; g++) {
+            let o = row + (kvh * G + g) * p.hd + li;
+            ar_out[o] = acc[g] / gq_l[g] * sigmoid_f(ar_gate[o]);
+        }
+    }
+}
