@@ -197,18 +197,28 @@ fn matmul_q_gemv_and_gemm() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(3);
     // (out, inp, bits, group, f32 scales): the model's in_proj-like, out_proj-like, 8-bit
-    // router-like shapes, odd output counts, f32 scales, and a dense matrix.
-    let cases: [(usize, usize, u32, usize, bool); 5] = [
+    // router-like shapes, odd output counts, f32 scales; gemv_v4 over several x passes (8192, and
+    // 4160: a short last pass); shapes gemv_v4 does not take (2-bit, a 4-bit group of 16, an
+    // 8-bit group of 8: scalar gemv) and gemm's per-element staging (an 8-bit group of 4).
+    let cases: [(usize, usize, u32, usize, bool); 11] = [
         (1000, 2048, 4, 64, false),
         (2048, 4096, 4, 64, false),
         (256, 2048, 8, 64, false),
         (37, 512, 4, 32, true),
         (300, 1024, 8, 128, true),
+        (70, 8192, 4, 64, false),
+        (50, 4160, 8, 64, false),
+        (33, 256, 2, 32, false),
+        (20, 256, 4, 16, false),
+        (24, 96, 8, 8, true),
+        (10, 40, 8, 4, false),
     ];
+    // Rows: gemv_v4 (≤ 8), gemm at one tile, past it, several with a ragged last one.
+    let all_rows = [1usize, 2, 7, 8, 9, 17, 64, 65, 300];
     for (out, inp, bits, gs, f32s) in cases {
         let m = rand_quant(&mut rng, 1, out, inp, bits, gs, f32s);
         let gm = g.upload_mat(&m).unwrap();
-        for rows in [1usize, 5, 40] {
+        for rows in all_rows {
             let x = rng.vec(rows * inp, 1.0);
             let mut c = vec![0.0; rows * out];
             Cpu.matmul_q(&x, &m, rows, &mut c);
@@ -223,7 +233,7 @@ fn matmul_q_gemv_and_gemm() {
     }
     let m = rand_dense(&mut rng, 70, 256);
     let gm = g.upload_mat(&m).unwrap();
-    for rows in [1usize, 3] {
+    for rows in [1usize, 3, 70] {
         let x = rng.vec(rows * 256, 1.0);
         let mut c = vec![0.0; rows * 70];
         Cpu.matmul_q(&x, &m, rows, &mut c);

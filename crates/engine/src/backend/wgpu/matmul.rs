@@ -1,5 +1,7 @@
 //! Quantized matrices on the device and `matmul_q` (shaders/matmul.wgsl; cpu/matmul.rs is the
-//! twin).
+//! twin). `matmul_q` takes `gemv_v4` for up to `GEMV_MAX_ROWS` rows of x when the codes are 4- or
+//! 8-bit in groups of whole 16-byte words (every matrix of the model), the scalar `gemv` for one
+//! row of anything else, and the register-tiled `gemm` for the rest.
 
 use anyhow::{bail, Result};
 
@@ -71,6 +73,25 @@ pub fn upload_mat(ctx: &Ctx, m: &HostLinear) -> Result<WMat> {
     }
 }
 
+/// Rows of x up to which `gemv_v4` (one pass over the weights per row of x, the rows of a block
+/// side by side so that the weights come from the cache after the first) is taken over `gemm`.
+pub const GEMV_MAX_ROWS: usize = 8;
+
+/// Threads a row for `gemv_v4`: 16 (each thread 4 code words of a 2048-wide 4-bit row per
+/// pass), doubled while the workgroups (1024 / lanes rows each) are fewer than 1024, so that a
+/// big GPU gets several waves; never more than the row's 16-byte words of a pass (no idle
+/// lanes), at least 4 (a row group's first 4 lanes write its 4 outputs).
+fn gemv_lanes(out: usize, v4_pass: usize) -> usize {
+    let mut lanes = 16;
+    while lanes < 256 && lanes < v4_pass && out.div_ceil(1024 / lanes) < 1024 {
+        lanes *= 2;
+    }
+    while lanes > 4 && lanes > v4_pass {
+        lanes /= 2;
+    }
+    lanes
+}
+
 /// `out[t] = x[t] · W_eᵀ` for matrix `e` of the stack, `rows` rows of x.
 pub fn matmul_q(ctx: &Ctx, x: &WBuf, w: &WMat, e: usize, rows: usize, out: &mut WBuf) {
     if e >= w.n || x.len < rows * w.inp || out.len < rows * w.out {
@@ -80,13 +101,27 @@ pub fn matmul_q(ctx: &Ctx, x: &WBuf, w: &WMat, e: usize, rows: usize, out: &mut 
         ));
         return;
     }
-    let mut p = w.qmat().to_vec();
-    p.extend([rows as u32, e as u32, 0, 0]);
+    if rows == 0 || w.out == 0 {
+        return;
+    }
+    let x_off = 0usize;
     let bufs = [&w.w, &w.s, &w.b, &x.buf, &out.buf];
-    if rows == 1 {
+    let mut p = w.qmat().to_vec();
+    p.extend([rows as u32, e as u32, x_off as u32, 0]);
+    // gemv_v4 reads 16-byte code words each inside one group, and x as vec4.
+    let v4 = matches!(w.bits, 4 | 8) && w.gs % (128 / w.bits as usize) == 0 && x_off % 4 == 0;
+    if rows <= GEMV_MAX_ROWS && v4 {
+        let epv = 128 / w.bits as usize;
+        let lanes = gemv_lanes(w.out, w.inp.min(4096) / epv);
+        p.extend([lanes as u32, 0, 0, 0]);
+        let groups = w.out.div_ceil(1024 / lanes) * rows;
+        ctx.dispatch(&SHADER, "gemv_v4", &p, &bufs, groups as u32);
+    } else if rows == 1 {
+        p.extend([0; 4]);
         ctx.dispatch(&SHADER, "gemv", &p, &bufs, w.out.div_ceil(8) as u32);
     } else {
-        let tiles = w.out.div_ceil(16) * rows.div_ceil(16);
+        p.extend([0; 4]);
+        let tiles = w.out.div_ceil(64) * rows.div_ceil(64);
         ctx.dispatch(&SHADER, "gemm", &p, &bufs, tiles as u32);
     }
 }

@@ -1,11 +1,32 @@
 // matmul.wgsl: matmul_q, out[t] = x[t] · Wᵀ for a quantized (or dense) matrix (cpu/matmul.rs
-// `matmul`). x f32 [rows, in] at x_off, out f32 [rows, out] at out_off; matrix e of the stack.
-// gemv (rows = 1): a workgroup of 256 = 8 outputs × 32 threads striding the row's code words
-//   (consecutive threads read consecutive words: 32 / bits elements each, one scale and bias
-//   a word), summed by a tree in workgroup memory; ceil(out / 8) workgroups.
-// gemm (rows > 1): a 16 × 16 tile of (row, output) a workgroup, k in chunks of 64 with the
-//   chunk's dequantized weights and x staged in workgroup memory (8 KB); ceil(out / 16) ·
-//   ceil(rows / 16) workgroups.
+// `matmul`: its GEMV and GEMM paths are the twins of gemv_v4 and gemm). x f32 [rows, in] at
+// x_off, out f32 [rows, out] at out_off; matrix e of the stack. Layouts: quant.wgsl.
+//
+// gemv_v4 (rows ≤ 8, 4- or 8-bit codes, a group a whole number of 16-byte code words): the
+//   decode path, bound by the weight stream. Codes are read as vec4<u32> (binding 1 seen as
+//   qw4), each thread 4 output rows × one 16-byte word of each per step (4 independent 16-byte
+//   loads in flight), `lanes` threads (a power of two, 4..256, chosen by the host to make
+//   enough workgroups) striding a row, so a workgroup of 256 covers 1024 / lanes rows. x is
+//   staged once per workgroup in workgroup memory (4096 elements a pass, 16 KB), pre-scaled
+//   into "slot order": code i of a 32-bit word is extracted as (word & (mask << bits·(i % m)))
+//   OR'd into the mantissa of 2^23, minus 2^23 (exact; no int-to-float conversion, a
+//   reduced-rate instruction on NVIDIA), so it comes out times 2^(bits·(i % m)) and x is
+//   pre-multiplied by the inverse power of two (exact). Σ code·x and the group's Σ x (staged
+//   beside x, per 4 elements) give scale·Σ code·x + bias·Σ x, the CPU GEMV's identity; the 4
+//   rows share every x read. One tree over the lanes in workgroup memory at the end. Workgroup
+//   index = block · rows + t (the rows of x of one block run side by side and share the
+//   weights through the cache); ceil(out · lanes / 1024) · rows workgroups; 24 KB of
+//   workgroup memory.
+// gemv (rows = 1, the shapes gemv_v4 does not take: dense, 2-bit, odd groups): scalar, a
+//   workgroup of 256 = 8 outputs × 32 threads striding the row's code words; ceil(out / 8)
+//   workgroups.
+// gemm (every other case; any shape): a 64 (rows) × 64 (outputs) tile a workgroup of 256, each
+//   thread a 4 × 4 register micro-tile (rows ty + 16r, outputs tx + 16c: conflict-free vec4
+//   reads), k in steps of 32. Each step dequantizes the weight tile once into workgroup memory
+//   (8 weights a thread, one scale and bias per 8) and stages the x tile, both [64][32] padded
+//   to 36 floats a row (9 KB each); the inner loop reads both as vec4 (8 reads per 64 FMAs).
+//   Each step's 32 products are summed apart before joining the total (error ~ in / 32 + 32
+//   terms). ceil(out / 64) · ceil(rows / 64) workgroups.
 // Bindings: 0 params, 1 qw, 2 qs, 3 qb (quant.wgsl), 4 x, 5 out.
 
 struct P {
@@ -14,6 +35,11 @@ struct P {
     e: u32,
     x_off: u32,
     out_off: u32,
+    // gemv_v4: threads a row (a power of two, 4..256).
+    lanes: u32,
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: P;
@@ -22,6 +48,9 @@ struct P {
 @group(0) @binding(3) var<storage, read> qb: array<u32>;
 @group(0) @binding(4) var<storage, read> x: array<f32>;
 @group(0) @binding(5) var<storage, read_write> out: array<f32>;
+// The same codes and x as 16-byte words (gemv_v4 alone binds these).
+@group(0) @binding(1) var<storage, read> qw4: array<vec4<u32>>;
+@group(0) @binding(4) var<storage, read> x4: array<vec4<f32>>;
 
 var<workgroup> red: array<f32, 256>;
 
@@ -70,40 +99,267 @@ fn gemv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
 }
 
-var<workgroup> tw: array<f32, 1024>;
-var<workgroup> tx: array<f32, 1024>;
+// x elements gemv_v4 stages a pass.
+const GV_CHUNK: u32 = 4096u;
+// x of the pass in slot scale (see the header).
+var<workgroup> gv_x: array<vec4<f32>, 1024>;
+// Σ x of each 4 elements of the pass: gv_s[i][j] sums x elements 16i + 4j .. 16i + 4j + 3.
+var<workgroup> gv_s: array<vec4<f32>, 256>;
+// The 4 rows' partial sums of every thread, [4][256].
+var<workgroup> gv_red: array<f32, 1024>;
+
+// The 2^23 + v trick: v < 2^23 OR'd into 2^23's mantissa is the float 2^23 + v exactly.
+const MAGIC: u32 = 0x4b000000u;
+const MAGIC_F: f32 = 8388608.0;
+
+// Σ code·x' over a 4-bit word's 8 codes: codes 0-3 from the low half, 4-7 from the high half,
+// each scaled by 16^(i % 4), against x' (xa: elements 0-3, xb: 4-7, pre-scaled by 16^-(i % 4)).
+fn q4_dot(w: u32, xa: vec4<f32>, xb: vec4<f32>) -> f32 {
+    let m = vec4<u32>(0xfu, 0xf0u, 0xf00u, 0xf000u);
+    let lo = bitcast<vec4<f32>>((vec4<u32>(w) & m) | vec4<u32>(MAGIC)) - vec4<f32>(MAGIC_F);
+    let hi = bitcast<vec4<f32>>((vec4<u32>(w >> 16u) & m) | vec4<u32>(MAGIC)) - vec4<f32>(MAGIC_F);
+    return dot(lo, xa) + dot(hi, xb);
+}
+
+// Σ code·x' over an 8-bit word's 4 codes (scaled by 256^(i % 2); x' by 256^-(i % 2)).
+fn q8_dot(w: u32, xa: vec4<f32>) -> f32 {
+    let m = vec4<u32>(0xffu, 0xff00u, 0xffu, 0xff00u);
+    let v = bitcast<vec4<f32>>((vec4<u32>(w, w, w >> 16u, w >> 16u) & m) | vec4<u32>(MAGIC))
+        - vec4<f32>(MAGIC_F);
+    return dot(v, xa);
+}
 
 @compute @workgroup_size(256)
-fn gemm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let tiles_o = (p.m.out + 15u) / 16u;
+fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let wg = wg_index(wid);
-    let o0 = (wg % tiles_o) * 16u;
-    let t0 = (wg / tiles_o) * 16u;
-    let lo = li % 16u;
-    let lt = li / 16u;
-    var acc = 0.0;
-    for (var k0 = 0u; k0 < p.m.inp; k0 += 64u) {
-        for (var i = li; i < 1024u; i += 256u) {
-            let r = i / 64u;
-            let k = k0 + i % 64u;
-            var wv = 0.0;
-            if (o0 + r < p.m.out && k < p.m.inp) {
-                wv = q_weight(p.m, p.e, o0 + r, k);
-            }
-            tw[i] = wv;
-            var xv = 0.0;
-            if (t0 + r < p.rows && k < p.m.inp) {
-                xv = x[p.x_off + (t0 + r) * p.m.inp + k];
-            }
-            tx[i] = xv;
+    let t = wg % p.rows;
+    let blk = wg / p.rows;
+    let lanes = p.lanes;
+    let lane = li % lanes;
+    let o0 = (blk * (256u / lanes) + li / lanes) * 4u;
+    let bits = p.m.bits;
+    let epv = 128u / bits;
+    let v4row = p.m.inp / epv;
+    let gpr = p.m.inp / p.m.gs;
+    // Rows past the end read the last row (in bounds) and are not written.
+    let last = p.m.out - 1u;
+    let r0 = p.e * p.m.out + min(o0, last);
+    let r1 = p.e * p.m.out + min(o0 + 1u, last);
+    let r2 = p.e * p.m.out + min(o0 + 2u, last);
+    let r3 = p.e * p.m.out + min(o0 + 3u, last);
+    var sc = vec4<f32>(1.0, 1.0 / 256.0, 1.0, 1.0 / 256.0);
+    if (bits == 4u) {
+        sc = vec4<f32>(1.0, 1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0);
+    }
+    let xrow = p.x_off / 4u + t * (p.m.inp / 4u);
+    var a0 = 0.0;
+    var a1 = 0.0;
+    var a2 = 0.0;
+    var a3 = 0.0;
+    for (var k0 = 0u; k0 < p.m.inp; k0 += GV_CHUNK) {
+        let kn = min(GV_CHUNK, p.m.inp - k0);
+        // The previous pass's readers are done before x is overwritten.
+        workgroupBarrier();
+        for (var v = li; v < kn / 4u; v += 256u) {
+            let xv = x4[xrow + k0 / 4u + v];
+            gv_x[v] = xv * sc;
+            gv_s[v >> 2u][v & 3u] = (xv.x + xv.y) + (xv.z + xv.w);
         }
         workgroupBarrier();
-        for (var kk = 0u; kk < 64u; kk++) {
-            acc += tw[lo * 64u + kk] * tx[lt * 64u + kk];
+        let nv = kn / epv;
+        let cb = k0 / epv;
+        if (bits == 4u) {
+            for (var c = lane; c < nv; c += lanes) {
+                // Four independent 16-byte loads before any use.
+                let q0 = qw4[r0 * v4row + cb + c];
+                let q1 = qw4[r1 * v4row + cb + c];
+                let q2 = qw4[r2 * v4row + cb + c];
+                let q3 = qw4[r3 * v4row + cb + c];
+                let g = (k0 + c * 32u) / p.m.gs;
+                let xi = c * 8u;
+                let x0 = gv_x[xi];
+                let x1 = gv_x[xi + 1u];
+                let x2 = gv_x[xi + 2u];
+                let x3 = gv_x[xi + 3u];
+                let x4_ = gv_x[xi + 4u];
+                let x5 = gv_x[xi + 5u];
+                let x6 = gv_x[xi + 6u];
+                let x7 = gv_x[xi + 7u];
+                let sx = dot(gv_s[c * 2u] + gv_s[c * 2u + 1u], vec4<f32>(1.0));
+                let d0 = (q4_dot(q0.x, x0, x1) + q4_dot(q0.y, x2, x3))
+                    + (q4_dot(q0.z, x4_, x5) + q4_dot(q0.w, x6, x7));
+                let d1 = (q4_dot(q1.x, x0, x1) + q4_dot(q1.y, x2, x3))
+                    + (q4_dot(q1.z, x4_, x5) + q4_dot(q1.w, x6, x7));
+                let d2 = (q4_dot(q2.x, x0, x1) + q4_dot(q2.y, x2, x3))
+                    + (q4_dot(q2.z, x4_, x5) + q4_dot(q2.w, x6, x7));
+                let d3 = (q4_dot(q3.x, x0, x1) + q4_dot(q3.y, x2, x3))
+                    + (q4_dot(q3.z, x4_, x5) + q4_dot(q3.w, x6, x7));
+                a0 += q_sb(r0 * gpr + g, p.m.sb16, false) * d0 + q_sb(r0 * gpr + g, p.m.sb16, true) * sx;
+                a1 += q_sb(r1 * gpr + g, p.m.sb16, false) * d1 + q_sb(r1 * gpr + g, p.m.sb16, true) * sx;
+                a2 += q_sb(r2 * gpr + g, p.m.sb16, false) * d2 + q_sb(r2 * gpr + g, p.m.sb16, true) * sx;
+                a3 += q_sb(r3 * gpr + g, p.m.sb16, false) * d3 + q_sb(r3 * gpr + g, p.m.sb16, true) * sx;
+            }
+        } else {
+            for (var c = lane; c < nv; c += lanes) {
+                let q0 = qw4[r0 * v4row + cb + c];
+                let q1 = qw4[r1 * v4row + cb + c];
+                let q2 = qw4[r2 * v4row + cb + c];
+                let q3 = qw4[r3 * v4row + cb + c];
+                let g = (k0 + c * 16u) / p.m.gs;
+                let xi = c * 4u;
+                let x0 = gv_x[xi];
+                let x1 = gv_x[xi + 1u];
+                let x2 = gv_x[xi + 2u];
+                let x3 = gv_x[xi + 3u];
+                let sx = dot(gv_s[c], vec4<f32>(1.0));
+                let d0 = (q8_dot(q0.x, x0) + q8_dot(q0.y, x1)) + (q8_dot(q0.z, x2) + q8_dot(q0.w, x3));
+                let d1 = (q8_dot(q1.x, x0) + q8_dot(q1.y, x1)) + (q8_dot(q1.z, x2) + q8_dot(q1.w, x3));
+                let d2 = (q8_dot(q2.x, x0) + q8_dot(q2.y, x1)) + (q8_dot(q2.z, x2) + q8_dot(q2.w, x3));
+                let d3 = (q8_dot(q3.x, x0) + q8_dot(q3.y, x1)) + (q8_dot(q3.z, x2) + q8_dot(q3.w, x3));
+                a0 += q_sb(r0 * gpr + g, p.m.sb16, false) * d0 + q_sb(r0 * gpr + g, p.m.sb16, true) * sx;
+                a1 += q_sb(r1 * gpr + g, p.m.sb16, false) * d1 + q_sb(r1 * gpr + g, p.m.sb16, true) * sx;
+                a2 += q_sb(r2 * gpr + g, p.m.sb16, false) * d2 + q_sb(r2 * gpr + g, p.m.sb16, true) * sx;
+                a3 += q_sb(r3 * gpr + g, p.m.sb16, false) * d3 + q_sb(r3 * gpr + g, p.m.sb16, true) * sx;
+            }
+        }
+    }
+    gv_red[li] = a0;
+    gv_red[256u + li] = a1;
+    gv_red[512u + li] = a2;
+    gv_red[768u + li] = a3;
+    workgroupBarrier();
+    for (var s = lanes / 2u; s > 0u; s >>= 1u) {
+        if (lane < s) {
+            gv_red[li] += gv_red[li + s];
+            gv_red[256u + li] += gv_red[256u + li + s];
+            gv_red[512u + li] += gv_red[512u + li + s];
+            gv_red[768u + li] += gv_red[768u + li + s];
         }
         workgroupBarrier();
     }
-    if (o0 + lo < p.m.out && t0 + lt < p.rows) {
-        out[p.out_off + (t0 + lt) * p.m.out + o0 + lo] = acc;
+    // Lane r of a row group writes its row r (lanes ≥ 4).
+    if (lane < 4u && o0 + lane < p.m.out) {
+        out[p.out_off + t * p.m.out + o0 + lane] = gv_red[lane * 256u + li - lane];
+    }
+}
+
+// The gemm tile: 64 rows of x × 64 outputs, k in steps of 32; staged rows padded to 9 vec4s
+// (36 floats) so that 8 threads reading rows r..r+7 at the same k hit 8 distinct bank quads.
+const GM_T: u32 = 64u;
+const GM_K: u32 = 32u;
+const GM_S: u32 = 9u;
+// Dequantized weights [64 outputs][36] and x [64 rows][36].
+var<workgroup> gm_w: array<vec4<f32>, 576>;
+var<workgroup> gm_x: array<vec4<f32>, 576>;
+
+// acc + Σ a·b as a chain of FMAs (4 FMAs for 4 products; `dot` + add would cost a fifth op).
+fn d4(acc: f32, a: vec4<f32>, b: vec4<f32>) -> f32 {
+    return fma(a.w, b.w, fma(a.z, b.z, fma(a.y, b.y, fma(a.x, b.x, acc))));
+}
+
+// One row of the micro-tile: acc[c] += x · w_c over 4 k.
+fn mac4(acc: vec4<f32>, xv: vec4<f32>, w0: vec4<f32>, w1: vec4<f32>, w2: vec4<f32>, w3: vec4<f32>) -> vec4<f32> {
+    return vec4<f32>(d4(acc.x, xv, w0), d4(acc.y, xv, w1), d4(acc.z, xv, w2), d4(acc.w, xv, w3));
+}
+
+@compute @workgroup_size(256)
+fn gemm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let tiles_o = (p.m.out + GM_T - 1u) / GM_T;
+    let wg = wg_index(wid);
+    let o0 = (wg % tiles_o) * GM_T;
+    let t0 = (wg / tiles_o) * GM_T;
+    let tx = li % 16u;
+    let ty = li / 16u;
+    // Staging: this thread dequantizes weights [kp, kp + 8) of output o0 + so (past the end:
+    // the last output, not written).
+    let so = li % 64u;
+    let piece = li / 64u;
+    let orow = p.e * p.m.out + min(o0 + so, p.m.out - 1u);
+    let ocl = min(o0 + so, p.m.out - 1u);
+    // 8 weights of one group: one scale and bias (uniform).
+    let fast = (p.m.bits == 4u || p.m.bits == 8u) && p.m.gs % 8u == 0u;
+    var c0 = vec4<f32>(0.0);
+    var c1 = vec4<f32>(0.0);
+    var c2 = vec4<f32>(0.0);
+    var c3 = vec4<f32>(0.0);
+    for (var k0 = 0u; k0 < p.m.inp; k0 += GM_K) {
+        let kp = k0 + piece * 8u;
+        var wa = vec4<f32>(0.0);
+        var wb = vec4<f32>(0.0);
+        if (fast) {
+            // inp is a multiple of the group, so of 8: the 8 are all in or all out.
+            if (kp < p.m.inp) {
+                let g = orow * (p.m.inp / p.m.gs) + kp / p.m.gs;
+                let s = q_sb(g, p.m.sb16, false);
+                let b = q_sb(g, p.m.sb16, true);
+                if (p.m.bits == 4u) {
+                    let w = vec4<u32>(qw[orow * (p.m.inp / 8u) + kp / 8u]);
+                    wa = s * vec4<f32>((w >> vec4<u32>(0u, 4u, 8u, 12u)) & vec4<u32>(0xfu)) + b;
+                    wb = s * vec4<f32>((w >> vec4<u32>(16u, 20u, 24u, 28u)) & vec4<u32>(0xfu)) + b;
+                } else {
+                    let wi = orow * (p.m.inp / 4u) + kp / 4u;
+                    let sh = vec4<u32>(0u, 8u, 16u, 24u);
+                    wa = s * vec4<f32>((vec4<u32>(qw[wi]) >> sh) & vec4<u32>(0xffu)) + b;
+                    wb = s * vec4<f32>((vec4<u32>(qw[wi + 1u]) >> sh) & vec4<u32>(0xffu)) + b;
+                }
+            }
+        } else {
+            var v: array<f32, 8>;
+            for (var i = 0u; i < 8u; i++) {
+                v[i] = 0.0;
+                if (kp + i < p.m.inp) {
+                    v[i] = q_weight(p.m, p.e, ocl, kp + i);
+                }
+            }
+            wa = vec4<f32>(v[0], v[1], v[2], v[3]);
+            wb = vec4<f32>(v[4], v[5], v[6], v[7]);
+        }
+        gm_w[so * GM_S + piece * 2u] = wa;
+        gm_w[so * GM_S + piece * 2u + 1u] = wb;
+        // x [64][32]: consecutive threads read consecutive k of a row (coalesced).
+        for (var i = 0u; i < 8u; i++) {
+            let v = li + i * 256u;
+            let r = v / GM_K;
+            let k = v % GM_K;
+            var xv = 0.0;
+            if (t0 + r < p.rows && k0 + k < p.m.inp) {
+                xv = x[p.x_off + (t0 + r) * p.m.inp + k0 + k];
+            }
+            gm_x[r * GM_S + k / 4u][k % 4u] = xv;
+        }
+        workgroupBarrier();
+        // The step's 32 products summed apart, then added to the total: the rounding error
+        // grows with in / 32 + 32 terms rather than with in (long rows stay at the CPU's).
+        var s0 = vec4<f32>(0.0);
+        var s1 = vec4<f32>(0.0);
+        var s2 = vec4<f32>(0.0);
+        var s3 = vec4<f32>(0.0);
+        for (var kq = 0u; kq < GM_K / 4u; kq++) {
+            let w0 = gm_w[tx * GM_S + kq];
+            let w1 = gm_w[(tx + 16u) * GM_S + kq];
+            let w2 = gm_w[(tx + 32u) * GM_S + kq];
+            let w3 = gm_w[(tx + 48u) * GM_S + kq];
+            s0 = mac4(s0, gm_x[ty * GM_S + kq], w0, w1, w2, w3);
+            s1 = mac4(s1, gm_x[(ty + 16u) * GM_S + kq], w0, w1, w2, w3);
+            s2 = mac4(s2, gm_x[(ty + 32u) * GM_S + kq], w0, w1, w2, w3);
+            s3 = mac4(s3, gm_x[(ty + 48u) * GM_S + kq], w0, w1, w2, w3);
+        }
+        c0 += s0;
+        c1 += s1;
+        c2 += s2;
+        c3 += s3;
+        workgroupBarrier();
+    }
+    let acc = array<vec4<f32>, 4>(c0, c1, c2, c3);
+    for (var r = 0u; r < 4u; r++) {
+        let t = t0 + ty + 16u * r;
+        if (t < p.rows) {
+            for (var c = 0u; c < 4u; c++) {
+                let o = o0 + tx + 16u * c;
+                if (o < p.m.out) {
+                    out[p.out_off + t * p.m.out + o] = acc[r][c];
+                }
+            }
+        }
     }
 }
