@@ -30,8 +30,9 @@
 //   position); one workgroup per (head, split), heads · splits workgroups, the loop of attn_rows
 //   over its range; writes the partial (m, l, acc[hd]) at part[(h · splits + s) · (hd + 2)] (an
 //   empty range: m = −1e30, l = 0). Bindings: 1 q, 2 kc, 3 vc, 4 step, 5 part.
-// attn_combine: one workgroup per head merges its splits' partials (weights exp(m_s − M)), then
-//   out = acc / l · sigmoid(gate). Bindings: 1 part, 2 gate, 3 out.
+// attn_combine: one workgroup per head merges its splits' partials (weights exp(m_s − M), a
+//   thread a split, at most 256 splits), then out = acc / l · sigmoid(gate). Bindings: 1 part,
+//   2 gate, 3 out.
 //
 // No subgroup width is assumed; workgroup memory: 4 KB (attn_*), 1 KB (qk_norm_rope). Head dim up
 // to 512 (two dims a thread), rot up to 256. "Minus infinity" is −1e30 (finite: Metal's fast math
@@ -335,27 +336,42 @@ fn attn_split(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
 @group(0) @binding(2) var<storage, read> ac_gate: array<f32>;
 @group(0) @binding(3) var<storage, read_write> ac_out: array<f32>;
 
+var<workgroup> cb_w: array<f32, 256>;
+
 @compute @workgroup_size(256)
 fn attn_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let h = wg_index(wid);
     let stride = p.hd + 2u;
     let b0 = h * p.splits * stride;
-    var m = NEG_BIG;
-    for (var s = 0u; s < p.splits; s++) {
-        m = max(m, ac_part[b0 + s * stride]);
+    // Thread s < splits (≤ 256, attention.rs) reads split s's max; the weights exp(m_s − M) and
+    // l = Σ w_s·l_s through workgroup memory, so the dims' loop below has no dependent loads.
+    var ms = NEG_BIG;
+    if (li < p.splits) {
+        ms = ac_part[b0 + li * stride];
     }
-    var l = 0.0;
+    let m = wg_max(ms, li);
+    var w = 0.0;
+    var lw = 0.0;
+    if (li < p.splits) {
+        w = exp(ms - m);
+        lw = w * ac_part[b0 + li * stride + 1u];
+    }
+    cb_w[li] = w;
+    let l = wg_sum(lw, li);
     var a0 = 0.0;
     var a1 = 0.0;
-    for (var s = 0u; s < p.splits; s++) {
-        let b = b0 + s * stride;
-        let w = exp(ac_part[b] - m);
-        l += w * ac_part[b + 1u];
-        if (li < p.hd) {
-            a0 += w * ac_part[b + 2u + li];
-        }
-        if (li + 256u < p.hd) {
-            a1 += w * ac_part[b + 2u + li + 256u];
+    for (var s0 = 0u; s0 < p.splits; s0 += 8u) {
+        for (var e = 0u; e < 8u; e++) {
+            let s = s0 + e;
+            if (s < p.splits) {
+                let b = b0 + s * stride + 2u;
+                if (li < p.hd) {
+                    a0 += cb_w[s] * ac_part[b + li];
+                }
+                if (li + 256u < p.hd) {
+                    a1 += cb_w[s] * ac_part[b + li + 256u];
+                }
+            }
         }
     }
     let off = h * p.hd;
@@ -386,31 +402,34 @@ fn kv_append_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
 
 // ---- attn_split_gqa: decode attention a workgroup per (KV head, split), its G ≤ 8 query heads
 // together, so each key and value row is read once for all of them (attn_split reads them once a
-// query head). Keys of the split in chunks of GQ_CHUNK = 32:
+// query head). Keys of the split in chunks of GQ_CHUNK = 32, in three phases a chunk:
 //   scores: thread li = key (li / 8) × part (li % 8); the part's vec4s c ≡ part (mod 8) of the
-//     key row (8 threads read a row's consecutive 16-byte words), dotted with every query head
-//     (staged in workgroup memory); the 8 parts summed by thread (key, head) afterwards;
-//   softmax: thread g < G takes head g's 32 scores: the chunk max, the new running max, the
-//     rescale of the old sums and p = exp(s − m) in workgroup memory (its order is the CPU's
-//     one-pass form, as attend's);
-//   values: thread li owns dim li of every head and adds Σ p·v over the chunk's rows (a row read
-//     by all threads at once, coalesced).
+//     key row (8 threads read a row's consecutive 16-byte words), all loaded before any is used
+//     (a constant count, so they are in flight together), dotted with every query head (staged
+//     in workgroup memory); then thread (head li / 32, key li % 32) sums the key's 8 parts;
+//   softmax: the same thread takes its head's chunk max, the new running max and its p = exp(s −
+//     m) (one exp a thread); the head's first thread keeps the rescale and, in the next phase,
+//     the running sum;
+//   values: thread li = key group (li / 64) × vec4 of dims (li % 64) adds p·v over the chunk's
+//     keys ≡ its group (mod 4), their rows loaded together; the 4 groups' sums are added through
+//     workgroup memory at the end, leaving thread li with dim li of every head.
 // The split's range adapts to the step's position: n = pos + 1 keys over `splits` splits (fixed
 // by the capacity, so a recorded step launches the same) of ceil(n / splits) keys. Partials as
 // attn_split's, for attn_combine. Takes hd ≤ 256, hd % 4 == 0, G ≤ 8 (attention.rs checks).
-// Bindings: 1 q, 2 kc (vec4), 3 vc, 4 step, 5 part. Workgroup memory 18.4 KB.
+// Bindings: 1 q, 2 kc (vec4), 3 vc (vec4), 4 step, 5 part. Workgroup memory 18.2 KB.
 
 const GQ_CHUNK: u32 = 32u;
 const GQ_MAXG: u32 = 8u;
 
 @group(0) @binding(1) var<storage, read> ag_q: array<f32>;
 @group(0) @binding(2) var<storage, read> ag_kc: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> ag_vc: array<f32>;
+@group(0) @binding(3) var<storage, read> ag_vc: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> ag_step: array<u32>;
 @group(0) @binding(5) var<storage, read_write> ag_part: array<f32>;
 
 var<workgroup> gq_q: array<vec4<f32>, 512>;
 var<workgroup> gq_red: array<f32, 2048>;
+var<workgroup> gq_s: array<f32, 256>;
 var<workgroup> gq_p: array<f32, 256>;
 var<workgroup> gq_m: array<f32, 8>;
 var<workgroup> gq_l: array<f32, 8>;
@@ -422,7 +441,7 @@ var<workgroup> gq_corr: array<f32, 8>;
 fn gqa_attend(li: u32, qoff: u32, kvh: u32, j0: u32, j1: u32) -> array<f32, 8> {
     let hd = p.hd;
     let hd4 = hd / 4u;
-    let kvd = p.nkv * hd;
+    let kvd4 = p.nkv * hd4;
     let G = p.nh / p.nkv;
     // The group's query heads h = kvh·G + g, as vec4s.
     for (var i = li; i < G * hd4; i += 256u) {
@@ -434,88 +453,119 @@ fn gqa_attend(li: u32, qoff: u32, kvh: u32, j0: u32, j1: u32) -> array<f32, 8> {
     if (li < GQ_MAXG) {
         gq_m[li] = NEG_BIG;
         gq_l[li] = 0.0;
-        gq_corr[li] = 1.0;
     }
     workgroupBarrier();
-    var acc: array<f32, 8>;
+    var acc: array<vec4<f32>, 8>;
     for (var g = 0u; g < GQ_MAXG; g++) {
-        acc[g] = 0.0;
+        acc[g] = vec4<f32>(0.0);
     }
     let key = li / 8u;
     let part = li % 8u;
+    let sg = li / 32u; // softmax phase: head
+    let sk = li % 32u; //   and key
+    let vk = li / 64u; // values phase: key group
+    let vd = li % 64u; //   and vec4 of dims
     for (var c0 = j0; c0 < j1; c0 += GQ_CHUNK) {
         let cn = min(GQ_CHUNK, j1 - c0);
-        // Scores: this thread's part of key c0 + key, for every head.
-        var dots: array<f32, 8>;
-        for (var g = 0u; g < GQ_MAXG; g++) {
-            dots[g] = 0.0;
+        // Scores: this thread's part of key c0 + key, for every head. A key row of up to 64
+        // vec4s is 8 a part.
+        var kr: array<vec4<f32>, 8>;
+        let kb = (c0 + key) * kvd4 + kvh * hd4;
+        for (var i = 0u; i < 8u; i++) {
+            let c = part + 8u * i;
+            kr[i] = vec4<f32>(0.0);
+            if (key < cn && c < hd4) {
+                kr[i] = ag_kc[kb + c];
+            }
         }
-        if (key < cn) {
-            let kb = ((c0 + key) * kvd + kvh * hd) / 4u;
-            for (var c = part; c < hd4; c += 8u) {
-                let kv4 = ag_kc[kb + c];
-                // Constant bounds (and a test) so that the arrays stay in registers.
-                for (var g = 0u; g < GQ_MAXG; g++) {
-                    if (g < G) {
-                        dots[g] += dot(gq_q[g * hd4 + c], kv4);
+        for (var g = 0u; g < GQ_MAXG; g++) {
+            var d = 0.0;
+            if (g < G) {
+                for (var i = 0u; i < 8u; i++) {
+                    let c = part + 8u * i;
+                    if (c < hd4) {
+                        d += dot(gq_q[g * hd4 + c], kr[i]);
                     }
                 }
             }
+            gq_red[g * 256u + li] = d;
+        }
+        workgroupBarrier();
+        // Thread (head sg, key sk): the key's score, then its p under the chunk's new max.
+        var sc = NEG_BIG;
+        if (sk < cn && sg < G) {
+            var t = 0.0;
+            for (var q = 0u; q < 8u; q++) {
+                t += gq_red[sg * 256u + sk * 8u + q];
+            }
+            sc = t * p.scale;
+        }
+        gq_s[li] = sc;
+        workgroupBarrier();
+        var cm = NEG_BIG;
+        for (var k = 0u; k < GQ_CHUNK; k++) {
+            cm = max(cm, gq_s[sg * GQ_CHUNK + k]);
+        }
+        let mo = gq_m[sg];
+        let mn = max(mo, cm);
+        gq_p[li] = select(0.0, exp(sc - mn), sk < cn && sg < G);
+        workgroupBarrier();
+        if (sk == 0u && sg < G) {
+            gq_corr[sg] = exp(mo - mn);
+            gq_m[sg] = mn;
+        }
+        workgroupBarrier();
+        // Values: keys vk, vk + 4, … of the chunk, dims 4·vd .. 4·vd + 4 of every head.
+        var vr: array<vec4<f32>, 8>;
+        for (var i = 0u; i < 8u; i++) {
+            let k = vk + 4u * i;
+            vr[i] = vec4<f32>(0.0);
+            if (k < cn && vd < hd4) {
+                vr[i] = ag_vc[(c0 + k) * kvd4 + kvh * hd4 + vd];
+            }
         }
         for (var g = 0u; g < GQ_MAXG; g++) {
-            gq_red[li * 8u + g] = dots[g];
-        }
-        workgroupBarrier();
-        {
-            // Thread (key k, head g) sums the key's 8 parts.
-            let k = li / 8u;
-            let g = li % 8u;
-            // Heads past G stay at p = 0 (their sums are never written).
-            var sc = select(0.0, NEG_BIG, g < G);
-            if (k < cn && g < G) {
-                var t = 0.0;
-                for (var q = 0u; q < 8u; q++) {
-                    t += gq_red[(k * 8u + q) * 8u + g];
-                }
-                sc = t * p.scale;
+            var a = acc[g] * gq_corr[g];
+            for (var i = 0u; i < 8u; i++) {
+                a += gq_p[g * GQ_CHUNK + vk + 4u * i] * vr[i];
             }
-            gq_p[g * GQ_CHUNK + k] = sc;
+            acc[g] = a;
         }
-        workgroupBarrier();
-        if (li < G) {
-            let g = li;
-            var cm = NEG_BIG;
-            for (var k = 0u; k < cn; k++) {
-                cm = max(cm, gq_p[g * GQ_CHUNK + k]);
-            }
-            let mo = gq_m[g];
-            let mn = max(mo, cm);
-            let corr = exp(mo - mn);
+        if (sk == 0u && sg < G) {
             var l = 0.0;
             for (var k = 0u; k < GQ_CHUNK; k++) {
-                let e = select(0.0, exp(gq_p[g * GQ_CHUNK + k] - mn), k < cn);
-                gq_p[g * GQ_CHUNK + k] = e;
-                l += e;
+                l += gq_p[sg * GQ_CHUNK + k];
             }
-            gq_m[g] = mn;
-            gq_l[g] = gq_l[g] * corr + l;
-            gq_corr[g] = corr;
-        }
-        workgroupBarrier();
-        if (li < hd) {
-            for (var g = 0u; g < GQ_MAXG; g++) {
-                acc[g] *= gq_corr[g];
-            }
-            for (var k = 0u; k < cn; k++) {
-                let v = ag_vc[(c0 + k) * kvd + kvh * hd + li];
-                for (var g = 0u; g < GQ_MAXG; g++) {
-                    acc[g] += gq_p[g * GQ_CHUNK + k] * v;
-                }
-            }
+            gq_l[sg] = gq_l[sg] * gq_corr[sg] + l;
         }
         workgroupBarrier();
     }
-    return acc;
+    // The 4 key groups' sums, two heads at a time through gq_red: thread li ends with dim li.
+    var out: array<f32, 8>;
+    for (var g2 = 0u; g2 < GQ_MAXG; g2 += 2u) {
+        for (var e = 0u; e < 2u; e++) {
+            let a = acc[g2 + e];
+            let b = (e * 4u + vk) * 256u + 4u * vd;
+            if (vd < hd4) {
+                gq_red[b] = a.x;
+                gq_red[b + 1u] = a.y;
+                gq_red[b + 2u] = a.z;
+                gq_red[b + 3u] = a.w;
+            }
+        }
+        workgroupBarrier();
+        for (var e = 0u; e < 2u; e++) {
+            var t = 0.0;
+            if (li < hd) {
+                for (var k = 0u; k < 4u; k++) {
+                    t += gq_red[(e * 4u + k) * 256u + li];
+                }
+            }
+            out[g2 + e] = t;
+        }
+        workgroupBarrier();
+    }
+    return out;
 }
 
 @compute @workgroup_size(256)
