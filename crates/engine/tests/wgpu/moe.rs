@@ -7,8 +7,8 @@
 //! the same codes in f32 and differ only in summation order and FMA contraction: each GEMV over
 //! K ≤ 2560 is ~1e-7 relative of Σ|w·x|, silu(g)·u passes that on (silu's slope is below 1.1),
 //! the down GEMV adds its own, and the slot sum runs in the same order on both sides. Measured on
-//! lavapipe: 4e-7 to 1e-6 (10× under the tolerance), while a wrong expert, slot, group or weight
-//! moves outputs by O(1e-1).
+//! lavapipe: 5e-7 to 2.8e-6 (the grouped GEMM over 300 rows the highest; 3.5× under the
+//! tolerance), while a wrong expert, slot, group or weight moves outputs by O(1e-1).
 
 use super::*;
 use lily::backend::cpu::moe::Route as CpuRoute;
@@ -89,7 +89,8 @@ fn moe_route_matches_the_cpu() {
 }
 
 /// Experts on both sides for `rows` tokens: the CPU's decode (rows = 1) or prefill against the
-/// wgpu op, each with its own route from the same logits (equal ids, checked first).
+/// wgpu op, each with its own route from the same logits (equal ids, checked first). Expert 3
+/// gets `boost` added to every token's logit (100: every token's first choice).
 #[allow(clippy::too_many_arguments)]
 fn experts_case(
     g: &Wgpu,
@@ -98,12 +99,13 @@ fn experts_case(
     gmats: [&<Wgpu as Backend>::Mat; 3],
     d: &Dims,
     rows: usize,
+    boost: f32,
     what: &str,
 ) {
     let hid = d.hidden;
     let mut logits = rng.vec(rows * d.n_experts, 3.0);
     for t in 0..rows {
-        logits[t * d.n_experts + 3 % d.n_experts] += 8.0;
+        logits[t * d.n_experts + 3 % d.n_experts] += boost;
     }
     let (cr, gr) = route_both(g, &logits, d, rows, what);
     let x = rng.vec(rows * hid, 1.0);
@@ -149,9 +151,11 @@ fn moe_experts_match_the_cpu() {
         &g.upload_mat(&up).unwrap(),
         &g.upload_mat(&down).unwrap(),
     ];
-    // Decode, a small prefill block, and one of 17 tokens: 17 · 8 · 64 = 69,632 moe_gate_up
-    // workgroups, past the 65,535 of one dimension (folded into y).
-    for rows in [1usize, 5, 17] {
+    // Decode and short blocks (a slot a workgroup; 17 · 8 · 64 = 69,632 moe_gate_up_v
+    // workgroups, past the 65,535 of one dimension, folded into y; 63 the last below the GEMM),
+    // then the grouped GEMM from 64 rows (300: tiles of 32 and partial ones, experts with no
+    // rows).
+    for rows in [1usize, 2, 3, 4, 5, 17, 33, 63, 64, 300] {
         experts_case(
             &g,
             &mut rng,
@@ -159,15 +163,36 @@ fn moe_experts_match_the_cpu() {
             gm,
             &d,
             rows,
+            8.0,
             "4-bit 256×[512, 2048]",
         );
     }
+    // Top-1 with every token on expert 3 (one expert's 300 rows in 10 tiles, 255 experts with
+    // none) and top-10 (moe_down_v's 6 outputs × 10 slots a workgroup).
+    for (k, boost) in [(1usize, 100.0f32), (10, 8.0)] {
+        let dk = Dims { top_k: k, ..d };
+        for rows in [1usize, 3, 300] {
+            experts_case(
+                &g,
+                &mut rng,
+                [&gate, &up, &down],
+                gm,
+                &dk,
+                rows,
+                boost,
+                &format!("4-bit 256×[512, 2048] top-{k}"),
+            );
+        }
+    }
     // Other formats and shapes: 8-bit with f32 scales over hidden 2560 (x staged in two chunks),
-    // 2-bit with bf16 scales over width 2560 (the activation staged in two chunks), top-3
-    // without renormalisation.
+    // 2-bit with bf16 scales over width 2560 (moe_down_v's act staged in two chunks, the first
+    // versions' too), top-3 without renormalisation; 4-bit in groups of 16 at width 48, which
+    // neither fast path takes (groups split a vec4 of codes; no whole tile of 64 outputs): the
+    // first versions.
     let cases = [
         (8u32, 32usize, true, 16, 2560, 64, 3, false),
         (2, 64, false, 10, 128, 2560, 4, true),
+        (4, 16, false, 12, 256, 48, 4, true),
     ];
     for (bits, gs, f32s, n, hid, width, k, norm) in cases {
         let dd = Dims {
@@ -189,8 +214,8 @@ fn moe_experts_match_the_cpu() {
             "{bits}-bit g{gs}{} {n}×[{width}, {hid}]",
             if f32s { " f32 scales" } else { "" }
         );
-        for rows in [1usize, 6] {
-            experts_case(&g, &mut rng, [&gate, &up, &down], gm, &dd, rows, &what);
+        for rows in [1usize, 6, 70] {
+            experts_case(&g, &mut rng, [&gate, &up, &down], gm, &dd, rows, 8.0, &what);
         }
     }
 }

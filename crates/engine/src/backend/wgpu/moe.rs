@@ -1,11 +1,21 @@
 //! The MoE block: routing (softmax, top-k) and the routed experts (shaders/moe.wgsl;
 //! cpu/moe.rs is the twin).
 //!
-//! `moe_experts` (prefill and decode alike) is two launches: `moe_gate_up` writes each slot's
-//! activation `silu(gate_e(x_t)) · up_e(x_t)` into a scratch `[rows, k, width]` allocated per
-//! call, then `moe_down` runs each token's k down projections and sums them, weighted, in slot
-//! order into `out` (the CPU's order). Tokens are not grouped by expert: each slot streams its
-//! expert's weights.
+//! `moe_experts` picks one of four paths by the block's rows and the stacks' layout:
+//! - rows < `GEMM_FROM` (decode, short blocks): `moe_gate_up_v` writes each slot's activation
+//!   `silu(gate_e(x_t)) · up_e(x_t)` into the scratch `moe.act` `[rows, k, width]`, then
+//!   `moe_down_v` runs each token's k down projections and sums them, weighted, in slot order
+//!   into `out` (the CPU's order). Each slot streams its expert's rows with 16-byte loads.
+//! - rows ≥ `GEMM_FROM`: a grouped GEMM. `moe_sort` lists each expert's slots and a table of
+//!   tiles of ≤ 32 of them (scratch `moe.sort`, on the device: no read-back), `moe_gate_up_mm`
+//!   and `moe_down_mm` run each tile against its expert's weights (read once a tile, dequantized
+//!   once into workgroup memory), `moe_down_mm` writes each slot's `y` (`moe.y`) and
+//!   `moe_combine` sums a token's slots in order. The grid is sized by a bound on the tiles
+//!   (slots / 32 + experts); workgroups past the table's count return at once.
+//! - Layouts the fast entries do not take (dense stacks, rows that are not whole vec4s of
+//!   codes, groups that split a vec4, odd widths) run the first versions: a slot a workgroup
+//!   reading words one by one (`moe_gate_up`, `moe_down`), or for blocks of ≥ `GROUPED_FROM`
+//!   rows grouped by expert (`moe_gate_up_grouped`, `moe_down_grouped`, `moe_combine`).
 
 use anyhow::{bail, Result};
 
@@ -29,18 +39,66 @@ const MAX_TOP_K: usize = 64;
 /// Outputs a workgroup of `moe_gate_up` / `moe_down` computes.
 const GATE_UP_OUTS: usize = 8;
 const DOWN_OUTS: usize = 32;
-/// Rows from which a block's experts run grouped by expert (moe_gate_up_grouped,
-/// moe_down_grouped, moe_combine): each expert's rows read once a block, not once a slot. Below
-/// it (decode, short blocks) a slot a workgroup reads only the experts chosen.
+/// Fallback layouts only: rows from which a block's experts run grouped by expert
+/// (moe_gate_up_grouped, moe_down_grouped, moe_combine).
 const GROUPED_FROM: usize = 4;
+/// Rows from which a block runs as a grouped GEMM (moe_sort, moe_gate_up_mm, moe_down_mm,
+/// moe_combine). Below it a slot a workgroup wins: a GEMM tile of an expert chosen once or
+/// twice in the block still dequantizes the whole weight tile and runs 8 rows of arithmetic
+/// (a warp's), while the slot kernels stream only the bytes; at 64 rows ~220 of 256 experts are
+/// chosen, ~2.3 rows each, where the two cost about the same.
+const GEMM_FROM: usize = 64;
+/// Rows of a GEMM tile (moe.wgsl TM).
+const TM: usize = 32;
+/// The most experts moe_sort lists (its counters sit in workgroup memory).
+const MAX_SORT_EXPERTS: usize = 1024;
+/// Floats of act rows moe_down_v stages at a time (moe.wgsl stg, 16 KB).
+const DOWN_STAGE: usize = 4096;
 
-/// moe.wgsl's parameter block: two matrices, then rows, k, experts, norm_topk.
-fn params(m: [u32; 8], m2: [u32; 8], rows: usize, k: usize, n_exp: usize, norm: bool) -> Vec<u32> {
-    let mut p = Vec::with_capacity(20);
+/// moe.wgsl's parameter block: two matrices, then rows, k, experts, norm_topk, outs, cw, tiles.
+#[allow(clippy::too_many_arguments)]
+fn params(
+    m: [u32; 8],
+    m2: [u32; 8],
+    rows: usize,
+    k: usize,
+    n_exp: usize,
+    norm: bool,
+    outs: usize,
+    cw: usize,
+    tiles: usize,
+) -> Vec<u32> {
+    let mut p = Vec::with_capacity(24);
     p.extend(m);
     p.extend(m2);
     p.extend([rows as u32, k as u32, n_exp as u32, norm as u32]);
+    p.extend([outs as u32, cw as u32, tiles as u32, 0]);
     p
+}
+
+/// Whether moe_gate_up_v / moe_down_v read these stacks: 2, 4 or 8 bits (gate and up alike),
+/// rows and groups whole vec4s of codes.
+fn vec_ok(gate: &WMat, up: &WMat, down: &WMat) -> bool {
+    gate.bits == up.bits
+        && [gate, up, down].iter().all(|m| {
+            let epv = match m.bits {
+                2 | 4 | 8 => 128 / m.bits as usize,
+                _ => return false,
+            };
+            m.inp.is_multiple_of(epv) && m.gs.is_multiple_of(epv)
+        })
+}
+
+/// Whether moe_gate_up_mm / moe_down_mm read these stacks: 2, 4 or 8 bits, groups of a multiple
+/// of 16 (a thread's 16 staged codes share a scale), inputs a multiple of TK = 32, whole output
+/// tiles (64 of width, 128 of hidden).
+fn mm_ok(gate: &WMat, up: &WMat, down: &WMat) -> bool {
+    [gate, up, down]
+        .iter()
+        .all(|m| matches!(m.bits, 2 | 4 | 8) && m.gs.is_multiple_of(16) && m.inp.is_multiple_of(32))
+        && gate.out.is_multiple_of(64)
+        && down.out.is_multiple_of(128)
+        && gate.n <= MAX_SORT_EXPERTS
 }
 
 pub fn moe_route(ctx: &Ctx, logits: &WBuf, d: &Dims, rows: usize, route: &mut WRoute) {
@@ -70,7 +128,7 @@ pub fn moe_route(ctx: &Ctx, logits: &WBuf, d: &Dims, rows: usize, route: &mut WR
     ctx.dispatch(
         &SHADER,
         "moe_route",
-        &params([0; 8], [0; 8], rows, k, e, d.norm_topk),
+        &params([0; 8], [0; 8], rows, k, e, d.norm_topk, 0, 0, 0),
         &[&logits.buf, &route.ids, &route.weights],
         groups,
     );
@@ -173,53 +231,30 @@ fn experts(
             .map_err(|_| anyhow::anyhow!("{rows} rows: too many workgroups for one launch"))
     };
     let act = ctx.scratch("moe.act", 4 * (rows * k * width) as u64)?;
-    let p_up = params(gate.qmat(), up.qmat(), rows, k, n, false);
-    let p_down = params(down.qmat(), [0; 8], rows, k, n, false);
-    if rows < GROUPED_FROM {
-        // A slot a workgroup: each reads its expert's rows itself.
-        let g1 = launch(rows * k * width.div_ceil(GATE_UP_OUTS))?;
-        let g2 = launch(rows * hid.div_ceil(DOWN_OUTS))?;
-        ctx.dispatch(
-            &SHADER,
-            "moe_gate_up",
-            &p_up,
-            &[&gate_up[..], &[&act]].concat(),
-            g1,
-        );
-        ctx.dispatch(
-            &SHADER,
-            "moe_down",
-            &p_down,
-            &[
-                &down.w,
-                &down.s,
-                &down.b,
-                &act,
-                &route.ids,
-                &route.weights,
-                &out.buf,
-            ],
-            g2,
-        );
-    } else {
-        // Grouped by expert: each expert's rows are read once a block; the slots' down outputs
-        // go to `y` and are summed in slot order by moe_combine.
-        let g1 = launch(n * width.div_ceil(GATE_UP_OUTS))?;
-        let g2 = launch(n * hid.div_ceil(DOWN_OUTS))?;
+    let dq = [&down.w, &down.s, &down.b];
+    if rows >= GEMM_FROM && mm_ok(gate, up, down) {
+        let slots = rows * k;
+        let tiles = slots.div_ceil(TM) + n.min(slots);
+        let sort = ctx.scratch("moe.sort", 4 * (1 + 3 * tiles + slots) as u64)?;
+        let y = ctx.scratch("moe.y", 4 * (slots * hid) as u64)?;
+        let p_up = params(gate.qmat(), up.qmat(), rows, k, n, false, 0, 0, tiles);
+        let p_down = params(down.qmat(), [0; 8], rows, k, n, false, 0, 0, tiles);
+        let g1 = launch(tiles * (width / 64))?;
+        let g2 = launch(tiles * (hid / 128))?;
         let g3 = launch((rows * hid).div_ceil(256))?;
-        let y = ctx.scratch("moe.y", 4 * (rows * k * hid) as u64)?;
+        ctx.dispatch(&SHADER, "moe_sort", &p_up, &[&route.ids, &sort], 1);
         ctx.dispatch(
             &SHADER,
-            "moe_gate_up_grouped",
+            "moe_gate_up_mm",
             &p_up,
-            &[&gate_up[..], &[&act]].concat(),
+            &[&gate_up[..7], &[&sort, &act]].concat(),
             g1,
         );
         ctx.dispatch(
             &SHADER,
-            "moe_down_grouped",
+            "moe_down_mm",
             &p_down,
-            &[&down.w, &down.s, &down.b, &act, &route.ids, &y],
+            &[&dq[..], &[&act], &[&sort, &y]].concat(),
             g2,
         );
         ctx.dispatch(
@@ -229,6 +264,79 @@ fn experts(
             &[&y, &route.weights, &out.buf],
             g3,
         );
+    } else if rows < GEMM_FROM && vec_ok(gate, up, down) {
+        // A slot a workgroup for gate and up; down: `outs` outputs of a token for all its
+        // slots, 4 lanes a (output, slot) pair, the k act rows staged `cw` columns at a time.
+        let outs = (64 / k).max(1);
+        let cw = width.min(DOWN_STAGE / k / 64 * 64);
+        let p_up = params(gate.qmat(), up.qmat(), rows, k, n, false, 0, 0, 0);
+        let p_down = params(down.qmat(), [0; 8], rows, k, n, false, outs, cw, 0);
+        let g1 = launch(rows * k * width.div_ceil(GATE_UP_OUTS))?;
+        let g2 = launch(rows * hid.div_ceil(outs))?;
+        ctx.dispatch(
+            &SHADER,
+            "moe_gate_up_v",
+            &p_up,
+            &[&gate_up[..], &[&act]].concat(),
+            g1,
+        );
+        ctx.dispatch(
+            &SHADER,
+            "moe_down_v",
+            &p_down,
+            &[&dq[..], &[&act], &[&route.ids, &route.weights, &out.buf]].concat(),
+            g2,
+        );
+    } else {
+        let p_up = params(gate.qmat(), up.qmat(), rows, k, n, false, 0, 0, 0);
+        let p_down = params(down.qmat(), [0; 8], rows, k, n, false, 0, 0, 0);
+        if rows < GROUPED_FROM {
+            // A slot a workgroup: each reads its expert's rows itself.
+            let g1 = launch(rows * k * width.div_ceil(GATE_UP_OUTS))?;
+            let g2 = launch(rows * hid.div_ceil(DOWN_OUTS))?;
+            ctx.dispatch(
+                &SHADER,
+                "moe_gate_up",
+                &p_up,
+                &[&gate_up[..], &[&act]].concat(),
+                g1,
+            );
+            ctx.dispatch(
+                &SHADER,
+                "moe_down",
+                &p_down,
+                &[&dq[..], &[&act], &[&route.ids, &route.weights, &out.buf]].concat(),
+                g2,
+            );
+        } else {
+            // Grouped by expert: each expert's rows are read once a block; the slots' down
+            // outputs go to `y` and are summed in slot order by moe_combine.
+            let g1 = launch(n * width.div_ceil(GATE_UP_OUTS))?;
+            let g2 = launch(n * hid.div_ceil(DOWN_OUTS))?;
+            let g3 = launch((rows * hid).div_ceil(256))?;
+            let y = ctx.scratch("moe.y", 4 * (rows * k * hid) as u64)?;
+            ctx.dispatch(
+                &SHADER,
+                "moe_gate_up_grouped",
+                &p_up,
+                &[&gate_up[..], &[&act]].concat(),
+                g1,
+            );
+            ctx.dispatch(
+                &SHADER,
+                "moe_down_grouped",
+                &p_down,
+                &[&dq[..], &[&act], &[&route.ids, &y]].concat(),
+                g2,
+            );
+            ctx.dispatch(
+                &SHADER,
+                "moe_combine",
+                &p_down,
+                &[&y, &route.weights, &out.buf],
+                g3,
+            );
+        }
     }
     Ok(())
 }

@@ -1,4 +1,4 @@
-// moe.wgsl: the MoE block (cpu/moe.rs), all f32. Three entries; moe.rs launches them.
+// moe.wgsl: the MoE block (cpu/moe.rs), all f32. moe.rs launches the entries below.
 //
 // moe_route (cpu moe_route): per token row t, p = softmax(logits[t]) (max subtracted, the sum
 //   taken in expert order by one thread, as the CPU's loop), the k largest p in the order of
@@ -9,25 +9,57 @@
 //   rank < k are the route. One workgroup of 256 a row; rows workgroups. E ≤ 2048, k ≤ 64.
 //   Bindings: 1 logits f32 [rows, E], 2 ids u32 [rows, k] (written), 3 weights f32 [rows, k]
 //   (written).
-// moe_gate_up (cpu expert_mlp's gate, up and swiglu): for each slot s = t·k + j and expert
+//
+// Decode and short blocks (rows < moe.rs GEMM_FROM), a slot at a time (cpu moe_experts_decode):
+// moe_gate_up_v (cpu expert_mlp's gate, up and swiglu): for each slot s = t·k + j and expert
 //   e = ids[s] (clamped below n_exp), act[s, o] = silu(gate_e[o] · x[t]) · (up_e[o] · x[t]).
-//   A workgroup of 256 = 8 outputs × 32 lanes striding the matrices' words (consecutive lanes,
-//   consecutive words), x[t] staged in workgroup memory in chunks of 2048, the two dot products
-//   summed by a tree in workgroup memory; rows · k · ceil(width / 8) workgroups.
-//   Bindings: 1-3 gate (qw, qs, qb: quant.wgsl, params m), 4-6 up (uw, us, ub, params m2),
-//   7 x f32 [rows, hidden], 8 ids u32 [rows, k], 9 act f32 [rows, k, width] (written).
-// moe_down (cpu expert_mlp's down and the slot sum): out[t, o] = Σ_j w[t, j] · (down_e[o] ·
-//   act[t·k + j]), summed in slot order j = 0..k from 0 (as both CPU paths). A workgroup of
-//   256 = 32 outputs × 8 lanes, each slot's act row staged in workgroup memory, the dot product
-//   by a tree; rows · ceil(hidden / 32) workgroups.
-//   Bindings: 1-3 down (qw, qs, qb, params m), 4 act, 5 ids, 6 weights, 7 out f32 [rows, hidden].
-// moe_gate_up_grouped, moe_down_grouped, moe_combine (prefill blocks of ≥ 4 rows, moe.rs
-//   GROUPED_FROM): the same outputs grouped by expert, a workgroup per (expert, 8 or 32 rows)
-//   walking the block's slots and computing those routed to it (n_exp · ceil(width / 8) and
-//   n_exp · ceil(hidden / 32) workgroups); down writes each slot's y [rows·k, hidden], and
-//   moe_combine sums every token's slots in order (ceil(rows · hidden / 256) workgroups).
-// Weights are dequantized as quant.wgsl's q_weight (w = s·code + b), a word at a time: moe.rs
-// checks that in % (32 / bits) == 0 and gs % (32 / bits) == 0, so a word never straddles a group.
+//   A workgroup of 256 = 8 outputs × 32 lanes; each lane reads 16-byte words of codes (a
+//   vec4<u32>: 32 4-bit codes, all in one scale group), two of gate and two of up in flight,
+//   x[t] staged in workgroup memory in chunks of 2048 as vec4s. A vec4 of codes adds
+//   s·Σ code·x + b·Σ x (MLX's factoring; Σ x shared by gate and up), codes turned into floats
+//   by the 2^23 trick (no int-to-float conversion). One tree a output over 32 lanes.
+//   rows · k · width / 8 workgroups. Bindings: 1-3 gate (qw as vec4s, qs, qb: quant.wgsl,
+//   params m), 4-6 up (uw as vec4s, us, ub, params m2), 7 x f32 [rows, hidden] as vec4s,
+//   8 ids u32 [rows, k], 9 act f32 [rows·k, width] (written).
+// moe_down_v (cpu expert_mlp's down and the slot sum): out[t, o] = Σ_j w[t, j] · (down_e[o] ·
+//   act[t·k + j]), j = 0..k in slot order. A workgroup of 256 computes `outs` = 64 / k outputs
+//   (at least 1) of one token for all k slots: 4 lanes a (output, slot) pair, each lane the
+//   vec4s lane, lane + 4, … of the row (four in flight), the token's k act rows staged together
+//   in chunks of `cw` columns (k · cw ≤ 4096 floats); the 4 lanes' partials summed, then the
+//   slots weighted and summed in order j = 0..k by one thread an output.
+//   rows · ceil(hidden / outs) workgroups. Bindings: 1-3 down (qw as vec4s, qs, qb, params m),
+//   4 act as vec4s, 5 ids, 6 weights, 7 out f32 [rows, hidden].
+//   Both need in % (4 · 32 / bits) == 0 and gs % (4 · 32 / bits) == 0 (a vec4 of codes inside a
+//   row and a group), bits 2, 4 or 8, and gate and up of one width in bits (moe.rs vec_ok).
+//
+// Prefill blocks (rows ≥ GEMM_FROM), a grouped GEMM (cpu moe_experts_prefill):
+// moe_sort: one workgroup of 256 lists each expert's slots: counts by workgroup atomics, a scan
+//   to offsets, a scatter (the order inside an expert's list is free: a slot's result does not
+//   depend on its place in a tile), and a table of tiles of ≤ TM = 32 rows of one expert.
+//   Writes the sort buffer u32: [0] the number of tiles, [1 + 3i ..] tile i = (expert, start in
+//   the list, rows), the list (slots) from 1 + 3 · tiles. n_exp ≤ 1024.
+//   Bindings: 1 ids, 2 the sort buffer (written).
+// moe_gate_up_mm: per (tile, 64 outputs) a workgroup of 256 computes gate and up for the tile's
+//   ≤ 32 rows (the slots' x rows gathered): per step of TK = 32 inputs the 128 weight rows
+//   (64 gate, 64 up) are dequantized once into workgroup memory (w = s·code + b, 16 codes a
+//   thread) and the 32 x rows staged transposed; each thread holds a 4 rows × (2 gate + 2 up)
+//   tile of accumulators (vec4 over rows). A warp (32 invocations) covers 8 rows, so the warps
+//   of rows past the tile's count skip the arithmetic. Writes act[slot, o] = silu(g) · u.
+//   (ceil(rows·k / 32) + min(n_exp, rows·k)) · width / 64 workgroups, those past the table's
+//   count return at once. Bindings: 1-6 gate and up (qw, qs, qb, uw, us, ub), 7 x as vec4s,
+//   8 the sort buffer, 9 act.
+// moe_down_mm: the same over act for down: per (tile, 128 outputs) y[slot, o] = down_e[o] ·
+//   act[slot], 4 rows × 4 outputs a thread. Bindings: 1-3 down, 4 act as vec4s, 5 the sort
+//   buffer, 6 y f32 [rows·k, hidden] (as vec4s).
+//   Both need bits 2, 4 or 8, gs % 16 == 0, hidden % 128 == 0, width % 64 == 0 (moe.rs mm_ok).
+// moe_combine: out[t, o] = Σ_j w[t, j] · y[t·k + j, o], j = 0..k in order (the CPU's slot sum).
+//   ceil(rows · hidden / 256) workgroups. Bindings: 1 y, 2 weights, 3 out.
+//
+// Fallbacks for layouts the entries above do not take (dense stacks, rows not a whole number of
+// vec4s, odd widths): moe_gate_up and moe_down (the same maths a scalar word a lane: 8 outputs
+// × 32 lanes and 32 outputs × 8 lanes), moe_gate_up_grouped and moe_down_grouped (prefill: a
+// workgroup per (expert, 8 or 32 rows) walking the block's slots, then moe_combine). They need
+// in % (32 / bits) == 0 and gs % (32 / bits) == 0 (a word never straddles a group).
 // Each entry uses its own names for bindings 4.. (and moe_route for 1-3): a pipeline's layout
 // holds only what its entry uses.
 
@@ -38,6 +70,12 @@ struct P {
     k: u32,
     n_exp: u32,
     norm_topk: u32,
+    // moe_down_v: outputs a workgroup and the act columns staged at a time; moe_sort and the
+    // _mm entries: the bound on tiles (the size of the tile table in the sort buffer).
+    outs: u32,
+    cw: u32,
+    tiles: u32,
+    pad: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: P;
@@ -398,4 +436,521 @@ fn moe_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
         total += cb_w[t * p.k + j] * cb_y[(t * p.k + j) * hid + o];
     }
     cb_out[i] = total;
+}
+
+// ---- the vectorized decode entries and the grouped GEMM (header)
+
+@group(0) @binding(1) var<storage, read> qw4: array<vec4<u32>>;
+@group(0) @binding(4) var<storage, read> uw4: array<vec4<u32>>;
+@group(0) @binding(7) var<storage, read> x4: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> act4: array<vec4<f32>>;
+
+// Staging shared by the entries below (16 KB): x or act chunks (_v), dequantized weights (_mm).
+var<workgroup> stg: array<vec4<f32>, 1024>;
+
+// The codes of w at the bit offsets sh as floats: code | 0x4b000000 is the f32 2^23 + code
+// (code < 2^23), and subtracting 2^23 is exact; this avoids int-to-float conversions, which run
+// at a quarter of the FMA rate on NVIDIA.
+fn codes4(w: u32, sh: vec4<u32>, mask: u32) -> vec4<f32> {
+    let c = (vec4<u32>(w) >> sh) & vec4<u32>(mask);
+    return bitcast<vec4<f32>>(c | vec4<u32>(0x4b000000u)) - vec4<f32>(8388608.0);
+}
+
+fn hsum(v: vec4<f32>) -> f32 {
+    return (v.x + v.y) + (v.z + v.w);
+}
+
+// (Σ code·x over the vec4 of codes a, the same for b, Σ x) with x from stg[xb ..]: the
+// 4 · 32 / bits inputs of one vec4 of codes (one scale group; moe.rs checks it).
+fn dq2(a: vec4<u32>, b: vec4<u32>, xb: u32, bits: u32) -> vec3<f32> {
+    var ca = vec4<f32>(0.0);
+    var cb = vec4<f32>(0.0);
+    var sx = vec4<f32>(0.0);
+    if (bits == 4u) {
+        for (var j = 0u; j < 4u; j++) {
+            let x0 = stg[xb + 2u * j];
+            let x1 = stg[xb + 2u * j + 1u];
+            ca = fma(codes4(a[j], vec4<u32>(0u, 4u, 8u, 12u), 15u), x0, ca);
+            cb = fma(codes4(b[j], vec4<u32>(0u, 4u, 8u, 12u), 15u), x0, cb);
+            ca = fma(codes4(a[j], vec4<u32>(16u, 20u, 24u, 28u), 15u), x1, ca);
+            cb = fma(codes4(b[j], vec4<u32>(16u, 20u, 24u, 28u), 15u), x1, cb);
+            sx += x0 + x1;
+        }
+    } else {
+        let q = 8u / bits;
+        let mask = (1u << bits) - 1u;
+        let sh0 = vec4<u32>(0u, bits, 2u * bits, 3u * bits);
+        for (var j = 0u; j < 4u; j++) {
+            for (var i = 0u; i < q; i++) {
+                let xv = stg[xb + j * q + i];
+                let sh = sh0 + vec4<u32>(4u * bits * i);
+                ca = fma(codes4(a[j], sh, mask), xv, ca);
+                cb = fma(codes4(b[j], sh, mask), xv, cb);
+                sx += xv;
+            }
+        }
+    }
+    return vec3<f32>(hsum(ca), hsum(cb), hsum(sx));
+}
+
+// dq2 for one vec4 of codes: (Σ code·x, Σ x).
+fn dq1(a: vec4<u32>, xb: u32, bits: u32) -> vec2<f32> {
+    var ca = vec4<f32>(0.0);
+    var sx = vec4<f32>(0.0);
+    if (bits == 4u) {
+        for (var j = 0u; j < 4u; j++) {
+            let x0 = stg[xb + 2u * j];
+            let x1 = stg[xb + 2u * j + 1u];
+            ca = fma(codes4(a[j], vec4<u32>(0u, 4u, 8u, 12u), 15u), x0, ca);
+            ca = fma(codes4(a[j], vec4<u32>(16u, 20u, 24u, 28u), 15u), x1, ca);
+            sx += x0 + x1;
+        }
+    } else {
+        let q = 8u / bits;
+        let mask = (1u << bits) - 1u;
+        let sh0 = vec4<u32>(0u, bits, 2u * bits, 3u * bits);
+        for (var j = 0u; j < 4u; j++) {
+            for (var i = 0u; i < q; i++) {
+                let xv = stg[xb + j * q + i];
+                ca = fma(codes4(a[j], sh0 + vec4<u32>(4u * bits * i), mask), xv, ca);
+                sx += xv;
+            }
+        }
+    }
+    return vec2<f32>(hsum(ca), hsum(sx));
+}
+
+@compute @workgroup_size(256)
+fn moe_gate_up_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let width = p.m.out;
+    let hid = p.m.inp;
+    let blocks = (width + 7u) / 8u;
+    let wg = wg_index(wid);
+    let slot = wg / blocks;
+    if (slot >= p.rows * p.k) {
+        return;
+    }
+    let o = (wg % blocks) * 8u + li / 32u;
+    let lane = li % 32u;
+    let t = slot / p.k;
+    let e = min(gu_ids[slot], p.n_exp - 1u);
+    let bits = p.m.bits;
+    let epv = 128u / bits;
+    let nvr = hid / epv;
+    let row = e * width + min(o, width - 1u);
+    let gg = row * (hid / p.m.gs);
+    let gu = row * (hid / p.m2.gs);
+    var ga = 0.0;
+    var ua = 0.0;
+    for (var k0 = 0u; k0 < hid; k0 += CH) {
+        let n4 = (min(k0 + CH, hid) - k0) / 4u;
+        for (var i = li; i < n4; i += 256u) {
+            stg[i] = x4[(t * hid + k0) / 4u + i];
+        }
+        workgroupBarrier();
+        let v0 = k0 / epv;
+        let v1 = v0 + 4u * n4 / epv;
+        // Two vec4s of each matrix in flight: v and v + 32.
+        for (var v = v0 + lane; v < v1; v += 64u) {
+            let v2 = v + 32u;
+            let a0 = qw4[row * nvr + v];
+            let b0 = uw4[row * nvr + v];
+            var a1 = vec4<u32>(0u);
+            var b1 = vec4<u32>(0u);
+            if (v2 < v1) {
+                a1 = qw4[row * nvr + v2];
+                b1 = uw4[row * nvr + v2];
+            }
+            let d0 = dq2(a0, b0, (v - v0) * epv / 4u, bits);
+            let g0 = v * epv;
+            ga += q_sb(gg + g0 / p.m.gs, p.m.sb16, false) * d0.x
+                + q_sb(gg + g0 / p.m.gs, p.m.sb16, true) * d0.z;
+            ua += u_sb(gu + g0 / p.m2.gs, p.m2.sb16, false) * d0.y
+                + u_sb(gu + g0 / p.m2.gs, p.m2.sb16, true) * d0.z;
+            if (v2 < v1) {
+                let d1 = dq2(a1, b1, (v2 - v0) * epv / 4u, bits);
+                let g1 = v2 * epv;
+                ga += q_sb(gg + g1 / p.m.gs, p.m.sb16, false) * d1.x
+                    + q_sb(gg + g1 / p.m.gs, p.m.sb16, true) * d1.z;
+                ua += u_sb(gu + g1 / p.m2.gs, p.m2.sb16, false) * d1.y
+                    + u_sb(gu + g1 / p.m2.gs, p.m2.sb16, true) * d1.z;
+            }
+        }
+        workgroupBarrier();
+    }
+    red[li] = ga;
+    red2[li] = ua;
+    workgroupBarrier();
+    for (var s = 16u; s > 0u; s >>= 1u) {
+        if (lane < s) {
+            red[li] += red[li + s];
+            red2[li] += red2[li + s];
+        }
+        workgroupBarrier();
+    }
+    if (lane == 0u && o < width) {
+        gu_act[slot * width + o] = silu_f(red[li]) * red2[li];
+    }
+}
+
+@compute @workgroup_size(256)
+fn moe_down_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let hid = p.m.out;
+    let width = p.m.inp;
+    let k = p.k;
+    let outs = p.outs;
+    let blocks = (hid + outs - 1u) / outs;
+    let wg = wg_index(wid);
+    let t = wg / blocks;
+    if (t >= p.rows) {
+        return;
+    }
+    let ob = (wg % blocks) * outs;
+    let pair = li / 4u;
+    let lane = li % 4u;
+    let j = pair % k;
+    let o = ob + pair / k;
+    let live = pair < outs * k && o < hid;
+    let e = min(dn_ids[t * k + j], p.n_exp - 1u);
+    let bits = p.m.bits;
+    let epv = 128u / bits;
+    let nvr = width / epv;
+    let row = e * hid + min(o, hid - 1u);
+    let gr = row * (width / p.m.gs);
+    let cw4 = p.cw / 4u;
+    var acc = 0.0;
+    for (var c0 = 0u; c0 < width; c0 += p.cw) {
+        let n4 = (min(c0 + p.cw, width) - c0) / 4u;
+        for (var i = li; i < k * n4; i += 256u) {
+            let jj = i / n4;
+            let q = i % n4;
+            stg[jj * cw4 + q] = act4[((t * k + jj) * width + c0) / 4u + q];
+        }
+        workgroupBarrier();
+        if (live) {
+            let v0 = c0 / epv;
+            let v1 = v0 + 4u * n4 / epv;
+            // Four vec4s in flight: v, v + 4, v + 8, v + 12 (a row of 512 4-bit codes is 16).
+            for (var v = v0 + lane; v < v1; v += 16u) {
+                var a = array<vec4<u32>, 4>();
+                for (var i = 0u; i < 4u; i++) {
+                    if (v + 4u * i < v1) {
+                        a[i] = qw4[row * nvr + v + 4u * i];
+                    }
+                }
+                for (var i = 0u; i < 4u; i++) {
+                    let vi = v + 4u * i;
+                    if (vi < v1) {
+                        let d = dq1(a[i], j * cw4 + (vi - v0) * epv / 4u, bits);
+                        let g = gr + vi * epv / p.m.gs;
+                        acc += q_sb(g, p.m.sb16, false) * d.x + q_sb(g, p.m.sb16, true) * d.y;
+                    }
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    red[li] = acc;
+    workgroupBarrier();
+    if (li < outs && ob + li < hid) {
+        var total = 0.0;
+        for (var jj = 0u; jj < k; jj++) {
+            let b = (li * k + jj) * 4u;
+            total += dn_w[t * k + jj] * ((red[b] + red[b + 1u]) + (red[b + 2u] + red[b + 3u]));
+        }
+        dn_out[t * hid + ob + li] = total;
+    }
+}
+
+// ---- the grouped GEMM (prefill)
+
+const TM: u32 = 32u;
+const TK: u32 = 32u;
+
+var<workgroup> so_cnt: array<atomic<u32>, 1024>;
+var<workgroup> so_cur: array<atomic<u32>, 1024>;
+var<workgroup> so_off: array<u32, 1024>;
+var<workgroup> so_toff: array<u32, 1024>;
+var<workgroup> so_scan: array<vec2<u32>, 256>;
+
+@group(0) @binding(1) var<storage, read> so_ids: array<u32>;
+@group(0) @binding(2) var<storage, read_write> so_out: array<u32>;
+
+@compute @workgroup_size(256)
+fn moe_sort(@builtin(local_invocation_index) li: u32) {
+    let ne = p.n_exp;
+    let ns = p.rows * p.k;
+    for (var e = li; e < ne; e += 256u) {
+        atomicStore(&so_cnt[e], 0u);
+        atomicStore(&so_cur[e], 0u);
+    }
+    workgroupBarrier();
+    for (var s = li; s < ns; s += 256u) {
+        atomicAdd(&so_cnt[min(so_ids[s], ne - 1u)], 1u);
+    }
+    workgroupBarrier();
+    // Each thread's run of experts: its slots and tiles, then a scan over the runs.
+    let per = (ne + 255u) / 256u;
+    let e0 = min(li * per, ne);
+    let e1 = min(e0 + per, ne);
+    var run = vec2<u32>(0u);
+    for (var e = e0; e < e1; e++) {
+        let c = atomicLoad(&so_cnt[e]);
+        run += vec2<u32>(c, (c + TM - 1u) / TM);
+    }
+    so_scan[li] = run;
+    workgroupBarrier();
+    for (var d = 1u; d < 256u; d <<= 1u) {
+        var v = so_scan[li];
+        if (li >= d) {
+            v += so_scan[li - d];
+        }
+        workgroupBarrier();
+        so_scan[li] = v;
+        workgroupBarrier();
+    }
+    var at = so_scan[li] - run;
+    for (var e = e0; e < e1; e++) {
+        let c = atomicLoad(&so_cnt[e]);
+        so_off[e] = at.x;
+        so_toff[e] = at.y;
+        at += vec2<u32>(c, (c + TM - 1u) / TM);
+    }
+    let total = so_scan[255];
+    workgroupBarrier();
+    let l0 = 1u + 3u * p.tiles;
+    for (var s = li; s < ns; s += 256u) {
+        let e = min(so_ids[s], ne - 1u);
+        let i = atomicAdd(&so_cur[e], 1u);
+        so_out[l0 + so_off[e] + i] = s;
+    }
+    for (var e = li; e < ne; e += 256u) {
+        let c = atomicLoad(&so_cnt[e]);
+        for (var i = 0u; i * TM < c; i++) {
+            let b = 1u + 3u * (so_toff[e] + i);
+            so_out[b] = e;
+            so_out[b + 1u] = so_off[e] + i * TM;
+            so_out[b + 2u] = min(TM, c - i * TM);
+        }
+    }
+    if (li == 0u) {
+        so_out[0] = total.y;
+    }
+}
+
+// The tile's x (or act) rows, transposed: mx[kk · 8 + g] = inputs k0 + kk of rows 4g .. 4g + 3.
+var<workgroup> mx: array<vec4<f32>, 256>;
+// The tile's slots (rows past its count: 0xffffffff).
+var<workgroup> mslot: array<u32, 32>;
+
+// Stages 16 weights of `row` from input k (a multiple of 16 inside one group) of the matrix at
+// bindings 1-3, dequantized, into stg[dst + 32 i][comp], i = 0..16.
+fn stage_q(m: QMat, row: u32, k: u32, dst: u32, comp: u32) {
+    let g = row * (m.inp / m.gs) + k / m.gs;
+    let s = q_sb(g, m.sb16, false);
+    let b = q_sb(g, m.sb16, true);
+    let per = 32u / m.bits;
+    let w0 = row * (m.inp / per) + k / per;
+    if (m.bits == 4u) {
+        let wa = qw[w0];
+        let wb = qw[w0 + 1u];
+        for (var i = 0u; i < 8u; i++) {
+            let ca = (wa >> (4u * i)) & 15u;
+            let cb = (wb >> (4u * i)) & 15u;
+            stg[dst + 32u * i][comp] = s * (bitcast<f32>(ca | 0x4b000000u) - 8388608.0) + b;
+            stg[dst + 32u * (i + 8u)][comp] = s * (bitcast<f32>(cb | 0x4b000000u) - 8388608.0) + b;
+        }
+        return;
+    }
+    let mask = (1u << m.bits) - 1u;
+    for (var i = 0u; i < 16u; i++) {
+        let c = (qw[w0 + i / per] >> ((i % per) * m.bits)) & mask;
+        stg[dst + 32u * i][comp] = s * (bitcast<f32>(c | 0x4b000000u) - 8388608.0) + b;
+    }
+}
+
+// stage_q for the matrix at bindings 4-6 (up).
+fn stage_u(m: QMat, row: u32, k: u32, dst: u32, comp: u32) {
+    let g = row * (m.inp / m.gs) + k / m.gs;
+    let s = u_sb(g, m.sb16, false);
+    let b = u_sb(g, m.sb16, true);
+    let per = 32u / m.bits;
+    let w0 = row * (m.inp / per) + k / per;
+    if (m.bits == 4u) {
+        let wa = uw[w0];
+        let wb = uw[w0 + 1u];
+        for (var i = 0u; i < 8u; i++) {
+            let ca = (wa >> (4u * i)) & 15u;
+            let cb = (wb >> (4u * i)) & 15u;
+            stg[dst + 32u * i][comp] = s * (bitcast<f32>(ca | 0x4b000000u) - 8388608.0) + b;
+            stg[dst + 32u * (i + 8u)][comp] = s * (bitcast<f32>(cb | 0x4b000000u) - 8388608.0) + b;
+        }
+        return;
+    }
+    let mask = (1u << m.bits) - 1u;
+    for (var i = 0u; i < 16u; i++) {
+        let c = (uw[w0 + i / per] >> ((i % per) * m.bits)) & mask;
+        stg[dst + 32u * i][comp] = s * (bitcast<f32>(c | 0x4b000000u) - 8388608.0) + b;
+    }
+}
+
+// Stages the tile's inputs k0 + 4q .. k0 + 4q + 3 of row r (v: those values, zeros past the
+// tile's count) into mx.
+fn stage_x(r: u32, q: u32, v: vec4<f32>) {
+    let d = 4u * q * 8u + r / 4u;
+    let c = r % 4u;
+    mx[d][c] = v.x;
+    mx[d + 8u][c] = v.y;
+    mx[d + 16u][c] = v.z;
+    mx[d + 24u][c] = v.w;
+}
+
+@group(0) @binding(8) var<storage, read> mg_sort: array<u32>;
+
+@compute @workgroup_size(256)
+fn moe_gate_up_mm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let width = p.m.out;
+    let hid = p.m.inp;
+    let nob = width / 64u;
+    let wg = wg_index(wid);
+    let tile = wg / nob;
+    if (tile >= mg_sort[0]) {
+        return;
+    }
+    let e = mg_sort[1u + 3u * tile];
+    let start = mg_sort[2u + 3u * tile];
+    let n = mg_sort[3u + 3u * tile];
+    let o0 = (wg % nob) * 64u;
+    if (li < TM) {
+        var s = 0xffffffffu;
+        if (li < n) {
+            s = mg_sort[1u + 3u * p.tiles + start + li];
+        }
+        mslot[li] = s;
+    }
+    workgroupBarrier();
+    // Arithmetic roles: warp w = li / 32 holds rows 8 (w % 4) .. + 8 (two row groups of 4 across
+    // its lanes) and 16 column groups (outputs 2c, 2c + 1 of gate and of up).
+    let w = li / 32u;
+    let lane = li % 32u;
+    let rg = (w % 4u) * 2u + lane % 2u;
+    let tc = (w / 4u) * 16u + lane / 2u;
+    let live = (w % 4u) * 8u < n;
+    // Staging roles: weight row sr of the 128 (gate 0..63, up 64..127), inputs 16 half ..;
+    // x row xr, inputs 4 xq ...
+    let sr = li / 2u;
+    let half = li % 2u;
+    let so = sr % 64u;
+    let wrow = e * width + o0 + so;
+    let dst = half * 16u * 32u + so / 2u;
+    let comp = (sr / 64u) * 2u + so % 2u;
+    let xr = li % 32u;
+    let xq = li / 32u;
+    let xslot = mslot[xr];
+    let xt = select(0u, xslot / p.k, xr < n);
+    var a0 = vec4<f32>(0.0);
+    var a1 = vec4<f32>(0.0);
+    var a2 = vec4<f32>(0.0);
+    var a3 = vec4<f32>(0.0);
+    for (var k0 = 0u; k0 < hid; k0 += TK) {
+        if (sr < 64u) {
+            stage_q(p.m, wrow, k0 + 16u * half, dst, comp);
+        } else {
+            stage_u(p.m2, wrow, k0 + 16u * half, dst, comp);
+        }
+        var xv = vec4<f32>(0.0);
+        if (xr < n) {
+            xv = x4[(xt * hid + k0) / 4u + xq];
+        }
+        stage_x(xr, xq, xv);
+        workgroupBarrier();
+        if (live) {
+            for (var kk = 0u; kk < TK; kk++) {
+                let xk = mx[kk * 8u + rg];
+                let wk = stg[kk * 32u + tc];
+                a0 = fma(xk, vec4<f32>(wk.x), a0);
+                a1 = fma(xk, vec4<f32>(wk.y), a1);
+                a2 = fma(xk, vec4<f32>(wk.z), a2);
+                a3 = fma(xk, vec4<f32>(wk.w), a3);
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var r = 0u; r < 4u; r++) {
+        if (rg * 4u + r < n) {
+            let base = mslot[rg * 4u + r] * width + o0 + 2u * tc;
+            gu_act[base] = silu_f(a0[r]) * a2[r];
+            gu_act[base + 1u] = silu_f(a1[r]) * a3[r];
+        }
+    }
+}
+
+@group(0) @binding(5) var<storage, read> md_sort: array<u32>;
+@group(0) @binding(6) var<storage, read_write> md_y: array<vec4<f32>>;
+
+@compute @workgroup_size(256)
+fn moe_down_mm(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let hid = p.m.out;
+    let width = p.m.inp;
+    let nob = hid / 128u;
+    let wg = wg_index(wid);
+    let tile = wg / nob;
+    if (tile >= md_sort[0]) {
+        return;
+    }
+    let e = md_sort[1u + 3u * tile];
+    let start = md_sort[2u + 3u * tile];
+    let n = md_sort[3u + 3u * tile];
+    let o0 = (wg % nob) * 128u;
+    if (li < TM) {
+        var s = 0xffffffffu;
+        if (li < n) {
+            s = md_sort[1u + 3u * p.tiles + start + li];
+        }
+        mslot[li] = s;
+    }
+    workgroupBarrier();
+    // As moe_gate_up_mm, with column group c = outputs 4c .. 4c + 3 of down.
+    let w = li / 32u;
+    let lane = li % 32u;
+    let rg = (w % 4u) * 2u + lane % 2u;
+    let tc = (w / 4u) * 16u + lane / 2u;
+    let live = (w % 4u) * 8u < n;
+    let sr = li / 2u;
+    let half = li % 2u;
+    let wrow = e * hid + o0 + sr;
+    let dst = half * 16u * 32u + sr / 4u;
+    let comp = sr % 4u;
+    let xr = li % 32u;
+    let xq = li / 32u;
+    let xs_ = select(0u, mslot[xr], xr < n);
+    var a0 = vec4<f32>(0.0);
+    var a1 = vec4<f32>(0.0);
+    var a2 = vec4<f32>(0.0);
+    var a3 = vec4<f32>(0.0);
+    for (var k0 = 0u; k0 < width; k0 += TK) {
+        stage_q(p.m, wrow, k0 + 16u * half, dst, comp);
+        var xv = vec4<f32>(0.0);
+        if (xr < n) {
+            xv = act4[(xs_ * width + k0) / 4u + xq];
+        }
+        stage_x(xr, xq, xv);
+        workgroupBarrier();
+        if (live) {
+            for (var kk = 0u; kk < TK; kk++) {
+                let xk = mx[kk * 8u + rg];
+                let wk = stg[kk * 32u + tc];
+                a0 = fma(xk, vec4<f32>(wk.x), a0);
+                a1 = fma(xk, vec4<f32>(wk.y), a1);
+                a2 = fma(xk, vec4<f32>(wk.z), a2);
+                a3 = fma(xk, vec4<f32>(wk.w), a3);
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var r = 0u; r < 4u; r++) {
+        if (rg * 4u + r < n) {
+            md_y[(mslot[rg * 4u + r] * hid + o0 + 4u * tc) / 4u] = vec4<f32>(a0[r], a1[r], a2[r], a3[r]);
+        }
+    }
 }
