@@ -446,6 +446,12 @@ fn bench<B: Backend>(
     let cfg = ck.config.clone();
     let weight_bytes = ck.weights.decode_bytes_per_token(&cfg) as f64;
     let mut m = Qwen35::new(b, ck.config, &ck.weights)?;
+    if let Some(hwm) = peak_host_memory() {
+        eprintln!(
+            "lily bench: peak host memory while loading: {:.2} GiB (VmHWM)",
+            hwm as f64 / (1u64 << 30) as f64
+        );
+    }
     if let Some(c) = a.chunk {
         m.chunk = c.max(1);
     }
@@ -736,6 +742,14 @@ fn trace<B: Backend>(
         rows.push(j);
     }
     Ok(rows)
+}
+
+/// The process's peak resident memory so far in bytes (Linux: `VmHWM`), `None` elsewhere.
+fn peak_host_memory() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let l = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = l.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 /// `--profile`: one prefill chunk and one decode step at `--profile-context`, per op family.

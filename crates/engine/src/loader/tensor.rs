@@ -93,6 +93,19 @@ impl HostTensor {
     pub fn numel(&self) -> usize {
         self.shape.iter().product()
     }
+    /// Lets the OS drop this tensor's pages of a mapped checkpoint (once a device holds a copy):
+    /// a load then keeps about one tensor resident, not the model. Touched again, the pages are
+    /// read back from the file unchanged (the map is read-only). Owned tensors are left alone.
+    pub fn release_pages(&self) {
+        #[cfg(unix)]
+        if let Storage::Mapped { map, offset, len } = &self.data {
+            // SAFETY: a read-only file mapping is never written, so dropping its pages loses
+            // nothing: the next access faults them in from the file again.
+            let _ = unsafe {
+                map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, *offset, *len)
+            };
+        }
+    }
     pub fn bytes(&self) -> &[u8] {
         match &self.data {
             Storage::Mapped { map, offset, len } => &map[*offset..*offset + *len],
@@ -348,6 +361,19 @@ pub enum LinearKind {
 }
 
 impl HostLinear {
+    /// `HostTensor::release_pages` for every tensor of the layer.
+    pub fn release_pages(&self) {
+        match &self.kind {
+            LinearKind::Quant {
+                w, scales, biases, ..
+            } => {
+                w.release_pages();
+                scales.release_pages();
+                biases.release_pages();
+            }
+            LinearKind::Dense(t) => t.release_pages(),
+        }
+    }
     /// Matrix `e` of the stack (0 for a plain linear).
     pub fn view(&self, e: usize) -> MatView<'_> {
         assert!(e < self.n);

@@ -197,8 +197,12 @@ impl Backend for Wgpu {
         512
     }
 
+    /// The matrix's pages of the mapped checkpoint are let go once uploaded (`release_pages`):
+    /// a Mac's unified memory must not hold the model twice while it loads.
     fn upload_mat(&self, m: &HostLinear) -> Result<WMat> {
-        matmul::upload_mat(&self.ctx, m)
+        let w = matmul::upload_mat(&self.ctx, m)?;
+        m.release_pages();
+        Ok(w)
     }
     fn upload_vec(&self, v: &[f32]) -> Result<WBuf> {
         self.upload(v)

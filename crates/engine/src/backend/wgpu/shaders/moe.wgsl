@@ -1,7 +1,7 @@
 // moe.wgsl: the MoE block (cpu/moe.rs), all f32. moe.rs launches the entries below.
 //
 // moe_route (cpu moe_route): per token row t, p = softmax(logits[t]) (max subtracted, the sum
-//   taken in expert order by one thread, as the CPU's loop), the k largest p in the order of
+//   by a tree), the k largest p in the order of
 //   f32::total_cmp, lower expert id first on ties (the CPU's stable sort), weights p / Σ_top p
 //   (summed in slot order) when norm_topk, else p. exp is exp_acc below (≤ 2 ulp), not the
 //   builtin, whose precision Vulkan and Metal leave loose (3 + 2|x| ulp), so the weights stay
@@ -88,6 +88,8 @@ var<workgroup> xs: array<f32, 2048>;
 var<workgroup> red: array<f32, 256>;
 var<workgroup> red2: array<f32, 256>;
 var<workgroup> rtop: array<u32, 64>;
+// moe_route: each expert's order key (order_key of its p), read by every thread's rank loop.
+var<workgroup> rkey: array<i32, 2048>;
 
 // ---- moe_route
 
@@ -142,28 +144,35 @@ fn moe_route(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         workgroupBarrier();
     }
     m = red[0];
+    workgroupBarrier();
+    var part = 0.0;
     for (var i = li; i < ne; i += 256u) {
-        xs[i] = exp_acc(rt_logits[base + i] - m);
+        let e = exp_acc(rt_logits[base + i] - m);
+        xs[i] = e;
+        part += e;
     }
+    // The sum by a tree (the CPU's is a loop in expert order: an ulp or two apart, well inside
+    // the weights' 1e-6); one thread's serial loop over 256 experts was most of the kernel.
+    red[li] = part;
     workgroupBarrier();
-    if (li == 0u) {
-        var sum = 0.0;
-        for (var i = 0u; i < ne; i++) {
-            sum += xs[i];
+    for (var s = 128u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            red[li] += red[li + s];
         }
-        red[0] = sum;
+        workgroupBarrier();
     }
-    workgroupBarrier();
     let sum = red[0];
     for (var i = li; i < ne; i += 256u) {
-        xs[i] = xs[i] / sum;
+        let v = xs[i] / sum;
+        xs[i] = v;
+        rkey[i] = order_key(v);
     }
     workgroupBarrier();
     for (var i = li; i < ne; i += 256u) {
-        let ki = order_key(xs[i]);
+        let ki = rkey[i];
         var rank = 0u;
         for (var j = 0u; j < ne && rank < p.k; j++) {
-            let kj = order_key(xs[j]);
+            let kj = rkey[j];
             if (kj > ki || (kj == ki && j < i)) {
                 rank++;
             }
