@@ -247,6 +247,81 @@ fn matmul_q_gemv_and_gemm() {
     }
 }
 
+/// `matmul_q_many` (up to 4 matrices a gemv_v4 launch, more in launches of 4) and
+/// `rms_norm_matmul` (the norm inside each workgroup, xn written by the first) at the model's
+/// projection sets, mixed 4/8-bit sets and odd output counts, against the CPU's matmul_q one by
+/// one (F32_TOL) and its rms_norm (xn: F32_TOL per row).
+#[test]
+fn matmul_q_many_and_rms_norm_matmul() {
+    let Some(g) = gpu() else { return };
+    let d = qwen_dims();
+    let hid = d.hidden;
+    let mut rng = Rng(31);
+    // (out, bits) per matrix: GDN in_proj (qkv, z, b, a), the router and shared gate, q/k/v,
+    // five matrices (two launches), a mixed set with odd counts.
+    let sets: Vec<Vec<(usize, u32)>> = vec![
+        vec![(8192, 4), (4096, 4), (32, 4), (32, 4)],
+        vec![(256, 8), (1, 8)],
+        vec![(8192, 4), (512, 4), (512, 4)],
+        vec![(100, 4), (37, 8), (1000, 4), (5, 4), (260, 8)],
+        vec![(1, 4)],
+    ];
+    for set in sets {
+        let mats: Vec<_> = set
+            .iter()
+            .map(|&(out, bits)| rand_quant(&mut rng, 1, out, hid, bits, 64, false))
+            .collect();
+        let gm: Vec<_> = mats.iter().map(|m| g.upload_mat(m).unwrap()).collect();
+        let refs: Vec<_> = gm.iter().collect();
+        for rows in [1usize, 3] {
+            let hx = rng.vec(rows * hid, 1.0);
+            let nw = rng.vec(hid, 0.5);
+            let mut cxn = vec![0.0; rows * hid];
+            Cpu.rms_norm(&hx, &nw, rows, hid, d.eps, &mut cxn);
+            let gh = g.upload(&hx).unwrap();
+            let gnw = g.upload(&nw).unwrap();
+            for fused_norm in [false, true] {
+                let mut outs: Vec<_> = set
+                    .iter()
+                    .map(|&(o, _)| g.zeros(rows * o).unwrap())
+                    .collect();
+                let mut om: Vec<_> = outs.iter_mut().collect();
+                let mut gxn = g.zeros(rows * hid).unwrap();
+                let xin = if fused_norm {
+                    g.rms_norm_matmul(&gh, &gnw, rows, hid, d.eps, &mut gxn, &refs, &mut om);
+                    check(
+                        &format!("rms_norm_matmul {set:?} rows {rows} (xn)"),
+                        rel_rows(&h(&g, &gxn, rows * hid), &cxn, hid),
+                        F32_TOL,
+                    );
+                    &cxn
+                } else {
+                    g.matmul_q_many(&gh, &refs, rows, &mut om);
+                    &hx
+                };
+                for (i, m) in mats.iter().enumerate() {
+                    let mut c = vec![0.0; rows * m.out];
+                    Cpu.matmul_q(xin, m, rows, &mut c);
+                    check(
+                        &format!(
+                            "{} matrix {i} [{}, {hid}] {}-bit rows {rows}",
+                            if fused_norm {
+                                "rms_norm_matmul"
+                            } else {
+                                "matmul_q_many"
+                            },
+                            m.out,
+                            set[i].1
+                        ),
+                        rel_rows(&h(&g, &outs[i], rows * m.out), &c, m.out),
+                        F32_TOL,
+                    );
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn bad_shapes_are_errors_not_crashes() {
     let Some(g) = gpu() else { return };

@@ -104,24 +104,101 @@ pub fn matmul_q(ctx: &Ctx, x: &WBuf, w: &WMat, e: usize, rows: usize, out: &mut 
     if rows == 0 || w.out == 0 {
         return;
     }
-    let x_off = 0usize;
+    if rows <= GEMV_MAX_ROWS && gemv_takes(ctx, w) {
+        gemv_many(ctx, x, &[w], e, rows, &mut [out], None);
+        return;
+    }
     let bufs = [&w.w, &w.s, &w.b, &x.buf, &out.buf];
     let mut p = w.qmat().to_vec();
-    p.extend([rows as u32, e as u32, x_off as u32, 0]);
-    // gemv_v4 reads 16-byte code words each inside one group, and x as vec4.
-    let v4 = matches!(w.bits, 4 | 8) && w.gs % (128 / w.bits as usize) == 0 && x_off % 4 == 0;
-    if rows <= GEMV_MAX_ROWS && v4 {
-        let epv = 128 / w.bits as usize;
-        let lanes = gemv_lanes(w.out, w.inp.min(4096) / epv);
-        p.extend([lanes as u32, 0, 0, 0]);
-        let groups = w.out.div_ceil(1024 / lanes) * rows;
-        ctx.dispatch(&SHADER, "gemv_v4", &p, &bufs, groups as u32);
-    } else if rows == 1 {
-        p.extend([0; 4]);
+    p.extend([rows as u32, e as u32, 0, 0, 0, 0, 0, 0]);
+    if rows == 1 {
         ctx.dispatch(&SHADER, "gemv", &p, &bufs, w.out.div_ceil(8) as u32);
     } else {
-        p.extend([0; 4]);
         let tiles = w.out.div_ceil(64) * rows.div_ceil(64);
         ctx.dispatch(&SHADER, "gemm", &p, &bufs, tiles as u32);
     }
+}
+
+/// Storage buffers a gemv_v4 launch binds (4 matrices × 3, x, 4 outputs, the norm's 2).
+const GEMV_BUFFERS: u32 = 19;
+
+/// Whether `gemv_v4` reads this matrix: 4- or 8-bit codes whose 16-byte words each lie in one
+/// scale group (every matrix of the model), on an adapter with the storage buffers it binds.
+pub fn gemv_takes(ctx: &Ctx, w: &WMat) -> bool {
+    matches!(w.bits, 4 | 8)
+        && w.gs % (128 / w.bits as usize) == 0
+        && w.inp % 4 == 0
+        && ctx.report.storage_buffers >= GEMV_BUFFERS
+}
+
+/// One `gemv_v4` launch for up to 4 matrices reading the same x (`rows` ≤ GEMV_MAX_ROWS rows):
+/// `outs[i] = x · W_i,eᵀ`, each matrix its own range of workgroups; with `norm` = (weights, eps,
+/// xn), x is `rms_norm(h) · weights` of the h given, normalised inside every workgroup, and
+/// written to xn as well. The caller checks `gemv_takes` and the shapes.
+pub fn gemv_many(
+    ctx: &Ctx,
+    x: &WBuf,
+    ws: &[&WMat],
+    e: usize,
+    rows: usize,
+    outs: &mut [&mut WBuf],
+    norm: Option<(&WBuf, f32, &WBuf)>,
+) {
+    debug_assert!(!ws.is_empty() && ws.len() <= 4 && ws.len() == outs.len());
+    let dummies = match (0..5)
+        .map(|i| {
+            ctx.scratch(
+                ["gemv.o1", "gemv.o2", "gemv.o3", "gemv.nw", "gemv.xn"][i],
+                16,
+            )
+        })
+        .collect::<Result<Vec<_>>>()
+    {
+        Ok(d) => d,
+        Err(e) => {
+            ctx.fail(format!("matmul_q: gemv scratch: {e:#}"));
+            return;
+        }
+    };
+    let mut p: Vec<u32> = Vec::with_capacity(52);
+    let (mut lanes, mut start, mut end) = ([0u32; 4], [0u32; 4], [0u32; 4]);
+    let mut blocks = 0usize;
+    for i in 0..4 {
+        let w = ws[i.min(ws.len() - 1)];
+        p.extend(w.qmat());
+        if i < ws.len() {
+            let l = gemv_lanes(w.out, w.inp.min(4096) / (128 / w.bits as usize));
+            lanes[i] = l as u32;
+            start[i] = blocks as u32;
+            blocks += w.out.div_ceil(1024 / l);
+            end[i] = blocks as u32;
+        }
+    }
+    p.extend([
+        ws.len() as u32,
+        rows as u32,
+        e as u32,
+        norm.is_some() as u32,
+    ]);
+    p.extend(lanes);
+    p.extend(start);
+    p.extend(end);
+    p.extend([norm.map_or(0.0, |n| n.1).to_bits(), 0, 0, 0]);
+    let mut bufs: Vec<&::wgpu::Buffer> = Vec::with_capacity(19);
+    for i in 0..4 {
+        let w = ws[i.min(ws.len() - 1)];
+        bufs.extend([&w.w, &w.s, &w.b]);
+    }
+    bufs.push(&x.buf);
+    for i in 0..4 {
+        bufs.push(match outs.get(i) {
+            Some(o) => &o.buf,
+            None => &dummies[i - 1],
+        });
+    }
+    match norm {
+        Some((nw, _, xn)) => bufs.extend([&nw.buf, &xn.buf]),
+        None => bufs.extend([&dummies[3], &dummies[4]]),
+    }
+    ctx.dispatch(&SHADER, "gemv_v4", &p, &bufs, (blocks * rows) as u32);
 }

@@ -132,6 +132,32 @@ impl Wgpu {
     }
 }
 
+/// `LILY_WGPU_FUSE_NORM=0`: the norm before the projections as a launch of its own (ablation).
+fn fuse_norm() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_WGPU_FUSE_NORM").as_deref() != Ok("0"))
+}
+
+impl Wgpu {
+    /// Whether `gemv_v4` takes these projections of `x` at once: decode rows, every matrix in
+    /// its layout over x's width, the buffers big enough (else the ops one by one, which
+    /// report what is wrong).
+    fn many_fits(&self, x: &WBuf, ws: &[&WMat], rows: usize, outs: &[&mut WBuf]) -> bool {
+        rows >= 1
+            && rows <= matmul::GEMV_MAX_ROWS
+            && !ws.is_empty()
+            && ws.len() == outs.len()
+            && ws.iter().zip(outs.iter()).all(|(w, o)| {
+                matmul::gemv_takes(&self.ctx, w)
+                    && w.n >= 1
+                    && w.out >= 1
+                    && w.inp == ws[0].inp
+                    && o.len >= rows * w.out
+            })
+            && x.len >= rows * ws[0].inp
+    }
+}
+
 impl Backend for Wgpu {
     type Buf = WBuf;
     type Mat = WMat;
@@ -193,8 +219,10 @@ impl Backend for Wgpu {
     fn sync(&self) -> Result<()> {
         self.ctx.sync()
     }
+    /// Blocks of 2048 rows: each expert gets ~64 rows a block (fuller GEMM tiles). Measured on
+    /// the H200 at 4K: 1,350.8 tok/s against 1,267.1 at 1024 and 1,093.6 at 512.
     fn prefill_chunk(&self) -> usize {
-        512
+        2048
     }
 
     /// The matrix's pages of the mapped checkpoint are let go once uploaded (`release_pages`):
@@ -292,6 +320,45 @@ impl Backend for Wgpu {
     }
     fn matmul_q(&self, x: &WBuf, w: &WMat, rows: usize, out: &mut WBuf) {
         matmul::matmul_q(&self.ctx, x, w, 0, rows, out)
+    }
+    /// A decode row's projections of one input in one `gemv_v4` launch (4 matrices a launch).
+    fn matmul_q_many(&self, x: &WBuf, ws: &[&WMat], rows: usize, outs: &mut [&mut WBuf]) {
+        if !self.many_fits(x, ws, rows, outs) {
+            for (w, o) in ws.iter().zip(outs.iter_mut()) {
+                self.matmul_q(x, w, rows, o);
+            }
+            return;
+        }
+        for (wc, oc) in ws.chunks(4).zip(outs.chunks_mut(4)) {
+            matmul::gemv_many(&self.ctx, x, wc, 0, rows, oc, None);
+        }
+    }
+    /// The norm inside the projections' launch: each workgroup normalises its row of `h` (8 KB)
+    /// itself and the first writes `xn`, one launch fewer a norm.
+    fn rms_norm_matmul(
+        &self,
+        h: &WBuf,
+        w: &WBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        xn: &mut WBuf,
+        ws: &[&WMat],
+        outs: &mut [&mut WBuf],
+    ) {
+        let fused = fuse_norm()
+            && ws.len() <= 4
+            && dim % 4 == 0
+            && w.len >= dim
+            && xn.len >= rows * dim
+            && ws.iter().all(|m| m.inp == dim)
+            && self.many_fits(h, ws, rows, outs);
+        if !fused {
+            self.rms_norm(h, w, rows, dim, eps, xn);
+            self.matmul_q_many(xn, ws, rows, outs);
+            return;
+        }
+        matmul::gemv_many(&self.ctx, h, ws, 0, rows, outs, Some((w, eps, xn)));
     }
     fn add(&self, h: &mut WBuf, r: &WBuf, len: usize) {
         norm::add(&self.ctx, h, r, len)

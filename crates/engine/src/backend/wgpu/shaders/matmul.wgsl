@@ -48,9 +48,6 @@ struct P {
 @group(0) @binding(3) var<storage, read> qb: array<u32>;
 @group(0) @binding(4) var<storage, read> x: array<f32>;
 @group(0) @binding(5) var<storage, read_write> out: array<f32>;
-// The same codes and x as 16-byte words (gemv_v4 alone binds these).
-@group(0) @binding(1) var<storage, read> qw4: array<vec4<u32>>;
-@group(0) @binding(4) var<storage, read> x4: array<vec4<f32>>;
 
 var<workgroup> red: array<f32, 256>;
 
@@ -129,53 +126,195 @@ fn q8_dot(w: u32, xa: vec4<f32>) -> f32 {
     return dot(v, xa);
 }
 
+// ---- gemv_v4's own parameters and bindings: up to 4 matrices reading the same x (matmul_q_many;
+// matmul_q is one), each a range of workgroups, and the rms_norm folded in (rms_norm_matmul).
+struct PV {
+    ms: array<QMat, 4>,
+    // n matrices, rows of x, stack index e (every matrix), norm (1: x = rms_norm(h) · nw).
+    n: u32,
+    rows: u32,
+    e: u32,
+    norm: u32,
+    // Threads a row of each matrix.
+    lanes: vec4<u32>,
+    // First block (of 1024 / lanes rows) of each matrix; total blocks in .w of `end`.
+    start: vec4<u32>,
+    end: vec4<u32>,
+    eps: f32,
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
+}
+
+@group(0) @binding(0) var<uniform> pv: PV;
+@group(0) @binding(1) var<storage, read> vw0: array<vec4<u32>>;
+@group(0) @binding(2) var<storage, read> vs0: array<u32>;
+@group(0) @binding(3) var<storage, read> vb0: array<u32>;
+@group(0) @binding(4) var<storage, read> vw1: array<vec4<u32>>;
+@group(0) @binding(5) var<storage, read> vs1: array<u32>;
+@group(0) @binding(6) var<storage, read> vb1: array<u32>;
+@group(0) @binding(7) var<storage, read> vw2: array<vec4<u32>>;
+@group(0) @binding(8) var<storage, read> vs2: array<u32>;
+@group(0) @binding(9) var<storage, read> vb2: array<u32>;
+@group(0) @binding(10) var<storage, read> vw3: array<vec4<u32>>;
+@group(0) @binding(11) var<storage, read> vs3: array<u32>;
+@group(0) @binding(12) var<storage, read> vb3: array<u32>;
+@group(0) @binding(13) var<storage, read> vx: array<vec4<f32>>;
+@group(0) @binding(14) var<storage, read_write> vo0: array<f32>;
+@group(0) @binding(15) var<storage, read_write> vo1: array<f32>;
+@group(0) @binding(16) var<storage, read_write> vo2: array<f32>;
+@group(0) @binding(17) var<storage, read_write> vo3: array<f32>;
+// The norm's weights and the normed x written back (norm = 1; else dummies).
+@group(0) @binding(18) var<storage, read> vnw: array<vec4<f32>>;
+@group(0) @binding(19) var<storage, read_write> vxn: array<vec4<f32>>;
+
+// Code words i of matrix mi (a branch uniform over the workgroup: a workgroup is one matrix's).
+fn vw(mi: u32, i: u32) -> vec4<u32> {
+    switch mi {
+        case 0u: { return vw0[i]; }
+        case 1u: { return vw1[i]; }
+        case 2u: { return vw2[i]; }
+        default: { return vw3[i]; }
+    }
+}
+
+// Scale or bias i of matrix mi (bf16 pairs when sb16, else f32 words), as quant.wgsl's q_sb.
+fn vsb(mi: u32, i: u32, sb16: u32, is_bias: bool) -> f32 {
+    let j = select(i, i >> 1u, sb16 != 0u);
+    var w: u32;
+    switch mi {
+        case 0u: { w = select(vs0[j], vb0[j], is_bias); }
+        case 1u: { w = select(vs1[j], vb1[j], is_bias); }
+        case 2u: { w = select(vs2[j], vb2[j], is_bias); }
+        default: { w = select(vs3[j], vb3[j], is_bias); }
+    }
+    if (sb16 == 0u) {
+        return bitcast<f32>(w);
+    }
+    if ((i & 1u) == 1u) {
+        return bf16_hi(w);
+    }
+    return bf16_lo(w);
+}
+
+fn vout(mi: u32, i: u32, v: f32) {
+    switch mi {
+        case 0u: { vo0[i] = v; }
+        case 1u: { vo1[i] = v; }
+        case 2u: { vo2[i] = v; }
+        default: { vo3[i] = v; }
+    }
+}
+
 @compute @workgroup_size(256)
 fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let wg = wg_index(wid);
-    let t = wg % p.rows;
-    let blk = wg / p.rows;
-    let lanes = p.lanes;
+    let t = wg % pv.rows;
+    var blk = wg / pv.rows;
+    // This workgroup's matrix (uniform) and its block within it.
+    var mi = 0u;
+    for (var k = 1u; k < pv.n; k++) {
+        if (blk >= pv.start[k]) {
+            mi = k;
+        }
+    }
+    blk -= pv.start[mi];
+    let m = pv.ms[mi];
+    let lanes = pv.lanes[mi];
     let lane = li % lanes;
     let o0 = (blk * (256u / lanes) + li / lanes) * 4u;
-    let bits = p.m.bits;
+    let bits = m.bits;
     let epv = 128u / bits;
-    let v4row = p.m.inp / epv;
-    let gpr = p.m.inp / p.m.gs;
+    let v4row = m.inp / epv;
+    let gpr = m.inp / m.gs;
     // Rows past the end read the last row (in bounds) and are not written.
-    let last = p.m.out - 1u;
-    let r0 = p.e * p.m.out + min(o0, last);
-    let r1 = p.e * p.m.out + min(o0 + 1u, last);
-    let r2 = p.e * p.m.out + min(o0 + 2u, last);
-    let r3 = p.e * p.m.out + min(o0 + 3u, last);
+    let last = m.out - 1u;
+    let r0 = pv.e * m.out + min(o0, last);
+    let r1 = pv.e * m.out + min(o0 + 1u, last);
+    let r2 = pv.e * m.out + min(o0 + 2u, last);
+    let r3 = pv.e * m.out + min(o0 + 3u, last);
     var sc = vec4<f32>(1.0, 1.0 / 256.0, 1.0, 1.0 / 256.0);
     if (bits == 4u) {
         sc = vec4<f32>(1.0, 1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0);
     }
-    let xrow = p.x_off / 4u + t * (p.m.inp / 4u);
+    let xrow = t * (m.inp / 4u);
+    // rms_norm folded in: this workgroup's own sum of squares of its row of h (8 KB at the
+    // model's width: cheaper than a launch of its own), then x = h · r · nw when staged.
+    var rn = 1.0;
+    if (pv.norm != 0u) {
+        var ss = 0.0;
+        for (var v = li; v < m.inp / 4u; v += 256u) {
+            let h = vx[xrow + v];
+            ss += dot(h, h);
+        }
+        gv_red[li] = ss;
+        workgroupBarrier();
+        for (var s = 128u; s > 0u; s >>= 1u) {
+            if (li < s) {
+                gv_red[li] += gv_red[li + s];
+            }
+            workgroupBarrier();
+        }
+        rn = 1.0 / sqrt(gv_red[0] / f32(m.inp) + pv.eps);
+        // The normed row goes back out once (the experts read it), by the first block.
+        if (wg < pv.rows) {
+            for (var v = li; v < m.inp / 4u; v += 256u) {
+                vxn[xrow + v] = vx[xrow + v] * rn * vnw[v];
+            }
+        }
+    }
     var a0 = 0.0;
     var a1 = 0.0;
     var a2 = 0.0;
     var a3 = 0.0;
-    for (var k0 = 0u; k0 < p.m.inp; k0 += GV_CHUNK) {
-        let kn = min(GV_CHUNK, p.m.inp - k0);
+    for (var k0 = 0u; k0 < m.inp; k0 += GV_CHUNK) {
+        let kn = min(GV_CHUNK, m.inp - k0);
+        let nv = kn / epv;
+        let cb = k0 / epv;
+        // The first code words of the pass are loaded before x is staged (their latency
+        // overlaps the staging's), the rest one step ahead of their use.
+        var c = lane;
+        var q0 = vec4<u32>(0u);
+        var q1 = vec4<u32>(0u);
+        var q2 = vec4<u32>(0u);
+        var q3 = vec4<u32>(0u);
+        if (c < nv) {
+            q0 = vw(mi, r0 * v4row + cb + c);
+            q1 = vw(mi, r1 * v4row + cb + c);
+            q2 = vw(mi, r2 * v4row + cb + c);
+            q3 = vw(mi, r3 * v4row + cb + c);
+        }
         // The previous pass's readers are done before x is overwritten.
         workgroupBarrier();
         for (var v = li; v < kn / 4u; v += 256u) {
-            let xv = x4[xrow + k0 / 4u + v];
+            var xv = vx[xrow + k0 / 4u + v];
+            if (pv.norm != 0u) {
+                xv = xv * rn * vnw[k0 / 4u + v];
+            }
             gv_x[v] = xv * sc;
             gv_s[v >> 2u][v & 3u] = (xv.x + xv.y) + (xv.z + xv.w);
         }
         workgroupBarrier();
-        let nv = kn / epv;
-        let cb = k0 / epv;
-        if (bits == 4u) {
-            for (var c = lane; c < nv; c += lanes) {
-                // Four independent 16-byte loads before any use.
-                let q0 = qw4[r0 * v4row + cb + c];
-                let q1 = qw4[r1 * v4row + cb + c];
-                let q2 = qw4[r2 * v4row + cb + c];
-                let q3 = qw4[r3 * v4row + cb + c];
-                let g = (k0 + c * 32u) / p.m.gs;
+        for (; c < nv; c += lanes) {
+            let w0 = q0;
+            let w1 = q1;
+            let w2 = q2;
+            let w3 = q3;
+            let cn = c + lanes;
+            if (cn < nv) {
+                q0 = vw(mi, r0 * v4row + cb + cn);
+                q1 = vw(mi, r1 * v4row + cb + cn);
+                q2 = vw(mi, r2 * v4row + cb + cn);
+                q3 = vw(mi, r3 * v4row + cb + cn);
+            }
+            var d0 = 0.0;
+            var d1 = 0.0;
+            var d2 = 0.0;
+            var d3 = 0.0;
+            var sx = 0.0;
+            var g = 0u;
+            if (bits == 4u) {
+                g = (k0 + c * 32u) / m.gs;
                 let xi = c * 8u;
                 let x0 = gv_x[xi];
                 let x1 = gv_x[xi + 1u];
@@ -185,42 +324,32 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
                 let x5 = gv_x[xi + 5u];
                 let x6 = gv_x[xi + 6u];
                 let x7 = gv_x[xi + 7u];
-                let sx = dot(gv_s[c * 2u] + gv_s[c * 2u + 1u], vec4<f32>(1.0));
-                let d0 = (q4_dot(q0.x, x0, x1) + q4_dot(q0.y, x2, x3))
-                    + (q4_dot(q0.z, x4_, x5) + q4_dot(q0.w, x6, x7));
-                let d1 = (q4_dot(q1.x, x0, x1) + q4_dot(q1.y, x2, x3))
-                    + (q4_dot(q1.z, x4_, x5) + q4_dot(q1.w, x6, x7));
-                let d2 = (q4_dot(q2.x, x0, x1) + q4_dot(q2.y, x2, x3))
-                    + (q4_dot(q2.z, x4_, x5) + q4_dot(q2.w, x6, x7));
-                let d3 = (q4_dot(q3.x, x0, x1) + q4_dot(q3.y, x2, x3))
-                    + (q4_dot(q3.z, x4_, x5) + q4_dot(q3.w, x6, x7));
-                a0 += q_sb(r0 * gpr + g, p.m.sb16, false) * d0 + q_sb(r0 * gpr + g, p.m.sb16, true) * sx;
-                a1 += q_sb(r1 * gpr + g, p.m.sb16, false) * d1 + q_sb(r1 * gpr + g, p.m.sb16, true) * sx;
-                a2 += q_sb(r2 * gpr + g, p.m.sb16, false) * d2 + q_sb(r2 * gpr + g, p.m.sb16, true) * sx;
-                a3 += q_sb(r3 * gpr + g, p.m.sb16, false) * d3 + q_sb(r3 * gpr + g, p.m.sb16, true) * sx;
-            }
-        } else {
-            for (var c = lane; c < nv; c += lanes) {
-                let q0 = qw4[r0 * v4row + cb + c];
-                let q1 = qw4[r1 * v4row + cb + c];
-                let q2 = qw4[r2 * v4row + cb + c];
-                let q3 = qw4[r3 * v4row + cb + c];
-                let g = (k0 + c * 16u) / p.m.gs;
+                sx = dot(gv_s[c * 2u] + gv_s[c * 2u + 1u], vec4<f32>(1.0));
+                d0 = (q4_dot(w0.x, x0, x1) + q4_dot(w0.y, x2, x3))
+                    + (q4_dot(w0.z, x4_, x5) + q4_dot(w0.w, x6, x7));
+                d1 = (q4_dot(w1.x, x0, x1) + q4_dot(w1.y, x2, x3))
+                    + (q4_dot(w1.z, x4_, x5) + q4_dot(w1.w, x6, x7));
+                d2 = (q4_dot(w2.x, x0, x1) + q4_dot(w2.y, x2, x3))
+                    + (q4_dot(w2.z, x4_, x5) + q4_dot(w2.w, x6, x7));
+                d3 = (q4_dot(w3.x, x0, x1) + q4_dot(w3.y, x2, x3))
+                    + (q4_dot(w3.z, x4_, x5) + q4_dot(w3.w, x6, x7));
+            } else {
+                g = (k0 + c * 16u) / m.gs;
                 let xi = c * 4u;
                 let x0 = gv_x[xi];
                 let x1 = gv_x[xi + 1u];
                 let x2 = gv_x[xi + 2u];
                 let x3 = gv_x[xi + 3u];
-                let sx = dot(gv_s[c], vec4<f32>(1.0));
-                let d0 = (q8_dot(q0.x, x0) + q8_dot(q0.y, x1)) + (q8_dot(q0.z, x2) + q8_dot(q0.w, x3));
-                let d1 = (q8_dot(q1.x, x0) + q8_dot(q1.y, x1)) + (q8_dot(q1.z, x2) + q8_dot(q1.w, x3));
-                let d2 = (q8_dot(q2.x, x0) + q8_dot(q2.y, x1)) + (q8_dot(q2.z, x2) + q8_dot(q2.w, x3));
-                let d3 = (q8_dot(q3.x, x0) + q8_dot(q3.y, x1)) + (q8_dot(q3.z, x2) + q8_dot(q3.w, x3));
-                a0 += q_sb(r0 * gpr + g, p.m.sb16, false) * d0 + q_sb(r0 * gpr + g, p.m.sb16, true) * sx;
-                a1 += q_sb(r1 * gpr + g, p.m.sb16, false) * d1 + q_sb(r1 * gpr + g, p.m.sb16, true) * sx;
-                a2 += q_sb(r2 * gpr + g, p.m.sb16, false) * d2 + q_sb(r2 * gpr + g, p.m.sb16, true) * sx;
-                a3 += q_sb(r3 * gpr + g, p.m.sb16, false) * d3 + q_sb(r3 * gpr + g, p.m.sb16, true) * sx;
+                sx = dot(gv_s[c], vec4<f32>(1.0));
+                d0 = (q8_dot(w0.x, x0) + q8_dot(w0.y, x1)) + (q8_dot(w0.z, x2) + q8_dot(w0.w, x3));
+                d1 = (q8_dot(w1.x, x0) + q8_dot(w1.y, x1)) + (q8_dot(w1.z, x2) + q8_dot(w1.w, x3));
+                d2 = (q8_dot(w2.x, x0) + q8_dot(w2.y, x1)) + (q8_dot(w2.z, x2) + q8_dot(w2.w, x3));
+                d3 = (q8_dot(w3.x, x0) + q8_dot(w3.y, x1)) + (q8_dot(w3.z, x2) + q8_dot(w3.w, x3));
             }
+            a0 += vsb(mi, r0 * gpr + g, m.sb16, false) * d0 + vsb(mi, r0 * gpr + g, m.sb16, true) * sx;
+            a1 += vsb(mi, r1 * gpr + g, m.sb16, false) * d1 + vsb(mi, r1 * gpr + g, m.sb16, true) * sx;
+            a2 += vsb(mi, r2 * gpr + g, m.sb16, false) * d2 + vsb(mi, r2 * gpr + g, m.sb16, true) * sx;
+            a3 += vsb(mi, r3 * gpr + g, m.sb16, false) * d3 + vsb(mi, r3 * gpr + g, m.sb16, true) * sx;
         }
     }
     gv_red[li] = a0;
@@ -238,8 +367,8 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
         workgroupBarrier();
     }
     // Lane r of a row group writes its row r (lanes ≥ 4).
-    if (lane < 4u && o0 + lane < p.m.out) {
-        out[p.out_off + t * p.m.out + o0 + lane] = gv_red[lane * 256u + li - lane];
+    if (lane < 4u && o0 + lane < m.out) {
+        vout(mi, t * m.out + o0 + lane, gv_red[lane * 256u + li - lane]);
     }
 }
 
