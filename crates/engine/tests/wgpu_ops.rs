@@ -322,6 +322,137 @@ fn matmul_q_many_and_rms_norm_matmul() {
     }
 }
 
+/// The decode epilogues: `matmul_q_add` (h += x·Wᵀ in the projection's launch) and
+/// `moe_decode_add` (the shared expert's swiglu read as x is staged, its gate, the routed sum and
+/// the residual add in its down projection's epilogue) against the CPU's ops (F32_TOL on h: the
+/// sums are the CPU's up to their order and the GPU's exp).
+#[test]
+fn decode_epilogues_match_the_cpu() {
+    use lily::backend::{MoeScratch, SharedExpert};
+    let Some(g) = gpu() else { return };
+    let d = lily::backend::Dims {
+        n_experts: 16,
+        top_k: 4,
+        ..qwen_dims()
+    };
+    let hid = d.hidden;
+    let mut rng = Rng(41);
+    // matmul_q_add: out_proj-like and o_proj-like.
+    for (out, inp) in [(2048usize, 4096usize), (2048, 2048)] {
+        let m = rand_quant(&mut rng, 1, out, inp, 4, 64, false);
+        let gm = g.upload_mat(&m).unwrap();
+        let x = rng.vec(inp, 1.0);
+        let h0 = rng.vec(out, 3.0);
+        let mut ch = h0.clone();
+        let mut cr = vec![0.0; out];
+        Cpu.matmul_q_add(&x, &m, 1, &mut cr, &mut ch);
+        let mut gh = g.upload(&h0).unwrap();
+        let mut gr = g.zeros(out).unwrap();
+        g.matmul_q_add(&g.upload(&x).unwrap(), &gm, 1, &mut gr, &mut gh);
+        check(
+            &format!("matmul_q_add [{out}, {inp}]"),
+            rel_rows(&h(&g, &gh, out), &ch, out),
+            F32_TOL,
+        );
+    }
+    // moe_decode_add: 16 experts of width 512, top-4, the shared expert of width 512.
+    let w = 512;
+    let gate = rand_quant(&mut rng, d.n_experts, w, hid, 4, 64, false);
+    let up = rand_quant(&mut rng, d.n_experts, w, hid, 4, 64, false);
+    let down = rand_quant(&mut rng, d.n_experts, hid, w, 4, 64, false);
+    let sg = rand_quant(&mut rng, 1, w, hid, 4, 64, false);
+    let su = rand_quant(&mut rng, 1, w, hid, 4, 64, false);
+    let sd = rand_quant(&mut rng, 1, hid, w, 4, 64, false);
+    let (ggate, gup, gdown) = (
+        g.upload_mat(&gate).unwrap(),
+        g.upload_mat(&up).unwrap(),
+        g.upload_mat(&down).unwrap(),
+    );
+    let (gsg, gsu, gsd) = (
+        g.upload_mat(&sg).unwrap(),
+        g.upload_mat(&su).unwrap(),
+        g.upload_mat(&sd).unwrap(),
+    );
+    for logit in [-1.5f32, 0.7] {
+        let x = rng.vec(hid, 1.0);
+        let h0 = rng.vec(hid, 3.0);
+        let logits = rng.vec(d.n_experts, 2.0);
+        // The CPU.
+        let mut croute = Cpu.new_route(1, d.top_k).unwrap();
+        Cpu.moe_route(&logits, &d, 1, &mut croute);
+        let cl = vec![logit];
+        let mut ch = h0.clone();
+        let (mut o, mut g1, mut u1, mut a1, mut d1) = (
+            vec![0.0; hid],
+            vec![0.0; w],
+            vec![0.0; w],
+            vec![0.0; w],
+            vec![0.0; hid],
+        );
+        Cpu.moe_decode_add(
+            &x,
+            &croute,
+            &gate,
+            &up,
+            &down,
+            &SharedExpert {
+                gate: &sg,
+                up: &su,
+                down: &sd,
+                logit: &cl,
+            },
+            &d,
+            MoeScratch {
+                out: &mut o,
+                g: &mut g1,
+                u: &mut u1,
+                act: &mut a1,
+                down: &mut d1,
+            },
+            &mut ch,
+        );
+        // The GPU.
+        let mut groute = g.new_route(1, d.top_k).unwrap();
+        g.moe_route(&g.upload(&logits).unwrap(), &d, 1, &mut groute);
+        let gl = g.upload(&cl).unwrap();
+        let mut gh = g.upload(&h0).unwrap();
+        let (mut o, mut g1, mut u1, mut a1, mut d1) = (
+            g.zeros(hid).unwrap(),
+            g.zeros(w).unwrap(),
+            g.zeros(w).unwrap(),
+            g.zeros(w).unwrap(),
+            g.zeros(hid).unwrap(),
+        );
+        g.moe_decode_add(
+            &g.upload(&x).unwrap(),
+            &groute,
+            &ggate,
+            &gup,
+            &gdown,
+            &SharedExpert {
+                gate: &gsg,
+                up: &gsu,
+                down: &gsd,
+                logit: &gl,
+            },
+            &d,
+            MoeScratch {
+                out: &mut o,
+                g: &mut g1,
+                u: &mut u1,
+                act: &mut a1,
+                down: &mut d1,
+            },
+            &mut gh,
+        );
+        check(
+            &format!("moe_decode_add (16 experts, top-4, shared gate logit {logit})"),
+            rel_rows(&h(&g, &gh, hid), &ch, hid),
+            F32_TOL,
+        );
+    }
+}
+
 #[test]
 fn bad_shapes_are_errors_not_crashes() {
     let Some(g) = gpu() else { return };

@@ -105,7 +105,16 @@ pub fn matmul_q(ctx: &Ctx, x: &WBuf, w: &WMat, e: usize, rows: usize, out: &mut 
         return;
     }
     if rows <= GEMV_MAX_ROWS && gemv_takes(ctx, w) {
-        gemv_many(ctx, x, &[w], e, rows, &mut [out], None);
+        gemv_many(
+            ctx,
+            x,
+            &[w],
+            e,
+            rows,
+            &mut [out],
+            XIn::Plain,
+            OutMode::Store,
+        );
         return;
     }
     let bufs = [&w.w, &w.s, &w.b, &x.buf, &out.buf];
@@ -119,8 +128,8 @@ pub fn matmul_q(ctx: &Ctx, x: &WBuf, w: &WMat, e: usize, rows: usize, out: &mut 
     }
 }
 
-/// Storage buffers a gemv_v4 launch binds (4 matrices × 3, x, 4 outputs, the norm's 2).
-const GEMV_BUFFERS: u32 = 19;
+/// Storage buffers a gemv_v4 launch binds (4 matrices × 3, x, 4 outputs, 4 for the modes).
+const GEMV_BUFFERS: u32 = 21;
 
 /// Whether `gemv_v4` reads this matrix: 4- or 8-bit codes whose 16-byte words each lie in one
 /// scale group (every matrix of the model), on an adapter with the storage buffers it binds.
@@ -131,10 +140,34 @@ pub fn gemv_takes(ctx: &Ctx, w: &WMat) -> bool {
         && ctx.report.storage_buffers >= GEMV_BUFFERS
 }
 
+/// How `gemv_v4` reads its x.
+pub enum XIn<'a> {
+    /// As it is.
+    Plain,
+    /// `rms_norm(h) · w` of the h given (each workgroup normalises its row itself), also
+    /// written to `xn` (by the first workgroup of each row).
+    Norm { w: &'a WBuf, eps: f32, xn: &'a WBuf },
+    /// `silu(x) · u` (the shared expert's swiglu, x being its gate projection).
+    Glu { u: &'a WBuf },
+}
+
+/// How `gemv_v4` writes its outputs.
+pub enum OutMode<'a> {
+    Store,
+    /// `out += acc` (a projection added into the residual stream).
+    Add,
+    /// `out += r + sigmoid(s[t]) · acc`: the shared expert's down projection, gated, with the
+    /// routed experts' sum `r` and the residual add of the MoE block.
+    Residual {
+        r: &'a WBuf,
+        s: &'a WBuf,
+    },
+}
+
 /// One `gemv_v4` launch for up to 4 matrices reading the same x (`rows` ≤ GEMV_MAX_ROWS rows):
-/// `outs[i] = x · W_i,eᵀ`, each matrix its own range of workgroups; with `norm` = (weights, eps,
-/// xn), x is `rms_norm(h) · weights` of the h given, normalised inside every workgroup, and
-/// written to xn as well. The caller checks `gemv_takes` and the shapes.
+/// `outs[i] = x · W_i,eᵀ`, each matrix its own range of workgroups, x read and the outputs
+/// written as `xin` and `omode` say. The caller checks `gemv_takes` and the shapes.
+#[allow(clippy::too_many_arguments)]
 pub fn gemv_many(
     ctx: &Ctx,
     x: &WBuf,
@@ -142,16 +175,16 @@ pub fn gemv_many(
     e: usize,
     rows: usize,
     outs: &mut [&mut WBuf],
-    norm: Option<(&WBuf, f32, &WBuf)>,
+    xin: XIn,
+    omode: OutMode,
 ) {
     debug_assert!(!ws.is_empty() && ws.len() <= 4 && ws.len() == outs.len());
-    let dummies = match (0..5)
-        .map(|i| {
-            ctx.scratch(
-                ["gemv.o1", "gemv.o2", "gemv.o3", "gemv.nw", "gemv.xn"][i],
-                16,
-            )
-        })
+    const DUMMIES: [&str; 7] = [
+        "gemv.o1", "gemv.o2", "gemv.o3", "gemv.aux", "gemv.xn", "gemv.r", "gemv.s",
+    ];
+    let dummies = match DUMMIES
+        .iter()
+        .map(|n| ctx.scratch(n, 16))
         .collect::<Result<Vec<_>>>()
     {
         Ok(d) => d,
@@ -174,17 +207,22 @@ pub fn gemv_many(
             end[i] = blocks as u32;
         }
     }
-    p.extend([
-        ws.len() as u32,
-        rows as u32,
-        e as u32,
-        norm.is_some() as u32,
-    ]);
+    let (xmode, eps, aux, xn) = match &xin {
+        XIn::Plain => (0u32, 0.0f32, &dummies[3], &dummies[4]),
+        XIn::Norm { w, eps, xn } => (1, *eps, &w.buf, &xn.buf),
+        XIn::Glu { u } => (2, 0.0, &u.buf, &dummies[4]),
+    };
+    let (om, r, s) = match &omode {
+        OutMode::Store => (0u32, &dummies[5], &dummies[6]),
+        OutMode::Add => (1, &dummies[5], &dummies[6]),
+        OutMode::Residual { r, s } => (2, &r.buf, &s.buf),
+    };
+    p.extend([ws.len() as u32, rows as u32, e as u32, xmode]);
     p.extend(lanes);
     p.extend(start);
     p.extend(end);
-    p.extend([norm.map_or(0.0, |n| n.1).to_bits(), 0, 0, 0]);
-    let mut bufs: Vec<&::wgpu::Buffer> = Vec::with_capacity(19);
+    p.extend([eps.to_bits(), om, 0, 0]);
+    let mut bufs: Vec<&::wgpu::Buffer> = Vec::with_capacity(21);
     for i in 0..4 {
         let w = ws[i.min(ws.len() - 1)];
         bufs.extend([&w.w, &w.s, &w.b]);
@@ -196,9 +234,6 @@ pub fn gemv_many(
             None => &dummies[i - 1],
         });
     }
-    match norm {
-        Some((nw, _, xn)) => bufs.extend([&nw.buf, &xn.buf]),
-        None => bufs.extend([&dummies[3], &dummies[4]]),
-    }
+    bufs.extend([aux, xn, r, s]);
     ctx.dispatch(&SHADER, "gemv_v4", &p, &bufs, (blocks * rows) as u32);
 }

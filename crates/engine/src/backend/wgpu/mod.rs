@@ -31,6 +31,7 @@ use crate::runtime::sampler::SamplingParams;
 pub use check::translate_to_msl;
 pub use device::AdapterReport;
 use device::{as_bytes, Ctx};
+use matmul::{OutMode, XIn};
 
 /// The wgpu backend: one device and queue, and the decode steps it recorded.
 pub struct Wgpu {
@@ -130,6 +131,13 @@ impl Wgpu {
             len: v.len(),
         })
     }
+}
+
+/// `LILY_WGPU_FUSE_EPILOGUE=0`: the residual adds, the shared expert's swiglu and gate as
+/// launches of their own (the ablation of `matmul_q_add` and `moe_decode_add`).
+fn fuse_epilogues() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_WGPU_FUSE_EPILOGUE").as_deref() != Ok("0"))
 }
 
 /// `LILY_WGPU_FUSE_NORM=0`: the norm before the projections as a launch of its own (ablation).
@@ -330,7 +338,7 @@ impl Backend for Wgpu {
             return;
         }
         for (wc, oc) in ws.chunks(4).zip(outs.chunks_mut(4)) {
-            matmul::gemv_many(&self.ctx, x, wc, 0, rows, oc, None);
+            matmul::gemv_many(&self.ctx, x, wc, 0, rows, oc, XIn::Plain, OutMode::Store);
         }
     }
     /// The norm inside the projections' launch: each workgroup normalises its row of `h` (8 KB)
@@ -358,7 +366,65 @@ impl Backend for Wgpu {
             self.matmul_q_many(xn, ws, rows, outs);
             return;
         }
-        matmul::gemv_many(&self.ctx, h, ws, 0, rows, outs, Some((w, eps, xn)));
+        let xin = XIn::Norm { w, eps, xn };
+        matmul::gemv_many(&self.ctx, h, ws, 0, rows, outs, xin, OutMode::Store);
+    }
+    /// The residual add in the projection's epilogue (`h += acc`, unrounded).
+    fn matmul_q_add(&self, x: &WBuf, w: &WMat, rows: usize, r: &mut WBuf, h: &mut WBuf) {
+        if !fuse_epilogues() || h.len < rows * w.out || !self.many_fits(x, &[w], rows, &[&mut *r]) {
+            self.matmul_q(x, w, rows, r);
+            self.add(h, r, rows * w.out);
+            return;
+        }
+        matmul::gemv_many(
+            &self.ctx,
+            x,
+            &[w],
+            0,
+            rows,
+            &mut [h],
+            XIn::Plain,
+            OutMode::Add,
+        );
+    }
+    /// The routed experts, then the shared expert in two launches: its gate|up, and its down
+    /// reading silu(gate)·up as it stages x, with the gate, the routed sum and the residual add
+    /// in the epilogue (five launches unfused).
+    fn moe_decode_add(
+        &self,
+        x: &WBuf,
+        route: &WRoute,
+        gate: &WMat,
+        up: &WMat,
+        down: &WMat,
+        shared: &SharedExpert<'_, Self>,
+        d: &Dims,
+        tmp: super::MoeScratch<'_, Self>,
+        h: &mut WBuf,
+    ) {
+        let width = shared.gate.out;
+        let fits = fuse_epilogues()
+            && shared.up.out == width
+            && shared.down.inp == width
+            && shared.down.out == d.hidden
+            && h.len >= d.hidden
+            && tmp.out.len >= d.hidden
+            && shared.logit.len >= 1
+            && self.many_fits(x, &[shared.gate, shared.up], 1, &[&mut *tmp.g, &mut *tmp.u])
+            && self.many_fits(tmp.g, &[shared.down], 1, &[&mut *tmp.down]);
+        if !fits {
+            return super::moe_decode_compose(self, x, route, gate, up, down, shared, d, tmp, h);
+        }
+        moe::moe_experts(&self.ctx, x, route, gate, up, down, d, 1, tmp.out);
+        let ctx = &self.ctx;
+        let (ws, mut outs) = ([shared.gate, shared.up], [&mut *tmp.g, &mut *tmp.u]);
+        matmul::gemv_many(ctx, x, &ws, 0, 1, &mut outs, XIn::Plain, OutMode::Store);
+        let xin = XIn::Glu { u: tmp.u };
+        let om = OutMode::Residual {
+            r: tmp.out,
+            s: shared.logit,
+        };
+        matmul::gemv_many(ctx, tmp.g, &[shared.down], 0, 1, &mut [h], xin, om);
     }
     fn add(&self, h: &mut WBuf, r: &WBuf, len: usize) {
         norm::add(&self.ctx, h, r, len)

@@ -130,18 +130,22 @@ fn q8_dot(w: u32, xa: vec4<f32>) -> f32 {
 // matmul_q is one), each a range of workgroups, and the rms_norm folded in (rms_norm_matmul).
 struct PV {
     ms: array<QMat, 4>,
-    // n matrices, rows of x, stack index e (every matrix), norm (1: x = rms_norm(h) · nw).
+    // n matrices, rows of x, stack index e (every matrix), how x is read (xmode: 0 as it is;
+    // 1 x = rms_norm(h) · aux; 2 x = silu(x) · aux, the shared expert's swiglu).
     n: u32,
     rows: u32,
     e: u32,
-    norm: u32,
+    xmode: u32,
     // Threads a row of each matrix.
     lanes: vec4<u32>,
     // First block (of 1024 / lanes rows) of each matrix; total blocks in .w of `end`.
     start: vec4<u32>,
     end: vec4<u32>,
     eps: f32,
-    pad0: u32,
+    // How the outputs are written (omode: 0 stored; 1 added to the output (a residual add);
+    // 2 out += r + sigmoid(s[t]) · acc: the shared expert's gate, the routed experts' sum r and
+    // the residual add of the MoE block).
+    omode: u32,
     pad1: u32,
     pad2: u32,
 }
@@ -164,9 +168,12 @@ struct PV {
 @group(0) @binding(15) var<storage, read_write> vo1: array<f32>;
 @group(0) @binding(16) var<storage, read_write> vo2: array<f32>;
 @group(0) @binding(17) var<storage, read_write> vo3: array<f32>;
-// The norm's weights and the normed x written back (norm = 1; else dummies).
-@group(0) @binding(18) var<storage, read> vnw: array<vec4<f32>>;
+// xmode 1: the norm's weights and the normed x written back; xmode 2: the up projection (aux).
+// omode 2: the routed experts' sum r and the shared expert's gate logit s. Dummies otherwise.
+@group(0) @binding(18) var<storage, read> vaux: array<vec4<f32>>;
 @group(0) @binding(19) var<storage, read_write> vxn: array<vec4<f32>>;
+@group(0) @binding(20) var<storage, read> vr: array<f32>;
+@group(0) @binding(21) var<storage, read> vsg: array<f32>;
 
 // Code words i of matrix mi (a branch uniform over the workgroup: a workgroup is one matrix's).
 fn vw(mi: u32, i: u32) -> vec4<u32> {
@@ -195,6 +202,15 @@ fn vsb(mi: u32, i: u32, sb16: u32, is_bias: bool) -> f32 {
         return bf16_hi(w);
     }
     return bf16_lo(w);
+}
+
+fn vget(mi: u32, i: u32) -> f32 {
+    switch mi {
+        case 0u: { return vo0[i]; }
+        case 1u: { return vo1[i]; }
+        case 2u: { return vo2[i]; }
+        default: { return vo3[i]; }
+    }
 }
 
 fn vout(mi: u32, i: u32, v: f32) {
@@ -241,7 +257,7 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     // rms_norm folded in: this workgroup's own sum of squares of its row of h (8 KB at the
     // model's width: cheaper than a launch of its own), then x = h · r · nw when staged.
     var rn = 1.0;
-    if (pv.norm != 0u) {
+    if (pv.xmode == 1u) {
         var ss = 0.0;
         for (var v = li; v < m.inp / 4u; v += 256u) {
             let h = vx[xrow + v];
@@ -259,7 +275,7 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
         // The normed row goes back out once (the experts read it), by the first block.
         if (wg < pv.rows) {
             for (var v = li; v < m.inp / 4u; v += 256u) {
-                vxn[xrow + v] = vx[xrow + v] * rn * vnw[v];
+                vxn[xrow + v] = vx[xrow + v] * rn * vaux[v];
             }
         }
     }
@@ -288,8 +304,11 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
         workgroupBarrier();
         for (var v = li; v < kn / 4u; v += 256u) {
             var xv = vx[xrow + k0 / 4u + v];
-            if (pv.norm != 0u) {
-                xv = xv * rn * vnw[k0 / 4u + v];
+            if (pv.xmode == 1u) {
+                xv = xv * rn * vaux[k0 / 4u + v];
+            } else if (pv.xmode == 2u) {
+                let u = vaux[xrow + k0 / 4u + v];
+                xv = vec4<f32>(silu_f(xv.x) * u.x, silu_f(xv.y) * u.y, silu_f(xv.z) * u.z, silu_f(xv.w) * u.w);
             }
             gv_x[v] = xv * sc;
             gv_s[v >> 2u][v & 3u] = (xv.x + xv.y) + (xv.z + xv.w);
@@ -368,7 +387,15 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     }
     // Lane r of a row group writes its row r (lanes ≥ 4).
     if (lane < 4u && o0 + lane < m.out) {
-        vout(mi, t * m.out + o0 + lane, gv_red[lane * 256u + li - lane]);
+        let i = t * m.out + o0 + lane;
+        let a = gv_red[lane * 256u + li - lane];
+        if (pv.omode == 0u) {
+            vout(mi, i, a);
+        } else if (pv.omode == 1u) {
+            vout(mi, i, vget(mi, i) + a);
+        } else {
+            vout(mi, i, vget(mi, i) + (vr[i] + sigmoid_f(vsg[t]) * a));
+        }
     }
 }
 
