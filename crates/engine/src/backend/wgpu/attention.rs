@@ -36,6 +36,19 @@ const GQA_MAX_GROUP: usize = 8;
 const GQA_MAX_SPLITS: usize = 128;
 const GQA_KEYS: usize = 64;
 
+/// The capacity's keys a split at least: `GQA_KEYS`, or `LILY_WGPU_ATTN_KEYS` (a tuning knob:
+/// fewer, longer splits against more, shorter ones).
+fn gqa_keys() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("LILY_WGPU_ATTN_KEYS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n: &usize| n > 0)
+            .unwrap_or(GQA_KEYS)
+    })
+}
+
 /// Whether the grouped kernels (`attn_split_gqa`, `attn_rows_gqa`) take this shape: up to 8
 /// query heads a KV head, heads of up to 256 in vec4s (the model's: 8 of 256). Others go a
 /// query head a workgroup. `LILY_WGPU_GQA=0` sends every shape that way (the ablation).
@@ -294,7 +307,7 @@ pub fn attn_decode(
     }
     let gqa = gqa(d);
     let (span, splits) = if gqa {
-        (0, (kv.capacity / GQA_KEYS).clamp(1, GQA_MAX_SPLITS))
+        (0, (kv.capacity / gqa_keys()).clamp(1, GQA_MAX_SPLITS))
     } else {
         split(kv.capacity)
     };

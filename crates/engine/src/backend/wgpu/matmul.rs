@@ -78,18 +78,32 @@ pub fn upload_mat(ctx: &Ctx, m: &HostLinear) -> Result<WMat> {
 pub const GEMV_MAX_ROWS: usize = 8;
 
 /// Threads a row for `gemv_v4`: 16 (each thread 4 code words of a 2048-wide 4-bit row per
-/// pass), doubled while the workgroups (1024 / lanes rows each) are fewer than 1024, so that a
-/// big GPU gets several waves; never more than the row's 16-byte words of a pass (no idle
+/// pass), doubled while the workgroups (1024 / lanes rows each) are fewer than `gemv_wgs()`, so
+/// that a big GPU gets several waves; never more than the row's 16-byte words of a pass (no idle
 /// lanes), at least 4 (a row group's first 4 lanes write its 4 outputs).
 fn gemv_lanes(out: usize, v4_pass: usize) -> usize {
+    let want = gemv_wgs();
     let mut lanes = 16;
-    while lanes < 256 && lanes < v4_pass && out.div_ceil(1024 / lanes) < 1024 {
+    while lanes < 256 && lanes < v4_pass && out.div_ceil(1024 / lanes) < want {
         lanes *= 2;
     }
     while lanes > 4 && lanes > v4_pass {
         lanes /= 2;
     }
     lanes
+}
+
+/// Workgroups `gemv_lanes` aims a matrix at: 1024, or `LILY_WGPU_GEMV_WGS` (a tuning knob:
+/// fewer, longer workgroups keep more loads in flight a thread; more fill more of the GPU).
+fn gemv_wgs() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| {
+        std::env::var("LILY_WGPU_GEMV_WGS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .filter(|&n: &usize| n > 0)
+            .unwrap_or(1024)
+    })
 }
 
 /// `out[t] = x[t] · W_eᵀ` for matrix `e` of the stack, `rows` rows of x.

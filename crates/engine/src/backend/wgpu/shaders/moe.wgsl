@@ -168,10 +168,19 @@ fn moe_route(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         rkey[i] = order_key(v);
     }
     workgroupBarrier();
+    // Every thread walks all the keys (no early exit: the same j for the whole workgroup, one
+    // broadcast read a step, no loop-carried condition), four at a time.
+    let ne4 = ne & ~3u;
     for (var i = li; i < ne; i += 256u) {
         let ki = rkey[i];
         var rank = 0u;
-        for (var j = 0u; j < ne && rank < p.k; j++) {
+        for (var j = 0u; j < ne4; j += 4u) {
+            let k4 = vec4<i32>(rkey[j], rkey[j + 1u], rkey[j + 2u], rkey[j + 3u]);
+            let j4 = vec4<u32>(j, j + 1u, j + 2u, j + 3u);
+            let ahead = (k4 > vec4<i32>(ki)) | ((k4 == vec4<i32>(ki)) & (j4 < vec4<u32>(i)));
+            rank += dot(select(vec4<u32>(0u), vec4<u32>(1u), ahead), vec4<u32>(1u));
+        }
+        for (var j = ne4; j < ne; j++) {
             let kj = rkey[j];
             if (kj > ki || (kj == ki && j < i)) {
                 rank++;
