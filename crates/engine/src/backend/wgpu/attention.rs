@@ -55,7 +55,9 @@ fn gqa_keys() -> usize {
 fn gqa(d: &Dims) -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     let on = *ON.get_or_init(|| std::env::var("LILY_WGPU_GQA").as_deref() != Ok("0"));
-    on && d.n_heads / d.n_kv_heads <= GQA_MAX_GROUP && d.head_dim <= 256 && d.head_dim % 4 == 0
+    on && d.n_heads / d.n_kv_heads <= GQA_MAX_GROUP
+        && d.head_dim <= 256
+        && d.head_dim.is_multiple_of(4)
 }
 
 /// Whether the head shape is one the kernels take; records the error if not.
@@ -64,8 +66,8 @@ fn dims_ok(ctx: &Ctx, op: &str, d: &Dims) -> bool {
     if hd == 0
         || hd > MAX_HD
         || d.n_kv_heads == 0
-        || d.n_heads % d.n_kv_heads != 0
-        || d.rotary_dim % 2 != 0
+        || !d.n_heads.is_multiple_of(d.n_kv_heads)
+        || !d.rotary_dim.is_multiple_of(2)
         || d.rotary_dim > hd
         || d.rotary_dim > MAX_ROT
     {

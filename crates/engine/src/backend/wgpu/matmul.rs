@@ -30,7 +30,8 @@ pub fn upload_mat(ctx: &Ctx, m: &HostLinear) -> Result<WMat> {
             scales,
             biases,
         } => {
-            if !matches!(bits, 2 | 4 | 8) || *group_size == 0 || m.inp % group_size != 0 {
+            if !matches!(bits, 2 | 4 | 8) || *group_size == 0 || !m.inp.is_multiple_of(*group_size)
+            {
                 bail!("{}: {bits}-bit codes in groups of {group_size} over {} inputs: not a layout the wgpu kernels read", m.name, m.inp);
             }
             let sb16 = scales.dtype == Dtype::BF16 && biases.dtype == Dtype::BF16;
@@ -149,8 +150,8 @@ const GEMV_BUFFERS: u32 = 21;
 /// scale group (every matrix of the model), on an adapter with the storage buffers it binds.
 pub fn gemv_takes(ctx: &Ctx, w: &WMat) -> bool {
     matches!(w.bits, 4 | 8)
-        && w.gs % (128 / w.bits as usize) == 0
-        && w.inp % 4 == 0
+        && w.gs.is_multiple_of(128 / w.bits as usize)
+        && w.inp.is_multiple_of(4)
         && ctx.report.storage_buffers >= GEMV_BUFFERS
 }
 

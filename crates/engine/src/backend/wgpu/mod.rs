@@ -151,8 +151,7 @@ impl Wgpu {
     /// its layout over x's width, the buffers big enough (else the ops one by one, which
     /// report what is wrong).
     fn many_fits(&self, x: &WBuf, ws: &[&WMat], rows: usize, outs: &[&mut WBuf]) -> bool {
-        rows >= 1
-            && rows <= matmul::GEMV_MAX_ROWS
+        (1..=matmul::GEMV_MAX_ROWS).contains(&rows)
             && !ws.is_empty()
             && ws.len() == outs.len()
             && ws.iter().zip(outs.iter()).all(|(w, o)| {
@@ -356,7 +355,7 @@ impl Backend for Wgpu {
     ) {
         let fused = fuse_norm()
             && ws.len() <= 4
-            && dim % 4 == 0
+            && dim.is_multiple_of(4)
             && w.len >= dim
             && xn.len >= rows * dim
             && ws.iter().all(|m| m.inp == dim)
