@@ -338,20 +338,24 @@ fn decode_epilogues_match_the_cpu() {
     let hid = d.hidden;
     let mut rng = Rng(41);
     // matmul_q_add: out_proj-like and o_proj-like.
-    for (out, inp) in [(2048usize, 4096usize), (2048, 2048)] {
+    for (out, inp, rows) in [
+        (2048usize, 4096usize, 1usize),
+        (2048, 2048, 1),
+        (2048, 2048, 3),
+    ] {
         let m = rand_quant(&mut rng, 1, out, inp, 4, 64, false);
         let gm = g.upload_mat(&m).unwrap();
-        let x = rng.vec(inp, 1.0);
-        let h0 = rng.vec(out, 3.0);
+        let x = rng.vec(rows * inp, 1.0);
+        let h0 = rng.vec(rows * out, 3.0);
         let mut ch = h0.clone();
-        let mut cr = vec![0.0; out];
-        Cpu.matmul_q_add(&x, &m, 1, &mut cr, &mut ch);
+        let mut cr = vec![0.0; rows * out];
+        Cpu.matmul_q_add(&x, &m, rows, &mut cr, &mut ch);
         let mut gh = g.upload(&h0).unwrap();
-        let mut gr = g.zeros(out).unwrap();
-        g.matmul_q_add(&g.upload(&x).unwrap(), &gm, 1, &mut gr, &mut gh);
+        let mut gr = g.zeros(rows * out).unwrap();
+        g.matmul_q_add(&g.upload(&x).unwrap(), &gm, rows, &mut gr, &mut gh);
         check(
-            &format!("matmul_q_add [{out}, {inp}]"),
-            rel_rows(&h(&g, &gh, out), &ch, out),
+            &format!("matmul_q_add [{out}, {inp}] rows {rows}"),
+            rel_rows(&h(&g, &gh, rows * out), &ch, out),
             F32_TOL,
         );
     }
