@@ -11,7 +11,7 @@
 //! `attn_combine` merges them.
 
 use super::device::{Ctx, Shader};
-use super::{WBuf, WStep};
+use super::{fits, WBuf, WStep};
 use crate::backend::{Dims, KvCache};
 
 pub const SHADER: Shader = Shader {
@@ -29,33 +29,18 @@ const MAX_ROT: usize = 256;
 /// Keys a workgroup scores at once (attention.wgsl `CHUNK`); most splits of a decode.
 const CHUNK: usize = 256;
 const MAX_SPLITS: usize = 32;
-/// attn_split_gqa: query heads a KV head it takes (attention.wgsl `GQ_MAXG`), the splits at most
-/// (a KV head's keys over up to 128 workgroups: 256 on the model's two KV heads, enough for a
-/// big GPU) and the capacity's keys a split at least.
+/// attn_split_gqa: query heads a KV head it takes (attention.wgsl `GQ_MAXG`) and the splits at
+/// most (a KV head's keys over up to 128 workgroups: 256 on the model's two KV heads, enough
+/// for a big GPU); the capacity's keys a split at least are `Switches::attn_keys` (64).
 const GQA_MAX_GROUP: usize = 8;
 const GQA_MAX_SPLITS: usize = 128;
-const GQA_KEYS: usize = 64;
-
-/// The capacity's keys a split at least: `GQA_KEYS`, or `LILY_WGPU_ATTN_KEYS` (a tuning knob:
-/// fewer, longer splits against more, shorter ones).
-fn gqa_keys() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("LILY_WGPU_ATTN_KEYS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&n: &usize| n > 0)
-            .unwrap_or(GQA_KEYS)
-    })
-}
 
 /// Whether the grouped kernels (`attn_split_gqa`, `attn_rows_gqa`) take this shape: up to 8
 /// query heads a KV head, heads of up to 256 in vec4s (the model's: 8 of 256). Others go a
 /// query head a workgroup. `LILY_WGPU_GQA=0` sends every shape that way (the ablation).
-fn gqa(d: &Dims) -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let on = *ON.get_or_init(|| std::env::var("LILY_WGPU_GQA").as_deref() != Ok("0"));
-    on && d.n_heads / d.n_kv_heads <= GQA_MAX_GROUP
+fn gqa(ctx: &Ctx, d: &Dims) -> bool {
+    ctx.sw.gqa
+        && d.n_heads / d.n_kv_heads <= GQA_MAX_GROUP
         && d.head_dim <= 256
         && d.head_dim.is_multiple_of(4)
 }
@@ -74,18 +59,6 @@ fn dims_ok(ctx: &Ctx, op: &str, d: &Dims) -> bool {
         ctx.fail(format!(
             "{op}: {} heads over {} KV heads of {hd} dims, {} rotated: not a shape the wgpu kernels take (head dim ≤ {MAX_HD}, rotated dims even and ≤ min(head dim, {MAX_ROT}))",
             d.n_heads, d.n_kv_heads, d.rotary_dim
-        ));
-        return false;
-    }
-    true
-}
-
-/// Whether each buffer holds its `need` elements; records the error if not.
-fn fits(ctx: &Ctx, op: &str, bufs: &[(&str, &WBuf, usize)]) -> bool {
-    if let Some((name, b, need)) = bufs.iter().find(|(_, b, need)| b.len < *need) {
-        ctx.fail(format!(
-            "{op}: {name} needs {need} elements, its buffer has {}",
-            b.len
         ));
         return false;
     }
@@ -244,7 +217,7 @@ pub fn attn_prefill(
     let (at, bytes) = (4 * (pos0 * kvd) as u64, 4 * (rows * kvd) as u64);
     ctx.copy(&k.buf, 0, &kv.k.buf, at, bytes);
     ctx.copy(&v.buf, 0, &kv.v.buf, at, bytes);
-    let (entry, groups) = if gqa(d) {
+    let (entry, groups) = if gqa(ctx, d) {
         ("attn_rows_gqa", rows * kvh)
     } else {
         ("attn_rows", rows * hq)
@@ -307,9 +280,9 @@ pub fn attn_decode(
     ) {
         return;
     }
-    let gqa = gqa(d);
+    let gqa = gqa(ctx, d);
     let (span, splits) = if gqa {
-        (0, (kv.capacity / gqa_keys()).clamp(1, GQA_MAX_SPLITS))
+        (0, (kv.capacity / ctx.sw.attn_keys).clamp(1, GQA_MAX_SPLITS))
     } else {
         split(kv.capacity)
     };

@@ -36,6 +36,8 @@ use anyhow::{anyhow, bail, Context, Result};
 const FLUSH_EVERY: usize = 256;
 /// Bytes of the parameter arena a dispatch may use (a QMat and a few words; attention passes its RoPE frequencies).
 const PARAM_BYTES: u64 = 2048;
+/// Spare buffers (`Ctx::spare`): as many as a launch may leave unused.
+const SPARE: usize = 8;
 /// Read-backs up to this size share one mappable buffer.
 const SMALL_READ: u64 = 1 << 16;
 
@@ -112,7 +114,48 @@ struct Timing {
     totals: HashMap<String, (u64, f64)>,
 }
 
+/// The backend's switches and tuning knobs, read once from the environment when the device
+/// opens (ablations for `lily bench` A/B runs; every default is the measured best).
+pub(super) struct Switches {
+    /// `LILY_WGPU_REPLAY=0`: every decode step op by op, none recorded.
+    pub replay: bool,
+    /// `LILY_WGPU_GQA=0`: attention a query head a workgroup instead of a KV head's group.
+    pub gqa: bool,
+    /// `LILY_WGPU_FUSE_NORM=0`: the norm before the projections as a launch of its own.
+    pub fuse_norm: bool,
+    /// `LILY_WGPU_FUSE_EPILOGUE=0`: the residual adds, the shared expert's swiglu and gate as
+    /// launches of their own.
+    pub fuse_epilogue: bool,
+    /// `LILY_WGPU_GEMV_WGS`: workgroups gemv_v4 aims a matrix at (fewer, longer workgroups keep
+    /// more loads in flight a thread; more fill more of the GPU).
+    pub gemv_wgs: usize,
+    /// `LILY_WGPU_ATTN_KEYS`: the capacity's keys a decode attention split covers at least.
+    pub attn_keys: usize,
+}
+
+impl Switches {
+    fn from_env() -> Self {
+        let on = |v: &str| std::env::var(v).as_deref() != Ok("0");
+        let num = |v: &str, d: usize| {
+            std::env::var(v)
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .filter(|&n: &usize| n > 0)
+                .unwrap_or(d)
+        };
+        Self {
+            replay: on("LILY_WGPU_REPLAY"),
+            gqa: on("LILY_WGPU_GQA"),
+            fuse_norm: on("LILY_WGPU_FUSE_NORM"),
+            fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
+            gemv_wgs: num("LILY_WGPU_GEMV_WGS", 1024),
+            attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),
+        }
+    }
+}
+
 pub(super) struct Ctx {
+    pub sw: Switches,
     pub device: ::wgpu::Device,
     pub queue: ::wgpu::Queue,
     pub report: AdapterReport,
@@ -124,6 +167,11 @@ pub(super) struct Ctx {
     rec: Mutex<Option<Vec<Item>>>,
     /// `None` where the adapter has no timestamp queries.
     timing: Mutex<Option<Timing>>,
+    /// Whether timing is on (read without the lock on every dispatch).
+    timing_on: std::sync::atomic::AtomicBool,
+    /// Small buffers for the bindings a launch does not use this time (a fused kernel's unused
+    /// matrices, outputs and mode inputs): distinct, so no two writable bindings alias.
+    pub spare: Vec<::wgpu::Buffer>,
     /// Bumped whenever a scratch buffer is replaced: records holding the old one are stale.
     scratch_gen: std::sync::atomic::AtomicU64,
     /// A mappable buffer for small read-backs (the step's token every decode step).
@@ -252,7 +300,18 @@ impl Ctx {
                 totals: HashMap::new(),
             }
         });
+        let spare = (0..SPARE)
+            .map(|_| {
+                device.create_buffer(&::wgpu::BufferDescriptor {
+                    label: Some("spare"),
+                    size: 16,
+                    usage: storage_usage(),
+                    mapped_at_creation: false,
+                })
+            })
+            .collect();
         Ok(Self {
+            sw: Switches::from_env(),
             device,
             queue,
             report,
@@ -261,6 +320,8 @@ impl Ctx {
             enc: Mutex::new(None),
             rec: Mutex::new(None),
             timing: Mutex::new(timing),
+            timing_on: std::sync::atomic::AtomicBool::new(false),
+            spare,
             scratch_gen: std::sync::atomic::AtomicU64::new(0),
             readback: Mutex::new(None),
             err,
@@ -432,8 +493,9 @@ impl Ctx {
         gx: u32,
         gy: u32,
     ) {
-        let t = self.timing.lock().unwrap();
-        match t.as_ref().filter(|t| t.on) {
+        let on = self.timing_on.load(std::sync::atomic::Ordering::Relaxed);
+        let t = on.then(|| self.timing.lock().unwrap());
+        match t.as_ref().and_then(|t| t.as_ref()).filter(|t| t.on) {
             Some(t) => {
                 open.pass = None;
                 let i = 2 * open.timed.len() as u32;
@@ -610,6 +672,8 @@ impl Ctx {
         let mut t = self.timing.lock().unwrap();
         let t = t.as_mut()?;
         t.on = on;
+        self.timing_on
+            .store(on, std::sync::atomic::Ordering::Relaxed);
         if on {
             t.totals.clear();
             return Some(Vec::new());

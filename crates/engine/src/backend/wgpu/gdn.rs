@@ -2,7 +2,7 @@
 //! twin). Prefill and decode share these entry points (rows = 1 for a step).
 
 use super::device::{Ctx, Shader};
-use super::WBuf;
+use super::{fits, WBuf};
 use crate::backend::{Dims, GdnParams};
 
 pub const SHADER: Shader = Shader {
@@ -35,18 +35,6 @@ fn params(d: &Dims, rows: usize, rb: usize) -> [u32; 12] {
         rb as u32,
         0,
     ]
-}
-
-/// The first buffer of `bufs` (named) holding fewer than its count; records the error.
-fn fits(ctx: &Ctx, op: &str, bufs: &[(&str, &WBuf, usize)]) -> bool {
-    if let Some((name, b, need)) = bufs.iter().find(|(_, b, need)| b.len < *need) {
-        ctx.fail(format!(
-            "{op}: {name} needs {need} elements, its buffer has {}",
-            b.len
-        ));
-        return false;
-    }
-    true
 }
 
 pub fn conv1d(

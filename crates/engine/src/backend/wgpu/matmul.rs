@@ -79,11 +79,10 @@ pub fn upload_mat(ctx: &Ctx, m: &HostLinear) -> Result<WMat> {
 pub const GEMV_MAX_ROWS: usize = 8;
 
 /// Threads a row for `gemv_v4`: 16 (each thread 4 code words of a 2048-wide 4-bit row per
-/// pass), doubled while the workgroups (1024 / lanes rows each) are fewer than `gemv_wgs()`, so
-/// that a big GPU gets several waves; never more than the row's 16-byte words of a pass (no idle
+/// pass), doubled while the workgroups (1024 / lanes rows each) are fewer than `want`
+/// (`Switches::gemv_wgs`, 1024), so that a big GPU gets several waves; never more than the row's 16-byte words of a pass (no idle
 /// lanes), at least 4 (a row group's first 4 lanes write its 4 outputs).
-fn gemv_lanes(out: usize, v4_pass: usize) -> usize {
-    let want = gemv_wgs();
+fn gemv_lanes(out: usize, v4_pass: usize, want: usize) -> usize {
     let mut lanes = 16;
     while lanes < 256 && lanes < v4_pass && out.div_ceil(1024 / lanes) < want {
         lanes *= 2;
@@ -92,19 +91,6 @@ fn gemv_lanes(out: usize, v4_pass: usize) -> usize {
         lanes /= 2;
     }
     lanes
-}
-
-/// Workgroups `gemv_lanes` aims a matrix at: 1024, or `LILY_WGPU_GEMV_WGS` (a tuning knob:
-/// fewer, longer workgroups keep more loads in flight a thread; more fill more of the GPU).
-fn gemv_wgs() -> usize {
-    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *N.get_or_init(|| {
-        std::env::var("LILY_WGPU_GEMV_WGS")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .filter(|&n: &usize| n > 0)
-            .unwrap_or(1024)
-    })
 }
 
 /// `out[t] = x[t] · W_eᵀ` for matrix `e` of the stack, `rows` rows of x.
@@ -194,20 +180,8 @@ pub fn gemv_many(
     omode: OutMode,
 ) {
     debug_assert!(!ws.is_empty() && ws.len() <= 4 && ws.len() == outs.len());
-    const DUMMIES: [&str; 7] = [
-        "gemv.o1", "gemv.o2", "gemv.o3", "gemv.aux", "gemv.xn", "gemv.r", "gemv.s",
-    ];
-    let dummies = match DUMMIES
-        .iter()
-        .map(|n| ctx.scratch(n, 16))
-        .collect::<Result<Vec<_>>>()
-    {
-        Ok(d) => d,
-        Err(e) => {
-            ctx.fail(format!("matmul_q: gemv scratch: {e:#}"));
-            return;
-        }
-    };
+    // Unused bindings take the device's spare buffers: outputs 1-3, then aux, xn, r, s.
+    let dummies = &ctx.spare;
     let mut p: Vec<u32> = Vec::with_capacity(52);
     let (mut lanes, mut start, mut end) = ([0u32; 4], [0u32; 4], [0u32; 4]);
     let mut blocks = 0usize;
@@ -215,7 +189,11 @@ pub fn gemv_many(
         let w = ws[i.min(ws.len() - 1)];
         p.extend(w.qmat());
         if i < ws.len() {
-            let l = gemv_lanes(w.out, w.inp.min(4096) / (128 / w.bits as usize));
+            let l = gemv_lanes(
+                w.out,
+                w.inp.min(4096) / (128 / w.bits as usize),
+                ctx.sw.gemv_wgs,
+            );
             lanes[i] = l as u32;
             start[i] = blocks as u32;
             blocks += w.out.div_ceil(1024 / l);

@@ -37,8 +37,18 @@ use matmul::{OutMode, XIn};
 pub struct Wgpu {
     ctx: Ctx,
     records: std::sync::Mutex<Records>,
-    /// `LILY_WGPU_REPLAY=0` runs every decode step op by op (the ablation of `replay`).
-    replay_on: bool,
+}
+
+/// Whether each (named) buffer holds its `need` elements; records the error if not.
+fn fits(ctx: &Ctx, op: &str, bufs: &[(&str, &WBuf, usize)]) -> bool {
+    if let Some((name, b, need)) = bufs.iter().find(|(_, b, need)| b.len < *need) {
+        ctx.fail(format!(
+            "{op}: {name} needs {need} elements, its buffer has {}",
+            b.len
+        ));
+        return false;
+    }
+    true
 }
 
 /// Recorded decode steps by key, least recently used first, and the keys seen once.
@@ -117,7 +127,6 @@ impl Wgpu {
         Ok(Self {
             ctx: Ctx::new(allow_software)?,
             records: Default::default(),
-            replay_on: std::env::var("LILY_WGPU_REPLAY").as_deref() != Ok("0"),
         })
     }
     /// What the adapter is and offers.
@@ -131,19 +140,6 @@ impl Wgpu {
             len: v.len(),
         })
     }
-}
-
-/// `LILY_WGPU_FUSE_EPILOGUE=0`: the residual adds, the shared expert's swiglu and gate as
-/// launches of their own (the ablation of `matmul_q_add` and `moe_decode_add`).
-fn fuse_epilogues() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_WGPU_FUSE_EPILOGUE").as_deref() != Ok("0"))
-}
-
-/// `LILY_WGPU_FUSE_NORM=0`: the norm before the projections as a launch of its own (ablation).
-fn fuse_norm() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("LILY_WGPU_FUSE_NORM").as_deref() != Ok("0"))
 }
 
 impl Wgpu {
@@ -181,7 +177,7 @@ impl Backend for Wgpu {
     /// exists), recorded the second (`Ctx::begin_record`: it still runs), and replayed from then
     /// on: the dispatches re-encoded with the parameters and bind groups made when recorded.
     fn replay(&self, key: u64, ops: &mut dyn FnMut() -> Result<()>) -> Result<()> {
-        if !self.replay_on {
+        if !self.ctx.sw.replay {
             return ops();
         }
         let gen = self.ctx.scratch_gen();
@@ -353,7 +349,7 @@ impl Backend for Wgpu {
         ws: &[&WMat],
         outs: &mut [&mut WBuf],
     ) {
-        let fused = fuse_norm()
+        let fused = self.ctx.sw.fuse_norm
             && ws.len() <= 4
             && dim.is_multiple_of(4)
             && w.len >= dim
@@ -370,7 +366,10 @@ impl Backend for Wgpu {
     }
     /// The residual add in the projection's epilogue (`h += acc`, unrounded).
     fn matmul_q_add(&self, x: &WBuf, w: &WMat, rows: usize, r: &mut WBuf, h: &mut WBuf) {
-        if !fuse_epilogues() || h.len < rows * w.out || !self.many_fits(x, &[w], rows, &[&mut *r]) {
+        if !self.ctx.sw.fuse_epilogue
+            || h.len < rows * w.out
+            || !self.many_fits(x, &[w], rows, &[&mut *r])
+        {
             self.matmul_q(x, w, rows, r);
             self.add(h, r, rows * w.out);
             return;
@@ -402,7 +401,7 @@ impl Backend for Wgpu {
         h: &mut WBuf,
     ) {
         let width = shared.gate.out;
-        let fits = fuse_epilogues()
+        let fits = self.ctx.sw.fuse_epilogue
             && shared.up.out == width
             && shared.down.inp == width
             && shared.down.out == d.hidden

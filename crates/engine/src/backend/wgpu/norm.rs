@@ -1,7 +1,7 @@
 //! Norms and small elementwise ops (shaders/norm.wgsl; cpu/norm.rs is the twin).
 
 use super::device::{Ctx, Shader};
-use super::WBuf;
+use super::{fits, WBuf};
 
 pub const SHADER: Shader = Shader {
     name: "norm",
@@ -16,20 +16,13 @@ fn params(n: usize, dim: usize, eps: f32) -> [u32; 4] {
     [n as u32, dim as u32, eps.to_bits(), 0]
 }
 
-/// Whether `bufs` hold `need` elements each; records the error if not.
-fn fits(ctx: &Ctx, op: &str, need: usize, bufs: &[&WBuf]) -> bool {
-    if let Some(b) = bufs.iter().find(|b| b.len < need) {
-        ctx.fail(format!(
-            "{op}: {need} elements needed, a buffer has {}",
-            b.len
-        ));
-        return false;
-    }
-    true
-}
-
 pub fn rms_norm(ctx: &Ctx, x: &WBuf, w: &WBuf, rows: usize, dim: usize, eps: f32, out: &mut WBuf) {
-    if !fits(ctx, "rms_norm", rows * dim, &[x, out]) || !fits(ctx, "rms_norm", dim, &[w]) {
+    let n = rows * dim;
+    if !fits(
+        ctx,
+        "rms_norm",
+        &[("x", x, n), ("out", out, n), ("the weights", w, dim)],
+    ) {
         return;
     }
     ctx.dispatch(
@@ -52,8 +45,14 @@ pub fn add_rms_norm(
     eps: f32,
     out: &mut WBuf,
 ) {
-    if !fits(ctx, "add_rms_norm", rows * dim, &[h, r, out]) || !fits(ctx, "add_rms_norm", dim, &[w])
-    {
+    let n = rows * dim;
+    let bufs = [
+        ("h", &*h, n),
+        ("r", r, n),
+        ("out", &*out, n),
+        ("the weights", w, dim),
+    ];
+    if !fits(ctx, "add_rms_norm", &bufs) {
         return;
     }
     ctx.dispatch(
@@ -66,7 +65,7 @@ pub fn add_rms_norm(
 }
 
 pub fn add(ctx: &Ctx, h: &mut WBuf, r: &WBuf, len: usize) {
-    if !fits(ctx, "add", len, &[h, r]) {
+    if !fits(ctx, "add", &[("h", h, len), ("r", r, len)]) {
         return;
     }
     ctx.dispatch(
@@ -79,7 +78,11 @@ pub fn add(ctx: &Ctx, h: &mut WBuf, r: &WBuf, len: usize) {
 }
 
 pub fn swiglu(ctx: &Ctx, g: &WBuf, u: &WBuf, len: usize, out: &mut WBuf) {
-    if !fits(ctx, "swiglu", len, &[g, u, out]) {
+    if !fits(
+        ctx,
+        "swiglu",
+        &[("g", g, len), ("u", u, len), ("out", out, len)],
+    ) {
         return;
     }
     ctx.dispatch(
@@ -99,12 +102,14 @@ pub fn add_sigmoid_gated(
     rows: usize,
     dim: usize,
 ) {
-    if !fits(ctx, "add_sigmoid_gated", rows * dim, &[y, shared])
-        || !fits(ctx, "add_sigmoid_gated", rows, &[s])
-    {
+    let n = rows * dim;
+    if !fits(
+        ctx,
+        "add_sigmoid_gated",
+        &[("y", y, n), ("shared", shared, n), ("s", s, rows)],
+    ) {
         return;
     }
-    let n = rows * dim;
     ctx.dispatch(
         &SHADER,
         "add_sigmoid_gated",
