@@ -79,7 +79,7 @@ mod common;
 #[path = "common/ops.rs"]
 mod ops;
 
-use common::{gpu, perplexity, prompt_ids};
+use common::{gpu, prompt_ids};
 use ops::{bf16r, check, kv_new, qwen_dims, rand_dense, rand_quant, rel_rows, tensor_u32, Rng};
 
 use lily::backend::cpu::{moe::Route as CpuRoute, Cpu, CpuStep};
@@ -3078,74 +3078,16 @@ fn tiny_preset_end_to_end() {
 
 fn end_to_end(preset: &str) {
     let Some(g) = gpu() else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = lily::synth::preset(preset).unwrap();
-    // Seed 0 and prompt_ids(192): the checkpoint and positions of MLX-LM's bf16-vs-f32 fixture.
-    lily::synth::write_checkpoint(&cfg, dir.path(), 0, &|_, _| {}).unwrap();
-    let cpu = lily::runtime::load(Cpu, dir.path()).unwrap();
-    let cuda = lily::runtime::load(g, dir.path()).unwrap();
-    println!("backend: {}", cuda.backend.name());
-    let v = cpu.cfg.vocab_size;
-    let n = 192;
-    let ids = prompt_ids(n, v);
-
-    let t0 = std::time::Instant::now();
-    let mut cs = cpu.new_state(n + 64).unwrap();
-    let cl = cpu
-        .forward(&mut cs, &ids, lily::model::Logits::All, None)
-        .unwrap();
-    let t_cpu = t0.elapsed();
-    let t0 = std::time::Instant::now();
-    let mut gs = cuda.new_state(n + 64).unwrap();
-    let gl = cuda
-        .forward(&mut gs, &ids, lily::model::Logits::All, None)
-        .unwrap();
-    let t_gpu = t0.elapsed();
-    let argmax = |r: &[f32]| lily::runtime::argmax(r);
-    let agree = (0..n)
-        .filter(|&t| argmax(&cl[t * v..][..v]) == argmax(&gl[t * v..][..v]))
-        .count();
-    let err = rel_rows(&gl, &cl, v);
-    println!("e2e {preset}, {n} positions (prefill): top-1 agreement {agree}/{n} ({:.2}%), max rel err {err:.2e}; cpu {:.3}s cuda {:.3}s", 100.0 * agree as f64 / n as f64, t_cpu.as_secs_f64(), t_gpu.as_secs_f64());
-
-    // Decode: prefill 184, then 8 single-token steps, against the same CPU logits.
-    let p = n - 8;
-    let mut ds = cuda.new_state(n + 64).unwrap();
-    cuda.forward(&mut ds, &ids[..p], lily::model::Logits::None, None)
-        .unwrap();
-    let mut dagree = 0;
-    let mut derr = 0f32;
-    for t in p..n {
-        let l = cuda
-            .forward(&mut ds, &ids[t..t + 1], lily::model::Logits::Last, None)
-            .unwrap();
-        dagree += (argmax(&l) == argmax(&cl[t * v..][..v])) as usize;
-        derr = derr.max(rel_rows(&l, &cl[t * v..][..v], v));
-    }
-    println!("e2e {preset}, decode after a {p}-token prefill: top-1 agreement {dagree}/8, max rel err {derr:.2e}");
-
-    // Greedy continuations of a 32-token prompt.
-    let (mut s1, mut s2) = (cpu.new_state(128).unwrap(), cuda.new_state(128).unwrap());
-    let (a, _) =
-        lily::runtime::generate_greedy(&cpu, &mut s1, &ids[..32], 48, &[], |_| {}).unwrap();
-    let t0 = std::time::Instant::now();
-    let (b, st) =
-        lily::runtime::generate_greedy(&cuda, &mut s2, &ids[..32], 48, &[], |_| {}).unwrap();
-    let same = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
-    println!("e2e {preset}, greedy 48 tokens: identical for the first {same}; cuda decode {:.1} tok/s ({:.3}s incl. prefill)", st.generated as f64 / st.decode_s.max(1e-9), t0.elapsed().as_secs_f64());
-
+    let kind = if g.tensor_core_gemm() || g.tensor_core_attention() {
+        "tc_gemm / attn_tc, bf16 activations"
+    } else {
+        "f32 gemm and attention, bf16 activations"
+    };
+    let r = ops::end_to_end(g, preset, "cuda");
+    let n = r.n;
     // Against MLX-LM's own bf16 run (tests/data, written by tests/oracle.rs on this checkpoint
     // and these positions; the CPU logits equal MLX-LM's f32 ones to 5e-7): at least as close in
     // top-1 agreement and in teacher-forced perplexity, and never below 95% top-1.
-    let to64 = |l: &[f32]| l.iter().map(|&x| x as f64).collect::<Vec<f64>>();
-    let (ppl_cpu, ppl_gpu) = (
-        perplexity(&to64(&cl), v, &ids),
-        perplexity(&to64(&gl), v, &ids),
-    );
-    let ppl_diff = (ppl_gpu / ppl_cpu - 1.0).abs();
-    println!(
-        "e2e {preset}: perplexity cpu {ppl_cpu:.4} cuda {ppl_gpu:.4} (rel diff {ppl_diff:.2e})"
-    );
     if preset == "small" {
         let mlx: serde_json::Value =
             serde_json::from_str(include_str!("data/mlx_small_bf16_vs_f32.json")).unwrap();
@@ -3158,31 +3100,27 @@ fn end_to_end(preset: &str) {
             100.0 * mlx_top1
         );
         assert!(
-            agree as f64 / n as f64 >= mlx_top1,
-            "top-1 {agree}/{n} below MLX-LM bf16's {mlx_top1}"
+            r.agree as f64 / n as f64 >= mlx_top1,
+            "top-1 {}/{n} below MLX-LM bf16's {mlx_top1}",
+            r.agree
         );
         assert!(
-            ppl_diff <= mlx_ppl,
-            "perplexity rel diff {ppl_diff:e} above MLX-LM bf16's {mlx_ppl:e}"
+            r.ppl_diff <= mlx_ppl,
+            "perplexity rel diff {:e} above MLX-LM bf16's {mlx_ppl:e}",
+            r.ppl_diff
         );
     }
-    let pct = 100.0 * (agree + dagree) as f64 / (n + 8) as f64;
+    let pct = 100.0 * (r.agree + r.dagree) as f64 / (n + 8) as f64;
     assert!(pct >= 99.0, "top-1 agreement {pct:.2}% < 99%");
     // Activations between ops are bf16 on every path, so every path is held to 1e-2: MLX-LM's own
     // bf16 run is 1.0% off its f32 run on `small` (#6's yardstick). Measured on the H200 (max over
     // positions of max |gpu - cpu| / max |cpu|): tensor-core kernels 2.83e-3 on small, 7.10e-3 on
     // tiny; the f32 GEMMs and attn_rows (LILY_CUDA_GEMM=simt LILY_CUDA_ATTN=f32) 2.61e-3 and
     // 4.27e-3. (With f32 activations the latter measured 5-7e-4, the bf16 KV cache's rounding.)
-    let tol = 1e-2;
-    let kind = if cuda.backend.tensor_core_gemm() || cuda.backend.tensor_core_attention() {
-        "tc_gemm / attn_tc, bf16 activations"
-    } else {
-        "f32 gemm and attention, bf16 activations"
-    };
     check(
         &format!("e2e {preset}: logits (prefill, per position; {kind})"),
-        err,
-        tol,
+        r.err,
+        1e-2,
     );
 }
 

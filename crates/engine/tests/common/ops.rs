@@ -209,3 +209,114 @@ pub fn kv_new<B: Backend>(b: &B, cap: usize, kvd: usize) -> KvCache<B::Buf> {
         capacity: cap,
     }
 }
+
+/// What `end_to_end` measured of a device backend against the CPU on one synthetic preset.
+pub struct E2e {
+    /// Positions teacher-forced (192) and those whose top-1 matched the CPU's.
+    pub n: usize,
+    pub agree: usize,
+    /// Max over positions of max |dev − cpu| / max |cpu| of the prefill's logits.
+    pub err: f32,
+    /// The 8 decode steps after a 184-token prefill: top-1 matches and the same error.
+    pub dagree: usize,
+    pub derr: f32,
+    /// Greedy continuations of 48 tokens: how long they stay identical, and where they part,
+    /// the CPU's top-2 gap and max |logit| there.
+    pub same: usize,
+    pub greedy: usize,
+    pub parted: Option<(f32, f32)>,
+    /// Teacher-forced perplexity, relative difference to the CPU's.
+    pub ppl_diff: f64,
+}
+
+/// The whole model on `dev` against the CPU (cuda_ops' and wgpu_ops' end-to-end tests): the
+/// `preset` checkpoint at seed 0 teacher-forced over `prompt_ids(192)` (the positions of MLX-LM's
+/// bf16-vs-f32 fixture), decode steps after a prefill, greedy continuations with the pick on the
+/// device; prints each figure under `tag` and returns them for the caller's bounds.
+pub fn end_to_end<B: Backend>(dev: B, preset: &str, tag: &str) -> E2e {
+    use crate::common::{perplexity, prompt_ids, top2_gap};
+    use lily::model::Logits;
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = lily::synth::preset(preset).unwrap();
+    lily::synth::write_checkpoint(&cfg, dir.path(), 0, &|_, _| {}).unwrap();
+    let cpu = lily::runtime::load(lily::backend::cpu::Cpu, dir.path()).unwrap();
+    let gm = lily::runtime::load(dev, dir.path()).unwrap();
+    println!("backend: {}", gm.backend.name());
+    let v = cpu.cfg.vocab_size;
+    let n = 192;
+    let ids = prompt_ids(n, v);
+
+    let t0 = std::time::Instant::now();
+    let mut cs = cpu.new_state(n + 64).unwrap();
+    let cl = cpu.forward(&mut cs, &ids, Logits::All, None).unwrap();
+    let t_cpu = t0.elapsed();
+    let t0 = std::time::Instant::now();
+    let mut gs = gm.new_state(n + 64).unwrap();
+    let gl = gm.forward(&mut gs, &ids, Logits::All, None).unwrap();
+    let t_dev = t0.elapsed();
+    let argmax = |r: &[f32]| lily::runtime::argmax(r);
+    let agree = (0..n)
+        .filter(|&t| argmax(&cl[t * v..][..v]) == argmax(&gl[t * v..][..v]))
+        .count();
+    let err = rel_rows(&gl, &cl, v);
+    println!(
+        "e2e {preset}, {n} positions (prefill): top-1 agreement {agree}/{n}, max rel err {err:.2e}; cpu {:.3}s {tag} {:.3}s",
+        t_cpu.as_secs_f64(),
+        t_dev.as_secs_f64()
+    );
+
+    // Decode: prefill 184, then 8 single-token steps, against the same CPU logits.
+    let p = n - 8;
+    let mut ds = gm.new_state(n + 64).unwrap();
+    gm.forward(&mut ds, &ids[..p], Logits::None, None).unwrap();
+    let (mut dagree, mut derr) = (0, 0f32);
+    for t in p..n {
+        let l = gm
+            .forward(&mut ds, &ids[t..t + 1], Logits::Last, None)
+            .unwrap();
+        dagree += (argmax(&l) == argmax(&cl[t * v..][..v])) as usize;
+        derr = derr.max(rel_rows(&l, &cl[t * v..][..v], v));
+    }
+    println!("e2e {preset}, decode after a {p}-token prefill: top-1 agreement {dagree}/8, max rel err {derr:.2e}");
+
+    // Greedy continuations of a 32-token prompt: the decode loop with the pick on the device.
+    let (mut s1, mut s2) = (cpu.new_state(128).unwrap(), gm.new_state(128).unwrap());
+    let (a, _) =
+        lily::runtime::generate_greedy(&cpu, &mut s1, &ids[..32], 48, &[], |_| {}).unwrap();
+    let (b, st) =
+        lily::runtime::generate_greedy(&gm, &mut s2, &ids[..32], 48, &[], |_| {}).unwrap();
+    let same = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+    let greedy = a.len().min(b.len());
+    println!(
+        "e2e {preset}, greedy 48 tokens: identical for the first {same}; {tag} decode {:.1} tok/s",
+        st.generated as f64 / st.decode_s.max(1e-9)
+    );
+    let parted = (same < greedy).then(|| {
+        let mut s = cpu.new_state(128).unwrap();
+        let mut seq = ids[..32].to_vec();
+        seq.extend_from_slice(&a[..same]);
+        let l = cpu.forward(&mut s, &seq, Logits::Last, None).unwrap();
+        let (gap, scale) = (top2_gap(&l), l.iter().fold(0f32, |m, x| m.max(x.abs())));
+        println!("e2e {preset}: greedy parts at token {same}, the CPU's top-2 gap {gap:.3e} of max |logit| {scale:.3}");
+        (gap, scale)
+    });
+
+    let to64 = |l: &[f32]| l.iter().map(|&x| x as f64).collect::<Vec<f64>>();
+    let (pc, pg) = (
+        perplexity(&to64(&cl), v, &ids),
+        perplexity(&to64(&gl), v, &ids),
+    );
+    let ppl_diff = (pg / pc - 1.0).abs();
+    println!("e2e {preset}: perplexity cpu {pc:.4} {tag} {pg:.4} (rel diff {ppl_diff:.2e})");
+    E2e {
+        n,
+        agree,
+        err,
+        dagree,
+        derr,
+        same,
+        greedy,
+        parted,
+        ppl_diff,
+    }
+}
