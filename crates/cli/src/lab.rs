@@ -1,8 +1,10 @@
-//! `lily lab`: the kernel lab (CUDA only). Each weight-reading op of a decode step at the shapes of
-//! a synth preset (default the full `qwen3.6-35b-a3b`), replayed alone and L2-cold in a CUDA graph,
-//! beside a pure streaming read of the same bytes in the same run, with the backend's decode
-//! optimisations on and off (engine: backend/cuda/lab.rs says how). Prints a table; `--json FILE`
-//! writes the rows.
+//! `lily lab`: the kernel lab. Each weight-reading op of a decode step at the shapes of a synth
+//! preset (default the full `qwen3.6-35b-a3b`), run alone over copies of its weights that the cache
+//! cannot hold, beside a pure streaming read of the same bytes in the same run. CUDA (default):
+//! replayed in a CUDA graph with the backend's decode optimisations on and off (engine:
+//! backend/cuda/lab.rs). `--backend wgpu`: in one compute pass timed by timestamps, for each
+//! GEMV variant of `--variants`, plus the dispatch floor and pure reads by size (engine:
+//! backend/wgpu/lab.rs). Prints a table; `--json FILE` writes the rows.
 
 use std::path::PathBuf;
 
@@ -12,10 +14,21 @@ use clap::Args;
 #[derive(Args)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub struct LabArgs {
-    /// Cases to run, comma-separated: in_proj, qkv, out_proj, o_proj, router, route, experts,
-    /// lm_head (default: all).
+    /// Which backend's kernels: cuda or wgpu.
+    #[arg(long, default_value = "cuda")]
+    backend: String,
+    /// Cases to run, comma-separated (default: all). CUDA: in_proj, qkv, out_proj, o_proj,
+    /// router, route, experts, lm_head. wgpu: floor, read, in_proj, attn_qkv, out_proj, router,
+    /// shared_gu, shared_down, lm_head.
     #[arg(long)]
     cases: Option<String>,
+    /// wgpu: the GEMV variants, comma-separated: v4, rw1, rw2, rw4, each optionally @N
+    /// workgroups aimed at a matrix (default 1024).
+    #[arg(long, default_value = "v4,rw1,rw2,rw4,rw2@256,rw2@4096")]
+    variants: String,
+    /// wgpu: MB of weights a cycle through a case's copies reads (more than the GPU's cache).
+    #[arg(long, default_value_t = 200)]
+    cycle_mb: usize,
     /// Calls per recorded graph (rounded up to whole cycles through a case's weight copies; the
     /// lm_head runs an eighth of them).
     #[arg(long, default_value_t = 64)]
@@ -28,13 +41,135 @@ pub struct LabArgs {
     json: Option<PathBuf>,
 }
 
+pub fn run(a: LabArgs) -> Result<()> {
+    match a.backend.as_str() {
+        "cuda" => run_cuda(a),
+        "wgpu" => run_wgpu(a),
+        b => anyhow::bail!("--backend {b}: cuda or wgpu"),
+    }
+}
+
+#[cfg(not(feature = "wgpu"))]
+fn run_wgpu(_a: LabArgs) -> Result<()> {
+    anyhow::bail!(
+        "lily lab --backend wgpu: this build has no wgpu backend (build with `--features wgpu`)"
+    )
+}
+
+#[cfg(feature = "wgpu")]
+fn run_wgpu(a: LabArgs) -> Result<()> {
+    use anyhow::Context;
+    use lily::backend::wgpu::lab::{self, LabRow};
+    use lily::backend::Backend;
+
+    let cfg = lily::synth::preset(&a.preset)?;
+    let cases: Vec<&str> = a
+        .cases
+        .as_deref()
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect();
+    if let Some(c) = cases.iter().find(|c| !lab::CASES.contains(c)) {
+        anyhow::bail!(
+            "--cases: unknown case `{c}` (known: {})",
+            lab::CASES.join(", ")
+        );
+    }
+    let variants = lab::parse_variants(&a.variants)?;
+    let calls = a.calls.min(lab::MAX_CALLS);
+    let w = lily::backend::wgpu::Wgpu::new(true)?;
+    let r = w.report();
+    println!(
+        "lily lab: {} (preset {}), subgroups {}-{} ({}), {} calls a timed pass, median of {}",
+        w.name(),
+        a.preset,
+        r.subgroup_min,
+        r.subgroup_max,
+        if r.subgroups {
+            "used"
+        } else {
+            "not used: gemv_rw runs as gemv_v4"
+        },
+        calls,
+        lab::REPS
+    );
+    let opt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or_else(|| "-".to_string(), f);
+    println!(
+        "{:<12} {:<16} {:>9} {:>9} {:>7} {:>9} {:>9} {:>6} {:>9} {:>6}",
+        "case",
+        "variant",
+        "MB/call",
+        "µs/call",
+        "TB/s",
+        "read µs",
+        "read TB/s",
+        "ratio",
+        "check",
+        "copies"
+    );
+    let mut print = |r: &LabRow| {
+        println!(
+            "{:<12} {:<16} {:>9.2} {:>9.2} {:>7} {:>9} {:>9} {:>6} {:>9} {:>6}",
+            r.case,
+            r.variant,
+            r.bytes as f64 / 1e6,
+            r.op_s * 1e6,
+            opt(r.op_bw(), &|b| format!("{:.2}", b / 1e12)),
+            opt(r.read_s, &|t| format!("{:.2}", t * 1e6)),
+            opt(r.read_bw(), &|b| format!("{:.2}", b / 1e12)),
+            opt(r.read_s, &|t| format!("{:.2}", r.op_s / t)),
+            opt(r.check, &|c| format!("{c:.1e}")),
+            r.copies,
+        );
+    };
+    let rows = w.run_lab(
+        &cfg,
+        &cases,
+        calls,
+        a.cycle_mb * 1_000_000,
+        &variants,
+        &mut print,
+    )?;
+    if let Some(p) = &a.json {
+        let rows: Vec<serde_json::Value> = rows
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "case": r.case,
+                    "variant": r.variant,
+                    "bytes_per_call": r.bytes,
+                    "copies": r.copies,
+                    "calls": r.calls,
+                    "us_per_call": r.op_s * 1e6,
+                    "tb_per_s": r.op_bw().map(|b| b / 1e12),
+                    "read_us_per_call": r.read_s.map(|t| t * 1e6),
+                    "read_tb_per_s": r.read_bw().map(|b| b / 1e12),
+                    "check": r.check,
+                })
+            })
+            .collect();
+        let doc = serde_json::json!({
+            "device": w.name(),
+            "backend": "wgpu",
+            "preset": a.preset,
+            "rows": rows,
+        });
+        std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n")
+            .with_context(|| format!("{}: cannot write", p.display()))?;
+        eprintln!("lily: wrote {}", p.display());
+    }
+    Ok(())
+}
+
 #[cfg(not(feature = "cuda"))]
-pub fn run(_a: LabArgs) -> Result<()> {
+fn run_cuda(_a: LabArgs) -> Result<()> {
     anyhow::bail!("lily lab measures CUDA kernels: this build has no CUDA backend (build with `--features cuda`)")
 }
 
 #[cfg(feature = "cuda")]
-pub fn run(a: LabArgs) -> Result<()> {
+fn run_cuda(a: LabArgs) -> Result<()> {
     use anyhow::Context;
     use lily::backend::cuda::lab::LabRow;
     use lily::backend::Backend;

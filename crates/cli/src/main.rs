@@ -75,7 +75,8 @@ enum Cmd {
     Demo(serve::DemoArgs),
     /// Time to first token per turn of a growing agent session, prefix cache on vs off.
     BenchSession(session_bench::SessionBenchArgs),
-    /// Kernel lab (CUDA): each weight-reading decode op alone, L2-cold, against a pure read.
+    /// Kernel lab (CUDA, or wgpu with --backend wgpu): each weight-reading decode op alone,
+    /// cache-cold, against a pure read.
     Lab(lab::LabArgs),
 }
 

@@ -5,11 +5,11 @@
 
 use anyhow::{anyhow, Result};
 
-use super::device::SHADERS;
+use super::device::shaders;
 
 /// Every shader file's name and its MSL (MSL 2.4: Apple Silicon Macs).
 pub fn translate_to_msl() -> Result<Vec<(&'static str, String)>> {
-    SHADERS
+    shaders()
         .iter()
         .map(|sh| {
             let module = naga::front::wgsl::parse_str(sh.src)

@@ -26,6 +26,7 @@
 //! no buffer is created per dispatch.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ::wgpu::util::DeviceExt;
@@ -49,14 +50,36 @@ pub struct Shader {
 }
 
 /// Every WGSL file of the backend (the naga check translates each of them).
-pub const SHADERS: &[Shader] = &[
-    super::norm::SHADER,
-    super::matmul::SHADER,
-    super::attention::SHADER,
-    super::gdn::SHADER,
-    super::moe::SHADER,
-    super::output::SHADER,
-];
+pub fn shaders() -> Vec<Shader> {
+    vec![
+        super::norm::SHADER,
+        super::matmul::SHADER,
+        super::matmul::sg_shader(),
+        super::attention::SHADER,
+        super::gdn::SHADER,
+        super::moe::SHADER,
+        super::output::SHADER,
+        super::lab::SHADER,
+        SG_PROBE,
+    ]
+}
+
+/// Whether the invocations of a workgroup fill its subgroups in order (subgroup i holds
+/// local indices i·w .. i·w + w - 1), which the subgroup kernels' teams rely on; WGSL does not
+/// promise it, so `Ctx::new` runs this once. Writes 1 a linear invocation, and the width.
+const SG_PROBE: Shader = Shader {
+    name: "sg_probe",
+    src: "@group(0) @binding(0) var<uniform> unused: vec4<u32>;
+@group(0) @binding(1) var<storage, read_write> probe: array<u32>;
+@compute @workgroup_size(256)
+fn sg_probe(@builtin(local_invocation_index) li: u32, @builtin(subgroup_size) w: u32,
+            @builtin(subgroup_invocation_id) i: u32) {
+    let first = subgroupBroadcastFirst(li);
+    probe[li] = select(0u, 1u, i == li % w && first == li - i);
+    probe[256u + li] = w + unused.x;
+}
+",
+};
 
 /// How the adapter was chosen and what it offers (printed by `lily` when it picks it).
 #[derive(Clone, Debug)]
@@ -73,6 +96,9 @@ pub struct AdapterReport {
     pub max_binding: u64,
     pub max_buffer: u64,
     pub storage_buffers: u32,
+    /// Subgroup operations usable by the subgroup kernels: the feature, at least 4 lanes, and
+    /// the invocations filling the subgroups in order (`SG_PROBE`).
+    pub subgroups: bool,
 }
 
 /// One op of a recorded decode step.
@@ -126,9 +152,14 @@ pub(super) struct Switches {
     /// `LILY_WGPU_FUSE_EPILOGUE=0`: the residual adds, the shared expert's swiglu and gate as
     /// launches of their own.
     pub fuse_epilogue: bool,
-    /// `LILY_WGPU_GEMV_WGS`: workgroups gemv_v4 aims a matrix at (fewer, longer workgroups keep
-    /// more loads in flight a thread; more fill more of the GPU).
-    pub gemv_wgs: usize,
+    /// `LILY_WGPU_GEMV_WGS`: workgroups the decode GEMVs aim a matrix at (fewer, longer
+    /// workgroups keep more loads in flight a thread; more fill more of the GPU). Atomic so that
+    /// `lily lab` can compare settings in one process.
+    pub gemv_wgs: AtomicUsize,
+    /// `LILY_WGPU_GEMV`: the decode GEMV, `v4` (gemv_v4, any adapter) or `rw1` / `rw2` / `rw4`
+    /// (gemv_rw with 1, 2 or 4 rows a team; adapters with subgroups in order, else gemv_v4).
+    /// Stored as 0 (v4) or the rows.
+    pub gemv: AtomicU32,
     /// `LILY_WGPU_ATTN_KEYS`: the capacity's keys a decode attention split covers at least.
     pub attn_keys: usize,
 }
@@ -148,7 +179,13 @@ impl Switches {
             gqa: on("LILY_WGPU_GQA"),
             fuse_norm: on("LILY_WGPU_FUSE_NORM"),
             fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
-            gemv_wgs: num("LILY_WGPU_GEMV_WGS", 1024),
+            gemv_wgs: AtomicUsize::new(num("LILY_WGPU_GEMV_WGS", 1024)),
+            gemv: AtomicU32::new(match std::env::var("LILY_WGPU_GEMV").as_deref() {
+                Ok("v4") => 0,
+                Ok("rw1") => 1,
+                Ok("rw4") => 4,
+                _ => 2,
+            }),
             attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),
         }
     }
@@ -267,6 +304,7 @@ impl Ctx {
             max_binding: limits.max_storage_buffer_binding_size as u64,
             max_buffer: limits.max_buffer_size,
             storage_buffers: limits.max_storage_buffers_per_shader_stage,
+            subgroups: false,
         };
         let stride = PARAM_BYTES.max(limits.min_uniform_buffer_offset_alignment as u64);
         let arena = device.create_buffer(&::wgpu::BufferDescriptor {
@@ -310,7 +348,7 @@ impl Ctx {
                 })
             })
             .collect();
-        Ok(Self {
+        let mut ctx = Self {
             sw: Switches::from_env(),
             device,
             queue,
@@ -328,7 +366,24 @@ impl Ctx {
             arena,
             stride,
             scratch: Mutex::new(HashMap::new()),
-        })
+        };
+        if ctx.report.subgroup && ctx.report.subgroup_min >= 4 {
+            ctx.report.subgroups = ctx.subgroups_in_order()?;
+        }
+        Ok(ctx)
+    }
+
+    /// Runs `SG_PROBE`: whether every invocation of a 256-wide workgroup sits in its subgroup
+    /// where a linear filling puts it, the width at least 4 and the same for all.
+    fn subgroups_in_order(&self) -> Result<bool> {
+        let b = self.buffer(2048)?;
+        self.dispatch(&SG_PROBE, "sg_probe", &[0], &[&b], 1);
+        let v = self.read(&b, 2048)?;
+        let w: Vec<u32> = v
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        Ok(w[..256].iter().all(|&x| x == 1) && w[256..].iter().all(|&x| x >= 4 && x == w[256]))
     }
 
     /// Keeps the first error (later ones are usually its consequences).
@@ -493,7 +548,7 @@ impl Ctx {
         gx: u32,
         gy: u32,
     ) {
-        let on = self.timing_on.load(std::sync::atomic::Ordering::Relaxed);
+        let on = self.timing_on.load(Ordering::Relaxed);
         let t = on.then(|| self.timing.lock().unwrap());
         match t.as_ref().and_then(|t| t.as_ref()).filter(|t| t.on) {
             Some(t) => {
@@ -568,29 +623,8 @@ impl Ctx {
                 self.queue.submit([open.enc.finish()]);
             }
             Some(t) => {
-                let q = 2 * timed.len() as u32;
-                open.enc.resolve_query_set(&t.qs, 0..q, &t.resolve, 0);
-                open.enc
-                    .copy_buffer_to_buffer(&t.resolve, 0, &t.back, 0, 8 * q as u64);
-                self.queue.submit([open.enc.finish()]);
+                let ticks = self.finish_timed(t, open.enc, 2 * timed.len() as u32);
                 let period = self.queue.get_timestamp_period() as f64 * 1e-9;
-                let slice = t.back.slice(..8 * q as u64);
-                slice.map_async(::wgpu::MapMode::Read, |_| {});
-                if self
-                    .device
-                    .poll(::wgpu::PollType::wait_indefinitely())
-                    .is_err()
-                {
-                    return;
-                }
-                let ticks: Vec<u64> = match slice.get_mapped_range() {
-                    Ok(r) => r
-                        .chunks_exact(8)
-                        .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
-                        .collect(),
-                    Err(_) => Vec::new(),
-                };
-                t.back.unmap();
                 for (i, name) in timed.into_iter().enumerate() {
                     let (a, b) = (ticks.get(2 * i), ticks.get(2 * i + 1));
                     if let (Some(&a), Some(&b)) = (a, b) {
@@ -600,6 +634,74 @@ impl Ctx {
                     }
                 }
             }
+        }
+    }
+
+    /// Resolves the first `q` timestamps into `enc`, submits it, waits and returns them (empty
+    /// if the wait or the mapping failed).
+    fn finish_timed(&self, t: &Timing, mut enc: ::wgpu::CommandEncoder, q: u32) -> Vec<u64> {
+        enc.resolve_query_set(&t.qs, 0..q, &t.resolve, 0);
+        enc.copy_buffer_to_buffer(&t.resolve, 0, &t.back, 0, 8 * q as u64);
+        self.queue.submit([enc.finish()]);
+        let slice = t.back.slice(..8 * q as u64);
+        slice.map_async(::wgpu::MapMode::Read, |_| {});
+        if self
+            .device
+            .poll(::wgpu::PollType::wait_indefinitely())
+            .is_err()
+        {
+            return Vec::new();
+        }
+        let ticks = match slice.get_mapped_range() {
+            Ok(r) => r
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        t.back.unmap();
+        ticks
+    }
+
+    /// The GPU time of the dispatches `f` records, all in one compute pass between two
+    /// timestamps (the kernel lab: back-to-back kernels with wgpu's barriers between them, as in
+    /// a replayed decode step). At most `FLUSH_EVERY - 1` dispatches and no copies.
+    pub fn time_pass(&self, f: impl FnOnce()) -> Result<f64> {
+        self.flush();
+        {
+            let t = self.timing.lock().unwrap();
+            let Some(t) = t.as_ref() else {
+                bail!("{}: no timestamp queries on this adapter", self.report.name);
+            };
+            let mut open = self.open();
+            let pass = open
+                .enc
+                .begin_compute_pass(&::wgpu::ComputePassDescriptor {
+                    label: Some("timed"),
+                    timestamp_writes: Some(::wgpu::ComputePassTimestampWrites {
+                        query_set: &t.qs,
+                        beginning_of_pass_write_index: Some(0),
+                        end_of_pass_write_index: Some(1),
+                    }),
+                })
+                .forget_lifetime();
+            open.pass = Some(pass);
+            *self.enc.lock().unwrap() = Some(open);
+        }
+        f();
+        let open = self.enc.lock().unwrap().take();
+        let Some(mut open) = open.filter(|o| o.pass.is_some()) else {
+            bail!("time_pass: the pass was submitted or ended inside (too many dispatches, or a copy)");
+        };
+        open.pass = None;
+        let t = self.timing.lock().unwrap();
+        let ticks = self.finish_timed(t.as_ref().unwrap(), open.enc, 2);
+        self.check()?;
+        match ticks[..] {
+            [a, b] => {
+                Ok(b.saturating_sub(a) as f64 * self.queue.get_timestamp_period() as f64 * 1e-9)
+            }
+            _ => bail!("time_pass: the timestamps were not read back"),
         }
     }
 
@@ -662,7 +764,7 @@ impl Ctx {
 
     /// How many times a scratch buffer was replaced (a record made before is stale).
     pub fn scratch_gen(&self) -> u64 {
-        self.scratch_gen.load(std::sync::atomic::Ordering::Relaxed)
+        self.scratch_gen.load(Ordering::Relaxed)
     }
 
     /// Starts (clearing the totals) or stops timing every dispatch; stopping returns each
@@ -672,8 +774,7 @@ impl Ctx {
         let mut t = self.timing.lock().unwrap();
         let t = t.as_mut()?;
         t.on = on;
-        self.timing_on
-            .store(on, std::sync::atomic::Ordering::Relaxed);
+        self.timing_on.store(on, Ordering::Relaxed);
         if on {
             t.totals.clear();
             return Some(Vec::new());
@@ -725,8 +826,7 @@ impl Ctx {
                 .min(self.report.max_binding),
         )?;
         if m.insert(name, b.clone()).is_some() {
-            self.scratch_gen
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.scratch_gen.fetch_add(1, Ordering::Relaxed);
         }
         Ok(b)
     }

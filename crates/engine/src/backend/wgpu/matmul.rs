@@ -3,6 +3,8 @@
 //! 8-bit in groups of whole 16-byte words (every matrix of the model), the scalar `gemv` for one
 //! row of anything else, and the register-tiled `gemm` for the rest.
 
+use std::sync::atomic::Ordering;
+
 use anyhow::{bail, Result};
 
 use super::device::{as_bytes, Ctx, Shader};
@@ -14,9 +16,50 @@ pub const SHADER: Shader = Shader {
     src: concat!(
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/quant.wgsl"),
+        include_str!("shaders/gemv_io.wgsl"),
         include_str!("shaders/matmul.wgsl")
     ),
 };
+
+/// matmul_sg.wgsl made whole: its per-matrix part for each of the 4 matrix slots, its per-rows
+/// part for each slot and R, its entry for each R (the file's header says why).
+pub fn sg_shader() -> Shader {
+    static SRC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    let src = SRC.get_or_init(|| {
+        let t = include_str!("shaders/matmul_sg.wgsl");
+        let (head, rest) = t
+            .split_once("//@@ matrix")
+            .expect("matmul_sg.wgsl: //@@ matrix");
+        let (matrix, rest) = rest
+            .split_once("//@@ rows")
+            .expect("matmul_sg.wgsl: //@@ rows");
+        let (rows, entry) = rest
+            .split_once("//@@ entry")
+            .expect("matmul_sg.wgsl: //@@ entry");
+        let mut s = String::from(include_str!("shaders/common.wgsl"));
+        s += include_str!("shaders/gemv_io.wgsl");
+        s += head;
+        for m in 0..4 {
+            s += &matrix.replace("{M}", &m.to_string());
+        }
+        for r in SG_ROWS {
+            for m in 0..4 {
+                s += &rows
+                    .replace("{M}", &m.to_string())
+                    .replace("{R}", &r.to_string());
+            }
+            s += &entry.replace("{R}", &r.to_string());
+        }
+        s
+    });
+    Shader {
+        name: "matmul_sg",
+        src,
+    }
+}
+
+/// The rows a thread of gemv_rw takes: its entry points (gemv_rw1, gemv_rw2, gemv_rw4).
+pub const SG_ROWS: [u32; 3] = [1, 2, 4];
 
 /// Uploads a (stack of) matrices in the checkpoint's format: codes as they are, scales and
 /// biases as bf16 pairs when the checkpoint has bf16 (its type), else widened to f32; a dense
@@ -80,7 +123,7 @@ pub const GEMV_MAX_ROWS: usize = 8;
 
 /// Threads a row for `gemv_v4`: 16 (each thread 4 code words of a 2048-wide 4-bit row per
 /// pass), doubled while the workgroups (1024 / lanes rows each) are fewer than `want`
-/// (`Switches::gemv_wgs`, 1024), so that a big GPU gets several waves; never more than the row's 16-byte words of a pass (no idle
+/// (`Switches::gemv_wgs`, 1024 by default), so that a big GPU gets several waves; never more than the row's 16-byte words of a pass (no idle
 /// lanes), at least 4 (a row group's first 4 lanes write its 4 outputs).
 fn gemv_lanes(out: usize, v4_pass: usize, want: usize) -> usize {
     let mut lanes = 16;
@@ -185,18 +228,27 @@ pub fn gemv_many(
     let mut p: Vec<u32> = Vec::with_capacity(52);
     let (mut lanes, mut start, mut end) = ([0u32; 4], [0u32; 4], [0u32; 4]);
     let mut blocks = 0usize;
+    // gemv_rw with `rw` rows a team where the adapter's subgroups allow it, else gemv_v4.
+    let rw = match ctx.sw.gemv.load(Ordering::Relaxed) {
+        r @ (1 | 2 | 4) if ctx.report.subgroups => r as usize,
+        _ => 0,
+    };
+    let want = ctx.sw.gemv_wgs.load(Ordering::Relaxed);
     for i in 0..4 {
         let w = ws[i.min(ws.len() - 1)];
         p.extend(w.qmat());
         if i < ws.len() {
-            let l = gemv_lanes(
-                w.out,
-                w.inp.min(4096) / (128 / w.bits as usize),
-                ctx.sw.gemv_wgs,
-            );
+            let words = w.inp / (128 / w.bits as usize);
+            let (l, per) = if rw > 0 {
+                let l = rw_lanes(w.out, words, rw, want);
+                (l, 256 / l * rw)
+            } else {
+                let l = gemv_lanes(w.out, w.inp.min(4096) / (128 / w.bits as usize), want);
+                (l, 1024 / l)
+            };
             lanes[i] = l as u32;
             start[i] = blocks as u32;
-            blocks += w.out.div_ceil(1024 / l);
+            blocks += w.out.div_ceil(per);
             end[i] = blocks as u32;
         }
     }
@@ -228,5 +280,26 @@ pub fn gemv_many(
         });
     }
     bufs.extend([aux, xn, r, s]);
-    ctx.dispatch(&SHADER, "gemv_v4", &p, &bufs, (blocks * rows) as u32);
+    match rw {
+        0 => ctx.dispatch(&SHADER, "gemv_v4", &p, &bufs, (blocks * rows) as u32),
+        r => {
+            let entry = ["gemv_rw1", "gemv_rw2", "gemv_rw2", "gemv_rw4"][r - 1];
+            ctx.dispatch(&sg_shader(), entry, &p, &bufs, (blocks * rows) as u32)
+        }
+    }
+}
+
+/// Lanes a team for `gemv_rw` (`r` rows a team, `words` 16-byte code words a row): a power of
+/// two, at least the 32 lanes that cover a 2048-wide 4-bit row in 2 loads a row (or the row's
+/// words where fewer), doubled while the workgroups ((256 / lanes) · r rows each) are fewer than
+/// `want` and a lane keeps a word a row.
+fn rw_lanes(out: usize, words: usize, r: usize, want: usize) -> usize {
+    let mut lanes = 1;
+    while lanes < 32 && lanes * 2 <= words {
+        lanes *= 2;
+    }
+    while lanes < 256 && lanes * 2 <= words && out.div_ceil(256 / lanes * r) < want {
+        lanes *= 2;
+    }
+    lanes
 }

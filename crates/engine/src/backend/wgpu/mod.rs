@@ -18,6 +18,7 @@ mod attention;
 mod check;
 mod device;
 mod gdn;
+pub mod lab;
 mod matmul;
 mod moe;
 mod norm;

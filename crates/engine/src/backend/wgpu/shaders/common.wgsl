@@ -1,8 +1,23 @@
 // common.wgsl: helpers every shader file of the wgpu backend is prefixed with (device.rs
 // concatenates them): bf16 unpacking and the flat workgroup index of a dispatch whose x count
 // was folded into y (Ctx::dispatch: at most 65,535 workgroups a dimension).
-// Subgroups are not assumed anywhere (lavapipe's are 8 lanes wide, Apple's and NVIDIA's 32):
-// reductions go through workgroup memory.
+// Subgroups are not assumed (lavapipe's are 8 lanes wide, Apple's and NVIDIA's 32): reductions
+// go through workgroup memory, except in the files that use subgroup operations (matmul_sg.wgsl),
+// made only on adapters that have them (wgpu's SUBGROUP feature: naga 30 takes no `enable`) and
+// each with a fallback.
+
+// A matrix's shape and format (quant.wgsl): outputs, inputs, bits a code (32: dense f32), group
+// size, whether scales and biases are bf16 pairs.
+struct QMat {
+    out: u32,
+    inp: u32,
+    bits: u32,
+    gs: u32,
+    sb16: u32,
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
+}
 
 fn bf16_lo(w: u32) -> f32 { return bitcast<f32>(w << 16u); }
 fn bf16_hi(w: u32) -> f32 { return bitcast<f32>(w & 0xffff0000u); }

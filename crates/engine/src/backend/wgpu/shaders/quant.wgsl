@@ -3,18 +3,8 @@
 // qb). Layout (MODEL.md): codes u32 [n, out, in·bits/32], element 8j+i of a 4-bit row is bits
 // [4i, 4i+4) of word j (8-bit: byte i of word 4j+i); scales and biases [n, out, in/gs] as bf16
 // pairs in u32 words (sb16 = 1, the checkpoints' type) or f32 words; w = scale·code + bias, as
-// cpu/matmul.rs. bits = 32: a dense f32 matrix in qw (no scales).
-
-struct QMat {
-    out: u32,
-    inp: u32,
-    bits: u32,
-    gs: u32,
-    sb16: u32,
-    pad0: u32,
-    pad1: u32,
-    pad2: u32,
-}
+// cpu/matmul.rs. bits = 32: a dense f32 matrix in qw (no scales). The matrix's shape is a `QMat`
+// (common.wgsl).
 
 fn q_sb(i: u32, sb16: u32, is_bias: bool) -> f32 {
     if (sb16 != 0u) {

@@ -1,0 +1,466 @@
+//! `lily lab --backend wgpu`: the decode step's weight-reading GEMVs at the model's shapes,
+//! each alone, back to back in one compute pass timed by the GPU's timestamps, over distinct
+//! copies of its weights (so that the cache does not hold them), beside a pure streaming read of
+//! the same bytes in the same run (shaders/lab.wgsl `lab_read`), for each kernel variant asked
+//! (gemv_v4, gemv_rw with 1, 2 or 4 rows a team, and the workgroups they aim at). Also the floor
+//! under every dispatch (`lab_touch`: a chain of dependent dispatches doing nothing) and pure
+//! reads of sizes from 0.5 MB to 256 MB. Each variant's outputs are compared with gemv_v4's on
+//! the same data (`check`: max |difference| over max |output|). The CUDA lab
+//! (backend/cuda/lab.rs) is the model for this one.
+
+use std::sync::atomic::Ordering;
+
+use anyhow::{bail, Result};
+
+use super::device::{as_bytes, Shader};
+use super::matmul::{gemv_many, OutMode, XIn};
+use super::{WBuf, WMat, Wgpu};
+use crate::config::Config;
+
+pub const SHADER: Shader = Shader {
+    name: "lab",
+    src: concat!(
+        include_str!("shaders/common.wgsl"),
+        include_str!("shaders/lab.wgsl")
+    ),
+};
+
+/// The cases, in the order they run.
+pub const CASES: &[&str] = &[
+    "floor",
+    "read",
+    "in_proj",
+    "attn_qkv",
+    "out_proj",
+    "router",
+    "shared_gu",
+    "shared_down",
+    "lm_head",
+];
+
+/// Dispatches in one timed pass at most (the device submits at 256).
+pub const MAX_CALLS: usize = 200;
+/// Timed passes a row; the median is reported.
+pub const REPS: usize = 7;
+
+/// One measured row.
+pub struct LabRow {
+    pub case: &'static str,
+    pub variant: String,
+    /// Bytes one call reads from memory (weights; 0 for the floor).
+    pub bytes: usize,
+    pub copies: usize,
+    pub calls: usize,
+    /// Seconds a call (median pass / calls).
+    pub op_s: f64,
+    /// Seconds a call of the pure read of `bytes`.
+    pub read_s: Option<f64>,
+    /// Max |this variant − gemv_v4| / max |gemv_v4| on the first copy's data.
+    pub check: Option<f64>,
+}
+
+impl LabRow {
+    pub fn op_bw(&self) -> Option<f64> {
+        (self.bytes > 0).then(|| self.bytes as f64 / self.op_s)
+    }
+    pub fn read_bw(&self) -> Option<f64> {
+        self.read_s.map(|t| self.bytes as f64 / t)
+    }
+}
+
+/// A GEMV variant: `v4` or `rw1` / `rw2` / `rw4`, optionally `@N` workgroups aimed at.
+pub struct Variant {
+    pub name: String,
+    gemv: u32,
+    want: usize,
+}
+
+/// Parses `v4,rw2,rw2@4096,...`.
+pub fn parse_variants(s: &str) -> Result<Vec<Variant>> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(|v| {
+            let (k, want) = match v.split_once('@') {
+                Some((k, n)) => (k, n.parse::<usize>().ok().filter(|&n| n > 0)),
+                None => (v, Some(1024)),
+            };
+            let gemv = match k {
+                "v4" => 0,
+                "rw1" => 1,
+                "rw2" => 2,
+                "rw4" => 4,
+                _ => bail!("variant `{v}`: v4, rw1, rw2 or rw4, optionally @workgroups"),
+            };
+            let Some(want) = want else {
+                bail!("variant `{v}`: @ takes a positive number of workgroups")
+            };
+            Ok(Variant {
+                name: v.to_string(),
+                gemv,
+                want,
+            })
+        })
+        .collect()
+}
+
+/// How a case's x is read and its outputs written (the decode step's own modes).
+#[derive(Clone, Copy)]
+enum Mode {
+    /// rms_norm folded in, outputs stored (in_proj, q|k|v, router, lm_head).
+    Norm,
+    /// x as it is, outputs stored (the shared expert's gate|up).
+    Plain,
+    /// silu(x)·u, then out += r + sigmoid(s)·acc (the shared expert's down).
+    GluResidual,
+    /// x as it is, out += acc (out_proj, o_proj).
+    Add,
+}
+
+/// A deterministic fill (xorshift64*), so every run reads the same data.
+fn words(n: usize, seed: u64) -> Vec<u32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s >> 12;
+            s ^= s << 25;
+            s ^= s >> 27;
+            (s.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 32) as u32
+        })
+        .collect()
+}
+
+fn floats(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<f32> {
+    words(n, seed)
+        .into_iter()
+        .map(|w| lo + (hi - lo) * (w >> 8) as f32 / (1u32 << 24) as f32)
+        .collect()
+}
+
+/// bf16 pairs of n values in [lo, hi) (truncated), element 2i in the low half of word i.
+fn bf16_pairs(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<u32> {
+    let f = floats(n.next_multiple_of(2), seed, lo, hi);
+    f.chunks_exact(2)
+        .map(|p| (p[0].to_bits() >> 16) | (p[1].to_bits() & 0xffff_0000))
+        .collect()
+}
+
+impl Wgpu {
+    fn lab_buf(&self, v: &[f32]) -> Result<WBuf> {
+        Ok(WBuf {
+            buf: self.ctx.upload(as_bytes(v))?,
+            len: v.len(),
+        })
+    }
+
+    /// A random quantized matrix [out, inp] in the checkpoint's format (bf16 scales and biases).
+    fn lab_mat(&self, out: usize, inp: usize, bits: u32, gs: usize, seed: u64) -> Result<WMat> {
+        let groups = out * inp / gs;
+        Ok(WMat {
+            n: 1,
+            out,
+            inp,
+            bits,
+            gs,
+            sb16: true,
+            w: self
+                .ctx
+                .upload(as_bytes(&words(out * inp * bits as usize / 32, seed)))?,
+            s: self
+                .ctx
+                .upload(as_bytes(&bf16_pairs(groups, seed + 1, 0.002, 0.02)))?,
+            b: self
+                .ctx
+                .upload(as_bytes(&bf16_pairs(groups, seed + 2, -0.1, 0.0)))?,
+        })
+    }
+
+    /// Runs the lab: `cases` (all when empty), `calls` dispatches a timed pass, enough copies of
+    /// each case's weights that a cycle through them reads `cycle` bytes, the GEMV `variants`;
+    /// `print` sees each row as it is measured.
+    pub fn run_lab(
+        &self,
+        cfg: &Config,
+        cases: &[&str],
+        calls: usize,
+        cycle: usize,
+        variants: &[Variant],
+        print: &mut dyn FnMut(&LabRow),
+    ) -> Result<Vec<LabRow>> {
+        if calls == 0 || calls > MAX_CALLS {
+            bail!("lab: 1 to {MAX_CALLS} calls a pass");
+        }
+        let ctx = &self.ctx;
+        let (old_gemv, old_want) = (
+            ctx.sw.gemv.load(Ordering::Relaxed),
+            ctx.sw.gemv_wgs.load(Ordering::Relaxed),
+        );
+        let mut rows = Vec::new();
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        // Median seconds a call of `f(i)` for i in 0..calls, one pass each rep, after a warm-up.
+        let time = |f: &dyn Fn(usize)| -> Result<f64> {
+            ctx.time_pass(|| (0..calls).for_each(f))?;
+            let mut v = Vec::with_capacity(REPS);
+            for _ in 0..REPS {
+                v.push(ctx.time_pass(|| (0..calls).for_each(f))? / calls as f64);
+            }
+            Ok(median(v))
+        };
+        let dst = self.lab_buf(&[0.0; 64])?;
+        let src = self.lab_buf(&[0.0; 4])?;
+        // A pure read of `bytes` per call, over copies making a `cycle`.
+        let read = |bytes: usize| -> Result<(f64, usize)> {
+            let n16 = bytes.div_ceil(16);
+            let copies = cycle.div_ceil(bytes).clamp(2, 256);
+            let bufs: Vec<::wgpu::Buffer> = (0..copies)
+                .map(|c| ctx.upload(as_bytes(&words(4 * n16, 1000 + c as u64))))
+                .collect::<Result<_>>()?;
+            let p = [n16 as u32, 0x1234_5678, 0, 0];
+            let s = time(&|i| {
+                ctx.dispatch(
+                    &SHADER,
+                    "lab_read",
+                    &p,
+                    &[&bufs[i % copies], &dst.buf],
+                    n16.div_ceil(1024) as u32,
+                )
+            })?;
+            Ok((s, copies))
+        };
+        let all = cases.is_empty();
+        let want_case = |c: &str| all || cases.contains(&c);
+        if want_case("floor") {
+            let s = time(&|_| ctx.dispatch(&SHADER, "lab_touch", &[1], &[&src.buf, &dst.buf], 1))?;
+            let r = LabRow {
+                case: "floor",
+                variant: "one buffer".into(),
+                bytes: 0,
+                copies: 1,
+                calls,
+                op_s: s,
+                read_s: None,
+                check: None,
+            };
+            print(&r);
+            rows.push(r);
+            let bufs: Vec<WBuf> = (0..8)
+                .map(|_| self.lab_buf(&[0.0; 64]))
+                .collect::<Result<_>>()?;
+            let s = time(&|i| {
+                let b = &bufs[i % 8].buf;
+                ctx.dispatch(&SHADER, "lab_touch", &[1], &[&src.buf, b], 1)
+            })?;
+            let r = LabRow {
+                case: "floor",
+                variant: "8 buffers".into(),
+                bytes: 0,
+                copies: 8,
+                calls,
+                op_s: s,
+                read_s: None,
+                check: None,
+            };
+            print(&r);
+            rows.push(r);
+        }
+        if want_case("read") {
+            for mb in [0.5f64, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 256.0] {
+                let bytes = (mb * 1e6) as usize;
+                if bytes as u64 > ctx.report.max_binding {
+                    continue;
+                }
+                let (s, copies) = read(bytes)?;
+                let r = LabRow {
+                    case: "read",
+                    variant: format!("{mb} MB"),
+                    bytes,
+                    copies,
+                    calls,
+                    op_s: s,
+                    read_s: Some(s),
+                    check: None,
+                };
+                print(&r);
+                rows.push(r);
+            }
+        }
+        let (bits, gs) = match &cfg.quantization.default {
+            Some(q) => (q.bits, q.group_size),
+            None => (4, 64),
+        };
+        let h = cfg.hidden_size;
+        let gdn_qkv = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+            + cfg.linear_num_value_heads * cfg.linear_value_head_dim;
+        let gdn_v = cfg.linear_num_value_heads * cfg.linear_value_head_dim;
+        let nh_hd = cfg.num_attention_heads * cfg.head_dim;
+        let kv = cfg.num_key_value_heads * cfg.head_dim;
+        let gemv_cases: Vec<(&'static str, Vec<(usize, usize, u32)>, Mode)> = vec![
+            (
+                "in_proj",
+                vec![
+                    (gdn_qkv, h, bits),
+                    (gdn_v, h, bits),
+                    (cfg.linear_num_value_heads, h, bits),
+                    (cfg.linear_num_value_heads, h, bits),
+                ],
+                Mode::Norm,
+            ),
+            (
+                "attn_qkv",
+                vec![(2 * nh_hd, h, bits), (kv, h, bits), (kv, h, bits)],
+                Mode::Norm,
+            ),
+            ("out_proj", vec![(h, gdn_v, bits)], Mode::Add),
+            (
+                "router",
+                vec![(cfg.num_experts, h, 8), (1, h, 8)],
+                Mode::Norm,
+            ),
+            (
+                "shared_gu",
+                vec![
+                    (cfg.shared_expert_intermediate_size, h, bits),
+                    (cfg.shared_expert_intermediate_size, h, bits),
+                ],
+                Mode::Plain,
+            ),
+            (
+                "shared_down",
+                vec![(h, cfg.shared_expert_intermediate_size, bits)],
+                Mode::GluResidual,
+            ),
+            ("lm_head", vec![(cfg.vocab_size, h, bits)], Mode::Norm),
+        ];
+        for (case, shapes, mode) in gemv_cases {
+            if !want_case(case) {
+                continue;
+            }
+            let bytes: usize = shapes
+                .iter()
+                .map(|&(o, i, b)| o * i * b as usize / 8 + 2 * (o * i / gs).next_multiple_of(2) * 2)
+                .sum();
+            let copies = cycle.div_ceil(bytes).clamp(2, 256);
+            if shapes
+                .iter()
+                .any(|&(o, i, b)| (o * i * b as usize / 8) as u64 > ctx.report.max_binding)
+            {
+                eprintln!("lab: {case} skipped: a matrix exceeds this adapter's largest binding");
+                continue;
+            }
+            let mats: Vec<Vec<WMat>> = (0..copies)
+                .map(|c| {
+                    shapes
+                        .iter()
+                        .enumerate()
+                        .map(|(k, &(o, i, b))| {
+                            self.lab_mat(o, i, b, gs, (c * 8 + k) as u64 * 7 + 3)
+                        })
+                        .collect::<Result<_>>()
+                })
+                .collect::<Result<_>>()?;
+            let inp = shapes[0].1;
+            let x = self.lab_buf(&floats(inp, 11, -1.0, 1.0))?;
+            let aux = self.lab_buf(&floats(inp, 12, 0.5, 1.5))?;
+            let xn = self.lab_buf(&vec![0.0; inp])?;
+            let outs: Vec<WBuf> = shapes
+                .iter()
+                .map(|&(o, _, _)| self.lab_buf(&vec![0.0; o]))
+                .collect::<Result<_>>()?;
+            let r = self.lab_buf(&floats(shapes[0].0, 13, -1.0, 1.0))?;
+            let s = self.lab_buf(&[0.3])?;
+            let call = |c: usize| {
+                let ws: Vec<&WMat> = mats[c % copies].iter().collect();
+                // The outputs are distinct buffers per matrix, shared by every call (as in a step).
+                let mut os: Vec<WBuf> = outs
+                    .iter()
+                    .map(|o| WBuf {
+                        buf: o.buf.clone(),
+                        len: o.len,
+                    })
+                    .collect();
+                let mut om: Vec<&mut WBuf> = os.iter_mut().collect();
+                let (xin, omode) = match mode {
+                    Mode::Norm => (
+                        XIn::Norm {
+                            w: &aux,
+                            eps: 1e-6,
+                            xn: &xn,
+                        },
+                        OutMode::Store,
+                    ),
+                    Mode::Plain => (XIn::Plain, OutMode::Store),
+                    Mode::GluResidual => (XIn::Glu { u: &aux }, OutMode::Residual { r: &r, s: &s }),
+                    Mode::Add => (XIn::Plain, OutMode::Add),
+                };
+                gemv_many(ctx, &x, &ws, 0, 1, &mut om, xin, omode);
+            };
+            let (read_s, _) = read(bytes)?;
+            let mut reference: Option<Vec<f32>> = None;
+            for v in variants {
+                ctx.sw.gemv.store(v.gemv, Ordering::Relaxed);
+                ctx.sw.gemv_wgs.store(v.want, Ordering::Relaxed);
+                let op_s = time(&call)?;
+                // One call from zeroed outputs on copy 0, against gemv_v4's.
+                for o in &outs {
+                    ctx.queue
+                        .write_buffer(&o.buf, 0, as_bytes(&vec![0.0f32; o.len]));
+                }
+                call(0);
+                let mut got = Vec::new();
+                for o in &outs {
+                    let b = ctx.read(&o.buf, 4 * o.len as u64)?;
+                    got.extend(
+                        b.chunks_exact(4)
+                            .map(|c| f32::from_le_bytes(c.try_into().unwrap())),
+                    );
+                }
+                if reference.is_none() {
+                    ctx.sw.gemv.store(0, Ordering::Relaxed);
+                    for o in &outs {
+                        ctx.queue
+                            .write_buffer(&o.buf, 0, as_bytes(&vec![0.0f32; o.len]));
+                    }
+                    call(0);
+                    let mut want = Vec::new();
+                    for o in &outs {
+                        let b = ctx.read(&o.buf, 4 * o.len as u64)?;
+                        want.extend(
+                            b.chunks_exact(4)
+                                .map(|c| f32::from_le_bytes(c.try_into().unwrap())),
+                        );
+                    }
+                    reference = Some(want);
+                }
+                let want = reference.as_ref().unwrap();
+                let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+                let diff = got
+                    .iter()
+                    .zip(want)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                let row = LabRow {
+                    case,
+                    variant: if ctx.report.subgroups || v.gemv == 0 {
+                        v.name.clone()
+                    } else {
+                        format!("{} (= v4: no subgroups)", v.name)
+                    },
+                    bytes,
+                    copies,
+                    calls,
+                    op_s,
+                    read_s: Some(read_s),
+                    check: Some((diff / scale) as f64),
+                };
+                print(&row);
+                rows.push(row);
+            }
+        }
+        ctx.sw.gemv.store(old_gemv, Ordering::Relaxed);
+        ctx.sw.gemv_wgs.store(old_want, Ordering::Relaxed);
+        ctx.check()?;
+        Ok(rows)
+    }
+}

@@ -1,0 +1,221 @@
+// matmul_sg.wgsl: gemv_rw, the decode GEMV for adapters with subgroup operations (matmul.rs
+// takes it over gemv_v4 when `Ctx::subgroups` holds; cpu/matmul.rs `matmul`'s GEMV is the twin).
+// Same parameter block, bindings and modes as gemv_v4 (gemv_io.wgsl): up to 4 matrices reading
+// the same x, x read as it is / rms-normed / silu(g)·u, outputs stored / added / the MoE block's
+// gated residual; 4- or 8-bit codes, each 16-byte code word in one scale group.
+//
+// Why another GEMV: gemv_v4 stages x in 24 KB of workgroup memory behind a barrier and reduces
+// by a 6-step tree of barriers, and selects its matrix's buffers by a `switch` at every load, so
+// its loads cannot be hoisted past one another. gemv_rw has no workgroup memory on its main
+// path: a team of T lanes (a power of two ≤ 256, T ≤ the row's code words) owns R rows (R = 1,
+// 2 or 4: the entry point's number); lane l reads code words l, l + T, … of each of its rows as
+// vec4<u32> (the R rows' words issued together), reads its x straight from memory (8 KB: L1
+// after the first team), converts codes by gemv_io's 2^23 trick against x pre-scaled in
+// registers, and the team sums by subgroup shuffles (subgroupShuffleXor over offsets < T: a team
+// is an aligned block of lanes, the subgroups of a workgroup being its invocations in order,
+// which `Ctx::new` checks on the adapter before it lets this kernel run). Where a subgroup is
+// narrower than a team (lavapipe: 8 lanes), the subgroup totals meet in workgroup memory.
+//
+// The source is a template (matmul.rs `sg_shader`): the part after the `matrix` marker line is
+// repeated for each matrix slot M = 0..3 (its own code and scale buffers, so no load is behind
+// a switch), the parts after the `rows` and `entry` markers for each R in 1, 2, 4 (loops over
+// R rows unrolled by the driver's compiler with a constant bound).
+//
+// Launch: 256 invocations = 256 / T teams, (256 / T) · R rows a workgroup; matrix i gets
+// ceil(out_i · T_i / (256 · R)) blocks, and workgroup index = block · rows + t as in gemv_v4.
+// The norm mode: every team takes the row's sum of squares itself (8 KB), so no barrier
+// separates it from the weights; the first workgroup of each row writes xn.
+
+// Subgroup totals of a team wider than its subgroup: 4 rows each, at most 256 / 4 subgroups.
+var<workgroup> rw_red: array<vec4<f32>, 64>;
+// The subgroup width, made uniform for the analysis (workgroupUniformLoad).
+var<workgroup> rw_sg: u32;
+
+// The sum of v over this invocation's team of T lanes, every lane of the team getting it.
+// Called in uniform control flow (sg and T uniform).
+fn team_sum(v: vec4<f32>, li: u32, lane_sg: u32, T: u32, sg: u32) -> vec4<f32> {
+    var s = v;
+    let w = min(T, sg);
+    for (var o = 1u; o < w; o <<= 1u) {
+        s += subgroupShuffleXor(s, o);
+    }
+    if (sg >= T) {
+        return s;
+    }
+    workgroupBarrier();
+    if (lane_sg == 0u) {
+        rw_red[li / sg] = s;
+    }
+    workgroupBarrier();
+    let per = T / sg;
+    let first = (li / T) * per;
+    var t = vec4<f32>(0.0);
+    for (var i = 0u; i < per; i++) {
+        t += rw_red[first + i];
+    }
+    return t;
+}
+
+// x's 4 elements v of row t (at xrow = t · inp / 4) as the mode reads them.
+fn rw_x(xrow: u32, v: u32, rn: f32) -> vec4<f32> {
+    var xv = vx[xrow + v];
+    if (pv.xmode == 1u) {
+        xv = xv * rn * vaux[v];
+    } else if (pv.xmode == 2u) {
+        let u = vaux[xrow + v];
+        xv = vec4<f32>(silu_f(xv.x) * u.x, silu_f(xv.y) * u.y, silu_f(xv.z) * u.z, silu_f(xv.w) * u.w);
+    }
+    return xv;
+}
+
+//@@ matrix
+// Scale (or bias) i of matrix {M}, as quant.wgsl's q_sb.
+fn rw_sb{M}(i: u32, sb16: u32, is_bias: bool) -> f32 {
+    let j = select(i, i >> 1u, sb16 != 0u);
+    let w = select(vs{M}[j], vb{M}[j], is_bias);
+    if (sb16 == 0u) {
+        return bitcast<f32>(w);
+    }
+    return select(bf16_lo(w), bf16_hi(w), (i & 1u) == 1u);
+}
+
+//@@ rows
+// This lane's share of R = {R} rows o0.. of matrix {M} (rows past the end read the last row).
+fn rw_dot{M}_{R}(m: QMat, o0: u32, lane: u32, T: u32, xrow: u32, rn: f32) -> vec4<f32> {
+    var ri: array<u32, 4>;
+    for (var r = 0u; r < {R}u; r++) {
+        ri[r] = pv.e * m.out + min(o0 + r, m.out - 1u);
+    }
+    let gpr = m.inp / m.gs;
+    var acc = vec4<f32>(0.0);
+    if (m.bits == 4u) {
+        let wpr = m.inp / 32u;
+        let sc = vec4<f32>(1.0, 1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0);
+        for (var c = lane; c < wpr; c += T) {
+            var q: array<vec4<u32>, 4>;
+            var s: array<f32, 4>;
+            var b: array<f32, 4>;
+            let g = (c * 32u) / m.gs;
+            for (var r = 0u; r < {R}u; r++) {
+                q[r] = vw{M}[ri[r] * wpr + c];
+                s[r] = rw_sb{M}(ri[r] * gpr + g, m.sb16, false);
+                b[r] = rw_sb{M}(ri[r] * gpr + g, m.sb16, true);
+            }
+            let x0 = rw_x(xrow, 8u * c, rn);
+            let x1 = rw_x(xrow, 8u * c + 1u, rn);
+            let x2 = rw_x(xrow, 8u * c + 2u, rn);
+            let x3 = rw_x(xrow, 8u * c + 3u, rn);
+            let x4 = rw_x(xrow, 8u * c + 4u, rn);
+            let x5 = rw_x(xrow, 8u * c + 5u, rn);
+            let x6 = rw_x(xrow, 8u * c + 6u, rn);
+            let x7 = rw_x(xrow, 8u * c + 7u, rn);
+            let sx = dot(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), vec4<f32>(1.0));
+            let a0 = x0 * sc;
+            let a1 = x1 * sc;
+            let a2 = x2 * sc;
+            let a3 = x3 * sc;
+            let a4 = x4 * sc;
+            let a5 = x5 * sc;
+            let a6 = x6 * sc;
+            let a7 = x7 * sc;
+            for (var r = 0u; r < {R}u; r++) {
+                let w = q[r];
+                let d = (q4_dot(w.x, a0, a1) + q4_dot(w.y, a2, a3))
+                    + (q4_dot(w.z, a4, a5) + q4_dot(w.w, a6, a7));
+                acc[r] += s[r] * d + b[r] * sx;
+            }
+        }
+    } else {
+        let wpr = m.inp / 16u;
+        let sc = vec4<f32>(1.0, 1.0 / 256.0, 1.0, 1.0 / 256.0);
+        for (var c = lane; c < wpr; c += T) {
+            var q: array<vec4<u32>, 4>;
+            var s: array<f32, 4>;
+            var b: array<f32, 4>;
+            let g = (c * 16u) / m.gs;
+            for (var r = 0u; r < {R}u; r++) {
+                q[r] = vw{M}[ri[r] * wpr + c];
+                s[r] = rw_sb{M}(ri[r] * gpr + g, m.sb16, false);
+                b[r] = rw_sb{M}(ri[r] * gpr + g, m.sb16, true);
+            }
+            let x0 = rw_x(xrow, 4u * c, rn);
+            let x1 = rw_x(xrow, 4u * c + 1u, rn);
+            let x2 = rw_x(xrow, 4u * c + 2u, rn);
+            let x3 = rw_x(xrow, 4u * c + 3u, rn);
+            let sx = dot((x0 + x1) + (x2 + x3), vec4<f32>(1.0));
+            let a0 = x0 * sc;
+            let a1 = x1 * sc;
+            let a2 = x2 * sc;
+            let a3 = x3 * sc;
+            for (var r = 0u; r < {R}u; r++) {
+                let w = q[r];
+                let d = (q8_dot(w.x, a0) + q8_dot(w.y, a1)) + (q8_dot(w.z, a2) + q8_dot(w.w, a3));
+                acc[r] += s[r] * d + b[r] * sx;
+            }
+        }
+    }
+    return acc;
+}
+
+//@@ entry
+@compute @workgroup_size(256)
+fn gemv_rw{R}(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_size) sg_size: u32,
+    @builtin(subgroup_invocation_id) lane_sg: u32,
+) {
+    if (li == 0u) {
+        rw_sg = sg_size;
+    }
+    let sg = workgroupUniformLoad(&rw_sg);
+    let wg = wg_index(wid);
+    let t = wg % pv.rows;
+    var blk = wg / pv.rows;
+    var mi = 0u;
+    for (var k = 1u; k < pv.n; k++) {
+        if (blk >= pv.start[k]) {
+            mi = k;
+        }
+    }
+    blk -= pv.start[mi];
+    let m = pv.ms[mi];
+    let T = pv.lanes[mi];
+    let lane = li % T;
+    let o0 = (blk * (256u / T) + li / T) * {R}u;
+    let xrow = t * (m.inp / 4u);
+    var rn = 1.0;
+    if (pv.xmode == 1u) {
+        var ss = 0.0;
+        for (var v = lane; v < m.inp / 4u; v += T) {
+            let h = vx[xrow + v];
+            ss += dot(h, h);
+        }
+        rn = 1.0 / sqrt(team_sum(vec4<f32>(ss, 0.0, 0.0, 0.0), li, lane_sg, T, sg).x / f32(m.inp) + pv.eps);
+        if (wg < pv.rows) {
+            for (var v = li; v < m.inp / 4u; v += 256u) {
+                vxn[xrow + v] = vx[xrow + v] * rn * vaux[v];
+            }
+        }
+    }
+    var acc: vec4<f32>;
+    switch mi {
+        case 0u: { acc = rw_dot0_{R}(m, o0, lane, T, xrow, rn); }
+        case 1u: { acc = rw_dot1_{R}(m, o0, lane, T, xrow, rn); }
+        case 2u: { acc = rw_dot2_{R}(m, o0, lane, T, xrow, rn); }
+        default: { acc = rw_dot3_{R}(m, o0, lane, T, xrow, rn); }
+    }
+    acc = team_sum(acc, li, lane_sg, T, sg);
+    // Lane r of a team writes its row r.
+    if (lane < {R}u && o0 + lane < m.out) {
+        let i = t * m.out + o0 + lane;
+        let a = acc[lane];
+        if (pv.omode == 0u) {
+            vout(mi, i, a);
+        } else if (pv.omode == 1u) {
+            vout(mi, i, vget(mi, i) + a);
+        } else {
+            vout(mi, i, vget(mi, i) + (vr[i] + sigmoid_f(vsg[t]) * a));
+        }
+    }
+}
