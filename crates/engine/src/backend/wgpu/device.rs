@@ -156,9 +156,9 @@ pub(super) struct Switches {
     /// workgroups keep more loads in flight a thread; more fill more of the GPU). Atomic so that
     /// `lily lab` can compare settings in one process.
     pub gemv_wgs: AtomicUsize,
-    /// `LILY_WGPU_GEMV`: the decode GEMV, `v4` (gemv_v4, any adapter) or `rw1` / `rw2` / `rw4`
-    /// (gemv_rw with 1, 2 or 4 rows a team; adapters with subgroups in order, else gemv_v4).
-    /// Stored as 0 (v4) or the rows.
+    /// `LILY_WGPU_GEMV`: the decode GEMV, `v4` (gemv_v4, any adapter), `rw1` / `rw2` / `rw4`
+    /// (gemv_rw with 1, 2 or 4 rows a team; adapters with subgroups in order) or `xs` (gemv_xs;
+    /// subgroups in order of one fixed width), else gemv_v4. Stored as 0 (v4), the rows, or 8.
     pub gemv: AtomicU32,
     /// `LILY_WGPU_ATTN_KEYS`: the capacity's keys a decode attention split covers at least.
     pub attn_keys: usize,
@@ -184,6 +184,7 @@ impl Switches {
                 Ok("v4") => 0,
                 Ok("rw1") => 1,
                 Ok("rw4") => 4,
+                Ok("xs") => 8,
                 _ => 2,
             }),
             attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),

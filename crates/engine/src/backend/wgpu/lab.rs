@@ -2,7 +2,7 @@
 //! each alone, back to back in one compute pass timed by the GPU's timestamps, over distinct
 //! copies of its weights (so that the cache does not hold them), beside a pure streaming read of
 //! the same bytes in the same run (shaders/lab.wgsl `lab_read`), for each kernel variant asked
-//! (gemv_v4, gemv_rw with 1, 2 or 4 rows a team, and the workgroups they aim at). Also the floor
+//! (gemv_v4, gemv_rw with 1, 2 or 4 rows a team, gemv_xs, and the workgroups they aim at). Also the floor
 //! under every dispatch (`lab_touch`: a chain of dependent dispatches doing nothing) and pure
 //! reads of sizes from 0.5 MB to 256 MB. Each variant's outputs are compared with gemv_v4's on
 //! the same data (`check`: max |difference| over max |output|). The CUDA lab
@@ -68,7 +68,7 @@ impl LabRow {
     }
 }
 
-/// A GEMV variant: `v4` or `rw1` / `rw2` / `rw4`, optionally `@N` workgroups aimed at.
+/// A GEMV variant: `v4`, `rw1` / `rw2` / `rw4` or `xs`, optionally `@N` workgroups aimed at.
 pub struct Variant {
     pub name: String,
     gemv: u32,
@@ -90,7 +90,8 @@ pub fn parse_variants(s: &str) -> Result<Vec<Variant>> {
                 "rw1" => 1,
                 "rw2" => 2,
                 "rw4" => 4,
-                _ => bail!("variant `{v}`: v4, rw1, rw2 or rw4, optionally @workgroups"),
+                "xs" => 8,
+                _ => bail!("variant `{v}`: v4, rw1, rw2, rw4 or xs, optionally @workgroups"),
             };
             let Some(want) = want else {
                 bail!("variant `{v}`: @ takes a positive number of workgroups")

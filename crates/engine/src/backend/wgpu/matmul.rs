@@ -27,28 +27,44 @@ pub fn sg_shader() -> Shader {
     static SRC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     let src = SRC.get_or_init(|| {
         let t = include_str!("shaders/matmul_sg.wgsl");
-        let (head, rest) = t
-            .split_once("//@@ matrix")
-            .expect("matmul_sg.wgsl: //@@ matrix");
-        let (matrix, rest) = rest
-            .split_once("//@@ rows")
-            .expect("matmul_sg.wgsl: //@@ rows");
-        let (rows, entry) = rest
-            .split_once("//@@ entry")
-            .expect("matmul_sg.wgsl: //@@ entry");
+        // The file's parts: the head, then each `//@@ name` marker's text up to the next.
+        let mut parts = t.split("//@@ ");
+        let head = parts.next().unwrap_or_default();
+        let part = |name: &str| -> String {
+            t.split("//@@ ")
+                .find_map(|p| p.strip_prefix(name).filter(|r| r.starts_with('\n')))
+                .unwrap_or_else(|| panic!("matmul_sg.wgsl: no //@@ {name} part"))
+                .to_string()
+        };
+        let (matrix, rows, entry, xs, xsentry) = (
+            part("matrix"),
+            part("rows"),
+            part("entry"),
+            part("xs"),
+            part("xsentry"),
+        );
         let mut s = String::from(include_str!("shaders/common.wgsl"));
         s += include_str!("shaders/gemv_io.wgsl");
         s += head;
+        let sub = |t: &str, m: u32, r: u32| {
+            t.replace("{M}", &m.to_string())
+                .replace("{R}", &r.to_string())
+                .replace("{NW}", &r.to_string())
+        };
         for m in 0..4 {
-            s += &matrix.replace("{M}", &m.to_string());
+            s += &sub(&matrix, m, 0);
         }
         for r in SG_ROWS {
             for m in 0..4 {
-                s += &rows
-                    .replace("{M}", &m.to_string())
-                    .replace("{R}", &r.to_string());
+                s += &sub(&rows, m, r);
             }
-            s += &entry.replace("{R}", &r.to_string());
+            s += &sub(&entry, 0, r);
+        }
+        for nw in XS_WORDS {
+            for m in 0..4 {
+                s += &sub(&xs, m, nw);
+            }
+            s += &sub(&xsentry, 0, nw);
         }
         s
     });
@@ -57,6 +73,9 @@ pub fn sg_shader() -> Shader {
         src,
     }
 }
+
+/// The code words a lane of gemv_xs takes in a row: its entry points (gemv_xs1 … gemv_xs8).
+pub const XS_WORDS: [u32; 4] = [1, 2, 4, 8];
 
 /// The rows a thread of gemv_rw takes: its entry points (gemv_rw1, gemv_rw2, gemv_rw4).
 pub const SG_ROWS: [u32; 3] = [1, 2, 4];
@@ -228,8 +247,22 @@ pub fn gemv_many(
     let mut p: Vec<u32> = Vec::with_capacity(52);
     let (mut lanes, mut start, mut end) = ([0u32; 4], [0u32; 4], [0u32; 4]);
     let mut blocks = 0usize;
-    // gemv_rw with `rw` rows a team where the adapter's subgroups allow it, else gemv_v4.
+    // gemv_xs (8) or gemv_rw with `rw` rows a team where the adapter's subgroups allow it,
+    // else gemv_v4 (0).
+    let sgw = ctx.report.subgroup_min as usize;
+    let fixed = ctx.report.subgroups && ctx.report.subgroup_min == ctx.report.subgroup_max;
+    let mut nw = 1usize;
     let rw = match ctx.sw.gemv.load(Ordering::Relaxed) {
+        8 if fixed => {
+            for w in ws {
+                nw = nw.max((w.inp / (128 / w.bits as usize)).div_ceil(sgw).next_power_of_two());
+            }
+            if nw <= 8 {
+                8
+            } else {
+                0
+            }
+        }
         r @ (1 | 2 | 4) if ctx.report.subgroups => r as usize,
         _ => 0,
     };
@@ -239,7 +272,13 @@ pub fn gemv_many(
         p.extend(w.qmat());
         if i < ws.len() {
             let words = w.inp / (128 / w.bits as usize);
-            let (l, per) = if rw > 0 {
+            let (l, per) = if rw == 8 {
+                // Rows a workgroup: a pair for each subgroup at least, more while the
+                // workgroups would exceed `want`.
+                let pair = 2 * (256 / sgw);
+                let rpw = w.out.div_ceil(want).next_multiple_of(pair).max(pair);
+                (rpw, rpw)
+            } else if rw > 0 {
                 let l = rw_lanes(w.out, words, rw, want);
                 (l, 256 / l * rw)
             } else {
@@ -282,6 +321,10 @@ pub fn gemv_many(
     bufs.extend([aux, xn, r, s]);
     match rw {
         0 => ctx.dispatch(&SHADER, "gemv_v4", &p, &bufs, (blocks * rows) as u32),
+        8 => {
+            let entry = ["gemv_xs1", "gemv_xs2", "gemv_xs4", "gemv_xs8"][nw.trailing_zeros() as usize];
+            ctx.dispatch(&sg_shader(), entry, &p, &bufs, (blocks * rows) as u32)
+        }
         r => {
             let entry = ["gemv_rw1", "gemv_rw2", "gemv_rw2", "gemv_rw4"][r - 1];
             ctx.dispatch(&sg_shader(), entry, &p, &bufs, (blocks * rows) as u32)

@@ -68,6 +68,21 @@ fn rw_x(xrow: u32, v: u32, rn: f32) -> vec4<f32> {
     return xv;
 }
 
+// gemv_xs: the matrix slot of this workgroup (uniform), for the epilogue.
+var<private> xs_mi: u32;
+
+// Writes row o of row t's output of matrix xs_mi as the output mode says.
+fn xs_out(o: u32, t: u32, out: u32, a: f32) {
+    let i = t * out + o;
+    if (pv.omode == 0u) {
+        vout(xs_mi, i, a);
+    } else if (pv.omode == 1u) {
+        vout(xs_mi, i, vget(xs_mi, i) + a);
+    } else {
+        vout(xs_mi, i, vget(xs_mi, i) + (vr[i] + sigmoid_f(vsg[t]) * a));
+    }
+}
+
 //@@ matrix
 // Scale (or bias) i of matrix {M}, as quant.wgsl's q_sb.
 fn rw_sb{M}(i: u32, sb16: u32, is_bias: bool) -> f32 {
@@ -217,5 +232,165 @@ fn gemv_rw{R}(
         } else {
             vout(mi, i, vget(mi, i) + (vr[i] + sigmoid_f(vsg[t]) * a));
         }
+    }
+}
+
+//@@ xs
+// gemv_xs's rows of matrix {M} with NW = {NW} code words a lane: the subgroup (team) `sgi` of
+// `nsg` takes rows o0 + sgi, o0 + sgi + nsg, … below o1, U = 2 at a time (their code words issued
+// together); lane l's columns are words l, l + W, …, l + (NW - 1)·W of every row, whose x it
+// holds in registers (xa, pre-scaled) with each word's Σ x (sxw). Returns nothing: writes each
+// row's total (subgroupAdd) through the epilogue by lane 0.
+fn xs_rows{M}_{NW}(m: QMat, t: u32, o0: u32, o1: u32, sgi: u32, nsg: u32, lane: u32, W: u32,
+                   xa: ptr<function, array<vec4<f32>, 8 * {NW}>>, sxw: ptr<function, array<f32, {NW}>>) {
+    let gpr = m.inp / m.gs;
+    let epw = 128u / m.bits;
+    let wpr = m.inp / epw;
+    for (var o = o0 + sgi; o < o1; o += 2u * nsg) {
+        let ob = min(o + nsg, o1 - 1u);
+        let ra = pv.e * m.out + o;
+        let rb = pv.e * m.out + ob;
+        var qa: array<vec4<u32>, {NW}>;
+        var qb: array<vec4<u32>, {NW}>;
+        var sa: array<f32, {NW}>;
+        var ba: array<f32, {NW}>;
+        var sb: array<f32, {NW}>;
+        var bb: array<f32, {NW}>;
+        for (var j = 0u; j < {NW}u; j++) {
+            let c = min(lane + j * W, wpr - 1u);
+            qa[j] = vw{M}[ra * wpr + c];
+            qb[j] = vw{M}[rb * wpr + c];
+            let g = (c * epw) / m.gs;
+            sa[j] = rw_sb{M}(ra * gpr + g, m.sb16, false);
+            ba[j] = rw_sb{M}(ra * gpr + g, m.sb16, true);
+            sb[j] = rw_sb{M}(rb * gpr + g, m.sb16, false);
+            bb[j] = rw_sb{M}(rb * gpr + g, m.sb16, true);
+        }
+        var pa = 0.0;
+        var pb = 0.0;
+        for (var j = 0u; j < {NW}u; j++) {
+            // Lanes past the row's words hold x = 0 (and Σ x = 0): their products vanish.
+            var da: f32;
+            var db: f32;
+            if (m.bits == 4u) {
+                let x0 = (*xa)[8u * j];
+                let x1 = (*xa)[8u * j + 1u];
+                let x2 = (*xa)[8u * j + 2u];
+                let x3 = (*xa)[8u * j + 3u];
+                let x4 = (*xa)[8u * j + 4u];
+                let x5 = (*xa)[8u * j + 5u];
+                let x6 = (*xa)[8u * j + 6u];
+                let x7 = (*xa)[8u * j + 7u];
+                da = (q4_dot(qa[j].x, x0, x1) + q4_dot(qa[j].y, x2, x3)) + (q4_dot(qa[j].z, x4, x5) + q4_dot(qa[j].w, x6, x7));
+                db = (q4_dot(qb[j].x, x0, x1) + q4_dot(qb[j].y, x2, x3)) + (q4_dot(qb[j].z, x4, x5) + q4_dot(qb[j].w, x6, x7));
+            } else {
+                let x0 = (*xa)[8u * j];
+                let x1 = (*xa)[8u * j + 1u];
+                let x2 = (*xa)[8u * j + 2u];
+                let x3 = (*xa)[8u * j + 3u];
+                da = (q8_dot(qa[j].x, x0) + q8_dot(qa[j].y, x1)) + (q8_dot(qa[j].z, x2) + q8_dot(qa[j].w, x3));
+                db = (q8_dot(qb[j].x, x0) + q8_dot(qb[j].y, x1)) + (q8_dot(qb[j].z, x2) + q8_dot(qb[j].w, x3));
+            }
+            pa += sa[j] * da + ba[j] * (*sxw)[j];
+            pb += sb[j] * db + bb[j] * (*sxw)[j];
+        }
+        let ta = subgroupAdd(pa);
+        let tb = subgroupAdd(pb);
+        if (lane == 0u) {
+            xs_out(o, t, m.out, ta);
+            if (o + nsg < o1) {
+                xs_out(o + nsg, t, m.out, tb);
+            }
+        }
+    }
+}
+
+//@@ xsentry
+// gemv_xs with NW = {NW} code words a lane (matmul.rs picks NW = the row's words / the
+// subgroup width, rounded up to 1, 2, 4 or 8).
+@compute @workgroup_size(256)
+fn gemv_xs{NW}(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_size) sg_size: u32,
+    @builtin(subgroup_invocation_id) lane: u32,
+) {
+    if (li == 0u) {
+        rw_sg = sg_size;
+    }
+    let W = workgroupUniformLoad(&rw_sg);
+    let wg = wg_index(wid);
+    let t = wg % pv.rows;
+    var blk = wg / pv.rows;
+    var mi = 0u;
+    for (var k = 1u; k < pv.n; k++) {
+        if (blk >= pv.start[k]) {
+            mi = k;
+        }
+    }
+    blk -= pv.start[mi];
+    let m = pv.ms[mi];
+    // Rows a workgroup: pv.lanes (a multiple of 2 · nsg, chosen by the host).
+    let rpw = pv.lanes[mi];
+    let o0 = blk * rpw;
+    let o1 = min(o0 + rpw, m.out);
+    let nsg = 256u / W;
+    let sgi = li / W;
+    xs_mi = mi;
+    let epw = 128u / m.bits;
+    let wpr = m.inp / epw;
+    let xrow = t * (m.inp / 4u);
+    // This lane's x: its words' elements, as read (h for the norm mode), Σ of squares alongside.
+    var xa: array<vec4<f32>, 8 * {NW}>;
+    var sxw: array<f32, {NW}>;
+    var ss = 0.0;
+    let nv = epw / 4u;
+    for (var j = 0u; j < {NW}u; j++) {
+        let c = lane + j * W;
+        for (var i = 0u; i < 8u; i++) {
+            var v = vec4<f32>(0.0);
+            if (c < wpr && i < nv) {
+                v = vx[xrow + c * nv + i];
+            }
+            xa[8u * j + i] = v;
+            ss += dot(v, v);
+        }
+    }
+    var rn = 1.0;
+    if (pv.xmode == 1u) {
+        rn = 1.0 / sqrt(subgroupAdd(ss) / f32(m.inp) + pv.eps);
+    }
+    var sc = vec4<f32>(1.0, 1.0 / 256.0, 1.0, 1.0 / 256.0);
+    if (m.bits == 4u) {
+        sc = vec4<f32>(1.0, 1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0);
+    }
+    for (var j = 0u; j < {NW}u; j++) {
+        let c = lane + j * W;
+        var s4 = vec4<f32>(0.0);
+        for (var i = 0u; i < 8u; i++) {
+            var v = xa[8u * j + i];
+            if (c < wpr && i < nv) {
+                if (pv.xmode == 1u) {
+                    v = v * rn * vaux[c * nv + i];
+                    // The normed row goes back out once (the experts read it), by the first
+                    // workgroup's first subgroup.
+                    if (wg < pv.rows && sgi == 0u) {
+                        vxn[xrow + c * nv + i] = v;
+                    }
+                } else if (pv.xmode == 2u) {
+                    let u = vaux[xrow + c * nv + i];
+                    v = vec4<f32>(silu_f(v.x) * u.x, silu_f(v.y) * u.y, silu_f(v.z) * u.z, silu_f(v.w) * u.w);
+                }
+            }
+            s4 += v;
+            xa[8u * j + i] = v * sc;
+        }
+        sxw[j] = (s4.x + s4.y) + (s4.z + s4.w);
+    }
+    switch mi {
+        case 0u: { xs_rows0_{NW}(m, t, o0, o1, sgi, nsg, lane, W, &xa, &sxw); }
+        case 1u: { xs_rows1_{NW}(m, t, o0, o1, sgi, nsg, lane, W, &xa, &sxw); }
+        case 2u: { xs_rows2_{NW}(m, t, o0, o1, sgi, nsg, lane, W, &xa, &sxw); }
+        default: { xs_rows3_{NW}(m, t, o0, o1, sgi, nsg, lane, W, &xa, &sxw); }
     }
 }
