@@ -54,6 +54,7 @@ pub const SHADERS: &[Shader] = &[
     super::matmul::SHADER,
     super::attention::SHADER,
     super::gdn::SHADER,
+    super::gdn::SHADER_SG,
     super::moe::SHADER,
     super::output::SHADER,
 ];
@@ -131,6 +132,9 @@ pub(super) struct Switches {
     pub gemv_wgs: usize,
     /// `LILY_WGPU_ATTN_KEYS`: the capacity's keys a decode attention split covers at least.
     pub attn_keys: usize,
+    /// `LILY_WGPU_GDN_FAST=0`: the gated delta rule by gdn_recur (workgroup memory) even where
+    /// the adapter has subgroups (gdn.rs `fast`).
+    pub gdn_fast: bool,
 }
 
 impl Switches {
@@ -150,6 +154,7 @@ impl Switches {
             fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
             gemv_wgs: num("LILY_WGPU_GEMV_WGS", 1024),
             attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),
+            gdn_fast: on("LILY_WGPU_GDN_FAST"),
         }
     }
 }
