@@ -149,10 +149,12 @@ pub fn gated_delta(
     let p = params(d, rows, 0);
     if fast(ctx, d) {
         let sg_groups = (hv * dv.div_ceil(SG_ROWS)) as u32;
-        if rows >= PREP_MIN_ROWS {
-            // q, k (normed) as (k, k', q, q') per column pair, then (β, g, 0, 0) per (token, head).
-            let floats = rows * (2 * hk * dk + 4 * hv);
-            let pre = match ctx.scratch("gdn.pre", 4 * floats as u64) {
+        // gdn_prep's output: q, k (normed) as (k, k', q, q') per column pair, then (β, g, -, -)
+        // per (token, head); a block whose scratch would pass the adapter's largest binding
+        // takes the fused scan instead.
+        let pre_bytes = 4 * (rows * (2 * hk * dk + 4 * hv)) as u64;
+        if rows >= PREP_MIN_ROWS && pre_bytes <= ctx.report.max_binding {
+            let pre = match ctx.scratch("gdn.pre", pre_bytes) {
                 Ok(b) => b,
                 Err(e) => {
                     ctx.fail(format!("gated_delta: the pre-pass's scratch: {e:#}"));
@@ -227,7 +229,7 @@ fn fast(ctx: &Ctx, d: &Dims) -> bool {
     ctx.sw.gdn_fast
         && ctx.report.subgroup
         && ctx.report.subgroup_min >= SG_PARTS
-        && d.gdn_k_dim % 2 == 0
+        && d.gdn_k_dim.is_multiple_of(2)
 }
 
 #[allow(clippy::too_many_arguments)]
