@@ -17,14 +17,23 @@
 //   as a vec2: exactly the CPU's SIMD lanes 2·part and 2·part + 1 (lane = column mod 8), each
 //   summed in increasing j as the CPU does. The 8 lane sums are gathered by 4 shuffles and added
 //   in the CPU's lane order, so s·k and s·q are the CPU's sums term for term (when Dk is a
-//   multiple of 8; the CPU adds a tail after its lanes otherwise). Every lane of a row ends with
-//   the same sums, so δ needs no broadcast.
+//   multiple of 8; the CPU adds a tail after its lanes otherwise): what differs from the CPU is
+//   q and k (their norms' sums in another order: an ulp or so), the exps, and FMA contraction
+//   where the driver fuses, as in gdn_recur (the op tests' F32_TOL holds with 4x to spare).
+//   Every lane of a row ends with the same sums, so δ needs no broadcast.
 //   Per token, the state's dependency chain is: s ← g·s (independent), 16 chained FMAs per lane
 //   (two chains a vec2) for s·k, 4 shuffles and 7 adds, δ = (v − s·k)·β, then s ← s + δ·k, which
 //   the next token's first FMA needs. y = s·q (16 more FMAs, 4 shuffles, 7 adds) is off the
 //   chain: the next token can start before it is written. The next token's inputs (k and q as
 //   16 vec4 loads, v, β and g) are loaded before the current token's arithmetic: they do not
 //   depend on the state, so their latency hides behind one token's work.
+//   Why 4 lanes a row: keeping the CPU's order, s·k is a chain of 16 FMAs (one CPU lane's terms)
+//   whatever the lane count. 4 lanes a row make 512 warps of 32 for Hv · Dv = 4096 rows, about
+//   one a scheduler on the H200 (132 SMs × 4), each ~185 issue slots a token (128 FP32 ops,
+//   16 loads, 16 shuffles, 14 adds) against a chain of ~130 cycles; 8 lanes a row would run two
+//   warps a scheduler with twice the shuffles and scalar loads (~250 slots a token), 2 lanes
+//   a row leave half the schedulers idle. Registers: ~180 a lane (the state's 32, this and the
+//   next token's q and k, 64 each).
 //   Bindings: 1 qkv, 2 b, 3 a, 4 a_log, 5 dt_bias, 6 state (rw, as vec2), 7 out (rw),
 //   8 pre (gdn_prep's output, as vec4; a spare buffer for gdn_step_sg).
 
