@@ -117,22 +117,51 @@ fn gdn_case(g: &Wgpu, d: &Dims, rng: &mut Rng, blocks: &[usize]) {
     }
 }
 
+/// Blocks that take each path of gdn.rs (with subgroups: gdn_step_sg below PREP_MIN_ROWS = 64
+/// rows, gdn_prep + gdn_scan_sg from it; else gdn_recur), decode steps between them, the state
+/// carried through all of them.
+const QWEN_BLOCKS: &[usize] = &[
+    40, 1, 1, 1, 1, 1, 1, 1, 1, 7, 1, 1, 1, 512, 1, 63, 64, 1, 65, 2, 200, 1, 1,
+];
+
 #[test]
 fn gdn_prefill_then_decode() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(52);
     let d = qwen_dims();
-    gdn_case(
-        &g,
-        &d,
-        &mut rng,
-        &[40, 1, 1, 1, 1, 1, 1, 1, 1, 7, 1, 1, 1, 512, 1],
-    );
-    // Dims that fill neither a workgroup's 32 rows nor the 128 elements of a row: Dv = 40
-    // (two slices, the second partial), Dk = 60, 3 value heads a key head.
+    gdn_case(&g, &d, &mut rng, QWEN_BLOCKS);
+    // Dims that fill neither a workgroup's rows (gdn_recur 32, gdn_sg 16) nor the 128 elements
+    // of a row: Dv = 40 (the last slice partial), Dk = 60 (the last column pairs empty), 3 value
+    // heads a key head; blocks on both sides of the pre-pass.
     let mut d = qwen_dims();
     (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim) = (2, 6, 60, 40);
-    gdn_case(&g, &d, &mut rng, &[9, 1, 1, 3, 1]);
+    gdn_case(&g, &d, &mut rng, &[9, 1, 1, 3, 1, 70, 1, 64, 1]);
+    // More q/k vectors than gdn_prep's workgroup covers at once (2 · 20 > 32), small heads.
+    let mut d = qwen_dims();
+    (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim) = (20, 40, 16, 8);
+    gdn_case(&g, &d, &mut rng, &[100, 1, 5, 1]);
+    // An odd Dk (no column pairs): gdn_recur on every adapter.
+    let mut d = qwen_dims();
+    (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim) = (2, 4, 61, 24);
+    gdn_case(&g, &d, &mut rng, &[66, 1, 3, 1]);
+}
+
+/// The fallback (gdn_recur: workgroup memory, no subgroups) at the real shape, forced by
+/// `LILY_WGPU_GDN_FAST=0` on a device of its own: lavapipe has subgroups, so the test above
+/// runs the subgroup kernels. The variable is set only while that device opens (the switches
+/// are read then); a device another test opens meanwhile would take the fallback too, which
+/// must pass its tests as well.
+#[test]
+fn gdn_fallback_prefill_then_decode() {
+    std::env::set_var("LILY_WGPU_GDN_FAST", "0");
+    let g = gpu();
+    std::env::remove_var("LILY_WGPU_GDN_FAST");
+    let Some(g) = g else { return };
+    let mut rng = Rng(53);
+    gdn_case(&g, &qwen_dims(), &mut rng, &[40, 1, 1, 100, 1, 1]);
+    let mut d = qwen_dims();
+    (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim) = (2, 6, 60, 40);
+    gdn_case(&g, &d, &mut rng, &[9, 1, 70, 1]);
 }
 
 #[test]

@@ -57,6 +57,7 @@ pub fn shaders() -> Vec<Shader> {
         super::matmul::sg_shader(),
         super::attention::SHADER,
         super::gdn::SHADER,
+        super::gdn::SHADER_SG,
         super::moe::SHADER,
         super::output::SHADER,
         super::lab::SHADER,
@@ -162,6 +163,9 @@ pub(super) struct Switches {
     pub gemv: AtomicU32,
     /// `LILY_WGPU_ATTN_KEYS`: the capacity's keys a decode attention split covers at least.
     pub attn_keys: usize,
+    /// `LILY_WGPU_GDN_FAST=0`: the gated delta rule by gdn_recur (workgroup memory) even where
+    /// the adapter has subgroups (gdn.rs `fast`).
+    pub gdn_fast: bool,
 }
 
 impl Switches {
@@ -188,6 +192,7 @@ impl Switches {
                 _ => 2,
             }),
             attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),
+            gdn_fast: on("LILY_WGPU_GDN_FAST"),
         }
     }
 }

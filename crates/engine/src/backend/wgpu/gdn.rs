@@ -1,5 +1,12 @@
-//! Gated DeltaNet: the causal conv and the gated delta rule (shaders/gdn.wgsl; cpu/gdn.rs is the
-//! twin). Prefill and decode share these entry points (rows = 1 for a step).
+//! Gated DeltaNet: the causal conv and the gated delta rule (shaders/gdn.wgsl, and
+//! shaders/gdn_sg.wgsl where the adapter has subgroups; cpu/gdn.rs is the twin). Prefill and
+//! decode share these entry points (rows = 1 for a step).
+//!
+//! The recurrence's launches: with subgroups (`fast`), blocks of PREP_MIN_ROWS rows or more run
+//! gdn_prep (q/k norms and gates for every token at once) then gdn_scan_sg; shorter blocks and
+//! decode steps run gdn_step_sg alone (the same scan with the norms and gates inline: a step is
+//! one token, so a pre-pass would only add a launch to its latency). Without subgroups, or with
+//! `LILY_WGPU_GDN_FAST=0`, gdn_recur. gdn_norm follows each.
 
 use super::device::{Ctx, Shader};
 use super::{fits, WBuf};
@@ -13,11 +20,33 @@ pub const SHADER: Shader = Shader {
     ),
 };
 
+/// The subgroup recurrence (shaders/gdn_sg.wgsl), with gdn.wgsl's declarations before it; a
+/// module of its own, made only where the adapter has SUBGROUP (`fast`): wgpu rejects a module
+/// using subgroup builtins on a device without the feature. (No `enable subgroups;`: naga 30
+/// has the builtins behind the device feature and rejects the directive as unimplemented.)
+pub const SHADER_SG: Shader = Shader {
+    name: "gdn_sg",
+    src: concat!(
+        include_str!("shaders/common.wgsl"),
+        include_str!("shaders/gdn.wgsl"),
+        include_str!("shaders/gdn_sg.wgsl")
+    ),
+};
+
 /// Rows of the conv an invocation owns (at least K-1: see gdn.wgsl `conv1d`).
 const CONV_ROWS: usize = 8;
 /// State rows a `gdn_recur` workgroup owns, and the largest Dk it holds (gdn.wgsl).
 const RECUR_ROWS: usize = 32;
 const MAX_DK: usize = 128;
+/// gdn_sg.wgsl: lanes a state row (an aligned group of a subgroup) and rows a workgroup of 64.
+const SG_PARTS: u32 = 4;
+const SG_ROWS: usize = 16;
+/// Blocks of at least this many rows take gdn_prep then gdn_scan_sg; shorter ones (a decode
+/// step) gdn_step_sg, norms and gates inline, in one launch. gdn_prep is one more launch (~5 µs
+/// on the H200); per token it takes about half of each scan lane's ~375 issue slots away (the
+/// raw q/k loads as scalars, their squares, shuffles and scaling, the gates' exps: ~190),
+/// ~0.1 µs a token on a GPU whose schedulers each run one of the scan's warps: even at ~50 rows.
+const PREP_MIN_ROWS: usize = 64;
 
 /// gdn.wgsl's parameter block.
 fn params(d: &Dims, rows: usize, rb: usize) -> [u32; 12] {
@@ -118,10 +147,109 @@ pub fn gated_delta(
         return;
     }
     let p = params(d, rows, 0);
+    if fast(ctx, d) {
+        let sg_groups = (hv * dv.div_ceil(SG_ROWS)) as u32;
+        // gdn_prep's output: q, k (normed) as (k, k', q, q') per column pair, then (β, g, -, -)
+        // per (token, head); a block whose scratch would pass the adapter's largest binding
+        // takes the fused scan instead.
+        let pre_bytes = 4 * (rows * (2 * hk * dk + 4 * hv)) as u64;
+        if rows >= PREP_MIN_ROWS && pre_bytes <= ctx.report.max_binding {
+            let pre = match ctx.scratch("gdn.pre", pre_bytes) {
+                Ok(b) => b,
+                Err(e) => {
+                    ctx.fail(format!("gated_delta: the pre-pass's scratch: {e:#}"));
+                    return;
+                }
+            };
+            ctx.dispatch(
+                &SHADER,
+                "gdn_prep",
+                &p,
+                &[&qkv.buf, &b.buf, &a.buf, &w.a_log.buf, &w.dt_bias.buf, &pre],
+                rows as u32,
+            );
+            sg_dispatch(
+                ctx,
+                "gdn_scan_sg",
+                &p,
+                qkv,
+                b,
+                a,
+                w,
+                state,
+                out,
+                &pre,
+                sg_groups,
+            );
+        } else {
+            let spare = &ctx.spare[0];
+            sg_dispatch(
+                ctx,
+                "gdn_step_sg",
+                &p,
+                qkv,
+                b,
+                a,
+                w,
+                state,
+                out,
+                spare,
+                sg_groups,
+            );
+        }
+    } else {
+        ctx.dispatch(
+            &SHADER,
+            "gdn_recur",
+            &p,
+            &[
+                &qkv.buf,
+                &b.buf,
+                &a.buf,
+                &w.a_log.buf,
+                &w.dt_bias.buf,
+                &state.buf,
+                &out.buf,
+            ],
+            (hv * dv.div_ceil(RECUR_ROWS)) as u32,
+        );
+    }
     ctx.dispatch(
         &SHADER,
-        "gdn_recur",
+        "gdn_norm",
         &p,
+        &[&z.buf, &w.norm.buf, &out.buf],
+        (rows * hv) as u32,
+    );
+}
+
+/// Whether the subgroup recurrence runs: `LILY_WGPU_GDN_FAST` on, SUBGROUP with subgroups of at
+/// least SG_PARTS lanes, and column pairs (an even Dk).
+fn fast(ctx: &Ctx, d: &Dims) -> bool {
+    ctx.sw.gdn_fast
+        && ctx.report.subgroup
+        && ctx.report.subgroup_min >= SG_PARTS
+        && d.gdn_k_dim.is_multiple_of(2)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn sg_dispatch(
+    ctx: &Ctx,
+    entry: &'static str,
+    p: &[u32],
+    qkv: &WBuf,
+    b: &WBuf,
+    a: &WBuf,
+    w: &GdnParams<WBuf>,
+    state: &WBuf,
+    out: &WBuf,
+    pre: &::wgpu::Buffer,
+    groups: u32,
+) {
+    ctx.dispatch(
+        &SHADER_SG,
+        entry,
+        p,
         &[
             &qkv.buf,
             &b.buf,
@@ -130,14 +258,8 @@ pub fn gated_delta(
             &w.dt_bias.buf,
             &state.buf,
             &out.buf,
+            pre,
         ],
-        (hv * dv.div_ceil(RECUR_ROWS)) as u32,
-    );
-    ctx.dispatch(
-        &SHADER,
-        "gdn_norm",
-        &p,
-        &[&z.buf, &w.norm.buf, &out.buf],
-        (rows * hv) as u32,
+        groups,
     );
 }

@@ -23,6 +23,17 @@
 //   workgroup memory (l2 norms by a tree there), and the 8 partial dot products of a row are summed
 //   in workgroup memory in part order: the CPU's 8-lane sums (lane = c mod 8) in its order.
 //   Bindings: 1 qkv, 2 b, 3 a, 4 a_log, 5 dt_bias, 6 state (rw), 7 out (rw).
+//   The fallback: where the adapter has subgroups, gdn_sg.wgsl's kernels run instead (gdn.rs).
+//
+// gdn_prep (the per-token work of the recurrence that does not depend on the state, done once
+//   for all tokens in parallel before gdn_sg.wgsl's scan, so that its sequential loop is only the
+//   state's arithmetic): q = l2norm(q) / sqrt(Dk), k = l2norm(k) of every key head, β and g of
+//   every value head. A workgroup of 256 a token; 8 invocations a vector (q or k of a key head),
+//   each summing the squares of elements c = 8j + part, the 8 sums added in part order (the
+//   CPU sums all Dk in one chain: the norms differ from it by rounding only).
+//   pre (f32): [rows, Hk, Dk / 2] of (k[2i], k[2i+1], q[2i], q[2i+1]) (one 16-byte load a column
+//   pair in the scan), then at 2 · rows · Hk · Dk: [rows, Hv] of (β, g, -, -). Dk even.
+//   Bindings: 1 qkv, 2 b, 3 a, 4 a_log, 5 dt_bias, 6 pre (rw). rows workgroups.
 //
 // gdn_norm (cpu/gdn.rs `gated_delta`, the gated norm): out[t, h] = rms_norm(y[t, h]) · norm ·
 //   silu(z[t, h]) per value head, y read from and written to out in place. A workgroup of 256 a
@@ -208,6 +219,63 @@ fn gdn_recur(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         if (live && c < p.dk) {
             gd_state[base + c] = s[j];
         }
+    }
+}
+
+// ---- gdn_prep
+
+// β = sigmoid(b), g = exp(-exp(a_log) · softplus(a + dt_bias)) of token t, value head h: the
+// CPU's expressions (gdn_recur computes the same inline, exp(a_log) hoisted).
+fn gd_gates(t: u32, h: u32) -> vec2<f32> {
+    let beta = sigmoid_f(gd_b[t * p.hv + h]);
+    let g = exp(-exp(gd_alog[h]) * softplus_g(gd_a[t * p.hv + h] + gd_dtb[h]));
+    return vec2<f32>(beta, g);
+}
+
+@group(0) @binding(6) var<storage, read_write> gp_pre: array<f32>;
+
+@compute @workgroup_size(256)
+fn gdn_prep(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let t = wg_index(wid);
+    let part = li % PARTS;
+    let g0 = li - part;
+    let nvec = 2u * p.hk; // q of key head i at vector i, k at Hk + i: qkv offset i · Dk
+    for (var it = 0u; it < (nvec + 31u) / 32u; it++) {
+        let vi = it * 32u + li / PARTS;
+        let live = vi < nvec;
+        let src = t * p.c + vi * p.dk;
+        var acc = 0.0;
+        for (var j = 0u; j < MAXE; j++) {
+            let c = j * PARTS + part;
+            if (live && c < p.dk) {
+                let x = gd_qkv[src + c];
+                acc += x * x;
+            }
+        }
+        ssq[li] = acc;
+        workgroupBarrier();
+        var ss = 0.0;
+        for (var i = 0u; i < PARTS; i++) {
+            ss += ssq[g0 + i];
+        }
+        workgroupBarrier(); // the next vectors overwrite ssq
+        let is_k = vi >= p.hk;
+        let kh = select(vi, vi - p.hk, is_k);
+        let r = select(p.qscale, 1.0, is_k) / sqrt(ss + 1e-6);
+        // (k, k', q, q') of column pair c / 2: see the layout in the header.
+        let dst = 2u * ((t * p.hk + kh) * p.dk) + select(2u, 0u, is_k);
+        for (var j = 0u; j < MAXE; j++) {
+            let c = j * PARTS + part;
+            if (live && c < p.dk) {
+                gp_pre[dst + 2u * (c & ~1u) + (c & 1u)] = gd_qkv[src + c] * r;
+            }
+        }
+    }
+    let gates = 2u * p.rows * p.hk * p.dk + 4u * t * p.hv;
+    for (var h = li; h < p.hv; h += 256u) {
+        let bg = gd_gates(t, h);
+        gp_pre[gates + 4u * h] = bg.x;
+        gp_pre[gates + 4u * h + 1u] = bg.y;
     }
 }
 
