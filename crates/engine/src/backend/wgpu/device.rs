@@ -131,6 +131,10 @@ pub(super) struct Switches {
     pub gemv_wgs: usize,
     /// `LILY_WGPU_ATTN_KEYS`: the capacity's keys a decode attention split covers at least.
     pub attn_keys: usize,
+    /// `LILY_WGPU_ATTN_TILE=0`: prefill attention a (row, KV head) a workgroup (attn_rows_gqa,
+    /// K/V read once a row) instead of tiles of query rows (attn_tile_gqa), and decode by
+    /// stop 28's attn_split_gqa + attn_combine instead of attn_dec_gqa + attn_combine4.
+    pub attn_tile: bool,
 }
 
 impl Switches {
@@ -150,6 +154,7 @@ impl Switches {
             fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
             gemv_wgs: num("LILY_WGPU_GEMV_WGS", 1024),
             attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),
+            attn_tile: on("LILY_WGPU_ATTN_TILE"),
         }
     }
 }

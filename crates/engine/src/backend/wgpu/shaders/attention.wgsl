@@ -610,3 +610,355 @@ fn attn_rows_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
         }
     }
 }
+
+// ---- attn_tile_gqa / attn_tile_gqa_part: prefill attention tiled over query rows and keys
+// (flash-attention style; cpu `attention_tiled`). A workgroup per (tile of R = TQ / G query rows,
+// KV head, key split): its TQ = 32 query slots (slot q = row q / G, head q % G of the group:
+// 4 rows of the model's 8 heads) over the keys of its split, TK = 8 keys at a time. Each K/V row
+// is read once per tile and used by all 32 slots (attn_rows_gqa reads it once per row), so the
+// quadratic term is K/V traffic / 32 from L2 and the kernel is bound by its FMAs:
+//   scores: thread (slot li % 32, dim slice li / 32) keeps its slot's 8 vec4s of q (dims ≡ slice
+//     mod 8, in registers for the whole launch) and dots them with the tile's 8 keys (K tile in
+//     workgroup memory, the same address across a 32-thread warp: broadcast reads); the 8
+//     slices' partials go through workgroup memory;
+//   softmax: thread li < 32 (the slot) sums its 8 keys' partials, masks (causal: key ≤ pos0 + t;
+//     the split's end), keeps the running max m and sum l (online softmax) and writes p and the
+//     rescale exp(m_old − m_new);
+//   values: thread (slot group li / 64: 8 slots, vec4 of dims li % 64) rescales its 8
+//     accumulators and adds p·v over the tile's keys (V tile in workgroup memory).
+// The next tile's K and V are loaded into registers while this one is used, and stored once its
+// buffer is free: 3 barriers a tile of 8 keys, 512 FMAs a thread between them. Workgroup memory
+// 25.1 KB (K, V tiles 8 KB each, partials 8 KB, p 1 KB); about 100 registers a thread (q 32,
+// accumulators 32, the next tile 16), so two workgroups fit an SM. The workgroups of a launch
+// run the longest tiles (the last rows) first; those running together read the same K/V tiles,
+// so the cache's bytes come from L2. A prefill chunk of 2048 rows is 512 tiles a KV head.
+// attn_tile_gqa (one split): out = acc / l · sigmoid(gate). attn_tile_gqa_part (the host splits
+// the keys when tiles are few and keys many): partials (m, l, 0, 0, acc[hd]) at
+// part[((t · nh + h) · splits + s) · (hd + 4)], merged by attn_combine4 a (row, head) a workgroup.
+// Takes G ≤ 8, hd ≤ 256, hd % 4 == 0 (attention.rs checks). Params: splits, span = keys a split
+// (a multiple of TK). Bindings: 1 q, 2 kc, 3 vc (vec4 views), then 4 gate, 5 out, or 4 part.
+
+const TQ: u32 = 32u;
+const TK: u32 = 8u;
+const TS: u32 = 8u; // 256 / TQ: dim slices of the score phase
+const TSV: u32 = 8u; // 64 / TS: vec4s of a slice at hd = 256
+
+@group(0) @binding(1) var<storage, read> tk_q: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> tk_kc: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> tk_vc: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> tk_gate: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read_write> tk_out: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> tk_part: array<vec4<f32>>;
+
+var<workgroup> tk_k: array<vec4<f32>, 512>; // [TK][64]
+var<workgroup> tk_v: array<vec4<f32>, 512>; // [TK][64]
+var<workgroup> tk_red: array<vec4<f32>, 512>; // [TS][TK / 4][TQ]: 4 keys' partials a vec4
+var<workgroup> tk_p: array<vec4<f32>, 64>; // [TK][TQ / 4]: p of 4 slots a vec4
+var<workgroup> tk_c: array<vec4<f32>, 8>; // [TQ / 4]: rescale, then l at the end
+
+// A tile's shape for workgroup wg: rows t0 .. t0 + rv, KV head, split s, keys j0..j1.
+struct Tile {
+    g: u32,
+    r: u32,
+    t0: u32,
+    rv: u32,
+    kvh: u32,
+    s: u32,
+    j0: u32,
+    j1: u32,
+}
+
+fn tile_of(wg: u32) -> Tile {
+    let g = p.nh / p.nkv;
+    let r = TQ / g;
+    let tiles = (p.rows + r - 1u) / r;
+    let per = p.nkv * tiles;
+    let s = wg / per;
+    let kvh = (wg % per) / tiles;
+    // Longest first: the last rows see the most keys.
+    let t0 = (tiles - 1u - wg % tiles) * r;
+    let rv = min(r, p.rows - t0);
+    let kend = p.pos0 + t0 + rv;
+    let j0 = min(s * p.span, kend);
+    let j1 = min(j0 + p.span, kend);
+    return Tile(g, r, t0, rv, kvh, s, j0, j1);
+}
+
+// Thread li's share of key tile jt's K and V rows (2 vec4s each), zero past j1 (so p = 0 there
+// multiplies zeros, never a stale or out-of-range row).
+fn tile_load_k(tl: Tile, li: u32, jt: u32) -> array<vec4<f32>, 2> {
+    let hd4 = p.hd / 4u;
+    let kvd4 = p.nkv * hd4;
+    var r: array<vec4<f32>, 2>;
+    for (var i = 0u; i < 2u; i++) {
+        let e = li + 256u * i;
+        let j = jt + e / 64u;
+        let c = e % 64u;
+        r[i] = vec4<f32>(0.0);
+        if (c < hd4 && j < tl.j1) {
+            r[i] = tk_kc[j * kvd4 + tl.kvh * hd4 + c];
+        }
+    }
+    return r;
+}
+
+fn tile_load_v(tl: Tile, li: u32, jt: u32) -> array<vec4<f32>, 2> {
+    let hd4 = p.hd / 4u;
+    let kvd4 = p.nkv * hd4;
+    var r: array<vec4<f32>, 2>;
+    for (var i = 0u; i < 2u; i++) {
+        let e = li + 256u * i;
+        let j = jt + e / 64u;
+        let c = e % 64u;
+        r[i] = vec4<f32>(0.0);
+        if (c < hd4 && j < tl.j1) {
+            r[i] = tk_vc[j * kvd4 + tl.kvh * hd4 + c];
+        }
+    }
+    return r;
+}
+
+// The tile's attention: thread li (value layout: slots (li / 64)·8 + e, e < 8, dims vec4 li % 64)
+// gets its 8 slots' Σ p·v; every slot's final m and l are left in tk_p[q / 4][q % 4] and
+// tk_c[q / 4][q % 4]. Every thread calls it (the tile is uniform).
+fn tile_attend(tl: Tile, li: u32) -> array<vec4<f32>, 8> {
+    let hd4 = p.hd / 4u;
+    // Score layout: slot q, slice sl.
+    let q = li % TQ;
+    let sl = li / TQ;
+    let qt = tl.t0 + q / tl.g;
+    let qok = q < tl.r * tl.g && qt < p.rows;
+    let qlast = p.pos0 + qt; // the slot's last visible key
+    var qr: array<vec4<f32>, TSV>;
+    let qb = (qt * p.nh + tl.kvh * tl.g + q % tl.g) * hd4;
+    for (var i = 0u; i < TSV; i++) {
+        let c = sl + TS * i;
+        qr[i] = vec4<f32>(0.0);
+        if (qok && c < hd4) {
+            qr[i] = tk_q[qb + c];
+        }
+    }
+    // Value layout: slot group vg (slots 8·vg ..), dims vec4 vd.
+    let vg = li / 64u;
+    let vd = li % 64u;
+    var acc: array<vec4<f32>, 8>;
+    for (var e = 0u; e < 8u; e++) {
+        acc[e] = vec4<f32>(0.0);
+    }
+    // Softmax state (threads li < TQ, slot li).
+    var m_run = NEG_BIG;
+    var l_run = 0.0;
+    let nt = (tl.j1 - tl.j0 + TK - 1u) / TK;
+    var kr = tile_load_k(tl, li, tl.j0);
+    var vr = tile_load_v(tl, li, tl.j0);
+    for (var i = 0u; i < 2u; i++) {
+        tk_k[li + 256u * i] = kr[i];
+        tk_v[li + 256u * i] = vr[i];
+    }
+    kr = tile_load_k(tl, li, tl.j0 + TK);
+    vr = tile_load_v(tl, li, tl.j0 + TK);
+    workgroupBarrier();
+    for (var it = 0u; it < nt; it++) {
+        let jt = tl.j0 + it * TK;
+        // Scores: this slice's partial dot of the slot with the tile's 8 keys.
+        var sp: array<f32, TK>;
+        for (var k = 0u; k < TK; k++) {
+            var d = 0.0;
+            for (var i = 0u; i < TSV; i++) {
+                let c = sl + TS * i;
+                if (c < hd4) {
+                    d += dot(qr[i], tk_k[k * 64u + c]);
+                }
+            }
+            sp[k] = d;
+        }
+        tk_red[(sl * 2u) * TQ + q] = vec4<f32>(sp[0], sp[1], sp[2], sp[3]);
+        tk_red[(sl * 2u + 1u) * TQ + q] = vec4<f32>(sp[4], sp[5], sp[6], sp[7]);
+        workgroupBarrier();
+        // The K tile is read: the next one goes in while the softmax runs.
+        for (var i = 0u; i < 2u; i++) {
+            tk_k[li + 256u * i] = kr[i];
+        }
+        kr = tile_load_k(tl, li, jt + 2u * TK);
+        if (li < TQ) {
+            var s0 = vec4<f32>(0.0);
+            var s1 = vec4<f32>(0.0);
+            for (var x = 0u; x < TS; x++) {
+                s0 += tk_red[(x * 2u) * TQ + li];
+                s1 += tk_red[(x * 2u + 1u) * TQ + li];
+            }
+            let sc = array<f32, 8>(s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w);
+            var tm = NEG_BIG;
+            for (var k = 0u; k < TK; k++) {
+                let j = jt + k;
+                if (qok && j < tl.j1 && j <= qlast) {
+                    tm = max(tm, sc[k] * p.scale);
+                }
+            }
+            let mn = max(m_run, tm);
+            let corr = exp(m_run - mn);
+            var ls = 0.0;
+            for (var k = 0u; k < TK; k++) {
+                let j = jt + k;
+                let pk = select(0.0, exp(sc[k] * p.scale - mn), qok && j < tl.j1 && j <= qlast);
+                ls += pk;
+                tk_p[k * (TQ / 4u) + li / 4u][li % 4u] = pk;
+            }
+            tk_c[li / 4u][li % 4u] = corr;
+            l_run = l_run * corr + ls;
+            m_run = mn;
+        }
+        workgroupBarrier();
+        // Values: rescale, then Σ p·v over the tile's keys.
+        let c0 = tk_c[vg * 2u];
+        let c1 = tk_c[vg * 2u + 1u];
+        acc[0] *= c0.x;
+        acc[1] *= c0.y;
+        acc[2] *= c0.z;
+        acc[3] *= c0.w;
+        acc[4] *= c1.x;
+        acc[5] *= c1.y;
+        acc[6] *= c1.z;
+        acc[7] *= c1.w;
+        for (var k = 0u; k < TK; k++) {
+            let pa = tk_p[k * (TQ / 4u) + vg * 2u];
+            let pb = tk_p[k * (TQ / 4u) + vg * 2u + 1u];
+            let v = tk_v[k * 64u + vd];
+            acc[0] += pa.x * v;
+            acc[1] += pa.y * v;
+            acc[2] += pa.z * v;
+            acc[3] += pa.w * v;
+            acc[4] += pb.x * v;
+            acc[5] += pb.y * v;
+            acc[6] += pb.z * v;
+            acc[7] += pb.w * v;
+        }
+        workgroupBarrier();
+        // The V tile is read: the next one goes in (seen after the next scores' barrier).
+        for (var i = 0u; i < 2u; i++) {
+            tk_v[li + 256u * i] = vr[i];
+        }
+        vr = tile_load_v(tl, li, jt + 2u * TK);
+    }
+    if (li < TQ) {
+        tk_p[li / 4u][li % 4u] = m_run;
+        tk_c[li / 4u][li % 4u] = l_run;
+    }
+    workgroupBarrier();
+    return acc;
+}
+
+fn sigmoid4(x: vec4<f32>) -> vec4<f32> { return 1.0 / (1.0 + exp(-x)); }
+
+@compute @workgroup_size(256)
+fn attn_tile_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let tl = tile_of(wg_index(wid));
+    let acc = tile_attend(tl, li);
+    let hd4 = p.hd / 4u;
+    let vg = li / 64u;
+    let vd = li % 64u;
+    for (var e = 0u; e < 8u; e++) {
+        let q = vg * 8u + e;
+        let t = tl.t0 + q / tl.g;
+        if (q < tl.r * tl.g && t < p.rows && vd < hd4) {
+            let o = (t * p.nh + tl.kvh * tl.g + q % tl.g) * hd4 + vd;
+            tk_out[o] = acc[e] / tk_c[q / 4u][q % 4u] * sigmoid4(tk_gate[o]);
+        }
+    }
+}
+
+@compute @workgroup_size(256)
+fn attn_tile_gqa_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let tl = tile_of(wg_index(wid));
+    let acc = tile_attend(tl, li);
+    let hd4 = p.hd / 4u;
+    let vg = li / 64u;
+    let vd = li % 64u;
+    for (var e = 0u; e < 8u; e++) {
+        let q = vg * 8u + e;
+        let t = tl.t0 + q / tl.g;
+        if (q < tl.r * tl.g && t < p.rows) {
+            // Record (m, l, 0, 0, acc[hd]) of hd / 4 + 1 vec4s.
+            let base = ((t * p.nh + tl.kvh * tl.g + q % tl.g) * p.splits + tl.s) * (hd4 + 1u);
+            if (vd == 0u) {
+                tk_part[base] = vec4<f32>(tk_p[q / 4u][q % 4u], tk_c[q / 4u][q % 4u], 0.0, 0.0);
+            }
+            if (vd < hd4) {
+                tk_part[base + 1u + vd] = acc[e];
+            }
+        }
+    }
+}
+
+// ---- attn_combine4: merges the key splits of attn_tile_gqa_part, a workgroup per
+// (row, head) f: records (m, l, 0, 0, acc[hd]) at part[(f · splits + s) · (hd/4 + 1)] vec4s.
+// One tree finds the largest m and the splits holding keys (m > −1e30: a prefix of them); thread
+// (split group li / 64, vec4 of dims li % 64) adds w·acc and w·l over the splits ≡ its group mod
+// 4 (w = exp(m_s − M)), their loads issued four at a time; the 4 groups are added through
+// workgroup memory; out = acc / l · sigmoid(gate). splits ≤ 256, hd ≤ 256, hd % 4 == 0.
+// Bindings: 1 part, 2 gate, 3 out (vec4 views).
+
+@group(0) @binding(1) var<storage, read> c4_part: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> c4_gate: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> c4_out: array<vec4<f32>>;
+
+var<workgroup> c4_t: array<vec2<f32>, 256>;
+var<workgroup> c4_a: array<vec4<f32>, 256>;
+var<workgroup> c4_l: array<f32, 4>;
+
+@compute @workgroup_size(256)
+fn attn_combine4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let f = wg_index(wid);
+    let hd4 = p.hd / 4u;
+    let rec = hd4 + 1u;
+    let b0 = f * p.splits * rec;
+    var ms = NEG_BIG;
+    if (li < p.splits) {
+        ms = c4_part[b0 + li * rec].x;
+    }
+    c4_t[li] = vec2<f32>(ms, select(0.0, f32(li + 1u), ms > -1.0e29));
+    workgroupBarrier();
+    for (var h = 128u; h > 0u; h >>= 1u) {
+        if (li < h) {
+            c4_t[li] = max(c4_t[li], c4_t[li + h]);
+        }
+        workgroupBarrier();
+    }
+    let m = c4_t[0].x;
+    let ns = u32(c4_t[0].y);
+    let sg = li / 64u;
+    let vd = li % 64u;
+    var a = vec4<f32>(0.0);
+    var l = 0.0;
+    for (var s0 = sg; s0 < ns; s0 += 16u) {
+        var ml: array<vec4<f32>, 4>;
+        var av: array<vec4<f32>, 4>;
+        for (var u = 0u; u < 4u; u++) {
+            let s = s0 + 4u * u;
+            ml[u] = vec4<f32>(NEG_BIG, 0.0, 0.0, 0.0);
+            av[u] = vec4<f32>(0.0);
+            if (s < ns) {
+                ml[u] = c4_part[b0 + s * rec];
+                if (vd < hd4) {
+                    av[u] = c4_part[b0 + s * rec + 1u + vd];
+                }
+            }
+        }
+        for (var u = 0u; u < 4u; u++) {
+            let w = exp(ml[u].x - m);
+            a += w * av[u];
+            l += w * ml[u].y;
+        }
+    }
+    c4_a[li] = a;
+    if (vd == 0u) {
+        c4_l[sg] = l;
+    }
+    workgroupBarrier();
+    if (li < hd4) {
+        let t = c4_a[li] + c4_a[64u + li] + c4_a[128u + li] + c4_a[192u + li];
+        let lt = c4_l[0] + c4_l[1] + c4_l[2] + c4_l[3];
+        let o = f * hd4 + li;
+        c4_out[o] = t / lt * sigmoid4(c4_gate[o]);
+    }
+}
