@@ -47,7 +47,10 @@ const TILE_KEYS: usize = 8;
 /// at least `TILE_SPLIT_KEYS` keys (below that the combine costs more than the split saves).
 const TILE_WGS: usize = 256;
 const TILE_SPLIT_KEYS: usize = 512;
-/// attn_combine4's splits at most (its tree).
+/// attn_dec_gqa: keys a chunk (attention.wgsl `DK`), the fewest keys a split takes (so a short
+/// context fills fewer splits, the rest stop at once), the splits at most (attn_combine4's
+/// tree: 256; 512 workgroups on the model's two KV heads).
+const DEC_CHUNK: usize = 32;
 const DEC_MAX_SPLITS: usize = 256;
 
 /// Whether the grouped kernels (`attn_split_gqa`, `attn_rows_gqa`) take this shape: up to 8
@@ -370,12 +373,24 @@ pub fn attn_decode(
         return;
     }
     let gqa = gqa(ctx, d);
-    let (span, splits) = if gqa {
+    let tile = gqa && ctx.sw.attn_tile;
+    // attn_dec_gqa: `span` is the fewest keys a split takes (the device spreads pos + 1 keys over
+    // the splits, at least a chunk each); attn_split_gqa: 0 (every split used); attn_split:
+    // whole chunks.
+    let (span, splits) = if tile {
+        (
+            DEC_CHUNK,
+            kv.capacity
+                .div_ceil(ctx.sw.attn_keys)
+                .clamp(1, DEC_MAX_SPLITS),
+        )
+    } else if gqa {
         (0, (kv.capacity / ctx.sw.attn_keys).clamp(1, GQA_MAX_SPLITS))
     } else {
         split(kv.capacity)
     };
-    let part = match ctx.scratch("attn_decode.part", 4 * (hq * splits * (hd + 2)) as u64) {
+    // Records of hd + 2 floats (attn_split*, attn_combine) or hd / 4 + 1 vec4s (attn_dec_gqa).
+    let part = match ctx.scratch("attn_decode.part", 4 * (hq * splits * (hd + 4)) as u64) {
         Ok(b) => b,
         Err(e) => {
             ctx.fail(format!("{OP}: the splits' scratch: {e:#}"));
@@ -390,10 +405,12 @@ pub fn attn_decode(
         &[&k.buf, &v.buf, &step.buf, &kv.k.buf, &kv.v.buf],
         kvd.div_ceil(256) as u32,
     );
-    let (entry, groups) = if gqa {
-        ("attn_split_gqa", kvh * splits)
+    let (entry, groups, combine) = if tile {
+        ("attn_dec_gqa", kvh * splits, "attn_combine4")
+    } else if gqa {
+        ("attn_split_gqa", kvh * splits, "attn_combine")
     } else {
-        ("attn_split", hq * splits)
+        ("attn_split", hq * splits, "attn_combine")
     };
     ctx.dispatch(
         &SHADER,
@@ -404,7 +421,7 @@ pub fn attn_decode(
     );
     ctx.dispatch(
         &SHADER,
-        "attn_combine",
+        combine,
         &p,
         &[&part, &gate.buf, &out.buf],
         hq as u32,

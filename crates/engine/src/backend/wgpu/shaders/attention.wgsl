@@ -890,7 +890,194 @@ fn attn_tile_gqa_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
     }
 }
 
-// ---- attn_combine4: merges the key splits of attn_tile_gqa_part, a workgroup per
+// ---- attn_dec_gqa: decode attention (cpu `attention`, one row at the step's pos) a workgroup
+// per (KV head, split), its G ≤ 8 query heads together, keys in chunks of DK = 32 with every
+// load of a chunk issued before any is used: thread li reads 8 vec4s of key li / 8's K row (dims
+// ≡ li % 8 mod 8; 8 threads cover a row's 128 consecutive bytes) and 8 V vec4s (keys ≡ li / 64
+// mod 4, dims vec4 li % 64): 16 KB of K and 16 KB of V a chunk in flight together (64 registers
+// a thread), and the next chunk's K is requested as soon as this one's is used, its V as soon as
+// this one's is. A chunk is 3 barriers: scores (partial dots with the 8 heads' q, staged in
+// workgroup memory, summed by thread (head li / 32, key li % 32)); softmax (each thread takes its
+// head's chunk max from workgroup memory, its one p = exp(s − m), a running max and sum of its
+// own); values (the rescale from the heads' new maxes, then p·v). The 4 key groups' sums and the
+// 32 threads' sums of each head are added once at the end. Attention's stop-28 kernel
+// (attn_split_gqa) took ~10 barriers a chunk and loaded V only after the softmax.
+// Splits: `splits` (fixed by the capacity: a recorded step launches the same at any position),
+// each over ceil(n / splits) keys but at least `span` (= DK) of the n = pos + 1: the splits past
+// the keys write (m, l) = (−1e30, 0) and stop, and attn_combine4 skips them. Partials as
+// attn_tile_gqa_part's: (m, l, 0, 0, acc[hd]) at part[((kvh · G + g) · splits + s) · (hd/4 + 1)]
+// vec4s. Workgroup memory 26 KB (q 8 KB, partials 16 KB, scores and p 2 KB). Takes G ≤ 8,
+// hd ≤ 256, hd % 4 == 0. Bindings: 1 q, 2 kc, 3 vc (vec4 views), 4 step, 5 part (vec4).
+
+const DK: u32 = 32u;
+
+@group(0) @binding(1) var<storage, read> dc_qg: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> dc_kc: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> dc_vc: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> dc_step: array<u32>;
+@group(0) @binding(5) var<storage, read_write> dc_part: array<vec4<f32>>;
+
+var<workgroup> dc_q: array<vec4<f32>, 512>; // [G][64]
+var<workgroup> dc_red: array<vec4<f32>, 1024>; // [key][part][heads 0-3, 4-7]; at the end [kg][4][64]
+var<workgroup> dc_s: array<f32, 256>; // [head][key] scores; at the end the threads' sums
+var<workgroup> dc_p: array<f32, 256>; // [head][key]
+var<workgroup> dc_m: array<f32, 8>;
+
+fn dec_load_k(kr: ptr<function, array<vec4<f32>, 8>>, li: u32, kvh: u32, jc: u32, j1: u32) {
+    let hd4 = p.hd / 4u;
+    let kvd4 = p.nkv * hd4;
+    let j = jc + li / 8u;
+    for (var i = 0u; i < 8u; i++) {
+        let c = li % 8u + 8u * i;
+        (*kr)[i] = vec4<f32>(0.0);
+        if (j < j1 && c < hd4) {
+            (*kr)[i] = dc_kc[j * kvd4 + kvh * hd4 + c];
+        }
+    }
+}
+
+fn dec_load_v(vr: ptr<function, array<vec4<f32>, 8>>, li: u32, kvh: u32, jc: u32, j1: u32) {
+    let hd4 = p.hd / 4u;
+    let kvd4 = p.nkv * hd4;
+    let d = li % 64u;
+    for (var i = 0u; i < 8u; i++) {
+        let j = jc + li / 64u + 4u * i;
+        (*vr)[i] = vec4<f32>(0.0);
+        if (j < j1 && d < hd4) {
+            (*vr)[i] = dc_vc[j * kvd4 + kvh * hd4 + d];
+        }
+    }
+}
+
+@compute @workgroup_size(256)
+fn attn_dec_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let wg = wg_index(wid);
+    let kvh = wg / p.splits;
+    let s = wg % p.splits;
+    let G = p.nh / p.nkv;
+    let hd4 = p.hd / 4u;
+    let rec = hd4 + 1u;
+    let n = min(dc_step[1] + 1u, p.cap);
+    let span = max((n + p.splits - 1u) / p.splits, p.span);
+    let j0 = min(s * span, n);
+    let j1 = min(j0 + span, n);
+    if (j0 >= j1) {
+        if (li < G) {
+            dc_part[((kvh * G + li) * p.splits + s) * rec] = vec4<f32>(NEG_BIG, 0.0, 0.0, 0.0);
+        }
+        return;
+    }
+    var kr: array<vec4<f32>, 8>;
+    var vr: array<vec4<f32>, 8>;
+    dec_load_k(&kr, li, kvh, j0, j1);
+    dec_load_v(&vr, li, kvh, j0, j1);
+    for (var i = li; i < G * 64u; i += 256u) {
+        let c = i % 64u;
+        dc_q[i] = vec4<f32>(0.0);
+        if (c < hd4) {
+            dc_q[i] = dc_qg[(kvh * G + i / 64u) * hd4 + c];
+        }
+    }
+    workgroupBarrier();
+    let pp = li % 8u; // scores: part of key li / 8
+    let sg = li / 32u; // softmax: head
+    let sk = li % 32u; //   and key
+    let kg = li / 64u; // values: key group
+    let vd = li % 64u; //   and vec4 of dims
+    var acc: array<vec4<f32>, 8>;
+    var mv: array<f32, 8>;
+    for (var g = 0u; g < 8u; g++) {
+        acc[g] = vec4<f32>(0.0);
+        mv[g] = NEG_BIG;
+    }
+    var m_run = NEG_BIG;
+    var l_run = 0.0;
+    for (var jc = j0; jc < j1; jc += DK) {
+        var d: array<f32, 8>;
+        for (var g = 0u; g < 8u; g++) {
+            var t = 0.0;
+            if (g < G) {
+                for (var i = 0u; i < 8u; i++) {
+                    let c = pp + 8u * i;
+                    if (c < hd4) {
+                        t += dot(dc_q[g * 64u + c], kr[i]);
+                    }
+                }
+            }
+            d[g] = t;
+        }
+        dc_red[li * 2u] = vec4<f32>(d[0], d[1], d[2], d[3]);
+        dc_red[li * 2u + 1u] = vec4<f32>(d[4], d[5], d[6], d[7]);
+        dec_load_k(&kr, li, kvh, jc + DK, j1);
+        workgroupBarrier();
+        let ok = sg < G && jc + sk < j1;
+        var sc = NEG_BIG;
+        if (ok) {
+            var t = 0.0;
+            for (var x = 0u; x < 8u; x++) {
+                t += dc_red[(sk * 8u + x) * 2u + sg / 4u][sg % 4u];
+            }
+            sc = t * p.scale;
+        }
+        dc_s[li] = sc;
+        workgroupBarrier();
+        var cm = NEG_BIG;
+        for (var k = 0u; k < DK; k++) {
+            cm = max(cm, dc_s[sg * DK + k]);
+        }
+        let mn = max(m_run, cm);
+        let pk = select(0.0, exp(sc - mn), ok);
+        dc_p[li] = pk;
+        l_run = l_run * exp(m_run - mn) + pk;
+        m_run = mn;
+        if (sk == 0u && sg < G) {
+            dc_m[sg] = mn;
+        }
+        workgroupBarrier();
+        for (var g = 0u; g < 8u; g++) {
+            if (g < G) {
+                let m2 = dc_m[g];
+                var a = acc[g] * exp(mv[g] - m2);
+                mv[g] = m2;
+                for (var i = 0u; i < 8u; i++) {
+                    a += dc_p[g * DK + kg + 4u * i] * vr[i];
+                }
+                acc[g] = a;
+            }
+        }
+        dec_load_v(&vr, li, kvh, jc + DK, j1);
+    }
+    // The 4 key groups' sums, 4 heads a round; each head's l from its 32 threads' sums.
+    dc_s[li] = l_run;
+    for (var r = 0u; r < 2u; r++) {
+        for (var e = 0u; e < 4u; e++) {
+            dc_red[(kg * 4u + e) * 64u + vd] = acc[4u * r + e];
+        }
+        workgroupBarrier();
+        let e = li / 64u;
+        let g = 4u * r + e;
+        if (g < G) {
+            let base = ((kvh * G + g) * p.splits + s) * rec;
+            if (vd < hd4) {
+                var t = vec4<f32>(0.0);
+                for (var x = 0u; x < 4u; x++) {
+                    t += dc_red[(x * 4u + e) * 64u + vd];
+                }
+                dc_part[base + 1u + vd] = t;
+            }
+            if (vd == 0u) {
+                var l = 0.0;
+                for (var k = 0u; k < DK; k++) {
+                    l += dc_s[g * DK + k];
+                }
+                dc_part[base] = vec4<f32>(dc_m[g], l, 0.0, 0.0);
+            }
+        }
+        workgroupBarrier();
+    }
+}
+
+// ---- attn_combine4: merges the key splits of attn_dec_gqa / attn_tile_gqa_part, a workgroup per
 // (row, head) f: records (m, l, 0, 0, acc[hd]) at part[(f · splits + s) · (hd/4 + 1)] vec4s.
 // One tree finds the largest m and the splits holding keys (m > −1e30: a prefix of them); thread
 // (split group li / 64, vec4 of dims li % 64) adds w·acc and w·l over the splits ≡ its group mod
