@@ -34,8 +34,15 @@
 //   thread a split, at most 256 splits), then out = acc / l · sigmoid(gate). Bindings: 1 part,
 //   2 gate, 3 out.
 //
-// No subgroup width is assumed; workgroup memory: 4 KB (attn_*), 1 KB (qk_norm_rope). Head dim up
-// to 512 (two dims a thread), rot up to 256. "Minus infinity" is −1e30 (finite: Metal's fast math
+// The grouped kernels (a KV head's G ≤ 8 query heads together, hd ≤ 256), described where they
+// are defined below: attn_tile_gqa / _part (prefill, tiles of query rows × keys; the default),
+// attn_dec_gqa (decode; the default), attn_combine4 (their key splits), attn_split_gqa /
+// attn_rows_gqa (stop 28's, LILY_WGPU_ATTN_TILE=0).
+//
+// No subgroup width is assumed (every reduction goes through workgroup memory); workgroup memory:
+// 4 KB (attn_rows, attn_split), 1 KB (qk_norm_rope), 25-26 KB (attn_tile_gqa, attn_dec_gqa), at
+// most 32 KB anywhere (Apple's and lavapipe's limit). Head dim up to 512 (two dims a thread), rot
+// up to 256. "Minus infinity" is −1e30 (finite: Metal's fast math
 // assumes no infinities); masked keys get p = 0 by a select.
 
 struct P {
