@@ -254,8 +254,103 @@ fn attention_prefill_shapes() {
     }
 }
 
-/// Decode against the CPU over capacities whose split counts differ (attention.rs: at most 32
-/// splits of whole 256-key chunks: 1 split at 64 and 256, 4 at 1024, 27 of 768 at 20000) and
+/// The tiled prefill (attn_tile_gqa: tiles of 32 (row, head) slots, 4 rows of the model's 8
+/// heads; keys 8 at a time; keys split over workgroups when tiles are few and keys many) over a
+/// prompt of several chunks in a filled cache: chunk lengths not multiples of the tile (130, 7, 1,
+/// 333: a last tile of 2, 3, 1, 1 rows), pos0 > 0, and chunks deep in the cache (45 rows at 4000,
+/// 3 at 5997: several key splits, attn_tile_gqa_part + attn_combine4; 130 and 333 rows: one
+/// split). Needles: chunk row t's key (its KV head) is 0.75 × the query of row t − 1 (head slot
+/// (t − 1) % G), a score of about 12: if row t − 1 saw the key one past its own (the causal edge
+/// inside a tile or across tiles), its output would move by O(1). Held to F32_TOL against f64 and
+/// against the CPU plus the CPU's own error (as the decode test: the CPU's sums over thousands of
+/// keys drift by √n·ε). Every head shape the grouped kernels take (group 8, 2, 2).
+#[test]
+fn attention_prefill_tiled_chunks() {
+    let Some(g) = gpu() else { return };
+    let sh = shapes();
+    let mut rng = Rng(12);
+    for (d, cap, chunks) in [
+        (
+            sh[0],
+            6000,
+            vec![
+                (130usize, 0usize),
+                (7, 130),
+                (1, 137),
+                (333, 138),
+                (45, 4000),
+                (3, 5997),
+            ],
+        ),
+        (sh[2], 2000, vec![(37, 0), (19, 1500)]),
+        (sh[3], 2000, vec![(21, 3), (5, 1995)]),
+    ] {
+        let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
+        let (kvd, group) = (kvh * hd, hq / kvh);
+        let (mut ckv, mut gkv) = filled_caches(&g, &mut rng, cap, kvd);
+        for (rows, pos0) in chunks {
+            let q = rng.vec(rows * hq * hd, 1.0);
+            let mut k = rng.vec(rows * kvd, 1.0);
+            let v = rng.vec(rows * kvd, 1.0);
+            let gate = rng.vec(rows * hq * hd, 2.0);
+            for t in 1..rows {
+                let head = (t - 1) % hq;
+                let kh = head / group;
+                for i in 0..hd {
+                    k[t * kvd + kh * hd + i] = 0.75 * q[((t - 1) * hq + head) * hd + i];
+                }
+            }
+            let mut c = vec![0f32; rows * hq * hd];
+            Cpu.attn_prefill(&q, &k, &v, &gate, &mut ckv, &d, rows, pos0, &mut c);
+            let mut go = g.zeros(rows * hq * hd).unwrap();
+            g.attn_prefill(
+                &g.upload(&q).unwrap(),
+                &g.upload(&k).unwrap(),
+                &g.upload(&v).unwrap(),
+                &g.upload(&gate).unwrap(),
+                &mut gkv,
+                &d,
+                rows,
+                pos0,
+                &mut go,
+            );
+            let gout = h(&g, &go, rows * hq * hd);
+            let r: Vec<f32> = (0..rows)
+                .flat_map(|t| {
+                    let o = t * hq * hd;
+                    reference_decode(
+                        &q[o..o + hq * hd],
+                        &gate[o..o + hq * hd],
+                        &ckv,
+                        &d,
+                        pos0 + t,
+                    )
+                })
+                .collect();
+            let what =
+                format!("attn_prefill (tiled) {hq}/{kvh} heads of {hd}, {rows} rows at pos {pos0}");
+            let cpu_err = rel_rows(&c, &r, hd);
+            println!("{what:<66} CPU vs f64 {cpu_err:.2e}");
+            check(&format!("{what} vs f64"), rel_rows(&gout, &r, hd), F32_TOL);
+            check(&what, rel_rows(&gout, &c, hd), F32_TOL + cpu_err);
+        }
+        let kv_err = rel_rows(&h(&g, &gkv.k, cap * kvd), &ckv.k, kvd).max(rel_rows(
+            &h(&g, &gkv.v, cap * kvd),
+            &ckv.v,
+            kvd,
+        ));
+        check(
+            &format!("attn_prefill (tiled) {hq}/{kvh} heads of {hd}: KV cache"),
+            kv_err,
+            EXACT,
+        );
+    }
+}
+
+/// Decode against the CPU over capacities whose split counts differ (attn_dec_gqa: ceil(cap /
+/// 64) splits, at most 256, each over ceil((pos + 1) / splits) keys but at least one chunk of 32:
+/// 1 split at 64, 16 at 1024, 256 at 20000 and 50000; attn_split, the 32-heads shape: at most 32
+/// splits of whole 256-key chunks) and
 /// positions at the start (0: one key, the step's own), at the edges of chunks and splits, and at
 /// the last row. Caches filled with random rows beforehand (a row read past the position shows);
 /// needles, key rows that match one query head (a score about 12: much of its attention), sit at
@@ -270,6 +365,9 @@ fn attention_decode_capacities() {
         (qd, 64, vec![0, 1, 7, 8, 63]),
         (qd, 1024, vec![0, 255, 256, 257, 520, 1023]),
         (qd, 20_000, vec![0, 767, 768, 5000, 19_999]),
+        // 256 splits (the most) of 122 and 196 keys: several chunks of 32 a split, the last
+        // one partial. (K and V caches 102 MB each: lavapipe binds 128 MiB at most.)
+        (qd, 50_000, vec![31_000, 49_999]),
         (sh[1], 1024, vec![0, 9, 700]),
         (sh[2], 1024, vec![0, 100, 1000]),
         (sh[3], 1024, vec![0, 64, 1023]),

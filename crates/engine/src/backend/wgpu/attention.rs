@@ -1,14 +1,19 @@
 //! Gated attention: q/k norm + RoPE, prefill and decode attention (shaders/attention.wgsl;
 //! cpu/attention.rs is the twin).
 //!
-//! Prefill appends k/v with buffer copies, then `attn_rows_gqa` (a workgroup per row and KV
-//! head, its query heads together; `attn_rows`, a workgroup per row and query head, takes the
-//! shapes it cannot).
+//! Prefill appends k/v with buffer copies, then `attn_tile_gqa`: a workgroup per (tile of query
+//! rows, KV head), each K/V row staged in workgroup memory once for the tile's 32 (row, head)
+//! slots, online softmax (flash-attention style). When the tiles are few and the keys many (a
+//! prompt's short last chunk deep in a long context) the keys are split over several workgroups
+//! (`attn_tile_gqa_part`) and `attn_combine4` merges them. `LILY_WGPU_ATTN_TILE=0` takes stop
+//! 28's `attn_rows_gqa` (a workgroup per row and KV head: K/V read once a row, quadratic);
+//! `attn_rows` (a workgroup per row and query head) takes the shapes the grouped kernels cannot.
 //! Decode reads its position from the step on the device: `kv_append_step` writes the row,
-//! `attn_split_gqa` spreads the keys over `splits` ranges per KV head (the count chosen from the
+//! `attn_dec_gqa` spreads the keys over `splits` ranges per KV head (the count chosen from the
 //! capacity, so the launch is the same at every position; the ranges from the position), its
-//! query heads together (`attn_split`, a query head a workgroup, takes the shapes it cannot),
-//! `attn_combine` merges them.
+//! query heads together, `attn_combine4` merges them (`LILY_WGPU_ATTN_TILE=0`: stop 28's
+//! `attn_split_gqa` + `attn_combine`; `attn_split`, a query head a workgroup, takes the shapes
+//! the grouped kernels cannot).
 
 use super::device::{Ctx, Shader};
 use super::{fits, WBuf, WStep};
@@ -34,6 +39,19 @@ const MAX_SPLITS: usize = 32;
 /// for a big GPU); the capacity's keys a split at least are `Switches::attn_keys` (64).
 const GQA_MAX_GROUP: usize = 8;
 const GQA_MAX_SPLITS: usize = 128;
+/// attn_tile_gqa: query slots a tile (attention.wgsl `TQ`: rows · group), keys a step (`TK`).
+const TILE_SLOTS: usize = 32;
+const TILE_KEYS: usize = 8;
+/// Prefill key splits: when a launch has fewer than `TILE_WGS` workgroups (about two an SM of
+/// a big GPU: the H200 has 132), the keys are split so that it has about that many, each split
+/// at least `TILE_SPLIT_KEYS` keys (below that the combine costs more than the split saves).
+const TILE_WGS: usize = 256;
+const TILE_SPLIT_KEYS: usize = 512;
+/// attn_dec_gqa: keys a chunk (attention.wgsl `DK`), the fewest keys a split takes (so a short
+/// context fills fewer splits, the rest stop at once), the splits at most (attn_combine4's
+/// tree: 256; 512 workgroups on the model's two KV heads).
+const DEC_CHUNK: usize = 32;
+const DEC_MAX_SPLITS: usize = 256;
 
 /// Whether the grouped kernels (`attn_split_gqa`, `attn_rows_gqa`) take this shape: up to 8
 /// query heads a KV head, heads of up to 256 in vec4s (the model's: 8 of 256). Others go a
@@ -217,6 +235,10 @@ pub fn attn_prefill(
     let (at, bytes) = (4 * (pos0 * kvd) as u64, 4 * (rows * kvd) as u64);
     ctx.copy(&k.buf, 0, &kv.k.buf, at, bytes);
     ctx.copy(&v.buf, 0, &kv.v.buf, at, bytes);
+    if gqa(ctx, d) && ctx.sw.attn_tile {
+        tile_prefill(ctx, q, kv, gate, d, rows, pos0, out);
+        return;
+    }
     let (entry, groups) = if gqa(ctx, d) {
         ("attn_rows_gqa", rows * kvh)
     } else {
@@ -228,6 +250,76 @@ pub fn attn_prefill(
         &params(d, rows, pos0, kv.capacity, 1, 0),
         &[&q.buf, &kv.k.buf, &kv.v.buf, &gate.buf, &out.buf],
         groups as u32,
+    );
+}
+
+/// The key splits of a tiled prefill of `rows` rows at `pos0`: (splits, keys a split, a multiple
+/// of `TILE_KEYS`). One split unless the tiles leave most of a big GPU idle.
+fn tile_splits(d: &Dims, rows: usize, pos0: usize) -> (usize, usize) {
+    let tiles = rows.div_ceil(TILE_SLOTS / (d.n_heads / d.n_kv_heads));
+    let wgs = tiles * d.n_kv_heads;
+    let keys = pos0 + rows;
+    let want = TILE_WGS
+        .div_ceil(wgs)
+        .min(keys / TILE_SPLIT_KEYS)
+        .min(DEC_MAX_SPLITS);
+    if want <= 1 {
+        return (1, keys.next_multiple_of(TILE_KEYS));
+    }
+    let span = keys.div_ceil(want).next_multiple_of(TILE_KEYS);
+    (keys.div_ceil(span), span)
+}
+
+/// attn_tile_gqa (one split) or attn_tile_gqa_part + attn_combine4 (the K/V appended already).
+#[allow(clippy::too_many_arguments)]
+fn tile_prefill(
+    ctx: &Ctx,
+    q: &WBuf,
+    kv: &KvCache<WBuf>,
+    gate: &WBuf,
+    d: &Dims,
+    rows: usize,
+    pos0: usize,
+    out: &mut WBuf,
+) {
+    let (hq, hd) = (d.n_heads, d.head_dim);
+    let tiles = rows.div_ceil(TILE_SLOTS / (hq / d.n_kv_heads));
+    let (splits, span) = tile_splits(d, rows, pos0);
+    let p = params(d, rows, pos0, kv.capacity, splits, span);
+    let groups = (tiles * d.n_kv_heads * splits) as u32;
+    if splits == 1 {
+        ctx.dispatch(
+            &SHADER,
+            "attn_tile_gqa",
+            &p,
+            &[&q.buf, &kv.k.buf, &kv.v.buf, &gate.buf, &out.buf],
+            groups,
+        );
+        return;
+    }
+    let part = match ctx.scratch(
+        "attn_prefill.part",
+        4 * (rows * hq * splits * (hd + 4)) as u64,
+    ) {
+        Ok(b) => b,
+        Err(e) => {
+            ctx.fail(format!("attn_prefill: the splits' scratch: {e:#}"));
+            return;
+        }
+    };
+    ctx.dispatch(
+        &SHADER,
+        "attn_tile_gqa_part",
+        &p,
+        &[&q.buf, &kv.k.buf, &kv.v.buf, &part],
+        groups,
+    );
+    ctx.dispatch(
+        &SHADER,
+        "attn_combine4",
+        &p,
+        &[&part, &gate.buf, &out.buf],
+        (rows * hq) as u32,
     );
 }
 
@@ -281,12 +373,24 @@ pub fn attn_decode(
         return;
     }
     let gqa = gqa(ctx, d);
-    let (span, splits) = if gqa {
+    let tile = gqa && ctx.sw.attn_tile;
+    // attn_dec_gqa: `span` is the fewest keys a split takes (the device spreads pos + 1 keys over
+    // the splits, at least a chunk each); attn_split_gqa: 0 (every split used); attn_split:
+    // whole chunks.
+    let (span, splits) = if tile {
+        (
+            DEC_CHUNK,
+            kv.capacity
+                .div_ceil(ctx.sw.attn_keys)
+                .clamp(1, DEC_MAX_SPLITS),
+        )
+    } else if gqa {
         (0, (kv.capacity / ctx.sw.attn_keys).clamp(1, GQA_MAX_SPLITS))
     } else {
         split(kv.capacity)
     };
-    let part = match ctx.scratch("attn_decode.part", 4 * (hq * splits * (hd + 2)) as u64) {
+    // Records of hd + 2 floats (attn_split*, attn_combine) or hd / 4 + 1 vec4s (attn_dec_gqa).
+    let part = match ctx.scratch("attn_decode.part", 4 * (hq * splits * (hd + 4)) as u64) {
         Ok(b) => b,
         Err(e) => {
             ctx.fail(format!("{OP}: the splits' scratch: {e:#}"));
@@ -301,10 +405,12 @@ pub fn attn_decode(
         &[&k.buf, &v.buf, &step.buf, &kv.k.buf, &kv.v.buf],
         kvd.div_ceil(256) as u32,
     );
-    let (entry, groups) = if gqa {
-        ("attn_split_gqa", kvh * splits)
+    let (entry, groups, combine) = if tile {
+        ("attn_dec_gqa", kvh * splits, "attn_combine4")
+    } else if gqa {
+        ("attn_split_gqa", kvh * splits, "attn_combine")
     } else {
-        ("attn_split", hq * splits)
+        ("attn_split", hq * splits, "attn_combine")
     };
     ctx.dispatch(
         &SHADER,
@@ -315,7 +421,7 @@ pub fn attn_decode(
     );
     ctx.dispatch(
         &SHADER,
-        "attn_combine",
+        combine,
         &p,
         &[&part, &gate.buf, &out.buf],
         hq as u32,

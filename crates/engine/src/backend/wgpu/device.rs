@@ -166,6 +166,10 @@ pub(super) struct Switches {
     /// `LILY_WGPU_GDN_FAST=0`: the gated delta rule by gdn_recur (workgroup memory) even where
     /// the adapter has subgroups (gdn.rs `fast`).
     pub gdn_fast: bool,
+    /// `LILY_WGPU_ATTN_TILE=0`: prefill attention a (row, KV head) a workgroup (attn_rows_gqa,
+    /// K/V read once a row) instead of tiles of query rows (attn_tile_gqa), and decode by
+    /// stop 28's attn_split_gqa + attn_combine instead of attn_dec_gqa + attn_combine4.
+    pub attn_tile: bool,
 }
 
 impl Switches {
@@ -193,6 +197,7 @@ impl Switches {
             }),
             attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),
             gdn_fast: on("LILY_WGPU_GDN_FAST"),
+            attn_tile: on("LILY_WGPU_ATTN_TILE"),
         }
     }
 }

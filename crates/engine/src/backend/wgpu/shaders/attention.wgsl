@@ -34,8 +34,15 @@
 //   thread a split, at most 256 splits), then out = acc / l · sigmoid(gate). Bindings: 1 part,
 //   2 gate, 3 out.
 //
-// No subgroup width is assumed; workgroup memory: 4 KB (attn_*), 1 KB (qk_norm_rope). Head dim up
-// to 512 (two dims a thread), rot up to 256. "Minus infinity" is −1e30 (finite: Metal's fast math
+// The grouped kernels (a KV head's G ≤ 8 query heads together, hd ≤ 256), described where they
+// are defined below: attn_tile_gqa / _part (prefill, tiles of query rows × keys; the default),
+// attn_dec_gqa (decode; the default), attn_combine4 (their key splits), attn_split_gqa /
+// attn_rows_gqa (stop 28's, LILY_WGPU_ATTN_TILE=0).
+//
+// No subgroup width is assumed (every reduction goes through workgroup memory); workgroup memory:
+// 4 KB (attn_rows, attn_split), 1 KB (qk_norm_rope), 25-26 KB (attn_tile_gqa, attn_dec_gqa), at
+// most 32 KB anywhere (Apple's and lavapipe's limit). Head dim up to 512 (two dims a thread), rot
+// up to 256. "Minus infinity" is −1e30 (finite: Metal's fast math
 // assumes no infinities); masked keys get p = 0 by a select.
 
 struct P {
@@ -608,5 +615,544 @@ fn attn_rows_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
             let o = row + (kvh * G + g) * p.hd + li;
             ar_out[o] = acc[g] / gq_l[g] * sigmoid_f(ar_gate[o]);
         }
+    }
+}
+
+// ---- attn_tile_gqa / attn_tile_gqa_part: prefill attention tiled over query rows and keys
+// (flash-attention style; cpu `attention_tiled`). A workgroup per (tile of R = TQ / G query rows,
+// KV head, key split): its TQ = 32 query slots (slot q = row q / G, head q % G of the group:
+// 4 rows of the model's 8 heads) over the keys of its split, TK = 8 keys at a time. Each K/V row
+// is read once per tile and used by all 32 slots (attn_rows_gqa reads it once per row), so the
+// quadratic term is K/V traffic / 32 from L2 and the kernel is bound by its FMAs:
+//   scores: thread (slot li % 32, dim slice li / 32) keeps its slot's 8 vec4s of q (dims ≡ slice
+//     mod 8, in registers for the whole launch) and dots them with the tile's 8 keys (K tile in
+//     workgroup memory, the same address across a 32-thread warp: broadcast reads); the 8
+//     slices' partials go through workgroup memory;
+//   softmax: thread li < 32 (the slot) sums its 8 keys' partials, masks (causal: key ≤ pos0 + t;
+//     the split's end), keeps the running max m and sum l (online softmax) and writes p and the
+//     rescale exp(m_old − m_new);
+//   values: thread (slot group li / 64: 8 slots, vec4 of dims li % 64) rescales its 8
+//     accumulators and adds p·v over the tile's keys (V tile in workgroup memory).
+// The next tile's K and V are loaded into registers while this one is used, and stored once its
+// buffer is free: 3 barriers a tile of 8 keys, 512 FMAs a thread between them. Workgroup memory
+// 25.1 KB (K, V tiles 8 KB each, partials 8 KB, p 1 KB); about 100 registers a thread (q 32,
+// accumulators 32, the next tile 16), so two workgroups fit an SM. The workgroups of a launch
+// run the longest tiles (the last rows) first; those running together read the same K/V tiles,
+// so the cache's bytes come from L2. A prefill chunk of 2048 rows is 512 tiles a KV head.
+// attn_tile_gqa (one split): out = acc / l · sigmoid(gate). attn_tile_gqa_part (the host splits
+// the keys when tiles are few and keys many): partials (m, l, 0, 0, acc[hd]) at
+// part[((t · nh + h) · splits + s) · (hd + 4)], merged by attn_combine4 a (row, head) a workgroup.
+// Takes G ≤ 8, hd ≤ 256, hd % 4 == 0 (attention.rs checks). Params: splits, span = keys a split
+// (a multiple of TK). Bindings: 1 q, 2 kc, 3 vc (vec4 views), then 4 gate, 5 out, or 4 part.
+
+const TQ: u32 = 32u;
+const TK: u32 = 8u;
+const TS: u32 = 8u; // 256 / TQ: dim slices of the score phase
+const TSV: u32 = 8u; // 64 / TS: vec4s of a slice at hd = 256
+
+@group(0) @binding(1) var<storage, read> tk_q: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> tk_kc: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> tk_vc: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> tk_gate: array<vec4<f32>>;
+@group(0) @binding(5) var<storage, read_write> tk_out: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> tk_part: array<vec4<f32>>;
+
+var<workgroup> tk_k: array<vec4<f32>, 512>; // [TK][64]
+var<workgroup> tk_v: array<vec4<f32>, 512>; // [TK][64]
+var<workgroup> tk_red: array<vec4<f32>, 512>; // [TS][TK / 4][TQ]: 4 keys' partials a vec4
+var<workgroup> tk_p: array<vec4<f32>, 64>; // [TK][TQ / 4]: p of 4 slots a vec4
+var<workgroup> tk_c: array<vec4<f32>, 8>; // [TQ / 4]: rescale, then l at the end
+
+// A tile's shape for workgroup wg: rows t0 .. t0 + rv, KV head, split s, keys j0..j1.
+struct Tile {
+    g: u32,
+    r: u32,
+    t0: u32,
+    rv: u32,
+    kvh: u32,
+    s: u32,
+    j0: u32,
+    j1: u32,
+}
+
+fn tile_of(wg: u32) -> Tile {
+    let g = p.nh / p.nkv;
+    let r = TQ / g;
+    let tiles = (p.rows + r - 1u) / r;
+    let per = p.nkv * tiles;
+    let s = wg / per;
+    let kvh = (wg % per) / tiles;
+    // Longest first: the last rows see the most keys.
+    let t0 = (tiles - 1u - wg % tiles) * r;
+    let rv = min(r, p.rows - t0);
+    let kend = p.pos0 + t0 + rv;
+    let j0 = min(s * p.span, kend);
+    let j1 = min(j0 + p.span, kend);
+    return Tile(g, r, t0, rv, kvh, s, j0, j1);
+}
+
+// Thread li's share of key tile jt's K and V rows (2 vec4s each), zero past j1 (so p = 0 there
+// multiplies zeros, never a stale or out-of-range row).
+fn tile_load_k(tl: Tile, li: u32, jt: u32) -> array<vec4<f32>, 2> {
+    let hd4 = p.hd / 4u;
+    let kvd4 = p.nkv * hd4;
+    var r: array<vec4<f32>, 2>;
+    for (var i = 0u; i < 2u; i++) {
+        let e = li + 256u * i;
+        let j = jt + e / 64u;
+        let c = e % 64u;
+        r[i] = vec4<f32>(0.0);
+        if (c < hd4 && j < tl.j1) {
+            r[i] = tk_kc[j * kvd4 + tl.kvh * hd4 + c];
+        }
+    }
+    return r;
+}
+
+fn tile_load_v(tl: Tile, li: u32, jt: u32) -> array<vec4<f32>, 2> {
+    let hd4 = p.hd / 4u;
+    let kvd4 = p.nkv * hd4;
+    var r: array<vec4<f32>, 2>;
+    for (var i = 0u; i < 2u; i++) {
+        let e = li + 256u * i;
+        let j = jt + e / 64u;
+        let c = e % 64u;
+        r[i] = vec4<f32>(0.0);
+        if (c < hd4 && j < tl.j1) {
+            r[i] = tk_vc[j * kvd4 + tl.kvh * hd4 + c];
+        }
+    }
+    return r;
+}
+
+// The tile's attention: thread li (value layout: slots (li / 64)·8 + e, e < 8, dims vec4 li % 64)
+// gets its 8 slots' Σ p·v; every slot's final m and l are left in tk_p[q / 4][q % 4] and
+// tk_c[q / 4][q % 4]. Every thread calls it (the tile is uniform).
+fn tile_attend(tl: Tile, li: u32) -> array<vec4<f32>, 8> {
+    let hd4 = p.hd / 4u;
+    // Score layout: slot q, slice sl.
+    let q = li % TQ;
+    let sl = li / TQ;
+    let qt = tl.t0 + q / tl.g;
+    let qok = q < tl.r * tl.g && qt < p.rows;
+    let qlast = p.pos0 + qt; // the slot's last visible key
+    var qr: array<vec4<f32>, TSV>;
+    let qb = (qt * p.nh + tl.kvh * tl.g + q % tl.g) * hd4;
+    for (var i = 0u; i < TSV; i++) {
+        let c = sl + TS * i;
+        qr[i] = vec4<f32>(0.0);
+        if (qok && c < hd4) {
+            qr[i] = tk_q[qb + c];
+        }
+    }
+    // Value layout: slot group vg (slots 8·vg ..), dims vec4 vd.
+    let vg = li / 64u;
+    let vd = li % 64u;
+    var acc: array<vec4<f32>, 8>;
+    for (var e = 0u; e < 8u; e++) {
+        acc[e] = vec4<f32>(0.0);
+    }
+    // Softmax state (threads li < TQ, slot li).
+    var m_run = NEG_BIG;
+    var l_run = 0.0;
+    let nt = (tl.j1 - tl.j0 + TK - 1u) / TK;
+    var kr = tile_load_k(tl, li, tl.j0);
+    var vr = tile_load_v(tl, li, tl.j0);
+    for (var i = 0u; i < 2u; i++) {
+        tk_k[li + 256u * i] = kr[i];
+        tk_v[li + 256u * i] = vr[i];
+    }
+    kr = tile_load_k(tl, li, tl.j0 + TK);
+    vr = tile_load_v(tl, li, tl.j0 + TK);
+    workgroupBarrier();
+    for (var it = 0u; it < nt; it++) {
+        let jt = tl.j0 + it * TK;
+        // Scores: this slice's partial dot of the slot with the tile's 8 keys.
+        var sp: array<f32, TK>;
+        for (var k = 0u; k < TK; k++) {
+            var d = 0.0;
+            for (var i = 0u; i < TSV; i++) {
+                let c = sl + TS * i;
+                if (c < hd4) {
+                    d += dot(qr[i], tk_k[k * 64u + c]);
+                }
+            }
+            sp[k] = d;
+        }
+        tk_red[(sl * 2u) * TQ + q] = vec4<f32>(sp[0], sp[1], sp[2], sp[3]);
+        tk_red[(sl * 2u + 1u) * TQ + q] = vec4<f32>(sp[4], sp[5], sp[6], sp[7]);
+        workgroupBarrier();
+        // The K tile is read: the next one goes in while the softmax runs.
+        for (var i = 0u; i < 2u; i++) {
+            tk_k[li + 256u * i] = kr[i];
+        }
+        kr = tile_load_k(tl, li, jt + 2u * TK);
+        if (li < TQ) {
+            var s0 = vec4<f32>(0.0);
+            var s1 = vec4<f32>(0.0);
+            for (var x = 0u; x < TS; x++) {
+                s0 += tk_red[(x * 2u) * TQ + li];
+                s1 += tk_red[(x * 2u + 1u) * TQ + li];
+            }
+            let sc = array<f32, 8>(s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w);
+            var tm = NEG_BIG;
+            for (var k = 0u; k < TK; k++) {
+                let j = jt + k;
+                if (qok && j < tl.j1 && j <= qlast) {
+                    tm = max(tm, sc[k] * p.scale);
+                }
+            }
+            let mn = max(m_run, tm);
+            let corr = exp(m_run - mn);
+            var ls = 0.0;
+            for (var k = 0u; k < TK; k++) {
+                let j = jt + k;
+                let pk = select(0.0, exp(sc[k] * p.scale - mn), qok && j < tl.j1 && j <= qlast);
+                ls += pk;
+                tk_p[k * (TQ / 4u) + li / 4u][li % 4u] = pk;
+            }
+            tk_c[li / 4u][li % 4u] = corr;
+            l_run = l_run * corr + ls;
+            m_run = mn;
+        }
+        workgroupBarrier();
+        // Values: rescale, then Σ p·v over the tile's keys.
+        let c0 = tk_c[vg * 2u];
+        let c1 = tk_c[vg * 2u + 1u];
+        acc[0] *= c0.x;
+        acc[1] *= c0.y;
+        acc[2] *= c0.z;
+        acc[3] *= c0.w;
+        acc[4] *= c1.x;
+        acc[5] *= c1.y;
+        acc[6] *= c1.z;
+        acc[7] *= c1.w;
+        for (var k = 0u; k < TK; k++) {
+            let pa = tk_p[k * (TQ / 4u) + vg * 2u];
+            let pb = tk_p[k * (TQ / 4u) + vg * 2u + 1u];
+            let v = tk_v[k * 64u + vd];
+            acc[0] += pa.x * v;
+            acc[1] += pa.y * v;
+            acc[2] += pa.z * v;
+            acc[3] += pa.w * v;
+            acc[4] += pb.x * v;
+            acc[5] += pb.y * v;
+            acc[6] += pb.z * v;
+            acc[7] += pb.w * v;
+        }
+        workgroupBarrier();
+        // The V tile is read: the next one goes in (seen after the next scores' barrier).
+        for (var i = 0u; i < 2u; i++) {
+            tk_v[li + 256u * i] = vr[i];
+        }
+        vr = tile_load_v(tl, li, jt + 2u * TK);
+    }
+    if (li < TQ) {
+        tk_p[li / 4u][li % 4u] = m_run;
+        tk_c[li / 4u][li % 4u] = l_run;
+    }
+    workgroupBarrier();
+    return acc;
+}
+
+fn sigmoid4(x: vec4<f32>) -> vec4<f32> { return 1.0 / (1.0 + exp(-x)); }
+
+@compute @workgroup_size(256)
+fn attn_tile_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let tl = tile_of(wg_index(wid));
+    let acc = tile_attend(tl, li);
+    let hd4 = p.hd / 4u;
+    let vg = li / 64u;
+    let vd = li % 64u;
+    for (var e = 0u; e < 8u; e++) {
+        let q = vg * 8u + e;
+        let t = tl.t0 + q / tl.g;
+        if (q < tl.r * tl.g && t < p.rows && vd < hd4) {
+            let o = (t * p.nh + tl.kvh * tl.g + q % tl.g) * hd4 + vd;
+            tk_out[o] = acc[e] / tk_c[q / 4u][q % 4u] * sigmoid4(tk_gate[o]);
+        }
+    }
+}
+
+@compute @workgroup_size(256)
+fn attn_tile_gqa_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let tl = tile_of(wg_index(wid));
+    let acc = tile_attend(tl, li);
+    let hd4 = p.hd / 4u;
+    let vg = li / 64u;
+    let vd = li % 64u;
+    for (var e = 0u; e < 8u; e++) {
+        let q = vg * 8u + e;
+        let t = tl.t0 + q / tl.g;
+        if (q < tl.r * tl.g && t < p.rows) {
+            // Record (m, l, 0, 0, acc[hd]) of hd / 4 + 1 vec4s.
+            let base = ((t * p.nh + tl.kvh * tl.g + q % tl.g) * p.splits + tl.s) * (hd4 + 1u);
+            if (vd == 0u) {
+                tk_part[base] = vec4<f32>(tk_p[q / 4u][q % 4u], tk_c[q / 4u][q % 4u], 0.0, 0.0);
+            }
+            if (vd < hd4) {
+                tk_part[base + 1u + vd] = acc[e];
+            }
+        }
+    }
+}
+
+// ---- attn_dec_gqa: decode attention (cpu `attention`, one row at the step's pos) a workgroup
+// per (KV head, split), its G ≤ 8 query heads together, keys in chunks of DK = 32 with every
+// load of a chunk issued before any is used: thread li reads 8 vec4s of key li / 8's K row (dims
+// ≡ li % 8 mod 8; 8 threads cover a row's 128 consecutive bytes) and 8 V vec4s (keys ≡ li / 64
+// mod 4, dims vec4 li % 64): 16 KB of K and 16 KB of V a chunk in flight together (64 registers
+// a thread), and the next chunk's K is requested as soon as this one's is used, its V as soon as
+// this one's is. A chunk is 3 barriers: scores (partial dots with the 8 heads' q, staged in
+// workgroup memory, summed by thread (head li / 32, key li % 32)); softmax (each thread takes its
+// head's chunk max from workgroup memory, its one p = exp(s − m), a running max and sum of its
+// own); values (the rescale from the heads' new maxes, then p·v). The 4 key groups' sums and the
+// 32 threads' sums of each head are added once at the end. Attention's stop-28 kernel
+// (attn_split_gqa) took ~10 barriers a chunk and loaded V only after the softmax.
+// Splits: `splits` (fixed by the capacity: a recorded step launches the same at any position),
+// each over ceil(n / splits) keys but at least `span` (= DK) of the n = pos + 1: the splits past
+// the keys write (m, l) = (−1e30, 0) and stop, and attn_combine4 skips them. Partials as
+// attn_tile_gqa_part's: (m, l, 0, 0, acc[hd]) at part[((kvh · G + g) · splits + s) · (hd/4 + 1)]
+// vec4s. Workgroup memory 26 KB (q 8 KB, partials 16 KB, scores and p 2 KB). Takes G ≤ 8,
+// hd ≤ 256, hd % 4 == 0. Bindings: 1 q, 2 kc, 3 vc (vec4 views), 4 step, 5 part (vec4).
+
+const DK: u32 = 32u;
+
+@group(0) @binding(1) var<storage, read> dc_qg: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> dc_kc: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read> dc_vc: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read> dc_step: array<u32>;
+@group(0) @binding(5) var<storage, read_write> dc_part: array<vec4<f32>>;
+
+var<workgroup> dc_q: array<vec4<f32>, 512>; // [G][64]
+var<workgroup> dc_red: array<vec4<f32>, 1024>; // [key][part][heads 0-3, 4-7]; at the end [kg][4][64]
+var<workgroup> dc_s: array<f32, 256>; // [head][key] scores; at the end the threads' sums
+var<workgroup> dc_p: array<f32, 256>; // [head][key]
+var<workgroup> dc_m: array<f32, 8>;
+
+fn dec_load_k(kr: ptr<function, array<vec4<f32>, 8>>, li: u32, kvh: u32, jc: u32, j1: u32) {
+    let hd4 = p.hd / 4u;
+    let kvd4 = p.nkv * hd4;
+    let j = jc + li / 8u;
+    for (var i = 0u; i < 8u; i++) {
+        let c = li % 8u + 8u * i;
+        (*kr)[i] = vec4<f32>(0.0);
+        if (j < j1 && c < hd4) {
+            (*kr)[i] = dc_kc[j * kvd4 + kvh * hd4 + c];
+        }
+    }
+}
+
+fn dec_load_v(vr: ptr<function, array<vec4<f32>, 8>>, li: u32, kvh: u32, jc: u32, j1: u32) {
+    let hd4 = p.hd / 4u;
+    let kvd4 = p.nkv * hd4;
+    let d = li % 64u;
+    for (var i = 0u; i < 8u; i++) {
+        let j = jc + li / 64u + 4u * i;
+        (*vr)[i] = vec4<f32>(0.0);
+        if (j < j1 && d < hd4) {
+            (*vr)[i] = dc_vc[j * kvd4 + kvh * hd4 + d];
+        }
+    }
+}
+
+@compute @workgroup_size(256)
+fn attn_dec_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let wg = wg_index(wid);
+    let kvh = wg / p.splits;
+    let s = wg % p.splits;
+    let G = p.nh / p.nkv;
+    let hd4 = p.hd / 4u;
+    let rec = hd4 + 1u;
+    let n = min(dc_step[1] + 1u, p.cap);
+    let span = max((n + p.splits - 1u) / p.splits, p.span);
+    let j0 = min(s * span, n);
+    let j1 = min(j0 + span, n);
+    if (j0 >= j1) {
+        if (li < G) {
+            dc_part[((kvh * G + li) * p.splits + s) * rec] = vec4<f32>(NEG_BIG, 0.0, 0.0, 0.0);
+        }
+        return;
+    }
+    var kr: array<vec4<f32>, 8>;
+    var vr: array<vec4<f32>, 8>;
+    dec_load_k(&kr, li, kvh, j0, j1);
+    dec_load_v(&vr, li, kvh, j0, j1);
+    for (var i = li; i < G * 64u; i += 256u) {
+        let c = i % 64u;
+        dc_q[i] = vec4<f32>(0.0);
+        if (c < hd4) {
+            dc_q[i] = dc_qg[(kvh * G + i / 64u) * hd4 + c];
+        }
+    }
+    workgroupBarrier();
+    let pp = li % 8u; // scores: part of key li / 8
+    let sg = li / 32u; // softmax: head
+    let sk = li % 32u; //   and key
+    let kg = li / 64u; // values: key group
+    let vd = li % 64u; //   and vec4 of dims
+    var acc: array<vec4<f32>, 8>;
+    var mv: array<f32, 8>;
+    for (var g = 0u; g < 8u; g++) {
+        acc[g] = vec4<f32>(0.0);
+        mv[g] = NEG_BIG;
+    }
+    var m_run = NEG_BIG;
+    var l_run = 0.0;
+    for (var jc = j0; jc < j1; jc += DK) {
+        var d: array<f32, 8>;
+        for (var g = 0u; g < 8u; g++) {
+            var t = 0.0;
+            if (g < G) {
+                for (var i = 0u; i < 8u; i++) {
+                    let c = pp + 8u * i;
+                    if (c < hd4) {
+                        t += dot(dc_q[g * 64u + c], kr[i]);
+                    }
+                }
+            }
+            d[g] = t;
+        }
+        dc_red[li * 2u] = vec4<f32>(d[0], d[1], d[2], d[3]);
+        dc_red[li * 2u + 1u] = vec4<f32>(d[4], d[5], d[6], d[7]);
+        dec_load_k(&kr, li, kvh, jc + DK, j1);
+        workgroupBarrier();
+        let ok = sg < G && jc + sk < j1;
+        var sc = NEG_BIG;
+        if (ok) {
+            var t = 0.0;
+            for (var x = 0u; x < 8u; x++) {
+                t += dc_red[(sk * 8u + x) * 2u + sg / 4u][sg % 4u];
+            }
+            sc = t * p.scale;
+        }
+        dc_s[li] = sc;
+        workgroupBarrier();
+        var cm = NEG_BIG;
+        for (var k = 0u; k < DK; k++) {
+            cm = max(cm, dc_s[sg * DK + k]);
+        }
+        let mn = max(m_run, cm);
+        let pk = select(0.0, exp(sc - mn), ok);
+        dc_p[li] = pk;
+        l_run = l_run * exp(m_run - mn) + pk;
+        m_run = mn;
+        if (sk == 0u && sg < G) {
+            dc_m[sg] = mn;
+        }
+        workgroupBarrier();
+        for (var g = 0u; g < 8u; g++) {
+            if (g < G) {
+                let m2 = dc_m[g];
+                var a = acc[g] * exp(mv[g] - m2);
+                mv[g] = m2;
+                for (var i = 0u; i < 8u; i++) {
+                    a += dc_p[g * DK + kg + 4u * i] * vr[i];
+                }
+                acc[g] = a;
+            }
+        }
+        dec_load_v(&vr, li, kvh, jc + DK, j1);
+    }
+    // The 4 key groups' sums, 4 heads a round; each head's l from its 32 threads' sums.
+    dc_s[li] = l_run;
+    for (var r = 0u; r < 2u; r++) {
+        for (var e = 0u; e < 4u; e++) {
+            dc_red[(kg * 4u + e) * 64u + vd] = acc[4u * r + e];
+        }
+        workgroupBarrier();
+        let e = li / 64u;
+        let g = 4u * r + e;
+        if (g < G) {
+            let base = ((kvh * G + g) * p.splits + s) * rec;
+            if (vd < hd4) {
+                var t = vec4<f32>(0.0);
+                for (var x = 0u; x < 4u; x++) {
+                    t += dc_red[(x * 4u + e) * 64u + vd];
+                }
+                dc_part[base + 1u + vd] = t;
+            }
+            if (vd == 0u) {
+                var l = 0.0;
+                for (var k = 0u; k < DK; k++) {
+                    l += dc_s[g * DK + k];
+                }
+                dc_part[base] = vec4<f32>(dc_m[g], l, 0.0, 0.0);
+            }
+        }
+        workgroupBarrier();
+    }
+}
+
+// ---- attn_combine4: merges the key splits of attn_dec_gqa / attn_tile_gqa_part, a workgroup per
+// (row, head) f: records (m, l, 0, 0, acc[hd]) at part[(f · splits + s) · (hd/4 + 1)] vec4s.
+// One tree finds the largest m and the splits holding keys (m > −1e30: a prefix of them); thread
+// (split group li / 64, vec4 of dims li % 64) adds w·acc and w·l over the splits ≡ its group mod
+// 4 (w = exp(m_s − M)), their loads issued four at a time; the 4 groups are added through
+// workgroup memory; out = acc / l · sigmoid(gate). splits ≤ 256, hd ≤ 256, hd % 4 == 0.
+// Bindings: 1 part, 2 gate, 3 out (vec4 views).
+
+@group(0) @binding(1) var<storage, read> c4_part: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> c4_gate: array<vec4<f32>>;
+@group(0) @binding(3) var<storage, read_write> c4_out: array<vec4<f32>>;
+
+var<workgroup> c4_t: array<vec2<f32>, 256>;
+var<workgroup> c4_a: array<vec4<f32>, 256>;
+var<workgroup> c4_l: array<f32, 4>;
+
+@compute @workgroup_size(256)
+fn attn_combine4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let f = wg_index(wid);
+    let hd4 = p.hd / 4u;
+    let rec = hd4 + 1u;
+    let b0 = f * p.splits * rec;
+    var ms = NEG_BIG;
+    if (li < p.splits) {
+        ms = c4_part[b0 + li * rec].x;
+    }
+    c4_t[li] = vec2<f32>(ms, select(0.0, f32(li + 1u), ms > -1.0e29));
+    workgroupBarrier();
+    for (var h = 128u; h > 0u; h >>= 1u) {
+        if (li < h) {
+            c4_t[li] = max(c4_t[li], c4_t[li + h]);
+        }
+        workgroupBarrier();
+    }
+    let m = c4_t[0].x;
+    let ns = u32(c4_t[0].y);
+    let sg = li / 64u;
+    let vd = li % 64u;
+    var a = vec4<f32>(0.0);
+    var l = 0.0;
+    for (var s0 = sg; s0 < ns; s0 += 16u) {
+        var ml: array<vec4<f32>, 4>;
+        var av: array<vec4<f32>, 4>;
+        for (var u = 0u; u < 4u; u++) {
+            let s = s0 + 4u * u;
+            ml[u] = vec4<f32>(NEG_BIG, 0.0, 0.0, 0.0);
+            av[u] = vec4<f32>(0.0);
+            if (s < ns) {
+                ml[u] = c4_part[b0 + s * rec];
+                if (vd < hd4) {
+                    av[u] = c4_part[b0 + s * rec + 1u + vd];
+                }
+            }
+        }
+        for (var u = 0u; u < 4u; u++) {
+            let w = exp(ml[u].x - m);
+            a += w * av[u];
+            l += w * ml[u].y;
+        }
+    }
+    c4_a[li] = a;
+    if (vd == 0u) {
+        c4_l[sg] = l;
+    }
+    workgroupBarrier();
+    if (li < hd4) {
+        let t = c4_a[li] + c4_a[64u + li] + c4_a[128u + li] + c4_a[192u + li];
+        let lt = c4_l[0] + c4_l[1] + c4_l[2] + c4_l[3];
+        let o = f * hd4 + li;
+        c4_out[o] = t / lt * sigmoid4(c4_gate[o]);
     }
 }
