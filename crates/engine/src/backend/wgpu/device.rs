@@ -193,7 +193,7 @@ impl Switches {
                 Ok("rw1") => 1,
                 Ok("rw4") => 4,
                 Ok("xs") => 8,
-                _ => 2,
+                _ => 0,
             }),
             attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),
             gdn_fast: on("LILY_WGPU_GDN_FAST"),

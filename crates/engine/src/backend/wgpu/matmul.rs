@@ -255,7 +255,11 @@ pub fn gemv_many(
     let rw = match ctx.sw.gemv.load(Ordering::Relaxed) {
         8 if fixed => {
             for w in ws {
-                nw = nw.max((w.inp / (128 / w.bits as usize)).div_ceil(sgw).next_power_of_two());
+                nw = nw.max(
+                    (w.inp / (128 / w.bits as usize))
+                        .div_ceil(sgw)
+                        .next_power_of_two(),
+                );
             }
             if nw <= 8 {
                 8
@@ -322,7 +326,8 @@ pub fn gemv_many(
     match rw {
         0 => ctx.dispatch(&SHADER, "gemv_v4", &p, &bufs, (blocks * rows) as u32),
         8 => {
-            let entry = ["gemv_xs1", "gemv_xs2", "gemv_xs4", "gemv_xs8"][nw.trailing_zeros() as usize];
+            let entry =
+                ["gemv_xs1", "gemv_xs2", "gemv_xs4", "gemv_xs8"][nw.trailing_zeros() as usize];
             ctx.dispatch(&sg_shader(), entry, &p, &bufs, (blocks * rows) as u32)
         }
         r => {
