@@ -254,6 +254,10 @@ fn matmul_q_gemv_and_gemm() {
 #[test]
 fn matmul_q_many_and_rms_norm_matmul() {
     let Some(g) = gpu() else { return };
+    many_and_norm_case(&g);
+}
+
+fn many_and_norm_case(g: &Wgpu) {
     let d = qwen_dims();
     let hid = d.hidden;
     let mut rng = Rng(31);
@@ -328,8 +332,30 @@ fn matmul_q_many_and_rms_norm_matmul() {
 /// sums are the CPU's up to their order and the GPU's exp).
 #[test]
 fn decode_epilogues_match_the_cpu() {
-    use lily::backend::{MoeScratch, SharedExpert};
     let Some(g) = gpu() else { return };
+    epilogues_case(&g);
+}
+
+/// The decode GEMVs other than the default, each on a device of its own opened with
+/// `LILY_WGPU_GEMV` set (the switches are read then): gemv_rw with 1, 2 and 4 rows a team and
+/// gemv_xs, through the same projection sets, norms and epilogues as the two tests above. On an
+/// adapter without ordered subgroups each falls back to gemv_v4 (and passes as it). A device
+/// another test opens meanwhile may take the variant too, which must pass its tests as well.
+#[test]
+fn gemv_variants_match_the_cpu() {
+    for v in ["rw1", "rw2", "rw4", "xs"] {
+        std::env::set_var("LILY_WGPU_GEMV", v);
+        let g = gpu();
+        std::env::remove_var("LILY_WGPU_GEMV");
+        let Some(g) = g else { return };
+        eprintln!("LILY_WGPU_GEMV={v}");
+        many_and_norm_case(&g);
+        epilogues_case(&g);
+    }
+}
+
+fn epilogues_case(g: &Wgpu) {
+    use lily::backend::{MoeScratch, SharedExpert};
     let d = lily::backend::Dims {
         n_experts: 16,
         top_k: 4,

@@ -14,7 +14,8 @@ use anyhow::{bail, Result};
 
 use super::device::{as_bytes, Shader};
 use super::matmul::{gemv_many, OutMode, XIn};
-use super::{WBuf, WMat, Wgpu};
+use super::{WBuf, WMat, WRoute, Wgpu};
+use crate::backend::{Backend, Dims};
 use crate::config::Config;
 
 pub const SHADER: Shader = Shader {
@@ -36,6 +37,8 @@ pub const CASES: &[&str] = &[
     "shared_gu",
     "shared_down",
     "lm_head",
+    "route",
+    "experts",
 ];
 
 /// Dispatches in one timed pass at most (the device submits at 256).
@@ -144,6 +147,17 @@ fn bf16_pairs(n: usize, seed: u64, lo: f32, hi: f32) -> Vec<u32> {
     f.chunks_exact(2)
         .map(|p| (p[0].to_bits() >> 16) | (p[1].to_bits() & 0xffff_0000))
         .collect()
+}
+
+/// Another handle on the same route buffers (the ops take `&mut`; the lab's calls run one after
+/// another on this thread).
+fn alias(r: &WRoute) -> WRoute {
+    WRoute {
+        ids: r.ids.clone(),
+        weights: r.weights.clone(),
+        rows: r.rows,
+        k: r.k,
+    }
 }
 
 impl Wgpu {
@@ -461,6 +475,84 @@ impl Wgpu {
         }
         ctx.sw.gemv.store(old_gemv, Ordering::Relaxed);
         ctx.sw.gemv_wgs.store(old_want, Ordering::Relaxed);
+        // The router's top-k of one row, and the routed experts of one token (moe_experts_decode:
+        // gate|up then down and the slot sum), over routes from distinct logits so that the
+        // experts read differ from call to call.
+        let d = Dims::from_config(cfg);
+        let nroutes = 64;
+        let logits: Vec<WBuf> = (0..nroutes)
+            .map(|i| self.lab_buf(&floats(d.n_experts, 500 + i as u64, -4.0, 4.0)))
+            .collect::<Result<_>>()?;
+        let routes: Vec<WRoute> = (0..nroutes)
+            .map(|_| self.new_route(1, d.top_k))
+            .collect::<Result<_>>()?;
+        if want_case("route") {
+            let op_s = time(&|i| {
+                let mut r = alias(&routes[i % nroutes]);
+                super::moe::moe_route(ctx, &logits[i % nroutes], &d, 1, &mut r)
+            })?;
+            let row = LabRow {
+                case: "route",
+                variant: format!("top-{} of {}", d.top_k, d.n_experts),
+                bytes: 0,
+                copies: nroutes,
+                calls,
+                op_s,
+                read_s: None,
+                check: None,
+            };
+            print(&row);
+            rows.push(row);
+        }
+        if want_case("experts") {
+            for (l, r) in logits.iter().zip(routes.iter()) {
+                super::moe::moe_route(ctx, l, &d, 1, &mut alias(r));
+            }
+            let (w, hdim) = (cfg.moe_intermediate_size, cfg.hidden_size);
+            let mk = |out: usize, inp: usize, seed: u64| -> Result<WMat> {
+                let m = self.lab_mat(d.n_experts * out, inp, bits, gs, seed)?;
+                Ok(WMat {
+                    n: d.n_experts,
+                    out,
+                    ..m
+                })
+            };
+            let (gate, up, down) = (mk(w, hdim, 71)?, mk(w, hdim, 72)?, mk(hdim, w, 73)?);
+            let x = self.lab_buf(&floats(hdim, 74, -1.0, 1.0))?;
+            let out = self.lab_buf(&vec![0.0; hdim])?;
+            let per = |o: usize, i: usize| o * i * bits as usize / 8 + 4 * (o * i / gs);
+            let bytes = d.top_k * (2 * per(w, hdim) + per(hdim, w));
+            let (read_s, _) = read(bytes)?;
+            let op_s = time(&|i| {
+                let mut o = WBuf {
+                    buf: out.buf.clone(),
+                    len: out.len,
+                };
+                super::moe::moe_experts(
+                    ctx,
+                    &x,
+                    &routes[i % nroutes],
+                    &gate,
+                    &up,
+                    &down,
+                    &d,
+                    1,
+                    &mut o,
+                )
+            })?;
+            let row = LabRow {
+                case: "experts",
+                variant: format!("top-{} decode", d.top_k),
+                bytes,
+                copies: nroutes,
+                calls,
+                op_s,
+                read_s: Some(read_s),
+                check: None,
+            };
+            print(&row);
+            rows.push(row);
+        }
         ctx.check()?;
         Ok(rows)
     }
