@@ -124,9 +124,14 @@ const QWEN_BLOCKS: &[usize] = &[
     40, 1, 1, 1, 1, 1, 1, 1, 1, 7, 1, 1, 1, 512, 1, 63, 64, 1, 65, 2, 200, 1, 1,
 ];
 
+/// The subgroup path (opt-in: `LILY_WGPU_GDN_FAST=1`, set only while this test's device opens;
+/// a device another test opens meanwhile takes it too and must pass as well).
 #[test]
 fn gdn_prefill_then_decode() {
-    let Some(g) = gpu() else { return };
+    std::env::set_var("LILY_WGPU_GDN_FAST", "1");
+    let g = gpu();
+    std::env::remove_var("LILY_WGPU_GDN_FAST");
+    let Some(g) = g else { return };
     let mut rng = Rng(52);
     let d = qwen_dims();
     gdn_case(&g, &d, &mut rng, QWEN_BLOCKS);
@@ -146,17 +151,10 @@ fn gdn_prefill_then_decode() {
     gdn_case(&g, &d, &mut rng, &[66, 1, 3, 1]);
 }
 
-/// The fallback (gdn_recur: workgroup memory, no subgroups) at the real shape, forced by
-/// `LILY_WGPU_GDN_FAST=0` on a device of its own: lavapipe has subgroups, so the test above
-/// runs the subgroup kernels. The variable is set only while that device opens (the switches
-/// are read then); a device another test opens meanwhile would take the fallback too, which
-/// must pass its tests as well.
+/// The default path, gdn_recur (workgroup memory), at the real shape and a ragged one.
 #[test]
 fn gdn_fallback_prefill_then_decode() {
-    std::env::set_var("LILY_WGPU_GDN_FAST", "0");
-    let g = gpu();
-    std::env::remove_var("LILY_WGPU_GDN_FAST");
-    let Some(g) = g else { return };
+    let Some(g) = gpu() else { return };
     let mut rng = Rng(53);
     gdn_case(&g, &qwen_dims(), &mut rng, &[40, 1, 1, 100, 1, 1]);
     let mut d = qwen_dims();

@@ -163,8 +163,9 @@ pub(super) struct Switches {
     pub gemv: AtomicU32,
     /// `LILY_WGPU_ATTN_KEYS`: the capacity's keys a decode attention split covers at least.
     pub attn_keys: usize,
-    /// `LILY_WGPU_GDN_FAST=0`: the gated delta rule by gdn_recur (workgroup memory) even where
-    /// the adapter has subgroups (gdn.rs `fast`).
+    /// `LILY_WGPU_GDN_FAST=1`: the gated delta rule by the subgroup kernels (gdn_sg.wgsl) where
+    /// the adapter has subgroups, instead of gdn_recur. Opt-in: on the H200 (Vulkan) they were
+    /// slower, 24.4 against 14.8 ms a 2048-row block and 28.4 against 21.6 µs a decode step.
     pub gdn_fast: bool,
     /// `LILY_WGPU_ATTN_TILE=0`: prefill attention a (row, KV head) a workgroup (attn_rows_gqa,
     /// K/V read once a row) instead of tiles of query rows (attn_tile_gqa), and decode by
@@ -196,7 +197,7 @@ impl Switches {
                 _ => 0,
             }),
             attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),
-            gdn_fast: on("LILY_WGPU_GDN_FAST"),
+            gdn_fast: std::env::var("LILY_WGPU_GDN_FAST").as_deref() == Ok("1"),
             attn_tile: on("LILY_WGPU_ATTN_TILE"),
         }
     }

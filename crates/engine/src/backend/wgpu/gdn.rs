@@ -2,11 +2,11 @@
 //! shaders/gdn_sg.wgsl where the adapter has subgroups; cpu/gdn.rs is the twin). Prefill and
 //! decode share these entry points (rows = 1 for a step).
 //!
-//! The recurrence's launches: with subgroups (`fast`), blocks of PREP_MIN_ROWS rows or more run
+//! The recurrence's launches: gdn_recur by default; opt-in (`LILY_WGPU_GDN_FAST=1`, measured
+//! slower on the H200) and with subgroups (`fast`), blocks of PREP_MIN_ROWS rows or more run
 //! gdn_prep (q/k norms and gates for every token at once) then gdn_scan_sg; shorter blocks and
 //! decode steps run gdn_step_sg alone (the same scan with the norms and gates inline: a step is
-//! one token, so a pre-pass would only add a launch to its latency). Without subgroups, or with
-//! `LILY_WGPU_GDN_FAST=0`, gdn_recur. gdn_norm follows each.
+//! one token, so a pre-pass would only add a launch to its latency). gdn_norm follows each.
 
 use super::device::{Ctx, Shader};
 use super::{fits, WBuf};
@@ -223,7 +223,7 @@ pub fn gated_delta(
     );
 }
 
-/// Whether the subgroup recurrence runs: `LILY_WGPU_GDN_FAST` on, SUBGROUP with subgroups of at
+/// Whether the subgroup recurrence runs: `LILY_WGPU_GDN_FAST=1`, SUBGROUP with subgroups of at
 /// least SG_PARTS lanes, and column pairs (an even Dk).
 fn fast(ctx: &Ctx, d: &Dims) -> bool {
     ctx.sw.gdn_fast

@@ -52,7 +52,8 @@ const GEMM_FROM: usize = 64;
 const TM: usize = 32;
 /// The most experts moe_sort lists (its counters sit in workgroup memory).
 const MAX_SORT_EXPERTS: usize = 1024;
-/// Floats of act rows moe_down_v stages at a time (moe.wgsl stg, 16 KB).
+/// Floats of act rows moe_down_v stages at a time (moe.wgsl stg: 16 KB of its 17, the rest
+/// its slots' padding).
 const DOWN_STAGE: usize = 4096;
 
 /// moe.wgsl's parameter block: two matrices, then rows, k, experts, norm_topk, outs, cw, tiles.

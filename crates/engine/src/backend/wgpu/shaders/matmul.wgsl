@@ -11,12 +11,15 @@
 //   into "slot order": code i of a 32-bit word is extracted as (word & (mask << bits·(i % m)))
 //   OR'd into the mantissa of 2^23, minus 2^23 (exact; no int-to-float conversion, a
 //   reduced-rate instruction on NVIDIA), so it comes out times 2^(bits·(i % m)) and x is
-//   pre-multiplied by the inverse power of two (exact). Σ code·x and the group's Σ x (staged
-//   beside x, per 4 elements) give scale·Σ code·x + bias·Σ x, the CPU GEMV's identity; the 4
-//   rows share every x read. One tree over the lanes in workgroup memory at the end. Workgroup
-//   index = block · rows + t (the rows of x of one block run side by side and share the
-//   weights through the cache); ceil(out · lanes / 1024) · rows workgroups; 24 KB of
-//   workgroup memory.
+//   pre-multiplied by the inverse power of two (exact). x is staged word-major (vec4 j of word
+//   c at j · words + c) so that a warp's reads hit consecutive banks: word after word, a
+//   quarter-warp's 8 lanes 128 bytes apart all read the same 4 banks, 8 times over, and the
+//   lm_head ran at the workgroup memory's rate (1.0 TB/s). Σ code·x and the word's Σ x (from
+//   the scaled x it reads, times the powers of two back: exact) give scale·Σ code·x +
+//   bias·Σ x, the CPU GEMV's identity; the 4 rows share every x read. One tree over the lanes
+//   in workgroup memory at the end. Workgroup index = block · rows + t (the rows of x of one
+//   block run side by side and share the weights through the cache); ceil(out · lanes / 1024)
+//   · rows workgroups; 20 KB of workgroup memory.
 // gemv (rows = 1, the shapes gemv_v4 does not take: dense, 2-bit, odd groups): scalar, a
 //   workgroup of 256 = 8 outputs × 32 threads striding the row's code words; ceil(out / 8)
 //   workgroups.
@@ -98,10 +101,10 @@ fn gemv(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
 // x elements gemv_v4 stages a pass.
 const GV_CHUNK: u32 = 4096u;
-// x of the pass in slot scale (see the header).
+// x of the pass in slot scale (see the header), word-major: vec4 j of code word c of the pass at
+// j · words + c, so the lanes of a warp, reading consecutive words' j-th vec4s, read consecutive
+// 16 bytes (a word's 8 vec4s side by side put 8 lanes of a quarter-warp on the same 4 banks).
 var<workgroup> gv_x: array<vec4<f32>, 1024>;
-// Σ x of each 4 elements of the pass: gv_s[i][j] sums x elements 16i + 4j .. 16i + 4j + 3.
-var<workgroup> gv_s: array<vec4<f32>, 256>;
 // The 4 rows' partial sums of every thread, [4][256].
 var<workgroup> gv_red: array<f32, 1024>;
 
@@ -133,8 +136,10 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     let r2 = pv.e * m.out + min(o0 + 2u, last);
     let r3 = pv.e * m.out + min(o0 + 3u, last);
     var sc = vec4<f32>(1.0, 1.0 / 256.0, 1.0, 1.0 / 256.0);
+    var isc = vec4<f32>(1.0, 256.0, 1.0, 256.0);
     if (bits == 4u) {
         sc = vec4<f32>(1.0, 1.0 / 16.0, 1.0 / 256.0, 1.0 / 4096.0);
+        isc = vec4<f32>(1.0, 16.0, 256.0, 4096.0);
     }
     let xrow = t * (m.inp / 4u);
     // rms_norm folded in: this workgroup's own sum of squares of its row of h (8 KB at the
@@ -185,16 +190,19 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
         }
         // The previous pass's readers are done before x is overwritten.
         workgroupBarrier();
-        for (var v = li; v < kn / 4u; v += 256u) {
+        // Staged word-major (consecutive invocations write consecutive slots; each reads x
+        // 32 bytes or 128 apart, from the cache).
+        let npw = epv / 4u;
+        for (var u = li; u < kn / 4u; u += 256u) {
+            let v = (u % nv) * npw + u / nv;
             var xv = vx[xrow + k0 / 4u + v];
             if (pv.xmode == 1u) {
                 xv = xv * rn * vaux[k0 / 4u + v];
             } else if (pv.xmode == 2u) {
-                let u = vaux[xrow + k0 / 4u + v];
-                xv = vec4<f32>(silu_f(xv.x) * u.x, silu_f(xv.y) * u.y, silu_f(xv.z) * u.z, silu_f(xv.w) * u.w);
+                let a = vaux[xrow + k0 / 4u + v];
+                xv = vec4<f32>(silu_f(xv.x) * a.x, silu_f(xv.y) * a.y, silu_f(xv.z) * a.z, silu_f(xv.w) * a.w);
             }
-            gv_x[v] = xv * sc;
-            gv_s[v >> 2u][v & 3u] = (xv.x + xv.y) + (xv.z + xv.w);
+            gv_x[u] = xv * sc;
         }
         workgroupBarrier();
         for (; c < nv; c += lanes) {
@@ -217,16 +225,16 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
             var g = 0u;
             if (bits == 4u) {
                 g = (k0 + c * 32u) / m.gs;
-                let xi = c * 8u;
-                let x0 = gv_x[xi];
-                let x1 = gv_x[xi + 1u];
-                let x2 = gv_x[xi + 2u];
-                let x3 = gv_x[xi + 3u];
-                let x4_ = gv_x[xi + 4u];
-                let x5 = gv_x[xi + 5u];
-                let x6 = gv_x[xi + 6u];
-                let x7 = gv_x[xi + 7u];
-                sx = dot(gv_s[c * 2u] + gv_s[c * 2u + 1u], vec4<f32>(1.0));
+                let x0 = gv_x[c];
+                let x1 = gv_x[nv + c];
+                let x2 = gv_x[2u * nv + c];
+                let x3 = gv_x[3u * nv + c];
+                let x4_ = gv_x[4u * nv + c];
+                let x5 = gv_x[5u * nv + c];
+                let x6 = gv_x[6u * nv + c];
+                let x7 = gv_x[7u * nv + c];
+                // Σ x of the word from the scaled x (a power of two a slot: exact).
+                sx = dot(((x0 + x1) + (x2 + x3)) + ((x4_ + x5) + (x6 + x7)), isc);
                 d0 = (q4_dot(w0.x, x0, x1) + q4_dot(w0.y, x2, x3))
                     + (q4_dot(w0.z, x4_, x5) + q4_dot(w0.w, x6, x7));
                 d1 = (q4_dot(w1.x, x0, x1) + q4_dot(w1.y, x2, x3))
@@ -237,12 +245,11 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
                     + (q4_dot(w3.z, x4_, x5) + q4_dot(w3.w, x6, x7));
             } else {
                 g = (k0 + c * 16u) / m.gs;
-                let xi = c * 4u;
-                let x0 = gv_x[xi];
-                let x1 = gv_x[xi + 1u];
-                let x2 = gv_x[xi + 2u];
-                let x3 = gv_x[xi + 3u];
-                sx = dot(gv_s[c], vec4<f32>(1.0));
+                let x0 = gv_x[c];
+                let x1 = gv_x[nv + c];
+                let x2 = gv_x[2u * nv + c];
+                let x3 = gv_x[3u * nv + c];
+                sx = dot((x0 + x1) + (x2 + x3), isc);
                 d0 = (q8_dot(w0.x, x0) + q8_dot(w0.y, x1)) + (q8_dot(w0.z, x2) + q8_dot(w0.w, x3));
                 d1 = (q8_dot(w1.x, x0) + q8_dot(w1.y, x1)) + (q8_dot(w1.z, x2) + q8_dot(w1.w, x3));
                 d2 = (q8_dot(w2.x, x0) + q8_dot(w2.y, x1)) + (q8_dot(w2.z, x2) + q8_dot(w2.w, x3));

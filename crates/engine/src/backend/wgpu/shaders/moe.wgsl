@@ -15,7 +15,7 @@
 //   e = ids[s] (clamped below n_exp), act[s, o] = silu(gate_e[o] · x[t]) · (up_e[o] · x[t]).
 //   A workgroup of 256 = 8 outputs × 32 lanes; each lane reads 16-byte words of codes (a
 //   vec4<u32>: 32 4-bit codes, all in one scale group), two of gate and two of up in flight,
-//   x[t] staged in workgroup memory in chunks of 2048 as vec4s. A vec4 of codes adds
+//   x[t] staged in workgroup memory in chunks of 2048 as vec4s (word-major, see stg). A vec4 of codes adds
 //   s·Σ code·x + b·Σ x (MLX's factoring; Σ x shared by gate and up), codes turned into floats
 //   by the 2^23 trick (no int-to-float conversion). One tree a output over 32 lanes.
 //   rows · k · width / 8 workgroups. Bindings: 1-3 gate (qw as vec4s, qs, qb: quant.wgsl,
@@ -25,7 +25,7 @@
 //   act[t·k + j]), j = 0..k in slot order. A workgroup of 256 computes `outs` = 64 / k outputs
 //   (at least 1) of one token for all k slots: 4 lanes a (output, slot) pair, each lane the
 //   vec4s lane, lane + 4, … of the row (four in flight), the token's k act rows staged together
-//   in chunks of `cw` columns (k · cw ≤ 4096 floats); the 4 lanes' partials summed, then the
+//   in chunks of `cw` columns (k · cw ≤ 4096 floats; word-major, see stg); the 4 lanes' partials summed, then the
 //   slots weighted and summed in order j = 0..k by one thread an output.
 //   rows · ceil(hidden / outs) workgroups. Bindings: 1-3 down (qw as vec4s, qs, qb, params m),
 //   4 act as vec4s, 5 ids, 6 weights, 7 out f32 [rows, hidden].
@@ -463,8 +463,13 @@ fn moe_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
 @group(0) @binding(7) var<storage, read> x4: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> act4: array<vec4<f32>>;
 
-// Staging shared by the entries below (16 KB): x or act chunks (_v), dequantized weights (_mm).
-var<workgroup> stg: array<vec4<f32>, 1024>;
+// Staging shared by the entries below (17 KB): x or act chunks (_v), dequantized weights (_mm).
+// The _v entries stage word-major: vec4 i of code word w of a chunk of `nwp` words at
+// i · nwp + w, so the lanes reading consecutive words read consecutive 16 bytes (a word's vec4s
+// side by side put a quarter-warp's 8 lanes on the same 4 banks); moe_down_v's slots lie
+// DOWN_PAD vec4s further apart than their chunks, so two slots' lanes fall on other banks too.
+var<workgroup> stg: array<vec4<f32>, 1088>;
+const DOWN_PAD: u32 = 4u;
 
 // The codes of w at the bit offsets sh as floats: code | 0x4b000000 is the f32 2^23 + code
 // (code < 2^23), and subtracting 2^23 is exact; this avoids int-to-float conversions, which run
@@ -478,16 +483,17 @@ fn hsum(v: vec4<f32>) -> f32 {
     return (v.x + v.y) + (v.z + v.w);
 }
 
-// (Σ code·x over the vec4 of codes a, the same for b, Σ x) with x from stg[xb ..]: the
-// 4 · 32 / bits inputs of one vec4 of codes (one scale group; moe.rs checks it).
-fn dq2(a: vec4<u32>, b: vec4<u32>, xb: u32, bits: u32) -> vec3<f32> {
+// (Σ code·x over the vec4 of codes a, the same for b, Σ x) with x from word w of the chunk of
+// nwp words staged word-major at stg[xb ..]: the 4 · 32 / bits inputs of one vec4 of codes (one
+// scale group; moe.rs checks it).
+fn dq2(a: vec4<u32>, b: vec4<u32>, xb: u32, w: u32, nwp: u32, bits: u32) -> vec3<f32> {
     var ca = vec4<f32>(0.0);
     var cb = vec4<f32>(0.0);
     var sx = vec4<f32>(0.0);
     if (bits == 4u) {
         for (var j = 0u; j < 4u; j++) {
-            let x0 = stg[xb + 2u * j];
-            let x1 = stg[xb + 2u * j + 1u];
+            let x0 = stg[xb + 2u * j * nwp + w];
+            let x1 = stg[xb + (2u * j + 1u) * nwp + w];
             ca = fma(codes4(a[j], vec4<u32>(0u, 4u, 8u, 12u), 15u), x0, ca);
             cb = fma(codes4(b[j], vec4<u32>(0u, 4u, 8u, 12u), 15u), x0, cb);
             ca = fma(codes4(a[j], vec4<u32>(16u, 20u, 24u, 28u), 15u), x1, ca);
@@ -500,7 +506,7 @@ fn dq2(a: vec4<u32>, b: vec4<u32>, xb: u32, bits: u32) -> vec3<f32> {
         let sh0 = vec4<u32>(0u, bits, 2u * bits, 3u * bits);
         for (var j = 0u; j < 4u; j++) {
             for (var i = 0u; i < q; i++) {
-                let xv = stg[xb + j * q + i];
+                let xv = stg[xb + (j * q + i) * nwp + w];
                 let sh = sh0 + vec4<u32>(4u * bits * i);
                 ca = fma(codes4(a[j], sh, mask), xv, ca);
                 cb = fma(codes4(b[j], sh, mask), xv, cb);
@@ -512,13 +518,13 @@ fn dq2(a: vec4<u32>, b: vec4<u32>, xb: u32, bits: u32) -> vec3<f32> {
 }
 
 // dq2 for one vec4 of codes: (Σ code·x, Σ x).
-fn dq1(a: vec4<u32>, xb: u32, bits: u32) -> vec2<f32> {
+fn dq1(a: vec4<u32>, xb: u32, w: u32, nwp: u32, bits: u32) -> vec2<f32> {
     var ca = vec4<f32>(0.0);
     var sx = vec4<f32>(0.0);
     if (bits == 4u) {
         for (var j = 0u; j < 4u; j++) {
-            let x0 = stg[xb + 2u * j];
-            let x1 = stg[xb + 2u * j + 1u];
+            let x0 = stg[xb + 2u * j * nwp + w];
+            let x1 = stg[xb + (2u * j + 1u) * nwp + w];
             ca = fma(codes4(a[j], vec4<u32>(0u, 4u, 8u, 12u), 15u), x0, ca);
             ca = fma(codes4(a[j], vec4<u32>(16u, 20u, 24u, 28u), 15u), x1, ca);
             sx += x0 + x1;
@@ -529,7 +535,7 @@ fn dq1(a: vec4<u32>, xb: u32, bits: u32) -> vec2<f32> {
         let sh0 = vec4<u32>(0u, bits, 2u * bits, 3u * bits);
         for (var j = 0u; j < 4u; j++) {
             for (var i = 0u; i < q; i++) {
-                let xv = stg[xb + j * q + i];
+                let xv = stg[xb + (j * q + i) * nwp + w];
                 ca = fma(codes4(a[j], sh0 + vec4<u32>(4u * bits * i), mask), xv, ca);
                 sx += xv;
             }
@@ -562,8 +568,10 @@ fn moe_gate_up_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     var ua = 0.0;
     for (var k0 = 0u; k0 < hid; k0 += CH) {
         let n4 = (min(k0 + CH, hid) - k0) / 4u;
+        let vpw = 32u / bits;
+        let nwp = n4 / vpw;
         for (var i = li; i < n4; i += 256u) {
-            stg[i] = x4[(t * hid + k0) / 4u + i];
+            stg[i] = x4[(t * hid + k0) / 4u + (i % nwp) * vpw + i / nwp];
         }
         workgroupBarrier();
         let v0 = k0 / epv;
@@ -579,14 +587,14 @@ fn moe_gate_up_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
                 a1 = qw4[row * nvr + v2];
                 b1 = uw4[row * nvr + v2];
             }
-            let d0 = dq2(a0, b0, (v - v0) * epv / 4u, bits);
+            let d0 = dq2(a0, b0, 0u, v - v0, nwp, bits);
             let g0 = v * epv;
             ga += q_sb(gg + g0 / p.m.gs, p.m.sb16, false) * d0.x
                 + q_sb(gg + g0 / p.m.gs, p.m.sb16, true) * d0.z;
             ua += u_sb(gu + g0 / p.m2.gs, p.m2.sb16, false) * d0.y
                 + u_sb(gu + g0 / p.m2.gs, p.m2.sb16, true) * d0.z;
             if (v2 < v1) {
-                let d1 = dq2(a1, b1, (v2 - v0) * epv / 4u, bits);
+                let d1 = dq2(a1, b1, 0u, v2 - v0, nwp, bits);
                 let g1 = v2 * epv;
                 ga += q_sb(gg + g1 / p.m.gs, p.m.sb16, false) * d1.x
                     + q_sb(gg + g1 / p.m.gs, p.m.sb16, true) * d1.z;
@@ -635,14 +643,17 @@ fn moe_down_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     let nvr = width / epv;
     let row = e * hid + min(o, hid - 1u);
     let gr = row * (width / p.m.gs);
-    let cw4 = p.cw / 4u;
+    // A slot's staged chunk: cw / 4 vec4s, DOWN_PAD more where the slots still fit.
+    let cw4 = select(p.cw / 4u, p.cw / 4u + DOWN_PAD, k * (p.cw / 4u + DOWN_PAD) <= 1088u);
+    let vpw = 32u / bits;
     var acc = 0.0;
     for (var c0 = 0u; c0 < width; c0 += p.cw) {
         let n4 = (min(c0 + p.cw, width) - c0) / 4u;
+        let nwp = n4 / vpw;
         for (var i = li; i < k * n4; i += 256u) {
             let jj = i / n4;
             let q = i % n4;
-            stg[jj * cw4 + q] = act4[((t * k + jj) * width + c0) / 4u + q];
+            stg[jj * cw4 + q] = act4[((t * k + jj) * width + c0) / 4u + (q % nwp) * vpw + q / nwp];
         }
         workgroupBarrier();
         if (live) {
@@ -659,7 +670,7 @@ fn moe_down_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
                 for (var i = 0u; i < 4u; i++) {
                     let vi = v + 4u * i;
                     if (vi < v1) {
-                        let d = dq1(a[i], j * cw4 + (vi - v0) * epv / 4u, bits);
+                        let d = dq1(a[i], j * cw4, vi - v0, nwp, bits);
                         let g = gr + vi * epv / p.m.gs;
                         acc += q_sb(g, p.m.sb16, false) * d.x + q_sb(g, p.m.sb16, true) * d.y;
                     }
