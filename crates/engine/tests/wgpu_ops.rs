@@ -295,7 +295,7 @@ fn many_and_norm_case(g: &Wgpu) {
                     g.rms_norm_matmul(&gh, &gnw, rows, hid, d.eps, &mut gxn, &refs, &mut om);
                     check(
                         &format!("rms_norm_matmul {set:?} rows {rows} (xn)"),
-                        rel_rows(&h(&g, &gxn, rows * hid), &cxn, hid),
+                        rel_rows(&h(g, &gxn, rows * hid), &cxn, hid),
                         F32_TOL,
                     );
                     &cxn
@@ -317,7 +317,7 @@ fn many_and_norm_case(g: &Wgpu) {
                             m.out,
                             set[i].1
                         ),
-                        rel_rows(&h(&g, &outs[i], rows * m.out), &c, m.out),
+                        rel_rows(&h(g, &outs[i], rows * m.out), &c, m.out),
                         F32_TOL,
                     );
                 }
@@ -381,7 +381,7 @@ fn epilogues_case(g: &Wgpu) {
         g.matmul_q_add(&g.upload(&x).unwrap(), &gm, rows, &mut gr, &mut gh);
         check(
             &format!("matmul_q_add [{out}, {inp}] rows {rows}"),
-            rel_rows(&h(&g, &gh, rows * out), &ch, out),
+            rel_rows(&h(g, &gh, rows * out), &ch, out),
             F32_TOL,
         );
     }
@@ -477,7 +477,7 @@ fn epilogues_case(g: &Wgpu) {
         );
         check(
             &format!("moe_decode_add (16 experts, top-4, shared gate logit {logit})"),
-            rel_rows(&h(&g, &gh, hid), &ch, hid),
+            rel_rows(&h(g, &gh, hid), &ch, hid),
             F32_TOL,
         );
     }

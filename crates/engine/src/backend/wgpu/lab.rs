@@ -121,6 +121,9 @@ enum Mode {
     Add,
 }
 
+/// A GEMV case: its name, its matrices (outputs, inputs, bits), how x and the outputs are taken.
+type GemvCase = (&'static str, Vec<(usize, usize, u32)>, Mode);
+
 /// A deterministic fill (xorshift64*), so every run reads the same data.
 fn words(n: usize, seed: u64) -> Vec<u32> {
     let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -312,7 +315,7 @@ impl Wgpu {
         let gdn_v = cfg.linear_num_value_heads * cfg.linear_value_head_dim;
         let nh_hd = cfg.num_attention_heads * cfg.head_dim;
         let kv = cfg.num_key_value_heads * cfg.head_dim;
-        let gemv_cases: Vec<(&'static str, Vec<(usize, usize, u32)>, Mode)> = vec![
+        let gemv_cases: Vec<GemvCase> = vec![
             (
                 "in_proj",
                 vec![
