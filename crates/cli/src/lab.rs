@@ -41,6 +41,18 @@ pub struct LabArgs {
     json: Option<PathBuf>,
 }
 
+/// `--cases` as a list (empty: all).
+#[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(dead_code))]
+fn case_list(a: &LabArgs) -> Vec<&str> {
+    a.cases
+        .as_deref()
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
 pub fn run(a: LabArgs) -> Result<()> {
     match a.backend.as_str() {
         "cuda" => run_cuda(a),
@@ -63,14 +75,7 @@ fn run_wgpu(a: LabArgs) -> Result<()> {
     use lily::backend::Backend;
 
     let cfg = lily::synth::preset(&a.preset)?;
-    let cases: Vec<&str> = a
-        .cases
-        .as_deref()
-        .unwrap_or("")
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .collect();
+    let cases = case_list(&a);
     if let Some(c) = cases.iter().find(|c| !lab::CASES.contains(c)) {
         anyhow::bail!(
             "--cases: unknown case `{c}` (known: {})",
@@ -175,14 +180,7 @@ fn run_cuda(a: LabArgs) -> Result<()> {
     use lily::backend::Backend;
 
     let cfg = lily::synth::preset(&a.preset)?;
-    let cases: Vec<&str> = a
-        .cases
-        .as_deref()
-        .unwrap_or("")
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .collect();
+    let cases = case_list(&a);
     let known = lily::backend::cuda::lab::CASES;
     if let Some(c) = cases.iter().find(|c| !known.iter().any(|k| k.short == **c)) {
         anyhow::bail!(

@@ -416,41 +416,33 @@ impl Wgpu {
                 gemv_many(ctx, &x, &ws, 0, 1, &mut om, xin, omode);
             };
             let (read_s, _) = read(bytes)?;
+            // The outputs of one call on copy 0 from zeroed outputs (the check).
+            let one_call = || -> Result<Vec<f32>> {
+                for o in &outs {
+                    ctx.queue
+                        .write_buffer(&o.buf, 0, as_bytes(&vec![0.0f32; o.len]));
+                }
+                call(0);
+                let mut v = Vec::new();
+                for o in &outs {
+                    let b = ctx.read(&o.buf, 4 * o.len as u64)?;
+                    v.extend(
+                        b.chunks_exact(4)
+                            .map(|c| f32::from_le_bytes(c.try_into().unwrap())),
+                    );
+                }
+                Ok(v)
+            };
             let mut reference: Option<Vec<f32>> = None;
             for v in variants {
                 ctx.sw.gemv.store(v.gemv, Ordering::Relaxed);
                 ctx.sw.gemv_wgs.store(v.want, Ordering::Relaxed);
                 let op_s = time(&call)?;
                 // One call from zeroed outputs on copy 0, against gemv_v4's.
-                for o in &outs {
-                    ctx.queue
-                        .write_buffer(&o.buf, 0, as_bytes(&vec![0.0f32; o.len]));
-                }
-                call(0);
-                let mut got = Vec::new();
-                for o in &outs {
-                    let b = ctx.read(&o.buf, 4 * o.len as u64)?;
-                    got.extend(
-                        b.chunks_exact(4)
-                            .map(|c| f32::from_le_bytes(c.try_into().unwrap())),
-                    );
-                }
+                let got = one_call()?;
                 if reference.is_none() {
                     ctx.sw.gemv.store(0, Ordering::Relaxed);
-                    for o in &outs {
-                        ctx.queue
-                            .write_buffer(&o.buf, 0, as_bytes(&vec![0.0f32; o.len]));
-                    }
-                    call(0);
-                    let mut want = Vec::new();
-                    for o in &outs {
-                        let b = ctx.read(&o.buf, 4 * o.len as u64)?;
-                        want.extend(
-                            b.chunks_exact(4)
-                                .map(|c| f32::from_le_bytes(c.try_into().unwrap())),
-                        );
-                    }
-                    reference = Some(want);
+                    reference = Some(one_call()?);
                 }
                 let want = reference.as_ref().unwrap();
                 let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
