@@ -22,8 +22,9 @@ pub struct LabArgs {
     /// shared_gu, shared_down, lm_head.
     #[arg(long)]
     cases: Option<String>,
-    /// wgpu: the GEMV variants, comma-separated: v4, rw1, rw2, rw4, each optionally @N
-    /// workgroups aimed at a matrix (default 1024).
+    /// wgpu: the GEMV variants, comma-separated: v4, rw1, rw2, rw4, xs, each optionally @N
+    /// workgroups aimed at a matrix (default 1024); v4~B skips parts of gemv_v4 to time the
+    /// rest (bits: 1 x staging, 2 the final tree, 4 the norm's pre-pass, 8 the dot products).
     #[arg(long, default_value = "v4,rw1,rw2,rw4,rw2@256,rw2@4096")]
     variants: String,
     /// wgpu: MB of weights a cycle through a case's copies reads (more than the GPU's cache).

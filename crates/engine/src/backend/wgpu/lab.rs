@@ -71,11 +71,15 @@ impl LabRow {
     }
 }
 
-/// A GEMV variant: `v4`, `rw1` / `rw2` / `rw4` or `xs`, optionally `@N` workgroups aimed at.
+/// A GEMV variant: `v4`, `rw1` / `rw2` / `rw4` or `xs`, optionally `@N` workgroups aimed at,
+/// and for v4 `~B`: the parts of gemv_v4 that bits B skip (1 x staging, 2 the final tree, 4 the
+/// norm's pre-pass, 8 the dot products; gemv_io.wgsl `ablate`), to time what is left (its
+/// outputs are then wrong: `check` says by how much).
 pub struct Variant {
     pub name: String,
     gemv: u32,
     want: usize,
+    ablate: u32,
 }
 
 /// Parses `v4,rw2,rw2@4096,...`.
@@ -84,9 +88,16 @@ pub fn parse_variants(s: &str) -> Result<Vec<Variant>> {
         .map(str::trim)
         .filter(|v| !v.is_empty())
         .map(|v| {
-            let (k, want) = match v.split_once('@') {
+            let (v0, ablate) = match v.split_once('~') {
+                Some((k, b)) => match b.parse::<u32>() {
+                    Ok(b) if b < 16 => (k, b),
+                    _ => bail!("variant `{v}`: ~ takes ablation bits 0 to 15"),
+                },
+                None => (v, 0),
+            };
+            let (k, want) = match v0.split_once('@') {
                 Some((k, n)) => (k, n.parse::<usize>().ok().filter(|&n| n > 0)),
-                None => (v, Some(1024)),
+                None => (v0, Some(1024)),
             };
             let gemv = match k {
                 "v4" => 0,
@@ -99,10 +110,14 @@ pub fn parse_variants(s: &str) -> Result<Vec<Variant>> {
             let Some(want) = want else {
                 bail!("variant `{v}`: @ takes a positive number of workgroups")
             };
+            if ablate != 0 && gemv != 0 {
+                bail!("variant `{v}`: ablations (~) are gemv_v4's only");
+            }
             Ok(Variant {
                 name: v.to_string(),
                 gemv,
                 want,
+                ablate,
             })
         })
         .collect()
@@ -437,9 +452,11 @@ impl Wgpu {
             for v in variants {
                 ctx.sw.gemv.store(v.gemv, Ordering::Relaxed);
                 ctx.sw.gemv_wgs.store(v.want, Ordering::Relaxed);
+                ctx.sw.gemv_ablate.store(v.ablate, Ordering::Relaxed);
                 let op_s = time(&call)?;
                 // One call from zeroed outputs on copy 0, against gemv_v4's.
                 let got = one_call()?;
+                ctx.sw.gemv_ablate.store(0, Ordering::Relaxed);
                 if reference.is_none() {
                     ctx.sw.gemv.store(0, Ordering::Relaxed);
                     reference = Some(one_call()?);

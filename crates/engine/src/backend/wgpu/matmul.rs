@@ -309,7 +309,12 @@ pub fn gemv_many(
     p.extend(lanes);
     p.extend(start);
     p.extend(end);
-    p.extend([eps.to_bits(), om, 0, 0]);
+    let ablate = if rw == 0 {
+        ctx.sw.gemv_ablate.load(Ordering::Relaxed)
+    } else {
+        0
+    };
+    p.extend([eps.to_bits(), om, ablate, 0]);
     let mut bufs: Vec<&::wgpu::Buffer> = Vec::with_capacity(21);
     for i in 0..4 {
         let w = ws[i.min(ws.len() - 1)];

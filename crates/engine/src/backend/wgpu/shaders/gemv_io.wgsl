@@ -44,7 +44,9 @@ struct PV {
     // 2 out += r + sigmoid(s[t]) · acc: the shared expert's gate, the routed experts' sum r and
     // the residual add of the MoE block).
     omode: u32,
-    pad1: u32,
+    // `lily lab` only (0 otherwise): parts of gemv_v4 skipped to time the rest (results wrong):
+    // 1 the x staging and its barriers, 2 the final tree, 4 the norm's pre-pass, 8 the dots.
+    ablate: u32,
     pad2: u32,
 }
 

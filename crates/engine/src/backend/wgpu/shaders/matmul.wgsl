@@ -145,7 +145,7 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     // rms_norm folded in: this workgroup's own sum of squares of its row of h (8 KB at the
     // model's width: cheaper than a launch of its own), then x = h · r · nw when staged.
     var rn = 1.0;
-    if (pv.xmode == 1u) {
+    if (pv.xmode == 1u && (pv.ablate & 4u) == 0u) {
         var ss = 0.0;
         for (var v = li; v < m.inp / 4u; v += 256u) {
             let h = vx[xrow + v];
@@ -189,11 +189,14 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
             q3 = vw(mi, r3 * v4row + cb + c);
         }
         // The previous pass's readers are done before x is overwritten.
-        workgroupBarrier();
+        if ((pv.ablate & 1u) == 0u) {
+            workgroupBarrier();
+        }
         // Staged word-major (consecutive invocations write consecutive slots; each reads x
         // 32 bytes or 128 apart, from the cache).
         let npw = epv / 4u;
-        for (var u = li; u < kn / 4u; u += 256u) {
+        let staged = select(kn / 4u, 0u, (pv.ablate & 1u) != 0u);
+        for (var u = li; u < staged; u += 256u) {
             let v = (u % nv) * npw + u / nv;
             var xv = vx[xrow + k0 / 4u + v];
             if (pv.xmode == 1u) {
@@ -204,7 +207,9 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
             }
             gv_x[u] = xv * sc;
         }
-        workgroupBarrier();
+        if ((pv.ablate & 1u) == 0u) {
+            workgroupBarrier();
+        }
         for (; c < nv; c += lanes) {
             let w0 = q0;
             let w1 = q1;
@@ -223,7 +228,13 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
             var d3 = 0.0;
             var sx = 0.0;
             var g = 0u;
-            if (bits == 4u) {
+            if ((pv.ablate & 8u) != 0u) {
+                // The loads kept, the arithmetic gone (lab ablation).
+                d0 = bitcast<f32>(w0.x ^ w0.y ^ w0.z ^ w0.w);
+                d1 = bitcast<f32>(w1.x ^ w1.y ^ w1.z ^ w1.w);
+                d2 = bitcast<f32>(w2.x ^ w2.y ^ w2.z ^ w2.w);
+                d3 = bitcast<f32>(w3.x ^ w3.y ^ w3.z ^ w3.w);
+            } else if (bits == 4u) {
                 g = (k0 + c * 32u) / m.gs;
                 let x0 = gv_x[c];
                 let x1 = gv_x[nv + c];
@@ -266,7 +277,8 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     gv_red[512u + li] = a2;
     gv_red[768u + li] = a3;
     workgroupBarrier();
-    for (var s = lanes / 2u; s > 0u; s >>= 1u) {
+    let tree = select(lanes / 2u, 0u, (pv.ablate & 2u) != 0u);
+    for (var s = tree; s > 0u; s >>= 1u) {
         if (lane < s) {
             gv_red[li] += gv_red[li + s];
             gv_red[256u + li] += gv_red[256u + li + s];
