@@ -535,35 +535,41 @@ impl Wgpu {
             let per = |o: usize, i: usize| o * i * bits as usize / 8 + 4 * (o * i / gs);
             let bytes = d.top_k * (2 * per(w, hdim) + per(hdim, w));
             let (read_s, _) = read(bytes)?;
-            let op_s = time(&|i| {
-                let mut o = WBuf {
-                    buf: out.buf.clone(),
-                    len: out.len,
+            // The ablations the variants ask for (`~B`), read by the MoE kernels (bits 1, 2, 8).
+            let mut bits: Vec<u32> = vec![0];
+            for v in variants {
+                if !bits.contains(&v.ablate) {
+                    bits.push(v.ablate);
+                }
+            }
+            for b in bits {
+                ctx.sw.gemv_ablate.store(b, Ordering::Relaxed);
+                let op_s = time(&|i| {
+                    let mut o = WBuf {
+                        buf: out.buf.clone(),
+                        len: out.len,
+                    };
+                    let r = &routes[i % nroutes];
+                    super::moe::moe_experts(ctx, &x, r, &gate, &up, &down, &d, 1, &mut o)
+                })?;
+                ctx.sw.gemv_ablate.store(0, Ordering::Relaxed);
+                let row = LabRow {
+                    case: "experts",
+                    variant: if b == 0 {
+                        format!("top-{} decode", d.top_k)
+                    } else {
+                        format!("top-{} ~{b}", d.top_k)
+                    },
+                    bytes,
+                    copies: nroutes,
+                    calls,
+                    op_s,
+                    read_s: Some(read_s),
+                    check: None,
                 };
-                super::moe::moe_experts(
-                    ctx,
-                    &x,
-                    &routes[i % nroutes],
-                    &gate,
-                    &up,
-                    &down,
-                    &d,
-                    1,
-                    &mut o,
-                )
-            })?;
-            let row = LabRow {
-                case: "experts",
-                variant: format!("top-{} decode", d.top_k),
-                bytes,
-                copies: nroutes,
-                calls,
-                op_s,
-                read_s: Some(read_s),
-                check: None,
-            };
-            print(&row);
-            rows.push(row);
+                print(&row);
+                rows.push(row);
+            }
         }
         ctx.check()?;
         Ok(rows)

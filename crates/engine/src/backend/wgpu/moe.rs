@@ -270,8 +270,18 @@ fn experts(
         // slots, 4 lanes a (output, slot) pair, the k act rows staged `cw` columns at a time.
         let outs = (64 / k).max(1);
         let cw = width.min(DOWN_STAGE / k / 64 * 64);
-        let p_up = params(gate.qmat(), up.qmat(), rows, k, n, false, 0, 0, 0);
-        let p_down = params(down.qmat(), [0; 8], rows, k, n, false, outs, cw, 0);
+        let mut p_up = params(gate.qmat(), up.qmat(), rows, k, n, false, 0, 0, 0);
+        let mut p_down = params(down.qmat(), [0; 8], rows, k, n, false, outs, cw, 0);
+        // The parameter block's last word: `lily lab`'s ablation bits (moe.wgsl `ablate`), else 0.
+        let ablate = ctx
+            .sw
+            .gemv_ablate
+            .load(std::sync::atomic::Ordering::Relaxed);
+        for p in [&mut p_up, &mut p_down] {
+            if let Some(w) = p.last_mut() {
+                *w = ablate;
+            }
+        }
         let g1 = launch(rows * k * width.div_ceil(GATE_UP_OUTS))?;
         let g2 = launch(rows * hid.div_ceil(outs))?;
         ctx.dispatch(

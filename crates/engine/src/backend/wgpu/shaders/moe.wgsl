@@ -75,7 +75,9 @@ struct P {
     outs: u32,
     cw: u32,
     tiles: u32,
-    pad: u32,
+    // `lily lab` only (0 otherwise), moe_gate_up_v and moe_down_v: parts skipped to time the rest
+    // (results wrong): 1 the staging and its barriers, 2 the final sums, 8 the dot products.
+    ablate: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: P;
@@ -570,10 +572,13 @@ fn moe_gate_up_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
         let n4 = (min(k0 + CH, hid) - k0) / 4u;
         let vpw = 32u / bits;
         let nwp = n4 / vpw;
-        for (var i = li; i < n4; i += 256u) {
+        let staged = select(n4, 0u, (p.ablate & 1u) != 0u);
+        for (var i = li; i < staged; i += 256u) {
             stg[i] = x4[(t * hid + k0) / 4u + (i % nwp) * vpw + i / nwp];
         }
-        workgroupBarrier();
+        if ((p.ablate & 1u) == 0u) {
+            workgroupBarrier();
+        }
         let v0 = k0 / epv;
         let v1 = v0 + 4u * n4 / epv;
         // Two vec4s of each matrix in flight: v and v + 32.
@@ -587,14 +592,20 @@ fn moe_gate_up_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
                 a1 = qw4[row * nvr + v2];
                 b1 = uw4[row * nvr + v2];
             }
-            let d0 = dq2(a0, b0, 0u, v - v0, nwp, bits);
+            var d0 = vec3<f32>(bitcast<f32>(a0.x ^ b0.y), 0.0, 0.0);
+            if ((p.ablate & 8u) == 0u) {
+                d0 = dq2(a0, b0, 0u, v - v0, nwp, bits);
+            }
             let g0 = v * epv;
             ga += q_sb(gg + g0 / p.m.gs, p.m.sb16, false) * d0.x
                 + q_sb(gg + g0 / p.m.gs, p.m.sb16, true) * d0.z;
             ua += u_sb(gu + g0 / p.m2.gs, p.m2.sb16, false) * d0.y
                 + u_sb(gu + g0 / p.m2.gs, p.m2.sb16, true) * d0.z;
             if (v2 < v1) {
-                let d1 = dq2(a1, b1, 0u, v2 - v0, nwp, bits);
+                var d1 = vec3<f32>(bitcast<f32>(a1.x ^ b1.y), 0.0, 0.0);
+                if ((p.ablate & 8u) == 0u) {
+                    d1 = dq2(a1, b1, 0u, v2 - v0, nwp, bits);
+                }
                 let g1 = v2 * epv;
                 ga += q_sb(gg + g1 / p.m.gs, p.m.sb16, false) * d1.x
                     + q_sb(gg + g1 / p.m.gs, p.m.sb16, true) * d1.z;
@@ -602,12 +613,14 @@ fn moe_gate_up_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
                     + u_sb(gu + g1 / p.m2.gs, p.m2.sb16, true) * d1.z;
             }
         }
-        workgroupBarrier();
+        if ((p.ablate & 1u) == 0u) {
+            workgroupBarrier();
+        }
     }
     red[li] = ga;
     red2[li] = ua;
     workgroupBarrier();
-    for (var s = 16u; s > 0u; s >>= 1u) {
+    for (var s = select(16u, 0u, (p.ablate & 2u) != 0u); s > 0u; s >>= 1u) {
         if (lane < s) {
             red[li] += red[li + s];
             red2[li] += red2[li + s];
@@ -650,12 +663,15 @@ fn moe_down_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     for (var c0 = 0u; c0 < width; c0 += p.cw) {
         let n4 = (min(c0 + p.cw, width) - c0) / 4u;
         let nwp = n4 / vpw;
-        for (var i = li; i < k * n4; i += 256u) {
+        let staged = select(k * n4, 0u, (p.ablate & 1u) != 0u);
+        for (var i = li; i < staged; i += 256u) {
             let jj = i / n4;
             let q = i % n4;
             stg[jj * cw4 + q] = act4[((t * k + jj) * width + c0) / 4u + (q % nwp) * vpw + q / nwp];
         }
-        workgroupBarrier();
+        if ((p.ablate & 1u) == 0u) {
+            workgroupBarrier();
+        }
         if (live) {
             let v0 = c0 / epv;
             let v1 = v0 + 4u * n4 / epv;
@@ -670,14 +686,19 @@ fn moe_down_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
                 for (var i = 0u; i < 4u; i++) {
                     let vi = v + 4u * i;
                     if (vi < v1) {
-                        let d = dq1(a[i], j * cw4, vi - v0, nwp, bits);
+                        var d = vec2<f32>(bitcast<f32>(a[i].x ^ a[i].w), 0.0);
+                        if ((p.ablate & 8u) == 0u) {
+                            d = dq1(a[i], j * cw4, vi - v0, nwp, bits);
+                        }
                         let g = gr + vi * epv / p.m.gs;
                         acc += q_sb(g, p.m.sb16, false) * d.x + q_sb(g, p.m.sb16, true) * d.y;
                     }
                 }
             }
         }
-        workgroupBarrier();
+        if ((p.ablate & 1u) == 0u) {
+            workgroupBarrier();
+        }
     }
     red[li] = acc;
     workgroupBarrier();
