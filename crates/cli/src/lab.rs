@@ -54,6 +54,16 @@ fn case_list(a: &LabArgs) -> Vec<&str> {
         .collect()
 }
 
+/// `--json`: the document, pretty, to `p`.
+#[cfg_attr(not(any(feature = "cuda", feature = "wgpu")), allow(dead_code))]
+fn write_json(p: &std::path::Path, doc: &serde_json::Value) -> Result<()> {
+    use anyhow::Context;
+    std::fs::write(p, serde_json::to_string_pretty(doc)? + "\n")
+        .with_context(|| format!("{}: cannot write", p.display()))?;
+    eprintln!("lily: wrote {}", p.display());
+    Ok(())
+}
+
 pub fn run(a: LabArgs) -> Result<()> {
     match a.backend.as_str() {
         "cuda" => run_cuda(a),
@@ -71,7 +81,6 @@ fn run_wgpu(_a: LabArgs) -> Result<()> {
 
 #[cfg(feature = "wgpu")]
 fn run_wgpu(a: LabArgs) -> Result<()> {
-    use anyhow::Context;
     use lily::backend::wgpu::lab::{self, LabRow};
     use lily::backend::Backend;
 
@@ -162,9 +171,7 @@ fn run_wgpu(a: LabArgs) -> Result<()> {
             "preset": a.preset,
             "rows": rows,
         });
-        std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n")
-            .with_context(|| format!("{}: cannot write", p.display()))?;
-        eprintln!("lily: wrote {}", p.display());
+        write_json(p, &doc)?;
     }
     Ok(())
 }
@@ -176,7 +183,6 @@ fn run_cuda(_a: LabArgs) -> Result<()> {
 
 #[cfg(feature = "cuda")]
 fn run_cuda(a: LabArgs) -> Result<()> {
-    use anyhow::Context;
     use lily::backend::cuda::lab::LabRow;
     use lily::backend::Backend;
 
@@ -282,9 +288,7 @@ fn run_cuda(a: LabArgs) -> Result<()> {
             "switches_off_in_off_rows": lily::backend::cuda::SWITCHES,
             "rows": rows,
         });
-        std::fs::write(p, serde_json::to_string_pretty(&doc)? + "\n")
-            .with_context(|| format!("{}: cannot write", p.display()))?;
-        eprintln!("lily: wrote {}", p.display());
+        write_json(p, &doc)?;
     }
     Ok(())
 }

@@ -161,8 +161,9 @@ pub(super) struct Switches {
     /// (gemv_rw with 1, 2 or 4 rows a team; adapters with subgroups in order) or `xs` (gemv_xs;
     /// subgroups in order of one fixed width), else gemv_v4. Stored as 0 (v4), the rows, or 8.
     pub gemv: AtomicU32,
-    /// `lily lab` only: parts of gemv_v4 skipped to time the rest (gemv_io.wgsl `ablate`); 0.
-    pub gemv_ablate: AtomicU32,
+    /// `lily lab` only: parts of gemv_v4, moe_gate_up_v and moe_down_v skipped to time the rest
+    /// (gemv_io.wgsl and moe.wgsl `ablate`); 0 otherwise.
+    pub ablate: AtomicU32,
     /// `LILY_WGPU_ATTN_KEYS`: the capacity's keys a decode attention split covers at least.
     pub attn_keys: usize,
     /// `LILY_WGPU_GDN_FAST=1`: the gated delta rule by the subgroup kernels (gdn_sg.wgsl) where
@@ -191,7 +192,7 @@ impl Switches {
             fuse_norm: on("LILY_WGPU_FUSE_NORM"),
             fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
             gemv_wgs: AtomicUsize::new(num("LILY_WGPU_GEMV_WGS", 1024)),
-            gemv_ablate: AtomicU32::new(0),
+            ablate: AtomicU32::new(0),
             gemv: AtomicU32::new(match std::env::var("LILY_WGPU_GEMV").as_deref() {
                 Ok("v4") => 0,
                 Ok("rw1") => 1,

@@ -452,11 +452,11 @@ impl Wgpu {
             for v in variants {
                 ctx.sw.gemv.store(v.gemv, Ordering::Relaxed);
                 ctx.sw.gemv_wgs.store(v.want, Ordering::Relaxed);
-                ctx.sw.gemv_ablate.store(v.ablate, Ordering::Relaxed);
+                ctx.sw.ablate.store(v.ablate, Ordering::Relaxed);
                 let op_s = time(&call)?;
                 // One call from zeroed outputs on copy 0, against gemv_v4's.
                 let got = one_call()?;
-                ctx.sw.gemv_ablate.store(0, Ordering::Relaxed);
+                ctx.sw.ablate.store(0, Ordering::Relaxed);
                 if reference.is_none() {
                     ctx.sw.gemv.store(0, Ordering::Relaxed);
                     reference = Some(one_call()?);
@@ -543,7 +543,7 @@ impl Wgpu {
                 }
             }
             for b in bits {
-                ctx.sw.gemv_ablate.store(b, Ordering::Relaxed);
+                ctx.sw.ablate.store(b, Ordering::Relaxed);
                 let op_s = time(&|i| {
                     let mut o = WBuf {
                         buf: out.buf.clone(),
@@ -552,7 +552,7 @@ impl Wgpu {
                     let r = &routes[i % nroutes];
                     super::moe::moe_experts(ctx, &x, r, &gate, &up, &down, &d, 1, &mut o)
                 })?;
-                ctx.sw.gemv_ablate.store(0, Ordering::Relaxed);
+                ctx.sw.ablate.store(0, Ordering::Relaxed);
                 let row = LabRow {
                     case: "experts",
                     variant: if b == 0 {

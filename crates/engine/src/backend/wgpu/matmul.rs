@@ -310,7 +310,7 @@ pub fn gemv_many(
     p.extend(start);
     p.extend(end);
     let ablate = if rw == 0 {
-        ctx.sw.gemv_ablate.load(Ordering::Relaxed)
+        ctx.sw.ablate.load(Ordering::Relaxed)
     } else {
         0
     };
@@ -336,7 +336,11 @@ pub fn gemv_many(
             ctx.dispatch(&sg_shader(), entry, &p, &bufs, (blocks * rows) as u32)
         }
         r => {
-            let entry = ["gemv_rw1", "gemv_rw2", "gemv_rw2", "gemv_rw4"][r - 1];
+            let entry = match r {
+                1 => "gemv_rw1",
+                2 => "gemv_rw2",
+                _ => "gemv_rw4",
+            };
             ctx.dispatch(&sg_shader(), entry, &p, &bufs, (blocks * rows) as u32)
         }
     }

@@ -273,10 +273,7 @@ fn experts(
         let mut p_up = params(gate.qmat(), up.qmat(), rows, k, n, false, 0, 0, 0);
         let mut p_down = params(down.qmat(), [0; 8], rows, k, n, false, outs, cw, 0);
         // The parameter block's last word: `lily lab`'s ablation bits (moe.wgsl `ablate`), else 0.
-        let ablate = ctx
-            .sw
-            .gemv_ablate
-            .load(std::sync::atomic::Ordering::Relaxed);
+        let ablate = ctx.sw.ablate.load(std::sync::atomic::Ordering::Relaxed);
         for p in [&mut p_up, &mut p_down] {
             if let Some(w) = p.last_mut() {
                 *w = ablate;

@@ -24,6 +24,17 @@ fn q8_dot(w: u32, xa: vec4<f32>) -> f32 {
     return dot(v, xa);
 }
 
+// Σ code·x' over one 16-byte word of 4-bit codes (32 codes), x' its 8 vec4s in slot scale.
+fn q4_word(w: vec4<u32>, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f32>,
+           x4: vec4<f32>, x5: vec4<f32>, x6: vec4<f32>, x7: vec4<f32>) -> f32 {
+    return (q4_dot(w.x, x0, x1) + q4_dot(w.y, x2, x3)) + (q4_dot(w.z, x4, x5) + q4_dot(w.w, x6, x7));
+}
+
+// The same over a word of 8-bit codes (16 codes, 4 vec4s of x').
+fn q8_word(w: vec4<u32>, x0: vec4<f32>, x1: vec4<f32>, x2: vec4<f32>, x3: vec4<f32>) -> f32 {
+    return (q8_dot(w.x, x0) + q8_dot(w.y, x1)) + (q8_dot(w.z, x2) + q8_dot(w.w, x3));
+}
+
 // ---- gemv_v4's own parameters and bindings: up to 4 matrices reading the same x (matmul_q_many;
 // matmul_q is one), each a range of workgroups, and the rms_norm folded in (rms_norm_matmul).
 struct PV {

@@ -246,14 +246,10 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
                 let x7 = gv_x[7u * nv + c];
                 // Σ x of the word from the scaled x (a power of two a slot: exact).
                 sx = dot(((x0 + x1) + (x2 + x3)) + ((x4_ + x5) + (x6 + x7)), isc);
-                d0 = (q4_dot(w0.x, x0, x1) + q4_dot(w0.y, x2, x3))
-                    + (q4_dot(w0.z, x4_, x5) + q4_dot(w0.w, x6, x7));
-                d1 = (q4_dot(w1.x, x0, x1) + q4_dot(w1.y, x2, x3))
-                    + (q4_dot(w1.z, x4_, x5) + q4_dot(w1.w, x6, x7));
-                d2 = (q4_dot(w2.x, x0, x1) + q4_dot(w2.y, x2, x3))
-                    + (q4_dot(w2.z, x4_, x5) + q4_dot(w2.w, x6, x7));
-                d3 = (q4_dot(w3.x, x0, x1) + q4_dot(w3.y, x2, x3))
-                    + (q4_dot(w3.z, x4_, x5) + q4_dot(w3.w, x6, x7));
+                d0 = q4_word(w0, x0, x1, x2, x3, x4_, x5, x6, x7);
+                d1 = q4_word(w1, x0, x1, x2, x3, x4_, x5, x6, x7);
+                d2 = q4_word(w2, x0, x1, x2, x3, x4_, x5, x6, x7);
+                d3 = q4_word(w3, x0, x1, x2, x3, x4_, x5, x6, x7);
             } else {
                 g = (k0 + c * 16u) / m.gs;
                 let x0 = gv_x[c];
@@ -261,10 +257,10 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
                 let x2 = gv_x[2u * nv + c];
                 let x3 = gv_x[3u * nv + c];
                 sx = dot((x0 + x1) + (x2 + x3), isc);
-                d0 = (q8_dot(w0.x, x0) + q8_dot(w0.y, x1)) + (q8_dot(w0.z, x2) + q8_dot(w0.w, x3));
-                d1 = (q8_dot(w1.x, x0) + q8_dot(w1.y, x1)) + (q8_dot(w1.z, x2) + q8_dot(w1.w, x3));
-                d2 = (q8_dot(w2.x, x0) + q8_dot(w2.y, x1)) + (q8_dot(w2.z, x2) + q8_dot(w2.w, x3));
-                d3 = (q8_dot(w3.x, x0) + q8_dot(w3.y, x1)) + (q8_dot(w3.z, x2) + q8_dot(w3.w, x3));
+                d0 = q8_word(w0, x0, x1, x2, x3);
+                d1 = q8_word(w1, x0, x1, x2, x3);
+                d2 = q8_word(w2, x0, x1, x2, x3);
+                d3 = q8_word(w3, x0, x1, x2, x3);
             }
             a0 += vsb(mi, r0 * gpr + g, m.sb16, false) * d0 + vsb(mi, r0 * gpr + g, m.sb16, true) * sx;
             a1 += vsb(mi, r1 * gpr + g, m.sb16, false) * d1 + vsb(mi, r1 * gpr + g, m.sb16, true) * sx;

@@ -135,8 +135,7 @@ fn rw_dot{M}_{R}(m: QMat, o0: u32, lane: u32, T: u32, xrow: u32, rn: f32) -> vec
             let a7 = x7 * sc;
             for (var r = 0u; r < {R}u; r++) {
                 let w = q[r];
-                let d = (q4_dot(w.x, a0, a1) + q4_dot(w.y, a2, a3))
-                    + (q4_dot(w.z, a4, a5) + q4_dot(w.w, a6, a7));
+                let d = q4_word(w, a0, a1, a2, a3, a4, a5, a6, a7);
                 acc[r] += s[r] * d + b[r] * sx;
             }
         }
@@ -164,7 +163,7 @@ fn rw_dot{M}_{R}(m: QMat, o0: u32, lane: u32, T: u32, xrow: u32, rn: f32) -> vec
             let a3 = x3 * sc;
             for (var r = 0u; r < {R}u; r++) {
                 let w = q[r];
-                let d = (q8_dot(w.x, a0) + q8_dot(w.y, a1)) + (q8_dot(w.z, a2) + q8_dot(w.w, a3));
+                let d = q8_word(w, a0, a1, a2, a3);
                 acc[r] += s[r] * d + b[r] * sx;
             }
         }
@@ -281,15 +280,15 @@ fn xs_rows{M}_{NW}(m: QMat, t: u32, o0: u32, o1: u32, sgi: u32, nsg: u32, lane: 
                 let x5 = (*xa)[8u * j + 5u];
                 let x6 = (*xa)[8u * j + 6u];
                 let x7 = (*xa)[8u * j + 7u];
-                da = (q4_dot(qa[j].x, x0, x1) + q4_dot(qa[j].y, x2, x3)) + (q4_dot(qa[j].z, x4, x5) + q4_dot(qa[j].w, x6, x7));
-                db = (q4_dot(qb[j].x, x0, x1) + q4_dot(qb[j].y, x2, x3)) + (q4_dot(qb[j].z, x4, x5) + q4_dot(qb[j].w, x6, x7));
+                da = q4_word(qa[j], x0, x1, x2, x3, x4, x5, x6, x7);
+                db = q4_word(qb[j], x0, x1, x2, x3, x4, x5, x6, x7);
             } else {
                 let x0 = (*xa)[8u * j];
                 let x1 = (*xa)[8u * j + 1u];
                 let x2 = (*xa)[8u * j + 2u];
                 let x3 = (*xa)[8u * j + 3u];
-                da = (q8_dot(qa[j].x, x0) + q8_dot(qa[j].y, x1)) + (q8_dot(qa[j].z, x2) + q8_dot(qa[j].w, x3));
-                db = (q8_dot(qb[j].x, x0) + q8_dot(qb[j].y, x1)) + (q8_dot(qb[j].z, x2) + q8_dot(qb[j].w, x3));
+                da = q8_word(qa[j], x0, x1, x2, x3);
+                db = q8_word(qb[j], x0, x1, x2, x3);
             }
             pa += sa[j] * da + ba[j] * (*sxw)[j];
             pb += sb[j] * db + bb[j] * (*sxw)[j];
