@@ -174,6 +174,14 @@ pub(super) struct Switches {
     /// K/V read once a row) instead of tiles of query rows (attn_tile_gqa), and decode by
     /// stop 28's attn_split_gqa + attn_combine instead of attn_dec_gqa + attn_combine4.
     pub attn_tile: bool,
+    /// `LILY_WGPU_CHECKS=1`: the shaders compiled with wgpu's runtime checks (index clamping,
+    /// a counter in every loop, checked integer division), as for untrusted WGSL. Off by
+    /// default: the shaders are ours, every index in range by construction (the op tests hold
+    /// them to the CPU), and the driver's robust buffer access still bounds every load.
+    pub checks: bool,
+    /// `LILY_WGPU_ZERO_WG=1`: workgroup memory zeroed at every workgroup's start (WebGPU's
+    /// rule). Off by default: every kernel writes its workgroup memory before it reads it.
+    pub zero_wg: bool,
 }
 
 impl Switches {
@@ -203,6 +211,8 @@ impl Switches {
             attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),
             gdn_fast: std::env::var("LILY_WGPU_GDN_FAST").as_deref() == Ok("1"),
             attn_tile: on("LILY_WGPU_ATTN_TILE"),
+            checks: std::env::var("LILY_WGPU_CHECKS").as_deref() == Ok("1"),
+            zero_wg: std::env::var("LILY_WGPU_ZERO_WG").as_deref() == Ok("1"),
         }
     }
 }
@@ -432,13 +442,23 @@ impl Ctx {
             let mut m = self.modules.lock().unwrap();
             m.entry(sh.name)
                 .or_insert_with(|| {
-                    Arc::new(
-                        self.device
-                            .create_shader_module(::wgpu::ShaderModuleDescriptor {
-                                label: Some(sh.name),
-                                source: ::wgpu::ShaderSource::Wgsl(sh.src.into()),
-                            }),
-                    )
+                    let desc = ::wgpu::ShaderModuleDescriptor {
+                        label: Some(sh.name),
+                        source: ::wgpu::ShaderSource::Wgsl(sh.src.into()),
+                    };
+                    Arc::new(if self.sw.checks {
+                        self.device.create_shader_module(desc)
+                    } else {
+                        // SAFETY: the WGSL is this crate's own (no loop without a bound, no
+                        // index out of range: the op tests run every kernel against the CPU),
+                        // and the device keeps Vulkan's robust buffer access where it has it.
+                        unsafe {
+                            self.device.create_shader_module_trusted(
+                                desc,
+                                ::wgpu::ShaderRuntimeChecks::unchecked(),
+                            )
+                        }
+                    })
                 })
                 .clone()
         };
@@ -449,7 +469,10 @@ impl Ctx {
                     layout: None,
                     module: &module,
                     entry_point: Some(entry),
-                    compilation_options: Default::default(),
+                    compilation_options: ::wgpu::PipelineCompilationOptions {
+                        zero_initialize_workgroup_memory: self.sw.zero_wg,
+                        ..Default::default()
+                    },
                     cache: None,
                 }),
         );

@@ -56,7 +56,8 @@ struct PV {
     // the residual add of the MoE block).
     omode: u32,
     // `lily lab` only (0 otherwise): parts of gemv_v4 skipped to time the rest (results wrong):
-    // 1 the x staging and its barriers, 2 the final tree, 4 the norm's pre-pass, 8 the dots.
+    // 1 the x staging and its barriers, 2 the final tree, 4 the norm's pre-pass, 8 the dots,
+    // 16 the scale and bias loads (1.0 each).
     ablate: u32,
     pad2: u32,
 }
@@ -98,6 +99,9 @@ fn vw(mi: u32, i: u32) -> vec4<u32> {
 
 // Scale or bias i of matrix mi (bf16 pairs when sb16, else f32 words), as quant.wgsl's q_sb.
 fn vsb(mi: u32, i: u32, sb16: u32, is_bias: bool) -> f32 {
+    if ((pv.ablate & 16u) != 0u) {
+        return 1.0;
+    }
     let j = select(i, i >> 1u, sb16 != 0u);
     var w: u32;
     switch mi {

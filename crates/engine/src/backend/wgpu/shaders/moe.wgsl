@@ -76,7 +76,8 @@ struct P {
     cw: u32,
     tiles: u32,
     // `lily lab` only (0 otherwise), moe_gate_up_v and moe_down_v: parts skipped to time the rest
-    // (results wrong): 1 the staging and its barriers, 2 the final sums, 8 the dot products.
+    // (results wrong): 1 the staging and its barriers, 2 the final sums, 8 the dot products,
+    // 16 the scale and bias loads (1.0 each).
     ablate: u32,
 }
 
@@ -245,7 +246,18 @@ fn dot_q(m: QMat, row: u32, k0: u32, k1: u32, lane: u32, lanes: u32) -> f32 {
 @group(0) @binding(8) var<storage, read> gu_ids: array<u32>;
 @group(0) @binding(9) var<storage, read_write> gu_act: array<f32>;
 
+// q_sb for the decode kernels: 1.0 under `lily lab`'s ablation bit 16 (no scale/bias loads).
+fn m_sb(i: u32, sb16: u32, is_bias: bool) -> f32 {
+    if ((p.ablate & 16u) != 0u) {
+        return 1.0;
+    }
+    return q_sb(i, sb16, is_bias);
+}
+
 fn u_sb(i: u32, sb16: u32, is_bias: bool) -> f32 {
+    if ((p.ablate & 16u) != 0u) {
+        return 1.0;
+    }
     if (sb16 != 0u) {
         var w: u32;
         if (is_bias) { w = ub[i >> 1u]; } else { w = us[i >> 1u]; }
@@ -597,8 +609,8 @@ fn moe_gate_up_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
                 d0 = dq2(a0, b0, 0u, v - v0, nwp, bits);
             }
             let g0 = v * epv;
-            ga += q_sb(gg + g0 / p.m.gs, p.m.sb16, false) * d0.x
-                + q_sb(gg + g0 / p.m.gs, p.m.sb16, true) * d0.z;
+            ga += m_sb(gg + g0 / p.m.gs, p.m.sb16, false) * d0.x
+                + m_sb(gg + g0 / p.m.gs, p.m.sb16, true) * d0.z;
             ua += u_sb(gu + g0 / p.m2.gs, p.m2.sb16, false) * d0.y
                 + u_sb(gu + g0 / p.m2.gs, p.m2.sb16, true) * d0.z;
             if (v2 < v1) {
@@ -607,8 +619,8 @@ fn moe_gate_up_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
                     d1 = dq2(a1, b1, 0u, v2 - v0, nwp, bits);
                 }
                 let g1 = v2 * epv;
-                ga += q_sb(gg + g1 / p.m.gs, p.m.sb16, false) * d1.x
-                    + q_sb(gg + g1 / p.m.gs, p.m.sb16, true) * d1.z;
+                ga += m_sb(gg + g1 / p.m.gs, p.m.sb16, false) * d1.x
+                    + m_sb(gg + g1 / p.m.gs, p.m.sb16, true) * d1.z;
                 ua += u_sb(gu + g1 / p.m2.gs, p.m2.sb16, false) * d1.y
                     + u_sb(gu + g1 / p.m2.gs, p.m2.sb16, true) * d1.z;
             }
@@ -691,7 +703,7 @@ fn moe_down_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
                             d = dq1(a[i], j * cw4, vi - v0, nwp, bits);
                         }
                         let g = gr + vi * epv / p.m.gs;
-                        acc += q_sb(g, p.m.sb16, false) * d.x + q_sb(g, p.m.sb16, true) * d.y;
+                        acc += m_sb(g, p.m.sb16, false) * d.x + m_sb(g, p.m.sb16, true) * d.y;
                     }
                 }
             }
