@@ -36,6 +36,13 @@ use ops::{check, qwen_dims, rand_dense, rand_quant, rel_rows, Rng};
 
 const EXACT: f32 = 0.0;
 const F32_TOL: f32 = 1e-5;
+/// gemv_v5's projections: x in two int8 levels per 16-byte code word (x ≈ d·(q1 + q2/254),
+/// d = max |x| / 127 over the word), each element within max |x| / 64,516 of itself (15 bits);
+/// a row's error measures 2-5e-5 of its largest output on wide matrices, but up to 4.5e-4 on a
+/// one-output matrix (the router's shared gate), whose "largest output" is one sum that
+/// cancellation can make small against its terms. 1e-3 still fails x at one int8 level (~4e-3)
+/// and stays below bf16 activations' 2^-9.
+const Q2X_TOL: f32 = 1e-3;
 /// Elementwise transcendental ops: a GPU's `exp` is within a few ulps of the host's.
 const ELEM_TOL: f32 = 1e-6;
 
@@ -254,10 +261,10 @@ fn matmul_q_gemv_and_gemm() {
 #[test]
 fn matmul_q_many_and_rms_norm_matmul() {
     let Some(g) = gpu() else { return };
-    many_and_norm_case(&g);
+    many_and_norm_case(&g, F32_TOL);
 }
 
-fn many_and_norm_case(g: &Wgpu) {
+fn many_and_norm_case(g: &Wgpu, tol: f32) {
     let d = qwen_dims();
     let hid = d.hidden;
     let mut rng = Rng(31);
@@ -318,7 +325,7 @@ fn many_and_norm_case(g: &Wgpu) {
                             set[i].1
                         ),
                         rel_rows(&h(g, &outs[i], rows * m.out), &c, m.out),
-                        F32_TOL,
+                        tol,
                     );
                 }
             }
@@ -333,28 +340,31 @@ fn many_and_norm_case(g: &Wgpu) {
 #[test]
 fn decode_epilogues_match_the_cpu() {
     let Some(g) = gpu() else { return };
-    epilogues_case(&g);
+    epilogues_case(&g, F32_TOL);
 }
 
-/// The decode GEMVs other than the default, each on a device of its own opened with
-/// `LILY_WGPU_GEMV` set (the switches are read then): gemv_rw with 1, 2 and 4 rows a team and
-/// gemv_xs, through the same projection sets, norms and epilogues as the two tests above. On an
-/// adapter without ordered subgroups each falls back to gemv_v4 (and passes as it). A device
-/// another test opens meanwhile may take the variant too, which must pass its tests as well.
+/// The decode GEMVs other than the default (`Wgpu::set_gemv`): gemv_rw with 1, 2 and 4 rows a
+/// team, gemv_xs (F32_TOL), and gemv_v5 (Q2X_TOL: its x in two int8 levels), through the same
+/// projection sets, norms and epilogues as the two tests above. On an adapter without ordered
+/// subgroups gemv_rw and gemv_xs fall back to gemv_v4 (and pass as it).
 #[test]
 fn gemv_variants_match_the_cpu() {
-    for v in ["rw1", "rw2", "rw4", "xs"] {
-        std::env::set_var("LILY_WGPU_GEMV", v);
-        let g = gpu();
-        std::env::remove_var("LILY_WGPU_GEMV");
-        let Some(g) = g else { return };
+    for (v, tol) in [
+        ("rw1", F32_TOL),
+        ("rw2", F32_TOL),
+        ("rw4", F32_TOL),
+        ("xs", F32_TOL),
+        ("v5", Q2X_TOL),
+    ] {
+        let Some(g) = gpu() else { return };
+        g.set_gemv(v).unwrap();
         eprintln!("LILY_WGPU_GEMV={v}");
-        many_and_norm_case(&g);
-        epilogues_case(&g);
+        many_and_norm_case(&g, tol);
+        epilogues_case(&g, tol);
     }
 }
 
-fn epilogues_case(g: &Wgpu) {
+fn epilogues_case(g: &Wgpu, tol: f32) {
     use lily::backend::{MoeScratch, SharedExpert};
     let d = lily::backend::Dims {
         n_experts: 16,
@@ -382,7 +392,7 @@ fn epilogues_case(g: &Wgpu) {
         check(
             &format!("matmul_q_add [{out}, {inp}] rows {rows}"),
             rel_rows(&h(g, &gh, rows * out), &ch, out),
-            F32_TOL,
+            tol,
         );
     }
     // moe_decode_add: 16 experts of width 512, top-4, the shared expert of width 512.
@@ -478,7 +488,7 @@ fn epilogues_case(g: &Wgpu) {
         check(
             &format!("moe_decode_add (16 experts, top-4, shared gate logit {logit})"),
             rel_rows(&h(g, &gh, hid), &ch, hid),
-            F32_TOL,
+            tol,
         );
     }
 }

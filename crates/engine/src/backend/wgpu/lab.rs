@@ -105,7 +105,8 @@ pub fn parse_variants(s: &str) -> Result<Vec<Variant>> {
                 "rw2" => 2,
                 "rw4" => 4,
                 "xs" => 8,
-                _ => bail!("variant `{v}`: v4, rw1, rw2, rw4 or xs, optionally @workgroups"),
+                "v5" => 16,
+                _ => bail!("variant `{v}`: v4, v5, rw1, rw2, rw4 or xs, optionally @workgroups"),
             };
             let Some(want) = want else {
                 bail!("variant `{v}`: @ takes a positive number of workgroups")
@@ -469,7 +470,7 @@ impl Wgpu {
                     .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
                 let row = LabRow {
                     case,
-                    variant: if ctx.report.subgroups || v.gemv == 0 {
+                    variant: if ctx.report.subgroups || v.gemv == 0 || v.gemv == 16 {
                         v.name.clone()
                     } else {
                         format!("{} (= v4: no subgroups)", v.name)

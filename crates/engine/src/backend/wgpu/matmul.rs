@@ -270,6 +270,8 @@ pub fn gemv_many(
         r @ (1 | 2 | 4) if ctx.report.subgroups => r as usize,
         _ => 0,
     };
+    // gemv_v5 (16) takes gemv_v4's launch.
+    let v5 = ctx.sw.gemv.load(Ordering::Relaxed) == 16;
     let want = ctx.sw.gemv_wgs.load(Ordering::Relaxed);
     for i in 0..4 {
         let w = ws[i.min(ws.len() - 1)];
@@ -329,7 +331,10 @@ pub fn gemv_many(
     }
     bufs.extend([aux, xn, r, s]);
     match rw {
-        0 => ctx.dispatch(&SHADER, "gemv_v4", &p, &bufs, (blocks * rows) as u32),
+        0 => {
+            let entry = if v5 { "gemv_v5" } else { "gemv_v4" };
+            ctx.dispatch(&SHADER, entry, &p, &bufs, (blocks * rows) as u32)
+        }
         8 => {
             let entry =
                 ["gemv_xs1", "gemv_xs2", "gemv_xs4", "gemv_xs8"][nw.trailing_zeros() as usize];
