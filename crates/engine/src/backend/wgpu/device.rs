@@ -160,7 +160,8 @@ pub(super) struct Switches {
     /// `LILY_WGPU_GEMV`: the decode GEMV, `v4` (gemv_v4, any adapter), `rw1` / `rw2` / `rw4`
     /// (gemv_rw with 1, 2 or 4 rows a team; adapters with subgroups in order) or `xs` (gemv_xs;
     /// subgroups in order of one fixed width), `v5` (gemv_v5: x in two int8 levels, integer
-    /// dot products; any adapter), else gemv_v4. Stored as 0 (v4), the rows, 8 (xs) or 16 (v5).
+    /// dot products; any adapter; the default: 145-152 against 130-132 tok/s at 4K on the
+    /// H200, the lm_head 172 against 275 µs). Stored as 0 (v4), the rows, 8 (xs) or 16 (v5).
     pub gemv: AtomicU32,
     /// `lily lab` only: parts of gemv_v4, moe_gate_up_v and moe_down_v skipped to time the rest
     /// (gemv_io.wgsl and moe.wgsl `ablate`); 0 otherwise.
@@ -206,7 +207,7 @@ impl Switches {
                 std::env::var("LILY_WGPU_GEMV")
                     .ok()
                     .and_then(|v| gemv_code(&v))
-                    .unwrap_or(0),
+                    .unwrap_or(16),
             ),
             attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),
             gdn_fast: std::env::var("LILY_WGPU_GDN_FAST").as_deref() == Ok("1"),

@@ -264,6 +264,30 @@ impl Wgpu {
             })?;
             Ok((s, copies))
         };
+        // A warm-up of pure reads for 3 s first: on the H200 the cases timed in a call's first
+        // minute ran up to 2x slow (stop 30: in_proj 65 against 32 µs, its read 10.5 against
+        // 6.0), the GPU coming up from idle.
+        {
+            let n16 = (64usize << 20) / 16;
+            let bufs: Vec<::wgpu::Buffer> = (0..2)
+                .map(|c| ctx.upload(as_bytes(&words(4 * n16, 900 + c as u64))))
+                .collect::<Result<_>>()?;
+            let p = [n16 as u32, 0x1234_5678, 0, 0];
+            let t0 = std::time::Instant::now();
+            while t0.elapsed().as_secs_f64() < 3.0 {
+                ctx.time_pass(|| {
+                    for i in 0..calls {
+                        ctx.dispatch(
+                            &SHADER,
+                            "lab_read",
+                            &p,
+                            &[&bufs[i % 2], &dst.buf],
+                            n16.div_ceil(1024) as u32,
+                        );
+                    }
+                })?;
+            }
+        }
         let all = cases.is_empty();
         let want_case = |c: &str| all || cases.contains(&c);
         if want_case("floor") {

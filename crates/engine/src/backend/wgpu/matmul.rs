@@ -1,5 +1,6 @@
 //! Quantized matrices on the device and `matmul_q` (shaders/matmul.wgsl; cpu/matmul.rs is the
-//! twin). `matmul_q` takes `gemv_v4` for up to `GEMV_MAX_ROWS` rows of x when the codes are 4- or
+//! twin). `matmul_q` takes `gemv_v5` (or `gemv_v4`, `LILY_WGPU_GEMV=v4`: the same launch, x in
+//! f32 instead of two int8 levels) for up to `GEMV_MAX_ROWS` rows of x when the codes are 4- or
 //! 8-bit in groups of whole 16-byte words (every matrix of the model), the scalar `gemv` for one
 //! row of anything else, and the register-tiled `gemm` for the rest.
 
