@@ -181,6 +181,10 @@ pub(super) struct Switches {
     /// default: the shaders are ours, every index in range by construction (the op tests hold
     /// them to the CPU), and the driver's robust buffer access still bounds every load.
     pub checks: bool,
+    /// `LILY_WGPU_MOE_Q=0`: the routed experts' gate|up for decode by moe_gate_up_v (x in f32)
+    /// instead of moe_gate_up_q (x in two int8 levels, integer dot products). Atomic so that
+    /// `lily lab` compares both in one process.
+    pub moe_q: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_ZERO_WG=1`: workgroup memory zeroed at every workgroup's start (WebGPU's
     /// rule). Off by default: every kernel writes its workgroup memory before it reads it.
     pub zero_wg: bool,
@@ -212,6 +216,7 @@ impl Switches {
             attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),
             gdn_fast: std::env::var("LILY_WGPU_GDN_FAST").as_deref() == Ok("1"),
             attn_tile: on("LILY_WGPU_ATTN_TILE"),
+            moe_q: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_MOE_Q")),
             checks: std::env::var("LILY_WGPU_CHECKS").as_deref() == Ok("1"),
             zero_wg: std::env::var("LILY_WGPU_ZERO_WG").as_deref() == Ok("1"),
         }

@@ -567,7 +567,13 @@ impl Wgpu {
                     bits.push(v.ablate);
                 }
             }
-            for b in bits {
+            // moe_gate_up_q first (x in two int8 levels), then moe_gate_up_v with each ablation.
+            let old_q = ctx.sw.moe_q.load(Ordering::Relaxed);
+            let runs: Vec<(bool, u32)> = std::iter::once((true, 0))
+                .chain(bits.iter().map(|&b| (false, b)))
+                .collect();
+            for (q, b) in runs {
+                ctx.sw.moe_q.store(q, Ordering::Relaxed);
                 ctx.sw.ablate.store(b, Ordering::Relaxed);
                 let op_s = time(&|i| {
                     let mut o = WBuf {
@@ -580,7 +586,9 @@ impl Wgpu {
                 ctx.sw.ablate.store(0, Ordering::Relaxed);
                 let row = LabRow {
                     case: "experts",
-                    variant: if b == 0 {
+                    variant: if q {
+                        format!("top-{} gate_up_q", d.top_k)
+                    } else if b == 0 {
                         format!("top-{} decode", d.top_k)
                     } else {
                         format!("top-{} ~{b}", d.top_k)
@@ -595,6 +603,7 @@ impl Wgpu {
                 print(&row);
                 rows.push(row);
             }
+            ctx.sw.moe_q.store(old_q, Ordering::Relaxed);
         }
         ctx.check()?;
         Ok(rows)

@@ -18,6 +18,7 @@ pub const SHADER: Shader = Shader {
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/quant.wgsl"),
         include_str!("shaders/gemv_io.wgsl"),
+        include_str!("shaders/q2x.wgsl"),
         include_str!("shaders/matmul.wgsl")
     ),
 };
