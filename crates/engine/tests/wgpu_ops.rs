@@ -494,7 +494,9 @@ fn epilogues_case(g: &Wgpu, tol: f32) {
         check(
             &format!("moe_decode_add (16 experts, top-4, shared gate logit {logit})"),
             rel_rows(&h(g, &gh, hid), &ch, hid),
-            tol,
+            // The routed experts' gate|up take moe_gate_up_q (x in two int8 levels) whatever
+            // the GEMV.
+            tol.max(Q2X_TOL),
         );
     }
 }
