@@ -120,19 +120,84 @@ var<workgroup> gv_x: array<vec4<f32>, 1024>;
 // The 4 rows' partial sums of every thread, [4][256].
 var<workgroup> gv_red: array<f32, 1024>;
 
-@compute @workgroup_size(256)
-fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let wg = wg_index(wid);
-    let t = wg % pv.rows;
-    var blk = wg / pv.rows;
-    // This workgroup's matrix (uniform) and its block within it.
+// gemv_v4 / gemv_v5: the matrix slot of workgroup block blk (uniform over the workgroup) and the
+// block's index within that matrix's blocks.
+fn gv_slot(blk: u32) -> vec2<u32> {
     var mi = 0u;
     for (var k = 1u; k < pv.n; k++) {
         if (blk >= pv.start[k]) {
             mi = k;
         }
     }
-    blk -= pv.start[mi];
+    return vec2<u32>(mi, blk - pv.start[mi]);
+}
+
+// The rms_norm folded in: this workgroup's own sum of squares of its row of h (8 KB at the
+// model's width: cheaper than a launch of its own), returning 1 / rms; the first block of the
+// row (`first`) writes the normed row back once (the experts read it). Uniform control flow.
+fn gv_norm(xrow: u32, inp: u32, li: u32, first: bool) -> f32 {
+    var ss = 0.0;
+    for (var v = li; v < inp / 4u; v += 256u) {
+        let h = vx[xrow + v];
+        ss += dot(h, h);
+    }
+    gv_red[li] = ss;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            gv_red[li] += gv_red[li + s];
+        }
+        workgroupBarrier();
+    }
+    let rn = 1.0 / sqrt(gv_red[0] / f32(inp) + pv.eps);
+    if (first) {
+        for (var v = li; v < inp / 4u; v += 256u) {
+            vxn[xrow + v] = vx[xrow + v] * rn * vaux[v];
+        }
+    }
+    // gv_red is written again only after the caller's next barrier.
+    return rn;
+}
+
+// The 4 rows' sums a of every thread added over the lanes of its row group (a tree in workgroup
+// memory from step `tree` down: lanes / 2, or 0 under the lab's ablation), and lane r of the
+// group writes row o0 + r of row t's output of matrix mi as the output mode says.
+// (gv_red's last readers, gv_norm's, are behind the pass loop's barriers.)
+fn gv_finish(li: u32, lane: u32, tree: u32, o0: u32, t: u32, out: u32, mi: u32, a: vec4<f32>) {
+    gv_red[li] = a.x;
+    gv_red[256u + li] = a.y;
+    gv_red[512u + li] = a.z;
+    gv_red[768u + li] = a.w;
+    workgroupBarrier();
+    for (var s = tree; s > 0u; s >>= 1u) {
+        if (lane < s) {
+            gv_red[li] += gv_red[li + s];
+            gv_red[256u + li] += gv_red[256u + li + s];
+            gv_red[512u + li] += gv_red[512u + li + s];
+            gv_red[768u + li] += gv_red[768u + li + s];
+        }
+        workgroupBarrier();
+    }
+    if (lane < 4u && o0 + lane < out) {
+        let i = t * out + o0 + lane;
+        let v = gv_red[lane * 256u + li - lane];
+        if (pv.omode == 0u) {
+            vout(mi, i, v);
+        } else if (pv.omode == 1u) {
+            vout(mi, i, vget(mi, i) + v);
+        } else {
+            vout(mi, i, vget(mi, i) + (vr[i] + sigmoid_f(vsg[t]) * v));
+        }
+    }
+}
+
+@compute @workgroup_size(256)
+fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let wg = wg_index(wid);
+    let t = wg % pv.rows;
+    let slot = gv_slot(wg / pv.rows);
+    let mi = slot.x;
+    let blk = slot.y;
     let m = pv.ms[mi];
     let lanes = pv.lanes[mi];
     let lane = li % lanes;
@@ -154,30 +219,10 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
         isc = vec4<f32>(1.0, 16.0, 256.0, 4096.0);
     }
     let xrow = t * (m.inp / 4u);
-    // rms_norm folded in: this workgroup's own sum of squares of its row of h (8 KB at the
-    // model's width: cheaper than a launch of its own), then x = h · r · nw when staged.
+    // rms_norm folded in (gv_norm), then x = h · r · nw when staged.
     var rn = 1.0;
     if (pv.xmode == 1u && (pv.ablate & 4u) == 0u) {
-        var ss = 0.0;
-        for (var v = li; v < m.inp / 4u; v += 256u) {
-            let h = vx[xrow + v];
-            ss += dot(h, h);
-        }
-        gv_red[li] = ss;
-        workgroupBarrier();
-        for (var s = 128u; s > 0u; s >>= 1u) {
-            if (li < s) {
-                gv_red[li] += gv_red[li + s];
-            }
-            workgroupBarrier();
-        }
-        rn = 1.0 / sqrt(gv_red[0] / f32(m.inp) + pv.eps);
-        // The normed row goes back out once (the experts read it), by the first block.
-        if (wg < pv.rows) {
-            for (var v = li; v < m.inp / 4u; v += 256u) {
-                vxn[xrow + v] = vx[xrow + v] * rn * vaux[v];
-            }
-        }
+        rn = gv_norm(xrow, m.inp, li, wg < pv.rows);
     }
     var a0 = 0.0;
     var a1 = 0.0;
@@ -280,33 +325,7 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
             a3 += vsb(mi, r3 * gpr + g, m.sb16, false) * d3 + vsb(mi, r3 * gpr + g, m.sb16, true) * sx;
         }
     }
-    gv_red[li] = a0;
-    gv_red[256u + li] = a1;
-    gv_red[512u + li] = a2;
-    gv_red[768u + li] = a3;
-    workgroupBarrier();
-    let tree = select(lanes / 2u, 0u, (pv.ablate & 2u) != 0u);
-    for (var s = tree; s > 0u; s >>= 1u) {
-        if (lane < s) {
-            gv_red[li] += gv_red[li + s];
-            gv_red[256u + li] += gv_red[256u + li + s];
-            gv_red[512u + li] += gv_red[512u + li + s];
-            gv_red[768u + li] += gv_red[768u + li + s];
-        }
-        workgroupBarrier();
-    }
-    // Lane r of a row group writes its row r (lanes ≥ 4).
-    if (lane < 4u && o0 + lane < m.out) {
-        let i = t * m.out + o0 + lane;
-        let a = gv_red[lane * 256u + li - lane];
-        if (pv.omode == 0u) {
-            vout(mi, i, a);
-        } else if (pv.omode == 1u) {
-            vout(mi, i, vget(mi, i) + a);
-        } else {
-            vout(mi, i, vget(mi, i) + (vr[i] + sigmoid_f(vsg[t]) * a));
-        }
-    }
+    gv_finish(li, lane, select(lanes / 2u, 0u, (pv.ablate & 2u) != 0u), o0, t, m.out, mi, vec4<f32>(a0, a1, a2, a3));
 }
 
 // ---- gemv_v5 (header; q2x.wgsl holds its quantized x): the loads of x and the scales.
@@ -363,14 +382,9 @@ fn g5_load(u: u32, j: u32, nv: u32, c0: u32, bits: u32, xrow: u32, rn: f32,
 fn gemv_v5(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let wg = wg_index(wid);
     let t = wg % pv.rows;
-    var blk = wg / pv.rows;
-    var mi = 0u;
-    for (var k = 1u; k < pv.n; k++) {
-        if (blk >= pv.start[k]) {
-            mi = k;
-        }
-    }
-    blk -= pv.start[mi];
+    let slot = gv_slot(wg / pv.rows);
+    let mi = slot.x;
+    let blk = slot.y;
     let m = pv.ms[mi];
     let lanes = pv.lanes[mi];
     let lane = li % lanes;
@@ -388,25 +402,7 @@ fn gemv_v5(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
     // The norm as gemv_v4 takes it: this workgroup's own sum of squares of its row of h.
     var rn = 1.0;
     if (pv.xmode == 1u) {
-        var ss = 0.0;
-        for (var v = li; v < m.inp / 4u; v += 256u) {
-            let h = vx[xrow + v];
-            ss += dot(h, h);
-        }
-        gv_red[li] = ss;
-        workgroupBarrier();
-        for (var s = 128u; s > 0u; s >>= 1u) {
-            if (li < s) {
-                gv_red[li] += gv_red[li + s];
-            }
-            workgroupBarrier();
-        }
-        rn = 1.0 / sqrt(gv_red[0] / f32(m.inp) + pv.eps);
-        if (wg < pv.rows) {
-            for (var v = li; v < m.inp / 4u; v += 256u) {
-                vxn[xrow + v] = vx[xrow + v] * rn * vaux[v];
-            }
-        }
+        rn = gv_norm(xrow, m.inp, li, wg < pv.rows);
     }
     var a0 = 0.0;
     var a1 = 0.0;
@@ -480,31 +476,7 @@ fn gemv_v5(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
             a3 += sb3.x * (dd.x * d3) + sb3.y * dd.y;
         }
     }
-    gv_red[li] = a0;
-    gv_red[256u + li] = a1;
-    gv_red[512u + li] = a2;
-    gv_red[768u + li] = a3;
-    workgroupBarrier();
-    for (var s = lanes / 2u; s > 0u; s >>= 1u) {
-        if (lane < s) {
-            gv_red[li] += gv_red[li + s];
-            gv_red[256u + li] += gv_red[256u + li + s];
-            gv_red[512u + li] += gv_red[512u + li + s];
-            gv_red[768u + li] += gv_red[768u + li + s];
-        }
-        workgroupBarrier();
-    }
-    if (lane < 4u && o0 + lane < m.out) {
-        let i = t * m.out + o0 + lane;
-        let a = gv_red[lane * 256u + li - lane];
-        if (pv.omode == 0u) {
-            vout(mi, i, a);
-        } else if (pv.omode == 1u) {
-            vout(mi, i, vget(mi, i) + a);
-        } else {
-            vout(mi, i, vget(mi, i) + (vr[i] + sigmoid_f(vsg[t]) * a));
-        }
-    }
+    gv_finish(li, lane, lanes / 2u, o0, t, m.out, mi, vec4<f32>(a0, a1, a2, a3));
 }
 
 // The gemm tile: 64 rows of x × 64 outputs, k in steps of 32; staged rows padded to 9 vec4s
