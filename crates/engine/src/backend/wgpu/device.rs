@@ -159,7 +159,9 @@ pub(super) struct Switches {
     pub gemv_wgs: AtomicUsize,
     /// `LILY_WGPU_GEMV`: the decode GEMV, `v4` (gemv_v4, any adapter), `rw1` / `rw2` / `rw4`
     /// (gemv_rw with 1, 2 or 4 rows a team; adapters with subgroups in order) or `xs` (gemv_xs;
-    /// subgroups in order of one fixed width), else gemv_v4. Stored as 0 (v4), the rows, or 8.
+    /// subgroups in order of one fixed width), `v5` (gemv_v5: x in two int8 levels, integer
+    /// dot products; any adapter; the default: 145-152 against 130-132 tok/s at 4K on the
+    /// H200, the lm_head 172 against 275 µs). Stored as 0 (v4), the rows, 8 (xs) or 16 (v5).
     pub gemv: AtomicU32,
     /// `lily lab` only: parts of gemv_v4, moe_gate_up_v and moe_down_v skipped to time the rest
     /// (gemv_io.wgsl and moe.wgsl `ablate`); 0 otherwise.
@@ -179,6 +181,10 @@ pub(super) struct Switches {
     /// default: the shaders are ours, every index in range by construction (the op tests hold
     /// them to the CPU), and the driver's robust buffer access still bounds every load.
     pub checks: bool,
+    /// `LILY_WGPU_MOE_Q=0`: the routed experts' gate|up for decode by moe_gate_up_v (x in f32)
+    /// instead of moe_gate_up_q (x in two int8 levels, integer dot products). Atomic so that
+    /// `lily lab` compares both in one process.
+    pub moe_q: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_ZERO_WG=1`: workgroup memory zeroed at every workgroup's start (WebGPU's
     /// rule). Off by default: every kernel writes its workgroup memory before it reads it.
     pub zero_wg: bool,
@@ -201,19 +207,32 @@ impl Switches {
             fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
             gemv_wgs: AtomicUsize::new(num("LILY_WGPU_GEMV_WGS", 1024)),
             ablate: AtomicU32::new(0),
-            gemv: AtomicU32::new(match std::env::var("LILY_WGPU_GEMV").as_deref() {
-                Ok("v4") => 0,
-                Ok("rw1") => 1,
-                Ok("rw4") => 4,
-                Ok("xs") => 8,
-                _ => 0,
-            }),
+            gemv: AtomicU32::new(
+                std::env::var("LILY_WGPU_GEMV")
+                    .ok()
+                    .and_then(|v| gemv_code(&v))
+                    .unwrap_or(16),
+            ),
             attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),
             gdn_fast: std::env::var("LILY_WGPU_GDN_FAST").as_deref() == Ok("1"),
             attn_tile: on("LILY_WGPU_ATTN_TILE"),
+            moe_q: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_MOE_Q")),
             checks: std::env::var("LILY_WGPU_CHECKS").as_deref() == Ok("1"),
             zero_wg: std::env::var("LILY_WGPU_ZERO_WG").as_deref() == Ok("1"),
         }
+    }
+}
+
+/// `Switches::gemv`'s code for a decode GEMV's name (`LILY_WGPU_GEMV`), `None` if unknown.
+pub(super) fn gemv_code(name: &str) -> Option<u32> {
+    match name {
+        "v4" => Some(0),
+        "rw1" => Some(1),
+        "rw2" => Some(2),
+        "rw4" => Some(4),
+        "xs" => Some(8),
+        "v5" => Some(16),
+        _ => None,
     }
 }
 

@@ -105,7 +105,8 @@ pub fn parse_variants(s: &str) -> Result<Vec<Variant>> {
                 "rw2" => 2,
                 "rw4" => 4,
                 "xs" => 8,
-                _ => bail!("variant `{v}`: v4, rw1, rw2, rw4 or xs, optionally @workgroups"),
+                "v5" => 16,
+                _ => bail!("variant `{v}`: v4, v5, rw1, rw2, rw4 or xs, optionally @workgroups"),
             };
             let Some(want) = want else {
                 bail!("variant `{v}`: @ takes a positive number of workgroups")
@@ -263,6 +264,30 @@ impl Wgpu {
             })?;
             Ok((s, copies))
         };
+        // A warm-up of pure reads for 3 s first: on the H200 the cases timed in a call's first
+        // minute ran up to 2x slow (stop 30: in_proj 65 against 32 µs, its read 10.5 against
+        // 6.0), the GPU coming up from idle.
+        {
+            let n16 = (64usize << 20) / 16;
+            let bufs: Vec<::wgpu::Buffer> = (0..2)
+                .map(|c| ctx.upload(as_bytes(&words(4 * n16, 900 + c as u64))))
+                .collect::<Result<_>>()?;
+            let p = [n16 as u32, 0x1234_5678, 0, 0];
+            let t0 = std::time::Instant::now();
+            while t0.elapsed().as_secs_f64() < 3.0 {
+                ctx.time_pass(|| {
+                    for i in 0..calls {
+                        ctx.dispatch(
+                            &SHADER,
+                            "lab_read",
+                            &p,
+                            &[&bufs[i % 2], &dst.buf],
+                            n16.div_ceil(1024) as u32,
+                        );
+                    }
+                })?;
+            }
+        }
         let all = cases.is_empty();
         let want_case = |c: &str| all || cases.contains(&c);
         if want_case("floor") {
@@ -469,7 +494,7 @@ impl Wgpu {
                     .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
                 let row = LabRow {
                     case,
-                    variant: if ctx.report.subgroups || v.gemv == 0 {
+                    variant: if ctx.report.subgroups || v.gemv == 0 || v.gemv == 16 {
                         v.name.clone()
                     } else {
                         format!("{} (= v4: no subgroups)", v.name)
@@ -542,7 +567,13 @@ impl Wgpu {
                     bits.push(v.ablate);
                 }
             }
-            for b in bits {
+            // moe_gate_up_q first (x in two int8 levels), then moe_gate_up_v with each ablation.
+            let old_q = ctx.sw.moe_q.load(Ordering::Relaxed);
+            let runs: Vec<(bool, u32)> = std::iter::once((true, 0))
+                .chain(bits.iter().map(|&b| (false, b)))
+                .collect();
+            for (q, b) in runs {
+                ctx.sw.moe_q.store(q, Ordering::Relaxed);
                 ctx.sw.ablate.store(b, Ordering::Relaxed);
                 let op_s = time(&|i| {
                     let mut o = WBuf {
@@ -555,7 +586,9 @@ impl Wgpu {
                 ctx.sw.ablate.store(0, Ordering::Relaxed);
                 let row = LabRow {
                     case: "experts",
-                    variant: if b == 0 {
+                    variant: if q {
+                        format!("top-{} gate_up_q", d.top_k)
+                    } else if b == 0 {
                         format!("top-{} decode", d.top_k)
                     } else {
                         format!("top-{} ~{b}", d.top_k)
@@ -570,6 +603,7 @@ impl Wgpu {
                 print(&row);
                 rows.push(row);
             }
+            ctx.sw.moe_q.store(old_q, Ordering::Relaxed);
         }
         ctx.check()?;
         Ok(rows)

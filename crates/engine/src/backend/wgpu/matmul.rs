@@ -1,5 +1,6 @@
 //! Quantized matrices on the device and `matmul_q` (shaders/matmul.wgsl; cpu/matmul.rs is the
-//! twin). `matmul_q` takes `gemv_v4` for up to `GEMV_MAX_ROWS` rows of x when the codes are 4- or
+//! twin). `matmul_q` takes `gemv_v5` (or `gemv_v4`, `LILY_WGPU_GEMV=v4`: the same launch, x in
+//! f32 instead of two int8 levels) for up to `GEMV_MAX_ROWS` rows of x when the codes are 4- or
 //! 8-bit in groups of whole 16-byte words (every matrix of the model), the scalar `gemv` for one
 //! row of anything else, and the register-tiled `gemm` for the rest.
 
@@ -17,6 +18,7 @@ pub const SHADER: Shader = Shader {
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/quant.wgsl"),
         include_str!("shaders/gemv_io.wgsl"),
+        include_str!("shaders/q2x.wgsl"),
         include_str!("shaders/matmul.wgsl")
     ),
 };
@@ -270,6 +272,8 @@ pub fn gemv_many(
         r @ (1 | 2 | 4) if ctx.report.subgroups => r as usize,
         _ => 0,
     };
+    // gemv_v5 (16) takes gemv_v4's launch.
+    let v5 = ctx.sw.gemv.load(Ordering::Relaxed) == 16;
     let want = ctx.sw.gemv_wgs.load(Ordering::Relaxed);
     for i in 0..4 {
         let w = ws[i.min(ws.len() - 1)];
@@ -329,7 +333,10 @@ pub fn gemv_many(
     }
     bufs.extend([aux, xn, r, s]);
     match rw {
-        0 => ctx.dispatch(&SHADER, "gemv_v4", &p, &bufs, (blocks * rows) as u32),
+        0 => {
+            let entry = if v5 { "gemv_v5" } else { "gemv_v4" };
+            ctx.dispatch(&SHADER, entry, &p, &bufs, (blocks * rows) as u32)
+        }
         8 => {
             let entry =
                 ["gemv_xs1", "gemv_xs2", "gemv_xs4", "gemv_xs8"][nw.trailing_zeros() as usize];

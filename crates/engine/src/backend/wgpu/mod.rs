@@ -132,6 +132,18 @@ impl Wgpu {
             records: Default::default(),
         })
     }
+    /// Takes the decode GEMV named (`v4`, `v5`, `rw1`, `rw2`, `rw4`, `xs`: `LILY_WGPU_GEMV`'s
+    /// values) from now on; tests compare them on one device.
+    pub fn set_gemv(&self, name: &str) -> Result<()> {
+        let Some(c) = device::gemv_code(name) else {
+            bail!("unknown decode GEMV `{name}` (v4, v5, rw1, rw2, rw4 or xs)");
+        };
+        self.ctx
+            .sw
+            .gemv
+            .store(c, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
     /// What the adapter is and offers.
     pub fn report(&self) -> &AdapterReport {
         &self.ctx.report

@@ -28,6 +28,7 @@ pub const SHADER: Shader = Shader {
     src: concat!(
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/quant.wgsl"),
+        include_str!("shaders/q2x.wgsl"),
         include_str!("shaders/moe.wgsl")
     ),
 };
@@ -281,9 +282,13 @@ fn experts(
         }
         let g1 = launch(rows * k * width.div_ceil(GATE_UP_OUTS))?;
         let g2 = launch(rows * hid.div_ceil(outs))?;
+        // gate|up by integer dot products against x in two int8 levels (moe_gate_up_q) for 4-
+        // and 8-bit codes, unless LILY_WGPU_MOE_Q=0.
+        let q =
+            matches!(gate.bits, 4 | 8) && ctx.sw.moe_q.load(std::sync::atomic::Ordering::Relaxed);
         ctx.dispatch(
             &SHADER,
-            "moe_gate_up_v",
+            if q { "moe_gate_up_q" } else { "moe_gate_up_v" },
             &p_up,
             &[&gate_up[..], &[&act]].concat(),
             g1,

@@ -20,6 +20,18 @@
 //   in workgroup memory at the end. Workgroup index = block · rows + t (the rows of x of one
 //   block run side by side and share the weights through the cache); ceil(out · lanes / 1024)
 //   · rows workgroups; 20 KB of workgroup memory.
+// gemv_v5 (LILY_WGPU_GEMV=v5; the same launch, parameters, bindings and modes as gemv_v4): x
+//   quantized once per workgroup to two int8 levels per 16-byte code word (x ≈ d·(q1 + q2/254),
+//   d = max |x| / 127 over the word's 32 (4-bit) or 16 (8-bit) elements: an error ≤ max |x| /
+//   64,516, 15 bits), so that a code word's products are 4-way integer dot products
+//   (dot4I8Packed: DP4A on NVIDIA, exact i32 sums): a 4-bit u32 of codes splits into its even
+//   and odd nibbles by two masks, each against 4 packed x bytes in matching order; 8-bit codes
+//   are made signed by flipping their top bit (c − 128), the word's 128·Σq added back. A word
+//   row costs ~45 instructions against gemv_v4's ~160 (the lab found gemv_v4 bound by its
+//   arithmetic, not its loads). Staging: 4 threads a word (a u32 of codes each), the word's
+//   max |x| and Σ x met through workgroup memory. 128 words a pass (4096 4-bit or 2048 8-bit
+//   elements): q [4][128] vec4<u32> (q1 even/low, q1 odd, q2 even/low, q2 odd) and per word
+//   (d / 254, Σ x, 8-bit correction): 10 KB; with the tree's 4 KB and the exchange's 4 KB, 18 KB.
 // gemv (rows = 1, the shapes gemv_v4 does not take: dense, 2-bit, odd groups): scalar, a
 //   workgroup of 256 = 8 outputs × 32 threads striding the row's code words; ceil(out / 8)
 //   workgroups.
@@ -108,19 +120,84 @@ var<workgroup> gv_x: array<vec4<f32>, 1024>;
 // The 4 rows' partial sums of every thread, [4][256].
 var<workgroup> gv_red: array<f32, 1024>;
 
-@compute @workgroup_size(256)
-fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let wg = wg_index(wid);
-    let t = wg % pv.rows;
-    var blk = wg / pv.rows;
-    // This workgroup's matrix (uniform) and its block within it.
+// gemv_v4 / gemv_v5: the matrix slot of workgroup block blk (uniform over the workgroup) and the
+// block's index within that matrix's blocks.
+fn gv_slot(blk: u32) -> vec2<u32> {
     var mi = 0u;
     for (var k = 1u; k < pv.n; k++) {
         if (blk >= pv.start[k]) {
             mi = k;
         }
     }
-    blk -= pv.start[mi];
+    return vec2<u32>(mi, blk - pv.start[mi]);
+}
+
+// The rms_norm folded in: this workgroup's own sum of squares of its row of h (8 KB at the
+// model's width: cheaper than a launch of its own), returning 1 / rms; the first block of the
+// row (`first`) writes the normed row back once (the experts read it). Uniform control flow.
+fn gv_norm(xrow: u32, inp: u32, li: u32, first: bool) -> f32 {
+    var ss = 0.0;
+    for (var v = li; v < inp / 4u; v += 256u) {
+        let h = vx[xrow + v];
+        ss += dot(h, h);
+    }
+    gv_red[li] = ss;
+    workgroupBarrier();
+    for (var s = 128u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            gv_red[li] += gv_red[li + s];
+        }
+        workgroupBarrier();
+    }
+    let rn = 1.0 / sqrt(gv_red[0] / f32(inp) + pv.eps);
+    if (first) {
+        for (var v = li; v < inp / 4u; v += 256u) {
+            vxn[xrow + v] = vx[xrow + v] * rn * vaux[v];
+        }
+    }
+    // gv_red is written again only after the caller's next barrier.
+    return rn;
+}
+
+// The 4 rows' sums a of every thread added over the lanes of its row group (a tree in workgroup
+// memory from step `tree` down: lanes / 2, or 0 under the lab's ablation), and lane r of the
+// group writes row o0 + r of row t's output of matrix mi as the output mode says.
+// (gv_red's last readers, gv_norm's, are behind the pass loop's barriers.)
+fn gv_finish(li: u32, lane: u32, tree: u32, o0: u32, t: u32, out: u32, mi: u32, a: vec4<f32>) {
+    gv_red[li] = a.x;
+    gv_red[256u + li] = a.y;
+    gv_red[512u + li] = a.z;
+    gv_red[768u + li] = a.w;
+    workgroupBarrier();
+    for (var s = tree; s > 0u; s >>= 1u) {
+        if (lane < s) {
+            gv_red[li] += gv_red[li + s];
+            gv_red[256u + li] += gv_red[256u + li + s];
+            gv_red[512u + li] += gv_red[512u + li + s];
+            gv_red[768u + li] += gv_red[768u + li + s];
+        }
+        workgroupBarrier();
+    }
+    if (lane < 4u && o0 + lane < out) {
+        let i = t * out + o0 + lane;
+        let v = gv_red[lane * 256u + li - lane];
+        if (pv.omode == 0u) {
+            vout(mi, i, v);
+        } else if (pv.omode == 1u) {
+            vout(mi, i, vget(mi, i) + v);
+        } else {
+            vout(mi, i, vget(mi, i) + (vr[i] + sigmoid_f(vsg[t]) * v));
+        }
+    }
+}
+
+@compute @workgroup_size(256)
+fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let wg = wg_index(wid);
+    let t = wg % pv.rows;
+    let slot = gv_slot(wg / pv.rows);
+    let mi = slot.x;
+    let blk = slot.y;
     let m = pv.ms[mi];
     let lanes = pv.lanes[mi];
     let lane = li % lanes;
@@ -142,30 +219,10 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
         isc = vec4<f32>(1.0, 16.0, 256.0, 4096.0);
     }
     let xrow = t * (m.inp / 4u);
-    // rms_norm folded in: this workgroup's own sum of squares of its row of h (8 KB at the
-    // model's width: cheaper than a launch of its own), then x = h · r · nw when staged.
+    // rms_norm folded in (gv_norm), then x = h · r · nw when staged.
     var rn = 1.0;
     if (pv.xmode == 1u && (pv.ablate & 4u) == 0u) {
-        var ss = 0.0;
-        for (var v = li; v < m.inp / 4u; v += 256u) {
-            let h = vx[xrow + v];
-            ss += dot(h, h);
-        }
-        gv_red[li] = ss;
-        workgroupBarrier();
-        for (var s = 128u; s > 0u; s >>= 1u) {
-            if (li < s) {
-                gv_red[li] += gv_red[li + s];
-            }
-            workgroupBarrier();
-        }
-        rn = 1.0 / sqrt(gv_red[0] / f32(m.inp) + pv.eps);
-        // The normed row goes back out once (the experts read it), by the first block.
-        if (wg < pv.rows) {
-            for (var v = li; v < m.inp / 4u; v += 256u) {
-                vxn[xrow + v] = vx[xrow + v] * rn * vaux[v];
-            }
-        }
+        rn = gv_norm(xrow, m.inp, li, wg < pv.rows);
     }
     var a0 = 0.0;
     var a1 = 0.0;
@@ -268,33 +325,158 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
             a3 += vsb(mi, r3 * gpr + g, m.sb16, false) * d3 + vsb(mi, r3 * gpr + g, m.sb16, true) * sx;
         }
     }
-    gv_red[li] = a0;
-    gv_red[256u + li] = a1;
-    gv_red[512u + li] = a2;
-    gv_red[768u + li] = a3;
-    workgroupBarrier();
-    let tree = select(lanes / 2u, 0u, (pv.ablate & 2u) != 0u);
-    for (var s = tree; s > 0u; s >>= 1u) {
-        if (lane < s) {
-            gv_red[li] += gv_red[li + s];
-            gv_red[256u + li] += gv_red[256u + li + s];
-            gv_red[512u + li] += gv_red[512u + li + s];
-            gv_red[768u + li] += gv_red[768u + li + s];
+    gv_finish(li, lane, select(lanes / 2u, 0u, (pv.ablate & 2u) != 0u), o0, t, m.out, mi, vec4<f32>(a0, a1, a2, a3));
+}
+
+// ---- gemv_v5 (header; q2x.wgsl holds its quantized x): the loads of x and the scales.
+
+// x's vec4 v of row xrow as the mode reads it (rn: the norm's reciprocal root).
+fn g5_x(xrow: u32, v: u32, rn: f32) -> vec4<f32> {
+    var xv = vx[xrow + v];
+    if (pv.xmode == 1u) {
+        xv = xv * rn * vaux[v];
+    } else if (pv.xmode == 2u) {
+        let a = vaux[xrow + v];
+        xv = vec4<f32>(silu_f(xv.x) * a.x, silu_f(xv.y) * a.y, silu_f(xv.z) * a.z, silu_f(xv.w) * a.w);
+    }
+    return xv;
+}
+
+// Scale and bias of group i of matrix mi (one load each, no select between them).
+fn g5_sb(mi: u32, i: u32, sb16: u32) -> vec2<f32> {
+    let j = select(i, i >> 1u, sb16 != 0u);
+    var s: u32;
+    var b: u32;
+    switch mi {
+        case 0u: { s = vs0[j]; b = vb0[j]; }
+        case 1u: { s = vs1[j]; b = vb1[j]; }
+        case 2u: { s = vs2[j]; b = vb2[j]; }
+        default: { s = vs3[j]; b = vb3[j]; }
+    }
+    if (sb16 == 0u) {
+        return vec2<f32>(bitcast<f32>(s), bitcast<f32>(b));
+    }
+    if ((i & 1u) == 1u) {
+        return vec2<f32>(bf16_hi(s), bf16_hi(b));
+    }
+    return vec2<f32>(bf16_lo(s), bf16_lo(b));
+}
+
+// gemv_v5's staging, part 1: word u's u32 j of the pass at code word c0 (elements 8 or 4:
+// xl, and for 4-bit xh), its max |x| and Σ x shared in g5_m.
+fn g5_load(u: u32, j: u32, nv: u32, c0: u32, bits: u32, xrow: u32, rn: f32,
+           xl: ptr<function, vec4<f32>>, xh: ptr<function, vec4<f32>>) {
+    if (u >= nv) {
+        return;
+    }
+    let epw = 128u / bits;
+    let e4 = (c0 + u) * (epw / 4u) + j * (epw / 16u);
+    *xl = g5_x(xrow, e4, rn);
+    if (bits == 4u) {
+        *xh = g5_x(xrow, e4 + 1u, rn);
+    }
+    g5_share(u, j, *xl, *xh);
+}
+
+@compute @workgroup_size(256)
+fn gemv_v5(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let wg = wg_index(wid);
+    let t = wg % pv.rows;
+    let slot = gv_slot(wg / pv.rows);
+    let mi = slot.x;
+    let blk = slot.y;
+    let m = pv.ms[mi];
+    let lanes = pv.lanes[mi];
+    let lane = li % lanes;
+    let o0 = (blk * (256u / lanes) + li / lanes) * 4u;
+    let bits = m.bits;
+    let epw = 128u / bits;
+    let wpr = m.inp / epw;
+    let gpr = m.inp / m.gs;
+    let last = m.out - 1u;
+    let r0 = pv.e * m.out + min(o0, last);
+    let r1 = pv.e * m.out + min(o0 + 1u, last);
+    let r2 = pv.e * m.out + min(o0 + 2u, last);
+    let r3 = pv.e * m.out + min(o0 + 3u, last);
+    let xrow = t * (m.inp / 4u);
+    // The norm as gemv_v4 takes it: this workgroup's own sum of squares of its row of h.
+    var rn = 1.0;
+    if (pv.xmode == 1u) {
+        rn = gv_norm(xrow, m.inp, li, wg < pv.rows);
+    }
+    var a0 = 0.0;
+    var a1 = 0.0;
+    var a2 = 0.0;
+    var a3 = 0.0;
+    for (var c0 = 0u; c0 < wpr; c0 += G5_W) {
+        let nv = min(G5_W, wpr - c0);
+        var c = lane;
+        var q0 = vec4<u32>(0u);
+        var q1 = vec4<u32>(0u);
+        var q2 = vec4<u32>(0u);
+        var q3 = vec4<u32>(0u);
+        if (c < nv) {
+            q0 = vw(mi, r0 * wpr + c0 + c);
+            q1 = vw(mi, r1 * wpr + c0 + c);
+            q2 = vw(mi, r2 * wpr + c0 + c);
+            q3 = vw(mi, r3 * wpr + c0 + c);
         }
+        // The previous pass's readers are done before the staging is overwritten.
         workgroupBarrier();
-    }
-    // Lane r of a row group writes its row r (lanes ≥ 4).
-    if (lane < 4u && o0 + lane < m.out) {
-        let i = t * m.out + o0 + lane;
-        let a = gv_red[lane * 256u + li - lane];
-        if (pv.omode == 0u) {
-            vout(mi, i, a);
-        } else if (pv.omode == 1u) {
-            vout(mi, i, vget(mi, i) + a);
-        } else {
-            vout(mi, i, vget(mi, i) + (vr[i] + sigmoid_f(vsg[t]) * a));
+        // Staging, part 1: thread (word u, part j) reads its u32's elements (8 or 4) and shares
+        // their max |x| and Σ x; 64 words a round, two rounds (G5_W = 128).
+        let j = li % 4u;
+        let ua = li / 4u;
+        let ub = ua + 64u;
+        var xla = vec4<f32>(0.0);
+        var xha = vec4<f32>(0.0);
+        var xlb = vec4<f32>(0.0);
+        var xhb = vec4<f32>(0.0);
+        g5_load(ua, j, nv, c0, bits, xrow, rn, &xla, &xha);
+        g5_load(ub, j, nv, c0, bits, xrow, rn, &xlb, &xhb);
+        workgroupBarrier();
+        // Part 2: each quantizes against its word's max, packs and writes.
+        g5_quant(ua, j, nv, bits, xla, xha);
+        g5_quant(ub, j, nv, bits, xlb, xhb);
+        workgroupBarrier();
+        if (bits == 8u) {
+            g5_correct(li, nv);
+            workgroupBarrier();
+        }
+        for (; c < nv; c += lanes) {
+            let w0 = q0;
+            let w1 = q1;
+            let w2 = q2;
+            let w3 = q3;
+            let cn = c + lanes;
+            if (cn < nv) {
+                q0 = vw(mi, r0 * wpr + c0 + cn);
+                q1 = vw(mi, r1 * wpr + c0 + cn);
+                q2 = vw(mi, r2 * wpr + c0 + cn);
+                q3 = vw(mi, r3 * wpr + c0 + cn);
+            }
+            let qa1 = g5_q[c];
+            let qb1 = g5_q[128u + c];
+            let qa2 = g5_q[256u + c];
+            let qb2 = g5_q[384u + c];
+            let dd = g5_d[c];
+            let corr = bitcast<i32>(dd.z);
+            let g = (c0 + c) * epw / m.gs;
+            let sb0 = g5_sb(mi, r0 * gpr + g, m.sb16);
+            let sb1 = g5_sb(mi, r1 * gpr + g, m.sb16);
+            let sb2 = g5_sb(mi, r2 * gpr + g, m.sb16);
+            let sb3 = g5_sb(mi, r3 * gpr + g, m.sb16);
+            let d0 = f32(g5_dot(w0, bits, qa1, qb1, qa2, qb2) + corr);
+            let d1 = f32(g5_dot(w1, bits, qa1, qb1, qa2, qb2) + corr);
+            let d2 = f32(g5_dot(w2, bits, qa1, qb1, qa2, qb2) + corr);
+            let d3 = f32(g5_dot(w3, bits, qa1, qb1, qa2, qb2) + corr);
+            a0 += sb0.x * (dd.x * d0) + sb0.y * dd.y;
+            a1 += sb1.x * (dd.x * d1) + sb1.y * dd.y;
+            a2 += sb2.x * (dd.x * d2) + sb2.y * dd.y;
+            a3 += sb3.x * (dd.x * d3) + sb3.y * dd.y;
         }
     }
+    gv_finish(li, lane, lanes / 2u, o0, t, m.out, mi, vec4<f32>(a0, a1, a2, a3));
 }
 
 // The gemm tile: 64 rows of x × 64 outputs, k in steps of 32; staged rows padded to 9 vec4s

@@ -724,6 +724,114 @@ fn moe_down_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     }
 }
 
+// ---- moe_gate_up_q: moe_gate_up_v's launch and outputs, x in two int8 levels (q2x.wgsl) and
+// the gate and up code words by integer dot products (4- and 8-bit codes; moe.rs picks it).
+// Each workgroup (a slot's 8 outputs, 32 lanes a row) quantizes the token's x itself, 128 code
+// words a pass.
+
+// The elements of word u's u32 j of x's row t at code word c0 (4-bit: xl, xh; 8-bit: xl).
+fn moe_q_load(t: u32, hid: u32, c0: u32, u: u32, j: u32, nv: u32, bits: u32,
+              xl: ptr<function, vec4<f32>>, xh: ptr<function, vec4<f32>>) {
+    if (u >= nv) {
+        return;
+    }
+    let epw = 128u / bits;
+    let v = (t * hid) / 4u + (c0 + u) * (epw / 4u) + j * (epw / 16u);
+    *xl = x4[v];
+    if (bits == 4u) {
+        *xh = x4[v + 1u];
+    }
+    g5_share(u, j, *xl, *xh);
+}
+
+@compute @workgroup_size(256)
+fn moe_gate_up_q(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let width = p.m.out;
+    let hid = p.m.inp;
+    let blocks = (width + 7u) / 8u;
+    let wg = wg_index(wid);
+    let slot = wg / blocks;
+    if (slot >= p.rows * p.k) {
+        return;
+    }
+    let o = (wg % blocks) * 8u + li / 32u;
+    let lane = li % 32u;
+    let t = slot / p.k;
+    let e = min(gu_ids[slot], p.n_exp - 1u);
+    let bits = p.m.bits;
+    let epw = 128u / bits;
+    let wpr = hid / epw;
+    let row = e * width + min(o, width - 1u);
+    let gg = row * (hid / p.m.gs);
+    let gu = row * (hid / p.m2.gs);
+    let j = li % 4u;
+    let ua = li / 4u;
+    let ub = ua + 64u;
+    var ga = 0.0;
+    var uacc = 0.0;
+    for (var c0 = 0u; c0 < wpr; c0 += G5_W) {
+        let nv = min(G5_W, wpr - c0);
+        // The first code words are loaded before x is staged.
+        var c = lane;
+        var a = vec4<u32>(0u);
+        var b = vec4<u32>(0u);
+        if (c < nv) {
+            a = qw4[row * wpr + c0 + c];
+            b = uw4[row * wpr + c0 + c];
+        }
+        workgroupBarrier();
+        var xla = vec4<f32>(0.0);
+        var xha = vec4<f32>(0.0);
+        var xlb = vec4<f32>(0.0);
+        var xhb = vec4<f32>(0.0);
+        moe_q_load(t, hid, c0, ua, j, nv, bits, &xla, &xha);
+        moe_q_load(t, hid, c0, ub, j, nv, bits, &xlb, &xhb);
+        workgroupBarrier();
+        g5_quant(ua, j, nv, bits, xla, xha);
+        g5_quant(ub, j, nv, bits, xlb, xhb);
+        workgroupBarrier();
+        if (bits == 8u) {
+            g5_correct(li, nv);
+            workgroupBarrier();
+        }
+        for (; c < nv; c += 32u) {
+            let wa = a;
+            let wb = b;
+            let cn = c + 32u;
+            if (cn < nv) {
+                a = qw4[row * wpr + c0 + cn];
+                b = uw4[row * wpr + c0 + cn];
+            }
+            let qa1 = g5_q[c];
+            let qb1 = g5_q[128u + c];
+            let qa2 = g5_q[256u + c];
+            let qb2 = g5_q[384u + c];
+            let dd = g5_d[c];
+            let corr = bitcast<i32>(dd.z);
+            let ig = f32(g5_dot(wa, bits, qa1, qb1, qa2, qb2) + corr);
+            let iu = f32(g5_dot(wb, bits, qa1, qb1, qa2, qb2) + corr);
+            let k = (c0 + c) * epw;
+            ga += q_sb(gg + k / p.m.gs, p.m.sb16, false) * (dd.x * ig)
+                + q_sb(gg + k / p.m.gs, p.m.sb16, true) * dd.y;
+            uacc += u_sb(gu + k / p.m2.gs, p.m2.sb16, false) * (dd.x * iu)
+                + u_sb(gu + k / p.m2.gs, p.m2.sb16, true) * dd.y;
+        }
+    }
+    red[li] = ga;
+    red2[li] = uacc;
+    workgroupBarrier();
+    for (var s = 16u; s > 0u; s >>= 1u) {
+        if (lane < s) {
+            red[li] += red[li + s];
+            red2[li] += red2[li + s];
+        }
+        workgroupBarrier();
+    }
+    if (lane == 0u && o < width) {
+        gu_act[slot * width + o] = silu_f(red[li]) * red2[li];
+    }
+}
+
 // ---- the grouped GEMM (prefill)
 
 const TM: u32 = 32u;
