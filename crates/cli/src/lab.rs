@@ -4,7 +4,9 @@
 //! replayed in a CUDA graph with the backend's decode optimisations on and off (engine:
 //! backend/cuda/lab.rs). `--backend wgpu`: in one compute pass timed by timestamps, for each
 //! GEMV variant of `--variants`, plus the dispatch floor and pure reads by size (engine:
-//! backend/wgpu/lab.rs). Prints a table; `--json FILE` writes the rows.
+//! backend/wgpu/lab.rs). Prints a table; `--json FILE` writes the rows. `--backend wgpu
+//! --pipeline-stats FILE` runs no case: it asks the Vulkan driver what it compiled each WGSL entry
+//! point to (registers, spills, its IR and machine code; engine: backend/wgpu/stats.rs).
 
 use std::path::PathBuf;
 
@@ -40,6 +42,15 @@ pub struct LabArgs {
     /// Also write the results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// wgpu on Vulkan: run no case; instead compile every compute entry point as wgpu would and
+    /// print the driver's statistics for each (VK_KHR_pipeline_executable_properties: registers,
+    /// spills, …), writing them with the driver's internal representations (IR, machine code) to
+    /// this file (binary ones beside it, as FILE.<module>.<entry>.<n>.<name>).
+    #[arg(long, value_name = "FILE")]
+    pipeline_stats: Option<PathBuf>,
+    /// With --pipeline-stats: only the entry points whose `module entry` contains this.
+    #[arg(long, value_name = "SUBSTR", requires = "pipeline_stats")]
+    pipeline_stats_filter: Option<String>,
 }
 
 /// `--cases` as a list (empty: all).
@@ -65,6 +76,12 @@ fn write_json(p: &std::path::Path, doc: &serde_json::Value) -> Result<()> {
 }
 
 pub fn run(a: LabArgs) -> Result<()> {
+    if let Some(file) = &a.pipeline_stats {
+        if a.backend != "wgpu" {
+            anyhow::bail!("--pipeline-stats: with --backend wgpu (the Vulkan driver's view of the WGSL kernels)");
+        }
+        return pipeline_stats(file, a.pipeline_stats_filter.as_deref());
+    }
     match a.backend.as_str() {
         "cuda" => run_cuda(a),
         "wgpu" => run_wgpu(a),
@@ -77,6 +94,50 @@ fn run_wgpu(_a: LabArgs) -> Result<()> {
     anyhow::bail!(
         "lily lab --backend wgpu: this build has no wgpu backend (build with `--features wgpu`)"
     )
+}
+
+#[cfg(not(all(feature = "wgpu", not(target_os = "macos"))))]
+fn pipeline_stats(_file: &std::path::Path, _filter: Option<&str>) -> Result<()> {
+    anyhow::bail!("--pipeline-stats: needs the wgpu backend on Vulkan (not a Mac; build with `--features wgpu`)")
+}
+
+/// `--pipeline-stats FILE`: one line per entry point on stdout, the full dump in `file`.
+#[cfg(all(feature = "wgpu", not(target_os = "macos")))]
+fn pipeline_stats(file: &std::path::Path, filter: Option<&str>) -> Result<()> {
+    use anyhow::Context;
+    let rep = lily::backend::wgpu::stats::pipeline_stats(filter, false)?;
+    println!("lily lab --pipeline-stats: {}", rep.header());
+    for e in &rep.entries {
+        println!("{}", e.summary());
+    }
+    std::fs::write(file, rep.dump())
+        .with_context(|| format!("{}: cannot write", file.display()))?;
+    let mut n = 0;
+    for (key, bytes) in rep.binaries() {
+        let mut p = file.as_os_str().to_owned();
+        p.push(format!(".{key}"));
+        std::fs::write(&p, bytes)
+            .with_context(|| format!("{}: cannot write", std::path::Path::new(&p).display()))?;
+        n += 1;
+    }
+    let failed = rep.entries.iter().filter(|e| e.result.is_err()).count();
+    eprintln!(
+        "lily: {} entry points ({failed} failed); wrote {}{}",
+        rep.entries.len(),
+        file.display(),
+        if n > 0 {
+            format!(" and {n} binary representations beside it")
+        } else {
+            String::new()
+        }
+    );
+    if rep.entries.is_empty() {
+        anyhow::bail!(
+            "--pipeline-stats-filter {:?}: no compute entry point matches",
+            filter.unwrap_or("")
+        );
+    }
+    Ok(())
 }
 
 #[cfg(feature = "wgpu")]

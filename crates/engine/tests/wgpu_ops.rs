@@ -96,6 +96,39 @@ fn shaders_validate_and_translate_to_msl() {
     }
 }
 
+/// The Vulkan driver's statistics of `gemv_v4` (`lily lab --pipeline-stats`): at least one. A
+/// driver without VK_KHR_pipeline_executable_properties (lavapipe) only compiles it; no Vulkan
+/// skips, as `gpu()` does.
+#[cfg(not(target_os = "macos"))]
+#[test]
+fn pipeline_stats_of_gemv_v4() {
+    let rep = match lily::backend::wgpu::stats::pipeline_stats(Some("matmul gemv_v4"), true) {
+        Ok(r) => r,
+        Err(e) => {
+            if std::env::var("LILY_REQUIRE_WGPU").as_deref() == Ok("1") {
+                panic!("LILY_REQUIRE_WGPU=1 but the probe found no Vulkan device: {e:#}");
+            }
+            eprintln!("skipping: {e:#}");
+            return;
+        }
+    };
+    eprintln!("{}", rep.header());
+    assert_eq!(rep.entries.len(), 1, "one entry point matches");
+    let e = &rep.entries[0];
+    eprintln!("{}", e.summary());
+    assert_eq!((e.module.as_str(), e.entry.as_str()), ("matmul", "gemv_v4"));
+    let exes = e.result.as_ref().expect("gemv_v4 compiles");
+    assert!(e.spirv_words > 0 && e.capabilities.iter().any(|c| c == "Shader"));
+    if rep.stats_offered {
+        assert!(
+            exes.iter().any(|x| !x.stats.is_empty()),
+            "the driver reports no statistic for gemv_v4"
+        );
+    } else {
+        eprintln!("the driver has no VK_KHR_pipeline_executable_properties: compiled only");
+    }
+}
+
 #[test]
 fn copies_and_reads_back_exactly() {
     let Some(g) = gpu() else { return };

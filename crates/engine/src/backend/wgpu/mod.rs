@@ -23,6 +23,8 @@ mod matmul;
 mod moe;
 mod norm;
 mod output;
+#[cfg(not(any(target_os = "macos", target_arch = "wasm32")))]
+pub mod stats;
 
 use anyhow::{bail, Result};
 
