@@ -644,6 +644,28 @@ fn moe_gate_up_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     }
 }
 
+// moe_down_v: code vec4 vi of the row at base (zero past v1).
+fn dn_load(base: u32, vi: u32, v1: u32) -> vec4<u32> {
+    if (vi < v1) {
+        return qw4[base + vi];
+    }
+    return vec4<u32>(0u);
+}
+
+// moe_down_v: scale·Σ code·x + bias·Σ x of code vec4 a (vec4 vi of the row; 0 past v1), x from
+// the slot's staged chunk at stg[xb ..] (word vi − v0 of nwp), groups from gr.
+fn dn_word(a: vec4<u32>, vi: u32, v0: u32, v1: u32, xb: u32, nwp: u32, gr: u32) -> f32 {
+    if (vi >= v1) {
+        return 0.0;
+    }
+    var d = vec2<f32>(bitcast<f32>(a.x ^ a.w), 0.0);
+    if ((p.ablate & 8u) == 0u) {
+        d = dq1(a, xb, vi - v0, nwp, p.m.bits);
+    }
+    let g = gr + vi * (128u / p.m.bits) / p.m.gs;
+    return m_sb(g, p.m.sb16, false) * d.x + m_sb(g, p.m.sb16, true) * d.y;
+}
+
 @compute @workgroup_size(256)
 fn moe_down_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let hid = p.m.out;
@@ -687,25 +709,19 @@ fn moe_down_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
         if (live) {
             let v0 = c0 / epv;
             let v1 = v0 + 4u * n4 / epv;
-            // Four vec4s in flight: v, v + 4, v + 8, v + 12 (a row of 512 4-bit codes is 16).
+            // Four vec4s in flight: v, v + 4, v + 8, v + 12 (a row of 512 4-bit codes is 16),
+            // held in four values: as an array they went to local memory (64 bytes a thread,
+            // the driver's statistics on the H200).
+            let base = row * nvr;
             for (var v = v0 + lane; v < v1; v += 16u) {
-                var a = array<vec4<u32>, 4>();
-                for (var i = 0u; i < 4u; i++) {
-                    if (v + 4u * i < v1) {
-                        a[i] = qw4[row * nvr + v + 4u * i];
-                    }
-                }
-                for (var i = 0u; i < 4u; i++) {
-                    let vi = v + 4u * i;
-                    if (vi < v1) {
-                        var d = vec2<f32>(bitcast<f32>(a[i].x ^ a[i].w), 0.0);
-                        if ((p.ablate & 8u) == 0u) {
-                            d = dq1(a[i], j * cw4, vi - v0, nwp, bits);
-                        }
-                        let g = gr + vi * epv / p.m.gs;
-                        acc += m_sb(g, p.m.sb16, false) * d.x + m_sb(g, p.m.sb16, true) * d.y;
-                    }
-                }
+                let a0 = dn_load(base, v, v1);
+                let a1 = dn_load(base, v + 4u, v1);
+                let a2 = dn_load(base, v + 8u, v1);
+                let a3 = dn_load(base, v + 12u, v1);
+                acc += dn_word(a0, v, v0, v1, j * cw4, nwp, gr);
+                acc += dn_word(a1, v + 4u, v0, v1, j * cw4, nwp, gr);
+                acc += dn_word(a2, v + 8u, v0, v1, j * cw4, nwp, gr);
+                acc += dn_word(a3, v + 12u, v0, v1, j * cw4, nwp, gr);
             }
         }
         if ((p.ablate & 1u) == 0u) {
