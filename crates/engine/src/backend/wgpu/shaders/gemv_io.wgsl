@@ -137,3 +137,15 @@ fn vout(mi: u32, i: u32, v: f32) {
     }
 }
 
+// x's vec4 v of row xrow as the mode reads it (xmode 1: times rn, the norm's 1 / rms, and the
+// norm's weights; 2: silu(x) · u), for gemv_v4, gemv_v5 and gemv_rw.
+fn pv_x(xrow: u32, v: u32, rn: f32) -> vec4<f32> {
+    var xv = vx[xrow + v];
+    if (pv.xmode == 1u) {
+        xv = xv * rn * vaux[v];
+    } else if (pv.xmode == 2u) {
+        let a = vaux[xrow + v];
+        xv = vec4<f32>(silu_f(xv.x) * a.x, silu_f(xv.y) * a.y, silu_f(xv.z) * a.z, silu_f(xv.w) * a.w);
+    }
+    return xv;
+}

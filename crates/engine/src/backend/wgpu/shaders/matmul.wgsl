@@ -255,14 +255,7 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
         let staged = select(kn / 4u, 0u, (pv.ablate & 1u) != 0u);
         for (var u = li; u < staged; u += 256u) {
             let v = (u % nv) * npw + u / nv;
-            var xv = vx[xrow + k0 / 4u + v];
-            if (pv.xmode == 1u) {
-                xv = xv * rn * vaux[k0 / 4u + v];
-            } else if (pv.xmode == 2u) {
-                let a = vaux[xrow + k0 / 4u + v];
-                xv = vec4<f32>(silu_f(xv.x) * a.x, silu_f(xv.y) * a.y, silu_f(xv.z) * a.z, silu_f(xv.w) * a.w);
-            }
-            gv_x[u] = xv * sc;
+            gv_x[u] = pv_x(xrow, k0 / 4u + v, rn) * sc;
         }
         if ((pv.ablate & 1u) == 0u) {
             workgroupBarrier();
@@ -330,18 +323,6 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
 
 // ---- gemv_v5 (header; q2x.wgsl holds its quantized x): the loads of x and the scales.
 
-// x's vec4 v of row xrow as the mode reads it (rn: the norm's reciprocal root).
-fn g5_x(xrow: u32, v: u32, rn: f32) -> vec4<f32> {
-    var xv = vx[xrow + v];
-    if (pv.xmode == 1u) {
-        xv = xv * rn * vaux[v];
-    } else if (pv.xmode == 2u) {
-        let a = vaux[xrow + v];
-        xv = vec4<f32>(silu_f(xv.x) * a.x, silu_f(xv.y) * a.y, silu_f(xv.z) * a.z, silu_f(xv.w) * a.w);
-    }
-    return xv;
-}
-
 // Scale and bias of group i of matrix mi (one load each, no select between them).
 fn g5_sb(mi: u32, i: u32, sb16: u32) -> vec2<f32> {
     let j = select(i, i >> 1u, sb16 != 0u);
@@ -371,9 +352,9 @@ fn g5_load(u: u32, j: u32, nv: u32, c0: u32, bits: u32, xrow: u32, rn: f32,
     }
     let epw = 128u / bits;
     let e4 = (c0 + u) * (epw / 4u) + j * (epw / 16u);
-    *xl = g5_x(xrow, e4, rn);
+    *xl = pv_x(xrow, e4, rn);
     if (bits == 4u) {
-        *xh = g5_x(xrow, e4 + 1u, rn);
+        *xh = pv_x(xrow, e4 + 1u, rn);
     }
     g5_share(u, j, *xl, *xh);
 }

@@ -56,18 +56,6 @@ fn team_sum(v: vec4<f32>, li: u32, lane_sg: u32, T: u32, sg: u32) -> vec4<f32> {
     return t;
 }
 
-// x's 4 elements v of row t (at xrow = t · inp / 4) as the mode reads them.
-fn rw_x(xrow: u32, v: u32, rn: f32) -> vec4<f32> {
-    var xv = vx[xrow + v];
-    if (pv.xmode == 1u) {
-        xv = xv * rn * vaux[v];
-    } else if (pv.xmode == 2u) {
-        let u = vaux[xrow + v];
-        xv = vec4<f32>(silu_f(xv.x) * u.x, silu_f(xv.y) * u.y, silu_f(xv.z) * u.z, silu_f(xv.w) * u.w);
-    }
-    return xv;
-}
-
 // gemv_xs: the matrix slot of this workgroup (uniform), for the epilogue.
 var<private> xs_mi: u32;
 
@@ -116,14 +104,14 @@ fn rw_dot{M}_{R}(m: QMat, o0: u32, lane: u32, T: u32, xrow: u32, rn: f32) -> vec
                 s[r] = rw_sb{M}(ri[r] * gpr + g, m.sb16, false);
                 b[r] = rw_sb{M}(ri[r] * gpr + g, m.sb16, true);
             }
-            let x0 = rw_x(xrow, 8u * c, rn);
-            let x1 = rw_x(xrow, 8u * c + 1u, rn);
-            let x2 = rw_x(xrow, 8u * c + 2u, rn);
-            let x3 = rw_x(xrow, 8u * c + 3u, rn);
-            let x4 = rw_x(xrow, 8u * c + 4u, rn);
-            let x5 = rw_x(xrow, 8u * c + 5u, rn);
-            let x6 = rw_x(xrow, 8u * c + 6u, rn);
-            let x7 = rw_x(xrow, 8u * c + 7u, rn);
+            let x0 = pv_x(xrow, 8u * c, rn);
+            let x1 = pv_x(xrow, 8u * c + 1u, rn);
+            let x2 = pv_x(xrow, 8u * c + 2u, rn);
+            let x3 = pv_x(xrow, 8u * c + 3u, rn);
+            let x4 = pv_x(xrow, 8u * c + 4u, rn);
+            let x5 = pv_x(xrow, 8u * c + 5u, rn);
+            let x6 = pv_x(xrow, 8u * c + 6u, rn);
+            let x7 = pv_x(xrow, 8u * c + 7u, rn);
             let sx = dot(((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)), vec4<f32>(1.0));
             let a0 = x0 * sc;
             let a1 = x1 * sc;
@@ -152,10 +140,10 @@ fn rw_dot{M}_{R}(m: QMat, o0: u32, lane: u32, T: u32, xrow: u32, rn: f32) -> vec
                 s[r] = rw_sb{M}(ri[r] * gpr + g, m.sb16, false);
                 b[r] = rw_sb{M}(ri[r] * gpr + g, m.sb16, true);
             }
-            let x0 = rw_x(xrow, 4u * c, rn);
-            let x1 = rw_x(xrow, 4u * c + 1u, rn);
-            let x2 = rw_x(xrow, 4u * c + 2u, rn);
-            let x3 = rw_x(xrow, 4u * c + 3u, rn);
+            let x0 = pv_x(xrow, 4u * c, rn);
+            let x1 = pv_x(xrow, 4u * c + 1u, rn);
+            let x2 = pv_x(xrow, 4u * c + 2u, rn);
+            let x3 = pv_x(xrow, 4u * c + 3u, rn);
             let sx = dot((x0 + x1) + (x2 + x3), vec4<f32>(1.0));
             let a0 = x0 * sc;
             let a1 = x1 * sc;
