@@ -383,9 +383,10 @@ fn decode_epilogues_match_the_cpu() {
 }
 
 /// The decode GEMVs other than the default gemv_v5 (`Wgpu::set_gemv`): gemv_v4, gemv_rw with 1,
-/// 2 and 4 rows a team and gemv_xs (F32_TOL: x in f32), through the same
-/// projection sets, norms and epilogues as the two tests above. On an adapter without ordered
-/// subgroups gemv_rw and gemv_xs fall back to gemv_v4 (and pass as it).
+/// 2 and 4 rows a team and gemv_xs (F32_TOL: x in f32), and gemv_q6 (Q2X_TOL: x staged in two
+/// int8 levels by q2x_stage) through the same projection sets, norms and epilogues as the two
+/// tests above. On an adapter without ordered subgroups gemv_rw and gemv_xs fall back to
+/// gemv_v4 (and pass as it), gemv_q6 to gemv_v5.
 #[test]
 fn gemv_variants_match_the_cpu() {
     for (v, tol) in [
@@ -394,6 +395,7 @@ fn gemv_variants_match_the_cpu() {
         ("rw2", F32_TOL),
         ("rw4", F32_TOL),
         ("xs", F32_TOL),
+        ("v6", Q2X_TOL),
     ] {
         let Some(g) = gpu() else { return };
         g.set_gemv(v).unwrap();

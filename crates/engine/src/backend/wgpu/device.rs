@@ -55,6 +55,7 @@ pub fn shaders() -> Vec<Shader> {
         super::norm::SHADER,
         super::matmul::SHADER,
         super::matmul::sg_shader(),
+        super::matmul::XQ_SHADER,
         super::attention::SHADER,
         super::gdn::SHADER,
         super::gdn::SHADER_SG,
@@ -232,6 +233,7 @@ pub(super) fn gemv_code(name: &str) -> Option<u32> {
         "rw4" => Some(4),
         "xs" => Some(8),
         "v5" => Some(16),
+        "v6" => Some(32),
         _ => None,
     }
 }

@@ -106,7 +106,10 @@ pub fn parse_variants(s: &str) -> Result<Vec<Variant>> {
                 "rw4" => 4,
                 "xs" => 8,
                 "v5" => 16,
-                _ => bail!("variant `{v}`: v4, v5, rw1, rw2, rw4 or xs, optionally @workgroups"),
+                "v6" => 32,
+                _ => {
+                    bail!("variant `{v}`: v4, v5, v6, rw1, rw2, rw4 or xs, optionally @workgroups")
+                }
             };
             let Some(want) = want else {
                 bail!("variant `{v}`: @ takes a positive number of workgroups")

@@ -23,6 +23,22 @@ pub const SHADER: Shader = Shader {
     ),
 };
 
+/// q2x_stage (xq.wgsl): x quantized once a launch for gemv_q6.
+pub const XQ_SHADER: Shader = Shader {
+    name: "xq",
+    src: concat!(
+        include_str!("shaders/common.wgsl"),
+        include_str!("shaders/q2x.wgsl"),
+        include_str!("shaders/xq.wgsl")
+    ),
+};
+
+/// Vec4s of x as q2x_stage stages a row of `inp` elements (xq.wgsl: both layouts, 5.5 bytes an
+/// element).
+fn xq_row(inp: usize) -> usize {
+    5 * (inp / 32) + 3 * (inp / 16)
+}
+
 /// matmul_sg.wgsl made whole: its per-matrix part for each of the 4 matrix slots, its per-rows
 /// part for each slot and R, its entry for each R (the file's header says why).
 pub fn sg_shader() -> Shader {
@@ -38,15 +54,18 @@ pub fn sg_shader() -> Shader {
                 .unwrap_or_else(|| panic!("matmul_sg.wgsl: no //@@ {name} part"))
                 .to_string()
         };
-        let (matrix, rows, entry, xs, xsentry) = (
+        let (matrix, rows, entry, xs, xsentry, q6, q6entry) = (
             part("matrix"),
             part("rows"),
             part("entry"),
             part("xs"),
             part("xsentry"),
+            part("q6"),
+            part("q6entry"),
         );
         let mut s = String::from(include_str!("shaders/common.wgsl"));
         s += include_str!("shaders/gemv_io.wgsl");
+        s += include_str!("shaders/q2x.wgsl");
         s += head;
         let sub = |t: &str, m: u32, r: u32| {
             t.replace("{M}", &m.to_string())
@@ -68,7 +87,10 @@ pub fn sg_shader() -> Shader {
             }
             s += &sub(&xsentry, 0, nw);
         }
-        s
+        for m in 0..4 {
+            s += &sub(&q6, m, 0);
+        }
+        s + &q6entry
     });
     Shader {
         name: "matmul_sg",
@@ -272,15 +294,27 @@ pub fn gemv_many(
         r @ (1 | 2 | 4) if ctx.report.subgroups => r as usize,
         _ => 0,
     };
-    // gemv_v5 (16) takes gemv_v4's launch.
-    let v5 = ctx.sw.gemv.load(Ordering::Relaxed) == 16;
+    // gemv_v5 (16) takes gemv_v4's launch; gemv_q6 (32) x staged by q2x_stage, on adapters
+    // whose subgroups are in order and of one width, for rows a whole number of 4-bit words
+    // (else gemv_v5).
+    let q6 = ctx.sw.gemv.load(Ordering::Relaxed) == 32
+        && fixed
+        && ws.iter().all(|w| w.inp.is_multiple_of(32));
+    let v5 = ctx.sw.gemv.load(Ordering::Relaxed) >= 16;
     let want = ctx.sw.gemv_wgs.load(Ordering::Relaxed);
     for i in 0..4 {
         let w = ws[i.min(ws.len() - 1)];
         p.extend(w.qmat());
         if i < ws.len() {
             let words = w.inp / (128 / w.bits as usize);
-            let (l, per) = if rw == 8 {
+            let (l, per) = if q6 {
+                // A team: the largest power of two ≤ the subgroup and the row's words.
+                let mut l = 1;
+                while l * 2 <= sgw.min(words) {
+                    l *= 2;
+                }
+                (l, 1024 / l)
+            } else if rw == 8 {
                 // Rows a workgroup: a pair for each subgroup at least, more while the
                 // workgroups would exceed `want`.
                 let pair = 2 * (256 / sgw);
@@ -310,6 +344,7 @@ pub fn gemv_many(
         OutMode::Residual { r, s } => (2, &r.buf, &s.buf),
     };
     p.extend([ws.len() as u32, rows as u32, e as u32, xmode]);
+    let xmode_at = p.len() - 1;
     p.extend(lanes);
     p.extend(start);
     p.extend(end);
@@ -332,6 +367,26 @@ pub fn gemv_many(
         });
     }
     bufs.extend([aux, xn, r, s]);
+    if q6 {
+        let inp = ws[0].inp;
+        let xq = match ctx.scratch("gemv_xq", (16 * rows * xq_row(inp)) as u64) {
+            Ok(b) => b,
+            Err(e) => return ctx.fail(format!("gemv_q6: {e:#}")),
+        };
+        // q2x_stage takes the x mode; gemv_q6 reads the staged x as it is.
+        let xp = [inp as u32, rows as u32, xmode, eps.to_bits()];
+        ctx.dispatch(
+            &XQ_SHADER,
+            "q2x_stage",
+            &xp,
+            &[&x.buf, aux, xn, &xq],
+            rows as u32,
+        );
+        p[xmode_at] = 0;
+        bufs[12] = &xq;
+        ctx.dispatch(&sg_shader(), "gemv_q6", &p, &bufs, (blocks * rows) as u32);
+        return;
+    }
     match rw {
         0 => {
             let entry = if v5 { "gemv_v5" } else { "gemv_v4" };

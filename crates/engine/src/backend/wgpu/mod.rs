@@ -136,7 +136,7 @@ impl Wgpu {
     /// values) from now on; tests compare them on one device.
     pub fn set_gemv(&self, name: &str) -> Result<()> {
         let Some(c) = device::gemv_code(name) else {
-            bail!("unknown decode GEMV `{name}` (v4, v5, rw1, rw2, rw4 or xs)");
+            bail!("unknown decode GEMV `{name}` (v4, v5, v6, rw1, rw2, rw4 or xs)");
         };
         self.ctx
             .sw

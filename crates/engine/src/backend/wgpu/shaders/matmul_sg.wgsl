@@ -61,13 +61,18 @@ var<private> xs_mi: u32;
 
 // Writes row o of row t's output of matrix xs_mi as the output mode says.
 fn xs_out(o: u32, t: u32, out: u32, a: f32) {
-    let i = t * out + o;
+    sg_out(xs_mi, t, t * out + o, a);
+}
+
+// Writes output i (of row t of x) of matrix mi as the output mode says (gemv_rw, gemv_xs,
+// gemv_q6).
+fn sg_out(mi: u32, t: u32, i: u32, a: f32) {
     if (pv.omode == 0u) {
-        vout(xs_mi, i, a);
+        vout(mi, i, a);
     } else if (pv.omode == 1u) {
-        vout(xs_mi, i, vget(xs_mi, i) + a);
+        vout(mi, i, vget(mi, i) + a);
     } else {
-        vout(xs_mi, i, vget(xs_mi, i) + (vr[i] + sigmoid_f(vsg[t]) * a));
+        vout(mi, i, vget(mi, i) + (vr[i] + sigmoid_f(vsg[t]) * a));
     }
 }
 
@@ -210,15 +215,7 @@ fn gemv_rw{R}(
     acc = team_sum(acc, li, lane_sg, T, sg);
     // Lane r of a team writes its row r.
     if (lane < {R}u && o0 + lane < m.out) {
-        let i = t * m.out + o0 + lane;
-        let a = acc[lane];
-        if (pv.omode == 0u) {
-            vout(mi, i, a);
-        } else if (pv.omode == 1u) {
-            vout(mi, i, vget(mi, i) + a);
-        } else {
-            vout(mi, i, vget(mi, i) + (vr[i] + sigmoid_f(vsg[t]) * a));
-        }
+        sg_out(mi, t, t * m.out + o0 + lane, acc[lane]);
     }
 }
 
@@ -379,5 +376,124 @@ fn gemv_xs{NW}(
         case 1u: { xs_rows1_{NW}(m, t, o0, o1, sgi, nsg, lane, W, &xa, &sxw); }
         case 2u: { xs_rows2_{NW}(m, t, o0, o1, sgi, nsg, lane, W, &xa, &sxw); }
         default: { xs_rows3_{NW}(m, t, o0, o1, sgi, nsg, lane, W, &xa, &sxw); }
+    }
+}
+
+//@@ q6
+// gemv_q6 (the entry's header says how it launches): this lane's share of rows o0 .. o0 + 3 of
+// matrix {M} (rows past the end read the last row), against x as q2x_stage staged it at xb
+// (xq.wgsl's layouts, read through vx as bits). Every load of a step is issued before its
+// products: 4 rows' code words (16 bytes each), their scales and biases, and x's word (80 bytes
+// 4-bit, 48 bytes 8-bit), shared by the 4 rows.
+fn q6_dot{M}(m: QMat, o0: u32, lane: u32, T: u32, xb: u32) -> vec4<f32> {
+    let r0 = pv.e * m.out + min(o0, m.out - 1u);
+    let r1 = pv.e * m.out + min(o0 + 1u, m.out - 1u);
+    let r2 = pv.e * m.out + min(o0 + 2u, m.out - 1u);
+    let r3 = pv.e * m.out + min(o0 + 3u, m.out - 1u);
+    let gpr = m.inp / m.gs;
+    let epw = 128u / m.bits;
+    let wpr = m.inp / epw;
+    let w4 = m.inp / 32u;
+    var acc = vec4<f32>(0.0);
+    for (var c = lane; c < wpr; c += T) {
+        let q0 = vw{M}[r0 * wpr + c];
+        let q1 = vw{M}[r1 * wpr + c];
+        let q2 = vw{M}[r2 * wpr + c];
+        let q3 = vw{M}[r3 * wpr + c];
+        let g = (c * epw) / m.gs;
+        let s0 = rw_sb{M}(r0 * gpr + g, m.sb16, false);
+        let s1 = rw_sb{M}(r1 * gpr + g, m.sb16, false);
+        let s2 = rw_sb{M}(r2 * gpr + g, m.sb16, false);
+        let s3 = rw_sb{M}(r3 * gpr + g, m.sb16, false);
+        let b0 = rw_sb{M}(r0 * gpr + g, m.sb16, true);
+        let b1 = rw_sb{M}(r1 * gpr + g, m.sb16, true);
+        let b2 = rw_sb{M}(r2 * gpr + g, m.sb16, true);
+        let b3 = rw_sb{M}(r3 * gpr + g, m.sb16, true);
+        var xa1: vec4<u32>;
+        var xb1 = vec4<u32>(0u);
+        var xa2: vec4<u32>;
+        var xb2 = vec4<u32>(0u);
+        var xm: vec4<u32>;
+        if (m.bits == 4u) {
+            xa1 = bitcast<vec4<u32>>(vx[xb + c]);
+            xb1 = bitcast<vec4<u32>>(vx[xb + w4 + c]);
+            xa2 = bitcast<vec4<u32>>(vx[xb + 2u * w4 + c]);
+            xb2 = bitcast<vec4<u32>>(vx[xb + 3u * w4 + c]);
+            xm = bitcast<vec4<u32>>(vx[xb + 4u * w4 + c]);
+        } else {
+            let x8 = xb + 5u * w4;
+            xa1 = bitcast<vec4<u32>>(vx[x8 + c]);
+            xa2 = bitcast<vec4<u32>>(vx[x8 + wpr + c]);
+            xm = bitcast<vec4<u32>>(vx[x8 + 2u * wpr + c]);
+        }
+        let dd = bitcast<f32>(xm.x);
+        let sx = bitcast<f32>(xm.y);
+        // 0 for 4-bit words (q2x_stage writes it so).
+        let corr = bitcast<i32>(xm.z);
+        let d0 = f32(g5_dot(q0, m.bits, xa1, xb1, xa2, xb2) + corr);
+        let d1 = f32(g5_dot(q1, m.bits, xa1, xb1, xa2, xb2) + corr);
+        let d2 = f32(g5_dot(q2, m.bits, xa1, xb1, xa2, xb2) + corr);
+        let d3 = f32(g5_dot(q3, m.bits, xa1, xb1, xa2, xb2) + corr);
+        acc += vec4<f32>(s0 * (dd * d0) + b0 * sx, s1 * (dd * d1) + b1 * sx,
+                         s2 * (dd * d2) + b2 * sx, s3 * (dd * d3) + b3 * sx);
+    }
+    return acc;
+}
+
+//@@ q6entry
+// gemv_q6: the decode GEMV against x staged once a launch by q2x_stage (xq.wgsl), so that a
+// workgroup has no staging, no workgroup memory and no barrier: gemv_v5's integer dot products
+// without its per-workgroup chain (x loaded and quantized behind 3 barriers, a 6-step tree of
+// barriers at the end, 95 registers: two workgroups an SM on the H200). A team of T lanes
+// (T ≤ the subgroup, chosen by matmul.rs: the largest power of two ≤ min(subgroup, the row's
+// code words)) owns 4 rows: lane l reads code words l, l + T, … of each, and x's words from
+// the staged buffer (L2/L1: 5.5 bytes an element, every team reads the same); the team sums by
+// shuffles (team_sum, no barrier when T ≤ the subgroup). Same parameter block and bindings as
+// gemv_v4 with vx = the staged x, xmode 0 (q2x_stage applied the mode); outputs as gemv_io's
+// omode says. Launch: 256 invocations = 256 / T teams, 1024 / T rows a workgroup; matrix i
+// ceil(out_i · T_i / 1024) blocks, workgroup index = block · rows + t (as gemv_v4).
+@compute @workgroup_size(256)
+fn gemv_q6(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_size) sg_size: u32,
+    @builtin(subgroup_invocation_id) lane_sg: u32,
+) {
+    if (li == 0u) {
+        rw_sg = sg_size;
+    }
+    let sg = workgroupUniformLoad(&rw_sg);
+    let wg = wg_index(wid);
+    let t = wg % pv.rows;
+    var blk = wg / pv.rows;
+    var mi = 0u;
+    for (var k = 1u; k < pv.n; k++) {
+        if (blk >= pv.start[k]) {
+            mi = k;
+        }
+    }
+    blk -= pv.start[mi];
+    let m = pv.ms[mi];
+    let T = pv.lanes[mi];
+    let lane = li % T;
+    let o0 = (blk * (256u / T) + li / T) * 4u;
+    // Row t's staged x (xq.wgsl: 5 · inp / 32 + 3 · inp / 16 vec4s a row).
+    let xb = t * (5u * (m.inp / 32u) + 3u * (m.inp / 16u));
+    // The layout is derived from the bindings a kernel uses, and gemv_io's launch binds the
+    // norm's and the glu's buffers too: this keeps them in it (xmode is 0 here).
+    if (pv.xmode == 7u) {
+        vxn[0] = vaux[0];
+    }
+    var acc: vec4<f32>;
+    switch mi {
+        case 0u: { acc = q6_dot0(m, o0, lane, T, xb); }
+        case 1u: { acc = q6_dot1(m, o0, lane, T, xb); }
+        case 2u: { acc = q6_dot2(m, o0, lane, T, xb); }
+        default: { acc = q6_dot3(m, o0, lane, T, xb); }
+    }
+    acc = team_sum(acc, li, lane_sg, T, sg);
+    // Lane r of a team writes its row r.
+    if (lane < 4u && o0 + lane < m.out) {
+        sg_out(mi, t, t * m.out + o0 + lane, acc[lane]);
     }
 }

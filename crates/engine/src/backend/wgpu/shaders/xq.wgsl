@@ -1,0 +1,148 @@
+// xq.wgsl: q2x_stage, the decode GEMV's x quantized once a launch instead of once a workgroup
+// (matmul.rs `gemv_many` runs it before gemv_q6 of matmul_sg.wgsl; the twin of the quantization
+// is q2x.wgsl's g5_share / g5_quant, which gemv_v5 runs in every workgroup; the CPU twin of
+// the pair is cpu/matmul.rs `matmul`, the error stated by the tests' Q2X_TOL).
+//
+// What: row t of x, read as gemv_io's modes read it (xmode 0 as it is; 1 rms_norm(h) · w, the
+// normed row also written to xn; 2 silu(x) · u), quantized per code word to two int8 levels,
+// x ≈ d·(q1 + q2/254) with d = max |x| / 127 over the word, in both of the GEMV's layouts:
+// - 4-bit words (32 elements): at row base b, five arrays of w4 = inp / 32 vec4s: [b] q1 of the
+//   even nibbles, [b + w4] q1 of the odd nibbles, [b + 2 w4] q2 even, [b + 3 w4] q2 odd (u32 j
+//   of a vec4 = the word's u32 j of codes, bytes in the nibbles' order), [b + 4 w4] the word's
+//   (d / 254, Σ x, 0, 0) as f32 bits;
+// - 8-bit words (16 elements) at b8 = b + 5 w4, three arrays of w8 = inp / 16: q1, q2 (bytes in
+//   element order) and (d / 254, Σ x, 128 · (254 · Σ q1 + Σ q2) as i32 bits, 0): the codes are
+//   read as signed (c − 128), the correction adds the difference back.
+// Row t's base is t · (5 w4 + 3 w8) (`xq_row` in matmul.rs; 5.5 bytes an element).
+//
+// Launch: a workgroup of 256 a row of x (rows ≤ 8). Each thread takes 8 elements (u32 j of
+// 4-bit word u = i / 4, j = i % 4; also the two u32s 2(j % 2), 2(j % 2) + 1 of 8-bit word
+// 2u + j / 2); a word's max and Σ meet by subgroup shuffles among its 4 (or 2) threads, which
+// are consecutive lanes of one subgroup (Ctx checks that invocations fill subgroups in order,
+// and at least 4 lanes). The norm's sum of squares: subgroupAdd, then workgroup memory.
+
+struct XP {
+    inp: u32,
+    rows: u32,
+    xmode: u32,
+    eps: f32,
+}
+
+@group(0) @binding(0) var<uniform> xp: XP;
+@group(0) @binding(1) var<storage, read> qx: array<vec4<f32>>;
+// xmode 1: the norm's weights; xmode 2: u. Read only in those modes.
+@group(0) @binding(2) var<storage, read> qaux: array<vec4<f32>>;
+// xmode 1: the normed row, written back (the experts read it).
+@group(0) @binding(3) var<storage, read_write> qxn: array<vec4<f32>>;
+@group(0) @binding(4) var<storage, read_write> qq: array<vec4<u32>>;
+
+var<workgroup> xq_part: array<f32, 64>;
+var<workgroup> xq_sg: u32;
+
+// x's vec4 v of row t as the mode reads it (rn: the norm's 1 / rms).
+fn xq_x(xrow: u32, v: u32, rn: f32) -> vec4<f32> {
+    var x = qx[xrow + v];
+    if (xp.xmode == 1u) {
+        x = x * rn * qaux[v];
+    } else if (xp.xmode == 2u) {
+        let a = qaux[xrow + v];
+        x = vec4<f32>(silu_f(x.x) * a.x, silu_f(x.y) * a.y, silu_f(x.z) * a.z, silu_f(x.w) * a.w);
+    }
+    return x;
+}
+
+// The two levels of y = x / d (|y| ≤ 127): q1 = round(y), q2 = round((y − q1) · 254).
+fn xq_levels(y: vec4<f32>) -> array<vec4<f32>, 2> {
+    let q1 = round(y);
+    return array<vec4<f32>, 2>(q1, round((y - q1) * 254.0));
+}
+
+@compute @workgroup_size(256)
+fn q2x_stage(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32,
+             @builtin(subgroup_size) sg_size: u32, @builtin(subgroup_invocation_id) lane: u32) {
+    if (li == 0u) {
+        xq_sg = sg_size;
+    }
+    let sg = workgroupUniformLoad(&xq_sg);
+    let t = wg_index(wid);
+    let inp = xp.inp;
+    let xrow = t * (inp / 4u);
+    var rn = 1.0;
+    if (xp.xmode == 1u) {
+        var ss = 0.0;
+        for (var v = li; v < inp / 4u; v += 256u) {
+            let h = qx[xrow + v];
+            ss += dot(h, h);
+        }
+        let s = subgroupAdd(ss);
+        if (lane == 0u) {
+            xq_part[li / sg] = s;
+        }
+        workgroupBarrier();
+        var tot = 0.0;
+        for (var i = 0u; i < 256u / sg; i++) {
+            tot += xq_part[i];
+        }
+        rn = 1.0 / sqrt(tot / f32(inp) + xp.eps);
+    }
+    let w4 = inp / 32u;
+    let w8 = inp / 16u;
+    let b4 = t * (5u * w4 + 3u * w8);
+    let b8 = b4 + 5u * w4;
+    // The bound is uniform: every lane reaches the shuffles; lanes past the row take zeros.
+    for (var i0 = 0u; i0 < 4u * w4; i0 += 256u) {
+        let i = i0 + li;
+        let on = i < 4u * w4;
+        var xl = vec4<f32>(0.0);
+        var xh = vec4<f32>(0.0);
+        if (on) {
+            xl = xq_x(xrow, 2u * i, rn);
+            xh = xq_x(xrow, 2u * i + 1u, rn);
+            if (xp.xmode == 1u) {
+                qxn[xrow + 2u * i] = xl;
+                qxn[xrow + 2u * i + 1u] = xh;
+            }
+        }
+        let am = max(abs(xl), abs(xh));
+        let a8 = max(max(am.x, am.y), max(am.z, am.w));
+        let s8 = dot(xl + xh, vec4<f32>(1.0));
+        // The 8-bit word's pair of threads (lanes i, i ^ 1), then the 4-bit word's four.
+        let a16 = max(a8, subgroupShuffleXor(a8, 1u));
+        let s16 = s8 + subgroupShuffleXor(s8, 1u);
+        let a32 = max(a16, subgroupShuffleXor(a16, 2u));
+        let s32 = s16 + subgroupShuffleXor(s16, 2u);
+        // 8-bit: against the 16 elements' max; the word's correction summed over its pair.
+        let inv8 = select(0.0, 127.0 / a16, a16 > 0.0);
+        let lo8 = xq_levels(xl * inv8);
+        let hi8 = xq_levels(xh * inv8);
+        let one = vec4<f32>(1.0);
+        let c = (i32(dot(lo8[0] + hi8[0], one)) * 254 + i32(dot(lo8[1] + hi8[1], one))) * 128;
+        let cw = c + subgroupShuffleXor(c, 1u);
+        // 4-bit: against the 32 elements' max.
+        let inv4 = select(0.0, 127.0 / a32, a32 > 0.0);
+        let lo = xq_levels(xl * inv4);
+        let hi = xq_levels(xh * inv4);
+        if (on) {
+            let u = i / 4u;
+            let j = i % 4u;
+            // Nibble k of a u32 of codes is element k: the even ones meet the low nibbles'
+            // bytes, the odd ones the high nibbles'.
+            qq[b4 + u][j] = g5_pack(vec4<f32>(lo[0].x, lo[0].z, hi[0].x, hi[0].z));
+            qq[b4 + w4 + u][j] = g5_pack(vec4<f32>(lo[0].y, lo[0].w, hi[0].y, hi[0].w));
+            qq[b4 + 2u * w4 + u][j] = g5_pack(vec4<f32>(lo[1].x, lo[1].z, hi[1].x, hi[1].z));
+            qq[b4 + 3u * w4 + u][j] = g5_pack(vec4<f32>(lo[1].y, lo[1].w, hi[1].y, hi[1].w));
+            if (j == 0u) {
+                qq[b4 + 4u * w4 + u] = vec4<u32>(bitcast<u32>(a32 / (127.0 * 254.0)), bitcast<u32>(s32), 0u, 0u);
+            }
+            let v = 2u * u + j / 2u;
+            let p = 2u * (j % 2u);
+            qq[b8 + v][p] = g5_pack(lo8[0]);
+            qq[b8 + v][p + 1u] = g5_pack(hi8[0]);
+            qq[b8 + w8 + v][p] = g5_pack(lo8[1]);
+            qq[b8 + w8 + v][p + 1u] = g5_pack(hi8[1]);
+            if (p == 0u) {
+                qq[b8 + 2u * w8 + v] = vec4<u32>(bitcast<u32>(a16 / (127.0 * 254.0)), bitcast<u32>(s16), bitcast<u32>(cw), 0u);
+            }
+        }
+    }
+}
