@@ -158,6 +158,9 @@ pub(super) struct Switches {
     /// workgroups keep more loads in flight a thread; more fill more of the GPU). Atomic so that
     /// `lily lab` can compare settings in one process.
     pub gemv_wgs: AtomicUsize,
+    /// `LILY_WGPU_Q6_WGS`: the same for gemv_q6, which widens its teams and narrows their rows
+    /// until a matrix has this many workgroups (matmul.rs `q6_shape`). Atomic for `lily lab`.
+    pub q6_wgs: AtomicUsize,
     /// `LILY_WGPU_GEMV`: the decode GEMV, `v4` (gemv_v4, any adapter), `rw1` / `rw2` / `rw4`
     /// (gemv_rw with 1, 2 or 4 rows a team; adapters with subgroups in order) or `xs` (gemv_xs;
     /// subgroups in order of one fixed width), `v5` (gemv_v5: x in two int8 levels, integer
@@ -207,6 +210,7 @@ impl Switches {
             fuse_norm: on("LILY_WGPU_FUSE_NORM"),
             fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
             gemv_wgs: AtomicUsize::new(num("LILY_WGPU_GEMV_WGS", 1024)),
+            q6_wgs: AtomicUsize::new(num("LILY_WGPU_Q6_WGS", 256)),
             ablate: AtomicU32::new(0),
             gemv: AtomicU32::new(
                 std::env::var("LILY_WGPU_GEMV")

@@ -95,9 +95,10 @@ pub fn parse_variants(s: &str) -> Result<Vec<Variant>> {
                 },
                 None => (v, 0),
             };
+            // gemv_q6's workgroups (`@`) are `Switches::q6_wgs`, the others' `gemv_wgs`.
             let (k, want) = match v0.split_once('@') {
                 Some((k, n)) => (k, n.parse::<usize>().ok().filter(|&n| n > 0)),
-                None => (v0, Some(1024)),
+                None => (v0, Some(if v0 == "v6" { 256 } else { 1024 })),
             };
             let gemv = match k {
                 "v4" => 0,
@@ -228,9 +229,10 @@ impl Wgpu {
             bail!("lab: 1 to {MAX_CALLS} calls a pass");
         }
         let ctx = &self.ctx;
-        let (old_gemv, old_want) = (
+        let (old_gemv, old_want, old_q6) = (
             ctx.sw.gemv.load(Ordering::Relaxed),
             ctx.sw.gemv_wgs.load(Ordering::Relaxed),
+            ctx.sw.q6_wgs.load(Ordering::Relaxed),
         );
         let mut rows = Vec::new();
         let median = |mut v: Vec<f64>| {
@@ -479,7 +481,11 @@ impl Wgpu {
             let mut reference: Option<Vec<f32>> = None;
             for v in variants {
                 ctx.sw.gemv.store(v.gemv, Ordering::Relaxed);
-                ctx.sw.gemv_wgs.store(v.want, Ordering::Relaxed);
+                if v.gemv == 32 {
+                    ctx.sw.q6_wgs.store(v.want, Ordering::Relaxed);
+                } else {
+                    ctx.sw.gemv_wgs.store(v.want, Ordering::Relaxed);
+                }
                 ctx.sw.ablate.store(v.ablate, Ordering::Relaxed);
                 let op_s = time(&call)?;
                 // One call from zeroed outputs on copy 0, against gemv_v4's.
@@ -497,10 +503,11 @@ impl Wgpu {
                     .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
                 let row = LabRow {
                     case,
-                    variant: if ctx.report.subgroups || v.gemv == 0 || v.gemv == 16 {
-                        v.name.clone()
-                    } else {
-                        format!("{} (= v4: no subgroups)", v.name)
+                    variant: match v.gemv {
+                        _ if ctx.report.subgroups => v.name.clone(),
+                        0 | 16 => v.name.clone(),
+                        32 => format!("{} (= v5: no subgroups)", v.name),
+                        _ => format!("{} (= v4: no subgroups)", v.name),
                     },
                     bytes,
                     copies,
@@ -515,6 +522,7 @@ impl Wgpu {
         }
         ctx.sw.gemv.store(old_gemv, Ordering::Relaxed);
         ctx.sw.gemv_wgs.store(old_want, Ordering::Relaxed);
+        ctx.sw.q6_wgs.store(old_q6, Ordering::Relaxed);
         // The router's top-k of one row, and the routed experts of one token (moe_experts_decode:
         // gate|up then down and the slot sum), over routes from distinct logits so that the
         // experts read differ from call to call.

@@ -302,18 +302,15 @@ pub fn gemv_many(
         && ws.iter().all(|w| w.inp.is_multiple_of(32));
     let v5 = ctx.sw.gemv.load(Ordering::Relaxed) >= 16;
     let want = ctx.sw.gemv_wgs.load(Ordering::Relaxed);
+    let q6_want = ctx.sw.q6_wgs.load(Ordering::Relaxed);
     for i in 0..4 {
         let w = ws[i.min(ws.len() - 1)];
         p.extend(w.qmat());
         if i < ws.len() {
             let words = w.inp / (128 / w.bits as usize);
             let (l, per) = if q6 {
-                // A team: the largest power of two ≤ the subgroup and the row's words.
-                let mut l = 1;
-                while l * 2 <= sgw.min(words) {
-                    l *= 2;
-                }
-                (l, 1024 / l)
+                let (t, r) = q6_shape(w.out, words, sgw, q6_want);
+                (t | r << 16, 256 / t * r)
             } else if rw == 8 {
                 // Rows a workgroup: a pair for each subgroup at least, more while the
                 // workgroups would exceed `want`.
@@ -406,6 +403,31 @@ pub fn gemv_many(
             ctx.dispatch(&sg_shader(), entry, &p, &bufs, (blocks * rows) as u32)
         }
     }
+}
+
+/// gemv_q6's team of T lanes and R rows for a matrix of `out` rows of `words` code words on
+/// subgroups of `sg`: T the largest power of two ≤ the subgroup and the row's words (the team's
+/// sum by shuffles alone), R = 4 (x's loads shared by 4 rows); then, while the matrix has fewer
+/// than `want` workgroups (256 R / T rows each), T doubled up to the row's words and 256 (a
+/// lane a word of each row; past the subgroup the sum meets in workgroup memory), then R
+/// halved down to 1, so that the small matrices (router, shared expert, out_proj) spread over
+/// the GPU.
+fn q6_shape(out: usize, words: usize, sg: usize, want: usize) -> (usize, usize) {
+    let mut t = 1;
+    while t * 2 <= sg.min(words) {
+        t *= 2;
+    }
+    let mut r = 4;
+    while out.div_ceil(256 / t * r) < want {
+        if t * 2 <= words.min(256) {
+            t *= 2;
+        } else if r > 1 {
+            r /= 2;
+        } else {
+            break;
+        }
+    }
+    (t, r)
 }
 
 /// Lanes a team for `gemv_rw` (`r` rows a team, `words` 16-byte code words a row): a power of

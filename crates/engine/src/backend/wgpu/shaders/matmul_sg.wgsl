@@ -380,35 +380,43 @@ fn gemv_xs{NW}(
 }
 
 //@@ q6
-// gemv_q6 (the entry's header says how it launches): this lane's share of rows o0 .. o0 + 3 of
-// matrix {M} (rows past the end read the last row), against x as q2x_stage staged it at xb
-// (xq.wgsl's layouts, read through vx as bits). Every load of a step is issued before its
-// products: 4 rows' code words (16 bytes each), their scales and biases, and x's word (80 bytes
-// 4-bit, 48 bytes 8-bit), shared by the 4 rows.
-fn q6_dot{M}(m: QMat, o0: u32, lane: u32, T: u32, xb: u32) -> vec4<f32> {
-    let r0 = pv.e * m.out + min(o0, m.out - 1u);
-    let r1 = pv.e * m.out + min(o0 + 1u, m.out - 1u);
-    let r2 = pv.e * m.out + min(o0 + 2u, m.out - 1u);
-    let r3 = pv.e * m.out + min(o0 + 3u, m.out - 1u);
+// gemv_q6 (the entry's header says how it launches): this lane's share of rows o0 .. o0 + R - 1
+// of matrix {M} (R = 1, 2 or 4, uniform; rows past the end read the last row), against x as
+// q2x_stage staged it at xb (xq.wgsl's layouts, read through vx as bits). Every load of a step
+// is issued before its products: R rows' code words (16 bytes each), their scales and biases,
+// and x's word (80 bytes 4-bit, 48 bytes 8-bit), shared by the R rows.
+fn q6_dot{M}(m: QMat, o0: u32, R: u32, lane: u32, T: u32, xb: u32) -> vec4<f32> {
+    let last = m.out - 1u;
+    let r0 = pv.e * m.out + min(o0, last);
+    let r1 = pv.e * m.out + min(o0 + 1u, last);
+    let r2 = pv.e * m.out + min(o0 + 2u, last);
+    let r3 = pv.e * m.out + min(o0 + 3u, last);
     let gpr = m.inp / m.gs;
     let epw = 128u / m.bits;
     let wpr = m.inp / epw;
     let w4 = m.inp / 32u;
     var acc = vec4<f32>(0.0);
     for (var c = lane; c < wpr; c += T) {
-        let q0 = vw{M}[r0 * wpr + c];
-        let q1 = vw{M}[r1 * wpr + c];
-        let q2 = vw{M}[r2 * wpr + c];
-        let q3 = vw{M}[r3 * wpr + c];
         let g = (c * epw) / m.gs;
-        let s0 = rw_sb{M}(r0 * gpr + g, m.sb16, false);
-        let s1 = rw_sb{M}(r1 * gpr + g, m.sb16, false);
-        let s2 = rw_sb{M}(r2 * gpr + g, m.sb16, false);
-        let s3 = rw_sb{M}(r3 * gpr + g, m.sb16, false);
-        let b0 = rw_sb{M}(r0 * gpr + g, m.sb16, true);
-        let b1 = rw_sb{M}(r1 * gpr + g, m.sb16, true);
-        let b2 = rw_sb{M}(r2 * gpr + g, m.sb16, true);
-        let b3 = rw_sb{M}(r3 * gpr + g, m.sb16, true);
+        var q0 = vw{M}[r0 * wpr + c];
+        var q1 = vec4<u32>(0u);
+        var q2 = vec4<u32>(0u);
+        var q3 = vec4<u32>(0u);
+        var s = vec4<f32>(rw_sb{M}(r0 * gpr + g, m.sb16, false), 0.0, 0.0, 0.0);
+        var b = vec4<f32>(rw_sb{M}(r0 * gpr + g, m.sb16, true), 0.0, 0.0, 0.0);
+        if (R > 1u) {
+            q1 = vw{M}[r1 * wpr + c];
+            s.y = rw_sb{M}(r1 * gpr + g, m.sb16, false);
+            b.y = rw_sb{M}(r1 * gpr + g, m.sb16, true);
+        }
+        if (R > 2u) {
+            q2 = vw{M}[r2 * wpr + c];
+            q3 = vw{M}[r3 * wpr + c];
+            s.z = rw_sb{M}(r2 * gpr + g, m.sb16, false);
+            s.w = rw_sb{M}(r3 * gpr + g, m.sb16, false);
+            b.z = rw_sb{M}(r2 * gpr + g, m.sb16, true);
+            b.w = rw_sb{M}(r3 * gpr + g, m.sb16, true);
+        }
         var xa1: vec4<u32>;
         var xb1 = vec4<u32>(0u);
         var xa2: vec4<u32>;
@@ -430,28 +438,32 @@ fn q6_dot{M}(m: QMat, o0: u32, lane: u32, T: u32, xb: u32) -> vec4<f32> {
         let sx = bitcast<f32>(xm.y);
         // 0 for 4-bit words (q2x_stage writes it so).
         let corr = bitcast<i32>(xm.z);
-        let d0 = f32(g5_dot(q0, m.bits, xa1, xb1, xa2, xb2) + corr);
-        let d1 = f32(g5_dot(q1, m.bits, xa1, xb1, xa2, xb2) + corr);
-        let d2 = f32(g5_dot(q2, m.bits, xa1, xb1, xa2, xb2) + corr);
-        let d3 = f32(g5_dot(q3, m.bits, xa1, xb1, xa2, xb2) + corr);
-        acc += vec4<f32>(s0 * (dd * d0) + b0 * sx, s1 * (dd * d1) + b1 * sx,
-                         s2 * (dd * d2) + b2 * sx, s3 * (dd * d3) + b3 * sx);
+        var d = vec4<f32>(f32(g5_dot(q0, m.bits, xa1, xb1, xa2, xb2) + corr), 0.0, 0.0, 0.0);
+        if (R > 1u) {
+            d.y = f32(g5_dot(q1, m.bits, xa1, xb1, xa2, xb2) + corr);
+        }
+        if (R > 2u) {
+            d.z = f32(g5_dot(q2, m.bits, xa1, xb1, xa2, xb2) + corr);
+            d.w = f32(g5_dot(q3, m.bits, xa1, xb1, xa2, xb2) + corr);
+        }
+        acc += s * (dd * d) + b * sx;
     }
     return acc;
 }
 
 //@@ q6entry
 // gemv_q6: the decode GEMV against x staged once a launch by q2x_stage (xq.wgsl), so that a
-// workgroup has no staging, no workgroup memory and no barrier: gemv_v5's integer dot products
-// without its per-workgroup chain (x loaded and quantized behind 3 barriers, a 6-step tree of
-// barriers at the end, 95 registers: two workgroups an SM on the H200). A team of T lanes
-// (T ≤ the subgroup, chosen by matmul.rs: the largest power of two ≤ min(subgroup, the row's
-// code words)) owns 4 rows: lane l reads code words l, l + T, … of each, and x's words from
-// the staged buffer (L2/L1: 5.5 bytes an element, every team reads the same); the team sums by
-// shuffles (team_sum, no barrier when T ≤ the subgroup). Same parameter block and bindings as
-// gemv_v4 with vx = the staged x, xmode 0 (q2x_stage applied the mode); outputs as gemv_io's
-// omode says. Launch: 256 invocations = 256 / T teams, 1024 / T rows a workgroup; matrix i
-// ceil(out_i · T_i / 1024) blocks, workgroup index = block · rows + t (as gemv_v4).
+// workgroup has no staging and no barrier but its sum's: gemv_v5's integer dot products without
+// its per-workgroup chain (x loaded and quantized behind 3 barriers, a 6-step tree of barriers
+// at the end, 95 registers: two workgroups an SM on the H200). A team of T lanes owns R rows
+// (both per matrix, chosen by matmul.rs `q6_shape`: T from the subgroup up to the row's code
+// words, R from 4 down, until the matrix has enough workgroups): lane l reads code words l,
+// l + T, … of each, and x's words from the staged buffer (L1/L2: 5.5 bytes an element, every
+// team reads the same); the team sums by shuffles (team_sum: through workgroup memory, one
+// barrier pair, only where T exceeds the subgroup). Same parameter block and bindings as gemv_v4
+// with vx = the staged x, xmode 0 (q2x_stage applied the mode), lanes = T | R << 16; outputs as
+// gemv_io's omode says. Launch: 256 invocations = 256 / T teams, 256 R / T rows a workgroup;
+// matrix i ceil(out_i · T_i / (256 R_i)) blocks, workgroup index = block · rows + t (as gemv_v4).
 @compute @workgroup_size(256)
 fn gemv_q6(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -474,9 +486,10 @@ fn gemv_q6(
     }
     blk -= pv.start[mi];
     let m = pv.ms[mi];
-    let T = pv.lanes[mi];
+    let T = pv.lanes[mi] & 0xffffu;
+    let R = pv.lanes[mi] >> 16u;
     let lane = li % T;
-    let o0 = (blk * (256u / T) + li / T) * 4u;
+    let o0 = (blk * (256u / T) + li / T) * R;
     // Row t's staged x (xq.wgsl: 5 · inp / 32 + 3 · inp / 16 vec4s a row).
     let xb = t * (5u * (m.inp / 32u) + 3u * (m.inp / 16u));
     // The layout is derived from the bindings a kernel uses, and gemv_io's launch binds the
@@ -486,14 +499,14 @@ fn gemv_q6(
     }
     var acc: vec4<f32>;
     switch mi {
-        case 0u: { acc = q6_dot0(m, o0, lane, T, xb); }
-        case 1u: { acc = q6_dot1(m, o0, lane, T, xb); }
-        case 2u: { acc = q6_dot2(m, o0, lane, T, xb); }
-        default: { acc = q6_dot3(m, o0, lane, T, xb); }
+        case 0u: { acc = q6_dot0(m, o0, R, lane, T, xb); }
+        case 1u: { acc = q6_dot1(m, o0, R, lane, T, xb); }
+        case 2u: { acc = q6_dot2(m, o0, R, lane, T, xb); }
+        default: { acc = q6_dot3(m, o0, R, lane, T, xb); }
     }
     acc = team_sum(acc, li, lane_sg, T, sg);
     // Lane r of a team writes its row r.
-    if (lane < 4u && o0 + lane < m.out) {
+    if (lane < R && o0 + lane < m.out) {
         sg_out(mi, t, t * m.out + o0 + lane, acc[lane]);
     }
 }
