@@ -36,7 +36,7 @@ use ops::{check, qwen_dims, rand_dense, rand_quant, rel_rows, Rng};
 
 const EXACT: f32 = 0.0;
 const F32_TOL: f32 = 1e-5;
-/// gemv_v5's projections: x in two int8 levels per 16-byte code word (x ≈ d·(q1 + q2/254),
+/// gemv_v5 and gemv_q6 (the default decode GEMVs): x in two int8 levels per 16-byte code word (x ≈ d·(q1 + q2/254),
 /// d = max |x| / 127 over the word), each element within max |x| / 64,516 of itself (15 bits);
 /// a row's error measures 2-5e-5 of its largest output on wide matrices, but up to 4.5e-4 on a
 /// one-output matrix (the router's shared gate), whose "largest output" is one sum that
@@ -268,7 +268,7 @@ fn matmul_q_gemv_and_gemm() {
                 "matmul_q {bits}-bit g{gs}{} [{out}, {inp}] rows {rows}",
                 if f32s { " f32 scales" } else { "" }
             );
-            // Up to 8 rows of 4/8-bit codes take the decode GEMV (gemv_v5: x in two int8 levels).
+            // Up to 8 rows of 4/8-bit codes take the decode GEMV (gemv_q6 or gemv_v5: x in two int8 levels).
             let tol = if rows <= 8 && matches!(bits, 4 | 8) {
                 Q2X_TOL
             } else {
@@ -296,7 +296,7 @@ fn matmul_q_gemv_and_gemm() {
 /// `matmul_q_many` (up to 4 matrices a gemv_v4 launch, more in launches of 4) and
 /// `rms_norm_matmul` (the norm inside each workgroup, xn written by the first) at the model's
 /// projection sets, mixed 4/8-bit sets and odd output counts, against the CPU's matmul_q one by
-/// one (Q2X_TOL: the default gemv_v5) and its rms_norm (xn: F32_TOL per row).
+/// one (Q2X_TOL: the default gemv_q6 / gemv_v5) and its rms_norm (xn: F32_TOL per row).
 #[test]
 fn matmul_q_many_and_rms_norm_matmul() {
     let Some(g) = gpu() else { return };
@@ -375,18 +375,19 @@ fn many_and_norm_case(g: &Wgpu, tol: f32) {
 /// The decode epilogues: `matmul_q_add` (h += x·Wᵀ in the projection's launch) and
 /// `moe_decode_add` (the shared expert's swiglu read as x is staged, its gate, the routed sum and
 /// the residual add in its down projection's epilogue) against the CPU's ops (Q2X_TOL on h:
-/// gemv_v5's x in two int8 levels; F32_TOL under gemv_v4, in the variants test).
+/// the default GEMVs' x in two int8 levels; F32_TOL under gemv_v4, in the variants test).
 #[test]
 fn decode_epilogues_match_the_cpu() {
     let Some(g) = gpu() else { return };
     epilogues_case(&g, Q2X_TOL);
 }
 
-/// The decode GEMVs other than the default gemv_v5 (`Wgpu::set_gemv`): gemv_v4, gemv_rw with 1,
-/// 2 and 4 rows a team and gemv_xs (F32_TOL: x in f32), and gemv_q6 (Q2X_TOL: x staged in two
-/// int8 levels by q2x_stage) through the same projection sets, norms and epilogues as the two
-/// tests above. On an adapter without ordered subgroups gemv_rw and gemv_xs fall back to
-/// gemv_v4 (and pass as it), gemv_q6 to gemv_v5.
+/// The decode GEMVs other than the default (`Wgpu::set_gemv`; the default `v6` is gemv_q6 for
+/// launches of 8 MB of codes or more, gemv_v5 below): gemv_v4, gemv_rw with 1, 2 and 4 rows a
+/// team and gemv_xs (F32_TOL: x in f32), gemv_v5 alone and gemv_q6 for every launch (Q2X_TOL:
+/// x in two int8 levels) through the same projection sets, norms and epilogues as the two tests
+/// above. On an adapter without ordered subgroups gemv_rw and gemv_xs fall back to gemv_v4 (and
+/// pass as it), gemv_q6 to gemv_v5.
 #[test]
 fn gemv_variants_match_the_cpu() {
     // One device for all (the H200's Vulkan driver refused a 27th device in one process).
@@ -397,9 +398,11 @@ fn gemv_variants_match_the_cpu() {
         ("rw2", F32_TOL),
         ("rw4", F32_TOL),
         ("xs", F32_TOL),
+        ("v5", Q2X_TOL),
         ("v6", Q2X_TOL),
     ] {
         g.set_gemv(v).unwrap();
+        g.set_q6_min_kb(0);
         eprintln!("LILY_WGPU_GEMV={v}");
         many_and_norm_case(&g, tol);
         epilogues_case(&g, tol);

@@ -161,11 +161,18 @@ pub(super) struct Switches {
     /// `LILY_WGPU_Q6_WGS`: the same for gemv_q6, which widens its teams and narrows their rows
     /// until a matrix has this many workgroups (matmul.rs `q6_shape`). Atomic for `lily lab`.
     pub q6_wgs: AtomicUsize,
+    /// `LILY_WGPU_Q6_MIN_KB`: the code bytes a gemv_q6 launch's matrices must reach (one
+    /// matrix of the stack, all of the launch's together); smaller launches take gemv_v5, whose
+    /// per-workgroup staging costs less than q2x_stage's launch where the workgroups are few.
+    /// Atomic for `lily lab`.
+    pub q6_min_kb: AtomicUsize,
     /// `LILY_WGPU_GEMV`: the decode GEMV, `v4` (gemv_v4, any adapter), `rw1` / `rw2` / `rw4`
     /// (gemv_rw with 1, 2 or 4 rows a team; adapters with subgroups in order) or `xs` (gemv_xs;
     /// subgroups in order of one fixed width), `v5` (gemv_v5: x in two int8 levels, integer
-    /// dot products; any adapter; the default: 145-152 against 130-132 tok/s at 4K on the
-    /// H200, the lm_head 172 against 275 µs). Stored as 0 (v4), the rows, 8 (xs) or 16 (v5).
+    /// dot products; any adapter: 145-152 against 130-132 tok/s at 4K on the H200, the lm_head
+    /// 172 against 275 µs), `v6` (the default: gemv_q6 against x staged once a launch, for
+    /// launches of `q6_min_kb` on adapters with subgroups in order of one width; gemv_v5 for
+    /// the rest). Stored as 0 (v4), the rows, 8 (xs), 16 (v5) or 32 (v6).
     pub gemv: AtomicU32,
     /// `lily lab` only: parts of gemv_v4, moe_gate_up_v and moe_down_v skipped to time the rest
     /// (gemv_io.wgsl and moe.wgsl `ablate`); 0 otherwise.
@@ -211,12 +218,18 @@ impl Switches {
             fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
             gemv_wgs: AtomicUsize::new(num("LILY_WGPU_GEMV_WGS", 1024)),
             q6_wgs: AtomicUsize::new(num("LILY_WGPU_Q6_WGS", 256)),
+            q6_min_kb: AtomicUsize::new(
+                std::env::var("LILY_WGPU_Q6_MIN_KB")
+                    .ok()
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(8192),
+            ),
             ablate: AtomicU32::new(0),
             gemv: AtomicU32::new(
                 std::env::var("LILY_WGPU_GEMV")
                     .ok()
                     .and_then(|v| gemv_code(&v))
-                    .unwrap_or(16),
+                    .unwrap_or(32),
             ),
             attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),
             gdn_fast: std::env::var("LILY_WGPU_GDN_FAST").as_deref() == Ok("1"),

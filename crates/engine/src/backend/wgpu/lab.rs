@@ -229,10 +229,11 @@ impl Wgpu {
             bail!("lab: 1 to {MAX_CALLS} calls a pass");
         }
         let ctx = &self.ctx;
-        let (old_gemv, old_want, old_q6) = (
+        let (old_gemv, old_want, old_q6, old_min) = (
             ctx.sw.gemv.load(Ordering::Relaxed),
             ctx.sw.gemv_wgs.load(Ordering::Relaxed),
             ctx.sw.q6_wgs.load(Ordering::Relaxed),
+            ctx.sw.q6_min_kb.load(Ordering::Relaxed),
         );
         let mut rows = Vec::new();
         let median = |mut v: Vec<f64>| {
@@ -482,6 +483,8 @@ impl Wgpu {
             for v in variants {
                 ctx.sw.gemv.store(v.gemv, Ordering::Relaxed);
                 if v.gemv == 32 {
+                    // The kernel itself, whatever the launch's size.
+                    ctx.sw.q6_min_kb.store(0, Ordering::Relaxed);
                     ctx.sw.q6_wgs.store(v.want, Ordering::Relaxed);
                 } else {
                     ctx.sw.gemv_wgs.store(v.want, Ordering::Relaxed);
@@ -523,6 +526,7 @@ impl Wgpu {
         ctx.sw.gemv.store(old_gemv, Ordering::Relaxed);
         ctx.sw.gemv_wgs.store(old_want, Ordering::Relaxed);
         ctx.sw.q6_wgs.store(old_q6, Ordering::Relaxed);
+        ctx.sw.q6_min_kb.store(old_min, Ordering::Relaxed);
         // The router's top-k of one row, and the routed experts of one token (moe_experts_decode:
         // gate|up then down and the slot sum), over routes from distinct logits so that the
         // experts read differ from call to call.

@@ -295,11 +295,16 @@ pub fn gemv_many(
         _ => 0,
     };
     // gemv_v5 (16) takes gemv_v4's launch; gemv_q6 (32) x staged by q2x_stage, on adapters
-    // whose subgroups are in order and of one width, for rows a whole number of 4-bit words
-    // (else gemv_v5).
+    // whose subgroups are in order and of one width, for rows a whole number of 4-bit words and
+    // launches of at least `q6_min_kb` of codes (else gemv_v5).
+    let code_kb: usize = ws
+        .iter()
+        .map(|w| w.out * w.inp * w.bits as usize / 8192)
+        .sum();
     let q6 = ctx.sw.gemv.load(Ordering::Relaxed) == 32
         && fixed
-        && ws.iter().all(|w| w.inp.is_multiple_of(32));
+        && ws.iter().all(|w| w.inp.is_multiple_of(32))
+        && code_kb >= ctx.sw.q6_min_kb.load(Ordering::Relaxed);
     let v5 = ctx.sw.gemv.load(Ordering::Relaxed) >= 16;
     let want = ctx.sw.gemv_wgs.load(Ordering::Relaxed);
     let q6_want = ctx.sw.q6_wgs.load(Ordering::Relaxed);

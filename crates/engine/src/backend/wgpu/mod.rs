@@ -132,8 +132,16 @@ impl Wgpu {
             records: Default::default(),
         })
     }
-    /// Takes the decode GEMV named (`v4`, `v5`, `rw1`, `rw2`, `rw4`, `xs`: `LILY_WGPU_GEMV`'s
-    /// values) from now on; tests compare them on one device.
+    /// gemv_q6's least launch in KB of codes from now on (`LILY_WGPU_Q6_MIN_KB`; 0: every
+    /// launch gemv_q6 can take); tests compare both paths on one device.
+    pub fn set_q6_min_kb(&self, kb: usize) {
+        self.ctx
+            .sw
+            .q6_min_kb
+            .store(kb, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// Takes the decode GEMV named (`v4`, `v5`, `v6`, `rw1`, `rw2`, `rw4`, `xs`:
+    /// `LILY_WGPU_GEMV`'s values) from now on; tests compare them on one device.
     pub fn set_gemv(&self, name: &str) -> Result<()> {
         let Some(c) = device::gemv_code(name) else {
             bail!("unknown decode GEMV `{name}` (v4, v5, v6, rw1, rw2, rw4 or xs)");
