@@ -196,6 +196,10 @@ pub(super) struct Switches {
     /// instead of moe_gate_up_q (x in two int8 levels, integer dot products). Atomic so that
     /// `lily lab` compares both in one process.
     pub moe_q: std::sync::atomic::AtomicBool,
+    /// `LILY_WGPU_REPLAY_FLUSH`: dispatches of a replayed decode step encoded before they are
+    /// submitted (at most `FLUSH_EVERY`, the default): the device starts a step once the host
+    /// has encoded this many of its dispatches; each submission costs the host its own time.
+    pub replay_flush: usize,
     /// `LILY_WGPU_ZERO_WG=1`: workgroup memory zeroed at every workgroup's start (WebGPU's
     /// rule). Off by default: every kernel writes its workgroup memory before it reads it.
     pub zero_wg: bool,
@@ -218,6 +222,7 @@ impl Switches {
             fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
             gemv_wgs: AtomicUsize::new(num("LILY_WGPU_GEMV_WGS", 1024)),
             q6_wgs: AtomicUsize::new(num("LILY_WGPU_Q6_WGS", 256)),
+            replay_flush: num("LILY_WGPU_REPLAY_FLUSH", FLUSH_EVERY).min(FLUSH_EVERY),
             q6_min_kb: AtomicUsize::new(
                 std::env::var("LILY_WGPU_Q6_MIN_KB")
                     .ok()
@@ -823,7 +828,7 @@ impl Ctx {
                     let mut g = self.enc.lock().unwrap();
                     let open = g.get_or_insert_with(|| self.open());
                     self.encode(open, entry, pipe, bg, *gx, *gy);
-                    if open.n >= FLUSH_EVERY {
+                    if open.n >= self.sw.replay_flush {
                         let o = g.take().unwrap();
                         self.submit(o);
                     }
