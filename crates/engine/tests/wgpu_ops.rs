@@ -293,6 +293,69 @@ fn matmul_q_gemv_and_gemm() {
     }
 }
 
+/// Prefill's GEMM past 64 rows (`Wgpu::set_gemm`, LILY_WGPU_GEMM): gemm.wgsl's gemm_big with
+/// each 16-k step summed apart (`big`, the default), with one FMA chain an output (`chain`),
+/// and matmul.wgsl's gemm (`old`), against the CPU's matmul at the model's prefill shapes:
+/// in_proj-like 2048→8192 and out_proj-like 4096→2048 (4-bit, groups of 64, bf16 scales), an
+/// 8-bit router-like matrix, f32 scales in groups of 128, 32 and 16 (gemm_big's smallest), rows
+/// and outputs off the 128 × 128 tile (65: one row into a second block; 129 and 300 ragged) and
+/// a shape gemm_big leaves to the old kernel (a 4-bit group of 8). F32_TOL (1e-5 of a row's
+/// largest output): f32 sums of f32 products on both sides in different orders; gemm_big
+/// measures ~1e-6 on lavapipe (`chain` alike at these widths: ~2^-24·√in relative), where a
+/// wrong index, group or scale moves outputs by O(1e-1).
+#[test]
+fn gemm_big_matches_the_cpu() {
+    let mut rng = Rng(41);
+    // (out, inp, bits, group, f32 scales, rows).
+    let cases: [(usize, usize, u32, usize, bool, usize); 7] = [
+        (8192, 2048, 4, 64, false, 300),
+        (2048, 4096, 4, 64, false, 129),
+        (257, 2048, 8, 64, false, 65),
+        (300, 1024, 8, 128, true, 200),
+        (131, 512, 4, 32, true, 300),
+        (70, 256, 4, 16, false, 129),
+        (40, 64, 4, 8, false, 100),
+    ];
+    let mats: Vec<_> = cases
+        .iter()
+        .map(|&(out, inp, bits, gs, f32s, _)| rand_quant(&mut rng, 1, out, inp, bits, gs, f32s))
+        .collect();
+    let xs: Vec<Vec<f32>> = cases
+        .iter()
+        .map(|&(_, inp, _, _, _, rows)| rng.vec(rows * inp, 1.0))
+        .collect();
+    let want: Vec<Vec<f32>> = cases
+        .iter()
+        .zip(mats.iter().zip(&xs))
+        .map(|(&(out, _, _, _, _, rows), (m, x))| {
+            let mut c = vec![0.0; rows * out];
+            Cpu.matmul_q(x, m, rows, &mut c);
+            c
+        })
+        .collect();
+    for v in ["big", "chain", "old"] {
+        let Some(g) = gpu() else { return };
+        g.set_gemm(v).unwrap();
+        for (i, &(out, inp, bits, gs, f32s, rows)) in cases.iter().enumerate() {
+            // The old kernel at the two big shapes is matmul_q_gemv_and_gemm's (lavapipe time).
+            if v == "old" && i < 2 {
+                continue;
+            }
+            let gm = g.upload_mat(&mats[i]).unwrap();
+            let mut o = g.zeros(rows * out).unwrap();
+            g.matmul_q(&g.upload(&xs[i]).unwrap(), &gm, rows, &mut o);
+            check(
+                &format!(
+                    "gemm {v} {bits}-bit g{gs}{} [{out}, {inp}] rows {rows}",
+                    if f32s { " f32 scales" } else { "" }
+                ),
+                rel_rows(&h(&g, &o, rows * out), &want[i], out),
+                F32_TOL,
+            );
+        }
+    }
+}
+
 /// `matmul_q_many` (up to 4 matrices a gemv_v4 launch, more in launches of 4) and
 /// `rms_norm_matmul` (the norm inside each workgroup, xn written by the first) at the model's
 /// projection sets, mixed 4/8-bit sets and odd output counts, against the CPU's matmul_q one by

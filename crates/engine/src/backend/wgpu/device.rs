@@ -56,6 +56,8 @@ pub fn shaders() -> Vec<Shader> {
         super::matmul::SHADER,
         super::matmul::sg_shader(),
         super::matmul::XQ_SHADER,
+        super::matmul::GEMM_SHADER,
+        super::matmul::GEMM_CHAIN_SHADER,
         super::attention::SHADER,
         super::gdn::SHADER,
         super::gdn::SHADER_SG,
@@ -203,6 +205,12 @@ pub(super) struct Switches {
     /// `LILY_WGPU_ZERO_WG=1`: workgroup memory zeroed at every workgroup's start (WebGPU's
     /// rule). Off by default: every kernel writes its workgroup memory before it reads it.
     pub zero_wg: bool,
+    /// `LILY_WGPU_GEMM`: prefill's GEMM past 64 rows of x (matmul.rs `gemm_shader`): `big`
+    /// (gemm.wgsl `gemm_big`, a 128 × 128 tile, each step's products summed apart; the
+    /// default), `chain` (gemm_big with one FMA chain an output: fewer registers) or `old`
+    /// (matmul.wgsl `gemm`, 64 × 64). Stored as 1, 2 or 0; atomic so that `lily lab` compares
+    /// them in one process.
+    pub gemm: AtomicU32,
 }
 
 impl Switches {
@@ -242,7 +250,23 @@ impl Switches {
             moe_q: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_MOE_Q")),
             checks: std::env::var("LILY_WGPU_CHECKS").as_deref() == Ok("1"),
             zero_wg: std::env::var("LILY_WGPU_ZERO_WG").as_deref() == Ok("1"),
+            gemm: AtomicU32::new(
+                std::env::var("LILY_WGPU_GEMM")
+                    .ok()
+                    .and_then(|v| gemm_code(&v))
+                    .unwrap_or(1),
+            ),
         }
+    }
+}
+
+/// `Switches::gemm`'s code for a prefill GEMM's name (`LILY_WGPU_GEMM`), `None` if unknown.
+pub(super) fn gemm_code(name: &str) -> Option<u32> {
+    match name {
+        "old" => Some(0),
+        "big" => Some(1),
+        "chain" => Some(2),
+        _ => None,
     }
 }
 

@@ -39,6 +39,7 @@ pub const CASES: &[&str] = &[
     "lm_head",
     "route",
     "experts",
+    "gemm",
 ];
 
 /// Dispatches in one timed pass at most (the device submits at 256).
@@ -620,7 +621,99 @@ impl Wgpu {
             }
             ctx.sw.moe_q.store(old_q, Ordering::Relaxed);
         }
+        if want_case("gemm") {
+            rows.extend(self.lab_gemm(calls, print)?);
+        }
         ctx.check()?;
         Ok(rows)
+    }
+}
+
+/// Prefill's GEMMs timed (case "gemm"): each `LILY_WGPU_GEMM` kernel.
+const GEMM_VARIANTS: [(&str, u32); 3] = [("old", 0), ("big", 1), ("chain", 2)];
+
+impl Wgpu {
+    /// Case "gemm": prefill's GEMM (`matmul_q` past 64 rows, 4-bit codes in groups of 64) at
+    /// 2048 rows of x for in_proj's 2048→8192 and 2048→4096 and out_proj's 4096→2048, and at
+    /// 300 rows (a short last chunk: few workgroups of 128 rows) for 2048→8192 and 4096→2048,
+    /// under each of `GEMM_VARIANTS` (matmul.wgsl's gemm, gemm.wgsl's gemm_big summing each
+    /// step apart, and with one chain), over two copies of the weights. The variant's name
+    /// reads `kernel rows×in>out rate`, the rate 2·rows·in·out / time in TFLOP/s; `check` is
+    /// max |this − old| / max |old| on copy 0's outputs. At most 20 calls a timed pass (a call
+    /// is milliseconds).
+    fn lab_gemm(&self, calls: usize, print: &mut dyn FnMut(&LabRow)) -> Result<Vec<LabRow>> {
+        let ctx = &self.ctx;
+        let saved = ctx.sw.gemm.load(Ordering::Relaxed);
+        let calls = calls.min(20);
+        let mut res = Vec::new();
+        let shapes: [(usize, usize, usize); 5] = [
+            (2048, 8192, 2048),
+            (2048, 4096, 2048),
+            (2048, 2048, 4096),
+            (300, 8192, 2048),
+            (300, 2048, 4096),
+        ];
+        for (rows, out, inp) in shapes {
+            if (4 * rows * out.max(inp)) as u64 > ctx.report.max_binding {
+                eprintln!("lab: gemm {inp}>{out} skipped: x or out exceeds the largest binding");
+                continue;
+            }
+            let mats = [
+                self.lab_mat(out, inp, 4, 64, 301)?,
+                self.lab_mat(out, inp, 4, 64, 302)?,
+            ];
+            let x = self.lab_buf(&floats(rows * inp, 303, -1.0, 1.0))?;
+            let o = self.lab_buf(&vec![0.0; rows * out])?;
+            let bytes = out * inp / 2 + 2 * 2 * (out * inp / 64);
+            let call = |i: usize| {
+                let mut ob = WBuf {
+                    buf: o.buf.clone(),
+                    len: o.len,
+                };
+                super::matmul::matmul_q(ctx, &x, &mats[i % 2], 0, rows, &mut ob);
+            };
+            let mut reference: Option<Vec<f32>> = None;
+            for (name, code) in GEMM_VARIANTS {
+                ctx.sw.gemm.store(code, Ordering::Relaxed);
+                ctx.time_pass(|| (0..calls).for_each(call))?;
+                let mut v = Vec::with_capacity(REPS);
+                for _ in 0..REPS {
+                    v.push(ctx.time_pass(|| (0..calls).for_each(call))? / calls as f64);
+                }
+                v.sort_by(f64::total_cmp);
+                let op_s = v[v.len() / 2];
+                call(0);
+                let got: Vec<f32> = ctx
+                    .read(&o.buf, 4 * o.len as u64)?
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                    .collect();
+                let want = reference.get_or_insert_with(|| got.clone());
+                let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+                let diff = got
+                    .iter()
+                    .zip(want.iter())
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                let tflops = 2.0 * (rows * inp * out) as f64 / op_s / 1e12;
+                let row = LabRow {
+                    case: "gemm",
+                    variant: if tflops >= 1.0 {
+                        format!("{name} {rows}x{inp}>{out} {tflops:.1}TF")
+                    } else {
+                        format!("{name} {rows}x{inp}>{out} {tflops:.4}TF")
+                    },
+                    bytes,
+                    copies: 2,
+                    calls,
+                    op_s,
+                    read_s: None,
+                    check: Some((diff / scale) as f64),
+                };
+                print(&row);
+                res.push(row);
+            }
+        }
+        ctx.sw.gemm.store(saved, Ordering::Relaxed);
+        Ok(res)
     }
 }

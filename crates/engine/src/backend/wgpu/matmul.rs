@@ -2,7 +2,9 @@
 //! twin). `matmul_q` takes `gemv_v5` (or `gemv_v4`, `LILY_WGPU_GEMV=v4`: the same launch, x in
 //! f32 instead of two int8 levels) for up to `GEMV_MAX_ROWS` rows of x when the codes are 4- or
 //! 8-bit in groups of whole 16-byte words (every matrix of the model), the scalar `gemv` for one
-//! row of anything else, and the register-tiled `gemm` for the rest.
+//! row of anything else, and the register-tiled `gemm` for the rest: past `GEMM_BIG_MIN_ROWS`
+//! rows of 4/8-bit codes in groups of a multiple of 16, gemm.wgsl's `gemm_big` (a 128 × 128
+//! tile; `LILY_WGPU_GEMM`), else matmul.wgsl's `gemm` (64 × 64).
 
 use std::sync::atomic::Ordering;
 
@@ -37,6 +39,52 @@ pub const XQ_SHADER: Shader = Shader {
 /// element).
 fn xq_row(inp: usize) -> usize {
     5 * (inp / 32) + 3 * (inp / 16)
+}
+
+/// gemm.wgsl's `gemm_big` with each k step's products summed apart (the default).
+pub const GEMM_SHADER: Shader = Shader {
+    name: "gemm",
+    src: concat!(
+        include_str!("shaders/common.wgsl"),
+        include_str!("shaders/quant.wgsl"),
+        "const GB_APART: bool = true;\n",
+        include_str!("shaders/gemm.wgsl")
+    ),
+};
+
+/// gemm.wgsl's `gemm_big` with one FMA chain an output (`LILY_WGPU_GEMM=chain`).
+pub const GEMM_CHAIN_SHADER: Shader = Shader {
+    name: "gemm_chain",
+    src: concat!(
+        include_str!("shaders/common.wgsl"),
+        include_str!("shaders/quant.wgsl"),
+        "const GB_APART: bool = false;\n",
+        include_str!("shaders/gemm.wgsl")
+    ),
+};
+
+/// Rows of x past which `gemm_big` (128-row blocks) is taken over matmul.wgsl's `gemm` (64-row
+/// blocks). Up to 64 rows the old tile wastes nothing and, with half as many outputs a block,
+/// makes twice the workgroups (a 2048-output matrix: 32 against 16, on a GPU of 132 SMs: the
+/// wave is what is short there, not the FMAs); past it a 128-row block wastes at most half
+/// its rows once (65 rows: as much as the old tile's second block) and gets the bigger tile's
+/// FMA rate.
+pub const GEMM_BIG_MIN_ROWS: usize = 64;
+
+/// The module of `gemm_big` for this matrix and rows of x (`Switches::gemm`), `None` for
+/// matmul.wgsl's `gemm`: its 4/8-bit codes in groups of a multiple of its k step (16; every
+/// matrix of the model), more than `GEMM_BIG_MIN_ROWS` rows.
+pub fn gemm_shader(ctx: &Ctx, w: &WMat, rows: usize) -> Option<&'static Shader> {
+    let takes = matches!(w.bits, 4 | 8)
+        && w.gs.is_multiple_of(16)
+        && w.inp > 0
+        && w.inp.is_multiple_of(w.gs)
+        && rows > GEMM_BIG_MIN_ROWS;
+    match ctx.sw.gemm.load(Ordering::Relaxed) {
+        1 if takes => Some(&GEMM_SHADER),
+        2 if takes => Some(&GEMM_CHAIN_SHADER),
+        _ => None,
+    }
 }
 
 /// matmul_sg.wgsl made whole: its per-matrix part for each of the 4 matrix slots, its per-rows
@@ -209,6 +257,10 @@ pub fn matmul_q(ctx: &Ctx, x: &WBuf, w: &WMat, e: usize, rows: usize, out: &mut 
     p.extend([rows as u32, e as u32, 0, 0, 0, 0, 0, 0]);
     if rows == 1 {
         ctx.dispatch(&SHADER, "gemv", &p, &bufs, w.out.div_ceil(8) as u32);
+    } else if let Some(sh) = gemm_shader(ctx, w, rows) {
+        // x_off and out_off are 0 (gemm_big reads x as vec4s: offsets a multiple of 4).
+        let tiles = w.out.div_ceil(128) * rows.div_ceil(128);
+        ctx.dispatch(sh, "gemm_big", &p, &bufs, tiles as u32);
     } else {
         let tiles = w.out.div_ceil(64) * rows.div_ceil(64);
         ctx.dispatch(&SHADER, "gemm", &p, &bufs, tiles as u32);

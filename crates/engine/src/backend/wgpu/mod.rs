@@ -152,6 +152,18 @@ impl Wgpu {
             .store(c, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
+    /// Takes the prefill GEMM named (`big`, `chain`, `old`: `LILY_WGPU_GEMM`'s values) from
+    /// now on; tests compare them on one device.
+    pub fn set_gemm(&self, name: &str) -> Result<()> {
+        let Some(c) = device::gemm_code(name) else {
+            bail!("unknown prefill GEMM `{name}` (big, chain or old)");
+        };
+        self.ctx
+            .sw
+            .gemm
+            .store(c, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
     /// What the adapter is and offers.
     pub fn report(&self) -> &AdapterReport {
         &self.ctx.report
