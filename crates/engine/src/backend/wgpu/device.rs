@@ -105,6 +105,19 @@ pub struct AdapterReport {
     pub subgroups: bool,
 }
 
+/// A buffer-to-buffer copy into `open` (outside its compute pass).
+fn copy_into(
+    open: &mut Open,
+    src: &::wgpu::Buffer,
+    so: u64,
+    dst: &::wgpu::Buffer,
+    dof: u64,
+    bytes: u64,
+) {
+    open.pass = None;
+    open.enc.copy_buffer_to_buffer(src, so, dst, dof, bytes);
+}
+
 /// One op of a recorded decode step.
 pub(super) enum Item {
     Dispatch {
@@ -198,6 +211,9 @@ pub(super) struct Switches {
     /// instead of moe_gate_up_q (x in two int8 levels, integer dot products). Atomic so that
     /// `lily lab` compares both in one process.
     pub moe_q: std::sync::atomic::AtomicBool,
+    /// `LILY_WGPU_AHEAD=0`: a replayed decode step encoded when the runtime asks for it, not
+    /// ahead (the host's encoding of ~450 dispatches then leaves the device idle between steps).
+    pub ahead: bool,
     /// `LILY_WGPU_REPLAY_FLUSH`: dispatches of a replayed decode step encoded before they are
     /// submitted (at most `FLUSH_EVERY`, the default): the device starts a step once the host
     /// has encoded this many of its dispatches; each submission costs the host its own time.
@@ -230,6 +246,7 @@ impl Switches {
             fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
             gemv_wgs: AtomicUsize::new(num("LILY_WGPU_GEMV_WGS", 1024)),
             q6_wgs: AtomicUsize::new(num("LILY_WGPU_Q6_WGS", 256)),
+            ahead: on("LILY_WGPU_AHEAD"),
             replay_flush: num("LILY_WGPU_REPLAY_FLUSH", FLUSH_EVERY).min(FLUSH_EVERY),
             q6_min_kb: AtomicUsize::new(
                 std::env::var("LILY_WGPU_Q6_MIN_KB")
@@ -713,8 +730,43 @@ impl Ctx {
     fn copy_now(&self, src: &::wgpu::Buffer, so: u64, dst: &::wgpu::Buffer, dof: u64, bytes: u64) {
         let mut g = self.enc.lock().unwrap();
         let open = g.get_or_insert_with(|| self.open());
-        open.pass = None; // a copy is outside compute passes
-        open.enc.copy_buffer_to_buffer(src, so, dst, dof, bytes);
+        copy_into(open, src, so, dst, dof, bytes);
+    }
+
+    /// A recorded step encoded into a command buffer of its own, to be submitted later
+    /// (`submit_ahead`): the host encodes the next decode step while the device runs this one.
+    /// `None` while dispatches are timed (each then needs its own pass and queries).
+    pub fn encode_ahead(&self, items: &[Item]) -> Option<::wgpu::CommandBuffer> {
+        if self.timing_on.load(Ordering::Relaxed) {
+            return None;
+        }
+        let mut open = self.open();
+        for it in items {
+            match it {
+                Item::Dispatch {
+                    entry,
+                    pipe,
+                    bg,
+                    gx,
+                    gy,
+                } => self.encode(&mut open, entry, pipe, bg, *gx, *gy),
+                Item::Copy {
+                    src,
+                    so,
+                    dst,
+                    dof,
+                    bytes,
+                } => copy_into(&mut open, src, *so, dst, *dof, *bytes),
+            }
+        }
+        open.pass = None;
+        Some(open.enc.finish())
+    }
+
+    /// Submits a step encoded ahead, after whatever the encoder holds (the ops before it).
+    pub fn submit_ahead(&self, cmd: ::wgpu::CommandBuffer) {
+        self.flush();
+        self.queue.submit([cmd]);
     }
 
     /// Ends the pass, submits, and with timed passes waits for their timestamps and charges

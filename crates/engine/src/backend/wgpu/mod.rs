@@ -59,6 +59,9 @@ fn fits(ctx: &Ctx, op: &str, bufs: &[(&str, &WBuf, usize)]) -> bool {
 struct Records {
     recs: Vec<Record>,
     seen: std::collections::HashSet<u64>,
+    /// The step after the last replayed one, encoded ahead: its key, the scratch generation
+    /// when encoded, its command buffer.
+    ahead: Option<(u64, u64, ::wgpu::CommandBuffer)>,
 }
 
 struct Record {
@@ -217,10 +220,21 @@ impl Backend for Wgpu {
         }
         let gen = self.ctx.scratch_gen();
         let mut recs = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        let ahead = recs.ahead.take();
         if let Some(i) = recs.recs.iter().position(|r| r.key == key) {
             let r = recs.recs.remove(i);
             if r.gen == gen {
-                self.ctx.replay_items(&r.items);
+                match ahead.filter(|a| a.0 == key && a.1 == gen) {
+                    Some((_, _, cmd)) => self.ctx.submit_ahead(cmd),
+                    None => self.ctx.replay_items(&r.items),
+                }
+                if self.ctx.sw.ahead {
+                    // The device starts on this step now; the host encodes the next one (the
+                    // same dispatches: a step reads its token and position on the device)
+                    // while it runs, instead of after reading this one's token.
+                    self.ctx.flush();
+                    recs.ahead = self.ctx.encode_ahead(&r.items).map(|c| (key, gen, c));
+                }
                 recs.recs.push(r);
                 return Ok(());
             }
