@@ -288,3 +288,74 @@ fn moe_bad_shapes_and_ids_are_errors_not_crashes() {
     g.moe_experts_prefill(&gx, &route, &gg, &gu, &gd, &dd, 2, &mut o);
     g.sync().expect("a valid op after the errors");
 }
+
+/// Prefill's grouped expert GEMMs both ways (`Wgpu::set_moe_mm`, LILY_WGPU_MOE_MM): moe_mm.wgsl's
+/// 8 × 8 entries (`mm8`, the default) and moe.wgsl's moe_gate_up_mm / moe_down_mm (`old`), at
+/// the model's expert shapes with 32 experts (lavapipe time; the 256 of the model are
+/// moe_experts_match_the_cpu's): 4-bit, 64 rows top-8 (~16 slots an expert: tiles of ≤ 16
+/// rows, which skip their upper half, and of 17-32), 300 rows (full tiles and partial ones),
+/// top-1 with 300 rows on one expert (9 full tiles and one of 12); and 8-bit codes with f32
+/// scales in groups of 32 at hidden 512, width 256. F32_TOL as the header says (one f32 chain
+/// a dot product on both sides, K ≤ 2048).
+#[test]
+fn moe_grouped_gemms_both_ways() {
+    let d = Dims {
+        n_experts: 32,
+        ..qwen_dims()
+    };
+    let mut rng = Rng(63);
+    let (e, hid, width) = (d.n_experts, d.hidden, 512);
+    let gate = rand_quant(&mut rng, e, width, hid, 4, 64, false);
+    let up = rand_quant(&mut rng, e, width, hid, 4, 64, false);
+    let down = rand_quant(&mut rng, e, hid, width, 4, 64, false);
+    let d8 = Dims {
+        hidden: 512,
+        n_experts: 16,
+        top_k: 3,
+        ..d
+    };
+    let gate8 = rand_quant(&mut rng, 16, 256, 512, 8, 32, true);
+    let up8 = rand_quant(&mut rng, 16, 256, 512, 8, 32, true);
+    let down8 = rand_quant(&mut rng, 16, 512, 256, 8, 32, true);
+    for v in ["mm8", "old"] {
+        let Some(g) = gpu() else { return };
+        g.set_moe_mm(v).unwrap();
+        let gm = [
+            &g.upload_mat(&gate).unwrap(),
+            &g.upload_mat(&up).unwrap(),
+            &g.upload_mat(&down).unwrap(),
+        ];
+        let mats = [&gate, &up, &down];
+        let what = format!("{v} 4-bit 32×[512, 2048]");
+        for rows in [64usize, 300] {
+            experts_case(&g, &mut rng, mats, gm, &d, rows, 8.0, &what);
+        }
+        let d1 = Dims { top_k: 1, ..d };
+        experts_case(
+            &g,
+            &mut rng,
+            mats,
+            gm,
+            &d1,
+            300,
+            100.0,
+            &format!("{what} top-1"),
+        );
+        let gm8 = [
+            &g.upload_mat(&gate8).unwrap(),
+            &g.upload_mat(&up8).unwrap(),
+            &g.upload_mat(&down8).unwrap(),
+        ];
+        let what8 = format!("{v} 8-bit g32 f32 scales 16×[256, 512]");
+        experts_case(
+            &g,
+            &mut rng,
+            [&gate8, &up8, &down8],
+            gm8,
+            &d8,
+            100,
+            8.0,
+            &what8,
+        );
+    }
+}

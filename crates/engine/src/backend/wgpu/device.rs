@@ -62,6 +62,7 @@ pub fn shaders() -> Vec<Shader> {
         super::gdn::SHADER,
         super::gdn::SHADER_SG,
         super::moe::SHADER,
+        super::moe::MM8_SHADER,
         super::output::SHADER,
         super::lab::SHADER,
         SG_PROBE,
@@ -227,6 +228,10 @@ pub(super) struct Switches {
     /// (matmul.wgsl `gemm`, 64 × 64). Stored as 1, 2 or 0; atomic so that `lily lab` compares
     /// them in one process.
     pub gemm: AtomicU32,
+    /// `LILY_WGPU_MOE_MM=old`: prefill's grouped expert GEMMs by moe.wgsl's moe_gate_up_mm and
+    /// moe_down_mm (4 × 4 a thread) instead of moe_mm.wgsl's 8 × 8 entries. Atomic so that
+    /// tests and `lily lab` compare both in one process.
+    pub moe_mm8: std::sync::atomic::AtomicBool,
 }
 
 impl Switches {
@@ -272,6 +277,9 @@ impl Switches {
                     .ok()
                     .and_then(|v| gemm_code(&v))
                     .unwrap_or(1),
+            ),
+            moe_mm8: std::sync::atomic::AtomicBool::new(
+                std::env::var("LILY_WGPU_MOE_MM").as_deref() != Ok("old"),
             ),
         }
     }

@@ -40,6 +40,7 @@ pub const CASES: &[&str] = &[
     "route",
     "experts",
     "gemm",
+    "moe_mm",
 ];
 
 /// Dispatches in one timed pass at most (the device submits at 256).
@@ -624,9 +625,43 @@ impl Wgpu {
         if want_case("gemm") {
             rows.extend(self.lab_gemm(calls, print)?);
         }
+        if want_case("moe_mm") {
+            rows.extend(self.lab_moe_mm(cfg, calls, print)?);
+        }
         ctx.check()?;
         Ok(rows)
     }
+}
+
+/// Median seconds a call of `f(i)`, i in 0..calls a pass, after a warm-up pass (case "gemm"
+/// and "moe_mm").
+fn lab_median(ctx: &super::device::Ctx, calls: usize, f: &dyn Fn(usize)) -> Result<f64> {
+    ctx.time_pass(|| (0..calls).for_each(f))?;
+    let mut v = Vec::with_capacity(REPS);
+    for _ in 0..REPS {
+        v.push(ctx.time_pass(|| (0..calls).for_each(f))? / calls as f64);
+    }
+    v.sort_by(f64::total_cmp);
+    Ok(v[v.len() / 2])
+}
+
+/// Reads `n` f32 values back (case "gemm" and "moe_mm").
+fn lab_floats(ctx: &super::device::Ctx, b: &WBuf) -> Result<Vec<f32>> {
+    Ok(ctx
+        .read(&b.buf, 4 * b.len as u64)?
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect())
+}
+
+/// max |got − want| / max |want|.
+fn lab_rel(got: &[f32], want: &[f32]) -> f64 {
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
+    let diff = got
+        .iter()
+        .zip(want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    (diff / scale) as f64
 }
 
 /// Prefill's GEMMs timed (case "gemm"): each `LILY_WGPU_GEMM` kernel.
@@ -675,25 +710,11 @@ impl Wgpu {
             let mut reference: Option<Vec<f32>> = None;
             for (name, code) in GEMM_VARIANTS {
                 ctx.sw.gemm.store(code, Ordering::Relaxed);
-                ctx.time_pass(|| (0..calls).for_each(call))?;
-                let mut v = Vec::with_capacity(REPS);
-                for _ in 0..REPS {
-                    v.push(ctx.time_pass(|| (0..calls).for_each(call))? / calls as f64);
-                }
-                v.sort_by(f64::total_cmp);
-                let op_s = v[v.len() / 2];
+                let op_s = lab_median(ctx, calls, &call)?;
                 call(0);
-                let got: Vec<f32> = ctx
-                    .read(&o.buf, 4 * o.len as u64)?
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                    .collect();
+                let got = lab_floats(ctx, &o)?;
                 let want = reference.get_or_insert_with(|| got.clone());
-                let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-30);
-                let diff = got
-                    .iter()
-                    .zip(want.iter())
-                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                let check = lab_rel(&got, want);
                 let tflops = 2.0 * (rows * inp * out) as f64 / op_s / 1e12;
                 let row = LabRow {
                     case: "gemm",
@@ -707,13 +728,90 @@ impl Wgpu {
                     calls,
                     op_s,
                     read_s: None,
-                    check: Some((diff / scale) as f64),
+                    check: Some(check),
                 };
                 print(&row);
                 res.push(row);
             }
         }
         ctx.sw.gemm.store(saved, Ordering::Relaxed);
+        Ok(res)
+    }
+
+    /// Case "moe_mm": prefill's routed experts (`moe_experts` from 64 rows: moe_sort, the
+    /// grouped gate|up and down GEMMs, moe_combine) at 2048 and 300 rows of x over the preset's
+    /// expert stacks (random routes), with moe_mm.wgsl's 8 × 8 entries (`mm8`) and moe.wgsl's
+    /// (`old`, `LILY_WGPU_MOE_MM=old`). The variant's name reads `kernels rows rate`, the rate
+    /// 2·rows·k·3·width·hidden / time in TFLOP/s (the whole op: sort and combine included);
+    /// `check` is max |this − old| / max |old|. At most 20 calls a timed pass.
+    fn lab_moe_mm(
+        &self,
+        cfg: &Config,
+        calls: usize,
+        print: &mut dyn FnMut(&LabRow),
+    ) -> Result<Vec<LabRow>> {
+        let ctx = &self.ctx;
+        let saved = ctx.sw.moe_mm8.load(Ordering::Relaxed);
+        let calls = calls.min(20);
+        let d = Dims::from_config(cfg);
+        let (bits, gs) = match &cfg.quantization.default {
+            Some(q) => (q.bits, q.group_size),
+            None => (4, 64),
+        };
+        let (w, hid) = (cfg.moe_intermediate_size, cfg.hidden_size);
+        let mk = |out: usize, inp: usize, seed: u64| -> Result<WMat> {
+            let m = self.lab_mat(d.n_experts * out, inp, bits, gs, seed)?;
+            Ok(WMat {
+                n: d.n_experts,
+                out,
+                ..m
+            })
+        };
+        let (gate, up, down) = (mk(w, hid, 81)?, mk(w, hid, 82)?, mk(hid, w, 83)?);
+        let bytes = 3 * d.n_experts * (w * hid * bits as usize / 8 + 4 * (w * hid / gs));
+        let mut res = Vec::new();
+        for rows in [2048usize, 300] {
+            let logits = self.lab_buf(&floats(rows * d.n_experts, 84, -4.0, 4.0))?;
+            let mut route = self.new_route(rows, d.top_k)?;
+            super::moe::moe_route(ctx, &logits, &d, rows, &mut route);
+            let x = self.lab_buf(&floats(rows * hid, 85, -1.0, 1.0))?;
+            let out = self.lab_buf(&vec![0.0; rows * hid])?;
+            let call = |_: usize| {
+                let mut o = WBuf {
+                    buf: out.buf.clone(),
+                    len: out.len,
+                };
+                super::moe::moe_experts(ctx, &x, &route, &gate, &up, &down, &d, rows, &mut o)
+            };
+            let mut reference: Option<Vec<f32>> = None;
+            for (name, on) in [("old", false), ("mm8", true)] {
+                ctx.sw.moe_mm8.store(on, Ordering::Relaxed);
+                let op_s = lab_median(ctx, calls, &call)?;
+                call(0);
+                let got = lab_floats(ctx, &out)?;
+                let want = reference.get_or_insert_with(|| got.clone());
+                let check = lab_rel(&got, want);
+                let flops = 2.0 * (rows * d.top_k * 3 * w * hid) as f64;
+                let tflops = flops / op_s / 1e12;
+                let row = LabRow {
+                    case: "moe_mm",
+                    variant: if tflops >= 1.0 {
+                        format!("{name} {rows} {tflops:.1}TF")
+                    } else {
+                        format!("{name} {rows} {tflops:.4}TF")
+                    },
+                    bytes,
+                    copies: 1,
+                    calls,
+                    op_s,
+                    read_s: None,
+                    check: Some(check),
+                };
+                print(&row);
+                res.push(row);
+            }
+        }
+        ctx.sw.moe_mm8.store(saved, Ordering::Relaxed);
         Ok(res)
     }
 }

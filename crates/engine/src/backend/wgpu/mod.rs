@@ -167,6 +167,20 @@ impl Wgpu {
             .store(c, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
+    /// Takes prefill's grouped expert GEMMs named (`mm8`: moe_mm.wgsl, the default; `old`:
+    /// moe.wgsl's moe_gate_up_mm / moe_down_mm; `LILY_WGPU_MOE_MM`'s values) from now on.
+    pub fn set_moe_mm(&self, name: &str) -> Result<()> {
+        let on = match name {
+            "mm8" => true,
+            "old" => false,
+            _ => bail!("unknown expert GEMM `{name}` (mm8 or old)"),
+        };
+        self.ctx
+            .sw
+            .moe_mm8
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
     /// What the adapter is and offers.
     pub fn report(&self) -> &AdapterReport {
         &self.ctx.report

@@ -33,6 +33,16 @@ pub const SHADER: Shader = Shader {
     ),
 };
 
+/// moe_mm.wgsl: the grouped GEMMs with an 8 × 8 micro-tile a thread (`mm8_ok`).
+pub const MM8_SHADER: Shader = Shader {
+    name: "moe_mm",
+    src: concat!(
+        include_str!("shaders/common.wgsl"),
+        include_str!("shaders/quant.wgsl"),
+        include_str!("shaders/moe_mm.wgsl")
+    ),
+};
+
 /// The most experts `moe_route` takes (its probabilities sit in workgroup memory).
 const MAX_EXPERTS: usize = 2048;
 /// The most experts a token chooses (`moe_route`'s workgroup array of the chosen ids).
@@ -101,6 +111,15 @@ fn mm_ok(gate: &WMat, up: &WMat, down: &WMat) -> bool {
         && gate.out.is_multiple_of(64)
         && down.out.is_multiple_of(128)
         && gate.n <= MAX_SORT_EXPERTS
+}
+
+/// Whether moe_gate_up_mm8 / moe_down_mm8 read these stacks (besides `mm_ok`), unless
+/// `LILY_WGPU_MOE_MM=old`: 4- or 8-bit codes, whole output blocks (128 of width, 256 of hidden).
+fn mm8_ok(ctx: &Ctx, gate: &WMat, up: &WMat, down: &WMat) -> bool {
+    ctx.sw.moe_mm8.load(std::sync::atomic::Ordering::Relaxed)
+        && [gate, up, down].iter().all(|m| matches!(m.bits, 4 | 8))
+        && gate.out.is_multiple_of(128)
+        && down.out.is_multiple_of(256)
 }
 
 pub fn moe_route(ctx: &Ctx, logits: &WBuf, d: &Dims, rows: usize, route: &mut WRoute) {
@@ -241,20 +260,28 @@ fn experts(
         let y = ctx.scratch("moe.y", 4 * (slots * hid) as u64)?;
         let p_up = params(gate.qmat(), up.qmat(), rows, k, n, false, 0, 0, tiles);
         let p_down = params(down.qmat(), [0; 8], rows, k, n, false, 0, 0, tiles);
-        let g1 = launch(tiles * (width / 64))?;
-        let g2 = launch(tiles * (hid / 128))?;
+        // moe_mm.wgsl's 8 × 8 entries where they take the stacks: 128 outputs of gate|up and
+        // 256 of down a workgroup (the old: 64 and 128).
+        let mm8 = mm8_ok(ctx, gate, up, down);
+        let (sh_mm, up_mm, down_mm, wo, ho) = if mm8 {
+            (&MM8_SHADER, "moe_gate_up_mm8", "moe_down_mm8", 128, 256)
+        } else {
+            (&SHADER, "moe_gate_up_mm", "moe_down_mm", 64, 128)
+        };
+        let g1 = launch(tiles * (width / wo))?;
+        let g2 = launch(tiles * (hid / ho))?;
         let g3 = launch((rows * hid).div_ceil(256))?;
         ctx.dispatch(&SHADER, "moe_sort", &p_up, &[&route.ids, &sort], 1);
         ctx.dispatch(
-            &SHADER,
-            "moe_gate_up_mm",
+            sh_mm,
+            up_mm,
             &p_up,
             &[&gate_up[..7], &[&sort, &act]].concat(),
             g1,
         );
         ctx.dispatch(
-            &SHADER,
-            "moe_down_mm",
+            sh_mm,
+            down_mm,
             &p_down,
             &[&dq[..], &[&act], &[&sort, &y]].concat(),
             g2,
