@@ -222,15 +222,18 @@ pub(super) struct Switches {
     /// `LILY_WGPU_ZERO_WG=1`: workgroup memory zeroed at every workgroup's start (WebGPU's
     /// rule). Off by default: every kernel writes its workgroup memory before it reads it.
     pub zero_wg: bool,
-    /// `LILY_WGPU_GEMM`: prefill's GEMM past 64 rows of x (matmul.rs `gemm_shader`): `big`
-    /// (gemm.wgsl `gemm_big`, a 128 × 128 tile, each step's products summed apart; the
-    /// default), `chain` (gemm_big with one FMA chain an output: fewer registers) or `old`
-    /// (matmul.wgsl `gemm`, 64 × 64). Stored as 1, 2 or 0; atomic so that `lily lab` compares
-    /// them in one process.
+    /// `LILY_WGPU_GEMM`: prefill's GEMM past 64 rows of x (matmul.rs `gemm_shader`): `old`
+    /// (matmul.wgsl `gemm`, 64 × 64; the default), `big` (gemm.wgsl `gemm_big`, a 128 × 128
+    /// tile, each step's products summed apart) or `chain` (gemm_big with one FMA chain an
+    /// output). On the H200 (stop 31, call 3) gemm_big was 5% faster at 2048 rows (22.6 against
+    /// 21.6 TFLOP/s on 2048 → 8192) but 1.4-1.8× slower at 300 rows, and 4K prefill fell from
+    /// 3,121 to 2,987 tok/s with it: opt-in. Stored as 1 (big), 2 (chain) or 0 (old); atomic
+    /// so that `lily lab` compares them in one process.
     pub gemm: AtomicU32,
-    /// `LILY_WGPU_MOE_MM=old`: prefill's grouped expert GEMMs by moe.wgsl's moe_gate_up_mm and
-    /// moe_down_mm (4 × 4 a thread) instead of moe_mm.wgsl's 8 × 8 entries. Atomic so that
-    /// tests and `lily lab` compare both in one process.
+    /// `LILY_WGPU_MOE_MM=mm8`: prefill's grouped expert GEMMs by moe_mm.wgsl's 8 × 8 entries
+    /// instead of moe.wgsl's moe_gate_up_mm and moe_down_mm (4 × 4 a thread; the default until
+    /// the 8 × 8 ones measure faster). Atomic so that tests and `lily lab` compare both in one
+    /// process.
     pub moe_mm8: std::sync::atomic::AtomicBool,
 }
 
@@ -276,10 +279,10 @@ impl Switches {
                 std::env::var("LILY_WGPU_GEMM")
                     .ok()
                     .and_then(|v| gemm_code(&v))
-                    .unwrap_or(1),
+                    .unwrap_or(0),
             ),
             moe_mm8: std::sync::atomic::AtomicBool::new(
-                std::env::var("LILY_WGPU_MOE_MM").as_deref() != Ok("old"),
+                std::env::var("LILY_WGPU_MOE_MM").as_deref() == Ok("mm8"),
             ),
         }
     }

@@ -741,7 +741,7 @@ impl Wgpu {
     /// Case "moe_mm": prefill's routed experts (`moe_experts` from 64 rows: moe_sort, the
     /// grouped gate|up and down GEMMs, moe_combine) at 2048 and 300 rows of x over the preset's
     /// expert stacks (random routes), with moe_mm.wgsl's 8 × 8 entries (`mm8`) and moe.wgsl's
-    /// (`old`, `LILY_WGPU_MOE_MM=old`). The variant's name reads `kernels rows rate`, the rate
+    /// (`old`, the default; `LILY_WGPU_MOE_MM=mm8` for the other). The variant's name reads `kernels rows rate`, the rate
     /// 2·rows·k·3·width·hidden / time in TFLOP/s (the whole op: sort and combine included);
     /// `check` is max |this − old| / max |old|. At most 20 calls a timed pass.
     fn lab_moe_mm(

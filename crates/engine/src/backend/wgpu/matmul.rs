@@ -1,10 +1,12 @@
 //! Quantized matrices on the device and `matmul_q` (shaders/matmul.wgsl; cpu/matmul.rs is the
-//! twin). `matmul_q` takes `gemv_v5` (or `gemv_v4`, `LILY_WGPU_GEMV=v4`: the same launch, x in
-//! f32 instead of two int8 levels) for up to `GEMV_MAX_ROWS` rows of x when the codes are 4- or
-//! 8-bit in groups of whole 16-byte words (every matrix of the model), the scalar `gemv` for one
-//! row of anything else, and the register-tiled `gemm` for the rest: past `GEMM_BIG_MIN_ROWS`
-//! rows of 4/8-bit codes in groups of a multiple of 16, gemm.wgsl's `gemm_big` (a 128 × 128
-//! tile; `LILY_WGPU_GEMM`), else matmul.wgsl's `gemm` (64 × 64).
+//! twin). For up to `GEMV_MAX_ROWS` rows of x, when the codes are 4- or 8-bit in groups of whole
+//! 16-byte words (every matrix of the model), `matmul_q` takes the decode GEMV `gemv_many` picks
+//! (`LILY_WGPU_GEMV`): gemv_q6 (matmul_sg.wgsl, x staged once by xq.wgsl's q2x_stage) for
+//! launches of `LILY_WGPU_Q6_MIN_KB` of codes on adapters with ordered subgroups of one width,
+//! else gemv_v5 (x quantized in every workgroup), or gemv_v4 / gemv_rw / gemv_xs (x in f32).
+//! Otherwise the scalar `gemv` for one row of anything else, and the register-tiled `gemm` for
+//! the rest (matmul.wgsl's 64 × 64; gemm.wgsl's 128 × 128 `gemm_big` with
+//! `LILY_WGPU_GEMM=big`, past `GEMM_BIG_MIN_ROWS` rows of 4/8-bit codes in groups of 16).
 
 use std::sync::atomic::Ordering;
 
@@ -41,7 +43,7 @@ fn xq_row(inp: usize) -> usize {
     5 * (inp / 32) + 3 * (inp / 16)
 }
 
-/// gemm.wgsl's `gemm_big` with each k step's products summed apart (the default).
+/// gemm.wgsl's `gemm_big` with each k step's products summed apart (`LILY_WGPU_GEMM=big`).
 pub const GEMM_SHADER: Shader = Shader {
     name: "gemm",
     src: concat!(

@@ -113,8 +113,8 @@ fn mm_ok(gate: &WMat, up: &WMat, down: &WMat) -> bool {
         && gate.n <= MAX_SORT_EXPERTS
 }
 
-/// Whether moe_gate_up_mm8 / moe_down_mm8 read these stacks (besides `mm_ok`), unless
-/// `LILY_WGPU_MOE_MM=old`: 4- or 8-bit codes, whole output blocks (128 of width, 256 of hidden).
+/// Whether moe_gate_up_mm8 / moe_down_mm8 read these stacks (besides `mm_ok`): with
+/// `LILY_WGPU_MOE_MM=mm8`, 4- or 8-bit codes, whole output blocks (128 of width, 256 of hidden).
 fn mm8_ok(ctx: &Ctx, gate: &WMat, up: &WMat, down: &WMat) -> bool {
     ctx.sw.moe_mm8.load(std::sync::atomic::Ordering::Relaxed)
         && [gate, up, down].iter().all(|m| matches!(m.bits, 4 | 8))

@@ -2,7 +2,7 @@
 // (cpu/moe.rs `moe_experts_prefill` is the twin), in place of moe.wgsl's moe_gate_up_mm and
 // moe_down_mm (4 × 4 a thread) where the stacks allow: 4- or 8-bit codes in groups of a
 // multiple of 16, gate|up's width a multiple of 128, down's outputs (hidden) of 256
-// (moe.rs `mm8_ok`; LILY_WGPU_MOE_MM=old keeps the old entries). moe.wgsl's moe_sort makes the
+// (moe.rs `mm8_ok`; LILY_WGPU_MOE_MM=mm8 takes these; the old entries are the default). moe.wgsl's moe_sort makes the
 // tiles (≤ TM = 32 rows of one expert; the sort buffer's layout is in moe.wgsl's header) and
 // moe_combine sums a token's slots after moe_down_mm8; both are unchanged. The parameter block
 // and the bindings are the old entries' (moe.rs launches either with the same buffers).
