@@ -753,22 +753,7 @@ impl Ctx {
         }
         let mut open = self.open();
         for it in items {
-            match it {
-                Item::Dispatch {
-                    entry,
-                    pipe,
-                    bg,
-                    gx,
-                    gy,
-                } => self.encode(&mut open, entry, pipe, bg, *gx, *gy),
-                Item::Copy {
-                    src,
-                    so,
-                    dst,
-                    dof,
-                    bytes,
-                } => copy_into(&mut open, src, *so, dst, *dof, *bytes),
-            }
+            self.encode_item(&mut open, it);
         }
         open.pass = None;
         Some(open.enc.finish())
@@ -901,33 +886,37 @@ impl Ctx {
         self.rec.lock().unwrap().take().unwrap_or_default()
     }
 
-    /// Encodes a recorded step again: its dispatches with their own parameters and bind groups.
+    /// Encodes a recorded step again: its dispatches with their own parameters and bind groups,
+    /// submitted every `replay_flush` dispatches.
     pub fn replay_items(&self, items: &[Item]) {
         for it in items {
-            match it {
-                Item::Dispatch {
-                    entry,
-                    pipe,
-                    bg,
-                    gx,
-                    gy,
-                } => {
-                    let mut g = self.enc.lock().unwrap();
-                    let open = g.get_or_insert_with(|| self.open());
-                    self.encode(open, entry, pipe, bg, *gx, *gy);
-                    if open.n >= self.sw.replay_flush {
-                        let o = g.take().unwrap();
-                        self.submit(o);
-                    }
-                }
-                Item::Copy {
-                    src,
-                    so,
-                    dst,
-                    dof,
-                    bytes,
-                } => self.copy_now(src, *so, dst, *dof, *bytes),
+            let mut g = self.enc.lock().unwrap();
+            let open = g.get_or_insert_with(|| self.open());
+            self.encode_item(open, it);
+            if open.n >= self.sw.replay_flush {
+                let o = g.take().unwrap();
+                self.submit(o);
             }
+        }
+    }
+
+    /// One recorded op into `open`.
+    fn encode_item(&self, open: &mut Open, it: &Item) {
+        match it {
+            Item::Dispatch {
+                entry,
+                pipe,
+                bg,
+                gx,
+                gy,
+            } => self.encode(open, entry, pipe, bg, *gx, *gy),
+            Item::Copy {
+                src,
+                so,
+                dst,
+                dof,
+                bytes,
+            } => copy_into(open, src, *so, dst, *dof, *bytes),
         }
     }
 

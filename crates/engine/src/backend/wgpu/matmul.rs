@@ -89,8 +89,9 @@ pub fn gemm_shader(ctx: &Ctx, w: &WMat, rows: usize) -> Option<&'static Shader> 
     }
 }
 
-/// matmul_sg.wgsl made whole: its per-matrix part for each of the 4 matrix slots, its per-rows
-/// part for each slot and R, its entry for each R (the file's header says why).
+/// matmul_sg.wgsl made whole: its per-matrix parts for each of the 4 matrix slots, its per-rows
+/// part for each slot and R, its entries for each R / NW, gemv_q6's parts (the file's header
+/// says why).
 pub fn sg_shader() -> Shader {
     static SRC: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     let src = SRC.get_or_init(|| {

@@ -87,6 +87,18 @@ struct PV {
 @group(0) @binding(20) var<storage, read> vr: array<f32>;
 @group(0) @binding(21) var<storage, read> vsg: array<f32>;
 
+// The matrix slot of workgroup block blk (uniform over the workgroup) and the
+// block's index within that matrix's blocks (every GEMV of the parameter block).
+fn gv_slot(blk: u32) -> vec2<u32> {
+    var mi = 0u;
+    for (var k = 1u; k < pv.n; k++) {
+        if (blk >= pv.start[k]) {
+            mi = k;
+        }
+    }
+    return vec2<u32>(mi, blk - pv.start[mi]);
+}
+
 // Code words i of matrix mi (a branch uniform over the workgroup: a workgroup is one matrix's).
 fn vw(mi: u32, i: u32) -> vec4<u32> {
     switch mi {

@@ -120,18 +120,6 @@ var<workgroup> gv_x: array<vec4<f32>, 1024>;
 // The 4 rows' partial sums of every thread, [4][256].
 var<workgroup> gv_red: array<f32, 1024>;
 
-// gemv_v4 / gemv_v5: the matrix slot of workgroup block blk (uniform over the workgroup) and the
-// block's index within that matrix's blocks.
-fn gv_slot(blk: u32) -> vec2<u32> {
-    var mi = 0u;
-    for (var k = 1u; k < pv.n; k++) {
-        if (blk >= pv.start[k]) {
-            mi = k;
-        }
-    }
-    return vec2<u32>(mi, blk - pv.start[mi]);
-}
-
 // The rms_norm folded in: this workgroup's own sum of squares of its row of h (8 KB at the
 // model's width: cheaper than a launch of its own), returning 1 / rms; the first block of the
 // row (`first`) writes the normed row back once (the experts read it). Uniform control flow.

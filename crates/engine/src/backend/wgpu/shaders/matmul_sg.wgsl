@@ -1,5 +1,7 @@
-// matmul_sg.wgsl: gemv_rw, the decode GEMV for adapters with subgroup operations (matmul.rs
-// takes it over gemv_v4 when `Ctx::subgroups` holds; cpu/matmul.rs `matmul`'s GEMV is the twin).
+// matmul_sg.wgsl: the decode GEMVs for adapters with subgroup operations: gemv_rw and gemv_xs
+// (x in f32, `LILY_WGPU_GEMV=rw1|rw2|rw4|xs`) and gemv_q6 (x staged once a launch by xq.wgsl's
+// q2x_stage; the default, its header at the `q6entry` part); cpu/matmul.rs `matmul`'s GEMV is
+// the twin of all three. What follows up to the template paragraph is gemv_rw's.
 // Same parameter block, bindings and modes as gemv_v4 (gemv_io.wgsl): up to 4 matrices reading
 // the same x, x read as it is / rms-normed / silu(g)·u, outputs stored / added / the MoE block's
 // gated residual; 4- or 8-bit codes, each 16-byte code word in one scale group.
@@ -19,7 +21,9 @@
 // The source is a template (matmul.rs `sg_shader`): the part after the `matrix` marker line is
 // repeated for each matrix slot M = 0..3 (its own code and scale buffers, so no load is behind
 // a switch), the parts after the `rows` and `entry` markers for each R in 1, 2, 4 (loops over
-// R rows unrolled by the driver's compiler with a constant bound).
+// R rows unrolled by the driver's compiler with a constant bound); `xs` for each slot and NW
+// with `xsentry` for each NW; `q6` for each slot, then `q6entry` once. q2x.wgsl (g5_dot) comes
+// before the head.
 //
 // Launch: 256 invocations = 256 / T teams, (256 / T) · R rows a workgroup; matrix i gets
 // ceil(out_i · T_i / (256 · R)) blocks, and workgroup index = block · rows + t as in gemv_v4.
@@ -178,14 +182,9 @@ fn gemv_rw{R}(
     let sg = workgroupUniformLoad(&rw_sg);
     let wg = wg_index(wid);
     let t = wg % pv.rows;
-    var blk = wg / pv.rows;
-    var mi = 0u;
-    for (var k = 1u; k < pv.n; k++) {
-        if (blk >= pv.start[k]) {
-            mi = k;
-        }
-    }
-    blk -= pv.start[mi];
+    let slot = gv_slot(wg / pv.rows);
+    let mi = slot.x;
+    let blk = slot.y;
     let m = pv.ms[mi];
     let T = pv.lanes[mi];
     let lane = li % T;
@@ -305,14 +304,9 @@ fn gemv_xs{NW}(
     let W = workgroupUniformLoad(&rw_sg);
     let wg = wg_index(wid);
     let t = wg % pv.rows;
-    var blk = wg / pv.rows;
-    var mi = 0u;
-    for (var k = 1u; k < pv.n; k++) {
-        if (blk >= pv.start[k]) {
-            mi = k;
-        }
-    }
-    blk -= pv.start[mi];
+    let slot = gv_slot(wg / pv.rows);
+    let mi = slot.x;
+    let blk = slot.y;
     let m = pv.ms[mi];
     // Rows a workgroup: pv.lanes (a multiple of 2 · nsg, chosen by the host).
     let rpw = pv.lanes[mi];
@@ -477,14 +471,9 @@ fn gemv_q6(
     let sg = workgroupUniformLoad(&rw_sg);
     let wg = wg_index(wid);
     let t = wg % pv.rows;
-    var blk = wg / pv.rows;
-    var mi = 0u;
-    for (var k = 1u; k < pv.n; k++) {
-        if (blk >= pv.start[k]) {
-            mi = k;
-        }
-    }
-    blk -= pv.start[mi];
+    let slot = gv_slot(wg / pv.rows);
+    let mi = slot.x;
+    let blk = slot.y;
     let m = pv.ms[mi];
     let T = pv.lanes[mi] & 0xffffu;
     let R = pv.lanes[mi] >> 16u;
