@@ -170,6 +170,9 @@ pub(super) struct Switches {
     /// `LILY_WGPU_FUSE_EPILOGUE=0`: the residual adds, the shared expert's swiglu and gate as
     /// launches of their own.
     pub fuse_epilogue: bool,
+    /// `LILY_WGPU_FUSE_CONV=0`: a decode step's GDN conv as a launch of its own, not in
+    /// in_proj's epilogue (gemv_q6's omode 3).
+    pub fuse_conv: bool,
     /// `LILY_WGPU_GEMV_WGS`: workgroups the decode GEMVs aim a matrix at (fewer, longer
     /// workgroups keep more loads in flight a thread; more fill more of the GPU). Atomic so that
     /// `lily lab` can compare settings in one process.
@@ -252,6 +255,7 @@ impl Switches {
             gqa: on("LILY_WGPU_GQA"),
             fuse_norm: on("LILY_WGPU_FUSE_NORM"),
             fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
+            fuse_conv: on("LILY_WGPU_FUSE_CONV"),
             gemv_wgs: AtomicUsize::new(num("LILY_WGPU_GEMV_WGS", 1024)),
             q6_wgs: AtomicUsize::new(num("LILY_WGPU_Q6_WGS", 256)),
             ahead: on("LILY_WGPU_AHEAD"),

@@ -304,6 +304,15 @@ pub enum OutMode<'a> {
         r: &'a WBuf,
         s: &'a WBuf,
     },
+    /// gemv_q6 only (`q6_takes`): matrix 0's outputs are the GDN layer's conv input for one
+    /// token; its epilogue runs the causal conv of kernel 4 and SiLU on them (gdn.wgsl
+    /// `conv1d`, one channel a lane: `out = silu(Σ_tap w[ch, tap] · in[tap])`, in = the 3 state
+    /// rows then the new value) and shifts the new value into `state` [3, C]. The other
+    /// matrices' outputs are stored. One launch fewer a GDN layer.
+    Conv {
+        w: &'a WBuf,
+        state: &'a WBuf,
+    },
 }
 
 /// One `gemv_v4` launch for up to 4 matrices reading the same x (`rows` ≤ GEMV_MAX_ROWS rows):
@@ -349,17 +358,8 @@ pub fn gemv_many(
         r @ (1 | 2 | 4) if ctx.report.subgroups => r as usize,
         _ => 0,
     };
-    // gemv_v5 (16) takes gemv_v4's launch; gemv_q6 (32) x staged by q2x_stage, on adapters
-    // whose subgroups are in order and of one width, for rows a whole number of 4-bit words and
-    // launches of at least `q6_min_kb` of codes (else gemv_v5).
-    let code_kb: usize = ws
-        .iter()
-        .map(|w| w.out * w.inp * w.bits as usize / 8192)
-        .sum();
-    let q6 = ctx.sw.gemv.load(Ordering::Relaxed) == 32
-        && fixed
-        && ws.iter().all(|w| w.inp.is_multiple_of(32))
-        && code_kb >= ctx.sw.q6_min_kb.load(Ordering::Relaxed);
+    // gemv_v5 (16) takes gemv_v4's launch; gemv_q6 (32) where `q6_takes`.
+    let q6 = q6_takes(ctx, ws);
     let v5 = ctx.sw.gemv.load(Ordering::Relaxed) >= 16;
     let want = ctx.sw.gemv_wgs.load(Ordering::Relaxed);
     let q6_want = ctx.sw.q6_wgs.load(Ordering::Relaxed);
@@ -399,6 +399,10 @@ pub fn gemv_many(
         OutMode::Store => (0u32, &dummies[5], &dummies[6]),
         OutMode::Add => (1, &dummies[5], &dummies[6]),
         OutMode::Residual { r, s } => (2, &r.buf, &s.buf),
+        OutMode::Conv { .. } if !q6 => {
+            return ctx.fail("gemv_many: the conv epilogue without gemv_q6".to_string())
+        }
+        OutMode::Conv { .. } => (3, &dummies[5], &dummies[6]),
     };
     p.extend([ws.len() as u32, rows as u32, e as u32, xmode]);
     let xmode_at = p.len() - 1;
@@ -441,6 +445,12 @@ pub fn gemv_many(
         );
         p[xmode_at] = 0;
         bufs[12] = &xq;
+        // gemv_q6 does not read x's mode: the conv's weights and state take aux's and xn's
+        // bindings.
+        if let OutMode::Conv { w, state } = &omode {
+            bufs[17] = &w.buf;
+            bufs[18] = &state.buf;
+        }
         ctx.dispatch(&sg_shader(), "gemv_q6", &p, &bufs, (blocks * rows) as u32);
         return;
     }
@@ -463,6 +473,21 @@ pub fn gemv_many(
             ctx.dispatch(&sg_shader(), entry, &p, &bufs, (blocks * rows) as u32)
         }
     }
+}
+
+/// Whether `gemv_many` runs these matrices by gemv_q6 (x staged by q2x_stage): `LILY_WGPU_GEMV`
+/// v6 (the default), an adapter whose subgroups are in order and of one width, rows a whole
+/// number of 4-bit words, and a launch of at least `q6_min_kb` of codes (else gemv_v5).
+pub fn q6_takes(ctx: &Ctx, ws: &[&WMat]) -> bool {
+    let fixed = ctx.report.subgroups && ctx.report.subgroup_min == ctx.report.subgroup_max;
+    let code_kb: usize = ws
+        .iter()
+        .map(|w| w.out * w.inp * w.bits as usize / 8192)
+        .sum();
+    ctx.sw.gemv.load(Ordering::Relaxed) == 32
+        && fixed
+        && ws.iter().all(|w| w.inp.is_multiple_of(32))
+        && code_kb >= ctx.sw.q6_min_kb.load(Ordering::Relaxed)
 }
 
 /// gemv_q6's team of T lanes and R rows for a matrix of `out` rows of `words` code words on

@@ -448,6 +448,57 @@ impl Backend for Wgpu {
             OutMode::Add,
         );
     }
+    /// The GDN mixer with the conv in in_proj's epilogue (gemv_q6's omode 3: one channel a
+    /// lane, the state shifted there): q2x_stage (the norm), in_proj, gdn_recur, gdn_norm and
+    /// out_proj (the residual add in its epilogue), one launch fewer than the composition.
+    /// Where in_proj does not take gemv_q6, or with `LILY_WGPU_FUSE_CONV=0`, the composition.
+    fn gdn_mixer_decode_add(
+        &self,
+        h: &mut WBuf,
+        norm: &WBuf,
+        eps: f32,
+        w: &super::GdnWeights<'_, Self>,
+        conv: &mut WBuf,
+        ssm: &mut WBuf,
+        d: &Dims,
+        t: super::GdnScratch<'_, Self>,
+    ) {
+        let c = d.conv_channels();
+        let [qkv_w, z_w, b_w, a_w] = w.in_proj;
+        let fits = self.ctx.sw.fuse_conv
+            && self.ctx.sw.fuse_norm
+            && d.conv_kernel == 4
+            && qkv_w.out == c
+            && w.conv1d.len >= 4 * c
+            && conv.len >= 3 * c
+            && norm.len >= d.hidden
+            && t.xn.len >= d.hidden
+            && qkv_w.inp == d.hidden
+            && matmul::q6_takes(&self.ctx, &w.in_proj)
+            && self.many_fits(
+                h,
+                &w.in_proj,
+                1,
+                &[&mut *t.qkv_c, &mut *t.z, &mut *t.b, &mut *t.a],
+            );
+        if !fits {
+            return super::gdn_mixer_compose(self, h, norm, eps, w, conv, ssm, d, t);
+        }
+        let xin = XIn::Norm {
+            w: norm,
+            eps,
+            xn: t.xn,
+        };
+        let om = OutMode::Conv {
+            w: w.conv1d,
+            state: conv,
+        };
+        let ws = [qkv_w, z_w, b_w, a_w];
+        let mut outs = [&mut *t.qkv_c, &mut *t.z, &mut *t.b, &mut *t.a];
+        matmul::gemv_many(&self.ctx, h, &ws, 0, 1, &mut outs, xin, om);
+        self.gdn_decode(t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, t.y);
+        self.matmul_q_add(t.y, w.out_proj, 1, t.r, h);
+    }
     /// The routed experts, then the shared expert in two launches: its gate|up, and its down
     /// reading silu(gate)·up as it stages x, with the gate, the routed sum and the residual add
     /// in the epilogue (five launches unfused).

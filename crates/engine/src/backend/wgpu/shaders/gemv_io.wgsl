@@ -53,7 +53,9 @@ struct PV {
     eps: f32,
     // How the outputs are written (omode: 0 stored; 1 added to the output (a residual add);
     // 2 out += r + sigmoid(s[t]) · acc: the shared expert's gate, the routed experts' sum r and
-    // the residual add of the MoE block).
+    // the residual add of the MoE block; 3, gemv_q6 only: matrix 0's outputs through the GDN
+    // layer's conv, its weights [C, 4] at aux and its state [3, C] at xn: matmul_sg.wgsl
+    // conv_out).
     omode: u32,
     // `lily lab` only (0 otherwise): parts of gemv_v4 skipped to time the rest (results wrong):
     // 1 the x staging and its barriers, 2 the final tree, 4 the norm's pre-pass, 8 the dots,
@@ -81,7 +83,8 @@ struct PV {
 @group(0) @binding(16) var<storage, read_write> vo2: array<f32>;
 @group(0) @binding(17) var<storage, read_write> vo3: array<f32>;
 // xmode 1: the norm's weights and the normed x written back; xmode 2: the up projection (aux).
-// omode 2: the routed experts' sum r and the shared expert's gate logit s. Dummies otherwise.
+// omode 2: the routed experts' sum r and the shared expert's gate logit s; omode 3 (gemv_q6,
+// whose x has no mode): the conv's weights at aux, its state at xn. Dummies otherwise.
 @group(0) @binding(18) var<storage, read> vaux: array<vec4<f32>>;
 @group(0) @binding(19) var<storage, read_write> vxn: array<vec4<f32>>;
 @group(0) @binding(20) var<storage, read> vr: array<f32>;

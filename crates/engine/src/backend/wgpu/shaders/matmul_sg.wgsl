@@ -75,9 +75,34 @@ fn sg_out(mi: u32, t: u32, i: u32, a: f32) {
         vout(mi, i, a);
     } else if (pv.omode == 1u) {
         vout(mi, i, vget(mi, i) + a);
-    } else {
+    } else if (pv.omode == 2u) {
         vout(mi, i, vget(mi, i) + (vr[i] + sigmoid_f(vsg[t]) * a));
+    } else if (mi == 0u) {
+        conv_out(i, a);
+    } else {
+        vout(mi, i, a);
     }
+}
+
+// omode 3 (gemv_q6, one row of x): a is channel ch's new conv input. out = silu(Σ_tap w[ch, tap]
+// · in[tap]), in = the 3 state rows then a, summed in tap order as gdn.wgsl's conv1d; the state
+// [3, C] (at vxn, C = matrix 0's rows) shifted by one row with a last. The channel is this
+// lane's alone: no other invocation reads or writes its state.
+fn conv_out(ch: u32, a: f32) {
+    let c = pv.ms[0].out;
+    let w = vaux[ch];
+    let s0 = vxn[ch / 4u][ch % 4u];
+    let s1 = vxn[(c + ch) / 4u][(c + ch) % 4u];
+    let s2 = vxn[(2u * c + ch) / 4u][(2u * c + ch) % 4u];
+    var acc = 0.0;
+    acc += w.x * s0;
+    acc += w.y * s1;
+    acc += w.z * s2;
+    acc += w.w * a;
+    vout(0u, ch, silu_f(acc));
+    vxn[ch / 4u][ch % 4u] = s1;
+    vxn[(c + ch) / 4u][(c + ch) % 4u] = s2;
+    vxn[(2u * c + ch) / 4u][(2u * c + ch) % 4u] = a;
 }
 
 //@@ matrix

@@ -19,7 +19,9 @@
 // 4-bit word u = i / 4, j = i % 4; also the two u32s 2(j % 2), 2(j % 2) + 1 of 8-bit word
 // 2u + j / 2); a word's max and Σ meet by subgroup shuffles among its 4 (or 2) threads, which
 // are consecutive lanes of one subgroup (Ctx checks that invocations fill subgroups in order,
-// and at least 4 lanes). The norm's sum of squares: subgroupAdd, then workgroup memory.
+// and at least 4 lanes). The norm's sum of squares: subgroupAdd, then workgroup memory. Rows of
+// ≤ 2,048 elements (every decode GEMV of the model) are loaded once, before that barrier, and
+// kept in registers; longer rows are read again after it.
 
 struct XP {
     inp: u32,
@@ -39,16 +41,26 @@ struct XP {
 var<workgroup> xq_part: array<f32, 64>;
 var<workgroup> xq_sg: u32;
 
-// x's vec4 v of row t as the mode reads it (rn: the norm's 1 / rms).
-fn xq_x(xrow: u32, v: u32, rn: f32) -> vec4<f32> {
-    var x = qx[xrow + v];
+// A vec4 of x as the mode reads it, from the raw vec4 h and its aux a (mode 1: the norm's
+// weights, rn its 1 / rms; mode 2: u).
+fn xq_mode(h: vec4<f32>, a: vec4<f32>, rn: f32) -> vec4<f32> {
     if (xp.xmode == 1u) {
-        x = x * rn * qaux[v];
+        return h * rn * a;
     } else if (xp.xmode == 2u) {
-        let a = qaux[xrow + v];
-        x = vec4<f32>(silu_f(x.x) * a.x, silu_f(x.y) * a.y, silu_f(x.z) * a.z, silu_f(x.w) * a.w);
+        return vec4<f32>(silu_f(h.x) * a.x, silu_f(h.y) * a.y, silu_f(h.z) * a.z, silu_f(h.w) * a.w);
     }
-    return x;
+    return h;
+}
+
+// x's vec4 v of row t as the mode reads it (rows of more than 2,048 elements).
+fn xq_x(xrow: u32, v: u32, rn: f32) -> vec4<f32> {
+    var a = vec4<f32>(0.0);
+    if (xp.xmode == 1u) {
+        a = qaux[v];
+    } else if (xp.xmode == 2u) {
+        a = qaux[xrow + v];
+    }
+    return xq_mode(qx[xrow + v], a, rn);
 }
 
 // The two levels of y = x / d (|y| ≤ 127): q1 = round(y), q2 = round((y − q1) · 254).
@@ -67,12 +79,36 @@ fn q2x_stage(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     let t = wg_index(wid);
     let inp = xp.inp;
     let xrow = t * (inp / 4u);
+    let w4 = inp / 32u;
+    let w8 = inp / 16u;
+    // A row of ≤ 2,048 elements is one pass of the workgroup: each thread loads its 8 elements
+    // (and in the norm's mode their weights) once, before the norm's barrier, and keeps them in
+    // registers: the loads' latency is paid once, not again after the barrier.
+    let one_pass = 4u * w4 <= 256u;
+    let i1 = li;
+    let on1 = one_pass && i1 < 4u * w4;
+    var hl = vec4<f32>(0.0);
+    var hh = vec4<f32>(0.0);
+    var wl = vec4<f32>(0.0);
+    var wh = vec4<f32>(0.0);
+    if (on1) {
+        hl = qx[xrow + 2u * i1];
+        hh = qx[xrow + 2u * i1 + 1u];
+        if (xp.xmode != 0u) {
+            // Mode 1: the norm's weights (a vector); mode 2: u (a row like x).
+            let ab = select(xrow, 0u, xp.xmode == 1u);
+            wl = qaux[ab + 2u * i1];
+            wh = qaux[ab + 2u * i1 + 1u];
+        }
+    }
     var rn = 1.0;
     if (xp.xmode == 1u) {
-        var ss = 0.0;
-        for (var v = li; v < inp / 4u; v += 256u) {
-            let h = qx[xrow + v];
-            ss += dot(h, h);
+        var ss = dot(hl, hl) + dot(hh, hh);
+        if (!one_pass) {
+            for (var v = li; v < inp / 4u; v += 256u) {
+                let h = qx[xrow + v];
+                ss += dot(h, h);
+            }
         }
         let s = subgroupAdd(ss);
         if (lane == 0u) {
@@ -85,8 +121,6 @@ fn q2x_stage(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         }
         rn = 1.0 / sqrt(tot / f32(inp) + xp.eps);
     }
-    let w4 = inp / 32u;
-    let w8 = inp / 16u;
     let b4 = t * (5u * w4 + 3u * w8);
     let b8 = b4 + 5u * w4;
     // The bound is uniform: every lane reaches the shuffles; lanes past the row take zeros.
@@ -95,7 +129,14 @@ fn q2x_stage(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         let on = i < 4u * w4;
         var xl = vec4<f32>(0.0);
         var xh = vec4<f32>(0.0);
-        if (on) {
+        if (on && one_pass) {
+            xl = xq_mode(hl, wl, rn);
+            xh = xq_mode(hh, wh, rn);
+            if (xp.xmode == 1u) {
+                qxn[xrow + 2u * i] = xl;
+                qxn[xrow + 2u * i + 1u] = xh;
+            }
+        } else if (on) {
             xl = xq_x(xrow, 2u * i, rn);
             xh = xq_x(xrow, 2u * i + 1u, rn);
             if (xp.xmode == 1u) {
