@@ -549,3 +549,100 @@ fn attention_bad_shapes_are_errors() {
     let e = g.sync().expect_err("qg of one row holds half of it");
     assert!(e.to_string().contains("attn_qk_norm_rope"), "{e}");
 }
+
+/// One decode step from q_proj's output (`attn_decode_qk`: qk_rope_append_step, then the
+/// attention) at every shape, against the CPU's composition (attn_qk_norm_rope, attn_decode):
+/// a short prefill, then steps, each with fresh q|gate, k and v. The output at F32_TOL per head;
+/// the caches after: V EXACT (copies), K at F32_TOL (normed and rotated on each side).
+#[test]
+fn attention_decode_qk_appends_in_the_rope_launch() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(6);
+    for d in shapes() {
+        let (hq, hd, kvd) = (d.n_heads, d.head_dim, d.n_kv_heads * d.head_dim);
+        let cap = 700;
+        let mut ckv = kv_new(&Cpu, cap, kvd);
+        let mut gkv = kv_new(&g, cap, kvd);
+        let qn: Vec<f32> = (0..hd).map(|_| 1.0 + 0.1 * rng.f()).collect();
+        let kn: Vec<f32> = (0..hd).map(|_| 1.0 + 0.1 * rng.f()).collect();
+        let (gqn, gkn) = (g.upload_vec(&qn).unwrap(), g.upload_vec(&kn).unwrap());
+        // A prefill of 300 rows (already normed keys: only the cache matters).
+        let (k, v) = (rng.vec(300 * kvd, 1.0), rng.vec(300 * kvd, 1.0));
+        let (q, gate) = (rng.vec(300 * hq * hd, 1.0), rng.vec(300 * hq * hd, 1.0));
+        let mut c = vec![0f32; 300 * hq * hd];
+        Cpu.attn_prefill(&q, &k, &v, &gate, &mut ckv, &d, 300, 0, &mut c);
+        let mut go = g.zeros(300 * hq * hd).unwrap();
+        let up = |x: &[f32]| g.upload(x).unwrap();
+        g.attn_prefill(
+            &up(&q),
+            &up(&k),
+            &up(&v),
+            &up(&gate),
+            &mut gkv,
+            &d,
+            300,
+            0,
+            &mut go,
+        );
+        let mut gstep = g.new_step().unwrap();
+        for pos in 300..305 {
+            let qg = rng.vec(hq * 2 * hd, 1.0);
+            let k = rng.vec(kvd, 1.0);
+            let v = rng.vec(kvd, 1.0);
+            let (mut cq, mut cg, mut co) = (
+                vec![0f32; hq * hd],
+                vec![0f32; hq * hd],
+                vec![0f32; hq * hd],
+            );
+            let cstep = CpuStep { token: 0, pos };
+            Cpu.attn_decode_qk(
+                &qg,
+                &mut k.clone(),
+                &v,
+                &qn,
+                &kn,
+                &mut ckv,
+                &d,
+                pos,
+                &cstep,
+                &mut cq,
+                &mut cg,
+                &mut co,
+            );
+            let mut gk = up(&k);
+            let (mut gq, mut gg, mut gout) = (
+                g.zeros(hq * hd).unwrap(),
+                g.zeros(hq * hd).unwrap(),
+                g.zeros(hq * hd).unwrap(),
+            );
+            g.set_step(&mut gstep, 0, pos);
+            g.attn_decode_qk(
+                &up(&qg),
+                &mut gk,
+                &up(&v),
+                &gqn,
+                &gkn,
+                &mut gkv,
+                &d,
+                pos,
+                &gstep,
+                &mut gq,
+                &mut gg,
+                &mut gout,
+            );
+            let what = format!("attn_decode_qk {hq} heads of {hd} at pos {pos}");
+            check(&what, rel_rows(&h(&g, &gout, hq * hd), &co, hd), F32_TOL);
+        }
+        let n = 305 * kvd;
+        check(
+            &format!("attn_decode_qk {hq} heads of {hd}: the K cache"),
+            rel_rows(&h(&g, &gkv.k, n), &ckv.k[..n], kvd),
+            F32_TOL,
+        );
+        check(
+            &format!("attn_decode_qk {hq} heads of {hd}: the V cache"),
+            rel_rows(&h(&g, &gkv.v, n), &ckv.v[..n], kvd),
+            EXACT,
+        );
+    }
+}

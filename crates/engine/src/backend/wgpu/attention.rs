@@ -8,7 +8,8 @@
 //! (`attn_tile_gqa_part`) and `attn_combine4` merges them. `LILY_WGPU_ATTN_TILE=0` takes stop
 //! 28's `attn_rows_gqa` (a workgroup per row and KV head: K/V read once a row, quadratic);
 //! `attn_rows` (a workgroup per row and query head) takes the shapes the grouped kernels cannot.
-//! Decode reads its position from the step on the device: `kv_append_step` writes the row,
+//! Decode reads its position from the step on the device: `qk_rope_append_step` (the norms and
+//! RoPE, `attn_decode_qk`) or `kv_append_step` (`attn_decode`) writes the row,
 //! `attn_dec_gqa` spreads the keys over `splits` ranges per KV head (the count chosen from the
 //! capacity, so the launch is the same at every position; the ranges from the position), its
 //! query heads together, `attn_combine4` merges them (`LILY_WGPU_ATTN_TILE=0`: stop 28's
@@ -101,6 +102,93 @@ fn params(d: &Dims, rows: usize, pos0: usize, cap: usize, splits: usize, span: u
     ]
 }
 
+/// qk_norm_rope's parameter block (attention.wgsl PR): 8 words, then inv_freq(i) / 2π as 2^-64
+/// turns, (lo, hi) a pair, room for 128 pairs (1056 bytes: the block is bound at its full
+/// size). inv_freq as the CPU computes it (f64); pos · inv_freq is then exact mod one turn in
+/// the shader. `cap`: the KV cache's rows (qk_rope_append_step), else 0.
+fn rope_params(d: &Dims, rows: usize, pos0: usize, cap: usize) -> Vec<u32> {
+    let mut p = vec![0u32; 8 + 4 * 64];
+    p[..8].copy_from_slice(&[
+        rows as u32,
+        d.n_heads as u32,
+        d.n_kv_heads as u32,
+        d.head_dim as u32,
+        d.rotary_dim as u32,
+        pos0 as u32,
+        d.eps.to_bits(),
+        cap as u32,
+    ]);
+    let rot = d.rotary_dim;
+    for i in 0..rot / 2 {
+        let inv = d.rope_theta.powf(-(2.0 * i as f64) / rot as f64);
+        // Below 1 turn a position: the fraction's 64 bits (f64's 53 significant ones).
+        let f = ((inv / (2.0 * std::f64::consts::PI)).fract() * 18446744073709551616.0) as u64;
+        p[8 + 2 * i] = f as u32;
+        p[9 + 2 * i] = (f >> 32) as u32;
+    }
+    p
+}
+
+/// One decode step's attention from q_proj's output (Backend `attn_decode_qk`): the norms, RoPE
+/// and the cache append in one launch (qk_rope_append_step), then attention over the cache as
+/// `attn_decode` runs it. Where the capacity passes u32, the composition.
+#[allow(clippy::too_many_arguments)]
+pub fn attn_decode_qk(
+    ctx: &Ctx,
+    qg: &WBuf,
+    k: &mut WBuf,
+    v: &WBuf,
+    q_norm: &WBuf,
+    k_norm: &WBuf,
+    kv: &mut KvCache<WBuf>,
+    d: &Dims,
+    pos: usize,
+    step: &WStep,
+    q: &mut WBuf,
+    gate: &mut WBuf,
+    out: &mut WBuf,
+) {
+    const OP: &str = "attn_decode_qk";
+    let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
+    if !dims_ok(ctx, OP, d)
+        || !fits(
+            ctx,
+            OP,
+            &[
+                ("qg", qg, hq * 2 * hd),
+                ("k", k, kvh * hd),
+                ("q_norm", q_norm, hd),
+                ("k_norm", k_norm, hd),
+                ("q", q, hq * hd),
+                ("gate", gate, hq * hd),
+            ],
+        )
+        || !decode_ok(ctx, OP, q, k, v, gate, kv, d, pos, out)
+    {
+        return;
+    }
+    let p = rope_params(d, 1, pos, kv.capacity);
+    ctx.dispatch(
+        &SHADER,
+        "qk_rope_append_step",
+        &p,
+        &[
+            &qg.buf,
+            &k.buf,
+            &q_norm.buf,
+            &k_norm.buf,
+            &q.buf,
+            &gate.buf,
+            &step.buf,
+            &v.buf,
+            &kv.k.buf,
+            &kv.v.buf,
+        ],
+        (hq + kvh) as u32,
+    );
+    decode_attend(ctx, q, gate, kv, d, step, out);
+}
+
 #[allow(clippy::too_many_arguments)]
 pub fn attn_qk_norm_rope(
     ctx: &Ctx,
@@ -141,28 +229,7 @@ pub fn attn_qk_norm_rope(
         ctx.fail(format!("{OP}: positions {pos0}+{rows} past u32"));
         return;
     }
-    // PR: 8 words, then inv_freq(i) / 2π as 2^-64 turns, (lo, hi) a pair, room for 128 pairs
-    // (1056 bytes: the block is bound at its full size). inv_freq as the CPU computes it (f64);
-    // pos · inv_freq is then exact mod one turn in the shader.
-    let mut p = vec![0u32; 8 + 4 * 64];
-    p[..8].copy_from_slice(&[
-        rows as u32,
-        hq as u32,
-        kvh as u32,
-        hd as u32,
-        d.rotary_dim as u32,
-        pos0 as u32,
-        d.eps.to_bits(),
-        0,
-    ]);
-    let rot = d.rotary_dim;
-    for i in 0..rot / 2 {
-        let inv = d.rope_theta.powf(-(2.0 * i as f64) / rot as f64);
-        // Below 1 turn a position: the fraction's 64 bits (f64's 53 significant ones).
-        let f = ((inv / (2.0 * std::f64::consts::PI)).fract() * 18446744073709551616.0) as u64;
-        p[8 + 2 * i] = f as u32;
-        p[9 + 2 * i] = (f >> 32) as u32;
-    }
+    let p = rope_params(d, rows, pos0, 0);
     let groups = (rows * (hq + kvh)) as u32;
     match step {
         Some(s) => ctx.dispatch(
@@ -344,22 +411,47 @@ pub fn attn_decode(
     out: &mut WBuf,
 ) {
     const OP: &str = "attn_decode";
-    let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
-    let kvd = kvh * hd;
-    if !dims_ok(ctx, OP, d) {
+    if !dims_ok(ctx, OP, d) || !decode_ok(ctx, OP, q, k, v, gate, kv, d, pos, out) {
         return;
     }
+    let kvd = d.n_kv_heads * d.head_dim;
+    let p = params(d, 1, 0, kv.capacity, 0, 0);
+    ctx.dispatch(
+        &SHADER,
+        "kv_append_step",
+        &p,
+        &[&k.buf, &v.buf, &step.buf, &kv.k.buf, &kv.v.buf],
+        kvd.div_ceil(256) as u32,
+    );
+    decode_attend(ctx, q, gate, kv, d, step, out);
+}
+
+/// The decode attention's operands checked (a failure is recorded).
+#[allow(clippy::too_many_arguments)]
+fn decode_ok(
+    ctx: &Ctx,
+    op: &str,
+    q: &WBuf,
+    k: &WBuf,
+    v: &WBuf,
+    gate: &WBuf,
+    kv: &KvCache<WBuf>,
+    d: &Dims,
+    pos: usize,
+    out: &WBuf,
+) -> bool {
+    let (hq, kvd, hd) = (d.n_heads, d.n_kv_heads * d.head_dim, d.head_dim);
     // The device reads the step's position (equal to `pos`); the host checks this one.
-    if pos >= kv.capacity {
+    if pos >= kv.capacity || kv.capacity > u32::MAX as usize {
         ctx.fail(format!(
-            "{OP}: position {pos} past the KV cache's capacity {}",
+            "{op}: position {pos} past the KV cache's capacity {}",
             kv.capacity
         ));
-        return;
+        return false;
     }
-    if !fits(
+    fits(
         ctx,
-        OP,
+        op,
         &[
             ("q", q, hq * hd),
             ("k", k, kvd),
@@ -369,9 +461,22 @@ pub fn attn_decode(
             ("the K cache", &kv.k, kv.capacity * kvd),
             ("the V cache", &kv.v, kv.capacity * kvd),
         ],
-    ) {
-        return;
-    }
+    )
+}
+
+/// Attention of one decode row over the cache rows 0..=pos (the row at pos already appended):
+/// the splits, then their combine with the gate.
+fn decode_attend(
+    ctx: &Ctx,
+    q: &WBuf,
+    gate: &WBuf,
+    kv: &KvCache<WBuf>,
+    d: &Dims,
+    step: &WStep,
+    out: &mut WBuf,
+) {
+    const OP: &str = "attn_decode";
+    let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
     let gqa = gqa(ctx, d);
     let tile = gqa && ctx.sw.attn_tile;
     // attn_dec_gqa: `span` is the fewest keys a split takes (the device spreads pos + 1 keys over
@@ -398,13 +503,6 @@ pub fn attn_decode(
         }
     };
     let p = params(d, 1, 0, kv.capacity, splits, span);
-    ctx.dispatch(
-        &SHADER,
-        "kv_append_step",
-        &p,
-        &[&k.buf, &v.buf, &step.buf, &kv.k.buf, &kv.v.buf],
-        kvd.div_ceil(256) as u32,
-    );
     let (entry, groups, combine) = if tile {
         ("attn_dec_gqa", kvh * splits, "attn_combine4")
     } else if gqa {

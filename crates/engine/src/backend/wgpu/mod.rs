@@ -587,6 +587,32 @@ impl Backend for Wgpu {
     ) {
         attention::attn_decode(&self.ctx, q, k, v, gate, kv, d, pos, step, out)
     }
+    /// The norms, RoPE and the cache append in one launch (qk_rope_append_step), then the
+    /// attention: one launch fewer a layer than the composition (`LILY_WGPU_FUSE_ROPE=0`).
+    fn attn_decode_qk(
+        &self,
+        qg: &WBuf,
+        k: &mut WBuf,
+        v: &WBuf,
+        q_norm: &WBuf,
+        k_norm: &WBuf,
+        kv: &mut KvCache<WBuf>,
+        d: &Dims,
+        pos: usize,
+        step: &WStep,
+        q: &mut WBuf,
+        gate: &mut WBuf,
+        out: &mut WBuf,
+    ) {
+        if !self.ctx.sw.fuse_rope {
+            return super::attn_decode_qk_compose(
+                self, qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out,
+            );
+        }
+        attention::attn_decode_qk(
+            &self.ctx, qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out,
+        )
+    }
 
     fn conv1d_prefill(
         &self,

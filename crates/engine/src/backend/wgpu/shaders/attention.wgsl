@@ -22,6 +22,11 @@
 //   and accumulates Σ p·v with an online softmax (running max, rescaled sum). out = acc / l ·
 //   sigmoid(gate). Bindings: 0 params (P), 1 q, 2 kc, 3 vc, 4 gate, 5 out.
 //
+// qk_rope_append_step (cpu `attn_qk_norm_rope` then `attention`'s append, one decode row): the
+//   workgroups of qk_norm_rope_step, at the step's pos; a KV head's workgroup then writes its
+//   normed, rotated k and its v into row pos of the caches (not past the capacity `cap`), one
+//   launch instead of qk_norm_rope_step and kv_append_step. heads + kv_heads workgroups.
+//   Bindings: qk_norm_rope_step's 1-7, 8 v, 9 kc, 10 vc.
 // kv_append_step (cpu `attention`'s append, decode): kc[pos], vc[pos] = k, v at the step's pos (not
 //   written past the capacity). ceil(kv_dim / 256) workgroups. Bindings: 1 k, 2 v, 3 step, 4 kc,
 //   5 vc.
@@ -70,7 +75,8 @@ struct PR {
     rot: u32,
     pos0: u32,
     eps: f32,
-    pad: u32,
+    // qk_rope_append_step: the KV cache's capacity (rows); 0 otherwise.
+    cap: u32,
     turns: array<vec4<u32>, 64>,
 }
 
@@ -221,6 +227,31 @@ fn qk_norm_rope(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
 @compute @workgroup_size(256)
 fn qk_norm_rope_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     norm_rope_head(wg_index(wid), li, nr_step[1]);
+}
+
+@group(0) @binding(8) var<storage, read> nr_v: array<f32>;
+@group(0) @binding(9) var<storage, read_write> nr_kc: array<f32>;
+@group(0) @binding(10) var<storage, read_write> nr_vc: array<f32>;
+
+@compute @workgroup_size(256)
+fn qk_rope_append_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let wg = wg_index(wid);
+    let pos = nr_step[1];
+    norm_rope_head(wg, li, pos);
+    let hh = wg % (pr.nh + pr.nkv);
+    if (hh >= pr.nh) {
+        // The head's k as this workgroup's invocations wrote it (each wrote the dims of a
+        // rotation pair, not its own index's).
+        storageBarrier();
+        let kvd = pr.nkv * pr.hd;
+        let off = (hh - pr.nh) * pr.hd;
+        if (pos < pr.cap) {
+            for (var i = li; i < pr.hd; i += 256u) {
+                nr_kc[pos * kvd + off + i] = nr_k[off + i];
+                nr_vc[pos * kvd + off + i] = nr_v[off + i];
+            }
+        }
+    }
 }
 
 // ---- attention over the cache
