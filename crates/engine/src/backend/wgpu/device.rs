@@ -184,9 +184,11 @@ pub(super) struct Switches {
     /// until a matrix has this many workgroups (matmul.rs `q6_shape`). Atomic for `lily lab`.
     pub q6_wgs: AtomicUsize,
     /// `LILY_WGPU_Q6_MIN_KB`: the code bytes a gemv_q6 launch's matrices must reach (one
-    /// matrix of the stack, all of the launch's together); smaller launches take gemv_v5, whose
-    /// per-workgroup staging costs less than q2x_stage's launch where the workgroups are few.
-    /// Atomic for `lily lab`.
+    /// matrix of the stack, all of the launch's together); smaller launches take gemv_v5.
+    /// 0 (every launch) by default: in the lab gemv_v5 was up to 15% faster alone on the small
+    /// matrices (router, shared expert, out_proj), but in a step, 4K decode on the H200 ran at
+    /// 195.8 / 195.9 tok/s with 0 against 193.6 / 190.9 with 8,192 (stop 32, call 2: 3 rounds
+    /// of 128 tokens, alternated). Atomic for `lily lab`.
     pub q6_min_kb: AtomicUsize,
     /// `LILY_WGPU_GEMV`: the decode GEMV, `v4` (gemv_v4, any adapter), `rw1` / `rw2` / `rw4`
     /// (gemv_rw with 1, 2 or 4 rows a team; adapters with subgroups in order) or `xs` (gemv_xs;
@@ -268,7 +270,7 @@ impl Switches {
                 std::env::var("LILY_WGPU_Q6_MIN_KB")
                     .ok()
                     .and_then(|s| s.parse().ok())
-                    .unwrap_or(8192),
+                    .unwrap_or(0),
             ),
             ablate: AtomicU32::new(0),
             gemv: AtomicU32::new(
