@@ -211,14 +211,15 @@ fn gdn_bad_shapes_are_errors() {
 
 /// One token's GDN mixer (`gdn_mixer_decode_add`) at the real shapes, three tokens, against the
 /// CPU: by default the conv runs in in_proj's epilogue (gemv_q6's omode 3), which leaves the raw
-/// projection scratch `qkv` unwritten (asserted, so the fused path is known to have run); with
-/// gemv_v5 the composition. Each token's CPU reference starts from the wgpu side's own h and
+/// projection scratch `qkv` unwritten, and the gated norm in out_proj's staging of x (xq.wgsl
+/// xmode 3), which leaves `y` un-normed (both asserted, so the fused paths are known to have
+/// run); with gemv_v5 the composition. Each token's CPU reference starts from the wgpu side's own h and
 /// states, so errors do not compound. Q2X_TOL on everything: in_proj's and out_proj's x is in two
 /// int8 levels (Q2X_TOL's note); the conv state holds in_proj's raw outputs, the recurrent state
 /// and h's update are linear in them up to the l2 and RMS norms (which do not amplify a relative
 /// error), measured 3e-5 to 5e-4 on lavapipe.
 #[test]
-fn gdn_mixer_step_with_the_conv_in_the_projection() {
+fn gdn_mixer_step_with_the_conv_and_the_norm_fused() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(54);
     let d = qwen_dims();
@@ -326,6 +327,15 @@ fn gdn_mixer_step_with_the_conv_in_the_projection() {
             Cpu.gdn_mixer_decode_add(
                 &mut ch, &in_norm, d.eps, &cw, &mut cconv, &mut cssm, &d, ctmp,
             );
+            if gemv == "v6" {
+                // The gated norm ran in out_proj's staging: y is the recurrence's, not normed.
+                let e = rel_rows(&h(&g, &s[6], hv * dv), &cs[6], hv * dv);
+                assert!(
+                    e > 0.1,
+                    "gdn mixer ({path}): y is the normed one (rel {e:e}): the gated norm did not \
+                     run in out_proj's staging"
+                );
+            }
             let upd = |v: &[f32]| -> Vec<f32> { v.iter().zip(&hb).map(|(a, b)| a - b).collect() };
             check(
                 &format!("gdn mixer ({path}) token {tok}: h's update"),

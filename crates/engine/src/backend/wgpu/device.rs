@@ -176,6 +176,9 @@ pub(super) struct Switches {
     /// `LILY_WGPU_FUSE_ROPE=0`: a decode step's q/k norms and RoPE, and its KV append, as two
     /// launches (qk_norm_rope_step, kv_append_step) instead of qk_rope_append_step.
     pub fuse_rope: bool,
+    /// `LILY_WGPU_FUSE_GATED_NORM=0`: a decode step's GDN gated norm as a launch of its own
+    /// (gdn_norm), not in out_proj's staging of x (xq.wgsl xmode 3).
+    pub fuse_gated_norm: bool,
     /// `LILY_WGPU_GEMV_WGS`: workgroups the decode GEMVs aim a matrix at (fewer, longer
     /// workgroups keep more loads in flight a thread; more fill more of the GPU). Atomic so that
     /// `lily lab` can compare settings in one process.
@@ -262,6 +265,7 @@ impl Switches {
             fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
             fuse_conv: on("LILY_WGPU_FUSE_CONV"),
             fuse_rope: on("LILY_WGPU_FUSE_ROPE"),
+            fuse_gated_norm: on("LILY_WGPU_FUSE_GATED_NORM"),
             gemv_wgs: AtomicUsize::new(num("LILY_WGPU_GEMV_WGS", 1024)),
             q6_wgs: AtomicUsize::new(num("LILY_WGPU_Q6_WGS", 256)),
             ahead: on("LILY_WGPU_AHEAD"),

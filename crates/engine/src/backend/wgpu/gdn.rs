@@ -117,6 +117,26 @@ pub fn gated_delta(
     rows: usize,
     out: &mut WBuf,
 ) {
+    gated_delta_ex(ctx, qkv, z, b, a, w, state, d, rows, out, true)
+}
+
+/// `gated_delta`, with the gated norm (gdn_norm) only when `norm`: without it `out` holds the
+/// recurrence's y, for a consumer that applies the norm itself (out_proj's q2x_stage, xq.wgsl
+/// xmode 3).
+#[allow(clippy::too_many_arguments)]
+pub fn gated_delta_ex(
+    ctx: &Ctx,
+    qkv: &WBuf,
+    z: &WBuf,
+    b: &WBuf,
+    a: &WBuf,
+    w: &GdnParams<WBuf>,
+    state: &mut WBuf,
+    d: &Dims,
+    rows: usize,
+    out: &mut WBuf,
+    norm: bool,
+) {
     let (hk, hv, dk, dv) = (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim);
     if hk == 0 || hv % hk != 0 || dk == 0 || dk > MAX_DK || dv == 0 {
         ctx.fail(format!(
@@ -213,6 +233,9 @@ pub fn gated_delta(
             ],
             (hv * dv.div_ceil(RECUR_ROWS)) as u32,
         );
+    }
+    if !norm {
+        return;
     }
     ctx.dispatch(
         &SHADER,

@@ -291,6 +291,15 @@ pub enum XIn<'a> {
     Norm { w: &'a WBuf, eps: f32, xn: &'a WBuf },
     /// `silu(x) · u` (the shared expert's swiglu, x being its gate projection).
     Glu { u: &'a WBuf },
+    /// gemv_q6 only (`q6_takes`): the GDN layer's gated norm, `rms_norm(x_h) · w · silu(z_h)`
+    /// for each head h of `hd` elements (gdn.wgsl gdn_norm), applied as q2x_stage stages x
+    /// (xq.wgsl xmode 3): out_proj reads y and z, one launch fewer a GDN layer.
+    GatedNorm {
+        z: &'a WBuf,
+        w: &'a WBuf,
+        eps: f32,
+        hd: usize,
+    },
 }
 
 /// How `gemv_v4` writes its outputs.
@@ -394,6 +403,10 @@ pub fn gemv_many(
         XIn::Plain => (0u32, 0.0f32, &dummies[3], &dummies[4]),
         XIn::Norm { w, eps, xn } => (1, *eps, &w.buf, &xn.buf),
         XIn::Glu { u } => (2, 0.0, &u.buf, &dummies[4]),
+        XIn::GatedNorm { .. } if !q6 => {
+            return ctx.fail("gemv_many: the gated norm without gemv_q6".to_string())
+        }
+        XIn::GatedNorm { z, eps, .. } => (3, *eps, &z.buf, &dummies[4]),
     };
     let (om, r, s) = match &omode {
         OutMode::Store => (0u32, &dummies[5], &dummies[6]),
@@ -435,12 +448,16 @@ pub fn gemv_many(
             Err(e) => return ctx.fail(format!("gemv_q6: {e:#}")),
         };
         // q2x_stage takes the x mode; gemv_q6 reads the staged x as it is.
-        let xp = [inp as u32, rows as u32, xmode, eps.to_bits()];
+        let (hd, gw) = match &xin {
+            XIn::GatedNorm { hd, w, .. } => (*hd as u32, &w.buf),
+            _ => (0, &dummies[5]),
+        };
+        let xp = [inp as u32, rows as u32, xmode, eps.to_bits(), hd, 0, 0, 0];
         ctx.dispatch(
             &XQ_SHADER,
             "q2x_stage",
             &xp,
-            &[&x.buf, aux, xn, &xq],
+            &[&x.buf, aux, xn, &xq, gw],
             rows as u32,
         );
         p[xmode_at] = 0;

@@ -449,8 +449,9 @@ impl Backend for Wgpu {
         );
     }
     /// The GDN mixer with the conv in in_proj's epilogue (gemv_q6's omode 3: one channel a
-    /// lane, the state shifted there): q2x_stage (the norm), in_proj, gdn_recur, gdn_norm and
-    /// out_proj (the residual add in its epilogue), one launch fewer than the composition.
+    /// lane, the state shifted there) and the gated norm in out_proj's staging of x (xq.wgsl
+    /// xmode 3): q2x_stage (the norm), in_proj, gdn_recur, q2x_stage (the gated norm) and
+    /// out_proj (the residual add in its epilogue), two launches fewer than the composition.
     /// Where in_proj does not take gemv_q6, or with `LILY_WGPU_FUSE_CONV=0`, the composition.
     fn gdn_mixer_decode_add(
         &self,
@@ -496,8 +497,39 @@ impl Backend for Wgpu {
         let ws = [qkv_w, z_w, b_w, a_w];
         let mut outs = [&mut *t.qkv_c, &mut *t.z, &mut *t.b, &mut *t.a];
         matmul::gemv_many(&self.ctx, h, &ws, 0, 1, &mut outs, xin, om);
-        self.gdn_decode(t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, t.y);
-        self.matmul_q_add(t.y, w.out_proj, 1, t.r, h);
+        // The gated norm in out_proj's staging of x (xq.wgsl xmode 3) where out_proj takes
+        // gemv_q6 and the row fits q2x_stage's head sums (LILY_WGPU_FUSE_GATED_NORM=0: gdn_norm).
+        let (hv, dv) = (d.gdn_v_heads, d.gdn_v_dim);
+        let gated = self.ctx.sw.fuse_gated_norm
+            && dv.is_multiple_of(4)
+            && hv * dv <= 4096
+            && hv <= 256
+            && w.params.norm.len >= dv
+            && w.out_proj.inp == hv * dv
+            && h.len >= w.out_proj.out
+            && matmul::q6_takes(&self.ctx, &[w.out_proj]);
+        gdn::gated_delta_ex(
+            &self.ctx, t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, 1, t.y, !gated,
+        );
+        if !gated {
+            return self.matmul_q_add(t.y, w.out_proj, 1, t.r, h);
+        }
+        let xin = XIn::GatedNorm {
+            z: t.z,
+            w: &w.params.norm,
+            eps: d.eps,
+            hd: dv,
+        };
+        matmul::gemv_many(
+            &self.ctx,
+            t.y,
+            &[w.out_proj],
+            0,
+            1,
+            &mut [h],
+            xin,
+            OutMode::Add,
+        );
     }
     /// The routed experts, then the shared expert in two launches: its gate|up, and its down
     /// reading silu(gate)·up as it stages x, with the gate, the routed sum and the residual add

@@ -14,6 +14,10 @@
 //   element order) and (d / 254, Σ x, 128 · (254 · Σ q1 + Σ q2) as i32 bits, 0): the codes are
 //   read as signed (c − 128), the correction adds the difference back.
 // Row t's base is t · (5 w4 + 3 w8) (`xq_row` in matmul.rs; 5.5 bytes an element).
+// xmode 3 (the GDN layer's gated norm folded into out_proj, gdn.wgsl gdn_norm's twin): x = y ·
+// r_h · w · silu(z) per head h of `hd` elements (r_h = 1 / rms of the head's y), y at binding 1,
+// z at 2, w [hd] at 5; each vec4's sum of squares in workgroup memory, a head's summed in order
+// by one invocation (rows of ≤ 4,096 elements, heads of a multiple of 4 and ≤ 256 of them).
 //
 // Launch: a workgroup of 256 a row of x (rows ≤ 8). Each thread takes 8 elements (u32 j of
 // 4-bit word u = i / 4, j = i % 4; also the two u32s 2(j % 2), 2(j % 2) + 1 of 8-bit word
@@ -28,6 +32,11 @@ struct XP {
     rows: u32,
     xmode: u32,
     eps: f32,
+    // xmode 3: the head size (x's heads of `hd` elements each normed on its own).
+    hd: u32,
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> xp: XP;
@@ -37,9 +46,14 @@ struct XP {
 // xmode 1: the normed row, written back (the experts read it).
 @group(0) @binding(3) var<storage, read_write> qxn: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read_write> qq: array<vec4<u32>>;
+// xmode 3: the gated norm's weights [hd] (a dummy otherwise).
+@group(0) @binding(5) var<storage, read> qgw: array<vec4<f32>>;
 
 var<workgroup> xq_part: array<f32, 64>;
 var<workgroup> xq_sg: u32;
+// xmode 3: each vec4's sum of squares (up to 4,096 elements a row), then each head's 1 / rms.
+var<workgroup> xq_hss: array<f32, 1024>;
+var<workgroup> xq_hrn: array<f32, 256>;
 
 // A vec4 of x as the mode reads it, from the raw vec4 h and its aux a (mode 1: the norm's
 // weights, rn its 1 / rms; mode 2: u).
@@ -59,8 +73,33 @@ fn xq_x(xrow: u32, v: u32, rn: f32) -> vec4<f32> {
         a = qaux[v];
     } else if (xp.xmode == 2u) {
         a = qaux[xrow + v];
+    } else if (xp.xmode == 3u) {
+        // gdn.wgsl gdn_norm's y · r · w · silu(z), in its order.
+        let z = qaux[xrow + v];
+        let y = qx[xrow + v] * xq_hrn[v / (xp.hd / 4u)] * qgw[v % (xp.hd / 4u)];
+        return vec4<f32>(y.x * silu_f(z.x), y.y * silu_f(z.y), y.z * silu_f(z.z), y.w * silu_f(z.w));
     }
     return xq_mode(qx[xrow + v], a, rn);
+}
+
+// xmode 3: each head's 1 / rms of row xrow into xq_hrn (every invocation calls it: barriers).
+// A vec4's sum of squares each, then one invocation a head adds its vec4s' in order.
+fn xq_head_norms(xrow: u32, li: u32) {
+    let n4 = xp.inp / 4u;
+    let h4 = xp.hd / 4u;
+    for (var v = li; v < n4; v += 256u) {
+        let y = qx[xrow + v];
+        xq_hss[v] = dot(y, y);
+    }
+    workgroupBarrier();
+    for (var h = li; h < n4 / h4; h += 256u) {
+        var ss = 0.0;
+        for (var j = 0u; j < h4; j++) {
+            ss += xq_hss[h * h4 + j];
+        }
+        xq_hrn[h] = 1.0 / sqrt(ss / f32(xp.hd) + xp.eps);
+    }
+    workgroupBarrier();
 }
 
 // The two levels of y = x / d (|y| ≤ 127): q1 = round(y), q2 = round((y − q1) · 254).
@@ -84,7 +123,11 @@ fn q2x_stage(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     // A row of ≤ 2,048 elements is one pass of the workgroup: each thread loads its 8 elements
     // (and in the norm's mode their weights) once, before the norm's barrier, and keeps them in
     // registers: the loads' latency is paid once, not again after the barrier.
-    let one_pass = 4u * w4 <= 256u;
+    // (Mode 3 reads x through xq_x, after its head norms.)
+    let one_pass = 4u * w4 <= 256u && xp.xmode != 3u;
+    if (xp.xmode == 3u) {
+        xq_head_norms(xrow, li);
+    }
     let i1 = li;
     let on1 = one_pass && i1 < 4u * w4;
     var hl = vec4<f32>(0.0);
