@@ -269,7 +269,7 @@ fn generate_from<B: Backend>(
         // The step after this token enqueued before it is read: only where its input and pick
         // need nothing from the host (a forced token queued by a trigger replaces the pick: no
         // draw of the device sampler may be spent on it) and the budget and the context have
-        // room for a token after this one (a stop id is the one token fed for nothing).
+        // room for a token after this one (a stop id it turns out to be is then fed for nothing).
         let ahead = lookahead
             && forced_id.is_none()
             && (after.is_none() || dev.is_none())
