@@ -461,7 +461,7 @@ impl<B: Backend> Qwen35<B> {
     /// one-step lookahead of the decode loops). The state then holds the returned token too.
     pub fn picked_ahead(&self, st: &mut SeqState<B>, next: Pick<'_, B>) -> Result<u32> {
         if !st.step_ready {
-            bail!("picked: no token was picked on the backend");
+            bail!("picked_ahead: no token was picked on the backend");
         }
         let read = self.backend.step_token_begin(&st.step)?;
         self.decode_step_ex(st, None, next)?;

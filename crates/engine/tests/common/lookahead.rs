@@ -227,6 +227,18 @@ pub fn check_all<B: Backend>(
         ..budget.clone()
     };
     both(m, tok, prompt, sampling, &ask, &format!("forced, {what}"));
+    // A trigger alone (its first occurrence is at most token 6): the forced list follows it.
+    let trigger = full.ids[6];
+    let ask = Ask {
+        forced: Forced {
+            now: Vec::new(),
+            after: Some((trigger, vec![7, 8, 9])),
+        },
+        ..budget.clone()
+    };
+    let (g, _) = both(m, tok, prompt, sampling, &ask, &format!("trigger, {what}"));
+    let at = g.ids.iter().position(|&t| t == trigger).unwrap();
+    assert_eq!(g.ids[at + 1..at + 4], [7, 8, 9], "trigger");
 
     // A cancellation by the caller: no token after the one it was given.
     let ask = Ask {
