@@ -147,7 +147,7 @@ fn decode_greedy<B: Backend>(
     n: usize,
     read_every: usize,
 ) -> Result<()> {
-    let read = |i: usize| (i + 1) % read_every == 0 || i + 1 == n;
+    let read = |i: usize| (i + 1).is_multiple_of(read_every) || i + 1 == n;
     if !m.lookahead {
         for i in 0..n {
             if read(i) {
