@@ -48,7 +48,7 @@ use lily::backend::profile::{Profiled, Profiler};
 use lily::backend::trace::Traced;
 use lily::backend::{Backend, Dims};
 use lily::loader::Checkpoint;
-use lily::model::{Logits, Qwen35};
+use lily::model::{Logits, Pick, Qwen35, SeqState};
 use lily::runtime::argmax;
 
 use crate::Common;
@@ -132,6 +132,50 @@ fn lengths(s: &str, flag: &str) -> Result<Vec<usize>> {
                 .map_err(|_| anyhow::anyhow!("--{flag}: `{x}` is not a length"))
         })
         .collect()
+}
+
+/// The serving loop's greedy path, `n` tokens after a prefill: each token picked and fed back
+/// on the backend (its step recorded and replayed on a GPU), 4 bytes read back per token, with
+/// the serving loop's lookahead (`Qwen35::picked_ahead`: the read of a token begun, the step
+/// that feeds it enqueued, then the wait; `LILY_LOOKAHEAD=0`: the read before the next step).
+/// With LILY_BENCH_READ_EVERY=k (a measurement, not the contract) the pick is read every k
+/// steps only, so the host enqueues steps while the device runs: what a step costs without the
+/// host's round trip per token.
+fn decode_greedy<B: Backend>(
+    m: &Qwen35<B>,
+    st: &mut SeqState<B>,
+    n: usize,
+    read_every: usize,
+) -> Result<()> {
+    let read = |i: usize| (i + 1).is_multiple_of(read_every) || i + 1 == n;
+    if !m.lookahead {
+        for i in 0..n {
+            if read(i) {
+                std::hint::black_box(m.decode(st, None, true)?);
+            } else {
+                m.decode_step(st, None, None)?;
+            }
+        }
+        return Ok(());
+    }
+    // Step i's pick is read while step i + 1 runs: the same n steps and reads.
+    if n > 0 {
+        m.decode_step(st, None, None)?;
+    }
+    for i in 0..n {
+        let next = i + 1 < n;
+        match (read(i), next) {
+            (true, true) => {
+                std::hint::black_box(m.picked_ahead(st, Pick::Argmax)?);
+            }
+            (true, false) => {
+                std::hint::black_box(m.picked(st)?);
+            }
+            (false, true) => m.decode_step(st, None, None)?,
+            (false, false) => {}
+        }
+    }
+    Ok(())
 }
 
 /// The contract's synthetic prompt.
@@ -531,19 +575,8 @@ fn bench<B: Backend>(
         for r in 0..=a.rounds {
             let mut st = m.new_state(max_len)?;
             m.forward(&mut st, &ids, Logits::Last, None)?;
-            // The serving loop's greedy path: each token picked and fed back on the backend (its
-            // step recorded and replayed on a GPU), 4 bytes read back per token. With
-            // LILY_BENCH_READ_EVERY=k (a measurement, not the contract) the pick is read every
-            // k steps only, so the host enqueues steps while the device runs: what a step costs
-            // without the host's round trip per token.
             let t0 = Instant::now();
-            for i in 0..a.decode_tokens {
-                if (i + 1) % read_every == 0 || i + 1 == a.decode_tokens {
-                    std::hint::black_box(m.decode(&mut st, None, true)?);
-                } else {
-                    m.decode_step(&mut st, None, None)?;
-                }
-            }
+            decode_greedy(&m, &mut st, a.decode_tokens, read_every)?;
             if r > 0 {
                 times.push(t0.elapsed().as_secs_f64());
             }

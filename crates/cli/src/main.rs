@@ -18,7 +18,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 
 use lily::backend::cpu::Cpu;
 use lily::backend::Backend;
-use lily::model::Logits;
+use lily::model::{Logits, Pick};
 
 #[derive(Parser)]
 #[command(
@@ -437,13 +437,26 @@ fn generate_on<B: Backend>(b: B, a: GenerateArgs) -> Result<()> {
         let t1 = std::time::Instant::now();
         let mut out: Vec<u32> = Vec::new();
         while out.len() < a.max_tokens && st.pos < a.max_context {
-            let id = if on_backend {
+            // The lookahead (`Qwen35::picked_ahead`): where a token can follow this one (the
+            // budget allows it; the loop's condition leaves room to feed it), the step feeding
+            // it is enqueued before it is read; a stop id is then fed for nothing, as in the
+            // serving loop.
+            let ahead = on_backend && m.lookahead && out.len() + 1 < a.max_tokens;
+            let id = if ahead {
+                m.picked_ahead(&mut st, Pick::from(dev.as_mut()))?
+            } else if on_backend {
                 m.picked(&st)?
             } else {
                 sampler.sample_split(&mut logits, &prompt, &out)
             };
             out.push(id);
-            if stop_ids.contains(&id) || out.len() == a.max_tokens || st.pos >= a.max_context {
+            if stop_ids.contains(&id) || out.len() == a.max_tokens {
+                break;
+            }
+            if ahead {
+                continue; // fed already
+            }
+            if st.pos >= a.max_context {
                 break;
             }
             if on_backend {

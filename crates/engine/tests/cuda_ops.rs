@@ -76,6 +76,8 @@
 #![cfg(feature = "cuda")]
 
 mod common;
+#[path = "common/lookahead.rs"]
+mod lookahead;
 #[path = "common/ops.rs"]
 mod ops;
 
@@ -2724,6 +2726,63 @@ fn argmax_first_on_ties() {
             }
         );
     }
+}
+
+/// A token read begun (`step_token_begin`: a copy into page-locked memory, an event after it)
+/// sees the step as the work before it left it, not as work enqueued after it (the next
+/// step's pick) leaves it; several may be in flight, and their slots are reused.
+#[test]
+fn a_token_read_sees_the_step_when_it_began() {
+    let Some(g) = gpu() else { return };
+    let vocab = 248_320;
+    let mut step = g.new_step().unwrap();
+    let peak = |i: usize| {
+        let mut l = vec![0.0f32; vocab];
+        l[i] = 1.0;
+        g.upload_vec(&l).unwrap()
+    };
+    let (a, b, c) = (peak(17), peak(200_000), peak(vocab - 1));
+    g.set_step(&mut step, 5, 3);
+    g.argmax_step(&a, vocab, &mut step);
+    let r1 = g.step_token_begin(&step).unwrap();
+    g.argmax_step(&b, vocab, &mut step);
+    let r2 = g.step_token_begin(&step).unwrap();
+    g.argmax_step(&c, vocab, &mut step);
+    assert_eq!(g.step_token_finish(r1).unwrap(), 17);
+    let r3 = g.step_token_begin(&step).unwrap();
+    assert_eq!(g.step_token_finish(r2).unwrap(), 200_000);
+    assert_eq!(g.step_token_finish(r3).unwrap(), vocab as u32 - 1);
+    for i in 0..5 {
+        g.set_step(&mut step, 100 + i, 0);
+        let r = g.step_token_begin(&step).unwrap();
+        assert_eq!(g.step_token_finish(r).unwrap(), 100 + i);
+    }
+    // A read dropped unfinished waits for its copy before its memory goes.
+    drop(g.step_token_begin(&step).unwrap());
+    assert_eq!(g.step_token(&step).unwrap(), 104);
+}
+
+/// The decode loop's lookahead on the GPU (common/lookahead.rs), `tiny`: greedy and drawn by the
+/// device sampler (a draw in the step enqueued before the token it feeds is read), the same
+/// tokens, text and finish as the loop without it, for every way a generation ends.
+#[test]
+fn lookahead_generates_what_the_loop_without_it_does() {
+    let Some(g) = gpu() else { return };
+    let dir = common::synth("tiny", 3, &[]);
+    let mut m = lily::runtime::load(g, dir.path()).unwrap();
+    let tok = lily::tokenizer::Tokenizer::from_dir(dir.path()).unwrap();
+    let prompt = prompt_ids(20, m.cfg.vocab_size);
+    lookahead::check_all(&mut m, &tok, &prompt, &SamplingParams::greedy());
+    let sampled = SamplingParams {
+        temperature: 0.9,
+        top_k: 20,
+        top_p: 0.95,
+        presence_penalty: 0.5,
+        repetition_penalty: 1.2,
+        seed: Some(11),
+        ..Default::default()
+    };
+    lookahead::check_all(&mut m, &tok, &prompt, &sampled);
 }
 
 /// Constrained decoding's mask (`mask_logits`) against the CPU twin: exactly the disallowed

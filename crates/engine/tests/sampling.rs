@@ -184,7 +184,8 @@ fn generation_on_the_backend_equals_host_sampling() {
             "forced, {p:?}"
         );
     }
-    // A stop id: generation ends on it, and no step follows it.
+    // A stop id: generation ends on it; the loop's lookahead fed it (the step after it was
+    // enqueued before it was read), and nothing past it (tests/lookahead.rs: without it).
     let p = sampled(11);
     let want = host_loop(&m, &prompt, &p, &[], n);
     let at = 9;
@@ -201,7 +202,7 @@ fn generation_on_the_backend_equals_host_sampling() {
     );
     assert_eq!(g.ids, want[..=first]);
     assert_eq!(g.finish, Some(FinishReason::Stop(StopKind::Id(stop_id))));
-    assert_eq!(pos, prompt.len() + first);
+    assert_eq!(pos, prompt.len() + first + 1);
     // A stop string: the text ends before it and nothing after the token that completed it is
     // emitted (that token's step may have been computed: the state says how far it went).
     let full = gen(&p, budget.clone(), vec![], None).0;

@@ -15,6 +15,8 @@
 #![cfg(feature = "wgpu")]
 
 mod common;
+#[path = "common/lookahead.rs"]
+mod lookahead;
 #[path = "common/ops.rs"]
 mod ops;
 // One op family a file.

@@ -182,6 +182,23 @@ pub trait Backend: Send + Sync {
     fn set_step(&self, step: &mut Self::Step, token: u32, pos: usize);
     /// The step's token (after the work enqueued so far).
     fn step_token(&self, step: &Self::Step) -> Result<u32>;
+    /// Begins reading the step's token as it is after the work enqueued so far, before anything
+    /// enqueued later: a device queues a copy into host-readable memory and returns at once, so
+    /// the caller can enqueue the next step (which overwrites the step's token) before it waits.
+    /// [`Backend::step_token_finish`] waits for that copy only. The default reads now.
+    fn step_token_begin(&self, step: &Self::Step) -> Result<TokenRead> {
+        Ok(TokenRead::Ready(self.step_token(step)?))
+    }
+    /// The token of a read begun by [`Backend::step_token_begin`]: waits for its copy, not for
+    /// the work enqueued after it (errors of ops enqueued before it are reported here).
+    fn step_token_finish(&self, read: TokenRead) -> Result<u32> {
+        match read {
+            TokenRead::Ready(t) => Ok(t),
+            TokenRead::Pending(_) => {
+                anyhow::bail!("step_token_finish: a read this backend did not begin")
+            }
+        }
+    }
 
     // ---- embedding, norms, projections
     /// `out[t] = dequant(table[ids[t]])`. `out` is f32 (the residual stream).
@@ -568,6 +585,16 @@ pub trait Backend: Send + Sync {
         let l = self.to_host(logits, vocab)?;
         Ok(crate::runtime::sampler::token_logprobs(&l, token, n))
     }
+}
+
+/// A read of a step's token begun by [`Backend::step_token_begin`], finished by
+/// [`Backend::step_token_finish`] of the same backend.
+pub enum TokenRead {
+    /// Read already (backends whose ops are synchronous, and the default).
+    Ready(u32),
+    /// A device's copy in flight: what its backend needs to wait for it and read it. Dropped
+    /// unfinished (an error between begin and finish), it waits for its copy if it must.
+    Pending(Box<dyn std::any::Any + Send>),
 }
 
 /// An MoE layer's shared expert, for an op that folds it in: its three matrices and the logit

@@ -309,6 +309,12 @@ impl<B: Backend> Backend for Profiled<B> {
     fn step_token(&self, step: &Self::Step) -> Result<u32> {
         self.time("step_token", || self.inner.step_token(step))
     }
+    fn step_token_begin(&self, step: &Self::Step) -> Result<super::TokenRead> {
+        self.time("step_token", || self.inner.step_token_begin(step))
+    }
+    fn step_token_finish(&self, read: super::TokenRead) -> Result<u32> {
+        self.time("step_token", || self.inner.step_token_finish(read))
+    }
 
     fn embed(&self, table: &Self::Mat, ids: &[u32], out: &mut Self::Buf) {
         self.time("embed", || self.inner.embed(&table.inner, ids, out))

@@ -99,6 +99,16 @@ pub enum Pick<'a, B: Backend> {
     Later,
 }
 
+impl<'a, B: Backend> From<Option<&'a mut DeviceSampler<B>>> for Pick<'a, B> {
+    /// Drawn by the sampler when there is one, else the arg-max.
+    fn from(sampler: Option<&'a mut DeviceSampler<B>>) -> Self {
+        match sampler {
+            Some(d) => Pick::Sample(d),
+            None => Pick::Argmax,
+        }
+    }
+}
+
 /// A sequence's sampler on the backend (`Qwen35::device_sampler`), with the id that keys the
 /// recorded steps it takes part in.
 pub struct DeviceSampler<B: Backend> {
@@ -191,6 +201,10 @@ pub struct Qwen35<B: Backend> {
     pub backend: B,
     /// Largest block of prompt tokens one forward call processes (bounds scratch memory).
     pub chunk: usize,
+    /// Whether decode loops enqueue the next step before they read this step's token
+    /// ([`Self::picked_ahead`]), so that a device never waits for the host between steps. On by
+    /// default; `LILY_LOOKAHEAD=0` turns it off (an A/B switch; tests set it).
+    pub lookahead: bool,
     embed: B::Mat,
     layers: Vec<Layer<B>>,
     norm: B::Vec,
@@ -266,6 +280,7 @@ impl<B: Backend> Qwen35<B> {
             cfg,
             backend,
             chunk,
+            lookahead: std::env::var("LILY_LOOKAHEAD").as_deref() != Ok("0"),
             scratch: std::sync::Mutex::new(None),
         })
     }
@@ -355,14 +370,7 @@ impl<B: Backend> Qwen35<B> {
         feed: Option<u32>,
         sampler: Option<&mut DeviceSampler<B>>,
     ) -> Result<()> {
-        self.decode_step_ex(
-            st,
-            feed,
-            match sampler {
-                Some(d) => Pick::Sample(d),
-                None => Pick::Argmax,
-            },
-        )
+        self.decode_step_ex(st, feed, Pick::from(sampler))
     }
 
     /// [`Self::decode_step`] with the pick chosen: `Pick::Later` computes the logits only (the
@@ -444,6 +452,20 @@ impl<B: Backend> Qwen35<B> {
             bail!("picked: no token was picked on the backend");
         }
         self.backend.step_token(&st.step)
+    }
+
+    /// The token the last step picked, read while `next` runs: its read begins (a copy queued
+    /// behind the step), then `next` is enqueued — the step that feeds this token from the
+    /// backend and picks the one after it — and only then does the host wait, for the copy
+    /// alone. A device so always has a step queued while the host works out this token (the
+    /// one-step lookahead of the decode loops). The state then holds the returned token too.
+    pub fn picked_ahead(&self, st: &mut SeqState<B>, next: Pick<'_, B>) -> Result<u32> {
+        if !st.step_ready {
+            bail!("picked_ahead: no token was picked on the backend");
+        }
+        let read = self.backend.step_token_begin(&st.step)?;
+        self.decode_step_ex(st, None, next)?;
+        self.backend.step_token_finish(read)
     }
 
     /// The logits `[vocab]` of the last step or of a forward's last position (read back).

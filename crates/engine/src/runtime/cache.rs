@@ -15,8 +15,9 @@
 //! 3. **Prefill** the rest in segments, snapshotting before every `<|im_start|>` (end of the
 //!    system/tools block, each turn, just before the new assistant header), every
 //!    `snapshot_every` tokens, and one token before the end of the prompt ([`prefill_plan`]).
-//! 4. **Return** the state after generation (its position is prompt + emitted tokens): the end of
-//!    generation is the entry's current position. Entries are evicted least recently used first
+//! 4. **Return** the state after generation (its position is prompt + the emitted tokens it was
+//!    fed: all of them, or all but the last; generate.rs says when): the entry lists exactly
+//!    those tokens, and its current position is the end of the generation. Entries are evicted least recently used first
 //!    while the bytes held (KV at its capacity + recurrent state + snapshots, counted exactly)
 //!    exceed the budget.
 //!

@@ -5,11 +5,24 @@
 //! plain greedy): a step reads back only the token id (and the log-probabilities when asked).
 //! Otherwise the step's logits come to the host for [`Sampler`]. The next step is enqueued before
 //! the current token's text is worked out (detokenizing, stop strings, the caller's streaming),
-//! so on a device that host work overlaps the step. A token that ends the generation by itself
-//! (a stop id, the token budget, the context) is never fed, so after such a stop the state holds
-//! exactly prompt + emitted tokens minus the last; after a stop string (or a cancellation) it may
-//! also hold the last token. `st.pos` always says which (`cache::release` keeps exactly the
-//! tokens the state holds).
+//! so on a device that host work overlaps the step.
+//!
+//! **Lookahead.** Where the next step needs nothing from the host — the pick is on the backend,
+//! no forced token, grammar or log-probabilities, and the budget and the context leave room for
+//! a token after this one — it is enqueued even before this token is read
+//! ([`Qwen35::picked_ahead`]: the read is begun, the step that feeds this token from the backend
+//! enqueued, then the host waits for the read alone), so the device never idles while the host
+//! reads a token and submits the next step. `LILY_LOOKAHEAD=0` (`Qwen35::lookahead`) turns it
+//! off. The tokens, text and finish are the same either way; what the state holds after the
+//! last token differs:
+//! - a token that ends the generation by the budget or the context is never fed;
+//! - a stop id is fed when the lookahead was on for it (the step after it was enqueued before it
+//!   was known), never otherwise;
+//! - after a stop string or a cancellation the last token may be fed.
+//!
+//! So after a stop the state holds prompt + emitted tokens, with or without the last one, and
+//! never a token past them; `st.pos` always says which (`cache::release` keeps exactly the
+//! tokens the state holds, the prompt and the emitted ids cut at `st.pos`).
 //!
 //! [`generate_ex`] is the full loop: besides sampling it can
 //! - start from a state that already holds a prefix of the prompt (`cached`, for prefix reuse);
@@ -208,6 +221,10 @@ fn generate_from<B: Backend>(
         m.device_sampler(sampling, sampler.seed(), prompt)?
     };
     let on_backend = sampling.is_plain_greedy() || dev.is_some();
+    // Whether this generation may enqueue a step before reading the token it feeds (the module
+    // documentation): log-probabilities read the step's logits, which the next step overwrites,
+    // and a grammar's mask for the next token needs this one on the host.
+    let lookahead = m.lookahead && on_backend && grammar.is_none() && logprobs.is_none();
     let t0 = Instant::now();
     let first = m.forward(st, &prompt[cached..], Logits::Last, None)?;
     // Under an active grammar the first pick waits for its mask (in the loop).
@@ -249,6 +266,16 @@ fn generate_from<B: Backend>(
                 None => m.pick_masked(st, &mask, dev.as_mut())?,
             }
         }
+        // The step after this token enqueued before it is read: only where its input and pick
+        // need nothing from the host (a forced token queued by a trigger replaces the pick: no
+        // draw of the device sampler may be spent on it) and the budget and the context have
+        // room for a token after this one (a stop id it turns out to be is then fed for nothing).
+        let ahead = lookahead
+            && forced_id.is_none()
+            && (after.is_none() || dev.is_none())
+            && !checker.next_is_last()
+            && st.pos < st.max_context
+            && !cancel.load(Ordering::Relaxed);
         let (id, on_step, logprob) = match (forced_id, host_logits.as_mut()) {
             (Some(id), None) => {
                 if let Some(d) = dev.as_mut() {
@@ -256,6 +283,7 @@ fn generate_from<B: Backend>(
                 }
                 (id, false, logprobs.map(|k| m.logprobs(id, k)).transpose()?)
             }
+            (None, None) if ahead => (m.picked_ahead(st, Pick::from(dev.as_mut()))?, true, None),
             (None, None) => {
                 let id = m.picked(st)?;
                 (id, true, logprobs.map(|k| m.logprobs(id, k)).transpose()?)
@@ -286,15 +314,15 @@ fn generate_from<B: Backend>(
         if stats.first_token_s == 0.0 {
             stats.first_token_s = t0.elapsed().as_secs_f64();
         }
-        // The next step is enqueued before this token's text is worked out (detokenizing, stop
-        // strings, the caller's streaming), which then overlaps it on a device — unless the token
-        // ends the generation whatever its text (a stop id, the token budget, the context): no
-        // token after a stop is ever computed for nothing, or emitted. A stop string found in the
-        // text leaves that one step done: the state then also holds this token (its position says
-        // so; `cache::release` keeps exactly the tokens the state holds). The token after a forced
-        // one is picked by arg-max and never used (the forced token replaces it), so the sampler
-        // draws only for tokens it chooses, as the host sampler does.
-        if !checker.ends_at(id) && !cancel.load(Ordering::Relaxed) {
+        // Without the lookahead, the next step is enqueued before this token's text is worked
+        // out (detokenizing, stop strings, the caller's streaming), which then overlaps it on a
+        // device — unless the token ends the generation whatever its text (a stop id, the token
+        // budget, the context). A stop string found in the text leaves that one step done: the
+        // state then also holds this token (its position says so; `cache::release` keeps exactly
+        // the tokens the state holds). The token after a forced one is picked by arg-max and
+        // never used (the forced token replaces it), so the sampler draws only for tokens it
+        // chooses, as the host sampler does.
+        if !ahead && !checker.ends_at(id) && !cancel.load(Ordering::Relaxed) {
             // The next token's pick: forced (the step's arg-max is not used), under the grammar
             // (after its mask: not in the step), or the sampler's / the arg-max in the step.
             let pick = match (

@@ -178,9 +178,15 @@ impl StopChecker {
     /// `max_tokens` or the context (only a stop string needs the text). The decode loop asks
     /// before it enqueues the next step, ahead of detokenizing.
     pub fn ends_at(&self, id: u32) -> bool {
+        self.next_is_last() || self.rules.stop_ids.contains(&id)
+    }
+
+    /// Whether the next [`Self::push`] ends the generation whatever the token: `max_tokens` or
+    /// the context. The decode loop asks before it reads the token, to enqueue the step after
+    /// it ahead only where that step can be needed.
+    pub fn next_is_last(&self) -> bool {
         let n = self.generated + 1;
         self.done
-            || self.rules.stop_ids.contains(&id)
             || self.rules.max_tokens.is_some_and(|m| n >= m)
             || self.prompt_len + n >= self.rules.max_context
     }

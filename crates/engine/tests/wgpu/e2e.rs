@@ -46,3 +46,25 @@ fn tiny_preset_end_to_end() {
 fn small_preset_end_to_end() {
     end_to_end("small");
 }
+
+/// The decode loop's lookahead on wgpu (common/lookahead.rs): each token's read begun before
+/// the step that feeds it is enqueued, finished after. Greedy; sampled decoding is the host's
+/// on wgpu (no device sampler), where the loop takes no lookahead and must still agree.
+#[test]
+fn lookahead_generates_what_the_loop_without_it_does() {
+    let Some(g) = gpu() else { return };
+    let dir = common::synth("tiny", 3, &[]);
+    let mut m = lily::runtime::load(g, dir.path()).unwrap();
+    let tok = lily::tokenizer::Tokenizer::from_dir(dir.path()).unwrap();
+    let prompt = common::prompt_ids(20, m.cfg.vocab_size);
+    let greedy = lily::runtime::sampler::SamplingParams::greedy();
+    lookahead::check_all(&mut m, &tok, &prompt, &greedy);
+    let sampled = lily::runtime::sampler::SamplingParams {
+        temperature: 0.8,
+        top_k: 20,
+        seed: Some(4),
+        ..greedy.clone()
+    };
+    lookahead::check_all(&mut m, &tok, &prompt, &sampled);
+    lookahead::check_cache(&mut m, &tok, &prompt, &greedy);
+}

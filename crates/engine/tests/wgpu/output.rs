@@ -75,6 +75,38 @@ fn argmax_first_on_ties_and_steps_the_position() {
     }
 }
 
+/// A token read begun (`step_token_begin`) sees the step as the work before it left it, not as
+/// work enqueued after it (the next step's pick) leaves it; several may be in flight.
+#[test]
+fn a_token_read_sees_the_step_when_it_began() {
+    let Some(g) = gpu() else { return };
+    let vocab = 1000;
+    let mut st = g.new_step().unwrap();
+    let peak = |i: usize| {
+        let mut l = vec![0.0f32; vocab];
+        l[i] = 1.0;
+        g.upload(&l).unwrap()
+    };
+    let (a, b, c) = (peak(17), peak(400), peak(999));
+    g.set_step(&mut st, 5, 3);
+    g.argmax_step(&a, vocab, &mut st);
+    let r1 = g.step_token_begin(&st).unwrap();
+    g.argmax_step(&b, vocab, &mut st);
+    let r2 = g.step_token_begin(&st).unwrap();
+    g.argmax_step(&c, vocab, &mut st);
+    assert_eq!(g.step_token_finish(r1).unwrap(), 17);
+    let r3 = g.step_token_begin(&st).unwrap();
+    assert_eq!(g.step_token_finish(r2).unwrap(), 400);
+    assert_eq!(g.step_token_finish(r3).unwrap(), 999);
+    // The buffers go back to the pool and are reused.
+    for i in 0..5 {
+        g.set_step(&mut st, 100 + i, 0);
+        let r = g.step_token_begin(&st).unwrap();
+        assert_eq!(g.step_token_finish(r).unwrap(), 100 + i);
+    }
+    assert_eq!(g.step_token(&st).unwrap(), 104);
+}
+
 #[test]
 fn mask_logits_matches_the_cpu() {
     let Some(g) = gpu() else { return };

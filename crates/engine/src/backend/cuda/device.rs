@@ -354,6 +354,58 @@ impl Cuda {
         Ok(v)
     }
 
+    /// Begins reading the u32 at `src` after the enqueued work: an asynchronous copy into a
+    /// slot's page-locked word, then the slot's event, so that `token_finish` waits for the copy
+    /// and not for the work enqueued after it (the next decode step).
+    pub(super) fn token_begin(&self, src: u64) -> Result<TokenSlot> {
+        if self.failed() {
+            self.check()?;
+        }
+        if self.capturing.load(Ordering::Relaxed) {
+            bail!("CUDA backend: a read-back inside a recorded decode step");
+        }
+        self.ctx.bind_to_thread()?;
+        let free = self
+            .token_slots
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .pop();
+        let mut slot = match free {
+            Some(s) => s,
+            None => TokenSlot {
+                // SAFETY: the word is written by the copy below before it is read. Flags 0:
+                // cached page-locked memory, as `read`'s staging.
+                word: unsafe { self.ctx.alloc_pinned_with_flags::<u32>(1, 0) }
+                    .context("CUDA backend: page-locked token read")?,
+                done: self.ctx.new_event(None)?,
+            },
+        };
+        // `as_mut_slice` waits for the slice's own event, never recorded: at once.
+        let dst = slot.word.as_mut_slice()?;
+        // SAFETY: `src` holds a u32 (a Step's token); the slot's word lives until `done` has
+        // passed (`token_finish`, or TokenSlot's drop).
+        unsafe { dr::memcpy_dtoh_async(&mut dst[..1], src, self.stream.cu_stream()) }?;
+        slot.done.record(&self.stream)?;
+        Ok(slot)
+    }
+
+    /// The u32 of a read begun by `token_begin`: waits for its event only, reports the first
+    /// error of any op, and keeps the slot for the next read.
+    pub(super) fn token_finish(&self, slot: TokenSlot) -> Result<u32> {
+        if let Err(e) = slot.done.synchronize() {
+            self.fail(format!("device error: {e}"));
+        }
+        if self.failed() {
+            self.check()?;
+        }
+        let t = slot.word.as_slice()?[0];
+        let mut free = self.token_slots.lock().unwrap_or_else(|e| e.into_inner());
+        if free.len() < TOKEN_READS {
+            free.push(slot);
+        }
+        Ok(t)
+    }
+
     /// The route's ids and weights (tests, debugging).
     pub fn route_to_host(&self, r: &Route, rows: usize) -> Result<(Vec<u32>, Vec<f32>)> {
         if rows * r.k > r.cap {
@@ -465,5 +517,19 @@ impl Cuda {
                 )
             },
         )
+    }
+}
+
+/// A token read's page-locked word and the event recorded after the copy into it.
+pub(super) struct TokenSlot {
+    word: cudarc::driver::PinnedHostSlice<u32>,
+    done: cudarc::driver::CudaEvent,
+}
+
+impl Drop for TokenSlot {
+    /// A read dropped unfinished (an error between begin and finish) still has its copy in
+    /// flight: the word is freed only after it.
+    fn drop(&mut self) {
+        let _ = self.done.synchronize();
     }
 }

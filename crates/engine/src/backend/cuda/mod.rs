@@ -386,6 +386,9 @@ enum Arg {
 
 /// Reads of at least this many bytes go through the page-locked staging buffer.
 const PINNED_MIN: usize = 64 * 1024;
+/// Token read slots kept (`step_token_begin`): the decode loop has one read in flight at a
+/// time; a spare or two cover a caller that begins the next before finishing.
+const TOKEN_READS: usize = 3;
 /// Most slices of the greedy pick's first pass (argmax_partial in sample.cu): 128 blocks of 256
 /// threads cover the 248K-entry vocabulary in one wave.
 const ARGMAX_PARTS: usize = 128;
@@ -467,6 +470,8 @@ pub struct Cuda {
     pdl_ok: bool,
     /// Page-locked staging for large device → host reads (`read`).
     pinned: Mutex<Option<cudarc::driver::PinnedHostSlice<u8>>>,
+    /// Free slots of token reads (`step_token_begin`), at most `TOKEN_READS`.
+    token_slots: Mutex<Vec<device::TokenSlot>>,
     /// Decode-path optimisations switched off (ablations): names from [`SWITCHES`], set by
     /// `LILY_CUDA_DISABLE=a,b` when the backend is created or by [`Cuda::set_disabled`].
     disabled: std::sync::RwLock<HashSet<&'static str>>,
@@ -578,6 +583,7 @@ impl Cuda {
             scratch_gen: AtomicU64::new(0),
             capturing: AtomicBool::new(false),
             pinned: Mutex::new(None),
+            token_slots: Mutex::new(Vec::new()),
             pdl: major >= 9 && std::env::var("LILY_CUDA_PDL").is_ok_and(|v| v == "1"),
             pdl_ok: major >= 9,
             disabled: std::sync::RwLock::new(HashSet::new()),
@@ -862,6 +868,20 @@ impl Backend for Cuda {
     }
     fn step_token(&self, step: &Step) -> Result<u32> {
         Ok(self.read::<u32>(step.mem.ptr, 1)?[0])
+    }
+    /// An asynchronous copy into page-locked memory and an event after it (`token_begin`).
+    fn step_token_begin(&self, step: &Step) -> Result<super::TokenRead> {
+        let slot = self.token_begin(step.mem.ptr)?;
+        Ok(super::TokenRead::Pending(Box::new(slot)))
+    }
+    fn step_token_finish(&self, read: super::TokenRead) -> Result<u32> {
+        match read {
+            super::TokenRead::Ready(t) => Ok(t),
+            super::TokenRead::Pending(p) => match p.downcast::<device::TokenSlot>() {
+                Ok(slot) => self.token_finish(*slot),
+                Err(_) => bail!("step_token_finish: a read the CUDA backend did not begin"),
+            },
+        }
     }
     fn embed_step(&self, table: &Mat, step: &Step, out: &mut Buf) {
         if !self.buf_ok(out, table.inp, "out", "embed_step") {

@@ -41,6 +41,9 @@ const PARAM_BYTES: u64 = 2048;
 const SPARE: usize = 8;
 /// Read-backs up to this size share one mappable buffer.
 const SMALL_READ: u64 = 1 << 16;
+/// Mappable buffers kept for token reads in flight (`token_begin`): the decode loop has one
+/// in flight at a time, a spare or two cover a caller that begins the next before finishing.
+const TOKEN_READS: usize = 3;
 
 /// One WGSL file: its name (for errors and the MSL check) and its text.
 #[derive(Clone, Copy)]
@@ -348,6 +351,8 @@ pub(super) struct Ctx {
     scratch_gen: std::sync::atomic::AtomicU64,
     /// A mappable buffer for small read-backs (the step's token every decode step).
     readback: Mutex<Option<::wgpu::Buffer>>,
+    /// Free mappable buffers of token reads (`token_begin`), at most `TOKEN_READS`.
+    token_reads: Mutex<Vec<::wgpu::Buffer>>,
     err: Arc<Mutex<Option<String>>>,
     /// FLUSH_EVERY parameter blocks, `stride` bytes apart (the adapter's uniform offset alignment).
     arena: ::wgpu::Buffer,
@@ -497,6 +502,7 @@ impl Ctx {
             spare,
             scratch_gen: std::sync::atomic::AtomicU64::new(0),
             readback: Mutex::new(None),
+            token_reads: Mutex::new(Vec::new()),
             err,
             arena,
             stride,
@@ -1084,6 +1090,79 @@ impl Ctx {
             .to_vec();
         st.unmap();
         Ok(out)
+    }
+}
+
+/// A token read in flight (`Ctx::token_begin`): its mappable buffer, the submission that copies
+/// into it, and the outcome of its mapping once the device has run that submission.
+pub(super) struct TokenRead {
+    buf: ::wgpu::Buffer,
+    index: ::wgpu::SubmissionIndex,
+    mapped: Arc<Mutex<Option<Result<(), ::wgpu::BufferAsyncError>>>>,
+}
+
+impl Ctx {
+    /// Begins reading the u32 at the start of `src` after everything recorded so far: the
+    /// recorded work is submitted, then a copy into a mappable buffer as a submission of its
+    /// own, whose index `token_finish` waits for. Work submitted later (the next decode step)
+    /// does not delay the read, and a write into `src` by it comes after the copy.
+    pub fn token_begin(&self, src: &::wgpu::Buffer) -> Result<TokenRead> {
+        if self.rec.lock().unwrap().is_some() {
+            bail!("wgpu: a read-back inside a recorded decode step");
+        }
+        let buf = self.token_reads.lock().unwrap().pop();
+        let buf = buf.unwrap_or_else(|| {
+            self.device.create_buffer(&::wgpu::BufferDescriptor {
+                label: Some("token read"),
+                size: 8,
+                usage: ::wgpu::BufferUsages::MAP_READ | ::wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        });
+        self.flush();
+        let mut enc = self.device.create_command_encoder(&Default::default());
+        enc.copy_buffer_to_buffer(src, 0, &buf, 0, 4);
+        let index = self.queue.submit([enc.finish()]);
+        // Mapping is asked after the submission that writes the buffer (a buffer with a map
+        // pending cannot be submitted); it completes when that submission has run.
+        let mapped = Arc::new(Mutex::new(None));
+        let m2 = mapped.clone();
+        buf.slice(..4).map_async(::wgpu::MapMode::Read, move |r| {
+            *m2.lock().unwrap() = Some(r);
+        });
+        Ok(TokenRead { buf, index, mapped })
+    }
+
+    /// The u32 of a read begun by `token_begin`: waits for its submission only (and the ones
+    /// before it), reports the first error since the last check, and keeps the buffer for the
+    /// next read.
+    pub fn token_finish(&self, r: TokenRead) -> Result<u32> {
+        self.device
+            .poll(::wgpu::PollType::Wait {
+                submission_index: Some(r.index),
+                timeout: None,
+            })
+            .map_err(|e| anyhow!("wgpu: waiting for the device: {e}"))?;
+        self.check()?;
+        match r.mapped.lock().unwrap().take() {
+            Some(Ok(())) => {}
+            Some(Err(e)) => bail!("wgpu: mapping a token read-back buffer: {e}"),
+            None => bail!("wgpu: a token read-back buffer was not mapped after the wait"),
+        }
+        let token = {
+            let v = r
+                .buf
+                .slice(..4)
+                .get_mapped_range()
+                .map_err(|e| anyhow!("wgpu: reading a mapped buffer: {e:?}"))?;
+            u32::from_le_bytes([v[0], v[1], v[2], v[3]])
+        };
+        r.buf.unmap();
+        let mut free = self.token_reads.lock().unwrap();
+        if free.len() < TOKEN_READS {
+            free.push(r.buf);
+        }
+        Ok(token)
     }
 }
 

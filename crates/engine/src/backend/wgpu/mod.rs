@@ -28,7 +28,7 @@ pub mod stats;
 
 use anyhow::{bail, Result};
 
-use super::{Backend, Dims, GdnParams, KvCache, SharedExpert};
+use super::{Backend, Dims, GdnParams, KvCache, SharedExpert, TokenRead};
 use crate::loader::tensor::HostLinear;
 use crate::runtime::sampler::SamplingParams;
 pub use check::translate_to_msl;
@@ -361,6 +361,20 @@ impl Backend for Wgpu {
     fn step_token(&self, step: &WStep) -> Result<u32> {
         let b = self.ctx.read(&step.buf, 4)?;
         Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    /// A copy of the token into a mappable buffer, submitted on its own (`Ctx::token_begin`).
+    fn step_token_begin(&self, step: &WStep) -> Result<TokenRead> {
+        let r = self.ctx.token_begin(&step.buf)?;
+        Ok(TokenRead::Pending(Box::new(r)))
+    }
+    fn step_token_finish(&self, read: TokenRead) -> Result<u32> {
+        match read {
+            TokenRead::Ready(t) => Ok(t),
+            TokenRead::Pending(p) => match p.downcast::<device::TokenRead>() {
+                Ok(r) => self.ctx.token_finish(*r),
+                Err(_) => bail!("step_token_finish: a read the wgpu backend did not begin"),
+            },
+        }
     }
 
     fn embed(&self, table: &WMat, ids: &[u32], out: &mut WBuf) {
