@@ -24,9 +24,11 @@
 // moe_down_v (cpu expert_mlp's down and the slot sum): out[t, o] = Σ_j w[t, j] · (down_e[o] ·
 //   act[t·k + j]), j = 0..k in slot order. A workgroup of 256 computes `outs` = 64 / k outputs
 //   (at least 1) of one token for all k slots: 4 lanes a (output, slot) pair, each lane the
-//   vec4s lane, lane + 4, … of the row (four in flight), the token's k act rows staged together
-//   in chunks of `cw` columns (k · cw ≤ 4096 floats; word-major, see stg); the 4 lanes' partials summed, then the
-//   slots weighted and summed in order j = 0..k by one thread an output.
+//   vec4s lane, lane + 4, … of the row (four in flight; a chunk's first four loaded before its
+//   act is staged, the next four before these are used), the token's k act rows staged
+//   together in chunks of `cw` columns (k · cw ≤ 4096 floats; word-major, see stg); the 4
+//   lanes' partials summed, then the slots weighted and summed in order j = 0..k by one thread
+//   an output.
 //   rows · ceil(hidden / outs) workgroups. Bindings: 1-3 down (qw as vec4s, qs, qb, params m),
 //   4 act as vec4s, 5 ids, 6 weights, 7 out f32 [rows, hidden].
 //   Both need in % (4 · 32 / bits) == 0 and gs % (4 · 32 / bits) == 0 (a vec4 of codes inside a
@@ -693,10 +695,28 @@ fn moe_down_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     // A slot's staged chunk: cw / 4 vec4s, DOWN_PAD more where the slots still fit.
     let cw4 = select(p.cw / 4u, p.cw / 4u + DOWN_PAD, k * (p.cw / 4u + DOWN_PAD) <= 1088u);
     let vpw = 32u / bits;
+    let base = row * nvr;
     var acc = 0.0;
     for (var c0 = 0u; c0 < width; c0 += p.cw) {
         let n4 = (min(c0 + p.cw, width) - c0) / 4u;
         let nwp = n4 / vpw;
+        let v0 = c0 / epv;
+        let v1 = v0 + 4u * n4 / epv;
+        // Four vec4s in flight: v, v + 4, v + 8, v + 12 (a row of 512 4-bit codes is 16),
+        // held in four values: as an array they went to local memory (64 bytes a thread,
+        // the driver's statistics on the H200). The chunk's first four are loaded before its
+        // act rows are staged, so that their DRAM latency passes under the staging and its
+        // barrier instead of after it (the codes do not depend on act).
+        var a0 = vec4<u32>(0u);
+        var a1 = vec4<u32>(0u);
+        var a2 = vec4<u32>(0u);
+        var a3 = vec4<u32>(0u);
+        if (live) {
+            a0 = dn_load(base, v0 + lane, v1);
+            a1 = dn_load(base, v0 + lane + 4u, v1);
+            a2 = dn_load(base, v0 + lane + 8u, v1);
+            a3 = dn_load(base, v0 + lane + 12u, v1);
+        }
         let staged = select(k * n4, 0u, (p.ablate & 1u) != 0u);
         for (var i = li; i < staged; i += 256u) {
             let jj = i / n4;
@@ -707,21 +727,23 @@ fn moe_down_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
             workgroupBarrier();
         }
         if (live) {
-            let v0 = c0 / epv;
-            let v1 = v0 + 4u * n4 / epv;
-            // Four vec4s in flight: v, v + 4, v + 8, v + 12 (a row of 512 4-bit codes is 16),
-            // held in four values: as an array they went to local memory (64 bytes a thread,
-            // the driver's statistics on the H200).
-            let base = row * nvr;
             for (var v = v0 + lane; v < v1; v += 16u) {
-                let a0 = dn_load(base, v, v1);
-                let a1 = dn_load(base, v + 4u, v1);
-                let a2 = dn_load(base, v + 8u, v1);
-                let a3 = dn_load(base, v + 12u, v1);
-                acc += dn_word(a0, v, v0, v1, j * cw4, nwp, gr);
-                acc += dn_word(a1, v + 4u, v0, v1, j * cw4, nwp, gr);
-                acc += dn_word(a2, v + 8u, v0, v1, j * cw4, nwp, gr);
-                acc += dn_word(a3, v + 12u, v0, v1, j * cw4, nwp, gr);
+                let w0 = a0;
+                let w1 = a1;
+                let w2 = a2;
+                let w3 = a3;
+                // The next four (rows past 16 vec4s: wider experts, 2-bit codes) before these
+                // are used; the sums keep their order.
+                if (v + 16u < v1) {
+                    a0 = dn_load(base, v + 16u, v1);
+                    a1 = dn_load(base, v + 20u, v1);
+                    a2 = dn_load(base, v + 24u, v1);
+                    a3 = dn_load(base, v + 28u, v1);
+                }
+                acc += dn_word(w0, v, v0, v1, j * cw4, nwp, gr);
+                acc += dn_word(w1, v + 4u, v0, v1, j * cw4, nwp, gr);
+                acc += dn_word(w2, v + 8u, v0, v1, j * cw4, nwp, gr);
+                acc += dn_word(w3, v + 12u, v0, v1, j * cw4, nwp, gr);
             }
         }
         if ((p.ablate & 1u) == 0u) {
