@@ -16,6 +16,12 @@
 //!   codes, groups that split a vec4, odd widths) run the first versions: a slot a workgroup
 //!   reading words one by one (`moe_gate_up`, `moe_down`), or for blocks of ≥ `GROUPED_FROM`
 //!   rows grouped by expert (`moe_gate_up_grouped`, `moe_down_grouped`, `moe_combine`).
+//!
+//! Beside it, `moe_decode_shared` runs one decode token's block with its shared expert (the
+//! wgpu moe_decode_add and moe_step_add, where `shared_slot_ok`): moe_gate_up_s with the shared
+//! expert as slot k (routing the token itself from the logits for moe_step_add), then
+//! moe_down_s summing the slots, the shared one gated, into h: 2 launches where the first path
+//! and the shared expert's two GEMVs take 4 (5 with moe_route).
 
 use anyhow::{bail, Result};
 
