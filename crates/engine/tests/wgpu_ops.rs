@@ -28,6 +28,8 @@ mod e2e;
 mod gdn;
 #[path = "wgpu/moe.rs"]
 mod moe;
+#[path = "wgpu/moe_step.rs"]
+mod moe_step;
 #[path = "wgpu/output.rs"]
 mod output;
 

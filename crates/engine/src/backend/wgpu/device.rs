@@ -226,6 +226,13 @@ pub(super) struct Switches {
     /// instead of moe_gate_up_q (x in two int8 levels, integer dot products). Atomic so that
     /// `lily lab` compares both in one process.
     pub moe_q: std::sync::atomic::AtomicBool,
+    /// `LILY_WGPU_MOE_FUSE=0`: a decode token's MoE block as before: the router's launch,
+    /// moe_route, the routed experts' gate|up and down, the shared expert's gate|up and down
+    /// (6 launches), instead of the router's launch, moe_gate_up_s routing the token itself
+    /// with the shared expert as slot k, and moe_down_s with the shared expert's gate and the
+    /// residual add (3; moe_decode_add alone: 2 instead of 4). Atomic so that tests and `lily
+    /// lab` compare both in one process.
+    pub moe_fuse: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_AHEAD=0`: a replayed decode step encoded when the runtime asks for it, not
     /// ahead (the host's encoding of ~450 dispatches then leaves the device idle between steps).
     pub ahead: bool,
@@ -290,6 +297,7 @@ impl Switches {
             gdn_fast: std::env::var("LILY_WGPU_GDN_FAST").as_deref() == Ok("1"),
             attn_tile: on("LILY_WGPU_ATTN_TILE"),
             moe_q: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_MOE_Q")),
+            moe_fuse: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_MOE_FUSE")),
             checks: std::env::var("LILY_WGPU_CHECKS").as_deref() == Ok("1"),
             zero_wg: std::env::var("LILY_WGPU_ZERO_WG").as_deref() == Ok("1"),
             gemm: AtomicU32::new(
@@ -349,6 +357,8 @@ pub(super) struct Ctx {
     pub spare: Vec<::wgpu::Buffer>,
     /// Bumped whenever a scratch buffer is replaced: records holding the old one are stale.
     scratch_gen: std::sync::atomic::AtomicU64,
+    /// Dispatches `dispatch` has encoded (tests count an op's launches: `Wgpu::dispatches`).
+    pub dispatched: std::sync::atomic::AtomicU64,
     /// A mappable buffer for small read-backs (the step's token every decode step).
     readback: Mutex<Option<::wgpu::Buffer>>,
     /// Free mappable buffers of token reads (`token_begin`), at most `TOKEN_READS`.
@@ -501,6 +511,7 @@ impl Ctx {
             timing_on: std::sync::atomic::AtomicBool::new(false),
             spare,
             scratch_gen: std::sync::atomic::AtomicU64::new(0),
+            dispatched: std::sync::atomic::AtomicU64::new(0),
             readback: Mutex::new(None),
             token_reads: Mutex::new(Vec::new()),
             err,
@@ -619,6 +630,7 @@ impl Ctx {
             ));
             return;
         }
+        self.dispatched.fetch_add(1, Ordering::Relaxed);
         let (gx, gy) = if groups <= 65535 {
             (groups, 1)
         } else {

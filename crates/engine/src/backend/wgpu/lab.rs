@@ -572,6 +572,7 @@ impl Wgpu {
                 })
             };
             let (gate, up, down) = (mk(w, hdim, 71)?, mk(w, hdim, 72)?, mk(hdim, w, 73)?);
+            let bits_w = bits;
             let x = self.lab_buf(&floats(hdim, 74, -1.0, 1.0))?;
             let out = self.lab_buf(&vec![0.0; hdim])?;
             let per = |o: usize, i: usize| o * i * bits as usize / 8 + 4 * (o * i / gs);
@@ -621,6 +622,115 @@ impl Wgpu {
                 rows.push(row);
             }
             ctx.sw.moe_q.store(old_q, Ordering::Relaxed);
+            // The MoE block with the shared expert (one copy of its weights, ~1.5 MB, read by
+            // every call: the GPU's cache may hold it across calls, the same for both ways):
+            // `shared/4` as moe_decode_add ran it, the routed experts' two launches and the
+            // shared expert's two GEMVs, against `shared/2` (moe_gate_up_s and moe_down_s), and
+            // `route/5` with moe_route before them against `route/2` (moe_gate_up_s routing the
+            // token itself): the number is the launches (LILY_WGPU_MOE_FUSE=0 / 1). h is
+            // added to every call (its values drift; the timing does not care). Fewer calls a
+            // pass where a call is several launches (a pass holds at most 255).
+            let (sg, su, sd) = (
+                self.lab_mat(w, hdim, bits_w, gs, 75)?,
+                self.lab_mat(w, hdim, bits_w, gs, 76)?,
+                self.lab_mat(hdim, w, bits_w, gs, 77)?,
+            );
+            let logit = self.lab_buf(&[0.3])?;
+            let (g1, u1) = (self.lab_buf(&vec![0.0; w])?, self.lab_buf(&vec![0.0; w])?);
+            let routed = self.lab_buf(&vec![0.0; hdim])?;
+            let hbuf = self.lab_buf(&vec![0.0; hdim])?;
+            let bytes_sh = bytes + 2 * per(w, hdim) + per(hdim, w);
+            let sh = crate::backend::SharedExpert {
+                gate: &sg,
+                up: &su,
+                down: &sd,
+                logit: &logit,
+            };
+            let clone = |b: &WBuf| WBuf {
+                buf: b.buf.clone(),
+                len: b.len,
+            };
+            let old_fuse = ctx.sw.moe_fuse.load(Ordering::Relaxed);
+            ctx.sw.moe_fuse.store(true, Ordering::Relaxed);
+            let slot_ok =
+                super::moe::shared_slot_ok(ctx, &x, &routes[0], &gate, &up, &down, &sh, &d, &hbuf)
+                    && super::moe::route_fold_ok(&d, &logits[0]);
+            ctx.sw.moe_fuse.store(old_fuse, Ordering::Relaxed);
+            if !slot_ok {
+                eprintln!("lab: experts shared/2, route/2 skipped: moe_gate_up_s does not take these (adapter or layout)");
+            }
+            // (variant, launches a call, whether it needs the fused kernels)
+            let seqs: [(&str, usize, bool); 4] = [
+                ("shared/4", 4, false),
+                ("shared/2", 2, true),
+                ("route/5", 5, false),
+                ("route/2", 2, true),
+            ];
+            for (name, launches, fused) in seqs {
+                if fused && !slot_ok {
+                    continue;
+                }
+                let n = calls.min(255 / launches);
+                let call = |i: usize| {
+                    let r = &routes[i % nroutes];
+                    let mut h = clone(&hbuf);
+                    let with_route = name.starts_with("route");
+                    if fused {
+                        let l = with_route.then(|| &logits[i % nroutes]);
+                        super::moe::moe_decode_shared(
+                            ctx, &x, r, &gate, &up, &down, &sh, &d, &mut h, l,
+                        );
+                        return;
+                    }
+                    if with_route {
+                        super::moe::moe_route(ctx, &logits[i % nroutes], &d, 1, &mut alias(r));
+                    }
+                    let mut o = clone(&routed);
+                    super::moe::moe_experts(ctx, &x, r, &gate, &up, &down, &d, 1, &mut o);
+                    let (mut g, mut u) = (clone(&g1), clone(&u1));
+                    gemv_many(
+                        ctx,
+                        &x,
+                        &[&sg, &su],
+                        0,
+                        1,
+                        &mut [&mut g, &mut u],
+                        XIn::Plain,
+                        OutMode::Store,
+                    );
+                    let om = OutMode::Residual {
+                        r: &routed,
+                        s: &logit,
+                    };
+                    gemv_many(
+                        ctx,
+                        &g1,
+                        &[&sd],
+                        0,
+                        1,
+                        &mut [&mut h],
+                        XIn::Glu { u: &u1 },
+                        om,
+                    );
+                };
+                ctx.time_pass(|| (0..n).for_each(call))?;
+                let mut v = Vec::with_capacity(REPS);
+                for _ in 0..REPS {
+                    v.push(ctx.time_pass(|| (0..n).for_each(call))? / n as f64);
+                }
+                let row = LabRow {
+                    case: "experts",
+                    variant: format!("top-{} {name}", d.top_k),
+                    bytes: bytes_sh,
+                    copies: nroutes,
+                    calls: n,
+                    op_s: median(v),
+                    read_s: Some(read_s),
+                    check: None,
+                };
+                print(&row);
+                rows.push(row);
+            }
         }
         if want_case("gemm") {
             rows.extend(self.lab_gemm(calls, print)?);

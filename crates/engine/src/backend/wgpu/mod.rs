@@ -181,6 +181,30 @@ impl Wgpu {
             .store(on, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
+    /// A decode token's MoE block fused (`true`, the default: the shared expert as slot k of the
+    /// routed experts' two launches, moe_step_add's route in the first) or as before (`false`:
+    /// `LILY_WGPU_MOE_FUSE=0`) from now on; tests compare both on one device.
+    pub fn set_moe_fuse(&self, on: bool) {
+        self.ctx
+            .sw
+            .moe_fuse
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// Dispatches encoded so far (op by op, not replays): tests count an op's launches.
+    pub fn dispatches(&self) -> u64 {
+        self.ctx
+            .dispatched
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+    /// Launches one decode GEMV of these matrices takes (tests count an op's launches): 2 where
+    /// gemv_q6 takes them (q2x_stage first), else 1.
+    pub fn gemv_launches(&self, ws: &[&WMat]) -> u64 {
+        if matmul::q6_takes(&self.ctx, ws) {
+            2
+        } else {
+            1
+        }
+    }
     /// What the adapter is and offers.
     pub fn report(&self) -> &AdapterReport {
         &self.ctx.report
@@ -545,9 +569,11 @@ impl Backend for Wgpu {
             OutMode::Add,
         );
     }
-    /// The routed experts, then the shared expert in two launches: its gate|up, and its down
-    /// reading silu(gate)·up as it stages x, with the gate, the routed sum and the residual add
-    /// in the epilogue (five launches unfused).
+    /// Two launches where the shared expert has the stacks' layout (`moe::shared_slot_ok`):
+    /// moe_gate_up_s with the shared expert as slot k, moe_down_s with its gate, the routed sum
+    /// and the residual add. Else the routed experts, then the shared expert in two launches:
+    /// its gate|up, and its down reading silu(gate)·up as it stages x, with the gate, the routed
+    /// sum and the residual add in the epilogue (five launches unfused).
     fn moe_decode_add(
         &self,
         x: &WBuf,
@@ -560,6 +586,9 @@ impl Backend for Wgpu {
         tmp: super::MoeScratch<'_, Self>,
         h: &mut WBuf,
     ) {
+        if moe::shared_slot_ok(&self.ctx, x, route, gate, up, down, shared, d, h) {
+            return moe::moe_decode_shared(&self.ctx, x, route, gate, up, down, shared, d, h, None);
+        }
         let width = shared.gate.out;
         let fits = self.ctx.sw.fuse_epilogue
             && shared.up.out == width
@@ -583,6 +612,65 @@ impl Backend for Wgpu {
             s: shared.logit,
         };
         matmul::gemv_many(ctx, tmp.g, &[shared.down], 0, 1, &mut [h], xin, om);
+    }
+    /// Three launches: the router's (the norm folded in: x, the logits, the shared gate's
+    /// logit), then moe_gate_up_s, each of whose routed workgroups routes the token itself
+    /// (moe_route's maths) before reading its expert, with the shared expert as slot k, then
+    /// moe_down_s (`moe_decode_shared`). Where moe_gate_up_s does not take the block
+    /// (`moe::shared_slot_ok`, `moe::route_fold_ok`), moe_router then moe_decode_add.
+    fn moe_step_add(
+        &self,
+        h: &mut WBuf,
+        norm: &WBuf,
+        eps: f32,
+        w: &super::MoeWeights<'_, Self>,
+        d: &Dims,
+        r: super::RouterScratch<'_, Self>,
+        tmp: super::MoeScratch<'_, Self>,
+    ) {
+        let fused = {
+            let shared = SharedExpert {
+                gate: w.shared_gate_proj,
+                up: w.shared_up_proj,
+                down: w.shared_down_proj,
+                logit: r.s,
+            };
+            moe::route_fold_ok(d, r.logits)
+                && moe::shared_slot_ok(
+                    &self.ctx, r.xn, r.route, w.gate, w.up, w.down, &shared, d, h,
+                )
+        };
+        if !fused {
+            return super::moe_step_compose(self, h, norm, eps, w, d, r, tmp);
+        }
+        self.rms_norm_matmul(
+            h,
+            norm,
+            1,
+            d.hidden,
+            eps,
+            r.xn,
+            &[w.router, w.shared_gate],
+            &mut [&mut *r.logits, &mut *r.s],
+        );
+        let shared = SharedExpert {
+            gate: w.shared_gate_proj,
+            up: w.shared_up_proj,
+            down: w.shared_down_proj,
+            logit: r.s,
+        };
+        moe::moe_decode_shared(
+            &self.ctx,
+            r.xn,
+            r.route,
+            w.gate,
+            w.up,
+            w.down,
+            &shared,
+            d,
+            h,
+            Some(r.logits),
+        );
     }
     fn add(&self, h: &mut WBuf, r: &WBuf, len: usize) {
         norm::add(&self.ctx, h, r, len)

@@ -16,12 +16,18 @@
 //!   codes, groups that split a vec4, odd widths) run the first versions: a slot a workgroup
 //!   reading words one by one (`moe_gate_up`, `moe_down`), or for blocks of ≥ `GROUPED_FROM`
 //!   rows grouped by expert (`moe_gate_up_grouped`, `moe_down_grouped`, `moe_combine`).
+//!
+//! Beside it, `moe_decode_shared` runs one decode token's block with its shared expert (the
+//! wgpu moe_decode_add and moe_step_add, where `shared_slot_ok`): moe_gate_up_s with the shared
+//! expert as slot k (routing the token itself from the logits for moe_step_add), then
+//! moe_down_s summing the slots, the shared one gated, into h: 2 launches where the first path
+//! and the shared expert's two GEMVs take 4 (5 with moe_route).
 
 use anyhow::{bail, Result};
 
 use super::device::{Ctx, Shader};
 use super::{WBuf, WMat, WRoute, Wgpu};
-use crate::backend::Dims;
+use crate::backend::{Dims, SharedExpert};
 
 pub const SHADER: Shader = Shader {
     name: "moe",
@@ -29,7 +35,8 @@ pub const SHADER: Shader = Shader {
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/quant.wgsl"),
         include_str!("shaders/q2x.wgsl"),
-        include_str!("shaders/moe.wgsl")
+        include_str!("shaders/moe.wgsl"),
+        include_str!("shaders/moe_step.wgsl")
     ),
 };
 
@@ -66,6 +73,17 @@ const MAX_SORT_EXPERTS: usize = 1024;
 /// Floats of act rows moe_down_v stages at a time (moe.wgsl stg: 16 KB of its 17, the rest
 /// its slots' padding).
 const DOWN_STAGE: usize = 4096;
+
+/// Floats of act rows moe_down_s stages at a time: k + 1 = 9 rows of width 512 whole
+/// (moe.wgsl STG_LEN = 9 · (128 + DOWN_PAD) vec4s).
+const DOWN_STAGE_S: usize = 4608;
+/// Storage buffers moe_gate_up_s binds (moe.wgsl's header).
+const S_BUFFERS: u32 = 17;
+/// Workgroup memory moe_gate_up_s (q2x's 16 KB, red, red2, rkey_s, rtop: 19.3 KB) and
+/// moe_down_s (stg, red: 19.6 KB) use at most.
+const S_WG_BYTES: u32 = 20 * 1024;
+/// The most experts moe_gate_up_s routes (a thread an expert).
+const S_MAX_EXPERTS: usize = 256;
 
 /// moe.wgsl's parameter block: two matrices, then rows, k, experts, norm_topk, outs, cw, tiles.
 #[allow(clippy::too_many_arguments)]
@@ -379,6 +397,123 @@ fn experts(
         }
     }
     Ok(())
+}
+
+/// Whether moe_gate_up_s / moe_down_s take one token's MoE block: `LILY_WGPU_MOE_FUSE` (and the
+/// fused epilogues and moe_gate_up_q it builds on) on; stacks moe_gate_up_q and moe_down_v read
+/// (4- or 8-bit, vec_ok) of `d`'s experts and hidden size; a shared expert of one matrix each
+/// in exactly the stacks' layout (equal QMat: shape, bits, group size, scale type), so that one
+/// parameter block describes both; 1 ≤ k, k + 1 ≤ 64 (moe_down_s's pairs); buffers that hold
+/// what the launches touch; an adapter with the storage buffers and workgroup memory they use.
+/// Otherwise the caller runs today's sequence (which reports what is wrong, if anything).
+#[allow(clippy::too_many_arguments)]
+pub fn shared_slot_ok(
+    ctx: &Ctx,
+    x: &WBuf,
+    route: &WRoute,
+    gate: &WMat,
+    up: &WMat,
+    down: &WMat,
+    sh: &SharedExpert<'_, Wgpu>,
+    d: &Dims,
+    h: &WBuf,
+) -> bool {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (hid, width, n, k) = (gate.inp, gate.out, gate.n, d.top_k);
+    ctx.sw.moe_fuse.load(Relaxed)
+        && ctx.sw.fuse_epilogue
+        && ctx.sw.moe_q.load(Relaxed)
+        && ctx.report.storage_buffers >= S_BUFFERS
+        && ctx.report.workgroup_storage >= S_WG_BYTES
+        && matches!(gate.bits, 4 | 8)
+        && vec_ok(gate, up, down)
+        && n >= 1
+        && n == d.n_experts
+        && hid == d.hidden
+        && [up.n, down.n] == [n, n]
+        && [up.out, up.inp, down.out, down.inp] == [width, hid, hid, width]
+        && [sh.gate.n, sh.up.n, sh.down.n] == [1, 1, 1]
+        && sh.gate.qmat() == gate.qmat()
+        && sh.up.qmat() == up.qmat()
+        && sh.down.qmat() == down.qmat()
+        && (1..64).contains(&k)
+        && route.k == k
+        && route.rows >= 1
+        && x.len >= hid
+        && h.len >= hid
+        && sh.logit.len >= 1
+}
+
+/// Whether moe_gate_up_s can also route the token (`moe_step_add`): at most 256 experts (a
+/// thread each), k ≤ E, the logits all there.
+pub fn route_fold_ok(d: &Dims, logits: &WBuf) -> bool {
+    d.n_experts <= S_MAX_EXPERTS && d.top_k <= d.n_experts && logits.len >= d.n_experts
+}
+
+/// One token's MoE block added into `h` in two launches (the caller checked `shared_slot_ok`):
+/// moe_gate_up_s, the shared expert as slot k, then moe_down_s, which sums the routed slots,
+/// adds the gated shared slot and adds the total into h. With `logits`, moe_gate_up_s routes the
+/// token from them and writes `route` (moe_step_add); else it reads `route` (moe_decode_add).
+#[allow(clippy::too_many_arguments)]
+pub fn moe_decode_shared(
+    ctx: &Ctx,
+    x: &WBuf,
+    route: &WRoute,
+    gate: &WMat,
+    up: &WMat,
+    down: &WMat,
+    sh: &SharedExpert<'_, Wgpu>,
+    d: &Dims,
+    h: &mut WBuf,
+    logits: Option<&WBuf>,
+) {
+    let (hid, width, n, k) = (gate.inp, gate.out, gate.n, d.top_k);
+    let k1 = k + 1;
+    let act = match ctx.scratch("moe.act", 4 * (k1 * width) as u64) {
+        Ok(a) => a,
+        Err(e) => return ctx.fail(format!("moe_decode_shared: {e:#}")),
+    };
+    // moe_down_s: 64 / (k + 1) outputs of the token for all its slots (7 at k = 8), the k + 1
+    // act rows staged whole where they fit.
+    let outs = 64 / k1;
+    let cw = width.min(DOWN_STAGE_S / k1 / 64 * 64);
+    let route_in = logits.is_some() as usize;
+    let p_up = params(gate.qmat(), up.qmat(), 1, k, n, d.norm_topk, 0, 0, route_in);
+    let p_down = params(down.qmat(), [0; 8], 1, k, n, d.norm_topk, outs, cw, 0);
+    let (lg, wts) = match logits {
+        Some(l) => (&l.buf, &route.weights),
+        None => (&ctx.spare[0], &ctx.spare[1]),
+    };
+    let (sg, su, sd) = (sh.gate, sh.up, sh.down);
+    ctx.dispatch(
+        &SHADER,
+        "moe_gate_up_s",
+        &p_up,
+        &[
+            &gate.w, &gate.s, &gate.b, &up.w, &up.s, &up.b, &x.buf, &route.ids, &act, &sg.w, &sg.s,
+            &sg.b, &su.w, &su.s, &su.b, lg, wts,
+        ],
+        (k1 * width.div_ceil(GATE_UP_OUTS)) as u32,
+    );
+    ctx.dispatch(
+        &SHADER,
+        "moe_down_s",
+        &p_down,
+        &[
+            &down.w,
+            &down.s,
+            &down.b,
+            &act,
+            &route.ids,
+            &route.weights,
+            &h.buf,
+            &sd.w,
+            &sd.s,
+            &sd.b,
+            &sh.logit.buf,
+        ],
+        hid.div_ceil(outs) as u32,
+    );
 }
 
 impl Wgpu {

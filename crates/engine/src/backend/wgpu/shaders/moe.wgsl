@@ -24,13 +24,48 @@
 // moe_down_v (cpu expert_mlp's down and the slot sum): out[t, o] = Σ_j w[t, j] · (down_e[o] ·
 //   act[t·k + j]), j = 0..k in slot order. A workgroup of 256 computes `outs` = 64 / k outputs
 //   (at least 1) of one token for all k slots: 4 lanes a (output, slot) pair, each lane the
-//   vec4s lane, lane + 4, … of the row (four in flight), the token's k act rows staged together
-//   in chunks of `cw` columns (k · cw ≤ 4096 floats; word-major, see stg); the 4 lanes' partials summed, then the
-//   slots weighted and summed in order j = 0..k by one thread an output.
+//   vec4s lane, lane + 4, … of the row (four in flight; a chunk's first four loaded before its
+//   act is staged, the next four before these are used), the token's k act rows staged
+//   together in chunks of `cw` columns (k · cw ≤ 4096 floats; word-major, see stg); the 4
+//   lanes' partials summed, then the slots weighted and summed in order j = 0..k by one thread
+//   an output.
 //   rows · ceil(hidden / outs) workgroups. Bindings: 1-3 down (qw as vec4s, qs, qb, params m),
 //   4 act as vec4s, 5 ids, 6 weights, 7 out f32 [rows, hidden].
 //   Both need in % (4 · 32 / bits) == 0 and gs % (4 · 32 / bits) == 0 (a vec4 of codes inside a
 //   row and a group), bits 2, 4 or 8, and gate and up of one width in bits (moe.rs vec_ok).
+// moe_gate_up_q: moe_gate_up_v's launch, bindings and outputs with x in two int8 levels and
+//   integer dot products (4- and 8-bit codes; its own comment below says how).
+//
+// Decode with the shared expert as slot k (moe_step.wgsl; moe.rs moe_decode_shared, the wgpu
+// moe_decode_add and moe_step_add): the MoE block of one token in two launches, two (three with
+// moe_route) fewer than the routed experts' two and the shared expert's two GEMVs. They take
+// the shared expert only in the stacks' layout (moe.rs shared_slot_ok: its three matrices'
+// QMat equal to the stacks', 4- or 8-bit), so one parameter block describes both.
+// moe_gate_up_s (cpu expert_mlp's gate, up and swiglu, and the shared expert's in
+//   add_shared_expert): moe_gate_up_q for k + 1 slots a token, slot s = t·(k+1) + j; slot k
+//   reads the shared expert's gate_proj and up_proj (bindings 10-15) instead of expert ids[j]'s
+//   rows. act [rows·(k+1), width]. With p.tiles = 1 (moe_step_add) every workgroup of a routed
+//   slot first routes the token itself from its f32 logits (cpu moe_route; moe_route's maths
+//   for E ≤ 256, a thread an expert: the max and the sum by the same trees, exp_acc, the keys
+//   and ranks, so the same ids and weights bit for bit) and takes its slot's expert; the first
+//   workgroup of slot 0 writes the route's ids and weights for moe_down_s (written before the
+//   launch ends, read by the next). The route costs each routed workgroup two 8-step trees and
+//   a 64-step rank loop before its first weight load; x's first loads go out before it, the
+//   shared slot's workgroups skip it. rows · (k+1) · width / 8 workgroups.
+//   Bindings: 1-6 the stacks' gate and up (as moe_gate_up_v), 7 x, 8 ids u32 [rows, k] (read;
+//   written with p.tiles = 1), 9 act (written), 10-12 shared gate_proj (codes as vec4s, scales,
+//   biases), 13-15 shared up_proj, 16 logits f32 [rows, E] and 17 weights f32 [rows, k]
+//   (written) with p.tiles = 1 (spare buffers otherwise). 17 storage buffers (moe.rs checks the
+//   adapter's); workgroup memory 19.3 KB.
+// moe_down_s (cpu moe_decode_compose: moe_experts_decode's slot sum, add_sigmoid_gated, add):
+//   moe_down_v over the k + 1 slots (outs = 64 / (k + 1) outputs a workgroup, 4 lanes a (output,
+//   slot) pair, the k + 1 act rows staged together: cw = 512 at k = 8, the whole row; the first
+//   code loads before the staging), slot k from the shared expert's down_proj (bindings 8-10);
+//   then one thread an output: total = Σ_{j<k} w[t, j] · dot_j in slot order, total +=
+//   sigmoid(s[t]) · dot_k, h[t, o] += total: the CPU's operations in its order.
+//   rows · ceil(hidden / outs) workgroups. Bindings: 1-3 down, 4 act as vec4s, 5 ids, 6 weights,
+//   7 h f32 [rows, hidden] (read and written), 8-10 shared down_proj, 11 s f32 [rows] (the
+//   shared gate's logit).
 //
 // Prefill blocks (rows ≥ GEMM_FROM), a grouped GEMM (cpu moe_experts_prefill):
 // moe_sort: one workgroup of 256 lists each expert's slots: counts by workgroup atomics, a scan
@@ -70,8 +105,9 @@ struct P {
     k: u32,
     n_exp: u32,
     norm_topk: u32,
-    // moe_down_v: outputs a workgroup and the act columns staged at a time; moe_sort and the
-    // _mm entries: the bound on tiles (the size of the tile table in the sort buffer).
+    // moe_down_v, moe_down_s: outputs a workgroup and the act columns staged at a time;
+    // moe_sort and the _mm entries: the bound on tiles (the size of the tile table in the sort
+    // buffer); moe_gate_up_s: 1 = route the token in the launch (else read ids).
     outs: u32,
     cw: u32,
     tiles: u32,
@@ -477,12 +513,14 @@ fn moe_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_
 @group(0) @binding(7) var<storage, read> x4: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read> act4: array<vec4<f32>>;
 
-// Staging shared by the entries below (17 KB): x or act chunks (_v), dequantized weights (_mm).
-// The _v entries stage word-major: vec4 i of code word w of a chunk of `nwp` words at
+// Staging shared by the entries below (18.6 KB): x or act chunks (_v, _s), dequantized weights
+// (_mm). The _v entries stage word-major: vec4 i of code word w of a chunk of `nwp` words at
 // i · nwp + w, so the lanes reading consecutive words read consecutive 16 bytes (a word's vec4s
 // side by side put a quarter-warp's 8 lanes on the same 4 banks); moe_down_v's slots lie
 // DOWN_PAD vec4s further apart than their chunks, so two slots' lanes fall on other banks too.
-var<workgroup> stg: array<vec4<f32>, 1088>;
+// STG_LEN = 9 · (128 + DOWN_PAD): moe_down_s's 9 act rows of width 512 staged whole, padded.
+const STG_LEN: u32 = 1188u;
+var<workgroup> stg: array<vec4<f32>, STG_LEN>;
 const DOWN_PAD: u32 = 4u;
 
 // The codes of w at the bit offsets sh as floats: code | 0x4b000000 is the f32 2^23 + code
@@ -691,12 +729,30 @@ fn moe_down_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     let row = e * hid + min(o, hid - 1u);
     let gr = row * (width / p.m.gs);
     // A slot's staged chunk: cw / 4 vec4s, DOWN_PAD more where the slots still fit.
-    let cw4 = select(p.cw / 4u, p.cw / 4u + DOWN_PAD, k * (p.cw / 4u + DOWN_PAD) <= 1088u);
+    let cw4 = select(p.cw / 4u, p.cw / 4u + DOWN_PAD, k * (p.cw / 4u + DOWN_PAD) <= STG_LEN);
     let vpw = 32u / bits;
+    let base = row * nvr;
     var acc = 0.0;
     for (var c0 = 0u; c0 < width; c0 += p.cw) {
         let n4 = (min(c0 + p.cw, width) - c0) / 4u;
         let nwp = n4 / vpw;
+        let v0 = c0 / epv;
+        let v1 = v0 + 4u * n4 / epv;
+        // Four vec4s in flight: v, v + 4, v + 8, v + 12 (a row of 512 4-bit codes is 16),
+        // held in four values: as an array they went to local memory (64 bytes a thread,
+        // the driver's statistics on the H200). The chunk's first four are loaded before its
+        // act rows are staged, so that their DRAM latency passes under the staging and its
+        // barrier instead of after it (the codes do not depend on act).
+        var a0 = vec4<u32>(0u);
+        var a1 = vec4<u32>(0u);
+        var a2 = vec4<u32>(0u);
+        var a3 = vec4<u32>(0u);
+        if (live) {
+            a0 = dn_load(base, v0 + lane, v1);
+            a1 = dn_load(base, v0 + lane + 4u, v1);
+            a2 = dn_load(base, v0 + lane + 8u, v1);
+            a3 = dn_load(base, v0 + lane + 12u, v1);
+        }
         let staged = select(k * n4, 0u, (p.ablate & 1u) != 0u);
         for (var i = li; i < staged; i += 256u) {
             let jj = i / n4;
@@ -707,21 +763,23 @@ fn moe_down_v(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
             workgroupBarrier();
         }
         if (live) {
-            let v0 = c0 / epv;
-            let v1 = v0 + 4u * n4 / epv;
-            // Four vec4s in flight: v, v + 4, v + 8, v + 12 (a row of 512 4-bit codes is 16),
-            // held in four values: as an array they went to local memory (64 bytes a thread,
-            // the driver's statistics on the H200).
-            let base = row * nvr;
             for (var v = v0 + lane; v < v1; v += 16u) {
-                let a0 = dn_load(base, v, v1);
-                let a1 = dn_load(base, v + 4u, v1);
-                let a2 = dn_load(base, v + 8u, v1);
-                let a3 = dn_load(base, v + 12u, v1);
-                acc += dn_word(a0, v, v0, v1, j * cw4, nwp, gr);
-                acc += dn_word(a1, v + 4u, v0, v1, j * cw4, nwp, gr);
-                acc += dn_word(a2, v + 8u, v0, v1, j * cw4, nwp, gr);
-                acc += dn_word(a3, v + 12u, v0, v1, j * cw4, nwp, gr);
+                let w0 = a0;
+                let w1 = a1;
+                let w2 = a2;
+                let w3 = a3;
+                // The next four (rows past 16 vec4s: wider experts, 2-bit codes) before these
+                // are used; the sums keep their order.
+                if (v + 16u < v1) {
+                    a0 = dn_load(base, v + 16u, v1);
+                    a1 = dn_load(base, v + 20u, v1);
+                    a2 = dn_load(base, v + 24u, v1);
+                    a3 = dn_load(base, v + 28u, v1);
+                }
+                acc += dn_word(w0, v, v0, v1, j * cw4, nwp, gr);
+                acc += dn_word(w1, v + 4u, v0, v1, j * cw4, nwp, gr);
+                acc += dn_word(w2, v + 8u, v0, v1, j * cw4, nwp, gr);
+                acc += dn_word(w3, v + 12u, v0, v1, j * cw4, nwp, gr);
             }
         }
         if ((p.ablate & 1u) == 0u) {

@@ -1,0 +1,537 @@
+//! A decode token's MoE block fused (a module of wgpu_ops.rs): `moe_decode_add` with the shared
+//! expert as slot k of the routed experts' two launches (moe_gate_up_s, moe_down_s), and
+//! `moe_step_add` with the route folded into moe_gate_up_s (two launches after the router's),
+//! at the model's shapes (hidden 2048, 256 experts, top-8, width 512, 4-bit experts and shared
+//! expert in groups of 64, an 8-bit router and shared gate), against the CPU and against the
+//! unfused sequence on the same device (`Wgpu::set_moe_fuse`, `LILY_WGPU_MOE_FUSE`).
+//!
+//! What must be exact: the router's launch is the same either way, so x, the logits and the
+//! shared gate's logit are the same bits; the route moe_gate_up_s writes is moe_route's maths
+//! (same trees, exp_acc, keys, ranks), so its ids and weights are the same bits as moe_route's
+//! on the device, and its ids equal the CPU's moe_route of those logits (weights within 1e-6,
+//! as moe_route_matches_the_cpu), ties included (lower id first).
+//!
+//! The MoE output (h after minus h before; h is small, 0.05, so that taking it back out of the
+//! f32 sum costs ~1e-8 of an O(1) output) against the CPU's moe_decode_add on the device's x,
+//! route and shared logit: `MOE_TOL` per row relative to its largest |value|. Every gate|up
+//! (the 8 routed slots and, fused, the shared one) reads x in two int8 levels per 16-byte code
+//! word (q2x.wgsl: each element within max |x| / 64,516 of itself), the downs read act in f32;
+//! the fused and the unfused sequences measure alike on lavapipe: 3-7e-5 through moe_step_add
+//! (x normed), 6e-5 to 1.1e-4 through moe_decode_add on x of unit scale (the larger figure the
+//! unfused one's). MOE_TOL = 5e-4 keeps over 4× above that, below Q2X_TOL (whose 1e-3 is for
+//! one-output matrices), fails x at one int8 level (~4e-3) by 8×, and a wrong slot, weight or
+//! gate or a missing shared expert moves the output by O(1e-1).
+
+use super::*;
+use lily::backend::cpu::moe::Route as CpuRoute;
+use lily::backend::{Dims, MoeScratch, MoeWeights, RouterScratch, SharedExpert};
+use lily::loader::tensor::{HostLinear, LinearKind};
+use ops::tensor_u32;
+
+const MOE_TOL: f32 = 5e-4;
+
+/// Whether the adapter offers what moe_gate_up_s / moe_down_s bind and stage (moe.rs S_BUFFERS,
+/// S_WG_BYTES): else every op here runs the unfused sequence, which the checks still hold.
+fn fusable(g: &Wgpu) -> bool {
+    let r = g.report();
+    r.storage_buffers >= 17 && r.workgroup_storage >= 20 * 1024
+}
+
+/// `m` with row r a copy of row `src(r)` (codes, scales and biases: whole u32 words a row).
+fn copy_rows(m: &HostLinear, src: impl Fn(usize) -> usize) -> HostLinear {
+    let LinearKind::Quant {
+        bits,
+        group_size,
+        w,
+        scales,
+        biases,
+    } = &m.kind
+    else {
+        panic!("copy_rows: a quantized matrix");
+    };
+    let words = |t: &lily::loader::tensor::HostTensor| -> Vec<u32> {
+        t.bytes()
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    };
+    let dup = |v: Vec<u32>| -> Vec<u32> {
+        let per = v.len() / m.out;
+        (0..m.out)
+            .flat_map(|r| v[src(r) * per..][..per].to_vec())
+            .collect()
+    };
+    let t = |old: &lily::loader::tensor::HostTensor, v: Vec<u32>| {
+        let n = old.bytes().len();
+        tensor_u32(&old.name, old.shape.clone(), old.dtype, v, n)
+    };
+    HostLinear {
+        name: format!("{} (rows copied)", m.name),
+        n: m.n,
+        out: m.out,
+        inp: m.inp,
+        kind: LinearKind::Quant {
+            bits: *bits,
+            group_size: *group_size,
+            w: t(w, dup(words(w))),
+            scales: t(scales, dup(words(scales))),
+            biases: t(biases, dup(words(biases))),
+        },
+    }
+}
+
+/// The CPU's moe_decode_add of one token into a zero h: the MoE output.
+#[allow(clippy::ptr_arg)]
+fn cpu_moe(x: &Vec<f32>, route: &CpuRoute, m: [&HostLinear; 6], logit: f32, d: &Dims) -> Vec<f32> {
+    let (hid, width) = (m[0].inp, m[0].out);
+    let mut h = vec![0f32; hid];
+    let cl = vec![logit];
+    let (mut c0, mut c1, mut c2, mut c3, mut c4) = (
+        vec![0f32; hid],
+        vec![0f32; width],
+        vec![0f32; width],
+        vec![0f32; width],
+        vec![0f32; hid],
+    );
+    Cpu.moe_decode_add(
+        x,
+        route,
+        m[0],
+        m[1],
+        m[2],
+        &SharedExpert {
+            gate: m[3],
+            up: m[4],
+            down: m[5],
+            logit: &cl,
+        },
+        d,
+        MoeScratch {
+            out: &mut c0,
+            g: &mut c1,
+            u: &mut c2,
+            act: &mut c3,
+            down: &mut c4,
+        },
+        &mut h,
+    );
+    h
+}
+
+/// Scratch of the unfused sequence on the device.
+struct GScratch {
+    out: WB,
+    g: WB,
+    u: WB,
+    act: WB,
+    down: WB,
+}
+type WB = <Wgpu as Backend>::Buf;
+type WM = <Wgpu as Backend>::Mat;
+
+impl GScratch {
+    fn new(g: &Wgpu, hid: usize, width: usize) -> Self {
+        Self {
+            out: g.zeros(hid).unwrap(),
+            g: g.zeros(width).unwrap(),
+            u: g.zeros(width).unwrap(),
+            act: g.zeros(width).unwrap(),
+            down: g.zeros(hid).unwrap(),
+        }
+    }
+    fn tmp(&mut self) -> MoeScratch<'_, Wgpu> {
+        MoeScratch {
+            out: &mut self.out,
+            g: &mut self.g,
+            u: &mut self.u,
+            act: &mut self.act,
+            down: &mut self.down,
+        }
+    }
+}
+
+/// What one moe_step_add left: h, x, the logits, the shared logit, the route, its launches.
+struct StepOut {
+    h: Vec<f32>,
+    x: Vec<f32>,
+    logits: Vec<f32>,
+    s: f32,
+    ids: Vec<u32>,
+    w: Vec<f32>,
+    launches: u64,
+}
+
+/// One token through the device's moe_step_add, fused or not.
+fn gpu_step(
+    g: &Wgpu,
+    fuse: bool,
+    hv: &[f32],
+    norm: &WB,
+    w: &MoeWeights<'_, Wgpu>,
+    d: &Dims,
+    width: usize,
+) -> StepOut {
+    let (hid, e) = (d.hidden, d.n_experts);
+    g.set_moe_fuse(fuse);
+    let mut gh = g.upload(hv).unwrap();
+    let (mut xn, mut lg, mut sl) = (
+        g.zeros(hid).unwrap(),
+        g.zeros(e).unwrap(),
+        g.zeros(1).unwrap(),
+    );
+    let mut route = g.new_route(1, d.top_k).unwrap();
+    let mut tmp = GScratch::new(g, hid, width);
+    g.sync().unwrap();
+    let n0 = g.dispatches();
+    g.moe_step_add(
+        &mut gh,
+        norm,
+        d.eps,
+        w,
+        d,
+        RouterScratch {
+            xn: &mut xn,
+            logits: &mut lg,
+            s: &mut sl,
+            route: &mut route,
+        },
+        tmp.tmp(),
+    );
+    let launches = g.dispatches() - n0;
+    g.set_moe_fuse(true);
+    let (ids, wts) = g.route_to_host(&route, 1).unwrap();
+    StepOut {
+        h: h(g, &gh, hid),
+        x: h(g, &xn, hid),
+        logits: h(g, &lg, e),
+        s: h(g, &sl, 1)[0],
+        ids,
+        w: wts,
+        launches,
+    }
+}
+
+/// One token through the device's moe_decode_add (x, route and shared logit given), fused or
+/// not: the MoE output (h from zero) and its launches.
+#[allow(clippy::too_many_arguments)]
+fn gpu_decode(
+    g: &Wgpu,
+    fuse: bool,
+    x: &[f32],
+    route: &<Wgpu as Backend>::Route,
+    gm: [&WM; 6],
+    logit: f32,
+    d: &Dims,
+) -> (Vec<f32>, u64) {
+    let (hid, width) = (d.hidden, g.mat_shape(gm[0]).0);
+    g.set_moe_fuse(fuse);
+    let gx = g.upload(x).unwrap();
+    let gl = g.upload(&[logit]).unwrap();
+    let mut gh = g.zeros(hid).unwrap();
+    let mut tmp = GScratch::new(g, hid, width);
+    g.sync().unwrap();
+    let n0 = g.dispatches();
+    g.moe_decode_add(
+        &gx,
+        route,
+        gm[0],
+        gm[1],
+        gm[2],
+        &SharedExpert {
+            gate: gm[3],
+            up: gm[4],
+            down: gm[5],
+            logit: &gl,
+        },
+        d,
+        tmp.tmp(),
+        &mut gh,
+    );
+    let launches = g.dispatches() - n0;
+    g.set_moe_fuse(true);
+    (h(g, &gh, hid), launches)
+}
+
+/// moe_step_add fused and not with the router given: bit-equal router outputs and route, the
+/// route equal to the CPU's of the device's logits, each MoE output against the CPU's;
+/// `takes`: whether the fused kernels take this shared expert (the route in moe_gate_up_s and
+/// the shared slot: the router's GEMV and two launches) or not (the unfused launches: the
+/// router's GEMV, moe_route, the routed experts' two, the shared expert's two GEMVs; a GEMV is
+/// one launch, or two where gemv_q6 takes it: `Wgpu::gemv_launches`). Returns the fused run.
+#[allow(clippy::too_many_arguments)]
+fn step_case(
+    g: &Wgpu,
+    rng: &mut Rng,
+    router: &HostLinear,
+    m: [&HostLinear; 6],
+    gm: [&WM; 6],
+    d: &Dims,
+    takes: bool,
+    what: &str,
+) -> StepOut {
+    let (hid, width) = (d.hidden, m[0].out);
+    let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
+    let sgate = rand_quant(rng, 1, 1, hid, 8, 64, false);
+    let (grt, gsg, gnw) = (
+        g.upload_mat(router).unwrap(),
+        g.upload_mat(&sgate).unwrap(),
+        g.upload_vec(&nw).unwrap(),
+    );
+    let w = MoeWeights {
+        router: &grt,
+        shared_gate: &gsg,
+        gate: gm[0],
+        up: gm[1],
+        down: gm[2],
+        shared_gate_proj: gm[3],
+        shared_up_proj: gm[4],
+        shared_down_proj: gm[5],
+    };
+    let hv = rng.vec(hid, 0.05);
+    let comp = gpu_step(g, false, &hv, &gnw, &w, d, width);
+    let fused = gpu_step(g, true, &hv, &gnw, &w, d, width);
+    println!(
+        "moe_step_add {what}: {} launches fused, {} unfused; route {:?}",
+        fused.launches, comp.launches, fused.ids
+    );
+    let r = g.gemv_launches(&[&grt, &gsg]);
+    let unfused = 3 + r + g.gemv_launches(&[gm[3], gm[4]]) + g.gemv_launches(&[gm[5]]);
+    assert_eq!(
+        comp.launches, unfused,
+        "{what}: the unfused sequence's launches"
+    );
+    let expect = if takes && fusable(g) { 2 + r } else { unfused };
+    assert_eq!(
+        fused.launches, expect,
+        "{what}: the fused sequence's launches"
+    );
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&fused.x), bits(&comp.x), "{what}: x differs");
+    assert_eq!(
+        bits(&fused.logits),
+        bits(&comp.logits),
+        "{what}: the logits differ"
+    );
+    assert_eq!(fused.s.to_bits(), comp.s.to_bits(), "{what}: s differs");
+    assert_eq!(
+        fused.ids, comp.ids,
+        "{what}: route ids differ from moe_route's"
+    );
+    assert_eq!(
+        bits(&fused.w),
+        bits(&comp.w),
+        "{what}: route weights differ from moe_route's"
+    );
+    // Against the CPU, on the device's x, logits and shared logit.
+    let mut cl = vec![0f32; d.n_experts];
+    Cpu.matmul_q(&fused.x, router, 1, &mut cl);
+    check(
+        &format!("moe_step_add {what} (router logits)"),
+        rel_rows(&fused.logits, &cl, d.n_experts),
+        Q2X_TOL,
+    );
+    let mut cr = CpuRoute::default();
+    Cpu.moe_route(&fused.logits, d, 1, &mut cr);
+    assert_eq!(fused.ids, cr.ids, "{what}: route ids differ from the CPU's");
+    let werr = fused
+        .w
+        .iter()
+        .zip(&cr.weights)
+        .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+    check(
+        &format!("moe_step_add {what} (route weights, abs)"),
+        werr,
+        1e-6,
+    );
+    let want = cpu_moe(&fused.x, &cr, m, fused.s, d);
+    for (run, got) in [("fused", &fused), ("unfused", &comp)] {
+        let out: Vec<f32> = got.h.iter().zip(&hv).map(|(a, b)| a - b).collect();
+        check(
+            &format!("moe_step_add {what} {run} (MoE output)"),
+            rel_rows(&out, &want, hid),
+            MOE_TOL,
+        );
+    }
+    fused
+}
+
+/// moe_decode_add fused and not on one route against the CPU; `takes`: whether the fused
+/// kernels take the shared expert (2 launches: the shared slot) or not (the routed experts' two
+/// launches and the shared expert's two GEMVs).
+#[allow(clippy::too_many_arguments)]
+fn decode_case(
+    g: &Wgpu,
+    rng: &mut Rng,
+    m: [&HostLinear; 6],
+    gm: [&WM; 6],
+    d: &Dims,
+    takes: bool,
+    what: &str,
+) {
+    let e = d.n_experts;
+    let mut logits = rng.vec(e, 3.0);
+    logits[3 % e] += 8.0;
+    let mut cr = CpuRoute::default();
+    Cpu.moe_route(&logits, d, 1, &mut cr);
+    let mut gr = g.new_route(1, d.top_k).unwrap();
+    g.moe_route(&g.upload(&logits).unwrap(), d, 1, &mut gr);
+    let (ids, _) = g.route_to_host(&gr, 1).unwrap();
+    assert_eq!(ids, cr.ids, "{what}: moe_route's ids differ from the CPU's");
+    let x = rng.vec(d.hidden, 1.0);
+    for logit in [-1.5f32, 0.7] {
+        let want = cpu_moe(&x, &cr, m, logit, d);
+        for fuse in [true, false] {
+            let (got, launches) = gpu_decode(g, fuse, &x, &gr, gm, logit, d);
+            let unfused = 2 + g.gemv_launches(&[gm[3], gm[4]]) + g.gemv_launches(&[gm[5]]);
+            let expect = if fuse && takes && fusable(g) {
+                2
+            } else {
+                unfused
+            };
+            assert_eq!(launches, expect, "{what}: launches (fuse {fuse})");
+            check(
+                &format!(
+                    "moe_decode_add {what} s {logit} {}",
+                    if fuse { "fused" } else { "unfused" }
+                ),
+                rel_rows(&got, &want, d.hidden),
+                MOE_TOL,
+            );
+        }
+    }
+}
+
+fn upload6(g: &Wgpu, m: [&HostLinear; 6]) -> Vec<WM> {
+    m.iter().map(|w| g.upload_mat(w).unwrap()).collect()
+}
+
+/// The model's shapes: moe_step_add on random routers (3 tokens), on routers whose rows come
+/// in triples of equal ones (ties at the top-8's edge: two whole triples and the lower two of
+/// a third must be chosen), and on one whose rows are all equal (experts 0..7, weights 1/8);
+/// moe_decode_add with the shared slot; and shared experts in layouts the fused kernels do not
+/// take (8-bit, groups of 32, f32 scales), which must fall back to the unfused launches and
+/// still match.
+#[test]
+fn moe_block_fused_matches_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let r = g.report();
+    eprintln!(
+        "storage buffers a stage {}, workgroup memory {} B: fused kernels {}",
+        r.storage_buffers,
+        r.workgroup_storage,
+        if fusable(&g) { "taken" } else { "not taken" }
+    );
+    let d = qwen_dims();
+    let mut rng = Rng(81);
+    let (e, hid, width) = (d.n_experts, d.hidden, 512);
+    let m = [
+        rand_quant(&mut rng, e, width, hid, 4, 64, false),
+        rand_quant(&mut rng, e, width, hid, 4, 64, false),
+        rand_quant(&mut rng, e, hid, width, 4, 64, false),
+        rand_quant(&mut rng, 1, width, hid, 4, 64, false),
+        rand_quant(&mut rng, 1, width, hid, 4, 64, false),
+        rand_quant(&mut rng, 1, hid, width, 4, 64, false),
+    ];
+    let mr = [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]];
+    let gmv = upload6(&g, mr);
+    let gm = [&gmv[0], &gmv[1], &gmv[2], &gmv[3], &gmv[4], &gmv[5]];
+
+    // moe_step_add on random routers.
+    for token in 0..3 {
+        let router = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
+        step_case(
+            &g,
+            &mut rng,
+            &router,
+            mr,
+            gm,
+            &d,
+            true,
+            &format!("token {token}"),
+        );
+    }
+    // Ties: rows in triples, the logits of a triple the same bits (the same dot products).
+    let base = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
+    let triples = copy_rows(&base, |r| r - r % 3);
+    let out = step_case(&g, &mut rng, &triples, mr, gm, &d, true, "ties in triples");
+    for &i in &out.ids {
+        let first = (i - i % 3) as usize;
+        assert_eq!(
+            out.logits[i as usize].to_bits(),
+            out.logits[first].to_bits(),
+            "the triple of expert {i} has unequal logits: no ties tested"
+        );
+    }
+    // 8 is no multiple of 3 (and 255 is alone): the top-8's edge splits a triple, whose lower
+    // ids must be the ones taken.
+    let split = out.ids.iter().any(|&i| {
+        let first = i - i % 3;
+        (first..(first + 3).min(e as u32)).any(|j| !out.ids.contains(&j))
+    });
+    assert!(split, "no tie at the top-8's edge: {:?}", out.ids);
+    // Every logit equal: the route is experts 0..k, each weighing 1/k.
+    let same = copy_rows(&base, |_| 0);
+    let out = step_case(&g, &mut rng, &same, mr, gm, &d, true, "all logits equal");
+    assert_eq!(out.ids, (0..d.top_k as u32).collect::<Vec<_>>());
+    assert!(out.w.iter().all(|&w| w == 1.0 / d.top_k as f32));
+
+    // moe_decode_add with the shared slot (2 launches; 4 unfused).
+    decode_case(&g, &mut rng, mr, gm, &d, true, "4-bit");
+    // Shared experts the fused kernels do not take: the unfused launches, the same results.
+    let others = [
+        ("shared 8-bit", 8u32, 64usize, false),
+        ("shared 4-bit g32", 4, 32, false),
+        ("shared f32 scales", 4, 64, true),
+    ];
+    for (what, bits, gs, f32s) in others {
+        let sh = [
+            rand_quant(&mut rng, 1, width, hid, bits, gs, f32s),
+            rand_quant(&mut rng, 1, width, hid, bits, gs, f32s),
+            rand_quant(&mut rng, 1, hid, width, bits, gs, f32s),
+        ];
+        let ms = [&m[0], &m[1], &m[2], &sh[0], &sh[1], &sh[2]];
+        let gsh: Vec<WM> = sh.iter().map(|w| g.upload_mat(w).unwrap()).collect();
+        let gms = [gm[0], gm[1], gm[2], &gsh[0], &gsh[1], &gsh[2]];
+        decode_case(&g, &mut rng, ms, gms, &d, false, what);
+        // moe_step_add falls back to moe_router + moe_decode_add's unfused launches (6).
+        let router = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
+        step_case(&g, &mut rng, &router, ms, gms, &d, false, what);
+    }
+}
+
+/// Other stacks: 8-bit experts and shared expert (x's int8 correction of moe_gate_up_q), 32
+/// experts of hidden 1024 and width 256, top-4 without renormalisation (moe_down_s's 12
+/// outputs × 5 slots a workgroup), 16 experts top-1; moe_step_add and moe_decode_add.
+#[test]
+fn moe_block_fused_other_shapes() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(82);
+    let cases = [
+        (8u32, 32usize, 1024usize, 256usize, 4usize, false),
+        (4, 16, 512, 128, 1, true),
+    ];
+    for (bits, e, hid, width, k, norm) in cases {
+        let d = Dims {
+            hidden: hid,
+            n_experts: e,
+            top_k: k,
+            norm_topk: norm,
+            ..qwen_dims()
+        };
+        let m = [
+            rand_quant(&mut rng, e, width, hid, bits, 64, false),
+            rand_quant(&mut rng, e, width, hid, bits, 64, false),
+            rand_quant(&mut rng, e, hid, width, bits, 64, false),
+            rand_quant(&mut rng, 1, width, hid, bits, 64, false),
+            rand_quant(&mut rng, 1, width, hid, bits, 64, false),
+            rand_quant(&mut rng, 1, hid, width, bits, 64, false),
+        ];
+        let mr = [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]];
+        let gmv = upload6(&g, mr);
+        let gm = [&gmv[0], &gmv[1], &gmv[2], &gmv[3], &gmv[4], &gmv[5]];
+        let what = format!("{bits}-bit {e}×[{width}, {hid}] top-{k}");
+        let router = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
+        step_case(&g, &mut rng, &router, mr, gm, &d, true, &what);
+        decode_case(&g, &mut rng, mr, gm, &d, true, &what);
+    }
+}
