@@ -22,8 +22,8 @@ pub struct LabArgs {
     /// Cases to run, comma-separated (default: all). CUDA: in_proj, qkv, out_proj, o_proj,
     /// router, route, experts, lm_head. wgpu: floor, read, in_proj, attn_qkv, out_proj, router,
     /// shared_gu, shared_down, lm_head, route, experts, gemm (prefill's GEMMs at 2048 rows under
-    /// each LILY_WGPU_GEMM kernel: old, big, chain, and coop where the adapter has 16x16x16
-    /// f16 cooperative matrices), moe_mm (prefill's routed experts at 2048
+    /// each LILY_WGPU_GEMM kernel: old, big, chain, and coop and coop1 where the adapter has
+    /// 16x16x16 f16 cooperative matrices), moe_mm (prefill's routed experts at 2048
     /// and 300 rows under each LILY_WGPU_MOE_MM: old, mm8).
     #[arg(long)]
     cases: Option<String>,

@@ -118,7 +118,6 @@ fn gemm_coop_matches_the_cpu() {
         return;
     }
     eprintln!("cooperative matrices: [{}]", r.coop);
-    g.set_gemm("coop").unwrap();
     let mut rng = Rng(43);
     // (out, inp, bits, group, f32 scales, rows).
     let cases: [(usize, usize, u32, usize, bool, usize); 13] = [
@@ -141,20 +140,25 @@ fn gemm_coop_matches_the_cpu() {
         let x = rng.vec(rows * inp, 1.0);
         let (exact, f16) = references(&m, &x, rows);
         let gm = g.upload_mat(&m).unwrap();
-        let mut o = g.zeros(rows * out).unwrap();
-        g.matmul_q(&g.upload(&x).unwrap(), &gm, rows, &mut o);
-        let got = h(&g, &o, rows * out);
-        let what = format!(
-            "gemm coop {bits}-bit g{gs}{} [{out}, {inp}] rows {rows}",
-            if f32s { " f32 scales" } else { "" }
-        );
-        // 40 inputs: not gemm_coop's (the old gemm, f32 throughout).
-        let tol = if inp % 32 == 0 { COOP_TOL } else { F32_TOL };
-        println!(
-            "{what:<58} vs f16 operands {:.2e}",
-            rel_rows(&got, &f16, out)
-        );
-        check(&what, rel_rows(&got, &exact, out), tol);
+        let xg = g.upload(&x).unwrap();
+        // coop: tiles staged as vec4<f16>; coop1: as f16 scalars (the fallback).
+        for v in ["coop", "coop1"] {
+            g.set_gemm(v).unwrap();
+            let mut o = g.zeros(rows * out).unwrap();
+            g.matmul_q(&xg, &gm, rows, &mut o);
+            let got = h(&g, &o, rows * out);
+            let what = format!(
+                "gemm {v} {bits}-bit g{gs}{} [{out}, {inp}] rows {rows}",
+                if f32s { " f32 scales" } else { "" }
+            );
+            // 40 inputs: not gemm_coop's (the old gemm, f32 throughout).
+            let tol = if inp % 32 == 0 { COOP_TOL } else { F32_TOL };
+            println!(
+                "{what:<58} vs f16 operands {:.2e}",
+                rel_rows(&got, &f16, out)
+            );
+            check(&what, rel_rows(&got, &exact, out), tol);
+        }
     }
 }
 
@@ -169,20 +173,22 @@ fn gemm_coop_translates_to_spirv() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../target/wgsl-spv");
     std::fs::create_dir_all(&dir).unwrap();
     // Vulkan 1.1, 1.2, 1.3 devices (wgpu-hal picks the version by the device's API).
-    for (maj, min) in [(1u8, 3u8), (1, 5), (1, 6)] {
-        let (words, caps) =
-            lily::backend::wgpu::stats::spirv_of("gemm_coop", "gemm_coop", (maj, min))
-                .expect("naga writes gemm_coop's SPIR-V");
+    for (module, (maj, min)) in ["gemm_coop", "gemm_coop1"]
+        .into_iter()
+        .flat_map(|m| [(m, (1u8, 3u8)), (m, (1, 5)), (m, (1, 6))])
+    {
+        let (words, caps) = lily::backend::wgpu::stats::spirv_of(module, "gemm_coop", (maj, min))
+            .expect("naga writes gemm_coop's SPIR-V");
         for c in ["CooperativeMatrixKHR", "VulkanMemoryModel", "Float16"] {
             assert!(
                 caps.iter().any(|x| x == c),
-                "SPIR-V {maj}.{min}: no {c} capability in {caps:?}"
+                "{module} SPIR-V {maj}.{min}: no {c} capability in {caps:?}"
             );
         }
         let bytes: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-        std::fs::write(dir.join(format!("gemm_coop.spv{maj}{min}.spv")), bytes).unwrap();
+        std::fs::write(dir.join(format!("{module}.spv{maj}{min}.spv")), bytes).unwrap();
         println!(
-            "gemm_coop: SPIR-V {maj}.{min}, {} words, capabilities {}",
+            "{module}: SPIR-V {maj}.{min}, {} words, capabilities {}",
             words.len(),
             caps.join(", ")
         );

@@ -59,6 +59,7 @@ pub fn shaders() -> Vec<Shader> {
         super::matmul::GEMM_SHADER,
         super::matmul::GEMM_CHAIN_SHADER,
         super::matmul::GEMM_COOP_SHADER,
+        super::matmul::GEMM_COOP1_SHADER,
         super::attention::SHADER,
         super::gdn::SHADER,
         super::gdn::SHADER_SG,
@@ -71,12 +72,15 @@ pub fn shaders() -> Vec<Shader> {
 }
 
 /// The shader files naga validates but does not translate to MSL (`check`), and why.
-pub const NOT_FOR_METAL: &[(&str, &str)] = &[(
-    "gemm_coop",
-    "16×16 cooperative matrices with f16 operands: Apple's simdgroup matrices are 8×8 \
-     (simdgroup_half8x8, simdgroup_float8x8), so naga's simdgroup_half16x16 is no Metal type; \
-     the Mac would need an 8×8 variant",
-)];
+pub const NOT_FOR_METAL: &[(&str, &str)] = &[
+    ("gemm_coop", COOP_NOT_METAL),
+    ("gemm_coop1", COOP_NOT_METAL),
+];
+
+/// Why gemm_coop's modules are not translated to MSL.
+const COOP_NOT_METAL: &str = "16×16 cooperative matrices with f16 operands: Apple's simdgroup \
+     matrices are 8×8 (simdgroup_half8x8, simdgroup_float8x8), so naga's simdgroup_half16x16 is \
+     no Metal type; the Mac would need an 8×8 variant";
 
 /// Whether the invocations of a workgroup fill its subgroups in order (subgroup i holds
 /// local indices i·w .. i·w + w - 1), which the subgroup kernels' teams rely on; WGSL does not
@@ -251,9 +255,10 @@ pub(super) struct Switches {
     /// output). On the H200 (stop 31, call 3) gemm_big was 5% faster at 2048 rows (22.6 against
     /// 21.6 TFLOP/s on 2048 → 8192) but 1.4-1.8× slower at 300 rows, and 4K prefill fell from
     /// 3,121 to 2,987 tok/s with it: opt-in. `coop` (gemm_coop.wgsl `gemm_coop`: 64 × 128
-    /// tiles on cooperative matrices, f16 operands, f32 sums) where the adapter has them
-    /// (`AdapterReport::coop16`; else the old gemm): opt-in until measured. Stored as 1 (big),
-    /// 2 (chain), 3 (coop) or 0 (old); atomic so that `lily lab` compares them in one process.
+    /// tiles on cooperative matrices, f16 operands, f32 sums; `coop1`: its scalar-staged
+    /// fallback) where the adapter has them (`AdapterReport::coop16`; else the old gemm):
+    /// opt-in until measured. Stored as 1 (big), 2 (chain), 3 (coop), 4 (coop1) or 0 (old);
+    /// atomic so that `lily lab` compares them in one process.
     pub gemm: AtomicU32,
     /// `LILY_WGPU_MOE_MM=mm8`: prefill's grouped expert GEMMs by moe_mm.wgsl's 8 × 8 entries
     /// instead of moe.wgsl's moe_gate_up_mm and moe_down_mm (4 × 4 a thread; the default until
@@ -322,6 +327,7 @@ pub(super) fn gemm_code(name: &str) -> Option<u32> {
         "big" => Some(1),
         "chain" => Some(2),
         "coop" => Some(3),
+        "coop1" => Some(4),
         _ => None,
     }
 }

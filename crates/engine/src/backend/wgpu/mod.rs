@@ -155,12 +155,12 @@ impl Wgpu {
             .store(c, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
-    /// Takes the prefill GEMM named (`big`, `chain`, `coop`, `old`: `LILY_WGPU_GEMM`'s values)
-    /// from now on; tests compare them on one device. `coop` runs only where
+    /// Takes the prefill GEMM named (`big`, `chain`, `coop`, `coop1`, `old`: `LILY_WGPU_GEMM`'s
+    /// values) from now on; tests compare them on one device. `coop` and `coop1` run only where
     /// `AdapterReport::coop16` (else the old gemm runs).
     pub fn set_gemm(&self, name: &str) -> Result<()> {
         let Some(c) = device::gemm_code(name) else {
-            bail!("unknown prefill GEMM `{name}` (big, chain, coop or old)");
+            bail!("unknown prefill GEMM `{name}` (big, chain, coop, coop1 or old)");
         };
         self.ctx
             .sw

@@ -6,8 +6,16 @@
 // `matmul` is the twin: the same products, of operands rounded to f16 (below), summed in another
 // order. x f32 [rows, in] at x_off, out f32 [rows, out] at out_off (both multiples of 4: x is
 // read as vec4, whole tiles are stored by coopStoreT, whose rows must be 16-byte aligned), matrix
-// e of the stack. Layouts: quant.wgsl (MLX affine: w = scale·code + bias). matmul.rs prefixes
-// this file with `enable f16; enable wgpu_cooperative_matrix;`, common.wgsl and quant.wgsl.
+// e of the stack. Layouts: quant.wgsl (MLX affine: w = scale·code + bias). matmul.rs makes two
+// modules of this file, each prefixed with `enable f16; enable wgpu_cooperative_matrix;`,
+// common.wgsl, quant.wgsl and the staging element (below): "gemm_coop" (`GcT` = vec4<f16>, the
+// default: 8-byte stores, 4 a step an invocation; `LILY_WGPU_GEMM=coop`) and "gemm_coop1"
+// (`GcT` = f16: 24 2-byte stores; `LILY_WGPU_GEMM=coop1`). Vulkan's cooperative loads take
+// either (GLSL_KHR_cooperative_matrix, issue 3: the pointed-to type may differ from the
+// matrix's component type, the stride counts pointed-to elements); the scalar one is the
+// fallback should a driver mishandle vector elements. The prefix defines `GcT`, `GC_V` (halves
+// an element: 4 or 1) and `gc_put_x4` / `gc_put_w4` (4 halves stored from half index `at`, a
+// multiple of 4).
 //
 // Precision: x and w reach the matrix units as f16 (11 significant bits): x rounded from f32,
 //   w computed in f32 (fma(scale, code, bias), as gemm_big) then rounded; the products are
@@ -34,7 +42,8 @@
 //   Apple's GPUs and lavapipe offer (common.wgsl's wg_red is not used here, so not counted).
 // Matrices a step: for kk = 0, 16: A = x rows [16 × 16] at k kk, row-major (coopLoadT, stride
 //   GC_LD); B = w as k × outputs, which is the staged w [outputs][k] read column-major
-//   (coopLoad, stride GC_LD): B(k, n) = w[n][k]. C += A · B for the 4 accumulators.
+//   (coopLoad, stride GC_LD): B(k, n) = w[n][k]. C += A · B for the 4 accumulators. Pointers
+//   and strides are in `GcT` elements: every half offset divided by GC_V (all multiples of 4).
 // Staging, per step, invocation li: x's vec4s v = li and li + 256 (row v / 8 of the block, k
 //   4·(v % 8) .. +3; a row past the end reads 0), clamped, rounded to f16 and stored as 4
 //   halves; the weights' 8-k chunks c = li and li + 256 (output c / 4 of the block, k 8·(c % 4)
@@ -83,8 +92,8 @@ const GC_WB: u32 = 5120u;
 // f16's largest finite value.
 const GC_F16_MAX: f32 = 65504.0;
 
-var<workgroup> gc_x: array<f16, 5120>;
-var<workgroup> gc_w: array<f16, 10240>;
+var<workgroup> gc_x: array<GcT, 5120u / GC_V>;
+var<workgroup> gc_w: array<GcT, 10240u / GC_V>;
 var<workgroup> gc_e: array<f32, 512>;
 
 // One step's staging, loaded ahead into registers: x's two vec4s, the codes of the two chunks
@@ -138,16 +147,13 @@ fn gc_load(k0: u32, t0: u32, o0: u32, li: u32) -> GcStage {
     return st;
 }
 
-// Stores x's vec4 as 4 halves at gc_x[at].
+// Stores x's vec4 as 4 halves from half index `at`.
 fn gc_put_x(at: u32, v: vec4<f32>) {
-    let c = clamp(v, vec4<f32>(-GC_F16_MAX), vec4<f32>(GC_F16_MAX));
-    gc_x[at] = f16(c.x);
-    gc_x[at + 1u] = f16(c.y);
-    gc_x[at + 2u] = f16(c.z);
-    gc_x[at + 3u] = f16(c.w);
+    gc_put_x4(at, vec4<f16>(clamp(v, vec4<f32>(-GC_F16_MAX), vec4<f32>(GC_F16_MAX))));
 }
 
-// Dequantizes a chunk's 8 codes (scale s, bias b) and stores them as 8 halves at gc_w[at].
+// Dequantizes a chunk's 8 codes (scale s, bias b) and stores them as 8 halves from half index
+// `at`.
 fn gc_put_w(at: u32, w: vec2<u32>, s: f32, b: f32) {
     var lo: vec4<u32>;
     var hi: vec4<u32>;
@@ -159,16 +165,8 @@ fn gc_put_w(at: u32, w: vec2<u32>, s: f32, b: f32) {
         lo = (vec4<u32>(w.x) >> sh) & vec4<u32>(0xffu);
         hi = (vec4<u32>(w.y) >> sh) & vec4<u32>(0xffu);
     }
-    let a = vec4<f16>(fma(vec4<f32>(s), vec4<f32>(lo), vec4<f32>(b)));
-    let c = vec4<f16>(fma(vec4<f32>(s), vec4<f32>(hi), vec4<f32>(b)));
-    gc_w[at] = a.x;
-    gc_w[at + 1u] = a.y;
-    gc_w[at + 2u] = a.z;
-    gc_w[at + 3u] = a.w;
-    gc_w[at + 4u] = c.x;
-    gc_w[at + 5u] = c.y;
-    gc_w[at + 6u] = c.z;
-    gc_w[at + 7u] = c.w;
+    gc_put_w4(at, vec4<f16>(fma(vec4<f32>(s), vec4<f32>(lo), vec4<f32>(b))));
+    gc_put_w4(at + 4u, vec4<f16>(fma(vec4<f32>(s), vec4<f32>(hi), vec4<f32>(b))));
 }
 
 // Stores a staging into the buffers at xb and wb (half index of their starts).
@@ -216,10 +214,14 @@ fn gemm_coop(
             next = gc_load((st + 1u) * GC_K, t0, o0, li);
         }
         for (var kk = 0u; kk < GC_K; kk += 16u) {
-            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&gc_x[xb + xa + kk], GC_LD);
-            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&gc_x[xb + xa + 16u * GC_LD + kk], GC_LD);
-            let b0 = coopLoad<coop_mat16x16<f16, B>>(&gc_w[wb + wa + kk], GC_LD);
-            let b1 = coopLoad<coop_mat16x16<f16, B>>(&gc_w[wb + wa + 16u * GC_LD + kk], GC_LD);
+            let ia0 = (xb + xa + kk) / GC_V;
+            let ia1 = (xb + xa + 16u * GC_LD + kk) / GC_V;
+            let ib0 = (wb + wa + kk) / GC_V;
+            let ib1 = (wb + wa + 16u * GC_LD + kk) / GC_V;
+            let a0 = coopLoadT<coop_mat16x16<f16, A>>(&gc_x[ia0], GC_LD / GC_V);
+            let a1 = coopLoadT<coop_mat16x16<f16, A>>(&gc_x[ia1], GC_LD / GC_V);
+            let b0 = coopLoad<coop_mat16x16<f16, B>>(&gc_w[ib0], GC_LD / GC_V);
+            let b1 = coopLoad<coop_mat16x16<f16, B>>(&gc_w[ib1], GC_LD / GC_V);
             c00 = coopMultiplyAdd(a0, b0, c00);
             c01 = coopMultiplyAdd(a0, b1, c01);
             c10 = coopMultiplyAdd(a1, b0, c10);
