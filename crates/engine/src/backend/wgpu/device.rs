@@ -119,7 +119,8 @@ pub struct AdapterReport {
     pub subgroups: bool,
     /// The cooperative-matrix configurations the adapter offers through wgpu
     /// (`Adapter::cooperative_matrix_properties`), as `MxNxK ab>cr` (e.g. `16x16x16 f16>f32`),
-    /// comma-separated; empty without EXPERIMENTAL_COOPERATIVE_MATRIX.
+    /// comma-separated; empty without EXPERIMENTAL_COOPERATIVE_MATRIX (or with
+    /// LILY_WGPU_COOP=0, which leaves the feature off the device).
     pub coop: String,
     /// gemm_coop can run (`LILY_WGPU_GEMM=coop`): the feature enabled on the device with a
     /// 16×16×16 f16 · f16 + f32 configuration, f16 and subgroups (its `subgroup_id`), subgroups
@@ -257,7 +258,8 @@ pub(super) struct Switches {
     /// 3,121 to 2,987 tok/s with it: opt-in. `coop` (gemm_coop.wgsl `gemm_coop`: 64 × 128
     /// tiles on cooperative matrices, f16 operands, f32 sums; `coop1`: its scalar-staged
     /// fallback) where the adapter has them (`AdapterReport::coop16`; else the old gemm):
-    /// opt-in until measured. Stored as 1 (big), 2 (chain), 3 (coop), 4 (coop1) or 0 (old);
+    /// opt-in until measured. `LILY_WGPU_COOP=0` keeps wgpu's EXPERIMENTAL_COOPERATIVE_MATRIX
+    /// off the device altogether (read when it opens; coop then runs the old gemm). Stored as 1 (big), 2 (chain), 3 (coop), 4 (coop1) or 0 (old);
     /// atomic so that `lily lab` compares them in one process.
     pub gemm: AtomicU32,
     /// `LILY_WGPU_MOE_MM=mm8`: prefill's grouped expert GEMMs by moe_mm.wgsl's 8 × 8 entries
@@ -453,18 +455,34 @@ impl Ctx {
         };
         let info = adapter.get_info();
         let feats = adapter.features();
-        // Cooperative matrices where offered (gemm_coop): enabling the feature only changes the
-        // SPIR-V of the modules that use them (naga declares the Vulkan memory model in those).
-        let wanted = ::wgpu::Features::SUBGROUP
+        // Cooperative matrices where offered (gemm_coop), unless LILY_WGPU_COOP=0: enabling the
+        // feature only changes the SPIR-V of the modules that use them (naga declares the Vulkan
+        // memory model in those).
+        let mut wanted = ::wgpu::Features::SUBGROUP
             | ::wgpu::Features::SHADER_F16
-            | ::wgpu::Features::TIMESTAMP_QUERY
-            | ::wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+            | ::wgpu::Features::TIMESTAMP_QUERY;
+        if std::env::var("LILY_WGPU_COOP").as_deref() != Ok("0") {
+            wanted |= ::wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+        }
+        let required = feats & wanted;
+        let experimental = if required.intersects(::wgpu::Features::all_experimental_mask()) {
+            // SAFETY: wgpu asks for this token before it enables an EXPERIMENTAL feature (here
+            // cooperative matrices only), acknowledging that its implementation may have bugs.
+            // Only gemm_coop uses the feature, opt-in (LILY_WGPU_GEMM=coop), on an adapter that
+            // lists the configuration it uses; its known gap (naga's SPIR-V declares the Vulkan
+            // memory model without availability operations on barriers, wgpu #8805) is in the
+            // header of gemm_coop.wgsl, and the op test holds the kernel to the CPU.
+            unsafe { ::wgpu::ExperimentalFeatures::enabled() }
+        } else {
+            ::wgpu::ExperimentalFeatures::disabled()
+        };
         let limits = adapter.limits();
         let (device, queue) =
             pollster::block_on(adapter.request_device(&::wgpu::DeviceDescriptor {
                 label: Some("lily"),
-                required_features: feats & wanted,
+                required_features: required,
                 required_limits: limits.clone(),
+                experimental_features: experimental,
                 ..Default::default()
             }))
             .with_context(|| format!("opening the wgpu device {}", info.name))?;
@@ -538,7 +556,7 @@ impl Ctx {
             })
             .collect();
         let mut report = report;
-        if feats.contains(::wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
+        if required.contains(::wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
             let props = adapter.cooperative_matrix_properties();
             report.coop = coop_configs(&props);
             report.coop16 = props.iter().any(|c| {
