@@ -2,7 +2,7 @@
 // (tensor cores: wgpu's EXPERIMENTAL_COOPERATIVE_MATRIX, Vulkan's VK_KHR_cooperative_matrix) for
 // 4- or 8-bit codes in groups of a multiple of 8, inputs a multiple of 32 (every matrix of the
 // model), past GEMM_BIG_MIN_ROWS rows of x with `LILY_WGPU_GEMM=coop` on adapters that offer
-// 16×16×16 f16 × f16 + f32 (matmul.rs `coop_takes`; AdapterReport::coop16). cpu/matmul.rs
+// 16×16×16 f16 × f16 + f32 (matmul.rs `coop_shader`; AdapterReport::coop16). cpu/matmul.rs
 // `matmul` is the twin: the same products, of operands rounded to f16 (below), summed in another
 // order. x f32 [rows, in] at x_off, out f32 [rows, out] at out_off (both multiples of 4: x is
 // read as vec4, whole tiles are stored by coopStoreT, whose rows must be 16-byte aligned), matrix
@@ -61,6 +61,16 @@
 //   to out if its row and output are in range. Two barriers a round; only ragged tiles pay them.
 // Launch: ceil(out / 128) · ceil(rows / 64) workgroups (index = row block · ceil(out / 128) +
 //   output block), 256 invocations each.
+// Memory model: naga declares the Vulkan memory model in a module with cooperative matrices,
+//   but writes its workgroup loads and stores without NonPrivatePointer and its barriers
+//   without MakeAvailable / MakeVisible (wgpu issue #8805): by the letter of that model the
+//   staging is not made visible to the other subgroups. Drivers keep workgroup memory coherent
+//   across a workgroup barrier (the hardware's shared memory), which the kernel relies on; the
+//   op test is what shows it on a given driver.
+// naga 30: the indices and stride of a coopStore are `let`s (its SPIR-V writer does not emit
+//   expressions written inside coopStore's arguments and panics), and every branch around a
+//   cooperative op or barrier depends on uniform values only (its validator checks it; a local
+//   variable or a call's result counts as non-uniform).
 // Bindings: 0 params, 1 qw, 2 qs, 3 qb (quant.wgsl), 4 x (as vec4), 5 out (gemm.wgsl's).
 
 struct P {
