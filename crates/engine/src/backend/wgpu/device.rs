@@ -259,8 +259,9 @@ pub(super) struct Switches {
     /// tiles on cooperative matrices, f16 operands, f32 sums; `coop1`: its scalar-staged
     /// fallback) where the adapter has them (`AdapterReport::coop16`; else the old gemm):
     /// opt-in until measured. `LILY_WGPU_COOP=0` keeps wgpu's EXPERIMENTAL_COOPERATIVE_MATRIX
-    /// off the device altogether (read when it opens; coop then runs the old gemm). Stored as 1 (big), 2 (chain), 3 (coop), 4 (coop1) or 0 (old);
-    /// atomic so that `lily lab` compares them in one process.
+    /// off the device altogether (read when it opens; coop then runs the old gemm). Stored as
+    /// 1 (big), 2 (chain), 3 (coop), 4 (coop1) or 0 (old); atomic so that `lily lab` compares
+    /// them in one process.
     pub gemm: AtomicU32,
     /// `LILY_WGPU_MOE_MM=mm8`: prefill's grouped expert GEMMs by moe_mm.wgsl's 8 × 8 entries
     /// instead of moe.wgsl's moe_gate_up_mm and moe_down_mm (4 × 4 a thread; the default until

@@ -139,10 +139,10 @@ pub fn gemm_shader(ctx: &Ctx, w: &WMat, rows: usize) -> Option<&'static Shader> 
 
 /// The `gemm_coop` module that takes this matrix and rows of x under `LILY_WGPU_GEMM=coop`
 /// (`Switches::gemm` 3: `GEMM_COOP_SHADER`) or `coop1` (4: `GEMM_COOP1_SHADER`), if any: an
-/// adapter with `coop16` (16×16×16 f16 · f16 + f32 cooperative
-/// matrices, subgroups of at most 32: the header's warp tiles), 4/8-bit codes in groups of a
-/// multiple of 8 (a staged chunk of 8 codes in one group), inputs a multiple of the k step (32),
-/// more than `GEMM_BIG_MIN_ROWS` rows. Anything else takes the old `gemm`.
+/// adapter with `coop16` (16×16×16 f16 · f16 + f32 cooperative matrices, subgroups of at most
+/// 32: the header's warp tiles), 4/8-bit codes in groups of a multiple of 8 (a staged chunk of
+/// 8 codes in one group), inputs a multiple of the k step (32), more than `GEMM_BIG_MIN_ROWS`
+/// rows. Anything else takes the old `gemm`.
 pub fn coop_shader(ctx: &Ctx, w: &WMat, rows: usize) -> Option<&'static Shader> {
     let sh = match ctx.sw.gemm.load(Ordering::Relaxed) {
         3 => &GEMM_COOP_SHADER,
