@@ -119,6 +119,7 @@ fn gemm_coop_matches_the_cpu() {
     }
     eprintln!("cooperative matrices: [{}]", r.coop);
     let mut rng = Rng(43);
+    let mut failed: Vec<String> = Vec::new();
     // (out, inp, bits, group, f32 scales, rows).
     let cases: [(usize, usize, u32, usize, bool, usize); 13] = [
         (8192, 2048, 4, 64, false, 2048),
@@ -153,13 +154,19 @@ fn gemm_coop_matches_the_cpu() {
             );
             // 40 inputs: not gemm_coop's (the old gemm, f32 throughout).
             let tol = if inp % 32 == 0 { COOP_TOL } else { F32_TOL };
+            let err = rel_rows(&got, &exact, out);
             println!(
-                "{what:<58} vs f16 operands {:.2e}",
+                "{what:<58} max rel err {err:.2e}  (tol {tol:.0e})  vs f16 operands {:.2e}",
                 rel_rows(&got, &f16, out)
             );
-            check(&what, rel_rows(&got, &exact, out), tol);
+            // Every case of both variants runs before the verdict: one run on the GPU says
+            // which of them work.
+            if err.is_nan() || err > tol {
+                failed.push(format!("{what}: error {err:e} above tolerance {tol:e}"));
+            }
         }
     }
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
 }
 
 /// naga writes gemm_coop's SPIR-V as wgpu-hal would (no device needed; runs everywhere): its
