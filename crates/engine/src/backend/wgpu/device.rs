@@ -465,20 +465,21 @@ impl Ctx {
         if std::env::var("LILY_WGPU_COOP").as_deref() != Ok("0") {
             wanted |= ::wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
         }
-        let required = feats & wanted;
-        let experimental = if required.intersects(::wgpu::Features::all_experimental_mask()) {
-            // SAFETY: wgpu asks for this token before it enables an EXPERIMENTAL feature (here
-            // cooperative matrices only), acknowledging that its implementation may have bugs.
-            // Only gemm_coop uses the feature, opt-in (LILY_WGPU_GEMM=coop), on an adapter that
-            // lists the configuration it uses; its known gap (naga's SPIR-V declares the Vulkan
-            // memory model without availability operations on barriers, wgpu #8805) is in the
-            // header of gemm_coop.wgsl, and the op test holds the kernel to the CPU.
-            unsafe { ::wgpu::ExperimentalFeatures::enabled() }
-        } else {
-            ::wgpu::ExperimentalFeatures::disabled()
-        };
+        let mut required = feats & wanted;
         let limits = adapter.limits();
-        let (device, queue) =
+        let open = |required: ::wgpu::Features| {
+            let experimental = if required.intersects(::wgpu::Features::all_experimental_mask()) {
+                // SAFETY: wgpu asks for this token before it enables an EXPERIMENTAL feature
+                // (here cooperative matrices only), acknowledging that its implementation may
+                // have bugs. Only gemm_coop uses the feature, opt-in (LILY_WGPU_GEMM=coop), on an
+                // adapter that lists the configuration it uses; its known gap (naga's SPIR-V
+                // declares the Vulkan memory model without availability operations on barriers,
+                // wgpu #8805) is in the header of gemm_coop.wgsl, and the op test holds the
+                // kernel to the CPU.
+                unsafe { ::wgpu::ExperimentalFeatures::enabled() }
+            } else {
+                ::wgpu::ExperimentalFeatures::disabled()
+            };
             pollster::block_on(adapter.request_device(&::wgpu::DeviceDescriptor {
                 label: Some("lily"),
                 required_features: required,
@@ -486,7 +487,21 @@ impl Ctx {
                 experimental_features: experimental,
                 ..Default::default()
             }))
-            .with_context(|| format!("opening the wgpu device {}", info.name))?;
+        };
+        // A device refused with cooperative matrices is asked for again without them: the
+        // opt-in kernel must not cost the backend its device.
+        let coop = ::wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+        let mut coop_refused = None;
+        let opened = match open(required) {
+            Err(e) if required.contains(coop) => {
+                coop_refused = Some(format!("the device refused them: {e}"));
+                required.remove(coop);
+                open(required)
+            }
+            r => r,
+        };
+        let (device, queue) =
+            opened.with_context(|| format!("opening the wgpu device {}", info.name))?;
         let err = Arc::new(Mutex::new(None::<String>));
         let e2 = err.clone();
         device.on_uncaptured_error(Arc::new(move |e: ::wgpu::Error| {
@@ -557,7 +572,10 @@ impl Ctx {
             })
             .collect();
         let mut report = report;
-        if required.contains(::wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
+        if let Some(why) = coop_refused {
+            report.coop = why;
+        }
+        if required.contains(coop) {
             let props = adapter.cooperative_matrix_properties();
             report.coop = coop_configs(&props);
             report.coop16 = props.iter().any(|c| {
