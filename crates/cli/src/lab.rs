@@ -22,7 +22,8 @@ pub struct LabArgs {
     /// Cases to run, comma-separated (default: all). CUDA: in_proj, qkv, out_proj, o_proj,
     /// router, route, experts, lm_head. wgpu: floor, read, in_proj, attn_qkv, out_proj, router,
     /// shared_gu, shared_down, lm_head, route, experts, gemm (prefill's GEMMs at 2048 rows under
-    /// each LILY_WGPU_GEMM kernel: old, big, chain), moe_mm (prefill's routed experts at 2048
+    /// each LILY_WGPU_GEMM kernel: old, big, chain, and coop and coop1 where the adapter has
+    /// 16x16x16 f16 cooperative matrices), moe_mm (prefill's routed experts at 2048
     /// and 300 rows under each LILY_WGPU_MOE_MM: old, mm8).
     #[arg(long)]
     cases: Option<String>,
@@ -172,6 +173,15 @@ fn run_wgpu(a: LabArgs) -> Result<()> {
         },
         calls,
         lab::REPS
+    );
+    println!(
+        "lily lab: cooperative matrices [{}]: gemm_coop {}",
+        r.coop,
+        if r.coop16 {
+            "runs"
+        } else {
+            "cannot run (no 16x16x16 f16>f32, f16, subgroups ≤ 32 or 32 KiB): its rows are skipped"
+        }
     );
     let opt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or_else(|| "-".to_string(), f);
     println!(

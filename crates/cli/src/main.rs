@@ -206,14 +206,16 @@ pub fn pick_wgpu(c: &Common) -> Result<Option<lily::backend::wgpu::Wgpu>> {
     };
     let r = b.report();
     eprintln!(
-        "lily: backend {} → {} (subgroups {}-{}, f16 {}, {} KiB workgroup memory, largest binding {} MiB)",
+        "lily: backend {} → {} (subgroups {}-{}, f16 {}, {} KiB workgroup memory, largest binding {} MiB, coop16 {} [{}])",
         if c.backend == BackendKind::Auto { "auto" } else { "wgpu" },
         lily::backend::Backend::name(&b),
         r.subgroup_min,
         r.subgroup_max,
         r.f16,
         r.workgroup_storage / 1024,
-        r.max_binding >> 20
+        r.max_binding >> 20,
+        r.coop16,
+        r.coop
     );
     Ok(Some(b))
 }

@@ -61,6 +61,8 @@ pub fn shaders() -> Vec<Shader> {
         super::matmul::XQ_SHADER,
         super::matmul::GEMM_SHADER,
         super::matmul::GEMM_CHAIN_SHADER,
+        super::matmul::GEMM_COOP_SHADER,
+        super::matmul::GEMM_COOP1_SHADER,
         super::attention::SHADER,
         super::gdn::SHADER,
         super::gdn::SHADER_SG,
@@ -71,6 +73,17 @@ pub fn shaders() -> Vec<Shader> {
         SG_PROBE,
     ]
 }
+
+/// The shader files naga validates but does not translate to MSL (`check`), and why.
+pub const NOT_FOR_METAL: &[(&str, &str)] = &[
+    ("gemm_coop", COOP_NOT_METAL),
+    ("gemm_coop1", COOP_NOT_METAL),
+];
+
+/// Why gemm_coop's modules are not translated to MSL.
+const COOP_NOT_METAL: &str = "16×16 cooperative matrices with f16 operands: Apple's simdgroup \
+     matrices are 8×8 (simdgroup_half8x8, simdgroup_float8x8), so naga's simdgroup_half16x16 is \
+     no Metal type; the Mac would need an 8×8 variant";
 
 /// Whether the invocations of a workgroup fill its subgroups in order (subgroup i holds
 /// local indices i·w .. i·w + w - 1), which the subgroup kernels' teams rely on; WGSL does not
@@ -107,6 +120,15 @@ pub struct AdapterReport {
     /// Subgroup operations usable by the subgroup kernels: the feature, at least 4 lanes, and
     /// the invocations filling the subgroups in order (`SG_PROBE`).
     pub subgroups: bool,
+    /// The cooperative-matrix configurations the adapter offers through wgpu
+    /// (`Adapter::cooperative_matrix_properties`), as `MxNxK ab>cr` (e.g. `16x16x16 f16>f32`),
+    /// comma-separated; empty without EXPERIMENTAL_COOPERATIVE_MATRIX (or with
+    /// LILY_WGPU_COOP=0, which leaves the feature off the device).
+    pub coop: String,
+    /// gemm_coop can run (`LILY_WGPU_GEMM=coop`): the feature enabled on the device with a
+    /// 16×16×16 f16 · f16 + f32 configuration, f16 and subgroups (its `subgroup_id`), subgroups
+    /// at most 32 wide (8 warp tiles a 256-invocation workgroup), 32 KiB of workgroup memory.
+    pub coop16: bool,
 }
 
 /// A buffer-to-buffer copy into `open` (outside its compute pass).
@@ -248,8 +270,13 @@ pub(super) struct Switches {
     /// tile, each step's products summed apart) or `chain` (gemm_big with one FMA chain an
     /// output). On the H200 (stop 31, call 3) gemm_big was 5% faster at 2048 rows (22.6 against
     /// 21.6 TFLOP/s on 2048 → 8192) but 1.4-1.8× slower at 300 rows, and 4K prefill fell from
-    /// 3,121 to 2,987 tok/s with it: opt-in. Stored as 1 (big), 2 (chain) or 0 (old); atomic
-    /// so that `lily lab` compares them in one process.
+    /// 3,121 to 2,987 tok/s with it: opt-in. `coop` (gemm_coop.wgsl `gemm_coop`: 64 × 128
+    /// tiles on cooperative matrices, f16 operands, f32 sums; `coop1`: its scalar-staged
+    /// fallback) where the adapter has them (`AdapterReport::coop16`; else the old gemm):
+    /// opt-in until measured. `LILY_WGPU_COOP=0` keeps wgpu's EXPERIMENTAL_COOPERATIVE_MATRIX
+    /// off the device altogether (read when it opens; coop then runs the old gemm). Stored as
+    /// 1 (big), 2 (chain), 3 (coop), 4 (coop1) or 0 (old); atomic so that `lily lab` compares
+    /// them in one process.
     pub gemm: AtomicU32,
     /// `LILY_WGPU_MOE_MM=mm8`: prefill's grouped expert GEMMs by moe_mm.wgsl's 8 × 8 entries
     /// instead of moe.wgsl's moe_gate_up_mm and moe_down_mm (4 × 4 a thread; the default until
@@ -319,8 +346,39 @@ pub(super) fn gemm_code(name: &str) -> Option<u32> {
         "old" => Some(0),
         "big" => Some(1),
         "chain" => Some(2),
+        "coop" => Some(3),
+        "coop1" => Some(4),
         _ => None,
     }
+}
+
+/// The cooperative-matrix configurations as `AdapterReport::coop` lists them.
+fn coop_configs(props: &[::wgpu::CooperativeMatrixProperties]) -> String {
+    let ty = |t: ::wgpu::CooperativeScalarType| match t {
+        ::wgpu::CooperativeScalarType::F32 => "f32",
+        ::wgpu::CooperativeScalarType::F16 => "f16",
+        ::wgpu::CooperativeScalarType::I32 => "i32",
+        ::wgpu::CooperativeScalarType::U32 => "u32",
+    };
+    props
+        .iter()
+        .map(|c| {
+            format!(
+                "{}x{}x{} {}>{}{}",
+                c.m_size,
+                c.n_size,
+                c.k_size,
+                ty(c.ab_type),
+                ty(c.cr_type),
+                if c.saturating_accumulation {
+                    " sat"
+                } else {
+                    ""
+                }
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// `Switches::gemv`'s code for a decode GEMV's name (`LILY_WGPU_GEMV`), `None` if unknown.
@@ -419,18 +477,52 @@ impl Ctx {
         };
         let info = adapter.get_info();
         let feats = adapter.features();
-        let wanted = ::wgpu::Features::SUBGROUP
+        // Cooperative matrices where offered (gemm_coop), unless LILY_WGPU_COOP=0: enabling the
+        // feature only changes the SPIR-V of the modules that use them (naga declares the Vulkan
+        // memory model in those).
+        let mut wanted = ::wgpu::Features::SUBGROUP
             | ::wgpu::Features::SHADER_F16
             | ::wgpu::Features::TIMESTAMP_QUERY;
+        if std::env::var("LILY_WGPU_COOP").as_deref() != Ok("0") {
+            wanted |= ::wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+        }
+        let mut required = feats & wanted;
         let limits = adapter.limits();
-        let (device, queue) =
+        let open = |required: ::wgpu::Features| {
+            let experimental = if required.intersects(::wgpu::Features::all_experimental_mask()) {
+                // SAFETY: wgpu asks for this token before it enables an EXPERIMENTAL feature
+                // (here cooperative matrices only), acknowledging that its implementation may
+                // have bugs. Only gemm_coop uses the feature, opt-in (LILY_WGPU_GEMM=coop), on an
+                // adapter that lists the configuration it uses; its known gap (naga's SPIR-V
+                // declares the Vulkan memory model without availability operations on barriers,
+                // wgpu #8805) is in the header of gemm_coop.wgsl, and the op test holds the
+                // kernel to the CPU.
+                unsafe { ::wgpu::ExperimentalFeatures::enabled() }
+            } else {
+                ::wgpu::ExperimentalFeatures::disabled()
+            };
             pollster::block_on(adapter.request_device(&::wgpu::DeviceDescriptor {
                 label: Some("lily"),
-                required_features: feats & wanted,
+                required_features: required,
                 required_limits: limits.clone(),
+                experimental_features: experimental,
                 ..Default::default()
             }))
-            .with_context(|| format!("opening the wgpu device {}", info.name))?;
+        };
+        // A device refused with cooperative matrices is asked for again without them: the
+        // opt-in kernel must not cost the backend its device.
+        let coop = ::wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+        let mut coop_refused = None;
+        let opened = match open(required) {
+            Err(e) if required.contains(coop) => {
+                coop_refused = Some(format!("the device refused them: {e}"));
+                required.remove(coop);
+                open(required)
+            }
+            r => r,
+        };
+        let (device, queue) =
+            opened.with_context(|| format!("opening the wgpu device {}", info.name))?;
         let err = Arc::new(Mutex::new(None::<String>));
         let e2 = err.clone();
         device.on_uncaptured_error(Arc::new(move |e: ::wgpu::Error| {
@@ -455,6 +547,8 @@ impl Ctx {
             max_buffer: limits.max_buffer_size,
             storage_buffers: limits.max_storage_buffers_per_shader_stage,
             subgroups: false,
+            coop: String::new(),
+            coop16: false,
         };
         let stride = PARAM_BYTES.max(limits.min_uniform_buffer_offset_alignment as u64);
         let arena = device.create_buffer(&::wgpu::BufferDescriptor {
@@ -498,6 +592,23 @@ impl Ctx {
                 })
             })
             .collect();
+        let mut report = report;
+        if let Some(why) = coop_refused {
+            report.coop = why;
+        }
+        if required.contains(coop) {
+            let props = adapter.cooperative_matrix_properties();
+            report.coop = coop_configs(&props);
+            report.coop16 = props.iter().any(|c| {
+                (c.m_size, c.n_size, c.k_size) == (16, 16, 16)
+                    && c.ab_type == ::wgpu::CooperativeScalarType::F16
+                    && c.cr_type == ::wgpu::CooperativeScalarType::F32
+            }) && report.f16
+                && report.subgroup
+                && (1..=32).contains(&report.subgroup_max)
+                && report.workgroup_storage >= 32768
+                && limits.max_compute_invocations_per_workgroup >= 256;
+        }
         let mut ctx = Self {
             sw: Switches::from_env(),
             device,

@@ -774,15 +774,26 @@ fn lab_rel(got: &[f32], want: &[f32]) -> f64 {
     (diff / scale) as f64
 }
 
-/// Prefill's GEMMs timed (case "gemm"): each `LILY_WGPU_GEMM` kernel.
-const GEMM_VARIANTS: [(&str, u32); 3] = [("old", 0), ("big", 1), ("chain", 2)];
+/// Prefill's GEMMs timed (case "gemm"): each `LILY_WGPU_GEMM` kernel (`coop` and `coop1` only
+/// where the adapter has `coop16`).
+const GEMM_VARIANTS: [(&str, u32); 5] = [
+    ("old", 0),
+    ("big", 1),
+    ("chain", 2),
+    ("coop", 3),
+    ("coop1", 4),
+];
 
 impl Wgpu {
     /// Case "gemm": prefill's GEMM (`matmul_q` past 64 rows, 4-bit codes in groups of 64) at
     /// 2048 rows of x for in_proj's 2048→8192 and 2048→4096 and out_proj's 4096→2048, and at
     /// 300 rows (a short last chunk: few workgroups of 128 rows) for 2048→8192 and 4096→2048,
     /// under each of `GEMM_VARIANTS` (matmul.wgsl's gemm, gemm.wgsl's gemm_big summing each
-    /// step apart, and with one chain), over two copies of the weights. The variant's name
+    /// step apart, and with one chain, gemm_coop.wgsl's cooperative-matrix gemm_coop and its
+    /// scalar-staged coop1 where the adapter has `coop16`: f16 operands, so their `check` is
+    /// ~1e-3 where the others' is ~1e-6),
+    /// over two copies of the weights; also 2048 rows of in_proj's 2048→12352 (the GDN layers'
+    /// qkvz|ba output: a ragged last block of outputs). The variant's name
     /// reads `kernel rows×in>out rate`, the rate 2·rows·in·out / time in TFLOP/s; `check` is
     /// max |this − old| / max |old| on copy 0's outputs. At most 20 calls a timed pass (a call
     /// is milliseconds).
@@ -791,8 +802,9 @@ impl Wgpu {
         let saved = ctx.sw.gemm.load(Ordering::Relaxed);
         let calls = calls.min(20);
         let mut res = Vec::new();
-        let shapes: [(usize, usize, usize); 5] = [
+        let shapes: [(usize, usize, usize); 6] = [
             (2048, 8192, 2048),
+            (2048, 12352, 2048),
             (2048, 4096, 2048),
             (2048, 2048, 4096),
             (300, 8192, 2048),
@@ -819,6 +831,9 @@ impl Wgpu {
             };
             let mut reference: Option<Vec<f32>> = None;
             for (name, code) in GEMM_VARIANTS {
+                if code >= 3 && !ctx.report.coop16 {
+                    continue;
+                }
                 ctx.sw.gemm.store(code, Ordering::Relaxed);
                 let op_s = lab_median(ctx, calls, &call)?;
                 call(0);

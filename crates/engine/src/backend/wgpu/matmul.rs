@@ -6,7 +6,9 @@
 //! else gemv_v5 (x quantized in every workgroup), or gemv_v4 / gemv_rw / gemv_xs (x in f32).
 //! Otherwise the scalar `gemv` for one row of anything else, and the register-tiled `gemm` for
 //! the rest (matmul.wgsl's 64 × 64; gemm.wgsl's 128 × 128 `gemm_big` with
-//! `LILY_WGPU_GEMM=big`, past `GEMM_BIG_MIN_ROWS` rows of 4/8-bit codes in groups of 16).
+//! `LILY_WGPU_GEMM=big`, past `GEMM_BIG_MIN_ROWS` rows of 4/8-bit codes in groups of 16;
+//! gemm_coop.wgsl's 64 × 128 `gemm_coop` on cooperative matrices with `LILY_WGPU_GEMM=coop`
+//! or `coop1`, where the adapter has them: `coop_shader`).
 
 use std::sync::atomic::Ordering;
 
@@ -65,6 +67,52 @@ pub const GEMM_CHAIN_SHADER: Shader = Shader {
     ),
 };
 
+/// gemm_coop.wgsl's `gemm_coop` (`LILY_WGPU_GEMM=coop`): cooperative matrices, f16 operands
+/// and f32 sums, the staged tiles as vec4<f16> elements. Its module only validates where naga
+/// has cooperative matrices and f16 (the `enable`s first: WGSL wants them before any
+/// declaration); it runs only where `AdapterReport::coop16`.
+pub const GEMM_COOP_SHADER: Shader = Shader {
+    name: "gemm_coop",
+    src: concat!(
+        "enable f16;\nenable wgpu_cooperative_matrix;\n",
+        include_str!("shaders/common.wgsl"),
+        include_str!("shaders/quant.wgsl"),
+        "alias GcT = vec4<f16>;
+const GC_V: u32 = 4u;
+fn gc_put_x4(at: u32, v: vec4<f16>) { gc_x[at / 4u] = v; }
+fn gc_put_w4(at: u32, v: vec4<f16>) { gc_w[at / 4u] = v; }
+",
+        include_str!("shaders/gemm_coop.wgsl")
+    ),
+};
+
+/// The same with the staged tiles as f16 scalars (`LILY_WGPU_GEMM=coop1`): the fallback should
+/// a driver mishandle cooperative loads through vector elements.
+pub const GEMM_COOP1_SHADER: Shader = Shader {
+    name: "gemm_coop1",
+    src: concat!(
+        "enable f16;\nenable wgpu_cooperative_matrix;\n",
+        include_str!("shaders/common.wgsl"),
+        include_str!("shaders/quant.wgsl"),
+        "alias GcT = f16;
+const GC_V: u32 = 1u;
+fn gc_put_x4(at: u32, v: vec4<f16>) {
+    gc_x[at] = v.x; gc_x[at + 1u] = v.y; gc_x[at + 2u] = v.z; gc_x[at + 3u] = v.w;
+}
+fn gc_put_w4(at: u32, v: vec4<f16>) {
+    gc_w[at] = v.x; gc_w[at + 1u] = v.y; gc_w[at + 2u] = v.z; gc_w[at + 3u] = v.w;
+}
+",
+        include_str!("shaders/gemm_coop.wgsl")
+    ),
+};
+
+/// `gemm_coop`'s block: rows of x and outputs a workgroup, and the k step its inputs must be a
+/// multiple of.
+pub const COOP_ROWS: usize = 64;
+pub const COOP_OUTS: usize = 128;
+pub const COOP_K: usize = 32;
+
 /// Rows of x past which `gemm_big` (128-row blocks) is taken over matmul.wgsl's `gemm` (64-row
 /// blocks). Up to 64 rows the old tile wastes nothing and, with half as many outputs a block,
 /// makes twice the workgroups (a 2048-output matrix: 32 against 16, on a GPU of 132 SMs: the
@@ -87,6 +135,29 @@ pub fn gemm_shader(ctx: &Ctx, w: &WMat, rows: usize) -> Option<&'static Shader> 
         2 if takes => Some(&GEMM_CHAIN_SHADER),
         _ => None,
     }
+}
+
+/// The `gemm_coop` module that takes this matrix and rows of x under `LILY_WGPU_GEMM=coop`
+/// (`Switches::gemm` 3: `GEMM_COOP_SHADER`) or `coop1` (4: `GEMM_COOP1_SHADER`), if any: an
+/// adapter with `coop16` (16×16×16 f16 · f16 + f32 cooperative matrices, subgroups of at most
+/// 32: the header's warp tiles), 4/8-bit codes in groups of a multiple of 8 (a staged chunk of
+/// 8 codes in one group), inputs a multiple of the k step (32), more than `GEMM_BIG_MIN_ROWS`
+/// rows. Anything else takes the old `gemm`.
+pub fn coop_shader(ctx: &Ctx, w: &WMat, rows: usize) -> Option<&'static Shader> {
+    let sh = match ctx.sw.gemm.load(Ordering::Relaxed) {
+        3 => &GEMM_COOP_SHADER,
+        4 => &GEMM_COOP1_SHADER,
+        _ => return None,
+    };
+    let takes = ctx.report.coop16
+        && matches!(w.bits, 4 | 8)
+        && w.gs > 0
+        && w.gs.is_multiple_of(8)
+        && w.inp > 0
+        && w.inp.is_multiple_of(COOP_K)
+        && w.inp.is_multiple_of(w.gs)
+        && rows > GEMM_BIG_MIN_ROWS;
+    takes.then_some(sh)
 }
 
 /// matmul_sg.wgsl made whole: its per-matrix parts for each of the 4 matrix slots, its per-rows
@@ -260,6 +331,11 @@ pub fn matmul_q(ctx: &Ctx, x: &WBuf, w: &WMat, e: usize, rows: usize, out: &mut 
     p.extend([rows as u32, e as u32, 0, 0, 0, 0, 0, 0]);
     if rows == 1 {
         ctx.dispatch(&SHADER, "gemv", &p, &bufs, w.out.div_ceil(8) as u32);
+    } else if let Some(sh) = coop_shader(ctx, w, rows) {
+        // x_off and out_off are 0 (x read as vec4s, whole tiles stored by coopStoreT: offsets
+        // a multiple of 4).
+        let tiles = w.out.div_ceil(COOP_OUTS) * rows.div_ceil(COOP_ROWS);
+        ctx.dispatch(sh, "gemm_coop", &p, &bufs, tiles as u32);
     } else if let Some(sh) = gemm_shader(ctx, w, rows) {
         // x_off and out_off are 0 (gemm_big reads x as vec4s: offsets a multiple of 4).
         let tiles = w.out.div_ceil(128) * rows.div_ceil(128);

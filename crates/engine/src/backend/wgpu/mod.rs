@@ -31,7 +31,7 @@ use anyhow::{bail, Result};
 use super::{Backend, Dims, GdnParams, KvCache, SharedExpert, TokenRead};
 use crate::loader::tensor::HostLinear;
 use crate::runtime::sampler::SamplingParams;
-pub use check::translate_to_msl;
+pub use check::{not_for_metal, translate_to_msl};
 pub use device::AdapterReport;
 use device::{as_bytes, Ctx};
 use matmul::{OutMode, XIn};
@@ -155,11 +155,12 @@ impl Wgpu {
             .store(c, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
-    /// Takes the prefill GEMM named (`big`, `chain`, `old`: `LILY_WGPU_GEMM`'s values) from
-    /// now on; tests compare them on one device.
+    /// Takes the prefill GEMM named (`big`, `chain`, `coop`, `coop1`, `old`: `LILY_WGPU_GEMM`'s
+    /// values) from now on; tests compare them on one device. `coop` and `coop1` run only where
+    /// `AdapterReport::coop16` (else the old gemm runs).
     pub fn set_gemm(&self, name: &str) -> Result<()> {
         let Some(c) = device::gemm_code(name) else {
-            bail!("unknown prefill GEMM `{name}` (big, chain or old)");
+            bail!("unknown prefill GEMM `{name}` (big, chain, coop, coop1 or old)");
         };
         self.ctx
             .sw

@@ -21,7 +21,8 @@
 //! with its `pipelineExecutableInfo` feature (NVIDIA's driver, RADV and ANV have it; Mesa's
 //! lavapipe does not, as of Mesa 25.0: there `pipeline_stats(_, true)` only compiles each entry
 //! point, which still checks the SPIR-V and the driver's acceptance of it). Float16, int8, 16-bit storage, subgroup size control and integer dot
-//! products are enabled where offered. The device is chosen as the backend chooses its adapter:
+//! products are enabled where offered, and VK_KHR_cooperative_matrix with the Vulkan memory
+//! model where both are (gemm_coop; elsewhere its entry point fails to compile, reported as such). The device is chosen as the backend chooses its adapter:
 //! the name containing `LILY_WGPU_ADAPTER` when set, else the first GPU (a CPU one last).
 
 use std::collections::BTreeMap;
@@ -317,8 +318,17 @@ pub fn pipeline_stats(filter: Option<&str>, compile_only_without: bool) -> Resul
                 Ok(words) => {
                     rep.spirv_words = words.len();
                     rep.capabilities = capabilities(&words);
-                    vk.compile(&words, &bindings, &ep.name)
-                        .map_err(|e| format!("{e:#}"))
+                    if !vk.coop && rep.capabilities.iter().any(|c| c == "CooperativeMatrixKHR") {
+                        // Not given to a driver that was not asked for the extension.
+                        Err(
+                            "not compiled: the device has no VK_KHR_cooperative_matrix with \
+                             the Vulkan memory model"
+                                .to_string(),
+                        )
+                    } else {
+                        vk.compile(&words, &bindings, &ep.name)
+                            .map_err(|e| format!("{e:#}"))
+                    }
                 }
             };
             entries.push(rep);
@@ -444,6 +454,32 @@ fn to_spirv(
     spv::write_vec(&module, &info, &opts, Some(&pipe)).map_err(|e| anyhow!("to SPIR-V: {e}"))
 }
 
+/// The SPIR-V of entry point `entry` of the backend's shader file `module` (a name of
+/// `device::shaders()`) as wgpu-hal 30 writes it for a trusted module, at SPIR-V `lang_version`,
+/// and the capabilities it declares; no device needed. Tests check that naga writes it (its
+/// SPIR-V writer can fail where its validator passed: gemm_coop's coopStore arguments), and
+/// `spirv-val` can be run on the words.
+pub fn spirv_of(
+    module: &str,
+    entry: &str,
+    lang_version: (u8, u8),
+) -> Result<(Vec<u32>, Vec<String>)> {
+    let sh = shaders()
+        .into_iter()
+        .find(|s| s.name == module)
+        .ok_or_else(|| anyhow!("no shader file named {module}"))?;
+    let (m, info) = parse(sh.name, sh.src)?;
+    let ep = m
+        .entry_points
+        .iter()
+        .position(|e| e.name == entry && e.stage == naga::ShaderStage::Compute)
+        .ok_or_else(|| anyhow!("{module}.wgsl has no compute entry point {entry}"))?;
+    let bindings = bindings_of(&m, &info, ep);
+    let words = to_spirv(&m, &info, entry, &bindings, lang_version)?;
+    let caps = capabilities(&words);
+    Ok((words, caps))
+}
+
 /// The capabilities a SPIR-V module declares (`OpCapability`), by name.
 fn capabilities(words: &[u32]) -> Vec<String> {
     let mut caps = Vec::new();
@@ -495,6 +531,8 @@ struct Vk {
     stats: bool,
     /// `ALLOW_VARYING_SUBGROUP_SIZE` on each stage (wgpu sets it when it has subgroups).
     varying_subgroup: bool,
+    /// VK_KHR_cooperative_matrix and the Vulkan memory model are enabled (gemm_coop compiles).
+    coop: bool,
     spirv: (u8, u8),
     name: String,
     driver: String,
@@ -621,6 +659,10 @@ impl Vk {
         }
         let rb2_name = ash::ext::robustness2::NAME;
         let has_rb2 = has(rb2_name);
+        // Cooperative matrices (gemm_coop), as wgpu enables them: the extension, its feature,
+        // and the Vulkan memory model (with device scope) that naga declares in such modules.
+        let cm_name = ash::khr::cooperative_matrix::NAME;
+        let has_cm = has(cm_name) && api >= vk::API_VERSION_1_2;
 
         // What the device offers.
         let mut q_pep = vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default();
@@ -628,6 +670,7 @@ impl Vk {
         let mut q_12 = vk::PhysicalDeviceVulkan12Features::default();
         let mut q_13 = vk::PhysicalDeviceVulkan13Features::default();
         let mut q_rb2 = vk::PhysicalDeviceRobustness2FeaturesEXT::default();
+        let mut q_cm = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default();
         let core = {
             let mut f2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut q_16);
             if stats {
@@ -641,6 +684,9 @@ impl Vk {
             }
             if has_rb2 {
                 f2 = f2.push_next(&mut q_rb2);
+            }
+            if has_cm {
+                f2 = f2.push_next(&mut q_cm);
             }
             unsafe { instance.get_physical_device_features2(pd, &mut f2) };
             f2.features
@@ -671,9 +717,17 @@ impl Vk {
                     "uniformAndStorageBuffer16BitAccess",
                 ) != 0,
             );
+        let coop = has_cm
+            && q_cm.cooperative_matrix != vk::FALSE
+            && q_12.vulkan_memory_model != vk::FALSE
+            && q_12.vulkan_memory_model_device_scope != vk::FALSE;
         let mut e_12 = vk::PhysicalDeviceVulkan12Features::default()
             .shader_float16(on(q_12.shader_float16, "shaderFloat16") != 0)
-            .shader_int8(on(q_12.shader_int8, "shaderInt8") != 0);
+            .shader_int8(on(q_12.shader_int8, "shaderInt8") != 0)
+            .vulkan_memory_model(coop && on(vk::TRUE, "vulkanMemoryModel") != 0)
+            .vulkan_memory_model_device_scope(coop);
+        let mut e_cm = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default()
+            .cooperative_matrix(coop && on(vk::TRUE, "cooperativeMatrix") != 0);
         let mut e_13 = vk::PhysicalDeviceVulkan13Features::default()
             .subgroup_size_control(on(q_13.subgroup_size_control, "subgroupSizeControl") != 0)
             .shader_integer_dot_product(
@@ -706,6 +760,9 @@ impl Vk {
         if has_rb2 {
             ext_names.push(rb2_name.as_ptr());
         }
+        if coop {
+            ext_names.push(cm_name.as_ptr());
+        }
         let mut f2 = vk::PhysicalDeviceFeatures2::default()
             .features(e_core)
             .push_next(&mut e_16);
@@ -720,6 +777,9 @@ impl Vk {
         }
         if has_rb2 {
             f2 = f2.push_next(&mut e_rb2);
+        }
+        if coop {
+            f2 = f2.push_next(&mut e_cm);
         }
         let dci = vk::DeviceCreateInfo::default()
             .queue_create_infos(&queues)
@@ -741,6 +801,7 @@ impl Vk {
             exec,
             stats,
             varying_subgroup,
+            coop,
             spirv,
             name,
             driver,
