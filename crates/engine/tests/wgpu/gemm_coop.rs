@@ -156,10 +156,15 @@ fn gemm_coop_matches_the_cpu() {
             );
             // 40 inputs: not gemm_coop's (the old gemm, f32 throughout).
             let tol = if inp % 32 == 0 { COOP_TOL } else { F32_TOL };
-            let err = rel_rows(&got, &exact, out);
+            // The scale of a row's error is its largest output; a matrix of a few outputs (the
+            // shared expert's gate: one) has no such scale in a row, whose one sum cancellation
+            // can make small against its terms (H200, stop 32: 3.0e-3 of that one output, while
+            // 1.5e-5 from the f16-operand reference): there, the largest output of all rows.
+            let span = if out >= 8 { out } else { rows * out };
+            let err = rel_rows(&got, &exact, span);
             println!(
                 "{what:<58} max rel err {err:.2e}  (tol {tol:.0e})  vs f16 operands {:.2e}",
-                rel_rows(&got, &f16, out)
+                rel_rows(&got, &f16, span)
             );
             // Every case of both variants runs before the verdict: one run on the GPU says
             // which of them work.

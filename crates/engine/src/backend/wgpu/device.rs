@@ -266,14 +266,15 @@ pub(super) struct Switches {
     /// rule). Off by default: every kernel writes its workgroup memory before it reads it.
     pub zero_wg: bool,
     /// `LILY_WGPU_GEMM`: prefill's GEMM past 64 rows of x (matmul.rs `gemm_shader`): `old`
-    /// (matmul.wgsl `gemm`, 64 × 64; the default), `big` (gemm.wgsl `gemm_big`, a 128 × 128
+    /// (matmul.wgsl `gemm`, 64 × 64), `big` (gemm.wgsl `gemm_big`, a 128 × 128
     /// tile, each step's products summed apart) or `chain` (gemm_big with one FMA chain an
     /// output). On the H200 (stop 31, call 3) gemm_big was 5% faster at 2048 rows (22.6 against
     /// 21.6 TFLOP/s on 2048 → 8192) but 1.4-1.8× slower at 300 rows, and 4K prefill fell from
     /// 3,121 to 2,987 tok/s with it: opt-in. `coop` (gemm_coop.wgsl `gemm_coop`: 64 × 128
     /// tiles on cooperative matrices, f16 operands, f32 sums; `coop1`: its scalar-staged
-    /// fallback) where the adapter has them (`AdapterReport::coop16`; else the old gemm):
-    /// opt-in until measured. `LILY_WGPU_COOP=0` keeps wgpu's EXPERIMENTAL_COOPERATIVE_MATRIX
+    /// fallback) where the adapter has them (`AdapterReport::coop16`; else the old gemm): the
+    /// default (stop 32, call 4: 55-70 against 20-22 TFLOP/s in the lab, 38.7 against 11.7 at
+    /// 300 rows; 4K prefill 4,444 / 4,434 against 3,118 / 3,118 tok/s). `LILY_WGPU_COOP=0` keeps wgpu's EXPERIMENTAL_COOPERATIVE_MATRIX
     /// off the device altogether (read when it opens; coop then runs the old gemm). Stored as
     /// 1 (big), 2 (chain), 3 (coop), 4 (coop1) or 0 (old); atomic so that `lily lab` compares
     /// them in one process.
@@ -331,7 +332,7 @@ impl Switches {
                 std::env::var("LILY_WGPU_GEMM")
                     .ok()
                     .and_then(|v| gemm_code(&v))
-                    .unwrap_or(0),
+                    .unwrap_or(3),
             ),
             moe_mm8: std::sync::atomic::AtomicBool::new(
                 std::env::var("LILY_WGPU_MOE_MM").as_deref() == Ok("mm8"),
