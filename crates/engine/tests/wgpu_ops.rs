@@ -289,6 +289,10 @@ fn matmul_q_gemv_and_gemm() {
             // Up to 8 rows of 4/8-bit codes take the decode GEMV (gemv_q6 or gemv_v5: x in two int8 levels).
             let tol = if rows <= 8 && matches!(bits, 4 | 8) {
                 Q2X_TOL
+            } else if g.gemm_is_coop(&gm, rows) {
+                // The default prefill GEMM where the adapter has cooperative matrices (the
+                // H200): f16 operands (gemm_coop.rs says why this bound).
+                gemm_coop::COOP_TOL
             } else {
                 F32_TOL
             };

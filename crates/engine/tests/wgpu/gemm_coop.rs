@@ -23,7 +23,7 @@
 use super::*;
 
 /// max |gemm_coop − cpu matmul| / max |cpu| per row (the header says why 2e-3).
-const COOP_TOL: f32 = 2e-3;
+pub const COOP_TOL: f32 = 2e-3;
 
 /// `v` rounded to f16 (nearest even) and back.
 fn f16r(v: f32) -> f32 {

@@ -155,6 +155,11 @@ impl Wgpu {
             .store(c, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
+    /// Whether `matmul_q` of `rows` rows of x runs on gemm_coop (f16 operands: tests hold it to
+    /// their f16 bound, not the f32 one).
+    pub fn gemm_is_coop(&self, w: &WMat, rows: usize) -> bool {
+        rows > matmul::GEMV_MAX_ROWS && matmul::coop_shader(&self.ctx, w, rows).is_some()
+    }
     /// Takes the prefill GEMM named (`big`, `chain`, `coop`, `coop1`, `old`: `LILY_WGPU_GEMM`'s
     /// values) from now on; tests compare them on one device. `coop` and `coop1` run only where
     /// `AdapterReport::coop16` (else the old gemm runs).
