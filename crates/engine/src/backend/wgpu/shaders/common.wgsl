@@ -22,6 +22,19 @@ struct QMat {
 fn bf16_lo(w: u32) -> f32 { return bitcast<f32>(w << 16u); }
 fn bf16_hi(w: u32) -> f32 { return bitcast<f32>(w & 0xffff0000u); }
 
+// A quantized matrix's scale or bias of group i: the word holding it (bf16 pairs when sb16, else
+// f32 words), then its value from that word. Every reader of scales shares the two.
+fn sb_idx(i: u32, sb16: u32) -> u32 {
+    return select(i, i >> 1u, sb16 != 0u);
+}
+
+fn sb_val(w: u32, i: u32, sb16: u32) -> f32 {
+    if (sb16 == 0u) {
+        return bitcast<f32>(w);
+    }
+    return select(bf16_lo(w), bf16_hi(w), (i & 1u) == 1u);
+}
+
 // Workgroup index of a dispatch of n workgroups folded as (65535, ceil(n / 65535)).
 fn wg_index(wid: vec3<u32>) -> u32 { return wid.y * 65535u + wid.x; }
 

@@ -117,7 +117,7 @@ fn vsb(mi: u32, i: u32, sb16: u32, is_bias: bool) -> f32 {
     if ((pv.ablate & 16u) != 0u) {
         return 1.0;
     }
-    let j = select(i, i >> 1u, sb16 != 0u);
+    let j = sb_idx(i, sb16);
     var w: u32;
     switch mi {
         case 0u: { w = select(vs0[j], vb0[j], is_bias); }
@@ -125,13 +125,7 @@ fn vsb(mi: u32, i: u32, sb16: u32, is_bias: bool) -> f32 {
         case 2u: { w = select(vs2[j], vb2[j], is_bias); }
         default: { w = select(vs3[j], vb3[j], is_bias); }
     }
-    if (sb16 == 0u) {
-        return bitcast<f32>(w);
-    }
-    if ((i & 1u) == 1u) {
-        return bf16_hi(w);
-    }
-    return bf16_lo(w);
+    return sb_val(w, i, sb16);
 }
 
 fn vget(mi: u32, i: u32) -> f32 {

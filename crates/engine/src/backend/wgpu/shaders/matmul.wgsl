@@ -313,7 +313,7 @@ fn gemv_v4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_inde
 
 // Scale and bias of group i of matrix mi (one load each, no select between them).
 fn g5_sb(mi: u32, i: u32, sb16: u32) -> vec2<f32> {
-    let j = select(i, i >> 1u, sb16 != 0u);
+    let j = sb_idx(i, sb16);
     var s: u32;
     var b: u32;
     switch mi {
@@ -322,13 +322,7 @@ fn g5_sb(mi: u32, i: u32, sb16: u32) -> vec2<f32> {
         case 2u: { s = vs2[j]; b = vb2[j]; }
         default: { s = vs3[j]; b = vb3[j]; }
     }
-    if (sb16 == 0u) {
-        return vec2<f32>(bitcast<f32>(s), bitcast<f32>(b));
-    }
-    if ((i & 1u) == 1u) {
-        return vec2<f32>(bf16_hi(s), bf16_hi(b));
-    }
-    return vec2<f32>(bf16_lo(s), bf16_lo(b));
+    return vec2<f32>(sb_val(s, i, sb16), sb_val(b, i, sb16));
 }
 
 // gemv_v5's staging, part 1: word u's u32 j of the pass at code word c0 (elements 8 or 4:

@@ -108,12 +108,8 @@ fn conv_out(ch: u32, a: f32) {
 //@@ matrix
 // Scale (or bias) i of matrix {M}, as quant.wgsl's q_sb.
 fn rw_sb{M}(i: u32, sb16: u32, is_bias: bool) -> f32 {
-    let j = select(i, i >> 1u, sb16 != 0u);
-    let w = select(vs{M}[j], vb{M}[j], is_bias);
-    if (sb16 == 0u) {
-        return bitcast<f32>(w);
-    }
-    return select(bf16_lo(w), bf16_hi(w), (i & 1u) == 1u);
+    let j = sb_idx(i, sb16);
+    return sb_val(select(vs{M}[j], vb{M}[j], is_bias), i, sb16);
 }
 
 //@@ rows

@@ -189,14 +189,10 @@ fn m8_zero() -> M8Acc {
 
 // q_sb (quant.wgsl) for up's scales and biases.
 fn m8_u_sb(i: u32, sb16: u32, is_bias: bool) -> f32 {
-    if (sb16 != 0u) {
-        var w: u32;
-        if (is_bias) { w = ub[i >> 1u]; } else { w = us[i >> 1u]; }
-        if ((i & 1u) == 1u) { return bf16_hi(w); }
-        return bf16_lo(w);
-    }
-    if (is_bias) { return bitcast<f32>(ub[i]); }
-    return bitcast<f32>(us[i]);
+    let j = sb_idx(i, sb16);
+    var w: u32;
+    if (is_bias) { w = ub[j]; } else { w = us[j]; }
+    return sb_val(w, i, sb16);
 }
 
 fn m8_codes_u(m: QMat, row: u32, k0: u32) -> vec4<u32> {

@@ -20,22 +20,6 @@
 // array written a key a thread and read four keys a step, as moe_route's.
 var<workgroup> rkey_s: array<i32, 256>;
 
-// Word i of a scale or bias array for group i (bf16 pairs when sb16, else f32 words).
-fn sb_idx(i: u32, sb16: u32) -> u32 {
-    return select(i, i >> 1u, sb16 != 0u);
-}
-
-// Group i's scale or bias from its word w, as quant.wgsl's q_sb.
-fn sb_val(w: u32, i: u32, sb16: u32) -> f32 {
-    if (sb16 == 0u) {
-        return bitcast<f32>(w);
-    }
-    if ((i & 1u) == 1u) {
-        return bf16_hi(w);
-    }
-    return bf16_lo(w);
-}
-
 // Code vec4 i of gate (the shared expert's when sh: a branch uniform over the workgroup).
 fn gs_gate_w(sh: bool, i: u32) -> vec4<u32> {
     if (sh) {

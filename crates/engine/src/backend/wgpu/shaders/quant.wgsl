@@ -7,14 +7,10 @@
 // (common.wgsl).
 
 fn q_sb(i: u32, sb16: u32, is_bias: bool) -> f32 {
-    if (sb16 != 0u) {
-        var w: u32;
-        if (is_bias) { w = qb[i >> 1u]; } else { w = qs[i >> 1u]; }
-        if ((i & 1u) == 1u) { return bf16_hi(w); }
-        return bf16_lo(w);
-    }
-    if (is_bias) { return bitcast<f32>(qb[i]); }
-    return bitcast<f32>(qs[i]);
+    let j = sb_idx(i, sb16);
+    var w: u32;
+    if (is_bias) { w = qb[j]; } else { w = qs[j]; }
+    return sb_val(w, i, sb16);
 }
 
 // Weight (o, k) of matrix e of the stack.
