@@ -17,13 +17,15 @@
 //! the given figure. The figures, how they were obtained (`ceilings_method`) and whether each was
 //! measured or given go to the JSON.
 //!
-//! `--in-place` (CUDA) measures what each kernel family costs inside a recorded decode step: the
+//! `--in-place` (CUDA, wgpu) measures what each kernel family costs inside a recorded decode step: the
 //! step with the family's kernels left out against the full step (see `in_place`).
 //!
-//! `--trace` (CUDA) says where a recorded decode step's time goes, kernel by kernel: every block
-//! of every kernel stamps the global timer (kernels built with the trace: LILY_CUDA_TRACE, set by
-//! the flag), and backend/trace.rs sums per kernel name its time in place, split into its own work
-//! after its wait and the boundary to the next kernel (see `trace`).
+//! `--trace` (CUDA, wgpu) says where a recorded decode step's time goes, kernel by kernel: on
+//! CUDA every block of every kernel stamps the global timer (kernels built with the trace:
+//! LILY_CUDA_TRACE, set by the flag); on wgpu a timestamp query follows every dispatch of the
+//! replayed step (device.rs `Tracer`: one record a launch, named `entry ×workgroups`). backend/trace.rs
+//! sums per kernel name its time in place, split into its own work after its wait and the
+//! boundary to the next kernel (see `trace`; on wgpu the split is not known: all of it is body).
 //!
 //! `--profile` adds time per op family (backend/profile.rs: every op bracketed by a device sync)
 //! for one prefill chunk and one decode step, at `--profile-context` (default 4K) tokens of
@@ -99,15 +101,16 @@ pub struct BenchArgs {
     /// Decode steps averaged in the profile.
     #[arg(long, default_value_t = 8)]
     profile_steps: usize,
-    /// Each kernel family's cost inside a recorded decode step (CUDA): at each `--decode`
+    /// Each kernel family's cost inside a recorded decode step (CUDA, wgpu): at each `--decode`
     /// context, decode with the family's kernels left out of the step (garbage tokens, true
     /// times), alternated with the full step, `--rounds` times. `default` (the families of a
     /// layer) or comma-separated kernel-name prefixes.
     #[arg(long)]
     in_place: Option<String>,
-    /// Trace `--trace-steps` recorded decode steps at each `--decode` context (CUDA; kernels
-    /// built with the trace, so the other rows of this run are not the contract's): per kernel
-    /// name, µs a step in place, its body after the PDL wait, the gap to the next kernel.
+    /// Trace `--trace-steps` recorded decode steps at each `--decode` context (CUDA: kernels
+    /// built with the trace, so the other rows of this run are not the contract's; wgpu: a
+    /// timestamp after every dispatch): per kernel name, µs a step in place, its body after the
+    /// PDL wait, the gap to the next kernel.
     #[arg(long)]
     trace: bool,
     /// Decode steps traced per context (32 bytes per block per step are kept on the device).
@@ -377,13 +380,15 @@ fn prefill_flops_per_token(c: &lily::Config, pos: usize) -> f64 {
 /// timing probe of the backend: `--in-place`).
 type SkipHook<B> = fn(&B, &[&str]);
 
-/// The CUDA backend's timing probes, seen by the generic benchmark.
+/// The GPU backends' timing probes (CUDA, wgpu), seen by the generic benchmark.
 struct Probes<B> {
     skip: SkipHook<B>,
     /// Starts the in-place trace (`--trace`).
     trace_begin: fn(&B) -> Result<()>,
     /// Stops it: the block records and the launches they belong to.
     trace_end: fn(&B) -> Result<Traced>,
+    /// `--in-place default`: the kernel-name prefixes of the backend's decode families.
+    families: &'static [(&'static str, &'static str)],
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
@@ -398,6 +403,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 skip: |b, p| b.set_skip(p),
                 trace_begin: |b| b.trace_begin(),
                 trace_end: |b| b.trace_end(),
+                families: IN_PLACE_FAMILIES,
             };
             return run_on(b, a, Some(probes));
         }
@@ -405,7 +411,13 @@ pub fn run(a: BenchArgs) -> Result<()> {
     #[cfg(feature = "wgpu")]
     if let Some(b) = crate::pick_wgpu(&a.common)? {
         crate::setup_threads(&a.common)?;
-        return run_on(b, a, None);
+        let probes = Probes::<lily::backend::wgpu::Wgpu> {
+            skip: |b, p| b.set_skip(p),
+            trace_begin: |b| b.trace_begin(),
+            trace_end: |b| b.trace_end(),
+            families: IN_PLACE_FAMILIES_WGPU,
+        };
+        return run_on(b, a, Some(probes));
     }
     let b = crate::setup(&a.common)?;
     run_on(b, a, None)
@@ -439,6 +451,24 @@ const IN_PLACE_FAMILIES: &[(&str, &str)] = &[
     ("sample_", "sampling (greedy: none)"),
 ];
 
+/// `--in-place default` on the wgpu backend: the entry-point prefixes of its decode families.
+#[cfg(feature = "wgpu")]
+const IN_PLACE_FAMILIES_WGPU: &[(&str, &str)] = &[
+    (
+        "q2x_stage",
+        "x staged for the GEMVs (+ RMS norm, + GDN gated norm)",
+    ),
+    (
+        "gemv_q6",
+        "every GEMV: in_proj (+ conv), out_proj, q|k|v, o_proj, router, lm_head",
+    ),
+    ("gdn_", "GDN gated delta step"),
+    ("qk_", "attention q/k norms + RoPE + KV append"),
+    ("attn_", "attention decode + combine"),
+    ("moe_gate_up", "experts gate|up (+ route, + shared)"),
+    ("moe_down", "experts down (+ shared, + residual)"),
+];
+
 fn bench<B: Backend>(
     b: B,
     a: BenchArgs,
@@ -450,7 +480,9 @@ fn bench<B: Backend>(
     }
     let families: Vec<(String, String)> = match a.in_place.as_deref() {
         None => Vec::new(),
-        Some("default") => IN_PLACE_FAMILIES
+        Some("default") => probes
+            .as_ref()
+            .map_or(&[][..], |p| p.families)
             .iter()
             .map(|(p, w)| (p.to_string(), w.to_string()))
             .collect(),
@@ -462,12 +494,10 @@ fn bench<B: Backend>(
             .collect(),
     };
     if a.trace && probes.is_none() {
-        bail!("--trace needs the CUDA backend");
+        bail!("--trace needs a GPU backend (cuda or wgpu)");
     }
     if a.in_place.is_some() && (probes.is_none() || families.is_empty()) {
-        bail!(
-            "--in-place needs the CUDA backend and at least one kernel-name prefix (or `default`)"
-        );
+        bail!("--in-place needs a GPU backend and at least one kernel-name prefix (or `default`)");
     }
     let dir = match &a.model {
         Some(d) => d.clone(),

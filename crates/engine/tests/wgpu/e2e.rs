@@ -68,3 +68,85 @@ fn lookahead_generates_what_the_loop_without_it_does() {
     lookahead::check_all(&mut m, &tok, &prompt, &sampled);
     lookahead::check_cache(&mut m, &tok, &prompt, &greedy);
 }
+
+/// The in-place trace of replayed decode steps (`lily bench --trace` on wgpu; device.rs
+/// `Tracer`): every traced step names the same launches in the same order, each record starts
+/// where the one before ended (one chain of stamps a step), and a skipped entry point
+/// (`--in-place`) is left out of the step and of its trace.
+#[test]
+fn trace_stamps_every_launch_of_a_replayed_step() {
+    use lily::model::{Logits, Next};
+    let Some(g) = gpu() else { return };
+    let dir = common::synth("tiny", 3, &[]);
+    let m = lily::runtime::load(g, dir.path()).unwrap();
+    let prompt = common::prompt_ids(12, m.cfg.vocab_size);
+    let mut st = m.new_state(64).unwrap();
+    let logits = m.forward(&mut st, &prompt, Logits::Last, None).unwrap();
+    let first = lily::runtime::argmax(&logits);
+    // Run, record, then replay: the trace sees replayed steps only.
+    let mut step = |feed: Option<u32>| match m.decode(&mut st, feed, true).unwrap() {
+        Next::Token(t) => t,
+        Next::Logits(_) => panic!("greedy decode gave logits"),
+    };
+    step(Some(first));
+    for _ in 0..3 {
+        step(None);
+    }
+    let b = &m.backend;
+    if let Err(e) = b.trace_begin() {
+        eprintln!("trace skipped: {e:#}");
+        return;
+    }
+    const STEPS: usize = 3;
+    for _ in 0..STEPS {
+        step(None);
+    }
+    let (recs, launches) = b.trace_end().unwrap();
+    assert!(!launches.is_empty(), "no launch traced");
+    assert_eq!(recs.len(), launches.len());
+    assert_eq!(launches.len() % STEPS, 0, "steps of different lengths");
+    let per = launches.len() / STEPS;
+    for s in 1..STEPS {
+        assert_eq!(
+            launches[..per],
+            launches[s * per..(s + 1) * per],
+            "step {s} launched other kernels"
+        );
+    }
+    for (i, r) in recs.iter().enumerate() {
+        assert!(r.end >= r.start, "launch {i} ends before it starts");
+        if i % per > 0 {
+            assert_eq!(
+                r.start,
+                recs[i - 1].end,
+                "launch {i}'s stamps are not chained"
+            );
+        }
+    }
+    let spans = lily::backend::trace::attribute(&recs, &launches).unwrap();
+    let table = lily::backend::trace::summarize(&launches, &spans, &recs, STEPS);
+    assert_eq!(
+        table.kernels.iter().map(|k| k.calls).sum::<usize>(),
+        per * STEPS
+    );
+    let skipped = "moe_down";
+    assert!(launches.iter().any(|l| l.name.starts_with(skipped)));
+    b.set_skip(&[skipped]);
+    b.trace_begin().unwrap();
+    step(None);
+    step(None);
+    let (_, without) = b.trace_end().unwrap();
+    b.set_skip(&[]);
+    assert!(!without.is_empty());
+    assert!(
+        without.iter().all(|l| !l.name.starts_with(skipped)),
+        "a skipped kernel ran"
+    );
+    assert_eq!(
+        without.len() / 2,
+        per - launches[..per]
+            .iter()
+            .filter(|l| l.name.starts_with(skipped))
+            .count()
+    );
+}

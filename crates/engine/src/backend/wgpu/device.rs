@@ -183,6 +183,23 @@ struct Timing {
     totals: HashMap<String, (u64, f64)>,
 }
 
+/// The in-place trace (`Ctx::trace_begin`): a timestamp before a replayed step's first dispatch
+/// and after each of its dispatches and copies, all in the step's own passes, so that each
+/// kernel's share of the step is the difference of two stamps: its own time, its barrier and
+/// the launch of the next (what `lily bench --trace` sums per kernel on CUDA). The stamps become
+/// `trace::BlockRec`s of one block a launch, so backend/trace.rs sums them.
+struct Tracer {
+    qs: ::wgpu::QuerySet,
+    resolve: ::wgpu::Buffer,
+    back: ::wgpu::Buffer,
+    recs: Vec<crate::backend::trace::BlockRec>,
+    launches: Vec<crate::backend::trace::Launch>,
+}
+
+/// Timestamps a traced step may write (wgpu's largest query set): a decode step has ~400
+/// dispatches.
+const TRACE_QUERIES: u32 = 4096;
+
 /// The backend's switches and tuning knobs, read once from the environment when the device
 /// opens (ablations for `lily bench` A/B runs; every default is the measured best).
 pub(super) struct Switches {
@@ -411,6 +428,14 @@ pub(super) struct Ctx {
     timing: Mutex<Option<Timing>>,
     /// Whether timing is on (read without the lock on every dispatch).
     timing_on: std::sync::atomic::AtomicBool,
+    /// The in-place trace of replayed steps (`trace_begin`), made when first asked for.
+    tracer: Mutex<Option<Tracer>>,
+    /// Whether replayed steps are traced.
+    trace_on: std::sync::atomic::AtomicBool,
+    /// Kernel-name prefixes left out of replayed steps (`set_skip`, `lily bench --in-place`).
+    skip: Mutex<Vec<String>>,
+    /// Whether the adapter writes timestamps between the dispatches of a pass.
+    ts_inside: bool,
     /// Small buffers for the bindings a launch does not use this time (a fused kernel's unused
     /// matrices, outputs and mode inputs): distinct, so no two writable bindings alias.
     pub spare: Vec<::wgpu::Buffer>,
@@ -483,7 +508,8 @@ impl Ctx {
         // memory model in those).
         let mut wanted = ::wgpu::Features::SUBGROUP
             | ::wgpu::Features::SHADER_F16
-            | ::wgpu::Features::TIMESTAMP_QUERY;
+            | ::wgpu::Features::TIMESTAMP_QUERY
+            | ::wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES;
         if std::env::var("LILY_WGPU_COOP").as_deref() != Ok("0") {
             wanted |= ::wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
         }
@@ -621,6 +647,10 @@ impl Ctx {
             rec: Mutex::new(None),
             timing: Mutex::new(timing),
             timing_on: std::sync::atomic::AtomicBool::new(false),
+            tracer: Mutex::new(None),
+            trace_on: std::sync::atomic::AtomicBool::new(false),
+            skip: Mutex::new(Vec::new()),
+            ts_inside: required.contains(::wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES),
             spare,
             scratch_gen: std::sync::atomic::AtomicU64::new(0),
             dispatched: std::sync::atomic::AtomicU64::new(0),
@@ -892,7 +922,7 @@ impl Ctx {
     /// (`submit_ahead`): the host encodes the next decode step while the device runs this one.
     /// `None` while dispatches are timed (each then needs its own pass and queries).
     pub fn encode_ahead(&self, items: &[Item]) -> Option<::wgpu::CommandBuffer> {
-        if self.timing_on.load(Ordering::Relaxed) {
+        if self.timing_on.load(Ordering::Relaxed) || self.tracing() {
             return None;
         }
         let mut open = self.open();
@@ -1033,6 +1063,9 @@ impl Ctx {
     /// Encodes a recorded step again: its dispatches with their own parameters and bind groups,
     /// submitted every `replay_flush` dispatches.
     pub fn replay_items(&self, items: &[Item]) {
+        if self.tracing() {
+            return self.replay_traced(items);
+        }
         for it in items {
             let mut g = self.enc.lock().unwrap();
             let open = g.get_or_insert_with(|| self.open());
@@ -1047,6 +1080,7 @@ impl Ctx {
     /// One recorded op into `open`.
     fn encode_item(&self, open: &mut Open, it: &Item) {
         match it {
+            Item::Dispatch { entry, .. } if self.skipped(entry) => {}
             Item::Dispatch {
                 entry,
                 pipe,
@@ -1061,6 +1095,168 @@ impl Ctx {
                 dof,
                 bytes,
             } => copy_into(open, src, *so, dst, *dof, *bytes),
+        }
+    }
+
+    /// Whether replayed steps are traced (`trace_begin`).
+    pub fn tracing(&self) -> bool {
+        self.trace_on.load(Ordering::Relaxed)
+    }
+
+    /// Leaves the dispatches whose entry point starts with one of `prefixes` out of replayed
+    /// steps (a timing probe: the step computes garbage; `lily bench --in-place`). Empty: none.
+    pub fn set_skip(&self, prefixes: &[&str]) {
+        *self.skip.lock().unwrap() = prefixes.iter().map(|p| p.to_string()).collect();
+    }
+
+    fn skipped(&self, entry: &str) -> bool {
+        let s = self.skip.lock().unwrap();
+        !s.is_empty() && s.iter().any(|p| entry.starts_with(p.as_str()))
+    }
+
+    /// Starts tracing replayed steps (`Tracer`): each is then encoded on its own, with a
+    /// timestamp after every dispatch, submitted and read back before the step returns (so the
+    /// traced steps run slower; the stamps' differences are device times).
+    pub fn trace_begin(&self) -> Result<()> {
+        if !self.ts_inside {
+            bail!(
+                "trace: {} cannot write timestamps inside a compute pass \
+                 (TIMESTAMP_QUERY_INSIDE_PASSES)",
+                self.report.name
+            );
+        }
+        self.sync()?;
+        let mut g = self.tracer.lock().unwrap();
+        let t = g.get_or_insert_with(|| {
+            let n = TRACE_QUERIES as u64;
+            let buf = |label, usage| {
+                self.device.create_buffer(&::wgpu::BufferDescriptor {
+                    label: Some(label),
+                    size: 8 * n,
+                    usage,
+                    mapped_at_creation: false,
+                })
+            };
+            Tracer {
+                qs: self.device.create_query_set(&::wgpu::QuerySetDescriptor {
+                    label: Some("trace"),
+                    ty: ::wgpu::QueryType::Timestamp,
+                    count: TRACE_QUERIES,
+                }),
+                resolve: buf(
+                    "trace resolved",
+                    ::wgpu::BufferUsages::QUERY_RESOLVE | ::wgpu::BufferUsages::COPY_SRC,
+                ),
+                back: buf(
+                    "trace read back",
+                    ::wgpu::BufferUsages::MAP_READ | ::wgpu::BufferUsages::COPY_DST,
+                ),
+                recs: Vec::new(),
+                launches: Vec::new(),
+            }
+        });
+        t.recs.clear();
+        t.launches.clear();
+        self.trace_on.store(true, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Stops tracing: a record a launch of every traced step, and the launches.
+    pub fn trace_end(&self) -> Result<crate::backend::trace::Traced> {
+        self.trace_on.store(false, Ordering::Relaxed);
+        self.sync()?;
+        let mut g = self.tracer.lock().unwrap();
+        let Some(t) = g.as_mut() else {
+            bail!("trace: trace_end without trace_begin");
+        };
+        Ok((std::mem::take(&mut t.recs), std::mem::take(&mut t.launches)))
+    }
+
+    /// A recorded step encoded on its own with a timestamp before its first op and after each
+    /// op (`Tracer`), submitted, and its stamps read back into the trace.
+    fn replay_traced(&self, items: &[Item]) {
+        use crate::backend::trace::{BlockRec, Launch};
+        self.flush();
+        let mut g = self.tracer.lock().unwrap();
+        let Some(t) = g.as_mut() else {
+            return self.fail("trace: tracing on without a tracer");
+        };
+        let mut enc = self.device.create_command_encoder(&Default::default());
+        let mut names = Vec::with_capacity(items.len());
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            pass.write_timestamp(&t.qs, 0);
+            let mut pass = Some(pass.forget_lifetime());
+            for it in items {
+                if names.len() + 1 >= TRACE_QUERIES as usize {
+                    break;
+                }
+                let q = names.len() as u32 + 1;
+                match it {
+                    Item::Dispatch { entry, .. } if self.skipped(entry) => {}
+                    Item::Dispatch {
+                        entry,
+                        pipe,
+                        bg,
+                        gx,
+                        gy,
+                    } => {
+                        let p = pass.as_mut().expect("a pass is open");
+                        p.set_pipeline(pipe);
+                        p.set_bind_group(0, bg, &[]);
+                        p.dispatch_workgroups(*gx, *gy, 1);
+                        p.write_timestamp(&t.qs, q);
+                        names.push(format!("{entry} ×{}", gx * gy));
+                    }
+                    Item::Copy {
+                        src,
+                        so,
+                        dst,
+                        dof,
+                        bytes,
+                    } => {
+                        // A copy ends the pass; the next pass's first stamp closes it.
+                        drop(pass.take());
+                        enc.copy_buffer_to_buffer(src, *so, dst, *dof, *bytes);
+                        let mut p = enc
+                            .begin_compute_pass(&Default::default())
+                            .forget_lifetime();
+                        p.write_timestamp(&t.qs, q);
+                        pass = Some(p);
+                        names.push("copy".to_string());
+                    }
+                }
+            }
+        }
+        let q = names.len() as u32 + 1;
+        enc.resolve_query_set(&t.qs, 0..q, &t.resolve, 0);
+        enc.copy_buffer_to_buffer(&t.resolve, 0, &t.back, 0, 8 * q as u64);
+        self.queue.submit([enc.finish()]);
+        let slice = t.back.slice(..8 * q as u64);
+        slice.map_async(::wgpu::MapMode::Read, |_| {});
+        if let Err(e) = self.device.poll(::wgpu::PollType::wait_indefinitely()) {
+            return self.fail(format!("trace: waiting for the step: {e}"));
+        }
+        let ticks: Vec<u64> = match slice.get_mapped_range() {
+            Ok(r) => r
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            Err(e) => return self.fail(format!("trace: reading the stamps: {e}")),
+        };
+        t.back.unmap();
+        let ns = self.queue.get_timestamp_period() as f64;
+        let at = |i: usize| (ticks[i] as f64 * ns) as u64;
+        for (i, name) in names.into_iter().enumerate() {
+            let (a, b) = (at(i), at(i + 1).max(at(i)));
+            t.recs.push(BlockRec {
+                start: a,
+                wait: a,
+                end: b,
+                blocks: 1,
+                ..Default::default()
+            });
+            t.launches.push(Launch { name, blocks: 1 });
         }
     }
 

@@ -196,6 +196,20 @@ impl Wgpu {
             .moe_fuse
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
+    /// Starts the in-place trace of replayed decode steps (`lily bench --trace`; device.rs
+    /// `Tracer`): a timestamp after every dispatch of the step.
+    pub fn trace_begin(&self) -> Result<()> {
+        self.ctx.trace_begin()
+    }
+    /// Stops the trace: one record a launch (its stamps) and the launches, named `entry ×groups`.
+    pub fn trace_end(&self) -> Result<crate::backend::trace::Traced> {
+        self.ctx.trace_end()
+    }
+    /// Leaves the kernels whose entry points start with these prefixes out of replayed steps
+    /// (`lily bench --in-place`: the step's time without them; the tokens are garbage).
+    pub fn set_skip(&self, prefixes: &[&str]) {
+        self.ctx.set_skip(prefixes)
+    }
     /// Dispatches encoded so far (op by op, not replays): tests count an op's launches.
     pub fn dispatches(&self) -> u64 {
         self.ctx
@@ -264,7 +278,8 @@ impl Backend for Wgpu {
         }
         let gen = self.ctx.scratch_gen();
         let mut recs = self.records.lock().unwrap_or_else(|e| e.into_inner());
-        let ahead = recs.ahead.take();
+        // A step encoded ahead before a trace began is not traced: encode it again.
+        let ahead = recs.ahead.take().filter(|_| !self.ctx.tracing());
         if let Some(i) = recs.recs.iter().position(|r| r.key == key) {
             let r = recs.recs.remove(i);
             if r.gen == gen {
