@@ -213,7 +213,8 @@ fn gdn_bad_shapes_are_errors() {
 /// CPU: by default the conv runs in in_proj's epilogue (gemv_q6's omode 3), which leaves the raw
 /// projection scratch `qkv` unwritten, and the gated norm in out_proj's staging of x (xq.wgsl
 /// xmode 3), which leaves `y` un-normed (both asserted, so the fused paths are known to have
-/// run); with gemv_v5 the composition. Each token's CPU reference starts from the wgpu side's own h and
+/// run); the same with gemv_q7 (in_proj's x staged by each workgroup); with gemv_v5 the
+/// composition. Each token's CPU reference starts from the wgpu side's own h and
 /// states, so errors do not compound. Q2X_TOL on everything: in_proj's and out_proj's x is in two
 /// int8 levels (Q2X_TOL's note); the conv state holds in_proj's raw outputs, the recurrent state
 /// and h's update are linear in them up to the l2 and RMS norms (which do not amplify a relative
@@ -267,7 +268,11 @@ fn gdn_mixer_step_with_the_conv_and_the_norm_fused() {
         params: &gp,
         out_proj: &gout,
     };
-    for (path, gemv) in [("conv in in_proj", "v6"), ("composition", "v5")] {
+    for (path, gemv) in [
+        ("conv in in_proj", "v6"),
+        ("conv in in_proj, x staged a workgroup", "v7"),
+        ("composition", "v5"),
+    ] {
         g.set_gemv(gemv).unwrap();
         let (mut gh, mut gconv, mut gssm) = (
             g.upload(&h0).unwrap(),
@@ -299,7 +304,7 @@ fn gdn_mixer_step_with_the_conv_and_the_norm_fused() {
             };
             g.gdn_mixer_decode_add(&mut gh, &gnorm, d.eps, &gw, &mut gconv, &mut gssm, &d, tmp);
             let raw = h(&g, &s[1], c);
-            if gemv == "v6" {
+            if gemv != "v5" {
                 assert!(
                     raw.iter().all(|&v| v == 0.0),
                     "gdn mixer ({path}): in_proj's raw output was written: the conv did not run \
@@ -327,7 +332,7 @@ fn gdn_mixer_step_with_the_conv_and_the_norm_fused() {
             Cpu.gdn_mixer_decode_add(
                 &mut ch, &in_norm, d.eps, &cw, &mut cconv, &mut cssm, &d, ctmp,
             );
-            if gemv == "v6" {
+            if gemv != "v5" {
                 // The gated norm ran in out_proj's staging: y is the recurrence's, not normed.
                 let e = rel_rows(&h(&g, &s[6], hv * dv), &cs[6], hv * dv);
                 assert!(

@@ -241,7 +241,9 @@ pub(super) struct Switches {
     /// dot products; any adapter: 145-152 against 130-132 tok/s at 4K on the H200, the lm_head
     /// 172 against 275 µs), `v6` (the default: gemv_q6 against x staged once a launch, for
     /// launches of `q6_min_kb` on adapters with subgroups in order of one width; gemv_v5 for
-    /// the rest). Stored as 0 (v4), the rows, 8 (xs), 16 (v5) or 32 (v6).
+    /// the rest), `v7` (gemv_q7 where it takes the launch: q2x_stage's staging done by every
+    /// workgroup of the GEMV, one launch instead of two; gemv_q6 elsewhere). Stored as 0 (v4),
+    /// the rows, 8 (xs), 16 (v5), 32 (v6) or 64 (v7).
     pub gemv: AtomicU32,
     /// `lily lab` only: parts of gemv_v4, moe_gate_up_v and moe_down_v skipped to time the rest
     /// (gemv_io.wgsl and moe.wgsl `ablate`); 0 otherwise.
@@ -409,6 +411,7 @@ pub(super) fn gemv_code(name: &str) -> Option<u32> {
         "xs" => Some(8),
         "v5" => Some(16),
         "v6" => Some(32),
+        "v7" => Some(64),
         _ => None,
     }
 }
