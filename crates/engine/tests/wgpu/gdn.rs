@@ -151,15 +151,32 @@ fn gdn_prefill_then_decode() {
     gdn_case(&g, &d, &mut rng, &[66, 1, 3, 1]);
 }
 
-/// The default path, gdn_recur (workgroup memory), at the real shape and a ragged one.
+/// The default path, gdn_recur (workgroup memory) for blocks, at the real shape and ragged ones;
+/// the decode steps by each `LILY_WGPU_GDN_STEP` recurrence: `0` gdn_recur, `y` gdn_step_y
+/// (shuffles where the adapter has ordered subgroups of ≥ 8 lanes: lavapipe's 8), `yw`
+/// gdn_step_y with its row sums in workgroup memory. Ragged: Dv = 40 (gdn_step_y's second
+/// slice of a head partial), Dk = 60 (its last vec4 columns empty: 15 of 32), 3 value heads a
+/// key head; Dk = 16, Dv = 8 (most of a thread's columns and a workgroup's rows empty); an odd
+/// Dk (gdn_recur whatever the switch).
 #[test]
 fn gdn_fallback_prefill_then_decode() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(53);
-    gdn_case(&g, &qwen_dims(), &mut rng, &[40, 1, 1, 100, 1, 1]);
-    let mut d = qwen_dims();
-    (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim) = (2, 6, 60, 40);
-    gdn_case(&g, &d, &mut rng, &[9, 1, 70, 1]);
+    for step in ["0", "y", "yw"] {
+        eprintln!("LILY_WGPU_GDN_STEP={step}");
+        g.set_gdn_step(step).unwrap();
+        gdn_case(&g, &qwen_dims(), &mut rng, &[40, 1, 1, 100, 1, 1]);
+        let mut d = qwen_dims();
+        (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim) = (2, 6, 60, 40);
+        gdn_case(&g, &d, &mut rng, &[9, 1, 70, 1, 1]);
+        let mut d = qwen_dims();
+        (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim) = (20, 40, 16, 8);
+        gdn_case(&g, &d, &mut rng, &[5, 1, 1]);
+        let mut d = qwen_dims();
+        (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim) = (2, 4, 61, 24);
+        gdn_case(&g, &d, &mut rng, &[3, 1]);
+    }
+    g.set_gdn_step("x").unwrap();
 }
 
 #[test]
@@ -222,15 +239,26 @@ fn gdn_bad_shapes_are_errors() {
 #[test]
 fn gdn_mixer_step_with_the_conv_and_the_norm_fused() {
     let Some(g) = gpu() else { return };
-    let mut rng = Rng(54);
-    let d = qwen_dims();
+    mixer_case(&g, &qwen_dims(), &mut Rng(54));
+    // A ragged shape gdn_step_x still takes: Dv = 64 (two of a thread's 4 rows empty, a head of
+    // two 4-bit words: 8 staging threads), Dk = 60, 3 value heads a key head.
+    let mut d = qwen_dims();
+    (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim) = (2, 6, 60, 64);
+    mixer_case(&g, &d, &mut Rng(55));
+}
+
+/// `gdn_mixer_decode_add` at shape d, by each path: v6 with `LILY_WGPU_GDN_STEP` x (gdn_step_x:
+/// the recurrence, the gated norm and out_proj's x staged in one launch, `y` never written,
+/// asserted), y (gdn_step_y then q2x_stage's xmode 3) and 0 (gdn_recur then xmode 3); v5's
+/// composition.
+fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
     let (hid, c) = (d.hidden, d.conv_channels());
     let (hv, dv, dk) = (d.gdn_v_heads, d.gdn_v_dim, d.gdn_k_dim);
     let mats: Vec<_> = [c, hv * dv, hv, hv]
         .iter()
-        .map(|&o| rand_quant(&mut rng, 1, o, hid, 4, 64, false))
+        .map(|&o| rand_quant(rng, 1, o, hid, 4, 64, false))
         .collect();
-    let outp = rand_quant(&mut rng, 1, hid, hv * dv, 4, 64, false);
+    let outp = rand_quant(rng, 1, hid, hv * dv, 4, 64, false);
     let conv_w = rng.vec(c * d.conv_kernel, 0.5);
     let a_log: Vec<f32> = (0..hv)
         .map(|_| (1.0 + 7.5 * (rng.f() + 1.0)).ln())
@@ -268,12 +296,16 @@ fn gdn_mixer_step_with_the_conv_and_the_norm_fused() {
         params: &gp,
         out_proj: &gout,
     };
-    for (path, gemv) in [
-        ("conv in in_proj", "v6"),
-        ("conv in in_proj, x staged a workgroup", "v7"),
-        ("composition", "v5"),
-    ] {
+    let paths = [
+        ("conv in in_proj, gdn_step_x", "v6", "x"),
+        ("conv in in_proj (gemv_q7), gdn_step_x", "v7", "x"),
+        ("conv in in_proj, gdn_step_y", "v6", "y"),
+        ("conv in in_proj, gdn_recur", "v6", "0"),
+        ("composition", "v5", "x"),
+    ];
+    for (path, gemv, step) in paths {
         g.set_gemv(gemv).unwrap();
+        g.set_gdn_step(step).unwrap();
         let (mut gh, mut gconv, mut gssm) = (
             g.upload(&h0).unwrap(),
             g.upload(&conv0).unwrap(),
@@ -332,7 +364,12 @@ fn gdn_mixer_step_with_the_conv_and_the_norm_fused() {
             Cpu.gdn_mixer_decode_add(
                 &mut ch, &in_norm, d.eps, &cw, &mut cconv, &mut cssm, &d, ctmp,
             );
-            if gemv != "v5" {
+            if gemv != "v5" && step == "x" {
+                assert!(
+                    h(&g, &s[6], hv * dv).iter().all(|&v| v == 0.0),
+                    "gdn mixer ({path}): y was written: gdn_step_x did not stage out_proj's x"
+                );
+            } else if gemv != "v5" {
                 // The gated norm ran in out_proj's staging: y is the recurrence's, not normed.
                 let e = rel_rows(&h(&g, &s[6], hv * dv), &cs[6], hv * dv);
                 assert!(
@@ -360,4 +397,5 @@ fn gdn_mixer_step_with_the_conv_and_the_norm_fused() {
         }
     }
     g.set_gemv("v6").unwrap();
+    g.set_gdn_step("x").unwrap();
 }

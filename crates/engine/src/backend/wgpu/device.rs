@@ -66,6 +66,8 @@ pub fn shaders() -> Vec<Shader> {
         super::attention::SHADER,
         super::gdn::SHADER,
         super::gdn::SHADER_SG,
+        super::gdn::STEP_SHADER,
+        super::gdn::STEP_SG_SHADER,
         super::moe::SHADER,
         super::moe::MM8_SHADER,
         super::output::SHADER,
@@ -254,6 +256,15 @@ pub(super) struct Switches {
     /// the adapter has subgroups, instead of gdn_recur. Opt-in: on the H200 (Vulkan) they were
     /// slower, 24.4 against 14.8 ms a 2048-row block and 28.4 against 21.6 µs a decode step.
     pub gdn_fast: bool,
+    /// `LILY_WGPU_GDN_STEP`: a decode token's gated delta rule. `0`: gdn_recur (then gdn_norm,
+    /// or the gated norm in out_proj's q2x_stage), as before; `y`: gdn_step.wgsl's gdn_step_y
+    /// (every load up front, 8 threads a row, Hv · Dv / 32 workgroups) in gdn_recur's place;
+    /// the default, `x`: in a step's GDN mixer gdn_step_x (a head a workgroup: the recurrence,
+    /// the gated norm and out_proj's x staged for gemv_q6, one launch for two; gdn_step_y where
+    /// it does not take the shape or the adapter). `yw`: `y` with the row sums in workgroup
+    /// memory on any adapter (the fallback, for the tests). Stored as 0, 1, 2 or 3; atomic so
+    /// that tests and `lily lab` compare them in one process.
+    pub gdn_step: AtomicU32,
     /// `LILY_WGPU_ATTN_TILE=0`: prefill attention a (row, KV head) a workgroup (attn_rows_gqa,
     /// K/V read once a row) instead of tiles of query rows (attn_tile_gqa), and decode by
     /// stop 28's attn_split_gqa + attn_combine instead of attn_dec_gqa + attn_combine4.
@@ -342,6 +353,12 @@ impl Switches {
             ),
             attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),
             gdn_fast: std::env::var("LILY_WGPU_GDN_FAST").as_deref() == Ok("1"),
+            gdn_step: AtomicU32::new(
+                std::env::var("LILY_WGPU_GDN_STEP")
+                    .ok()
+                    .and_then(|v| gdn_step_code(&v))
+                    .unwrap_or(2),
+            ),
             attn_tile: on("LILY_WGPU_ATTN_TILE"),
             moe_q: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_MOE_Q")),
             moe_fuse: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_MOE_FUSE")),
@@ -399,6 +416,19 @@ fn coop_configs(props: &[::wgpu::CooperativeMatrixProperties]) -> String {
         })
         .collect::<Vec<_>>()
         .join(", ")
+}
+
+/// `Switches::gdn_step`'s code for `LILY_WGPU_GDN_STEP`'s value (`0` / `old`, `y`, `x` / `1`,
+/// and `yw`: `y` with its row sums in workgroup memory where the adapter has subgroups, for the
+/// tests), `None` if unknown.
+pub(super) fn gdn_step_code(name: &str) -> Option<u32> {
+    match name {
+        "0" | "old" => Some(0),
+        "y" => Some(1),
+        "x" | "1" => Some(2),
+        "yw" => Some(3),
+        _ => None,
+    }
 }
 
 /// `Switches::gemv`'s code for a decode GEMV's name (`LILY_WGPU_GEMV`), `None` if unknown.

@@ -7,6 +7,14 @@
 //! gdn_prep (q/k norms and gates for every token at once) then gdn_scan_sg; shorter blocks and
 //! decode steps run gdn_step_sg alone (the same scan with the norms and gates inline: a step is
 //! one token, so a pre-pass would only add a launch to its latency). gdn_norm follows each.
+//!
+//! A decode step (rows = 1) takes gdn_step.wgsl instead (`LILY_WGPU_GDN_STEP`, device.rs
+//! `Switches::gdn_step`; `0` brings gdn_recur back): gdn_step_y in gdn_recur's place (every load
+//! issued up front, 8 threads a row, no barrier where the adapter has subgroups), and in the
+//! step's GDN mixer gdn_step_x (`gated_delta_x`: a head a workgroup, the recurrence, the gated
+//! norm and out_proj's x staged for gemv_q6 in one launch).
+
+use std::sync::atomic::Ordering;
 
 use super::device::{Ctx, Shader};
 use super::{fits, WBuf};
@@ -30,6 +38,57 @@ pub const SHADER_SG: Shader = Shader {
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/gdn.wgsl"),
         include_str!("shaders/gdn_sg.wgsl")
+    ),
+};
+
+/// gdn_step.wgsl's gdn_step_y with its row sums (`gs_rows`: the sum of v over the 8
+/// invocations of li's row group, the same bits on all 8) through workgroup memory, two
+/// barriers a sum, in the shuffles' order (any adapter). gdn.wgsl comes first for its
+/// `softplus_g`.
+pub const STEP_SHADER: Shader = Shader {
+    name: "gdn_step",
+    src: concat!(
+        include_str!("shaders/common.wgsl"),
+        include_str!("shaders/gdn.wgsl"),
+        "
+var<workgroup> gs_red: array<vec4<f32>, 256>;
+
+fn gs_rows(v: vec4<f32>, li: u32) -> vec4<f32> {
+    gs_red[li] = v;
+    workgroupBarrier();
+    let g = li & ~7u;
+    let s = ((gs_red[g] + gs_red[g + 4u]) + (gs_red[g + 2u] + gs_red[g + 6u]))
+        + ((gs_red[g + 1u] + gs_red[g + 5u]) + (gs_red[g + 3u] + gs_red[g + 7u]));
+    workgroupBarrier();
+    return s;
+}
+",
+        include_str!("shaders/gdn_step.wgsl")
+    ),
+};
+
+/// The subgroup module: gdn_step.wgsl with the row sums by a butterfly of shuffles (a row group
+/// is 8 consecutive lanes of one subgroup; lane 0 adds ((v0 + v4) + (v2 + v6)) + ((v1 + v5) +
+/// (v3 + v7)), as `STEP_SHADER`'s), and gdn_step_x.wgsl (the gated norm and out_proj's staging
+/// of x, through xq.wgsl's `xq_put`). Made only where the adapter has ordered subgroups of ≥ 8
+/// lanes (`step_sg`): wgpu rejects a module with subgroup builtins on a device without them.
+pub const STEP_SG_SHADER: Shader = Shader {
+    name: "gdn_step_sg",
+    src: concat!(
+        include_str!("shaders/common.wgsl"),
+        include_str!("shaders/q2x.wgsl"),
+        include_str!("shaders/xq_core.wgsl"),
+        include_str!("shaders/xq.wgsl"),
+        include_str!("shaders/gdn.wgsl"),
+        "
+fn gs_rows(v: vec4<f32>, li: u32) -> vec4<f32> {
+    let a = v + subgroupShuffleXor(v, 4u);
+    let b = a + subgroupShuffleXor(a, 2u);
+    return b + subgroupShuffleXor(b, 1u);
+}
+",
+        include_str!("shaders/gdn_step.wgsl"),
+        include_str!("shaders/gdn_step_x.wgsl")
     ),
 };
 
@@ -167,7 +226,24 @@ pub fn gated_delta_ex(
         return;
     }
     let p = params(d, rows, 0);
-    if fast(ctx, d) {
+    if rows == 1 && !fast(ctx, d) && step_y_takes(ctx, d) {
+        let (sh, groups) = (step_shader(ctx), hv * dv.div_ceil(32));
+        ctx.dispatch(
+            sh,
+            "gdn_step_y",
+            &step_params(d, dv.div_ceil(32)),
+            &[
+                &qkv.buf,
+                &b.buf,
+                &a.buf,
+                &out.buf,
+                &w.a_log.buf,
+                &w.dt_bias.buf,
+                &state.buf,
+            ],
+            groups as u32,
+        );
+    } else if fast(ctx, d) {
         let sg_groups = (hv * dv.div_ceil(SG_ROWS)) as u32;
         // gdn_prep's output: q, k (normed) as (k, k', q, q') per column pair, then (β, g, -, -)
         // per (token, head); a block whose scratch would pass the adapter's largest binding
@@ -243,6 +319,120 @@ pub fn gated_delta_ex(
         &p,
         &[&z.buf, &w.norm.buf, &out.buf],
         (rows * hv) as u32,
+    );
+}
+
+/// gdn_step.wgsl's parameter block (`GS`), `slices` workgroups a value head.
+fn step_params(d: &Dims, slices: usize) -> [u32; 12] {
+    let x = d.gdn_v_heads * d.gdn_v_dim;
+    [
+        d.gdn_k_heads as u32,
+        d.gdn_v_heads as u32,
+        d.gdn_k_dim as u32,
+        d.gdn_v_dim as u32,
+        slices as u32,
+        (x / 32) as u32,
+        (x / 16) as u32,
+        0,
+        d.eps.to_bits(),
+        (1.0 / (d.gdn_k_dim as f32).sqrt()).to_bits(),
+        0,
+        0,
+    ]
+}
+
+/// Whether gdn_step.wgsl's row sums run by shuffles: ordered subgroups (`subgroups`) of at
+/// least 8 lanes (a row group's 8 threads in one subgroup).
+fn step_sg(ctx: &Ctx) -> bool {
+    ctx.report.subgroups && ctx.report.subgroup_min >= 8
+}
+
+/// gdn_step_y's module: the shuffles' where `step_sg` (unless `LILY_WGPU_GDN_STEP=yw`), else
+/// workgroup memory's.
+fn step_shader(ctx: &Ctx) -> &'static Shader {
+    if step_sg(ctx) && ctx.sw.gdn_step.load(Ordering::Relaxed) != 3 {
+        &STEP_SG_SHADER
+    } else {
+        &STEP_SHADER
+    }
+}
+
+/// Whether a decode step's recurrence takes gdn_step_y (`LILY_WGPU_GDN_STEP` not 0): Dk a
+/// multiple of 4 (vec4 columns) up to 128 (8 threads × 4 vec4s).
+fn step_y_takes(ctx: &Ctx, d: &Dims) -> bool {
+    ctx.sw.gdn_step.load(Ordering::Relaxed) >= 1
+        && d.gdn_k_dim.is_multiple_of(4)
+        && d.gdn_k_dim <= MAX_DK
+}
+
+/// Whether a decode step's GDN mixer takes gdn_step_x (`gated_delta_x`; `LILY_WGPU_GDN_STEP`
+/// x, the default): gdn_step_y's shapes, ordered subgroups of ≥ 8 lanes (its row sums and
+/// xq_put's shuffles), a head of whole 4-bit words that one workgroup holds (Dv a multiple of
+/// 32 up to 128), and the 9 storage buffers it binds. The caller checks that out_proj reads the
+/// staged x (gemv_q6) of Hv · Dv inputs.
+pub fn step_x_takes(ctx: &Ctx, d: &Dims) -> bool {
+    ctx.sw.gdn_step.load(Ordering::Relaxed) == 2
+        && step_y_takes(ctx, d)
+        && step_sg(ctx)
+        && d.gdn_v_dim.is_multiple_of(32)
+        && d.gdn_v_dim <= 128
+        && d.gdn_v_heads % d.gdn_k_heads.max(1) == 0
+        && ctx.report.storage_buffers >= 9
+}
+
+/// One decode token's gated delta rule, its gated norm and out_proj's x staged into `xq` (row 0
+/// of q2x_stage's layouts, `matmul::xq_scratch`), in one launch (gdn_step_x.wgsl): y is never
+/// written. The caller checks `step_x_takes`; the shapes are checked here.
+#[allow(clippy::too_many_arguments)]
+pub fn gated_delta_x(
+    ctx: &Ctx,
+    qkv: &WBuf,
+    z: &WBuf,
+    b: &WBuf,
+    a: &WBuf,
+    w: &GdnParams<WBuf>,
+    state: &mut WBuf,
+    d: &Dims,
+    xq: &::wgpu::Buffer,
+) {
+    let (hk, hv, dk, dv) = (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim);
+    if hk == 0 || hv % hk != 0 {
+        return ctx.fail(format!(
+            "gated_delta_x: {hv} value heads over {hk} key heads: not a multiple"
+        ));
+    }
+    if !fits(
+        ctx,
+        "gated_delta_x",
+        &[
+            ("qkv", qkv, d.conv_channels()),
+            ("z", z, hv * dv),
+            ("b", b, hv),
+            ("a", a, hv),
+            ("a_log", &w.a_log, hv),
+            ("dt_bias", &w.dt_bias, hv),
+            ("the norm", &w.norm, dv),
+            ("the state", state, hv * dv * dk),
+        ],
+    ) {
+        return;
+    }
+    ctx.dispatch(
+        &STEP_SG_SHADER,
+        "gdn_step_x",
+        &step_params(d, 1),
+        &[
+            &qkv.buf,
+            &b.buf,
+            &a.buf,
+            xq,
+            &w.a_log.buf,
+            &w.dt_bias.buf,
+            &state.buf,
+            &z.buf,
+            &w.norm.buf,
+        ],
+        hv as u32,
     );
 }
 

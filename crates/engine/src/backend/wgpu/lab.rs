@@ -41,6 +41,7 @@ pub const CASES: &[&str] = &[
     "experts",
     "gemm",
     "moe_mm",
+    "gdn_step",
 ];
 
 /// Dispatches in one timed pass at most (the device submits at 256).
@@ -739,6 +740,9 @@ impl Wgpu {
         if want_case("moe_mm") {
             rows.extend(self.lab_moe_mm(cfg, calls, print)?);
         }
+        if want_case("gdn_step") {
+            rows.extend(self.lab_gdn_step(cfg, calls, cycle, print)?);
+        }
         ctx.check()?;
         Ok(rows)
     }
@@ -938,6 +942,135 @@ impl Wgpu {
             }
         }
         ctx.sw.moe_mm8.store(saved, Ordering::Relaxed);
+        Ok(res)
+    }
+
+    /// Case "gdn_step": a decode token's recurrence and the staging of out_proj's x at the
+    /// preset's GDN shape, each `LILY_WGPU_GDN_STEP` path: `old` gdn_recur then q2x_stage's
+    /// xmode 3 (the gated norm as it stages x), `y` gdn_step_y then the same q2x_stage, `x`
+    /// gdn_step_x alone (where the adapter takes it); also each recurrence alone (`recur`,
+    /// `step_y`) and q2x_stage alone (`stage`). Over enough copies of the 2 MB-a-layer state
+    /// that a cycle reads `cycle` bytes (the step's own state is not in the cache either: 30
+    /// layers' weights pass between two of its uses). `bytes` is the state read and written;
+    /// `check` is max |state − old's| / max |old's| after one call of each path from the same
+    /// state.
+    fn lab_gdn_step(
+        &self,
+        cfg: &Config,
+        calls: usize,
+        cycle: usize,
+        print: &mut dyn FnMut(&LabRow),
+    ) -> Result<Vec<LabRow>> {
+        use crate::backend::GdnParams;
+        let ctx = &self.ctx;
+        let saved = ctx.sw.gdn_step.load(Ordering::Relaxed);
+        let d = Dims::from_config(cfg);
+        let (hk, hv, dk, dv) = (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim);
+        let c = d.conv_channels();
+        let n = hv * dv * dk;
+        let copies = cycle.div_ceil(4 * n).clamp(2, 64);
+        let init = floats(n, 701, -0.05, 0.05);
+        let states: Vec<WBuf> = (0..copies)
+            .map(|_| self.lab_buf(&init))
+            .collect::<Result<_>>()?;
+        let qkv = self.lab_buf(&floats(c, 702, -1.0, 1.0))?;
+        let z = self.lab_buf(&floats(hv * dv, 703, -1.0, 1.0))?;
+        let b = self.lab_buf(&floats(hv, 704, -1.5, 1.5))?;
+        let a = self.lab_buf(&floats(hv, 705, -1.5, 1.5))?;
+        let w = GdnParams {
+            a_log: self.lab_buf(&floats(hv, 706, 1.0, 2.5))?,
+            dt_bias: self.lab_buf(&floats(hv, 707, -1.0, 1.0))?,
+            norm: self.lab_buf(&floats(dv, 708, 0.9, 1.1))?,
+        };
+        let y = self.lab_buf(&vec![0.0; hv * dv])?;
+        let xq = super::matmul::xq_scratch(ctx, 1, hv * dv)?;
+        let spare = &ctx.spare[4];
+        // q2x_stage in xmode 3 alone (as gemv_many runs it before out_proj's gemv_q6).
+        let stage = || {
+            let xp = [(hv * dv) as u32, 1, 3, d.eps.to_bits(), dv as u32, 0, 0, 0];
+            ctx.dispatch(
+                &super::matmul::XQ_SHADER,
+                "q2x_stage",
+                &xp,
+                &[&y.buf, &z.buf, spare, &xq, &w.norm.buf],
+                1,
+            );
+        };
+        let recur = |i: usize| {
+            let mut st = WBuf {
+                buf: states[i % copies].buf.clone(),
+                len: n,
+            };
+            let mut yb = WBuf {
+                buf: y.buf.clone(),
+                len: y.len,
+            };
+            super::gdn::gated_delta_ex(ctx, &qkv, &z, &b, &a, &w, &mut st, &d, 1, &mut yb, false);
+        };
+        let fused = |i: usize| {
+            let mut st = WBuf {
+                buf: states[i % copies].buf.clone(),
+                len: n,
+            };
+            super::gdn::gated_delta_x(ctx, &qkv, &z, &b, &a, &w, &mut st, &d, &xq);
+        };
+        let mut res = Vec::new();
+        let mut reference: Option<Vec<f32>> = None;
+        let x_ok = {
+            ctx.sw.gdn_step.store(2, Ordering::Relaxed);
+            super::gdn::step_x_takes(ctx, &d)
+        };
+        // (name, GDN_STEP code, what a call runs: 0 the recurrence, 1 it and q2x_stage, 2 the
+        // fused kernel, 3 q2x_stage alone)
+        let variants: [(&str, u32, u32); 6] = [
+            ("old", 0, 1),
+            ("y", 1, 1),
+            ("x", 2, 2),
+            ("recur", 0, 0),
+            ("step_y", 1, 0),
+            ("stage", 0, 3),
+        ];
+        for (name, code, what) in variants {
+            if what == 2 && !x_ok {
+                eprintln!("lab: gdn_step x skipped: the adapter or the shape does not take it");
+                continue;
+            }
+            ctx.sw.gdn_step.store(code, Ordering::Relaxed);
+            let call = |i: usize| match what {
+                0 => recur(i),
+                1 => {
+                    recur(i);
+                    stage();
+                }
+                2 => fused(i),
+                _ => stage(),
+            };
+            let op_s = lab_median(ctx, calls, &call)?;
+            // One call from the initial state: the state it leaves against old's.
+            let check = if what != 3 {
+                ctx.flush();
+                ctx.queue.write_buffer(&states[0].buf, 0, as_bytes(&init));
+                call(0);
+                let got = lab_floats(ctx, &states[0])?;
+                let want = reference.get_or_insert_with(|| got.clone());
+                Some(lab_rel(&got, want))
+            } else {
+                None
+            };
+            let row = LabRow {
+                case: "gdn_step",
+                variant: format!("{name} Hk {hk} Hv {hv} Dk {dk} Dv {dv}"),
+                bytes: if what == 3 { 0 } else { 2 * 4 * n },
+                copies,
+                calls,
+                op_s,
+                read_s: None,
+                check,
+            };
+            print(&row);
+            res.push(row);
+        }
+        ctx.sw.gdn_step.store(saved, Ordering::Relaxed);
         Ok(res)
     }
 }

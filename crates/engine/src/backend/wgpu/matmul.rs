@@ -387,6 +387,16 @@ pub enum XIn<'a> {
         eps: f32,
         hd: usize,
     },
+    /// gemv_q6 only (`q6_takes`): x already staged in q2x_stage's layouts in `xq` (from
+    /// `xq_scratch`; gdn.rs `gated_delta_x` writes it), so no q2x_stage runs and the `x` given
+    /// to `gemv_many` is not read.
+    Staged { xq: &'a ::wgpu::Buffer },
+}
+
+/// The scratch q2x_stage stages `rows` rows of x of `inp` elements into (xq.wgsl's layouts),
+/// for a kernel that stages x itself before `gemv_many` with `XIn::Staged`.
+pub fn xq_scratch(ctx: &Ctx, rows: usize, inp: usize) -> Result<::wgpu::Buffer> {
+    ctx.scratch("gemv_xq", (16 * rows * xq_row(inp)) as u64)
 }
 
 /// How `gemv_v4` writes its outputs.
@@ -494,6 +504,10 @@ pub fn gemv_many(
             return ctx.fail("gemv_many: the gated norm without gemv_q6".to_string())
         }
         XIn::GatedNorm { z, eps, .. } => (3, *eps, &z.buf, &dummies[4]),
+        XIn::Staged { .. } if !q6 => {
+            return ctx.fail("gemv_many: a staged x without gemv_q6".to_string())
+        }
+        XIn::Staged { .. } => (0, 0.0, &dummies[3], &dummies[4]),
     };
     let (om, r, s) = match &omode {
         OutMode::Store => (0u32, &dummies[5], &dummies[6]),
@@ -528,7 +542,7 @@ pub fn gemv_many(
         });
     }
     bufs.extend([aux, xn, r, s]);
-    if q6 && q7_takes(ctx, ws, rows, xmode, om) {
+    if q6 && !matches!(xin, XIn::Staged { .. }) && q7_takes(ctx, ws, rows, xmode, om) {
         // gemv_q7 stages x itself: as it is at binding 13, the norm's weights at vr (binding
         // 20: aux may hold the conv's), u at aux; the conv's weights and state at aux and xn.
         if xmode == 1 {
@@ -543,25 +557,31 @@ pub fn gemv_many(
     }
     if q6 {
         let inp = ws[0].inp;
-        let xq = match ctx.scratch("gemv_xq", (16 * rows * xq_row(inp)) as u64) {
-            Ok(b) => b,
-            Err(e) => return ctx.fail(format!("gemv_q6: {e:#}")),
+        let staged;
+        let xq = if let XIn::Staged { xq } = &xin {
+            *xq
+        } else {
+            staged = match xq_scratch(ctx, rows, inp) {
+                Ok(b) => b,
+                Err(e) => return ctx.fail(format!("gemv_q6: {e:#}")),
+            };
+            // q2x_stage takes the x mode; gemv_q6 reads the staged x as it is.
+            let (hd, gw) = match &xin {
+                XIn::GatedNorm { hd, w, .. } => (*hd as u32, &w.buf),
+                _ => (0, &dummies[5]),
+            };
+            let xp = [inp as u32, rows as u32, xmode, eps.to_bits(), hd, 0, 0, 0];
+            ctx.dispatch(
+                &XQ_SHADER,
+                "q2x_stage",
+                &xp,
+                &[&x.buf, aux, xn, &staged, gw],
+                rows as u32,
+            );
+            &staged
         };
-        // q2x_stage takes the x mode; gemv_q6 reads the staged x as it is.
-        let (hd, gw) = match &xin {
-            XIn::GatedNorm { hd, w, .. } => (*hd as u32, &w.buf),
-            _ => (0, &dummies[5]),
-        };
-        let xp = [inp as u32, rows as u32, xmode, eps.to_bits(), hd, 0, 0, 0];
-        ctx.dispatch(
-            &XQ_SHADER,
-            "q2x_stage",
-            &xp,
-            &[&x.buf, aux, xn, &xq, gw],
-            rows as u32,
-        );
         p[xmode_at] = 0;
-        bufs[12] = &xq;
+        bufs[12] = xq;
         // gemv_q6 does not read x's mode: the conv's weights and state take aux's and xn's
         // bindings.
         if let OutMode::Conv { w, state } = &omode {

@@ -143,6 +143,18 @@ impl Wgpu {
             .q6_min_kb
             .store(kb, std::sync::atomic::Ordering::Relaxed);
     }
+    /// Takes a decode step's gated delta rule named (`LILY_WGPU_GDN_STEP`'s values: `0`, `y`,
+    /// `x`, `yw`) from now on, for tests and `lily lab`.
+    pub fn set_gdn_step(&self, name: &str) -> Result<()> {
+        let Some(c) = device::gdn_step_code(name) else {
+            bail!("unknown GDN step `{name}` (0, y, x or yw)");
+        };
+        self.ctx
+            .sw
+            .gdn_step
+            .store(c, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
     /// Takes the decode GEMV named (`v4`, `v5`, `v6`, `rw1`, `rw2`, `rw4`, `xs`:
     /// `LILY_WGPU_GEMV`'s values) from now on; tests compare them on one device.
     pub fn set_gemv(&self, name: &str) -> Result<()> {
@@ -567,6 +579,26 @@ impl Backend for Wgpu {
             && w.out_proj.inp == hv * dv
             && h.len >= w.out_proj.out
             && matmul::q6_takes(&self.ctx, &[w.out_proj]);
+        // The recurrence, the gated norm and out_proj's staging of x in one launch
+        // (gdn_step_x; LILY_WGPU_GDN_STEP=y or 0: the recurrence, then q2x_stage's xmode 3).
+        if gated && gdn::step_x_takes(&self.ctx, d) {
+            let xq = match matmul::xq_scratch(&self.ctx, 1, w.out_proj.inp) {
+                Ok(b) => b,
+                Err(e) => return self.ctx.fail(format!("gdn_mixer_decode_add: {e:#}")),
+            };
+            gdn::gated_delta_x(&self.ctx, t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, &xq);
+            let xin = XIn::Staged { xq: &xq };
+            return matmul::gemv_many(
+                &self.ctx,
+                t.y,
+                &[w.out_proj],
+                0,
+                1,
+                &mut [h],
+                xin,
+                OutMode::Add,
+            );
+        }
         gdn::gated_delta_ex(
             &self.ctx, t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, 1, t.y, !gated,
         );

@@ -24,6 +24,7 @@
 //   in workgroup memory in part order: the CPU's 8-lane sums (lane = c mod 8) in its order.
 //   Bindings: 1 qkv, 2 b, 3 a, 4 a_log, 5 dt_bias, 6 state (rw), 7 out (rw).
 //   The fallback: where the adapter has subgroups, gdn_sg.wgsl's kernels run instead (gdn.rs).
+//   A decode step takes gdn_step.wgsl's kernels (gdn.rs; LILY_WGPU_GDN_STEP=0: this one).
 //
 // gdn_prep (the per-token work of the recurrence that does not depend on the state, done once
 //   for all tokens in parallel before gdn_sg.wgsl's scan, so that its sequential loop is only the

@@ -96,6 +96,36 @@ fn xq_head_norms(xrow: u32, li: u32) {
     workgroupBarrier();
 }
 
+// Thread i's 8 elements of a row of x (elements 8i .. 8i + 3 in xl, 8i + 4 .. 8i + 7 in xh)
+// quantized (xq_core.wgsl xq_words) and written in both of gemv_q6's layouts at the row's
+// bases b4 (4-bit words, w4 of them) and b8 (8-bit words, w8). Every lane of those words calls
+// it (xq_words' shuffles); `on` says whether this thread's i is in the row (a thread past it
+// brings zeros and writes nothing). q2x_stage and gdn_step_x.wgsl (the GDN layer's gated norm
+// staging out_proj's x) share it.
+fn xq_put(i: u32, on: bool, xl: vec4<f32>, xh: vec4<f32>, b4: u32, w4: u32, b8: u32, w8: u32) {
+    let w = xq_words(xl, xh);
+    if (on) {
+        let u = i / 4u;
+        let j = i % 4u;
+        qq[b4 + u][j] = w.q4.x;
+        qq[b4 + w4 + u][j] = w.q4.y;
+        qq[b4 + 2u * w4 + u][j] = w.q4.z;
+        qq[b4 + 3u * w4 + u][j] = w.q4.w;
+        if (j == 0u) {
+            qq[b4 + 4u * w4 + u] = vec4<u32>(w.m4, 0u, 0u);
+        }
+        let v = 2u * u + j / 2u;
+        let p = 2u * (j % 2u);
+        qq[b8 + v][p] = w.q8.x;
+        qq[b8 + v][p + 1u] = w.q8.y;
+        qq[b8 + w8 + v][p] = w.q8.z;
+        qq[b8 + w8 + v][p + 1u] = w.q8.w;
+        if (p == 0u) {
+            qq[b8 + 2u * w8 + v] = vec4<u32>(w.m8, 0u);
+        }
+    }
+}
+
 @compute @workgroup_size(256)
 fn q2x_stage(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32,
              @builtin(subgroup_size) sg_size: u32, @builtin(subgroup_invocation_id) lane: u32) {
@@ -175,28 +205,6 @@ fn q2x_stage(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
                 qxn[xrow + 2u * i + 1u] = xh;
             }
         }
-        let w = xq_words(xl, xh);
-        if (on) {
-            let u = i / 4u;
-            let j = i % 4u;
-            // Nibble k of a u32 of codes is element k: the even ones meet the low nibbles'
-            // bytes, the odd ones the high nibbles'.
-            qq[b4 + u][j] = w.q4.x;
-            qq[b4 + w4 + u][j] = w.q4.y;
-            qq[b4 + 2u * w4 + u][j] = w.q4.z;
-            qq[b4 + 3u * w4 + u][j] = w.q4.w;
-            if (j == 0u) {
-                qq[b4 + 4u * w4 + u] = vec4<u32>(w.m4, 0u, 0u);
-            }
-            let v = 2u * u + j / 2u;
-            let p = 2u * (j % 2u);
-            qq[b8 + v][p] = w.q8.x;
-            qq[b8 + v][p + 1u] = w.q8.y;
-            qq[b8 + w8 + v][p] = w.q8.z;
-            qq[b8 + w8 + v][p + 1u] = w.q8.w;
-            if (p == 0u) {
-                qq[b8 + 2u * w8 + v] = vec4<u32>(w.m8, 0u);
-            }
-        }
+        xq_put(i, on, xl, xh, b4, w4, b8, w8);
     }
 }
