@@ -678,7 +678,7 @@ impl Wgpu {
                     if fused {
                         let l = with_route.then(|| &logits[i % nroutes]);
                         super::moe::moe_decode_shared(
-                            ctx, &x, r, &gate, &up, &down, &sh, &d, &mut h, l,
+                            ctx, &x, r, &gate, &up, &down, &sh, &d, &mut h, l, None,
                         );
                         return;
                     }

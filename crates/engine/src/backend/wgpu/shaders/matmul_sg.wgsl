@@ -30,35 +30,7 @@
 // The norm mode: every team takes the row's sum of squares itself (8 KB), so no barrier
 // separates it from the weights; the first workgroup of each row writes xn.
 
-// Subgroup totals of a team wider than its subgroup: 4 rows each, at most 256 / 4 subgroups.
-var<workgroup> rw_red: array<vec4<f32>, 64>;
-// The subgroup width, made uniform for the analysis (workgroupUniformLoad).
-var<workgroup> rw_sg: u32;
-
-// The sum of v over this invocation's team of T lanes, every lane of the team getting it.
-// Called in uniform control flow (sg and T uniform).
-fn team_sum(v: vec4<f32>, li: u32, lane_sg: u32, T: u32, sg: u32) -> vec4<f32> {
-    var s = v;
-    let w = min(T, sg);
-    for (var o = 1u; o < w; o <<= 1u) {
-        s += subgroupShuffleXor(s, o);
-    }
-    if (sg >= T) {
-        return s;
-    }
-    workgroupBarrier();
-    if (lane_sg == 0u) {
-        rw_red[li / sg] = s;
-    }
-    workgroupBarrier();
-    let per = T / sg;
-    let first = (li / T) * per;
-    var t = vec4<f32>(0.0);
-    for (var i = 0u; i < per; i++) {
-        t += rw_red[first + i];
-    }
-    return t;
-}
+// team_sum, rw_red and rw_sg: q2x_sg.wgsl (shared with the MoE block's xq kernels).
 
 // gemv_xs: the matrix slot of this workgroup (uniform), for the epilogue.
 var<private> xs_mi: u32;

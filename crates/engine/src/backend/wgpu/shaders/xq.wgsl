@@ -102,12 +102,6 @@ fn xq_head_norms(xrow: u32, li: u32) {
     workgroupBarrier();
 }
 
-// The two levels of y = x / d (|y| ≤ 127): q1 = round(y), q2 = round((y − q1) · 254).
-fn xq_levels(y: vec4<f32>) -> array<vec4<f32>, 2> {
-    let q1 = round(y);
-    return array<vec4<f32>, 2>(q1, round((y - q1) * 254.0));
-}
-
 @compute @workgroup_size(256)
 fn q2x_stage(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32,
              @builtin(subgroup_size) sg_size: u32, @builtin(subgroup_invocation_id) lane: u32) {
@@ -187,45 +181,25 @@ fn q2x_stage(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
                 qxn[xrow + 2u * i + 1u] = xh;
             }
         }
-        let am = max(abs(xl), abs(xh));
-        let a8 = max(max(am.x, am.y), max(am.z, am.w));
-        let s8 = dot(xl + xh, vec4<f32>(1.0));
-        // The 8-bit word's pair of threads (lanes i, i ^ 1), then the 4-bit word's four.
-        let a16 = max(a8, subgroupShuffleXor(a8, 1u));
-        let s16 = s8 + subgroupShuffleXor(s8, 1u);
-        let a32 = max(a16, subgroupShuffleXor(a16, 2u));
-        let s32 = s16 + subgroupShuffleXor(s16, 2u);
-        // 8-bit: against the 16 elements' max; the word's correction summed over its pair.
-        let inv8 = select(0.0, 127.0 / a16, a16 > 0.0);
-        let lo8 = xq_levels(xl * inv8);
-        let hi8 = xq_levels(xh * inv8);
-        let one = vec4<f32>(1.0);
-        let c = (i32(dot(lo8[0] + hi8[0], one)) * 254 + i32(dot(lo8[1] + hi8[1], one))) * 128;
-        let cw = c + subgroupShuffleXor(c, 1u);
-        // 4-bit: against the 32 elements' max.
-        let inv4 = select(0.0, 127.0 / a32, a32 > 0.0);
-        let lo = xq_levels(xl * inv4);
-        let hi = xq_levels(xh * inv4);
+        let q = q2x_words(xl, xh);
         if (on) {
             let u = i / 4u;
             let j = i % 4u;
-            // Nibble k of a u32 of codes is element k: the even ones meet the low nibbles'
-            // bytes, the odd ones the high nibbles'.
-            qq[b4 + u][j] = g5_pack(vec4<f32>(lo[0].x, lo[0].z, hi[0].x, hi[0].z));
-            qq[b4 + w4 + u][j] = g5_pack(vec4<f32>(lo[0].y, lo[0].w, hi[0].y, hi[0].w));
-            qq[b4 + 2u * w4 + u][j] = g5_pack(vec4<f32>(lo[1].x, lo[1].z, hi[1].x, hi[1].z));
-            qq[b4 + 3u * w4 + u][j] = g5_pack(vec4<f32>(lo[1].y, lo[1].w, hi[1].y, hi[1].w));
+            qq[b4 + u][j] = q.w4.x;
+            qq[b4 + w4 + u][j] = q.w4.y;
+            qq[b4 + 2u * w4 + u][j] = q.w4.z;
+            qq[b4 + 3u * w4 + u][j] = q.w4.w;
             if (j == 0u) {
-                qq[b4 + 4u * w4 + u] = vec4<u32>(bitcast<u32>(a32 / (127.0 * 254.0)), bitcast<u32>(s32), 0u, 0u);
+                qq[b4 + 4u * w4 + u] = q.m4;
             }
             let v = 2u * u + j / 2u;
             let p = 2u * (j % 2u);
-            qq[b8 + v][p] = g5_pack(lo8[0]);
-            qq[b8 + v][p + 1u] = g5_pack(hi8[0]);
-            qq[b8 + w8 + v][p] = g5_pack(lo8[1]);
-            qq[b8 + w8 + v][p + 1u] = g5_pack(hi8[1]);
+            qq[b8 + v][p] = q.w8.x;
+            qq[b8 + v][p + 1u] = q.w8.y;
+            qq[b8 + w8 + v][p] = q.w8.z;
+            qq[b8 + w8 + v][p + 1u] = q.w8.w;
             if (p == 0u) {
-                qq[b8 + 2u * w8 + v] = vec4<u32>(bitcast<u32>(a16 / (127.0 * 254.0)), bitcast<u32>(s16), bitcast<u32>(cw), 0u);
+                qq[b8 + 2u * w8 + v] = q.m8;
             }
         }
     }
