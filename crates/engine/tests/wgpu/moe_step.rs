@@ -21,6 +21,15 @@
 //! unfused one's). MOE_TOL = 5e-4 keeps over 4× above that, below Q2X_TOL (whose 1e-3 is for
 //! one-output matrices), fails x at one int8 level (~4e-3) by 8×, and a wrong slot, weight or
 //! gate or a missing shared expert moves the output by O(1e-1).
+//!
+//! Each case runs with every kernel set of the fused block (`XQ_MODES`): moe_xq.wgsl's
+//! moe_gate_up_x (x as q2x_stage staged it: the same two int8 levels) and moe_down_x (act in
+//! two int8 levels too, quantized in gate|up's epilogue: each element within max |act| / 64,516
+//! of its 32-element word), in several team shapes, its gate|up with moe_down_s, and
+//! moe_step.wgsl's. The same bound holds for all: on lavapipe the xq sets measure 2.5e-5 to
+//! 1.4e-4 at the model's shapes and up to 1.65e-4 on the top-1 stack of width 128, against
+//! 3e-5 to 1.2e-4 for moe_step.wgsl's; the route moe_gate_up_x writes (gx_route: fewer
+//! barriers, candidates only) is asserted bit-equal to moe_route's like gs_route's.
 
 use super::*;
 use lily::backend::cpu::moe::Route as CpuRoute;
@@ -35,6 +44,21 @@ const MOE_TOL: f32 = 5e-4;
 fn fusable(g: &Wgpu) -> bool {
     let r = g.report();
     r.storage_buffers >= 17 && r.workgroup_storage >= 20 * 1024
+}
+
+/// The fused block's kernel sets the tests run (`LILY_WGPU_MOE_XQ`, `LILY_WGPU_MOE_XQ_SHAPE`).
+const XQ_MODES: [(u32, &str); 5] = [
+    (2, "32,16,2"),
+    (2, "8,8,1"),
+    (2, "16,4,4"),
+    (1, "32,16,2"),
+    (0, "32,16,2"),
+];
+
+fn set_xq(g: &Wgpu, mode: u32, shape: &str) {
+    g.set_moe_xq(mode);
+    assert!(g.set_moe_xq_shape(shape), "moe_xq shape {shape}");
+    eprintln!("moe_xq mode {mode} shape {shape}");
 }
 
 /// `m` with row r a copy of row `src(r)` (codes, scales and biases: whole u32 words a row).
@@ -300,7 +324,14 @@ fn step_case(
         comp.launches, unfused,
         "{what}: the unfused sequence's launches"
     );
-    let expect = if takes && fusable(g) { 2 + r } else { unfused };
+    // moe_gate_up_x reads the router's staging of x, or stages x itself (one launch more)
+    // where the router's GEMV ran without one.
+    let xq = g.moe_xq_takes(hid, width, d.top_k).0;
+    let expect = if takes && fusable(g) {
+        2 + r + (xq && r == 1) as u64
+    } else {
+        unfused
+    };
     assert_eq!(
         fused.launches, expect,
         "{what}: the fused sequence's launches"
@@ -383,8 +414,10 @@ fn decode_case(
         for fuse in [true, false] {
             let (got, launches) = gpu_decode(g, fuse, &x, &gr, gm, logit, d);
             let unfused = 2 + g.gemv_launches(&[gm[3], gm[4]]) + g.gemv_launches(&[gm[5]]);
+            // moe_gate_up_x stages x first (q2x_stage: moe_decode_add has no router).
+            let xq = g.moe_xq_takes(d.hidden, g.mat_shape(gm[0]).0, d.top_k).0;
             let expect = if fuse && takes && fusable(g) {
-                2
+                2 + xq as u64
             } else {
                 unfused
             };
@@ -436,47 +469,56 @@ fn moe_block_fused_matches_the_cpu() {
     let gmv = upload6(&g, mr);
     let gm = [&gmv[0], &gmv[1], &gmv[2], &gmv[3], &gmv[4], &gmv[5]];
 
-    // moe_step_add on random routers.
-    for token in 0..3 {
-        let router = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
-        step_case(
-            &g,
-            &mut rng,
-            &router,
-            mr,
-            gm,
-            &d,
-            true,
-            &format!("token {token}"),
-        );
-    }
-    // Ties: rows in triples, the logits of a triple the same bits (the same dot products).
-    let base = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
-    let triples = copy_rows(&base, |r| r - r % 3);
-    let out = step_case(&g, &mut rng, &triples, mr, gm, &d, true, "ties in triples");
-    for &i in &out.ids {
-        let first = (i - i % 3) as usize;
-        assert_eq!(
-            out.logits[i as usize].to_bits(),
-            out.logits[first].to_bits(),
-            "the triple of expert {i} has unequal logits: no ties tested"
-        );
-    }
-    // 8 is no multiple of 3 (and 255 is alone): the top-8's edge splits a triple, whose lower
-    // ids must be the ones taken.
-    let split = out.ids.iter().any(|&i| {
-        let first = i - i % 3;
-        (first..(first + 3).min(e as u32)).any(|j| !out.ids.contains(&j))
-    });
-    assert!(split, "no tie at the top-8's edge: {:?}", out.ids);
-    // Every logit equal: the route is experts 0..k, each weighing 1/k.
-    let same = copy_rows(&base, |_| 0);
-    let out = step_case(&g, &mut rng, &same, mr, gm, &d, true, "all logits equal");
-    assert_eq!(out.ids, (0..d.top_k as u32).collect::<Vec<_>>());
-    assert!(out.w.iter().all(|&w| w == 1.0 / d.top_k as f32));
+    // Every kernel set of the fused block: moe_xq.wgsl's (moe_gate_up_x, moe_down_x) in the
+    // default shape and in others (teams of 8 lanes, one a down output: shuffles alone on 8-lane
+    // subgroups; 16-lane teams, 4 of down: team_sum through workgroup memory here), its gate|up
+    // with moe_down_s, and moe_step.wgsl's (LILY_WGPU_MOE_XQ=0).
+    for (mode, shape) in XQ_MODES {
+        set_xq(&g, mode, shape);
+        // moe_step_add on random routers.
+        for token in 0..3 {
+            let router = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
+            step_case(
+                &g,
+                &mut rng,
+                &router,
+                mr,
+                gm,
+                &d,
+                true,
+                &format!("token {token}"),
+            );
+        }
+        // Ties: rows in triples, the logits of a triple the same bits (the same dot products).
+        let base = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
+        let triples = copy_rows(&base, |r| r - r % 3);
+        let out = step_case(&g, &mut rng, &triples, mr, gm, &d, true, "ties in triples");
+        for &i in &out.ids {
+            let first = (i - i % 3) as usize;
+            assert_eq!(
+                out.logits[i as usize].to_bits(),
+                out.logits[first].to_bits(),
+                "the triple of expert {i} has unequal logits: no ties tested"
+            );
+        }
+        // 8 is no multiple of 3 (and 255 is alone): the top-8's edge splits a triple, whose lower
+        // ids must be the ones taken.
+        let split = out.ids.iter().any(|&i| {
+            let first = i - i % 3;
+            (first..(first + 3).min(e as u32)).any(|j| !out.ids.contains(&j))
+        });
+        assert!(split, "no tie at the top-8's edge: {:?}", out.ids);
+        // Every logit equal: the route is experts 0..k, each weighing 1/k.
+        let same = copy_rows(&base, |_| 0);
+        let out = step_case(&g, &mut rng, &same, mr, gm, &d, true, "all logits equal");
+        assert_eq!(out.ids, (0..d.top_k as u32).collect::<Vec<_>>());
+        assert!(out.w.iter().all(|&w| w == 1.0 / d.top_k as f32));
 
-    // moe_decode_add with the shared slot (2 launches; 4 unfused).
-    decode_case(&g, &mut rng, mr, gm, &d, true, "4-bit");
+        // moe_decode_add with the shared slot (2 launches; 4 unfused).
+        decode_case(&g, &mut rng, mr, gm, &d, true, "4-bit");
+    }
+    set_xq(&g, 2, "32,16,2");
+
     // Shared experts the fused kernels do not take: the unfused launches, the same results.
     let others = [
         ("shared 8-bit", 8u32, 64usize, false),
@@ -529,9 +571,13 @@ fn moe_block_fused_other_shapes() {
         let mr = [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]];
         let gmv = upload6(&g, mr);
         let gm = [&gmv[0], &gmv[1], &gmv[2], &gmv[3], &gmv[4], &gmv[5]];
-        let what = format!("{bits}-bit {e}×[{width}, {hid}] top-{k}");
-        let router = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
-        step_case(&g, &mut rng, &router, mr, gm, &d, true, &what);
-        decode_case(&g, &mut rng, mr, gm, &d, true, &what);
+        for (mode, shape) in XQ_MODES {
+            set_xq(&g, mode, shape);
+            let what = format!("{bits}-bit {e}×[{width}, {hid}] top-{k} xq {mode} {shape}");
+            let router = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
+            step_case(&g, &mut rng, &router, mr, gm, &d, true, &what);
+            decode_case(&g, &mut rng, mr, gm, &d, true, &what);
+        }
+        set_xq(&g, 2, "32,16,2");
     }
 }

@@ -70,6 +70,7 @@ pub fn shaders() -> Vec<Shader> {
         super::gdn::STEP_SG_SHADER,
         super::moe::SHADER,
         super::moe::MM8_SHADER,
+        super::moe::XQ_SHADER,
         super::output::SHADER,
         super::lab::SHADER,
         SG_PROBE,
@@ -285,6 +286,21 @@ pub(super) struct Switches {
     /// residual add (3; moe_decode_add alone: 2 instead of 4). Atomic so that tests and `lily
     /// lab` compare both in one process.
     pub moe_fuse: std::sync::atomic::AtomicBool,
+    /// `LILY_WGPU_MOE_XQ=0`: the fused decode MoE block (moe_fuse) by moe_step.wgsl's
+    /// moe_gate_up_s and moe_down_s (x quantized in every gate|up workgroup, act staged in f32
+    /// in every down workgroup) instead of moe_xq.wgsl's moe_gate_up_x and moe_down_x (x as the
+    /// router's q2x_stage staged it, act quantized once in gate|up's epilogue, teams of lanes
+    /// and shuffles as gemv_q6; the route by fewer barriers); `gate`: moe_gate_up_x with
+    /// moe_down_s. Where the adapter has ordered subgroups of one width. Stored as 0 (off), 1
+    /// (gate) or 2 (both, the default); atomic so that tests and `lily lab` compare them in one
+    /// process.
+    pub moe_xq: AtomicU32,
+    /// `LILY_WGPU_MOE_XQ_SHAPE=G,D,S` (default 32,16,2): moe_gate_up_x's lanes a team (8, 16 or
+    /// 32: G / 8 outputs a team, 32 a workgroup), moe_down_x's lanes a team (4, 8 or 16: one
+    /// output each; fewer when a row of down has fewer code words) and its teams an output (1,
+    /// 2 or 4, each a range of the routed slots). Packed G | D << 8 | S << 16; atomic for `lily
+    /// lab`.
+    pub moe_xq_shape: AtomicU32,
     /// `LILY_WGPU_AHEAD=0`: a replayed decode step encoded when the runtime asks for it, not
     /// ahead (the host's encoding of ~450 dispatches then leaves the device idle between steps).
     pub ahead: bool,
@@ -362,6 +378,17 @@ impl Switches {
             attn_tile: on("LILY_WGPU_ATTN_TILE"),
             moe_q: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_MOE_Q")),
             moe_fuse: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_MOE_FUSE")),
+            moe_xq: AtomicU32::new(match std::env::var("LILY_WGPU_MOE_XQ").as_deref() {
+                Ok("0") => 0,
+                Ok("gate") => 1,
+                _ => 2,
+            }),
+            moe_xq_shape: AtomicU32::new(
+                std::env::var("LILY_WGPU_MOE_XQ_SHAPE")
+                    .ok()
+                    .and_then(|v| moe_xq_shape_code(&v))
+                    .unwrap_or(MOE_XQ_SHAPE),
+            ),
             checks: std::env::var("LILY_WGPU_CHECKS").as_deref() == Ok("1"),
             zero_wg: std::env::var("LILY_WGPU_ZERO_WG").as_deref() == Ok("1"),
             gemm: AtomicU32::new(
@@ -374,6 +401,22 @@ impl Switches {
                 std::env::var("LILY_WGPU_MOE_MM").as_deref() == Ok("mm8"),
             ),
         }
+    }
+}
+
+/// moe_gate_up_x's and moe_down_x's default shape (`Switches::moe_xq_shape`): 32 lanes a
+/// gate|up team (4 outputs), 16 lanes a down team, 2 teams a down output.
+pub(super) const MOE_XQ_SHAPE: u32 = 32 | 16 << 8 | 2 << 16;
+
+/// `Switches::moe_xq_shape`'s code for `G,D,S` (`LILY_WGPU_MOE_XQ_SHAPE`), `None` if not one.
+pub(super) fn moe_xq_shape_code(v: &str) -> Option<u32> {
+    let n: Vec<u32> = v
+        .split(',')
+        .map(|x| x.trim().parse().ok())
+        .collect::<Option<_>>()?;
+    match n[..] {
+        [g @ (8 | 16 | 32), d @ (4 | 8 | 16), s @ (1 | 2 | 4)] => Some(g | d << 8 | s << 16),
+        _ => None,
     }
 }
 

@@ -77,7 +77,7 @@ pub const STEP_SG_SHADER: Shader = Shader {
     src: concat!(
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/q2x.wgsl"),
-        include_str!("shaders/xq_core.wgsl"),
+        include_str!("shaders/q2x_sg.wgsl"),
         include_str!("shaders/xq.wgsl"),
         include_str!("shaders/gdn.wgsl"),
         "

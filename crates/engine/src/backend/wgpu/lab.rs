@@ -661,14 +661,43 @@ impl Wgpu {
             if !slot_ok {
                 eprintln!("lab: experts shared/2, route/2 skipped: moe_gate_up_s does not take these (adapter or layout)");
             }
-            // (variant, launches a call, whether it needs the fused kernels)
-            let seqs: [(&str, usize, bool); 4] = [
-                ("shared/4", 4, false),
-                ("shared/2", 2, true),
-                ("route/5", 5, false),
-                ("route/2", 2, true),
+            // moe_xq.wgsl's kernels (LILY_WGPU_MOE_XQ) beside moe_step.wgsl's: `…/2 old` with
+            // moe_gate_up_s and moe_down_s, `…/2 xq G,D,S` with moe_gate_up_x and moe_down_x in
+            // that shape (x staged once before the timing, as the router's launch stages it in
+            // a decode step), `…/2 xq-gate` moe_gate_up_x with moe_down_s.
+            let (xq_gate, _) = super::moe::xq_takes(ctx, hdim, w, d.top_k);
+            let staged = if xq_gate {
+                Some(super::matmul::q2x_stage(ctx, &x, hdim, 1, "lab.xq")?)
+            } else {
+                eprintln!("lab: experts xq variants skipped: moe_gate_up_x does not take these (adapter or layout)");
+                None
+            };
+            let (old_xq, old_shape) = (
+                ctx.sw.moe_xq.load(Ordering::Relaxed),
+                ctx.sw.moe_xq_shape.load(Ordering::Relaxed),
+            );
+            // (variant, launches a call, whether it needs the fused kernels, moe_xq mode, shape)
+            let mut seqs: Vec<(String, usize, bool, u32, &str)> = vec![
+                ("shared/4".into(), 4, false, 0, ""),
+                ("shared/2 old".into(), 2, true, 0, ""),
+                ("route/5".into(), 5, false, 0, ""),
+                ("route/2 old".into(), 2, true, 0, ""),
             ];
-            for (name, launches, fused) in seqs {
+            if staged.is_some() {
+                for shape in [
+                    "32,16,2", "16,16,2", "8,16,2", "32,16,1", "32,16,4", "32,8,2",
+                ] {
+                    seqs.push((format!("shared/2 xq {shape}"), 2, true, 2, shape));
+                    seqs.push((format!("route/2 xq {shape}"), 2, true, 2, shape));
+                }
+                seqs.push(("route/2 xq-gate".into(), 2, true, 1, "32,16,2"));
+            }
+            for (name, launches, fused, xq_mode, shape) in seqs {
+                let name = name.as_str();
+                ctx.sw.moe_xq.store(xq_mode, Ordering::Relaxed);
+                if let Some(c) = super::device::moe_xq_shape_code(shape) {
+                    ctx.sw.moe_xq_shape.store(c, Ordering::Relaxed);
+                }
                 if fused && !slot_ok {
                     continue;
                 }
@@ -680,7 +709,17 @@ impl Wgpu {
                     if fused {
                         let l = with_route.then(|| &logits[i % nroutes]);
                         super::moe::moe_decode_shared(
-                            ctx, &x, r, &gate, &up, &down, &sh, &d, &mut h, l,
+                            ctx,
+                            &x,
+                            r,
+                            &gate,
+                            &up,
+                            &down,
+                            &sh,
+                            &d,
+                            &mut h,
+                            l,
+                            staged.as_ref(),
                         );
                         return;
                     }
@@ -733,6 +772,8 @@ impl Wgpu {
                 print(&row);
                 rows.push(row);
             }
+            ctx.sw.moe_xq.store(old_xq, Ordering::Relaxed);
+            ctx.sw.moe_xq_shape.store(old_shape, Ordering::Relaxed);
         }
         if want_case("gemm") {
             rows.extend(self.lab_gemm(calls, print)?);

@@ -35,14 +35,14 @@ pub const XQ_SHADER: Shader = Shader {
     src: concat!(
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/q2x.wgsl"),
-        include_str!("shaders/xq_core.wgsl"),
+        include_str!("shaders/q2x_sg.wgsl"),
         include_str!("shaders/xq.wgsl")
     ),
 };
 
 /// Vec4s of x as q2x_stage stages a row of `inp` elements (xq.wgsl: both layouts, 5.5 bytes an
 /// element).
-fn xq_row(inp: usize) -> usize {
+pub fn xq_row(inp: usize) -> usize {
     5 * (inp / 32) + 3 * (inp / 16)
 }
 
@@ -191,7 +191,7 @@ pub fn sg_shader() -> Shader {
         let mut s = String::from(include_str!("shaders/common.wgsl"));
         s += include_str!("shaders/gemv_io.wgsl");
         s += include_str!("shaders/q2x.wgsl");
-        s += include_str!("shaders/xq_core.wgsl");
+        s += include_str!("shaders/q2x_sg.wgsl");
         s += head;
         let sub = |t: &str, m: u32, r: u32| {
             t.replace("{M}", &m.to_string())
@@ -435,6 +435,23 @@ pub fn gemv_many(
     xin: XIn,
     omode: OutMode,
 ) {
+    gemv_many_xq(ctx, x, ws, e, rows, outs, xin, omode);
+}
+
+/// `gemv_many`, returning the buffer q2x_stage staged x into where gemv_q6 ran (xq.wgsl's
+/// layouts, `xq_row` vec4s a row; the scratch `gemv_xq`, valid until the next GEMV stages):
+/// the MoE block's moe_gate_up_x reads the router's staging of the normed x.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_many_xq(
+    ctx: &Ctx,
+    x: &WBuf,
+    ws: &[&WMat],
+    e: usize,
+    rows: usize,
+    outs: &mut [&mut WBuf],
+    xin: XIn,
+    omode: OutMode,
+) -> Option<::wgpu::Buffer> {
     debug_assert!(!ws.is_empty() && ws.len() <= 4 && ws.len() == outs.len());
     // Unused bindings take the device's spare buffers: outputs 1-3, then aux, xn, r, s.
     let dummies = &ctx.spare;
@@ -501,11 +518,13 @@ pub fn gemv_many(
         XIn::Norm { w, eps, xn } => (1, *eps, &w.buf, &xn.buf),
         XIn::Glu { u } => (2, 0.0, &u.buf, &dummies[4]),
         XIn::GatedNorm { .. } if !q6 => {
-            return ctx.fail("gemv_many: the gated norm without gemv_q6".to_string())
+            ctx.fail("gemv_many: the gated norm without gemv_q6".to_string());
+            return None;
         }
         XIn::GatedNorm { z, eps, .. } => (3, *eps, &z.buf, &dummies[4]),
         XIn::Staged { .. } if !q6 => {
-            return ctx.fail("gemv_many: a staged x without gemv_q6".to_string())
+            ctx.fail("gemv_many: a staged x without gemv_q6".to_string());
+            return None;
         }
         XIn::Staged { .. } => (0, 0.0, &dummies[3], &dummies[4]),
     };
@@ -514,7 +533,8 @@ pub fn gemv_many(
         OutMode::Add => (1, &dummies[5], &dummies[6]),
         OutMode::Residual { r, s } => (2, &r.buf, &s.buf),
         OutMode::Conv { .. } if !q6 => {
-            return ctx.fail("gemv_many: the conv epilogue without gemv_q6".to_string())
+            ctx.fail("gemv_many: the conv epilogue without gemv_q6".to_string());
+            return None;
         }
         OutMode::Conv { .. } => (3, &dummies[5], &dummies[6]),
     };
@@ -553,7 +573,7 @@ pub fn gemv_many(
             bufs[18] = &state.buf;
         }
         ctx.dispatch(&sg_shader(), "gemv_q7", &p, &bufs, blocks as u32);
-        return;
+        return None;
     }
     if q6 {
         let inp = ws[0].inp;
@@ -563,7 +583,10 @@ pub fn gemv_many(
         } else {
             staged = match xq_scratch(ctx, rows, inp) {
                 Ok(b) => b,
-                Err(e) => return ctx.fail(format!("gemv_q6: {e:#}")),
+                Err(e) => {
+                    ctx.fail(format!("gemv_q6: {e:#}"));
+                    return None;
+                }
             };
             // q2x_stage takes the x mode; gemv_q6 reads the staged x as it is.
             let (hd, gw) = match &xin {
@@ -589,7 +612,7 @@ pub fn gemv_many(
             bufs[18] = &state.buf;
         }
         ctx.dispatch(&sg_shader(), "gemv_q6", &p, &bufs, (blocks * rows) as u32);
-        return;
+        return Some(xq.clone());
     }
     match rw {
         0 => {
@@ -610,6 +633,30 @@ pub fn gemv_many(
             ctx.dispatch(&sg_shader(), entry, &p, &bufs, (blocks * rows) as u32)
         }
     }
+    None
+}
+
+/// x's `rows` rows of `inp` staged by q2x_stage as it is (xmode 0) into the scratch `name`
+/// (xq.wgsl's layouts; `xq_row(inp)` vec4s a row): moe_decode_shared's x where no GEMV staged
+/// it. The caller checks `q6_takes`'s adapter conditions and inp % 32 == 0.
+pub fn q2x_stage(
+    ctx: &Ctx,
+    x: &WBuf,
+    inp: usize,
+    rows: usize,
+    name: &'static str,
+) -> Result<::wgpu::Buffer> {
+    let xq = ctx.scratch(name, (16 * rows * xq_row(inp)) as u64)?;
+    let xp = [inp as u32, rows as u32, 0, 0, 0, 0, 0, 0];
+    let d = &ctx.spare;
+    ctx.dispatch(
+        &XQ_SHADER,
+        "q2x_stage",
+        &xp,
+        &[&x.buf, &d[3], &d[4], &xq, &d[5]],
+        rows as u32,
+    );
+    Ok(xq)
 }
 
 /// Whether a launch that `q6_takes` runs as gemv_q7 (x staged by each workgroup, one launch

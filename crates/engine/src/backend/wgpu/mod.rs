@@ -222,6 +222,59 @@ impl Wgpu {
     pub fn set_skip(&self, prefixes: &[&str]) {
         self.ctx.set_skip(prefixes)
     }
+    /// moe_xq.wgsl's kernels for the fused MoE block (`LILY_WGPU_MOE_XQ`): 0 off, 1 gate|up
+    /// only, 2 both (tests compare them).
+    pub fn set_moe_xq(&self, mode: u32) {
+        self.ctx
+            .sw
+            .moe_xq
+            .store(mode, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// moe_xq.wgsl's shape (`LILY_WGPU_MOE_XQ_SHAPE`, "G,D,S"); false if not one.
+    pub fn set_moe_xq_shape(&self, shape: &str) -> bool {
+        let Some(c) = device::moe_xq_shape_code(shape) else {
+            return false;
+        };
+        self.ctx
+            .sw
+            .moe_xq_shape
+            .store(c, std::sync::atomic::Ordering::Relaxed);
+        true
+    }
+    /// Whether moe_xq.wgsl's gate|up and down take a fused MoE block of these shapes now
+    /// (the switches and the adapter; tests count the launches).
+    pub fn moe_xq_takes(&self, hidden: usize, width: usize, k: usize) -> (bool, bool) {
+        moe::xq_takes(&self.ctx, hidden, width, k)
+    }
+    /// `rms_norm_matmul`, returning x's staging where gemv_q6 ran the GEMVs (the buffer
+    /// q2x_stage wrote the normed x into: `matmul::gemv_many_xq`).
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_matmul_xq(
+        &self,
+        h: &WBuf,
+        w: &WBuf,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        xn: &mut WBuf,
+        ws: &[&WMat],
+        outs: &mut [&mut WBuf],
+    ) -> Option<::wgpu::Buffer> {
+        let fused = self.ctx.sw.fuse_norm
+            && ws.len() <= 4
+            && dim.is_multiple_of(4)
+            && w.len >= dim
+            && xn.len >= rows * dim
+            && ws.iter().all(|m| m.inp == dim)
+            && self.many_fits(h, ws, rows, outs);
+        if !fused {
+            self.rms_norm(h, w, rows, dim, eps, xn);
+            self.matmul_q_many(xn, ws, rows, outs);
+            return None;
+        }
+        let xin = XIn::Norm { w, eps, xn };
+        matmul::gemv_many_xq(&self.ctx, h, ws, 0, rows, outs, xin, OutMode::Store)
+    }
     /// Dispatches encoded so far (op by op, not replays): tests count an op's launches.
     pub fn dispatches(&self) -> u64 {
         self.ctx
@@ -483,20 +536,7 @@ impl Backend for Wgpu {
         ws: &[&WMat],
         outs: &mut [&mut WBuf],
     ) {
-        let fused = self.ctx.sw.fuse_norm
-            && ws.len() <= 4
-            && dim.is_multiple_of(4)
-            && w.len >= dim
-            && xn.len >= rows * dim
-            && ws.iter().all(|m| m.inp == dim)
-            && self.many_fits(h, ws, rows, outs);
-        if !fused {
-            self.rms_norm(h, w, rows, dim, eps, xn);
-            self.matmul_q_many(xn, ws, rows, outs);
-            return;
-        }
-        let xin = XIn::Norm { w, eps, xn };
-        matmul::gemv_many(&self.ctx, h, ws, 0, rows, outs, xin, OutMode::Store);
+        self.rms_norm_matmul_xq(h, w, rows, dim, eps, xn, ws, outs);
     }
     /// The residual add in the projection's epilogue (`h += acc`, unrounded).
     fn matmul_q_add(&self, x: &WBuf, w: &WMat, rows: usize, r: &mut WBuf, h: &mut WBuf) {
@@ -640,7 +680,9 @@ impl Backend for Wgpu {
         h: &mut WBuf,
     ) {
         if moe::shared_slot_ok(&self.ctx, x, route, gate, up, down, shared, d, h) {
-            return moe::moe_decode_shared(&self.ctx, x, route, gate, up, down, shared, d, h, None);
+            return moe::moe_decode_shared(
+                &self.ctx, x, route, gate, up, down, shared, d, h, None, None,
+            );
         }
         let width = shared.gate.out;
         let fits = self.ctx.sw.fuse_epilogue
@@ -696,7 +738,9 @@ impl Backend for Wgpu {
         if !fused {
             return super::moe_step_compose(self, h, norm, eps, w, d, r, tmp);
         }
-        self.rms_norm_matmul(
+        // The router's launch stages the normed x (q2x_stage) where gemv_q6 runs it:
+        // moe_gate_up_x reads that staging.
+        let xq = self.rms_norm_matmul_xq(
             h,
             norm,
             1,
@@ -723,6 +767,7 @@ impl Backend for Wgpu {
             d,
             h,
             Some(r.logits),
+            xq.as_ref(),
         );
     }
     fn add(&self, h: &mut WBuf, r: &WBuf, len: usize) {

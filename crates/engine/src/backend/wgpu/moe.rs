@@ -40,6 +40,22 @@ pub const SHADER: Shader = Shader {
     ),
 };
 
+/// moe_xq.wgsl: moe_gate_up_x and moe_down_x (`moe_decode_shared` with `LILY_WGPU_MOE_XQ`),
+/// with moe.wgsl and moe_step.wgsl (the parameter block, bindings, helpers) and q2x_sg.wgsl:
+/// a module of its own, made only on adapters with subgroups.
+pub const XQ_SHADER: Shader = Shader {
+    name: "moe_xq",
+    src: concat!(
+        include_str!("shaders/common.wgsl"),
+        include_str!("shaders/quant.wgsl"),
+        include_str!("shaders/q2x.wgsl"),
+        include_str!("shaders/q2x_sg.wgsl"),
+        include_str!("shaders/moe.wgsl"),
+        include_str!("shaders/moe_step.wgsl"),
+        include_str!("shaders/moe_xq.wgsl")
+    ),
+};
+
 /// moe_mm.wgsl: the grouped GEMMs with an 8 × 8 micro-tile a thread (`mm8_ok`).
 pub const MM8_SHADER: Shader = Shader {
     name: "moe_mm",
@@ -82,6 +98,11 @@ const S_BUFFERS: u32 = 17;
 /// Workgroup memory moe_gate_up_s (q2x's 16 KB, red, red2, rkey_s, rtop: 19.3 KB) and
 /// moe_down_s (stg, red: 19.6 KB) use at most.
 const S_WG_BYTES: u32 = 20 * 1024;
+/// Storage buffers moe_gate_up_x binds (moe_gate_up_s's and the staged act).
+const X_BUFFERS: u32 = 18;
+/// Outputs of a slot a moe_gate_up_x workgroup computes (one 4-bit word of act).
+const X_OUTS: usize = 32;
+
 /// The most experts moe_gate_up_s routes (a thread an expert).
 const S_MAX_EXPERTS: usize = 256;
 
@@ -450,10 +471,49 @@ pub fn route_fold_ok(d: &Dims, logits: &WBuf) -> bool {
     d.n_experts <= S_MAX_EXPERTS && d.top_k <= d.n_experts && logits.len >= d.n_experts
 }
 
+/// Which of moe_xq.wgsl's kernels take the block `moe_decode_shared` runs (`shared_slot_ok`
+/// holds): `(gate_up, down)`. `LILY_WGPU_MOE_XQ` (2: both, 1: gate|up), an adapter with ordered
+/// subgroups of one width (as gemv_q6, whose staging of x they read; at most 64 subgroups, the
+/// route's per-subgroup maxima), the storage buffers moe_gate_up_x binds, hidden and width
+/// whole 4-bit words (x's staging; a workgroup's 32 outputs one word of act), and for down its
+/// outputs' slots in moe.wgsl's xs (outputs a workgroup · (k + 1) ≤ 2048).
+pub fn xq_takes(ctx: &Ctx, hid: usize, width: usize, k: usize) -> (bool, bool) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mode = ctx.sw.moe_xq.load(Relaxed);
+    let r = &ctx.report;
+    let gate = mode >= 1
+        && r.subgroups
+        && r.subgroup_min == r.subgroup_max
+        && r.subgroup_min >= 4
+        && r.storage_buffers >= X_BUFFERS
+        && hid.is_multiple_of(32)
+        && width.is_multiple_of(X_OUTS);
+    let (dt, ds) = down_shape(ctx, width, 4);
+    let down = gate && mode >= 2 && 256 / (dt * ds) * (k + 1) <= 2048;
+    (gate, down)
+}
+
+/// moe_down_x's lanes a team and teams an output (`Switches::moe_xq_shape`), the lanes at most
+/// the code words of a row of down (`bits` of `width` inputs), at least 1.
+fn down_shape(ctx: &Ctx, width: usize, bits: u32) -> (usize, usize) {
+    let shape = ctx
+        .sw
+        .moe_xq_shape
+        .load(std::sync::atomic::Ordering::Relaxed) as usize;
+    let words = (width / (128 / bits as usize)).max(1);
+    let mut t = (shape >> 8) & 0xff;
+    while t > 1 && t > words {
+        t /= 2;
+    }
+    (t.max(1), (shape >> 16).max(1))
+}
+
 /// One token's MoE block added into `h` in two launches (the caller checked `shared_slot_ok`):
 /// moe_gate_up_s, the shared expert as slot k, then moe_down_s, which sums the routed slots,
 /// adds the gated shared slot and adds the total into h. With `logits`, moe_gate_up_s routes the
 /// token from them and writes `route` (moe_step_add); else it reads `route` (moe_decode_add).
+/// Where `xq_takes`, moe_xq.wgsl's moe_gate_up_x (x as staged in `xq`, the router's launch's
+/// staging of this x; without it a q2x_stage of x first) and moe_down_x instead.
 #[allow(clippy::too_many_arguments)]
 pub fn moe_decode_shared(
     ctx: &Ctx,
@@ -466,6 +526,7 @@ pub fn moe_decode_shared(
     d: &Dims,
     h: &mut WBuf,
     logits: Option<&WBuf>,
+    xq: Option<&::wgpu::Buffer>,
 ) {
     let (hid, width, n, k) = (gate.inp, gate.out, gate.n, d.top_k);
     let k1 = k + 1;
@@ -478,23 +539,97 @@ pub fn moe_decode_shared(
     let outs = 64 / k1;
     let cw = width.min(DOWN_STAGE_S / k1 / 64 * 64);
     let route_in = logits.is_some() as usize;
-    let p_up = params(gate.qmat(), up.qmat(), 1, k, n, d.norm_topk, 0, 0, route_in);
-    let p_down = params(down.qmat(), [0; 8], 1, k, n, d.norm_topk, outs, cw, 0);
     let (lg, wts) = match logits {
         Some(l) => (&l.buf, &route.weights),
         None => (&ctx.spare[0], &ctx.spare[1]),
     };
     let (sg, su, sd) = (sh.gate, sh.up, sh.down);
-    ctx.dispatch(
-        &SHADER,
-        "moe_gate_up_s",
-        &p_up,
-        &[
-            &gate.w, &gate.s, &gate.b, &up.w, &up.s, &up.b, &x.buf, &route.ids, &act, &sg.w, &sg.s,
-            &sg.b, &su.w, &su.s, &su.b, lg, wts,
-        ],
-        (k1 * width.div_ceil(GATE_UP_OUTS)) as u32,
-    );
+    let (x_gate, x_down) = xq_takes(ctx, hid, width, k);
+    if x_gate {
+        let staged = match xq {
+            Some(b) => Ok(b.clone()),
+            None => super::matmul::q2x_stage(ctx, x, hid, 1, "moe.xq"),
+        };
+        let aq = ctx.scratch("moe.aq", (16 * k1 * super::matmul::xq_row(width)) as u64);
+        let (staged, aq) = match (staged, aq) {
+            (Ok(s), Ok(a)) => (s, a),
+            (Err(e), _) | (_, Err(e)) => return ctx.fail(format!("moe_decode_shared: {e:#}")),
+        };
+        let gt = ctx
+            .sw
+            .moe_xq_shape
+            .load(std::sync::atomic::Ordering::Relaxed) as usize
+            & 0xff;
+        let p_up = params(
+            gate.qmat(),
+            up.qmat(),
+            1,
+            k,
+            n,
+            d.norm_topk,
+            gt,
+            0,
+            route_in,
+        );
+        ctx.dispatch(
+            &XQ_SHADER,
+            "moe_gate_up_x",
+            &p_up,
+            &[
+                &gate.w, &gate.s, &gate.b, &up.w, &up.s, &up.b, &staged, &route.ids, &act, &sg.w,
+                &sg.s, &sg.b, &su.w, &su.s, &su.b, lg, wts, &aq,
+            ],
+            (k1 * width / X_OUTS) as u32,
+        );
+        if x_down {
+            let (dt, ds) = down_shape(ctx, width, down.bits);
+            let opw = 256 / (dt * ds);
+            let p_down = params(
+                down.qmat(),
+                [0; 8],
+                1,
+                k,
+                n,
+                d.norm_topk,
+                dt | ds << 16,
+                0,
+                0,
+            );
+            ctx.dispatch(
+                &XQ_SHADER,
+                "moe_down_x",
+                &p_down,
+                &[
+                    &down.w,
+                    &down.s,
+                    &down.b,
+                    &aq,
+                    &route.ids,
+                    &route.weights,
+                    &h.buf,
+                    &sd.w,
+                    &sd.s,
+                    &sd.b,
+                    &sh.logit.buf,
+                ],
+                hid.div_ceil(opw) as u32,
+            );
+            return;
+        }
+    } else {
+        let p_up = params(gate.qmat(), up.qmat(), 1, k, n, d.norm_topk, 0, 0, route_in);
+        ctx.dispatch(
+            &SHADER,
+            "moe_gate_up_s",
+            &p_up,
+            &[
+                &gate.w, &gate.s, &gate.b, &up.w, &up.s, &up.b, &x.buf, &route.ids, &act, &sg.w,
+                &sg.s, &sg.b, &su.w, &su.s, &su.b, lg, wts,
+            ],
+            (k1 * width.div_ceil(GATE_UP_OUTS)) as u32,
+        );
+    }
+    let p_down = params(down.qmat(), [0; 8], 1, k, n, d.norm_topk, outs, cw, 0);
     ctx.dispatch(
         &SHADER,
         "moe_down_s",

@@ -30,35 +30,7 @@
 // The norm mode: every team takes the row's sum of squares itself (8 KB), so no barrier
 // separates it from the weights; the first workgroup of each row writes xn.
 
-// Subgroup totals of a team wider than its subgroup: 4 rows each, at most 256 / 4 subgroups.
-var<workgroup> rw_red: array<vec4<f32>, 64>;
-// The subgroup width, made uniform for the analysis (workgroupUniformLoad).
-var<workgroup> rw_sg: u32;
-
-// The sum of v over this invocation's team of T lanes, every lane of the team getting it.
-// Called in uniform control flow (sg and T uniform).
-fn team_sum(v: vec4<f32>, li: u32, lane_sg: u32, T: u32, sg: u32) -> vec4<f32> {
-    var s = v;
-    let w = min(T, sg);
-    for (var o = 1u; o < w; o <<= 1u) {
-        s += subgroupShuffleXor(s, o);
-    }
-    if (sg >= T) {
-        return s;
-    }
-    workgroupBarrier();
-    if (lane_sg == 0u) {
-        rw_red[li / sg] = s;
-    }
-    workgroupBarrier();
-    let per = T / sg;
-    let first = (li / T) * per;
-    var t = vec4<f32>(0.0);
-    for (var i = 0u; i < per; i++) {
-        t += rw_red[first + i];
-    }
-    return t;
-}
+// team_sum, rw_red and rw_sg: q2x_sg.wgsl (shared with the MoE block's xq kernels).
 
 // gemv_xs: the matrix slot of this workgroup (uniform), for the epilogue.
 var<private> xs_mi: u32;
@@ -559,7 +531,7 @@ fn q7_first{M}(m: QMat, o0: u32, R: u32, lane: u32) -> array<vec4<u32>, 4> {
 // gemv_q7: gemv_q6 with q2x_stage's work done by every workgroup into its own memory, so a
 // decode GEMV is one launch, not two (q2x_stage costs ~5.7 µs in place on the H200: a launch and
 // its barrier for 8 KB of x). A workgroup first requests its lanes' first code words
-// (q7_first), then stages the row as q2x_stage does (xq_core.wgsl; thread i its elements
+// (q7_first), then stages the row as q2x_stage does (q2x_sg.wgsl q2x_words; thread i its elements
 // 8i .. 8i + 7, the norm's sum of squares by subgroupAdd and workgroup memory in q2x_stage's
 // order, so x is staged to the bit as there) into q7x, then runs gemv_q6's dot from there.
 // What it takes (matmul.rs `q7_takes`): one row of x, every matrix of the launch of the same
@@ -613,26 +585,26 @@ fn q7_stage(li: u32, lane_sg: u32, sg: u32, first: bool) {
         vxn[2u * li] = xl;
         vxn[2u * li + 1u] = xh;
     }
-    let w = xq_words(xl, xh);
+    let w = q2x_words(xl, xh);
     if (on) {
         let u = li / 4u;
         let j = li % 4u;
-        q7x[u][j] = w.q4.x;
-        q7x[w4 + u][j] = w.q4.y;
-        q7x[2u * w4 + u][j] = w.q4.z;
-        q7x[3u * w4 + u][j] = w.q4.w;
+        q7x[u][j] = w.w4.x;
+        q7x[w4 + u][j] = w.w4.y;
+        q7x[2u * w4 + u][j] = w.w4.z;
+        q7x[3u * w4 + u][j] = w.w4.w;
         if (j == 0u) {
-            q7x[4u * w4 + u] = vec4<u32>(w.m4, 0u, 0u);
+            q7x[4u * w4 + u] = w.m4;
         }
         let b8 = 5u * w4;
         let v = 2u * u + j / 2u;
         let p = 2u * (j % 2u);
-        q7x[b8 + v][p] = w.q8.x;
-        q7x[b8 + v][p + 1u] = w.q8.y;
-        q7x[b8 + w8 + v][p] = w.q8.z;
-        q7x[b8 + w8 + v][p + 1u] = w.q8.w;
+        q7x[b8 + v][p] = w.w8.x;
+        q7x[b8 + v][p + 1u] = w.w8.y;
+        q7x[b8 + w8 + v][p] = w.w8.z;
+        q7x[b8 + w8 + v][p + 1u] = w.w8.w;
         if (p == 0u) {
-            q7x[b8 + 2u * w8 + v] = vec4<u32>(w.m8, 0u);
+            q7x[b8 + 2u * w8 + v] = w.m8;
         }
     }
 }

@@ -55,7 +55,7 @@ var<workgroup> xq_sg: u32;
 var<workgroup> xq_hss: array<f32, 1024>;
 var<workgroup> xq_hrn: array<f32, 256>;
 
-// A vec4 of x as the mode reads it (xq_core.wgsl xq_apply).
+// A vec4 of x as the mode reads it (q2x_sg.wgsl xq_apply).
 fn xq_mode(h: vec4<f32>, a: vec4<f32>, rn: f32) -> vec4<f32> {
     return xq_apply(xp.xmode, h, a, rn);
 }
@@ -97,31 +97,31 @@ fn xq_head_norms(xrow: u32, li: u32) {
 }
 
 // Thread i's 8 elements of a row of x (elements 8i .. 8i + 3 in xl, 8i + 4 .. 8i + 7 in xh)
-// quantized (xq_core.wgsl xq_words) and written in both of gemv_q6's layouts at the row's
+// quantized (q2x_sg.wgsl q2x_words) and written in both of gemv_q6's layouts at the row's
 // bases b4 (4-bit words, w4 of them) and b8 (8-bit words, w8). Every lane of those words calls
-// it (xq_words' shuffles); `on` says whether this thread's i is in the row (a thread past it
+// it (q2x_words' shuffles); `on` says whether this thread's i is in the row (a thread past it
 // brings zeros and writes nothing). q2x_stage and gdn_step_x.wgsl (the GDN layer's gated norm
 // staging out_proj's x) share it.
 fn xq_put(i: u32, on: bool, xl: vec4<f32>, xh: vec4<f32>, b4: u32, w4: u32, b8: u32, w8: u32) {
-    let w = xq_words(xl, xh);
+    let w = q2x_words(xl, xh);
     if (on) {
         let u = i / 4u;
         let j = i % 4u;
-        qq[b4 + u][j] = w.q4.x;
-        qq[b4 + w4 + u][j] = w.q4.y;
-        qq[b4 + 2u * w4 + u][j] = w.q4.z;
-        qq[b4 + 3u * w4 + u][j] = w.q4.w;
+        qq[b4 + u][j] = w.w4.x;
+        qq[b4 + w4 + u][j] = w.w4.y;
+        qq[b4 + 2u * w4 + u][j] = w.w4.z;
+        qq[b4 + 3u * w4 + u][j] = w.w4.w;
         if (j == 0u) {
-            qq[b4 + 4u * w4 + u] = vec4<u32>(w.m4, 0u, 0u);
+            qq[b4 + 4u * w4 + u] = w.m4;
         }
         let v = 2u * u + j / 2u;
         let p = 2u * (j % 2u);
-        qq[b8 + v][p] = w.q8.x;
-        qq[b8 + v][p + 1u] = w.q8.y;
-        qq[b8 + w8 + v][p] = w.q8.z;
-        qq[b8 + w8 + v][p + 1u] = w.q8.w;
+        qq[b8 + v][p] = w.w8.x;
+        qq[b8 + v][p + 1u] = w.w8.y;
+        qq[b8 + w8 + v][p] = w.w8.z;
+        qq[b8 + w8 + v][p + 1u] = w.w8.w;
         if (p == 0u) {
-            qq[b8 + 2u * w8 + v] = vec4<u32>(w.m8, 0u);
+            qq[b8 + 2u * w8 + v] = w.m8;
         }
     }
 }

@@ -1,0 +1,465 @@
+// moe_xq.wgsl: the decode MoE block with x and act staged once a launch (moe.rs `XQ_SHADER`,
+// `moe_decode_shared` with `LILY_WGPU_MOE_XQ`, the default where the adapter has ordered
+// subgroups of one width): moe_gate_up_x and moe_down_x, the twins of moe_step.wgsl's
+// moe_gate_up_s and moe_down_s (same maths, same CPU functions: expert_mlp, add_shared_expert,
+// moe_route, moe_decode_compose), without their workgroup staging. Appended to moe.wgsl,
+// moe_step.wgsl and q2x_sg.wgsl in one module (its parameter block, bindings, exp_acc,
+// order_key; team_sum, q2x_words), made only on adapters with subgroups.
+//
+// moe_gate_up_x: act[s, o] = silu(gate_e[o] · x) · (up_e[o] · x) for the k + 1 slots of token t
+//   (slot k the shared expert), x read as q2x_stage staged it (xq.wgsl's layouts: the router's
+//   launch staged the normed x, or moe.rs stages x itself), integer dot products as gemv_q6's
+//   q6_dot: a team of T = p.outs lanes (8, 16 or 32) owns R = T / 8 outputs (gate and up rows
+//   of each), lane l reads code words l, l + T, … of its 2R rows and x's words from the staged
+//   buffer (L1/L2), the team sums by shuffles (team_sum). A workgroup: 256 / T teams = 32
+//   consecutive outputs of one slot (64 KB of 4-bit codes at hidden 2048), no barrier before
+//   its weights but the route's. With p.tiles = 1 a routed slot's workgroup routes the token
+//   itself (gx_route: moe_route's ids and weights to the bit, 5 barriers instead of
+//   gs_route's 18 and a rank loop over the few candidates instead of all 256 experts); the
+//   shared slot's workgroups skip it. Epilogue: act in f32 (for moe_down_s) and, as the 32
+//   outputs make one 4-bit word of act (two 8-bit), quantized in q2x_stage's layouts to aq,
+//   row t · (k + 1) + j (moe_down_x's x), by the workgroup's first 4 threads after a barrier.
+//   (k + 1) · width / 32 workgroups a token. Bindings: 1-6 the stacks' gate and up, 7 the
+//   staged x (vec4<u32>, row t at t · xq_row(hidden)), 8 ids (read; written with p.tiles = 1),
+//   9 act f32, 10-15 the shared gate and up, 16 logits, 17 weights (p.tiles = 1), 18 aq
+//   (written). Needs width % 32 == 0, hidden % 32 == 0 (moe.rs xq_ok).
+// moe_down_x: h[t, o] += Σ_{j<k} w[t, j] · (down_{ids[j]}[o] · act_j) in slot order, then
+//   + sigmoid(s[t]) · (shared down[o] · act_k): moe_down_s's sum in its order, the dots by
+//   integer products against aq. A team of T lanes (p.outs & 0xffff) takes one output and a
+//   range of the routed slots (S = p.outs >> 16 ranges of ceil(k / S), the last range also
+//   the shared slot), four slots' words in flight at once; lane 0 of the team puts each
+//   slot's dot in workgroup memory (xs), and after the workgroup's one barrier a thread an
+//   output sums them in slot order. 256 / (T · S) outputs a workgroup, ceil(hidden / that)
+//   workgroups a token. Bindings: 1-3 down, 4 aq, 5 ids, 6 weights, 7 h (read and written),
+//   8-10 the shared down, 11 s (the shared gate's logit). Needs outputs · (k + 1) ≤ 2048.
+
+@group(0) @binding(7) var<storage, read> gx_x: array<vec4<u32>>;
+@group(0) @binding(18) var<storage, read_write> gx_aq: array<vec4<u32>>;
+@group(0) @binding(4) var<storage, read> dx_aq: array<vec4<u32>>;
+
+// Each subgroup's largest logit and largest key (the route), and the route's candidates:
+// their count and (key, id).
+var<workgroup> gx_smax: array<f32, 64>;
+var<workgroup> gx_kmax: array<i32, 64>;
+var<workgroup> gx_n: atomic<u32>;
+var<workgroup> gx_cand: array<vec2<i32>, 256>;
+
+// A code word's x as staged (xq.wgsl): 4-bit q1 even, q1 odd, q2 even, q2 odd, (d / 254, Σ x,
+// correction); 8-bit words leave b1 and b2 zero.
+struct GxW {
+    a1: vec4<u32>,
+    b1: vec4<u32>,
+    a2: vec4<u32>,
+    b2: vec4<u32>,
+    m: vec4<u32>,
+}
+
+// Word c of the row staged at xb (inp elements) of gate|up's x.
+fn gx_xword(xb: u32, c: u32, inp: u32, bits: u32) -> GxW {
+    var r: GxW;
+    let w4 = inp / 32u;
+    if (bits == 4u) {
+        r.a1 = gx_x[xb + c];
+        r.b1 = gx_x[xb + w4 + c];
+        r.a2 = gx_x[xb + 2u * w4 + c];
+        r.b2 = gx_x[xb + 3u * w4 + c];
+        r.m = gx_x[xb + 4u * w4 + c];
+    } else {
+        let x8 = xb + 5u * w4;
+        let w8 = inp / 16u;
+        r.a1 = gx_x[x8 + c];
+        r.a2 = gx_x[x8 + w8 + c];
+        r.m = gx_x[x8 + 2u * w8 + c];
+    }
+    return r;
+}
+
+// The same of down's act (aq as moe_gate_up_x staged it).
+fn dx_xword(xb: u32, c: u32, inp: u32, bits: u32) -> GxW {
+    var r: GxW;
+    let w4 = inp / 32u;
+    if (bits == 4u) {
+        r.a1 = dx_aq[xb + c];
+        r.b1 = dx_aq[xb + w4 + c];
+        r.a2 = dx_aq[xb + 2u * w4 + c];
+        r.b2 = dx_aq[xb + 3u * w4 + c];
+        r.m = dx_aq[xb + 4u * w4 + c];
+    } else {
+        let x8 = xb + 5u * w4;
+        let w8 = inp / 16u;
+        r.a1 = dx_aq[x8 + c];
+        r.a2 = dx_aq[x8 + w8 + c];
+        r.m = dx_aq[x8 + 2u * w8 + c];
+    }
+    return r;
+}
+
+// A code word's dot against its staged x: Σ code · x ≈ s · dd · (integer) + b · Σ x (q6_dot).
+fn gx_dot(w: vec4<u32>, bits: u32, x: GxW, s: f32, b: f32) -> f32 {
+    let dd = bitcast<f32>(x.m.x);
+    let sx = bitcast<f32>(x.m.y);
+    // 0 for 4-bit words (q2x_stage writes it so).
+    let corr = bitcast<i32>(x.m.z);
+    return s * (dd * f32(g5_dot(w, bits, x.a1, x.b1, x.a2, x.b2) + corr)) + b * sx;
+}
+
+// Node i (< 32) of moe_route's sum tree (red[i] += red[i + s] for s = 128, 64, 32), from the 8
+// values it sums, in the tree's order.
+fn gx_node32(i: u32) -> f32 {
+    return ((red[i] + red[i + 128u]) + (red[i + 64u] + red[i + 192u]))
+        + ((red[i + 32u] + red[i + 160u]) + (red[i + 96u] + red[i + 224u]));
+}
+
+// gs_route's result (the ids in rtop[0..k), p in red2; the weights written when `write`) by
+// fewer barriers, every value the same bits as moe_route's:
+// - the max is order-free: each subgroup's subgroupMax, then the subgroups' maxima;
+// - the sum is moe_route's tree: its node at level w = min(sg, 32) from the level-32 nodes in
+//   the tree's order, then the levels below w by shuffles (lane i adds lane i ^ o's node: the
+//   tree's red[i] + red[i + o], the same operands);
+// - the rank only among candidates: each subgroup's largest key is a distinct expert, so with
+//   at least k subgroups the k-th largest key is ≥ the least of those maxima; an expert below it
+//   is neither in the top k nor ahead of one that is, so a candidate's rank among the
+//   candidates is its rank among all (the same keys and ties by id as moe_route).
+// Every invocation calls it (barriers; sg and lsg as team_sum's).
+fn gx_route(t: u32, li: u32, sg: u32, lsg: u32, write: bool) {
+    let ne = p.n_exp;
+    let nsg = 256u / sg;
+    var l = bitcast<f32>(0xff800000u);
+    if (li < ne) {
+        l = gs_logits[t * ne + li];
+    }
+    let sm = subgroupMax(l);
+    if (lsg == 0u) {
+        gx_smax[li / sg] = sm;
+    }
+    if (li == 0u) {
+        atomicStore(&gx_n, 0u);
+    }
+    workgroupBarrier();
+    var m = gx_smax[0];
+    for (var i = 1u; i < nsg; i++) {
+        m = max(m, gx_smax[i]);
+    }
+    var part = 0.0;
+    if (li < ne) {
+        part += exp_acc(l - m);
+    }
+    red[li] = part;
+    workgroupBarrier();
+    let w = min(sg, 32u);
+    let i = lsg % w;
+    // Level w's node i: the level-32 nodes i, i + w, … halved in the tree's order.
+    var a = array<f32, 8>(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0);
+    let n = 32u / w;
+    for (var q = 0u; q < n; q++) {
+        a[q] = gx_node32(i + q * w);
+    }
+    for (var hh = n / 2u; hh > 0u; hh >>= 1u) {
+        for (var q = 0u; q < hh; q++) {
+            a[q] = a[q] + a[q + hh];
+        }
+    }
+    var s = a[0];
+    for (var o = w / 2u; o > 0u; o >>= 1u) {
+        s = s + subgroupShuffleXor(s, o);
+    }
+    let sum = subgroupShuffle(s, 0u);
+    var key = bitcast<i32>(0x80000000u);
+    if (li < ne) {
+        let v = part / sum;
+        red2[li] = v;
+        key = order_key(v);
+    }
+    let km = subgroupMax(key);
+    if (lsg == 0u) {
+        gx_kmax[li / sg] = km;
+    }
+    workgroupBarrier();
+    var th = bitcast<i32>(0x80000000u);
+    if (nsg >= p.k) {
+        th = gx_kmax[0];
+        for (var j = 1u; j < nsg; j++) {
+            th = min(th, gx_kmax[j]);
+        }
+    }
+    let cand = li < ne && key >= th;
+    if (cand) {
+        gx_cand[atomicAdd(&gx_n, 1u)] = vec2<i32>(key, i32(li));
+    }
+    workgroupBarrier();
+    let nc = atomicLoad(&gx_n);
+    if (cand) {
+        // Rank = the candidates ahead (a larger key, or an equal one of a lower id).
+        var rank = 0u;
+        for (var j = 0u; j < nc; j++) {
+            let c = gx_cand[j];
+            rank += select(0u, 1u, c.x > key || (c.x == key && u32(c.y) < li));
+        }
+        if (rank < p.k) {
+            rtop[rank] = li;
+        }
+    }
+    workgroupBarrier();
+    if (write && li == 0u) {
+        var ws = 1.0;
+        if (p.norm_topk != 0u) {
+            ws = 0.0;
+            for (var j = 0u; j < p.k; j++) {
+                ws += red2[rtop[j]];
+            }
+        }
+        for (var j = 0u; j < p.k; j++) {
+            gs_ids[t * p.k + j] = rtop[j];
+            gs_w[t * p.k + j] = red2[rtop[j]] / ws;
+        }
+    }
+}
+
+@compute @workgroup_size(256)
+fn moe_gate_up_x(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_size) sg_size: u32,
+    @builtin(subgroup_invocation_id) lane_sg: u32,
+) {
+    let width = p.m.out;
+    let hid = p.m.inp;
+    let blocks = width / 32u;
+    let wg = wg_index(wid);
+    let k1 = p.k + 1u;
+    let slot = wg / blocks;
+    if (slot >= p.rows * k1) {
+        return;
+    }
+    if (li == 0u) {
+        rw_sg = sg_size;
+    }
+    let sg = workgroupUniformLoad(&rw_sg);
+    let t = slot / k1;
+    let js = slot % k1;
+    // Slot k is the shared expert (uniform over the workgroup, as every branch on sh below).
+    let sh = js == p.k;
+    let T = p.outs;
+    let R = T / 8u;
+    let lane = li % T;
+    let ob = (wg % blocks) * 32u;
+    let o0 = ob + (li / T) * R;
+    let bits = p.m.bits;
+    let epw = 128u / bits;
+    let wpr = hid / epw;
+    let xb = t * (5u * (hid / 32u) + 3u * (hid / 16u));
+    // x's first words go out before the route (they do not depend on the expert).
+    let x0 = gx_xword(xb, min(lane, wpr - 1u), hid, bits);
+    var e = 0u;
+    if (!sh) {
+        if (p.tiles != 0u) {
+            // Every routed slot's workgroup routes the token; the first of slot 0 writes it.
+            gx_route(t, li, sg, lane_sg, js == 0u && wg % blocks == 0u);
+            e = min(rtop[js], p.n_exp - 1u);
+        } else {
+            e = min(gs_ids[t * p.k + js], p.n_exp - 1u);
+        }
+    }
+    // The team's rows (past R: the last, not summed).
+    let r0 = e * width + o0;
+    let r1 = e * width + o0 + min(1u, R - 1u);
+    let r2 = e * width + o0 + min(2u, R - 1u);
+    let r3 = e * width + o0 + min(3u, R - 1u);
+    let gpg = hid / p.m.gs;
+    let gpu = hid / p.m2.gs;
+    var ag = vec4<f32>(0.0);
+    var au = vec4<f32>(0.0);
+    var xw = x0;
+    for (var c = lane; c < wpr; c += T) {
+        // Every load of a step before its products: the 2R rows' words, their scales and
+        // biases; the next step's x after them.
+        let g0 = gs_gate_w(sh, r0 * wpr + c);
+        let u0 = gs_up_w(sh, r0 * wpr + c);
+        var g1 = vec4<u32>(0u);
+        var u1 = vec4<u32>(0u);
+        var g2 = vec4<u32>(0u);
+        var u2 = vec4<u32>(0u);
+        var g3 = vec4<u32>(0u);
+        var u3 = vec4<u32>(0u);
+        if (R > 1u) {
+            g1 = gs_gate_w(sh, r1 * wpr + c);
+            u1 = gs_up_w(sh, r1 * wpr + c);
+        }
+        if (R > 2u) {
+            g2 = gs_gate_w(sh, r2 * wpr + c);
+            u2 = gs_up_w(sh, r2 * wpr + c);
+            g3 = gs_gate_w(sh, r3 * wpr + c);
+            u3 = gs_up_w(sh, r3 * wpr + c);
+        }
+        let kg = (c * epw) / p.m.gs;
+        let ku = (c * epw) / p.m2.gs;
+        let x = xw;
+        if (c + T < wpr) {
+            xw = gx_xword(xb, c + T, hid, bits);
+        }
+        ag.x += gx_dot(g0, bits, x, gs_gate_sb(sh, r0 * gpg + kg, p.m.sb16, false), gs_gate_sb(sh, r0 * gpg + kg, p.m.sb16, true));
+        au.x += gx_dot(u0, bits, x, gs_up_sb(sh, r0 * gpu + ku, p.m2.sb16, false), gs_up_sb(sh, r0 * gpu + ku, p.m2.sb16, true));
+        if (R > 1u) {
+            ag.y += gx_dot(g1, bits, x, gs_gate_sb(sh, r1 * gpg + kg, p.m.sb16, false), gs_gate_sb(sh, r1 * gpg + kg, p.m.sb16, true));
+            au.y += gx_dot(u1, bits, x, gs_up_sb(sh, r1 * gpu + ku, p.m2.sb16, false), gs_up_sb(sh, r1 * gpu + ku, p.m2.sb16, true));
+        }
+        if (R > 2u) {
+            ag.z += gx_dot(g2, bits, x, gs_gate_sb(sh, r2 * gpg + kg, p.m.sb16, false), gs_gate_sb(sh, r2 * gpg + kg, p.m.sb16, true));
+            au.z += gx_dot(u2, bits, x, gs_up_sb(sh, r2 * gpu + ku, p.m2.sb16, false), gs_up_sb(sh, r2 * gpu + ku, p.m2.sb16, true));
+            ag.w += gx_dot(g3, bits, x, gs_gate_sb(sh, r3 * gpg + kg, p.m.sb16, false), gs_gate_sb(sh, r3 * gpg + kg, p.m.sb16, true));
+            au.w += gx_dot(u3, bits, x, gs_up_sb(sh, r3 * gpu + ku, p.m2.sb16, false), gs_up_sb(sh, r3 * gpu + ku, p.m2.sb16, true));
+        }
+    }
+    ag = team_sum(ag, li, lane_sg, T, sg);
+    au = team_sum(au, li, lane_sg, T, sg);
+    // Lane r < R of a team: output o0 + r.
+    if (lane < R) {
+        let a = silu_f(ag[lane]) * au[lane];
+        gu_act[slot * width + o0 + lane] = a;
+        red[o0 - ob + lane] = a;
+    }
+    workgroupBarrier();
+    // The block's 32 act values as one 4-bit word (two 8-bit) of row `slot` of aq: thread i of
+    // each 4 takes elements 8i .. 8i + 7 (every thread computes, for the shuffles).
+    let q4 = li % 4u;
+    let xl = vec4<f32>(red[8u * q4], red[8u * q4 + 1u], red[8u * q4 + 2u], red[8u * q4 + 3u]);
+    let xh = vec4<f32>(red[8u * q4 + 4u], red[8u * q4 + 5u], red[8u * q4 + 6u], red[8u * q4 + 7u]);
+    let q = q2x_words(xl, xh);
+    if (li < 4u) {
+        let w4 = width / 32u;
+        let w8 = width / 16u;
+        let b4 = slot * (5u * w4 + 3u * w8);
+        let b8 = b4 + 5u * w4;
+        let u = ob / 32u;
+        gx_aq[b4 + u][q4] = q.w4.x;
+        gx_aq[b4 + w4 + u][q4] = q.w4.y;
+        gx_aq[b4 + 2u * w4 + u][q4] = q.w4.z;
+        gx_aq[b4 + 3u * w4 + u][q4] = q.w4.w;
+        if (q4 == 0u) {
+            gx_aq[b4 + 4u * w4 + u] = q.m4;
+        }
+        let v = 2u * u + q4 / 2u;
+        let pp = 2u * (q4 % 2u);
+        gx_aq[b8 + v][pp] = q.w8.x;
+        gx_aq[b8 + v][pp + 1u] = q.w8.y;
+        gx_aq[b8 + w8 + v][pp] = q.w8.z;
+        gx_aq[b8 + w8 + v][pp + 1u] = q.w8.w;
+        if (pp == 0u) {
+            gx_aq[b8 + 2u * w8 + v] = q.m8;
+        }
+    }
+}
+
+// Word i of down's codes, the shared expert's when sh; scale (bias when is_bias) of group g.
+fn dx_w(sh: bool, i: u32) -> vec4<u32> {
+    if (sh) {
+        return shd_w4[i];
+    }
+    return qw4[i];
+}
+
+fn dx_sb(sh: bool, g: u32, is_bias: bool) -> f32 {
+    let j = sb_idx(g, p.m.sb16);
+    var w: u32;
+    if (sh) {
+        if (is_bias) { w = shd_b[j]; } else { w = shd_s[j]; }
+    } else {
+        if (is_bias) { w = qb[j]; } else { w = qs[j]; }
+    }
+    return sb_val(w, g, p.m.sb16);
+}
+
+// Row `row`'s dot with act row `ar` over this lane's words c = lane, lane + T, … (down, the
+// shared expert's when sh).
+fn dx_row(sh: bool, row: u32, ar: u32, lane: u32, T: u32) -> f32 {
+    let width = p.m.inp;
+    let bits = p.m.bits;
+    let epw = 128u / bits;
+    let wpr = width / epw;
+    let gpr = width / p.m.gs;
+    let xb = ar * (5u * (width / 32u) + 3u * (width / 16u));
+    var acc = 0.0;
+    for (var c = lane; c < wpr; c += T) {
+        let w = dx_w(sh, row * wpr + c);
+        let g = row * gpr + (c * epw) / p.m.gs;
+        acc += gx_dot(w, bits, dx_xword(xb, c, width, bits), dx_sb(sh, g, false), dx_sb(sh, g, true));
+    }
+    return acc;
+}
+
+@compute @workgroup_size(256)
+fn moe_down_x(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_size) sg_size: u32,
+    @builtin(subgroup_invocation_id) lane_sg: u32,
+) {
+    let hid = p.m.out;
+    let k = p.k;
+    let k1 = k + 1u;
+    let T = p.outs & 0xffffu;
+    let S = p.outs >> 16u;
+    let opw = 256u / (T * S);
+    let blocks = (hid + opw - 1u) / opw;
+    let wg = wg_index(wid);
+    let t = wg / blocks;
+    if (t >= p.rows) {
+        return;
+    }
+    if (li == 0u) {
+        rw_sg = sg_size;
+    }
+    let sg = workgroupUniformLoad(&rw_sg);
+    let ob = (wg % blocks) * opw;
+    let team = li / T;
+    let lane = li % T;
+    let ol = team / S;
+    let part = team % S;
+    let o = min(ob + ol, hid - 1u);
+    // This team's routed slots [j0, j1); the last range's team also takes the shared slot.
+    let per = (k + S - 1u) / S;
+    let j0 = part * per;
+    let j1 = min(j0 + per, k);
+    let last = part == S - 1u;
+    // The shared slot's words first: they need no id.
+    var shd = 0.0;
+    if (last) {
+        shd = dx_row(true, o, t * k1 + k, lane, T);
+    }
+    // Four slots at a time (their loads together; slots past the range read the range's last
+    // and are not kept). The bound is uniform: every lane reaches team_sum.
+    for (var jc = 0u; jc < per; jc += 4u) {
+        var d = vec4<f32>(0.0);
+        for (var i = 0u; i < 4u; i++) {
+            let j = min(j0 + jc + i, max(j1, 1u) - 1u);
+            let e = min(dn_ids[t * k + j], p.n_exp - 1u);
+            d[i] = dx_row(false, e * hid + o, t * k1 + j, lane, T);
+        }
+        d = team_sum(d, li, lane_sg, T, sg);
+        if (lane == 0u) {
+            for (var i = 0u; i < 4u; i++) {
+                let j = j0 + jc + i;
+                if (jc + i < per && j < j1) {
+                    xs[ol * k1 + j] = d[i];
+                }
+            }
+        }
+    }
+    let sd = team_sum(vec4<f32>(shd, 0.0, 0.0, 0.0), li, lane_sg, T, sg);
+    if (lane == 0u && last) {
+        xs[ol * k1 + k] = sd.x;
+    }
+    workgroupBarrier();
+    if (li < opw && ob + li < hid) {
+        // The CPU's composition in its order: the routed slots weighted and summed in slot
+        // order (moe_experts_decode), then + sigmoid(s) · the shared expert's down
+        // (add_sigmoid_gated), then the residual add (moe_down_s's).
+        var total = 0.0;
+        for (var j = 0u; j < k; j++) {
+            total += dn_w[t * k + j] * xs[li * k1 + j];
+        }
+        total += sigmoid_f(ds_logit[t]) * xs[li * k1 + k];
+        let i = t * hid + ob + li;
+        ds_h[i] = ds_h[i] + total;
+    }
+}
