@@ -190,6 +190,7 @@ impl Wgpu {
         Ok(WBuf {
             buf: self.ctx.upload(as_bytes(v))?,
             len: v.len(),
+            half: false,
         })
     }
 
@@ -445,6 +446,7 @@ impl Wgpu {
                     .map(|o| WBuf {
                         buf: o.buf.clone(),
                         len: o.len,
+                        half: o.half,
                     })
                     .collect();
                 let mut om: Vec<&mut WBuf> = os.iter_mut().collect();
@@ -597,6 +599,7 @@ impl Wgpu {
                     let mut o = WBuf {
                         buf: out.buf.clone(),
                         len: out.len,
+                        half: out.half,
                     };
                     let r = &routes[i % nroutes];
                     super::moe::moe_experts(ctx, &x, r, &gate, &up, &down, &d, 1, &mut o)
@@ -649,6 +652,7 @@ impl Wgpu {
             let clone = |b: &WBuf| WBuf {
                 buf: b.buf.clone(),
                 len: b.len,
+                half: b.half,
             };
             let old_fuse = ctx.sw.moe_fuse.load(Ordering::Relaxed);
             ctx.sw.moe_fuse.store(true, Ordering::Relaxed);
@@ -826,6 +830,7 @@ impl Wgpu {
                 let mut ob = WBuf {
                     buf: o.buf.clone(),
                     len: o.len,
+                    half: o.half,
                 };
                 super::matmul::matmul_q(ctx, &x, &mats[i % 2], 0, rows, &mut ob);
             };
@@ -905,6 +910,7 @@ impl Wgpu {
                 let mut o = WBuf {
                     buf: out.buf.clone(),
                     len: out.len,
+                    half: out.half,
                 };
                 super::moe::moe_experts(ctx, &x, &route, &gate, &up, &down, &d, rows, &mut o)
             };
