@@ -8,8 +8,9 @@
 //! `output`), each prefixed with `shaders/common.wgsl` (and `shaders/quant.wgsl` where it reads
 //! weights). The op names are the trait's, the CPU files' and the CUDA kernels'.
 //!
-//! Element types: activations, the residual stream, states and the KV cache are f32 here (the
-//! trait's defaults: `act_zeros` and `kv_zeros` are `zeros`); weights stay in the checkpoint's
+//! Element types: activations, the residual stream and states are f32 here (`act_zeros` is
+//! `zeros`); the KV cache is f16 where the adapter has SHADER_F16 (`kv_zeros`, `WBuf::half`;
+//! `LILY_WGPU_KV_F16=0`: f32), read into f32 arithmetic; weights stay in the checkpoint's
 //! 4/8-bit codes with bf16 scales and biases, dequantized inside the kernels; accumulation f32.
 //! Routing, the next token and the recurrent state stay on the GPU; sampling other than greedy
 //! runs on the host for now (`new_sampler` returns `None`).
