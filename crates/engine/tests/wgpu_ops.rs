@@ -3,8 +3,9 @@
 //! `--features wgpu`. In CI the adapter is Mesa's lavapipe (a CPU Vulkan, subgroups of 8); each
 //! test skips with a message when no adapter is found (LILY_REQUIRE_WGPU=1 makes that a failure).
 //!
-//! Types and tolerances. The wgpu backend keeps activations, states and the KV cache in f32 (the
-//! CPU's types) and reads the same quantized weights, so what differs is summation order, FMA
+//! Types and tolerances. The wgpu backend keeps activations and states in f32 (the CPU's types),
+//! the KV cache in f32 or f16 (the attention tests run both; wgpu/attention.rs states the f16
+//! bound), and reads the same quantized weights, so what differs is summation order, FMA
 //! contraction and the reduction trees:
 //! * `EXACT` (0): copies, the residual add (one f32 add on both sides), elementwise ops whose
 //!   expression is the CPU's (`swiglu`, `add_sigmoid_gated`: `exp` may differ by an ulp or two on

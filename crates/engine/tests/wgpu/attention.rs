@@ -4,11 +4,63 @@
 //! order (online softmax over chunks of 256 keys, split ranges merged for decode) and its own
 //! `exp`; the RoPE angles are exact on both sides (f64 on the CPU, 64-bit fixed-point turns on the
 //! GPU), sin/cos within an f32 ulp or two. The gate copy and the KV cache appends are EXACT.
+//!
+//! Both KV cache types where the adapter has SHADER_F16 (`kv_kinds`; `Wgpu::set_kv_f16`): with
+//! an f16 cache the CPU is given the K/V rows rounded to f16 (`f16r`, round to nearest even as
+//! the GPU's pack2x16float on Vulkan and Metal), so the GPU, which rounds them as it stores
+//! them, and the CPU hold the same cache bit for bit and the outputs keep F32_TOL: the test
+//! sees every index and mask as in f32. What f16 costs against the f32 CPU is measured by
+//! `attention_f16_kv_against_f32` (F16_KV_TOL) and the end-to-end tests (E2E_TOL).
 
 use super::ops::kv_new;
 use super::*;
 use lily::backend::cpu::CpuStep;
 use lily::backend::{Dims, KvCache};
+
+/// What an f16 KV cache costs against the f32 CPU, per output row (max |gpu − cpu| / max |cpu|).
+/// Each K/V element is rounded once to 11 significant bits, relative error ≤ u = 2^-11 (4.9e-4),
+/// u/2 on average. V: an output is a p-weighted mean of the rows' values, so its error is the
+/// same mean of their roundings: ≤ u of the rows' values, ~u/√3 of them on average relative to
+/// the output's own scale when the roundings are independent. K: a score moves by ≤ u ·
+/// scale · Σ|q_i k_i| (≈ 12u for this test's needles, whose scores are ~12; ~u for its random
+/// keys), each p by that relative amount, the output by that times the spread of the values it
+/// averages. Measured on lavapipe (decode, 16/2 heads of 256): see the test's output. 4u leaves
+/// room for the worst row of a few hundred while a wrong index or mask moves a row by O(1).
+const F16_KV_TOL: f32 = 2e-3;
+
+/// The KV cache types the adapter takes (f32, and f16 where it has SHADER_F16).
+fn kv_kinds(g: &Wgpu) -> Vec<bool> {
+    if g.report().f16 {
+        vec![false, true]
+    } else {
+        vec![false]
+    }
+}
+
+/// x rounded to f16 (11 significant bits, nearest even; subnormals to 2^-24), as f32. Values
+/// here are far inside f16's range.
+fn f16r(x: f32) -> f32 {
+    if x.abs() < 6.103_515_6e-5 {
+        let q = 2f32.powi(-24);
+        return (x / q).round_ties_even() * q;
+    }
+    let (bits, lsb) = (x.to_bits(), 1u32 << 13);
+    let rem = bits & (lsb - 1);
+    let mut b = bits & !(lsb - 1);
+    if rem > lsb / 2 || (rem == lsb / 2 && b & lsb != 0) {
+        b += lsb;
+    }
+    f32::from_bits(b)
+}
+
+/// The values as an f16 cache holds them (`f16`), else as they are.
+fn kv_round(v: &[f32], f16: bool) -> Vec<f32> {
+    if f16 {
+        v.iter().map(|&x| f16r(x)).collect()
+    } else {
+        v.to_vec()
+    }
+}
 
 /// The model's shape and the smaller ones the kernels must also take: 32 heads (16 a KV head),
 /// head 128 (4 heads a KV head), head 64 (one KV head).
@@ -114,12 +166,19 @@ fn attention_qk_norm_rope() {
 #[test]
 fn attention_prefill_then_decode() {
     let Some(g) = gpu() else { return };
+    for f16 in kv_kinds(&g) {
+        g.set_kv_f16(f16);
+        prefill_then_decode(&g, f16);
+    }
+}
+
+fn prefill_then_decode(g: &Wgpu, f16: bool) {
     let d = qwen_dims();
     let mut rng = Rng(5);
     let (hq, hd, kvd) = (d.n_heads, d.head_dim, d.n_kv_heads * d.head_dim);
     let cap = 20_000;
     let mut ckv = kv_new(&Cpu, cap, kvd);
-    let mut gkv = kv_new(&g, cap, kvd);
+    let mut gkv = kv_new(g, cap, kvd);
     let mut gstep = g.new_step().unwrap();
     let mut pos = 0;
     for (step, rows) in [64usize, 37, 1, 1, 1, 500, 1, 1, 256, 1]
@@ -137,6 +196,7 @@ fn attention_prefill_then_decode() {
             g.upload(&v).unwrap(),
             g.upload(&gate).unwrap(),
         );
+        let (k, v) = (kv_round(&k, f16), kv_round(&v, f16));
         let mut go = g.zeros(rows * hq * hd).unwrap();
         let what = if rows == 1 {
             Cpu.attn_decode(
@@ -152,49 +212,45 @@ fn attention_prefill_then_decode() {
             );
             g.set_step(&mut gstep, 0, pos);
             g.attn_decode(&gq, &gk, &gv, &gg, &mut gkv, &d, pos, &gstep, &mut go);
-            format!("attn_decode step {step} at pos {pos}")
+            format!("attn_decode (f16 KV {f16}) step {step} at pos {pos}")
         } else {
             Cpu.attn_prefill(&q, &k, &v, &gate, &mut ckv, &d, rows, pos, &mut c);
             g.attn_prefill(&gq, &gk, &gv, &gg, &mut gkv, &d, rows, pos, &mut go);
-            format!("attn_prefill {rows} rows at pos {pos}")
+            format!("attn_prefill (f16 KV {f16}) {rows} rows at pos {pos}")
         };
-        check(
-            &what,
-            rel_rows(&h(&g, &go, rows * hq * hd), &c, hd),
-            F32_TOL,
-        );
+        check(&what, rel_rows(&h(g, &go, rows * hq * hd), &c, hd), F32_TOL);
         pos += rows;
     }
     check(
-        "attention KV cache after prefill + decode (K)",
-        rel_rows(&h(&g, &gkv.k, cap * kvd), &ckv.k, kvd),
+        &format!("attention KV cache (f16 {f16}) after prefill + decode (K)"),
+        rel_rows(&h(g, &gkv.k, cap * kvd), &ckv.k, kvd),
         EXACT,
     );
     check(
-        "attention KV cache after prefill + decode (V)",
-        rel_rows(&h(&g, &gkv.v, cap * kvd), &ckv.v, kvd),
+        &format!("attention KV cache (f16 {f16}) after prefill + decode (V)"),
+        rel_rows(&h(g, &gkv.v, cap * kvd), &ckv.v, kvd),
         EXACT,
     );
 }
 
 /// Both caches filled with the same random rows (so a row read past the causal limit, or a row
-/// not appended, shows), and the same values on the GPU.
+/// not appended, shows), and the same values on the GPU, in the cache type `kv_zeros` makes
+/// now (f16: the rows rounded on both sides).
 fn filled_caches(
     g: &Wgpu,
     rng: &mut Rng,
     cap: usize,
     kvd: usize,
 ) -> (KvCache<Vec<f32>>, KvCache<<Wgpu as Backend>::Buf>) {
+    let f16 = g.kv_f16();
     let c = KvCache {
-        k: rng.vec(cap * kvd, 1.0),
-        v: rng.vec(cap * kvd, 1.0),
+        k: kv_round(&rng.vec(cap * kvd, 1.0), f16),
+        v: kv_round(&rng.vec(cap * kvd, 1.0), f16),
         capacity: cap,
     };
-    let gk = KvCache {
-        k: g.upload(&c.k).unwrap(),
-        v: g.upload(&c.v).unwrap(),
-        capacity: cap,
-    };
+    let mut gk = kv_new(g, cap, kvd);
+    g.copy(&g.upload(&c.k).unwrap(), 0, &mut gk.k, 0, cap * kvd);
+    g.copy(&g.upload(&c.v).unwrap(), 0, &mut gk.v, 0, cap * kvd);
     (c, gk)
 }
 
@@ -204,6 +260,13 @@ fn filled_caches(
 #[test]
 fn attention_prefill_shapes() {
     let Some(g) = gpu() else { return };
+    for f16 in kv_kinds(&g) {
+        g.set_kv_f16(f16);
+        prefill_shapes(&g, f16);
+    }
+}
+
+fn prefill_shapes(g: &Wgpu, f16: bool) {
     let mut rng = Rng(6);
     for (d, (cap, chunks)) in shapes().into_iter().zip([
         (6000, vec![(40usize, 5000usize), (3, 5997)]),
@@ -212,14 +275,15 @@ fn attention_prefill_shapes() {
         (1024, vec![(255, 0), (512, 255), (257, 767)]),
     ]) {
         let (hq, hd, kvd) = (d.n_heads, d.head_dim, d.n_kv_heads * d.head_dim);
-        let (mut ckv, mut gkv) = filled_caches(&g, &mut rng, cap, kvd);
+        let (mut ckv, mut gkv) = filled_caches(g, &mut rng, cap, kvd);
         for (rows, pos0) in chunks {
             let q = rng.vec(rows * hq * hd, 1.0);
             let k = rng.vec(rows * kvd, 1.0);
             let v = rng.vec(rows * kvd, 1.0);
             let gate = rng.vec(rows * hq * hd, 2.0);
             let mut c = vec![0f32; rows * hq * hd];
-            Cpu.attn_prefill(&q, &k, &v, &gate, &mut ckv, &d, rows, pos0, &mut c);
+            let (ck, cv) = (kv_round(&k, f16), kv_round(&v, f16));
+            Cpu.attn_prefill(&q, &ck, &cv, &gate, &mut ckv, &d, rows, pos0, &mut c);
             let mut go = g.zeros(rows * hq * hd).unwrap();
             g.attn_prefill(
                 &g.upload(&q).unwrap(),
@@ -234,20 +298,23 @@ fn attention_prefill_shapes() {
             );
             check(
                 &format!(
-                    "attn_prefill {hq}/{} heads of {hd}, {rows} rows at pos {pos0}",
+                    "attn_prefill (f16 KV {f16}) {hq}/{} heads of {hd}, {rows} rows at pos {pos0}",
                     d.n_kv_heads
                 ),
-                rel_rows(&h(&g, &go, rows * hq * hd), &c, hd),
+                rel_rows(&h(g, &go, rows * hq * hd), &c, hd),
                 F32_TOL,
             );
         }
-        let kv_err = rel_rows(&h(&g, &gkv.k, cap * kvd), &ckv.k, kvd).max(rel_rows(
-            &h(&g, &gkv.v, cap * kvd),
+        let kv_err = rel_rows(&h(g, &gkv.k, cap * kvd), &ckv.k, kvd).max(rel_rows(
+            &h(g, &gkv.v, cap * kvd),
             &ckv.v,
             kvd,
         ));
         check(
-            &format!("attn_prefill {hq}/{} heads of {hd}: KV cache", d.n_kv_heads),
+            &format!(
+                "attn_prefill (f16 KV {f16}) {hq}/{} heads of {hd}: KV cache",
+                d.n_kv_heads
+            ),
             kv_err,
             EXACT,
         );
@@ -267,6 +334,13 @@ fn attention_prefill_shapes() {
 #[test]
 fn attention_prefill_tiled_chunks() {
     let Some(g) = gpu() else { return };
+    for f16 in kv_kinds(&g) {
+        g.set_kv_f16(f16);
+        prefill_tiled_chunks(&g, f16);
+    }
+}
+
+fn prefill_tiled_chunks(g: &Wgpu, f16: bool) {
     let sh = shapes();
     let mut rng = Rng(12);
     for (d, cap, chunks) in [
@@ -287,7 +361,7 @@ fn attention_prefill_tiled_chunks() {
     ] {
         let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
         let (kvd, group) = (kvh * hd, hq / kvh);
-        let (mut ckv, mut gkv) = filled_caches(&g, &mut rng, cap, kvd);
+        let (mut ckv, mut gkv) = filled_caches(g, &mut rng, cap, kvd);
         for (rows, pos0) in chunks {
             let q = rng.vec(rows * hq * hd, 1.0);
             let mut k = rng.vec(rows * kvd, 1.0);
@@ -301,7 +375,8 @@ fn attention_prefill_tiled_chunks() {
                 }
             }
             let mut c = vec![0f32; rows * hq * hd];
-            Cpu.attn_prefill(&q, &k, &v, &gate, &mut ckv, &d, rows, pos0, &mut c);
+            let (ck, cv) = (kv_round(&k, f16), kv_round(&v, f16));
+            Cpu.attn_prefill(&q, &ck, &cv, &gate, &mut ckv, &d, rows, pos0, &mut c);
             let mut go = g.zeros(rows * hq * hd).unwrap();
             g.attn_prefill(
                 &g.upload(&q).unwrap(),
@@ -314,7 +389,7 @@ fn attention_prefill_tiled_chunks() {
                 pos0,
                 &mut go,
             );
-            let gout = h(&g, &go, rows * hq * hd);
+            let gout = h(g, &go, rows * hq * hd);
             let r: Vec<f32> = (0..rows)
                 .flat_map(|t| {
                     let o = t * hq * hd;
@@ -328,19 +403,19 @@ fn attention_prefill_tiled_chunks() {
                 })
                 .collect();
             let what =
-                format!("attn_prefill (tiled) {hq}/{kvh} heads of {hd}, {rows} rows at pos {pos0}");
+                format!("attn_prefill (tiled, f16 KV {f16}) {hq}/{kvh} heads of {hd}, {rows} rows at pos {pos0}");
             let cpu_err = rel_rows(&c, &r, hd);
             println!("{what:<66} CPU vs f64 {cpu_err:.2e}");
             check(&format!("{what} vs f64"), rel_rows(&gout, &r, hd), F32_TOL);
             check(&what, rel_rows(&gout, &c, hd), F32_TOL + cpu_err);
         }
-        let kv_err = rel_rows(&h(&g, &gkv.k, cap * kvd), &ckv.k, kvd).max(rel_rows(
-            &h(&g, &gkv.v, cap * kvd),
+        let kv_err = rel_rows(&h(g, &gkv.k, cap * kvd), &ckv.k, kvd).max(rel_rows(
+            &h(g, &gkv.v, cap * kvd),
             &ckv.v,
             kvd,
         ));
         check(
-            &format!("attn_prefill (tiled) {hq}/{kvh} heads of {hd}: KV cache"),
+            &format!("attn_prefill (tiled, f16 KV {f16}) {hq}/{kvh} heads of {hd}: KV cache"),
             kv_err,
             EXACT,
         );
@@ -359,6 +434,13 @@ fn attention_prefill_tiled_chunks() {
 #[test]
 fn attention_decode_capacities() {
     let Some(g) = gpu() else { return };
+    for f16 in kv_kinds(&g) {
+        g.set_kv_f16(f16);
+        decode_capacities(&g, f16);
+    }
+}
+
+fn decode_capacities(g: &Wgpu, f16: bool) {
     let qd = qwen_dims();
     let sh = shapes();
     let cases: Vec<(Dims, usize, Vec<usize>)> = vec![
@@ -377,7 +459,7 @@ fn attention_decode_capacities() {
     for (d, cap, positions) in cases {
         let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
         let (kvd, group) = (kvh * hd, hq / kvh);
-        let (mut ckv, mut gkv) = filled_caches(&g, &mut rng, cap, kvd);
+        let (mut ckv, mut gkv) = filled_caches(g, &mut rng, cap, kvd);
         for pos in positions {
             let q = rng.vec(hq * hd, 1.0);
             let mut k = rng.vec(kvd, 1.0);
@@ -399,6 +481,7 @@ fn attention_decode_capacities() {
             for (i, &j) in spots.iter().enumerate().filter(|(_, &j)| j <= pos) {
                 let (kh, head) = (i % kvh, (i % kvh) * group + (i / kvh) % group);
                 let row: Vec<f32> = q[head * hd..][..hd].iter().map(|&x| 0.75 * x).collect();
+                let row = kv_round(&row, f16);
                 if j == pos {
                     k[kh * hd..][..hd].copy_from_slice(&row);
                 } else {
@@ -415,8 +498,8 @@ fn attention_decode_capacities() {
             let mut c = vec![0f32; hq * hd];
             Cpu.attn_decode(
                 &q,
-                &k,
-                &v,
+                &kv_round(&k, f16),
+                &kv_round(&v, f16),
                 &gate,
                 &mut ckv,
                 &d,
@@ -442,20 +525,24 @@ fn attention_decode_capacities() {
             // grows like √n·ε (≈ 1e-5 at 20000 keys). So the GPU is held to F32_TOL against an
             // f64 reference, and to F32_TOL plus the CPU's own measured error against the CPU.
             let r = reference_decode(&q, &gate, &ckv, &d, pos);
-            let gout = h(&g, &go, hq * hd);
-            let what = format!("attn_decode {hq}/{kvh} heads of {hd}, capacity {cap}, pos {pos}");
+            let gout = h(g, &go, hq * hd);
+            let what = format!(
+                "attn_decode (f16 KV {f16}) {hq}/{kvh} heads of {hd}, capacity {cap}, pos {pos}"
+            );
             let cpu_err = rel_rows(&c, &r, hd);
             println!("{:<58} CPU vs f64 {cpu_err:.2e}", what);
             check(&format!("{what} vs f64"), rel_rows(&gout, &r, hd), F32_TOL);
             check(&what, rel_rows(&gout, &c, hd), F32_TOL + cpu_err);
         }
-        let kv_err = rel_rows(&h(&g, &gkv.k, cap * kvd), &ckv.k, kvd).max(rel_rows(
-            &h(&g, &gkv.v, cap * kvd),
+        let kv_err = rel_rows(&h(g, &gkv.k, cap * kvd), &ckv.k, kvd).max(rel_rows(
+            &h(g, &gkv.v, cap * kvd),
             &ckv.v,
             kvd,
         ));
         check(
-            &format!("attn_decode {hq}/{kvh} heads of {hd}, capacity {cap}: KV cache"),
+            &format!(
+                "attn_decode (f16 KV {f16}) {hq}/{kvh} heads of {hd}, capacity {cap}: KV cache"
+            ),
             kv_err,
             EXACT,
         );
@@ -557,12 +644,19 @@ fn attention_bad_shapes_are_errors() {
 #[test]
 fn attention_decode_qk_appends_in_the_rope_launch() {
     let Some(g) = gpu() else { return };
+    for f16 in kv_kinds(&g) {
+        g.set_kv_f16(f16);
+        decode_qk_appends(&g, f16);
+    }
+}
+
+fn decode_qk_appends(g: &Wgpu, f16: bool) {
     let mut rng = Rng(6);
     for d in shapes() {
         let (hq, hd, kvd) = (d.n_heads, d.head_dim, d.n_kv_heads * d.head_dim);
         let cap = 700;
         let mut ckv = kv_new(&Cpu, cap, kvd);
-        let mut gkv = kv_new(&g, cap, kvd);
+        let mut gkv = kv_new(g, cap, kvd);
         let qn: Vec<f32> = (0..hd).map(|_| 1.0 + 0.1 * rng.f()).collect();
         let kn: Vec<f32> = (0..hd).map(|_| 1.0 + 0.1 * rng.f()).collect();
         let (gqn, gkn) = (g.upload_vec(&qn).unwrap(), g.upload_vec(&kn).unwrap());
@@ -570,7 +664,8 @@ fn attention_decode_qk_appends_in_the_rope_launch() {
         let (k, v) = (rng.vec(300 * kvd, 1.0), rng.vec(300 * kvd, 1.0));
         let (q, gate) = (rng.vec(300 * hq * hd, 1.0), rng.vec(300 * hq * hd, 1.0));
         let mut c = vec![0f32; 300 * hq * hd];
-        Cpu.attn_prefill(&q, &k, &v, &gate, &mut ckv, &d, 300, 0, &mut c);
+        let (ck, cv) = (kv_round(&k, f16), kv_round(&v, f16));
+        Cpu.attn_prefill(&q, &ck, &cv, &gate, &mut ckv, &d, 300, 0, &mut c);
         let mut go = g.zeros(300 * hq * hd).unwrap();
         let up = |x: &[f32]| g.upload(x).unwrap();
         g.attn_prefill(
@@ -630,19 +725,102 @@ fn attention_decode_qk_appends_in_the_rope_launch() {
                 &mut gg,
                 &mut gout,
             );
-            let what = format!("attn_decode_qk {hq} heads of {hd} at pos {pos}");
-            check(&what, rel_rows(&h(&g, &gout, hq * hd), &co, hd), F32_TOL);
+            // An f16 cache rounds this step's k and v, the CPU's (f32) does not.
+            let what = format!("attn_decode_qk (f16 KV {f16}) {hq} heads of {hd} at pos {pos}");
+            let tol = if f16 { F16_KV_TOL } else { F32_TOL };
+            check(&what, rel_rows(&h(g, &gout, hq * hd), &co, hd), tol);
         }
+        // f16: the GPU's k (within F32_TOL of the CPU's) rounded may land an f16 ulp (2^-10 of
+        // the element at most) from the CPU's rounded; v is rounded from the same values.
         let n = 305 * kvd;
+        let ktol = if f16 { 1.0 / 1024.0 } else { F32_TOL };
         check(
-            &format!("attn_decode_qk {hq} heads of {hd}: the K cache"),
-            rel_rows(&h(&g, &gkv.k, n), &ckv.k[..n], kvd),
-            F32_TOL,
+            &format!("attn_decode_qk (f16 KV {f16}) {hq} heads of {hd}: the K cache"),
+            rel_rows(&h(g, &gkv.k, n), &kv_round(&ckv.k[..n], f16), kvd),
+            ktol,
         );
         check(
-            &format!("attn_decode_qk {hq} heads of {hd}: the V cache"),
-            rel_rows(&h(&g, &gkv.v, n), &ckv.v[..n], kvd),
+            &format!("attn_decode_qk (f16 KV {f16}) {hq} heads of {hd}: the V cache"),
+            rel_rows(&h(g, &gkv.v, n), &kv_round(&ckv.v[..n], f16), kvd),
             EXACT,
         );
     }
+}
+
+/// What an f16 KV cache costs (F16_KV_TOL's reasoning): decode at the model's shape over a
+/// random cache with needles (scores ~12) against the CPU on the unrounded f32 rows, and the
+/// same launch on an f32 cache at F32_TOL as the control. Positions across several splits.
+#[test]
+fn attention_f16_kv_against_f32() {
+    let Some(g) = gpu() else { return };
+    if !g.report().f16 {
+        eprintln!("skipping: the adapter has no SHADER_F16 (the KV cache is f32)");
+        return;
+    }
+    let d = qwen_dims();
+    let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
+    let (kvd, group) = (kvh * hd, hq / kvh);
+    let cap = 4096;
+    let mut rng = Rng(21);
+    let ck = rng.vec(cap * kvd, 1.0);
+    let cv = rng.vec(cap * kvd, 1.0);
+    let mut gstep = g.new_step().unwrap();
+    let mut worst = [0f32; 2];
+    for pos in [100usize, 1000, 4095] {
+        let q = rng.vec(hq * hd, 1.0);
+        let gate = rng.vec(hq * hd, 2.0);
+        let mut c = KvCache {
+            k: ck.clone(),
+            v: cv.clone(),
+            capacity: cap,
+        };
+        // A needle for each query head, at spread keys before pos.
+        for head in 0..hq {
+            let (kh, j) = (head / group, (head * 7919) % pos);
+            for i in 0..hd {
+                c.k[j * kvd + kh * hd + i] = 0.75 * q[head * hd + i];
+            }
+        }
+        let (k, v) = (
+            c.k[pos * kvd..][..kvd].to_vec(),
+            c.v[pos * kvd..][..kvd].to_vec(),
+        );
+        let mut co = vec![0f32; hq * hd];
+        Cpu.attn_decode(
+            &q,
+            &k,
+            &v,
+            &gate,
+            &mut c,
+            &d,
+            pos,
+            &CpuStep { token: 0, pos },
+            &mut co,
+        );
+        for (i, f16) in [false, true].into_iter().enumerate() {
+            g.set_kv_f16(f16);
+            let mut gkv = kv_new(&g, cap, kvd);
+            g.copy(&g.upload(&c.k).unwrap(), 0, &mut gkv.k, 0, cap * kvd);
+            g.copy(&g.upload(&c.v).unwrap(), 0, &mut gkv.v, 0, cap * kvd);
+            let mut go = g.zeros(hq * hd).unwrap();
+            g.set_step(&mut gstep, 0, pos);
+            g.attn_decode(
+                &g.upload(&q).unwrap(),
+                &g.upload(&k).unwrap(),
+                &g.upload(&v).unwrap(),
+                &g.upload(&gate).unwrap(),
+                &mut gkv,
+                &d,
+                pos,
+                &gstep,
+                &mut go,
+            );
+            let e = rel_rows(&h(&g, &go, hq * hd), &co, hd);
+            worst[i] = worst[i].max(e);
+            println!("attn_decode f16 KV {f16} vs the f32 CPU at pos {pos}: {e:.2e}");
+        }
+    }
+    g.set_kv_f16(true);
+    check("attn_decode, f32 KV vs the f32 CPU", worst[0], F32_TOL);
+    check("attn_decode, f16 KV vs the f32 CPU", worst[1], F16_KV_TOL);
 }

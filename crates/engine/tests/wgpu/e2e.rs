@@ -5,7 +5,9 @@
 use super::*;
 
 /// Logits against the CPU's, max over positions of max |wgpu − cpu| / max |cpu|. Both sides are
-/// f32 throughout (activations, states, KV cache) on the same weights, so only summation order
+/// f32 (activations, states) on the same weights, the wgpu KV cache f16 where the adapter has
+/// SHADER_F16 (LILY_WGPU_KV_F16=0: f32; on lavapipe prefill logits 1.25e-4 / 6.5e-5 on tiny /
+/// small with f16 against 1.2e-6 / 9.1e-7 with f32, decode ~9e-5 either way), so summation order
 /// differs, compounded over the layers; MLX-LM's own bf16-vs-f32 gap on `small` is 1e-2 (#6's
 /// yardstick) and the CUDA backend's f32 paths measured 5-7e-4 with a bf16 KV cache. A tenth of
 /// MLX-LM's gap leaves room for lavapipe's and a GPU's reduction orders while a wrong op (an

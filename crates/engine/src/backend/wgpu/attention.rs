@@ -15,6 +15,12 @@
 //! query heads together, `attn_combine4` merges them (`LILY_WGPU_ATTN_TILE=0`: stop 28's
 //! `attn_split_gqa` + `attn_combine`; `attn_split`, a query head a workgroup, takes the shapes
 //! the grouped kernels cannot).
+//!
+//! The KV cache is f32 or f16 (`WBuf::half`: `Backend::kv_zeros` makes f16 ones where the
+//! adapter has SHADER_F16 and `LILY_WGPU_KV_F16` is not 0): attention.wgsl is one source built
+//! twice, `attention` over kv_f32.wgsl and `attention_h` over kv_f16.wgsl (the cache's element
+//! type and its accessors), and each op takes the module of the cache it is given. An f16
+//! cache's prefill append is `kv_store` (rounds k and v into the cache) instead of buffer copies.
 
 use super::device::{Ctx, Shader};
 use super::{fits, WBuf, WStep};
@@ -24,9 +30,71 @@ pub const SHADER: Shader = Shader {
     name: "attention",
     src: concat!(
         include_str!("shaders/common.wgsl"),
+        include_str!("shaders/kv_f32.wgsl"),
         include_str!("shaders/attention.wgsl")
     ),
 };
+
+/// attention.wgsl over an f16 KV cache (halves packed two a u32 word).
+pub const SHADER_H: Shader = Shader {
+    name: "attention_h",
+    src: concat!(
+        include_str!("shaders/common.wgsl"),
+        include_str!("shaders/kv_f16.wgsl"),
+        include_str!("shaders/attention.wgsl")
+    ),
+};
+
+/// The module of a cache's element type (`kv_ok` has checked K and V agree).
+fn shader(kv: &KvCache<WBuf>) -> &'static Shader {
+    if kv.k.half {
+        &SHADER_H
+    } else {
+        &SHADER
+    }
+}
+
+/// Whether a cache's K and V agree in type and an f16 one takes the head (whole words of two
+/// halves a row); records the error if not.
+fn kv_ok(ctx: &Ctx, op: &str, kv: &KvCache<WBuf>, d: &Dims) -> bool {
+    if kv.k.half != kv.v.half {
+        ctx.fail(format!(
+            "{op}: the K and V caches differ in type (f16 and f32)"
+        ));
+        return false;
+    }
+    if kv.k.half && !d.head_dim.is_multiple_of(2) {
+        ctx.fail(format!(
+            "{op}: an f16 KV cache takes heads of an even dim, not {} (LILY_WGPU_KV_F16=0 keeps it f32)",
+            d.head_dim
+        ));
+        return false;
+    }
+    true
+}
+
+/// `dst[dst_off ..][..len] = src[src_off ..][..len]` rounded into an f16 cache buffer (kv_store;
+/// `Backend::copy` from an f32 buffer into an f16 one). `dst_off` and `len` even (whole words).
+pub fn kv_store(ctx: &Ctx, src: &WBuf, src_off: usize, dst: &WBuf, dst_off: usize, len: usize) {
+    if !dst.half || src.half || !dst_off.is_multiple_of(2) || !len.is_multiple_of(2) {
+        ctx.fail(format!(
+            "kv_store: {len} elements from {src_off} into {dst_off} of an f16 cache: not whole words of f32 into f16"
+        ));
+        return;
+    }
+    if src_off + len > u32::MAX as usize || dst_off / 2 + len / 2 > u32::MAX as usize {
+        ctx.fail(format!("kv_store: offsets {src_off}, {dst_off} past u32"));
+        return;
+    }
+    let n = len / 2;
+    ctx.dispatch(
+        &SHADER_H,
+        "kv_store",
+        &[n as u32, src_off as u32, (dst_off / 2) as u32, 0],
+        &[&src.buf, &dst.buf],
+        n.div_ceil(256) as u32,
+    );
+}
 
 /// The largest head the kernels take (two dims a thread of 256) and rotated dims (the turn
 /// table of 128 pairs in the parameter block).
@@ -48,7 +116,7 @@ const TILE_KEYS: usize = 8;
 /// at least `TILE_SPLIT_KEYS` keys (below that the combine costs more than the split saves).
 const TILE_WGS: usize = 256;
 const TILE_SPLIT_KEYS: usize = 512;
-/// attn_dec_gqa: keys a chunk (attention.wgsl `DK`), the fewest keys a split takes (so a short
+/// attn_dec_gqa: keys a chunk of an f32 cache (attention.wgsl `DK`; twice that in f16), the fewest keys a split takes (so a short
 /// context fills fewer splits, the rest stop at once), the splits at most (attn_combine4's
 /// tree: 256; 512 workgroups on the model's two KV heads).
 const DEC_CHUNK: usize = 32;
@@ -169,7 +237,7 @@ pub fn attn_decode_qk(
     }
     let p = rope_params(d, 1, pos, kv.capacity);
     ctx.dispatch(
-        &SHADER,
+        shader(kv),
         "qk_rope_append_step",
         &p,
         &[
@@ -273,7 +341,7 @@ pub fn attn_prefill(
     const OP: &str = "attn_prefill";
     let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
     let kvd = kvh * hd;
-    if !dims_ok(ctx, OP, d) {
+    if !dims_ok(ctx, OP, d) || !kv_ok(ctx, OP, kv, d) {
         return;
     }
     if pos0 + rows > kv.capacity {
@@ -299,9 +367,14 @@ pub fn attn_prefill(
     ) {
         return;
     }
-    let (at, bytes) = (4 * (pos0 * kvd) as u64, 4 * (rows * kvd) as u64);
-    ctx.copy(&k.buf, 0, &kv.k.buf, at, bytes);
-    ctx.copy(&v.buf, 0, &kv.v.buf, at, bytes);
+    if kv.k.half {
+        kv_store(ctx, k, 0, &kv.k, pos0 * kvd, rows * kvd);
+        kv_store(ctx, v, 0, &kv.v, pos0 * kvd, rows * kvd);
+    } else {
+        let (at, bytes) = (4 * (pos0 * kvd) as u64, 4 * (rows * kvd) as u64);
+        ctx.copy(&k.buf, 0, &kv.k.buf, at, bytes);
+        ctx.copy(&v.buf, 0, &kv.v.buf, at, bytes);
+    }
     if gqa(ctx, d) && ctx.sw.attn_tile {
         tile_prefill(ctx, q, kv, gate, d, rows, pos0, out);
         return;
@@ -312,7 +385,7 @@ pub fn attn_prefill(
         ("attn_rows", rows * hq)
     };
     ctx.dispatch(
-        &SHADER,
+        shader(kv),
         entry,
         &params(d, rows, pos0, kv.capacity, 1, 0),
         &[&q.buf, &kv.k.buf, &kv.v.buf, &gate.buf, &out.buf],
@@ -354,9 +427,10 @@ fn tile_prefill(
     let (splits, span) = tile_splits(d, rows, pos0);
     let p = params(d, rows, pos0, kv.capacity, splits, span);
     let groups = (tiles * d.n_kv_heads * splits) as u32;
+    let sh = shader(kv);
     if splits == 1 {
         ctx.dispatch(
-            &SHADER,
+            sh,
             "attn_tile_gqa",
             &p,
             &[&q.buf, &kv.k.buf, &kv.v.buf, &gate.buf, &out.buf],
@@ -375,14 +449,14 @@ fn tile_prefill(
         }
     };
     ctx.dispatch(
-        &SHADER,
+        sh,
         "attn_tile_gqa_part",
         &p,
         &[&q.buf, &kv.k.buf, &kv.v.buf, &part],
         groups,
     );
     ctx.dispatch(
-        &SHADER,
+        sh,
         "attn_combine4",
         &p,
         &[&part, &gate.buf, &out.buf],
@@ -416,12 +490,14 @@ pub fn attn_decode(
     }
     let kvd = d.n_kv_heads * d.head_dim;
     let p = params(d, 1, 0, kv.capacity, 0, 0);
+    // A thread a word of the row (two elements in an f16 cache).
+    let words = if kv.k.half { kvd / 2 } else { kvd };
     ctx.dispatch(
-        &SHADER,
+        shader(kv),
         "kv_append_step",
         &p,
         &[&k.buf, &v.buf, &step.buf, &kv.k.buf, &kv.v.buf],
-        kvd.div_ceil(256) as u32,
+        words.div_ceil(256) as u32,
     );
     decode_attend(ctx, q, gate, kv, d, step, out);
 }
@@ -441,6 +517,9 @@ fn decode_ok(
     out: &WBuf,
 ) -> bool {
     let (hq, kvd, hd) = (d.n_heads, d.n_kv_heads * d.head_dim, d.head_dim);
+    if !kv_ok(ctx, op, kv, d) {
+        return false;
+    }
     // The device reads the step's position (equal to `pos`); the host checks this one.
     if pos >= kv.capacity || kv.capacity > u32::MAX as usize {
         ctx.fail(format!(
@@ -484,7 +563,8 @@ fn decode_attend(
     // whole chunks.
     let (span, splits) = if tile {
         (
-            DEC_CHUNK,
+            // attention.wgsl's DK: 32 · KV_PACK.
+            if kv.k.half { 2 * DEC_CHUNK } else { DEC_CHUNK },
             kv.capacity
                 .div_ceil(ctx.sw.attn_keys)
                 .clamp(1, DEC_MAX_SPLITS),
@@ -510,18 +590,13 @@ fn decode_attend(
     } else {
         ("attn_split", hq * splits, "attn_combine")
     };
+    let sh = shader(kv);
     ctx.dispatch(
-        &SHADER,
+        sh,
         entry,
         &p,
         &[&q.buf, &kv.k.buf, &kv.v.buf, &step.buf, &part],
         groups as u32,
     );
-    ctx.dispatch(
-        &SHADER,
-        combine,
-        &p,
-        &[&part, &gate.buf, &out.buf],
-        hq as u32,
-    );
+    ctx.dispatch(sh, combine, &p, &[&part, &gate.buf, &out.buf], hq as u32);
 }

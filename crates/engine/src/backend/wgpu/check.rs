@@ -15,8 +15,11 @@ pub fn translate_to_msl() -> Result<Vec<(&'static str, String)>> {
     for sh in shaders() {
         let module = naga::front::wgsl::parse_str(sh.src)
             .map_err(|e| anyhow!("{}.wgsl: {}", sh.name, e.emit_to_string(sh.src)))?;
+        // SHADER_FLOAT16_IN_FLOAT32: pack2x16float / unpack2x16float (the f16 KV cache,
+        // kv_f16.wgsl); wgpu grants it on Vulkan and Metal (llvmpipe: with SHADER_F16).
         let caps = naga::valid::Capabilities::SUBGROUP
             | naga::valid::Capabilities::SHADER_FLOAT16
+            | naga::valid::Capabilities::SHADER_FLOAT16_IN_FLOAT32
             | naga::valid::Capabilities::COOPERATIVE_MATRIX;
         let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), caps)
             .validate(&module)

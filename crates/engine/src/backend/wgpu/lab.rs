@@ -42,6 +42,7 @@ pub const CASES: &[&str] = &[
     "gemm",
     "moe_mm",
     "gdn_step",
+    "attn",
 ];
 
 /// Dispatches in one timed pass at most (the device submits at 256).
@@ -192,6 +193,7 @@ impl Wgpu {
         Ok(WBuf {
             buf: self.ctx.upload(as_bytes(v))?,
             len: v.len(),
+            half: false,
         })
     }
 
@@ -447,6 +449,7 @@ impl Wgpu {
                     .map(|o| WBuf {
                         buf: o.buf.clone(),
                         len: o.len,
+                        half: o.half,
                     })
                     .collect();
                 let mut om: Vec<&mut WBuf> = os.iter_mut().collect();
@@ -599,6 +602,7 @@ impl Wgpu {
                     let mut o = WBuf {
                         buf: out.buf.clone(),
                         len: out.len,
+                        half: out.half,
                     };
                     let r = &routes[i % nroutes];
                     super::moe::moe_experts(ctx, &x, r, &gate, &up, &down, &d, 1, &mut o)
@@ -651,6 +655,7 @@ impl Wgpu {
             let clone = |b: &WBuf| WBuf {
                 buf: b.buf.clone(),
                 len: b.len,
+                half: b.half,
             };
             let old_fuse = ctx.sw.moe_fuse.load(Ordering::Relaxed);
             ctx.sw.moe_fuse.store(true, Ordering::Relaxed);
@@ -784,6 +789,9 @@ impl Wgpu {
         if want_case("gdn_step") {
             rows.extend(self.lab_gdn_step(cfg, calls, cycle, print)?);
         }
+        if want_case("attn") {
+            rows.extend(self.lab_attn(cfg, calls, print)?);
+        }
         ctx.check()?;
         Ok(rows)
     }
@@ -872,6 +880,7 @@ impl Wgpu {
                 let mut ob = WBuf {
                     buf: o.buf.clone(),
                     len: o.len,
+                    half: o.half,
                 };
                 super::matmul::matmul_q(ctx, &x, &mats[i % 2], 0, rows, &mut ob);
             };
@@ -951,6 +960,7 @@ impl Wgpu {
                 let mut o = WBuf {
                     buf: out.buf.clone(),
                     len: out.len,
+                    half: out.half,
                 };
                 super::moe::moe_experts(ctx, &x, &route, &gate, &up, &down, &d, rows, &mut o)
             };
@@ -1041,10 +1051,12 @@ impl Wgpu {
             let mut st = WBuf {
                 buf: states[i % copies].buf.clone(),
                 len: n,
+                half: false,
             };
             let mut yb = WBuf {
                 buf: y.buf.clone(),
                 len: y.len,
+                half: false,
             };
             super::gdn::gated_delta_ex(ctx, &qkv, &z, &b, &a, &w, &mut st, &d, 1, &mut yb, false);
         };
@@ -1052,6 +1064,7 @@ impl Wgpu {
             let mut st = WBuf {
                 buf: states[i % copies].buf.clone(),
                 len: n,
+                half: false,
             };
             super::gdn::gated_delta_x(ctx, &qkv, &z, &b, &a, &w, &mut st, &d, &xq);
         };
@@ -1112,6 +1125,100 @@ impl Wgpu {
             res.push(row);
         }
         ctx.sw.gdn_step.store(saved, Ordering::Relaxed);
+        Ok(res)
+    }
+}
+
+impl Wgpu {
+    /// Case "attn": one decode step's attention over the cache (`attn_decode`: kv_append_step,
+    /// attn_dec_gqa, attn_combine4) at 4K, 32K and 128K of context, the cache in f32 and in f16
+    /// (where the adapter has SHADER_F16), its capacity the power of two above the context + 64
+    /// (as a bench run grows it: the split count follows the capacity). Over copies of the
+    /// caches making ≥ 256 MB (so that L2 does not hold them). `bytes` is the K and V rows
+    /// read (2 · context · kv_dim · element size); the variant reads `f16 32K`.
+    fn lab_attn(
+        &self,
+        cfg: &Config,
+        calls: usize,
+        print: &mut dyn FnMut(&LabRow),
+    ) -> Result<Vec<LabRow>> {
+        let ctx = &self.ctx;
+        let d = Dims::from_config(cfg);
+        let (hq, kvd) = (d.n_heads, d.n_kv_heads * d.head_dim);
+        let calls = calls.min(50);
+        let mut res = Vec::new();
+        let q = self.lab_buf(&floats(hq * d.head_dim, 401, -1.0, 1.0))?;
+        let gate = self.lab_buf(&floats(hq * d.head_dim, 402, -1.0, 1.0))?;
+        let kv1 = self.lab_buf(&floats(kvd, 403, -1.0, 1.0))?;
+        let o = self.lab_buf(&vec![0.0; hq * d.head_dim])?;
+        let mut step = self.new_step()?;
+        for n in [4096usize, 32768, 131072] {
+            let cap = (n + 64).next_power_of_two();
+            for half in [false, true] {
+                if half && !ctx.report.f16 {
+                    continue;
+                }
+                let esize = if half { 2 } else { 4 };
+                let buf_bytes = (cap * kvd * esize) as u64;
+                if buf_bytes > ctx.report.max_binding {
+                    eprintln!("lab: attn at {n} skipped: a cache of {buf_bytes} B exceeds the largest binding");
+                    continue;
+                }
+                let copies = (256usize << 20).div_ceil(2 * n * kvd * esize).clamp(1, 8);
+                let caches: Vec<(WBuf, WBuf)> = (0..copies)
+                    .map(|_| -> Result<(WBuf, WBuf)> {
+                        let mk = || -> Result<WBuf> {
+                            Ok(WBuf {
+                                buf: ctx.buffer(buf_bytes)?,
+                                len: cap * kvd,
+                                half,
+                            })
+                        };
+                        Ok((mk()?, mk()?))
+                    })
+                    .collect::<Result<_>>()?;
+                self.set_step(&mut step, 0, n - 1);
+                let call = |i: usize| {
+                    let (k, v) = &caches[i % copies];
+                    let clone = |b: &WBuf| WBuf {
+                        buf: b.buf.clone(),
+                        len: b.len,
+                        half: b.half,
+                    };
+                    let mut kv = crate::backend::KvCache {
+                        k: clone(k),
+                        v: clone(v),
+                        capacity: cap,
+                    };
+                    let mut ob = clone(&o);
+                    super::attention::attn_decode(
+                        ctx,
+                        &q,
+                        &kv1,
+                        &kv1,
+                        &gate,
+                        &mut kv,
+                        &d,
+                        n - 1,
+                        &step,
+                        &mut ob,
+                    );
+                };
+                let op_s = lab_median(ctx, calls, &call)?;
+                let row = LabRow {
+                    case: "attn",
+                    variant: format!("{} {}K", if half { "f16" } else { "f32" }, n / 1024),
+                    bytes: 2 * n * kvd * esize,
+                    copies,
+                    calls,
+                    op_s,
+                    read_s: None,
+                    check: None,
+                };
+                print(&row);
+                res.push(row);
+            }
+        }
         Ok(res)
     }
 }

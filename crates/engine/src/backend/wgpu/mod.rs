@@ -8,8 +8,9 @@
 //! `output`), each prefixed with `shaders/common.wgsl` (and `shaders/quant.wgsl` where it reads
 //! weights). The op names are the trait's, the CPU files' and the CUDA kernels'.
 //!
-//! Element types: activations, the residual stream, states and the KV cache are f32 here (the
-//! trait's defaults: `act_zeros` and `kv_zeros` are `zeros`); weights stay in the checkpoint's
+//! Element types: activations, the residual stream and states are f32 here (`act_zeros` is
+//! `zeros`); the KV cache is f16 where the adapter has SHADER_F16 (`kv_zeros`, `WBuf::half`;
+//! `LILY_WGPU_KV_F16=0`: f32), read into f32 arithmetic; weights stay in the checkpoint's
 //! 4/8-bit codes with bf16 scales and biases, dequantized inside the kernels; accumulation f32.
 //! Routing, the next token and the recurrent state stay on the GPU; sampling other than greedy
 //! runs on the host for now (`new_sampler` returns `None`).
@@ -76,10 +77,12 @@ const MAX_RECORDS: usize = 16;
 /// Keys remembered as seen once before being forgotten.
 const MAX_SEEN: usize = 4096;
 
-/// An f32 buffer on the device (`len` elements).
+/// An f32 buffer on the device (`len` elements), or a KV cache's of f16 elements packed two a
+/// u32 word (`half`: `Backend::kv_zeros`, attention.rs).
 pub struct WBuf {
     buf: ::wgpu::Buffer,
     len: usize,
+    half: bool,
 }
 
 /// A matrix or stack of `n` matrices `[out, inp]` on the device, in the checkpoint's format
@@ -299,7 +302,26 @@ impl Wgpu {
         Ok(WBuf {
             buf: self.ctx.upload(as_bytes(v))?,
             len: v.len(),
+            half: false,
         })
+    }
+    /// Whether `kv_zeros` makes f16 caches now: the adapter has SHADER_F16 and the switch
+    /// (`LILY_WGPU_KV_F16`, `set_kv_f16`) is on.
+    pub fn kv_f16(&self) -> bool {
+        self.ctx.report.f16
+            && self
+                .ctx
+                .sw
+                .kv_f16
+                .load(std::sync::atomic::Ordering::Relaxed)
+    }
+    /// KV caches made from now on in f16 (`true`, where the adapter has SHADER_F16) or f32;
+    /// tests compare both on one device. Caches made before keep their type.
+    pub fn set_kv_f16(&self, on: bool) {
+        self.ctx
+            .sw
+            .kv_f16
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 }
 
@@ -418,11 +440,38 @@ impl Backend for Wgpu {
         Ok(WBuf {
             buf: self.ctx.buffer(4 * len as u64)?,
             len,
+            half: false,
         })
+    }
+    /// f16 where the adapter has SHADER_F16 and `LILY_WGPU_KV_F16` is not 0 (`set_kv_f16`).
+    fn kv_zeros(&self, len: usize) -> Result<WBuf> {
+        if !self.kv_f16() {
+            return self.zeros(len);
+        }
+        Ok(WBuf {
+            buf: self.ctx.buffer(2 * len as u64)?,
+            len,
+            half: true,
+        })
+    }
+    fn kv_elem_bytes(&self) -> usize {
+        if self.kv_f16() {
+            2
+        } else {
+            4
+        }
     }
     fn to_host(&self, b: &WBuf, len: usize) -> Result<Vec<f32>> {
         if len > b.len {
             bail!("to_host: {len} elements asked of a buffer of {}", b.len);
+        }
+        if b.half {
+            let bytes = self.ctx.read(&b.buf, 2 * len as u64)?;
+            return Ok(bytes
+                .chunks_exact(2)
+                .take(len)
+                .map(|c| f16_to_f32(u16::from_le_bytes([c[0], c[1]])))
+                .collect());
         }
         let bytes = self.ctx.read(&b.buf, 4 * len as u64)?;
         Ok(bytes
@@ -431,6 +480,8 @@ impl Backend for Wgpu {
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect())
     }
+    /// Between buffers of one type a buffer copy (f16: whole words, even offsets and lengths);
+    /// f32 into an f16 cache rounds (attention.rs `kv_store`); f16 into f32 is refused.
     fn copy(&self, src: &WBuf, src_off: usize, dst: &mut WBuf, dst_off: usize, len: usize) {
         if src_off + len > src.len || dst_off + len > dst.len {
             self.ctx.fail(format!(
@@ -439,13 +490,27 @@ impl Backend for Wgpu {
             ));
             return;
         }
-        self.ctx.copy(
-            &src.buf,
-            4 * src_off as u64,
-            &dst.buf,
-            4 * dst_off as u64,
-            4 * len as u64,
-        );
+        match (src.half, dst.half) {
+            (false, false) => self.ctx.copy(
+                &src.buf,
+                4 * src_off as u64,
+                &dst.buf,
+                4 * dst_off as u64,
+                4 * len as u64,
+            ),
+            (true, true) if (src_off | dst_off | len).is_multiple_of(2) => self.ctx.copy(
+                &src.buf,
+                2 * src_off as u64,
+                &dst.buf,
+                2 * dst_off as u64,
+                2 * len as u64,
+            ),
+            (false, true) => attention::kv_store(&self.ctx, src, src_off, dst, dst_off, len),
+            _ => self.ctx.fail(format!(
+                "copy: {len} elements from {src_off} of an f16 buffer into {dst_off} of {}: f16 copies are whole words of two, into f16",
+                if dst.half { "an f16 one" } else { "an f32 one" }
+            )),
+        }
     }
     fn new_route(&self, rows: usize, top_k: usize) -> Result<WRoute> {
         Ok(WRoute {
@@ -948,4 +1013,21 @@ impl Backend for Wgpu {
             .fail("sample_step: the wgpu backend samples on the host (new_sampler gave none)");
     }
     fn sample_note(&self, _s: &mut (), _token: u32) {}
+}
+
+/// An IEEE half's value (to_host of an f16 KV cache).
+fn f16_to_f32(h: u16) -> f32 {
+    let sign = ((h as u32) & 0x8000) << 16;
+    let exp = ((h >> 10) & 0x1f) as u32;
+    let man = (h & 0x3ff) as u32;
+    let bits = match exp {
+        // Zero and subnormals: man · 2^-24, exact in f32.
+        0 => {
+            let v = man as f32 / 16_777_216.0;
+            return if sign != 0 { -v } else { v };
+        }
+        0x1f => sign | 0x7f80_0000 | (man << 13),
+        _ => sign | ((exp + 112) << 23) | (man << 13),
+    };
+    f32::from_bits(bits)
 }

@@ -1,7 +1,10 @@
-// attention.wgsl: the gated full-attention layer (cpu/attention.rs), all f32. Layouts: qg
+// attention.wgsl: the gated full-attention layer (cpu/attention.rs), f32 arithmetic. Layouts: qg
 // [rows, heads, 2·hd] (query | gate per head, q_proj's output); q, gate, out [rows, heads·hd];
-// k, v [rows, kv_heads·hd]; the KV cache kc, vc [capacity, kv_heads·hd]. Query head h reads KV
-// head h / (heads / kv_heads). A step buffer is u32 [token, pos].
+// k, v [rows, kv_heads·hd]; the KV cache kc, vc [capacity, kv_heads·hd] in the element type of
+// the file prefixed to this one (attention.rs builds it twice): kv_f32.wgsl (f32) or kv_f16.wgsl
+// (f16, two a u32 word), read and written only through its KV1 / KV4 words, kv1 / kv4 (widen to
+// f32) and kv_word (round into a word of KV_PACK elements); every writer writes whole words. Query
+// head h reads KV head h / (heads / kv_heads). A step buffer is u32 [token, pos].
 //
 // qk_norm_rope / qk_norm_rope_step (cpu `attn_qk_norm_rope`): one workgroup of 256 per (row,
 //   head) over the heads then the KV heads: rows · (heads + kv_heads) workgroups. rms_norm of the
@@ -25,11 +28,13 @@
 // qk_rope_append_step (cpu `attn_qk_norm_rope` then `attention`'s append, one decode row): the
 //   workgroups of qk_norm_rope_step, at the step's pos; a KV head's workgroup then writes its
 //   normed, rotated k and its v into row pos of the caches (not past the capacity `cap`), one
-//   launch instead of qk_norm_rope_step and kv_append_step. heads + kv_heads workgroups.
+//   launch instead of qk_norm_rope_step and kv_append_step (a word a thread). heads + kv_heads
+//   workgroups.
 //   Bindings: qk_norm_rope_step's 1-7, 8 v, 9 kc, 10 vc.
 // kv_append_step (cpu `attention`'s append, decode): kc[pos], vc[pos] = k, v at the step's pos (not
-//   written past the capacity). ceil(kv_dim / 256) workgroups. Bindings: 1 k, 2 v, 3 step, 4 kc,
-//   5 vc.
+//   written past the capacity), a word a thread: ceil(kv_dim / KV_PACK / 256) workgroups.
+//   Bindings: 1 k, 2 v, 3 step, 4 kc, 5 vc. kv_store (prefill's append into an f16 cache) is
+//   described where it is defined.
 // attn_split (cpu `attention`, one row, at the step's pos): the keys 0..=pos split into `splits`
 //   ranges of `span` keys (the host picks them from the capacity: a recorded step works at any
 //   position); one workgroup per (head, split), heads · splits workgroups, the loop of attn_rows
@@ -45,7 +50,7 @@
 // attn_rows_gqa (stop 28's, LILY_WGPU_ATTN_TILE=0).
 //
 // No subgroup width is assumed (every reduction goes through workgroup memory); workgroup memory:
-// 4 KB (attn_rows, attn_split), 1 KB (qk_norm_rope), 25-26 KB (attn_tile_gqa, attn_dec_gqa), at
+// 4 KB (attn_rows, attn_split), 1 KB (qk_norm_rope), 25-30 KB (attn_tile_gqa, attn_dec_gqa), at
 // most 32 KB anywhere (Apple's and lavapipe's limit). Head dim up to 512 (two dims a thread), rot
 // up to 256. "Minus infinity" is −1e30 (finite: Metal's fast math
 // assumes no infinities); masked keys get p = 0 by a select.
@@ -230,8 +235,8 @@ fn qk_norm_rope_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invoc
 }
 
 @group(0) @binding(8) var<storage, read> nr_v: array<f32>;
-@group(0) @binding(9) var<storage, read_write> nr_kc: array<f32>;
-@group(0) @binding(10) var<storage, read_write> nr_vc: array<f32>;
+@group(0) @binding(9) var<storage, read_write> nr_kc: array<KV1>;
+@group(0) @binding(10) var<storage, read_write> nr_vc: array<KV1>;
 
 @compute @workgroup_size(256)
 fn qk_rope_append_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
@@ -245,10 +250,13 @@ fn qk_rope_append_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
         storageBarrier();
         let kvd = pr.nkv * pr.hd;
         let off = (hh - pr.nh) * pr.hd;
+        // A word (KV_PACK elements: hd % KV_PACK == 0, attention.rs) a thread.
         if (pos < pr.cap) {
-            for (var i = li; i < pr.hd; i += 256u) {
-                nr_kc[pos * kvd + off + i] = nr_k[off + i];
-                nr_vc[pos * kvd + off + i] = nr_v[off + i];
+            let row = (pos * kvd + off) / KV_PACK;
+            for (var w = li; w < pr.hd / KV_PACK; w += 256u) {
+                let i = off + w * KV_PACK;
+                nr_kc[row + w] = kv_word(nr_k[i], nr_k[i + KV_PACK - 1u]);
+                nr_vc[row + w] = kv_word(nr_v[i], nr_v[i + KV_PACK - 1u]);
             }
         }
     }
@@ -258,8 +266,8 @@ fn qk_rope_append_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
 
 @group(0) @binding(0) var<uniform> p: P;
 @group(0) @binding(1) var<storage, read> at_q: array<f32>;
-@group(0) @binding(2) var<storage, read> at_kc: array<f32>;
-@group(0) @binding(3) var<storage, read> at_vc: array<f32>;
+@group(0) @binding(2) var<storage, read> at_kc: array<KV1>;
+@group(0) @binding(3) var<storage, read> at_vc: array<KV1>;
 
 var<workgroup> qs: array<f32, 512>;
 var<workgroup> ps: array<f32, 256>;
@@ -291,7 +299,8 @@ fn attend(li: u32, qoff: u32, kvh: u32, j0: u32, j1: u32) -> Part {
             let kb = j * kvd + koff;
             var acc = 0.0;
             for (var i = 0u; i < hd; i++) {
-                acc += qs[i] * at_kc[kb + i];
+                let e = kb + i;
+                acc += qs[i] * kv1(at_kc[e / KV_PACK], e);
             }
             s = acc * p.scale;
         }
@@ -309,10 +318,10 @@ fn attend(li: u32, qoff: u32, kvh: u32, j0: u32, j1: u32) -> Part {
             let vb = (c0 + jj) * kvd + koff;
             l += pj;
             if (d0 < hd) {
-                a0 += pj * at_vc[vb + d0];
+                a0 += pj * kv1(at_vc[(vb + d0) / KV_PACK], vb + d0);
             }
             if (d1 < hd) {
-                a1 += pj * at_vc[vb + d1];
+                a1 += pj * kv1(at_vc[(vb + d1) / KV_PACK], vb + d1);
             }
         }
         r.l = r.l * corr + l;
@@ -424,17 +433,45 @@ fn attn_combine(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
 @group(0) @binding(1) var<storage, read> ak_k: array<f32>;
 @group(0) @binding(2) var<storage, read> ak_v: array<f32>;
 @group(0) @binding(3) var<storage, read> ak_step: array<u32>;
-@group(0) @binding(4) var<storage, read_write> ak_kc: array<f32>;
-@group(0) @binding(5) var<storage, read_write> ak_vc: array<f32>;
+@group(0) @binding(4) var<storage, read_write> ak_kc: array<KV1>;
+@group(0) @binding(5) var<storage, read_write> ak_vc: array<KV1>;
 
 @compute @workgroup_size(256)
 fn kv_append_step(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    // Thread i: word i of the row (KV_PACK elements).
     let i = wg_index(wid) * 256u + li;
     let kvd = p.nkv * p.hd;
     let pos = ak_step[1];
-    if (i < kvd && pos < p.cap) {
-        ak_kc[pos * kvd + i] = ak_k[i];
-        ak_vc[pos * kvd + i] = ak_v[i];
+    if (i < kvd / KV_PACK && pos < p.cap) {
+        let e = i * KV_PACK;
+        ak_kc[pos * kvd / KV_PACK + i] = kv_word(ak_k[e], ak_k[e + KV_PACK - 1u]);
+        ak_vc[pos * kvd / KV_PACK + i] = kv_word(ak_v[e], ak_v[e + KV_PACK - 1u]);
+    }
+}
+
+// kv_store (cpu: the prefill's append, `attention`'s copy of k, v into the cache): words
+// dst[pst.dst + w] = the elements src[pst.src + w · KV_PACK ..] (rounded to the cache's type), w <
+// pst.n; a word a thread, ceil(n / 256) workgroups. The f16 cache's prefill append (the f32 one
+// is a buffer copy) and `Backend::copy` from an f32 buffer into an f16 cache. Bindings: 0 params
+// (PS), 1 src (f32), 2 dst (the cache).
+
+struct PS {
+    n: u32,
+    src: u32,
+    dst: u32,
+    pad: u32,
+}
+
+@group(0) @binding(0) var<uniform> pst: PS;
+@group(0) @binding(1) var<storage, read> ks_src: array<f32>;
+@group(0) @binding(2) var<storage, read_write> ks_dst: array<KV1>;
+
+@compute @workgroup_size(256)
+fn kv_store(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let w = wg_index(wid) * 256u + li;
+    if (w < pst.n) {
+        let e = pst.src + w * KV_PACK;
+        ks_dst[pst.dst + w] = kv_word(ks_src[e], ks_src[e + KV_PACK - 1u]);
     }
 }
 
@@ -460,8 +497,8 @@ const GQ_CHUNK: u32 = 32u;
 const GQ_MAXG: u32 = 8u;
 
 @group(0) @binding(1) var<storage, read> ag_q: array<f32>;
-@group(0) @binding(2) var<storage, read> ag_kc: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> ag_vc: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> ag_kc: array<KV4>;
+@group(0) @binding(3) var<storage, read> ag_vc: array<KV4>;
 @group(0) @binding(4) var<storage, read> ag_step: array<u32>;
 @group(0) @binding(5) var<storage, read_write> ag_part: array<f32>;
 
@@ -513,7 +550,7 @@ fn gqa_attend(li: u32, qoff: u32, kvh: u32, j0: u32, j1: u32) -> array<f32, 8> {
             let c = part + 8u * i;
             kr[i] = vec4<f32>(0.0);
             if (key < cn && c < hd4) {
-                kr[i] = ag_kc[kb + c];
+                kr[i] = kv4(ag_kc[kb + c]);
             }
         }
         for (var g = 0u; g < GQ_MAXG; g++) {
@@ -559,7 +596,7 @@ fn gqa_attend(li: u32, qoff: u32, kvh: u32, j0: u32, j1: u32) -> array<f32, 8> {
             let k = vk + 4u * i;
             vr[i] = vec4<f32>(0.0);
             if (k < cn && vd < hd4) {
-                vr[i] = ag_vc[(c0 + k) * kvd4 + kvh * hd4 + vd];
+                vr[i] = kv4(ag_vc[(c0 + k) * kvd4 + kvh * hd4 + vd]);
             }
         }
         for (var g = 0u; g < GQ_MAXG; g++) {
@@ -682,8 +719,8 @@ const TS: u32 = 8u; // 256 / TQ: dim slices of the score phase
 const TSV: u32 = 8u; // 64 / TS: vec4s of a slice at hd = 256
 
 @group(0) @binding(1) var<storage, read> tk_q: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> tk_kc: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> tk_vc: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> tk_kc: array<KV4>;
+@group(0) @binding(3) var<storage, read> tk_vc: array<KV4>;
 @group(0) @binding(4) var<storage, read> tk_gate: array<vec4<f32>>;
 @group(0) @binding(5) var<storage, read_write> tk_out: array<vec4<f32>>;
 @group(0) @binding(4) var<storage, read_write> tk_part: array<vec4<f32>>;
@@ -722,17 +759,18 @@ fn tile_of(wg: u32) -> Tile {
     return Tile(g, r, t0, rv, kvh, s, j0, j1);
 }
 
-// Thread li's share of key tile jt's K and V rows (2 vec4s each), zero past j1 (so p = 0 there
-// multiplies zeros, never a stale or out-of-range row).
-fn tile_load_k(tl: Tile, li: u32, jt: u32) -> array<vec4<f32>, 2> {
+// Thread li's share of key tile jt's K and V rows (2 words of 4 elements each), zero past j1 (so
+// p = 0 there multiplies zeros, never a stale or out-of-range row). Kept in the cache's type
+// until stored into workgroup memory (kv4 there), so no conversion waits on the load early.
+fn tile_load_k(tl: Tile, li: u32, jt: u32) -> array<KV4, 2> {
     let hd4 = p.hd / 4u;
     let kvd4 = p.nkv * hd4;
-    var r: array<vec4<f32>, 2>;
+    var r: array<KV4, 2>;
     for (var i = 0u; i < 2u; i++) {
         let e = li + 256u * i;
         let j = jt + e / 64u;
         let c = e % 64u;
-        r[i] = vec4<f32>(0.0);
+        r[i] = KV4();
         if (c < hd4 && j < tl.j1) {
             r[i] = tk_kc[j * kvd4 + tl.kvh * hd4 + c];
         }
@@ -740,15 +778,15 @@ fn tile_load_k(tl: Tile, li: u32, jt: u32) -> array<vec4<f32>, 2> {
     return r;
 }
 
-fn tile_load_v(tl: Tile, li: u32, jt: u32) -> array<vec4<f32>, 2> {
+fn tile_load_v(tl: Tile, li: u32, jt: u32) -> array<KV4, 2> {
     let hd4 = p.hd / 4u;
     let kvd4 = p.nkv * hd4;
-    var r: array<vec4<f32>, 2>;
+    var r: array<KV4, 2>;
     for (var i = 0u; i < 2u; i++) {
         let e = li + 256u * i;
         let j = jt + e / 64u;
         let c = e % 64u;
-        r[i] = vec4<f32>(0.0);
+        r[i] = KV4();
         if (c < hd4 && j < tl.j1) {
             r[i] = tk_vc[j * kvd4 + tl.kvh * hd4 + c];
         }
@@ -790,8 +828,8 @@ fn tile_attend(tl: Tile, li: u32) -> array<vec4<f32>, 8> {
     var kr = tile_load_k(tl, li, tl.j0);
     var vr = tile_load_v(tl, li, tl.j0);
     for (var i = 0u; i < 2u; i++) {
-        tk_k[li + 256u * i] = kr[i];
-        tk_v[li + 256u * i] = vr[i];
+        tk_k[li + 256u * i] = kv4(kr[i]);
+        tk_v[li + 256u * i] = kv4(vr[i]);
     }
     kr = tile_load_k(tl, li, tl.j0 + TK);
     vr = tile_load_v(tl, li, tl.j0 + TK);
@@ -815,7 +853,7 @@ fn tile_attend(tl: Tile, li: u32) -> array<vec4<f32>, 8> {
         workgroupBarrier();
         // The K tile is read: the next one goes in while the softmax runs.
         for (var i = 0u; i < 2u; i++) {
-            tk_k[li + 256u * i] = kr[i];
+            tk_k[li + 256u * i] = kv4(kr[i]);
         }
         kr = tile_load_k(tl, li, jt + 2u * TK);
         if (li < TQ) {
@@ -874,7 +912,7 @@ fn tile_attend(tl: Tile, li: u32) -> array<vec4<f32>, 8> {
         workgroupBarrier();
         // The V tile is read: the next one goes in (seen after the next scores' barrier).
         for (var i = 0u; i < 2u; i++) {
-            tk_v[li + 256u * i] = vr[i];
+            tk_v[li + 256u * i] = kv4(vr[i]);
         }
         vr = tile_load_v(tl, li, jt + 2u * TK);
     }
@@ -929,58 +967,70 @@ fn attn_tile_gqa_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
 }
 
 // ---- attn_dec_gqa: decode attention (cpu `attention`, one row at the step's pos) a workgroup
-// per (KV head, split), its G ≤ 8 query heads together, keys in chunks of DK = 32 with every
-// load of a chunk issued before any is used: thread li reads 8 vec4s of key li / 8's K row (dims
-// ≡ li % 8 mod 8; 8 threads cover a row's 128 consecutive bytes) and 8 V vec4s (keys ≡ li / 64
-// mod 4, dims vec4 li % 64): 16 KB of K and 16 KB of V a chunk in flight together (64 registers
-// a thread), and the next chunk's K is requested as soon as this one's is used, its V as soon as
-// this one's is. A chunk is 3 barriers: scores (partial dots with the 8 heads' q, staged in
-// workgroup memory, summed by thread (head li / 32, key li % 32)); softmax (each thread takes its
-// head's chunk max from workgroup memory, its one p = exp(s − m), a running max and sum of its
-// own); values (the rescale from the heads' new maxes, then p·v). The 4 key groups' sums and the
-// 32 threads' sums of each head are added once at the end. Attention's stop-28 kernel
-// (attn_split_gqa) took ~10 barriers a chunk and loaded V only after the softmax.
+// per (KV head, split), its G ≤ 8 query heads together, keys in chunks of DK = 32 · KV_PACK (32
+// f32 rows, 64 f16 rows: 16 KB of K and 16 KB of V a chunk either way) with every load of a
+// chunk issued before any is used: thread li reads 8 K words of 4 elements of key li / 8 (and of
+// key li / 8 + 32 for f16; words ≡ li % 8 mod 8, so 8 threads cover 128 (f32) or 64 (f16)
+// consecutive bytes of a row) and 8 · KV_PACK V words (keys ≡ li / 64 mod 4, word li % 64): 64
+// registers a thread either way, kept in the cache's type and widened (kv4) where used, so no
+// conversion waits on a load early. The next chunk's K is requested as soon as this one's is
+// used, its V as soon as this one's is. A chunk is 3 barriers: scores (partial dots with the 8
+// heads' q, staged in workgroup memory; the partials as scalars at dc_red word (head · 8 + part)
+// · RS + key, RS = DK + 4 ≡ 4 mod 32, so that both the writes (4 keys × 8 parts a warp) and the
+// reads (32 keys of one head and part) hit 32 distinct banks: the vec4 layout before had each
+// reading thread of a warp on one bank, a 32-way conflict, 8 times a chunk), summed by thread
+// (head li / 32, keys li % 32 + 32·r); softmax (each thread takes its head's chunk max from
+// workgroup memory, its p = exp(s − m), a running max and sum of its own); values (the rescale
+// from the heads' new maxes, then p·v). The 4 key groups' sums and the 32 threads' sums of each
+// head are added once at the end. Attention's stop-28 kernel (attn_split_gqa) took ~10 barriers
+// a chunk and loaded V only after the softmax.
 // Splits: `splits` (fixed by the capacity: a recorded step launches the same at any position),
 // each over ceil(n / splits) keys but at least `span` (= DK) of the n = pos + 1: the splits past
 // the keys write (m, l) = (−1e30, 0) and stop, and attn_combine4 skips them. Partials as
 // attn_tile_gqa_part's: (m, l, 0, 0, acc[hd]) at part[((kvh · G + g) · splits + s) · (hd/4 + 1)]
-// vec4s. Workgroup memory 26 KB (q 8 KB, partials 16 KB, scores and p 2 KB). Takes G ≤ 8,
-// hd ≤ 256, hd % 4 == 0. Bindings: 1 q, 2 kc, 3 vc (vec4 views), 4 step, 5 part (vec4).
+// vec4s. Workgroup memory 26.6 KB f32, 29.7 KB f16 (q 8 KB, partials 16-17 KB, scores and p
+// 2-4 KB). Takes G ≤ 8, hd ≤ 256, hd % 4 == 0. Bindings: 1 q, 2 kc, 3 vc (4-element words), 4
+// step, 5 part (vec4).
 
-const DK: u32 = 32u;
+const DK: u32 = 32u * KV_PACK;
+const DR: u32 = 8u * KV_PACK; // K words, V words a thread a chunk
+const RS: u32 = DK + 4u;
 
 @group(0) @binding(1) var<storage, read> dc_qg: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read> dc_kc: array<vec4<f32>>;
-@group(0) @binding(3) var<storage, read> dc_vc: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> dc_kc: array<KV4>;
+@group(0) @binding(3) var<storage, read> dc_vc: array<KV4>;
 @group(0) @binding(4) var<storage, read> dc_step: array<u32>;
 @group(0) @binding(5) var<storage, read_write> dc_part: array<vec4<f32>>;
 
 var<workgroup> dc_q: array<vec4<f32>, 512>; // [G][64]
-var<workgroup> dc_red: array<vec4<f32>, 1024>; // [key][part][heads 0-3, 4-7]; at the end [kg][4][64]
-var<workgroup> dc_s: array<f32, 256>; // [head][key] scores; at the end the threads' sums
-var<workgroup> dc_p: array<f32, 256>; // [head][key]
+// Score partials as scalars [head][part][RS] (64 · RS words); at the end [kg][4][64] vec4s.
+var<workgroup> dc_red: array<vec4<f32>, max(1024u, 16u * RS)>;
+var<workgroup> dc_s: array<f32, 8u * DK>; // [head][key] scores; at the end the threads' sums
+var<workgroup> dc_p: array<f32, 8u * DK>; // [head][key]
 var<workgroup> dc_m: array<f32, 8>;
 
-fn dec_load_k(kr: ptr<function, array<vec4<f32>, 8>>, li: u32, kvh: u32, jc: u32, j1: u32) {
+fn dec_load_k(kr: ptr<function, array<KV4, DR>>, li: u32, kvh: u32, jc: u32, j1: u32) {
     let hd4 = p.hd / 4u;
     let kvd4 = p.nkv * hd4;
-    let j = jc + li / 8u;
-    for (var i = 0u; i < 8u; i++) {
-        let c = li % 8u + 8u * i;
-        (*kr)[i] = vec4<f32>(0.0);
-        if (j < j1 && c < hd4) {
-            (*kr)[i] = dc_kc[j * kvd4 + kvh * hd4 + c];
+    for (var r = 0u; r < KV_PACK; r++) {
+        let j = jc + li / 8u + 32u * r;
+        for (var i = 0u; i < 8u; i++) {
+            let c = li % 8u + 8u * i;
+            (*kr)[8u * r + i] = KV4();
+            if (j < j1 && c < hd4) {
+                (*kr)[8u * r + i] = dc_kc[j * kvd4 + kvh * hd4 + c];
+            }
         }
     }
 }
 
-fn dec_load_v(vr: ptr<function, array<vec4<f32>, 8>>, li: u32, kvh: u32, jc: u32, j1: u32) {
+fn dec_load_v(vr: ptr<function, array<KV4, DR>>, li: u32, kvh: u32, jc: u32, j1: u32) {
     let hd4 = p.hd / 4u;
     let kvd4 = p.nkv * hd4;
     let d = li % 64u;
-    for (var i = 0u; i < 8u; i++) {
+    for (var i = 0u; i < DR; i++) {
         let j = jc + li / 64u + 4u * i;
-        (*vr)[i] = vec4<f32>(0.0);
+        (*vr)[i] = KV4();
         if (j < j1 && d < hd4) {
             (*vr)[i] = dc_vc[j * kvd4 + kvh * hd4 + d];
         }
@@ -1005,8 +1055,8 @@ fn attn_dec_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         }
         return;
     }
-    var kr: array<vec4<f32>, 8>;
-    var vr: array<vec4<f32>, 8>;
+    var kr: array<KV4, DR>;
+    var vr: array<KV4, DR>;
     dec_load_k(&kr, li, kvh, j0, j1);
     dec_load_v(&vr, li, kvh, j0, j1);
     for (var i = li; i < G * 64u; i += 256u) {
@@ -1017,11 +1067,11 @@ fn attn_dec_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         }
     }
     workgroupBarrier();
-    let pp = li % 8u; // scores: part of key li / 8
+    let pp = li % 8u; // scores: part of keys li / 8 (+ 32)
     let sg = li / 32u; // softmax: head
-    let sk = li % 32u; //   and key
+    let sk = li % 32u; //   and keys sk (+ 32)
     let kg = li / 64u; // values: key group
-    let vd = li % 64u; //   and vec4 of dims
+    let vd = li % 64u; //   and word of dims
     var acc: array<vec4<f32>, 8>;
     var mv: array<f32, 8>;
     for (var g = 0u; g < 8u; g++) {
@@ -1031,42 +1081,51 @@ fn attn_dec_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
     var m_run = NEG_BIG;
     var l_run = 0.0;
     for (var jc = j0; jc < j1; jc += DK) {
-        var d: array<f32, 8>;
-        for (var g = 0u; g < 8u; g++) {
-            var t = 0.0;
-            if (g < G) {
-                for (var i = 0u; i < 8u; i++) {
-                    let c = pp + 8u * i;
-                    if (c < hd4) {
-                        t += dot(dc_q[g * 64u + c], kr[i]);
+        for (var r = 0u; r < KV_PACK; r++) {
+            for (var g = 0u; g < 8u; g++) {
+                var t = 0.0;
+                if (g < G) {
+                    for (var i = 0u; i < 8u; i++) {
+                        let c = pp + 8u * i;
+                        if (c < hd4) {
+                            t += dot(dc_q[g * 64u + c], kv4(kr[8u * r + i]));
+                        }
                     }
                 }
+                let w = (g * 8u + pp) * RS + li / 8u + 32u * r;
+                dc_red[w / 4u][w % 4u] = t;
             }
-            d[g] = t;
         }
-        dc_red[li * 2u] = vec4<f32>(d[0], d[1], d[2], d[3]);
-        dc_red[li * 2u + 1u] = vec4<f32>(d[4], d[5], d[6], d[7]);
         dec_load_k(&kr, li, kvh, jc + DK, j1);
         workgroupBarrier();
-        let ok = sg < G && jc + sk < j1;
-        var sc = NEG_BIG;
-        if (ok) {
-            var t = 0.0;
-            for (var x = 0u; x < 8u; x++) {
-                t += dc_red[(sk * 8u + x) * 2u + sg / 4u][sg % 4u];
+        var sc: array<f32, KV_PACK>;
+        for (var r = 0u; r < KV_PACK; r++) {
+            let k = sk + 32u * r;
+            sc[r] = NEG_BIG;
+            if (sg < G && jc + k < j1) {
+                var t = 0.0;
+                for (var x = 0u; x < 8u; x++) {
+                    let w = (sg * 8u + x) * RS + k;
+                    t += dc_red[w / 4u][w % 4u];
+                }
+                sc[r] = t * p.scale;
             }
-            sc = t * p.scale;
+            dc_s[sg * DK + k] = sc[r];
         }
-        dc_s[li] = sc;
         workgroupBarrier();
         var cm = NEG_BIG;
         for (var k = 0u; k < DK; k++) {
             cm = max(cm, dc_s[sg * DK + k]);
         }
         let mn = max(m_run, cm);
-        let pk = select(0.0, exp(sc - mn), ok);
-        dc_p[li] = pk;
-        l_run = l_run * exp(m_run - mn) + pk;
+        var psum = 0.0;
+        for (var r = 0u; r < KV_PACK; r++) {
+            let k = sk + 32u * r;
+            let pk = select(0.0, exp(sc[r] - mn), sg < G && jc + k < j1);
+            dc_p[sg * DK + k] = pk;
+            psum += pk;
+        }
+        l_run = l_run * exp(m_run - mn) + psum;
         m_run = mn;
         if (sk == 0u && sg < G) {
             dc_m[sg] = mn;
@@ -1077,8 +1136,8 @@ fn attn_dec_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
                 let m2 = dc_m[g];
                 var a = acc[g] * exp(mv[g] - m2);
                 mv[g] = m2;
-                for (var i = 0u; i < 8u; i++) {
-                    a += dc_p[g * DK + kg + 4u * i] * vr[i];
+                for (var i = 0u; i < DR; i++) {
+                    a += dc_p[g * DK + kg + 4u * i] * kv4(vr[i]);
                 }
                 acc[g] = a;
             }
@@ -1105,8 +1164,8 @@ fn attn_dec_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
             }
             if (vd == 0u) {
                 var l = 0.0;
-                for (var k = 0u; k < DK; k++) {
-                    l += dc_s[g * DK + k];
+                for (var k = 0u; k < 32u; k++) {
+                    l += dc_s[g * 32u + k];
                 }
                 dc_part[base] = vec4<f32>(dc_m[g], l, 0.0, 0.0);
             }
