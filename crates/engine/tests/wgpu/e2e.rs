@@ -5,8 +5,8 @@
 use super::*;
 
 /// Logits against the CPU's, max over positions of max |wgpu − cpu| / max |cpu|. Both sides are
-/// f32 (activations, states) on the same weights, the wgpu KV cache f16 where the adapter has
-/// SHADER_F16 (LILY_WGPU_KV_F16=0: f32; on lavapipe prefill logits 1.25e-4 / 6.5e-5 on tiny /
+/// f32 (activations, states) on the same weights, the wgpu KV cache f32 by default and f16 in
+/// `tiny_preset_end_to_end_f16_kv` (LILY_WGPU_KV_F16=1; on lavapipe prefill logits 1.25e-4 / 6.5e-5 on tiny /
 /// small with f16 against 1.2e-6 / 9.1e-7 with f32, decode ~9e-5 either way), so summation order
 /// differs, compounded over the layers; MLX-LM's own bf16-vs-f32 gap on `small` is 1e-2 (#6's
 /// yardstick) and the CUDA backend's f32 paths measured 5-7e-4 with a bf16 KV cache. A tenth of
@@ -15,7 +15,18 @@ use super::*;
 const E2E_TOL: f32 = 1e-3;
 
 fn end_to_end(preset: &str) {
+    end_to_end_kv(preset, false);
+}
+
+fn end_to_end_kv(preset: &str, f16: bool) {
     let Some(g) = gpu() else { return };
+    if f16 {
+        if !g.report().f16 {
+            eprintln!("e2e {preset}: no SHADER_F16, the f16 KV cache is not made");
+            return;
+        }
+        g.set_kv_f16(true);
+    }
     let r = ops::end_to_end(g, preset, "wgpu");
     // f32 on both sides: the greedy tokens may part only at a near-tie of the CPU's logits.
     if let Some((gap, scale)) = r.parted {
@@ -42,6 +53,12 @@ fn end_to_end(preset: &str) {
 #[test]
 fn tiny_preset_end_to_end() {
     end_to_end("tiny");
+}
+
+/// `tiny` with the KV cache in f16 (opt-in), within the same bound.
+#[test]
+fn tiny_preset_end_to_end_f16_kv() {
+    end_to_end_kv("tiny", true);
 }
 
 #[test]

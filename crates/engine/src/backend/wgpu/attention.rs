@@ -65,7 +65,7 @@ fn kv_ok(ctx: &Ctx, op: &str, kv: &KvCache<WBuf>, d: &Dims) -> bool {
     }
     if kv.k.half && !d.head_dim.is_multiple_of(2) {
         ctx.fail(format!(
-            "{op}: an f16 KV cache takes heads of an even dim, not {} (LILY_WGPU_KV_F16=0 keeps it f32)",
+            "{op}: an f16 KV cache takes heads of an even dim, not {} (leave LILY_WGPU_KV_F16 unset for f32)",
             d.head_dim
         ));
         return false;

@@ -9,8 +9,8 @@
 //! weights). The op names are the trait's, the CPU files' and the CUDA kernels'.
 //!
 //! Element types: activations, the residual stream and states are f32 here (`act_zeros` is
-//! `zeros`); the KV cache is f16 where the adapter has SHADER_F16 (`kv_zeros`, `WBuf::half`;
-//! `LILY_WGPU_KV_F16=0`: f32), read into f32 arithmetic; weights stay in the checkpoint's
+//! `zeros`); the KV cache is f32, or f16 with `LILY_WGPU_KV_F16=1` where the adapter has
+//! SHADER_F16 (`kv_zeros`, `WBuf::half`), read into f32 arithmetic; weights stay in the checkpoint's
 //! 4/8-bit codes with bf16 scales and biases, dequantized inside the kernels; accumulation f32.
 //! Routing, the next token and the recurrent state stay on the GPU; sampling other than greedy
 //! runs on the host for now (`new_sampler` returns `None`).
@@ -443,7 +443,7 @@ impl Backend for Wgpu {
             half: false,
         })
     }
-    /// f16 where the adapter has SHADER_F16 and `LILY_WGPU_KV_F16` is not 0 (`set_kv_f16`).
+    /// f16 where the adapter has SHADER_F16 and `LILY_WGPU_KV_F16=1` (`set_kv_f16`).
     fn kv_zeros(&self, len: usize) -> Result<WBuf> {
         if !self.kv_f16() {
             return self.zeros(len);
