@@ -462,6 +462,14 @@ fn {D}_dot{M}(m: QMat, o0: u32, R: u32, lane: u32, T: u32, xb: u32, pre: bool,
 // with vx = the staged x, xmode 0 (q2x_stage applied the mode), lanes = T | R << 16; outputs as
 // gemv_io's omode says. Launch: 256 invocations = 256 / T teams, 256 R / T rows a workgroup;
 // matrix i ceil(out_i · T_i / (256 R_i)) blocks, workgroup index = block · rows + t (as gemv_v4).
+// gemv_q6's and gemv_q7's team in workgroup block blk of matrix mi: its lanes T, its rows R,
+// this invocation's lane in it and the team's first row.
+fn q6_team(mi: u32, blk: u32, li: u32) -> vec4<u32> {
+    let T = pv.lanes[mi] & 0xffffu;
+    let R = pv.lanes[mi] >> 16u;
+    return vec4<u32>(T, R, li % T, (blk * (256u / T) + li / T) * R);
+}
+
 @compute @workgroup_size(256)
 fn gemv_q6(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -479,10 +487,11 @@ fn gemv_q6(
     let mi = slot.x;
     let blk = slot.y;
     let m = pv.ms[mi];
-    let T = pv.lanes[mi] & 0xffffu;
-    let R = pv.lanes[mi] >> 16u;
-    let lane = li % T;
-    let o0 = (blk * (256u / T) + li / T) * R;
+    let tm = q6_team(mi, blk, li);
+    let T = tm.x;
+    let R = tm.y;
+    let lane = tm.z;
+    let o0 = tm.w;
     // Row t's staged x (xq.wgsl: 5 · inp / 32 + 3 · inp / 16 vec4s a row).
     let xb = t * (5u * (m.inp / 32u) + 3u * (m.inp / 16u));
     // The layout is derived from the bindings a kernel uses, and gemv_io's launch binds the
@@ -625,10 +634,11 @@ fn gemv_q7(
     let mi = slot.x;
     let blk = slot.y;
     let m = pv.ms[mi];
-    let T = pv.lanes[mi] & 0xffffu;
-    let R = pv.lanes[mi] >> 16u;
-    let lane = li % T;
-    let o0 = (blk * (256u / T) + li / T) * R;
+    let tm = q6_team(mi, blk, li);
+    let T = tm.x;
+    let R = tm.y;
+    let lane = tm.z;
+    let o0 = tm.w;
     var p: array<vec4<u32>, 4>;
     switch mi {
         case 0u: { p = q7_first0(m, o0, R, lane); }
