@@ -195,11 +195,14 @@ fn bench_writes_json() {
 }
 
 #[test]
-fn bench_in_place_needs_the_cuda_backend() {
-    // The in-place probe leaves kernels out of recorded CUDA steps: on the CPU it is a clear
-    // error before any model is loaded, and it does not combine with --profile.
+fn bench_in_place_and_trace_need_a_gpu_backend() {
+    // The in-place probe leaves kernels out of recorded GPU steps (CUDA, wgpu), the trace stamps
+    // them: on the CPU both are a clear error before any model is loaded, and the probe does not
+    // combine with --profile.
     let e = fails(&["bench", "--backend", "cpu", "--in-place", "default"]);
-    assert!(e.contains("CUDA backend"), "{e}");
+    assert!(e.contains("GPU backend"), "{e}");
+    let e = fails(&["bench", "--backend", "cpu", "--trace"]);
+    assert!(e.contains("GPU backend"), "{e}");
     let e = fails(&[
         "bench",
         "--backend",
