@@ -245,9 +245,7 @@ pub(super) struct Switches {
     /// dot products; any adapter: 145-152 against 130-132 tok/s at 4K on the H200, the lm_head
     /// 172 against 275 µs), `v6` (the default: gemv_q6 against x staged once a launch, for
     /// launches of `q6_min_kb` on adapters with subgroups in order of one width; gemv_v5 for
-    /// the rest), `v7` (gemv_q7 where it takes the launch: q2x_stage's staging done by every
-    /// workgroup of the GEMV, one launch instead of two; gemv_q6 elsewhere). Stored as 0 (v4),
-    /// the rows, 8 (xs), 16 (v5), 32 (v6) or 64 (v7).
+    /// the rest). Stored as 0 (v4), the rows, 8 (xs), 16 (v5) or 32 (v6).
     pub gemv: AtomicU32,
     /// `lily lab` only: parts of gemv_v4, moe_gate_up_v and moe_down_v skipped to time the rest
     /// (gemv_io.wgsl and moe.wgsl `ablate`); 0 otherwise.
@@ -494,7 +492,6 @@ pub(super) fn gemv_code(name: &str) -> Option<u32> {
         "xs" => Some(8),
         "v5" => Some(16),
         "v6" => Some(32),
-        "v7" => Some(64),
         _ => None,
     }
 }
@@ -518,8 +515,10 @@ pub(super) struct Ctx {
     tracer: Mutex<Option<Tracer>>,
     /// Whether replayed steps are traced.
     trace_on: std::sync::atomic::AtomicBool,
-    /// Kernel-name prefixes left out of replayed steps (`set_skip`, `lily bench --in-place`).
+    /// Kernel-name prefixes left out of replayed steps (`set_skip`, `lily bench --in-place`),
+    /// and whether there are any (read without the lock on every replayed dispatch).
     skip: Mutex<Vec<String>>,
+    skip_any: std::sync::atomic::AtomicBool,
     /// Whether the adapter writes timestamps between the dispatches of a pass.
     ts_inside: bool,
     /// Small buffers for the bindings a launch does not use this time (a fused kernel's unused
@@ -736,6 +735,7 @@ impl Ctx {
             tracer: Mutex::new(None),
             trace_on: std::sync::atomic::AtomicBool::new(false),
             skip: Mutex::new(Vec::new()),
+            skip_any: std::sync::atomic::AtomicBool::new(false),
             ts_inside: required.contains(::wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES),
             spare,
             scratch_gen: std::sync::atomic::AtomicU64::new(0),
@@ -1193,11 +1193,17 @@ impl Ctx {
     /// steps (a timing probe: the step computes garbage; `lily bench --in-place`). Empty: none.
     pub fn set_skip(&self, prefixes: &[&str]) {
         *self.skip.lock().unwrap() = prefixes.iter().map(|p| p.to_string()).collect();
+        self.skip_any.store(!prefixes.is_empty(), Ordering::Relaxed);
     }
 
     fn skipped(&self, entry: &str) -> bool {
-        let s = self.skip.lock().unwrap();
-        !s.is_empty() && s.iter().any(|p| entry.starts_with(p.as_str()))
+        self.skip_any.load(Ordering::Relaxed)
+            && self
+                .skip
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|p| entry.starts_with(p.as_str()))
     }
 
     /// Starts tracing replayed steps (`Tracer`): each is then encoded on its own, with a
@@ -1267,53 +1273,33 @@ impl Ctx {
         let Some(t) = g.as_mut() else {
             return self.fail("trace: tracing on without a tracer");
         };
-        let mut enc = self.device.create_command_encoder(&Default::default());
+        // Each op is encoded as a replay encodes it (`encode_item`), then stamped: a dispatch
+        // in its pass, a copy (which ends the pass) by the first stamp of a new one.
+        let mut open = self.open();
+        let mut pass = open.enc.begin_compute_pass(&Default::default());
+        pass.write_timestamp(&t.qs, 0);
+        open.pass = Some(pass.forget_lifetime());
         let mut names = Vec::with_capacity(items.len());
-        {
-            let mut pass = enc.begin_compute_pass(&Default::default());
-            pass.write_timestamp(&t.qs, 0);
-            let mut pass = Some(pass.forget_lifetime());
-            for it in items {
-                if names.len() + 1 >= TRACE_QUERIES as usize {
-                    break;
-                }
-                let q = names.len() as u32 + 1;
-                match it {
-                    Item::Dispatch { entry, .. } if self.skipped(entry) => {}
-                    Item::Dispatch {
-                        entry,
-                        pipe,
-                        bg,
-                        gx,
-                        gy,
-                    } => {
-                        let p = pass.as_mut().expect("a pass is open");
-                        p.set_pipeline(pipe);
-                        p.set_bind_group(0, bg, &[]);
-                        p.dispatch_workgroups(*gx, *gy, 1);
-                        p.write_timestamp(&t.qs, q);
-                        names.push(format!("{entry} ×{}", gx * gy));
-                    }
-                    Item::Copy {
-                        src,
-                        so,
-                        dst,
-                        dof,
-                        bytes,
-                    } => {
-                        // A copy ends the pass; the next pass's first stamp closes it.
-                        drop(pass.take());
-                        enc.copy_buffer_to_buffer(src, *so, dst, *dof, *bytes);
-                        let mut p = enc
-                            .begin_compute_pass(&Default::default())
-                            .forget_lifetime();
-                        p.write_timestamp(&t.qs, q);
-                        pass = Some(p);
-                        names.push("copy".to_string());
-                    }
-                }
+        for it in items {
+            if names.len() + 1 >= TRACE_QUERIES as usize {
+                break;
             }
+            let name = match it {
+                Item::Dispatch { entry, .. } if self.skipped(entry) => continue,
+                Item::Dispatch { entry, gx, gy, .. } => format!("{entry} ×{}", gx * gy),
+                Item::Copy { .. } => "copy".to_string(),
+            };
+            self.encode_item(&mut open, it);
+            if open.pass.is_none() {
+                let p = open.enc.begin_compute_pass(&Default::default());
+                open.pass = Some(p.forget_lifetime());
+            }
+            let pass = open.pass.as_mut().expect("a pass is open");
+            pass.write_timestamp(&t.qs, names.len() as u32 + 1);
+            names.push(name);
         }
+        open.pass = None;
+        let mut enc = open.enc;
         let q = names.len() as u32 + 1;
         enc.resolve_query_set(&t.qs, 0..q, &t.resolve, 0);
         enc.copy_buffer_to_buffer(&t.resolve, 0, &t.back, 0, 8 * q as u64);
