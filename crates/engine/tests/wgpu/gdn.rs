@@ -230,8 +230,7 @@ fn gdn_bad_shapes_are_errors() {
 /// CPU: by default the conv runs in in_proj's epilogue (gemv_q6's omode 3), which leaves the raw
 /// projection scratch `qkv` unwritten, and the gated norm in out_proj's staging of x (xq.wgsl
 /// xmode 3), which leaves `y` un-normed (both asserted, so the fused paths are known to have
-/// run); the same with gemv_q7 (in_proj's x staged by each workgroup); with gemv_v5 the
-/// composition. Each token's CPU reference starts from the wgpu side's own h and
+/// run); with gemv_v5 the composition. Each token's CPU reference starts from the wgpu side's own h and
 /// states, so errors do not compound. Q2X_TOL on everything: in_proj's and out_proj's x is in two
 /// int8 levels (Q2X_TOL's note); the conv state holds in_proj's raw outputs, the recurrent state
 /// and h's update are linear in them up to the l2 and RMS norms (which do not amplify a relative
@@ -298,7 +297,6 @@ fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
     };
     let paths = [
         ("conv in in_proj, gdn_step_x", "v6", "x"),
-        ("conv in in_proj (gemv_q7), gdn_step_x", "v7", "x"),
         ("conv in in_proj, gdn_step_y", "v6", "y"),
         ("conv in in_proj, gdn_recur", "v6", "0"),
         ("composition", "v5", "x"),

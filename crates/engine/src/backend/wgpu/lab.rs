@@ -102,7 +102,7 @@ pub fn parse_variants(s: &str) -> Result<Vec<Variant>> {
             // gemv_q6's workgroups (`@`) are `Switches::q6_wgs`, the others' `gemv_wgs`.
             let (k, want) = match v0.split_once('@') {
                 Some((k, n)) => (k, n.parse::<usize>().ok().filter(|&n| n > 0)),
-                None => (v0, Some(if v0 == "v6" || v0 == "v7" { 256 } else { 1024 })),
+                None => (v0, Some(if v0 == "v6" { 256 } else { 1024 })),
             };
             let gemv = match k {
                 "v4" => 0,
@@ -112,9 +112,8 @@ pub fn parse_variants(s: &str) -> Result<Vec<Variant>> {
                 "xs" => 8,
                 "v5" => 16,
                 "v6" => 32,
-                "v7" => 64,
                 _ => {
-                    bail!("variant `{v}`: v4, v5, v6, v7, rw1, rw2, rw4 or xs, optionally @workgroups")
+                    bail!("variant `{v}`: v4, v5, v6, rw1, rw2, rw4 or xs, optionally @workgroups")
                 }
             };
             let Some(want) = want else {

@@ -177,7 +177,7 @@ pub fn sg_shader() -> Shader {
                 .unwrap_or_else(|| panic!("matmul_sg.wgsl: no //@@ {name} part"))
                 .to_string()
         };
-        let (matrix, rows, entry, xs, xsentry, q6, q6entry, q7, q7entry) = (
+        let (matrix, rows, entry, xs, xsentry, q6, q6entry) = (
             part("matrix"),
             part("rows"),
             part("entry"),
@@ -185,8 +185,6 @@ pub fn sg_shader() -> Shader {
             part("xsentry"),
             part("q6"),
             part("q6entry"),
-            part("q7"),
-            part("q7entry"),
         );
         let mut s = String::from(include_str!("shaders/common.wgsl"));
         s += include_str!("shaders/gemv_io.wgsl");
@@ -213,17 +211,10 @@ pub fn sg_shader() -> Shader {
             }
             s += &sub(&xsentry, 0, nw);
         }
-        // The dot of gemv_q6 (x from the staged buffer) and of gemv_q7 (from workgroup memory).
-        for (d, x) in [("q6", "vx"), ("q7", "q7x")] {
-            let dot = q6.replace("{D}", d).replace("{X}", x);
-            for m in 0..4 {
-                s += &sub(&dot, m, 0);
-            }
-        }
         for m in 0..4 {
-            s += &sub(&q7, m, 0);
+            s += &sub(&q6, m, 0);
         }
-        s + &q6entry + &q7entry
+        s + &q6entry
     });
     Shader {
         name: "matmul_sg",
@@ -562,19 +553,6 @@ pub fn gemv_many_xq(
         });
     }
     bufs.extend([aux, xn, r, s]);
-    if q6 && !matches!(xin, XIn::Staged { .. }) && q7_takes(ctx, ws, rows, xmode, om) {
-        // gemv_q7 stages x itself: as it is at binding 13, the norm's weights at vr (binding
-        // 20: aux may hold the conv's), u at aux; the conv's weights and state at aux and xn.
-        if xmode == 1 {
-            bufs[19] = aux;
-        }
-        if let OutMode::Conv { w, state } = &omode {
-            bufs[17] = &w.buf;
-            bufs[18] = &state.buf;
-        }
-        ctx.dispatch(&sg_shader(), "gemv_q7", &p, &bufs, blocks as u32);
-        return None;
-    }
     if q6 {
         let inp = ws[0].inp;
         let staged;
@@ -659,22 +637,6 @@ pub fn q2x_stage(
     Ok(xq)
 }
 
-/// Whether a launch that `q6_takes` runs as gemv_q7 (x staged by each workgroup, one launch
-/// instead of q2x_stage + gemv_q6; matmul_sg.wgsl's q7entry): `LILY_WGPU_GEMV=v7`, one row of
-/// x, every matrix of the same inp of at most 2,048 (one pass of a workgroup), x modes 0-2 but
-/// not the norm with the gated residual (whose r takes the binding the norm's weights move to),
-/// nor u with the conv (both at aux).
-fn q7_takes(ctx: &Ctx, ws: &[&WMat], rows: usize, xmode: u32, om: u32) -> bool {
-    q7_fits(ctx, ws, rows) && xmode <= 2 && !(xmode == 1 && om == 2) && !(xmode == 2 && om == 3)
-}
-
-/// `q7_takes` but the modes: the switch, the rows and the matrices' shapes.
-pub fn q7_fits(ctx: &Ctx, ws: &[&WMat], rows: usize) -> bool {
-    ctx.sw.gemv.load(Ordering::Relaxed) == 64
-        && rows == 1
-        && ws.iter().all(|w| w.inp == ws[0].inp && w.inp <= 2048)
-}
-
 /// Whether `gemv_many` runs these matrices by gemv_q6 (x staged by q2x_stage): `LILY_WGPU_GEMV`
 /// v6 (the default), an adapter whose subgroups are in order and of one width, rows a whole
 /// number of 4-bit words, and a launch of at least `q6_min_kb` of codes (else gemv_v5).
@@ -684,7 +646,7 @@ pub fn q6_takes(ctx: &Ctx, ws: &[&WMat]) -> bool {
         .iter()
         .map(|w| w.out * w.inp * w.bits as usize / 8192)
         .sum();
-    ctx.sw.gemv.load(Ordering::Relaxed) >= 32
+    ctx.sw.gemv.load(Ordering::Relaxed) == 32
         && fixed
         && ws.iter().all(|w| w.inp.is_multiple_of(32))
         && code_kb >= ctx.sw.q6_min_kb.load(Ordering::Relaxed)

@@ -284,10 +284,10 @@ impl Wgpu {
             .dispatched
             .load(std::sync::atomic::Ordering::Relaxed)
     }
-    /// Launches one decode GEMV of these matrices takes for one row of x (tests count an op's
-    /// launches): 2 where gemv_q6 takes them (q2x_stage first), else 1 (gemv_q7 among them).
+    /// Launches one decode GEMV of these matrices takes (tests count an op's launches): 2 where
+    /// gemv_q6 takes them (q2x_stage first), else 1.
     pub fn gemv_launches(&self, ws: &[&WMat]) -> u64 {
-        if matmul::q6_takes(&self.ctx, ws) && !matmul::q7_fits(&self.ctx, ws, 1) {
+        if matmul::q6_takes(&self.ctx, ws) {
             2
         } else {
             1

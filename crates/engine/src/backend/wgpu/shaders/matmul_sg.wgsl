@@ -367,16 +367,12 @@ fn gemv_xs{NW}(
 }
 
 //@@ q6
-// gemv_q6 and gemv_q7 (the entries' headers say how they launch; this part is made for each,
-// {D} their name, {X} where their staged x sits): this lane's share of rows o0 .. o0 + R - 1
+// gemv_q6 (the entry's header says how it launches): this lane's share of rows o0 .. o0 + R - 1
 // of matrix {M} (R = 1, 2 or 4, uniform; rows past the end read the last row), against x as
-// q2x_stage staged it at xb (xq.wgsl's layouts, read as bits: gemv_q6 from the buffer vx,
-// gemv_q7 from its workgroup's q7x). Every load of a step is issued before its products: R
-// rows' code words (16 bytes each), their scales and biases, and x's word (80 bytes 4-bit, 48
-// bytes 8-bit), shared by the R rows. With `pre`, the first step's code words are p0 .. p3
-// (gemv_q7 loads them before it stages x).
-fn {D}_dot{M}(m: QMat, o0: u32, R: u32, lane: u32, T: u32, xb: u32, pre: bool,
-              p0: vec4<u32>, p1: vec4<u32>, p2: vec4<u32>, p3: vec4<u32>) -> vec4<f32> {
+// q2x_stage staged it at xb (xq.wgsl's layouts, read through vx as bits). Every load of a step
+// is issued before its products: R rows' code words (16 bytes each), their scales and biases,
+// and x's word (80 bytes 4-bit, 48 bytes 8-bit), shared by the R rows.
+fn q6_dot{M}(m: QMat, o0: u32, R: u32, lane: u32, T: u32, xb: u32) -> vec4<f32> {
     let last = m.out - 1u;
     let r0 = pv.e * m.out + min(o0, last);
     let r1 = pv.e * m.out + min(o0 + 1u, last);
@@ -389,27 +385,20 @@ fn {D}_dot{M}(m: QMat, o0: u32, R: u32, lane: u32, T: u32, xb: u32, pre: bool,
     var acc = vec4<f32>(0.0);
     for (var c = lane; c < wpr; c += T) {
         let g = (c * epw) / m.gs;
-        var q0 = p0;
-        var q1 = p1;
-        var q2 = p2;
-        var q3 = p3;
-        if (!pre || c != lane) {
-            q0 = vw{M}[r0 * wpr + c];
-            if (R > 1u) {
-                q1 = vw{M}[r1 * wpr + c];
-            }
-            if (R > 2u) {
-                q2 = vw{M}[r2 * wpr + c];
-                q3 = vw{M}[r3 * wpr + c];
-            }
-        }
+        var q0 = vw{M}[r0 * wpr + c];
+        var q1 = vec4<u32>(0u);
+        var q2 = vec4<u32>(0u);
+        var q3 = vec4<u32>(0u);
         var s = vec4<f32>(rw_sb{M}(r0 * gpr + g, m.sb16, false), 0.0, 0.0, 0.0);
         var b = vec4<f32>(rw_sb{M}(r0 * gpr + g, m.sb16, true), 0.0, 0.0, 0.0);
         if (R > 1u) {
+            q1 = vw{M}[r1 * wpr + c];
             s.y = rw_sb{M}(r1 * gpr + g, m.sb16, false);
             b.y = rw_sb{M}(r1 * gpr + g, m.sb16, true);
         }
         if (R > 2u) {
+            q2 = vw{M}[r2 * wpr + c];
+            q3 = vw{M}[r3 * wpr + c];
             s.z = rw_sb{M}(r2 * gpr + g, m.sb16, false);
             s.w = rw_sb{M}(r3 * gpr + g, m.sb16, false);
             b.z = rw_sb{M}(r2 * gpr + g, m.sb16, true);
@@ -421,16 +410,16 @@ fn {D}_dot{M}(m: QMat, o0: u32, R: u32, lane: u32, T: u32, xb: u32, pre: bool,
         var xb2 = vec4<u32>(0u);
         var xm: vec4<u32>;
         if (m.bits == 4u) {
-            xa1 = bitcast<vec4<u32>>({X}[xb + c]);
-            xb1 = bitcast<vec4<u32>>({X}[xb + w4 + c]);
-            xa2 = bitcast<vec4<u32>>({X}[xb + 2u * w4 + c]);
-            xb2 = bitcast<vec4<u32>>({X}[xb + 3u * w4 + c]);
-            xm = bitcast<vec4<u32>>({X}[xb + 4u * w4 + c]);
+            xa1 = bitcast<vec4<u32>>(vx[xb + c]);
+            xb1 = bitcast<vec4<u32>>(vx[xb + w4 + c]);
+            xa2 = bitcast<vec4<u32>>(vx[xb + 2u * w4 + c]);
+            xb2 = bitcast<vec4<u32>>(vx[xb + 3u * w4 + c]);
+            xm = bitcast<vec4<u32>>(vx[xb + 4u * w4 + c]);
         } else {
             let x8 = xb + 5u * w4;
-            xa1 = bitcast<vec4<u32>>({X}[x8 + c]);
-            xa2 = bitcast<vec4<u32>>({X}[x8 + wpr + c]);
-            xm = bitcast<vec4<u32>>({X}[x8 + 2u * wpr + c]);
+            xa1 = bitcast<vec4<u32>>(vx[x8 + c]);
+            xa2 = bitcast<vec4<u32>>(vx[x8 + wpr + c]);
+            xm = bitcast<vec4<u32>>(vx[x8 + 2u * wpr + c]);
         }
         let dd = bitcast<f32>(xm.x);
         let sx = bitcast<f32>(xm.y);
@@ -462,14 +451,6 @@ fn {D}_dot{M}(m: QMat, o0: u32, R: u32, lane: u32, T: u32, xb: u32, pre: bool,
 // with vx = the staged x, xmode 0 (q2x_stage applied the mode), lanes = T | R << 16; outputs as
 // gemv_io's omode says. Launch: 256 invocations = 256 / T teams, 256 R / T rows a workgroup;
 // matrix i ceil(out_i · T_i / (256 R_i)) blocks, workgroup index = block · rows + t (as gemv_v4).
-// gemv_q6's and gemv_q7's team in workgroup block blk of matrix mi: its lanes T, its rows R,
-// this invocation's lane in it and the team's first row.
-fn q6_team(mi: u32, blk: u32, li: u32) -> vec4<u32> {
-    let T = pv.lanes[mi] & 0xffffu;
-    let R = pv.lanes[mi] >> 16u;
-    return vec4<u32>(T, R, li % T, (blk * (256u / T) + li / T) * R);
-}
-
 @compute @workgroup_size(256)
 fn gemv_q6(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -487,11 +468,10 @@ fn gemv_q6(
     let mi = slot.x;
     let blk = slot.y;
     let m = pv.ms[mi];
-    let tm = q6_team(mi, blk, li);
-    let T = tm.x;
-    let R = tm.y;
-    let lane = tm.z;
-    let o0 = tm.w;
+    let T = pv.lanes[mi] & 0xffffu;
+    let R = pv.lanes[mi] >> 16u;
+    let lane = li % T;
+    let o0 = (blk * (256u / T) + li / T) * R;
     // Row t's staged x (xq.wgsl: 5 · inp / 32 + 3 · inp / 16 vec4s a row).
     let xb = t * (5u * (m.inp / 32u) + 3u * (m.inp / 16u));
     // The layout is derived from the bindings a kernel uses, and gemv_io's launch binds the
@@ -500,163 +480,15 @@ fn gemv_q6(
         vxn[0] = vaux[0];
     }
     var acc: vec4<f32>;
-    let z = vec4<u32>(0u);
     switch mi {
-        case 0u: { acc = q6_dot0(m, o0, R, lane, T, xb, false, z, z, z, z); }
-        case 1u: { acc = q6_dot1(m, o0, R, lane, T, xb, false, z, z, z, z); }
-        case 2u: { acc = q6_dot2(m, o0, R, lane, T, xb, false, z, z, z, z); }
-        default: { acc = q6_dot3(m, o0, R, lane, T, xb, false, z, z, z, z); }
+        case 0u: { acc = q6_dot0(m, o0, R, lane, T, xb); }
+        case 1u: { acc = q6_dot1(m, o0, R, lane, T, xb); }
+        case 2u: { acc = q6_dot2(m, o0, R, lane, T, xb); }
+        default: { acc = q6_dot3(m, o0, R, lane, T, xb); }
     }
     acc = team_sum(acc, li, lane_sg, T, sg);
     // Lane r of a team writes its row r.
     if (lane < R && o0 + lane < m.out) {
         sg_out(mi, t, t * m.out + o0 + lane, acc[lane]);
-    }
-}
-
-//@@ q7
-// gemv_q7: the first step's code words of this lane's rows o0 .. o0 + R - 1 of matrix {M} (as
-// q7_dot{M} reads them), loaded before the workgroup stages x so that their latency runs under
-// the staging's.
-fn q7_first{M}(m: QMat, o0: u32, R: u32, lane: u32) -> array<vec4<u32>, 4> {
-    var p: array<vec4<u32>, 4>;
-    let wpr = m.inp / (128u / m.bits);
-    if (lane >= wpr) {
-        return p;
-    }
-    let last = m.out - 1u;
-    p[0] = vw{M}[(pv.e * m.out + min(o0, last)) * wpr + lane];
-    if (R > 1u) {
-        p[1] = vw{M}[(pv.e * m.out + min(o0 + 1u, last)) * wpr + lane];
-    }
-    if (R > 2u) {
-        p[2] = vw{M}[(pv.e * m.out + min(o0 + 2u, last)) * wpr + lane];
-        p[3] = vw{M}[(pv.e * m.out + min(o0 + 3u, last)) * wpr + lane];
-    }
-    return p;
-}
-
-//@@ q7entry
-// gemv_q7: gemv_q6 with q2x_stage's work done by every workgroup into its own memory, so a
-// decode GEMV is one launch, not two (q2x_stage costs ~5.7 µs in place on the H200: a launch and
-// its barrier for 8 KB of x). A workgroup first requests its lanes' first code words
-// (q7_first), then stages the row as q2x_stage does (q2x_sg.wgsl q2x_words; thread i its elements
-// 8i .. 8i + 7, the norm's sum of squares by subgroupAdd and workgroup memory in q2x_stage's
-// order, so x is staged to the bit as there) into q7x, then runs gemv_q6's dot from there.
-// What it takes (matmul.rs `q7_takes`): one row of x, every matrix of the launch of the same
-// inp ≤ 2,048 (one pass of 256 threads), x modes 0 (as it is), 1 (rms_norm · w: the norm's
-// weights at binding 20, vr, since omode 3 keeps the conv's at aux; the normed row written
-// back to xn by workgroup 0 unless omode 3, whose conv state is there) and 2 (silu(x) · u, u at
-// aux); not mode 1 with omode 2 (whose r is at vr). Launch: gemv_q6's (the same teams and rows,
-// matmul.rs `q6_shape`), x at binding 13 as it is, not staged. Workgroup memory: q7x 11 KB.
-var<workgroup> q7x: array<vec4<u32>, 704>;
-var<workgroup> q7_part: array<f32, 64>;
-
-// The row of x staged into q7x by the whole workgroup (every invocation calls it: barriers and
-// shuffles); `first`: this workgroup writes the normed row back (xmode 1, omode ≠ 3).
-fn q7_stage(li: u32, lane_sg: u32, sg: u32, first: bool) {
-    let inp = pv.ms[0].inp;
-    let w4 = inp / 32u;
-    let w8 = inp / 16u;
-    let on = li < 4u * w4;
-    var hl = vec4<f32>(0.0);
-    var hh = vec4<f32>(0.0);
-    var al = vec4<f32>(0.0);
-    var ah = vec4<f32>(0.0);
-    if (on) {
-        hl = vx[2u * li];
-        hh = vx[2u * li + 1u];
-        if (pv.xmode == 1u) {
-            let e = 8u * li;
-            al = vec4<f32>(vr[e], vr[e + 1u], vr[e + 2u], vr[e + 3u]);
-            ah = vec4<f32>(vr[e + 4u], vr[e + 5u], vr[e + 6u], vr[e + 7u]);
-        } else if (pv.xmode == 2u) {
-            al = vaux[2u * li];
-            ah = vaux[2u * li + 1u];
-        }
-    }
-    var rn = 1.0;
-    if (pv.xmode == 1u) {
-        let s = subgroupAdd(dot(hl, hl) + dot(hh, hh));
-        if (lane_sg == 0u) {
-            q7_part[li / sg] = s;
-        }
-        workgroupBarrier();
-        var tot = 0.0;
-        for (var i = 0u; i < 256u / sg; i++) {
-            tot += q7_part[i];
-        }
-        rn = 1.0 / sqrt(tot / f32(inp) + pv.eps);
-    }
-    let xl = xq_apply(pv.xmode, hl, al, rn);
-    let xh = xq_apply(pv.xmode, hh, ah, rn);
-    if (first && on && pv.xmode == 1u && pv.omode != 3u) {
-        vxn[2u * li] = xl;
-        vxn[2u * li + 1u] = xh;
-    }
-    let w = q2x_words(xl, xh);
-    if (on) {
-        let u = li / 4u;
-        let j = li % 4u;
-        q7x[u][j] = w.w4.x;
-        q7x[w4 + u][j] = w.w4.y;
-        q7x[2u * w4 + u][j] = w.w4.z;
-        q7x[3u * w4 + u][j] = w.w4.w;
-        if (j == 0u) {
-            q7x[4u * w4 + u] = w.m4;
-        }
-        let b8 = 5u * w4;
-        let v = 2u * u + j / 2u;
-        let p = 2u * (j % 2u);
-        q7x[b8 + v][p] = w.w8.x;
-        q7x[b8 + v][p + 1u] = w.w8.y;
-        q7x[b8 + w8 + v][p] = w.w8.z;
-        q7x[b8 + w8 + v][p + 1u] = w.w8.w;
-        if (p == 0u) {
-            q7x[b8 + 2u * w8 + v] = w.m8;
-        }
-    }
-}
-
-@compute @workgroup_size(256)
-fn gemv_q7(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
-    @builtin(subgroup_size) sg_size: u32,
-    @builtin(subgroup_invocation_id) lane_sg: u32,
-) {
-    if (li == 0u) {
-        rw_sg = sg_size;
-    }
-    let sg = workgroupUniformLoad(&rw_sg);
-    let wg = wg_index(wid);
-    let slot = gv_slot(wg);
-    let mi = slot.x;
-    let blk = slot.y;
-    let m = pv.ms[mi];
-    let tm = q6_team(mi, blk, li);
-    let T = tm.x;
-    let R = tm.y;
-    let lane = tm.z;
-    let o0 = tm.w;
-    var p: array<vec4<u32>, 4>;
-    switch mi {
-        case 0u: { p = q7_first0(m, o0, R, lane); }
-        case 1u: { p = q7_first1(m, o0, R, lane); }
-        case 2u: { p = q7_first2(m, o0, R, lane); }
-        default: { p = q7_first3(m, o0, R, lane); }
-    }
-    q7_stage(li, lane_sg, sg, wg == 0u);
-    workgroupBarrier();
-    var acc: vec4<f32>;
-    switch mi {
-        case 0u: { acc = q7_dot0(m, o0, R, lane, T, 0u, true, p[0], p[1], p[2], p[3]); }
-        case 1u: { acc = q7_dot1(m, o0, R, lane, T, 0u, true, p[0], p[1], p[2], p[3]); }
-        case 2u: { acc = q7_dot2(m, o0, R, lane, T, 0u, true, p[0], p[1], p[2], p[3]); }
-        default: { acc = q7_dot3(m, o0, R, lane, T, 0u, true, p[0], p[1], p[2], p[3]); }
-    }
-    acc = team_sum(acc, li, lane_sg, T, sg);
-    if (lane < R && o0 + lane < m.out) {
-        sg_out(mi, 0u, o0 + lane, acc[lane]);
     }
 }

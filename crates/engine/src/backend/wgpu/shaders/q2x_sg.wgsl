@@ -35,17 +35,6 @@ fn team_sum(v: vec4<f32>, li: u32, lane_sg: u32, T: u32, sg: u32) -> vec4<f32> {
     return t;
 }
 
-// A vec4 of x as mode `mode` reads it, from the raw vec4 h and its aux a (mode 1: the norm's
-// weights, rn its 1 / rms; mode 2: u; else h as it is).
-fn xq_apply(mode: u32, h: vec4<f32>, a: vec4<f32>, rn: f32) -> vec4<f32> {
-    if (mode == 1u) {
-        return h * rn * a;
-    } else if (mode == 2u) {
-        return vec4<f32>(silu_f(h.x) * a.x, silu_f(h.y) * a.y, silu_f(h.z) * a.z, silu_f(h.w) * a.w);
-    }
-    return h;
-}
-
 // One thread's share of a row staged as xq.wgsl's q2x_stage stages it: thread i holds elements
 // 8i .. 8i + 7 (xl, xh) = u32 j = i % 4 of 4-bit word i / 4, and the u32s 2(j % 2), 2(j % 2) + 1
 // of 8-bit word 2(i / 4) + j / 2. A word's threads are consecutive lanes of one subgroup (the

@@ -55,9 +55,15 @@ var<workgroup> xq_sg: u32;
 var<workgroup> xq_hss: array<f32, 1024>;
 var<workgroup> xq_hrn: array<f32, 256>;
 
-// A vec4 of x as the mode reads it (q2x_sg.wgsl xq_apply).
+// A vec4 of x as the mode reads it, from the raw vec4 h and its aux a (mode 1: the norm's
+// weights, rn its 1 / rms; mode 2: u).
 fn xq_mode(h: vec4<f32>, a: vec4<f32>, rn: f32) -> vec4<f32> {
-    return xq_apply(xp.xmode, h, a, rn);
+    if (xp.xmode == 1u) {
+        return h * rn * a;
+    } else if (xp.xmode == 2u) {
+        return vec4<f32>(silu_f(h.x) * a.x, silu_f(h.y) * a.y, silu_f(h.z) * a.z, silu_f(h.w) * a.w);
+    }
+    return h;
 }
 
 // x's vec4 v of row t as the mode reads it (rows of more than 2,048 elements).
