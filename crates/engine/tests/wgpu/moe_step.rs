@@ -47,7 +47,9 @@ fn fusable(g: &Wgpu) -> bool {
 }
 
 /// The fused block's kernel sets the tests run (`LILY_WGPU_MOE_XQ`, `LILY_WGPU_MOE_XQ_SHAPE`).
-const XQ_MODES: [(u32, &str); 5] = [
+const XQ_MODES: [(u32, &str); 7] = [
+    (4, "32,16,2"),
+    (3, "32,16,2"),
     (2, "32,16,2"),
     (2, "8,8,1"),
     (2, "16,4,4"),

@@ -296,9 +296,11 @@ pub(super) struct Switches {
     /// in every down workgroup) instead of moe_xq.wgsl's moe_gate_up_x and moe_down_x (x as the
     /// router's q2x_stage staged it, act quantized once in gate|up's epilogue, teams of lanes
     /// and shuffles as gemv_q6; the route by fewer barriers); `gate`: moe_gate_up_x with
-    /// moe_down_s. Where the adapter has ordered subgroups of one width. Stored as 0 (off), 1
-    /// (gate) or 2 (both, the default); atomic so that tests and `lily lab` compare them in one
-    /// process.
+    /// moe_down_s; `x`: both, as moe_gate_up_x and moe_down_x; `ydown`: down by moe_down_y
+    /// (every load of a lane at once); the default: gate|up by moe_gate_up_y too, each y kernel
+    /// where it takes the block (else its x twin). Where the adapter has ordered subgroups of
+    /// one width. Stored as 0 (off), 1 (gate), 2 (x), 3 (ydown) or 4; atomic so that tests and
+    /// `lily lab` compare them in one process.
     pub moe_xq: AtomicU32,
     /// `LILY_WGPU_MOE_XQ_SHAPE=G,D,S` (default 32,16,2): moe_gate_up_x's lanes a team (8, 16 or
     /// 32: G / 8 outputs a team, 32 a workgroup), moe_down_x's lanes a team (4, 8 or 16: one
@@ -389,7 +391,9 @@ impl Switches {
             moe_xq: AtomicU32::new(match std::env::var("LILY_WGPU_MOE_XQ").as_deref() {
                 Ok("0") => 0,
                 Ok("gate") => 1,
-                _ => 2,
+                Ok("x") => 2,
+                Ok("ydown") => 3,
+                _ => 4,
             }),
             moe_xq_shape: AtomicU32::new(
                 std::env::var("LILY_WGPU_MOE_XQ_SHAPE")

@@ -668,7 +668,24 @@ impl Wgpu {
             // moe_xq.wgsl's kernels (LILY_WGPU_MOE_XQ) beside moe_step.wgsl's: `…/2 old` with
             // moe_gate_up_s and moe_down_s, `…/2 xq G,D,S` with moe_gate_up_x and moe_down_x in
             // that shape (x staged once before the timing, as the router's launch stages it in
-            // a decode step), `…/2 xq-gate` moe_gate_up_x with moe_down_s.
+            // a decode step), `…/2 xq-gate` moe_gate_up_x with moe_down_s, `…/2 xq-ydown`
+            // moe_gate_up_x with moe_down_y, `…/2 xq-y` moe_gate_up_y with moe_down_y.
+            // `LILY_LAB_STACKS=N`: N - 1 more copies of the three stacks, which the `×N` variant
+            // cycles through as a decode step's 40 layers do (whether the spread of the weights
+            // over GBs, not their bytes, costs the step: address translation).
+            let nstacks: usize = std::env::var("LILY_LAB_STACKS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(1);
+            let mut spread = Vec::new();
+            for c in 1..nstacks.max(1) {
+                let s = 1000 * c as u64;
+                spread.push((
+                    mk(w, hdim, 71 + s)?,
+                    mk(w, hdim, 72 + s)?,
+                    mk(hdim, w, 73 + s)?,
+                ));
+            }
             let (xq_gate, _) = super::moe::xq_takes(ctx, hdim, w, d.top_k);
             let staged = if xq_gate {
                 Some(super::matmul::q2x_stage(ctx, &x, hdim, 1, "lab.xq")?)
@@ -695,6 +712,19 @@ impl Wgpu {
                     seqs.push((format!("route/2 xq {shape}"), 2, true, 2, shape));
                 }
                 seqs.push(("route/2 xq-gate".into(), 2, true, 1, "32,16,2"));
+                seqs.push(("shared/2 xq-ydown".into(), 2, true, 3, "32,16,2"));
+                seqs.push(("route/2 xq-ydown".into(), 2, true, 3, "32,16,2"));
+                seqs.push(("shared/2 xq-y".into(), 2, true, 4, "32,16,2"));
+                seqs.push(("route/2 xq-y".into(), 2, true, 4, "32,16,2"));
+                if !spread.is_empty() {
+                    seqs.push((
+                        format!("route/2 xq-y ×{}", spread.len() + 1),
+                        2,
+                        true,
+                        4,
+                        "32,16,2",
+                    ));
+                }
             }
             for (name, launches, fused, xq_mode, shape) in seqs {
                 let name = name.as_str();
@@ -712,13 +742,20 @@ impl Wgpu {
                     let with_route = name.starts_with("route");
                     if fused {
                         let l = with_route.then(|| &logits[i % nroutes]);
+                        let (gate, up, down) = match i % (spread.len() + 1) {
+                            c if c > 0 && name.contains('×') => {
+                                let t = &spread[c - 1];
+                                (&t.0, &t.1, &t.2)
+                            }
+                            _ => (&gate, &up, &down),
+                        };
                         super::moe::moe_decode_shared(
                             ctx,
                             &x,
                             r,
-                            &gate,
-                            &up,
-                            &down,
+                            gate,
+                            up,
+                            down,
                             &sh,
                             &d,
                             &mut h,

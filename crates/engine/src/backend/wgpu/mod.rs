@@ -226,7 +226,8 @@ impl Wgpu {
         self.ctx.set_skip(prefixes)
     }
     /// moe_xq.wgsl's kernels for the fused MoE block (`LILY_WGPU_MOE_XQ`): 0 off, 1 gate|up
-    /// only, 2 both (tests compare them).
+    /// only, 2 both (moe_gate_up_x, moe_down_x), 3 down by moe_down_y, 4 gate|up by
+    /// moe_gate_up_y too (tests compare them).
     pub fn set_moe_xq(&self, mode: u32) {
         self.ctx
             .sw

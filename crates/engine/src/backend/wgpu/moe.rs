@@ -493,6 +493,34 @@ pub fn xq_takes(ctx: &Ctx, hid: usize, width: usize, k: usize) -> (bool, bool) {
     (gate, down)
 }
 
+/// moe_down_y's lanes a team (one a code word of a row of down) where it takes the block:
+/// `LILY_WGPU_MOE_XQ` 3 (with `xq_takes`' down), 4-bit down whose rows are 1 to 256 code words, a
+/// power of two, and at most moe_xq.wgsl's DY_K routed slots.
+fn down_y_lanes(ctx: &Ctx, width: usize, bits: u32, k: usize) -> Option<usize> {
+    let words = width / 32;
+    (ctx.sw.moe_xq.load(std::sync::atomic::Ordering::Relaxed) >= 3
+        && bits == 4
+        && width.is_multiple_of(32)
+        && words.is_power_of_two()
+        && words <= 256
+        && (1..=8).contains(&k))
+    .then_some(words)
+}
+
+/// moe_gate_up_y's lanes a team where it takes the block: `LILY_WGPU_MOE_XQ` 4, 4-bit gate and
+/// up in groups of a multiple of 64 inputs (a lane's two code words share one), hidden 512,
+/// 1,024 or 2,048 (hidden / 64 = 8, 16 or 32 lanes: two words a lane).
+fn gate_y_lanes(ctx: &Ctx, hid: usize, gate: &WMat, up: &WMat) -> Option<usize> {
+    let lanes = hid / 64;
+    (ctx.sw.moe_xq.load(std::sync::atomic::Ordering::Relaxed) >= 4
+        && gate.bits == 4
+        && up.bits == 4
+        && gate.gs.is_multiple_of(64)
+        && up.gs.is_multiple_of(64)
+        && matches!(hid, 512 | 1024 | 2048))
+    .then_some(lanes)
+}
+
 /// moe_down_x's lanes a team and teams an output (`Switches::moe_xq_shape`), the lanes at most
 /// the code words of a row of down (`bits` of `width` inputs), at least 1.
 fn down_shape(ctx: &Ctx, width: usize, bits: u32) -> (usize, usize) {
@@ -571,9 +599,29 @@ pub fn moe_decode_shared(
             0,
             route_in,
         );
+        // moe_gate_up_y where it takes the block (its team: hidden / 64 lanes).
+        let gy = gate_y_lanes(ctx, hid, gate, up);
+        let p_up = match gy {
+            Some(lanes) => params(
+                gate.qmat(),
+                up.qmat(),
+                1,
+                k,
+                n,
+                d.norm_topk,
+                lanes,
+                0,
+                route_in,
+            ),
+            None => p_up,
+        };
         ctx.dispatch(
             &XQ_SHADER,
-            "moe_gate_up_x",
+            if gy.is_some() {
+                "moe_gate_up_y"
+            } else {
+                "moe_gate_up_x"
+            },
             &p_up,
             &[
                 &gate.w, &gate.s, &gate.b, &up.w, &up.s, &up.b, &staged, &route.ids, &act, &sg.w,
@@ -581,6 +629,29 @@ pub fn moe_decode_shared(
             ],
             (k1 * width / X_OUTS) as u32,
         );
+        if let Some(lanes) = down_y_lanes(ctx, width, down.bits, k) {
+            let p_down = params(down.qmat(), [0; 8], 1, k, n, d.norm_topk, lanes, 0, 0);
+            ctx.dispatch(
+                &XQ_SHADER,
+                "moe_down_y",
+                &p_down,
+                &[
+                    &down.w,
+                    &down.s,
+                    &down.b,
+                    &aq,
+                    &route.ids,
+                    &route.weights,
+                    &h.buf,
+                    &sd.w,
+                    &sd.s,
+                    &sd.b,
+                    &sh.logit.buf,
+                ],
+                hid.div_ceil(256 / lanes) as u32,
+            );
+            return;
+        }
         if x_down {
             let (dt, ds) = down_shape(ctx, width, down.bits);
             let opw = 256 / (dt * ds);

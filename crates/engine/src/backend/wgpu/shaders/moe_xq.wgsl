@@ -310,8 +310,129 @@ fn moe_gate_up_x(
             au.w += gx_dot(u3, bits, x, gs_up_sb(sh, r3 * gpu + ku, p.m2.sb16, false), gs_up_sb(sh, r3 * gpu + ku, p.m2.sb16, true));
         }
     }
-    ag = team_sum(ag, li, lane_sg, T, sg);
-    au = team_sum(au, li, lane_sg, T, sg);
+    gx_finish(ag, au, li, lane_sg, T, sg, slot, width, o0, ob);
+}
+
+// moe_gate_up_y: moe_gate_up_x's maths and epilogue (`LILY_WGPU_MOE_XQ` 4) with a lane's
+// loads issued at once: a team of T = p.outs = hidden / 64 lanes (8, 16 or 32) owns R = T / 8
+// outputs, lane l code words 2l and 2l + 1 of its 2R gate and up rows (4-bit, groups a multiple
+// of 64 inputs: the two words share a scale and a bias), so after the route a lane has 4R words
+// and 4R scalars in flight (16 and 16 at hidden 2048) where moe_gate_up_x walks its words T
+// apart in a loop; x's two words go out before the route. Same launch, bindings and route.
+
+// A row's two words (2l, 2l + 1) against x's, with their group's scale s and bias b.
+fn gy_dot(wa: vec4<u32>, wb: vec4<u32>, xa: GxW, xc: GxW, s: f32, b: f32) -> f32 {
+    return gx_dot(wa, 4u, xa, s, b) + gx_dot(wb, 4u, xc, s, b);
+}
+
+@compute @workgroup_size(256)
+fn moe_gate_up_y(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_size) sg_size: u32,
+    @builtin(subgroup_invocation_id) lane_sg: u32,
+) {
+    let width = p.m.out;
+    let hid = p.m.inp;
+    let blocks = width / 32u;
+    let wg = wg_index(wid);
+    let k1 = p.k + 1u;
+    let slot = wg / blocks;
+    if (slot >= p.rows * k1) {
+        return;
+    }
+    if (li == 0u) {
+        rw_sg = sg_size;
+    }
+    let sg = workgroupUniformLoad(&rw_sg);
+    let t = slot / k1;
+    let js = slot % k1;
+    let sh = js == p.k;
+    let T = p.outs;
+    let R = T / 8u;
+    let lane = li % T;
+    let ob = (wg % blocks) * 32u;
+    let o0 = ob + (li / T) * R;
+    let wpr = hid / 32u;
+    let c = 2u * lane;
+    let xb = t * (5u * (hid / 32u) + 3u * (hid / 16u));
+    let xa = gx_xword(xb, c, hid, 4u);
+    let xc = gx_xword(xb, c + 1u, hid, 4u);
+    var e = 0u;
+    if (!sh) {
+        if (p.tiles != 0u) {
+            gx_route(t, li, sg, lane_sg, js == 0u && wg % blocks == 0u);
+            e = min(rtop[js], p.n_exp - 1u);
+        } else {
+            e = min(gs_ids[t * p.k + js], p.n_exp - 1u);
+        }
+    }
+    // The team's rows (past R: the last again, not kept).
+    let r0 = e * width + o0;
+    let r1 = e * width + o0 + min(1u, R - 1u);
+    let r2 = e * width + o0 + min(2u, R - 1u);
+    let r3 = e * width + o0 + min(3u, R - 1u);
+    let gg = (c * 32u) / p.m.gs;
+    let gu = (c * 32u) / p.m2.gs;
+    let gpg = hid / p.m.gs;
+    let gpu = hid / p.m2.gs;
+    let g0a = gs_gate_w(sh, r0 * wpr + c);
+    let g0b = gs_gate_w(sh, r0 * wpr + c + 1u);
+    let u0a = gs_up_w(sh, r0 * wpr + c);
+    let u0b = gs_up_w(sh, r0 * wpr + c + 1u);
+    let g1a = gs_gate_w(sh, r1 * wpr + c);
+    let g1b = gs_gate_w(sh, r1 * wpr + c + 1u);
+    let u1a = gs_up_w(sh, r1 * wpr + c);
+    let u1b = gs_up_w(sh, r1 * wpr + c + 1u);
+    let g2a = gs_gate_w(sh, r2 * wpr + c);
+    let g2b = gs_gate_w(sh, r2 * wpr + c + 1u);
+    let u2a = gs_up_w(sh, r2 * wpr + c);
+    let u2b = gs_up_w(sh, r2 * wpr + c + 1u);
+    let g3a = gs_gate_w(sh, r3 * wpr + c);
+    let g3b = gs_gate_w(sh, r3 * wpr + c + 1u);
+    let u3a = gs_up_w(sh, r3 * wpr + c);
+    let u3b = gs_up_w(sh, r3 * wpr + c + 1u);
+    let sb = p.m.sb16;
+    let sb2 = p.m2.sb16;
+    let sg0 = gs_gate_sb(sh, r0 * gpg + gg, sb, false);
+    let bg0 = gs_gate_sb(sh, r0 * gpg + gg, sb, true);
+    let su0 = gs_up_sb(sh, r0 * gpu + gu, sb2, false);
+    let bu0 = gs_up_sb(sh, r0 * gpu + gu, sb2, true);
+    let sg1 = gs_gate_sb(sh, r1 * gpg + gg, sb, false);
+    let bg1 = gs_gate_sb(sh, r1 * gpg + gg, sb, true);
+    let su1 = gs_up_sb(sh, r1 * gpu + gu, sb2, false);
+    let bu1 = gs_up_sb(sh, r1 * gpu + gu, sb2, true);
+    let sg2 = gs_gate_sb(sh, r2 * gpg + gg, sb, false);
+    let bg2 = gs_gate_sb(sh, r2 * gpg + gg, sb, true);
+    let su2 = gs_up_sb(sh, r2 * gpu + gu, sb2, false);
+    let bu2 = gs_up_sb(sh, r2 * gpu + gu, sb2, true);
+    let sg3 = gs_gate_sb(sh, r3 * gpg + gg, sb, false);
+    let bg3 = gs_gate_sb(sh, r3 * gpg + gg, sb, true);
+    let su3 = gs_up_sb(sh, r3 * gpu + gu, sb2, false);
+    let bu3 = gs_up_sb(sh, r3 * gpu + gu, sb2, true);
+    let ag = vec4<f32>(
+        gy_dot(g0a, g0b, xa, xc, sg0, bg0),
+        gy_dot(g1a, g1b, xa, xc, sg1, bg1),
+        gy_dot(g2a, g2b, xa, xc, sg2, bg2),
+        gy_dot(g3a, g3b, xa, xc, sg3, bg3),
+    );
+    let au = vec4<f32>(
+        gy_dot(u0a, u0b, xa, xc, su0, bu0),
+        gy_dot(u1a, u1b, xa, xc, su1, bu1),
+        gy_dot(u2a, u2b, xa, xc, su2, bu2),
+        gy_dot(u3a, u3b, xa, xc, su3, bu3),
+    );
+    gx_finish(ag, au, li, lane_sg, T, sg, slot, width, o0, ob);
+}
+
+// gate|up's epilogue (moe_gate_up_x, moe_gate_up_y): the team's sums, act = silu(gate) · up of
+// its R = T / 8 outputs o0.. in f32, and the workgroup's 32 outputs (ob..) quantized as one word
+// of aq. Every invocation calls it (barriers).
+fn gx_finish(ag0: vec4<f32>, au0: vec4<f32>, li: u32, lane_sg: u32, T: u32, sg: u32, slot: u32, width: u32, o0: u32, ob: u32) {
+    let ag = team_sum(ag0, li, lane_sg, T, sg);
+    let au = team_sum(au0, li, lane_sg, T, sg);
+    let R = T / 8u;
+    let lane = li % T;
     // Lane r < R of a team: output o0 + r.
     if (lane < R) {
         let a = silu_f(ag[lane]) * au[lane];
@@ -461,5 +582,107 @@ fn moe_down_x(
         total += sigmoid_f(ds_logit[t]) * xs[li * k1 + k];
         let i = t * hid + ob + li;
         ds_h[i] = ds_h[i] + total;
+    }
+}
+
+// moe_down_y: moe_down_x's sum (the same h[t, o] += Σ_{j<k} w[t, j] · (down_{ids[j]}[o] · act_j)
+// + sigmoid(s[t]) · (shared down[o] · act_k), the same integer dots against aq) with every load
+// of a lane issued at once: `LILY_WGPU_MOE_XQ` 3, 4-bit down, k ≤ 8 (DY_K). moe_down_x's teams
+// walk their slots four at a time, each behind its expert id (an L2 round trip, then DRAM), so
+// a lane has ~64 bytes in flight; here lane c of a team of T = p.outs lanes (T = the row's code
+// words: 16 at width 512) takes code word c of one output for all k + 1 slots: the k ids, then
+// the k + 1 rows' words, scales and biases (9 × 24 bytes) go out together, x's words as each
+// slot's dot needs them (L1: the workgroup's 256 / T outputs read the same act). Each lane sums
+// its words' weighted dots over the slots, the team sums by shuffles (team_sum) and its lane 0
+// adds the total into h: no workgroup memory, no barrier. The sum's order differs from moe_down_x's
+// (a lane's slots first, then the team's lanes): within the MoE tests' bound, not bit-equal.
+// 256 / T outputs a workgroup, ceil(hid / that) workgroups a token. Bindings: moe_down_x's.
+const DY_K: u32 = 8u;
+
+// A slot's code word, scale and bias for this lane.
+struct DyW {
+    w: vec4<u32>,
+    s: f32,
+    b: f32,
+}
+
+// Slot j's (j < k; past k: slot k - 1's, not summed) word c of output o of token t.
+fn dy_load(t: u32, j: u32, o: u32, c: u32) -> DyW {
+    let hid = p.m.out;
+    let wpr = p.m.inp / 32u;
+    let gpr = p.m.inp / p.m.gs;
+    let jj = min(j, p.k - 1u);
+    let e = min(dn_ids[t * p.k + jj], p.n_exp - 1u);
+    let row = e * hid + o;
+    let g = row * gpr + (c * 32u) / p.m.gs;
+    return DyW(qw4[row * wpr + c], dx_sb(false, g, false), dx_sb(false, g, true));
+}
+
+// The shared expert's word c of output o.
+fn dy_load_sh(o: u32, c: u32) -> DyW {
+    let wpr = p.m.inp / 32u;
+    let g = o * (p.m.inp / p.m.gs) + (c * 32u) / p.m.gs;
+    return DyW(shd_w4[o * wpr + c], dx_sb(true, g, false), dx_sb(true, g, true));
+}
+
+// Word c's dot against act row `ar`, times `wt` (0 past the routed slots: the term dropped).
+fn dy_dot(v: DyW, ar: u32, c: u32, wt: f32, keep: bool) -> f32 {
+    let width = p.m.inp;
+    let xb = ar * (5u * (width / 32u) + 3u * (width / 16u));
+    let d = gx_dot(v.w, 4u, dx_xword(xb, c, width, 4u), v.s, v.b);
+    return select(0.0, wt * d, keep);
+}
+
+@compute @workgroup_size(256)
+fn moe_down_y(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_size) sg_size: u32,
+    @builtin(subgroup_invocation_id) lane_sg: u32,
+) {
+    let hid = p.m.out;
+    let k = p.k;
+    let k1 = k + 1u;
+    let T = p.outs;
+    let opw = 256u / T;
+    let blocks = (hid + opw - 1u) / opw;
+    let wg = wg_index(wid);
+    let t = wg / blocks;
+    if (t >= p.rows) {
+        return;
+    }
+    if (li == 0u) {
+        rw_sg = sg_size;
+    }
+    let sg = workgroupUniformLoad(&rw_sg);
+    let c = li % T;
+    let ou = (wg % blocks) * opw + li / T;
+    let o = min(ou, hid - 1u);
+    // Every weight load first (straight-line: no array for the compiler to spill).
+    let l0 = dy_load(t, 0u, o, c);
+    let l1 = dy_load(t, 1u, o, c);
+    let l2 = dy_load(t, 2u, o, c);
+    let l3 = dy_load(t, 3u, o, c);
+    let l4 = dy_load(t, 4u, o, c);
+    let l5 = dy_load(t, 5u, o, c);
+    let l6 = dy_load(t, 6u, o, c);
+    let l7 = dy_load(t, 7u, o, c);
+    let ls = dy_load_sh(o, c);
+    let wb = t * k;
+    let jl = k - 1u;
+    let r0 = t * k1;
+    var acc = dy_dot(l0, r0, c, dn_w[wb], true);
+    acc += dy_dot(l1, r0 + min(1u, jl), c, dn_w[wb + min(1u, jl)], 1u < k);
+    acc += dy_dot(l2, r0 + min(2u, jl), c, dn_w[wb + min(2u, jl)], 2u < k);
+    acc += dy_dot(l3, r0 + min(3u, jl), c, dn_w[wb + min(3u, jl)], 3u < k);
+    acc += dy_dot(l4, r0 + min(4u, jl), c, dn_w[wb + min(4u, jl)], 4u < k);
+    acc += dy_dot(l5, r0 + min(5u, jl), c, dn_w[wb + min(5u, jl)], 5u < k);
+    acc += dy_dot(l6, r0 + min(6u, jl), c, dn_w[wb + min(6u, jl)], 6u < k);
+    acc += dy_dot(l7, r0 + min(7u, jl), c, dn_w[wb + min(7u, jl)], 7u < k);
+    acc += dy_dot(ls, r0 + k, c, sigmoid_f(ds_logit[t]), true);
+    let tot = team_sum(vec4<f32>(acc, 0.0, 0.0, 0.0), li, lane_sg, T, sg).x;
+    if (c == 0u && ou < hid) {
+        let i = t * hid + o;
+        ds_h[i] = ds_h[i] + tot;
     }
 }
