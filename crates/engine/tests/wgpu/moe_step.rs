@@ -26,7 +26,9 @@
 //! moe_gate_up_x (x as q2x_stage staged it: the same two int8 levels) and moe_down_x (act in
 //! two int8 levels too, quantized in gate|up's epilogue: each element within max |act| / 64,516
 //! of its 32-element word), in several team shapes, its gate|up with moe_down_s, and
-//! moe_step.wgsl's. The same bound holds for all: on lavapipe the xq sets measure 2.5e-5 to
+//! moe_step.wgsl's; mode 4 (the default) and 3 run moe_xq.wgsl's y twins (moe_gate_up_y,
+//! moe_down_y: the same integer dots, a lane's loads at once; down sums a lane's slots before
+//! the team's lanes, so its order differs from moe_down_x's). The same bound holds for all: on lavapipe the xq sets measure 2.5e-5 to
 //! 1.4e-4 at the model's shapes and up to 1.65e-4 on the top-1 stack of width 128, against
 //! 3e-5 to 1.2e-4 for moe_step.wgsl's; the route moe_gate_up_x writes (gx_route: fewer
 //! barriers, candidates only) is asserted bit-equal to moe_route's like gs_route's.

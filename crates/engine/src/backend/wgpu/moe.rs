@@ -583,11 +583,19 @@ pub fn moe_decode_shared(
             (Ok(s), Ok(a)) => (s, a),
             (Err(e), _) | (_, Err(e)) => return ctx.fail(format!("moe_decode_shared: {e:#}")),
         };
-        let gt = ctx
-            .sw
-            .moe_xq_shape
-            .load(std::sync::atomic::Ordering::Relaxed) as usize
-            & 0xff;
+        // moe_gate_up_y where it takes the block (its team: hidden / 64 lanes), else
+        // moe_gate_up_x in the shape's team.
+        let gy = gate_y_lanes(ctx, hid, gate, up);
+        let (entry, lanes) = match gy {
+            Some(lanes) => ("moe_gate_up_y", lanes),
+            None => {
+                let shape =
+                    ctx.sw
+                        .moe_xq_shape
+                        .load(std::sync::atomic::Ordering::Relaxed) as usize;
+                ("moe_gate_up_x", shape & 0xff)
+            }
+        };
         let p_up = params(
             gate.qmat(),
             up.qmat(),
@@ -595,33 +603,13 @@ pub fn moe_decode_shared(
             k,
             n,
             d.norm_topk,
-            gt,
+            lanes,
             0,
             route_in,
         );
-        // moe_gate_up_y where it takes the block (its team: hidden / 64 lanes).
-        let gy = gate_y_lanes(ctx, hid, gate, up);
-        let p_up = match gy {
-            Some(lanes) => params(
-                gate.qmat(),
-                up.qmat(),
-                1,
-                k,
-                n,
-                d.norm_topk,
-                lanes,
-                0,
-                route_in,
-            ),
-            None => p_up,
-        };
         ctx.dispatch(
             &XQ_SHADER,
-            if gy.is_some() {
-                "moe_gate_up_y"
-            } else {
-                "moe_gate_up_x"
-            },
+            entry,
             &p_up,
             &[
                 &gate.w, &gate.s, &gate.b, &up.w, &up.s, &up.b, &staged, &route.ids, &act, &sg.w,
@@ -629,46 +617,21 @@ pub fn moe_decode_shared(
             ],
             (k1 * width / X_OUTS) as u32,
         );
-        if let Some(lanes) = down_y_lanes(ctx, width, down.bits, k) {
-            let p_down = params(down.qmat(), [0; 8], 1, k, n, d.norm_topk, lanes, 0, 0);
+        // moe_down_y where it takes the block, else moe_down_x (same bindings); else
+        // moe_down_s below.
+        let down_x = match down_y_lanes(ctx, width, down.bits, k) {
+            Some(lanes) => Some(("moe_down_y", lanes, 256 / lanes)),
+            None if x_down => {
+                let (dt, ds) = down_shape(ctx, width, down.bits);
+                Some(("moe_down_x", dt | ds << 16, 256 / (dt * ds)))
+            }
+            None => None,
+        };
+        if let Some((entry, outs, opw)) = down_x {
+            let p_down = params(down.qmat(), [0; 8], 1, k, n, d.norm_topk, outs, 0, 0);
             ctx.dispatch(
                 &XQ_SHADER,
-                "moe_down_y",
-                &p_down,
-                &[
-                    &down.w,
-                    &down.s,
-                    &down.b,
-                    &aq,
-                    &route.ids,
-                    &route.weights,
-                    &h.buf,
-                    &sd.w,
-                    &sd.s,
-                    &sd.b,
-                    &sh.logit.buf,
-                ],
-                hid.div_ceil(256 / lanes) as u32,
-            );
-            return;
-        }
-        if x_down {
-            let (dt, ds) = down_shape(ctx, width, down.bits);
-            let opw = 256 / (dt * ds);
-            let p_down = params(
-                down.qmat(),
-                [0; 8],
-                1,
-                k,
-                n,
-                d.norm_topk,
-                dt | ds << 16,
-                0,
-                0,
-            );
-            ctx.dispatch(
-                &XQ_SHADER,
-                "moe_down_x",
+                entry,
                 &p_down,
                 &[
                     &down.w,

@@ -6,6 +6,10 @@
 // moe_step.wgsl and q2x_sg.wgsl in one module (its parameter block, bindings, exp_acc,
 // order_key; team_sum, q2x_words), made only on adapters with subgroups.
 //
+// The defaults are their y twins (at the end of the file, `LILY_WGPU_MOE_XQ`): moe_gate_up_y and
+// moe_down_y, the same maths with every weight load of a lane issued at once (H200 lab, one
+// token's gate|up and down with the shared expert: 20.1 µs against 32.9).
+//
 // moe_gate_up_x: act[s, o] = silu(gate_e[o] · x) · (up_e[o] · x) for the k + 1 slots of token t
 //   (slot k the shared expert), x read as q2x_stage staged it (xq.wgsl's layouts: the router's
 //   launch staged the normed x, or moe.rs stages x itself), integer dot products as gemv_q6's
@@ -215,6 +219,23 @@ fn gx_route(t: u32, li: u32, sg: u32, lsg: u32, write: bool) {
     }
 }
 
+// The expert of slot js of token t (0 for the shared slot, sh, uniform over the workgroup):
+// with p.tiles = 1 every routed slot's workgroup routes the token (gx_route; the first
+// workgroup of slot 0, `first` and js = 0, writes the route), else read from gs_ids. Every
+// invocation calls it (the route's barriers).
+fn gx_expert(t: u32, js: u32, sh: bool, li: u32, sg: u32, lane_sg: u32, first: bool) -> u32 {
+    var e = 0u;
+    if (!sh) {
+        if (p.tiles != 0u) {
+            gx_route(t, li, sg, lane_sg, js == 0u && first);
+            e = min(rtop[js], p.n_exp - 1u);
+        } else {
+            e = min(gs_ids[t * p.k + js], p.n_exp - 1u);
+        }
+    }
+    return e;
+}
+
 @compute @workgroup_size(256)
 fn moe_gate_up_x(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -250,16 +271,7 @@ fn moe_gate_up_x(
     let xb = t * (5u * (hid / 32u) + 3u * (hid / 16u));
     // x's first words go out before the route (they do not depend on the expert).
     let x0 = gx_xword(xb, min(lane, wpr - 1u), hid, bits);
-    var e = 0u;
-    if (!sh) {
-        if (p.tiles != 0u) {
-            // Every routed slot's workgroup routes the token; the first of slot 0 writes it.
-            gx_route(t, li, sg, lane_sg, js == 0u && wg % blocks == 0u);
-            e = min(rtop[js], p.n_exp - 1u);
-        } else {
-            e = min(gs_ids[t * p.k + js], p.n_exp - 1u);
-        }
-    }
+    let e = gx_expert(t, js, sh, li, sg, lane_sg, wg % blocks == 0u);
     // The team's rows (past R: the last, not summed).
     let r0 = e * width + o0;
     let r1 = e * width + o0 + min(1u, R - 1u);
@@ -358,15 +370,7 @@ fn moe_gate_up_y(
     let xb = t * (5u * (hid / 32u) + 3u * (hid / 16u));
     let xa = gx_xword(xb, c, hid, 4u);
     let xc = gx_xword(xb, c + 1u, hid, 4u);
-    var e = 0u;
-    if (!sh) {
-        if (p.tiles != 0u) {
-            gx_route(t, li, sg, lane_sg, js == 0u && wg % blocks == 0u);
-            e = min(rtop[js], p.n_exp - 1u);
-        } else {
-            e = min(gs_ids[t * p.k + js], p.n_exp - 1u);
-        }
-    }
+    let e = gx_expert(t, js, sh, li, sg, lane_sg, wg % blocks == 0u);
     // The team's rows (past R: the last again, not kept).
     let r0 = e * width + o0;
     let r1 = e * width + o0 + min(1u, R - 1u);
