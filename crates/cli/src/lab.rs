@@ -24,7 +24,9 @@ pub struct LabArgs {
     /// shared_gu, shared_down, lm_head, route, experts, gemm (prefill's GEMMs at 2048 rows under
     /// each LILY_WGPU_GEMM kernel: old, big, chain, and coop and coop1 where the adapter has
     /// 16x16x16 f16 cooperative matrices), moe_mm (prefill's routed experts at 2048
-    /// and 300 rows under each LILY_WGPU_MOE_MM: old, mm8).
+    /// and 300 rows under each LILY_WGPU_MOE_MM: old, mm8), gdn_step, attn; alloc only when
+    /// named (a 16 MB read before and after LILY_LAB_BALLAST_GB, default 16, more GB are
+    /// allocated: 2x that on the GPU, 20 s idle).
     #[arg(long)]
     cases: Option<String>,
     /// wgpu: the GEMV variants, comma-separated: v4, rw1, rw2, rw4, xs, each optionally @N

@@ -30,6 +30,7 @@ pub const SHADER: Shader = Shader {
 pub const CASES: &[&str] = &[
     "floor",
     "read",
+    "alloc",
     "in_proj",
     "attn_qkv",
     "out_proj",
@@ -355,6 +356,10 @@ impl Wgpu {
                 print(&r);
                 rows.push(r);
             }
+        }
+        // Only when asked for by name: it allocates 2 × LILY_LAB_BALLAST_GB and idles 20 s.
+        if cases.contains(&"alloc") {
+            rows.extend(self.lab_alloc(calls, print)?);
         }
         let (bits, gs) = match &cfg.quantization.default {
             Some(q) => (q.bits, q.group_size),
@@ -829,6 +834,98 @@ impl Wgpu {
             rows.extend(self.lab_attn(cfg, calls, print)?);
         }
         ctx.check()?;
+        Ok(rows)
+    }
+}
+
+impl Wgpu {
+    /// Case "alloc": whether reads slow down once GBs are allocated, not only where they spread
+    /// (stop 34: the GEMV lab at `--cycle-mb 16000` read its 16 MB copies 2.75x slower than at
+    /// 200, and the router's unchanged 143 MB of copies 4x slower; a decode step runs its
+    /// kernels ~2x slower than the lab). One 16 MB read over 16 copies (256 MB, L2-cold) timed
+    /// alone; after `LILY_LAB_BALLAST_GB` (16) GiB more are allocated in 256 MB buffers and each
+    /// read once (wgpu clears a buffer before its first use: the pages are really there); after
+    /// 20 s idle; over 16 new copies each allocated after a 16th of that more (the reads spread
+    /// over the GBs, as a model's layers are); and with the ballast dropped.
+    fn lab_alloc(&self, calls: usize, print: &mut dyn FnMut(&LabRow)) -> Result<Vec<LabRow>> {
+        let ctx = &self.ctx;
+        let gb: usize = std::env::var("LILY_LAB_BALLAST_GB")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(16);
+        let (bytes, copies) = (16usize << 20, 16);
+        let n16 = bytes / 16;
+        let dst = self.lab_buf(&[0.0; 64])?;
+        let p = [n16 as u32, 0x1234_5678, 0, 0];
+        let read_all = |bufs: &[::wgpu::Buffer]| -> Result<f64> {
+            let f = |i: usize| {
+                ctx.dispatch(
+                    &SHADER,
+                    "lab_read",
+                    &p,
+                    &[&bufs[i % bufs.len()], &dst.buf],
+                    n16.div_ceil(1024) as u32,
+                )
+            };
+            lab_median(ctx, calls, &f)
+        };
+        // Allocates `mib` MiB in buffers of up to 256 MB (the adapter's largest binding) and
+        // reads each once.
+        let chunk = (256u64 << 20).min(ctx.report.max_binding / 16 * 16);
+        let ballast = |mib: usize| -> Result<Vec<::wgpu::Buffer>> {
+            let m16 = (chunk / 16) as usize;
+            let q = [m16 as u32, 0x1234_5678, 0, 0];
+            let b: Vec<::wgpu::Buffer> = (0..((mib as u64) << 20).div_ceil(chunk))
+                .map(|_| ctx.buffer(chunk))
+                .collect::<Result<_>>()?;
+            for x in &b {
+                ctx.dispatch(
+                    &SHADER,
+                    "lab_read",
+                    &q,
+                    &[x, &dst.buf],
+                    m16.div_ceil(1024) as u32,
+                );
+            }
+            ctx.sync()?;
+            Ok(b)
+        };
+        let mut rows = Vec::new();
+        let mut row = |variant: String, s: f64| {
+            let r = LabRow {
+                case: "alloc",
+                variant,
+                bytes,
+                copies,
+                calls,
+                op_s: s,
+                read_s: Some(s),
+                check: None,
+            };
+            print(&r);
+            rows.push(r);
+        };
+        let bufs: Vec<::wgpu::Buffer> = (0..copies)
+            .map(|c| ctx.upload(as_bytes(&words(4 * n16, 3000 + c as u64))))
+            .collect::<Result<_>>()?;
+        row("16 MB alone".into(), read_all(&bufs)?);
+        let big = ballast(gb << 10)?;
+        row(format!("+{gb} GB"), read_all(&bufs)?);
+        std::thread::sleep(std::time::Duration::from_secs(20));
+        row(format!("+{gb} GB, 20 s idle"), read_all(&bufs)?);
+        let mut spread = Vec::with_capacity(copies);
+        let mut more = Vec::new();
+        for c in 0..copies {
+            more.extend(ballast((gb << 10) / copies)?);
+            spread.push(ctx.upload(as_bytes(&words(4 * n16, 4000 + c as u64)))?);
+        }
+        row(
+            format!("+{gb} GB, copies {} MB apart", (gb << 10) / copies),
+            read_all(&spread)?,
+        );
+        drop((big, more, spread));
+        ctx.sync()?;
+        row("ballast dropped".into(), read_all(&bufs)?);
         Ok(rows)
     }
 }
