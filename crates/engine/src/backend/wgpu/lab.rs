@@ -841,8 +841,8 @@ impl Wgpu {
 impl Wgpu {
     /// Case "alloc": whether reads slow down once GBs are allocated, not only where they spread
     /// (stop 34: the GEMV lab at `--cycle-mb 16000` read its 16 MB copies 2.75x slower than at
-    /// 200, and the router's unchanged 143 MB of copies 4x slower; a decode step runs its
-    /// kernels ~2x slower than the lab). One 16 MB read over 16 copies (256 MB, L2-cold) timed
+    /// 200, and the router's unchanged 143 MB of copies 4x slower; a decode step holds 19 GB).
+    /// One 16 MB read over 16 copies (256 MB, L2-cold) timed
     /// alone; after `LILY_LAB_BALLAST_GB` (16) GiB more are allocated in 256 MB buffers and each
     /// read once (wgpu clears a buffer before its first use: the pages are really there); after
     /// 20 s idle; over 16 new copies each allocated after a 16th of that more (the reads spread
