@@ -68,6 +68,26 @@ pub struct LabRow {
 }
 
 impl LabRow {
+    /// A pure read's row (cases read and alloc): its own time is its read's.
+    fn pure_read(
+        case: &'static str,
+        variant: String,
+        bytes: usize,
+        copies: usize,
+        calls: usize,
+        s: f64,
+    ) -> Self {
+        LabRow {
+            case,
+            variant,
+            bytes,
+            copies,
+            calls,
+            op_s: s,
+            read_s: Some(s),
+            check: None,
+        }
+    }
     pub fn op_bw(&self) -> Option<f64> {
         (self.bytes > 0).then(|| self.bytes as f64 / self.op_s)
     }
@@ -343,16 +363,7 @@ impl Wgpu {
                     continue;
                 }
                 let (s, copies) = read(bytes)?;
-                let r = LabRow {
-                    case: "read",
-                    variant: format!("{mb} MB"),
-                    bytes,
-                    copies,
-                    calls,
-                    op_s: s,
-                    read_s: Some(s),
-                    check: None,
-                };
+                let r = LabRow::pure_read("read", format!("{mb} MB"), bytes, copies, calls, s);
                 print(&r);
                 rows.push(r);
             }
@@ -892,16 +903,7 @@ impl Wgpu {
         };
         let mut rows = Vec::new();
         let mut row = |variant: String, s: f64| {
-            let r = LabRow {
-                case: "alloc",
-                variant,
-                bytes,
-                copies,
-                calls,
-                op_s: s,
-                read_s: Some(s),
-                check: None,
-            };
+            let r = LabRow::pure_read("alloc", variant, bytes, copies, calls, s);
             print(&r);
             rows.push(r);
         };
