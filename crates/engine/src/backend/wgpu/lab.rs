@@ -857,7 +857,9 @@ impl Wgpu {
     /// alone; after `LILY_LAB_BALLAST_GB` (16) GiB more are allocated in 256 MB buffers and each
     /// read once (wgpu clears a buffer before its first use: the pages are really there); after
     /// 20 s idle; over 16 new copies each allocated after a 16th of that more (the reads spread
-    /// over the GBs, as a model's layers are); and with the ballast dropped.
+    /// over the GBs, as a model's layers are); chains of dependent loads at 4 KB, 64 KB and 2 MB
+    /// strides over 32 MB to 1 GB (translation's reach and page size); and with the ballast
+    /// dropped.
     fn lab_alloc(&self, calls: usize, print: &mut dyn FnMut(&LabRow)) -> Result<Vec<LabRow>> {
         let ctx = &self.ctx;
         let gb: usize = std::env::var("LILY_LAB_BALLAST_GB")
@@ -902,32 +904,83 @@ impl Wgpu {
             Ok(b)
         };
         let mut rows = Vec::new();
-        let mut row = |variant: String, s: f64| {
-            let r = LabRow::pure_read("alloc", variant, bytes, copies, calls, s);
+        let mut put = |r: LabRow| {
             print(&r);
             rows.push(r);
         };
+        let rd =
+            |variant: String, s: f64| LabRow::pure_read("alloc", variant, bytes, copies, calls, s);
         let bufs: Vec<::wgpu::Buffer> = (0..copies)
             .map(|c| ctx.upload(as_bytes(&words(4 * n16, 3000 + c as u64))))
             .collect::<Result<_>>()?;
-        row("16 MB alone".into(), read_all(&bufs)?);
+        put(rd("16 MB alone".into(), read_all(&bufs)?));
         let big = ballast(gb << 10)?;
-        row(format!("+{gb} GB"), read_all(&bufs)?);
+        put(rd(format!("+{gb} GB"), read_all(&bufs)?));
         std::thread::sleep(std::time::Duration::from_secs(20));
-        row(format!("+{gb} GB, 20 s idle"), read_all(&bufs)?);
+        put(rd(format!("+{gb} GB, 20 s idle"), read_all(&bufs)?));
         let mut spread = Vec::with_capacity(copies);
         let mut more = Vec::new();
         for c in 0..copies {
             more.extend(ballast((gb << 10) / copies)?);
             spread.push(ctx.upload(as_bytes(&words(4 * n16, 4000 + c as u64)))?);
         }
-        row(
+        put(rd(
             format!("+{gb} GB, copies {} MB apart", (gb << 10) / copies),
             read_all(&spread)?,
-        );
-        drop((big, more, spread));
+        ));
+        // Dependent loads (lab_chase) at strides of 64 KB and 2 MB over growing footprints
+        // while the ballast is there: where a stride's latency steps up says how far address
+        // translation reaches, and at which page size (4 KB strides fill a small footprint).
+        let span = (1u64 << 30).min(ctx.report.max_binding / 16 * 16);
+        let chain = ctx.buffer(span)?;
+        let steps = 4096u32;
+        for (stride, foot) in [
+            (4u64 << 10, 32u64 << 20),
+            (64 << 10, 32 << 20),
+            (64 << 10, 256 << 20),
+            (64 << 10, 1 << 30),
+            (2 << 20, 32 << 20),
+            (2 << 20, 256 << 20),
+            (2 << 20, 1 << 30),
+        ] {
+            if foot > span {
+                continue;
+            }
+            let (n, st) = ((foot / 4) as u32, (stride / 4) as u32);
+            ctx.dispatch(
+                &SHADER,
+                "lab_chain_init",
+                &[n, 0, st, 0],
+                &[&dst.buf, &chain],
+                (n / st).div_ceil(64),
+            );
+            let f = |_: usize| {
+                ctx.dispatch(
+                    &SHADER,
+                    "lab_chase",
+                    &[n, 0, steps, 0],
+                    &[&chain, &dst.buf],
+                    1,
+                )
+            };
+            let s = lab_median(ctx, calls.min(8), &f)? / steps as f64;
+            let r = LabRow::pure_read(
+                "alloc",
+                format!(
+                    "chase {} KB stride, {} MB (µs a load)",
+                    stride >> 10,
+                    foot >> 20
+                ),
+                0,
+                1,
+                calls.min(8),
+                s,
+            );
+            put(r);
+        }
+        drop((big, more, spread, chain));
         ctx.sync()?;
-        row("ballast dropped".into(), read_all(&bufs)?);
+        put(rd("ballast dropped".into(), read_all(&bufs)?));
         Ok(rows)
     }
 }

@@ -9,6 +9,13 @@
 //   (all 4 issued before they are used), xor-folds them, and writes only if the fold equals a
 //   word the parameters make impossible (so the loads stay). ceil(n / 1024) workgroups of 256:
 //   what reading the bytes of a kernel costs, with the same launch around it.
+// lab_chain_init: dst[j · s] = ((j + 1) · s) mod n for j < n / s (n = lp.n words, s = lp.pad0
+//   words): a chain through the first n words at a stride of s. 64 a workgroup, ceil(n / s / 64)
+//   workgroups. Bindings: 1 src (unused), 2 dst = the chain (rw).
+// lab_chase: one invocation follows the chain lp.pad0 loads from word 0 (each load's address
+//   the last load's value: the latency of one load, address translation included, at the chain's
+//   stride and footprint) and writes where it ended to dst[0]. One workgroup of 1. Bindings: 1
+//   src = the chain (as vec4s), 2 dst.
 
 struct LP {
     n: u32,
@@ -54,4 +61,25 @@ fn lab_read(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_ind
     if ((f.x ^ f.y ^ f.z ^ f.w) == lp.never && lp.pad0 == 1u) {
         ldst[li] = f.x;
     }
+}
+
+@compute @workgroup_size(64)
+fn lab_chain_init(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let j = wg_index(wid) * 64u + li;
+    let st = lp.pad0;
+    if (j < lp.n / st) {
+        ldst[j * st] = ((j + 1u) * st) % lp.n;
+    }
+    if (lp.pad1 == 1u) {
+        ldst[0] += lsrc[0].x;
+    }
+}
+
+@compute @workgroup_size(1)
+fn lab_chase() {
+    var i = 0u;
+    for (var k = 0u; k < lp.pad0; k++) {
+        i = lsrc[i / 4u][i % 4u];
+    }
+    ldst[0] = i;
 }
