@@ -284,16 +284,7 @@ impl Wgpu {
             let bufs: Vec<::wgpu::Buffer> = (0..copies)
                 .map(|c| ctx.upload(as_bytes(&words(4 * n16, 1000 + c as u64))))
                 .collect::<Result<_>>()?;
-            let p = [n16 as u32, 0x1234_5678, 0, 0];
-            let s = time(&|i| {
-                ctx.dispatch(
-                    &SHADER,
-                    "lab_read",
-                    &p,
-                    &[&bufs[i % copies], &dst.buf],
-                    n16.div_ceil(1024) as u32,
-                )
-            })?;
+            let s = time(&|i| lab_read(ctx, &bufs[i % copies], &dst.buf, n16))?;
             Ok((s, copies))
         };
         // A warm-up of pure reads for 3 s first: on the H200 the cases timed in a call's first
@@ -304,18 +295,11 @@ impl Wgpu {
             let bufs: Vec<::wgpu::Buffer> = (0..2)
                 .map(|c| ctx.upload(as_bytes(&words(4 * n16, 900 + c as u64))))
                 .collect::<Result<_>>()?;
-            let p = [n16 as u32, 0x1234_5678, 0, 0];
             let t0 = std::time::Instant::now();
             while t0.elapsed().as_secs_f64() < 3.0 {
                 ctx.time_pass(|| {
                     for i in 0..calls {
-                        ctx.dispatch(
-                            &SHADER,
-                            "lab_read",
-                            &p,
-                            &[&bufs[i % 2], &dst.buf],
-                            n16.div_ceil(1024) as u32,
-                        );
+                        lab_read(ctx, &bufs[i % 2], &dst.buf, n16);
                     }
                 })?;
             }
@@ -869,36 +853,20 @@ impl Wgpu {
         let (bytes, copies) = (16usize << 20, 16);
         let n16 = bytes / 16;
         let dst = self.lab_buf(&[0.0; 64])?;
-        let p = [n16 as u32, 0x1234_5678, 0, 0];
         let read_all = |bufs: &[::wgpu::Buffer]| -> Result<f64> {
-            let f = |i: usize| {
-                ctx.dispatch(
-                    &SHADER,
-                    "lab_read",
-                    &p,
-                    &[&bufs[i % bufs.len()], &dst.buf],
-                    n16.div_ceil(1024) as u32,
-                )
-            };
-            lab_median(ctx, calls, &f)
+            lab_median(ctx, calls, &|i| {
+                lab_read(ctx, &bufs[i % bufs.len()], &dst.buf, n16)
+            })
         };
         // Allocates `mib` MiB in buffers of up to 256 MB (the adapter's largest binding) and
         // reads each once.
         let chunk = (256u64 << 20).min(ctx.report.max_binding / 16 * 16);
         let ballast = |mib: usize| -> Result<Vec<::wgpu::Buffer>> {
-            let m16 = (chunk / 16) as usize;
-            let q = [m16 as u32, 0x1234_5678, 0, 0];
             let b: Vec<::wgpu::Buffer> = (0..((mib as u64) << 20).div_ceil(chunk))
                 .map(|_| ctx.buffer(chunk))
                 .collect::<Result<_>>()?;
             for x in &b {
-                ctx.dispatch(
-                    &SHADER,
-                    "lab_read",
-                    &q,
-                    &[x, &dst.buf],
-                    m16.div_ceil(1024) as u32,
-                );
+                lab_read(ctx, x, &dst.buf, (chunk / 16) as usize);
             }
             ctx.sync()?;
             Ok(b)
@@ -983,6 +951,17 @@ impl Wgpu {
         put(rd("ballast dropped".into(), read_all(&bufs)?));
         Ok(rows)
     }
+}
+
+/// lab.wgsl's lab_read of `src`'s first `n16` 16-byte words (`dst` its never-written output).
+fn lab_read(ctx: &super::device::Ctx, src: &::wgpu::Buffer, dst: &::wgpu::Buffer, n16: usize) {
+    ctx.dispatch(
+        &SHADER,
+        "lab_read",
+        &[n16 as u32, 0x1234_5678, 0, 0],
+        &[src, dst],
+        n16.div_ceil(1024) as u32,
+    );
 }
 
 /// Median seconds a call of `f(i)`, i in 0..calls a pass, after a warm-up pass (case "gemm"

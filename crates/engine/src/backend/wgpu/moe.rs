@@ -493,10 +493,13 @@ pub fn xq_takes(ctx: &Ctx, hid: usize, width: usize, k: usize) -> (bool, bool) {
     (gate, down)
 }
 
+/// The most routed slots moe_down_y takes (moe_xq.wgsl DY_K: its straight-line loads).
+const DOWN_Y_K: usize = 8;
+
 /// moe_down_y's lanes a team (one a code word of a row of down) where it takes the block after
 /// moe_gate_up_x or _y (whose epilogue stages act): `LILY_WGPU_MOE_XQ` 3 or 4, 4-bit down
 /// (the shared expert's the same, `shared_slot_ok`) whose rows are 1 to 256 code words, a power
-/// of two, and at most moe_xq.wgsl's DY_K routed slots.
+/// of two, and at most DOWN_Y_K routed slots.
 fn down_y_lanes(ctx: &Ctx, width: usize, bits: u32, k: usize) -> Option<usize> {
     let words = width / 32;
     (ctx.sw.moe_xq.load(std::sync::atomic::Ordering::Relaxed) >= 3
@@ -504,7 +507,7 @@ fn down_y_lanes(ctx: &Ctx, width: usize, bits: u32, k: usize) -> Option<usize> {
         && width.is_multiple_of(32)
         && words.is_power_of_two()
         && words <= 256
-        && (1..=8).contains(&k))
+        && (1..=DOWN_Y_K).contains(&k))
     .then_some(words)
 }
 

@@ -219,6 +219,26 @@ fn gx_route(t: u32, li: u32, sg: u32, lsg: u32, write: bool) {
     }
 }
 
+// A gate|up workgroup's place (moe_gate_up_x, moe_gate_up_y; uniform: the workgroup index
+// alone): its slot of the (k + 1) · rows, token t, slot js of it (slot k the shared expert: sh,
+// uniform over the workgroup as every branch on it), the first of its 32 outputs, and whether
+// it is the slot's first workgroup.
+struct GxAt {
+    slot: u32,
+    t: u32,
+    js: u32,
+    sh: bool,
+    ob: u32,
+    first: bool,
+}
+
+fn gx_at(wg: u32) -> GxAt {
+    let blocks = p.m.out / 32u;
+    let k1 = p.k + 1u;
+    let slot = wg / blocks;
+    return GxAt(slot, slot / k1, slot % k1, slot % k1 == p.k, (wg % blocks) * 32u, wg % blocks == 0u);
+}
+
 // The expert of slot js of token t (0 for the shared slot, sh, uniform over the workgroup):
 // with p.tiles = 1 every routed slot's workgroup routes the token (gx_route; the first
 // workgroup of slot 0, `first` and js = 0, writes the route), else read from gs_ids. Every
@@ -245,25 +265,22 @@ fn moe_gate_up_x(
 ) {
     let width = p.m.out;
     let hid = p.m.inp;
-    let blocks = width / 32u;
-    let wg = wg_index(wid);
-    let k1 = p.k + 1u;
-    let slot = wg / blocks;
-    if (slot >= p.rows * k1) {
+    let a = gx_at(wg_index(wid));
+    if (a.slot >= p.rows * (p.k + 1u)) {
         return;
     }
     if (li == 0u) {
         rw_sg = sg_size;
     }
     let sg = workgroupUniformLoad(&rw_sg);
-    let t = slot / k1;
-    let js = slot % k1;
-    // Slot k is the shared expert (uniform over the workgroup, as every branch on sh below).
-    let sh = js == p.k;
+    let slot = a.slot;
+    let t = a.t;
+    let js = a.js;
+    let sh = a.sh;
+    let ob = a.ob;
     let T = p.outs;
     let R = T / 8u;
     let lane = li % T;
-    let ob = (wg % blocks) * 32u;
     let o0 = ob + (li / T) * R;
     let bits = p.m.bits;
     let epw = 128u / bits;
@@ -271,7 +288,7 @@ fn moe_gate_up_x(
     let xb = t * (5u * (hid / 32u) + 3u * (hid / 16u));
     // x's first words go out before the route (they do not depend on the expert).
     let x0 = gx_xword(xb, min(lane, wpr - 1u), hid, bits);
-    let e = gx_expert(t, js, sh, li, sg, lane_sg, wg % blocks == 0u);
+    let e = gx_expert(t, js, sh, li, sg, lane_sg, a.first);
     // The team's rows (past R: the last, not summed).
     let r0 = e * width + o0;
     let r1 = e * width + o0 + min(1u, R - 1u);
@@ -346,31 +363,29 @@ fn moe_gate_up_y(
 ) {
     let width = p.m.out;
     let hid = p.m.inp;
-    let blocks = width / 32u;
-    let wg = wg_index(wid);
-    let k1 = p.k + 1u;
-    let slot = wg / blocks;
-    if (slot >= p.rows * k1) {
+    let a = gx_at(wg_index(wid));
+    if (a.slot >= p.rows * (p.k + 1u)) {
         return;
     }
     if (li == 0u) {
         rw_sg = sg_size;
     }
     let sg = workgroupUniformLoad(&rw_sg);
-    let t = slot / k1;
-    let js = slot % k1;
-    let sh = js == p.k;
+    let slot = a.slot;
+    let t = a.t;
+    let js = a.js;
+    let sh = a.sh;
+    let ob = a.ob;
     let T = p.outs;
     let R = T / 8u;
     let lane = li % T;
-    let ob = (wg % blocks) * 32u;
     let o0 = ob + (li / T) * R;
     let wpr = hid / 32u;
     let c = 2u * lane;
     let xb = t * (5u * (hid / 32u) + 3u * (hid / 16u));
     let xa = gx_xword(xb, c, hid, 4u);
     let xc = gx_xword(xb, c + 1u, hid, 4u);
-    let e = gx_expert(t, js, sh, li, sg, lane_sg, wg % blocks == 0u);
+    let e = gx_expert(t, js, sh, li, sg, lane_sg, a.first);
     // The team's rows (past R: the last again, not kept).
     let r0 = e * width + o0;
     let r1 = e * width + o0 + min(1u, R - 1u);
