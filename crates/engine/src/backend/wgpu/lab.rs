@@ -50,6 +50,8 @@ pub const CASES: &[&str] = &[
 pub const MAX_CALLS: usize = 200;
 /// Timed passes a row; the median is reported.
 pub const REPS: usize = 7;
+/// Seconds of a row's own calls run before its timed passes (`lab_median`).
+pub const WARM_S: f64 = 0.3;
 
 /// One measured row.
 pub struct LabRow {
@@ -262,19 +264,8 @@ impl Wgpu {
             ctx.sw.q6_min_kb.load(Ordering::Relaxed),
         );
         let mut rows = Vec::new();
-        let median = |mut v: Vec<f64>| {
-            v.sort_by(f64::total_cmp);
-            v[v.len() / 2]
-        };
-        // Median seconds a call of `f(i)` for i in 0..calls, one pass each rep, after a warm-up.
-        let time = |f: &dyn Fn(usize)| -> Result<f64> {
-            ctx.time_pass(|| (0..calls).for_each(f))?;
-            let mut v = Vec::with_capacity(REPS);
-            for _ in 0..REPS {
-                v.push(ctx.time_pass(|| (0..calls).for_each(f))? / calls as f64);
-            }
-            Ok(median(v))
-        };
+        // Median seconds a call of `f(i)` for i in 0..calls (lab_median).
+        let time = |f: &dyn Fn(usize)| lab_median(ctx, calls, f);
         let dst = self.lab_buf(&[0.0; 64])?;
         let src = self.lab_buf(&[0.0; 4])?;
         // A pure read of `bytes` per call, over copies making a `cycle`.
@@ -716,6 +707,10 @@ impl Wgpu {
                 seqs.push(("route/2 xq-ydown".into(), 2, true, 3, "32,16,2"));
                 seqs.push(("shared/2 xq-y".into(), 2, true, 4, "32,16,2"));
                 seqs.push(("route/2 xq-y".into(), 2, true, 4, "32,16,2"));
+                // The y pair then the x pair on the next route, each call: against the two rows
+                // above, whether a kernel pays for the other's code and data between its calls
+                // (as in a decode step, where 8 other kernels run between two MoE blocks).
+                seqs.push(("route/2 xq-y+x".into(), 4, true, 4, "32,16,2"));
                 if !spread.is_empty() {
                     seqs.push((
                         format!("route/2 xq-y ×{}", spread.len() + 1),
@@ -762,6 +757,24 @@ impl Wgpu {
                             l,
                             staged.as_ref(),
                         );
+                        if name.ends_with("+x") {
+                            let j = (i + 1) % nroutes;
+                            ctx.sw.moe_xq.store(2, Ordering::Relaxed);
+                            super::moe::moe_decode_shared(
+                                ctx,
+                                &x,
+                                &routes[j],
+                                gate,
+                                up,
+                                down,
+                                &sh,
+                                &d,
+                                &mut h,
+                                Some(&logits[j]),
+                                staged.as_ref(),
+                            );
+                            ctx.sw.moe_xq.store(xq_mode, Ordering::Relaxed);
+                        }
                         return;
                     }
                     if with_route {
@@ -795,18 +808,14 @@ impl Wgpu {
                         om,
                     );
                 };
-                ctx.time_pass(|| (0..n).for_each(call))?;
-                let mut v = Vec::with_capacity(REPS);
-                for _ in 0..REPS {
-                    v.push(ctx.time_pass(|| (0..n).for_each(call))? / n as f64);
-                }
+                let op_s = lab_median(ctx, n, &call)?;
                 let row = LabRow {
                     case: "experts",
                     variant: format!("top-{} {name}", d.top_k),
                     bytes: bytes_sh,
                     copies: nroutes,
                     calls: n,
-                    op_s: median(v),
+                    op_s,
                     read_s: Some(read_s),
                     check: None,
                 };
@@ -964,16 +973,69 @@ fn lab_read(ctx: &super::device::Ctx, src: &::wgpu::Buffer, dst: &::wgpu::Buffer
     );
 }
 
-/// Median seconds a call of `f(i)`, i in 0..calls a pass, after a warm-up pass (case "gemm"
-/// and "moe_mm").
-fn lab_median(ctx: &super::device::Ctx, calls: usize, f: &dyn Fn(usize)) -> Result<f64> {
-    ctx.time_pass(|| (0..calls).for_each(f))?;
+/// Median seconds a call of `f(i)`, i in 0..calls a pass, after `WARM_S` of warm-up passes.
+///
+/// The warm-up is what keeps the clock up: on the H200 the SM clock falls from 1,980 to 345 MHz
+/// within ~0.2 s of a mostly idle GPU (stop 35, nvidia-smi every 50 ms: while the lab built the
+/// next case's copies on the host) and a row's few milliseconds of timed passes do not bring it
+/// back, so since stop 31 rows timed after a pause read 2.5x slower (the "slow state": a 256 MB
+/// read 143 µs against 58). Decode keeps the GPU busy and ran at 1,980 MHz throughout.
+///
+/// `LILY_LAB_BETWEEN_MB=N`: a pure read of N MB (over two copies) after every call, its own
+/// median time taken off: the call as a decode step meets it, its small inputs and its code
+/// pushed out of L2 by other work, not warm from the call before.
+pub(super) fn lab_median(ctx: &super::device::Ctx, calls: usize, f: &dyn Fn(usize)) -> Result<f64> {
+    let between = lab_between(ctx)?;
+    let fill = |i: usize| {
+        if let Some((bufs, _)) = between {
+            lab_read(ctx, &bufs[i % 2], &bufs[2], (bufs[0].size() / 16) as usize);
+        }
+    };
+    let t0 = std::time::Instant::now();
+    while t0.elapsed().as_secs_f64() < WARM_S {
+        ctx.time_pass(|| (0..calls).for_each(|i| (f(i), fill(i)).1))?;
+    }
     let mut v = Vec::with_capacity(REPS);
     for _ in 0..REPS {
-        v.push(ctx.time_pass(|| (0..calls).for_each(f))? / calls as f64);
+        v.push(ctx.time_pass(|| (0..calls).for_each(|i| (f(i), fill(i)).1))? / calls as f64);
     }
     v.sort_by(f64::total_cmp);
-    Ok(v[v.len() / 2])
+    Ok(v[v.len() / 2] - between.map_or(0.0, |b| b.1))
+}
+
+/// `LILY_LAB_BETWEEN_MB`'s two copies and sink, and the median seconds of its read alone (made
+/// and measured once a process; `None` when unset).
+fn lab_between(ctx: &super::device::Ctx) -> Result<Option<&'static ([::wgpu::Buffer; 3], f64)>> {
+    static B: std::sync::OnceLock<Option<([::wgpu::Buffer; 3], f64)>> = std::sync::OnceLock::new();
+    if let Some(b) = B.get() {
+        return Ok(b.as_ref());
+    }
+    let mb: u64 = match std::env::var("LILY_LAB_BETWEEN_MB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        Some(mb) if mb > 0 => mb,
+        _ => return Ok(B.get_or_init(|| None).as_ref()),
+    };
+    let bytes = (mb << 20).min(ctx.report.max_binding / 16 * 16);
+    let bufs = [ctx.buffer(bytes)?, ctx.buffer(bytes)?, ctx.buffer(64)?];
+    let n16 = (bytes / 16) as usize;
+    let one = |i: usize| lab_read(ctx, &bufs[i % 2], &bufs[2], n16);
+    let t0 = std::time::Instant::now();
+    while t0.elapsed().as_secs_f64() < WARM_S {
+        ctx.time_pass(|| (0..64).for_each(one))?;
+    }
+    let mut v = Vec::with_capacity(REPS);
+    for _ in 0..REPS {
+        v.push(ctx.time_pass(|| (0..64).for_each(one))? / 64.0);
+    }
+    v.sort_by(f64::total_cmp);
+    let s = v[v.len() / 2];
+    eprintln!(
+        "lab: between calls a {mb} MB read, {:.2} µs alone, taken off every row",
+        1e6 * s
+    );
+    Ok(B.get_or_init(|| Some((bufs, s))).as_ref())
 }
 
 /// Reads `n` f32 values back (case "gemm" and "moe_mm").
