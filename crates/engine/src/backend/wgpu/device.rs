@@ -52,20 +52,6 @@ pub struct Shader {
     pub src: &'static str,
 }
 
-/// prefetch.wgsl's prefetch_w (`Ctx::prefetch_hint`).
-pub const PREFETCH_SHADER: Shader = Shader {
-    name: "prefetch",
-    src: concat!(
-        include_str!("shaders/common.wgsl"),
-        include_str!("shaders/prefetch.wgsl")
-    ),
-};
-/// Weight buffers one prefetch_w launch reads (its bindings 1-12).
-const PREFETCH_BUFS: usize = 12;
-/// Bytes a prefetch hint may ask for: a quarter of the H200's 60 MB L2, so that what it reads
-/// is still there when its GEMV runs (the lm_head's 286 MB is not asked for).
-const PREFETCH_MAX: u64 = 16 << 20;
-
 /// Every WGSL file of the backend (the naga check translates each of them).
 pub fn shaders() -> Vec<Shader> {
     vec![
@@ -88,7 +74,6 @@ pub fn shaders() -> Vec<Shader> {
         super::moe::XQ_SHADER,
         super::output::SHADER,
         super::lab::SHADER,
-        PREFETCH_SHADER,
         SG_PROBE,
     ]
 }
@@ -179,9 +164,6 @@ pub(super) enum Item {
         dof: u64,
         bytes: u64,
     },
-    /// Weights the next GEMV reads (`Ctx::prefetch_hint`): `end_record` makes it a prefetch_w
-    /// dispatch (or drops it); a replay never sees one.
-    Prefetch(Vec<::wgpu::Buffer>),
 }
 
 /// The encoder being recorded: its open compute pass, dispatches since the last submission,
@@ -355,13 +337,6 @@ pub(super) struct Switches {
     /// the 8 × 8 ones measure faster). Atomic so that tests and `lily lab` compare both in one
     /// process.
     pub moe_mm8: std::sync::atomic::AtomicBool,
-    /// `LILY_WGPU_PREFETCH`: in a replayed decode step, each GEMV's weights (under
-    /// `PREFETCH_MAX` bytes: not the lm_head) and the shared expert's read into L2 by a
-    /// prefetch_w launch that runs beside the kernel before them (prefetch.wgsl). `1`: the
-    /// launch where the GEMV's op begins (beside the kernel that makes its input, or its x's
-    /// staging); `2`: one launch earlier; `0`: none. Read when a step is recorded; atomic so
-    /// that tests compare them in one process (`Wgpu::set_prefetch`).
-    pub prefetch: AtomicU32,
 }
 
 impl Switches {
@@ -437,11 +412,6 @@ impl Switches {
             moe_mm8: std::sync::atomic::AtomicBool::new(
                 std::env::var("LILY_WGPU_MOE_MM").as_deref() == Ok("mm8"),
             ),
-            prefetch: AtomicU32::new(match std::env::var("LILY_WGPU_PREFETCH").as_deref() {
-                Ok("1") => 1,
-                Ok("2") => 2,
-                _ => 0,
-            }),
         }
     }
 }
@@ -1179,108 +1149,9 @@ impl Ctx {
         *self.rec.lock().unwrap() = Some(Vec::new());
     }
 
-    /// The ops recorded since `begin_record`, each prefetch hint made a prefetch_w dispatch
-    /// where `Switches::prefetch` places it.
+    /// The ops recorded since `begin_record`.
     pub fn end_record(&self) -> Vec<Item> {
-        let items = self.rec.lock().unwrap().take().unwrap_or_default();
-        let mode = self.sw.prefetch.load(Ordering::Relaxed);
-        let mut out: Vec<Item> = Vec::with_capacity(items.len() + items.len() / 2);
-        for it in items {
-            let Item::Prefetch(bufs) = it else {
-                out.push(it);
-                continue;
-            };
-            // Mode 2: before the last dispatch so far (beside the one before it).
-            let at = match mode {
-                2 => out
-                    .iter()
-                    .rposition(|i| matches!(i, Item::Dispatch { .. }))
-                    .unwrap_or(out.len()),
-                _ => out.len(),
-            };
-            for p in bufs.chunks(PREFETCH_BUFS).map(|c| self.prefetch_item(c)) {
-                out.insert(at, p);
-            }
-        }
-        out
-    }
-
-    /// Asks a recorded step to read `bufs` (weights no kernel writes) into L2 beside the kernel
-    /// recorded last (`Switches::prefetch`; nothing when off, when not recording, or past
-    /// `PREFETCH_MAX` bytes in all).
-    pub fn prefetch_hint(&self, bufs: &[&::wgpu::Buffer]) {
-        if self.sw.prefetch.load(Ordering::Relaxed) == 0
-            || bufs.iter().map(|b| b.size()).sum::<u64>() > PREFETCH_MAX
-        {
-            return;
-        }
-        if let Some(items) = self.rec.lock().unwrap().as_mut() {
-            // (A dense matrix's 4-byte scale and bias placeholders are not bound: a binding of
-            // vec4s is 16 bytes at least.)
-            let big = bufs.iter().filter(|b| b.size() >= 16).map(|&b| b.clone());
-            items.push(Item::Prefetch(big.collect()));
-        }
-    }
-
-    /// A prefetch_w dispatch of up to `PREFETCH_BUFS` buffers, with its own parameters and its
-    /// own sink (a sink shared by two launches would put a barrier between them).
-    fn prefetch_item(&self, bufs: &[::wgpu::Buffer]) -> Item {
-        let entry = "prefetch_w";
-        let pipe = self.pipeline(&PREFETCH_SHADER, entry);
-        let mut words = [0u32; 28];
-        let mut groups = 0u32;
-        for (i, b) in bufs.iter().enumerate() {
-            let n16 = (b.size() / 16) as u32;
-            words[i] = groups;
-            words[12 + i] = n16;
-            groups += n16.div_ceil(1024);
-        }
-        words[24] = bufs.len() as u32;
-        words[25] = 0x9e37_79b9;
-        let ub = self
-            .device
-            .create_buffer_init(&::wgpu::util::BufferInitDescriptor {
-                label: Some(entry),
-                contents: as_bytes(&words),
-                usage: ::wgpu::BufferUsages::UNIFORM,
-            });
-        let sink = self.device.create_buffer(&::wgpu::BufferDescriptor {
-            label: Some("prefetch sink"),
-            size: 1024,
-            usage: storage_usage(),
-            mapped_at_creation: false,
-        });
-        let mut entries = vec![::wgpu::BindGroupEntry {
-            binding: 0,
-            resource: ub.as_entire_binding(),
-        }];
-        for i in 0..PREFETCH_BUFS {
-            entries.push(::wgpu::BindGroupEntry {
-                binding: i as u32 + 1,
-                resource: bufs.get(i).unwrap_or(&self.spare[0]).as_entire_binding(),
-            });
-        }
-        entries.push(::wgpu::BindGroupEntry {
-            binding: PREFETCH_BUFS as u32 + 1,
-            resource: sink.as_entire_binding(),
-        });
-        let bg = self.device.create_bind_group(&::wgpu::BindGroupDescriptor {
-            label: None,
-            layout: &pipe.get_bind_group_layout(0),
-            entries: &entries,
-        });
-        let (gx, gy) = if groups <= 65535 {
-            (groups.max(1), 1)
-        } else {
-            (65535, groups.div_ceil(65535))
-        };
-        Item::Dispatch {
-            entry,
-            pipe,
-            bg,
-            gx,
-            gy,
-        }
+        self.rec.lock().unwrap().take().unwrap_or_default()
     }
 
     /// Encodes a recorded step again: its dispatches with their own parameters and bind groups,
@@ -1319,7 +1190,6 @@ impl Ctx {
                     1
                 }
             }
-            Item::Prefetch(_) => 0,
             _ => 1,
         }
     }
@@ -1340,7 +1210,6 @@ impl Ctx {
                 dof,
                 bytes,
             } => copy_into(open, src, *so, dst, *dof, *bytes),
-            Item::Prefetch(_) => {}
         }
     }
 

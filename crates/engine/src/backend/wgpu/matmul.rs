@@ -554,10 +554,6 @@ pub fn gemv_many_xq(
     }
     bufs.extend([aux, xn, r, s]);
     if q6 {
-        // The weights read into L2 beside the kernel before this op's launches (a replayed step
-        // with `LILY_WGPU_PREFETCH`).
-        let wb: Vec<&::wgpu::Buffer> = ws.iter().flat_map(|w| [&w.w, &w.s, &w.b]).collect();
-        ctx.prefetch_hint(&wb);
         let inp = ws[0].inp;
         let staged;
         let xq = if let XIn::Staged { xq } = &xin {

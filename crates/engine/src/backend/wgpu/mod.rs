@@ -220,18 +220,6 @@ impl Wgpu {
     pub fn trace_end(&self) -> Result<crate::backend::trace::Traced> {
         self.ctx.trace_end()
     }
-    /// `Switches::prefetch` (0 off, 1, 2) from now on; the steps recorded so far are dropped
-    /// (they hold the old placement), so the next ones are recorded again.
-    pub fn set_prefetch(&self, mode: u32) {
-        self.ctx
-            .sw
-            .prefetch
-            .store(mode, std::sync::atomic::Ordering::Relaxed);
-        let mut r = self.records.lock().unwrap_or_else(|e| e.into_inner());
-        r.recs.clear();
-        r.seen.clear();
-        r.ahead = None;
-    }
     /// Leaves the kernels whose entry points start with these prefixes out of replayed steps
     /// (`lily bench --in-place`: the step's time without them; the tokens are garbage).
     pub fn set_skip(&self, prefixes: &[&str]) {

@@ -587,10 +587,6 @@ pub fn moe_decode_shared(
             (Ok(s), Ok(a)) => (s, a),
             (Err(e), _) | (_, Err(e)) => return ctx.fail(format!("moe_decode_shared: {e:#}")),
         };
-        // The shared expert's weights read into L2 beside the router's launch.
-        ctx.prefetch_hint(&[
-            &sg.w, &sg.s, &sg.b, &su.w, &su.s, &su.b, &sd.w, &sd.s, &sd.b,
-        ]);
         // moe_gate_up_y where it takes the block (its team: hidden / 64 lanes), else
         // moe_gate_up_x in the shape's team.
         let gy = gate_y_lanes(ctx, hid, gate, up);
