@@ -48,11 +48,8 @@ fn fusable(g: &Wgpu) -> bool {
     r.storage_buffers >= 17 && r.workgroup_storage >= 20 * 1024
 }
 
-/// The fused block's kernel sets the tests run (`LILY_WGPU_MOE_XQ`, `LILY_WGPU_MOE_XQ_SHAPE`;
-/// 5: mode 4 with `LILY_WGPU_MOE_XF32`, no x staged: the router by gemv_rw, moe_gate_up_y
-/// quantizing the normed x itself).
-const XQ_MODES: [(u32, &str); 8] = [
-    (5, "32,16,2"),
+/// The fused block's kernel sets the tests run (`LILY_WGPU_MOE_XQ`, `LILY_WGPU_MOE_XQ_SHAPE`).
+const XQ_MODES: [(u32, &str); 7] = [
     (4, "32,16,2"),
     (3, "32,16,2"),
     (2, "32,16,2"),
@@ -63,8 +60,7 @@ const XQ_MODES: [(u32, &str); 8] = [
 ];
 
 fn set_xq(g: &Wgpu, mode: u32, shape: &str) {
-    g.set_moe_xf32(mode == 5);
-    g.set_moe_xq(mode.min(4));
+    g.set_moe_xq(mode);
     assert!(g.set_moe_xq_shape(shape), "moe_xq shape {shape}");
     eprintln!("moe_xq mode {mode} shape {shape}");
 }
@@ -333,13 +329,9 @@ fn step_case(
         "{what}: the unfused sequence's launches"
     );
     // moe_gate_up_x reads the router's staging of x, or stages x itself (one launch more)
-    // where the router's GEMV ran without one; without x staged (LILY_WGPU_MOE_XF32) the
-    // router is one launch of gemv_rw.
+    // where the router's GEMV ran without one.
     let xq = g.moe_xq_takes(hid, width, d.top_k).0;
-    let xf32 = takes && fusable(g) && g.moe_xf32_takes(d, gm[0], gm[1]);
-    let expect = if xf32 {
-        3
-    } else if takes && fusable(g) {
+    let expect = if takes && fusable(g) {
         2 + r + (xq && r == 1) as u64
     } else {
         unfused
@@ -349,38 +341,22 @@ fn step_case(
         "{what}: the fused sequence's launches"
     );
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    if xf32 {
-        // Another router kernel (x in f32, its own sum of squares): x within rounding of the
-        // norm's, the logits within the staged x's error (Q2X_TOL), so the route may differ
-        // from the unfused one's at a near tie; it is held to the CPU's route below.
-        check(
-            &format!("moe_step_add {what} (x, f32 router)"),
-            rel_rows(&fused.x, &comp.x, hid),
-            1e-6,
-        );
-        check(
-            &format!("moe_step_add {what} (logits, f32 router)"),
-            rel_rows(&fused.logits, &comp.logits, d.n_experts),
-            Q2X_TOL,
-        );
-    } else {
-        assert_eq!(bits(&fused.x), bits(&comp.x), "{what}: x differs");
-        assert_eq!(
-            bits(&fused.logits),
-            bits(&comp.logits),
-            "{what}: the logits differ"
-        );
-        assert_eq!(fused.s.to_bits(), comp.s.to_bits(), "{what}: s differs");
-        assert_eq!(
-            fused.ids, comp.ids,
-            "{what}: route ids differ from moe_route's"
-        );
-        assert_eq!(
-            bits(&fused.w),
-            bits(&comp.w),
-            "{what}: route weights differ from moe_route's"
-        );
-    }
+    assert_eq!(bits(&fused.x), bits(&comp.x), "{what}: x differs");
+    assert_eq!(
+        bits(&fused.logits),
+        bits(&comp.logits),
+        "{what}: the logits differ"
+    );
+    assert_eq!(fused.s.to_bits(), comp.s.to_bits(), "{what}: s differs");
+    assert_eq!(
+        fused.ids, comp.ids,
+        "{what}: route ids differ from moe_route's"
+    );
+    assert_eq!(
+        bits(&fused.w),
+        bits(&comp.w),
+        "{what}: route weights differ from moe_route's"
+    );
     // Against the CPU, on the device's x, logits and shared logit.
     let mut cl = vec![0f32; d.n_experts];
     Cpu.matmul_q(&fused.x, router, 1, &mut cl);
@@ -442,10 +418,8 @@ fn decode_case(
         for fuse in [true, false] {
             let (got, launches) = gpu_decode(g, fuse, &x, &gr, gm, logit, d);
             let unfused = 2 + g.gemv_launches(&[gm[3], gm[4]]) + g.gemv_launches(&[gm[5]]);
-            // moe_gate_up_x stages x first (q2x_stage: moe_decode_add has no router), unless
-            // moe_gate_up_y quantizes x itself (LILY_WGPU_MOE_XF32).
-            let xq = g.moe_xq_takes(d.hidden, g.mat_shape(gm[0]).0, d.top_k).0
-                && !g.moe_xf32_takes(d, gm[0], gm[1]);
+            // moe_gate_up_x stages x first (q2x_stage: moe_decode_add has no router).
+            let xq = g.moe_xq_takes(d.hidden, g.mat_shape(gm[0]).0, d.top_k).0;
             let expect = if fuse && takes && fusable(g) {
                 2 + xq as u64
             } else {

@@ -337,12 +337,6 @@ pub(super) struct Switches {
     /// the 8 × 8 ones measure faster). Atomic so that tests and `lily lab` compare both in one
     /// process.
     pub moe_mm8: std::sync::atomic::AtomicBool,
-    /// `LILY_WGPU_MOE_XF32=1`: a decode token's MoE block without x staged: the router's
-    /// launch by gemv_rw (x read in f32, the norm applied, the normed row written) and
-    /// moe_gate_up_y quantizing its lanes' words of that row itself (moe_xq.wgsl gx_xf32), one
-    /// launch fewer a layer, where moe_gate_up_y takes the block (moe.rs `xf32_takes`). Atomic
-    /// so that tests and `lily lab` compare both in one process.
-    pub moe_xf32: std::sync::atomic::AtomicBool,
 }
 
 impl Switches {
@@ -417,9 +411,6 @@ impl Switches {
             ),
             moe_mm8: std::sync::atomic::AtomicBool::new(
                 std::env::var("LILY_WGPU_MOE_MM").as_deref() == Ok("mm8"),
-            ),
-            moe_xf32: std::sync::atomic::AtomicBool::new(
-                std::env::var("LILY_WGPU_MOE_XF32").as_deref() == Ok("1"),
             ),
         }
     }

@@ -711,9 +711,6 @@ impl Wgpu {
                 // above, whether a kernel pays for the other's code and data between its calls
                 // (as in a decode step, where 8 other kernels run between two MoE blocks).
                 seqs.push(("route/2 xq-y+x".into(), 4, true, 4, "32,16,2"));
-                // moe_gate_up_y quantizing x itself from f32 (LILY_WGPU_MOE_XF32): what the
-                // in-lane staging costs it (in a step it saves the router's q2x_stage).
-                seqs.push(("route/2 xq-y f32".into(), 2, true, 4, "32,16,2"));
                 if !spread.is_empty() {
                     seqs.push((
                         format!("route/2 xq-y ×{}", spread.len() + 1),
@@ -734,8 +731,6 @@ impl Wgpu {
                     continue;
                 }
                 let n = calls.min(255 / launches);
-                let xf32 = name.ends_with("f32");
-                let old_xf32 = ctx.sw.moe_xf32.swap(xf32, Ordering::Relaxed);
                 let call = |i: usize| {
                     let r = &routes[i % nroutes];
                     let mut h = clone(&hbuf);
@@ -760,7 +755,7 @@ impl Wgpu {
                             &d,
                             &mut h,
                             l,
-                            staged.as_ref().filter(|_| !xf32),
+                            staged.as_ref(),
                         );
                         if name.ends_with("+x") {
                             let j = (i + 1) % nroutes;
@@ -813,9 +808,7 @@ impl Wgpu {
                         om,
                     );
                 };
-                let op_s = lab_median(ctx, n, &call);
-                ctx.sw.moe_xf32.store(old_xf32, Ordering::Relaxed);
-                let op_s = op_s?;
+                let op_s = lab_median(ctx, n, &call)?;
                 let row = LabRow {
                     case: "experts",
                     variant: format!("top-{} {name}", d.top_k),

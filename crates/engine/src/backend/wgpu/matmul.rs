@@ -443,24 +443,6 @@ pub fn gemv_many_xq(
     xin: XIn,
     omode: OutMode,
 ) -> Option<::wgpu::Buffer> {
-    let code = ctx.sw.gemv.load(Ordering::Relaxed);
-    gemv_many_code(ctx, code, x, ws, e, rows, outs, xin, omode)
-}
-
-/// `gemv_many_xq` with the decode GEMV given by its `Switches::gemv` code (2: gemv_rw with 2
-/// rows a team, the MoE block's router under `LILY_WGPU_MOE_XF32`) instead of the switch's.
-#[allow(clippy::too_many_arguments)]
-pub fn gemv_many_code(
-    ctx: &Ctx,
-    code: u32,
-    x: &WBuf,
-    ws: &[&WMat],
-    e: usize,
-    rows: usize,
-    outs: &mut [&mut WBuf],
-    xin: XIn,
-    omode: OutMode,
-) -> Option<::wgpu::Buffer> {
     debug_assert!(!ws.is_empty() && ws.len() <= 4 && ws.len() == outs.len());
     // Unused bindings take the device's spare buffers: outputs 1-3, then aux, xn, r, s.
     let dummies = &ctx.spare;
@@ -472,7 +454,7 @@ pub fn gemv_many_code(
     let sgw = ctx.report.subgroup_min as usize;
     let fixed = ctx.report.subgroups && ctx.report.subgroup_min == ctx.report.subgroup_max;
     let mut nw = 1usize;
-    let rw = match code {
+    let rw = match ctx.sw.gemv.load(Ordering::Relaxed) {
         8 if fixed => {
             for w in ws {
                 nw = nw.max(
@@ -491,8 +473,8 @@ pub fn gemv_many_code(
         _ => 0,
     };
     // gemv_v5 (16) takes gemv_v4's launch; gemv_q6 (32) where `q6_takes`.
-    let q6 = code == 32 && q6_takes(ctx, ws);
-    let v5 = code >= 16;
+    let q6 = q6_takes(ctx, ws);
+    let v5 = ctx.sw.gemv.load(Ordering::Relaxed) >= 16;
     let want = ctx.sw.gemv_wgs.load(Ordering::Relaxed);
     let q6_want = ctx.sw.q6_wgs.load(Ordering::Relaxed);
     for i in 0..4 {

@@ -234,18 +234,6 @@ impl Wgpu {
             .moe_xq
             .store(mode, std::sync::atomic::Ordering::Relaxed);
     }
-    /// `LILY_WGPU_MOE_XF32` from now on (tests compare both).
-    pub fn set_moe_xf32(&self, on: bool) {
-        self.ctx
-            .sw
-            .moe_xf32
-            .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-    /// Whether a decode MoE block of these dims and stacks runs without x staged
-    /// (`LILY_WGPU_MOE_XF32` and moe_gate_up_y taking them; tests count its launches).
-    pub fn moe_xf32_takes(&self, d: &Dims, gate: &WMat, up: &WMat) -> bool {
-        moe::xf32_takes(&self.ctx, d, gate, up)
-    }
     /// moe_xq.wgsl's shape (`LILY_WGPU_MOE_XQ_SHAPE`, "G,D,S"); false if not one.
     pub fn set_moe_xq_shape(&self, shape: &str) -> bool {
         let Some(c) = device::moe_xq_shape_code(shape) else {
@@ -275,7 +263,6 @@ impl Wgpu {
         xn: &mut WBuf,
         ws: &[&WMat],
         outs: &mut [&mut WBuf],
-        code: Option<u32>,
     ) -> Option<::wgpu::Buffer> {
         let fused = self.ctx.sw.fuse_norm
             && ws.len() <= 4
@@ -290,11 +277,7 @@ impl Wgpu {
             return None;
         }
         let xin = XIn::Norm { w, eps, xn };
-        let code = match code {
-            Some(c) if self.ctx.report.subgroups => c,
-            _ => self.ctx.sw.gemv.load(std::sync::atomic::Ordering::Relaxed),
-        };
-        matmul::gemv_many_code(&self.ctx, code, h, ws, 0, rows, outs, xin, OutMode::Store)
+        matmul::gemv_many_xq(&self.ctx, h, ws, 0, rows, outs, xin, OutMode::Store)
     }
     /// Dispatches encoded so far (op by op, not replays): tests count an op's launches.
     pub fn dispatches(&self) -> u64 {
@@ -619,7 +602,7 @@ impl Backend for Wgpu {
         ws: &[&WMat],
         outs: &mut [&mut WBuf],
     ) {
-        self.rms_norm_matmul_xq(h, w, rows, dim, eps, xn, ws, outs, None);
+        self.rms_norm_matmul_xq(h, w, rows, dim, eps, xn, ws, outs);
     }
     /// The residual add in the projection's epilogue (`h += acc`, unrounded).
     fn matmul_q_add(&self, x: &WBuf, w: &WMat, rows: usize, r: &mut WBuf, h: &mut WBuf) {
@@ -822,10 +805,7 @@ impl Backend for Wgpu {
             return super::moe_step_compose(self, h, norm, eps, w, d, r, tmp);
         }
         // The router's launch stages the normed x (q2x_stage) where gemv_q6 runs it:
-        // moe_gate_up_x reads that staging. With LILY_WGPU_MOE_XF32 (where moe_gate_up_y takes
-        // the block) it is gemv_rw's (2 rows a team), which stages nothing: moe_gate_up_y
-        // quantizes the normed x it writes.
-        let xf32 = moe::xf32_takes(&self.ctx, d, w.gate, w.up);
+        // moe_gate_up_x reads that staging.
         let xq = self.rms_norm_matmul_xq(
             h,
             norm,
@@ -835,7 +815,6 @@ impl Backend for Wgpu {
             r.xn,
             &[w.router, w.shared_gate],
             &mut [&mut *r.logits, &mut *r.s],
-            xf32.then_some(2),
         );
         let shared = SharedExpert {
             gate: w.shared_gate_proj,

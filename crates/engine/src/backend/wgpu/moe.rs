@@ -493,15 +493,6 @@ pub fn xq_takes(ctx: &Ctx, hid: usize, width: usize, k: usize) -> (bool, bool) {
     (gate, down)
 }
 
-/// Whether a decode token's MoE block runs without x staged (`Switches::moe_xf32`: the router
-/// by gemv_rw, moe_gate_up_y quantizing the normed x itself): the switch, moe_xq.wgsl's kernels
-/// and moe_gate_up_y taking these stacks.
-pub fn xf32_takes(ctx: &Ctx, d: &Dims, gate: &WMat, up: &WMat) -> bool {
-    ctx.sw.moe_xf32.load(std::sync::atomic::Ordering::Relaxed)
-        && xq_takes(ctx, gate.inp, gate.out, d.top_k).0
-        && gate_y_lanes(ctx, gate.inp, gate, up).is_some()
-}
-
 /// The most routed slots moe_down_y takes (moe_xq.wgsl DY_K: its straight-line loads).
 const DOWN_Y_K: usize = 8;
 
@@ -587,15 +578,8 @@ pub fn moe_decode_shared(
     let (sg, su, sd) = (sh.gate, sh.up, sh.down);
     let (x_gate, x_down) = xq_takes(ctx, hid, width, k);
     if x_gate {
-        let gy = gate_y_lanes(ctx, hid, gate, up);
-        // No staging given: moe_gate_up_y quantizes x itself under LILY_WGPU_MOE_XF32 (p.cw =
-        // 1, x in f32 at the staging's binding), else q2x_stage stages it first.
-        let xf32 = xq.is_none()
-            && gy.is_some()
-            && ctx.sw.moe_xf32.load(std::sync::atomic::Ordering::Relaxed);
         let staged = match xq {
             Some(b) => Ok(b.clone()),
-            None if xf32 => Ok(x.buf.clone()),
             None => super::matmul::q2x_stage(ctx, x, hid, 1, "moe.xq"),
         };
         let aq = ctx.scratch("moe.aq", (16 * k1 * super::matmul::xq_row(width)) as u64);
@@ -605,6 +589,7 @@ pub fn moe_decode_shared(
         };
         // moe_gate_up_y where it takes the block (its team: hidden / 64 lanes), else
         // moe_gate_up_x in the shape's team.
+        let gy = gate_y_lanes(ctx, hid, gate, up);
         let (entry, lanes) = match gy {
             Some(lanes) => ("moe_gate_up_y", lanes),
             None => {
@@ -623,7 +608,7 @@ pub fn moe_decode_shared(
             n,
             d.norm_topk,
             lanes,
-            xf32 as usize,
+            0,
             route_in,
         );
         ctx.dispatch(

@@ -78,56 +78,6 @@ fn gx_xword(xb: u32, c: u32, inp: u32, bits: u32) -> GxW {
     return r;
 }
 
-// One thread's quarter of a 4-bit word from f32 x (elements 8j .. 8j + 7 as xl, xh), packed as
-// q2x_words packs thread j's u32 of the word (w4), with the quarter's max |x| and Σ x (gx_xf32).
-fn gx_quarter(xl: vec4<f32>, xh: vec4<f32>, inv4: f32) -> vec4<u32> {
-    let lo = q2x_levels(xl * inv4);
-    let hi = q2x_levels(xh * inv4);
-    return vec4<u32>(
-        g5_pack(vec4<f32>(lo[0].x, lo[0].z, hi[0].x, hi[0].z)),
-        g5_pack(vec4<f32>(lo[0].y, lo[0].w, hi[0].y, hi[0].w)),
-        g5_pack(vec4<f32>(lo[1].x, lo[1].z, hi[1].x, hi[1].z)),
-        g5_pack(vec4<f32>(lo[1].y, lo[1].w, hi[1].y, hi[1].w)),
-    );
-}
-
-// Word c (32 elements) of row xr (in vec4s) of x in f32, quantized by this lane alone as
-// q2x_stage's four threads of the word quantize it (q2x_words: the word's max, its Σ x summed
-// in their shuffles' order, the two levels, the nibbles' packing): moe_gate_up_y with p.cw = 1
-// reads the normed x the router's launch wrote, so the MoE block stages no x (one launch
-// fewer a layer).
-fn gx_xf32(xr: u32, c: u32) -> GxW {
-    let b = xr + 8u * c;
-    let v0 = bitcast<vec4<f32>>(gx_x[b]);
-    let v1 = bitcast<vec4<f32>>(gx_x[b + 1u]);
-    let v2 = bitcast<vec4<f32>>(gx_x[b + 2u]);
-    let v3 = bitcast<vec4<f32>>(gx_x[b + 3u]);
-    let v4 = bitcast<vec4<f32>>(gx_x[b + 4u]);
-    let v5 = bitcast<vec4<f32>>(gx_x[b + 5u]);
-    let v6 = bitcast<vec4<f32>>(gx_x[b + 6u]);
-    let v7 = bitcast<vec4<f32>>(gx_x[b + 7u]);
-    let m0 = max(abs(v0), abs(v1));
-    let m1 = max(abs(v2), abs(v3));
-    let m2 = max(abs(v4), abs(v5));
-    let m3 = max(abs(v6), abs(v7));
-    let am = max(max(m0, m1), max(m2, m3));
-    let a32 = max(max(am.x, am.y), max(am.z, am.w));
-    let one = vec4<f32>(1.0);
-    let s32 = (dot(v0 + v1, one) + dot(v2 + v3, one)) + (dot(v4 + v5, one) + dot(v6 + v7, one));
-    let inv4 = select(0.0, 127.0 / a32, a32 > 0.0);
-    let q0 = gx_quarter(v0, v1, inv4);
-    let q1 = gx_quarter(v2, v3, inv4);
-    let q2 = gx_quarter(v4, v5, inv4);
-    let q3 = gx_quarter(v6, v7, inv4);
-    var r: GxW;
-    r.a1 = vec4<u32>(q0.x, q1.x, q2.x, q3.x);
-    r.b1 = vec4<u32>(q0.y, q1.y, q2.y, q3.y);
-    r.a2 = vec4<u32>(q0.z, q1.z, q2.z, q3.z);
-    r.b2 = vec4<u32>(q0.w, q1.w, q2.w, q3.w);
-    r.m = vec4<u32>(bitcast<u32>(a32 / (127.0 * 254.0)), bitcast<u32>(s32), 0u, 0u);
-    return r;
-}
-
 // The same of down's act (aq as moe_gate_up_x staged it).
 fn dx_xword(xb: u32, c: u32, inp: u32, bits: u32) -> GxW {
     var r: GxW;
@@ -433,16 +383,8 @@ fn moe_gate_up_y(
     let wpr = hid / 32u;
     let c = 2u * lane;
     let xb = t * (5u * (hid / 32u) + 3u * (hid / 16u));
-    var xa: GxW;
-    var xc: GxW;
-    if (p.cw == 1u) {
-        // x in f32, each lane quantizing its own two words (gx_xf32).
-        xa = gx_xf32(t * (hid / 4u), c);
-        xc = gx_xf32(t * (hid / 4u), c + 1u);
-    } else {
-        xa = gx_xword(xb, c, hid, 4u);
-        xc = gx_xword(xb, c + 1u, hid, 4u);
-    }
+    let xa = gx_xword(xb, c, hid, 4u);
+    let xc = gx_xword(xb, c + 1u, hid, 4u);
     let e = gx_expert(t, js, sh, li, sg, lane_sg, a.first);
     // The team's rows (past R: the last again, not kept).
     let r0 = e * width + o0;
