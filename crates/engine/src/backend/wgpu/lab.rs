@@ -744,35 +744,26 @@ impl Wgpu {
                             }
                             _ => (&gate, &up, &down),
                         };
-                        super::moe::moe_decode_shared(
-                            ctx,
-                            &x,
-                            r,
-                            gate,
-                            up,
-                            down,
-                            &sh,
-                            &d,
-                            &mut h,
-                            l,
-                            staged.as_ref(),
-                        );
-                        if name.ends_with("+x") {
-                            let j = (i + 1) % nroutes;
-                            ctx.sw.moe_xq.store(2, Ordering::Relaxed);
+                        let mut block = |r: &WRoute, l: Option<&WBuf>| {
                             super::moe::moe_decode_shared(
                                 ctx,
                                 &x,
-                                &routes[j],
+                                r,
                                 gate,
                                 up,
                                 down,
                                 &sh,
                                 &d,
                                 &mut h,
-                                Some(&logits[j]),
+                                l,
                                 staged.as_ref(),
-                            );
+                            )
+                        };
+                        block(r, l);
+                        if name.ends_with("+x") {
+                            let j = (i + 1) % nroutes;
+                            ctx.sw.moe_xq.store(2, Ordering::Relaxed);
+                            block(&routes[j], Some(&logits[j]));
                             ctx.sw.moe_xq.store(xq_mode, Ordering::Relaxed);
                         }
                         return;
@@ -991,16 +982,22 @@ pub(super) fn lab_median(ctx: &super::device::Ctx, calls: usize, f: &dyn Fn(usiz
             lab_read(ctx, &bufs[i % 2], &bufs[2], (bufs[0].size() / 16) as usize);
         }
     };
+    let s = warm_median(ctx, calls, &|i| (f(i), fill(i)).1)?;
+    Ok(s - between.map_or(0.0, |b| b.1))
+}
+
+/// The median of `REPS` timed passes of `calls` calls of `f`, after `WARM_S` of them.
+fn warm_median(ctx: &super::device::Ctx, calls: usize, f: &dyn Fn(usize)) -> Result<f64> {
     let t0 = std::time::Instant::now();
     while t0.elapsed().as_secs_f64() < WARM_S {
-        ctx.time_pass(|| (0..calls).for_each(|i| (f(i), fill(i)).1))?;
+        ctx.time_pass(|| (0..calls).for_each(f))?;
     }
     let mut v = Vec::with_capacity(REPS);
     for _ in 0..REPS {
-        v.push(ctx.time_pass(|| (0..calls).for_each(|i| (f(i), fill(i)).1))? / calls as f64);
+        v.push(ctx.time_pass(|| (0..calls).for_each(f))? / calls as f64);
     }
     v.sort_by(f64::total_cmp);
-    Ok(v[v.len() / 2] - between.map_or(0.0, |b| b.1))
+    Ok(v[v.len() / 2])
 }
 
 /// `LILY_LAB_BETWEEN_MB`'s two copies and sink, and the median seconds of its read alone (made
@@ -1020,17 +1017,7 @@ fn lab_between(ctx: &super::device::Ctx) -> Result<Option<&'static ([::wgpu::Buf
     let bytes = (mb << 20).min(ctx.report.max_binding / 16 * 16);
     let bufs = [ctx.buffer(bytes)?, ctx.buffer(bytes)?, ctx.buffer(64)?];
     let n16 = (bytes / 16) as usize;
-    let one = |i: usize| lab_read(ctx, &bufs[i % 2], &bufs[2], n16);
-    let t0 = std::time::Instant::now();
-    while t0.elapsed().as_secs_f64() < WARM_S {
-        ctx.time_pass(|| (0..64).for_each(one))?;
-    }
-    let mut v = Vec::with_capacity(REPS);
-    for _ in 0..REPS {
-        v.push(ctx.time_pass(|| (0..64).for_each(one))? / 64.0);
-    }
-    v.sort_by(f64::total_cmp);
-    let s = v[v.len() / 2];
+    let s = warm_median(ctx, 64, &|i| lab_read(ctx, &bufs[i % 2], &bufs[2], n16))?;
     eprintln!(
         "lab: between calls a {mb} MB read, {:.2} µs alone, taken off every row",
         1e6 * s
