@@ -966,11 +966,12 @@ fn lab_read(ctx: &super::device::Ctx, src: &::wgpu::Buffer, dst: &::wgpu::Buffer
 
 /// Median seconds a call of `f(i)`, i in 0..calls a pass, after `WARM_S` of warm-up passes.
 ///
-/// The warm-up is what keeps the clock up: on the H200 the SM clock falls from 1,980 to 345 MHz
-/// within ~0.2 s of a mostly idle GPU (stop 35, nvidia-smi every 50 ms: while the lab built the
-/// next case's copies on the host) and a row's few milliseconds of timed passes do not bring it
-/// back, so since stop 31 rows timed after a pause read 2.5x slower (the "slow state": a 256 MB
-/// read 143 µs against 58). Decode keeps the GPU busy and ran at 1,980 MHz throughout.
+/// The warm-up is what brings the clock up: on the H200 the SM clock falls from 1,980 MHz to
+/// 600 after ~1.5 s of a mostly idle GPU and to 345 ~1.5 s later (stop 35, nvidia-smi every
+/// 50 ms: while the lab built the next case's copies on the host); it comes back within ~0.1 s
+/// of sustained work, which a row's few milliseconds of timed passes are not. So since stop 31
+/// rows timed after such a pause read up to 2.5x slower (the "slow state": a 256 MB read 143 µs
+/// against 58). Decode keeps the GPU busy and ran at 1,980 MHz throughout.
 ///
 /// `LILY_LAB_BETWEEN_MB=N`: a pure read of N MB (over two copies) after every call, its own
 /// median time taken off: the call as a decode step meets it, its small inputs and its code
