@@ -104,7 +104,8 @@ pub struct BenchArgs {
     /// Each kernel family's cost inside a recorded decode step (CUDA, wgpu): at each `--decode`
     /// context, decode with the family's kernels left out of the step (garbage tokens, true
     /// times), alternated with the full step, `--rounds` times. `default` (the families of a
-    /// layer) or comma-separated kernel-name prefixes.
+    /// layer) or comma-separated kernel-name prefixes; on wgpu a prefix written `+name` encodes
+    /// that family's launches twice instead (one more launch of each in place).
     #[arg(long)]
     in_place: Option<String>,
     /// Trace `--trace-steps` recorded decode steps at each `--decode` context (CUDA: kernels
