@@ -108,21 +108,90 @@ fn cpu_cache_default() -> usize {
     (machine_memory().unwrap_or(8 << 30) / 4).min(4 << 30)
 }
 
-/// The wgpu backend's prefix-cache default, said on stderr: an eighth of the machine's memory, at
-/// most 4 GiB. On a Mac the GPU shares that memory with the model (19.4 GB for the full
-/// checkpoint) and the KV cache, so the cache takes less than the CPU's quarter: a 36 GB Mac
-/// keeps 4 GiB for it and ~12 GB for everything else.
+/// The wgpu backend's prefix-cache default, said on stderr: half of what the GPU's memory leaves
+/// once the checkpoint and one sequence at the full context are in it, at most 4 GiB and at
+/// least 256 MiB (`wgpu_cache_bytes`). The GPU's memory: a discrete adapter's own (Vulkan's
+/// DEVICE_LOCAL heap); else, the GPU sharing the machine's memory (a Mac, an integrated GPU),
+/// three quarters of the machine's (macOS lets the GPU have about that much), or the adapter's
+/// heap where smaller. A 36 GiB Mac with the 19.4 GB checkpoint and a 32K context (1.4 GB of
+/// f32 K/V and GDN state) keeps ~3.3 GiB for the cache.
 #[cfg(feature = "wgpu")]
-fn wgpu_cache_default(b: &lily::backend::wgpu::Wgpu) -> usize {
-    let mem = machine_memory();
-    let bytes = (mem.unwrap_or(8 << 30) / 8).min(4 << 30);
+fn wgpu_cache_default(
+    b: &lily::backend::wgpu::Wgpu,
+    model: &Path,
+    max_context: Option<usize>,
+) -> usize {
+    let r = b.report();
+    let machine = machine_memory().map(|m| m as u64);
+    let shared = machine.map(|m| m / 4 * 3);
+    let (gpu, whose) = match (r.memory, r.device_type.as_str(), shared) {
+        (Some(m), "DiscreteGpu", _) => (m, "the adapter's own"),
+        (Some(m), _, Some(s)) if m < s => (m, "the adapter's heap"),
+        (_, _, Some(s)) => (s, "3/4 of the machine's, shared"),
+        (Some(m), _, None) => (m, "the adapter's heap"),
+        (None, _, None) => (8u64 << 30, "assumed: the memory is unknown"),
+    };
+    let weights: u64 = std::fs::read_dir(model)
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
+                .filter_map(|e| e.metadata().ok())
+                .map(|m| m.len())
+                .sum()
+        })
+        .unwrap_or(0);
+    let kv_elem = if r.f16 && std::env::var("LILY_WGPU_KV_F16").as_deref() == Ok("1") {
+        2
+    } else {
+        4
+    };
+    let (ctx, state) = match lily::config::Config::from_dir(model) {
+        Ok(c) => {
+            let ctx = max_context.unwrap_or(c.max_position_embeddings);
+            (ctx, sequence_bytes(&c, ctx, kv_elem))
+        }
+        Err(_) => (max_context.unwrap_or(0), 0),
+    };
+    let bytes = wgpu_cache_bytes(gpu, weights, state);
+    let gib = |x: u64| x as f64 / (1u64 << 30) as f64;
     eprintln!(
-        "lily: prefix cache {:.1} GiB on {} (an eighth of the machine's {}, at most 4 GiB; --cache-mem sets it)",
-        bytes as f64 / (1u64 << 30) as f64,
-        b.report().name,
-        mem.map_or("unknown memory (8 GiB assumed)".to_string(), |m| format!("{:.1} GiB", m as f64 / (1u64 << 30) as f64)),
+        "lily: prefix cache {:.1} GiB on {}: of {:.1} GiB of GPU memory ({whose}), less the checkpoint's {:.1} GiB, one {ctx}-token sequence's {:.1} GiB and 1 GiB kept back, half, within 0.25-4 GiB (--cache-mem sets it)",
+        gib(bytes),
+        r.name,
+        gib(gpu),
+        gib(weights),
+        gib(state),
     );
-    bytes
+    if gpu < weights + state + (1 << 30) {
+        eprintln!(
+            "lily: warning: the checkpoint and a {ctx}-token context ({:.1} GiB) may not fit in {:.1} GiB of GPU memory (--max-context lowers the context)",
+            gib(weights + state),
+            gib(gpu)
+        );
+    }
+    bytes as usize
+}
+
+/// One sequence's state at `ctx` tokens: the attention layers' K and V (`kv_elem` bytes a value)
+/// and the GDN layers' conv and recurrent states (f32).
+#[cfg(feature = "wgpu")]
+fn sequence_bytes(c: &lily::config::Config, ctx: usize, kv_elem: u64) -> u64 {
+    let attn = c.num_attention_layers() as u64;
+    let gdn = c.num_hidden_layers as u64 - attn;
+    let kv = attn * 2 * (c.num_key_value_heads * c.head_dim) as u64 * ctx as u64 * kv_elem;
+    let conv_ch = (2 * c.linear_num_key_heads * c.linear_key_head_dim
+        + c.linear_num_value_heads * c.linear_value_head_dim) as u64;
+    let rec = (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim) as u64;
+    kv + gdn * 4 * ((c.linear_conv_kernel_dim as u64).saturating_sub(1) * conv_ch + rec)
+}
+
+/// The prefix cache's default bytes on a GPU of `gpu` bytes holding `weights` and one
+/// sequence's `state`: half of the rest after 1 GiB kept back (scratch, activations, the
+/// system's share), within 256 MiB .. 4 GiB.
+#[cfg(any(test, feature = "wgpu"))]
+fn wgpu_cache_bytes(gpu: u64, weights: u64, state: u64) -> u64 {
+    let free = gpu.saturating_sub(weights + state + (1 << 30));
+    (free / 2).clamp(256 << 20, 4 << 30)
 }
 
 /// Loads the model on the chosen backend and returns it as a server runner.
@@ -146,7 +215,9 @@ pub fn runner(
     #[cfg(feature = "wgpu")]
     if let Some(b) = crate::pick_wgpu(common)? {
         crate::setup_threads(common)?;
-        let bytes = cache.bytes.unwrap_or_else(|| wgpu_cache_default(&b));
+        let bytes = cache
+            .bytes
+            .unwrap_or_else(|| wgpu_cache_default(&b, model, max_context));
         return runner_on(b, model, max_context, bytes, cache.snapshot_every);
     }
     let b = crate::setup(common)?;
@@ -344,4 +415,27 @@ fn stream_chat(url: &str, a: &DemoArgs) -> Result<()> {
         total.as_secs_f64()
     );
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wgpu_cache_bytes;
+
+    const GIB: u64 = 1 << 30;
+
+    /// The wgpu prefix-cache default (issue #14: a 36 GB Mac must run the 19.4 GB checkpoint
+    /// with a 32K context): what is left after the weights, one sequence and 1 GiB, halved,
+    /// within 256 MiB .. 4 GiB.
+    #[test]
+    fn wgpu_cache_default_leaves_room_for_the_model_and_its_context() {
+        let (weights, state_32k) = (19_400_000_000u64, 1_408_000_000u64);
+        // A 36 GiB Mac: the GPU may use 3/4 of it (27 GiB).
+        let mac36 = wgpu_cache_bytes(36 * GIB / 4 * 3, weights, state_32k);
+        assert!(mac36 > 3 * GIB && mac36 < 4 * GIB, "{mac36}");
+        assert!(weights + state_32k + mac36 + GIB <= 36 * GIB / 4 * 3);
+        // A 24 GiB Mac cannot hold the checkpoint: the floor, not an overflow.
+        assert_eq!(wgpu_cache_bytes(18 * GIB, weights, state_32k), 256 << 20);
+        // An 80 GB discrete GPU: the 4 GiB cap.
+        assert_eq!(wgpu_cache_bytes(80 * GIB, weights, state_32k), 4 * GIB);
+    }
 }

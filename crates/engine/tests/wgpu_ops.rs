@@ -59,7 +59,7 @@ fn gpu() -> Option<Wgpu> {
         Ok(g) => {
             let r = g.report();
             eprintln!(
-                "wgpu adapter: {} ({}, {}), subgroups {}-{}, f16 {}, workgroup memory {} B, coop16 {}",
+                "wgpu adapter: {} ({}, {}), subgroups {}-{}, f16 {}, workgroup memory {} B, coop16 {}, memory {}",
                 r.name,
                 r.backend,
                 r.device_type,
@@ -67,7 +67,9 @@ fn gpu() -> Option<Wgpu> {
                 r.subgroup_max,
                 r.f16,
                 r.workgroup_storage,
-                r.coop16
+                r.coop16,
+                r.memory
+                    .map_or("unknown".into(), |m| format!("{:.1} GiB", m as f64 / (1u64 << 30) as f64))
             );
             Some(g)
         }
@@ -145,6 +147,20 @@ fn pipeline_stats_of_gemv_v4() {
         );
     } else {
         eprintln!("the driver has no VK_KHR_pipeline_executable_properties: compiled only");
+    }
+}
+
+/// A Vulkan adapter says how much memory it has (`AdapterReport::memory`, its largest
+/// DEVICE_LOCAL heap: what `lily serve` sizes the prefix cache from); Metal leaves it unknown.
+#[test]
+fn a_vulkan_adapter_reports_its_memory() {
+    let Some(g) = gpu() else { return };
+    let r = g.report();
+    if r.backend == "Vulkan" {
+        let m = r
+            .memory
+            .expect("a Vulkan adapter without a DEVICE_LOCAL heap");
+        assert!(m >= 256 << 20, "{m} bytes of device memory");
     }
 }
 

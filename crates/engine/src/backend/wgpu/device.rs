@@ -133,6 +133,34 @@ pub struct AdapterReport {
     /// 16×16×16 f16 · f16 + f32 configuration, f16 and subgroups (its `subgroup_id`), subgroups
     /// at most 32 wide (8 warp tiles a 256-invocation workgroup), 32 KiB of workgroup memory.
     pub coop16: bool,
+    /// The adapter's own memory in bytes where its backend says (Vulkan: its largest
+    /// DEVICE_LOCAL heap, a discrete GPU's VRAM; on an integrated GPU or lavapipe the share of
+    /// the machine's memory it may use); `None` on Metal, whose GPU shares the machine's memory
+    /// (`lily serve` sizes from that).
+    pub memory: Option<u64>,
+}
+
+/// `AdapterReport::memory`: Vulkan's largest DEVICE_LOCAL heap of the adapter.
+#[cfg(not(any(target_os = "macos", target_arch = "wasm32")))]
+fn adapter_memory(adapter: &::wgpu::Adapter) -> Option<u64> {
+    use ash::vk;
+    // SAFETY: the raw adapter's instance and physical device are only read, for one query of
+    // its memory heaps; nothing is created, destroyed or kept past this call.
+    let hal = unsafe { adapter.as_hal::<::wgpu::hal::api::Vulkan>() }?;
+    let inst = hal.shared_instance().raw_instance();
+    // SAFETY: a valid physical device of this live instance (wgpu's own).
+    let props = unsafe { inst.get_physical_device_memory_properties(hal.raw_physical_device()) };
+    props
+        .memory_heaps_as_slice()
+        .iter()
+        .filter(|h| h.flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL))
+        .map(|h| h.size)
+        .max()
+}
+
+#[cfg(any(target_os = "macos", target_arch = "wasm32"))]
+fn adapter_memory(_: &::wgpu::Adapter) -> Option<u64> {
+    None
 }
 
 /// A buffer-to-buffer copy into `open` (outside its compute pass).
@@ -668,6 +696,7 @@ impl Ctx {
             subgroups: false,
             coop: String::new(),
             coop16: false,
+            memory: adapter_memory(&adapter),
         };
         let stride = PARAM_BYTES.max(limits.min_uniform_buffer_offset_alignment as u64);
         let arena = device.create_buffer(&::wgpu::BufferDescriptor {
