@@ -131,24 +131,25 @@ fn wgpu_cache_default(
         (Some(m), _, None) => (m, "the adapter's heap"),
         (None, _, None) => (8u64 << 30, "assumed: the memory is unknown"),
     };
-    let weights: u64 = std::fs::read_dir(model)
-        .map(|d| {
-            d.filter_map(|e| e.ok())
-                .filter(|e| e.path().extension().is_some_and(|x| x == "safetensors"))
-                .filter_map(|e| e.metadata().ok())
+    // The checkpoint's files (its index's shards, or every *.safetensors) and one sequence at
+    // the served context as the model's state holds it (model/state.rs).
+    let weights: u64 = lily::loader::safetensors::checkpoint_files(model)
+        .map(|fs| {
+            fs.iter()
+                .filter_map(|f| f.metadata().ok())
                 .map(|m| m.len())
                 .sum()
         })
         .unwrap_or(0);
-    let kv_elem = if r.f16 && std::env::var("LILY_WGPU_KV_F16").as_deref() == Ok("1") {
-        2
-    } else {
-        4
-    };
     let (ctx, state) = match lily::config::Config::from_dir(model) {
         Ok(c) => {
+            use lily::model::state::{gdn_layer_bytes, kv_layer_bytes};
             let ctx = max_context.unwrap_or(c.max_position_embeddings);
-            (ctx, sequence_bytes(&c, ctx, kv_elem))
+            let d = lily::backend::Dims::from_config(&c);
+            let attn = c.num_attention_layers();
+            let kv = kv_layer_bytes(&d, ctx, b.kv_elem_bytes());
+            let gdn = gdn_layer_bytes(&d);
+            (ctx, (attn * kv + (c.num_hidden_layers - attn) * gdn) as u64)
         }
         Err(_) => (max_context.unwrap_or(0), 0),
     };
@@ -170,19 +171,6 @@ fn wgpu_cache_default(
         );
     }
     bytes as usize
-}
-
-/// One sequence's state at `ctx` tokens: the attention layers' K and V (`kv_elem` bytes a value)
-/// and the GDN layers' conv and recurrent states (f32).
-#[cfg(feature = "wgpu")]
-fn sequence_bytes(c: &lily::config::Config, ctx: usize, kv_elem: u64) -> u64 {
-    let attn = c.num_attention_layers() as u64;
-    let gdn = c.num_hidden_layers as u64 - attn;
-    let kv = attn * 2 * (c.num_key_value_heads * c.head_dim) as u64 * ctx as u64 * kv_elem;
-    let conv_ch = (2 * c.linear_num_key_heads * c.linear_key_head_dim
-        + c.linear_num_value_heads * c.linear_value_head_dim) as u64;
-    let rec = (c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim) as u64;
-    kv + gdn * 4 * ((c.linear_conv_kernel_dim as u64).saturating_sub(1) * conv_ch + rec)
 }
 
 /// The prefix cache's default bytes on a GPU of `gpu` bytes holding `weights` and one

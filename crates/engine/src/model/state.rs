@@ -109,19 +109,25 @@ impl<B: Backend> SeqState<B> {
     /// Bytes held by this state: KV at current capacity (the backend's KV element size: f32 on
     /// the CPU, bf16 on CUDA) + recurrent state (f32 elements × 4).
     pub fn nbytes(&self, d: &Dims) -> usize {
-        let kvd = d.n_kv_heads * d.head_dim;
         self.layers
             .iter()
             .map(|l| match l {
-                LayerState::Attn(kv) => 2 * kv.capacity * kvd * self.kv_elem_bytes,
-                LayerState::Gdn { .. } => {
-                    ((d.conv_kernel - 1) * d.conv_channels()
-                        + d.gdn_v_heads * d.gdn_v_dim * d.gdn_k_dim)
-                        * 4
-                }
+                LayerState::Attn(kv) => kv_layer_bytes(d, kv.capacity, self.kv_elem_bytes),
+                LayerState::Gdn { .. } => gdn_layer_bytes(d),
             })
             .sum()
     }
+}
+
+/// One attention layer's K and V at `capacity` positions, `kv_elem` bytes a value.
+pub fn kv_layer_bytes(d: &Dims, capacity: usize, kv_elem: usize) -> usize {
+    2 * capacity * d.n_kv_heads * d.head_dim * kv_elem
+}
+
+/// One GDN layer's conv and recurrent state (f32).
+pub fn gdn_layer_bytes(d: &Dims) -> usize {
+    let (nc, ns) = gdn_sizes(d);
+    (nc + ns) * 4
 }
 
 /// The GDN conv + recurrent state of every GDN layer at one position.
