@@ -547,13 +547,11 @@ pub(super) struct Ctx {
     tracer: Mutex<Option<Tracer>>,
     /// Whether replayed steps are traced.
     trace_on: std::sync::atomic::AtomicBool,
-    /// Kernel-name prefixes left out of replayed steps (`set_skip`, `lily bench --in-place`),
-    /// and whether there are any (read without the lock on every replayed dispatch).
-    skip: Mutex<Vec<String>>,
+    /// Kernel-name prefixes a replayed step encodes other than once (`set_skip`, `lily bench
+    /// --in-place`): 0 times (left out) or 2 (`+prefix`); and whether there are any (read
+    /// without the lock on every replayed dispatch).
+    skip: Mutex<Vec<(String, usize)>>,
     skip_any: std::sync::atomic::AtomicBool,
-    /// Kernel-name prefixes encoded twice in replayed steps (`set_skip`'s `+prefix` entries:
-    /// what one more launch of the family costs in place).
-    dup: Mutex<Vec<String>>,
     /// Whether the adapter writes timestamps between the dispatches of a pass.
     ts_inside: bool,
     /// Small buffers for the bindings a launch does not use this time (a fused kernel's unused
@@ -772,7 +770,6 @@ impl Ctx {
             trace_on: std::sync::atomic::AtomicBool::new(false),
             skip: Mutex::new(Vec::new()),
             skip_any: std::sync::atomic::AtomicBool::new(false),
-            dup: Mutex::new(Vec::new()),
             ts_inside: required.contains(::wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES),
             spare,
             scratch_gen: std::sync::atomic::AtomicU64::new(0),
@@ -1207,18 +1204,17 @@ impl Ctx {
         }
     }
 
-    /// How many times a replay encodes `it`: 0 when skipped, 2 when doubled, else 1.
+    /// How many times a replay encodes `it` (`set_skip`): 0 when left out, 2 when doubled,
+    /// else 1.
     fn times(&self, it: &Item) -> usize {
         match it {
-            Item::Dispatch { entry, .. } if self.skip_any.load(Ordering::Relaxed) => {
-                if self.skipped(entry) {
-                    0
-                } else if self.dupped(entry) {
-                    2
-                } else {
-                    1
-                }
-            }
+            Item::Dispatch { entry, .. } if self.skip_any.load(Ordering::Relaxed) => self
+                .skip
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|(p, _)| entry.starts_with(p.as_str()))
+                .map_or(1, |&(_, n)| n),
             _ => 1,
         }
     }
@@ -1252,28 +1248,14 @@ impl Ctx {
     /// A prefix written `+name` instead encodes those dispatches twice (the step then costs one
     /// more launch of each in place, where leaving one out also saves its neighbours' waits).
     pub fn set_skip(&self, prefixes: &[&str]) {
-        let (dup, skip): (Vec<&str>, Vec<&str>) = prefixes.iter().partition(|p| p.starts_with('+'));
-        *self.skip.lock().unwrap() = skip.iter().map(|p| p.to_string()).collect();
-        *self.dup.lock().unwrap() = dup.iter().map(|p| p[1..].to_string()).collect();
-        self.skip_any.store(!prefixes.is_empty(), Ordering::Relaxed);
-    }
-
-    fn dupped(&self, entry: &str) -> bool {
-        self.dup
-            .lock()
-            .unwrap()
+        *self.skip.lock().unwrap() = prefixes
             .iter()
-            .any(|p| entry.starts_with(p.as_str()))
-    }
-
-    fn skipped(&self, entry: &str) -> bool {
-        self.skip_any.load(Ordering::Relaxed)
-            && self
-                .skip
-                .lock()
-                .unwrap()
-                .iter()
-                .any(|p| entry.starts_with(p.as_str()))
+            .map(|p| match p.strip_prefix('+') {
+                Some(name) => (name.to_string(), 2),
+                None => (p.to_string(), 0),
+            })
+            .collect();
+        self.skip_any.store(!prefixes.is_empty(), Ordering::Relaxed);
     }
 
     /// Starts tracing replayed steps (`Tracer`): each is then encoded on its own, with a
