@@ -278,23 +278,6 @@ impl Wgpu {
             let s = time(&|i| lab_read(ctx, &bufs[i % copies], &dst.buf, n16))?;
             Ok((s, copies))
         };
-        // A warm-up of pure reads for 3 s first: on the H200 the cases timed in a call's first
-        // minute ran up to 2x slow (stop 30: in_proj 65 against 32 µs, its read 10.5 against
-        // 6.0), the GPU coming up from idle.
-        {
-            let n16 = (64usize << 20) / 16;
-            let bufs: Vec<::wgpu::Buffer> = (0..2)
-                .map(|c| ctx.upload(as_bytes(&words(4 * n16, 900 + c as u64))))
-                .collect::<Result<_>>()?;
-            let t0 = std::time::Instant::now();
-            while t0.elapsed().as_secs_f64() < 3.0 {
-                ctx.time_pass(|| {
-                    for i in 0..calls {
-                        lab_read(ctx, &bufs[i % 2], &dst.buf, n16);
-                    }
-                })?;
-            }
-        }
         let all = cases.is_empty();
         let want_case = |c: &str| all || cases.contains(&c);
         if want_case("floor") {
@@ -836,7 +819,8 @@ impl Wgpu {
 impl Wgpu {
     /// Case "alloc": whether reads slow down once GBs are allocated, not only where they spread
     /// (stop 34: the GEMV lab at `--cycle-mb 16000` read its 16 MB copies 2.75x slower than at
-    /// 200, and the router's unchanged 143 MB of copies 4x slower; a decode step holds 19 GB).
+    /// 200; a decode step holds 19 GB). Stop 35's answer: no; what slowed them was the SM clock
+    /// falling while the host built the copies (`lab_median` now warms each row up).
     /// One 16 MB read over 16 copies (256 MB, L2-cold) timed
     /// alone; after `LILY_LAB_BALLAST_GB` (16) GiB more are allocated in 256 MB buffers and each
     /// read once (wgpu clears a buffer before its first use: the pages are really there); after
@@ -977,14 +961,15 @@ fn lab_read(ctx: &super::device::Ctx, src: &::wgpu::Buffer, dst: &::wgpu::Buffer
 /// median time taken off: the call as a decode step meets it, its small inputs and its code
 /// pushed out of L2 by other work, not warm from the call before.
 pub(super) fn lab_median(ctx: &super::device::Ctx, calls: usize, f: &dyn Fn(usize)) -> Result<f64> {
-    let between = lab_between(ctx)?;
-    let fill = |i: usize| {
-        if let Some((bufs, _)) = between {
-            lab_read(ctx, &bufs[i % 2], &bufs[2], (bufs[0].size() / 16) as usize);
-        }
+    let Some((bufs, alone)) = lab_between(ctx)? else {
+        return warm_median(ctx, calls, f);
     };
-    let s = warm_median(ctx, calls, &|i| (f(i), fill(i)).1)?;
-    Ok(s - between.map_or(0.0, |b| b.1))
+    let n16 = (bufs[0].size() / 16) as usize;
+    let s = warm_median(ctx, calls, &|i| {
+        f(i);
+        lab_read(ctx, &bufs[i % 2], &bufs[2], n16);
+    })?;
+    Ok(s - alone)
 }
 
 /// The median of `REPS` timed passes of `calls` calls of `f`, after `WARM_S` of them.
@@ -1001,29 +986,21 @@ fn warm_median(ctx: &super::device::Ctx, calls: usize, f: &dyn Fn(usize)) -> Res
     Ok(v[v.len() / 2])
 }
 
-/// `LILY_LAB_BETWEEN_MB`'s two copies and sink, and the median seconds of its read alone (made
-/// and measured once a process; `None` when unset).
-fn lab_between(ctx: &super::device::Ctx) -> Result<Option<&'static ([::wgpu::Buffer; 3], f64)>> {
-    static B: std::sync::OnceLock<Option<([::wgpu::Buffer; 3], f64)>> = std::sync::OnceLock::new();
-    if let Some(b) = B.get() {
-        return Ok(b.as_ref());
-    }
+/// `LILY_LAB_BETWEEN_MB`'s two copies and sink, made for a row, and the median seconds of
+/// their read alone, timed just before the row (`None` when unset).
+fn lab_between(ctx: &super::device::Ctx) -> Result<Option<([::wgpu::Buffer; 3], f64)>> {
     let mb: u64 = match std::env::var("LILY_LAB_BETWEEN_MB")
         .ok()
         .and_then(|v| v.parse().ok())
     {
         Some(mb) if mb > 0 => mb,
-        _ => return Ok(B.get_or_init(|| None).as_ref()),
+        _ => return Ok(None),
     };
     let bytes = (mb << 20).min(ctx.report.max_binding / 16 * 16);
     let bufs = [ctx.buffer(bytes)?, ctx.buffer(bytes)?, ctx.buffer(64)?];
     let n16 = (bytes / 16) as usize;
     let s = warm_median(ctx, 64, &|i| lab_read(ctx, &bufs[i % 2], &bufs[2], n16))?;
-    eprintln!(
-        "lab: between calls a {mb} MB read, {:.2} µs alone, taken off every row",
-        1e6 * s
-    );
-    Ok(B.get_or_init(|| Some((bufs, s))).as_ref())
+    Ok(Some((bufs, s)))
 }
 
 /// Reads `n` f32 values back (case "gemm" and "moe_mm").
