@@ -87,7 +87,8 @@ use ops::{bf16r, check, kv_new, qwen_dims, rand_dense, rand_quant, rel_rows, ten
 use lily::backend::cpu::{moe::Route as CpuRoute, Cpu, CpuStep};
 use lily::backend::cuda::Cuda;
 use lily::backend::{
-    Backend, Dims, GdnParams, KvCache, MoeScratch, MoeWeights, RouterScratch, SharedExpert,
+    Backend, Dims, GdnParams, KvCache, MoeScratch, MoeWeights, RouteAhead, RouterScratch,
+    SharedExpert,
 };
 use lily::loader::tensor::{HostLinear, HostTensor, LinearKind};
 use lily::runtime::sampler::{Sampler, SamplingParams};
@@ -1056,6 +1057,7 @@ fn fused_gdn_mixer_equals_its_composition() {
         conv1d: &conv_w,
         params: &params,
         out_proj: &gout,
+        route_ahead: None,
     };
     let h0 = rng.vec(hid, 4.0);
     let conv0: Vec<f32> = bf16v(rng.vec((d.conv_kernel - 1) * c, 1.0));
@@ -1194,6 +1196,7 @@ fn gdn_step_matches_the_cpu() {
         conv1d: &gconv_w,
         params: &params,
         out_proj: &gout,
+        route_ahead: None,
     };
     const TOKENS: usize = 6;
     let hs: Vec<Vec<f32>> = (0..TOKENS).map(|_| rng.vec(hid, 4.0)).collect();
@@ -2350,6 +2353,7 @@ fn moe_step_matches_its_composition_and_the_cpu() {
                         logits: &mut lg,
                         s: &mut sl,
                         route: &mut route,
+                        ahead: false,
                     },
                     MoeScratch {
                         out: &mut t0,
@@ -2420,6 +2424,203 @@ fn moe_step_matches_its_composition_and_the_cpu() {
                 1,
             );
         }
+    }
+}
+
+/// Switch `route_ahead` (on by default; Backend::route_ahead): an MoE block's router folded into
+/// the decode projection before it (matmul_q_add_ahead, then moe_step_add with
+/// RouterScratch::ahead), against the same backend's two ops without the fold (matmul_q_add, then
+/// moe_step_add: the router's own launch), at the full model's shapes (out_proj 4-bit [2048,
+/// 4096], the router 8-bit [256, 2048], the shared gate [1, 2048]). Three tokens in a row on one
+/// backend, so sums left over from one token would show in the next.
+/// * h after the projection and the normed x: bit-equal (the same add, the same norm arithmetic).
+/// * The logits (and the shared gate's logit): the fold scales Σ_k R_ek·w_k·h_k by the norm's
+///   1 / rms once, so against x̃ = h·rr·w in f64, with A_e = Σ_k |R_ek·x̃_k|, it is within
+///   F32_TOL·A_e (f32 sums; the 2^-32 fixed point adds ~1e-7 absolute, hence the 1e-6 floor).
+///   The router reads x = bf16(x̃), which moves each term by at most 2^-9 of itself: the two
+///   differ by at most 2^-9·A_e plus both f32 errors, checked as 2^-8·A_e.
+/// * The route equals moe_route of the fold's logits (weights to 1e-6), and the MoE output is
+///   within check_moe's bound of the CPU's moe_decode_add on the fold's x and route.
+#[test]
+fn route_ahead_matches_the_router() {
+    let Some(g) = gpu() else { return };
+    let d = qwen_dims();
+    let (e, hid, inner, width) = (d.n_experts, d.hidden, 4096, 512);
+    let mut rng = Rng(73);
+    let wo = rand_quant(&mut rng, 1, hid, inner, 4, 64, false);
+    let router = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
+    let sgate = rand_quant(&mut rng, 1, 1, hid, 8, 64, false);
+    let m = [
+        rand_quant(&mut rng, e, width, hid, 4, 64, false),
+        rand_quant(&mut rng, e, width, hid, 4, 64, false),
+        rand_quant(&mut rng, e, hid, width, 4, 64, false),
+        rand_quant(&mut rng, 1, width, hid, 4, 64, false),
+        rand_quant(&mut rng, 1, width, hid, 4, 64, false),
+        rand_quant(&mut rng, 1, hid, width, 4, 64, false),
+    ];
+    let (gwo, grt, gsg) = (
+        g.upload_mat(&wo).unwrap(),
+        g.upload_mat(&router).unwrap(),
+        g.upload_mat(&sgate).unwrap(),
+    );
+    let gm: Vec<_> = m.iter().map(|w| g.upload_mat(w).unwrap()).collect();
+    let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
+    let gnw = g.upload_vec(&nw).unwrap();
+    let gw = MoeWeights {
+        router: &grt,
+        shared_gate: &gsg,
+        gate: &gm[0],
+        up: &gm[1],
+        down: &gm[2],
+        shared_gate_proj: &gm[3],
+        shared_up_proj: &gm[4],
+        shared_down_proj: &gm[5],
+    };
+    let next = RouteAhead {
+        router: &grt,
+        shared_gate: &gsg,
+        norm: &gnw,
+    };
+    assert!(
+        g.route_ahead(&gwo, &next),
+        "the full model's out_proj must fold its router"
+    );
+    // (h after the projection, h after the MoE block, x, logits, shared logit, ids, weights)
+    type Out = (
+        Vec<f32>,
+        Vec<f32>,
+        Vec<f32>,
+        Vec<f32>,
+        Vec<f32>,
+        Vec<u32>,
+        Vec<f32>,
+    );
+    for token in 0..3 {
+        let hv = rng.vec(hid, 0.05);
+        let xv = bf16v(rng.vec(inner, 0.05));
+        let gx = g.upload_act(&xv).unwrap();
+        let run = |ahead: bool| -> Out {
+            let mut gh = g.upload_vec(&hv).unwrap();
+            let mut r = g.act_zeros(hid).unwrap();
+            if ahead {
+                g.matmul_q_add_ahead(&gx, &gwo, &mut r, &mut gh, &next);
+            } else {
+                g.matmul_q_add(&gx, &gwo, 1, &mut r, &mut gh);
+            }
+            let hmid = h(&g, &gh);
+            let (mut xn, mut lg, mut sl) = (
+                g.act_zeros(hid).unwrap(),
+                g.zeros(e).unwrap(),
+                g.zeros(1).unwrap(),
+            );
+            let mut route = g.new_route(1, d.top_k).unwrap();
+            let (mut t0, mut t1, mut t2, mut t3, mut t4) = (
+                g.act_zeros(hid).unwrap(),
+                g.act_zeros(width).unwrap(),
+                g.act_zeros(width).unwrap(),
+                g.act_zeros(width).unwrap(),
+                g.act_zeros(hid).unwrap(),
+            );
+            g.moe_step_add(
+                &mut gh,
+                &gnw,
+                d.eps,
+                &gw,
+                &d,
+                RouterScratch {
+                    xn: &mut xn,
+                    logits: &mut lg,
+                    s: &mut sl,
+                    route: &mut route,
+                    ahead,
+                },
+                MoeScratch {
+                    out: &mut t0,
+                    g: &mut t1,
+                    u: &mut t2,
+                    act: &mut t3,
+                    down: &mut t4,
+                },
+            );
+            let (ids, w) = g.route_to_host(&route, 1).unwrap();
+            (hmid, h(&g, &gh), h(&g, &xn), h(&g, &lg), h(&g, &sl), ids, w)
+        };
+        let off = run(false);
+        let on = run(true);
+        let what = format!("route_ahead, token {token}");
+        for (part, a, b) in [
+            ("h after the projection", &on.0, &off.0),
+            ("x", &on.2, &off.2),
+        ] {
+            assert!(
+                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{what}: {part} differs from the unfolded ops'"
+            );
+        }
+        // x̃ = h·rr·w in f64 from the GPU's h after the projection.
+        let hm = &on.0;
+        let ms = hm.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / hid as f64;
+        let rr = 1.0 / (ms + d.eps as f64).sqrt();
+        let xt: Vec<f64> = hm
+            .iter()
+            .zip(&nw)
+            .map(|(&v, &w)| v as f64 * rr * w as f64)
+            .collect();
+        let (mut worst_exact, mut worst_router) = (0f64, 0f64);
+        let mut row = vec![0f32; hid];
+        for (i, (mat, got, base)) in (0..e)
+            .map(|i| (&router, on.3[i], off.3[i]))
+            .chain(std::iter::once((&sgate, on.4[0], off.4[0])))
+            .enumerate()
+        {
+            mat.view(0).row_f32(if i < e { i } else { 0 }, &mut row);
+            let exact: f64 = row.iter().zip(&xt).map(|(&r, &x)| r as f64 * x).sum();
+            let a: f64 = row
+                .iter()
+                .zip(&xt)
+                .map(|(&r, &x)| (r as f64 * x).abs())
+                .sum();
+            let de = (got as f64 - exact).abs() / (F32_TOL as f64 * a + 1e-6);
+            let dr = (got as f64 - base as f64).abs() / (a / 256.0 + 1e-6);
+            worst_exact = worst_exact.max(de);
+            worst_router = worst_router.max(dr);
+        }
+        check(
+            &format!("{what} (logits against f64, / bound)"),
+            worst_exact as f32,
+            1.0,
+        );
+        check(
+            &format!("{what} (logits against the router's, / bound)"),
+            worst_router as f32,
+            1.0,
+        );
+        let cr = check_route_of_logits(&what, &on.3, &on.5, &on.6, &d);
+        let csh = SharedExpert {
+            gate: &m[3],
+            up: &m[4],
+            down: &m[5],
+            logit: &on.4,
+        };
+        let ch = cpu_moe_decode_add(&on.2, &cr, [&m[0], &m[1], &m[2]], &csh, &d);
+        let mut slots = route_slots(&cr, [&m[0], &m[1], &m[2]]);
+        slots.push(Slot {
+            t: 0,
+            w: 1.0 / (1.0 + (-(on.4[0] as f64)).exp()),
+            mats: [&m[3], &m[4], &m[5]],
+            e: 0,
+        });
+        let out: Vec<f32> = on.1.iter().zip(&on.0).map(|(a, b)| a - b).collect();
+        check_moe(
+            &format!("{what} (MoE output)"),
+            &out,
+            &ch,
+            &on.2,
+            &slots,
+            1,
+            false,
+            1,
+        );
     }
 }
 

@@ -329,6 +329,34 @@ pub trait Backend: Send + Sync {
         self.matmul_q(x, w, rows, r);
         self.add(h, r, rows * self.mat_shape(w).0);
     }
+    /// Whether this backend folds the router of the MoE block that follows a decode step's
+    /// output projection `out` (the layer's out_proj or o_proj) into that projection's launch.
+    /// If so, the model passes `next` to the projection (`matmul_q_add_ahead`, or
+    /// `GdnWeights::route_ahead`) and sets `RouterScratch::ahead` for the `moe_step_add` after it,
+    /// which then skips the router's own pass over h. Why: the router is 0.6 MB of weights in a
+    /// launch of its own, whose dependent chain (wait, norm, dots, route) costs the step ~10 µs a
+    /// layer on the H200; its logits are linear in h, so the projection's blocks can sum each
+    /// router row against the rows of h they have just written. Default: no.
+    fn route_ahead(&self, out: &Self::Mat, next: &RouteAhead<'_, Self>) -> bool {
+        let _ = (out, next);
+        false
+    }
+    /// `matmul_q_add` of one row whose output feeds the MoE block `next` (only called where
+    /// `route_ahead` said yes): the backend also leaves, in its own scratch, `next`'s router
+    /// logits before the norm's scale (Σ_k router[e, k] · norm[k] · h[k], and the same for the
+    /// shared expert's gate), which `moe_step_add` with `RouterScratch::ahead` turns into the
+    /// logits, the normed x and the route. The default (never folding) is `matmul_q_add`.
+    fn matmul_q_add_ahead(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Mat,
+        r: &mut Self::Buf,
+        h: &mut Self::Buf,
+        next: &RouteAhead<'_, Self>,
+    ) {
+        let _ = next;
+        self.matmul_q_add(x, w, 1, r, h);
+    }
     /// One token's MoE block added into the residual stream: `h += Σ_j w_j · expert_j(x) +
     /// sigmoid(logit) · shared(x)` for the routed experts of `route` (one row) and the shared
     /// expert. `tmp` is scratch for the unfused sequence. A GPU runs it as two weight-streaming
@@ -712,7 +740,25 @@ pub struct RouterScratch<'a, B: Backend + ?Sized> {
     pub logits: &'a mut B::Buf,
     pub s: &'a mut B::Buf,
     pub route: &'a mut B::Route,
+    /// The projection before folded this block's router (`Backend::route_ahead`): its sums wait
+    /// in the backend's scratch, and `moe_step_add` must consume them.
+    pub ahead: bool,
 }
+
+/// The MoE router that follows a decode step's output projection (`Backend::route_ahead`): its
+/// weights, the shared expert's gate and the block's norm weight (`post_norm`).
+pub struct RouteAhead<'a, B: Backend + ?Sized> {
+    pub router: &'a B::Mat,
+    pub shared_gate: &'a B::Mat,
+    pub norm: &'a B::Vec,
+}
+
+impl<B: Backend + ?Sized> Clone for RouteAhead<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<B: Backend + ?Sized> Copy for RouteAhead<'_, B> {}
 
 /// One token's MoE block as its two ops (the default of `moe_step_add`, and a GPU's fallback):
 /// the router, then the experts with the shared expert, added into h.
@@ -756,6 +802,8 @@ pub struct GdnWeights<'a, B: Backend + ?Sized> {
     pub conv1d: &'a B::Vec,
     pub params: &'a GdnParams<B::Vec>,
     pub out_proj: &'a B::Mat,
+    /// The MoE router to fold into out_proj (`Backend::route_ahead` said yes), or None.
+    pub route_ahead: Option<RouteAhead<'a, B>>,
 }
 
 /// Scratch of one token's GDN mixer (activations): the normed x, the projections (qkv before and
@@ -797,7 +845,23 @@ pub fn gdn_mixer_compose<B: Backend + ?Sized>(
     );
     b.conv1d_step(t.qkv, w.conv1d, conv, d, t.qkv_c);
     b.gdn_decode(t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, t.y);
-    b.matmul_q_add(t.y, w.out_proj, 1, t.r, h);
+    out_proj_add(b, t.y, w.out_proj, t.r, h, w.route_ahead.as_ref());
+}
+
+/// A decode step's output projection added into h, folding the MoE router `next` into it when
+/// the backend said it would (`Backend::route_ahead`).
+pub fn out_proj_add<B: Backend + ?Sized>(
+    b: &B,
+    x: &B::Buf,
+    w: &B::Mat,
+    r: &mut B::Buf,
+    h: &mut B::Buf,
+    next: Option<&RouteAhead<'_, B>>,
+) {
+    match next {
+        Some(n) => b.matmul_q_add_ahead(x, w, r, h, n),
+        None => b.matmul_q_add(x, w, 1, r, h),
+    }
 }
 
 /// Hardware limits measured on the machine a backend runs on.

@@ -22,7 +22,7 @@ use std::time::Instant;
 use anyhow::Result;
 
 use super::{
-    Backend, Dims, GdnParams, GdnScratch, GdnWeights, KvCache, MoeScratch, MoeWeights,
+    Backend, Dims, GdnParams, GdnScratch, GdnWeights, KvCache, MoeScratch, MoeWeights, RouteAhead,
     RouterScratch, SharedExpert,
 };
 use crate::loader::tensor::HostLinear;
@@ -454,6 +454,7 @@ impl<B: Backend> Backend for Profiled<B> {
                 conv1d: w.conv1d,
                 params: w.params,
                 out_proj: &w.out_proj.inner,
+                route_ahead: w.route_ahead.as_ref().map(inner_ahead),
             };
             let ti = GdnScratch::<B> {
                 xn: tmp.xn,
@@ -498,6 +499,7 @@ impl<B: Backend> Backend for Profiled<B> {
                 logits: r.logits,
                 s: r.s,
                 route: r.route,
+                ahead: r.ahead,
             };
             return self
                 .inner
@@ -516,6 +518,24 @@ impl<B: Backend> Backend for Profiled<B> {
     ) {
         let family = format!("{} + add", w.family);
         self.time(&family, || self.inner.matmul_q_add(x, &w.inner, rows, r, h))
+    }
+    // Profiled, the ops run unfused (each charged to its own family): no fold.
+    fn route_ahead(&self, out: &Self::Mat, next: &RouteAhead<'_, Self>) -> bool {
+        !self.prof.is_on() && self.inner.route_ahead(&out.inner, &inner_ahead(next))
+    }
+    fn matmul_q_add_ahead(
+        &self,
+        x: &Self::Buf,
+        w: &Self::Mat,
+        r: &mut Self::Buf,
+        h: &mut Self::Buf,
+        next: &RouteAhead<'_, Self>,
+    ) {
+        let family = format!("{} + add", w.family);
+        let n = inner_ahead(next);
+        self.time(&family, || {
+            self.inner.matmul_q_add_ahead(x, &w.inner, r, h, &n)
+        })
     }
     fn moe_decode_add(
         &self,
@@ -843,5 +863,14 @@ mod tests {
         assert_eq!(r.ops.len(), 1);
         assert_eq!((r.ops[0].family.as_str(), r.ops[0].calls), ("add", 2));
         assert!(r.table().contains("add"));
+    }
+}
+
+/// The wrapped backend's view of a folded router.
+fn inner_ahead<'a, B: Backend>(n: &RouteAhead<'a, Profiled<B>>) -> RouteAhead<'a, B> {
+    RouteAhead {
+        router: &n.router.inner,
+        shared_gate: &n.shared_gate.inner,
+        norm: n.norm,
     }
 }

@@ -20,7 +20,7 @@ use anyhow::{bail, Result};
 
 use crate::backend::{
     add_shared_expert, Backend, Dims, GdnParams, GdnScratch, GdnWeights, MoeScratch, MoeWeights,
-    RouterScratch, SharedExpert,
+    RouteAhead, RouterScratch, SharedExpert,
 };
 use crate::loader::{HostWeights, Mixer};
 use crate::model::state::{LayerState, SeqState};
@@ -654,6 +654,18 @@ impl<B: Backend> Qwen35<B> {
                     tp.push(b.to_host(&s.h, t * hd)?);
                 }
             }
+            // A decode step may fold the MoE block's router into the mixer's output projection
+            // (Backend::route_ahead): the projection then leaves the router's sums for moe().
+            let next = RouteAhead {
+                router: &layer.moe.router,
+                shared_gate: &layer.moe.shared_expert_gate,
+                norm: &layer.post_norm,
+            };
+            let out_proj = match &layer.mixer {
+                MixerLayer::Gdn(g) => &g.out_proj,
+                MixerLayer::Attn(a) => &a.o_proj,
+            };
+            let ahead = (decode && b.route_ahead(out_proj, &next)).then_some(next);
             // h = h + mixer(rms_norm(h, input_norm))
             match (&layer.mixer, ls) {
                 (MixerLayer::Gdn(g), LayerState::Gdn { conv, ssm }) if decode => {
@@ -662,6 +674,7 @@ impl<B: Backend> Qwen35<B> {
                         conv1d: &g.conv1d,
                         params: &g.params,
                         out_proj: &g.out_proj,
+                        route_ahead: ahead,
                     };
                     let tmp = GdnScratch {
                         xn: &mut s.xn,
@@ -741,18 +754,22 @@ impl<B: Backend> Qwen35<B> {
                         );
                         b.attn_prefill(&s.q, &s.k, &s.v, &s.gate, kv, d, t, pos0, &mut s.o);
                     }
-                    b.matmul_q_add(&s.o, &a.o_proj, t, &mut s.r, &mut s.h);
+                    match &ahead {
+                        Some(n) => b.matmul_q_add_ahead(&s.o, &a.o_proj, &mut s.r, &mut s.h, n),
+                        None => b.matmul_q_add(&s.o, &a.o_proj, t, &mut s.r, &mut s.h),
+                    }
                 }
                 _ => bail!("layer {i}: state does not match the layer kind"),
             }
             // h = h + moe(rms_norm(h, post_norm))
-            self.moe(layer, s, t, decode);
+            self.moe(layer, s, t, decode, ahead.is_some());
         }
         Ok(())
     }
 
     /// h += Σ_j w_j · expert_j(x) + sigmoid(shared_gate(x)) · shared_expert(x), x = rms_norm(h, post_norm).
-    fn moe(&self, layer: &Layer<B>, s: &mut Scratch<B>, t: usize, decode: bool) {
+    /// `ahead`: the projection before folded the router (Backend::route_ahead).
+    fn moe(&self, layer: &Layer<B>, s: &mut Scratch<B>, t: usize, decode: bool, ahead: bool) {
         let b = &self.backend;
         let d = &self.dims;
         let m = &layer.moe;
@@ -781,6 +798,7 @@ impl<B: Backend> Qwen35<B> {
                 logits: &mut s.router_logits,
                 s: &mut s.s,
                 route: &mut s.route,
+                ahead,
             };
             b.moe_step_add(&mut s.h, &layer.post_norm, d.eps, &w, d, r, tmp);
             return;

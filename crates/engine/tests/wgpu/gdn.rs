@@ -279,6 +279,7 @@ fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
         conv1d: &conv_w,
         params: &cp,
         out_proj: &cout,
+        route_ahead: None,
     };
     let gm: Vec<_> = mats.iter().map(|m| g.upload_mat(m).unwrap()).collect();
     let gout = g.upload_mat(&outp).unwrap();
@@ -294,6 +295,7 @@ fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
         conv1d: &gconv_w,
         params: &gp,
         out_proj: &gout,
+        route_ahead: None,
     };
     let paths = [
         ("conv in in_proj, gdn_step_x", "v6", "x"),

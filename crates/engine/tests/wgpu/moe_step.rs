@@ -222,6 +222,7 @@ fn gpu_step(
             logits: &mut lg,
             s: &mut sl,
             route: &mut route,
+            ahead: false,
         },
         tmp.tmp(),
     );

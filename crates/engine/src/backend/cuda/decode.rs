@@ -20,7 +20,8 @@ use std::sync::Mutex;
 use cudarc::driver::sys;
 
 use super::{
-    grid1, Arg, Buf, Cuda, Dims, Fmt, Mat, MoeWeights, QMat, Route, RouterScratch, SharedExpert,
+    grid1, Arg, Buf, Cuda, Dims, Fmt, Mat, MoeWeights, QMat, Route, RouteAhead, RouterScratch,
+    SharedExpert,
 };
 
 /// `struct SwArgs` of gemv.cu (same layout).
@@ -49,6 +50,68 @@ pub(super) struct SwArgs {
     dv: i32,
     rblock: i32,
     pad: i32,
+    fr: QMat,
+    fs: QMat,
+    fnw: u64,
+    facc: u64,
+    fe: i32,
+    fpad: i32,
+}
+
+impl SwArgs {
+    /// No matrices, no prologue inputs, no route, no fold: the fields each launch then sets.
+    fn empty() -> Self {
+        SwArgs {
+            m: [QMat::none(); 4],
+            out: [0; 4],
+            obf: [0; 4],
+            bstart: [0; 5],
+            n: 0,
+            x: 0,
+            nw: 0,
+            xn: 0,
+            rids: 0,
+            rwts: 0,
+            counter: 0,
+            eps: 0.0,
+            re: 0,
+            rk: 0,
+            ntopk: 0,
+            cw: 0,
+            cst: 0,
+            zp: 0,
+            ck: 0,
+            dv: 0,
+            rblock: 0,
+            pad: 0,
+            fr: QMat::none(),
+            fs: QMat::none(),
+            fnw: 0,
+            facc: 0,
+            fe: 0,
+            fpad: 0,
+        }
+    }
+}
+
+/// `struct RaArgs` of gemv.cu (same layout): route_ahead's arguments.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RaArgs {
+    h: u64,
+    nw: u64,
+    acc: u64,
+    xn: u64,
+    logits: u64,
+    s: u64,
+    ids: u64,
+    wts: u64,
+    eps: f32,
+    e: i32,
+    k: i32,
+    ntopk: i32,
+    rblock: i32,
+    sbf: i32,
 }
 
 /// `struct SwMoe` of moe.cu (same layout).
@@ -215,7 +278,112 @@ impl Cuda {
     /// `outs[i] (type obf[i]: 0 f32, 1 bf16, 2 f32 +=) = x · ws[i]ᵀ` for one row of x, one launch
     /// (callers check `sw_fits` and the buffers).
     pub(super) fn sw_gemv(&self, x: SwX<'_>, ws: &[&Mat], outs: &[(u64, i32)]) {
-        self.sw_gemv_route(x, ws, outs, None, None)
+        self.sw_gemv_route(x, ws, outs, None, None, None)
+    }
+
+    /// Rows per batch of the SIMT streaming GEMV (sw_gemv_<B>_<C>_<U>_*) over matrices of width
+    /// `k` and `bits`: RW = 32 / C rows a load, U loads.
+    fn sw_rb(k: usize, bits: usize) -> usize {
+        let rw = 32 / (k / 256);
+        let u = if bits == 8 {
+            2
+        } else {
+            Self::sw_u(rw, SW_MAXRB, &[2, 4], 4)
+        };
+        rw * u
+    }
+
+    /// Whether the decode projection `out` (added into h) can fold the MoE router `next` into its
+    /// launch (gemv.cu's AHEAD, Backend::route_ahead): switch `route_ahead` (and the streaming
+    /// GEMV with its residual add) on, `out` a one-stack streaming GEMV on the SIMT loop, an 8-bit
+    /// router | shared gate of K = out's rows whose group size the batch's rows divide, E < 512,
+    /// and a hidden size route_ahead_<C> takes (256·C, C | 16).
+    pub(super) fn ahead_fits(&self, out: &Mat, next: &RouteAhead<'_, Cuda>) -> bool {
+        let (r, sg) = (next.router, next.shared_gate);
+        let hid = out.out;
+        let Some(bits) = Self::sw_bits(out.fmt) else {
+            return false;
+        };
+        let rb = Self::sw_rb(out.inp, bits);
+        self.on("route_ahead")
+            && self.on("fuse_residual")
+            && self.sw_fits(&[out])
+            && !(self.on("tc_gemv") && self.opted_in("tc_all"))
+            && !self.opted_in("gemv_wide")
+            && rb.is_multiple_of(4)
+            && [r, sg].iter().all(|m| {
+                Self::sw_bits(m.fmt) == Some(8)
+                    && m.n == 1
+                    && m.inp == hid
+                    && m.gs.is_multiple_of(rb)
+            })
+            && sg.out == 1
+            && (1..512).contains(&r.out)
+            && hid.is_multiple_of(256)
+            && 16 % (hid / 256) == 0
+            && next.norm.len >= hid
+    }
+
+    /// `h += x · wᵀ` (one row) with the MoE router `next` folded into the launch (callers check
+    /// `ahead_fits` and the buffers).
+    pub(super) fn ahead_gemv(&self, x: SwX<'_>, w: &Mat, h: &Buf, next: &RouteAhead<'_, Cuda>) {
+        self.sw_gemv_route(x, &[w], &[(h.mem.ptr, 2)], None, None, Some(next));
+    }
+
+    /// The MoE block's router after a projection that folded it (gemv.cu's route_ahead_<C>): the
+    /// logits, the shared gate's logit, x = rms_norm(h) · norm into `r.xn` and the route, from
+    /// the projection's sums (which it leaves at zero). Callers check the operands.
+    pub(super) fn route_ahead_launch(
+        &self,
+        h: &Buf,
+        norm: &Buf,
+        eps: f32,
+        e: usize,
+        d: &Dims,
+        r: &mut RouterScratch<'_, Cuda>,
+    ) {
+        let Some(acc) = self.ahead_acc(e) else {
+            return;
+        };
+        let hid = d.hidden;
+        let k = d.top_k;
+        let p = RaArgs {
+            h: h.mem.ptr,
+            nw: norm.mem.ptr,
+            acc,
+            xn: r.xn.mem.ptr,
+            logits: r.logits.mem.ptr,
+            s: r.s.mem.ptr,
+            ids: r.route.ids.ptr,
+            wts: r.route.weights.ptr,
+            eps,
+            e: e as i32,
+            k: k as i32,
+            ntopk: d.norm_topk as i32,
+            rblock: self.route_kind(e, k),
+            sbf: r.s.bf16(),
+        };
+        r.route.k = k;
+        let name = format!("route_ahead_{}", hid / 256);
+        self.launch(&name, (1, 1, 1), 256, 0, &[Arg::R(Box::new(p))]);
+    }
+
+    /// The fold's fixed-point sums, `[E + 1]` i64 (zeroed when allocated; route_ahead leaves them
+    /// at zero after reading).
+    fn ahead_acc(&self, e: usize) -> Option<u64> {
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        self.scratch(&mut sc, "route_ahead", 8 * (e + 1))
+    }
+
+    /// How a whole block routes E experts to the top k (gemv.cu's ROUTE, `rblock`): 1
+    /// route_block (switch `route_block`, E <= 256), 2 route_sort (opt-in, k <= 8 too), 0
+    /// route_warp.
+    fn route_kind(&self, e: usize, k: usize) -> i32 {
+        match (self.on("route_block") && e <= 256, k <= 8) {
+            (false, _) => 0,
+            (true, true) if self.opted_in("route_sort") => 2,
+            (true, _) => 1,
+        }
     }
 
     /// `sw_gemv`, routing the token in the last block (`route`: the route to write, top-k, whether
@@ -228,16 +396,13 @@ impl Cuda {
         outs: &[(u64, i32)],
         route: Option<(&Route, usize, bool)>,
         conv: Option<SwConv<'_>>,
+        ahead: Option<&RouteAhead<'_, Cuda>>,
     ) {
         let k = ws[0].inp;
         let bits = Self::sw_bits(ws[0].fmt).expect("sw_fits");
         let rw = 32 / (k / 256);
         // 8-bit (the router): U = 2 only (gemv.cu's instantiations).
-        let u = if bits == 8 {
-            2
-        } else {
-            Self::sw_u(rw, SW_MAXRB, &[2, 4], 4)
-        };
+        let u = Self::sw_rb(k, bits) / rw;
         let pro = match x {
             SwX::Act(_) => 0,
             SwX::Norm { .. } => 1,
@@ -255,12 +420,14 @@ impl Cuda {
         // The opt-in wide form (gemv.cu's gemv_wide_*) wins over both when it applies: with
         // `gemv_wide` on, K = 2048 goes there instead of tc_gemv (on by default), K = 4096
         // instead of the SIMT loop (or tc_all's tensor cores). Its rows per block, else None.
-        let wide = self.gemv_wide_rows(ws, k, pro, route.is_some());
+        // The fold (AHEAD) lives in the SIMT loop only.
+        let wide = self.gemv_wide_rows(ws, k, pro, route.is_some() || ahead.is_some());
         // On by default for K = 2048 only (measured faster there; `tc_all` for the rest).
         let tc = wide.is_none()
             && match tc_geom {
                 Some((_, nw)) => {
                     route.is_none()
+                        && ahead.is_none()
                         && bits == 4
                         && ws.iter().all(|w| w.gs == 64)
                         && (pro == 0 || (pro == 1 && nw == 8))
@@ -286,28 +453,8 @@ impl Cuda {
             None => rw * u,
         };
         let mut p = SwArgs {
-            m: [QMat::none(); 4],
-            out: [0; 4],
-            obf: [0; 4],
-            bstart: [0; 5],
             n: ws.len() as i32,
-            x: 0,
-            nw: 0,
-            xn: 0,
-            rids: 0,
-            rwts: 0,
-            counter: 0,
-            eps: 0.0,
-            re: 0,
-            rk: 0,
-            ntopk: 0,
-            cw: 0,
-            cst: 0,
-            zp: 0,
-            ck: 0,
-            dv: 0,
-            rblock: 0,
-            pad: 0,
+            ..SwArgs::empty()
         };
         for (i, (w, o)) in ws.iter().zip(outs).enumerate() {
             p.m[i] = w.q();
@@ -355,11 +502,17 @@ impl Cuda {
             p.ntopk = norm as i32;
             // The whole last block routes (route.cuh, 256 threads, E <= 256): route_block, or
             // route_sort (opt-in) for k <= 8.
-            p.rblock = match (self.on("route_block") && ws[0].out <= 256, k <= 8) {
-                (false, _) => 0,
-                (true, true) if self.opted_in("route_sort") => 2,
-                (true, _) => 1,
+            p.rblock = self.route_kind(ws[0].out, k);
+        }
+        if let Some(n) = ahead {
+            let Some(acc) = self.ahead_acc(n.router.out) else {
+                return;
             };
+            p.fr = n.router.q();
+            p.fs = n.shared_gate.q();
+            p.fnw = n.norm.mem.ptr;
+            p.facc = acc;
+            p.fe = n.router.out as i32;
         }
         if let Some(rpb) = wide {
             // Every block at once (no batch loop): G = RPB / RW row groups, shared memory
@@ -416,28 +569,17 @@ impl Cuda {
             return false;
         }
         let mut p = SwArgs {
-            m: [QMat::none(); 4],
-            out: [0; 4],
-            obf: [0; 4],
-            bstart: [0; 5],
             n: 2,
             x: h.mem.ptr,
             nw: w.mem.ptr,
             xn: xn.map_or(0, |b| b.mem.ptr),
             rids: route.ids.ptr,
             rwts: route.weights.ptr,
-            counter: 0,
             eps,
             re: r.out as i32,
             rk: k as i32,
             ntopk: norm as i32,
-            cw: 0,
-            cst: 0,
-            zp: 0,
-            ck: 0,
-            dv: 0,
-            rblock: 0,
-            pad: 0,
+            ..SwArgs::empty()
         };
         p.m[0] = r.q();
         p.m[1] = sg.q();
@@ -742,7 +884,7 @@ impl Cuda {
     }
 
     /// The operands of moe_step_add checked (a failure is recorded: the op is then skipped).
-    fn moe_step_operands_ok(
+    pub(super) fn moe_step_operands_ok(
         &self,
         h: &Buf,
         norm: &Buf,

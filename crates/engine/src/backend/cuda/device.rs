@@ -213,6 +213,7 @@ impl Cuda {
                 Arg::S(v) => &**v as *const decode::SwArgs as *mut c_void,
                 Arg::E(v) => &**v as *const decode::SwMoe as *mut c_void,
                 Arg::T(v) => &**v as *const decode::SwStep as *mut c_void,
+                Arg::R(v) => &**v as *const decode::RaArgs as *mut c_void,
                 Arg::A(v) => &**v as *const attention::DecQk as *mut c_void,
             })
             .collect();

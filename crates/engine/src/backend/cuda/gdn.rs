@@ -227,21 +227,22 @@ impl Cuda {
                 state: conv,
                 k: kc,
             }),
+            None,
         );
         let Some(y) = self.gdn_scan_norm(t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, 1, None) else {
             return true;
         };
-        self.sw_gemv(
-            super::decode::SwX::Gated {
-                y,
-                z: t.z,
-                w: &w.params.norm,
-                eps: d.eps,
-                dv,
-            },
-            &[w.out_proj],
-            &[(h.mem.ptr, 2)],
-        );
+        let x = super::decode::SwX::Gated {
+            y,
+            z: t.z,
+            w: &w.params.norm,
+            eps: d.eps,
+            dv,
+        };
+        match &w.route_ahead {
+            Some(n) => self.ahead_gemv(x, w.out_proj, h, n),
+            None => self.sw_gemv(x, &[w.out_proj], &[(h.mem.ptr, 2)]),
+        }
         true
     }
 
@@ -279,7 +280,7 @@ impl Cuda {
         self.gdn_step(
             t.qkv, t.z, t.b, t.a, w.conv1d, w.params, conv, ssm, d, cl, t.qkv_c, t.y,
         );
-        self.matmul_q_add(t.y, w.out_proj, 1, t.r, h);
+        super::super::out_proj_add(self, t.y, w.out_proj, t.r, h, w.route_ahead.as_ref());
         true
     }
 

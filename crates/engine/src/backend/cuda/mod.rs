@@ -97,7 +97,8 @@ use cudarc::driver::{
 };
 
 use super::{
-    Backend, Dims, GdnParams, KvCache, MoeScratch, MoeWeights, RouterScratch, SharedExpert,
+    Backend, Dims, GdnParams, KvCache, MoeScratch, MoeWeights, RouteAhead, RouterScratch,
+    SharedExpert,
 };
 use crate::loader::tensor::{bf16_to_f32, f32_to_bf16, Dtype, HostLinear, HostTensor, LinearKind};
 
@@ -381,6 +382,7 @@ enum Arg {
     S(Box<decode::SwArgs>),
     E(Box<decode::SwMoe>),
     T(Box<decode::SwStep>),
+    R(Box<decode::RaArgs>),
     A(Box<attention::DecQk>),
 }
 
@@ -1097,7 +1099,7 @@ impl Backend for Cuda {
             };
             let outs = [(logits.mem.ptr, 0), (s.mem.ptr, s.bf16())];
             if !self.router_cluster(x, &ws, &outs, route, k, d.norm_topk) {
-                self.sw_gemv_route(x, &ws, &outs, Some((route, k, d.norm_topk)), None);
+                self.sw_gemv_route(x, &ws, &outs, Some((route, k, d.norm_topk)), None, None);
             }
         }
     }
@@ -1141,6 +1143,29 @@ impl Backend for Cuda {
             self.matmul_into(x, w, rows, h.mem.ptr, 2);
         }
     }
+    fn route_ahead(&self, out: &Mat, next: &RouteAhead<'_, Self>) -> bool {
+        self.ahead_fits(out, next)
+    }
+    fn matmul_q_add_ahead(
+        &self,
+        x: &Buf,
+        w: &Mat,
+        _r: &mut Buf,
+        h: &mut Buf,
+        next: &RouteAhead<'_, Self>,
+    ) {
+        let op = "matmul_q_add_ahead";
+        // The model asked route_ahead first: not folding now would leave moe_step_add's sums
+        // empty, so it is an error rather than a silent fallback.
+        if !(self.ensure(self.ahead_fits(w, next), || {
+            format!("{op}: the projection cannot fold the router (route_ahead said no)")
+        }) && self.act_ok(x, w.inp, "x", op)
+            && self.buf_ok(h, w.out, "h", op))
+        {
+            return;
+        }
+        self.ahead_gemv(decode::SwX::Act(x), w, h, next);
+    }
     fn moe_decode_add(
         &self,
         x: &Buf,
@@ -1175,6 +1200,21 @@ impl Backend for Cuda {
         mut r: RouterScratch<'_, Self>,
         tmp: MoeScratch<'_, Self>,
     ) {
+        if r.ahead {
+            // The projection before summed the router (matmul_q_add_ahead): route from its sums,
+            // then the experts as after moe_router.
+            if self.moe_step_operands_ok(h, norm, w, d, &r) {
+                self.route_ahead_launch(h, norm, eps, w.router.out, d, &mut r);
+            }
+            let shared = SharedExpert {
+                gate: w.shared_gate_proj,
+                up: w.shared_up_proj,
+                down: w.shared_down_proj,
+                logit: r.s,
+            };
+            self.moe_decode_add(r.xn, r.route, w.gate, w.up, w.down, &shared, d, tmp, h);
+            return;
+        }
         if !self.moe_step(h, norm, eps, w, d, &mut r) {
             super::moe_step_compose(self, h, norm, eps, w, d, r, tmp);
         }

@@ -41,6 +41,12 @@ use super::{Cuda, Records};
 ///   and weights bit for bit (cuda_ops, exact ties included). Decode on the H200 (two rounds
 ///   alternated): 4K 556.0 / 547.1 against 539.5 / 539.3 tok/s, 128K 389.7 / 390.5 against
 ///   385.5 / 380.9; off, route_warp.
+/// * `route_ahead`: an MoE block's router folded into the decode projection before it (out_proj,
+///   o_proj; Backend::route_ahead, gemv.cu's AHEAD and route_ahead_<C>): the projection's blocks
+///   sum each router row against the rows of h they have just written, and a one-block launch
+///   scales the sums by the norm, writes x and routes, where the router was a launch of its own
+///   (norm prologue, 0.6 MB of dots, route in its last block). The logits differ from the
+///   router's in where x is rounded (cuda_ops route_ahead test); off, moe_router's launch.
 pub const SWITCHES: &[&str] = &[
     "stream_gemv",
     "fuse_norm",
@@ -52,6 +58,7 @@ pub const SWITCHES: &[&str] = &[
     "gdn_step",
     "moe_wide",
     "route_block",
+    "route_ahead",
 ];
 /// The switches that do not live in the streaming kernels (`stream_gemv` off leaves them as set).
 pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];

@@ -33,6 +33,17 @@
 // default, 2-3% faster decode), route_sort (`rblock` 2, opt-in `route_sort`: per-warp bitonic
 // sorts and a 64-candidate rank, k <= 8) or route_warp (one warp, k arg-max rounds): the same ids
 // and weights.
+// AHEAD (fe != 0: a decode step's out_proj / o_proj folding the next MoE block's router,
+// Backend::route_ahead; one f32-add output, no route): after each batch's residual add the block
+// takes the batch's RB new rows of h, times the block's norm weight, and every thread e of the
+// block sums router row e (and the shared gate's, e = E) over those RB columns: the router
+// logits before the norm's scale, Σ_k R[e, k] · w[k] · h[k], split by rows of h across the
+// blocks. Each block adds its sums into facc as 2^-32 fixed point (integer atomics: the total is
+// the same whatever order the blocks arrive in, so a recorded step equals its op-by-op run);
+// route_ahead_<C> (below) scales them by the norm's 1 / rms and routes. Why: the router's own
+// launch (norm prologue, 0.6 MB of dots, route in a last block) is a chain of ~10 µs a layer in
+// place on the H200 for 1.8% of the step's bytes. Needs RB a multiple of 4 dividing the
+// router's group size (a batch's columns in one group) and E + 1 <= 512 (two sums a thread).
 
 #define SW_MAXRB 128  // rows per batch at most (C = 1, U = 4)
 
@@ -59,7 +70,38 @@ struct SwArgs {
     int dv;       // PRO 2: value head size (a multiple of 32, dv / 32 a power of two)
     int rblock;   // ROUTE: the whole last block routes (E <= 256): 1 route_block, 2 route_sort (k <= 8)
     int pad;
+    QMat fr;      // AHEAD: the router, 8-bit [E, out[0]'s rows]
+    QMat fs;      // AHEAD: the shared expert's gate, 8-bit [1, out[0]'s rows]
+    u64 fnw;      // AHEAD: the MoE block's norm weight, const float* [out[0]'s rows]
+    u64 facc;     // AHEAD: long long* [E + 1] fixed-point sums, left at zero by route_ahead
+    int fe;       // AHEAD: E (0: no fold)
+    int fpad;
 };
+
+// AHEAD: one thread's sum of router row e (or the shared gate's, e = E) over columns row0 ..
+// row0 + RB of the batch (x = the new h times the norm weight, in shared memory): s·Σ q·x +
+// b·Σ x, the affine 8-bit dequantisation of cpu/matmul.rs.
+template <int RB>
+__device__ __forceinline__ float sw_ahead_dot(const SwArgs& p, int e, int row0, const float* x) {
+    // Selected by value, as sw_mat does (a dynamic choice of parameter address would copy the
+    // argument block to local memory).
+    QMat m = p.fr;
+    if (e >= p.fe) m = p.fs;
+    const int o = e < p.fe ? e : 0;
+    const u32* w = (const u32*)m.w + ((u64)o * (u64)m.inp + (u64)row0) / 4;
+    const u64 g = (u64)o * (u64)(m.inp / m.gs) + (u64)(row0 / m.gs);
+    float q = 0.0f, xs = 0.0f;
+#pragma unroll
+    for (int j = 0; j < RB / 4; j++) {
+        const u32 v = __ldg(w + j);
+#pragma unroll
+        for (int b = 0; b < 4; b++) {
+            q = fmaf((float)((v >> (8 * b)) & 0xFFu), x[4 * j + b], q);
+            xs += x[4 * j + b];
+        }
+    }
+    return ld_sb((const u16*)m.s, g) * q + ld_sb((const u16*)m.b, g) * xs;
+}
 
 __device__ __forceinline__ void sw_locate(const SwArgs& p, int bt, int rb, int& mi, int& row0) {
     mi = 0;
@@ -152,6 +194,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     static_assert(RB <= SW_MAXRB, "batch larger than the reduction buffer");
     __shared__ float red[2][SW_WARPS][RB];
     __shared__ float sh[32];
+    __shared__ float fx[RB];  // AHEAD: the batch's new rows of h times the norm weight
     __shared__ __align__(16) float wn[PRO == 1 ? 256 * C : 4];  // PRO 1: the norm weight
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int c = lane & (C - 1), r = lane / C;
@@ -190,6 +233,8 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     const float xs = sw_x_pro<C, PRO>(p, wn, ch, r, sh, xv);
     TRACE_MARK(1);  // x ready
 
+    // AHEAD: this thread's router sums (rows tid and tid + 256 of [router; shared gate]).
+    float za[2] = {0.0f, 0.0f};
     // Two register sets: batch bt in `cur` while batch bt + gridDim.x loads into `nxt`.
     int par = 0;
     auto step = [&](SwUnit<BITS> (&cur)[U], SwUnit<BITS> (&nxt)[U]) -> bool {
@@ -212,7 +257,31 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
 #pragma unroll
             for (int w = 0; w < SW_WARPS; w++) v += red[par][w][tid];
             const int o = cur_row0 + tid;
-            if (o < cur_out) sw_store(p, cur_mi, o, v);
+            if (p.fe != 0) {
+                // AHEAD (one f32-add output): the residual add as store_out's obf 2, then the new
+                // row times the norm weight for the router sums.
+                float hn = 0.0f;
+                if (o < cur_out) {
+                    float* hp = (float*)p.out[0] + o;
+                    hn = *hp + v;
+                    *hp = hn;
+                    hn *= ((const float*)p.fnw)[o];
+                }
+                fx[tid] = hn;
+            } else if (o < cur_out) {
+                sw_store(p, cur_mi, o, v);
+            }
+        }
+        if constexpr (RB % 4 == 0) {
+            if (p.fe != 0) {
+                __syncthreads();
+#pragma unroll
+                for (int i = 0; i < 2; i++) {
+                    const int e = tid + 256 * i;
+                    if (e <= p.fe) za[i] += sw_ahead_dot<RB>(p, e, cur_row0, fx);
+                }
+                // fx is rewritten by the next batch only after its own barrier (above).
+            }
         }
         par ^= 1;
         bt = nbt;
@@ -221,6 +290,14 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     while (step(un, un2) && step(un2, un)) {
     }
     TRACE_MARK(2);  // every batch reduced and stored
+    if (p.fe != 0) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int e = tid + 256 * i;
+            if (e <= p.fe && za[i] != 0.0f)
+                atomicAdd((unsigned long long*)p.facc + e, (unsigned long long)__float2ll_rn(za[i] * 4294967296.0f));
+        }
+    }
     if (p.rids != 0) {
         // Route in the last block to finish (moe_route's arithmetic, route.cuh): each block makes
         // its logits visible, then takes a ticket; the last ticket's block routes and resets the
@@ -252,6 +329,74 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
 SW_GEMV_C(4, 4)
 SW_GEMV_C(4, 2)
 SW_GEMV_C(8, 2)
+
+// ---- route_ahead_<C> (Backend::moe_step_add with RouterScratch::ahead): the MoE block's router
+// after a projection that folded it (AHEAD above). One block of 256 threads, K = 256·C:
+//   rr = 1 / rms(h) (sw_rms_scale: the rms_norm kernel's arithmetic), xn = bf16(h · rr · w) (the
+//   norm prologue's expression, so the experts read the bits moe_router's launch writes), the
+//   logits = rr · (the projection's sums) and the shared gate's logit likewise, the sums reset
+//   to zero for the next layer's projection, then the route (route.cuh: route_block, route_sort
+//   or route_warp, as the router's last block) from the logits.
+// Matches Backend::moe_router (rms_norm_matmul + moe_route) but for where x is rounded: the
+// logits are Σ R·w·h scaled once, not Σ R·bf16(h·rr·w) (cuda_ops route_ahead test states the
+// bound). It launches its dependents first (the experts' gate|up requests its shared expert's
+// weights before its wait).
+
+struct RaArgs {
+    u64 h;       // const float* [K]: the residual stream after the projection's add
+    u64 nw;      // const float* [K]: the MoE block's norm weight
+    u64 acc;     // long long* [E + 1]: the projection's 2^-32 fixed-point sums; zeroed here
+    u64 xn;      // u16* [K]
+    u64 logits;  // float* [E]
+    u64 s;       // the shared gate's logit [1] (store_out type sbf)
+    u64 ids;     // u32* [k]
+    u64 wts;     // float* [k]
+    float eps;
+    int e;       // experts, E <= 511
+    int k;
+    int ntopk;
+    int rblock;  // 1 route_block, 2 route_sort, 0 route_warp (gemv.cu's ROUTE)
+    int sbf;
+};
+
+template <int C>
+__device__ __forceinline__ void route_ahead_body(const RaArgs& p) {
+    constexpr int K = 256 * C;
+    __shared__ float sh[32];
+    const int tid = threadIdx.x;
+    PDL_WAIT();
+    const float* h = (const float*)p.h;
+    const float* w = (const float*)p.nw;
+    const float rr = sw_rms_scale<K, 256>(h, p.eps, sh);
+#pragma unroll
+    for (int j = 0; j < C; j++) {
+        const int i = tid + 256 * j;
+        ((u16*)p.xn)[i] = bf16_rn(h[i] * rr * w[i]);
+    }
+    for (int e = tid; e <= p.e; e += 256) {
+        long long* a = (long long*)p.acc + e;
+        const float v = (float)*a * (1.0f / 4294967296.0f) * rr;
+        *a = 0;
+        if (e < p.e) ((float*)p.logits)[e] = v;
+        else store_out((void*)p.s, 0, v, p.sbf);
+    }
+    __syncthreads();  // the logits, written above, visible to the block's route
+    if (p.rblock == 2) route_sort((const float*)p.logits, (u32*)p.ids, (float*)p.wts, p.e, p.k, p.ntopk);
+    else if (p.rblock) route_block((const float*)p.logits, (u32*)p.ids, (float*)p.wts, p.e, p.k, p.ntopk);
+    else if (tid < 32) route_warp((const float*)p.logits, (u32*)p.ids, (float*)p.wts, p.e, p.k, p.ntopk, tid);
+}
+
+#define ROUTE_AHEAD_KERNEL(C)                                                               \
+    extern "C" __global__ void __launch_bounds__(256) route_ahead_##C(RaArgs p) {          \
+        KTRACE();                                                                           \
+        PDL_LAUNCH();                                                                       \
+        route_ahead_body<C>(p);                                                             \
+    }
+ROUTE_AHEAD_KERNEL(1)
+ROUTE_AHEAD_KERNEL(2)
+ROUTE_AHEAD_KERNEL(4)
+ROUTE_AHEAD_KERNEL(8)
+ROUTE_AHEAD_KERNEL(16)
 
 // ---- gemv_wide_<B>_<C>_<RPB>_<PRO> (opt-in switch `gemv_wide`): the decode projections with every
 // block's weights requested at once (wide.cuh), the same function as sw_gemv_<B>_<C>_<U>_<PRO>
