@@ -29,7 +29,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use cudarc::driver::{sys, CudaGraph};
 
 use super::{Arg, Cuda, Fmt, Mat, Mem, SWITCHES};
-use crate::backend::{Backend, Dims, MoeScratch, SharedExpert};
+use crate::backend::{Backend, Dims, MoeScratch, RouteAhead, RouterScratch, SharedExpert};
 use crate::rng::Rng;
 use crate::Config;
 
@@ -76,6 +76,10 @@ pub const CASES: &[Case] = &[
     Case {
         short: "route",
         name: "moe_route",
+    },
+    Case {
+        short: "ahead",
+        name: "out_proj + router folded (route_ahead)",
     },
     Case {
         short: "experts",
@@ -625,6 +629,10 @@ impl Lab<'_> {
                 self.norm_matmul(&[(cfg.vocab_size, hd, bits)], &[true], gs, calls, &mut rng)
             }
             "out_proj" => self.matmul_add(cfg.gdn_v_dim(), bits, gs, &mut rng),
+            "ahead" => {
+                let rq = (gate_q.bits, gate_q.group_size);
+                self.out_proj_ahead(cfg.gdn_v_dim(), bits, gs, rq, &mut rng)
+            }
             "o_proj" => self.matmul_add(cfg.attn_q_dim(), bits, gs, &mut rng),
             "route" => {
                 let logits = g.upload_vec(&rand_vec(&mut rng, d.n_experts, -2.0, 2.0))?;
@@ -670,6 +678,65 @@ impl Lab<'_> {
             let ws: Vec<&Mat> = sets[i % copies].iter().collect();
             let mut os: Vec<&mut _> = outs.iter_mut().collect();
             g.rms_norm_matmul(&h, &w, 1, d.hidden, d.eps, &mut xn, &ws, &mut os);
+            Ok(())
+        })
+    }
+
+    /// GDN out_proj with the MoE router folded into it (switch `route_ahead`: matmul_q_add_ahead,
+    /// then route_ahead_<C>'s launch), or where the switch is off, out_proj then the router's own
+    /// launch (matmul_q_add, moe_router): compare `ahead` with LILY_CUDA_DISABLE=route_ahead.
+    /// The router | shared gate take `rq` (bits, group size).
+    fn out_proj_ahead(
+        &mut self,
+        inp: usize,
+        bits: u32,
+        gs: usize,
+        rq: (u32, usize),
+        rng: &mut Rng,
+    ) -> Result<Vec<LabRow>> {
+        let (g, d) = (self.cuda, self.d);
+        let hd = d.hidden;
+        let set = |lab: &mut Self| -> Result<Vec<Mat>> {
+            let mut m = lab.mats(&[(hd, inp, bits)], gs)?;
+            m.extend(lab.mats(&[(d.n_experts, hd, rq.0), (1, hd, rq.0)], rq.1)?);
+            Ok(m)
+        };
+        let mut sets = vec![set(self)?];
+        let bytes: usize = sets[0].iter().map(Mat::nbytes).sum();
+        let copies = self.copies(bytes);
+        for _ in 1..copies {
+            sets.push(set(self)?);
+        }
+        let y = g.upload_act(&rand_vec(rng, inp, -1.0, 1.0))?;
+        let w = g.upload_vec(&rand_vec(rng, hd, 0.9, 1.1))?;
+        let mut r = g.act_zeros(hd)?;
+        let mut h = g.upload_vec(&rand_vec(rng, hd, -1.0, 1.0))?;
+        let (mut xn, mut lg, mut s) = (g.act_zeros(hd)?, g.zeros(d.n_experts)?, g.zeros(1)?);
+        let mut route = g.new_route(1, d.top_k)?;
+        let calls = self.calls_for(self.calls, copies);
+        self.variants(bytes, copies, calls, &mut |i| {
+            let m = &sets[i % copies];
+            let next = RouteAhead {
+                router: &m[1],
+                shared_gate: &m[2],
+                norm: &w,
+            };
+            if g.route_ahead(&m[0], &next) {
+                g.matmul_q_add_ahead(&y, &m[0], &mut r, &mut h, &next);
+                let mut rs = RouterScratch {
+                    xn: &mut xn,
+                    logits: &mut lg,
+                    s: &mut s,
+                    route: &mut route,
+                    ahead: true,
+                };
+                g.route_ahead_launch(&h, &w, d.eps, d.n_experts, &d, &mut rs);
+            } else {
+                g.matmul_q_add(&y, &m[0], 1, &mut r, &mut h);
+                g.moe_router(
+                    &h, &w, 1, d.eps, &mut xn, &m[1], &m[2], &d, &mut lg, &mut s, &mut route,
+                );
+            }
             Ok(())
         })
     }
