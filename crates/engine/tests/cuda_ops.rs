@@ -2427,7 +2427,7 @@ fn moe_step_matches_its_composition_and_the_cpu() {
     }
 }
 
-/// Switch `route_ahead` (on by default; Backend::route_ahead): an MoE block's router folded into
+/// Opt-in `route_ahead` (Backend::route_ahead): an MoE block's router folded into
 /// the decode projection before it (matmul_q_add_ahead, then moe_step_add with
 /// RouterScratch::ahead), against the same backend's two ops without the fold (matmul_q_add, then
 /// moe_step_add: the router's own launch), at the full model's shapes (out_proj 4-bit [2048,
@@ -2481,6 +2481,7 @@ fn route_ahead_matches_the_router() {
         shared_gate: &gsg,
         norm: &gnw,
     };
+    g.set_enabled(&["route_ahead"]).unwrap();
     assert!(
         g.route_ahead(&gwo, &next),
         "the full model's out_proj must fold its router"
@@ -2622,6 +2623,7 @@ fn route_ahead_matches_the_router() {
             1,
         );
     }
+    g.set_enabled(&[]).unwrap();
 }
 
 /// The CPU's moe_decode_add of one token into a zero h (its scratch made here): the MoE output.

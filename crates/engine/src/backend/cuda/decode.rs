@@ -305,7 +305,7 @@ impl Cuda {
             return false;
         };
         let rb = Self::sw_rb(out.inp, bits);
-        self.on("route_ahead")
+        self.opted_in("route_ahead")
             && self.on("fuse_residual")
             && self.sw_fits(&[out])
             && !(self.on("tc_gemv") && self.opted_in("tc_all"))

@@ -682,9 +682,9 @@ impl Lab<'_> {
         })
     }
 
-    /// GDN out_proj with the MoE router folded into it (switch `route_ahead`: matmul_q_add_ahead,
-    /// then route_ahead_<C>'s launch), or where the switch is off, out_proj then the router's own
-    /// launch (matmul_q_add, moe_router): compare `ahead` with LILY_CUDA_DISABLE=route_ahead.
+    /// GDN out_proj with the MoE router folded into it (opt-in `route_ahead`: matmul_q_add_ahead,
+    /// then route_ahead_<C>'s launch), or where it is off, out_proj then the router's own launch
+    /// (matmul_q_add, moe_router): compare `ahead` with and without LILY_CUDA_ENABLE=route_ahead.
     /// The router | shared gate take `rq` (bits, group size).
     fn out_proj_ahead(
         &mut self,

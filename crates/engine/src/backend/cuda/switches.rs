@@ -41,12 +41,6 @@ use super::{Cuda, Records};
 ///   and weights bit for bit (cuda_ops, exact ties included). Decode on the H200 (two rounds
 ///   alternated): 4K 556.0 / 547.1 against 539.5 / 539.3 tok/s, 128K 389.7 / 390.5 against
 ///   385.5 / 380.9; off, route_warp.
-/// * `route_ahead`: an MoE block's router folded into the decode projection before it (out_proj,
-///   o_proj; Backend::route_ahead, gemv.cu's AHEAD and route_ahead_<C>): the projection's blocks
-///   sum each router row against the rows of h they have just written, and a one-block launch
-///   scales the sums by the norm, writes x and routes, where the router was a launch of its own
-///   (norm prologue, 0.6 MB of dots, route in its last block). The logits differ from the
-///   router's in where x is rounded (cuda_ops route_ahead test); off, moe_router's launch.
 pub const SWITCHES: &[&str] = &[
     "stream_gemv",
     "fuse_norm",
@@ -58,7 +52,6 @@ pub const SWITCHES: &[&str] = &[
     "gdn_step",
     "moe_wide",
     "route_block",
-    "route_ahead",
 ];
 /// The switches that do not live in the streaming kernels (`stream_gemv` off leaves them as set).
 pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
@@ -142,6 +135,15 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   shuffle stages, then the merge): slower in one block on the H200, 552.4 / 552.4 against
 ///   571.1 / 563.6 tok/s at 4K, 387.9 / 387.6 against 397.9 / 401.6 at 128K (the router's tail
 ///   4.1 -> 5.1 µs). It stays for `late_route`, where the work, not the latency, decides.
+/// * `route_ahead`: an MoE block's router folded into the decode projection before it (out_proj,
+///   o_proj; Backend::route_ahead, gemv.cu's AHEAD and route_ahead_<C>): the projection's blocks
+///   sum each router row against the rows of h they have just written, and a one-block launch
+///   scales the sums by the norm, writes x and routes, where the router was a launch of its own
+///   (norm prologue, 0.6 MB of dots, route in its last block: ~10.5 µs a layer in place at 4K,
+///   stop 27's trace). The logits differ from the router's in where x is rounded (cuda_ops
+///   route_ahead test). Written at stop 36 and compiled (NVRTC 13.0, no spills), but the H200
+///   was not lent after that: not yet run on a GPU. Opt-in until `.devbin/call1.sh` (tests, lab
+///   case `ahead`, `scripts/h200-run ahead`, a trace) says it is correct and faster.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -152,6 +154,7 @@ pub const OPT_IN: &[&str] = &[
     "carveout_all",
     "late_route",
     "route_sort",
+    "route_ahead",
 ];
 
 impl Cuda {
