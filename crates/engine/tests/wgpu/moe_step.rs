@@ -35,7 +35,7 @@
 
 use super::*;
 use lily::backend::cpu::moe::Route as CpuRoute;
-use lily::backend::{Dims, MoeScratch, MoeWeights, RouterScratch, SharedExpert};
+use lily::backend::{Dims, MoeScratch, MoeWeights, RouteAhead, RouterScratch, SharedExpert};
 use lily::loader::tensor::{HostLinear, LinearKind};
 use ops::tensor_u32;
 
@@ -585,4 +585,187 @@ fn moe_block_fused_other_shapes() {
         }
         set_xq(&g, 2, "32,16,2");
     }
+}
+
+/// Opt-in `LILY_WGPU_ROUTE_AHEAD` (Backend::route_ahead; `Wgpu::set_route_ahead`): the MoE
+/// router folded into the decode projection before it (matmul_q_add_ahead: gemv_q6 omode 4;
+/// then moe_step_add with RouterScratch::ahead: xq_route.wgsl q2x_stage_ahead in place of
+/// q2x_stage + the router's gemv_q6), against the same device's two ops without the fold, at the
+/// model's shapes (out_proj 4-bit [2048, 4096]). Three tokens in a row on one device, so sums
+/// left over from one token would show in the next.
+/// * h after the projection and x: bit-equal (the same add; q2x_stage's norm, the same code).
+/// * The logits and the shared gate's logit against the fold's maths in f64 (x̃ = h·rr·w, A_e =
+///   Σ_k |R_ek·x̃_k|): within F32_TOL·A_e + 1e-6 (f32 sums; the 2^-32 fixed point and its
+///   conversion back, ~3e-8 before the scale, hence the floor). The router reads x in q2x's two
+///   int8 levels (each element within max |x| / 64,516 of its word): the two differ by far
+///   less than A_e / 256, which is checked.
+/// * The route equals the CPU's moe_route of the fold's logits (weights to 1e-6), and the MoE
+///   output is within MOE_TOL of the CPU's on the fold's x, route and shared logit.
+#[test]
+fn route_ahead_matches_the_router() {
+    let Some(g) = gpu() else { return };
+    let d = qwen_dims();
+    let (e, hid, inner, width) = (d.n_experts, d.hidden, 4096, 512);
+    let mut rng = Rng(91);
+    let wo = rand_quant(&mut rng, 1, hid, inner, 4, 64, false);
+    let router = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
+    let sgate = rand_quant(&mut rng, 1, 1, hid, 8, 64, false);
+    let m: Vec<HostLinear> = [(e, width, hid), (e, width, hid), (e, hid, width)]
+        .iter()
+        .chain([(1, width, hid), (1, width, hid), (1, hid, width)].iter())
+        .map(|&(n, o, i)| rand_quant(&mut rng, n, o, i, 4, 64, false))
+        .collect();
+    let gm = upload6(&g, [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]]);
+    let (gwo, grt, gsg) = (
+        g.upload_mat(&wo).unwrap(),
+        g.upload_mat(&router).unwrap(),
+        g.upload_mat(&sgate).unwrap(),
+    );
+    let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
+    let gnw = g.upload_vec(&nw).unwrap();
+    let w = MoeWeights {
+        router: &grt,
+        shared_gate: &gsg,
+        gate: &gm[0],
+        up: &gm[1],
+        down: &gm[2],
+        shared_gate_proj: &gm[3],
+        shared_up_proj: &gm[4],
+        shared_down_proj: &gm[5],
+    };
+    let next = RouteAhead {
+        router: &grt,
+        shared_gate: &gsg,
+        norm: &gnw,
+    };
+    g.set_route_ahead(true);
+    if !g.route_ahead(&gwo, &next) {
+        g.set_route_ahead(false);
+        println!("route_ahead: this adapter does not fold (no gemv_q6): skipped");
+        return;
+    }
+    struct Out {
+        hmid: Vec<f32>,
+        h: Vec<f32>,
+        x: Vec<f32>,
+        logits: Vec<f32>,
+        s: f32,
+        ids: Vec<u32>,
+        w: Vec<f32>,
+    }
+    for token in 0..3 {
+        let hv = rng.vec(hid, 0.05);
+        let xv = rng.vec(inner, 0.05);
+        let gx = g.upload(&xv).unwrap();
+        let run = |ahead: bool| -> Out {
+            let mut gh = g.upload(&hv).unwrap();
+            let mut r = g.zeros(hid).unwrap();
+            if ahead {
+                g.matmul_q_add_ahead(&gx, &gwo, &mut r, &mut gh, &next);
+            } else {
+                g.matmul_q_add(&gx, &gwo, 1, &mut r, &mut gh);
+            }
+            let hmid = h(&g, &gh, hid);
+            let (mut xn, mut lg, mut sl) = (
+                g.zeros(hid).unwrap(),
+                g.zeros(e).unwrap(),
+                g.zeros(1).unwrap(),
+            );
+            let mut route = g.new_route(1, d.top_k).unwrap();
+            let mut tmp = GScratch::new(&g, hid, width);
+            g.moe_step_add(
+                &mut gh,
+                &gnw,
+                d.eps,
+                &w,
+                &d,
+                RouterScratch {
+                    xn: &mut xn,
+                    logits: &mut lg,
+                    s: &mut sl,
+                    route: &mut route,
+                    ahead,
+                },
+                tmp.tmp(),
+            );
+            let (ids, wts) = g.route_to_host(&route, 1).unwrap();
+            Out {
+                hmid,
+                h: h(&g, &gh, hid),
+                x: h(&g, &xn, hid),
+                logits: h(&g, &lg, e),
+                s: h(&g, &sl, 1)[0],
+                ids,
+                w: wts,
+            }
+        };
+        let off = run(false);
+        let on = run(true);
+        g.sync().unwrap();
+        let what = format!("route_ahead, token {token}");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&on.hmid),
+            bits(&off.hmid),
+            "{what}: h after the projection"
+        );
+        assert_eq!(bits(&on.x), bits(&off.x), "{what}: x");
+        // x̃ = h·rr·w in f64 from the device's h after the projection.
+        let ms = on.hmid.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / hid as f64;
+        let rr = 1.0 / (ms + d.eps as f64).sqrt();
+        let xt: Vec<f64> = on
+            .hmid
+            .iter()
+            .zip(&nw)
+            .map(|(&v, &w)| v as f64 * rr * w as f64)
+            .collect();
+        let (mut worst_exact, mut worst_router) = (0f64, 0f64);
+        let mut row = vec![0f32; hid];
+        let rows = (0..e)
+            .map(|i| (&router, i, on.logits[i], off.logits[i]))
+            .chain(std::iter::once((&sgate, 0, on.s, off.s)));
+        for (mat, i, got, base) in rows {
+            mat.view(0).row_f32(i, &mut row);
+            let exact: f64 = row.iter().zip(&xt).map(|(&r, &x)| r as f64 * x).sum();
+            let a: f64 = row
+                .iter()
+                .zip(&xt)
+                .map(|(&r, &x)| (r as f64 * x).abs())
+                .sum();
+            worst_exact = worst_exact.max((got as f64 - exact).abs() / (F32_TOL as f64 * a + 1e-6));
+            worst_router = worst_router.max((got as f64 - base as f64).abs() / (a / 256.0 + 1e-6));
+        }
+        check(
+            &format!("{what} (logits against f64, / bound)"),
+            worst_exact as f32,
+            1.0,
+        );
+        check(
+            &format!("{what} (logits against the router's, / bound)"),
+            worst_router as f32,
+            1.0,
+        );
+        let mut cr = CpuRoute::default();
+        Cpu.moe_route(&on.logits, &d, 1, &mut cr);
+        assert_eq!(on.ids, cr.ids, "{what}: route ids differ from the CPU's");
+        let werr =
+            on.w.iter()
+                .zip(&cr.weights)
+                .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        check(&format!("{what} (route weights, abs)"), werr, 1e-6);
+        let want = cpu_moe(
+            &on.x,
+            &cr,
+            [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]],
+            on.s,
+            &d,
+        );
+        let out: Vec<f32> = on.h.iter().zip(&on.hmid).map(|(a, b)| a - b).collect();
+        check(
+            &format!("{what} (MoE output)"),
+            rel_rows(&out, &want, hid),
+            MOE_TOL,
+        );
+    }
+    g.set_route_ahead(false);
 }

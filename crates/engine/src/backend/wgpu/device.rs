@@ -267,6 +267,11 @@ pub(super) struct Switches {
     /// 195.8 / 195.9 tok/s with 0 against 193.6 / 190.9 with 8,192 (stop 32, call 2: 3 rounds
     /// of 128 tokens, alternated). Atomic for `lily lab`.
     pub q6_min_kb: AtomicUsize,
+    /// `LILY_WGPU_ROUTE_AHEAD=1` (opt-in, not yet measured on a GPU): the MoE router folded into
+    /// the decode projection before it (Backend::route_ahead: gemv_q6 omode 4, then xq_route.wgsl
+    /// q2x_stage_ahead in place of q2x_stage + the router's gemv_q6). Atomic for the op tests
+    /// (`Wgpu::set_route_ahead`).
+    pub route_ahead: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_GEMV`: the decode GEMV, `v4` (gemv_v4, any adapter), `rw1` / `rw2` / `rw4`
     /// (gemv_rw with 1, 2 or 4 rows a team; adapters with subgroups in order) or `xs` (gemv_xs;
     /// subgroups in order of one fixed width), `v5` (gemv_v5: x in two int8 levels, integer
@@ -388,6 +393,9 @@ impl Switches {
             gemv_wgs: AtomicUsize::new(num("LILY_WGPU_GEMV_WGS", 1024)),
             q6_wgs: AtomicUsize::new(num("LILY_WGPU_Q6_WGS", 256)),
             ahead: on("LILY_WGPU_AHEAD"),
+            route_ahead: std::sync::atomic::AtomicBool::new(
+                std::env::var("LILY_WGPU_ROUTE_AHEAD").is_ok_and(|v| v == "1"),
+            ),
             replay_flush: num("LILY_WGPU_REPLAY_FLUSH", FLUSH_EVERY).min(FLUSH_EVERY),
             q6_min_kb: AtomicUsize::new(
                 std::env::var("LILY_WGPU_Q6_MIN_KB")

@@ -36,7 +36,8 @@ pub const XQ_SHADER: Shader = Shader {
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/q2x.wgsl"),
         include_str!("shaders/q2x_sg.wgsl"),
-        include_str!("shaders/xq.wgsl")
+        include_str!("shaders/xq.wgsl"),
+        include_str!("shaders/xq_route.wgsl")
     ),
 };
 
@@ -349,7 +350,7 @@ pub fn matmul_q(ctx: &Ctx, x: &WBuf, w: &WMat, e: usize, rows: usize, out: &mut 
 }
 
 /// Storage buffers a gemv_v4 launch binds (4 matrices × 3, x, 4 outputs, 4 for the modes).
-const GEMV_BUFFERS: u32 = 21;
+const GEMV_BUFFERS: u32 = 22;
 
 /// Whether `gemv_v4` reads this matrix: 4- or 8-bit codes whose 16-byte words each lie in one
 /// scale group (every matrix of the model), on an adapter with the storage buffers it binds.
@@ -410,6 +411,81 @@ pub enum OutMode<'a> {
         w: &'a WBuf,
         state: &'a WBuf,
     },
+    /// gemv_q6 only, one row (`Backend::route_ahead`): `Add`, with the MoE router that follows
+    /// folded in (matmul_sg.wgsl omode 4): the launch's workgroups sum each row of `router`
+    /// (8-bit, [E, out]) and of `sgate` ([1, out]) against their rows of the new h times `norm`,
+    /// into the scratch `route_ahead` (`ahead_sums`), which `q2x_stage_ahead` consumes.
+    AddAhead {
+        router: &'a WMat,
+        sgate: &'a WMat,
+        norm: &'a WBuf,
+    },
+}
+
+/// The fold's sums (gemv_q6 omode 4 → q2x_stage_ahead): `[E + 1]` 64-bit fixed point as pairs
+/// of u32 (zeroed when made; q2x_stage_ahead leaves them at zero).
+fn ahead_sums(ctx: &Ctx, e: usize) -> Result<::wgpu::Buffer> {
+    ctx.scratch("route_ahead", (8 * (e + 1)) as u64)
+}
+
+/// Whether gemv_q6 can fold the MoE router `router` | `sgate` (norm weights of `norm_len`) into
+/// the one-row projection `w` added into h (OutMode::AddAhead): opt-in `LILY_WGPU_ROUTE_AHEAD=1`,
+/// `w` on gemv_q6, an 8-bit router and shared gate of K = w's rows, and a workgroup's rows
+/// (256 R / T, q6_shape) a multiple of 4 up to 256 (q6_fx).
+pub fn ahead_takes(ctx: &Ctx, w: &WMat, router: &WMat, sgate: &WMat, norm_len: usize) -> bool {
+    let sgw = ctx.report.subgroup_min as usize;
+    let words = w.inp / (128 / w.bits as usize);
+    let (t, r) = q6_shape(w.out, words, sgw, ctx.sw.q6_wgs.load(Ordering::Relaxed));
+    let rb = 256 / t * r;
+    ctx.sw.route_ahead.load(Ordering::Relaxed)
+        && ctx.sw.fuse_epilogue
+        && w.n == 1
+        && q6_takes(ctx, &[w])
+        && rb.is_multiple_of(4)
+        && rb <= 256
+        && [router, sgate]
+            .iter()
+            .all(|m| m.bits == 8 && m.n == 1 && m.inp == w.out && m.gs.is_multiple_of(4))
+        && sgate.out == 1
+        && norm_len >= w.out
+}
+
+/// The MoE block's router after a projection that folded it (xq_route.wgsl q2x_stage_ahead):
+/// h's row staged as q2x_stage stages rms_norm(h) · norm (written to `xn` too), the router's
+/// `e` logits and the shared gate's logit from the sums, which it zeroes. Returns the staging
+/// (`xq_scratch`), for the experts' gate|up.
+#[allow(clippy::too_many_arguments)]
+pub fn q2x_stage_ahead(
+    ctx: &Ctx,
+    h: &WBuf,
+    norm: &WBuf,
+    eps: f32,
+    xn: &WBuf,
+    logits: &WBuf,
+    s: &WBuf,
+    e: usize,
+    hidden: usize,
+) -> Result<::wgpu::Buffer> {
+    let xq = xq_scratch(ctx, 1, hidden)?;
+    let acc = ahead_sums(ctx, e)?;
+    let xp = [hidden as u32, 1, 1, eps.to_bits(), 0, e as u32, 0, 0];
+    ctx.dispatch(
+        &XQ_SHADER,
+        "q2x_stage_ahead",
+        &xp,
+        &[
+            &h.buf,
+            &norm.buf,
+            &xn.buf,
+            &xq,
+            &ctx.spare[5],
+            &acc,
+            &logits.buf,
+            &s.buf,
+        ],
+        1,
+    );
+    Ok(xq)
 }
 
 /// One `gemv_v4` launch for up to 4 matrices reading the same x (`rows` ≤ GEMV_MAX_ROWS rows):
@@ -528,6 +604,11 @@ pub fn gemv_many_xq(
             return None;
         }
         OutMode::Conv { .. } => (3, &dummies[5], &dummies[6]),
+        OutMode::AddAhead { .. } if !(q6 && rows == 1) => {
+            ctx.fail("gemv_many: the router folded in without gemv_q6 on one row".to_string());
+            return None;
+        }
+        OutMode::AddAhead { .. } => (4, &dummies[5], &dummies[6]),
     };
     p.extend([ws.len() as u32, rows as u32, e as u32, xmode]);
     let xmode_at = p.len() - 1;
@@ -588,6 +669,33 @@ pub fn gemv_many_xq(
         if let OutMode::Conv { w, state } = &omode {
             bufs[17] = &w.buf;
             bufs[18] = &state.buf;
+        }
+        // The fold (omode 4): the router and the shared gate in matrix slots 1 and 2 (no
+        // workgroups of their own), the norm's weights at aux, the sums at binding 22.
+        let acc;
+        if let OutMode::AddAhead {
+            router,
+            sgate,
+            norm,
+        } = &omode
+        {
+            acc = match ahead_sums(ctx, router.out) {
+                Ok(b) => b,
+                Err(e) => {
+                    ctx.fail(format!("gemv_q6: {e:#}"));
+                    return None;
+                }
+            };
+            p[8..16].copy_from_slice(&router.qmat());
+            p[16..24].copy_from_slice(&sgate.qmat());
+            bufs[3..6].copy_from_slice(&[&router.w, &router.s, &router.b]);
+            bufs[6..9].copy_from_slice(&[&sgate.w, &sgate.s, &sgate.b]);
+            bufs[17] = &norm.buf;
+            bufs.push(&acc);
+        } else {
+            // A spare no other binding of the launch takes (read-only and read-write uses of
+            // one buffer may not meet in a dispatch).
+            bufs.push(&dummies[7]);
         }
         ctx.dispatch(&sg_shader(), "gemv_q6", &p, &bufs, (blocks * rows) as u32);
         return Some(xq.clone());

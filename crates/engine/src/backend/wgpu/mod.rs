@@ -205,6 +205,13 @@ impl Wgpu {
     /// A decode token's MoE block fused (`true`, the default: the shared expert as slot k of the
     /// routed experts' two launches, moe_step_add's route in the first) or as before (`false`:
     /// `LILY_WGPU_MOE_FUSE=0`) from now on; tests compare both on one device.
+    /// Switches the opt-in router fold (`LILY_WGPU_ROUTE_AHEAD`, Backend::route_ahead) on or off.
+    pub fn set_route_ahead(&self, on: bool) {
+        self.ctx
+            .sw
+            .route_ahead
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
     pub fn set_moe_fuse(&self, on: bool) {
         self.ctx
             .sw
@@ -342,6 +349,79 @@ impl Wgpu {
                     && o.len >= rows * w.out
             })
             && x.len >= rows * ws[0].inp
+    }
+
+    /// moe_step_add after a projection that folded the router (RouterScratch::ahead):
+    /// q2x_stage_ahead (x staged and written to xn, the logits and the shared gate's logit from
+    /// the projection's sums, which it zeroes) in place of q2x_stage + the router's gemv_q6, then
+    /// the experts as moe_step_add runs them (the route in gate|up), or where those launches do
+    /// not take the block, moe_route and moe_decode_add.
+    #[allow(clippy::too_many_arguments)]
+    fn moe_step_ahead(
+        &self,
+        h: &mut WBuf,
+        norm: &WBuf,
+        eps: f32,
+        w: &super::MoeWeights<'_, Self>,
+        d: &Dims,
+        r: super::RouterScratch<'_, Self>,
+        tmp: super::MoeScratch<'_, Self>,
+    ) {
+        let (e, hid) = (w.router.out, d.hidden);
+        if !fits(
+            &self.ctx,
+            "moe_step_add",
+            &[
+                ("h", h, hid),
+                ("norm", norm, hid),
+                ("xn", r.xn, hid),
+                ("logits", r.logits, e),
+                ("s", r.s, 1),
+            ],
+        ) {
+            return;
+        }
+        let xq = match matmul::q2x_stage_ahead(&self.ctx, h, norm, eps, r.xn, r.logits, r.s, e, hid)
+        {
+            Ok(b) => b,
+            Err(err) => return self.ctx.fail(format!("moe_step_add: {err:#}")),
+        };
+        let shared = SharedExpert {
+            gate: w.shared_gate_proj,
+            up: w.shared_up_proj,
+            down: w.shared_down_proj,
+            logit: r.s,
+        };
+        if moe::route_fold_ok(d, r.logits)
+            && moe::shared_slot_ok(
+                &self.ctx, r.xn, r.route, w.gate, w.up, w.down, &shared, d, h,
+            )
+        {
+            return moe::moe_decode_shared(
+                &self.ctx,
+                r.xn,
+                r.route,
+                w.gate,
+                w.up,
+                w.down,
+                &shared,
+                d,
+                h,
+                Some(r.logits),
+                Some(&xq),
+            );
+        }
+        self.moe_route(r.logits, d, 1, r.route);
+        self.moe_decode_add(r.xn, r.route, w.gate, w.up, w.down, &shared, d, tmp, h);
+    }
+}
+
+/// The one-row projection's output mode that folds the MoE router `n` in (gemv_q6 omode 4).
+fn ahead_mode<'a>(n: &super::RouteAhead<'a, Wgpu>) -> OutMode<'a> {
+    OutMode::AddAhead {
+        router: n.router,
+        sgate: n.shared_gate,
+        norm: n.norm,
     }
 }
 
@@ -625,6 +705,29 @@ impl Backend for Wgpu {
             OutMode::Add,
         );
     }
+    fn route_ahead(&self, out: &WMat, next: &super::RouteAhead<'_, Self>) -> bool {
+        matmul::ahead_takes(&self.ctx, out, next.router, next.shared_gate, next.norm.len)
+    }
+    fn matmul_q_add_ahead(
+        &self,
+        x: &WBuf,
+        w: &WMat,
+        _r: &mut WBuf,
+        h: &mut WBuf,
+        next: &super::RouteAhead<'_, Self>,
+    ) {
+        // The model asked route_ahead first: not folding now would leave moe_step_add's sums
+        // empty, so it is an error rather than a silent fallback.
+        if !self.route_ahead(w, next) || h.len < w.out || x.len < w.inp {
+            return self.ctx.fail(format!(
+                "matmul_q_add_ahead: `{}` cannot fold the router (route_ahead said no, or the \
+                 buffers are short)",
+                w.out
+            ));
+        }
+        let om = ahead_mode(next);
+        matmul::gemv_many(&self.ctx, x, &[w], 0, 1, &mut [h], XIn::Plain, om);
+    }
     /// The GDN mixer with the conv in in_proj's epilogue (gemv_q6's omode 3: one channel a
     /// lane, the state shifted there) and the gated norm in out_proj's staging of x (xq.wgsl
     /// xmode 3): q2x_stage (the norm), in_proj, gdn_recur, q2x_stage (the gated norm) and
@@ -694,22 +797,14 @@ impl Backend for Wgpu {
             };
             gdn::gated_delta_x(&self.ctx, t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, &xq);
             let xin = XIn::Staged { xq: &xq };
-            return matmul::gemv_many(
-                &self.ctx,
-                t.y,
-                &[w.out_proj],
-                0,
-                1,
-                &mut [h],
-                xin,
-                OutMode::Add,
-            );
+            let om = w.route_ahead.as_ref().map_or(OutMode::Add, ahead_mode);
+            return matmul::gemv_many(&self.ctx, t.y, &[w.out_proj], 0, 1, &mut [h], xin, om);
         }
         gdn::gated_delta_ex(
             &self.ctx, t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, 1, t.y, !gated,
         );
         if !gated {
-            return self.matmul_q_add(t.y, w.out_proj, 1, t.r, h);
+            return super::out_proj_add(self, t.y, w.out_proj, t.r, h, w.route_ahead.as_ref());
         }
         let xin = XIn::GatedNorm {
             z: t.z,
@@ -717,16 +812,8 @@ impl Backend for Wgpu {
             eps: d.eps,
             hd: dv,
         };
-        matmul::gemv_many(
-            &self.ctx,
-            t.y,
-            &[w.out_proj],
-            0,
-            1,
-            &mut [h],
-            xin,
-            OutMode::Add,
-        );
+        let om = w.route_ahead.as_ref().map_or(OutMode::Add, ahead_mode);
+        matmul::gemv_many(&self.ctx, t.y, &[w.out_proj], 0, 1, &mut [h], xin, om);
     }
     /// Two launches where the shared expert has the stacks' layout (`moe::shared_slot_ok`):
     /// moe_gate_up_s with the shared expert as slot k, moe_down_s with its gate, the routed sum
@@ -789,6 +876,9 @@ impl Backend for Wgpu {
         r: super::RouterScratch<'_, Self>,
         tmp: super::MoeScratch<'_, Self>,
     ) {
+        if r.ahead {
+            return self.moe_step_ahead(h, norm, eps, w, d, r, tmp);
+        }
         let fused = {
             let shared = SharedExpert {
                 gate: w.shared_gate_proj,

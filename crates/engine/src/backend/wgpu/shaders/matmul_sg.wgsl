@@ -439,6 +439,78 @@ fn q6_dot{M}(m: QMat, o0: u32, R: u32, lane: u32, T: u32, xb: u32) -> vec4<f32> 
 }
 
 //@@ q6entry
+// omode 4 (Backend::route_ahead, opt-in LILY_WGPU_ROUTE_AHEAD=1; one row of x): omode 1's
+// residual add, and the MoE router that follows folded in (the CUDA backend's gemv.cu AHEAD has
+// the why): the workgroup's rows of the new h, times the MoE norm's weights (at aux), go to
+// q6_fx, and invocation e sums router row e (matrix slot 1, 8-bit, [E, rows]; e = E: the shared
+// gate, slot 2) over those columns, adding the sum into vacc[2e .. 2e + 2] as 64-bit fixed point
+// (2^-32, lo word then hi word with the carry: integer adds, so the total does not depend on
+// the order the workgroups arrive in). xq.wgsl's q2x_stage (xp.ahead) turns the sums into the
+// logits and zeroes them. Needs 256 R / T rows a workgroup, a multiple of 4 up to 256.
+@group(0) @binding(22) var<storage, read_write> vacc: array<atomic<u32>>;
+var<workgroup> q6_fx: array<f32, 256>;
+
+// Code word j (u32) of the 8-bit matrix in slot 1 (router) or 2 (shared gate).
+fn fold_word(slot: u32, j: u32) -> u32 {
+    if (slot == 1u) {
+        return vw1[j / 4u][j % 4u];
+    }
+    return vw2[j / 4u][j % 4u];
+}
+
+fn fold_sb(slot: u32, i: u32, sb16: u32, is_bias: bool) -> f32 {
+    if (slot == 1u) {
+        return rw_sb1(i, sb16, is_bias);
+    }
+    return rw_sb2(i, sb16, is_bias);
+}
+
+// v (|v| < 2^31) added into vacc[2e], vacc[2e + 1] as v · 2^32 in two's complement: |v| split
+// into its integer part and 32 bits of fraction (exact for |v| ≥ 2^-9, else truncated below
+// 2^-32), negated as a 64-bit integer where v < 0, the low word's carry into the high word.
+fn fold_add(e: u32, v: f32) {
+    let a = abs(v);
+    let ip = floor(a);
+    var hi = u32(ip);
+    var lo = u32(min((a - ip) * 4294967296.0, 4294967040.0));
+    if (v < 0.0) {
+        hi = ~hi + select(0u, 1u, lo == 0u);
+        lo = ~lo + 1u;
+    }
+    let old = atomicAdd(&vacc[2u * e], lo);
+    let carry = select(0u, 1u, old > 0xffffffffu - lo);
+    atomicAdd(&vacc[2u * e + 1u], hi + carry);
+}
+
+// Invocation li's router rows (li, li + 256, …, up to E = the shared gate) over columns col0 ..
+// col0 + rb (the workgroup's rows of h, in q6_fx), added into vacc.
+fn q6_fold(li: u32, col0: u32, rb: u32) {
+    let ne = pv.ms[1].out;
+    for (var e = li; e <= ne; e += 256u) {
+        var slot = 1u;
+        var row = e;
+        if (e == ne) {
+            slot = 2u;
+            row = 0u;
+        }
+        let m = pv.ms[slot];
+        let gpr = m.inp / m.gs;
+        let base = (row * m.inp + col0) / 4u;
+        var sum = 0.0;
+        for (var j = 0u; j < rb / 4u; j++) {
+            let w = fold_word(slot, base + j);
+            let c = col0 + 4u * j;
+            let g = row * gpr + c / m.gs;
+            let x = vec4<f32>(q6_fx[c - col0], q6_fx[c - col0 + 1u], q6_fx[c - col0 + 2u], q6_fx[c - col0 + 3u]);
+            let q = vec4<f32>(f32(w & 0xffu), f32((w >> 8u) & 0xffu), f32((w >> 16u) & 0xffu), f32(w >> 24u));
+            sum += fold_sb(slot, g, m.sb16, false) * dot(q, x) + fold_sb(slot, g, m.sb16, true) * dot(x, vec4<f32>(1.0));
+        }
+        if (sum != 0.0) {
+            fold_add(e, sum);
+        }
+    }
+}
+
 // gemv_q6: the decode GEMV against x staged once a launch by q2x_stage (xq.wgsl), so that a
 // workgroup has no staging and no barrier but its sum's: gemv_v5's integer dot products without
 // its per-workgroup chain (x loaded and quantized behind 3 barriers, a 6-step tree of barriers
@@ -487,6 +559,23 @@ fn gemv_q6(
         default: { acc = q6_dot3(m, o0, R, lane, T, xb); }
     }
     acc = team_sum(acc, li, lane_sg, T, sg);
+    if (pv.omode == 4u) {
+        // The residual add, then the router folded in (the header above q6_fold).
+        if (lane < R) {
+            let o = o0 + lane;
+            var fx = 0.0;
+            if (o < m.out) {
+                let hn = vget(0u, o) + acc[lane];
+                vout(0u, o, hn);
+                fx = hn * vaux[o / 4u][o % 4u];
+            }
+            q6_fx[(li / T) * R + lane] = fx;
+        }
+        workgroupBarrier();
+        let rb = 256u / T * R;
+        q6_fold(li, blk * rb, rb);
+        return;
+    }
     // Lane r of a team writes its row r.
     if (lane < R && o0 + lane < m.out) {
         sg_out(mi, t, t * m.out + o0 + lane, acc[lane]);

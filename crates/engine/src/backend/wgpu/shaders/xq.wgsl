@@ -34,7 +34,8 @@ struct XP {
     eps: f32,
     // xmode 3: the head size (x's heads of `hd` elements each normed on its own).
     hd: u32,
-    pad0: u32,
+    // q2x_stage_ahead (xq_route.wgsl): the router's rows E, whose sums become the logits.
+    ne: u32,
     pad1: u32,
     pad2: u32,
 }
@@ -135,6 +136,12 @@ fn xq_put(i: u32, on: bool, xl: vec4<f32>, xh: vec4<f32>, b4: u32, w4: u32, b8: 
 @compute @workgroup_size(256)
 fn q2x_stage(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32,
              @builtin(subgroup_size) sg_size: u32, @builtin(subgroup_invocation_id) lane: u32) {
+    xq_stage(wid, li, sg_size, lane);
+}
+
+// q2x_stage's body (also xq_route.wgsl's q2x_stage_ahead's): stages row wid's x and returns the
+// norm's 1 / rms (xmode 1; else 1).
+fn xq_stage(wid: vec3<u32>, li: u32, sg_size: u32, lane: u32) -> f32 {
     if (li == 0u) {
         xq_sg = sg_size;
     }
@@ -213,4 +220,5 @@ fn q2x_stage(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         }
         xq_put(i, on, xl, xh, b4, w4, b8, w8);
     }
+    return rn;
 }
