@@ -311,6 +311,7 @@ impl Cuda {
             && !(self.on("tc_gemv") && self.opted_in("tc_all"))
             && !self.opted_in("gemv_wide")
             && rb.is_multiple_of(4)
+            && (rb <= 16 || rb.is_multiple_of(16))
             && [r, sg].iter().all(|m| {
                 Self::sw_bits(m.fmt) == Some(8)
                     && m.n == 1
@@ -528,6 +529,12 @@ impl Cuda {
                 format!("tc_gemv_{ns}_{nw}_{tc_u}_{tc_s}_{pro}"),
                 32 * nw as u32,
                 (tc_s * nw * tc_u * tc_slot(ns)) as u32,
+            ),
+            // The router folded in (AHEAD): kernels of their own, PRO 0 and 2.
+            _ if ahead.is_some() => (
+                format!("sw_gemv_ahead_{bits}_{}_{u}_{pro}", k / 256),
+                256,
+                0,
             ),
             _ => (format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256), 256, 0),
         };

@@ -42,8 +42,9 @@
 // the same whatever order the blocks arrive in, so a recorded step equals its op-by-op run);
 // route_ahead_<C> (below) scales them by the norm's 1 / rms and routes. Why: the router's own
 // launch (norm prologue, 0.6 MB of dots, route in a last block) is a chain of ~10 µs a layer in
-// place on the H200 for 1.8% of the step's bytes. Needs RB a multiple of 4 dividing the
-// router's group size (a batch's columns in one group) and E + 1 <= 512 (two sums a thread).
+// place on the H200 for 1.8% of the step's bytes. Needs RB a multiple of 4 (of 16 past 16)
+// dividing the router's group size (a batch's columns in one group) and E + 1 <= 512 (two sums
+// a thread).
 
 #define SW_MAXRB 128  // rows per batch at most (C = 1, U = 4)
 
@@ -78,11 +79,18 @@ struct SwArgs {
     int fpad;
 };
 
-// AHEAD: one thread's sum of router row e (or the shared gate's, e = E) over columns row0 ..
-// row0 + RB of the batch (x = the new h times the norm weight, in shared memory): s·Σ q·x +
-// b·Σ x, the affine 8-bit dequantisation of cpu/matmul.rs.
+// AHEAD: router row e's words over columns row0 .. row0 + RB (RB / 4 u32 of 8-bit codes) and
+// their group's scale and bias (raw bf16): row e of the router, or e = E the shared gate's row.
+// Requested before the PDL wait for a block's first batch (they depend on nothing written), so
+// the fold after the residual add waits on no DRAM round trip.
 template <int RB>
-__device__ __forceinline__ float sw_ahead_dot(const SwArgs& p, int e, int row0, const float* x) {
+struct AheadW {
+    u32 w[RB / 4];
+    u16 s, b;
+};
+
+template <int RB>
+__device__ __forceinline__ void sw_ahead_load(const SwArgs& p, int e, int row0, AheadW<RB>& a) {
     // Selected by value, as sw_mat does (a dynamic choice of parameter address would copy the
     // argument block to local memory).
     QMat m = p.fr;
@@ -90,17 +98,26 @@ __device__ __forceinline__ float sw_ahead_dot(const SwArgs& p, int e, int row0, 
     const int o = e < p.fe ? e : 0;
     const u32* w = (const u32*)m.w + ((u64)o * (u64)m.inp + (u64)row0) / 4;
     const u64 g = (u64)o * (u64)(m.inp / m.gs) + (u64)(row0 / m.gs);
+#pragma unroll
+    for (int j = 0; j < RB / 4; j++) a.w[j] = __ldg(w + j);
+    a.s = __ldg((const unsigned short*)m.s + g);
+    a.b = __ldg((const unsigned short*)m.b + g);
+}
+
+// The row's sum over the batch's columns, x = the new h times the norm weight (shared memory):
+// s·Σ q·x + b·Σ x, the affine 8-bit dequantisation of cpu/matmul.rs.
+template <int RB>
+__device__ __forceinline__ float sw_ahead_dot(const AheadW<RB>& a, const float* x) {
     float q = 0.0f, xs = 0.0f;
 #pragma unroll
     for (int j = 0; j < RB / 4; j++) {
-        const u32 v = __ldg(w + j);
 #pragma unroll
         for (int b = 0; b < 4; b++) {
-            q = fmaf((float)((v >> (8 * b)) & 0xFFu), x[4 * j + b], q);
+            q = fmaf((float)((a.w[j] >> (8 * b)) & 0xFFu), x[4 * j + b], q);
             xs += x[4 * j + b];
         }
     }
-    return ld_sb((const u16*)m.s, g) * q + ld_sb((const u16*)m.b, g) * xs;
+    return bf16f(a.s) * q + bf16f(a.b) * xs;
 }
 
 __device__ __forceinline__ void sw_locate(const SwArgs& p, int bt, int rb, int& mi, int& row0) {
@@ -188,13 +205,13 @@ __device__ __forceinline__ float sw_x_pro(const SwArgs& p, const float* nw, int 
     return xs;
 }
 
-template <int BITS, int C, int U, int PRO>
+template <int BITS, int C, int U, int PRO, bool AHEAD = false>
 __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     constexpr int RW = 32 / C, RB = RW * U;
     static_assert(RB <= SW_MAXRB, "batch larger than the reduction buffer");
     __shared__ float red[2][SW_WARPS][RB];
     __shared__ float sh[32];
-    __shared__ float fx[RB];  // AHEAD: the batch's new rows of h times the norm weight
+    __shared__ float fx[AHEAD ? RB : 1];  // AHEAD: the batch's new rows of h times the norm weight
     __shared__ __align__(16) float wn[PRO == 1 ? 256 * C : 4];  // PRO 1: the norm weight
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int c = lane & (C - 1), r = lane / C;
@@ -218,6 +235,21 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
         }
     };
     load(un);
+    // AHEAD: the first batch's router words (two rows a thread), requested with its weights
+    // where a batch is at most 16 rows (PF: the decode model's out_proj and o_proj, 8). Wider
+    // batches (small models) read theirs in 16-column pieces at the fold: held across the batch
+    // loop, 64 columns' words spilled sw_gemv_4_2_4_* to local memory.
+    constexpr bool AH = AHEAD && RB % 4 == 0 && (RB <= 16 || RB % 16 == 0);
+    constexpr bool PF = AH && RB <= 16;
+    AheadW<PF ? RB : 4> aw[2];
+    bool aw_first = PF;
+    if constexpr (PF) {
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int e = tid + 256 * i;
+            if (e <= p.fe) sw_ahead_load<RB>(p, e, row0, aw[i]);
+        }
+    }
     if constexpr (PRO == 1) {
         cp_stage_norm<256 * C, 256>((const float*)p.nw, smem_u32(wn));
         cp_commit();
@@ -257,7 +289,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
 #pragma unroll
             for (int w = 0; w < SW_WARPS; w++) v += red[par][w][tid];
             const int o = cur_row0 + tid;
-            if (p.fe != 0) {
+            if constexpr (AH) {
                 // AHEAD (one f32-add output): the residual add as store_out's obf 2, then the new
                 // row times the norm weight for the router sums.
                 float hn = 0.0f;
@@ -272,14 +304,27 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
                 sw_store(p, cur_mi, o, v);
             }
         }
-        if constexpr (RB % 4 == 0) {
-            if (p.fe != 0) {
+        if constexpr (AH) {
+            {  // the fold (AHEAD)
                 __syncthreads();
 #pragma unroll
                 for (int i = 0; i < 2; i++) {
                     const int e = tid + 256 * i;
-                    if (e <= p.fe) za[i] += sw_ahead_dot<RB>(p, e, cur_row0, fx);
+                    if (e > p.fe) continue;
+                    if constexpr (PF) {
+                        // A later batch (rare: the grid holds about every batch) loads its own.
+                        if (!aw_first) sw_ahead_load<PF ? RB : 4>(p, e, cur_row0, aw[i]);
+                        za[i] += sw_ahead_dot<PF ? RB : 4>(aw[i], fx);
+                    } else {
+#pragma unroll
+                        for (int c = 0; c < RB; c += 16) {
+                            AheadW<16> a;
+                            sw_ahead_load<16>(p, e, cur_row0 + c, a);
+                            za[i] += sw_ahead_dot<16>(a, fx + c);
+                        }
+                    }
                 }
+                aw_first = false;
                 // fx is rewritten by the next batch only after its own barrier (above).
             }
         }
@@ -290,7 +335,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     while (step(un, un2) && step(un2, un)) {
     }
     TRACE_MARK(2);  // every batch reduced and stored
-    if (p.fe != 0) {
+    if constexpr (AH) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             const int e = tid + 256 * i;
@@ -329,6 +374,23 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
 SW_GEMV_C(4, 4)
 SW_GEMV_C(4, 2)
 SW_GEMV_C(8, 2)
+
+// sw_gemv_ahead_<B>_<C>_<U>_<PRO>: the same with the router folded in (AHEAD; PRO 0, out_proj's and
+// o_proj's x, and 2, fuse_gdn's gated norm). Kernels of their own: the fold's registers (the
+// prefetched router words) made sw_gemv_4_8_4_1 spill when every instantiation carried them.
+#define SW_GEMV_AHEAD_KERNEL(BITS, C, U, PRO)                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, SW_MINB) sw_gemv_ahead_##BITS##_##C##_##U##_##PRO(SwArgs p) { \
+        KTRACE();                                                                                                \
+        PDL_LAUNCH();                                                                                            \
+        sw_gemv_body<BITS, C, U, PRO, true>(p);                                                                  \
+    }
+#define SW_GEMV_AHEAD_C(BITS, U, PRO) SW_GEMV_AHEAD_KERNEL(BITS, 1, U, PRO) SW_GEMV_AHEAD_KERNEL(BITS, 2, U, PRO) SW_GEMV_AHEAD_KERNEL(BITS, 4, U, PRO) SW_GEMV_AHEAD_KERNEL(BITS, 8, U, PRO) SW_GEMV_AHEAD_KERNEL(BITS, 16, U, PRO)
+SW_GEMV_AHEAD_C(4, 4, 0)
+SW_GEMV_AHEAD_C(4, 2, 0)
+SW_GEMV_AHEAD_C(8, 2, 0)
+SW_GEMV_AHEAD_C(4, 4, 2)
+SW_GEMV_AHEAD_C(4, 2, 2)
+SW_GEMV_AHEAD_C(8, 2, 2)
 
 // ---- route_ahead_<C> (Backend::moe_step_add with RouterScratch::ahead): the MoE block's router
 // after a projection that folded it (AHEAD above). One block of 256 threads, K = 256·C:
