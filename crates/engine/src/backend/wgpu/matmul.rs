@@ -422,10 +422,10 @@ pub enum OutMode<'a> {
     },
 }
 
-/// The fold's sums (gemv_q6 omode 4 → q2x_stage_ahead): `[E + 1]` 64-bit fixed point as pairs
-/// of u32 (zeroed when made; q2x_stage_ahead leaves them at zero).
+/// The fold's sums (gemv_q6 omode 4 → q2x_stage_ahead): `[E + 1]` fixed-point values, six u32
+/// each (matmul_sg.wgsl fold_add; zeroed when made, q2x_stage_ahead leaves them at zero).
 fn ahead_sums(ctx: &Ctx, e: usize) -> Result<::wgpu::Buffer> {
-    ctx.scratch("route_ahead", (8 * (e + 1)) as u64)
+    ctx.scratch("route_ahead", (24 * (e + 1)) as u64)
 }
 
 /// Whether gemv_q6 can fold the MoE router `router` | `sgate` (norm weights of `norm_len`) into

@@ -443,9 +443,8 @@ fn q6_dot{M}(m: QMat, o0: u32, R: u32, lane: u32, T: u32, xb: u32) -> vec4<f32> 
 // residual add, and the MoE router that follows folded in (the CUDA backend's gemv.cu AHEAD has
 // the why): the workgroup's rows of the new h, times the MoE norm's weights (at aux), go to
 // q6_fx, and invocation e sums router row e (matrix slot 1, 8-bit, [E, rows]; e = E: the shared
-// gate, slot 2) over those columns, adding the sum into vacc[2e .. 2e + 2] as 64-bit fixed point
-// (2^-32, lo word then hi word with the carry: integer adds, so the total does not depend on
-// the order the workgroups arrive in). xq.wgsl's q2x_stage (xp.ahead) turns the sums into the
+// gate, slot 2) over those columns, adding the sum into vacc[6e .. 6e + 6] as fixed point
+// (fold_add: integer adds, so the total does not depend on the order the workgroups arrive in). xq.wgsl's q2x_stage (xp.ahead) turns the sums into the
 // logits and zeroes them. Needs 256 R / T rows a workgroup, a multiple of 4 up to 256.
 @group(0) @binding(22) var<storage, read_write> vacc: array<atomic<u32>>;
 var<workgroup> q6_fx: array<f32, 256>;
@@ -465,21 +464,27 @@ fn fold_sb(slot: u32, i: u32, sb16: u32, is_bias: bool) -> f32 {
     return rw_sb2(i, sb16, is_bias);
 }
 
-// v (|v| < 2^31) added into vacc[2e], vacc[2e + 1] as v · 2^32 in two's complement: |v| split
-// into its integer part and 32 bits of fraction (exact for |v| ≥ 2^-9, else truncated below
-// 2^-32), negated as a 64-bit integer where v < 0, the low word's carry into the high word.
+// v (|v| < 2^31) added into row e's sums as fixed point: |v| = i + m·2^-16 + l·2^-32 (i its
+// integer part, m and l 16-bit, l truncated below 2^-32), each part added into its own u32 of
+// the positive (vacc[6e ..]) or the negative (vacc[6e + 3 ..]) triple. No part can overflow for
+// fewer than 65,537 workgroups, so no carry is taken and no atomic waits for its old value:
+// three adds that return nothing, in any order, give the same words.
 fn fold_add(e: u32, v: f32) {
     let a = abs(v);
     let ip = floor(a);
-    var hi = u32(ip);
-    var lo = u32(min((a - ip) * 4294967296.0, 4294967040.0));
-    if (v < 0.0) {
-        hi = ~hi + select(0u, 1u, lo == 0u);
-        lo = ~lo + 1u;
+    let f = (a - ip) * 65536.0;
+    let m = floor(f);
+    let l = u32((f - m) * 65536.0);
+    let base = 6u * e + select(0u, 3u, v < 0.0);
+    if (ip > 0.0) {
+        atomicAdd(&vacc[base], u32(ip));
     }
-    let old = atomicAdd(&vacc[2u * e], lo);
-    let carry = select(0u, 1u, old > 0xffffffffu - lo);
-    atomicAdd(&vacc[2u * e + 1u], hi + carry);
+    if (m > 0.0) {
+        atomicAdd(&vacc[base + 1u], u32(m));
+    }
+    if (l > 0u) {
+        atomicAdd(&vacc[base + 2u], l);
+    }
 }
 
 // Invocation li's router rows (li, li + 256, …, up to E = the shared gate) over columns col0 ..

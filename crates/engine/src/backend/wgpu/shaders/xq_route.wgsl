@@ -17,11 +17,20 @@ fn q2x_stage_ahead(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocat
                    @builtin(subgroup_size) sg_size: u32, @builtin(subgroup_invocation_id) lane: u32) {
     let rn = xq_stage(wid, li, sg_size, lane);
     for (var e = li; e <= xp.ne; e += 256u) {
-        let lo = atomicLoad(&qacc[2u * e]);
-        let hi = bitcast<i32>(atomicLoad(&qacc[2u * e + 1u]));
-        let v = (f32(hi) + f32(lo) * (1.0 / 4294967296.0)) * rn;
-        atomicStore(&qacc[2u * e], 0u);
-        atomicStore(&qacc[2u * e + 1u], 0u);
+        // matmul_sg.wgsl fold_add's words: positive (i, m, l), negative (i, m, l). Each triple's
+        // l and m carried up in integers first, then the difference of the two taken part by
+        // part, so each part is exact in f32 and the value is rounded once.
+        var p: array<u32, 6>;
+        for (var j = 0u; j < 6u; j++) {
+            p[j] = atomicLoad(&qacc[6u * e + j]);
+            atomicStore(&qacc[6u * e + j], 0u);
+        }
+        let pm = p[1] + (p[2] >> 16u);
+        let nm = p[4] + (p[5] >> 16u);
+        let di = bitcast<i32>((p[0] + (pm >> 16u)) - (p[3] + (nm >> 16u)));
+        let dm = i32(pm & 0xffffu) - i32(nm & 0xffffu);
+        let dl = i32(p[2] & 0xffffu) - i32(p[5] & 0xffffu);
+        let v = (f32(di) + f32(dm) * (1.0 / 65536.0) + f32(dl) * (1.0 / 4294967296.0)) * rn;
         if (e < xp.ne) {
             qlog[e] = v;
         } else {
