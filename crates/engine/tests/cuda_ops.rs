@@ -82,7 +82,10 @@ mod lookahead;
 mod ops;
 
 use common::{gpu, prompt_ids};
-use ops::{bf16r, check, kv_new, qwen_dims, rand_dense, rand_quant, rel_rows, tensor_u32, Rng};
+use ops::{
+    bf16r, check, fold_logit_errors, kv_new, qwen_dims, rand_dense, rand_quant, rel_rows,
+    tensor_u32, Rng,
+};
 
 use lily::backend::cpu::{moe::Route as CpuRoute, Cpu, CpuStep};
 use lily::backend::cuda::Cuda;
@@ -2329,43 +2332,9 @@ fn moe_step_matches_its_composition_and_the_cpu() {
             let run = |on: &[&str]| -> Out {
                 g.set_enabled(on).unwrap();
                 let mut gh = g.upload_vec(&hv).unwrap();
-                let (mut xn, mut lg, mut sl) = (
-                    g.act_zeros(hid).unwrap(),
-                    g.zeros(e).unwrap(),
-                    g.zeros(1).unwrap(),
-                );
-                let mut route = g.new_route(1, d.top_k).unwrap();
-                let (mut t0, mut t1, mut t2, mut t3, mut t4) = (
-                    g.act_zeros(hid).unwrap(),
-                    g.act_zeros(width).unwrap(),
-                    g.act_zeros(width).unwrap(),
-                    g.act_zeros(width).unwrap(),
-                    g.act_zeros(hid).unwrap(),
-                );
-                g.moe_step_add(
-                    &mut gh,
-                    &gnw,
-                    d.eps,
-                    &gw,
-                    &d,
-                    RouterScratch {
-                        xn: &mut xn,
-                        logits: &mut lg,
-                        s: &mut sl,
-                        route: &mut route,
-                        ahead: false,
-                    },
-                    MoeScratch {
-                        out: &mut t0,
-                        g: &mut t1,
-                        u: &mut t2,
-                        act: &mut t3,
-                        down: &mut t4,
-                    },
-                );
+                let (xn, lg, sl, ids, w) = gpu_moe_step(&g, &mut gh, &gnw, &gw, &d, width, false);
                 g.set_enabled(&[]).unwrap();
-                let (ids, w) = g.route_to_host(&route, 1).unwrap();
-                (h(&g, &gh), h(&g, &xn), h(&g, &lg), h(&g, &sl), ids, w)
+                (h(&g, &gh), xn, lg, sl, ids, w)
             };
             let comp = run(&[]);
             let fused = run(&["moe_step"]);
@@ -2509,42 +2478,8 @@ fn route_ahead_matches_the_router() {
                 g.matmul_q_add(&gx, &gwo, 1, &mut r, &mut gh);
             }
             let hmid = h(&g, &gh);
-            let (mut xn, mut lg, mut sl) = (
-                g.act_zeros(hid).unwrap(),
-                g.zeros(e).unwrap(),
-                g.zeros(1).unwrap(),
-            );
-            let mut route = g.new_route(1, d.top_k).unwrap();
-            let (mut t0, mut t1, mut t2, mut t3, mut t4) = (
-                g.act_zeros(hid).unwrap(),
-                g.act_zeros(width).unwrap(),
-                g.act_zeros(width).unwrap(),
-                g.act_zeros(width).unwrap(),
-                g.act_zeros(hid).unwrap(),
-            );
-            g.moe_step_add(
-                &mut gh,
-                &gnw,
-                d.eps,
-                &gw,
-                &d,
-                RouterScratch {
-                    xn: &mut xn,
-                    logits: &mut lg,
-                    s: &mut sl,
-                    route: &mut route,
-                    ahead,
-                },
-                MoeScratch {
-                    out: &mut t0,
-                    g: &mut t1,
-                    u: &mut t2,
-                    act: &mut t3,
-                    down: &mut t4,
-                },
-            );
-            let (ids, w) = g.route_to_host(&route, 1).unwrap();
-            (hmid, h(&g, &gh), h(&g, &xn), h(&g, &lg), h(&g, &sl), ids, w)
+            let (xn, lg, sl, ids, w) = gpu_moe_step(&g, &mut gh, &gnw, &gw, &d, width, ahead);
+            (hmid, h(&g, &gh), xn, lg, sl, ids, w)
         };
         let off = run(false);
         let on = run(true);
@@ -2558,34 +2493,16 @@ fn route_ahead_matches_the_router() {
                 "{what}: {part} differs from the unfolded ops'"
             );
         }
-        // x̃ = h·rr·w in f64 from the GPU's h after the projection.
-        let hm = &on.0;
-        let ms = hm.iter().map(|&v| (v as f64) * (v as f64)).sum::<f64>() / hid as f64;
-        let rr = 1.0 / (ms + d.eps as f64).sqrt();
-        let xt: Vec<f64> = hm
-            .iter()
-            .zip(&nw)
-            .map(|(&v, &w)| v as f64 * rr * w as f64)
-            .collect();
-        let (mut worst_exact, mut worst_router) = (0f64, 0f64);
-        let mut row = vec![0f32; hid];
-        for (i, (mat, got, base)) in (0..e)
-            .map(|i| (&router, on.3[i], off.3[i]))
-            .chain(std::iter::once((&sgate, on.4[0], off.4[0])))
-            .enumerate()
-        {
-            mat.view(0).row_f32(if i < e { i } else { 0 }, &mut row);
-            let exact: f64 = row.iter().zip(&xt).map(|(&r, &x)| r as f64 * x).sum();
-            let a: f64 = row
-                .iter()
-                .zip(&xt)
-                .map(|(&r, &x)| (r as f64 * x).abs())
-                .sum();
-            let de = (got as f64 - exact).abs() / (F32_TOL as f64 * a + 1e-6);
-            let dr = (got as f64 - base as f64).abs() / (a / 256.0 + 1e-6);
-            worst_exact = worst_exact.max(de);
-            worst_router = worst_router.max(dr);
-        }
+        let (worst_exact, worst_router) = fold_logit_errors(
+            &on.0,
+            &nw,
+            d.eps,
+            &router,
+            &sgate,
+            (&on.3, on.4[0]),
+            (&off.3, off.4[0]),
+            F32_TOL,
+        );
         check(
             &format!("{what} (logits against f64, / bound)"),
             worst_exact as f32,
@@ -2624,6 +2541,58 @@ fn route_ahead_matches_the_router() {
         );
     }
     g.set_enabled(&[]).unwrap();
+}
+
+/// One token's moe_step_add on the GPU into `gh` (its scratch made here; `ahead`: the projection
+/// before folded the router): x, the logits, the shared gate's logit, the route's ids and
+/// weights.
+#[allow(clippy::type_complexity)]
+fn gpu_moe_step(
+    g: &Cuda,
+    gh: &mut <Cuda as Backend>::Buf,
+    gnw: &<Cuda as Backend>::Buf,
+    gw: &MoeWeights<'_, Cuda>,
+    d: &Dims,
+    width: usize,
+    ahead: bool,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<u32>, Vec<f32>) {
+    let hid = d.hidden;
+    let (mut xn, mut lg, mut sl) = (
+        g.act_zeros(hid).unwrap(),
+        g.zeros(d.n_experts).unwrap(),
+        g.zeros(1).unwrap(),
+    );
+    let mut route = g.new_route(1, d.top_k).unwrap();
+    let (mut t0, mut t1, mut t2, mut t3, mut t4) = (
+        g.act_zeros(hid).unwrap(),
+        g.act_zeros(width).unwrap(),
+        g.act_zeros(width).unwrap(),
+        g.act_zeros(width).unwrap(),
+        g.act_zeros(hid).unwrap(),
+    );
+    g.moe_step_add(
+        gh,
+        gnw,
+        d.eps,
+        gw,
+        d,
+        RouterScratch {
+            xn: &mut xn,
+            logits: &mut lg,
+            s: &mut sl,
+            route: &mut route,
+            ahead,
+        },
+        MoeScratch {
+            out: &mut t0,
+            g: &mut t1,
+            u: &mut t2,
+            act: &mut t3,
+            down: &mut t4,
+        },
+    );
+    let (ids, w) = g.route_to_host(&route, 1).unwrap();
+    (h(g, &xn), h(g, &lg), h(g, &sl), ids, w)
 }
 
 /// The CPU's moe_decode_add of one token into a zero h (its scratch made here): the MoE output.

@@ -828,6 +828,15 @@ fn inner_moe_scratch<B: Backend>(t: MoeScratch<'_, Profiled<B>>) -> MoeScratch<'
     }
 }
 
+/// The wrapped backend's view of a folded router.
+fn inner_ahead<'a, B: Backend>(n: &RouteAhead<'a, Profiled<B>>) -> RouteAhead<'a, B> {
+    RouteAhead {
+        router: &n.router.inner,
+        shared_gate: &n.shared_gate.inner,
+        norm: n.norm,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -863,14 +872,5 @@ mod tests {
         assert_eq!(r.ops.len(), 1);
         assert_eq!((r.ops[0].family.as_str(), r.ops[0].calls), ("add", 2));
         assert!(r.table().contains("add"));
-    }
-}
-
-/// The wrapped backend's view of a folded router.
-fn inner_ahead<'a, B: Backend>(n: &RouteAhead<'a, Profiled<B>>) -> RouteAhead<'a, B> {
-    RouteAhead {
-        router: &n.router.inner,
-        shared_gate: &n.shared_gate.inner,
-        norm: n.norm,
     }
 }

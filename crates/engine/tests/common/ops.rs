@@ -320,3 +320,46 @@ pub fn end_to_end<B: Backend>(dev: B, preset: &str, tag: &str) -> E2e {
         ppl_diff,
     }
 }
+
+/// The router folded into the projection before it (Backend::route_ahead): its logits `on` (the
+/// router's E, then the shared gate's) against the fold's maths in f64 and against the unfolded
+/// router's `off`, from h after the projection `hm` and the MoE norm's weights `nw`. With x̃ =
+/// h·rr·w and A_e = Σ_k |R_ek·x̃_k| a row: the largest |on − exact| / (tol·A_e + 1e-6) and
+/// |on − off| / (A_e / 256 + 1e-6), each of which the tests hold at most 1.
+#[allow(clippy::too_many_arguments)]
+pub fn fold_logit_errors(
+    hm: &[f32],
+    nw: &[f32],
+    eps: f32,
+    router: &HostLinear,
+    sgate: &HostLinear,
+    on: (&[f32], f32),
+    off: (&[f32], f32),
+    tol: f32,
+) -> (f64, f64) {
+    let ms = hm.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / hm.len() as f64;
+    let rr = 1.0 / (ms + eps as f64).sqrt();
+    let xt: Vec<f64> = hm
+        .iter()
+        .zip(nw)
+        .map(|(&v, &w)| v as f64 * rr * w as f64)
+        .collect();
+    let e = router.out;
+    let (mut worst_exact, mut worst_router) = (0f64, 0f64);
+    let mut row = vec![0f32; hm.len()];
+    let rows = (0..e)
+        .map(|i| (router, i, on.0[i], off.0[i]))
+        .chain(std::iter::once((sgate, 0, on.1, off.1)));
+    for (mat, i, got, base) in rows {
+        mat.view(0).row_f32(i, &mut row);
+        let exact: f64 = row.iter().zip(&xt).map(|(&r, &x)| r as f64 * x).sum();
+        let a: f64 = row
+            .iter()
+            .zip(&xt)
+            .map(|(&r, &x)| (r as f64 * x).abs())
+            .sum();
+        worst_exact = worst_exact.max((got as f64 - exact).abs() / (tol as f64 * a + 1e-6));
+        worst_router = worst_router.max((got as f64 - base as f64).abs() / (a / 256.0 + 1e-6));
+    }
+    (worst_exact, worst_router)
+}

@@ -37,7 +37,7 @@ use super::*;
 use lily::backend::cpu::moe::Route as CpuRoute;
 use lily::backend::{Dims, MoeScratch, MoeWeights, RouteAhead, RouterScratch, SharedExpert};
 use lily::loader::tensor::{HostLinear, LinearKind};
-use ops::tensor_u32;
+use ops::{fold_logit_errors, tensor_u32};
 
 const MOE_TOL: f32 = 5e-4;
 
@@ -710,31 +710,16 @@ fn route_ahead_matches_the_router() {
             "{what}: h after the projection"
         );
         assert_eq!(bits(&on.x), bits(&off.x), "{what}: x");
-        // x̃ = h·rr·w in f64 from the device's h after the projection.
-        let ms = on.hmid.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / hid as f64;
-        let rr = 1.0 / (ms + d.eps as f64).sqrt();
-        let xt: Vec<f64> = on
-            .hmid
-            .iter()
-            .zip(&nw)
-            .map(|(&v, &w)| v as f64 * rr * w as f64)
-            .collect();
-        let (mut worst_exact, mut worst_router) = (0f64, 0f64);
-        let mut row = vec![0f32; hid];
-        let rows = (0..e)
-            .map(|i| (&router, i, on.logits[i], off.logits[i]))
-            .chain(std::iter::once((&sgate, 0, on.s, off.s)));
-        for (mat, i, got, base) in rows {
-            mat.view(0).row_f32(i, &mut row);
-            let exact: f64 = row.iter().zip(&xt).map(|(&r, &x)| r as f64 * x).sum();
-            let a: f64 = row
-                .iter()
-                .zip(&xt)
-                .map(|(&r, &x)| (r as f64 * x).abs())
-                .sum();
-            worst_exact = worst_exact.max((got as f64 - exact).abs() / (F32_TOL as f64 * a + 1e-6));
-            worst_router = worst_router.max((got as f64 - base as f64).abs() / (a / 256.0 + 1e-6));
-        }
+        let (worst_exact, worst_router) = fold_logit_errors(
+            &on.hmid,
+            &nw,
+            d.eps,
+            &router,
+            &sgate,
+            (&on.logits, on.s),
+            (&off.logits, off.s),
+            F32_TOL,
+        );
         check(
             &format!("{what} (logits against f64, / bound)"),
             worst_exact as f32,

@@ -350,70 +350,6 @@ impl Wgpu {
             })
             && x.len >= rows * ws[0].inp
     }
-
-    /// moe_step_add after a projection that folded the router (RouterScratch::ahead):
-    /// q2x_stage_ahead (x staged and written to xn, the logits and the shared gate's logit from
-    /// the projection's sums, which it zeroes) in place of q2x_stage + the router's gemv_q6, then
-    /// the experts as moe_step_add runs them (the route in gate|up), or where those launches do
-    /// not take the block, moe_route and moe_decode_add.
-    #[allow(clippy::too_many_arguments)]
-    fn moe_step_ahead(
-        &self,
-        h: &mut WBuf,
-        norm: &WBuf,
-        eps: f32,
-        w: &super::MoeWeights<'_, Self>,
-        d: &Dims,
-        r: super::RouterScratch<'_, Self>,
-        tmp: super::MoeScratch<'_, Self>,
-    ) {
-        let (e, hid) = (w.router.out, d.hidden);
-        if !fits(
-            &self.ctx,
-            "moe_step_add",
-            &[
-                ("h", h, hid),
-                ("norm", norm, hid),
-                ("xn", r.xn, hid),
-                ("logits", r.logits, e),
-                ("s", r.s, 1),
-            ],
-        ) {
-            return;
-        }
-        let xq = match matmul::q2x_stage_ahead(&self.ctx, h, norm, eps, r.xn, r.logits, r.s, e, hid)
-        {
-            Ok(b) => b,
-            Err(err) => return self.ctx.fail(format!("moe_step_add: {err:#}")),
-        };
-        let shared = SharedExpert {
-            gate: w.shared_gate_proj,
-            up: w.shared_up_proj,
-            down: w.shared_down_proj,
-            logit: r.s,
-        };
-        if moe::route_fold_ok(d, r.logits)
-            && moe::shared_slot_ok(
-                &self.ctx, r.xn, r.route, w.gate, w.up, w.down, &shared, d, h,
-            )
-        {
-            return moe::moe_decode_shared(
-                &self.ctx,
-                r.xn,
-                r.route,
-                w.gate,
-                w.up,
-                w.down,
-                &shared,
-                d,
-                h,
-                Some(r.logits),
-                Some(&xq),
-            );
-        }
-        self.moe_route(r.logits, d, 1, r.route);
-        self.moe_decode_add(r.xn, r.route, w.gate, w.up, w.down, &shared, d, tmp, h);
-    }
 }
 
 /// The one-row projection's output mode that folds the MoE router `n` in (gemv_q6 omode 4).
@@ -876,9 +812,6 @@ impl Backend for Wgpu {
         r: super::RouterScratch<'_, Self>,
         tmp: super::MoeScratch<'_, Self>,
     ) {
-        if r.ahead {
-            return self.moe_step_ahead(h, norm, eps, w, d, r, tmp);
-        }
         let fused = {
             let shared = SharedExpert {
                 gate: w.shared_gate_proj,
@@ -891,27 +824,52 @@ impl Backend for Wgpu {
                     &self.ctx, r.xn, r.route, w.gate, w.up, w.down, &shared, d, h,
                 )
         };
-        if !fused {
+        if !(fused || r.ahead) {
             return super::moe_step_compose(self, h, norm, eps, w, d, r, tmp);
         }
-        // The router's launch stages the normed x (q2x_stage) where gemv_q6 runs it:
-        // moe_gate_up_x reads that staging.
-        let xq = self.rms_norm_matmul_xq(
-            h,
-            norm,
-            1,
-            d.hidden,
-            eps,
-            r.xn,
-            &[w.router, w.shared_gate],
-            &mut [&mut *r.logits, &mut *r.s],
-        );
+        // x staged for the experts (moe_gate_up_x reads it) with the logits: by the router's
+        // launches (q2x_stage, then its gemv_q6), or after a projection that folded the router
+        // (RouterScratch::ahead) by q2x_stage_ahead alone, from the projection's sums.
+        let xq = if r.ahead {
+            let (e, hid) = (w.router.out, d.hidden);
+            let bufs = [
+                ("h", &*h, hid),
+                ("norm", norm, hid),
+                ("xn", &*r.xn, hid),
+                ("logits", &*r.logits, e),
+                ("s", &*r.s, 1),
+            ];
+            if !fits(&self.ctx, "moe_step_add", &bufs) {
+                return;
+            }
+            match matmul::q2x_stage_ahead(&self.ctx, h, norm, eps, r.xn, r.logits, r.s, e, hid) {
+                Ok(b) => Some(b),
+                Err(err) => return self.ctx.fail(format!("moe_step_add: {err:#}")),
+            }
+        } else {
+            self.rms_norm_matmul_xq(
+                h,
+                norm,
+                1,
+                d.hidden,
+                eps,
+                r.xn,
+                &[w.router, w.shared_gate],
+                &mut [&mut *r.logits, &mut *r.s],
+            )
+        };
         let shared = SharedExpert {
             gate: w.shared_gate_proj,
             up: w.shared_up_proj,
             down: w.shared_down_proj,
             logit: r.s,
         };
+        if !fused {
+            // Folded, but the experts' launches do not take this block: the composition's route
+            // and experts on the fold's x and logits.
+            self.moe_route(r.logits, d, 1, r.route);
+            return self.moe_decode_add(r.xn, r.route, w.gate, w.up, w.down, &shared, d, tmp, h);
+        }
         moe::moe_decode_shared(
             &self.ctx,
             r.xn,
