@@ -317,10 +317,10 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
                         za[i] += sw_ahead_dot<PF ? RB : 4>(aw[i], fx);
                     } else {
 #pragma unroll
-                        for (int c = 0; c < RB; c += 16) {
+                        for (int c0 = 0; c0 < RB; c0 += 16) {
                             AheadW<16> a;
-                            sw_ahead_load<16>(p, e, cur_row0 + c, a);
-                            za[i] += sw_ahead_dot<16>(a, fx + c);
+                            sw_ahead_load<16>(p, e, cur_row0 + c0, a);
+                            za[i] += sw_ahead_dot<16>(a, fx + c0);
                         }
                     }
                 }
