@@ -39,6 +39,7 @@ pub const CASES: &[&str] = &[
     "shared_down",
     "lm_head",
     "route",
+    "ahead",
     "experts",
     "gemm",
     "moe_mm",
@@ -211,6 +212,124 @@ fn alias(r: &WRoute) -> WRoute {
 }
 
 impl Wgpu {
+    /// Case `ahead`: GDN out_proj (+ residual) then the MoE block's router as the step runs them
+    /// (`apart`: q2x_stage + the router's gemv_q6, xn and the logits written), against out_proj
+    /// with the router folded in (gemv_q6 omode 4) then q2x_stage_ahead (`folded`,
+    /// Backend::route_ahead), over copies of out_proj, the router and the shared gate.
+    #[allow(clippy::too_many_arguments)]
+    fn lab_ahead(
+        &self,
+        cfg: &Config,
+        bits: u32,
+        gs: usize,
+        cycle: usize,
+        calls: usize,
+        time: &dyn Fn(&dyn Fn(usize)) -> Result<f64>,
+        read: &dyn Fn(usize) -> Result<(f64, usize)>,
+        print: &mut dyn FnMut(&LabRow),
+    ) -> Result<Vec<LabRow>> {
+        let ctx = &self.ctx;
+        let d = Dims::from_config(cfg);
+        let (h, gdn_v) = (
+            cfg.hidden_size,
+            cfg.linear_num_value_heads * cfg.linear_value_head_dim,
+        );
+        let nbytes = |o: usize, i: usize, b: u32| o * i * b as usize / 8 + 4 * (o * i / gs);
+        let bytes = nbytes(h, gdn_v, bits) + nbytes(d.n_experts + 1, h, 8);
+        let copies = cycle.div_ceil(bytes).clamp(2, 256);
+        let sets: Vec<[WMat; 3]> = (0..copies)
+            .map(|c| -> Result<[WMat; 3]> {
+                let seed = 900 + 8 * c as u64;
+                Ok([
+                    self.lab_mat(h, gdn_v, bits, gs, seed)?,
+                    self.lab_mat(d.n_experts, h, 8, gs, seed + 1)?,
+                    self.lab_mat(1, h, 8, gs, seed + 2)?,
+                ])
+            })
+            .collect::<Result<_>>()?;
+        let y = self.lab_buf(&floats(gdn_v, 901, -1.0, 1.0))?;
+        let hb = self.lab_buf(&floats(h, 902, -1.0, 1.0))?;
+        let nw = self.lab_buf(&floats(h, 903, 0.5, 1.5))?;
+        let xn = self.lab_buf(&vec![0.0; h])?;
+        let lg = self.lab_buf(&vec![0.0; d.n_experts])?;
+        let sl = self.lab_buf(&[0.0])?;
+        let alias = |b: &WBuf| WBuf {
+            buf: b.buf.clone(),
+            len: b.len,
+            half: b.half,
+        };
+        let (read_s, _) = read(bytes)?;
+        let was = ctx.sw.route_ahead.load(Ordering::Relaxed);
+        let mut rows = Vec::new();
+        for (variant, fold) in [("apart", false), ("folded", true)] {
+            ctx.sw.route_ahead.store(fold, Ordering::Relaxed);
+            let m = &sets[0];
+            if fold && !super::matmul::ahead_takes(ctx, &m[0], &m[1], &m[2], h) {
+                eprintln!("lab: ahead folded skipped: gemv_q6 does not fold on this adapter");
+                continue;
+            }
+            let op_s = time(&|i| {
+                let m = &sets[i % copies];
+                let mut hi = alias(&hb);
+                if fold {
+                    let om = OutMode::AddAhead {
+                        router: &m[1],
+                        sgate: &m[2],
+                        norm: &nw,
+                    };
+                    gemv_many(ctx, &y, &[&m[0]], 0, 1, &mut [&mut hi], XIn::Plain, om);
+                    let e = d.n_experts;
+                    let staged =
+                        super::matmul::q2x_stage_ahead(ctx, &hi, &nw, 1e-6, &xn, &lg, &sl, e, h);
+                    if let Err(err) = staged {
+                        ctx.fail(format!("lab ahead: {err:#}"));
+                    }
+                } else {
+                    gemv_many(
+                        ctx,
+                        &y,
+                        &[&m[0]],
+                        0,
+                        1,
+                        &mut [&mut hi],
+                        XIn::Plain,
+                        OutMode::Add,
+                    );
+                    let xin = XIn::Norm {
+                        w: &nw,
+                        eps: 1e-6,
+                        xn: &xn,
+                    };
+                    let mut outs = [&mut alias(&lg), &mut alias(&sl)];
+                    gemv_many(
+                        ctx,
+                        &hi,
+                        &[&m[1], &m[2]],
+                        0,
+                        1,
+                        &mut outs,
+                        xin,
+                        OutMode::Store,
+                    );
+                }
+            })?;
+            let row = LabRow {
+                case: "ahead",
+                variant: variant.to_string(),
+                bytes,
+                copies,
+                calls,
+                op_s,
+                read_s: Some(read_s),
+                check: None,
+            };
+            print(&row);
+            rows.push(row);
+        }
+        ctx.sw.route_ahead.store(was, Ordering::Relaxed);
+        Ok(rows)
+    }
+
     fn lab_buf(&self, v: &[f32]) -> Result<WBuf> {
         Ok(WBuf {
             buf: self.ctx.upload(as_bytes(v))?,
@@ -535,6 +654,9 @@ impl Wgpu {
             };
             print(&row);
             rows.push(row);
+        }
+        if want_case("ahead") {
+            rows.extend(self.lab_ahead(cfg, bits, gs, cycle, calls, &time, &read, print)?);
         }
         if want_case("experts") {
             for (l, r) in logits.iter().zip(routes.iter()) {
