@@ -441,11 +441,17 @@ fn run_on<B: Backend>(b: B, a: BenchArgs, probes: Option<Probes<B>>) -> Result<(
 
 /// `--in-place default`: kernel-name prefixes of the CUDA backend's decode families, each with
 /// what it holds.
+#[cfg(feature = "cuda")]
 const IN_PLACE_FAMILIES: &[(&str, &str)] = &[
     ("tc_gemv", "GDN in_proj, attention q|k|v (+ norm), lm_head"),
     ("gdn_step", "GDN conv + gated delta step + gated norm"),
     ("sw_gemv_4", "out_proj, o_proj (+ residual)"),
     ("sw_gemv_8", "router | shared gate (+ norm, + route)"),
+    (
+        "sw_gemv_ahead",
+        "out_proj, o_proj (+ residual, + the router folded: route_ahead)",
+    ),
+    ("route_ahead", "the folded router's norm, logits and route"),
     ("moe_wide_gate", "experts gate|up (8 routed + shared)"),
     ("moe_wide_down", "experts down (+ combine, + residual)"),
     ("attn_", "attention: qk norm + RoPE, decode, combine"),
@@ -457,7 +463,7 @@ const IN_PLACE_FAMILIES: &[(&str, &str)] = &[
 const IN_PLACE_FAMILIES_WGPU: &[(&str, &str)] = &[
     (
         "q2x_stage",
-        "x staged for the GEMVs (+ RMS norm, + GDN gated norm)",
+        "x staged for the GEMVs (+ RMS norm, + GDN gated norm, + the folded router's logits)",
     ),
     (
         "gemv_q6",
