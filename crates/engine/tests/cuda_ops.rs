@@ -83,7 +83,7 @@ mod ops;
 
 use common::{gpu, prompt_ids};
 use ops::{
-    bf16r, check, fold_logit_errors, kv_new, qwen_dims, rand_dense, rand_quant, rel_rows,
+    bf16r, check, fold_logit_errors, kv_new, qwen_dims, rand_dense, rand_moe, rand_quant, rel_rows,
     tensor_u32, Rng,
 };
 
@@ -2306,14 +2306,7 @@ fn moe_step_matches_its_composition_and_the_cpu() {
     let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
     let gnw = g.upload_vec(&nw).unwrap();
     for bits in [4u32, 8] {
-        let m = [
-            rand_quant(&mut rng, e, width, hid, bits, 64, false),
-            rand_quant(&mut rng, e, width, hid, bits, 64, false),
-            rand_quant(&mut rng, e, hid, width, bits, 64, false),
-            rand_quant(&mut rng, 1, width, hid, bits, 64, false),
-            rand_quant(&mut rng, 1, width, hid, bits, 64, false),
-            rand_quant(&mut rng, 1, hid, width, bits, 64, false),
-        ];
+        let m = rand_moe(&mut rng, e, width, hid, bits);
         let gm: Vec<_> = m.iter().map(|w| g.upload_mat(w).unwrap()).collect();
         let gw = MoeWeights {
             router: &grt,
@@ -2419,14 +2412,7 @@ fn route_ahead_matches_the_router() {
     let wo = rand_quant(&mut rng, 1, hid, inner, 4, 64, false);
     let router = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
     let sgate = rand_quant(&mut rng, 1, 1, hid, 8, 64, false);
-    let m = [
-        rand_quant(&mut rng, e, width, hid, 4, 64, false),
-        rand_quant(&mut rng, e, width, hid, 4, 64, false),
-        rand_quant(&mut rng, e, hid, width, 4, 64, false),
-        rand_quant(&mut rng, 1, width, hid, 4, 64, false),
-        rand_quant(&mut rng, 1, width, hid, 4, 64, false),
-        rand_quant(&mut rng, 1, hid, width, 4, 64, false),
-    ];
+    let m = rand_moe(&mut rng, e, width, hid, 4);
     let (gwo, grt, gsg) = (
         g.upload_mat(&wo).unwrap(),
         g.upload_mat(&router).unwrap(),

@@ -786,6 +786,19 @@ pub fn moe_step_compose<B: Backend + ?Sized>(
         r.s,
         r.route,
     );
+    moe_experts_add(b, h, w, d, r, tmp);
+}
+
+/// The second half of `moe_step_compose`, once the router's outputs are in `r` (x, the shared
+/// gate's logit, the route): the routed and shared experts added into h (`moe_decode_add`).
+pub fn moe_experts_add<B: Backend + ?Sized>(
+    b: &B,
+    h: &mut B::Buf,
+    w: &MoeWeights<'_, B>,
+    d: &Dims,
+    r: RouterScratch<'_, B>,
+    tmp: MoeScratch<'_, B>,
+) {
     let shared = SharedExpert {
         gate: w.shared_gate_proj,
         up: w.shared_up_proj,

@@ -363,3 +363,16 @@ pub fn fold_logit_errors(
     }
     (worst_exact, worst_router)
 }
+
+/// An MoE block's six weight stacks at `bits` (groups of 64): the routed experts' gate, up
+/// ([e, width, hid]) and down ([e, hid, width]), then the shared expert's (one stack each).
+pub fn rand_moe(rng: &mut Rng, e: usize, width: usize, hid: usize, bits: u32) -> [HostLinear; 6] {
+    [
+        rand_quant(rng, e, width, hid, bits, 64, false),
+        rand_quant(rng, e, width, hid, bits, 64, false),
+        rand_quant(rng, e, hid, width, bits, 64, false),
+        rand_quant(rng, 1, width, hid, bits, 64, false),
+        rand_quant(rng, 1, width, hid, bits, 64, false),
+        rand_quant(rng, 1, hid, width, bits, 64, false),
+    ]
+}

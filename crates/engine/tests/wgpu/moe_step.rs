@@ -37,7 +37,7 @@ use super::*;
 use lily::backend::cpu::moe::Route as CpuRoute;
 use lily::backend::{Dims, MoeScratch, MoeWeights, RouteAhead, RouterScratch, SharedExpert};
 use lily::loader::tensor::{HostLinear, LinearKind};
-use ops::{fold_logit_errors, tensor_u32};
+use ops::{fold_logit_errors, rand_moe, tensor_u32};
 
 const MOE_TOL: f32 = 5e-4;
 
@@ -190,6 +190,7 @@ struct StepOut {
 }
 
 /// One token through the device's moe_step_add, fused or not.
+#[allow(clippy::too_many_arguments)]
 fn gpu_step(
     g: &Wgpu,
     fuse: bool,
@@ -198,6 +199,7 @@ fn gpu_step(
     w: &MoeWeights<'_, Wgpu>,
     d: &Dims,
     width: usize,
+    ahead: bool,
 ) -> StepOut {
     let (hid, e) = (d.hidden, d.n_experts);
     g.set_moe_fuse(fuse);
@@ -222,7 +224,7 @@ fn gpu_step(
             logits: &mut lg,
             s: &mut sl,
             route: &mut route,
-            ahead: false,
+            ahead,
         },
         tmp.tmp(),
     );
@@ -317,8 +319,8 @@ fn step_case(
         shared_down_proj: gm[5],
     };
     let hv = rng.vec(hid, 0.05);
-    let comp = gpu_step(g, false, &hv, &gnw, &w, d, width);
-    let fused = gpu_step(g, true, &hv, &gnw, &w, d, width);
+    let comp = gpu_step(g, false, &hv, &gnw, &w, d, width, false);
+    let fused = gpu_step(g, true, &hv, &gnw, &w, d, width, false);
     println!(
         "moe_step_add {what}: {} launches fused, {} unfused; route {:?}",
         fused.launches, comp.launches, fused.ids
@@ -610,11 +612,7 @@ fn route_ahead_matches_the_router() {
     let wo = rand_quant(&mut rng, 1, hid, inner, 4, 64, false);
     let router = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
     let sgate = rand_quant(&mut rng, 1, 1, hid, 8, 64, false);
-    let m: Vec<HostLinear> = [(e, width, hid), (e, width, hid), (e, hid, width)]
-        .iter()
-        .chain([(1, width, hid), (1, width, hid), (1, hid, width)].iter())
-        .map(|&(n, o, i)| rand_quant(&mut rng, n, o, i, 4, 64, false))
-        .collect();
+    let m = rand_moe(&mut rng, e, width, hid, 4);
     let gm = upload6(&g, [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]]);
     let (gwo, grt, gsg) = (
         g.upload_mat(&wo).unwrap(),
@@ -644,15 +642,8 @@ fn route_ahead_matches_the_router() {
         println!("route_ahead: this adapter does not fold (no gemv_q6): skipped");
         return;
     }
-    struct Out {
-        hmid: Vec<f32>,
-        h: Vec<f32>,
-        x: Vec<f32>,
-        logits: Vec<f32>,
-        s: f32,
-        ids: Vec<u32>,
-        w: Vec<f32>,
-    }
+    // (h after the projection, moe_step_add's outputs after it)
+    type Out = (Vec<f32>, StepOut);
     for token in 0..3 {
         let hv = rng.vec(hid, 0.05);
         let xv = rng.vec(inner, 0.05);
@@ -665,53 +656,20 @@ fn route_ahead_matches_the_router() {
             } else {
                 g.matmul_q_add(&gx, &gwo, 1, &mut r, &mut gh);
             }
+            // moe_step_add on a copy of h after the projection (the fold's sums wait in the
+            // device's scratch).
             let hmid = h(&g, &gh, hid);
-            let (mut xn, mut lg, mut sl) = (
-                g.zeros(hid).unwrap(),
-                g.zeros(e).unwrap(),
-                g.zeros(1).unwrap(),
-            );
-            let mut route = g.new_route(1, d.top_k).unwrap();
-            let mut tmp = GScratch::new(&g, hid, width);
-            g.moe_step_add(
-                &mut gh,
-                &gnw,
-                d.eps,
-                &w,
-                &d,
-                RouterScratch {
-                    xn: &mut xn,
-                    logits: &mut lg,
-                    s: &mut sl,
-                    route: &mut route,
-                    ahead,
-                },
-                tmp.tmp(),
-            );
-            let (ids, wts) = g.route_to_host(&route, 1).unwrap();
-            Out {
-                hmid,
-                h: h(&g, &gh, hid),
-                x: h(&g, &xn, hid),
-                logits: h(&g, &lg, e),
-                s: h(&g, &sl, 1)[0],
-                ids,
-                w: wts,
-            }
+            let step = gpu_step(&g, true, &hmid, &gnw, &w, &d, width, ahead);
+            (hmid, step)
         };
-        let off = run(false);
-        let on = run(true);
-        g.sync().unwrap();
+        let (off_h, off) = run(false);
+        let (on_h, on) = run(true);
         let what = format!("route_ahead, token {token}");
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(
-            bits(&on.hmid),
-            bits(&off.hmid),
-            "{what}: h after the projection"
-        );
+        assert_eq!(bits(&on_h), bits(&off_h), "{what}: h after the projection");
         assert_eq!(bits(&on.x), bits(&off.x), "{what}: x");
         let (worst_exact, worst_router) = fold_logit_errors(
-            &on.hmid,
+            &on_h,
             &nw,
             d.eps,
             &router,
@@ -745,7 +703,7 @@ fn route_ahead_matches_the_router() {
             on.s,
             &d,
         );
-        let out: Vec<f32> = on.h.iter().zip(&on.hmid).map(|(a, b)| a - b).collect();
+        let out: Vec<f32> = on.h.iter().zip(&on_h).map(|(a, b)| a - b).collect();
         check(
             &format!("{what} (MoE output)"),
             rel_rows(&out, &want, hid),

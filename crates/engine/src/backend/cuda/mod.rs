@@ -1206,14 +1206,7 @@ impl Backend for Cuda {
             if self.moe_step_operands_ok(h, norm, w, d, &r) {
                 self.route_ahead_launch(h, norm, eps, w.router.out, d, &mut r);
             }
-            let shared = SharedExpert {
-                gate: w.shared_gate_proj,
-                up: w.shared_up_proj,
-                down: w.shared_down_proj,
-                logit: r.s,
-            };
-            self.moe_decode_add(r.xn, r.route, w.gate, w.up, w.down, &shared, d, tmp, h);
-            return;
+            return super::moe_experts_add(self, h, w, d, r, tmp);
         }
         if !self.moe_step(h, norm, eps, w, d, &mut r) {
             super::moe_step_compose(self, h, norm, eps, w, d, r, tmp);

@@ -858,18 +858,18 @@ impl Backend for Wgpu {
                 &mut [&mut *r.logits, &mut *r.s],
             )
         };
+        if !fused {
+            // Folded, but the experts' launches do not take this block: the composition's route
+            // and experts on the fold's x and logits.
+            self.moe_route(r.logits, d, 1, r.route);
+            return super::moe_experts_add(self, h, w, d, r, tmp);
+        }
         let shared = SharedExpert {
             gate: w.shared_gate_proj,
             up: w.shared_up_proj,
             down: w.shared_down_proj,
             logit: r.s,
         };
-        if !fused {
-            // Folded, but the experts' launches do not take this block: the composition's route
-            // and experts on the fold's x and logits.
-            self.moe_route(r.logits, d, 1, r.route);
-            return self.moe_decode_add(r.xn, r.route, w.gate, w.up, w.down, &shared, d, tmp, h);
-        }
         moe::moe_decode_shared(
             &self.ctx,
             r.xn,
