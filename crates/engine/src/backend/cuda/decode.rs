@@ -294,8 +294,9 @@ impl Cuda {
     }
 
     /// Whether the decode projection `out` (added into h) can fold the MoE router `next` into its
-    /// launch (gemv.cu's AHEAD, Backend::route_ahead): switch `route_ahead` (and the streaming
-    /// GEMV with its residual add) on, `out` a one-stack streaming GEMV on the SIMT loop, an 8-bit
+    /// launch (gemv.cu's AHEAD, Backend::route_ahead): opt-in `route_ahead` (and the streaming
+    /// GEMV with its residual add) on, `out` a one-stack streaming GEMV (the fold always takes the
+    /// SIMT loop, whatever `tc_all` or `gemv_wide` say: `sw_gemv_route`), an 8-bit
     /// router | shared gate of K = out's rows whose group size the batch's rows divide, E < 512,
     /// and a hidden size route_ahead_<C> takes (256·C, C | 16).
     pub(super) fn ahead_fits(&self, out: &Mat, next: &RouteAhead<'_, Cuda>) -> bool {
@@ -308,8 +309,6 @@ impl Cuda {
         self.opted_in("route_ahead")
             && self.on("fuse_residual")
             && self.sw_fits(&[out])
-            && !(self.on("tc_gemv") && self.opted_in("tc_all"))
-            && !self.opted_in("gemv_wide")
             && rb.is_multiple_of(4)
             && (rb <= 16 || rb.is_multiple_of(16))
             && [r, sg].iter().all(|m| {

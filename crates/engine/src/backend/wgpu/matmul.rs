@@ -349,8 +349,9 @@ pub fn matmul_q(ctx: &Ctx, x: &WBuf, w: &WMat, e: usize, rows: usize, out: &mut 
     }
 }
 
-/// Storage buffers a gemv_v4 launch binds (4 matrices × 3, x, 4 outputs, 4 for the modes).
-const GEMV_BUFFERS: u32 = 22;
+/// Storage buffers a gemv_v4 launch binds (4 matrices × 3, x, 4 outputs, 4 for the modes);
+/// gemv_q6 binds one more (the router fold's sums, binding 22: `q6_takes`).
+const GEMV_BUFFERS: u32 = 21;
 
 /// Whether `gemv_v4` reads this matrix: 4- or 8-bit codes whose 16-byte words each lie in one
 /// scale group (every matrix of the model), on an adapter with the storage buffers it binds.
@@ -746,8 +747,9 @@ pub fn q2x_stage(
 }
 
 /// Whether `gemv_many` runs these matrices by gemv_q6 (x staged by q2x_stage): `LILY_WGPU_GEMV`
-/// v6 (the default), an adapter whose subgroups are in order and of one width, rows a whole
-/// number of 4-bit words, and a launch of at least `q6_min_kb` of codes (else gemv_v5).
+/// v6 (the default), an adapter whose subgroups are in order and of one width and that binds
+/// gemv_q6's 22 storage buffers, rows a whole number of 4-bit words, and a launch of at least
+/// `q6_min_kb` of codes (else gemv_v5).
 pub fn q6_takes(ctx: &Ctx, ws: &[&WMat]) -> bool {
     let fixed = ctx.report.subgroups && ctx.report.subgroup_min == ctx.report.subgroup_max;
     let code_kb: usize = ws
@@ -756,6 +758,7 @@ pub fn q6_takes(ctx: &Ctx, ws: &[&WMat]) -> bool {
         .sum();
     ctx.sw.gemv.load(Ordering::Relaxed) == 32
         && fixed
+        && ctx.report.storage_buffers > GEMV_BUFFERS
         && ws.iter().all(|w| w.inp.is_multiple_of(32))
         && code_kb >= ctx.sw.q6_min_kb.load(Ordering::Relaxed)
 }
