@@ -29,9 +29,11 @@ pub struct LabArgs {
     /// allocated: 2x that on the GPU, 20 s idle).
     #[arg(long)]
     cases: Option<String>,
-    /// wgpu: the GEMV variants, comma-separated: v4, rw1, rw2, rw4, xs, each optionally @N
-    /// workgroups aimed at a matrix (default 1024); v4~B skips parts of gemv_v4 to time the
-    /// rest (bits: 1 x staging, 2 the final tree, 4 the norm's pre-pass, 8 the dot products).
+    /// wgpu: the GEMV variants, comma-separated: v4, v5, v6 (gemv_q6, the default decode
+    /// GEMV), v6s (gemv_q6 specialised to the launch), rw1, rw2, rw4, xs, each optionally @N
+    /// workgroups aimed at a matrix (default 1024; 256 for v6 and v6s); v4~B skips parts of
+    /// gemv_v4 to time the rest (bits: 1 x staging, 2 the final tree, 4 the norm's pre-pass, 8
+    /// the dot products).
     #[arg(long, default_value = "v4,rw1,rw2,rw4,rw2@256,rw2@4096")]
     variants: String,
     /// wgpu: MB of weights a cycle through a case's copies reads (more than the GPU's cache).

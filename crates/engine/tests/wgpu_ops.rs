@@ -511,6 +511,94 @@ fn gemv_variants_match_the_cpu() {
     }
 }
 
+/// gemv_q6s (`LILY_WGPU_Q6_SPEC=1`: gemv_q6 specialised to each launch by pipeline constants)
+/// against gemv_q6 on one device: the same projection sets as above (one to five matrices a
+/// launch, 4- and 8-bit, odd output counts), 1 and 3 rows, the norm fused or not, and the
+/// residual add of out_proj / o_proj. The two entries share their arithmetic (q6_dot, q6_tail),
+/// so the outputs must be equal bit for bit; a constant in the wrong slot moves them by O(1).
+/// The conv, gated-norm and router-fold epilogues: the whole suite with LILY_WGPU_Q6_SPEC=1.
+#[test]
+fn gemv_q6_specialised_equals_gemv_q6() {
+    let Some(g) = gpu() else { return };
+    let d = qwen_dims();
+    let hid = d.hidden;
+    let mut rng = Rng(57);
+    let bits = |g: &Wgpu, b: &<Wgpu as Backend>::Buf, n: usize| -> Vec<u32> {
+        h(g, b, n).iter().map(|v| v.to_bits()).collect()
+    };
+    let sets: Vec<Vec<(usize, u32)>> = vec![
+        vec![(8192, 4), (4096, 4), (32, 4), (32, 4)],
+        vec![(256, 8), (1, 8)],
+        vec![(8192, 4), (512, 4), (512, 4)],
+        vec![(100, 4), (37, 8), (1000, 4), (5, 4), (260, 8)],
+        vec![(1, 4)],
+    ];
+    let mut launches = 0;
+    for set in sets {
+        let mats: Vec<_> = set
+            .iter()
+            .map(|&(out, b)| rand_quant(&mut rng, 1, out, hid, b, 64, false))
+            .collect();
+        let gm: Vec<_> = mats.iter().map(|m| g.upload_mat(m).unwrap()).collect();
+        let refs: Vec<_> = gm.iter().collect();
+        for rows in [1usize, 3] {
+            let gh = g.upload(&rng.vec(rows * hid, 1.0)).unwrap();
+            let gnw = g.upload(&rng.vec(hid, 0.5)).unwrap();
+            for fused_norm in [false, true] {
+                let mut got = Vec::new();
+                for spec in [false, true] {
+                    g.set_q6_spec(spec);
+                    let mut outs: Vec<_> = set
+                        .iter()
+                        .map(|&(o, _)| g.zeros(rows * o).unwrap())
+                        .collect();
+                    let mut om: Vec<_> = outs.iter_mut().collect();
+                    let mut gxn = g.zeros(rows * hid).unwrap();
+                    if fused_norm {
+                        g.rms_norm_matmul(&gh, &gnw, rows, hid, d.eps, &mut gxn, &refs, &mut om);
+                    } else {
+                        g.matmul_q_many(&gh, &refs, rows, &mut om);
+                    }
+                    let o: Vec<Vec<u32>> = outs
+                        .iter()
+                        .zip(&set)
+                        .map(|(b, &(n, _))| bits(&g, b, rows * n))
+                        .collect();
+                    got.push(o);
+                }
+                launches += 1;
+                assert!(
+                    got[0] == got[1],
+                    "gemv_q6s differs from gemv_q6: {set:?} rows {rows} norm {fused_norm}"
+                );
+            }
+        }
+    }
+    // The residual add (omode 1): out_proj-like and o_proj-like.
+    for (out, inp, rows) in [(2048usize, 4096usize, 1usize), (2048, 2048, 3)] {
+        let m = g
+            .upload_mat(&rand_quant(&mut rng, 1, out, inp, 4, 64, false))
+            .unwrap();
+        let x = g.upload(&rng.vec(rows * inp, 1.0)).unwrap();
+        let h0 = rng.vec(rows * out, 3.0);
+        let mut got = Vec::new();
+        for spec in [false, true] {
+            g.set_q6_spec(spec);
+            let mut gh = g.upload(&h0).unwrap();
+            let mut gr = g.zeros(rows * out).unwrap();
+            g.matmul_q_add(&x, &m, rows, &mut gr, &mut gh);
+            got.push(bits(&g, &gh, rows * out));
+        }
+        launches += 1;
+        assert!(
+            got[0] == got[1],
+            "gemv_q6s differs from gemv_q6: add [{out}, {inp}] rows {rows}"
+        );
+    }
+    g.set_q6_spec(false);
+    eprintln!("gemv_q6s: {launches} launch shapes bit-equal to gemv_q6");
+}
+
 fn epilogues_case(g: &Wgpu, tol: f32) {
     use lily::backend::{MoeScratch, SharedExpert};
     let d = lily::backend::Dims {

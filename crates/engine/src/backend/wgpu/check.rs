@@ -27,6 +27,15 @@ pub fn translate_to_msl() -> Result<Vec<(&'static str, String)>> {
         if NOT_FOR_METAL.iter().any(|(n, _)| *n == sh.name) {
             continue;
         }
+        // Pipeline constants at their defaults (gemv_q6s's shape constants; the MSL backend
+        // takes a module with its overrides resolved, as wgpu's Metal backend gives it).
+        let (module, info) = naga::back::pipeline_constants::process_overrides(
+            &module,
+            &info,
+            None,
+            &Default::default(),
+        )
+        .map_err(|e| anyhow!("{}.wgsl overrides: {e}", sh.name))?;
         let opts = naga::back::msl::Options {
             lang_version: (2, 4),
             ..Default::default()

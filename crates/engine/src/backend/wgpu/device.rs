@@ -232,6 +232,9 @@ struct Tracer {
 /// dispatches.
 const TRACE_QUERIES: u32 = 4096;
 
+/// A pipeline's shader, entry point and pipeline constants (`name=value,…`; empty for none).
+type PipelineKey = (&'static str, &'static str, String);
+
 /// The backend's switches and tuning knobs, read once from the environment when the device
 /// opens (ablations for `lily bench` A/B runs; every default is the measured best).
 pub(super) struct Switches {
@@ -272,6 +275,10 @@ pub(super) struct Switches {
     /// q2x_stage_ahead in place of q2x_stage + the router's gemv_q6). Atomic for the op tests
     /// (`Wgpu::set_route_ahead`).
     pub route_ahead: std::sync::atomic::AtomicBool,
+    /// `LILY_WGPU_Q6_SPEC=1` (opt-in, not yet measured on a GPU): gemv_q6 specialised to each
+    /// launch's shape by pipeline constants (gemv_q6s; matmul.rs `q6_spec`). Atomic for the op
+    /// tests and `lily lab` (`Wgpu::set_q6_spec`).
+    pub q6_spec: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_GEMV`: the decode GEMV, `v4` (gemv_v4, any adapter), `rw1` / `rw2` / `rw4`
     /// (gemv_rw with 1, 2 or 4 rows a team; adapters with subgroups in order) or `xs` (gemv_xs;
     /// subgroups in order of one fixed width), `v5` (gemv_v5: x in two int8 levels, integer
@@ -395,6 +402,9 @@ impl Switches {
             ahead: on("LILY_WGPU_AHEAD"),
             route_ahead: std::sync::atomic::AtomicBool::new(
                 std::env::var("LILY_WGPU_ROUTE_AHEAD").is_ok_and(|v| v == "1"),
+            ),
+            q6_spec: std::sync::atomic::AtomicBool::new(
+                std::env::var("LILY_WGPU_Q6_SPEC").is_ok_and(|v| v == "1"),
             ),
             replay_flush: num("LILY_WGPU_REPLAY_FLUSH", FLUSH_EVERY).min(FLUSH_EVERY),
             q6_min_kb: AtomicUsize::new(
@@ -541,7 +551,8 @@ pub(super) struct Ctx {
     pub device: ::wgpu::Device,
     pub queue: ::wgpu::Queue,
     pub report: AdapterReport,
-    pipelines: Mutex<HashMap<(&'static str, &'static str), Arc<::wgpu::ComputePipeline>>>,
+    /// Pipelines by shader, entry point and pipeline constants (`dispatch_spec`; "" for none).
+    pipelines: Mutex<HashMap<PipelineKey, Arc<::wgpu::ComputePipeline>>>,
     modules: Mutex<HashMap<&'static str, Arc<::wgpu::ShaderModule>>>,
     /// The encoder being recorded (`None` between submissions).
     enc: Mutex<Option<Open>>,
@@ -829,8 +840,18 @@ impl Ctx {
         }
     }
 
-    fn pipeline(&self, sh: &Shader, entry: &'static str) -> Arc<::wgpu::ComputePipeline> {
-        let key = (sh.name, entry);
+    fn pipeline(
+        &self,
+        sh: &Shader,
+        entry: &'static str,
+        consts: &[(&'static str, u32)],
+    ) -> Arc<::wgpu::ComputePipeline> {
+        let spec = consts
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let key = (sh.name, entry, spec);
         if let Some(p) = self.pipelines.lock().unwrap().get(&key) {
             return p.clone();
         }
@@ -858,6 +879,7 @@ impl Ctx {
                 })
                 .clone()
         };
+        let constants: Vec<(&str, f64)> = consts.iter().map(|&(k, v)| (k, v as f64)).collect();
         let p = Arc::new(
             self.device
                 .create_compute_pipeline(&::wgpu::ComputePipelineDescriptor {
@@ -866,8 +888,8 @@ impl Ctx {
                     module: &module,
                     entry_point: Some(entry),
                     compilation_options: ::wgpu::PipelineCompilationOptions {
+                        constants: &constants,
                         zero_initialize_workgroup_memory: self.sw.zero_wg,
-                        ..Default::default()
                     },
                     cache: None,
                 }),
@@ -887,10 +909,24 @@ impl Ctx {
         bufs: &[&::wgpu::Buffer],
         groups: u32,
     ) {
+        self.dispatch_spec(sh, entry, &[], params, bufs, groups);
+    }
+
+    /// `dispatch` of a pipeline specialised by `consts` (WGSL `override` names and values; one
+    /// pipeline for each set, built at its first use).
+    pub fn dispatch_spec(
+        &self,
+        sh: &Shader,
+        entry: &'static str,
+        consts: &[(&'static str, u32)],
+        params: &[u32],
+        bufs: &[&::wgpu::Buffer],
+        groups: u32,
+    ) {
         if groups == 0 {
             return;
         }
-        let pipe = self.pipeline(sh, entry);
+        let pipe = self.pipeline(sh, entry, consts);
         let mut words = params.to_vec();
         words.resize(words.len().div_ceil(4).max(1) * 4, 0);
         if 4 * words.len() as u64 > PARAM_BYTES {

@@ -102,12 +102,14 @@ impl LabRow {
 /// A GEMV variant: `v4`, `rw1` / `rw2` / `rw4` or `xs`, optionally `@N` workgroups aimed at,
 /// and for v4 `~B`: the parts of gemv_v4 that bits B skip (1 x staging, 2 the final tree, 4 the
 /// norm's pre-pass, 8 the dot products, 16 the scale and bias loads; gemv_io.wgsl `ablate`),
-/// to time what is left (its outputs are then wrong: `check` says by how much).
+/// to time what is left (its outputs are then wrong: `check` says by how much). `v6s`: gemv_q6
+/// specialised to the launch (gemv_q6s, `LILY_WGPU_Q6_SPEC=1`).
 pub struct Variant {
     pub name: String,
     gemv: u32,
     want: usize,
     ablate: u32,
+    spec: bool,
 }
 
 /// Parses `v4,rw2,rw2@4096,...`.
@@ -126,7 +128,7 @@ pub fn parse_variants(s: &str) -> Result<Vec<Variant>> {
             // gemv_q6's workgroups (`@`) are `Switches::q6_wgs`, the others' `gemv_wgs`.
             let (k, want) = match v0.split_once('@') {
                 Some((k, n)) => (k, n.parse::<usize>().ok().filter(|&n| n > 0)),
-                None => (v0, Some(if v0 == "v6" { 256 } else { 1024 })),
+                None => (v0, Some(if v0.starts_with("v6") { 256 } else { 1024 })),
             };
             let gemv = match k {
                 "v4" => 0,
@@ -135,9 +137,11 @@ pub fn parse_variants(s: &str) -> Result<Vec<Variant>> {
                 "rw4" => 4,
                 "xs" => 8,
                 "v5" => 16,
-                "v6" => 32,
+                "v6" | "v6s" => 32,
                 _ => {
-                    bail!("variant `{v}`: v4, v5, v6, rw1, rw2, rw4 or xs, optionally @workgroups")
+                    bail!(
+                        "variant `{v}`: v4, v5, v6, v6s, rw1, rw2, rw4 or xs, optionally @workgroups"
+                    )
                 }
             };
             let Some(want) = want else {
@@ -151,6 +155,7 @@ pub fn parse_variants(s: &str) -> Result<Vec<Variant>> {
                 gemv,
                 want,
                 ablate,
+                spec: k == "v6s",
             })
         })
         .collect()
@@ -382,6 +387,7 @@ impl Wgpu {
             ctx.sw.q6_wgs.load(Ordering::Relaxed),
             ctx.sw.q6_min_kb.load(Ordering::Relaxed),
         );
+        let old_spec = ctx.sw.q6_spec.load(Ordering::Relaxed);
         let mut rows = Vec::new();
         // Median seconds a call of `f(i)` for i in 0..calls (lab_median).
         let time = |f: &dyn Fn(usize)| lab_median(ctx, calls, f);
@@ -589,10 +595,12 @@ impl Wgpu {
                     ctx.sw.gemv_wgs.store(v.want, Ordering::Relaxed);
                 }
                 ctx.sw.ablate.store(v.ablate, Ordering::Relaxed);
+                ctx.sw.q6_spec.store(v.spec, Ordering::Relaxed);
                 let op_s = time(&call)?;
                 // One call from zeroed outputs on copy 0, against gemv_v4's.
                 let got = one_call()?;
                 ctx.sw.ablate.store(0, Ordering::Relaxed);
+                ctx.sw.q6_spec.store(old_spec, Ordering::Relaxed);
                 if reference.is_none() {
                     ctx.sw.gemv.store(0, Ordering::Relaxed);
                     reference = Some(one_call()?);

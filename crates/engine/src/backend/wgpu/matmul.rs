@@ -698,7 +698,13 @@ pub fn gemv_many_xq(
             // one buffer may not meet in a dispatch).
             bufs.push(&dummies[7]);
         }
-        ctx.dispatch(&sg_shader(), "gemv_q6", &p, &bufs, (blocks * rows) as u32);
+        let groups = (blocks * rows) as u32;
+        if ctx.sw.q6_spec.load(Ordering::Relaxed) {
+            let consts = q6_spec(ctx, ws, rows, om, &lanes, &start);
+            ctx.dispatch_spec(&sg_shader(), "gemv_q6s", &consts, &p, &bufs, groups);
+        } else {
+            ctx.dispatch(&sg_shader(), "gemv_q6", &p, &bufs, groups);
+        }
         return Some(xq.clone());
     }
     match rw {
@@ -761,6 +767,57 @@ pub fn q6_takes(ctx: &Ctx, ws: &[&WMat]) -> bool {
         && ctx.report.storage_buffers > GEMV_BUFFERS
         && ws.iter().all(|w| w.inp.is_multiple_of(32))
         && code_kb >= ctx.sw.q6_min_kb.load(Ordering::Relaxed)
+}
+
+/// gemv_q6s's pipeline constants for one launch (matmul_sg.wgsl's overrides): the launch's
+/// matrix count, x rows (1, or 0: read at run time, so that prefill's row counts do not each
+/// build a pipeline), output mode `om`, the adapter's subgroup width and the slots' first
+/// blocks, then each matrix's shape and team (`lanes`: T | R << 16, as gemv_q6 reads them).
+fn q6_spec(
+    ctx: &Ctx,
+    ws: &[&WMat],
+    rows: usize,
+    om: u32,
+    lanes: &[u32; 4],
+    start: &[u32; 4],
+) -> Vec<(&'static str, u32)> {
+    const SLOT: [[&str; 7]; 4] = [
+        [
+            "Q6_OUT0", "Q6_INP0", "Q6_BITS0", "Q6_GS0", "Q6_SB160", "Q6_T0", "Q6_R0",
+        ],
+        [
+            "Q6_OUT1", "Q6_INP1", "Q6_BITS1", "Q6_GS1", "Q6_SB161", "Q6_T1", "Q6_R1",
+        ],
+        [
+            "Q6_OUT2", "Q6_INP2", "Q6_BITS2", "Q6_GS2", "Q6_SB162", "Q6_T2", "Q6_R2",
+        ],
+        [
+            "Q6_OUT3", "Q6_INP3", "Q6_BITS3", "Q6_GS3", "Q6_SB163", "Q6_T3", "Q6_R3",
+        ],
+    ];
+    let mut c = vec![
+        ("Q6_NM", ws.len() as u32),
+        ("Q6_ROWS", if rows == 1 { 1 } else { 0 }),
+        ("Q6_OMODE", om),
+        ("Q6_SG", ctx.report.subgroup_min),
+        ("Q6_S1", start[1]),
+        ("Q6_S2", start[2]),
+        ("Q6_S3", start[3]),
+    ];
+    for (i, w) in ws.iter().enumerate() {
+        let m = w.qmat();
+        let vals = [
+            m[0],
+            m[1],
+            m[2],
+            m[3],
+            m[4],
+            lanes[i] & 0xffff,
+            lanes[i] >> 16,
+        ];
+        c.extend(SLOT[i].iter().copied().zip(vals));
+    }
+    c
 }
 
 /// gemv_q6's team of T lanes and R rows for a matrix of `out` rows of `words` code words on

@@ -202,9 +202,6 @@ impl Wgpu {
             .store(on, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
-    /// A decode token's MoE block fused (`true`, the default: the shared expert as slot k of the
-    /// routed experts' two launches, moe_step_add's route in the first) or as before (`false`:
-    /// `LILY_WGPU_MOE_FUSE=0`) from now on; tests compare both on one device.
     /// Switches the opt-in router fold (`LILY_WGPU_ROUTE_AHEAD`, Backend::route_ahead) on or off.
     pub fn set_route_ahead(&self, on: bool) {
         self.ctx
@@ -212,6 +209,16 @@ impl Wgpu {
             .route_ahead
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
+    /// Switches the opt-in specialised gemv_q6 (`LILY_WGPU_Q6_SPEC`, gemv_q6s) on or off.
+    pub fn set_q6_spec(&self, on: bool) {
+        self.ctx
+            .sw
+            .q6_spec
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// A decode token's MoE block fused (`true`, the default: the shared expert as slot k of the
+    /// routed experts' two launches, moe_step_add's route in the first) or as before (`false`:
+    /// `LILY_WGPU_MOE_FUSE=0`) from now on; tests compare both on one device.
     pub fn set_moe_fuse(&self, on: bool) {
         self.ctx
             .sw

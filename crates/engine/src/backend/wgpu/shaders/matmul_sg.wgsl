@@ -43,11 +43,17 @@ fn xs_out(o: u32, t: u32, out: u32, a: f32) {
 // Writes output i (of row t of x) of matrix mi as the output mode says (gemv_rw, gemv_xs,
 // gemv_q6).
 fn sg_out(mi: u32, t: u32, i: u32, a: f32) {
-    if (pv.omode == 0u) {
+    sg_out_m(mi, t, i, a, pv.omode);
+}
+
+// sg_out with the output mode given (gemv_q6s: a pipeline constant, so the other modes leave
+// the code).
+fn sg_out_m(mi: u32, t: u32, i: u32, a: f32, omode: u32) {
+    if (omode == 0u) {
         vout(mi, i, a);
-    } else if (pv.omode == 1u) {
+    } else if (omode == 1u) {
         vout(mi, i, vget(mi, i) + a);
-    } else if (pv.omode == 2u) {
+    } else if (omode == 2u) {
         vout(mi, i, vget(mi, i) + (vr[i] + sigmoid_f(vsg[t]) * a));
     } else if (mi == 0u) {
         conv_out(i, a);
@@ -438,6 +444,29 @@ fn q6_dot{M}(m: QMat, o0: u32, R: u32, lane: u32, T: u32, xb: u32) -> vec4<f32> 
     return acc;
 }
 
+// gemv_q6s (`LILY_WGPU_Q6_SPEC=1`): slot {M}'s matrix and team shape as pipeline constants
+// (matmul.rs `q6_spec` sets them for each launch), so that the divisions by them, the bit
+// width's and R's branches and the team's sum fold away. The defaults (out_proj's shape on a
+// 32-lane subgroup) only serve `lily lab --pipeline-stats`.
+override Q6_OUT{M}: u32 = 2048u;
+override Q6_INP{M}: u32 = 4096u;
+override Q6_BITS{M}: u32 = 4u;
+override Q6_GS{M}: u32 = 64u;
+override Q6_SB16{M}: u32 = 1u;
+override Q6_T{M}: u32 = 128u;
+override Q6_R{M}: u32 = 4u;
+
+// gemv_q6s's workgroups of slot {M}: gemv_q6's body with the constants above.
+fn q6s_run{M}(blk: u32, t: u32, li: u32, lane_sg: u32) {
+    let m = QMat(Q6_OUT{M}, Q6_INP{M}, Q6_BITS{M}, Q6_GS{M}, Q6_SB16{M}, 0u, 0u, 0u);
+    let T = Q6_T{M};
+    let R = Q6_R{M};
+    let lane = li % T;
+    let o0 = (blk * (256u / T) + li / T) * R;
+    let acc = q6_dot{M}(m, o0, R, lane, T, q6_xb(t, m.inp));
+    q6_tail({M}u, m, blk, t, li, lane_sg, Q6_SG, T, R, o0, Q6_OMODE, acc);
+}
+
 //@@ q6entry
 // omode 4 (Backend::route_ahead, opt-in LILY_WGPU_ROUTE_AHEAD=1; one row of x): omode 1's
 // residual add, and the MoE router that follows folded in (the CUDA backend's gemv.cu AHEAD has
@@ -549,8 +578,7 @@ fn gemv_q6(
     let R = pv.lanes[mi] >> 16u;
     let lane = li % T;
     let o0 = (blk * (256u / T) + li / T) * R;
-    // Row t's staged x (xq.wgsl: 5 · inp / 32 + 3 · inp / 16 vec4s a row).
-    let xb = t * (5u * (m.inp / 32u) + 3u * (m.inp / 16u));
+    let xb = q6_xb(t, m.inp);
     // The layout is derived from the bindings a kernel uses, and gemv_io's launch binds the
     // norm's and the glu's buffers too: this keeps them in it (xmode is 0 here).
     if (pv.xmode == 7u) {
@@ -563,8 +591,21 @@ fn gemv_q6(
         case 2u: { acc = q6_dot2(m, o0, R, lane, T, xb); }
         default: { acc = q6_dot3(m, o0, R, lane, T, xb); }
     }
-    acc = team_sum(acc, li, lane_sg, T, sg);
-    if (pv.omode == 4u) {
+    q6_tail(mi, m, blk, t, li, lane_sg, sg, T, R, o0, pv.omode, acc);
+}
+
+// Row t's staged x (xq.wgsl: 5 · inp / 32 + 3 · inp / 16 vec4s a row).
+fn q6_xb(t: u32, inp: u32) -> u32 {
+    return t * (5u * (inp / 32u) + 3u * (inp / 16u));
+}
+
+// gemv_q6's (and gemv_q6s's) end: the team's sum, then the output mode's epilogue. Uniform
+// control flow (team_sum's and the fold's barriers).
+fn q6_tail(mi: u32, m: QMat, blk: u32, t: u32, li: u32, lane_sg: u32, sg: u32, T: u32, R: u32,
+           o0: u32, omode: u32, part: vec4<f32>) {
+    let lane = li % T;
+    let acc = team_sum(part, li, lane_sg, T, sg);
+    if (omode == 4u) {
         // The residual add, then the router folded in (the header above q6_fold).
         if (lane < R) {
             let o = o0 + lane;
@@ -583,6 +624,56 @@ fn gemv_q6(
     }
     // Lane r of a team writes its row r.
     if (lane < R && o0 + lane < m.out) {
-        sg_out(mi, t, t * m.out + o0 + lane, acc[lane]);
+        sg_out_m(mi, t, t * m.out + o0 + lane, acc[lane], omode);
+    }
+}
+
+// gemv_q6s: gemv_q6 specialised to one launch (`LILY_WGPU_Q6_SPEC=1`, opt-in until measured on a
+// GPU): the launch's matrix count, x rows, output mode, subgroup width and the slots' first
+// blocks are pipeline constants here, each slot's shape beside its q6s_run. Same parameters,
+// bindings, launch and arithmetic as gemv_q6 (the outputs are bit-equal: the op tests compare
+// them); what goes is the runtime integer divisions on the way to the first load, the
+// workgroup's subgroup-width broadcast (a barrier), the block's slot search and the branches on
+// values the launch fixes. One pipeline per launch shape (a decode step has about ten).
+override Q6_NM: u32 = 1u;
+// x's rows; 0: read pv.rows (a launch of several rows).
+override Q6_ROWS: u32 = 1u;
+override Q6_OMODE: u32 = 1u;
+override Q6_SG: u32 = 32u;
+override Q6_S1: u32 = 0u;
+override Q6_S2: u32 = 0u;
+override Q6_S3: u32 = 0u;
+
+@compute @workgroup_size(256)
+fn gemv_q6s(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_invocation_id) lane_sg: u32,
+) {
+    let wg = wg_index(wid);
+    let rows = select(pv.rows, Q6_ROWS, Q6_ROWS != 0u);
+    let t = wg % rows;
+    let b = wg / rows;
+    var mi = 0u;
+    var blk = b;
+    if (Q6_NM > 3u && b >= Q6_S3) {
+        mi = 3u;
+        blk = b - Q6_S3;
+    } else if (Q6_NM > 2u && b >= Q6_S2) {
+        mi = 2u;
+        blk = b - Q6_S2;
+    } else if (Q6_NM > 1u && b >= Q6_S1) {
+        mi = 1u;
+        blk = b - Q6_S1;
+    }
+    // gemv_q6's bindings, all of them (the derived layout must be the same).
+    if (pv.xmode == 7u) {
+        vxn[0] = vaux[0];
+    }
+    switch mi {
+        case 0u: { q6s_run0(blk, t, li, lane_sg); }
+        case 1u: { q6s_run1(blk, t, li, lane_sg); }
+        case 2u: { q6s_run2(blk, t, li, lane_sg); }
+        default: { q6s_run3(blk, t, li, lane_sg); }
     }
 }
