@@ -511,12 +511,14 @@ fn gemv_variants_match_the_cpu() {
     }
 }
 
-/// gemv_q6s (`LILY_WGPU_Q6_SPEC=1`: gemv_q6 specialised to each launch by pipeline constants)
-/// against gemv_q6 on one device: the same projection sets as above (one to five matrices a
-/// launch, 4- and 8-bit, odd output counts), 1 and 3 rows, the norm fused or not, and the
-/// residual add of out_proj / o_proj. The two entries share their arithmetic (q6_dot, q6_tail),
-/// so the outputs must be equal bit for bit; a constant in the wrong slot moves them by O(1).
-/// The conv, gated-norm and router-fold epilogues: the whole suite with LILY_WGPU_Q6_SPEC=1.
+/// gemv_q6s and q2x_stage specialised (`LILY_WGPU_SPEC=q6,xq`: each launch's shape as pipeline
+/// constants) against gemv_q6 and q2x_stage reading their parameters, on one device: the same
+/// projection sets as above (one to five matrices a launch, 4- and 8-bit, odd output counts),
+/// 1 and 3 rows, the norm fused or not (x modes 1 and 0), and the residual add of out_proj /
+/// o_proj. The specialised entries share their arithmetic with the others (q6_dot, q6_tail,
+/// xq_stage), so the outputs must be equal bit for bit; a constant in the wrong slot moves them
+/// by O(1). The conv, gated-norm and router-fold epilogues: the whole suite with
+/// LILY_WGPU_SPEC=all.
 #[test]
 fn gemv_q6_specialised_equals_gemv_q6() {
     let Some(g) = gpu() else { return };
@@ -547,7 +549,7 @@ fn gemv_q6_specialised_equals_gemv_q6() {
             for fused_norm in [false, true] {
                 let mut got = Vec::new();
                 for spec in [false, true] {
-                    g.set_q6_spec(spec);
+                    g.set_spec(if spec { "q6,xq" } else { "" }).unwrap();
                     let mut outs: Vec<_> = set
                         .iter()
                         .map(|&(o, _)| g.zeros(rows * o).unwrap())
@@ -583,7 +585,7 @@ fn gemv_q6_specialised_equals_gemv_q6() {
         let h0 = rng.vec(rows * out, 3.0);
         let mut got = Vec::new();
         for spec in [false, true] {
-            g.set_q6_spec(spec);
+            g.set_spec(if spec { "q6,xq" } else { "" }).unwrap();
             let mut gh = g.upload(&h0).unwrap();
             let mut gr = g.zeros(rows * out).unwrap();
             g.matmul_q_add(&x, &m, rows, &mut gr, &mut gh);
@@ -595,7 +597,7 @@ fn gemv_q6_specialised_equals_gemv_q6() {
             "gemv_q6s differs from gemv_q6: add [{out}, {inp}] rows {rows}"
         );
     }
-    g.set_q6_spec(false);
+    g.set_spec("").unwrap();
     eprintln!("gemv_q6s: {launches} launch shapes bit-equal to gemv_q6");
 }
 

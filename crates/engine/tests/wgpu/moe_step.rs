@@ -712,3 +712,93 @@ fn route_ahead_matches_the_router() {
     }
     g.set_route_ahead(false);
 }
+
+/// Opt-in `LILY_WGPU_SPEC=moe` (`Wgpu::set_spec`): moe_gate_up_y and moe_down_y specialised
+/// to their launch by pipeline constants (moe_xq.wgsl MY_*), against the same kernels reading
+/// the parameter block, on one device. The arithmetic is the same, so h, x, the logits and the
+/// route through moe_step_add (the route in gate|up) and the MoE output through moe_decode_add
+/// (the route given) must be the same bits, at the model's shapes and on two other 4-bit
+/// stacks (hidden 512, 16 experts, top-1, renormalised; hidden 1024, 32 experts, top-4, not). A
+/// constant in the wrong place (a group size, k, the width) moves the outputs by O(1).
+#[test]
+fn moe_y_specialised_equals_the_y_kernels() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(84);
+    set_xq(&g, 4, "32,16,2");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (e, hid, width, k, norm) in [
+        (256usize, 2048usize, 512usize, 8usize, true),
+        (16, 512, 128, 1, true),
+        (32, 1024, 256, 4, false),
+    ] {
+        let d = Dims {
+            hidden: hid,
+            n_experts: e,
+            top_k: k,
+            norm_topk: norm,
+            ..qwen_dims()
+        };
+        let m = rand_moe(&mut rng, e, width, hid, 4);
+        let gm = upload6(&g, [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]]);
+        let router = g
+            .upload_mat(&rand_quant(&mut rng, 1, e, hid, 8, 64, false))
+            .unwrap();
+        let sgate = g
+            .upload_mat(&rand_quant(&mut rng, 1, 1, hid, 8, 64, false))
+            .unwrap();
+        let gnw = g
+            .upload_vec(&(0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect::<Vec<_>>())
+            .unwrap();
+        let w = MoeWeights {
+            router: &router,
+            shared_gate: &sgate,
+            gate: &gm[0],
+            up: &gm[1],
+            down: &gm[2],
+            shared_gate_proj: &gm[3],
+            shared_up_proj: &gm[4],
+            shared_down_proj: &gm[5],
+        };
+        let what = format!("{e}×[{width}, {hid}] top-{k}");
+        for token in 0..2 {
+            let hv = rng.vec(hid, 0.05);
+            let mut out = Vec::new();
+            for spec in [false, true] {
+                g.set_spec(if spec { "moe" } else { "" }).unwrap();
+                out.push(gpu_step(&g, true, &hv, &gnw, &w, &d, width, false));
+            }
+            g.set_spec("").unwrap();
+            let (a, b) = (&out[0], &out[1]);
+            assert_eq!(bits(&b.x), bits(&a.x), "{what} token {token}: x");
+            assert_eq!(
+                bits(&b.logits),
+                bits(&a.logits),
+                "{what} token {token}: logits"
+            );
+            assert_eq!(b.ids, a.ids, "{what} token {token}: ids");
+            assert_eq!(bits(&b.w), bits(&a.w), "{what} token {token}: weights");
+            assert_eq!(bits(&b.h), bits(&a.h), "{what} token {token}: h");
+            // The route given: moe_decode_add (gate|up reads the ids).
+            let xv = rng.vec(hid, 1.0);
+            let route = {
+                let logits = g.upload(&rng.vec(e, 2.0)).unwrap();
+                let mut r = g.new_route(1, k).unwrap();
+                g.moe_route(&logits, &d, 1, &mut r);
+                r
+            };
+            let gmr = [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]];
+            let mut dec = Vec::new();
+            for spec in [false, true] {
+                g.set_spec(if spec { "moe" } else { "" }).unwrap();
+                dec.push(gpu_decode(&g, true, &xv, &route, gmr, 0.4, &d).0);
+            }
+            g.set_spec("").unwrap();
+            assert_eq!(
+                bits(&dec[1]),
+                bits(&dec[0]),
+                "{what} token {token}: moe_decode_add"
+            );
+        }
+        eprintln!("moe y kernels specialised: {what} bit-equal");
+    }
+}

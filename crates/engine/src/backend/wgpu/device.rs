@@ -232,6 +232,38 @@ struct Tracer {
 /// dispatches.
 const TRACE_QUERIES: u32 = 4096;
 
+/// Which decode kernels run specialised to their launch (`LILY_WGPU_SPEC`, `Wgpu::set_spec`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Spec {
+    pub q6: bool,
+    pub moe: bool,
+    pub xq: bool,
+}
+
+impl Spec {
+    /// `q6,moe,xq` (any of them, comma-separated), `all` or `1` for all, `` or `0` for none.
+    pub fn parse(s: &str) -> Result<Self> {
+        let mut spec = Self::default();
+        for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+            match name {
+                "q6" => spec.q6 = true,
+                "moe" => spec.moe = true,
+                "xq" => spec.xq = true,
+                "all" | "1" => {
+                    spec = Self {
+                        q6: true,
+                        moe: true,
+                        xq: true,
+                    }
+                }
+                "0" | "none" => {}
+                _ => bail!("unknown kernel `{name}` (q6, moe, xq, all or none)"),
+            }
+        }
+        Ok(spec)
+    }
+}
+
 /// A pipeline's shader, entry point and pipeline constants (`name=value,…`; empty for none).
 type PipelineKey = (&'static str, &'static str, String);
 
@@ -275,10 +307,14 @@ pub(super) struct Switches {
     /// q2x_stage_ahead in place of q2x_stage + the router's gemv_q6). Atomic for the op tests
     /// (`Wgpu::set_route_ahead`).
     pub route_ahead: std::sync::atomic::AtomicBool,
-    /// `LILY_WGPU_Q6_SPEC=1` (opt-in, not yet measured on a GPU): gemv_q6 specialised to each
-    /// launch's shape by pipeline constants (gemv_q6s; matmul.rs `q6_spec`). Atomic for the op
-    /// tests and `lily lab` (`Wgpu::set_q6_spec`).
+    /// `LILY_WGPU_SPEC` (opt-in, not yet measured on a GPU; `Spec::parse`): decode kernels
+    /// specialised to each launch by WGSL pipeline constants, one pipeline a launch shape:
+    /// `q6` gemv_q6s (matmul.rs `q6_spec`), `moe` moe_gate_up_y and moe_down_y (moe.rs
+    /// `y_spec`), `xq` q2x_stage (matmul.rs `stage`). Atomic for the op tests and `lily lab`
+    /// (`Wgpu::set_spec`).
     pub q6_spec: std::sync::atomic::AtomicBool,
+    pub moe_spec: std::sync::atomic::AtomicBool,
+    pub xq_spec: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_GEMV`: the decode GEMV, `v4` (gemv_v4, any adapter), `rw1` / `rw2` / `rw4`
     /// (gemv_rw with 1, 2 or 4 rows a team; adapters with subgroups in order) or `xs` (gemv_xs;
     /// subgroups in order of one fixed width), `v5` (gemv_v5: x in two int8 levels, integer
@@ -389,6 +425,12 @@ impl Switches {
                 .filter(|&n: &usize| n > 0)
                 .unwrap_or(d)
         };
+        // An unknown name is reported and ignored (the defaults are the measured ones).
+        let spec = Spec::parse(&std::env::var("LILY_WGPU_SPEC").unwrap_or_default())
+            .unwrap_or_else(|e| {
+                eprintln!("LILY_WGPU_SPEC: {e:#}; no kernel specialised");
+                Spec::default()
+            });
         Self {
             replay: on("LILY_WGPU_REPLAY"),
             gqa: on("LILY_WGPU_GQA"),
@@ -403,9 +445,9 @@ impl Switches {
             route_ahead: std::sync::atomic::AtomicBool::new(
                 std::env::var("LILY_WGPU_ROUTE_AHEAD").is_ok_and(|v| v == "1"),
             ),
-            q6_spec: std::sync::atomic::AtomicBool::new(
-                std::env::var("LILY_WGPU_Q6_SPEC").is_ok_and(|v| v == "1"),
-            ),
+            q6_spec: std::sync::atomic::AtomicBool::new(spec.q6),
+            moe_spec: std::sync::atomic::AtomicBool::new(spec.moe),
+            xq_spec: std::sync::atomic::AtomicBool::new(spec.xq),
             replay_flush: num("LILY_WGPU_REPLAY_FLUSH", FLUSH_EVERY).min(FLUSH_EVERY),
             q6_min_kb: AtomicUsize::new(
                 std::env::var("LILY_WGPU_Q6_MIN_KB")

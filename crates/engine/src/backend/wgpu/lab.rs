@@ -103,7 +103,7 @@ impl LabRow {
 /// and for v4 `~B`: the parts of gemv_v4 that bits B skip (1 x staging, 2 the final tree, 4 the
 /// norm's pre-pass, 8 the dot products, 16 the scale and bias loads; gemv_io.wgsl `ablate`),
 /// to time what is left (its outputs are then wrong: `check` says by how much). `v6s`: gemv_q6
-/// specialised to the launch (gemv_q6s, `LILY_WGPU_Q6_SPEC=1`).
+/// specialised to the launch (gemv_q6s, `LILY_WGPU_SPEC=q6`).
 pub struct Variant {
     pub name: String,
     gemv: u32,
@@ -1363,13 +1363,8 @@ impl Wgpu {
         // q2x_stage in xmode 3 alone (as gemv_many runs it before out_proj's gemv_q6).
         let stage = || {
             let xp = [(hv * dv) as u32, 1, 3, d.eps.to_bits(), dv as u32, 0, 0, 0];
-            ctx.dispatch(
-                &super::matmul::XQ_SHADER,
-                "q2x_stage",
-                &xp,
-                &[&y.buf, &z.buf, spare, &xq, &w.norm.buf],
-                1,
-            );
+            let bufs = [&y.buf, &z.buf, spare, &xq, &w.norm.buf];
+            super::matmul::stage(ctx, "q2x_stage", &xp, &bufs, 1);
         };
         let recur = |i: usize| {
             let mut st = WBuf {

@@ -470,8 +470,8 @@ pub fn q2x_stage_ahead(
     let xq = xq_scratch(ctx, 1, hidden)?;
     let acc = ahead_sums(ctx, e)?;
     let xp = [hidden as u32, 1, 1, eps.to_bits(), 0, e as u32, 0, 0];
-    ctx.dispatch(
-        &XQ_SHADER,
+    stage(
+        ctx,
         "q2x_stage_ahead",
         &xp,
         &[
@@ -654,8 +654,8 @@ pub fn gemv_many_xq(
                 _ => (0, &dummies[5]),
             };
             let xp = [inp as u32, rows as u32, xmode, eps.to_bits(), hd, 0, 0, 0];
-            ctx.dispatch(
-                &XQ_SHADER,
+            stage(
+                ctx,
                 "q2x_stage",
                 &xp,
                 &[&x.buf, aux, xn, &staged, gw],
@@ -742,14 +742,40 @@ pub fn q2x_stage(
     let xq = ctx.scratch(name, (16 * rows * xq_row(inp)) as u64)?;
     let xp = [inp as u32, rows as u32, 0, 0, 0, 0, 0, 0];
     let d = &ctx.spare;
-    ctx.dispatch(
-        &XQ_SHADER,
+    stage(
+        ctx,
         "q2x_stage",
         &xp,
         &[&x.buf, &d[3], &d[4], &xq, &d[5]],
         rows as u32,
     );
     Ok(xq)
+}
+
+/// Dispatches xq.wgsl's `entry` (q2x_stage, q2x_stage_ahead) with the parameter block `xp`
+/// (xq.wgsl's XP), specialised to it (`LILY_WGPU_SPEC` xq: the row length, x mode, head size
+/// and the adapter's one subgroup width as pipeline constants) where that is on and the
+/// adapter's subgroups have one width.
+pub(super) fn stage(
+    ctx: &Ctx,
+    entry: &'static str,
+    xp: &[u32; 8],
+    bufs: &[&::wgpu::Buffer],
+    groups: u32,
+) {
+    let r = &ctx.report;
+    let consts = if ctx.sw.xq_spec.load(Ordering::Relaxed) && r.subgroup_min == r.subgroup_max {
+        vec![
+            ("SQ_ON", 1),
+            ("SQ_INP", xp[0]),
+            ("SQ_XMODE", xp[2]),
+            ("SQ_HD", xp[4]),
+            ("SQ_SG", r.subgroup_min),
+        ]
+    } else {
+        Vec::new()
+    };
+    ctx.dispatch_spec(&XQ_SHADER, entry, &consts, xp, bufs, groups);
 }
 
 /// Whether `gemv_many` runs these matrices by gemv_q6 (x staged by q2x_stage): `LILY_WGPU_GEMV`

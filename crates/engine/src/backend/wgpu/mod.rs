@@ -209,12 +209,16 @@ impl Wgpu {
             .route_ahead
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
-    /// Switches the opt-in specialised gemv_q6 (`LILY_WGPU_Q6_SPEC`, gemv_q6s) on or off.
-    pub fn set_q6_spec(&self, on: bool) {
-        self.ctx
-            .sw
-            .q6_spec
-            .store(on, std::sync::atomic::Ordering::Relaxed);
+    /// Runs the decode kernels `kernels` names specialised to their launch from now on, the
+    /// others not (`LILY_WGPU_SPEC`'s values: `q6`, `moe`, `xq`, comma-separated, `all`, ``).
+    pub fn set_spec(&self, kernels: &str) -> Result<()> {
+        let s = device::Spec::parse(kernels)?;
+        let sw = &self.ctx.sw;
+        let r = std::sync::atomic::Ordering::Relaxed;
+        sw.q6_spec.store(s.q6, r);
+        sw.moe_spec.store(s.moe, r);
+        sw.xq_spec.store(s.xq, r);
+        Ok(())
     }
     /// A decode token's MoE block fused (`true`, the default: the shared expert as slot k of the
     /// routed experts' two launches, moe_step_add's route in the first) or as before (`false`:

@@ -493,6 +493,28 @@ pub fn xq_takes(ctx: &Ctx, hid: usize, width: usize, k: usize) -> (bool, bool) {
     (gate, down)
 }
 
+/// moe_gate_up_y's or moe_down_y's pipeline constants (moe_xq.wgsl's MY_*, `LILY_WGPU_SPEC=moe`)
+/// from the launch's parameter block `p` (`params`' layout: m, m2, rows, k, n_exp, norm_topk,
+/// outs, cw, tiles) and the adapter's one subgroup width (`xq_takes` requires one).
+fn y_spec(ctx: &Ctx, p: &[u32]) -> Vec<(&'static str, u32)> {
+    vec![
+        ("MY_ON", 1),
+        ("MY_OUT", p[0]),
+        ("MY_INP", p[1]),
+        ("MY_GS", p[3]),
+        ("MY_SB16", p[4]),
+        ("MY_GS2", p[8 + 3]),
+        ("MY_SB162", p[8 + 4]),
+        ("MY_ROWS", p[16]),
+        ("MY_K", p[17]),
+        ("MY_NEXP", p[18]),
+        ("MY_NORM", p[19]),
+        ("MY_OUTS", p[20]),
+        ("MY_TILES", p[22]),
+        ("MY_SG", ctx.report.subgroup_min),
+    ]
+}
+
 /// The most routed slots moe_down_y takes (moe_xq.wgsl DY_K: its straight-line loads).
 const DOWN_Y_K: usize = 8;
 
@@ -611,9 +633,16 @@ pub fn moe_decode_shared(
             0,
             route_in,
         );
-        ctx.dispatch(
+        // gemv_q6s's idea for the y kernels (opt-in): the launch's values as constants.
+        let spec = ctx.sw.moe_spec.load(std::sync::atomic::Ordering::Relaxed);
+        let consts = match gy {
+            Some(_) if spec => y_spec(ctx, &p_up),
+            _ => Vec::new(),
+        };
+        ctx.dispatch_spec(
             &XQ_SHADER,
             entry,
+            &consts,
             &p_up,
             &[
                 &gate.w, &gate.s, &gate.b, &up.w, &up.s, &up.b, &staged, &route.ids, &act, &sg.w,
@@ -633,9 +662,15 @@ pub fn moe_decode_shared(
         };
         if let Some((entry, outs, opw)) = down_x {
             let p_down = params(down.qmat(), [0; 8], 1, k, n, d.norm_topk, outs, 0, 0);
-            ctx.dispatch(
+            let consts = if spec && entry == "moe_down_y" {
+                y_spec(ctx, &p_down)
+            } else {
+                Vec::new()
+            };
+            ctx.dispatch_spec(
                 &XQ_SHADER,
                 entry,
+                &consts,
                 &p_down,
                 &[
                     &down.w,

@@ -444,7 +444,7 @@ fn q6_dot{M}(m: QMat, o0: u32, R: u32, lane: u32, T: u32, xb: u32) -> vec4<f32> 
     return acc;
 }
 
-// gemv_q6s (`LILY_WGPU_Q6_SPEC=1`): slot {M}'s matrix and team shape as pipeline constants
+// gemv_q6s (`LILY_WGPU_SPEC=q6`): slot {M}'s matrix and team shape as pipeline constants
 // (matmul.rs `q6_spec` sets them for each launch), so that the divisions by them, the bit
 // width's and R's branches and the team's sum fold away. The defaults (out_proj's shape on a
 // 32-lane subgroup) only serve `lily lab --pipeline-stats`.
@@ -628,7 +628,7 @@ fn q6_tail(mi: u32, m: QMat, blk: u32, t: u32, li: u32, lane_sg: u32, sg: u32, T
     }
 }
 
-// gemv_q6s: gemv_q6 specialised to one launch (`LILY_WGPU_Q6_SPEC=1`, opt-in until measured on a
+// gemv_q6s: gemv_q6 specialised to one launch (`LILY_WGPU_SPEC=q6`, opt-in until measured on a
 // GPU): the launch's matrix count, x rows, output mode, subgroup width and the slots' first
 // blocks are pipeline constants here, each slot's shape beside its q6s_run. Same parameters,
 // bindings, launch and arithmetic as gemv_q6 (the outputs are bit-equal: the op tests compare

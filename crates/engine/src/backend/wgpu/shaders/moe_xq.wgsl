@@ -37,6 +37,54 @@
 //   workgroups a token. Bindings: 1-3 down, 4 aq, 5 ids, 6 weights, 7 h (read and written),
 //   8-10 the shared down, 11 s (the shared gate's logit). Needs outputs · (k + 1) ≤ 2048.
 
+// The y kernels' launch as pipeline constants (`LILY_WGPU_SPEC=moe`, opt-in until measured on
+// a GPU; moe.rs `y_spec` sets them for each of the two pipelines): with MY_ON the accessors
+// below give the constants, so that the divisions by the widths and group sizes, the route's
+// loops over the subgroups (its per-lane array then indexed by constants alone), the slot
+// arithmetic and the branches on the launch fold, and the subgroup width needs no broadcast
+// (a barrier). Without (every other pipeline of this module, and these by default) they read
+// the parameter block as before. The x kernels share gx_route, gx_expert and dx_sb, never with
+// MY_ON. The defaults: gate|up's launch at the full preset's shapes (`lily lab
+// --pipeline-stats` compiles them with MY_ON off).
+override MY_ON: bool = false;
+override MY_OUT: u32 = 512u;
+override MY_INP: u32 = 2048u;
+override MY_GS: u32 = 64u;
+override MY_SB16: u32 = 1u;
+override MY_GS2: u32 = 64u;
+override MY_SB162: u32 = 1u;
+override MY_ROWS: u32 = 1u;
+override MY_K: u32 = 8u;
+override MY_NEXP: u32 = 256u;
+override MY_NORM: u32 = 1u;
+override MY_OUTS: u32 = 32u;
+override MY_TILES: u32 = 1u;
+override MY_SG: u32 = 32u;
+
+fn my_out() -> u32 { return select(p.m.out, MY_OUT, MY_ON); }
+fn my_inp() -> u32 { return select(p.m.inp, MY_INP, MY_ON); }
+fn my_gs() -> u32 { return select(p.m.gs, MY_GS, MY_ON); }
+fn my_sb16() -> u32 { return select(p.m.sb16, MY_SB16, MY_ON); }
+fn my_gs2() -> u32 { return select(p.m2.gs, MY_GS2, MY_ON); }
+fn my_sb162() -> u32 { return select(p.m2.sb16, MY_SB162, MY_ON); }
+fn my_rows() -> u32 { return select(p.rows, MY_ROWS, MY_ON); }
+fn my_k() -> u32 { return select(p.k, MY_K, MY_ON); }
+fn my_nexp() -> u32 { return select(p.n_exp, MY_NEXP, MY_ON); }
+fn my_norm() -> u32 { return select(p.norm_topk, MY_NORM, MY_ON); }
+fn my_outs() -> u32 { return select(p.outs, MY_OUTS, MY_ON); }
+fn my_tiles() -> u32 { return select(p.tiles, MY_TILES, MY_ON); }
+
+// The subgroup width, uniform over the workgroup (every invocation calls it).
+fn my_sg(li: u32, sg_size: u32) -> u32 {
+    if (MY_ON) {
+        return MY_SG;
+    }
+    if (li == 0u) {
+        rw_sg = sg_size;
+    }
+    return workgroupUniformLoad(&rw_sg);
+}
+
 @group(0) @binding(7) var<storage, read> gx_x: array<vec4<u32>>;
 @group(0) @binding(18) var<storage, read_write> gx_aq: array<vec4<u32>>;
 @group(0) @binding(4) var<storage, read> dx_aq: array<vec4<u32>>;
@@ -126,7 +174,7 @@ fn gx_node32(i: u32) -> f32 {
 //   candidates is its rank among all (the same keys and ties by id as moe_route).
 // Every invocation calls it (barriers; sg and lsg as team_sum's).
 fn gx_route(t: u32, li: u32, sg: u32, lsg: u32, write: bool) {
-    let ne = p.n_exp;
+    let ne = my_nexp();
     let nsg = 256u / sg;
     var l = bitcast<f32>(0xff800000u);
     if (li < ne) {
@@ -180,7 +228,7 @@ fn gx_route(t: u32, li: u32, sg: u32, lsg: u32, write: bool) {
     }
     workgroupBarrier();
     var th = bitcast<i32>(0x80000000u);
-    if (nsg >= p.k) {
+    if (nsg >= my_k()) {
         th = gx_kmax[0];
         for (var j = 1u; j < nsg; j++) {
             th = min(th, gx_kmax[j]);
@@ -199,22 +247,22 @@ fn gx_route(t: u32, li: u32, sg: u32, lsg: u32, write: bool) {
             let c = gx_cand[j];
             rank += select(0u, 1u, c.x > key || (c.x == key && u32(c.y) < li));
         }
-        if (rank < p.k) {
+        if (rank < my_k()) {
             rtop[rank] = li;
         }
     }
     workgroupBarrier();
     if (write && li == 0u) {
         var ws = 1.0;
-        if (p.norm_topk != 0u) {
+        if (my_norm() != 0u) {
             ws = 0.0;
-            for (var j = 0u; j < p.k; j++) {
+            for (var j = 0u; j < my_k(); j++) {
                 ws += red2[rtop[j]];
             }
         }
-        for (var j = 0u; j < p.k; j++) {
-            gs_ids[t * p.k + j] = rtop[j];
-            gs_w[t * p.k + j] = red2[rtop[j]] / ws;
+        for (var j = 0u; j < my_k(); j++) {
+            gs_ids[t * my_k() + j] = rtop[j];
+            gs_w[t * my_k() + j] = red2[rtop[j]] / ws;
         }
     }
 }
@@ -233,10 +281,10 @@ struct GxAt {
 }
 
 fn gx_at(wg: u32) -> GxAt {
-    let blocks = p.m.out / 32u;
-    let k1 = p.k + 1u;
+    let blocks = my_out() / 32u;
+    let k1 = my_k() + 1u;
     let slot = wg / blocks;
-    return GxAt(slot, slot / k1, slot % k1, slot % k1 == p.k, (wg % blocks) * 32u, wg % blocks == 0u);
+    return GxAt(slot, slot / k1, slot % k1, slot % k1 == my_k(), (wg % blocks) * 32u, wg % blocks == 0u);
 }
 
 // The expert of slot js of token t (0 for the shared slot, sh, uniform over the workgroup):
@@ -246,11 +294,11 @@ fn gx_at(wg: u32) -> GxAt {
 fn gx_expert(t: u32, js: u32, sh: bool, li: u32, sg: u32, lane_sg: u32, first: bool) -> u32 {
     var e = 0u;
     if (!sh) {
-        if (p.tiles != 0u) {
+        if (my_tiles() != 0u) {
             gx_route(t, li, sg, lane_sg, js == 0u && first);
-            e = min(rtop[js], p.n_exp - 1u);
+            e = min(rtop[js], my_nexp() - 1u);
         } else {
-            e = min(gs_ids[t * p.k + js], p.n_exp - 1u);
+            e = min(gs_ids[t * my_k() + js], my_nexp() - 1u);
         }
     }
     return e;
@@ -361,22 +409,19 @@ fn moe_gate_up_y(
     @builtin(subgroup_size) sg_size: u32,
     @builtin(subgroup_invocation_id) lane_sg: u32,
 ) {
-    let width = p.m.out;
-    let hid = p.m.inp;
+    let width = my_out();
+    let hid = my_inp();
     let a = gx_at(wg_index(wid));
-    if (a.slot >= p.rows * (p.k + 1u)) {
+    if (a.slot >= my_rows() * (my_k() + 1u)) {
         return;
     }
-    if (li == 0u) {
-        rw_sg = sg_size;
-    }
-    let sg = workgroupUniformLoad(&rw_sg);
+    let sg = my_sg(li, sg_size);
     let slot = a.slot;
     let t = a.t;
     let js = a.js;
     let sh = a.sh;
     let ob = a.ob;
-    let T = p.outs;
+    let T = my_outs();
     let R = T / 8u;
     let lane = li % T;
     let o0 = ob + (li / T) * R;
@@ -391,10 +436,10 @@ fn moe_gate_up_y(
     let r1 = e * width + o0 + min(1u, R - 1u);
     let r2 = e * width + o0 + min(2u, R - 1u);
     let r3 = e * width + o0 + min(3u, R - 1u);
-    let gg = (c * 32u) / p.m.gs;
-    let gu = (c * 32u) / p.m2.gs;
-    let gpg = hid / p.m.gs;
-    let gpu = hid / p.m2.gs;
+    let gg = (c * 32u) / my_gs();
+    let gu = (c * 32u) / my_gs2();
+    let gpg = hid / my_gs();
+    let gpu = hid / my_gs2();
     let g0a = gs_gate_w(sh, r0 * wpr + c);
     let g0b = gs_gate_w(sh, r0 * wpr + c + 1u);
     let u0a = gs_up_w(sh, r0 * wpr + c);
@@ -411,8 +456,8 @@ fn moe_gate_up_y(
     let g3b = gs_gate_w(sh, r3 * wpr + c + 1u);
     let u3a = gs_up_w(sh, r3 * wpr + c);
     let u3b = gs_up_w(sh, r3 * wpr + c + 1u);
-    let sb = p.m.sb16;
-    let sb2 = p.m2.sb16;
+    let sb = my_sb16();
+    let sb2 = my_sb162();
     let sg0 = gs_gate_sb(sh, r0 * gpg + gg, sb, false);
     let bg0 = gs_gate_sb(sh, r0 * gpg + gg, sb, true);
     let su0 = gs_up_sb(sh, r0 * gpu + gu, sb2, false);
@@ -499,14 +544,14 @@ fn dx_w(sh: bool, i: u32) -> vec4<u32> {
 }
 
 fn dx_sb(sh: bool, g: u32, is_bias: bool) -> f32 {
-    let j = sb_idx(g, p.m.sb16);
+    let j = sb_idx(g, my_sb16());
     var w: u32;
     if (sh) {
         if (is_bias) { w = shd_b[j]; } else { w = shd_s[j]; }
     } else {
         if (is_bias) { w = qb[j]; } else { w = qs[j]; }
     }
-    return sb_val(w, g, p.m.sb16);
+    return sb_val(w, g, my_sb16());
 }
 
 // Row `row`'s dot with act row `ar` over this lane's words c = lane, lane + T, … (down, the
@@ -627,26 +672,26 @@ struct DyW {
 
 // Slot j's (j < k; past k: slot k - 1's, not summed) word c of output o of token t.
 fn dy_load(t: u32, j: u32, o: u32, c: u32) -> DyW {
-    let hid = p.m.out;
-    let wpr = p.m.inp / 32u;
-    let gpr = p.m.inp / p.m.gs;
-    let jj = min(j, p.k - 1u);
-    let e = min(dn_ids[t * p.k + jj], p.n_exp - 1u);
+    let hid = my_out();
+    let wpr = my_inp() / 32u;
+    let gpr = my_inp() / my_gs();
+    let jj = min(j, my_k() - 1u);
+    let e = min(dn_ids[t * my_k() + jj], my_nexp() - 1u);
     let row = e * hid + o;
-    let g = row * gpr + (c * 32u) / p.m.gs;
+    let g = row * gpr + (c * 32u) / my_gs();
     return DyW(qw4[row * wpr + c], dx_sb(false, g, false), dx_sb(false, g, true));
 }
 
 // The shared expert's word c of output o.
 fn dy_load_sh(o: u32, c: u32) -> DyW {
-    let wpr = p.m.inp / 32u;
-    let g = o * (p.m.inp / p.m.gs) + (c * 32u) / p.m.gs;
+    let wpr = my_inp() / 32u;
+    let g = o * (my_inp() / my_gs()) + (c * 32u) / my_gs();
     return DyW(shd_w4[o * wpr + c], dx_sb(true, g, false), dx_sb(true, g, true));
 }
 
 // Word c's dot against act row `ar`, times `wt` (0 past the routed slots: the term dropped).
 fn dy_dot(v: DyW, ar: u32, c: u32, wt: f32, keep: bool) -> f32 {
-    let width = p.m.inp;
+    let width = my_inp();
     let xb = ar * (5u * (width / 32u) + 3u * (width / 16u));
     let d = gx_dot(v.w, 4u, dx_xword(xb, c, width, 4u), v.s, v.b);
     return select(0.0, wt * d, keep);
@@ -659,21 +704,18 @@ fn moe_down_y(
     @builtin(subgroup_size) sg_size: u32,
     @builtin(subgroup_invocation_id) lane_sg: u32,
 ) {
-    let hid = p.m.out;
-    let k = p.k;
+    let hid = my_out();
+    let k = my_k();
     let k1 = k + 1u;
-    let T = p.outs;
+    let T = my_outs();
     let opw = 256u / T;
     let blocks = (hid + opw - 1u) / opw;
     let wg = wg_index(wid);
     let t = wg / blocks;
-    if (t >= p.rows) {
+    if (t >= my_rows()) {
         return;
     }
-    if (li == 0u) {
-        rw_sg = sg_size;
-    }
-    let sg = workgroupUniformLoad(&rw_sg);
+    let sg = my_sg(li, sg_size);
     let c = li % T;
     let ou = (wg % blocks) * opw + li / T;
     let o = min(ou, hid - 1u);

@@ -50,6 +50,21 @@ struct XP {
 // xmode 3: the gated norm's weights [hd] (a dummy otherwise).
 @group(0) @binding(5) var<storage, read> qgw: array<vec4<f32>>;
 
+// q2x_stage specialised to its launch (`LILY_WGPU_SPEC` xq, opt-in until measured on a GPU;
+// matmul.rs sets them): with SQ_ON the accessors give the row length, the x mode and the head
+// size as pipeline constants (the mode's branches, the one-pass choice and the loops' bounds
+// fold) and the subgroup width needs no broadcast (a barrier); without (the default, and every
+// other module that includes this file) they read the parameter block.
+override SQ_ON: bool = false;
+override SQ_INP: u32 = 2048u;
+override SQ_XMODE: u32 = 1u;
+override SQ_HD: u32 = 128u;
+override SQ_SG: u32 = 32u;
+
+fn sq_inp() -> u32 { return select(xp.inp, SQ_INP, SQ_ON); }
+fn sq_xmode() -> u32 { return select(xp.xmode, SQ_XMODE, SQ_ON); }
+fn sq_hd() -> u32 { return select(xp.hd, SQ_HD, SQ_ON); }
+
 var<workgroup> xq_part: array<f32, 64>;
 var<workgroup> xq_sg: u32;
 // xmode 3: each vec4's sum of squares (up to 4,096 elements a row), then each head's 1 / rms.
@@ -59,9 +74,9 @@ var<workgroup> xq_hrn: array<f32, 256>;
 // A vec4 of x as the mode reads it, from the raw vec4 h and its aux a (mode 1: the norm's
 // weights, rn its 1 / rms; mode 2: u).
 fn xq_mode(h: vec4<f32>, a: vec4<f32>, rn: f32) -> vec4<f32> {
-    if (xp.xmode == 1u) {
+    if (sq_xmode() == 1u) {
         return h * rn * a;
-    } else if (xp.xmode == 2u) {
+    } else if (sq_xmode() == 2u) {
         return vec4<f32>(silu_f(h.x) * a.x, silu_f(h.y) * a.y, silu_f(h.z) * a.z, silu_f(h.w) * a.w);
     }
     return h;
@@ -70,14 +85,14 @@ fn xq_mode(h: vec4<f32>, a: vec4<f32>, rn: f32) -> vec4<f32> {
 // x's vec4 v of row t as the mode reads it (rows of more than 2,048 elements).
 fn xq_x(xrow: u32, v: u32, rn: f32) -> vec4<f32> {
     var a = vec4<f32>(0.0);
-    if (xp.xmode == 1u) {
+    if (sq_xmode() == 1u) {
         a = qaux[v];
-    } else if (xp.xmode == 2u) {
+    } else if (sq_xmode() == 2u) {
         a = qaux[xrow + v];
-    } else if (xp.xmode == 3u) {
+    } else if (sq_xmode() == 3u) {
         // gdn.wgsl gdn_norm's y · r · w · silu(z), in its order.
         let z = qaux[xrow + v];
-        let y = qx[xrow + v] * xq_hrn[v / (xp.hd / 4u)] * qgw[v % (xp.hd / 4u)];
+        let y = qx[xrow + v] * xq_hrn[v / (sq_hd() / 4u)] * qgw[v % (sq_hd() / 4u)];
         return vec4<f32>(y.x * silu_f(z.x), y.y * silu_f(z.y), y.z * silu_f(z.z), y.w * silu_f(z.w));
     }
     return xq_mode(qx[xrow + v], a, rn);
@@ -86,8 +101,8 @@ fn xq_x(xrow: u32, v: u32, rn: f32) -> vec4<f32> {
 // xmode 3: each head's 1 / rms of row xrow into xq_hrn (every invocation calls it: barriers).
 // A vec4's sum of squares each, then one invocation a head adds its vec4s' in order.
 fn xq_head_norms(xrow: u32, li: u32) {
-    let n4 = xp.inp / 4u;
-    let h4 = xp.hd / 4u;
+    let n4 = sq_inp() / 4u;
+    let h4 = sq_hd() / 4u;
     for (var v = li; v < n4; v += 256u) {
         let y = qx[xrow + v];
         xq_hss[v] = dot(y, y);
@@ -98,7 +113,7 @@ fn xq_head_norms(xrow: u32, li: u32) {
         for (var j = 0u; j < h4; j++) {
             ss += xq_hss[h * h4 + j];
         }
-        xq_hrn[h] = 1.0 / sqrt(ss / f32(xp.hd) + xp.eps);
+        xq_hrn[h] = 1.0 / sqrt(ss / f32(sq_hd()) + xp.eps);
     }
     workgroupBarrier();
 }
@@ -142,12 +157,15 @@ fn q2x_stage(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
 // q2x_stage's body (also xq_route.wgsl's q2x_stage_ahead's): stages row wid's x and returns the
 // norm's 1 / rms (xmode 1; else 1).
 fn xq_stage(wid: vec3<u32>, li: u32, sg_size: u32, lane: u32) -> f32 {
-    if (li == 0u) {
-        xq_sg = sg_size;
+    var sg = SQ_SG;
+    if (!SQ_ON) {
+        if (li == 0u) {
+            xq_sg = sg_size;
+        }
+        sg = workgroupUniformLoad(&xq_sg);
     }
-    let sg = workgroupUniformLoad(&xq_sg);
     let t = wg_index(wid);
-    let inp = xp.inp;
+    let inp = sq_inp();
     let xrow = t * (inp / 4u);
     let w4 = inp / 32u;
     let w8 = inp / 16u;
@@ -155,8 +173,8 @@ fn xq_stage(wid: vec3<u32>, li: u32, sg_size: u32, lane: u32) -> f32 {
     // (and in the norm's mode their weights) once, before the norm's barrier, and keeps them in
     // registers: the loads' latency is paid once, not again after the barrier.
     // (Mode 3 reads x through xq_x, after its head norms.)
-    let one_pass = 4u * w4 <= 256u && xp.xmode != 3u;
-    if (xp.xmode == 3u) {
+    let one_pass = 4u * w4 <= 256u && sq_xmode() != 3u;
+    if (sq_xmode() == 3u) {
         xq_head_norms(xrow, li);
     }
     let i1 = li;
@@ -168,15 +186,15 @@ fn xq_stage(wid: vec3<u32>, li: u32, sg_size: u32, lane: u32) -> f32 {
     if (on1) {
         hl = qx[xrow + 2u * i1];
         hh = qx[xrow + 2u * i1 + 1u];
-        if (xp.xmode != 0u) {
+        if (sq_xmode() != 0u) {
             // Mode 1: the norm's weights (a vector); mode 2: u (a row like x).
-            let ab = select(xrow, 0u, xp.xmode == 1u);
+            let ab = select(xrow, 0u, sq_xmode() == 1u);
             wl = qaux[ab + 2u * i1];
             wh = qaux[ab + 2u * i1 + 1u];
         }
     }
     var rn = 1.0;
-    if (xp.xmode == 1u) {
+    if (sq_xmode() == 1u) {
         var ss = dot(hl, hl) + dot(hh, hh);
         if (!one_pass) {
             for (var v = li; v < inp / 4u; v += 256u) {
@@ -206,14 +224,14 @@ fn xq_stage(wid: vec3<u32>, li: u32, sg_size: u32, lane: u32) -> f32 {
         if (on && one_pass) {
             xl = xq_mode(hl, wl, rn);
             xh = xq_mode(hh, wh, rn);
-            if (xp.xmode == 1u) {
+            if (sq_xmode() == 1u) {
                 qxn[xrow + 2u * i] = xl;
                 qxn[xrow + 2u * i + 1u] = xh;
             }
         } else if (on) {
             xl = xq_x(xrow, 2u * i, rn);
             xh = xq_x(xrow, 2u * i + 1u, rn);
-            if (xp.xmode == 1u) {
+            if (sq_xmode() == 1u) {
                 qxn[xrow + 2u * i] = xl;
                 qxn[xrow + 2u * i + 1u] = xh;
             }
