@@ -399,3 +399,119 @@ fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
     g.set_gemv("v6").unwrap();
     g.set_gdn_step("x").unwrap();
 }
+
+/// Opt-in `LILY_WGPU_SPEC` (`Wgpu::set_spec`): the GDN mixer's decode step with every
+/// specialised kernel on (`all`: gdn_step_x / gdn_step_y with the heads' counts and sizes as
+/// pipeline constants, in_proj's and out_proj's gemv_q6s and q2x_stage) against the same device
+/// with none, two tokens from the same states: h, the conv state and the recurrent state must be
+/// the same bits (the same arithmetic), at the real shapes and at the ragged one above, through
+/// gdn_step_x and gdn_step_y.
+#[test]
+fn gdn_mixer_specialised_equals_the_mixer() {
+    let Some(g) = gpu() else { return };
+    let mut ragged = qwen_dims();
+    (
+        ragged.gdn_k_heads,
+        ragged.gdn_v_heads,
+        ragged.gdn_k_dim,
+        ragged.gdn_v_dim,
+    ) = (2, 6, 60, 64);
+    for (d, seed) in [(qwen_dims(), 56), (ragged, 57)] {
+        let mut rng = Rng(seed);
+        let (hid, c) = (d.hidden, d.conv_channels());
+        let (hv, dv, dk) = (d.gdn_v_heads, d.gdn_v_dim, d.gdn_k_dim);
+        let gm: Vec<_> = [c, hv * dv, hv, hv]
+            .iter()
+            .map(|&o| {
+                g.upload_mat(&rand_quant(&mut rng, 1, o, hid, 4, 64, false))
+                    .unwrap()
+            })
+            .collect();
+        let gout = g
+            .upload_mat(&rand_quant(&mut rng, 1, hid, hv * dv, 4, 64, false))
+            .unwrap();
+        let gconv_w = g.upload_vec(&rng.vec(c * d.conv_kernel, 0.5)).unwrap();
+        let gp = GdnParams {
+            a_log: g
+                .upload_vec(
+                    &(0..hv)
+                        .map(|_| (1.0 + 7.5 * (rng.f() + 1.0)).ln())
+                        .collect::<Vec<_>>(),
+                )
+                .unwrap(),
+            dt_bias: g
+                .upload_vec(&(0..hv).map(|_| rng.f()).collect::<Vec<_>>())
+                .unwrap(),
+            norm: g
+                .upload_vec(&(0..dv).map(|_| 1.0 + 0.1 * rng.f()).collect::<Vec<_>>())
+                .unwrap(),
+        };
+        let gnorm = g
+            .upload_vec(&(0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect::<Vec<_>>())
+            .unwrap();
+        let gw = lily::backend::GdnWeights {
+            in_proj: [&gm[0], &gm[1], &gm[2], &gm[3]],
+            conv1d: &gconv_w,
+            params: &gp,
+            out_proj: &gout,
+            route_ahead: None,
+        };
+        let (h0, conv0, ssm0) = (
+            rng.vec(hid, 4.0),
+            rng.vec((d.conv_kernel - 1) * c, 1.0),
+            rng.vec(hv * dv * dk, 0.05),
+        );
+        for step in ["x", "y"] {
+            g.set_gdn_step(step).unwrap();
+            let mut got = Vec::new();
+            for spec in ["", "all"] {
+                g.set_spec(spec).unwrap();
+                let (mut gh, mut gconv, mut gssm) = (
+                    g.upload(&h0).unwrap(),
+                    g.upload(&conv0).unwrap(),
+                    g.upload(&ssm0).unwrap(),
+                );
+                for _ in 0..2 {
+                    let mut s: Vec<_> = [hid, c, c, hv * dv, hv, hv, hv * dv, hid]
+                        .iter()
+                        .map(|&n| g.zeros(n).unwrap())
+                        .collect();
+                    let [xn, qkv, qkv_c, z, b, a, y, r] = &mut s[..] else {
+                        unreachable!()
+                    };
+                    let tmp = lily::backend::GdnScratch {
+                        xn,
+                        qkv,
+                        qkv_c,
+                        z,
+                        b,
+                        a,
+                        y,
+                        r,
+                    };
+                    g.gdn_mixer_decode_add(
+                        &mut gh, &gnorm, d.eps, &gw, &mut gconv, &mut gssm, &d, tmp,
+                    );
+                }
+                let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+                got.push([
+                    bits(h(&g, &gh, hid)),
+                    bits(h(&g, &gconv, conv0.len())),
+                    bits(h(&g, &gssm, ssm0.len())),
+                ]);
+            }
+            g.set_spec("").unwrap();
+            for (i, what) in ["h", "the conv state", "the recurrent state"]
+                .iter()
+                .enumerate()
+            {
+                assert!(
+                    got[0][i] == got[1][i],
+                    "gdn mixer specialised (step {step}, {hv}×{dv} heads): {what} differs"
+                );
+            }
+        }
+        g.set_gdn_step("x").unwrap();
+        eprintln!("gdn mixer specialised: {hv} value heads of {dv}, key {dk}: bit-equal");
+    }
+}

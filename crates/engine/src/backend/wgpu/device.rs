@@ -238,10 +238,12 @@ pub struct Spec {
     pub q6: bool,
     pub moe: bool,
     pub xq: bool,
+    pub gdn: bool,
 }
 
 impl Spec {
-    /// `q6,moe,xq` (any of them, comma-separated), `all` or `1` for all, `` or `0` for none.
+    /// `q6,moe,xq,gdn` (any of them, comma-separated), `all` or `1` for all, `` or `0` for
+    /// none.
     pub fn parse(s: &str) -> Result<Self> {
         let mut spec = Self::default();
         for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
@@ -249,15 +251,17 @@ impl Spec {
                 "q6" => spec.q6 = true,
                 "moe" => spec.moe = true,
                 "xq" => spec.xq = true,
+                "gdn" => spec.gdn = true,
                 "all" | "1" => {
                     spec = Self {
                         q6: true,
                         moe: true,
                         xq: true,
+                        gdn: true,
                     }
                 }
                 "0" | "none" => {}
-                _ => bail!("unknown kernel `{name}` (q6, moe, xq, all or none)"),
+                _ => bail!("unknown kernel `{name}` (q6, moe, xq, gdn, all or none)"),
             }
         }
         Ok(spec)
@@ -310,11 +314,12 @@ pub(super) struct Switches {
     /// `LILY_WGPU_SPEC` (opt-in, not yet measured on a GPU; `Spec::parse`): decode kernels
     /// specialised to each launch by WGSL pipeline constants, one pipeline a launch shape:
     /// `q6` gemv_q6s (matmul.rs `q6_spec`), `moe` moe_gate_up_y and moe_down_y (moe.rs
-    /// `y_spec`), `xq` q2x_stage (matmul.rs `stage`). Atomic for the op tests and `lily lab`
-    /// (`Wgpu::set_spec`).
+    /// `y_spec`), `xq` q2x_stage (matmul.rs `stage`), `gdn` gdn_step_x and gdn_step_y (gdn.rs
+    /// `step_dispatch`). Atomic for the op tests and `lily lab` (`Wgpu::set_spec`).
     pub q6_spec: std::sync::atomic::AtomicBool,
     pub moe_spec: std::sync::atomic::AtomicBool,
     pub xq_spec: std::sync::atomic::AtomicBool,
+    pub gdn_spec: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_GEMV`: the decode GEMV, `v4` (gemv_v4, any adapter), `rw1` / `rw2` / `rw4`
     /// (gemv_rw with 1, 2 or 4 rows a team; adapters with subgroups in order) or `xs` (gemv_xs;
     /// subgroups in order of one fixed width), `v5` (gemv_v5: x in two int8 levels, integer
@@ -448,6 +453,7 @@ impl Switches {
             q6_spec: std::sync::atomic::AtomicBool::new(spec.q6),
             moe_spec: std::sync::atomic::AtomicBool::new(spec.moe),
             xq_spec: std::sync::atomic::AtomicBool::new(spec.xq),
+            gdn_spec: std::sync::atomic::AtomicBool::new(spec.gdn),
             replay_flush: num("LILY_WGPU_REPLAY_FLUSH", FLUSH_EVERY).min(FLUSH_EVERY),
             q6_min_kb: AtomicUsize::new(
                 std::env::var("LILY_WGPU_Q6_MIN_KB")

@@ -228,7 +228,8 @@ pub fn gated_delta_ex(
     let p = params(d, rows, 0);
     if rows == 1 && !fast(ctx, d) && step_y_takes(ctx, d) {
         let (sh, groups) = (step_shader(ctx), hv * dv.div_ceil(32));
-        ctx.dispatch(
+        step_dispatch(
+            ctx,
             sh,
             "gdn_step_y",
             &step_params(d, dv.div_ceil(32)),
@@ -320,6 +321,36 @@ pub fn gated_delta_ex(
         &[&z.buf, &w.norm.buf, &out.buf],
         (rows * hv) as u32,
     );
+}
+
+/// Dispatches gdn_step.wgsl's `entry` (gdn_step_y, gdn_step_x) with its parameter block `p`
+/// (`step_params`), specialised to it (`LILY_WGPU_SPEC` gdn: GC_*, the head counts and sizes
+/// as pipeline constants) where that is on.
+fn step_dispatch(
+    ctx: &Ctx,
+    sh: &Shader,
+    entry: &'static str,
+    p: &[u32; 12],
+    bufs: &[&::wgpu::Buffer],
+    groups: u32,
+) {
+    let consts = if ctx.sw.gdn_spec.load(std::sync::atomic::Ordering::Relaxed) {
+        let names = [
+            "GC_HK",
+            "GC_HV",
+            "GC_DK",
+            "GC_DV",
+            "GC_SLICES",
+            "GC_W4",
+            "GC_W8",
+        ];
+        let mut c = vec![("GC_ON", 1)];
+        c.extend(names.into_iter().zip(p.iter().copied()));
+        c
+    } else {
+        Vec::new()
+    };
+    ctx.dispatch_spec(sh, entry, &consts, p, bufs, groups);
 }
 
 /// gdn_step.wgsl's parameter block (`GS`), `slices` workgroups a value head.
@@ -417,7 +448,8 @@ pub fn gated_delta_x(
     ) {
         return;
     }
-    ctx.dispatch(
+    step_dispatch(
+        ctx,
         &STEP_SG_SHADER,
         "gdn_step_x",
         &step_params(d, 1),

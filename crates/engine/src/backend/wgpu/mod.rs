@@ -210,7 +210,8 @@ impl Wgpu {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
     /// Runs the decode kernels `kernels` names specialised to their launch from now on, the
-    /// others not (`LILY_WGPU_SPEC`'s values: `q6`, `moe`, `xq`, comma-separated, `all`, ``).
+    /// others not (`LILY_WGPU_SPEC`'s values: `q6`, `moe`, `xq`, `gdn`, comma-separated, `all`,
+    /// ``).
     pub fn set_spec(&self, kernels: &str) -> Result<()> {
         let s = device::Spec::parse(kernels)?;
         let sw = &self.ctx.sw;
@@ -218,6 +219,7 @@ impl Wgpu {
         sw.q6_spec.store(s.q6, r);
         sw.moe_spec.store(s.moe, r);
         sw.xq_spec.store(s.xq, r);
+        sw.gdn_spec.store(s.gdn, r);
         Ok(())
     }
     /// A decode token's MoE block fused (`true`, the default: the shared expert as slot k of the

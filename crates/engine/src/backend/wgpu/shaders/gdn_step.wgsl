@@ -75,6 +75,27 @@ struct GS {
 @group(0) @binding(6) var<storage, read> gs_dtb: array<f32>;
 @group(0) @binding(7) var<storage, read_write> gs_state: array<vec4<f32>>;
 
+// The step specialised to the model (`LILY_WGPU_SPEC` gdn, opt-in until measured on a GPU;
+// gdn.rs `step_dispatch` sets them): with GC_ON the accessors give the head counts and sizes as
+// pipeline constants (the bounds checks on rows and columns, the head's key head and the
+// state's offsets fold); without (the default) they read the parameter block.
+override GC_ON: bool = false;
+override GC_HK: u32 = 16u;
+override GC_HV: u32 = 32u;
+override GC_DK: u32 = 128u;
+override GC_DV: u32 = 128u;
+override GC_SLICES: u32 = 1u;
+override GC_W4: u32 = 128u;
+override GC_W8: u32 = 256u;
+
+fn gc_hk() -> u32 { return select(gs.hk, GC_HK, GC_ON); }
+fn gc_hv() -> u32 { return select(gs.hv, GC_HV, GC_ON); }
+fn gc_dk() -> u32 { return select(gs.dk, GC_DK, GC_ON); }
+fn gc_dv() -> u32 { return select(gs.dv, GC_DV, GC_ON); }
+fn gc_slices() -> u32 { return select(gs.slices, GC_SLICES, GC_ON); }
+fn gc_w4() -> u32 { return select(gs.w4, GC_W4, GC_ON); }
+fn gc_w8() -> u32 { return select(gs.w8, GC_W8, GC_ON); }
+
 // The most rows a thread holds (gdn_step_x: 4, a head of 128 over 32 row groups).
 const GS_NR: u32 = 4u;
 
@@ -83,10 +104,10 @@ const GS_NR: u32 = 4u;
 // i in component i, the same on the 8 threads of a row; 0 past Dv).
 fn gs_step(wg: u32, li: u32, nr: u32) -> vec4<f32> {
     let part = li % 8u;
-    let h = wg / gs.slices;
-    let r0 = (wg % gs.slices) * 32u * nr + li / 8u;
-    let kh = h / (gs.hv / gs.hk);
-    let dk4 = gs.dk / 4u;
+    let h = wg / gc_slices();
+    let r0 = (wg % gc_slices()) * 32u * nr + li / 8u;
+    let kh = h / (gc_hv() / gc_hk());
+    let dk4 = gc_dk() / 4u;
     // Every load first: none depends on another, so they share one latency.
     var s: array<vec4<f32>, 16>; // [4 i + m]: row i, columns 4·part + 32m
     for (var i = 0u; i < GS_NR; i++) {
@@ -94,8 +115,8 @@ fn gs_step(wg: u32, li: u32, nr: u32) -> vec4<f32> {
         for (var m = 0u; m < 4u; m++) {
             let c4 = part + 8u * m;
             var x = vec4<f32>(0.0);
-            if (i < nr && r < gs.dv && c4 < dk4) {
-                x = gs_state[(h * gs.dv + r) * dk4 + c4];
+            if (i < nr && r < gc_dv() && c4 < dk4) {
+                x = gs_state[(h * gc_dv() + r) * dk4 + c4];
             }
             s[4u * i + m] = x;
         }
@@ -108,7 +129,7 @@ fn gs_step(wg: u32, li: u32, nr: u32) -> vec4<f32> {
         var xk = vec4<f32>(0.0);
         if (c4 < dk4) {
             xq = gs_qkv[kh * dk4 + c4];
-            xk = gs_qkv[(gs.hk + kh) * dk4 + c4];
+            xk = gs_qkv[(gc_hk() + kh) * dk4 + c4];
         }
         q[m] = xq;
         k[m] = xk;
@@ -116,8 +137,8 @@ fn gs_step(wg: u32, li: u32, nr: u32) -> vec4<f32> {
     var v = vec4<f32>(0.0);
     for (var i = 0u; i < GS_NR; i++) {
         let r = r0 + 32u * i;
-        if (i < nr && r < gs.dv) {
-            let at = 2u * gs.hk * gs.dk + h * gs.dv + r;
+        if (i < nr && r < gc_dv()) {
+            let at = 2u * gc_hk() * gc_dk() + h * gc_dv() + r;
             v[i] = gs_qkv[at / 4u][at % 4u];
         }
     }
@@ -166,8 +187,8 @@ fn gs_step(wg: u32, li: u32, nr: u32) -> vec4<f32> {
         let r = r0 + 32u * i;
         for (var m = 0u; m < 4u; m++) {
             let c4 = part + 8u * m;
-            if (i < nr && r < gs.dv && c4 < dk4) {
-                gs_state[(h * gs.dv + r) * dk4 + c4] = s[4u * i + m];
+            if (i < nr && r < gc_dv() && c4 < dk4) {
+                gs_state[(h * gc_dv() + r) * dk4 + c4] = s[4u * i + m];
             }
         }
     }
@@ -178,8 +199,8 @@ fn gs_step(wg: u32, li: u32, nr: u32) -> vec4<f32> {
 fn gdn_step_y(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let wg = wg_index(wid);
     let y = gs_step(wg, li, 1u);
-    let r = (wg % gs.slices) * 32u + li / 8u;
-    if (li % 8u == 0u && r < gs.dv) {
-        gs_y[(wg / gs.slices) * gs.dv + r] = y.x;
+    let r = (wg % gc_slices()) * 32u + li / 8u;
+    if (li % 8u == 0u && r < gc_dv()) {
+        gs_y[(wg / gc_slices()) * gc_dv() + r] = y.x;
     }
 }

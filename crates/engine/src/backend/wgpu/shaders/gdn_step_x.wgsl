@@ -24,9 +24,9 @@ var<workgroup> gs_ss: array<f32, 32>; // its vec4s' sums of squares
 @compute @workgroup_size(256)
 fn gdn_step_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let h = wg_index(wid);
-    let dv4 = gs.dv / 4u;
+    let dv4 = gc_dv() / 4u;
     // The staging threads' z and norm weights, before the recurrence's loads are used.
-    let st = li < gs.dv / 8u;
+    let st = li < gc_dv() / 8u;
     var zl = vec4<f32>(0.0);
     var zh = vec4<f32>(0.0);
     var wl = vec4<f32>(0.0);
@@ -41,7 +41,7 @@ fn gdn_step_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     if (li % 8u == 0u) {
         for (var i = 0u; i < GS_NR; i++) {
             let r = li / 8u + 32u * i;
-            if (r < gs.dv) {
+            if (r < gc_dv()) {
                 gs_ys[r] = y[i];
             }
         }
@@ -60,7 +60,7 @@ fn gdn_step_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     for (var j = 0u; j < dv4; j++) {
         ss += gs_ss[j];
     }
-    let rn = 1.0 / sqrt(ss / f32(gs.dv) + gs.eps);
+    let rn = 1.0 / sqrt(ss / f32(gc_dv()) + gs.eps);
     // xq.wgsl xq_x's mode 3: (y · r · w) · silu(z), element by element.
     let xl4 = yl * rn * wl;
     let xh4 = yh * rn * wh;
@@ -68,5 +68,5 @@ fn gdn_step_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     let xh = vec4<f32>(xh4.x * silu_f(zh.x), xh4.y * silu_f(zh.y), xh4.z * silu_f(zh.z), xh4.w * silu_f(zh.w));
     // Every thread reaches the shuffles (those past the head's 16 bring zeros, write nothing):
     // the 4 threads of a word are lanes li ^ 1, li ^ 2 of one subgroup.
-    xq_put(h * (gs.dv / 8u) + li, st, xl, xh, 0u, gs.w4, 5u * gs.w4, gs.w8);
+    xq_put(h * (gc_dv() / 8u) + li, st, xl, xh, 0u, gc_w4(), 5u * gc_w4(), gc_w8());
 }
