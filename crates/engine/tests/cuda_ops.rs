@@ -83,8 +83,8 @@ mod ops;
 
 use common::{gpu, prompt_ids};
 use ops::{
-    bf16r, check, fold_logit_errors, kv_new, qwen_dims, rand_dense, rand_moe, rand_quant, rel_rows,
-    tensor_u32, Rng,
+    bf16r, check, fold_logit_errors, kv_new, moe_weights, qwen_dims, rand_dense, rand_moe,
+    rand_quant, rel_rows, tensor_u32, Rng,
 };
 
 use lily::backend::cpu::{moe::Route as CpuRoute, Cpu, CpuStep};
@@ -2308,16 +2308,7 @@ fn moe_step_matches_its_composition_and_the_cpu() {
     for bits in [4u32, 8] {
         let m = rand_moe(&mut rng, e, width, hid, bits);
         let gm: Vec<_> = m.iter().map(|w| g.upload_mat(w).unwrap()).collect();
-        let gw = MoeWeights {
-            router: &grt,
-            shared_gate: &gsg,
-            gate: &gm[0],
-            up: &gm[1],
-            down: &gm[2],
-            shared_gate_proj: &gm[3],
-            shared_up_proj: &gm[4],
-            shared_down_proj: &gm[5],
-        };
+        let gw = moe_weights(&grt, &gsg, [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]]);
         for token in 0..3 {
             let hv = rng.vec(hid, 0.05);
             // (h, x, logits, shared logit, route ids, route weights) after one op.
@@ -2421,16 +2412,7 @@ fn route_ahead_matches_the_router() {
     let gm: Vec<_> = m.iter().map(|w| g.upload_mat(w).unwrap()).collect();
     let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
     let gnw = g.upload_vec(&nw).unwrap();
-    let gw = MoeWeights {
-        router: &grt,
-        shared_gate: &gsg,
-        gate: &gm[0],
-        up: &gm[1],
-        down: &gm[2],
-        shared_gate_proj: &gm[3],
-        shared_up_proj: &gm[4],
-        shared_down_proj: &gm[5],
-    };
+    let gw = moe_weights(&grt, &gsg, [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]]);
     let next = RouteAhead {
         router: &grt,
         shared_gate: &gsg,

@@ -405,19 +405,24 @@ fn matmul_q_many_and_rms_norm_matmul() {
     many_and_norm_case(&g, Q2X_TOL);
 }
 
-fn many_and_norm_case(g: &Wgpu, tol: f32) {
-    let d = qwen_dims();
-    let hid = d.hidden;
-    let mut rng = Rng(31);
-    // (out, bits) per matrix: GDN in_proj (qkv, z, b, a), the router and shared gate, q/k/v,
-    // five matrices (two launches), a mixed set with odd counts.
-    let sets: Vec<Vec<(usize, u32)>> = vec![
+/// The projection sets the GEMV tests launch, (out, bits) per matrix: GDN in_proj (qkv, z, b,
+/// a), the router and shared gate, q/k/v, five matrices (two launches), a mixed set with odd
+/// counts.
+fn projection_sets() -> Vec<Vec<(usize, u32)>> {
+    vec![
         vec![(8192, 4), (4096, 4), (32, 4), (32, 4)],
         vec![(256, 8), (1, 8)],
         vec![(8192, 4), (512, 4), (512, 4)],
         vec![(100, 4), (37, 8), (1000, 4), (5, 4), (260, 8)],
         vec![(1, 4)],
-    ];
+    ]
+}
+
+fn many_and_norm_case(g: &Wgpu, tol: f32) {
+    let d = qwen_dims();
+    let hid = d.hidden;
+    let mut rng = Rng(31);
+    let sets = projection_sets();
     for set in sets {
         let mats: Vec<_> = set
             .iter()
@@ -528,13 +533,7 @@ fn gemv_q6_specialised_equals_gemv_q6() {
     let bits = |g: &Wgpu, b: &<Wgpu as Backend>::Buf, n: usize| -> Vec<u32> {
         h(g, b, n).iter().map(|v| v.to_bits()).collect()
     };
-    let sets: Vec<Vec<(usize, u32)>> = vec![
-        vec![(8192, 4), (4096, 4), (32, 4), (32, 4)],
-        vec![(256, 8), (1, 8)],
-        vec![(8192, 4), (512, 4), (512, 4)],
-        vec![(100, 4), (37, 8), (1000, 4), (5, 4), (260, 8)],
-        vec![(1, 4)],
-    ];
+    let sets = projection_sets();
     let mut launches = 0;
     for set in sets {
         let mats: Vec<_> = set

@@ -366,6 +366,26 @@ pub fn fold_logit_errors(
 
 /// An MoE block's six weight stacks at `bits` (groups of 64): the routed experts' gate, up
 /// ([e, width, hid]) and down ([e, hid, width]), then the shared expert's (one stack each).
+/// The MoE block's weights from the router, the shared gate and `m` (gate, up, down, then the
+/// shared expert's gate, up and down: `rand_moe`'s order).
+#[allow(dead_code)]
+pub fn moe_weights<'a, B: Backend>(
+    router: &'a B::Mat,
+    shared_gate: &'a B::Mat,
+    m: [&'a B::Mat; 6],
+) -> lily::backend::MoeWeights<'a, B> {
+    lily::backend::MoeWeights {
+        router,
+        shared_gate,
+        gate: m[0],
+        up: m[1],
+        down: m[2],
+        shared_gate_proj: m[3],
+        shared_up_proj: m[4],
+        shared_down_proj: m[5],
+    }
+}
+
 pub fn rand_moe(rng: &mut Rng, e: usize, width: usize, hid: usize, bits: u32) -> [HostLinear; 6] {
     [
         rand_quant(rng, e, width, hid, bits, 64, false),

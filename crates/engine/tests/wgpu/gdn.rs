@@ -4,6 +4,10 @@
 
 use super::*;
 use lily::backend::{Dims, GdnParams};
+use lily::loader::tensor::HostLinear;
+
+type WB = <Wgpu as Backend>::Buf;
+type WM = <Wgpu as Backend>::Mat;
 
 /// The conv: prefill blocks (more rows than an invocation's block, fewer rows than the state
 /// holds) and steps, the state carried; the outputs (F32_TOL per row: K products summed) and the
@@ -246,14 +250,20 @@ fn gdn_mixer_step_with_the_conv_and_the_norm_fused() {
     mixer_case(&g, &d, &mut Rng(55));
 }
 
-/// `gdn_mixer_decode_add` at shape d, by each path: v6 with `LILY_WGPU_GDN_STEP` x (gdn_step_x:
-/// the recurrence, the gated norm and out_proj's x staged in one launch, `y` never written,
-/// asserted), y (gdn_step_y then q2x_stage's xmode 3) and 0 (gdn_recur then xmode 3); v5's
-/// composition.
-fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
+/// The GDN mixer's weights at shape d on the host: in_proj's four matrices, out_proj, the conv's
+/// weights, the layer's parameters and the input norm's weights.
+struct MixerHost {
+    mats: Vec<HostLinear>,
+    outp: HostLinear,
+    conv_w: Vec<f32>,
+    cp: GdnParams<Vec<f32>>,
+    in_norm: Vec<f32>,
+}
+
+fn mixer_host(d: &Dims, rng: &mut Rng) -> MixerHost {
     let (hid, c) = (d.hidden, d.conv_channels());
-    let (hv, dv, dk) = (d.gdn_v_heads, d.gdn_v_dim, d.gdn_k_dim);
-    let mats: Vec<_> = [c, hv * dv, hv, hv]
+    let (hv, dv) = (d.gdn_v_heads, d.gdn_v_dim);
+    let mats = [c, hv * dv, hv, hv]
         .iter()
         .map(|&o| rand_quant(rng, 1, o, hid, 4, 64, false))
         .collect();
@@ -267,29 +277,102 @@ fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
         dt_bias: (0..hv).map(|_| rng.f()).collect(),
         norm: (0..dv).map(|_| 1.0 + 0.1 * rng.f()).collect(),
     };
-    let in_norm: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
+    let in_norm = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
+    MixerHost {
+        mats,
+        outp,
+        conv_w,
+        cp,
+        in_norm,
+    }
+}
+
+/// `MixerHost` on the device: in_proj's matrices, out_proj, the conv's weights, the parameters,
+/// the input norm's weights.
+type MixerDev = (Vec<WM>, WM, WB, GdnParams<WB>, WB);
+
+fn mixer_upload(g: &Wgpu, m: &MixerHost) -> MixerDev {
+    (
+        m.mats.iter().map(|w| g.upload_mat(w).unwrap()).collect(),
+        g.upload_mat(&m.outp).unwrap(),
+        g.upload_vec(&m.conv_w).unwrap(),
+        GdnParams {
+            a_log: g.upload_vec(&m.cp.a_log).unwrap(),
+            dt_bias: g.upload_vec(&m.cp.dt_bias).unwrap(),
+            norm: g.upload_vec(&m.cp.norm).unwrap(),
+        },
+        g.upload_vec(&m.in_norm).unwrap(),
+    )
+}
+
+/// One token's `gdn_mixer_decode_add` on the device from fresh zeroed scratch, returned in
+/// GdnScratch's order (xn, qkv, qkv_c, z, b, a, y, r).
+#[allow(clippy::too_many_arguments)]
+fn gpu_mixer_token(
+    g: &Wgpu,
+    d: &Dims,
+    gh: &mut WB,
+    gnorm: &WB,
+    gw: &lily::backend::GdnWeights<'_, Wgpu>,
+    gconv: &mut WB,
+    gssm: &mut WB,
+) -> Vec<WB> {
+    let (hid, c, hvdv, hv) = (
+        d.hidden,
+        d.conv_channels(),
+        d.gdn_v_heads * d.gdn_v_dim,
+        d.gdn_v_heads,
+    );
+    let mut s: Vec<_> = [hid, c, c, hvdv, hv, hv, hvdv, hid]
+        .iter()
+        .map(|&n| g.zeros(n).unwrap())
+        .collect();
+    let [xn, qkv, qkv_c, z, b, a, y, r] = &mut s[..] else {
+        unreachable!()
+    };
+    let tmp = lily::backend::GdnScratch {
+        xn,
+        qkv,
+        qkv_c,
+        z,
+        b,
+        a,
+        y,
+        r,
+    };
+    g.gdn_mixer_decode_add(gh, gnorm, d.eps, gw, gconv, gssm, d, tmp);
+    s
+}
+
+/// `gdn_mixer_decode_add` at shape d, by each path: v6 with `LILY_WGPU_GDN_STEP` x (gdn_step_x:
+/// the recurrence, the gated norm and out_proj's x staged in one launch, `y` never written,
+/// asserted), y (gdn_step_y then q2x_stage's xmode 3) and 0 (gdn_recur then xmode 3); v5's
+/// composition.
+fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
+    let (hid, c) = (d.hidden, d.conv_channels());
+    let (hv, dv, dk) = (d.gdn_v_heads, d.gdn_v_dim, d.gdn_k_dim);
+    let host = mixer_host(d, rng);
+    let MixerHost {
+        mats,
+        outp,
+        conv_w,
+        cp,
+        in_norm,
+    } = &host;
     let h0 = rng.vec(hid, 4.0);
     let conv0 = rng.vec((d.conv_kernel - 1) * c, 1.0);
     let ssm0 = rng.vec(hv * dv * dk, 0.05);
     // The CPU's side: its own weights (the same values).
     let cm: Vec<_> = mats.iter().map(|m| Cpu.upload_mat(m).unwrap()).collect();
-    let cout = Cpu.upload_mat(&outp).unwrap();
+    let cout = Cpu.upload_mat(outp).unwrap();
     let cw = lily::backend::GdnWeights {
         in_proj: [&cm[0], &cm[1], &cm[2], &cm[3]],
-        conv1d: &conv_w,
-        params: &cp,
+        conv1d: conv_w,
+        params: cp,
         out_proj: &cout,
         route_ahead: None,
     };
-    let gm: Vec<_> = mats.iter().map(|m| g.upload_mat(m).unwrap()).collect();
-    let gout = g.upload_mat(&outp).unwrap();
-    let gconv_w = g.upload_vec(&conv_w).unwrap();
-    let gp = GdnParams {
-        a_log: g.upload_vec(&cp.a_log).unwrap(),
-        dt_bias: g.upload_vec(&cp.dt_bias).unwrap(),
-        norm: g.upload_vec(&cp.norm).unwrap(),
-    };
-    let gnorm = g.upload_vec(&in_norm).unwrap();
+    let (gm, gout, gconv_w, gp, gnorm) = mixer_upload(g, &host);
     let gw = lily::backend::GdnWeights {
         in_proj: [&gm[0], &gm[1], &gm[2], &gm[3]],
         conv1d: &gconv_w,
@@ -317,24 +400,7 @@ fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
                 h(&g, &gconv, conv0.len()),
                 h(&g, &gssm, ssm0.len()),
             );
-            let mut s: Vec<_> = [hid, c, c, hv * dv, hv, hv, hv * dv, hid]
-                .iter()
-                .map(|&n| g.zeros(n).unwrap())
-                .collect();
-            let [xn, qkv, qkv_c, z, b, a, y, r] = &mut s[..] else {
-                unreachable!()
-            };
-            let tmp = lily::backend::GdnScratch {
-                xn,
-                qkv,
-                qkv_c,
-                z,
-                b,
-                a,
-                y,
-                r,
-            };
-            g.gdn_mixer_decode_add(&mut gh, &gnorm, d.eps, &gw, &mut gconv, &mut gssm, &d, tmp);
+            let s = gpu_mixer_token(g, d, &mut gh, &gnorm, &gw, &mut gconv, &mut gssm);
             let raw = h(&g, &s[1], c);
             if gemv != "v5" {
                 assert!(
@@ -361,9 +427,7 @@ fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
                 y,
                 r,
             };
-            Cpu.gdn_mixer_decode_add(
-                &mut ch, &in_norm, d.eps, &cw, &mut cconv, &mut cssm, &d, ctmp,
-            );
+            Cpu.gdn_mixer_decode_add(&mut ch, in_norm, d.eps, &cw, &mut cconv, &mut cssm, d, ctmp);
             if gemv != "v5" && step == "x" {
                 assert!(
                     h(&g, &s[6], hv * dv).iter().all(|&v| v == 0.0),
@@ -420,35 +484,7 @@ fn gdn_mixer_specialised_equals_the_mixer() {
         let mut rng = Rng(seed);
         let (hid, c) = (d.hidden, d.conv_channels());
         let (hv, dv, dk) = (d.gdn_v_heads, d.gdn_v_dim, d.gdn_k_dim);
-        let gm: Vec<_> = [c, hv * dv, hv, hv]
-            .iter()
-            .map(|&o| {
-                g.upload_mat(&rand_quant(&mut rng, 1, o, hid, 4, 64, false))
-                    .unwrap()
-            })
-            .collect();
-        let gout = g
-            .upload_mat(&rand_quant(&mut rng, 1, hid, hv * dv, 4, 64, false))
-            .unwrap();
-        let gconv_w = g.upload_vec(&rng.vec(c * d.conv_kernel, 0.5)).unwrap();
-        let gp = GdnParams {
-            a_log: g
-                .upload_vec(
-                    &(0..hv)
-                        .map(|_| (1.0 + 7.5 * (rng.f() + 1.0)).ln())
-                        .collect::<Vec<_>>(),
-                )
-                .unwrap(),
-            dt_bias: g
-                .upload_vec(&(0..hv).map(|_| rng.f()).collect::<Vec<_>>())
-                .unwrap(),
-            norm: g
-                .upload_vec(&(0..dv).map(|_| 1.0 + 0.1 * rng.f()).collect::<Vec<_>>())
-                .unwrap(),
-        };
-        let gnorm = g
-            .upload_vec(&(0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect::<Vec<_>>())
-            .unwrap();
+        let (gm, gout, gconv_w, gp, gnorm) = mixer_upload(&g, &mixer_host(&d, &mut rng));
         let gw = lily::backend::GdnWeights {
             in_proj: [&gm[0], &gm[1], &gm[2], &gm[3]],
             conv1d: &gconv_w,
@@ -472,26 +508,7 @@ fn gdn_mixer_specialised_equals_the_mixer() {
                     g.upload(&ssm0).unwrap(),
                 );
                 for _ in 0..2 {
-                    let mut s: Vec<_> = [hid, c, c, hv * dv, hv, hv, hv * dv, hid]
-                        .iter()
-                        .map(|&n| g.zeros(n).unwrap())
-                        .collect();
-                    let [xn, qkv, qkv_c, z, b, a, y, r] = &mut s[..] else {
-                        unreachable!()
-                    };
-                    let tmp = lily::backend::GdnScratch {
-                        xn,
-                        qkv,
-                        qkv_c,
-                        z,
-                        b,
-                        a,
-                        y,
-                        r,
-                    };
-                    g.gdn_mixer_decode_add(
-                        &mut gh, &gnorm, d.eps, &gw, &mut gconv, &mut gssm, &d, tmp,
-                    );
+                    gpu_mixer_token(&g, &d, &mut gh, &gnorm, &gw, &mut gconv, &mut gssm);
                 }
                 let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
                 got.push([

@@ -37,7 +37,7 @@ use super::*;
 use lily::backend::cpu::moe::Route as CpuRoute;
 use lily::backend::{Dims, MoeScratch, MoeWeights, RouteAhead, RouterScratch, SharedExpert};
 use lily::loader::tensor::{HostLinear, LinearKind};
-use ops::{fold_logit_errors, rand_moe, tensor_u32};
+use ops::{fold_logit_errors, moe_weights, rand_moe, tensor_u32};
 
 const MOE_TOL: f32 = 5e-4;
 
@@ -308,16 +308,7 @@ fn step_case(
         g.upload_mat(&sgate).unwrap(),
         g.upload_vec(&nw).unwrap(),
     );
-    let w = MoeWeights {
-        router: &grt,
-        shared_gate: &gsg,
-        gate: gm[0],
-        up: gm[1],
-        down: gm[2],
-        shared_gate_proj: gm[3],
-        shared_up_proj: gm[4],
-        shared_down_proj: gm[5],
-    };
+    let w = moe_weights(&grt, &gsg, gm);
     let hv = rng.vec(hid, 0.05);
     let comp = gpu_step(g, false, &hv, &gnw, &w, d, width, false);
     let fused = gpu_step(g, true, &hv, &gnw, &w, d, width, false);
@@ -621,16 +612,7 @@ fn route_ahead_matches_the_router() {
     );
     let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
     let gnw = g.upload_vec(&nw).unwrap();
-    let w = MoeWeights {
-        router: &grt,
-        shared_gate: &gsg,
-        gate: &gm[0],
-        up: &gm[1],
-        down: &gm[2],
-        shared_gate_proj: &gm[3],
-        shared_up_proj: &gm[4],
-        shared_down_proj: &gm[5],
-    };
+    let w = moe_weights(&grt, &gsg, [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]]);
     let next = RouteAhead {
         router: &grt,
         shared_gate: &gsg,
@@ -749,16 +731,11 @@ fn moe_y_specialised_equals_the_y_kernels() {
         let gnw = g
             .upload_vec(&(0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect::<Vec<_>>())
             .unwrap();
-        let w = MoeWeights {
-            router: &router,
-            shared_gate: &sgate,
-            gate: &gm[0],
-            up: &gm[1],
-            down: &gm[2],
-            shared_gate_proj: &gm[3],
-            shared_up_proj: &gm[4],
-            shared_down_proj: &gm[5],
-        };
+        let w = moe_weights(
+            &router,
+            &sgate,
+            [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]],
+        );
         let what = format!("{e}×[{width}, {hid}] top-{k}");
         for token in 0..2 {
             let hv = rng.vec(hid, 0.05);
