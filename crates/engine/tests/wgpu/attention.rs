@@ -507,25 +507,39 @@ fn decode_capacities(g: &Wgpu, f16: bool) {
                 &CpuStep { token: 0, pos },
                 &mut c,
             );
-            let mut go = g.zeros(hq * hd).unwrap();
             g.set_step(&mut gstep, 0, pos);
-            g.attn_decode(
-                &g.upload(&q).unwrap(),
-                &g.upload(&k).unwrap(),
-                &g.upload(&v).unwrap(),
-                &g.upload(&gate).unwrap(),
-                &mut gkv,
-                &d,
-                pos,
-                &gstep,
-                &mut go,
+            // Without and with the specialised kernels (`LILY_WGPU_SPEC` attn: the same
+            // arithmetic, so the same bits); the second run appends the same row again.
+            let mut outs = Vec::new();
+            for spec in ["", "attn"] {
+                g.set_spec(spec).unwrap();
+                let mut go = g.zeros(hq * hd).unwrap();
+                g.attn_decode(
+                    &g.upload(&q).unwrap(),
+                    &g.upload(&k).unwrap(),
+                    &g.upload(&v).unwrap(),
+                    &g.upload(&gate).unwrap(),
+                    &mut gkv,
+                    &d,
+                    pos,
+                    &gstep,
+                    &mut go,
+                );
+                outs.push(go);
+            }
+            g.set_spec("").unwrap();
+            let go = &outs[0];
+            assert!(
+                h(g, &outs[1], hq * hd) == h(g, go, hq * hd),
+                "attn_decode specialised differs (f16 KV {f16}, {hq}/{kvh} heads of {hd}, \
+                 capacity {cap}, pos {pos})"
             );
             // The CPU op sums its keys one after the other in f32: for a head with no needle
             // (diffuse attention, output ~ 1/√n of its terms) its own error relative to the row
             // grows like √n·ε (≈ 1e-5 at 20000 keys). So the GPU is held to F32_TOL against an
             // f64 reference, and to F32_TOL plus the CPU's own measured error against the CPU.
             let r = reference_decode(&q, &gate, &ckv, &d, pos);
-            let gout = h(g, &go, hq * hd);
+            let gout = h(g, go, hq * hd);
             let what = format!(
                 "attn_decode (f16 KV {f16}) {hq}/{kvh} heads of {hd}, capacity {cap}, pos {pos}"
             );
@@ -802,20 +816,34 @@ fn attention_f16_kv_against_f32() {
             let mut gkv = kv_new(&g, cap, kvd);
             g.copy(&g.upload(&c.k).unwrap(), 0, &mut gkv.k, 0, cap * kvd);
             g.copy(&g.upload(&c.v).unwrap(), 0, &mut gkv.v, 0, cap * kvd);
-            let mut go = g.zeros(hq * hd).unwrap();
             g.set_step(&mut gstep, 0, pos);
-            g.attn_decode(
-                &g.upload(&q).unwrap(),
-                &g.upload(&k).unwrap(),
-                &g.upload(&v).unwrap(),
-                &g.upload(&gate).unwrap(),
-                &mut gkv,
-                &d,
-                pos,
-                &gstep,
-                &mut go,
+            // Without and with the specialised kernels (`LILY_WGPU_SPEC` attn: the same
+            // arithmetic, so the same bits); the second run appends the same row again.
+            let mut outs = Vec::new();
+            for spec in ["", "attn"] {
+                g.set_spec(spec).unwrap();
+                let mut go = g.zeros(hq * hd).unwrap();
+                g.attn_decode(
+                    &g.upload(&q).unwrap(),
+                    &g.upload(&k).unwrap(),
+                    &g.upload(&v).unwrap(),
+                    &g.upload(&gate).unwrap(),
+                    &mut gkv,
+                    &d,
+                    pos,
+                    &gstep,
+                    &mut go,
+                );
+                outs.push(go);
+            }
+            g.set_spec("").unwrap();
+            let go = &outs[0];
+            assert!(
+                h(&g, &outs[1], hq * hd) == h(&g, go, hq * hd),
+                "attn_decode specialised differs (f16 KV {f16}, {hq}/{kvh} heads of {hd}, \
+                 capacity {cap}, pos {pos})"
             );
-            let e = rel_rows(&h(&g, &go, hq * hd), &co, hd);
+            let e = rel_rows(&h(&g, go, hq * hd), &co, hd);
             worst[i] = worst[i].max(e);
             println!("attn_decode f16 KV {f16} vs the f32 CPU at pos {pos}: {e:.2e}");
         }

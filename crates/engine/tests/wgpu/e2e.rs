@@ -91,7 +91,8 @@ fn lookahead_generates_what_the_loop_without_it_does() {
 /// The in-place trace of replayed decode steps (`lily bench --trace` on wgpu; device.rs
 /// `Tracer`): every traced step names the same launches in the same order, each record starts
 /// where the one before ended (one chain of stamps a step), and a skipped entry point
-/// (`--in-place`) is left out of the step and of its trace.
+/// (`--in-place`) is left out of the step and of its trace; stamped at pass boundaries instead
+/// (`Wgpu::set_trace_passes`, Metal's way) it names the same launches.
 #[test]
 fn trace_stamps_every_launch_of_a_replayed_step() {
     use lily::model::{Logits, Next};
@@ -183,4 +184,31 @@ fn trace_stamps_every_launch_of_a_replayed_step() {
         twice.iter().filter(|l| l.name.starts_with(skipped)).count(),
         2 * n
     );
+    // Stamps at pass boundaries (what an adapter without TIMESTAMP_QUERY_INSIDE_PASSES, Apple's
+    // through Metal, gets): the same launches in the same order, chained, each a pass of its own.
+    b.set_trace_passes(true);
+    b.trace_begin().unwrap();
+    step(None);
+    step(None);
+    let (precs, passes) = b.trace_end().unwrap();
+    b.set_trace_passes(false);
+    assert_eq!(passes.len(), 2 * per);
+    assert_eq!(
+        passes[..per],
+        launches[..per],
+        "pass-boundary stamps named other launches"
+    );
+    for (i, r) in precs.iter().enumerate() {
+        assert!(
+            r.end >= r.start,
+            "pass-stamped launch {i} ends before it starts"
+        );
+        if i % per > 0 {
+            assert_eq!(
+                r.start,
+                precs[i - 1].end,
+                "pass-stamped launch {i} not chained"
+            );
+        }
+    }
 }

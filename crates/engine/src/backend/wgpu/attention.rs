@@ -591,12 +591,31 @@ fn decode_attend(
         ("attn_split", hq * splits, "attn_combine")
     };
     let sh = shader(kv);
-    ctx.dispatch(
+    // attn_dec_gqa and attn_combine4 specialised to the shapes (`LILY_WGPU_SPEC` attn).
+    let consts: Vec<(&str, u32)> =
+        if tile && ctx.sw.attn_spec.load(std::sync::atomic::Ordering::Relaxed) {
+            let names = ["AD_NH", "AD_NKV", "AD_HD", "AD_CAP", "AD_SPLITS", "AD_SPAN"];
+            let vals = [p[1], p[2], p[3], p[5], p[6], p[7]];
+            std::iter::once(("AD_ON", 1))
+                .chain(names.into_iter().zip(vals))
+                .collect()
+        } else {
+            Vec::new()
+        };
+    ctx.dispatch_spec(
         sh,
         entry,
+        &consts,
         &p,
         &[&q.buf, &kv.k.buf, &kv.v.buf, &step.buf, &part],
         groups as u32,
     );
-    ctx.dispatch(sh, combine, &p, &[&part, &gate.buf, &out.buf], hq as u32);
+    ctx.dispatch_spec(
+        sh,
+        combine,
+        &consts,
+        &p,
+        &[&part, &gate.buf, &out.buf],
+        hq as u32,
+    );
 }

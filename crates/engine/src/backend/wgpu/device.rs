@@ -228,6 +228,26 @@ struct Tracer {
     launches: Vec<crate::backend::trace::Launch>,
 }
 
+/// Ends `open`'s pass and begins one whose end writes timestamp `at` of `qs`: left open for the
+/// op that follows (`keep`), else ended at once (an empty pass: a stamp after a copy).
+fn stamp_pass(open: &mut Open, qs: &::wgpu::QuerySet, at: u32, keep: bool) {
+    open.pass = None;
+    let pass = open
+        .enc
+        .begin_compute_pass(&::wgpu::ComputePassDescriptor {
+            label: None,
+            timestamp_writes: Some(::wgpu::ComputePassTimestampWrites {
+                query_set: qs,
+                beginning_of_pass_write_index: None,
+                end_of_pass_write_index: Some(at),
+            }),
+        })
+        .forget_lifetime();
+    if keep {
+        open.pass = Some(pass);
+    }
+}
+
 /// Timestamps a traced step may write (wgpu's largest query set): a decode step has ~400
 /// dispatches.
 const TRACE_QUERIES: u32 = 4096;
@@ -239,11 +259,12 @@ pub struct Spec {
     pub moe: bool,
     pub xq: bool,
     pub gdn: bool,
+    pub attn: bool,
 }
 
 impl Spec {
-    /// `q6,moe,xq,gdn` (any of them, comma-separated), `all` or `1` for all, `` or `0` for
-    /// none.
+    /// `q6,moe,xq,gdn,attn` (any of them, comma-separated), `all` or `1` for all, `` or `0`
+    /// for none.
     pub fn parse(s: &str) -> Result<Self> {
         let mut spec = Self::default();
         for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
@@ -252,16 +273,18 @@ impl Spec {
                 "moe" => spec.moe = true,
                 "xq" => spec.xq = true,
                 "gdn" => spec.gdn = true,
+                "attn" => spec.attn = true,
                 "all" | "1" => {
                     spec = Self {
                         q6: true,
                         moe: true,
                         xq: true,
                         gdn: true,
+                        attn: true,
                     }
                 }
                 "0" | "none" => {}
-                _ => bail!("unknown kernel `{name}` (q6, moe, xq, gdn, all or none)"),
+                _ => bail!("unknown kernel `{name}` (q6, moe, xq, gdn, attn, all or none)"),
             }
         }
         Ok(spec)
@@ -315,11 +338,17 @@ pub(super) struct Switches {
     /// specialised to each launch by WGSL pipeline constants, one pipeline a launch shape:
     /// `q6` gemv_q6s (matmul.rs `q6_spec`), `moe` moe_gate_up_y and moe_down_y (moe.rs
     /// `y_spec`), `xq` q2x_stage (matmul.rs `stage`), `gdn` gdn_step_x and gdn_step_y (gdn.rs
-    /// `step_dispatch`). Atomic for the op tests and `lily lab` (`Wgpu::set_spec`).
+    /// `step_dispatch`), `attn` attn_dec_gqa and attn_combine4 (attention.rs `decode_attend`).
+    /// Atomic for the op tests and `lily lab` (`Wgpu::set_spec`).
     pub q6_spec: std::sync::atomic::AtomicBool,
     pub moe_spec: std::sync::atomic::AtomicBool,
     pub xq_spec: std::sync::atomic::AtomicBool,
     pub gdn_spec: std::sync::atomic::AtomicBool,
+    pub attn_spec: std::sync::atomic::AtomicBool,
+    /// `LILY_WGPU_TRACE_PASSES=1`: the in-place trace stamps pass boundaries (each op in a pass
+    /// of its own) even where the adapter can stamp inside a pass; adapters that cannot (Apple's
+    /// GPUs through Metal) always do. Atomic for the tests (`Wgpu::set_trace_passes`).
+    pub trace_passes: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_GEMV`: the decode GEMV, `v4` (gemv_v4, any adapter), `rw1` / `rw2` / `rw4`
     /// (gemv_rw with 1, 2 or 4 rows a team; adapters with subgroups in order) or `xs` (gemv_xs;
     /// subgroups in order of one fixed width), `v5` (gemv_v5: x in two int8 levels, integer
@@ -454,6 +483,10 @@ impl Switches {
             moe_spec: std::sync::atomic::AtomicBool::new(spec.moe),
             xq_spec: std::sync::atomic::AtomicBool::new(spec.xq),
             gdn_spec: std::sync::atomic::AtomicBool::new(spec.gdn),
+            attn_spec: std::sync::atomic::AtomicBool::new(spec.attn),
+            trace_passes: std::sync::atomic::AtomicBool::new(
+                std::env::var("LILY_WGPU_TRACE_PASSES").is_ok_and(|v| v == "1"),
+            ),
             replay_flush: num("LILY_WGPU_REPLAY_FLUSH", FLUSH_EVERY).min(FLUSH_EVERY),
             q6_min_kb: AtomicUsize::new(
                 std::env::var("LILY_WGPU_Q6_MIN_KB")
@@ -1352,12 +1385,13 @@ impl Ctx {
 
     /// Starts tracing replayed steps (`Tracer`): each is then encoded on its own, with a
     /// timestamp after every dispatch, submitted and read back before the step returns (so the
-    /// traced steps run slower; the stamps' differences are device times).
+    /// traced steps run slower; the stamps' differences are device times). Where the adapter
+    /// cannot stamp inside a compute pass (TIMESTAMP_QUERY_INSIDE_PASSES: Apple's GPUs through
+    /// Metal), each op runs in a pass of its own whose end is stamped (`trace_passes`).
     pub fn trace_begin(&self) -> Result<()> {
-        if !self.ts_inside {
+        if self.timing.lock().unwrap().is_none() {
             bail!(
-                "trace: {} cannot write timestamps inside a compute pass \
-                 (TIMESTAMP_QUERY_INSIDE_PASSES)",
+                "trace: {} has no timestamp queries (TIMESTAMP_QUERY)",
                 self.report.name
             );
         }
@@ -1418,11 +1452,19 @@ impl Ctx {
             return self.fail("trace: tracing on without a tracer");
         };
         // Each op is encoded as a replay encodes it (`encode_item`), then stamped: a dispatch
-        // in its pass, a copy (which ends the pass) by the first stamp of a new one.
+        // in its pass, a copy (which ends the pass) by the first stamp of a new one. Without
+        // stamps inside passes (`trace_passes`), each op in a pass of its own whose end is
+        // stamped, a copy's by an empty pass after it: the stamps then also hold the passes'
+        // boundaries, as a replay without them does not.
+        let inside = self.ts_inside && !self.sw.trace_passes.load(Ordering::Relaxed);
         let mut open = self.open();
-        let mut pass = open.enc.begin_compute_pass(&Default::default());
-        pass.write_timestamp(&t.qs, 0);
-        open.pass = Some(pass.forget_lifetime());
+        if inside {
+            let mut pass = open.enc.begin_compute_pass(&Default::default());
+            pass.write_timestamp(&t.qs, 0);
+            open.pass = Some(pass.forget_lifetime());
+        } else {
+            stamp_pass(&mut open, &t.qs, 0, false);
+        }
         let mut names = Vec::with_capacity(items.len());
         'items: for it in items {
             let name = match it {
@@ -1433,13 +1475,27 @@ impl Ctx {
                 if names.len() + 1 >= TRACE_QUERIES as usize {
                     break 'items;
                 }
+                let at = names.len() as u32 + 1;
+                if !inside {
+                    let dispatch = matches!(it, Item::Dispatch { .. });
+                    if dispatch {
+                        stamp_pass(&mut open, &t.qs, at, true);
+                    }
+                    self.encode_once(&mut open, it);
+                    if !dispatch {
+                        stamp_pass(&mut open, &t.qs, at, false);
+                    }
+                    open.pass = None;
+                    names.push(name.clone());
+                    continue;
+                }
                 self.encode_once(&mut open, it);
                 if open.pass.is_none() {
                     let p = open.enc.begin_compute_pass(&Default::default());
                     open.pass = Some(p.forget_lifetime());
                 }
                 let pass = open.pass.as_mut().expect("a pass is open");
-                pass.write_timestamp(&t.qs, names.len() as u32 + 1);
+                pass.write_timestamp(&t.qs, at);
                 names.push(name.clone());
             }
         }

@@ -210,7 +210,7 @@ impl Wgpu {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
     /// Runs the decode kernels `kernels` names specialised to their launch from now on, the
-    /// others not (`LILY_WGPU_SPEC`'s values: `q6`, `moe`, `xq`, `gdn`, comma-separated, `all`,
+    /// others not (`LILY_WGPU_SPEC`'s values: `q6`, `moe`, `xq`, `gdn`, `attn`, comma-separated, `all`,
     /// ``).
     pub fn set_spec(&self, kernels: &str) -> Result<()> {
         let s = device::Spec::parse(kernels)?;
@@ -220,7 +220,16 @@ impl Wgpu {
         sw.moe_spec.store(s.moe, r);
         sw.xq_spec.store(s.xq, r);
         sw.gdn_spec.store(s.gdn, r);
+        sw.attn_spec.store(s.attn, r);
         Ok(())
+    }
+    /// Makes the in-place trace stamp pass boundaries (`LILY_WGPU_TRACE_PASSES`: what an
+    /// adapter without TIMESTAMP_QUERY_INSIDE_PASSES gets) or, where it can, inside passes.
+    pub fn set_trace_passes(&self, on: bool) {
+        self.ctx
+            .sw
+            .trace_passes
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
     /// A decode token's MoE block fused (`true`, the default: the shared expert as slot k of the
     /// routed experts' two launches, moe_step_add's route in the first) or as before (`false`:

@@ -992,6 +992,26 @@ fn attn_tile_gqa_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
 // 2-4 KB). Takes G ≤ 8, hd ≤ 256, hd % 4 == 0. Bindings: 1 q, 2 kc, 3 vc (4-element words), 4
 // step, 5 part (vec4).
 
+// Decode attention specialised to the model and the cache (`LILY_WGPU_SPEC` attn, opt-in until
+// measured on a GPU; attention.rs `decode_attend` sets them): with AD_ON the accessors give the
+// heads, the head size, the capacity and the splits as pipeline constants (the guards on heads
+// and dims in the unrolled loops, the split's range and the records' offsets fold); without
+// (the default) they read the parameter block. The position stays the step's, on the device.
+override AD_ON: bool = false;
+override AD_NH: u32 = 16u;
+override AD_NKV: u32 = 2u;
+override AD_HD: u32 = 256u;
+override AD_CAP: u32 = 4096u;
+override AD_SPLITS: u32 = 64u;
+override AD_SPAN: u32 = DK;
+
+fn ad_nh() -> u32 { return select(p.nh, AD_NH, AD_ON); }
+fn ad_nkv() -> u32 { return select(p.nkv, AD_NKV, AD_ON); }
+fn ad_hd() -> u32 { return select(p.hd, AD_HD, AD_ON); }
+fn ad_cap() -> u32 { return select(p.cap, AD_CAP, AD_ON); }
+fn ad_splits() -> u32 { return select(p.splits, AD_SPLITS, AD_ON); }
+fn ad_span() -> u32 { return select(p.span, AD_SPAN, AD_ON); }
+
 const DK: u32 = 32u * KV_PACK;
 const DR: u32 = 8u * KV_PACK; // K words, V words a thread a chunk
 const RS: u32 = DK + 4u;
@@ -1010,8 +1030,8 @@ var<workgroup> dc_p: array<f32, 8u * DK>; // [head][key]
 var<workgroup> dc_m: array<f32, 8>;
 
 fn dec_load_k(kr: ptr<function, array<KV4, DR>>, li: u32, kvh: u32, jc: u32, j1: u32) {
-    let hd4 = p.hd / 4u;
-    let kvd4 = p.nkv * hd4;
+    let hd4 = ad_hd() / 4u;
+    let kvd4 = ad_nkv() * hd4;
     for (var r = 0u; r < KV_PACK; r++) {
         let j = jc + li / 8u + 32u * r;
         for (var i = 0u; i < 8u; i++) {
@@ -1025,8 +1045,8 @@ fn dec_load_k(kr: ptr<function, array<KV4, DR>>, li: u32, kvh: u32, jc: u32, j1:
 }
 
 fn dec_load_v(vr: ptr<function, array<KV4, DR>>, li: u32, kvh: u32, jc: u32, j1: u32) {
-    let hd4 = p.hd / 4u;
-    let kvd4 = p.nkv * hd4;
+    let hd4 = ad_hd() / 4u;
+    let kvd4 = ad_nkv() * hd4;
     let d = li % 64u;
     for (var i = 0u; i < DR; i++) {
         let j = jc + li / 64u + 4u * i;
@@ -1040,18 +1060,18 @@ fn dec_load_v(vr: ptr<function, array<KV4, DR>>, li: u32, kvh: u32, jc: u32, j1:
 @compute @workgroup_size(256)
 fn attn_dec_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let wg = wg_index(wid);
-    let kvh = wg / p.splits;
-    let s = wg % p.splits;
-    let G = p.nh / p.nkv;
-    let hd4 = p.hd / 4u;
+    let kvh = wg / ad_splits();
+    let s = wg % ad_splits();
+    let G = ad_nh() / ad_nkv();
+    let hd4 = ad_hd() / 4u;
     let rec = hd4 + 1u;
-    let n = min(dc_step[1] + 1u, p.cap);
-    let span = max((n + p.splits - 1u) / p.splits, p.span);
+    let n = min(dc_step[1] + 1u, ad_cap());
+    let span = max((n + ad_splits() - 1u) / ad_splits(), ad_span());
     let j0 = min(s * span, n);
     let j1 = min(j0 + span, n);
     if (j0 >= j1) {
         if (li < G) {
-            dc_part[((kvh * G + li) * p.splits + s) * rec] = vec4<f32>(NEG_BIG, 0.0, 0.0, 0.0);
+            dc_part[((kvh * G + li) * ad_splits() + s) * rec] = vec4<f32>(NEG_BIG, 0.0, 0.0, 0.0);
         }
         return;
     }
@@ -1154,7 +1174,7 @@ fn attn_dec_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
         let e = li / 64u;
         let g = 4u * r + e;
         if (g < G) {
-            let base = ((kvh * G + g) * p.splits + s) * rec;
+            let base = ((kvh * G + g) * ad_splits() + s) * rec;
             if (vd < hd4) {
                 var t = vec4<f32>(0.0);
                 for (var x = 0u; x < 4u; x++) {
@@ -1193,11 +1213,11 @@ var<workgroup> c4_l: array<f32, 4>;
 @compute @workgroup_size(256)
 fn attn_combine4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let f = wg_index(wid);
-    let hd4 = p.hd / 4u;
+    let hd4 = ad_hd() / 4u;
     let rec = hd4 + 1u;
-    let b0 = f * p.splits * rec;
+    let b0 = f * ad_splits() * rec;
     var ms = NEG_BIG;
-    if (li < p.splits) {
+    if (li < ad_splits()) {
         ms = c4_part[b0 + li * rec].x;
     }
     c4_t[li] = vec2<f32>(ms, select(0.0, f32(li + 1u), ms > -1.0e29));
