@@ -508,32 +508,7 @@ fn decode_capacities(g: &Wgpu, f16: bool) {
                 &mut c,
             );
             g.set_step(&mut gstep, 0, pos);
-            // Without and with the specialised kernels (`LILY_WGPU_SPEC` attn: the same
-            // arithmetic, so the same bits); the second run appends the same row again.
-            let mut outs = Vec::new();
-            for spec in ["", "attn"] {
-                g.set_spec(spec).unwrap();
-                let mut go = g.zeros(hq * hd).unwrap();
-                g.attn_decode(
-                    &g.upload(&q).unwrap(),
-                    &g.upload(&k).unwrap(),
-                    &g.upload(&v).unwrap(),
-                    &g.upload(&gate).unwrap(),
-                    &mut gkv,
-                    &d,
-                    pos,
-                    &gstep,
-                    &mut go,
-                );
-                outs.push(go);
-            }
-            g.set_spec("").unwrap();
-            let go = &outs[0];
-            assert!(
-                h(g, &outs[1], hq * hd) == h(g, go, hq * hd),
-                "attn_decode specialised differs (f16 KV {f16}, {hq}/{kvh} heads of {hd}, \
-                 capacity {cap}, pos {pos})"
-            );
+            let go = &decode_both(g, &q, &k, &v, &gate, &mut gkv, &d, pos, &gstep);
             // The CPU op sums its keys one after the other in f32: for a head with no needle
             // (diffuse attention, output ~ 1/√n of its terms) its own error relative to the row
             // grows like √n·ε (≈ 1e-5 at 20000 keys). So the GPU is held to F32_TOL against an
@@ -817,32 +792,7 @@ fn attention_f16_kv_against_f32() {
             g.copy(&g.upload(&c.k).unwrap(), 0, &mut gkv.k, 0, cap * kvd);
             g.copy(&g.upload(&c.v).unwrap(), 0, &mut gkv.v, 0, cap * kvd);
             g.set_step(&mut gstep, 0, pos);
-            // Without and with the specialised kernels (`LILY_WGPU_SPEC` attn: the same
-            // arithmetic, so the same bits); the second run appends the same row again.
-            let mut outs = Vec::new();
-            for spec in ["", "attn"] {
-                g.set_spec(spec).unwrap();
-                let mut go = g.zeros(hq * hd).unwrap();
-                g.attn_decode(
-                    &g.upload(&q).unwrap(),
-                    &g.upload(&k).unwrap(),
-                    &g.upload(&v).unwrap(),
-                    &g.upload(&gate).unwrap(),
-                    &mut gkv,
-                    &d,
-                    pos,
-                    &gstep,
-                    &mut go,
-                );
-                outs.push(go);
-            }
-            g.set_spec("").unwrap();
-            let go = &outs[0];
-            assert!(
-                h(&g, &outs[1], hq * hd) == h(&g, go, hq * hd),
-                "attn_decode specialised differs (f16 KV {f16}, {hq}/{kvh} heads of {hd}, \
-                 capacity {cap}, pos {pos})"
-            );
+            let go = &decode_both(&g, &q, &k, &v, &gate, &mut gkv, &d, pos, &gstep);
             let e = rel_rows(&h(&g, go, hq * hd), &co, hd);
             worst[i] = worst[i].max(e);
             println!("attn_decode f16 KV {f16} vs the f32 CPU at pos {pos}: {e:.2e}");
@@ -851,4 +801,49 @@ fn attention_f16_kv_against_f32() {
     g.set_kv_f16(true);
     check("attn_decode, f32 KV vs the f32 CPU", worst[0], F32_TOL);
     check("attn_decode, f16 KV vs the f32 CPU", worst[1], F16_KV_TOL);
+}
+
+/// `attn_decode` of one row without and with the specialised kernels (`LILY_WGPU_SPEC` attn:
+/// the same arithmetic, so the same bits, asserted); the second run appends the same row again.
+/// Returns the first run's output.
+#[allow(clippy::too_many_arguments)]
+fn decode_both(
+    g: &Wgpu,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    gate: &[f32],
+    gkv: &mut lily::backend::KvCache<<Wgpu as Backend>::Buf>,
+    d: &Dims,
+    pos: usize,
+    step: &<Wgpu as Backend>::Step,
+) -> <Wgpu as Backend>::Buf {
+    let n = d.n_heads * d.head_dim;
+    let mut outs = Vec::new();
+    for spec in ["", "attn"] {
+        g.set_spec(spec).unwrap();
+        let mut go = g.zeros(n).unwrap();
+        g.attn_decode(
+            &g.upload(q).unwrap(),
+            &g.upload(k).unwrap(),
+            &g.upload(v).unwrap(),
+            &g.upload(gate).unwrap(),
+            gkv,
+            d,
+            pos,
+            step,
+            &mut go,
+        );
+        outs.push(go);
+    }
+    g.set_spec("").unwrap();
+    assert!(
+        h(g, &outs[1], n) == h(g, &outs[0], n),
+        "attn_decode specialised differs ({}/{} heads of {}, capacity {}, pos {pos})",
+        d.n_heads,
+        d.n_kv_heads,
+        d.head_dim,
+        gkv.capacity
+    );
+    outs.swap_remove(0)
 }
