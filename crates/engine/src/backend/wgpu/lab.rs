@@ -773,7 +773,8 @@ impl Wgpu {
             // moe_gate_up_s and moe_down_s, `…/2 xq G,D,S` with moe_gate_up_x and moe_down_x in
             // that shape (x staged once before the timing, as the router's launch stages it in
             // a decode step), `…/2 xq-gate` moe_gate_up_x with moe_down_s, `…/2 xq-ydown`
-            // moe_gate_up_x with moe_down_y, `…/2 xq-y` moe_gate_up_y with moe_down_y.
+            // moe_gate_up_x with moe_down_y, `…/2 xq-y` moe_gate_up_y with moe_down_y (`xq-ys`:
+            // specialised to the launch, `LILY_WGPU_SPEC` moe).
             // `LILY_LAB_STACKS=N`: N - 1 more copies of the three stacks, which the `×N` variant
             // cycles through as a decode step's 40 layers do (whether the spread of the weights
             // over GBs, not their bytes, costs the step: address translation).
@@ -820,6 +821,9 @@ impl Wgpu {
                 seqs.push(("route/2 xq-ydown".into(), 2, true, 3, "32,16,2"));
                 seqs.push(("shared/2 xq-y".into(), 2, true, 4, "32,16,2"));
                 seqs.push(("route/2 xq-y".into(), 2, true, 4, "32,16,2"));
+                // The y pair specialised to the launch (`LILY_WGPU_SPEC` moe), beside it.
+                seqs.push(("shared/2 xq-ys".into(), 2, true, 4, "32,16,2"));
+                seqs.push(("route/2 xq-ys".into(), 2, true, 4, "32,16,2"));
                 // The y pair then the x pair on the next route, each call: against the two rows
                 // above, whether a kernel pays for the other's code and data between its calls
                 // (as in a decode step, where 8 other kernels run between two MoE blocks).
@@ -834,9 +838,14 @@ impl Wgpu {
                     ));
                 }
             }
+            let old_spec = ctx.sw.moe_spec.load(Ordering::Relaxed);
             for (name, launches, fused, xq_mode, shape) in seqs {
                 let name = name.as_str();
                 ctx.sw.moe_xq.store(xq_mode, Ordering::Relaxed);
+                // Only the `xq-ys` rows specialised, whatever LILY_WGPU_SPEC says.
+                ctx.sw
+                    .moe_spec
+                    .store(name.contains("xq-ys"), Ordering::Relaxed);
                 if let Some(c) = super::device::moe_xq_shape_code(shape) {
                     ctx.sw.moe_xq_shape.store(c, Ordering::Relaxed);
                 }
@@ -927,6 +936,7 @@ impl Wgpu {
                 rows.push(row);
             }
             ctx.sw.moe_xq.store(old_xq, Ordering::Relaxed);
+            ctx.sw.moe_spec.store(old_spec, Ordering::Relaxed);
             ctx.sw.moe_xq_shape.store(old_shape, Ordering::Relaxed);
         }
         if want_case("gemm") {
