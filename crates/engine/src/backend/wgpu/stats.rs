@@ -14,7 +14,8 @@
 //! zeroed workgroup memory: one entry point a module, SPIR-V version by the device's API version,
 //! no bounds checks, no forced loop bounds, no integer-division checks). The device is opened
 //! through `ash` with robust buffer access (and `robustBufferAccess2`) where the driver offers
-//! them, as wgpu does, since they can change the generated code. Each pipeline is created with
+//! them, as wgpu does, since they can change the generated code (`LILY_STATS_ROBUST=0` leaves
+//! them off, to see what they cost). Each pipeline is created with
 //! `CAPTURE_STATISTICS` and `CAPTURE_INTERNAL_REPRESENTATIONS`, then read back.
 //!
 //! What it needs of the driver: Vulkan 1.1 or later and `VK_KHR_pipeline_executable_properties`
@@ -703,8 +704,13 @@ impl Vk {
             }
             offered
         };
-        let e_core = vk::PhysicalDeviceFeatures::default()
-            .robust_buffer_access(on(core.robust_buffer_access, "robustBufferAccess") != 0);
+        // `LILY_STATS_ROBUST=0`: the pipelines as a device without robust buffer access would
+        // build them (wgpu always enables it where offered: whether its bounds checks cost the
+        // decode kernels code, compare the two runs' instruction counts).
+        let robust = std::env::var("LILY_STATS_ROBUST").map_or(true, |v| v != "0");
+        let e_core = vk::PhysicalDeviceFeatures::default().robust_buffer_access(
+            robust && on(core.robust_buffer_access, "robustBufferAccess") != 0,
+        );
         let mut e_pep = vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default()
             .pipeline_executable_info(true);
         let mut e_16 = vk::PhysicalDevice16BitStorageFeatures::default()
@@ -740,7 +746,8 @@ impl Vk {
                 ) != 0,
             );
         let mut e_rb2 = vk::PhysicalDeviceRobustness2FeaturesEXT::default().robust_buffer_access2(
-            core.robust_buffer_access != 0
+            robust
+                && core.robust_buffer_access != 0
                 && on(q_rb2.robust_buffer_access2, "robustBufferAccess2") != 0,
         );
         let varying_subgroup = e_13.subgroup_size_control != 0;
