@@ -205,6 +205,9 @@ pub fn pick_wgpu(c: &Common) -> Result<Option<lily::backend::wgpu::Wgpu>> {
         BackendKind::Cpu | BackendKind::Cuda => return Ok(None),
     };
     let r = b.report();
+    if !r.robust {
+        eprintln!("lily: wgpu device without robust buffer access (LILY_WGPU_ROBUST=0)");
+    }
     eprintln!(
         "lily: backend {} → {} (subgroups {}-{}, f16 {}, {} KiB workgroup memory, largest binding {} MiB, coop16 {} [{}])",
         if c.backend == BackendKind::Auto { "auto" } else { "wgpu" },

@@ -138,6 +138,9 @@ pub struct AdapterReport {
     /// the machine's memory it may use); `None` on Metal, whose GPU shares the machine's memory
     /// (`lily serve` sizes from that).
     pub memory: Option<u64>,
+    /// The device has robust buffer access (wgpu's default where offered); `false` when opened
+    /// without it (`LILY_WGPU_ROBUST=0`, `open_unrobust`).
+    pub robust: bool,
 }
 
 /// `AdapterReport::memory`: Vulkan's largest DEVICE_LOCAL heap of the adapter.
@@ -160,6 +163,95 @@ fn adapter_memory(adapter: &::wgpu::Adapter) -> Option<u64> {
 
 #[cfg(any(target_os = "macos", target_arch = "wasm32"))]
 fn adapter_memory(_: &::wgpu::Adapter) -> Option<u64> {
+    None
+}
+
+/// `LILY_WGPU_ROBUST=0` (opt-in, not yet measured on a GPU): the Vulkan device opened as wgpu
+/// opens it (wgpu-hal's extensions and features for `desc`) but without robust buffer access
+/// (robustBufferAccess, robustBufferAccess2), which wgpu-hal 30 enables wherever offered. With
+/// it every storage access may carry a bounds check in the driver's code (`LILY_STATS_ROBUST=0`
+/// shows the difference); lily's kernels stay in bounds (the op tests), its modules are trusted
+/// (no naga checks) either way, so an out-of-range index would then read or write memory
+/// undefined instead of returning zeros. `None`: not a Vulkan adapter.
+#[cfg(not(any(target_os = "macos", target_arch = "wasm32")))]
+fn open_unrobust(
+    adapter: &::wgpu::Adapter,
+    desc: &::wgpu::DeviceDescriptor<'_>,
+) -> Option<Result<(::wgpu::Device, ::wgpu::Queue)>> {
+    use ash::vk;
+    // SAFETY: wgpu's own adapter, borrowed for this function; every Vulkan object made here
+    // is handed to wgpu (`device_from_raw` without a drop callback: wgpu-hal owns the device).
+    let hal = unsafe { adapter.as_hal::<::wgpu::hal::api::Vulkan>() }?;
+    let features = desc.required_features;
+    let exts = hal.required_device_extensions(features);
+    let mut phd = hal.physical_device_features(&exts, features);
+    let prio = [1.0f32];
+    // Family 0, as wgpu-hal 30's own `open` takes it.
+    let families = [vk::DeviceQueueCreateInfo::default()
+        .queue_family_index(0)
+        .queue_priorities(&prio)];
+    let names: Vec<_> = exts.iter().map(|e| e.as_ptr()).collect();
+    let pre = vk::DeviceCreateInfo::default()
+        .queue_create_infos(&families)
+        .enabled_extension_names(&names);
+    let mut info = phd.add_to_device_create(pre);
+    // SAFETY: `add_to_device_create` points the core features and the p_next chain into `phd`,
+    // alive and otherwise untouched until vkCreateDevice returns; the core features are copied,
+    // robustness2's struct (if chained) is written in place, nothing else.
+    let core = unsafe {
+        let mut c = *info.p_enabled_features;
+        c.robust_buffer_access = vk::FALSE;
+        let mut p = info.p_next as *mut vk::BaseOutStructure<'_>;
+        while !p.is_null() {
+            if (*p).s_type == vk::StructureType::PHYSICAL_DEVICE_ROBUSTNESS_2_FEATURES_EXT {
+                (*(p as *mut vk::PhysicalDeviceRobustness2FeaturesEXT<'_>)).robust_buffer_access2 =
+                    vk::FALSE;
+            }
+            p = (*p).p_next;
+        }
+        c
+    };
+    info.p_enabled_features = &core;
+    let inst = hal.shared_instance().raw_instance();
+    // SAFETY: the create info above, for this physical device of wgpu's live instance.
+    let raw = match unsafe { inst.create_device(hal.raw_physical_device(), &info, None) } {
+        Ok(d) => d,
+        Err(e) => {
+            return Some(Err(anyhow!(
+                "vkCreateDevice without robust buffer access: {e}"
+            )))
+        }
+    };
+    // SAFETY: `raw` was created from this adapter with family 0 and exactly `exts` and
+    // `phd`'s features (robust buffer access aside, which wgpu-hal never requires).
+    let open = unsafe {
+        hal.device_from_raw(
+            raw,
+            None,
+            &exts,
+            features,
+            &desc.required_limits,
+            &desc.memory_hints,
+            0,
+            0,
+        )
+    };
+    drop(hal);
+    Some(match open {
+        Err(e) => Err(anyhow!(
+            "wgpu-hal on the device without robust buffer access: {e}"
+        )),
+        // SAFETY: the hal device was opened from this adapter for `desc`'s features and limits.
+        Ok(o) => unsafe { adapter.create_device_from_hal(o, desc) }
+            .map_err(|e| anyhow!("wgpu on the device without robust buffer access: {e}")),
+    })
+}
+
+#[cfg(any(target_os = "macos", target_arch = "wasm32"))]
+fn open_unrobust(
+    _: &::wgpu::Adapter,
+    _: &::wgpu::DeviceDescriptor<'_>,
+) -> Option<Result<(::wgpu::Device, ::wgpu::Queue)>> {
     None
 }
 
@@ -733,6 +825,8 @@ impl Ctx {
         }
         let mut required = feats & wanted;
         let limits = adapter.limits();
+        let unrobust = std::env::var("LILY_WGPU_ROBUST").as_deref() == Ok("0")
+            && cfg!(not(any(target_os = "macos", target_arch = "wasm32")));
         let open = |required: ::wgpu::Features| {
             let experimental = if required.intersects(::wgpu::Features::all_experimental_mask()) {
                 // SAFETY: wgpu asks for this token before it enables an EXPERIMENTAL feature
@@ -746,13 +840,23 @@ impl Ctx {
             } else {
                 ::wgpu::ExperimentalFeatures::disabled()
             };
-            pollster::block_on(adapter.request_device(&::wgpu::DeviceDescriptor {
+            let desc = ::wgpu::DeviceDescriptor {
                 label: Some("lily"),
                 required_features: required,
                 required_limits: limits.clone(),
                 experimental_features: experimental,
                 ..Default::default()
-            }))
+            };
+            if unrobust {
+                match open_unrobust(&adapter, &desc) {
+                    Some(r) => return r,
+                    None => eprintln!(
+                        "lily: LILY_WGPU_ROBUST=0 takes a Vulkan adapter; {} keeps its default",
+                        info.name
+                    ),
+                }
+            }
+            pollster::block_on(adapter.request_device(&desc)).map_err(anyhow::Error::from)
         };
         // A device refused with cooperative matrices is asked for again without them: the
         // opt-in kernel must not cost the backend its device.
@@ -795,6 +899,7 @@ impl Ctx {
             coop: String::new(),
             coop16: false,
             memory: adapter_memory(&adapter),
+            robust: !unrobust,
         };
         let stride = PARAM_BYTES.max(limits.min_uniform_buffer_offset_alignment as u64);
         let arena = device.create_buffer(&::wgpu::BufferDescriptor {
