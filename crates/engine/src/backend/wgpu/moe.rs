@@ -503,7 +503,8 @@ fn y_spec(ctx: &Ctx, p: &[u32]) -> Vec<(&'static str, u32)> {
         ("MY_INP", p[1]),
         ("MY_GS", p[3]),
         ("MY_SB16", p[4]),
-        ("MY_GS2", p[8 + 3]),
+        // down's launch has no second matrix (zeros): 1, so that no constant divides by 0.
+        ("MY_GS2", p[8 + 3].max(1)),
         ("MY_SB162", p[8 + 4]),
         ("MY_ROWS", p[16]),
         ("MY_K", p[17]),
