@@ -383,8 +383,8 @@ impl Spec {
     }
 }
 
-/// A pipeline's shader, entry point and pipeline constants (`name=value,…`; empty for none).
-type PipelineKey = (&'static str, &'static str, String);
+/// A pipeline's shader, entry point and pipeline constants (empty for none).
+type PipelineKey = (&'static str, &'static str, Vec<(&'static str, u32)>);
 
 /// The backend's switches and tuning knobs, read once from the environment when the device
 /// opens (ablations for `lily bench` A/B runs; every default is the measured best).
@@ -724,7 +724,7 @@ pub(super) struct Ctx {
     pub device: ::wgpu::Device,
     pub queue: ::wgpu::Queue,
     pub report: AdapterReport,
-    /// Pipelines by shader, entry point and pipeline constants (`dispatch_spec`; "" for none).
+    /// Pipelines by shader, entry point and pipeline constants (`dispatch_spec`; none: empty).
     pipelines: Mutex<HashMap<PipelineKey, Arc<::wgpu::ComputePipeline>>>,
     modules: Mutex<HashMap<&'static str, Arc<::wgpu::ShaderModule>>>,
     /// The encoder being recorded (`None` between submissions).
@@ -1032,12 +1032,8 @@ impl Ctx {
         entry: &'static str,
         consts: &[(&'static str, u32)],
     ) -> Arc<::wgpu::ComputePipeline> {
-        let spec = consts
-            .iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect::<Vec<_>>()
-            .join(",");
-        let key = (sh.name, entry, spec);
+        // No constants: an empty Vec, no allocation on the dispatch path.
+        let key = (sh.name, entry, consts.to_vec());
         if let Some(p) = self.pipelines.lock().unwrap().get(&key) {
             return p.clone();
         }
