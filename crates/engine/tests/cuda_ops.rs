@@ -84,7 +84,7 @@ mod ops;
 use common::{gpu, prompt_ids};
 use ops::{
     bf16r, check, fold_logit_errors, kv_new, moe_weights, qwen_dims, rand_dense, rand_moe,
-    rand_quant, rel_rows, tensor_u32, Rng,
+    rand_quant, rel_rows, tensor_u32, MoeTmp, Rng,
 };
 
 use lily::backend::cpu::{moe::Route as CpuRoute, Cpu, CpuStep};
@@ -2149,20 +2149,8 @@ fn moe_route_and_experts() {
                     g.set_disabled(off).unwrap();
                     g.set_enabled(on).unwrap();
                     let mut gh = g.zeros(hid).unwrap();
-                    let (mut t0, mut t1, mut t2, mut t3, mut t4) = (
-                        g.act_zeros(hid).unwrap(),
-                        g.act_zeros(width).unwrap(),
-                        g.act_zeros(width).unwrap(),
-                        g.act_zeros(width).unwrap(),
-                        g.act_zeros(hid).unwrap(),
-                    );
-                    let tmp = MoeScratch {
-                        out: &mut t0,
-                        g: &mut t1,
-                        u: &mut t2,
-                        act: &mut t3,
-                        down: &mut t4,
-                    };
+                    let mut moe_tmp = MoeTmp::new(&g, hid, width);
+                    let tmp = moe_tmp.tmp();
                     g.moe_decode_add(&gx, &gr, &gg, &gu, &gd, &gsh, &d, tmp, &mut gh);
                     g.set_disabled(&[]).unwrap();
                     g.set_enabled(&[]).unwrap();
@@ -2221,20 +2209,8 @@ fn moe_route_and_experts() {
             for off in [&[][..], &["moe_wide"][..]] {
                 g.set_disabled(off).unwrap();
                 let mut gh = g.zeros(hid).unwrap();
-                let (mut t0, mut t1, mut t2, mut t3, mut t4) = (
-                    g.act_zeros(hid).unwrap(),
-                    g.act_zeros(width).unwrap(),
-                    g.act_zeros(width).unwrap(),
-                    g.act_zeros(width).unwrap(),
-                    g.act_zeros(hid).unwrap(),
-                );
-                let tmp = MoeScratch {
-                    out: &mut t0,
-                    g: &mut t1,
-                    u: &mut t2,
-                    act: &mut t3,
-                    down: &mut t4,
-                };
+                let mut moe_tmp = MoeTmp::new(&g, hid, width);
+                let tmp = moe_tmp.tmp();
                 g.moe_decode_add(&gx, &gr, &gg8, &gu8, &gd8, &gsh, &d, tmp, &mut gh);
                 g.set_disabled(&[]).unwrap();
                 check_moe(
@@ -2531,13 +2507,7 @@ fn gpu_moe_step(
         g.zeros(1).unwrap(),
     );
     let mut route = g.new_route(1, d.top_k).unwrap();
-    let (mut t0, mut t1, mut t2, mut t3, mut t4) = (
-        g.act_zeros(hid).unwrap(),
-        g.act_zeros(width).unwrap(),
-        g.act_zeros(width).unwrap(),
-        g.act_zeros(width).unwrap(),
-        g.act_zeros(hid).unwrap(),
-    );
+    let mut moe_tmp = MoeTmp::new(g, hid, width);
     g.moe_step_add(
         gh,
         gnw,
@@ -2551,13 +2521,7 @@ fn gpu_moe_step(
             route: &mut route,
             ahead,
         },
-        MoeScratch {
-            out: &mut t0,
-            g: &mut t1,
-            u: &mut t2,
-            act: &mut t3,
-            down: &mut t4,
-        },
+        moe_tmp.tmp(),
     );
     let (ids, w) = g.route_to_host(&route, 1).unwrap();
     (h(g, &xn), h(g, &lg), h(g, &sl), ids, w)

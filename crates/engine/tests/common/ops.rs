@@ -386,6 +386,40 @@ pub fn moe_weights<'a, B: Backend>(
     }
 }
 
+/// The five MoE scratch buffers of one token (`MoeScratch`): out and down of the hidden size,
+/// g, u and act of the experts' width, in the backend's activation type.
+#[allow(dead_code)]
+pub struct MoeTmp<B: Backend> {
+    out: B::Buf,
+    g: B::Buf,
+    u: B::Buf,
+    act: B::Buf,
+    down: B::Buf,
+}
+
+#[allow(dead_code)]
+impl<B: Backend> MoeTmp<B> {
+    pub fn new(b: &B, hid: usize, width: usize) -> Self {
+        let z = |n| b.act_zeros(n).unwrap();
+        Self {
+            out: z(hid),
+            g: z(width),
+            u: z(width),
+            act: z(width),
+            down: z(hid),
+        }
+    }
+    pub fn tmp(&mut self) -> lily::backend::MoeScratch<'_, B> {
+        lily::backend::MoeScratch {
+            out: &mut self.out,
+            g: &mut self.g,
+            u: &mut self.u,
+            act: &mut self.act,
+            down: &mut self.down,
+        }
+    }
+}
+
 pub fn rand_moe(rng: &mut Rng, e: usize, width: usize, hid: usize, bits: u32) -> [HostLinear; 6] {
     [
         rand_quant(rng, e, width, hid, bits, 64, false),

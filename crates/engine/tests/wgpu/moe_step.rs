@@ -37,7 +37,7 @@ use super::*;
 use lily::backend::cpu::moe::Route as CpuRoute;
 use lily::backend::{Dims, MoeScratch, MoeWeights, RouteAhead, RouterScratch, SharedExpert};
 use lily::loader::tensor::{HostLinear, LinearKind};
-use ops::{fold_logit_errors, moe_weights, rand_moe, tensor_u32};
+use ops::{fold_logit_errors, moe_weights, rand_moe, tensor_u32, MoeTmp};
 
 const MOE_TOL: f32 = 5e-4;
 
@@ -146,37 +146,8 @@ fn cpu_moe(x: &Vec<f32>, route: &CpuRoute, m: [&HostLinear; 6], logit: f32, d: &
     h
 }
 
-/// Scratch of the unfused sequence on the device.
-struct GScratch {
-    out: WB,
-    g: WB,
-    u: WB,
-    act: WB,
-    down: WB,
-}
 type WB = <Wgpu as Backend>::Buf;
 type WM = <Wgpu as Backend>::Mat;
-
-impl GScratch {
-    fn new(g: &Wgpu, hid: usize, width: usize) -> Self {
-        Self {
-            out: g.zeros(hid).unwrap(),
-            g: g.zeros(width).unwrap(),
-            u: g.zeros(width).unwrap(),
-            act: g.zeros(width).unwrap(),
-            down: g.zeros(hid).unwrap(),
-        }
-    }
-    fn tmp(&mut self) -> MoeScratch<'_, Wgpu> {
-        MoeScratch {
-            out: &mut self.out,
-            g: &mut self.g,
-            u: &mut self.u,
-            act: &mut self.act,
-            down: &mut self.down,
-        }
-    }
-}
 
 /// What one moe_step_add left: h, x, the logits, the shared logit, the route, its launches.
 struct StepOut {
@@ -210,7 +181,7 @@ fn gpu_step(
         g.zeros(1).unwrap(),
     );
     let mut route = g.new_route(1, d.top_k).unwrap();
-    let mut tmp = GScratch::new(g, hid, width);
+    let mut tmp = MoeTmp::new(g, hid, width);
     g.sync().unwrap();
     let n0 = g.dispatches();
     g.moe_step_add(
@@ -259,7 +230,7 @@ fn gpu_decode(
     let gx = g.upload(x).unwrap();
     let gl = g.upload(&[logit]).unwrap();
     let mut gh = g.zeros(hid).unwrap();
-    let mut tmp = GScratch::new(g, hid, width);
+    let mut tmp = MoeTmp::new(g, hid, width);
     g.sync().unwrap();
     let n0 = g.dispatches();
     g.moe_decode_add(
