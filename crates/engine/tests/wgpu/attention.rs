@@ -431,16 +431,38 @@ fn prefill_tiled_chunks(g: &Wgpu, f16: bool) {
 /// needles, key rows that match one query head (a score about 12: much of its attention), sit at
 /// chunk and split edges and in the step's own k, so a key skipped, misplaced or counted twice
 /// moves that head's output by O(1). After the steps the caches equal the CPU's bit for bit.
+///
+/// Both decode kernels where the adapter has ordered subgroups (`dec_kernels`): attn_dec_gqa and
+/// attn_dec_team (`Wgpu::set_attn_team`), each held to the same bounds.
 #[test]
 fn attention_decode_capacities() {
     let Some(g) = gpu() else { return };
-    for f16 in kv_kinds(&g) {
-        g.set_kv_f16(f16);
-        decode_capacities(&g, f16);
+    for team in dec_kernels(&g) {
+        g.set_attn_team(team);
+        for f16 in kv_kinds(&g) {
+            g.set_kv_f16(f16);
+            decode_capacities(&g, f16);
+        }
+    }
+    g.set_attn_team(false);
+}
+
+/// The decode attention kernels the adapter takes: attn_dec_gqa (`false`), and attn_dec_team
+/// (`true`) where it has ordered subgroups.
+fn dec_kernels(g: &Wgpu) -> Vec<bool> {
+    if g.report().subgroups {
+        vec![false, true]
+    } else {
+        vec![false]
     }
 }
 
 fn decode_capacities(g: &Wgpu, f16: bool) {
+    let kernel = if g.attn_team() {
+        "attn_dec_team"
+    } else {
+        "attn_dec_gqa"
+    };
     let qd = qwen_dims();
     let sh = shapes();
     let cases: Vec<(Dims, usize, Vec<usize>)> = vec![
@@ -516,7 +538,7 @@ fn decode_capacities(g: &Wgpu, f16: bool) {
             let r = reference_decode(&q, &gate, &ckv, &d, pos);
             let gout = h(g, go, hq * hd);
             let what = format!(
-                "attn_decode (f16 KV {f16}) {hq}/{kvh} heads of {hd}, capacity {cap}, pos {pos}"
+                "{kernel} (f16 KV {f16}) {hq}/{kvh} heads of {hd}, capacity {cap}, pos {pos}"
             );
             let cpu_err = rel_rows(&c, &r, hd);
             println!("{:<58} CPU vs f64 {cpu_err:.2e}", what);
@@ -529,9 +551,7 @@ fn decode_capacities(g: &Wgpu, f16: bool) {
             kvd,
         ));
         check(
-            &format!(
-                "attn_decode (f16 KV {f16}) {hq}/{kvh} heads of {hd}, capacity {cap}: KV cache"
-            ),
+            &format!("{kernel} (f16 KV {f16}) {hq}/{kvh} heads of {hd}, capacity {cap}: KV cache"),
             kv_err,
             EXACT,
         );

@@ -45,6 +45,27 @@ pub const SHADER_H: Shader = Shader {
     ),
 };
 
+/// attn_dec_sg.wgsl's attn_dec_team over an f32 cache (`LILY_WGPU_ATTN_DEC=team`; subgroup
+/// builtins: made only where the adapter has ordered subgroups).
+pub const DEC_SG_SHADER: Shader = Shader {
+    name: "attn_dec_sg",
+    src: concat!(
+        include_str!("shaders/common.wgsl"),
+        include_str!("shaders/kv_f32.wgsl"),
+        include_str!("shaders/attn_dec_sg.wgsl")
+    ),
+};
+
+/// attn_dec_team over an f16 cache.
+pub const DEC_SG_SHADER_H: Shader = Shader {
+    name: "attn_dec_sg_h",
+    src: concat!(
+        include_str!("shaders/common.wgsl"),
+        include_str!("shaders/kv_f16.wgsl"),
+        include_str!("shaders/attn_dec_sg.wgsl")
+    ),
+};
+
 /// The module of a cache's element type (`kv_ok` has checked K and V agree).
 fn shader(kv: &KvCache<WBuf>) -> &'static Shader {
     if kv.k.half {
@@ -121,6 +142,8 @@ const TILE_SPLIT_KEYS: usize = 512;
 /// tree: 256; 512 workgroups on the model's two KV heads).
 const DEC_CHUNK: usize = 32;
 const DEC_MAX_SPLITS: usize = 256;
+/// attn_dec_team: the fewest keys a split takes (4 of its 8-key blocks a team).
+const TEAM_SPAN: usize = 32;
 
 /// Whether the grouped kernels (`attn_split_gqa`, `attn_rows_gqa`) take this shape: up to 8
 /// query heads a KV head, heads of up to 256 in vec4s (the model's: 8 of 256). Others go a
@@ -561,7 +584,17 @@ fn decode_attend(
     // attn_dec_gqa: `span` is the fewest keys a split takes (the device spreads pos + 1 keys over
     // the splits, at least a chunk each); attn_split_gqa: 0 (every split used); attn_split:
     // whole chunks.
-    let (span, splits) = if tile {
+    // attn_dec_team (`LILY_WGPU_ATTN_DEC=team`): attn_dec_gqa's shapes, on ordered subgroups.
+    let team =
+        tile && ctx.report.subgroups && ctx.sw.attn_team.load(std::sync::atomic::Ordering::Relaxed);
+    let (span, splits) = if team {
+        (
+            TEAM_SPAN,
+            kv.capacity
+                .div_ceil(ctx.sw.attn_keys)
+                .clamp(1, DEC_MAX_SPLITS),
+        )
+    } else if tile {
         (
             // attention.wgsl's DK: 32 · KV_PACK.
             if kv.k.half { 2 * DEC_CHUNK } else { DEC_CHUNK },
@@ -591,7 +624,13 @@ fn decode_attend(
         ("attn_split", hq * splits, "attn_combine")
     };
     let sh = shader(kv);
-    // attn_dec_gqa and attn_combine4 specialised to the shapes (`LILY_WGPU_SPEC` attn).
+    let dec_sh = match (team, kv.k.half) {
+        (false, _) => sh,
+        (true, false) => &DEC_SG_SHADER,
+        (true, true) => &DEC_SG_SHADER_H,
+    };
+    let entry = if team { "attn_dec_team" } else { entry };
+    // attn_dec_gqa (or attn_dec_team) and attn_combine4 specialised to the shapes (`LILY_WGPU_SPEC` attn).
     let consts: Vec<(&str, u32)> =
         if tile && ctx.sw.attn_spec.load(std::sync::atomic::Ordering::Relaxed) {
             let names = ["AD_NH", "AD_NKV", "AD_HD", "AD_CAP", "AD_SPLITS", "AD_SPAN"];
@@ -603,7 +642,7 @@ fn decode_attend(
             Vec::new()
         };
     ctx.dispatch_spec(
-        sh,
+        dec_sh,
         entry,
         &consts,
         &p,

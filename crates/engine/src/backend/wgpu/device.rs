@@ -65,6 +65,8 @@ pub fn shaders() -> Vec<Shader> {
         super::matmul::GEMM_COOP1_SHADER,
         super::attention::SHADER,
         super::attention::SHADER_H,
+        super::attention::DEC_SG_SHADER,
+        super::attention::DEC_SG_SHADER_H,
         super::gdn::SHADER,
         super::gdn::SHADER_SG,
         super::gdn::STEP_SHADER,
@@ -477,6 +479,11 @@ pub(super) struct Switches {
     /// ~26 µs traced). Atomic so that tests compare both in one process (`Wgpu::set_kv_f16`; a
     /// cache keeps its type).
     pub kv_f16: std::sync::atomic::AtomicBool,
+    /// `LILY_WGPU_ATTN_DEC=team`: decode attention by attn_dec_sg.wgsl's attn_dec_team (a query
+    /// head a 32-lane team, its dims across the lanes, q and the sums in registers) instead of
+    /// attn_dec_gqa, where the adapter has ordered subgroups. Opt-in until measured on a GPU.
+    /// Atomic so that tests and `lily lab` compare both in one process (`Wgpu::set_attn_team`).
+    pub attn_team: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_CHECKS=1`: the shaders compiled with wgpu's runtime checks (index clamping,
     /// a counter in every loop, checked integer division), as for untrusted WGSL. Off by
     /// default: the shaders are ours, every index in range by construction (the op tests hold
@@ -604,6 +611,9 @@ impl Switches {
             attn_tile: on("LILY_WGPU_ATTN_TILE"),
             kv_f16: std::sync::atomic::AtomicBool::new(
                 std::env::var("LILY_WGPU_KV_F16").as_deref() == Ok("1"),
+            ),
+            attn_team: std::sync::atomic::AtomicBool::new(
+                std::env::var("LILY_WGPU_ATTN_DEC").as_deref() == Ok("team"),
             ),
             moe_q: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_MOE_Q")),
             moe_fuse: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_MOE_FUSE")),

@@ -1464,7 +1464,8 @@ impl Wgpu {
     /// (where the adapter has SHADER_F16), its capacity the power of two above the context + 64
     /// (as a bench run grows it: the split count follows the capacity). Over copies of the
     /// caches making ≥ 256 MB (so that L2 does not hold them). `bytes` is the K and V rows
-    /// read (2 · context · kv_dim · element size); the variant reads `f16 32K`.
+    /// read (2 · context · kv_dim · element size); the variant reads `f16 32K`, or `team f16
+    /// 32K` for attn_dec_team in attn_dec_gqa's place (adapters with ordered subgroups).
     fn lab_attn(
         &self,
         cfg: &Config,
@@ -1533,19 +1534,32 @@ impl Wgpu {
                         &mut ob,
                     );
                 };
-                let op_s = lab_median(ctx, calls, &call)?;
-                let row = LabRow {
-                    case: "attn",
-                    variant: format!("{} {}K", if half { "f16" } else { "f32" }, n / 1024),
-                    bytes: 2 * n * kvd * esize,
-                    copies,
-                    calls,
-                    op_s,
-                    read_s: None,
-                    check: None,
-                };
-                print(&row);
-                res.push(row);
+                let saved = self.attn_team();
+                for team in [false, true] {
+                    if team && !ctx.report.subgroups {
+                        continue;
+                    }
+                    self.set_attn_team(team);
+                    let op_s = lab_median(ctx, calls, &call);
+                    self.set_attn_team(saved);
+                    let row = LabRow {
+                        case: "attn",
+                        variant: format!(
+                            "{}{} {}K",
+                            if team { "team " } else { "" },
+                            if half { "f16" } else { "f32" },
+                            n / 1024
+                        ),
+                        bytes: 2 * n * kvd * esize,
+                        copies,
+                        calls,
+                        op_s: op_s?,
+                        read_s: None,
+                        check: None,
+                    };
+                    print(&row);
+                    res.push(row);
+                }
             }
         }
         Ok(res)

@@ -353,6 +353,23 @@ impl Wgpu {
             .kv_f16
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
+    /// Decode attention by attn_dec_team (`true`, where the adapter has ordered subgroups) or
+    /// attn_dec_gqa (`LILY_WGPU_ATTN_DEC`); tests and `lily lab` compare both in one process.
+    pub fn set_attn_team(&self, on: bool) {
+        self.ctx
+            .sw
+            .attn_team
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// Whether decode attention takes attn_dec_team where the shape allows.
+    pub fn attn_team(&self) -> bool {
+        self.ctx.report.subgroups
+            && self
+                .ctx
+                .sw
+                .attn_team
+                .load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 impl Wgpu {
