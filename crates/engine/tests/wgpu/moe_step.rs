@@ -666,13 +666,16 @@ fn route_ahead_matches_the_router() {
     g.set_route_ahead(false);
 }
 
-/// Opt-in `LILY_WGPU_SPEC=moe` (`Wgpu::set_spec`): moe_gate_up_y and moe_down_y specialised
-/// to their launch by pipeline constants (moe_xq.wgsl MY_*), against the same kernels reading
-/// the parameter block, on one device. The arithmetic is the same, so h, x, the logits and the
-/// route through moe_step_add (the route in gate|up) and the MoE output through moe_decode_add
-/// (the route given) must be the same bits, at the model's shapes and on two other 4-bit
-/// stacks (hidden 512, 16 experts, top-1, renormalised; hidden 1024, 32 experts, top-4, not). A
-/// constant in the wrong place (a group size, k, the width) moves the outputs by O(1).
+/// `LILY_WGPU_SPEC` moe (`Wgpu::set_spec`): moe_gate_up_y and moe_down_y specialised to their
+/// launch by pipeline constants (moe_xq.wgsl MY_*), against the same kernels reading the
+/// parameter block, on one device, at the model's shapes and on two other 4-bit stacks (hidden
+/// 512, 16 experts, top-1, renormalised; hidden 1024, 32 experts, top-4, not). x, the logits
+/// and the route through moe_step_add (the route in gate|up) must be the same bits. h and the
+/// MoE output through moe_decode_add (the route given) within F32_TOL: the arithmetic is the
+/// same, but with the trip counts constant NVIDIA's compiler unrolls moe_down_y's sums and
+/// contracts other a·b + c pairs into FMAs (the H200, stop 38: h a few ulps off; lavapipe
+/// bit-equal). A constant in the wrong place (a group size, k, the width) moves the outputs by
+/// O(1).
 #[test]
 fn moe_y_specialised_equals_the_y_kernels() {
     let Some(g) = gpu() else { return };
@@ -725,7 +728,11 @@ fn moe_y_specialised_equals_the_y_kernels() {
             );
             assert_eq!(b.ids, a.ids, "{what} token {token}: ids");
             assert_eq!(bits(&b.w), bits(&a.w), "{what} token {token}: weights");
-            assert_eq!(bits(&b.h), bits(&a.h), "{what} token {token}: h");
+            check(
+                &format!("{what} token {token}: h specialised"),
+                rel_rows(&b.h, &a.h, hid),
+                F32_TOL,
+            );
             // The route given: moe_decode_add (gate|up reads the ids).
             let xv = rng.vec(hid, 1.0);
             let route = {
@@ -741,12 +748,11 @@ fn moe_y_specialised_equals_the_y_kernels() {
                 dec.push(gpu_decode(&g, true, &xv, &route, gmr, 0.4, &d).0);
             }
             g.set_spec("").unwrap();
-            assert_eq!(
-                bits(&dec[1]),
-                bits(&dec[0]),
-                "{what} token {token}: moe_decode_add"
+            check(
+                &format!("{what} token {token}: moe_decode_add specialised"),
+                rel_rows(&dec[1], &dec[0], hid),
+                F32_TOL,
             );
         }
-        eprintln!("moe y kernels specialised: {what} bit-equal");
     }
 }

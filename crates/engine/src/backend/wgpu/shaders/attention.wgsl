@@ -992,11 +992,11 @@ fn attn_tile_gqa_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
 // 2-4 KB). Takes G ≤ 8, hd ≤ 256, hd % 4 == 0. Bindings: 1 q, 2 kc, 3 vc (4-element words), 4
 // step, 5 part (vec4).
 
-// Decode attention specialised to the model and the cache (`LILY_WGPU_SPEC` attn, opt-in until
-// measured on a GPU; attention.rs `decode_attend` sets them): with AD_ON the accessors give the
+// Decode attention specialised to the model and the cache (`LILY_WGPU_SPEC` attn, the default
+// since stop 38; attention.rs `decode_attend` sets them): with AD_ON the accessors give the
 // heads, the head size, the capacity and the splits as pipeline constants (the guards on heads
 // and dims in the unrolled loops, the split's range and the records' offsets fold); without
-// (the default) they read the parameter block. The position stays the step's, on the device.
+// (`LILY_WGPU_SPEC=none`) they read the parameter block. The position stays the step's, on the device.
 override AD_ON: bool = false;
 override AD_NH: u32 = 16u;
 override AD_NKV: u32 = 2u;

@@ -75,10 +75,10 @@ struct GS {
 @group(0) @binding(6) var<storage, read> gs_dtb: array<f32>;
 @group(0) @binding(7) var<storage, read_write> gs_state: array<vec4<f32>>;
 
-// The step specialised to the model (`LILY_WGPU_SPEC` gdn, opt-in until measured on a GPU;
+// The step specialised to the model (`LILY_WGPU_SPEC` gdn, the default since stop 38;
 // gdn.rs `step_dispatch` sets them): with GC_ON the accessors give the head counts and sizes as
 // pipeline constants (the bounds checks on rows and columns, the head's key head and the
-// state's offsets fold); without (the default) they read the parameter block.
+// state's offsets fold); without (`LILY_WGPU_SPEC=none`) they read the parameter block.
 override GC_ON: bool = false;
 override GC_HK: u32 = 16u;
 override GC_HV: u32 = 32u;

@@ -628,8 +628,8 @@ fn q6_tail(mi: u32, m: QMat, blk: u32, t: u32, li: u32, lane_sg: u32, sg: u32, T
     }
 }
 
-// gemv_q6s: gemv_q6 specialised to one launch (`LILY_WGPU_SPEC=q6`, opt-in until measured on a
-// GPU): the launch's matrix count, x rows, output mode, subgroup width and the slots' first
+// gemv_q6s: gemv_q6 specialised to one launch (`LILY_WGPU_SPEC` q6, the default since stop
+// 38): the launch's matrix count, x rows, output mode, subgroup width and the slots' first
 // blocks are pipeline constants here, each slot's shape beside its q6s_run. Same parameters,
 // bindings, launch and arithmetic as gemv_q6 (the outputs are bit-equal: the op tests compare
 // them); what goes is the runtime integer divisions on the way to the first load, the

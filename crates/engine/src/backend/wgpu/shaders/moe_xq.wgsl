@@ -37,8 +37,8 @@
 //   workgroups a token. Bindings: 1-3 down, 4 aq, 5 ids, 6 weights, 7 h (read and written),
 //   8-10 the shared down, 11 s (the shared gate's logit). Needs outputs · (k + 1) ≤ 2048.
 
-// The y kernels' launch as pipeline constants (`LILY_WGPU_SPEC=moe`, opt-in until measured on
-// a GPU; moe.rs `y_spec` sets them for each of the two pipelines): with MY_ON the accessors
+// The y kernels' launch as pipeline constants (`LILY_WGPU_SPEC` moe, the default since
+// stop 38; moe.rs `y_spec` sets them for each of the two pipelines): with MY_ON the accessors
 // below give the constants, so that the divisions by the widths and group sizes, the route's
 // loops over the subgroups (its per-lane array then indexed by constants alone), the slot
 // arithmetic and the branches on the launch fold, and the subgroup width needs no broadcast

@@ -50,7 +50,7 @@ struct XP {
 // xmode 3: the gated norm's weights [hd] (a dummy otherwise).
 @group(0) @binding(5) var<storage, read> qgw: array<vec4<f32>>;
 
-// q2x_stage specialised to its launch (`LILY_WGPU_SPEC` xq, opt-in until measured on a GPU;
+// q2x_stage specialised to its launch (`LILY_WGPU_SPEC` xq, the default since stop 38;
 // matmul.rs sets them): with SQ_ON the accessors give the row length, the x mode and the head
 // size as pipeline constants (the mode's branches, the one-pass choice and the loops' bounds
 // fold) and the subgroup width needs no broadcast (a barrier); without (the default, and every
