@@ -168,7 +168,8 @@ fn adapter_memory(_: &::wgpu::Adapter) -> Option<u64> {
     None
 }
 
-/// `LILY_WGPU_ROBUST=0` (opt-in, not yet measured on a GPU): the Vulkan device opened as wgpu
+/// `LILY_WGPU_ROBUST=0` (opt-in; on the H200 at 4K, stop 38: 352.61 against 352.75 tok/s,
+/// no difference, and on top of the router fold it did not help either): the Vulkan device opened as wgpu
 /// opens it (wgpu-hal's extensions and features for `desc`) but without robust buffer access
 /// (robustBufferAccess, robustBufferAccess2), which wgpu-hal 30 enables wherever offered. With
 /// it every storage access may carry a bounds check in the driver's code (`LILY_STATS_ROBUST=0`
@@ -423,10 +424,12 @@ pub(super) struct Switches {
     /// 195.8 / 195.9 tok/s with 0 against 193.6 / 190.9 with 8,192 (stop 32, call 2: 3 rounds
     /// of 128 tokens, alternated). Atomic for `lily lab`.
     pub q6_min_kb: AtomicUsize,
-    /// `LILY_WGPU_ROUTE_AHEAD=1` (opt-in, not yet measured on a GPU): the MoE router folded into
-    /// the decode projection before it (Backend::route_ahead: gemv_q6 omode 4, then xq_route.wgsl
-    /// q2x_stage_ahead in place of q2x_stage + the router's gemv_q6). Atomic for the op tests
-    /// (`Wgpu::set_route_ahead`).
+    /// `LILY_WGPU_ROUTE_AHEAD=1` (opt-in: measured slower on the H200 at 4K, stop 38: 332.66
+    /// against 352.75 tok/s with the specialised kernels): the MoE router folded into the decode
+    /// projection before it (Backend::route_ahead: gemv_q6 omode 4, then xq_route.wgsl
+    /// q2x_stage_ahead in place of q2x_stage + the router's gemv_q6). One launch fewer a layer,
+    /// but out_proj's gemv_q6 then carries 129 more rows a launch and q2x_stage_ahead the
+    /// fold's sums. Atomic for the op tests (`Wgpu::set_route_ahead`).
     pub route_ahead: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_SPEC` (default `all`; `none` for the ablation; `Spec::parse`): decode kernels
     /// specialised to each launch by WGSL pipeline constants, one pipeline a launch shape
@@ -482,7 +485,11 @@ pub(super) struct Switches {
     pub kv_f16: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_ATTN_DEC=team`: decode attention by attn_dec_sg.wgsl's attn_dec_team (a query
     /// head a 32-lane team, its dims across the lanes, q and the sums in registers) instead of
-    /// attn_dec_gqa, where the adapter has ordered subgroups. Opt-in until measured on a GPU.
+    /// attn_dec_gqa, where the adapter has ordered subgroups. Opt-in: on the H200 (stop 38,
+    /// lab) it is level with attn_dec_gqa on an f32 cache at 4K (26.65 against 26.62 µs) and
+    /// slower at 32K and 128K (128.3 against 96.9, 425.8 against 278.2 µs), faster on an f16
+    /// cache (21.0 against 29.4 µs at 4K, 88.5 against 121.3 at 32K, 286.7 against 324.3 at
+    /// 128K); with an f16 cache at 4K end to end 355.63 against 352.75 tok/s (one round).
     /// Atomic so that tests and `lily lab` compare both in one process (`Wgpu::set_attn_team`).
     pub attn_team: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_CHECKS=1`: the shaders compiled with wgpu's runtime checks (index clamping,
