@@ -31,6 +31,7 @@ pub const SHADER: Shader = Shader {
     src: concat!(
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/kv_f32.wgsl"),
+        include_str!("shaders/attn_params.wgsl"),
         include_str!("shaders/attention.wgsl")
     ),
 };
@@ -41,6 +42,7 @@ pub const SHADER_H: Shader = Shader {
     src: concat!(
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/kv_f16.wgsl"),
+        include_str!("shaders/attn_params.wgsl"),
         include_str!("shaders/attention.wgsl")
     ),
 };
@@ -52,6 +54,7 @@ pub const DEC_SG_SHADER: Shader = Shader {
     src: concat!(
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/kv_f32.wgsl"),
+        include_str!("shaders/attn_params.wgsl"),
         include_str!("shaders/attn_dec_sg.wgsl")
     ),
 };
@@ -62,6 +65,7 @@ pub const DEC_SG_SHADER_H: Shader = Shader {
     src: concat!(
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/kv_f16.wgsl"),
+        include_str!("shaders/attn_params.wgsl"),
         include_str!("shaders/attn_dec_sg.wgsl")
     ),
 };
@@ -175,7 +179,7 @@ fn dims_ok(ctx: &Ctx, op: &str, d: &Dims) -> bool {
     true
 }
 
-/// attention.wgsl's `P`.
+/// attn_params.wgsl's `P` (attention.wgsl, attn_dec_sg.wgsl).
 fn params(d: &Dims, rows: usize, pos0: usize, cap: usize, splits: usize, span: usize) -> [u32; 12] {
     [
         rows as u32,

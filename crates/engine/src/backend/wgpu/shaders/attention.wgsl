@@ -55,21 +55,6 @@
 // up to 256. "Minus infinity" is −1e30 (finite: Metal's fast math
 // assumes no infinities); masked keys get p = 0 by a select.
 
-struct P {
-    rows: u32,
-    nh: u32,
-    nkv: u32,
-    hd: u32,
-    pos0: u32,
-    cap: u32,
-    splits: u32,
-    span: u32,
-    scale: f32,
-    pad0: u32,
-    pad1: u32,
-    pad2: u32,
-}
-
 // qk_norm_rope's parameters: turns[i / 2] holds inv_freq(i) / 2π as 2^-64 turns, (lo, hi) words
 // of pair i at components (i % 2) · 2 and + 1 (uniform arrays have a 16-byte stride).
 struct PR {
@@ -992,25 +977,7 @@ fn attn_tile_gqa_part(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invo
 // 2-4 KB). Takes G ≤ 8, hd ≤ 256, hd % 4 == 0. Bindings: 1 q, 2 kc, 3 vc (4-element words), 4
 // step, 5 part (vec4).
 
-// Decode attention specialised to the model and the cache (`LILY_WGPU_SPEC` attn, the default
-// since stop 38; attention.rs `decode_attend` sets them): with AD_ON the accessors give the
-// heads, the head size, the capacity and the splits as pipeline constants (the guards on heads
-// and dims in the unrolled loops, the split's range and the records' offsets fold); without
-// (`LILY_WGPU_SPEC=none`) they read the parameter block. The position stays the step's, on the device.
-override AD_ON: bool = false;
-override AD_NH: u32 = 16u;
-override AD_NKV: u32 = 2u;
-override AD_HD: u32 = 256u;
-override AD_CAP: u32 = 4096u;
-override AD_SPLITS: u32 = 64u;
-override AD_SPAN: u32 = DK;
-
-fn ad_nh() -> u32 { return select(p.nh, AD_NH, AD_ON); }
-fn ad_nkv() -> u32 { return select(p.nkv, AD_NKV, AD_ON); }
-fn ad_hd() -> u32 { return select(p.hd, AD_HD, AD_ON); }
-fn ad_cap() -> u32 { return select(p.cap, AD_CAP, AD_ON); }
-fn ad_splits() -> u32 { return select(p.splits, AD_SPLITS, AD_ON); }
-fn ad_span() -> u32 { return select(p.span, AD_SPAN, AD_ON); }
+// Decode attention specialised to the launch: attn_params.wgsl's AD_* and ad_*().
 
 const DK: u32 = 32u * KV_PACK;
 const DR: u32 = 8u * KV_PACK; // K words, V words a thread a chunk

@@ -1,8 +1,9 @@
 // attn_dec_sg.wgsl: attn_dec_team, decode attention (cpu/attention.rs `attention`, one row at the
 // step's pos) with a query head a team of 32 lanes and its head's dims across the lanes: the
 // alternative to attention.wgsl's attn_dec_gqa (`LILY_WGPU_ATTN_DEC=team`, attention.rs
-// `decode_attend`; opt-in: stop 38's H200 lab and A/B are in device.rs `attn_team`). Prefixed with common.wgsl and the cache's
-// element file (kv_f32.wgsl or kv_f16.wgsl: KV4, kv4); made only where the adapter has ordered
+// `decode_attend`; opt-in: stop 38's H200 lab and A/B are in device.rs `attn_team`). Prefixed
+// with common.wgsl, the cache's element file (kv_f32.wgsl or kv_f16.wgsl: KV4, kv4) and
+// attn_params.wgsl (P, the AD_* constants); made only where the adapter has ordered
 // subgroups (`AdapterReport::subgroups`): wgpu rejects subgroup builtins on a device without.
 //
 // Why: the H200 lab (stop 35) timed attn_dec_gqa at 0.58 TB/s at 4K and 1.93 at 128K of f32 K/V,
@@ -39,21 +40,6 @@
 //   products in order. Within F32_TOL of the CPU (the attention tests), not bit-equal to it or to
 //   attn_dec_gqa. Workgroup memory 5 KB. Bindings: 1 q, 2 kc, 3 vc, 4 step, 5 part.
 
-struct P {
-    rows: u32,
-    nh: u32,
-    nkv: u32,
-    hd: u32,
-    pos0: u32,
-    cap: u32,
-    splits: u32,
-    span: u32,
-    scale: f32,
-    pad0: u32,
-    pad1: u32,
-    pad2: u32,
-}
-
 @group(0) @binding(0) var<uniform> p: P;
 @group(0) @binding(1) var<storage, read> td_q: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read> td_kc: array<KV4>;
@@ -61,22 +47,7 @@ struct P {
 @group(0) @binding(4) var<storage, read> td_step: array<u32>;
 @group(0) @binding(5) var<storage, read_write> td_part: array<vec4<f32>>;
 
-// The launch's shape as pipeline constants (`LILY_WGPU_SPEC` attn): attention.wgsl's AD_*, the
-// same names so that one constant list serves both kernels and attn_combine4.
-override AD_ON: bool = false;
-override AD_NH: u32 = 16u;
-override AD_NKV: u32 = 2u;
-override AD_HD: u32 = 256u;
-override AD_CAP: u32 = 4096u;
-override AD_SPLITS: u32 = 64u;
-override AD_SPAN: u32 = 32u;
-
-fn ad_nh() -> u32 { return select(p.nh, AD_NH, AD_ON); }
-fn ad_nkv() -> u32 { return select(p.nkv, AD_NKV, AD_ON); }
-fn ad_hd() -> u32 { return select(p.hd, AD_HD, AD_ON); }
-fn ad_cap() -> u32 { return select(p.cap, AD_CAP, AD_ON); }
-fn ad_splits() -> u32 { return select(p.splits, AD_SPLITS, AD_ON); }
-fn ad_span() -> u32 { return select(p.span, AD_SPAN, AD_ON); }
+// The launch's shape: attn_params.wgsl's ad_*() (pipeline constants with `LILY_WGPU_SPEC` attn).
 
 const NEG_BIG: f32 = -1.0e30;
 const TB: u32 = 8u;
@@ -150,36 +121,23 @@ fn td_scores(da: vec4<f32>, db: vec4<f32>, li: u32, sg: u32) -> array<f32, 8> {
     return td_gather8(x, li, sg);
 }
 
-// The 8 keys' K words w0, w1 of the block at row jb (words past hd/4 zero; rows from j1 on read
-// row j1 - 1, their scores masked by the caller).
-fn td_load_k(jb: u32, j1: u32, base: u32, kvd4: u32, w0: u32, w1: u32, hd4: u32) -> array<KV4, 16> {
+// The 8 keys' K (`v` false) or V words w0, w1 of the block at row jb (words past hd/4 zero;
+// rows from j1 on read row j1 - 1, their scores masked by the caller). `v` is a literal at each
+// call: the branch folds. (WGSL passes no storage pointer, so one function reads either cache.)
+fn td_load(v: bool, jb: u32, j1: u32, base: u32, kvd4: u32, w0: u32, w1: u32, hd4: u32) -> array<KV4, 16> {
     var r: array<KV4, 16>;
     for (var k = 0u; k < TB; k++) {
         let row = min(jb + k, j1 - 1u) * kvd4 + base;
-        r[2u * k] = KV4();
-        r[2u * k + 1u] = KV4();
-        if (w0 < hd4) {
-            r[2u * k] = td_kc[row + w0];
-        }
-        if (w1 < hd4) {
-            r[2u * k + 1u] = td_kc[row + w1];
-        }
-    }
-    return r;
-}
-
-// The same of V.
-fn td_load_v(jb: u32, j1: u32, base: u32, kvd4: u32, w0: u32, w1: u32, hd4: u32) -> array<KV4, 16> {
-    var r: array<KV4, 16>;
-    for (var k = 0u; k < TB; k++) {
-        let row = min(jb + k, j1 - 1u) * kvd4 + base;
-        r[2u * k] = KV4();
-        r[2u * k + 1u] = KV4();
-        if (w0 < hd4) {
-            r[2u * k] = td_vc[row + w0];
-        }
-        if (w1 < hd4) {
-            r[2u * k + 1u] = td_vc[row + w1];
+        for (var i = 0u; i < 2u; i++) {
+            let w = select(w0, w1, i == 1u);
+            r[2u * k + i] = KV4();
+            if (w < hd4) {
+                if (v) {
+                    r[2u * k + i] = td_vc[row + w];
+                } else {
+                    r[2u * k + i] = td_kc[row + w];
+                }
+            }
         }
     }
     return r;
@@ -232,15 +190,15 @@ fn attn_dec_team(
     var l = 0.0;
     var a0 = vec4<f32>(0.0);
     var a1 = vec4<f32>(0.0);
-    var kw = td_load_k(j0, j1, base, kvd4, w0, w1, hd4);
+    var kw = td_load(false, j0, j1, base, kvd4, w0, w1, hd4);
     for (var jb = j0; jb < j1; jb += TB) {
         var d: array<f32, 8>;
         for (var k = 0u; k < TB; k++) {
             d[k] = dot(q0, kv4(kw[2u * k])) + dot(q1, kv4(kw[2u * k + 1u]));
         }
-        let vw = td_load_v(jb, j1, base, kvd4, w0, w1, hd4);
+        let vw = td_load(true, jb, j1, base, kvd4, w0, w1, hd4);
         if (jb + TB < j1) {
-            kw = td_load_k(jb + TB, j1, base, kvd4, w0, w1, hd4);
+            kw = td_load(false, jb + TB, j1, base, kvd4, w0, w1, hd4);
         }
         let sc = td_scores(vec4<f32>(d[0], d[1], d[2], d[3]), vec4<f32>(d[4], d[5], d[6], d[7]), li, sg);
         var mb = NEG_BIG;
