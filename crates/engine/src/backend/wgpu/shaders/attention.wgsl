@@ -4,7 +4,8 @@
 // the file prefixed to this one (attention.rs builds it twice): kv_f32.wgsl (f32) or kv_f16.wgsl
 // (f16, two a u32 word), read and written only through its KV1 / KV4 words, kv1 / kv4 (widen to
 // f32) and kv_word (round into a word of KV_PACK elements); every writer writes whole words. Query
-// head h reads KV head h / (heads / kv_heads). A step buffer is u32 [token, pos].
+// head h reads KV head h / (heads / kv_heads). A step buffer is u32 [token, pos]. The parameter
+// block P and decode's AD_* constants are attn_params.wgsl's, prefixed as well.
 //
 // qk_norm_rope / qk_norm_rope_step (cpu `attn_qk_norm_rope`): one workgroup of 256 per (row,
 //   head) over the heads then the KV heads: rows · (heads + kv_heads) workgroups. rms_norm of the
