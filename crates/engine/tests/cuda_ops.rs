@@ -84,7 +84,7 @@ mod ops;
 use common::{gpu, prompt_ids};
 use ops::{
     bf16r, check, fold_logit_errors, kv_new, moe_weights, qwen_dims, rand_dense, rand_moe,
-    rand_quant, rel_rows, tensor_u32, MoeTmp, Rng,
+    rand_quant, rel_rows, tensor_u32, GdnTmp, MoeTmp, Rng,
 };
 
 use lily::backend::cpu::{moe::Route as CpuRoute, Cpu, CpuStep};
@@ -1077,27 +1077,17 @@ fn fused_gdn_mixer_equals_its_composition() {
         );
         let mut steps = Vec::new();
         for _ in 0..3 {
-            let (mut xn, mut qkv, mut qkv_c, mut z, mut b, mut a, mut y, mut r) = (
-                g.act_zeros(hid).unwrap(),
-                g.act_zeros(c).unwrap(),
-                g.act_zeros(c).unwrap(),
-                g.act_zeros(hv * dv).unwrap(),
-                g.act_zeros(hv).unwrap(),
-                g.act_zeros(hv).unwrap(),
-                g.act_zeros(hv * dv).unwrap(),
-                g.act_zeros(hid).unwrap(),
+            let mut t = GdnTmp::new(&g, &d);
+            g.gdn_mixer_decode_add(
+                &mut gh,
+                &in_norm,
+                d.eps,
+                &w,
+                &mut conv,
+                &mut ssm,
+                &d,
+                t.tmp(),
             );
-            let tmp = lily::backend::GdnScratch {
-                xn: &mut xn,
-                qkv: &mut qkv,
-                qkv_c: &mut qkv_c,
-                z: &mut z,
-                b: &mut b,
-                a: &mut a,
-                y: &mut y,
-                r: &mut r,
-            };
-            g.gdn_mixer_decode_add(&mut gh, &in_norm, d.eps, &w, &mut conv, &mut ssm, &d, tmp);
             steps.push((h(&g, &gh), h(&g, &conv), h(&g, &ssm)));
         }
         g.set_enabled(&[]).unwrap();
@@ -1224,35 +1214,25 @@ fn gdn_step_matches_the_cpu() {
         let mut toks = Vec::new();
         for h_in in &hs {
             let mut gh = g.upload_vec(h_in).unwrap();
-            let (mut xn, mut qkv, mut qkv_c, mut z, mut b, mut a, mut y, mut r) = (
-                g.act_zeros(hid).unwrap(),
-                g.act_zeros(c).unwrap(),
-                g.act_zeros(c).unwrap(),
-                g.act_zeros(hv * dv).unwrap(),
-                g.act_zeros(hv).unwrap(),
-                g.act_zeros(hv).unwrap(),
-                g.act_zeros(hv * dv).unwrap(),
-                g.act_zeros(hid).unwrap(),
+            let mut t = GdnTmp::new(&g, &d);
+            g.gdn_mixer_decode_add(
+                &mut gh,
+                &in_norm,
+                d.eps,
+                &w,
+                &mut conv,
+                &mut ssm,
+                &d,
+                t.tmp(),
             );
-            let tmp = lily::backend::GdnScratch {
-                xn: &mut xn,
-                qkv: &mut qkv,
-                qkv_c: &mut qkv_c,
-                z: &mut z,
-                b: &mut b,
-                a: &mut a,
-                y: &mut y,
-                r: &mut r,
-            };
-            g.gdn_mixer_decode_add(&mut gh, &in_norm, d.eps, &w, &mut conv, &mut ssm, &d, tmp);
             toks.push(Tok {
                 h: h(&g, &gh),
-                qkv: h(&g, &qkv),
-                z: h(&g, &z),
-                b: h(&g, &b),
-                a: h(&g, &a),
-                qkv_c: h(&g, &qkv_c),
-                y: h(&g, &y),
+                qkv: h(&g, &t.qkv),
+                z: h(&g, &t.z),
+                b: h(&g, &t.b),
+                a: h(&g, &t.a),
+                qkv_c: h(&g, &t.qkv_c),
+                y: h(&g, &t.y),
                 conv: h(&g, &conv),
                 ssm: h(&g, &ssm),
             });

@@ -39,7 +39,7 @@ mod output;
 use lily::backend::cpu::Cpu;
 use lily::backend::wgpu::Wgpu;
 use lily::backend::Backend;
-use ops::{check, qwen_dims, rand_dense, rand_quant, rel_rows, Rng};
+use ops::{check, qwen_dims, rand_dense, rand_quant, rel_rows, GdnTmp, Rng};
 
 const EXACT: f32 = 0.0;
 const F32_TOL: f32 = 1e-5;
@@ -522,8 +522,8 @@ fn gemv_variants_match_the_cpu() {
 /// 1 and 3 rows, the norm fused or not (x modes 1 and 0), and the residual add of out_proj /
 /// o_proj. The specialised entries share their arithmetic with the others (q6_dot, q6_tail,
 /// xq_stage), so the outputs must be equal bit for bit; a constant in the wrong slot moves them
-/// by O(1). The conv, gated-norm and router-fold epilogues: the whole suite with
-/// LILY_WGPU_SPEC=all.
+/// by O(1). The conv, gated-norm and router-fold epilogues: the whole suite, which runs the
+/// specialised kernels (LILY_WGPU_SPEC's default, `all`) against the CPU.
 #[test]
 fn gemv_q6_specialised_equals_gemv_q6() {
     let Some(g) = gpu() else { return };

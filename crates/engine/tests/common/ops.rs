@@ -420,6 +420,51 @@ impl<B: Backend> MoeTmp<B> {
     }
 }
 
+/// The eight GDN mixer scratch buffers of one token (`GdnScratch`), zeroed in the backend's
+/// activation type: xn and r of the hidden size, qkv and qkv_c of the conv channels, z and y of
+/// Hv · Dv, b and a of Hv.
+#[allow(dead_code)]
+pub struct GdnTmp<B: Backend> {
+    pub xn: B::Buf,
+    pub qkv: B::Buf,
+    pub qkv_c: B::Buf,
+    pub z: B::Buf,
+    pub b: B::Buf,
+    pub a: B::Buf,
+    pub y: B::Buf,
+    pub r: B::Buf,
+}
+
+#[allow(dead_code)]
+impl<B: Backend> GdnTmp<B> {
+    pub fn new(be: &B, d: &Dims) -> Self {
+        let z = |n| be.act_zeros(n).unwrap();
+        let (hid, c, hv) = (d.hidden, d.conv_channels(), d.gdn_v_heads);
+        Self {
+            xn: z(hid),
+            qkv: z(c),
+            qkv_c: z(c),
+            z: z(hv * d.gdn_v_dim),
+            b: z(hv),
+            a: z(hv),
+            y: z(hv * d.gdn_v_dim),
+            r: z(hid),
+        }
+    }
+    pub fn tmp(&mut self) -> lily::backend::GdnScratch<'_, B> {
+        lily::backend::GdnScratch {
+            xn: &mut self.xn,
+            qkv: &mut self.qkv,
+            qkv_c: &mut self.qkv_c,
+            z: &mut self.z,
+            b: &mut self.b,
+            a: &mut self.a,
+            y: &mut self.y,
+            r: &mut self.r,
+        }
+    }
+}
+
 pub fn rand_moe(rng: &mut Rng, e: usize, width: usize, hid: usize, bits: u32) -> [HostLinear; 6] {
     [
         rand_quant(rng, e, width, hid, bits, 64, false),

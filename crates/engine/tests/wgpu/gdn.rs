@@ -305,8 +305,7 @@ fn mixer_upload(g: &Wgpu, m: &MixerHost) -> MixerDev {
     )
 }
 
-/// One token's `gdn_mixer_decode_add` on the device from fresh zeroed scratch, returned in
-/// GdnScratch's order (xn, qkv, qkv_c, z, b, a, y, r).
+/// One token's `gdn_mixer_decode_add` on the device from fresh zeroed scratch, returned.
 #[allow(clippy::too_many_arguments)]
 fn gpu_mixer_token(
     g: &Wgpu,
@@ -316,31 +315,9 @@ fn gpu_mixer_token(
     gw: &lily::backend::GdnWeights<'_, Wgpu>,
     gconv: &mut WB,
     gssm: &mut WB,
-) -> Vec<WB> {
-    let (hid, c, hvdv, hv) = (
-        d.hidden,
-        d.conv_channels(),
-        d.gdn_v_heads * d.gdn_v_dim,
-        d.gdn_v_heads,
-    );
-    let mut s: Vec<_> = [hid, c, c, hvdv, hv, hv, hvdv, hid]
-        .iter()
-        .map(|&n| g.zeros(n).unwrap())
-        .collect();
-    let [xn, qkv, qkv_c, z, b, a, y, r] = &mut s[..] else {
-        unreachable!()
-    };
-    let tmp = lily::backend::GdnScratch {
-        xn,
-        qkv,
-        qkv_c,
-        z,
-        b,
-        a,
-        y,
-        r,
-    };
-    g.gdn_mixer_decode_add(gh, gnorm, d.eps, gw, gconv, gssm, d, tmp);
+) -> GdnTmp<Wgpu> {
+    let mut s = GdnTmp::new(g, d);
+    g.gdn_mixer_decode_add(gh, gnorm, d.eps, gw, gconv, gssm, d, s.tmp());
     s
 }
 
@@ -401,7 +378,7 @@ fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
                 h(&g, &gssm, ssm0.len()),
             );
             let s = gpu_mixer_token(g, d, &mut gh, &gnorm, &gw, &mut gconv, &mut gssm);
-            let raw = h(&g, &s[1], c);
+            let raw = h(&g, &s.qkv, c);
             if gemv != "v5" {
                 assert!(
                     raw.iter().all(|&v| v == 0.0),
@@ -410,32 +387,25 @@ fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
                 );
             }
             let (mut ch, mut cconv, mut cssm) = (hb.clone(), convb, ssmb);
-            let mut cs: Vec<Vec<f32>> = [hid, c, c, hv * dv, hv, hv, hv * dv, hid]
-                .iter()
-                .map(|&n| vec![0f32; n])
-                .collect();
-            let [xn, qkv, qkv_c, z, b, a, y, r] = &mut cs[..] else {
-                unreachable!()
-            };
-            let ctmp = lily::backend::GdnScratch {
-                xn,
-                qkv,
-                qkv_c,
-                z,
-                b,
-                a,
-                y,
-                r,
-            };
-            Cpu.gdn_mixer_decode_add(&mut ch, in_norm, d.eps, &cw, &mut cconv, &mut cssm, d, ctmp);
+            let mut cs = GdnTmp::new(&Cpu, d);
+            Cpu.gdn_mixer_decode_add(
+                &mut ch,
+                in_norm,
+                d.eps,
+                &cw,
+                &mut cconv,
+                &mut cssm,
+                d,
+                cs.tmp(),
+            );
             if gemv != "v5" && step == "x" {
                 assert!(
-                    h(&g, &s[6], hv * dv).iter().all(|&v| v == 0.0),
+                    h(&g, &s.y, hv * dv).iter().all(|&v| v == 0.0),
                     "gdn mixer ({path}): y was written: gdn_step_x did not stage out_proj's x"
                 );
             } else if gemv != "v5" {
                 // The gated norm ran in out_proj's staging: y is the recurrence's, not normed.
-                let e = rel_rows(&h(&g, &s[6], hv * dv), &cs[6], hv * dv);
+                let e = rel_rows(&h(&g, &s.y, hv * dv), &cs.y, hv * dv);
                 assert!(
                     e > 0.1,
                     "gdn mixer ({path}): y is the normed one (rel {e:e}): the gated norm did not \
@@ -464,7 +434,7 @@ fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
     g.set_gdn_step("x").unwrap();
 }
 
-/// Opt-in `LILY_WGPU_SPEC` (`Wgpu::set_spec`): the GDN mixer's decode step with every
+/// `LILY_WGPU_SPEC` (the default `all`; `Wgpu::set_spec`): the GDN mixer's decode step with every
 /// specialised kernel on (`all`: gdn_step_x / gdn_step_y with the heads' counts and sizes as
 /// pipeline constants, in_proj's and out_proj's gemv_q6s and q2x_stage) against the same device
 /// with none, two tokens from the same states: h, the conv state and the recurrent state must be
