@@ -237,8 +237,7 @@ fn warm_up<B: Backend>(m: &lily::model::Qwen35<B>) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
-    let vocab = m.cfg.vocab_size as u32;
-    let ids: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 1) % vocab).collect();
+    let ids = crate::bench::prompt_ids(n, m.cfg.vocab_size);
     let mut st = m.new_state(n + 2)?;
     m.forward(&mut st, &ids, lily::model::Logits::Last, None)
         .context("warm-up prefill")?;
