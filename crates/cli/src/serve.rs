@@ -198,7 +198,6 @@ pub fn runner(
             max_context,
             cache.bytes.unwrap_or(16 << 30),
             cache.snapshot_every,
-            true,
         );
     }
     #[cfg(feature = "wgpu")]
@@ -207,7 +206,7 @@ pub fn runner(
         let bytes = cache
             .bytes
             .unwrap_or_else(|| wgpu_cache_default(&b, model, max_context));
-        return runner_on(b, model, max_context, bytes, cache.snapshot_every, true);
+        return runner_on(b, model, max_context, bytes, cache.snapshot_every);
     }
     let b = crate::setup(common)?;
     runner_on(
@@ -216,39 +215,7 @@ pub fn runner(
         max_context,
         cache.bytes.unwrap_or_else(cpu_cache_default),
         cache.snapshot_every,
-        false,
     )
-}
-
-/// Tokens of the load-time warm-up's prompt: past the GPU backends' small-row paths, so that
-/// prefill's GEMMs are built too.
-const WARMUP_TOKENS: usize = 256;
-
-/// Runs a short prompt and two decode steps on a state of its own (the prefix cache never sees
-/// it), so that the GPU backends build their kernels' pipelines and modules now and not in the
-/// first request's time to first token: wgpu builds every pipeline at its first use, one for
-/// each launch shape of the specialised decode kernels. `LILY_WARMUP=0` skips it.
-fn warm_up<B: Backend>(m: &lily::model::Qwen35<B>) -> Result<()> {
-    if std::env::var("LILY_WARMUP").as_deref() == Ok("0") {
-        return Ok(());
-    }
-    let t0 = Instant::now();
-    let n = WARMUP_TOKENS.min(m.cfg.max_position_embeddings.saturating_sub(2));
-    if n == 0 {
-        return Ok(());
-    }
-    let ids = crate::bench::prompt_ids(n, m.cfg.vocab_size);
-    let mut st = m.new_state(n + 2)?;
-    m.forward(&mut st, &ids, lily::model::Logits::Last, None)
-        .context("warm-up prefill")?;
-    m.decode(&mut st, Some(ids[0]), true)
-        .context("warm-up decode")?;
-    m.decode(&mut st, None, true).context("warm-up decode")?;
-    eprintln!(
-        "lily: warmed up in {:.2} s (a {n}-token prompt and two decode steps; LILY_WARMUP=0 skips it)",
-        t0.elapsed().as_secs_f64()
-    );
-    Ok(())
 }
 
 fn runner_on<B: Backend + 'static>(
@@ -257,12 +224,8 @@ fn runner_on<B: Backend + 'static>(
     max_context: Option<usize>,
     cache_bytes: usize,
     every: usize,
-    warm: bool,
 ) -> Result<(Box<dyn Runner>, usize)> {
     let m = crate::load_model(model, b)?;
-    if warm {
-        warm_up(&m)?;
-    }
     let limit = m.cfg.max_position_embeddings;
     let ctx = max_context.unwrap_or(limit);
     if ctx > limit {
