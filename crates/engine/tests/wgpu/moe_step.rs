@@ -589,6 +589,7 @@ fn route_ahead_matches_the_router() {
         shared_gate: &gsg,
         norm: &gnw,
     };
+    g.set_xq_ahead(false);
     g.set_route_ahead(true);
     if !g.route_ahead(&gwo, &next) {
         g.set_route_ahead(false);
@@ -664,6 +665,153 @@ fn route_ahead_matches_the_router() {
         );
     }
     g.set_route_ahead(false);
+}
+
+/// Opt-in `LILY_WGPU_XQ_AHEAD` (Backend::route_ahead; `Wgpu::set_xq_ahead`): the MoE block's x
+/// staged by the decode projection before it (matmul_q_add_ahead: gemv_q6s omode 5 stages h · w
+/// without the norm's 1 / rms, with its workgroups' partial sums of squares), read by the
+/// router's gemv_q6s (Q6_RN) and moe_gate_up_y (MY_RN), which apply the 1 / rms; against the
+/// same device's ops without it, at the model's shapes, three tokens in a row on one device.
+/// * h after the projection within F32_TOL of without: the same products, summed in another
+///   order (omode 5 takes 32 rows a workgroup, so its teams are narrower).
+/// * The logits and the shared gate's logit against the exact maths in f64 (x̃ = h·rr·w, A_e =
+///   Σ_k |R_ek·x̃_k|) within A_e / 256 + 1e-6, as the router's own (`fold_logit_errors`' second
+///   figure, for both): x is read in q2x's two int8 levels either way (each element within
+///   max |x| / 64,516 of its word), but scaled by rr before or after quantizing, so the two
+///   differ in rounding only; the f64 check's F32_TOL·A_e bound is for unquantized x.
+/// * The route equals the CPU's moe_route of the staged path's logits (weights to 1e-6), and
+///   the MoE output is within MOE_TOL of the CPU's on the CPU's rms_norm(h)·w (the staged path
+///   writes no xn), its route and its shared logit.
+/// * Launches: one fewer than without (no q2x_stage before the router).
+#[test]
+fn xq_ahead_matches_the_block() {
+    let Some(g) = gpu() else { return };
+    let d = qwen_dims();
+    let (e, hid, inner, width) = (d.n_experts, d.hidden, 4096, 512);
+    let mut rng = Rng(93);
+    let wo = rand_quant(&mut rng, 1, hid, inner, 4, 64, false);
+    let router = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
+    let sgate = rand_quant(&mut rng, 1, 1, hid, 8, 64, false);
+    let m = rand_moe(&mut rng, e, width, hid, 4);
+    let gm = upload6(&g, [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]]);
+    let (gwo, grt, gsg) = (
+        g.upload_mat(&wo).unwrap(),
+        g.upload_mat(&router).unwrap(),
+        g.upload_mat(&sgate).unwrap(),
+    );
+    let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
+    let gnw = g.upload_vec(&nw).unwrap();
+    let w = moe_weights(&grt, &gsg, [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]]);
+    let next = RouteAhead {
+        router: &grt,
+        shared_gate: &gsg,
+        norm: &gnw,
+    };
+    g.set_xq_ahead(true);
+    if !g.route_ahead(&gwo, &next) {
+        g.set_xq_ahead(false);
+        println!("xq_ahead: this adapter does not stage ahead (no gemv_q6s): skipped");
+        return;
+    }
+    type Out = (Vec<f32>, StepOut);
+    for token in 0..3 {
+        let hv = rng.vec(hid, 0.05);
+        let xv = rng.vec(inner, 0.05);
+        let gx = g.upload(&xv).unwrap();
+        let run = |ahead: bool| -> Out {
+            let mut gh = g.upload(&hv).unwrap();
+            let mut r = g.zeros(hid).unwrap();
+            if ahead {
+                g.matmul_q_add_ahead(&gx, &gwo, &mut r, &mut gh, &next);
+            } else {
+                g.matmul_q_add(&gx, &gwo, 1, &mut r, &mut gh);
+            }
+            // moe_step_add on a copy of h after the projection (the staged x waits in the
+            // device's scratch).
+            let hmid = h(&g, &gh, hid);
+            let step = gpu_step(&g, true, &hmid, &gnw, &w, &d, width, ahead);
+            (hmid, step)
+        };
+        let (off_h, off) = run(false);
+        let (on_h, on) = run(true);
+        let what = format!("xq_ahead, token {token}");
+        // The projection's sums: the same products in another order (32 rows a workgroup).
+        let proj = |v: &[f32]| v.iter().zip(&hv).map(|(a, b)| a - b).collect::<Vec<_>>();
+        check(
+            &format!("{what} (the projection, against without)"),
+            rel_rows(&proj(&on_h), &proj(&off_h), hid),
+            F32_TOL,
+        );
+        assert_eq!(on.launches + 1, off.launches, "{what}: launches");
+        for (name, got) in [("staged ahead", &on), ("the router's", &off)] {
+            let worst = logit_err_q2x(&on_h, &nw, d.eps, &router, &sgate, (&got.logits, got.s));
+            check(
+                &format!("{what} ({name} logits against f64, / bound)"),
+                worst as f32,
+                1.0,
+            );
+        }
+        let mut cr = CpuRoute::default();
+        Cpu.moe_route(&on.logits, &d, 1, &mut cr);
+        assert_eq!(on.ids, cr.ids, "{what}: route ids differ from the CPU's");
+        let werr =
+            on.w.iter()
+                .zip(&cr.weights)
+                .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        check(&format!("{what} (route weights, abs)"), werr, 1e-6);
+        let mut cx = vec![0f32; hid];
+        Cpu.rms_norm(&on_h, &nw, 1, hid, d.eps, &mut cx);
+        let want = cpu_moe(
+            &cx,
+            &cr,
+            [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]],
+            on.s,
+            &d,
+        );
+        let out: Vec<f32> = on.h.iter().zip(&on_h).map(|(a, b)| a - b).collect();
+        check(
+            &format!("{what} (MoE output)"),
+            rel_rows(&out, &want, hid),
+            MOE_TOL,
+        );
+    }
+    g.set_xq_ahead(false);
+}
+
+/// The worst |logit − exact| / (A_e / 256 + 1e-6) over the router's rows and the shared gate's
+/// (x̃ = h·rr·w in f64, A_e = Σ_k |R_ek·x̃_k|): the bound a router reading x in q2x's two int8
+/// levels keeps.
+fn logit_err_q2x(
+    hm: &[f32],
+    nw: &[f32],
+    eps: f32,
+    router: &HostLinear,
+    sgate: &HostLinear,
+    got: (&[f32], f32),
+) -> f64 {
+    let ms = hm.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / hm.len() as f64;
+    let rr = 1.0 / (ms + eps as f64).sqrt();
+    let xt: Vec<f64> = hm
+        .iter()
+        .zip(nw)
+        .map(|(&v, &w)| v as f64 * rr * w as f64)
+        .collect();
+    let mut row = vec![0f32; hm.len()];
+    let rows = (0..router.out)
+        .map(|i| (router, i, got.0[i]))
+        .chain(std::iter::once((sgate, 0, got.1)));
+    let mut worst = 0f64;
+    for (mat, i, g) in rows {
+        mat.view(0).row_f32(i, &mut row);
+        let exact: f64 = row.iter().zip(&xt).map(|(&r, &x)| r as f64 * x).sum();
+        let a: f64 = row
+            .iter()
+            .zip(&xt)
+            .map(|(&r, &x)| (r as f64 * x).abs())
+            .sum();
+        worst = worst.max((g as f64 - exact).abs() / (a / 256.0 + 1e-6));
+    }
+    worst
 }
 
 /// `LILY_WGPU_SPEC` moe (`Wgpu::set_spec`): moe_gate_up_y and moe_down_y specialised to their

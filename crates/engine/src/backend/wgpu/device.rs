@@ -431,6 +431,13 @@ pub(super) struct Switches {
     /// but out_proj's gemv_q6 then carries 129 more rows a launch and q2x_stage_ahead the
     /// fold's sums. Atomic for the op tests (`Wgpu::set_route_ahead`).
     pub route_ahead: std::sync::atomic::AtomicBool,
+    /// `LILY_WGPU_XQ_AHEAD=1` (opt-in until measured on the H200): the MoE block's x staged by
+    /// the decode projection before it (Backend::route_ahead: gemv_q6s omode 5 stages rms_norm(h)
+    /// · w without the 1 / rms, with partial sums of squares; the router's gemv_q6s and
+    /// moe_gate_up_y apply the 1 / rms), so the block runs no q2x_stage: one launch fewer a
+    /// layer, out_proj / o_proj on 32 rows a workgroup. Takes precedence over `route_ahead`.
+    /// Atomic for the op tests (`Wgpu::set_xq_ahead`).
+    pub xq_ahead: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_SPEC` (default `all`; `none` for the ablation; `Spec::parse`): decode kernels
     /// specialised to each launch by WGSL pipeline constants, one pipeline a launch shape
     /// (H200 at 4K, stop 38: 356.5 against 290.4 tok/s with none):
@@ -585,6 +592,9 @@ impl Switches {
             ahead: on("LILY_WGPU_AHEAD"),
             route_ahead: std::sync::atomic::AtomicBool::new(
                 std::env::var("LILY_WGPU_ROUTE_AHEAD").is_ok_and(|v| v == "1"),
+            ),
+            xq_ahead: std::sync::atomic::AtomicBool::new(
+                std::env::var("LILY_WGPU_XQ_AHEAD").is_ok_and(|v| v == "1"),
             ),
             q6_spec: std::sync::atomic::AtomicBool::new(spec.q6),
             moe_spec: std::sync::atomic::AtomicBool::new(spec.moe),

@@ -879,6 +879,7 @@ impl Wgpu {
                                 &mut h,
                                 l,
                                 staged.as_ref(),
+                                None,
                             )
                         };
                         block(r, l);

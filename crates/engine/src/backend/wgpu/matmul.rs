@@ -384,6 +384,52 @@ pub enum XIn<'a> {
     /// `xq_scratch`; gdn.rs `gated_delta_x` writes it), so no q2x_stage runs and the `x` given
     /// to `gemv_many` is not read.
     Staged { xq: &'a ::wgpu::Buffer },
+    /// gemv_q6s only, one row: x = rms_norm(h) · w staged ahead by the projection that wrote h
+    /// (`OutMode::AddStage`: h · w staged without the norm's 1 / rms, the partial sums of
+    /// squares after the row, in `stage_ahead_scratch`); the dots are scaled by the 1 / rms
+    /// those sums give (matmul_sg.wgsl q6_rn, with `eps`).
+    StagedRn { xq: &'a ::wgpu::Buffer, eps: f32 },
+}
+
+/// The scratch a projection with `OutMode::AddStage` stages the MoE block's x into: q2x's
+/// layouts for one row of `n` (`xq_row(n)` vec4s), then the workgroups' n / 32 partial sums of
+/// squares.
+pub fn stage_ahead_scratch(ctx: &Ctx, n: usize) -> Result<::wgpu::Buffer> {
+    ctx.scratch("xq_ahead", (16 * xq_row(n) + 4 * (n / 32)) as u64)
+}
+
+/// gemv_q6's team (T, R) for `OutMode::AddStage`: 32 rows a workgroup (256 R / T = 32, T = 8 R),
+/// R = 4 where the row has 32 code words or more, else fewer.
+fn stage_ahead_shape(words: usize) -> (usize, usize) {
+    match words {
+        32.. => (32, 4),
+        16.. => (16, 2),
+        _ => (8, 1),
+    }
+}
+
+/// Whether gemv_q6 can stage the MoE block's x ahead (`OutMode::AddStage`) in the one-row
+/// projection `w` added into h, for a router `router` | `sgate` and experts read through
+/// gemv_q6s and moe_gate_up_y (the caller checks those: `LILY_WGPU_XQ_AHEAD=1`): `w` on gemv_q6
+/// with its pipeline constants, 8 or more code words a row, out a multiple of 128 (whole
+/// words, the partial sums in vec4s) and the norm's weights as long.
+pub fn stage_ahead_takes(
+    ctx: &Ctx,
+    w: &WMat,
+    router: &WMat,
+    sgate: &WMat,
+    norm_len: usize,
+) -> bool {
+    ctx.sw.xq_ahead.load(Ordering::Relaxed)
+        && ctx.sw.q6_spec.load(Ordering::Relaxed)
+        && ctx.sw.fuse_epilogue
+        && w.n == 1
+        && q6_takes(ctx, &[w])
+        && q6_takes(ctx, &[router, sgate])
+        && w.inp / (128 / w.bits as usize) >= 8
+        && w.out.is_multiple_of(128)
+        && [router, sgate].iter().all(|m| m.n == 1 && m.inp == w.out)
+        && norm_len >= w.out
 }
 
 /// The scratch q2x_stage stages `rows` rows of x of `inp` elements into (xq.wgsl's layouts),
@@ -419,6 +465,14 @@ pub enum OutMode<'a> {
     AddAhead {
         router: &'a WMat,
         sgate: &'a WMat,
+        norm: &'a WBuf,
+    },
+    /// gemv_q6s only, one row (`Backend::route_ahead` with `LILY_WGPU_XQ_AHEAD=1`): `Add`, then
+    /// the MoE block's x = rms_norm(h) · `norm` staged from the new h without the 1 / rms, with
+    /// the workgroups' partial sums of squares after it (matmul_sg.wgsl omode 5), into
+    /// `stage_ahead_scratch`: the block reads it through `XIn::StagedRn` and moe_gate_up_y's
+    /// MY_RN, and no q2x_stage runs before the router.
+    AddStage {
         norm: &'a WBuf,
     },
 }
@@ -560,7 +614,11 @@ pub fn gemv_many_xq(
         if i < ws.len() {
             let words = w.inp / (128 / w.bits as usize);
             let (l, per) = if q6 {
-                let (t, r) = q6_shape(w.out, words, sgw, q6_want);
+                let (t, r) = if matches!(omode, OutMode::AddStage { .. }) {
+                    stage_ahead_shape(words)
+                } else {
+                    q6_shape(w.out, words, sgw, q6_want)
+                };
                 (t | r << 16, 256 / t * r)
             } else if rw == 8 {
                 // Rows a workgroup: a pair for each subgroup at least, more while the
@@ -595,6 +653,11 @@ pub fn gemv_many_xq(
             return None;
         }
         XIn::Staged { .. } => (0, 0.0, &dummies[3], &dummies[4]),
+        XIn::StagedRn { .. } if !(q6 && rows == 1 && ctx.sw.q6_spec.load(Ordering::Relaxed)) => {
+            ctx.fail("gemv_many: x staged ahead without gemv_q6s on one row".to_string());
+            return None;
+        }
+        XIn::StagedRn { eps, .. } => (0, *eps, &dummies[3], &dummies[4]),
     };
     let (om, r, s) = match &omode {
         OutMode::Store => (0u32, &dummies[5], &dummies[6]),
@@ -610,6 +673,13 @@ pub fn gemv_many_xq(
             return None;
         }
         OutMode::AddAhead { .. } => (4, &dummies[5], &dummies[6]),
+        OutMode::AddStage { .. }
+            if !(q6 && rows == 1 && ws.len() == 1 && ctx.sw.q6_spec.load(Ordering::Relaxed)) =>
+        {
+            ctx.fail("gemv_many: x staged ahead without gemv_q6s on one row".to_string());
+            return None;
+        }
+        OutMode::AddStage { .. } => (5, &dummies[5], &dummies[6]),
     };
     p.extend([ws.len() as u32, rows as u32, e as u32, xmode]);
     let xmode_at = p.len() - 1;
@@ -638,7 +708,7 @@ pub fn gemv_many_xq(
     if q6 {
         let inp = ws[0].inp;
         let staged;
-        let xq = if let XIn::Staged { xq } = &xin {
+        let xq = if let XIn::Staged { xq } | XIn::StagedRn { xq, .. } = &xin {
             *xq
         } else {
             staged = match xq_scratch(ctx, rows, inp) {
@@ -693,6 +763,17 @@ pub fn gemv_many_xq(
             bufs[6..9].copy_from_slice(&[&sgate.w, &sgate.s, &sgate.b]);
             bufs[17] = &norm.buf;
             bufs.push(&acc);
+        } else if let OutMode::AddStage { norm } = &omode {
+            // omode 5: the norm's weights at aux, the MoE block's staged x at binding 22.
+            acc = match stage_ahead_scratch(ctx, ws[0].out) {
+                Ok(b) => b,
+                Err(e) => {
+                    ctx.fail(format!("gemv_q6: {e:#}"));
+                    return None;
+                }
+            };
+            bufs[17] = &norm.buf;
+            bufs.push(&acc);
         } else {
             // A spare no other binding of the launch takes (read-only and read-write uses of
             // one buffer may not meet in a dispatch).
@@ -700,7 +781,8 @@ pub fn gemv_many_xq(
         }
         let groups = (blocks * rows) as u32;
         if ctx.sw.q6_spec.load(Ordering::Relaxed) {
-            let consts = q6_spec(ctx, ws, rows, om, &lanes, &start);
+            let mut consts = q6_spec(ctx, ws, rows, om, &lanes, &start);
+            consts.push(("Q6_RN", matches!(xin, XIn::StagedRn { .. }) as u32));
             ctx.dispatch_spec(&sg_shader(), "gemv_q6s", &consts, &p, &bufs, groups);
         } else {
             ctx.dispatch(&sg_shader(), "gemv_q6", &p, &bufs, groups);

@@ -209,6 +209,14 @@ impl Wgpu {
             .route_ahead
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
+    /// Switches the opt-in staging of the MoE block's x by the projection before it
+    /// (`LILY_WGPU_XQ_AHEAD`, Backend::route_ahead) on or off.
+    pub fn set_xq_ahead(&self, on: bool) {
+        self.ctx
+            .sw
+            .xq_ahead
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
     /// Runs the decode kernels `kernels` names specialised to their launch from now on, the
     /// others not (`LILY_WGPU_SPEC`'s values: `q6`, `moe`, `xq`, `gdn`, `attn`, comma-separated, `all`,
     /// ``).
@@ -392,11 +400,36 @@ impl Wgpu {
 }
 
 /// The one-row projection's output mode that folds the MoE router `n` in (gemv_q6 omode 4).
-fn ahead_mode<'a>(n: &super::RouteAhead<'a, Wgpu>) -> OutMode<'a> {
-    OutMode::AddAhead {
-        router: n.router,
-        sgate: n.shared_gate,
-        norm: n.norm,
+impl Wgpu {
+    /// How the projection before the MoE block prepares it (Backend::route_ahead said yes):
+    /// x staged ahead (`LILY_WGPU_XQ_AHEAD=1`, `xq_ahead_on`) or the router folded.
+    fn ahead_mode<'a>(&self, n: &super::RouteAhead<'a, Wgpu>) -> OutMode<'a> {
+        if self.xq_ahead_on(n.router, n.shared_gate, n.norm.len) {
+            OutMode::AddStage { norm: n.norm }
+        } else {
+            OutMode::AddAhead {
+                router: n.router,
+                sgate: n.shared_gate,
+                norm: n.norm,
+            }
+        }
+    }
+    /// Whether a projection that prepares the MoE block (Backend::route_ahead) stages its x
+    /// ahead rather than folding the router: `LILY_WGPU_XQ_AHEAD=1`, and the router and shared
+    /// gate read such an x (gemv_q6s, one token, `matmul::stage_ahead_takes`'s shapes). A
+    /// function of the block's weights alone, so the projection and moe_step_add agree.
+    fn xq_ahead_on(&self, router: &WMat, sgate: &WMat, norm_len: usize) -> bool {
+        let sw = &self.ctx.sw;
+        let on = |a: &std::sync::atomic::AtomicBool| a.load(std::sync::atomic::Ordering::Relaxed);
+        on(&sw.xq_ahead)
+            && on(&sw.q6_spec)
+            && on(&sw.moe_spec)
+            && matmul::q6_takes(&self.ctx, &[router, sgate])
+            && [router, sgate]
+                .iter()
+                .all(|m| m.n == 1 && m.inp == router.inp)
+            && router.inp.is_multiple_of(128)
+            && norm_len >= router.inp
     }
 }
 
@@ -681,7 +714,12 @@ impl Backend for Wgpu {
         );
     }
     fn route_ahead(&self, out: &WMat, next: &super::RouteAhead<'_, Self>) -> bool {
-        matmul::ahead_takes(&self.ctx, out, next.router, next.shared_gate, next.norm.len)
+        let (router, sgate, n) = (next.router, next.shared_gate, next.norm.len);
+        if self.xq_ahead_on(router, sgate, n) {
+            matmul::stage_ahead_takes(&self.ctx, out, router, sgate, n)
+        } else {
+            matmul::ahead_takes(&self.ctx, out, router, sgate, n)
+        }
     }
     fn matmul_q_add_ahead(
         &self,
@@ -700,7 +738,7 @@ impl Backend for Wgpu {
                 w.out
             ));
         }
-        let om = ahead_mode(next);
+        let om = self.ahead_mode(next);
         matmul::gemv_many(&self.ctx, x, &[w], 0, 1, &mut [h], XIn::Plain, om);
     }
     /// The GDN mixer with the conv in in_proj's epilogue (gemv_q6's omode 3: one channel a
@@ -772,7 +810,10 @@ impl Backend for Wgpu {
             };
             gdn::gated_delta_x(&self.ctx, t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, &xq);
             let xin = XIn::Staged { xq: &xq };
-            let om = w.route_ahead.as_ref().map_or(OutMode::Add, ahead_mode);
+            let om = w
+                .route_ahead
+                .as_ref()
+                .map_or(OutMode::Add, |n| self.ahead_mode(n));
             return matmul::gemv_many(&self.ctx, t.y, &[w.out_proj], 0, 1, &mut [h], xin, om);
         }
         gdn::gated_delta_ex(
@@ -787,7 +828,10 @@ impl Backend for Wgpu {
             eps: d.eps,
             hd: dv,
         };
-        let om = w.route_ahead.as_ref().map_or(OutMode::Add, ahead_mode);
+        let om = w
+            .route_ahead
+            .as_ref()
+            .map_or(OutMode::Add, |n| self.ahead_mode(n));
         matmul::gemv_many(&self.ctx, t.y, &[w.out_proj], 0, 1, &mut [h], xin, om);
     }
     /// Two launches where the shared expert has the stacks' layout (`moe::shared_slot_ok`):
@@ -809,7 +853,7 @@ impl Backend for Wgpu {
     ) {
         if moe::shared_slot_ok(&self.ctx, x, route, gate, up, down, shared, d, h) {
             return moe::moe_decode_shared(
-                &self.ctx, x, route, gate, up, down, shared, d, h, None, None,
+                &self.ctx, x, route, gate, up, down, shared, d, h, None, None, None,
             );
         }
         let width = shared.gate.out;
@@ -866,10 +910,33 @@ impl Backend for Wgpu {
         if !(fused || r.ahead) {
             return super::moe_step_compose(self, h, norm, eps, w, d, r, tmp);
         }
+        // After a projection that staged x ahead (`LILY_WGPU_XQ_AHEAD`; it did the residual add
+        // either way), the router reads that staging where the experts can too (moe_gate_up_y
+        // with MY_RN); else the block stages x from h as usual.
+        let xq_ahead = r.ahead && self.xq_ahead_on(w.router, w.shared_gate, norm.len);
+        let staged_ahead = xq_ahead
+            && fused
+            && moe::rn_takes(&self.ctx, d, w.gate, w.up)
+            && fits(
+                &self.ctx,
+                "moe_step_add",
+                &[("logits", &*r.logits, w.router.out), ("s", &*r.s, 1)],
+            );
         // x staged for the experts (moe_gate_up_x reads it) with the logits: by the router's
-        // launches (q2x_stage, then its gemv_q6), or after a projection that folded the router
+        // launches (q2x_stage, then its gemv_q6), after a projection that staged it ahead by
+        // the router's gemv_q6s alone, or after a projection that folded the router
         // (RouterScratch::ahead) by q2x_stage_ahead alone, from the projection's sums.
-        let xq = if r.ahead {
+        let xq = if staged_ahead {
+            let xq = match matmul::stage_ahead_scratch(&self.ctx, d.hidden) {
+                Ok(b) => b,
+                Err(err) => return self.ctx.fail(format!("moe_step_add: {err:#}")),
+            };
+            let xin = XIn::StagedRn { xq: &xq, eps };
+            let ws = [w.router, w.shared_gate];
+            let mut outs = [&mut *r.logits, &mut *r.s];
+            matmul::gemv_many(&self.ctx, h, &ws, 0, 1, &mut outs, xin, OutMode::Store);
+            Some(xq)
+        } else if r.ahead && !xq_ahead {
             let (e, hid) = (w.router.out, d.hidden);
             let bufs = [
                 ("h", &*h, hid),
@@ -921,6 +988,7 @@ impl Backend for Wgpu {
             h,
             Some(r.logits),
             xq.as_ref(),
+            staged_ahead.then_some(eps),
         );
     }
     fn add(&self, h: &mut WBuf, r: &WBuf, len: usize) {

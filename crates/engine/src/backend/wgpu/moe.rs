@@ -548,6 +548,17 @@ fn gate_y_lanes(ctx: &Ctx, hid: usize, gate: &WMat, up: &WMat) -> Option<usize> 
     .then_some(lanes)
 }
 
+/// Whether moe_decode_shared's gate|up reads x staged ahead (`rn`: matmul_sg.wgsl omode 5's
+/// staging, the 1 / rms applied by moe_gate_up_y's MY_RN): the y kernel with its pipeline
+/// constants (`LILY_WGPU_SPEC` moe), hidden a multiple of 128 (the partial sums in vec4s).
+pub fn rn_takes(ctx: &Ctx, d: &Dims, gate: &WMat, up: &WMat) -> bool {
+    let hid = gate.inp;
+    xq_takes(ctx, hid, gate.out, d.top_k).0
+        && gate_y_lanes(ctx, hid, gate, up).is_some()
+        && ctx.sw.moe_spec.load(std::sync::atomic::Ordering::Relaxed)
+        && hid.is_multiple_of(128)
+}
+
 /// moe_down_x's lanes a team and teams an output (`Switches::moe_xq_shape`), the lanes at most
 /// the code words of a row of down (`bits` of `width` inputs), at least 1.
 fn down_shape(ctx: &Ctx, width: usize, bits: u32) -> (usize, usize) {
@@ -582,8 +593,14 @@ pub fn moe_decode_shared(
     h: &mut WBuf,
     logits: Option<&WBuf>,
     xq: Option<&::wgpu::Buffer>,
+    rn: Option<f32>,
 ) {
     let (hid, width, n, k) = (gate.inp, gate.out, gate.n, d.top_k);
+    // x staged ahead (`rn`: the norm's eps) is read by moe_gate_up_y with MY_RN alone.
+    if rn.is_some() && !(xq.is_some() && rn_takes(ctx, d, gate, up)) {
+        return ctx
+            .fail("moe_decode_shared: x staged ahead needs moe_gate_up_y's constants".to_string());
+    }
     let k1 = k + 1;
     let act = match ctx.scratch("moe.act", 4 * (k1 * width) as u64) {
         Ok(a) => a,
@@ -623,6 +640,7 @@ pub fn moe_decode_shared(
                 ("moe_gate_up_x", shape & 0xff)
             }
         };
+        // cw: x staged ahead, the norm's eps (moe_xq.wgsl MY_RN).
         let p_up = params(
             gate.qmat(),
             up.qmat(),
@@ -631,15 +649,18 @@ pub fn moe_decode_shared(
             n,
             d.norm_topk,
             lanes,
-            0,
+            rn.map_or(0, |e| e.to_bits() as usize),
             route_in,
         );
         // gemv_q6s's idea for the y kernels (opt-in): the launch's values as constants.
         let spec = ctx.sw.moe_spec.load(std::sync::atomic::Ordering::Relaxed);
-        let consts = match gy {
+        let mut consts = match gy {
             Some(_) if spec => y_spec(ctx, &p_up),
             _ => Vec::new(),
         };
+        if rn.is_some() {
+            consts.push(("MY_RN", 1));
+        }
         ctx.dispatch_spec(
             &XQ_SHADER,
             entry,

@@ -463,7 +463,8 @@ fn q6s_run{M}(blk: u32, t: u32, li: u32, lane_sg: u32) {
     let R = Q6_R{M};
     let lane = li % T;
     let o0 = (blk * (256u / T) + li / T) * R;
-    let acc = q6_dot{M}(m, o0, R, lane, T, q6_xb(t, m.inp));
+    let xb = q6_xb(t, m.inp);
+    let acc = q6_dot{M}(m, o0, R, lane, T, xb) * select(1.0, q6_rn(xb, m.inp), Q6_RN);
     q6_tail({M}u, m, blk, t, li, lane_sg, Q6_SG, T, R, o0, Q6_OMODE, acc);
 }
 
@@ -545,6 +546,82 @@ fn q6_fold(li: u32, col0: u32, rb: u32) {
     }
 }
 
+// omode 5 (Backend::route_ahead with `LILY_WGPU_XQ_AHEAD=1`; one row of x): omode 1's residual
+// add, then the MoE block's x staged from the new h, so that no q2x_stage runs before the router
+// and the experts. x = rms_norm(h) · w = r · (h · w), r = 1 / rms(h) one number for the row, and
+// q2x's words are linear in x (scaling x scales a word's d and Σ x and leaves its codes, up to
+// the rounding of the division), so a workgroup stages its 32 rows of h · w (w the MoE norm's
+// weights, at aux) as one 4-bit word (two 8-bit) without r, in xq.wgsl's layouts (xq_put's
+// indices; q2x_words' maths), and writes its rows' Σ h² (in row order) after the staged row:
+// the readers (gemv_q6s with Q6_RN, moe_xq.wgsl's moe_gate_up_y with MY_RN) take r from those
+// partial sums (q6_rn) and scale their dot products by it. Words and sums go to binding 22 as
+// u32s (atomicStore: the words are bit patterns, not floats). Needs 32 rows a workgroup
+// (matmul.rs `stage_ahead_shape`) and out a multiple of 128.
+fn q6_stage_ahead(li: u32, blk: u32, n: u32) {
+    let q4 = li % 4u;
+    let col = blk * 32u + 8u * q4;
+    let xl = vec4<f32>(q6_fx[8u * q4], q6_fx[8u * q4 + 1u], q6_fx[8u * q4 + 2u], q6_fx[8u * q4 + 3u]);
+    let xh = vec4<f32>(q6_fx[8u * q4 + 4u], q6_fx[8u * q4 + 5u], q6_fx[8u * q4 + 6u], q6_fx[8u * q4 + 7u]);
+    // Every invocation quantizes (q2x_words' shuffles); the first 4 hold the word.
+    let q = q2x_words(xl * vaux[col / 4u], xh * vaux[col / 4u + 1u]);
+    if (li < 4u) {
+        let w4 = n / 32u;
+        let w8 = n / 16u;
+        let b8 = 5u * w4;
+        let u = blk;
+        q6_put(u, q4, q.w4.x);
+        q6_put(w4 + u, q4, q.w4.y);
+        q6_put(2u * w4 + u, q4, q.w4.z);
+        q6_put(3u * w4 + u, q4, q.w4.w);
+        if (q4 == 0u) {
+            q6_put4(4u * w4 + u, q.m4);
+        }
+        let v = 2u * u + q4 / 2u;
+        let pp = 2u * (q4 % 2u);
+        q6_put(b8 + v, pp, q.w8.x);
+        q6_put(b8 + v, pp + 1u, q.w8.y);
+        q6_put(b8 + w8 + v, pp, q.w8.z);
+        q6_put(b8 + w8 + v, pp + 1u, q.w8.w);
+        if (pp == 0u) {
+            q6_put4(b8 + 2u * w8 + v, q.m8);
+        }
+    }
+    if (li == 0u) {
+        var ss = 0.0;
+        for (var i = 0u; i < 32u; i++) {
+            ss += q6_fx[i] * q6_fx[i];
+        }
+        atomicStore(&vacc[4u * q6_xb(1u, n) + blk], bitcast<u32>(ss));
+    }
+}
+
+// u32 `c` of vec4 `v` of the staged row at binding 22 (omode 5).
+fn q6_put(v: u32, c: u32, a: u32) {
+    atomicStore(&vacc[4u * v + c], a);
+}
+
+fn q6_put4(v: u32, a: vec4<u32>) {
+    q6_put(v, 0u, a.x);
+    q6_put(v, 1u, a.y);
+    q6_put(v, 2u, a.z);
+    q6_put(v, 3u, a.w);
+}
+
+// The row's 1 / rms for a reader of x staged by omode 5 (gemv_q6s with Q6_RN): the partial sums
+// of squares after the staged row at xb (n / 32 of them), added in order.
+fn q6_rn(xb: u32, n: u32) -> f32 {
+    var s = 0.0;
+    let base = xb + q6_xb(1u, n);
+    for (var j = 0u; j < n / 128u; j++) {
+        let p = vx[base + j];
+        s += p.x;
+        s += p.y;
+        s += p.z;
+        s += p.w;
+    }
+    return 1.0 / sqrt(s / f32(n) + pv.eps);
+}
+
 // gemv_q6: the decode GEMV against x staged once a launch by q2x_stage (xq.wgsl), so that a
 // workgroup has no staging and no barrier but its sum's: gemv_v5's integer dot products without
 // its per-workgroup chain (x loaded and quantized behind 3 barriers, a 6-step tree of barriers
@@ -622,6 +699,19 @@ fn q6_tail(mi: u32, m: QMat, blk: u32, t: u32, li: u32, lane_sg: u32, sg: u32, T
         q6_fold(li, blk * rb, rb);
         return;
     }
+    if (omode == 5u) {
+        // The residual add, then the MoE block's x staged ahead (the header above
+        // q6_stage_ahead).
+        if (lane < R) {
+            let o = o0 + lane;
+            let hn = vget(0u, o) + acc[lane];
+            vout(0u, o, hn);
+            q6_fx[(li / T) * R + lane] = hn;
+        }
+        workgroupBarrier();
+        q6_stage_ahead(li, blk, m.out);
+        return;
+    }
     // Lane r of a team writes its row r.
     if (lane < R && o0 + lane < m.out) {
         sg_out_m(mi, t, t * m.out + o0 + lane, acc[lane], omode);
@@ -643,6 +733,9 @@ override Q6_SG: u32 = 32u;
 override Q6_S1: u32 = 0u;
 override Q6_S2: u32 = 0u;
 override Q6_S3: u32 = 0u;
+// x staged ahead by a projection's omode 5 (without the norm's 1 / rms): the dots scaled by
+// q6_rn's. One row of x.
+override Q6_RN: bool = false;
 
 @compute @workgroup_size(256)
 fn gemv_q6s(

@@ -60,6 +60,10 @@ override MY_NORM: u32 = 1u;
 override MY_OUTS: u32 = 32u;
 override MY_TILES: u32 = 1u;
 override MY_SG: u32 = 32u;
+// x staged ahead by the projection before the block (matmul_sg.wgsl's omode 5: without the
+// norm's 1 / rms, the partial sums of squares after the row): gate|up's dots scaled by gx_rn's
+// (the norm's eps as f32 bits in p.cw, which gate|up does not read otherwise). Only with MY_ON.
+override MY_RN: bool = false;
 
 fn my_out() -> u32 { return select(p.m.out, MY_OUT, MY_ON); }
 fn my_inp() -> u32 { return select(p.m.inp, MY_INP, MY_ON); }
@@ -124,6 +128,21 @@ fn gx_xword(xb: u32, c: u32, inp: u32, bits: u32) -> GxW {
         r.m = gx_x[x8 + 2u * w8 + c];
     }
     return r;
+}
+
+// The row's 1 / rms for x staged ahead (MY_RN): matmul_sg.wgsl q6_rn's sum, in its order, of
+// the inp / 32 partial sums of squares after the row staged at xb.
+fn gx_rn(xb: u32, inp: u32) -> f32 {
+    var s = 0.0;
+    let base = xb + 5u * (inp / 32u) + 3u * (inp / 16u);
+    for (var j = 0u; j < inp / 128u; j++) {
+        let p = bitcast<vec4<f32>>(gx_x[base + j]);
+        s += p.x;
+        s += p.y;
+        s += p.z;
+        s += p.w;
+    }
+    return 1.0 / sqrt(s / f32(inp) + bitcast<f32>(p.cw));
 }
 
 // The same of down's act (aq as moe_gate_up_x staged it).
@@ -430,6 +449,10 @@ fn moe_gate_up_y(
     let xb = t * (5u * (hid / 32u) + 3u * (hid / 16u));
     let xa = gx_xword(xb, c, hid, 4u);
     let xc = gx_xword(xb, c + 1u, hid, 4u);
+    var rn = 1.0;
+    if (MY_RN) {
+        rn = gx_rn(xb, hid);
+    }
     let e = gx_expert(t, js, sh, li, sg, lane_sg, a.first);
     // The team's rows (past R: the last again, not kept).
     let r0 = e * width + o0;
@@ -486,7 +509,7 @@ fn moe_gate_up_y(
         gy_dot(u2a, u2b, xa, xc, su2, bu2),
         gy_dot(u3a, u3b, xa, xc, su3, bu3),
     );
-    gx_finish(ag, au, li, lane_sg, T, sg, slot, width, o0, ob);
+    gx_finish(ag * rn, au * rn, li, lane_sg, T, sg, slot, width, o0, ob);
 }
 
 // gate|up's epilogue (moe_gate_up_x, moe_gate_up_y): the team's sums, act = silu(gate) · up of
