@@ -1061,6 +1061,7 @@ fn fused_gdn_mixer_equals_its_composition() {
         params: &params,
         out_proj: &gout,
         route_ahead: None,
+        x_ahead: false,
     };
     let h0 = rng.vec(hid, 4.0);
     let conv0: Vec<f32> = bf16v(rng.vec((d.conv_kernel - 1) * c, 1.0));
@@ -1190,6 +1191,7 @@ fn gdn_step_matches_the_cpu() {
         params: &params,
         out_proj: &gout,
         route_ahead: None,
+        x_ahead: false,
     };
     const TOKENS: usize = 6;
     let hs: Vec<Vec<f32>> = (0..TOKENS).map(|_| rng.vec(hid, 4.0)).collect();

@@ -341,6 +341,33 @@ pub trait Backend: Send + Sync {
         let _ = (out, next);
         false
     }
+    /// Whether this backend's `moe_step_add` (one decode token, weights `w`) can stage the x of
+    /// the op after the block, `rms_norm(h) · next`, as it writes h. If so, the model passes
+    /// `MoeWeights::next_norm` to the block and tells the op after it (`rms_norm_matmul_ahead`,
+    /// `GdnWeights::x_ahead`), which then reads that staging instead of normalising h. Why: on
+    /// the wgpu backend the staging is a launch of its own (q2x_stage, ~4 µs in place on the
+    /// H200) before each layer's first projection; the block's last launch writes h and can
+    /// stage it itself. Default: no.
+    fn norm_ahead(&self, w: &MoeWeights<'_, Self>, next: &Self::Vec, d: &Dims) -> bool {
+        let _ = (w, next, d);
+        false
+    }
+    /// `rms_norm_matmul` of one decode row after an MoE block that staged its x
+    /// (`Backend::norm_ahead` said yes for `w`): the backend reads that staging. `xn` need not
+    /// be written. Default (backends that never stage): `rms_norm_matmul`.
+    #[allow(clippy::too_many_arguments)]
+    fn rms_norm_matmul_ahead(
+        &self,
+        h: &Self::Buf,
+        w: &Self::Vec,
+        dim: usize,
+        eps: f32,
+        xn: &mut Self::Buf,
+        ws: &[&Self::Mat],
+        outs: &mut [&mut Self::Buf],
+    ) {
+        self.rms_norm_matmul(h, w, 1, dim, eps, xn, ws, outs)
+    }
     /// `matmul_q_add` of one row whose output feeds the MoE block `next` (only called where
     /// `route_ahead` said yes): the backend also leaves, in its own scratch, `next`'s router
     /// logits before the norm's scale (Σ_k router[e, k] · norm[k] · h[k], and the same for the
@@ -731,6 +758,10 @@ pub struct MoeWeights<'a, B: Backend + ?Sized> {
     pub shared_gate_proj: &'a B::Mat,
     pub shared_up_proj: &'a B::Mat,
     pub shared_down_proj: &'a B::Mat,
+    /// The norm of the op after the block (a decode step: the next layer's input norm, or the
+    /// final norm), whose x this block stages as it writes h (`Backend::norm_ahead` said yes);
+    /// None: the op after normalises h itself.
+    pub next_norm: Option<&'a B::Vec>,
 }
 
 /// What `moe_router` writes, for `moe_step_add`: the normed x (activation), the router's f32
@@ -817,6 +848,9 @@ pub struct GdnWeights<'a, B: Backend + ?Sized> {
     pub out_proj: &'a B::Mat,
     /// The MoE router to fold into out_proj (`Backend::route_ahead` said yes), or None.
     pub route_ahead: Option<RouteAhead<'a, B>>,
+    /// The MoE block before staged this mixer's x (`Backend::norm_ahead` said yes): in_proj
+    /// reads that staging instead of normalising h.
+    pub x_ahead: bool,
 }
 
 /// Scratch of one token's GDN mixer (activations): the normed x, the projections (qkv before and

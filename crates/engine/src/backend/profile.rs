@@ -455,6 +455,7 @@ impl<B: Backend> Backend for Profiled<B> {
                 params: w.params,
                 out_proj: &w.out_proj.inner,
                 route_ahead: w.route_ahead.as_ref().map(inner_ahead),
+                x_ahead: w.x_ahead,
             };
             let ti = GdnScratch::<B> {
                 xn: tmp.xn,
@@ -484,16 +485,7 @@ impl<B: Backend> Backend for Profiled<B> {
         tmp: MoeScratch<'_, Self>,
     ) {
         if !self.prof.is_on() {
-            let wi = MoeWeights::<B> {
-                router: &w.router.inner,
-                shared_gate: &w.shared_gate.inner,
-                gate: &w.gate.inner,
-                up: &w.up.inner,
-                down: &w.down.inner,
-                shared_gate_proj: &w.shared_gate_proj.inner,
-                shared_up_proj: &w.shared_up_proj.inner,
-                shared_down_proj: &w.shared_down_proj.inner,
-            };
+            let wi = inner_moe(w);
             let ri = RouterScratch::<B> {
                 xn: r.xn,
                 logits: r.logits,
@@ -522,6 +514,26 @@ impl<B: Backend> Backend for Profiled<B> {
     // Profiled, the ops run unfused (each charged to its own family): no fold.
     fn route_ahead(&self, out: &Self::Mat, next: &RouteAhead<'_, Self>) -> bool {
         !self.prof.is_on() && self.inner.route_ahead(&out.inner, &inner_ahead(next))
+    }
+    fn norm_ahead(&self, w: &MoeWeights<'_, Self>, next: &Self::Vec, d: &Dims) -> bool {
+        !self.prof.is_on() && self.inner.norm_ahead(&inner_moe(w), next, d)
+    }
+    fn rms_norm_matmul_ahead(
+        &self,
+        h: &Self::Buf,
+        w: &Self::Vec,
+        dim: usize,
+        eps: f32,
+        xn: &mut Self::Buf,
+        ws: &[&Self::Mat],
+        outs: &mut [&mut Self::Buf],
+    ) {
+        if self.prof.is_on() {
+            return self.rms_norm_matmul(h, w, 1, dim, eps, xn, ws, outs);
+        }
+        let inner: Vec<&B::Mat> = ws.iter().map(|w| &w.inner).collect();
+        self.inner
+            .rms_norm_matmul_ahead(h, w, dim, eps, xn, &inner, outs)
     }
     fn matmul_q_add_ahead(
         &self,
@@ -834,6 +846,21 @@ fn inner_ahead<'a, B: Backend>(n: &RouteAhead<'a, Profiled<B>>) -> RouteAhead<'a
         router: &n.router.inner,
         shared_gate: &n.shared_gate.inner,
         norm: n.norm,
+    }
+}
+
+/// The inner backend's view of an MoE block's weights.
+fn inner_moe<'a, B: Backend>(w: &MoeWeights<'a, Profiled<B>>) -> MoeWeights<'a, B> {
+    MoeWeights::<B> {
+        router: &w.router.inner,
+        shared_gate: &w.shared_gate.inner,
+        gate: &w.gate.inner,
+        up: &w.up.inner,
+        down: &w.down.inner,
+        shared_gate_proj: &w.shared_gate_proj.inner,
+        shared_up_proj: &w.shared_up_proj.inner,
+        shared_down_proj: &w.shared_down_proj.inner,
+        next_norm: w.next_norm,
     }
 }
 

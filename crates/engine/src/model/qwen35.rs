@@ -544,17 +544,29 @@ impl<B: Backend> Qwen35<B> {
     ) -> Result<()> {
         let (b, d) = (&self.backend, &self.dims);
         let hd = self.cfg.hidden_size;
-        self.layers_ops(st, s, None, 1, None)?;
-        b.rms_norm_matmul(
-            &s.h,
-            &self.norm,
-            1,
-            hd,
-            d.eps,
-            &mut s.xn,
-            &[&self.lm_head],
-            &mut [&mut s.logits],
-        );
+        // logits = lm_head(rms_norm(h, norm)), x staged by the last MoE block where it could.
+        if self.layers_ops(st, s, None, 1, None)? {
+            b.rms_norm_matmul_ahead(
+                &s.h,
+                &self.norm,
+                hd,
+                d.eps,
+                &mut s.xn,
+                &[&self.lm_head],
+                &mut [&mut s.logits],
+            );
+        } else {
+            b.rms_norm_matmul(
+                &s.h,
+                &self.norm,
+                1,
+                hd,
+                d.eps,
+                &mut s.xn,
+                &[&self.lm_head],
+                &mut [&mut s.logits],
+            );
+        }
         match pick {
             Pick::Sample(d) => {
                 b.sample_step(&s.logits, self.cfg.vocab_size, &mut d.inner, &mut st.step)
@@ -629,7 +641,8 @@ impl<B: Backend> Qwen35<B> {
     /// The list of named ops over every layer for `t` tokens at the state's position: `ids`
     /// (a prefill) or the step's token (`None`, the decode ops). Each residual add lands in the
     /// f32 stream `s.h` (on a GPU decode step inside the kernel that produces it), and each norm
-    /// is fused with the projections that read it.
+    /// is fused with the projections that read it. Returns whether the last MoE block staged the
+    /// final norm's x (`Backend::norm_ahead`).
     fn layers_ops(
         &self,
         st: &mut SeqState<B>,
@@ -637,11 +650,14 @@ impl<B: Backend> Qwen35<B> {
         ids: Option<&[u32]>,
         t: usize,
         mut taps: Option<&mut Vec<Vec<f32>>>,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let b = &self.backend;
         let d = &self.dims;
         let hd = self.cfg.hidden_size;
         let decode = ids.is_none();
+        // Whether the MoE block before staged this layer's x (a decode step's
+        // Backend::norm_ahead).
+        let mut x_ahead = false;
         let pos0 = st.pos;
         let step = &st.step;
         match ids {
@@ -675,6 +691,7 @@ impl<B: Backend> Qwen35<B> {
                         params: &g.params,
                         out_proj: &g.out_proj,
                         route_ahead: ahead,
+                        x_ahead,
                     };
                     let tmp = GdnScratch {
                         xn: &mut s.xn,
@@ -713,16 +730,30 @@ impl<B: Backend> Qwen35<B> {
                     b.matmul_q_add(&s.y, &g.out_proj, t, &mut s.r, &mut s.h);
                 }
                 (MixerLayer::Attn(a), LayerState::Attn(kv)) => {
-                    b.rms_norm_matmul(
-                        &s.h,
-                        &layer.input_norm,
-                        t,
-                        hd,
-                        d.eps,
-                        &mut s.xn,
-                        &[&a.q_proj, &a.k_proj, &a.v_proj],
-                        &mut [&mut s.qg, &mut s.k, &mut s.v],
-                    );
+                    let qkv = [&a.q_proj, &a.k_proj, &a.v_proj];
+                    let mut outs = [&mut s.qg, &mut s.k, &mut s.v];
+                    if x_ahead {
+                        b.rms_norm_matmul_ahead(
+                            &s.h,
+                            &layer.input_norm,
+                            hd,
+                            d.eps,
+                            &mut s.xn,
+                            &qkv,
+                            &mut outs,
+                        );
+                    } else {
+                        b.rms_norm_matmul(
+                            &s.h,
+                            &layer.input_norm,
+                            t,
+                            hd,
+                            d.eps,
+                            &mut s.xn,
+                            &qkv,
+                            &mut outs,
+                        );
+                    }
                     if decode {
                         // attn_qk_norm_rope + attn_decode (a GPU may fold them into one launch)
                         b.attn_decode_qk(
@@ -761,15 +792,26 @@ impl<B: Backend> Qwen35<B> {
                 }
                 _ => bail!("layer {i}: state does not match the layer kind"),
             }
-            // h = h + moe(rms_norm(h, post_norm))
-            self.moe(layer, s, t, decode, ahead.is_some());
+            // h = h + moe(rms_norm(h, post_norm)), staging the next norm's x where it can
+            let next = self.layers.get(i + 1).map_or(&self.norm, |l| &l.input_norm);
+            x_ahead = self.moe(layer, s, t, decode, ahead.is_some(), next);
         }
-        Ok(())
+        Ok(x_ahead)
     }
 
     /// h += Σ_j w_j · expert_j(x) + sigmoid(shared_gate(x)) · shared_expert(x), x = rms_norm(h, post_norm).
-    /// `ahead`: the projection before folded the router (Backend::route_ahead).
-    fn moe(&self, layer: &Layer<B>, s: &mut Scratch<B>, t: usize, decode: bool, ahead: bool) {
+    /// `ahead`: the projection before folded the router (Backend::route_ahead). A decode step
+    /// may stage the x of the op after the block (`next`, its norm): returns whether it did
+    /// (Backend::norm_ahead).
+    fn moe(
+        &self,
+        layer: &Layer<B>,
+        s: &mut Scratch<B>,
+        t: usize,
+        decode: bool,
+        ahead: bool,
+        next: &B::Vec,
+    ) -> bool {
         let b = &self.backend;
         let d = &self.dims;
         let m = &layer.moe;
@@ -783,7 +825,7 @@ impl<B: Backend> Qwen35<B> {
         };
         if decode {
             // One token: the router and the experts as one op (a GPU folds them together).
-            let w = MoeWeights {
+            let mut w = MoeWeights {
                 router: &m.router,
                 shared_gate: &m.shared_expert_gate,
                 gate: &m.gate_proj,
@@ -792,7 +834,11 @@ impl<B: Backend> Qwen35<B> {
                 shared_gate_proj: &m.shared_gate_proj,
                 shared_up_proj: &m.shared_up_proj,
                 shared_down_proj: &m.shared_down_proj,
+                next_norm: None,
             };
+            if b.norm_ahead(&w, next, d) {
+                w.next_norm = Some(next);
+            }
             let r = RouterScratch {
                 xn: &mut s.xn,
                 logits: &mut s.router_logits,
@@ -801,7 +847,7 @@ impl<B: Backend> Qwen35<B> {
                 ahead,
             };
             b.moe_step_add(&mut s.h, &layer.post_norm, d.eps, &w, d, r, tmp);
-            return;
+            return w.next_norm.is_some();
         }
         b.moe_router(
             &s.h,
@@ -834,5 +880,6 @@ impl<B: Backend> Qwen35<B> {
         );
         add_shared_expert(b, &s.xn, &shared, t, hd, tmp);
         b.add(&mut s.h, &s.moe, t * hd);
+        false
     }
 }

@@ -383,6 +383,7 @@ pub fn moe_weights<'a, B: Backend>(
         shared_gate_proj: m[3],
         shared_up_proj: m[4],
         shared_down_proj: m[5],
+        next_norm: None,
     }
 }
 

@@ -348,6 +348,7 @@ fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
         params: cp,
         out_proj: &cout,
         route_ahead: None,
+        x_ahead: false,
     };
     let (gm, gout, gconv_w, gp, gnorm) = mixer_upload(g, &host);
     let gw = lily::backend::GdnWeights {
@@ -356,6 +357,7 @@ fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
         params: &gp,
         out_proj: &gout,
         route_ahead: None,
+        x_ahead: false,
     };
     let paths = [
         ("conv in in_proj, gdn_step_x", "v6", "x"),
@@ -461,6 +463,7 @@ fn gdn_mixer_specialised_equals_the_mixer() {
             params: &gp,
             out_proj: &gout,
             route_ahead: None,
+            x_ahead: false,
         };
         let (h0, conv0, ssm0) = (
             rng.vec(hid, 4.0),

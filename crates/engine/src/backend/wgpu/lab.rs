@@ -880,6 +880,7 @@ impl Wgpu {
                                 l,
                                 staged.as_ref(),
                                 None,
+                                None,
                             )
                         };
                         block(r, l);

@@ -414,6 +414,18 @@ impl Wgpu {
             }
         }
     }
+    /// Whether projections `ws` (≤ 4, one decode row) can read an x staged ahead
+    /// (`XIn::StagedRn`: gemv_q6s, rows of `dim`, a multiple of 128).
+    fn staged_reads(&self, ws: &[&WMat], dim: usize) -> bool {
+        self.ctx
+            .sw
+            .q6_spec
+            .load(std::sync::atomic::Ordering::Relaxed)
+            && ws.len() <= 4
+            && dim.is_multiple_of(128)
+            && ws.iter().all(|m| m.inp == dim)
+            && matmul::q6_takes(&self.ctx, ws)
+    }
     /// Whether a projection that prepares the MoE block (Backend::route_ahead) stages its x
     /// ahead rather than folding the router: `LILY_WGPU_XQ_AHEAD=1`, and the router and shared
     /// gate read such an x (gemv_q6s, one token, `matmul::stage_ahead_takes`'s shapes). A
@@ -713,6 +725,42 @@ impl Backend for Wgpu {
             OutMode::Add,
         );
     }
+    /// `LILY_WGPU_XQ_AHEAD=1`: moe_down_ys stages the next op's x where the block's two
+    /// launches are moe_gate_up_y and moe_down_y (`moe::stage_next_takes`).
+    fn norm_ahead(&self, w: &super::MoeWeights<'_, Self>, next: &WBuf, d: &Dims) -> bool {
+        let sh = [w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj];
+        self.ctx
+            .sw
+            .xq_ahead
+            .load(std::sync::atomic::Ordering::Relaxed)
+            && moe::slot_weights_ok(&self.ctx, w.gate, w.up, w.down, sh, d)
+            && moe::stage_next_takes(&self.ctx, d, w.gate, w.up, w.down)
+            && d.n_experts <= moe::S_MAX_EXPERTS
+            && d.top_k <= d.n_experts
+            && next.len >= d.hidden
+    }
+    /// The staging moe_down_ys left, read by gemv_q6s with Q6_RN where these projections take
+    /// it (one launch: no q2x_stage); else `rms_norm_matmul` from h.
+    fn rms_norm_matmul_ahead(
+        &self,
+        h: &WBuf,
+        w: &WBuf,
+        dim: usize,
+        eps: f32,
+        xn: &mut WBuf,
+        ws: &[&WMat],
+        outs: &mut [&mut WBuf],
+    ) {
+        if !(self.staged_reads(ws, dim) && self.many_fits(h, ws, 1, outs)) {
+            return self.rms_norm_matmul(h, w, 1, dim, eps, xn, ws, outs);
+        }
+        let xq = match matmul::stage_ahead_scratch(&self.ctx, dim) {
+            Ok(b) => b,
+            Err(e) => return self.ctx.fail(format!("rms_norm_matmul_ahead: {e:#}")),
+        };
+        let xin = XIn::StagedRn { xq: &xq, eps };
+        matmul::gemv_many(&self.ctx, h, ws, 0, 1, outs, xin, OutMode::Store);
+    }
     fn route_ahead(&self, out: &WMat, next: &super::RouteAhead<'_, Self>) -> bool {
         let (router, sgate, n) = (next.router, next.shared_gate, next.norm.len);
         if self.xq_ahead_on(router, sgate, n) {
@@ -778,10 +826,22 @@ impl Backend for Wgpu {
         if !fits {
             return super::gdn_mixer_compose(self, h, norm, eps, w, conv, ssm, d, t);
         }
-        let xin = XIn::Norm {
-            w: norm,
-            eps,
-            xn: t.xn,
+        // x staged by the MoE block before (GdnWeights::x_ahead) where in_proj reads it.
+        let xq_ahead = if w.x_ahead && self.staged_reads(&w.in_proj, d.hidden) {
+            match matmul::stage_ahead_scratch(&self.ctx, d.hidden) {
+                Ok(b) => Some(b),
+                Err(e) => return self.ctx.fail(format!("gdn_mixer_decode_add: {e:#}")),
+            }
+        } else {
+            None
+        };
+        let xin = match &xq_ahead {
+            Some(xq) => XIn::StagedRn { xq, eps },
+            None => XIn::Norm {
+                w: norm,
+                eps,
+                xn: t.xn,
+            },
         };
         let om = OutMode::Conv {
             w: w.conv1d,
@@ -853,7 +913,7 @@ impl Backend for Wgpu {
     ) {
         if moe::shared_slot_ok(&self.ctx, x, route, gate, up, down, shared, d, h) {
             return moe::moe_decode_shared(
-                &self.ctx, x, route, gate, up, down, shared, d, h, None, None, None,
+                &self.ctx, x, route, gate, up, down, shared, d, h, None, None, None, None,
             );
         }
         let width = shared.gate.out;
@@ -907,6 +967,13 @@ impl Backend for Wgpu {
                     &self.ctx, r.xn, r.route, w.gate, w.up, w.down, &shared, d, h,
                 )
         };
+        if w.next_norm.is_some() && !fused {
+            // norm_ahead said yes: the op after reads the staging, so it must be written.
+            return self.ctx.fail(
+                "moe_step_add: the next x to stage, but the block's launches do not take it"
+                    .to_string(),
+            );
+        }
         if !(fused || r.ahead) {
             return super::moe_step_compose(self, h, norm, eps, w, d, r, tmp);
         }
@@ -989,6 +1056,7 @@ impl Backend for Wgpu {
             Some(r.logits),
             xq.as_ref(),
             staged_ahead.then_some(eps),
+            w.next_norm,
         );
     }
     fn add(&self, h: &mut WBuf, r: &WBuf, len: usize) {

@@ -104,7 +104,7 @@ const X_BUFFERS: u32 = 18;
 const X_OUTS: usize = 32;
 
 /// The most experts moe_gate_up_s routes (a thread an expert).
-const S_MAX_EXPERTS: usize = 256;
+pub(super) const S_MAX_EXPERTS: usize = 256;
 
 /// moe.wgsl's parameter block: two matrices, then rows, k, experts, norm_topk, outs, cw, tiles.
 #[allow(clippy::too_many_arguments)]
@@ -439,6 +439,25 @@ pub fn shared_slot_ok(
     d: &Dims,
     h: &WBuf,
 ) -> bool {
+    let hid = gate.inp;
+    slot_weights_ok(ctx, gate, up, down, [sh.gate, sh.up, sh.down], d)
+        && route.k == d.top_k
+        && route.rows >= 1
+        && x.len >= hid
+        && h.len >= hid
+        && sh.logit.len >= 1
+}
+
+/// `shared_slot_ok`'s conditions on the switches, the adapter and the weights (the shared
+/// expert's gate, up and down in `sh`), without the buffers.
+pub fn slot_weights_ok(
+    ctx: &Ctx,
+    gate: &WMat,
+    up: &WMat,
+    down: &WMat,
+    sh: [&WMat; 3],
+    d: &Dims,
+) -> bool {
     use std::sync::atomic::Ordering::Relaxed;
     let (hid, width, n, k) = (gate.inp, gate.out, gate.n, d.top_k);
     ctx.sw.moe_fuse.load(Relaxed)
@@ -453,16 +472,11 @@ pub fn shared_slot_ok(
         && hid == d.hidden
         && [up.n, down.n] == [n, n]
         && [up.out, up.inp, down.out, down.inp] == [width, hid, hid, width]
-        && [sh.gate.n, sh.up.n, sh.down.n] == [1, 1, 1]
-        && sh.gate.qmat() == gate.qmat()
-        && sh.up.qmat() == up.qmat()
-        && sh.down.qmat() == down.qmat()
+        && sh.iter().all(|m| m.n == 1)
+        && sh[0].qmat() == gate.qmat()
+        && sh[1].qmat() == up.qmat()
+        && sh[2].qmat() == down.qmat()
         && (1..64).contains(&k)
-        && route.k == k
-        && route.rows >= 1
-        && x.len >= hid
-        && h.len >= hid
-        && sh.logit.len >= 1
 }
 
 /// Whether moe_gate_up_s can also route the token (`moe_step_add`): at most 256 experts (a
@@ -559,6 +573,23 @@ pub fn rn_takes(ctx: &Ctx, d: &Dims, gate: &WMat, up: &WMat) -> bool {
         && hid.is_multiple_of(128)
 }
 
+/// Whether moe_decode_shared's down can stage the next op's x (moe_xq.wgsl moe_down_ys, with
+/// `next`): one token through moe_gate_up_y and moe_down_y with their pipeline constants,
+/// down's team of 8 or 16 lanes (32 outputs a workgroup in one or two a team), hidden a
+/// multiple of 128.
+pub fn stage_next_takes(ctx: &Ctx, d: &Dims, gate: &WMat, up: &WMat, down: &WMat) -> bool {
+    let hid = gate.inp;
+    xq_takes(ctx, hid, gate.out, d.top_k).0
+        && gate_y_lanes(ctx, hid, gate, up).is_some()
+        && matches!(
+            down_y_lanes(ctx, gate.out, down.bits, d.top_k),
+            Some(8 | 16)
+        )
+        && down.out == hid
+        && ctx.sw.moe_spec.load(std::sync::atomic::Ordering::Relaxed)
+        && hid.is_multiple_of(128)
+}
+
 /// moe_down_x's lanes a team and teams an output (`Switches::moe_xq_shape`), the lanes at most
 /// the code words of a row of down (`bits` of `width` inputs), at least 1.
 fn down_shape(ctx: &Ctx, width: usize, bits: u32) -> (usize, usize) {
@@ -594,8 +625,13 @@ pub fn moe_decode_shared(
     logits: Option<&WBuf>,
     xq: Option<&::wgpu::Buffer>,
     rn: Option<f32>,
+    next: Option<&WBuf>,
 ) {
     let (hid, width, n, k) = (gate.inp, gate.out, gate.n, d.top_k);
+    // The next op's x staged by down (`next`: its norm's weights) needs moe_down_ys.
+    if next.is_some() && !stage_next_takes(ctx, d, gate, up, down) {
+        return ctx.fail("moe_decode_shared: staging the next x needs moe_down_ys".to_string());
+    }
     // x staged ahead (`rn`: the norm's eps) is read by moe_gate_up_y with MY_RN alone.
     if rn.is_some() && !(xq.is_some() && rn_takes(ctx, d, gate, up)) {
         return ctx
@@ -689,25 +725,45 @@ pub fn moe_decode_shared(
             } else {
                 Vec::new()
             };
+            let mut bufs = vec![
+                &down.w,
+                &down.s,
+                &down.b,
+                &aq,
+                &route.ids,
+                &route.weights,
+                &h.buf,
+                &sd.w,
+                &sd.s,
+                &sd.b,
+                &sh.logit.buf,
+            ];
+            let Some(nw) = next else {
+                ctx.dispatch_spec(
+                    &XQ_SHADER,
+                    entry,
+                    &consts,
+                    &p_down,
+                    &bufs,
+                    hid.div_ceil(opw) as u32,
+                );
+                return;
+            };
+            // moe_down_ys: the next op's x staged at binding 18 from the norm's weights at 12
+            // (13-17 spares: moe_xq.wgsl's header of the entry).
+            let staging = match super::matmul::stage_ahead_scratch(ctx, hid) {
+                Ok(b) => b,
+                Err(e) => return ctx.fail(format!("moe_decode_shared: {e:#}")),
+            };
+            let sp = &ctx.spare;
+            bufs.extend([&nw.buf, &sp[0], &sp[1], &sp[2], &sp[3], &sp[4], &staging]);
             ctx.dispatch_spec(
                 &XQ_SHADER,
-                entry,
+                "moe_down_ys",
                 &consts,
                 &p_down,
-                &[
-                    &down.w,
-                    &down.s,
-                    &down.b,
-                    &aq,
-                    &route.ids,
-                    &route.weights,
-                    &h.buf,
-                    &sd.w,
-                    &sd.s,
-                    &sd.b,
-                    &sh.logit.buf,
-                ],
-                hid.div_ceil(opw) as u32,
+                &bufs,
+                (hid / 32) as u32,
             );
             return;
         }

@@ -534,27 +534,32 @@ fn gx_finish(ag0: vec4<f32>, au0: vec4<f32>, li: u32, lane_sg: u32, T: u32, sg: 
     let xh = vec4<f32>(red[8u * q4 + 4u], red[8u * q4 + 5u], red[8u * q4 + 6u], red[8u * q4 + 7u]);
     let q = q2x_words(xl, xh);
     if (li < 4u) {
-        let w4 = width / 32u;
-        let w8 = width / 16u;
-        let b4 = slot * (5u * w4 + 3u * w8);
-        let b8 = b4 + 5u * w4;
-        let u = ob / 32u;
-        gx_aq[b4 + u][q4] = q.w4.x;
-        gx_aq[b4 + w4 + u][q4] = q.w4.y;
-        gx_aq[b4 + 2u * w4 + u][q4] = q.w4.z;
-        gx_aq[b4 + 3u * w4 + u][q4] = q.w4.w;
-        if (q4 == 0u) {
-            gx_aq[b4 + 4u * w4 + u] = q.m4;
-        }
-        let v = 2u * u + q4 / 2u;
-        let pp = 2u * (q4 % 2u);
-        gx_aq[b8 + v][pp] = q.w8.x;
-        gx_aq[b8 + v][pp + 1u] = q.w8.y;
-        gx_aq[b8 + w8 + v][pp] = q.w8.z;
-        gx_aq[b8 + w8 + v][pp + 1u] = q.w8.w;
-        if (pp == 0u) {
-            gx_aq[b8 + 2u * w8 + v] = q.m8;
-        }
+        gx_put(q, q4, slot, ob / 32u, width);
+    }
+}
+
+// Thread q4 (< 4)'s share of 4-bit word u (two 8-bit words) of row `row` of gx_aq, a staged
+// row of n elements in xq.wgsl's layouts (xq_put's indices), from q2x_words' result.
+fn gx_put(q: Q2xW, q4: u32, row: u32, u: u32, n: u32) {
+    let w4 = n / 32u;
+    let w8 = n / 16u;
+    let b4 = row * (5u * w4 + 3u * w8);
+    let b8 = b4 + 5u * w4;
+    gx_aq[b4 + u][q4] = q.w4.x;
+    gx_aq[b4 + w4 + u][q4] = q.w4.y;
+    gx_aq[b4 + 2u * w4 + u][q4] = q.w4.z;
+    gx_aq[b4 + 3u * w4 + u][q4] = q.w4.w;
+    if (q4 == 0u) {
+        gx_aq[b4 + 4u * w4 + u] = q.m4;
+    }
+    let v = 2u * u + q4 / 2u;
+    let pp = 2u * (q4 % 2u);
+    gx_aq[b8 + v][pp] = q.w8.x;
+    gx_aq[b8 + v][pp + 1u] = q.w8.y;
+    gx_aq[b8 + w8 + v][pp] = q.w8.z;
+    gx_aq[b8 + w8 + v][pp + 1u] = q.w8.w;
+    if (pp == 0u) {
+        gx_aq[b8 + 2u * w8 + v] = q.m8;
     }
 }
 
@@ -720,6 +725,53 @@ fn dy_dot(v: DyW, ar: u32, c: u32, wt: f32, keep: bool) -> f32 {
     return select(0.0, wt * d, keep);
 }
 
+// A lane's loads for one output o of token t: the k routed slots' words (past k: slot k - 1's,
+// not summed) and the shared expert's.
+struct DyL {
+    l0: DyW,
+    l1: DyW,
+    l2: DyW,
+    l3: DyW,
+    l4: DyW,
+    l5: DyW,
+    l6: DyW,
+    l7: DyW,
+    ls: DyW,
+}
+
+fn dy_loads(t: u32, o: u32, c: u32) -> DyL {
+    return DyL(
+        dy_load(t, 0u, o, c),
+        dy_load(t, 1u, o, c),
+        dy_load(t, 2u, o, c),
+        dy_load(t, 3u, o, c),
+        dy_load(t, 4u, o, c),
+        dy_load(t, 5u, o, c),
+        dy_load(t, 6u, o, c),
+        dy_load(t, 7u, o, c),
+        dy_load_sh(o, c),
+    );
+}
+
+// A lane's weighted sum over the slots of its loads (the routed slots in order, then the
+// gated shared slot).
+fn dy_sum(l: DyL, t: u32, c: u32) -> f32 {
+    let k = my_k();
+    let wb = t * k;
+    let jl = k - 1u;
+    let r0 = t * (k + 1u);
+    var acc = dy_dot(l.l0, r0, c, dn_w[wb], true);
+    acc += dy_dot(l.l1, r0 + min(1u, jl), c, dn_w[wb + min(1u, jl)], 1u < k);
+    acc += dy_dot(l.l2, r0 + min(2u, jl), c, dn_w[wb + min(2u, jl)], 2u < k);
+    acc += dy_dot(l.l3, r0 + min(3u, jl), c, dn_w[wb + min(3u, jl)], 3u < k);
+    acc += dy_dot(l.l4, r0 + min(4u, jl), c, dn_w[wb + min(4u, jl)], 4u < k);
+    acc += dy_dot(l.l5, r0 + min(5u, jl), c, dn_w[wb + min(5u, jl)], 5u < k);
+    acc += dy_dot(l.l6, r0 + min(6u, jl), c, dn_w[wb + min(6u, jl)], 6u < k);
+    acc += dy_dot(l.l7, r0 + min(7u, jl), c, dn_w[wb + min(7u, jl)], 7u < k);
+    acc += dy_dot(l.ls, r0 + k, c, sigmoid_f(ds_logit[t]), true);
+    return acc;
+}
+
 @compute @workgroup_size(256)
 fn moe_down_y(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -743,30 +795,74 @@ fn moe_down_y(
     let ou = (wg % blocks) * opw + li / T;
     let o = min(ou, hid - 1u);
     // Every weight load first (straight-line: no array for the compiler to spill).
-    let l0 = dy_load(t, 0u, o, c);
-    let l1 = dy_load(t, 1u, o, c);
-    let l2 = dy_load(t, 2u, o, c);
-    let l3 = dy_load(t, 3u, o, c);
-    let l4 = dy_load(t, 4u, o, c);
-    let l5 = dy_load(t, 5u, o, c);
-    let l6 = dy_load(t, 6u, o, c);
-    let l7 = dy_load(t, 7u, o, c);
-    let ls = dy_load_sh(o, c);
-    let wb = t * k;
-    let jl = k - 1u;
-    let r0 = t * k1;
-    var acc = dy_dot(l0, r0, c, dn_w[wb], true);
-    acc += dy_dot(l1, r0 + min(1u, jl), c, dn_w[wb + min(1u, jl)], 1u < k);
-    acc += dy_dot(l2, r0 + min(2u, jl), c, dn_w[wb + min(2u, jl)], 2u < k);
-    acc += dy_dot(l3, r0 + min(3u, jl), c, dn_w[wb + min(3u, jl)], 3u < k);
-    acc += dy_dot(l4, r0 + min(4u, jl), c, dn_w[wb + min(4u, jl)], 4u < k);
-    acc += dy_dot(l5, r0 + min(5u, jl), c, dn_w[wb + min(5u, jl)], 5u < k);
-    acc += dy_dot(l6, r0 + min(6u, jl), c, dn_w[wb + min(6u, jl)], 6u < k);
-    acc += dy_dot(l7, r0 + min(7u, jl), c, dn_w[wb + min(7u, jl)], 7u < k);
-    acc += dy_dot(ls, r0 + k, c, sigmoid_f(ds_logit[t]), true);
-    let tot = team_sum(vec4<f32>(acc, 0.0, 0.0, 0.0), li, lane_sg, T, sg).x;
+    let l = dy_loads(t, o, c);
+    let tot = team_sum(vec4<f32>(dy_sum(l, t, c), 0.0, 0.0, 0.0), li, lane_sg, T, sg).x;
     if (c == 0u && ou < hid) {
         let i = t * hid + o;
         ds_h[i] = ds_h[i] + tot;
+    }
+}
+
+// moe_down_ys (the MoE block of a decode step with the next op's x staged ahead: Backend::
+// norm_ahead, `LILY_WGPU_XQ_AHEAD=1`): moe_down_y's sums for one token (the same lanes, loads
+// and order), 32 outputs a workgroup (a team of T = 16 lanes takes outputs ob + i and ob + 16 +
+// i, their loads issued together; T = 8: one), then, after the residual add, the next op's x =
+// rms_norm(h) · w (w at binding 12) staged without the 1 / rms as matmul_sg.wgsl's omode 5
+// stages it (its header has the why): the workgroup's 32 rows of h · w as one 4-bit word (two
+// 8-bit) of row 0 at binding 18, and their Σ h² (in row order) after the row. Bindings:
+// moe_down_y's, 12 the next norm's weights, 18 the staging. hid / 32 workgroups.
+@group(0) @binding(12) var<storage, read> dy_nw: array<vec4<f32>>;
+
+@compute @workgroup_size(256)
+fn moe_down_ys(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_size) sg_size: u32,
+    @builtin(subgroup_invocation_id) lane_sg: u32,
+) {
+    let hid = my_out();
+    let T = my_outs();
+    let teams = 256u / T;
+    let sg = my_sg(li, sg_size);
+    let c = li % T;
+    let ob = wg_index(wid) * 32u;
+    let o0 = ob + li / T;
+    let o1 = o0 + teams;
+    let two = teams < 32u;
+    let la = dy_loads(0u, o0, c);
+    let lb = dy_loads(0u, select(o0, o1, two), c);
+    let sa = dy_sum(la, 0u, c);
+    let sb = select(0.0, dy_sum(lb, 0u, c), two);
+    let tot = team_sum(vec4<f32>(sa, sb, 0.0, 0.0), li, lane_sg, T, sg);
+    if (c == 0u) {
+        let h0 = ds_h[o0] + tot.x;
+        ds_h[o0] = h0;
+        red[o0 - ob] = h0;
+        if (two) {
+            let h1 = ds_h[o1] + tot.y;
+            ds_h[o1] = h1;
+            red[o1 - ob] = h1;
+        }
+    }
+    workgroupBarrier();
+    let q4 = li % 4u;
+    let col = ob / 4u + 2u * q4;
+    let xl = vec4<f32>(red[8u * q4], red[8u * q4 + 1u], red[8u * q4 + 2u], red[8u * q4 + 3u]);
+    let xh = vec4<f32>(red[8u * q4 + 4u], red[8u * q4 + 5u], red[8u * q4 + 6u], red[8u * q4 + 7u]);
+    let q = q2x_words(xl * dy_nw[col], xh * dy_nw[col + 1u]);
+    if (li < 4u) {
+        gx_put(q, q4, 0u, ob / 32u, hid);
+    }
+    // The bind group gives bindings 13-17 (spares): the derived layout must hold them.
+    if (p.ablate == 0xfeedu) {
+        gs_w[0] = gs_logits[0] + f32(shu_w4[0].x + shu_s[0] + shu_b[0]);
+    }
+    if (li == 0u) {
+        var ss = 0.0;
+        for (var i = 0u; i < 32u; i++) {
+            ss += red[i] * red[i];
+        }
+        let at = 5u * (hid / 32u) + 3u * (hid / 16u) + ob / 128u;
+        gx_aq[at][(ob / 32u) % 4u] = bitcast<u32>(ss);
     }
 }
