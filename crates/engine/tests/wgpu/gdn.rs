@@ -323,8 +323,11 @@ fn gpu_mixer_token(
 
 /// `gdn_mixer_decode_add` at shape d, by each path: v6 with `LILY_WGPU_GDN_STEP` x (gdn_step_x:
 /// the recurrence, the gated norm and out_proj's x staged in one launch, `y` never written,
-/// asserted), y (gdn_step_y then q2x_stage's xmode 3) and 0 (gdn_recur then xmode 3); v5's
-/// composition.
+/// asserted), xs (gdn_step_xs: 4 workgroups a head, the gated norm's 1 / rms applied by
+/// out_proj's gemv_q6s; at Dv = 128 only, else x: y not written either), y (gdn_step_y then
+/// q2x_stage's xmode 3) and 0 (gdn_recur then xmode 3); v5's composition. Lavapipe, xs against
+/// x at the model's shape: h's update 0.8-1.2e-4 against 0.8-1.2e-4 (Q2X_TOL); without the
+/// heads' 1 / rms, 0.99.
 fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
     let (hid, c) = (d.hidden, d.conv_channels());
     let (hv, dv, dk) = (d.gdn_v_heads, d.gdn_v_dim, d.gdn_k_dim);
@@ -361,6 +364,7 @@ fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
     };
     let paths = [
         ("conv in in_proj, gdn_step_x", "v6", "x"),
+        ("conv in in_proj, gdn_step_xs", "v6", "xs"),
         ("conv in in_proj, gdn_step_y", "v6", "y"),
         ("conv in in_proj, gdn_recur", "v6", "0"),
         ("composition", "v5", "x"),
@@ -400,7 +404,7 @@ fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
                 d,
                 cs.tmp(),
             );
-            if gemv != "v5" && step == "x" {
+            if gemv != "v5" && (step == "x" || step == "xs") {
                 assert!(
                     h(&g, &s.y, hv * dv).iter().all(|&v| v == 0.0),
                     "gdn mixer ({path}): y was written: gdn_step_x did not stage out_proj's x"

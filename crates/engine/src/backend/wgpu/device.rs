@@ -477,8 +477,11 @@ pub(super) struct Switches {
     /// the default, `x`: in a step's GDN mixer gdn_step_x (a head a workgroup: the recurrence,
     /// the gated norm and out_proj's x staged for gemv_q6, one launch for two; gdn_step_y where
     /// it does not take the shape or the adapter). `yw`: `y` with the row sums in workgroup
-    /// memory on any adapter (the fallback, for the tests). Stored as 0, 1, 2 or 3; atomic so
-    /// that tests and `lily lab` compare them in one process.
+    /// memory on any adapter (the fallback, for the tests). `xs` (opt-in, not yet measured on
+    /// the H200): gdn_step_xs, `y`'s split (4 workgroups a head) with `x`'s epilogue, the gated
+    /// norm's 1 / rms deferred to out_proj's gemv_q6s (`x` where it does not take the shape).
+    /// Stored as 0, 1, 2, 3 or 4; atomic so that tests and `lily lab` compare them in one
+    /// process.
     pub gdn_step: AtomicU32,
     /// `LILY_WGPU_ATTN_TILE=0`: prefill attention a (row, KV head) a workgroup (attn_rows_gqa,
     /// K/V read once a row) instead of tiles of query rows (attn_tile_gqa), and decode by
@@ -721,14 +724,15 @@ fn coop_configs(props: &[::wgpu::CooperativeMatrixProperties]) -> String {
 }
 
 /// `Switches::gdn_step`'s code for `LILY_WGPU_GDN_STEP`'s value (`0` / `old`, `y`, `x` / `1`,
-/// and `yw`: `y` with its row sums in workgroup memory where the adapter has subgroups, for the
-/// tests), `None` if unknown.
+/// `yw`: `y` with its row sums in workgroup memory where the adapter has subgroups, for the
+/// tests, and `xs`: gdn_step_xs), `None` if unknown.
 pub(super) fn gdn_step_code(name: &str) -> Option<u32> {
     match name {
         "0" | "old" => Some(0),
         "y" => Some(1),
         "x" | "1" => Some(2),
         "yw" => Some(3),
+        "xs" => Some(4),
         _ => None,
     }
 }

@@ -402,7 +402,7 @@ fn step_y_takes(ctx: &Ctx, d: &Dims) -> bool {
 /// 32 up to 128), and the 9 storage buffers it binds. The caller checks that out_proj reads the
 /// staged x (gemv_q6) of Hv · Dv inputs.
 pub fn step_x_takes(ctx: &Ctx, d: &Dims) -> bool {
-    ctx.sw.gdn_step.load(Ordering::Relaxed) == 2
+    matches!(ctx.sw.gdn_step.load(Ordering::Relaxed), 2 | 4)
         && step_y_takes(ctx, d)
         && step_sg(ctx)
         && d.gdn_v_dim.is_multiple_of(32)
@@ -411,9 +411,30 @@ pub fn step_x_takes(ctx: &Ctx, d: &Dims) -> bool {
         && ctx.report.storage_buffers >= 9
 }
 
+/// Whether the GDN mixer takes gdn_step_xs (`gated_delta_xs`; `LILY_WGPU_GDN_STEP=xs`):
+/// gdn_step_x's conditions, value heads of 128 (four workgroups, one vec4 of partial sums a
+/// head) and out_proj on gemv_q6s (its Q6_RNH applies the heads' 1 / rms).
+pub fn step_xs_takes(ctx: &Ctx, d: &Dims) -> bool {
+    ctx.sw.gdn_step.load(Ordering::Relaxed) == 4
+        && step_x_takes(ctx, d)
+        && d.gdn_v_dim == 128
+        && ctx.sw.q6_spec.load(Ordering::Relaxed)
+}
+
+/// gdn_step_xs's staging of out_proj's x (`Hv · Dv` inputs): q2x_stage's layouts for the row,
+/// then one partial sum of squares a workgroup (Hv · Dv / 32).
+pub fn xs_scratch(ctx: &Ctx, x: usize) -> anyhow::Result<::wgpu::Buffer> {
+    ctx.scratch(
+        "gdn_xq",
+        (16 * super::matmul::xq_row(x) + 4 * (x / 32)) as u64,
+    )
+}
+
 /// One decode token's gated delta rule, its gated norm and out_proj's x staged into `xq` (row 0
 /// of q2x_stage's layouts, `matmul::xq_scratch`), in one launch (gdn_step_x.wgsl): y is never
-/// written. The caller checks `step_x_takes`; the shapes are checked here.
+/// written. With `split` (`step_xs_takes`), gdn_step_xs: x staged without the heads' 1 / rms,
+/// their partial sums after the row (`xs_scratch`), for out_proj's `XIn::StagedRnh`. The caller
+/// checks `step_x_takes`; the shapes are checked here.
 #[allow(clippy::too_many_arguments)]
 pub fn gated_delta_x(
     ctx: &Ctx,
@@ -425,11 +446,17 @@ pub fn gated_delta_x(
     state: &mut WBuf,
     d: &Dims,
     xq: &::wgpu::Buffer,
+    split: bool,
 ) {
     let (hk, hv, dk, dv) = (d.gdn_k_heads, d.gdn_v_heads, d.gdn_k_dim, d.gdn_v_dim);
     if hk == 0 || hv % hk != 0 {
         return ctx.fail(format!(
             "gated_delta_x: {hv} value heads over {hk} key heads: not a multiple"
+        ));
+    }
+    if split && dv != 128 {
+        return ctx.fail(format!(
+            "gated_delta_x: gdn_step_xs needs heads of 128, not {dv}"
         ));
     }
     if !fits(
@@ -448,11 +475,17 @@ pub fn gated_delta_x(
     ) {
         return;
     }
+    // gdn_step_xs: 4 workgroups a head (dv / 32), the gated norm's 1 / rms left to out_proj.
+    let (entry, slices) = if split {
+        ("gdn_step_xs", dv / 32)
+    } else {
+        ("gdn_step_x", 1)
+    };
     step_dispatch(
         ctx,
         &STEP_SG_SHADER,
-        "gdn_step_x",
-        &step_params(d, 1),
+        entry,
+        &step_params(d, slices),
         &[
             &qkv.buf,
             &b.buf,
@@ -464,7 +497,7 @@ pub fn gated_delta_x(
             &z.buf,
             &w.norm.buf,
         ],
-        hv as u32,
+        (hv * slices) as u32,
     );
 }
 

@@ -1397,7 +1397,7 @@ impl Wgpu {
                 len: n,
                 half: false,
             };
-            super::gdn::gated_delta_x(ctx, &qkv, &z, &b, &a, &w, &mut st, &d, &xq);
+            super::gdn::gated_delta_x(ctx, &qkv, &z, &b, &a, &w, &mut st, &d, &xq, false);
         };
         let mut res = Vec::new();
         let mut reference: Option<Vec<f32>> = None;

@@ -389,6 +389,15 @@ pub enum XIn<'a> {
     /// squares after the row, in `stage_ahead_scratch`); the dots are scaled by the 1 / rms
     /// those sums give (matmul_sg.wgsl q6_rn, with `eps`).
     StagedRn { xq: &'a ::wgpu::Buffer, eps: f32 },
+    /// gemv_q6s only, one row: x staged by gdn.rs `gated_delta_xs` (gdn_step_xs) without its
+    /// heads' 1 / rms (heads of `hd` = 128 elements), their partial sums of squares after the
+    /// row (`gdn::xs_scratch`): each word's scale and sum scaled by its head's 1 / rms
+    /// (matmul_sg.wgsl q6_hscale, with `eps`).
+    StagedRnh {
+        xq: &'a ::wgpu::Buffer,
+        eps: f32,
+        hd: usize,
+    },
 }
 
 /// The scratch a projection with `OutMode::AddStage` stages the MoE block's x into: q2x's
@@ -658,6 +667,11 @@ pub fn gemv_many_xq(
             return None;
         }
         XIn::StagedRn { eps, .. } => (0, *eps, &dummies[3], &dummies[4]),
+        XIn::StagedRnh { .. } if !(q6 && rows == 1 && ctx.sw.q6_spec.load(Ordering::Relaxed)) => {
+            ctx.fail("gemv_many: x staged by gdn_step_xs without gemv_q6s on one row".to_string());
+            return None;
+        }
+        XIn::StagedRnh { eps, .. } => (0, *eps, &dummies[3], &dummies[4]),
     };
     let (om, r, s) = match &omode {
         OutMode::Store => (0u32, &dummies[5], &dummies[6]),
@@ -708,7 +722,9 @@ pub fn gemv_many_xq(
     if q6 {
         let inp = ws[0].inp;
         let staged;
-        let xq = if let XIn::Staged { xq } | XIn::StagedRn { xq, .. } = &xin {
+        let xq = if let XIn::Staged { xq } | XIn::StagedRn { xq, .. } | XIn::StagedRnh { xq, .. } =
+            &xin
+        {
             *xq
         } else {
             staged = match xq_scratch(ctx, rows, inp) {
@@ -783,6 +799,11 @@ pub fn gemv_many_xq(
         if ctx.sw.q6_spec.load(Ordering::Relaxed) {
             let mut consts = q6_spec(ctx, ws, rows, om, &lanes, &start);
             consts.push(("Q6_RN", matches!(xin, XIn::StagedRn { .. }) as u32));
+            let rnh = match xin {
+                XIn::StagedRnh { hd, .. } => hd as u32,
+                _ => 0,
+            };
+            consts.push(("Q6_RNH", rnh));
             ctx.dispatch_spec(&sg_shader(), "gemv_q6s", &consts, &p, &bufs, groups);
         } else {
             ctx.dispatch(&sg_shader(), "gemv_q6", &p, &bufs, groups);

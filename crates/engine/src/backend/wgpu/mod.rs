@@ -150,7 +150,7 @@ impl Wgpu {
     /// `x`, `yw`) from now on, for tests and `lily lab`.
     pub fn set_gdn_step(&self, name: &str) -> Result<()> {
         let Some(c) = device::gdn_step_code(name) else {
-            bail!("unknown GDN step `{name}` (0, y, x or yw)");
+            bail!("unknown GDN step `{name}` (0, y, x, xs or yw)");
         };
         self.ctx
             .sw
@@ -864,12 +864,29 @@ impl Backend for Wgpu {
         // The recurrence, the gated norm and out_proj's staging of x in one launch
         // (gdn_step_x; LILY_WGPU_GDN_STEP=y or 0: the recurrence, then q2x_stage's xmode 3).
         if gated && gdn::step_x_takes(&self.ctx, d) {
-            let xq = match matmul::xq_scratch(&self.ctx, 1, w.out_proj.inp) {
+            // gdn_step_xs (LILY_WGPU_GDN_STEP=xs): the heads' 1 / rms applied by out_proj.
+            let split = gdn::step_xs_takes(&self.ctx, d);
+            let xq = if split {
+                gdn::xs_scratch(&self.ctx, w.out_proj.inp)
+            } else {
+                matmul::xq_scratch(&self.ctx, 1, w.out_proj.inp)
+            };
+            let xq = match xq {
                 Ok(b) => b,
                 Err(e) => return self.ctx.fail(format!("gdn_mixer_decode_add: {e:#}")),
             };
-            gdn::gated_delta_x(&self.ctx, t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, &xq);
-            let xin = XIn::Staged { xq: &xq };
+            gdn::gated_delta_x(
+                &self.ctx, t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, &xq, split,
+            );
+            let xin = if split {
+                XIn::StagedRnh {
+                    xq: &xq,
+                    eps: d.eps,
+                    hd: dv,
+                }
+            } else {
+                XIn::Staged { xq: &xq }
+            };
             let om = w
                 .route_ahead
                 .as_ref()

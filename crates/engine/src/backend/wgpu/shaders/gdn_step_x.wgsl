@@ -70,3 +70,53 @@ fn gdn_step_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     // the 4 threads of a word are lanes li ^ 1, li ^ 2 of one subgroup.
     xq_put(h * (gc_dv() / 8u) + li, st, xl, xh, 0u, gc_w4(), 5u * gc_w4(), gc_w8());
 }
+
+// gdn_step_xs (`LILY_WGPU_GDN_STEP=xs`, opt-in; gdn.rs `gated_delta_xs`): gdn_step_y's split (a
+// workgroup owns 32 value rows of a head: Hv · Dv / 32 workgroups, 16 KB of state each instead
+// of gdn_step_x's 64 on 32 workgroups) with gdn_step_x's epilogue, its gated norm deferred. The
+// head's 1 / rms needs Σ y² over the head's rows, which four workgroups hold, so each stages its
+// 32 rows of x' = (y · w) · silu(z) as one 4-bit word (two 8-bit) without it (q2x's words are
+// linear in x: matmul_sg.wgsl omode 5's header has the why) and writes its Σ y² (rows in order)
+// after the staged row, at u32 wg; out_proj's gemv_q6s (Q6_RNH = Dv) takes each head's 1 / rms
+// from its four sums (one vec4) and scales that head's words. Needs Dv = 128.
+@compute @workgroup_size(256)
+fn gdn_step_xs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let wg = wg_index(wid);
+    let h = wg / gc_slices();
+    let r0 = (wg % gc_slices()) * 32u;
+    // The staging threads' z and norm weights (8 rows each), before the recurrence's loads are
+    // used.
+    let st = li < 4u;
+    var zl = vec4<f32>(0.0);
+    var zh = vec4<f32>(0.0);
+    var wl = vec4<f32>(0.0);
+    var wh = vec4<f32>(0.0);
+    if (st) {
+        let e = (h * gc_dv() + r0) / 4u + 2u * li;
+        zl = gs_z[e];
+        zh = gs_z[e + 1u];
+        wl = gs_nw[r0 / 4u + 2u * li];
+        wh = gs_nw[r0 / 4u + 2u * li + 1u];
+    }
+    let y = gs_step(wg, li, 1u);
+    if (li % 8u == 0u) {
+        gs_ys[li / 8u] = y.x;
+    }
+    workgroupBarrier();
+    let q4 = li % 4u;
+    let yl = vec4<f32>(gs_ys[8u * q4], gs_ys[8u * q4 + 1u], gs_ys[8u * q4 + 2u], gs_ys[8u * q4 + 3u]);
+    let yh = vec4<f32>(gs_ys[8u * q4 + 4u], gs_ys[8u * q4 + 5u], gs_ys[8u * q4 + 6u], gs_ys[8u * q4 + 7u]);
+    let xl4 = yl * wl;
+    let xh4 = yh * wh;
+    let xl = vec4<f32>(xl4.x * silu_f(zl.x), xl4.y * silu_f(zl.y), xl4.z * silu_f(zl.z), xl4.w * silu_f(zl.w));
+    let xh = vec4<f32>(xh4.x * silu_f(zh.x), xh4.y * silu_f(zh.y), xh4.z * silu_f(zh.z), xh4.w * silu_f(zh.w));
+    // Every thread reaches the shuffles; the first 4 hold the workgroup's word.
+    xq_put((h * gc_dv() + r0) / 8u + li, st, xl, xh, 0u, gc_w4(), 5u * gc_w4(), gc_w8());
+    if (li == 0u) {
+        var ss = 0.0;
+        for (var i = 0u; i < 32u; i++) {
+            ss += gs_ys[i] * gs_ys[i];
+        }
+        qq[5u * gc_w4() + 3u * gc_w8() + wg / 4u][wg % 4u] = bitcast<u32>(ss);
+    }
+}

@@ -377,8 +377,10 @@ fn gemv_xs{NW}(
 // of matrix {M} (R = 1, 2 or 4, uniform; rows past the end read the last row), against x as
 // q2x_stage staged it at xb (xq.wgsl's layouts, read through vx as bits). Every load of a step
 // is issued before its products: R rows' code words (16 bytes each), their scales and biases,
-// and x's word (80 bytes 4-bit, 48 bytes 8-bit), shared by the R rows.
-fn q6_dot{M}(m: QMat, o0: u32, R: u32, lane: u32, T: u32, xb: u32) -> vec4<f32> {
+// and x's word (80 bytes 4-bit, 48 bytes 8-bit), shared by the R rows. `rnh` (0: none): x staged
+// by gdn_step_x.wgsl's gdn_step_xs without its heads' 1 / rms (heads of rnh elements); each
+// word's d and Σ x scaled by its head's (q6_hscale).
+fn q6_dot{M}(m: QMat, o0: u32, R: u32, lane: u32, T: u32, xb: u32, rnh: u32) -> vec4<f32> {
     let last = m.out - 1u;
     let r0 = pv.e * m.out + min(o0, last);
     let r1 = pv.e * m.out + min(o0 + 1u, last);
@@ -427,8 +429,9 @@ fn q6_dot{M}(m: QMat, o0: u32, R: u32, lane: u32, T: u32, xb: u32) -> vec4<f32> 
             xa2 = bitcast<vec4<u32>>(vx[x8 + wpr + c]);
             xm = bitcast<vec4<u32>>(vx[x8 + 2u * wpr + c]);
         }
-        let dd = bitcast<f32>(xm.x);
-        let sx = bitcast<f32>(xm.y);
+        let hs = q6_hscale(xb, c * epw, rnh, m.inp);
+        let dd = bitcast<f32>(xm.x) * hs;
+        let sx = bitcast<f32>(xm.y) * hs;
         // 0 for 4-bit words (q2x_stage writes it so).
         let corr = bitcast<i32>(xm.z);
         var d = vec4<f32>(f32(g5_dot(q0, m.bits, xa1, xb1, xa2, xb2) + corr), 0.0, 0.0, 0.0);
@@ -464,7 +467,7 @@ fn q6s_run{M}(blk: u32, t: u32, li: u32, lane_sg: u32) {
     let lane = li % T;
     let o0 = (blk * (256u / T) + li / T) * R;
     let xb = q6_xb(t, m.inp);
-    let acc = q6_dot{M}(m, o0, R, lane, T, xb) * select(1.0, q6_rn(xb, m.inp), Q6_RN);
+    let acc = q6_dot{M}(m, o0, R, lane, T, xb, Q6_RNH) * q6_rn(xb, m.inp);
     q6_tail({M}u, m, blk, t, li, lane_sg, Q6_SG, T, R, o0, Q6_OMODE, acc);
 }
 
@@ -607,9 +610,12 @@ fn q6_put4(v: u32, a: vec4<u32>) {
     q6_put(v, 3u, a.w);
 }
 
-// The row's 1 / rms for a reader of x staged by omode 5 (gemv_q6s with Q6_RN): the partial sums
-// of squares after the staged row at xb (n / 32 of them), added in order.
+// The row's 1 / rms for a reader of x staged by omode 5 (gemv_q6s with Q6_RN; else 1): the
+// partial sums of squares after the staged row at xb (n / 32 of them), added in order.
 fn q6_rn(xb: u32, n: u32) -> f32 {
+    if (!Q6_RN) {
+        return 1.0;
+    }
     var s = 0.0;
     let base = xb + q6_xb(1u, n);
     for (var j = 0u; j < n / 128u; j++) {
@@ -620,6 +626,17 @@ fn q6_rn(xb: u32, n: u32) -> f32 {
         s += p.w;
     }
     return 1.0 / sqrt(s / f32(n) + pv.eps);
+}
+
+// A word's scale for x staged by gdn_step_xs (`rnh` > 0, heads of rnh = 128 elements: four
+// partial sums of squares a head, one vec4, after the staged row): the 1 / rms of the head
+// holding element e (the gated norm's r, gdn_step_x's arithmetic); 1 when rnh is 0.
+fn q6_hscale(xb: u32, e: u32, rnh: u32, n: u32) -> f32 {
+    if (rnh == 0u) {
+        return 1.0;
+    }
+    let p = vx[xb + q6_xb(1u, n) + e / rnh];
+    return 1.0 / sqrt((((p.x + p.y) + p.z) + p.w) / f32(rnh) + pv.eps);
 }
 
 // gemv_q6: the decode GEMV against x staged once a launch by q2x_stage (xq.wgsl), so that a
@@ -663,10 +680,10 @@ fn gemv_q6(
     }
     var acc: vec4<f32>;
     switch mi {
-        case 0u: { acc = q6_dot0(m, o0, R, lane, T, xb); }
-        case 1u: { acc = q6_dot1(m, o0, R, lane, T, xb); }
-        case 2u: { acc = q6_dot2(m, o0, R, lane, T, xb); }
-        default: { acc = q6_dot3(m, o0, R, lane, T, xb); }
+        case 0u: { acc = q6_dot0(m, o0, R, lane, T, xb, 0u); }
+        case 1u: { acc = q6_dot1(m, o0, R, lane, T, xb, 0u); }
+        case 2u: { acc = q6_dot2(m, o0, R, lane, T, xb, 0u); }
+        default: { acc = q6_dot3(m, o0, R, lane, T, xb, 0u); }
     }
     q6_tail(mi, m, blk, t, li, lane_sg, sg, T, R, o0, pv.omode, acc);
 }
@@ -736,6 +753,8 @@ override Q6_S3: u32 = 0u;
 // x staged ahead by a projection's omode 5 (without the norm's 1 / rms): the dots scaled by
 // q6_rn's. One row of x.
 override Q6_RN: bool = false;
+// x staged by gdn_step_xs: its heads' size (q6_dot's rnh); 0 otherwise.
+override Q6_RNH: u32 = 0u;
 
 @compute @workgroup_size(256)
 fn gemv_q6s(
