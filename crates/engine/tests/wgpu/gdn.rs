@@ -323,11 +323,10 @@ fn gpu_mixer_token(
 
 /// `gdn_mixer_decode_add` at shape d, by each path: v6 with `LILY_WGPU_GDN_STEP` x (gdn_step_x:
 /// the recurrence, the gated norm and out_proj's x staged in one launch, `y` never written,
-/// asserted), xs (gdn_step_xs: 4 workgroups a head, the gated norm's 1 / rms applied by
-/// out_proj's gemv_q6s; at Dv = 128 only, else x: y not written either), y (gdn_step_y then
-/// q2x_stage's xmode 3) and 0 (gdn_recur then xmode 3); v5's composition. Lavapipe, xs against
-/// x at the model's shape: h's update 0.8-1.2e-4 against 0.8-1.2e-4 (Q2X_TOL); without the
-/// heads' 1 / rms, 0.99.
+/// asserted), xs (gdn_step_xs: Dv / 32 workgroups a head, the gated norm's 1 / rms applied by
+/// out_proj's gemv_q6s; y not written either), y (gdn_step_y then q2x_stage's xmode 3) and 0
+/// (gdn_recur then xmode 3); v5's composition. Lavapipe, xs against x at the model's shape:
+/// h's update 0.8-1.2e-4 against 0.8-1.2e-4 (Q2X_TOL); without the heads' 1 / rms, 0.99.
 fn mixer_case(g: &Wgpu, d: &Dims, rng: &mut Rng) {
     let (hid, c) = (d.hidden, d.conv_channels());
     let (hv, dv, dk) = (d.gdn_v_heads, d.gdn_v_dim, d.gdn_k_dim);

@@ -411,13 +411,12 @@ pub fn step_x_takes(ctx: &Ctx, d: &Dims) -> bool {
         && ctx.report.storage_buffers >= 9
 }
 
-/// Whether the GDN mixer takes gdn_step_xs (`gated_delta_xs`; `LILY_WGPU_GDN_STEP=xs`):
-/// gdn_step_x's conditions, value heads of 128 (four workgroups, one vec4 of partial sums a
-/// head) and out_proj on gemv_q6s (its Q6_RNH applies the heads' 1 / rms).
+/// Whether the GDN mixer takes gdn_step_xs (`gated_delta_x` with `split`;
+/// `LILY_WGPU_GDN_STEP=xs`): gdn_step_x's conditions (heads of whole 32-row workgroups, Dv / 32
+/// a head) and out_proj on gemv_q6s (its Q6_RNH applies the heads' 1 / rms).
 pub fn step_xs_takes(ctx: &Ctx, d: &Dims) -> bool {
     ctx.sw.gdn_step.load(Ordering::Relaxed) == 4
         && step_x_takes(ctx, d)
-        && d.gdn_v_dim == 128
         && ctx.sw.q6_spec.load(Ordering::Relaxed)
 }
 
@@ -452,11 +451,6 @@ pub fn gated_delta_x(
     if hk == 0 || hv % hk != 0 {
         return ctx.fail(format!(
             "gated_delta_x: {hv} value heads over {hk} key heads: not a multiple"
-        ));
-    }
-    if split && dv != 128 {
-        return ctx.fail(format!(
-            "gated_delta_x: gdn_step_xs needs heads of 128, not {dv}"
         ));
     }
     if !fits(

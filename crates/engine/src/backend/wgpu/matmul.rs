@@ -389,10 +389,10 @@ pub enum XIn<'a> {
     /// squares after the row, in `stage_ahead_scratch`); the dots are scaled by the 1 / rms
     /// those sums give (matmul_sg.wgsl q6_rn, with `eps`).
     StagedRn { xq: &'a ::wgpu::Buffer, eps: f32 },
-    /// gemv_q6s only, one row: x staged by gdn.rs `gated_delta_xs` (gdn_step_xs) without its
-    /// heads' 1 / rms (heads of `hd` = 128 elements), their partial sums of squares after the
-    /// row (`gdn::xs_scratch`): each word's scale and sum scaled by its head's 1 / rms
-    /// (matmul_sg.wgsl q6_hscale, with `eps`).
+    /// gemv_q6s only, one row: x staged by gdn.rs `gated_delta_x` with `split` (gdn_step_xs)
+    /// without its heads' 1 / rms (heads of `hd` elements, a multiple of 32), their partial sums
+    /// of squares after the row (`gdn::xs_scratch`): each word's scale and sum scaled by its
+    /// head's 1 / rms (matmul_sg.wgsl q6_hscale, with `eps`).
     StagedRnh {
         xq: &'a ::wgpu::Buffer,
         eps: f32,

@@ -71,14 +71,15 @@ fn gdn_step_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     xq_put(h * (gc_dv() / 8u) + li, st, xl, xh, 0u, gc_w4(), 5u * gc_w4(), gc_w8());
 }
 
-// gdn_step_xs (`LILY_WGPU_GDN_STEP=xs`, opt-in; gdn.rs `gated_delta_xs`): gdn_step_y's split (a
-// workgroup owns 32 value rows of a head: Hv · Dv / 32 workgroups, 16 KB of state each instead
-// of gdn_step_x's 64 on 32 workgroups) with gdn_step_x's epilogue, its gated norm deferred. The
-// head's 1 / rms needs Σ y² over the head's rows, which four workgroups hold, so each stages its
-// 32 rows of x' = (y · w) · silu(z) as one 4-bit word (two 8-bit) without it (q2x's words are
-// linear in x: matmul_sg.wgsl omode 5's header has the why) and writes its Σ y² (rows in order)
-// after the staged row, at u32 wg; out_proj's gemv_q6s (Q6_RNH = Dv) takes each head's 1 / rms
-// from its four sums (one vec4) and scales that head's words. Needs Dv = 128.
+// gdn_step_xs (`LILY_WGPU_GDN_STEP=xs`, opt-in; gdn.rs `gated_delta_x` with `split`):
+// gdn_step_y's split (a workgroup owns 32 value rows of a head: Hv · Dv / 32 workgroups, 16 KB
+// of state each instead of gdn_step_x's 64 on 32 workgroups) with gdn_step_x's epilogue, its
+// gated norm deferred. The head's 1 / rms needs Σ y² over the head's rows, which Dv / 32
+// workgroups hold (4 at Dv = 128), so each stages its 32 rows of x' = (y · w) · silu(z) as one
+// 4-bit word (two 8-bit) without it (q2x's words are linear in x: matmul_sg.wgsl omode 5's
+// header has the why) and writes its Σ y² (rows in order) after the staged row, at u32 wg;
+// out_proj's gemv_q6s (Q6_RNH = Dv) takes each head's 1 / rms from its Dv / 32 sums and scales
+// that head's words. Dv a multiple of 32 up to 128.
 @compute @workgroup_size(256)
 fn gdn_step_xs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let wg = wg_index(wid);

@@ -628,15 +628,20 @@ fn q6_rn(xb: u32, n: u32) -> f32 {
     return 1.0 / sqrt(s / f32(n) + pv.eps);
 }
 
-// A word's scale for x staged by gdn_step_xs (`rnh` > 0, heads of rnh = 128 elements: four
-// partial sums of squares a head, one vec4, after the staged row): the 1 / rms of the head
-// holding element e (the gated norm's r, gdn_step_x's arithmetic); 1 when rnh is 0.
+// A word's scale for x staged by gdn_step_xs (`rnh` > 0: heads of rnh elements, a multiple of
+// 32, each with rnh / 32 partial sums of squares, in order, after the staged row): the 1 / rms
+// of the head holding element e (the gated norm's r, gdn_step_x's arithmetic); 1 when rnh is 0.
 fn q6_hscale(xb: u32, e: u32, rnh: u32, n: u32) -> f32 {
     if (rnh == 0u) {
         return 1.0;
     }
-    let p = vx[xb + q6_xb(1u, n) + e / rnh];
-    return 1.0 / sqrt((((p.x + p.y) + p.z) + p.w) / f32(rnh) + pv.eps);
+    let np = rnh / 32u;
+    let base = 4u * (xb + q6_xb(1u, n)) + (e / rnh) * np;
+    var ss = 0.0;
+    for (var j = 0u; j < np; j++) {
+        ss += vx[(base + j) / 4u][(base + j) % 4u];
+    }
+    return 1.0 / sqrt(ss / f32(rnh) + pv.eps);
 }
 
 // gemv_q6: the decode GEMV against x staged once a launch by q2x_stage (xq.wgsl), so that a
