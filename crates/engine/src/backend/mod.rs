@@ -496,6 +496,34 @@ pub trait Backend: Send + Sync {
         )
     }
 
+    /// `attn_decode_qk`, then the attention's output projection added into h (`o.w`; with
+    /// `o.next` the MoE block after prepared, `matmul_q_add_ahead`, else `matmul_q_add`): a
+    /// decode step's attention mixer after q|k|v. A GPU may stage o_proj's x in the attention's
+    /// last launch. Default: the ops.
+    #[allow(clippy::too_many_arguments)]
+    fn attn_decode_qk_add(
+        &self,
+        qg: &Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        q_norm: &Self::Vec,
+        k_norm: &Self::Vec,
+        kv: &mut KvCache<Self::Buf>,
+        d: &Dims,
+        pos: usize,
+        step: &Self::Step,
+        q: &mut Self::Buf,
+        gate: &mut Self::Buf,
+        out: &mut Self::Buf,
+        o: OProj<'_, Self>,
+    ) {
+        self.attn_decode_qk(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out);
+        match &o.next {
+            Some(n) => self.matmul_q_add_ahead(out, o.w, o.r, o.h, n),
+            None => self.matmul_q_add(out, o.w, 1, o.r, o.h),
+        }
+    }
+
     // ---- Gated DeltaNet
     /// Causal depthwise conv (kernel K, no bias) + SiLU over `rows` new rows of `x` `[rows, C]`,
     /// reading and updating the conv state (the last K-1 pre-conv rows, f32).
@@ -745,6 +773,16 @@ pub fn attn_decode_qk_compose<B: Backend + ?Sized>(
 ) {
     b.attn_qk_norm_rope(qg, k, q_norm, k_norm, d, 1, pos, Some(step), q, gate);
     b.attn_decode(q, k, v, gate, kv, d, pos, step, out);
+}
+
+/// A decode step's attention output projection (`attn_decode_qk_add`): o_proj, its product's
+/// scratch `r`, the residual stream `h` it adds into, and the MoE router that follows when the
+/// projection prepares it (`Backend::route_ahead` said yes).
+pub struct OProj<'a, B: Backend + ?Sized> {
+    pub w: &'a B::Mat,
+    pub r: &'a mut B::Buf,
+    pub h: &'a mut B::Buf,
+    pub next: Option<RouteAhead<'a, B>>,
 }
 
 /// An MoE block's weights, for `moe_step_add`: the router and the shared expert's gate (one row),

@@ -22,8 +22,8 @@ use std::time::Instant;
 use anyhow::Result;
 
 use super::{
-    Backend, Dims, GdnParams, GdnScratch, GdnWeights, KvCache, MoeScratch, MoeWeights, RouteAhead,
-    RouterScratch, SharedExpert,
+    Backend, Dims, GdnParams, GdnScratch, GdnWeights, KvCache, MoeScratch, MoeWeights, OProj,
+    RouteAhead, RouterScratch, SharedExpert,
 };
 use crate::loader::tensor::HostLinear;
 
@@ -658,6 +658,37 @@ impl<B: Backend> Backend for Profiled<B> {
         super::attn_decode_qk_compose(
             self, qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out,
         )
+    }
+    fn attn_decode_qk_add(
+        &self,
+        qg: &Self::Buf,
+        k: &mut Self::Buf,
+        v: &Self::Buf,
+        q_norm: &Self::Vec,
+        k_norm: &Self::Vec,
+        kv: &mut KvCache<Self::Buf>,
+        d: &Dims,
+        pos: usize,
+        step: &Self::Step,
+        q: &mut Self::Buf,
+        gate: &mut Self::Buf,
+        out: &mut Self::Buf,
+        o: OProj<'_, Self>,
+    ) {
+        if !self.prof.is_on() {
+            let oi = OProj::<B> {
+                w: &o.w.inner,
+                r: o.r,
+                h: o.h,
+                next: o.next.as_ref().map(inner_ahead),
+            };
+            return self
+                .inner
+                .attn_decode_qk_add(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out, oi);
+        }
+        // Profiled: the ops, each charged to its own family (route_ahead says no).
+        self.attn_decode_qk(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out);
+        self.matmul_q_add(out, o.w, 1, o.r, o.h);
     }
 
     fn conv1d_prefill(

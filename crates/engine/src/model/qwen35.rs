@@ -20,7 +20,7 @@ use anyhow::{bail, Result};
 
 use crate::backend::{
     add_shared_expert, Backend, Dims, GdnParams, GdnScratch, GdnWeights, MoeScratch, MoeWeights,
-    RouteAhead, RouterScratch, SharedExpert,
+    OProj, RouteAhead, RouterScratch, SharedExpert,
 };
 use crate::loader::{HostWeights, Mixer};
 use crate::model::state::{LayerState, SeqState};
@@ -755,8 +755,15 @@ impl<B: Backend> Qwen35<B> {
                         );
                     }
                     if decode {
-                        // attn_qk_norm_rope + attn_decode (a GPU may fold them into one launch)
-                        b.attn_decode_qk(
+                        // attn_qk_norm_rope + attn_decode, then h = h + o_proj(o) (a GPU may
+                        // fold the first two into one launch and stage o_proj's x in the last)
+                        let o = OProj {
+                            w: &a.o_proj,
+                            r: &mut s.r,
+                            h: &mut s.h,
+                            next: ahead.clone(),
+                        };
+                        b.attn_decode_qk_add(
                             &s.qg,
                             &mut s.k,
                             &s.v,
@@ -769,6 +776,7 @@ impl<B: Backend> Qwen35<B> {
                             &mut s.q,
                             &mut s.gate,
                             &mut s.o,
+                            o,
                         );
                     } else {
                         b.attn_qk_norm_rope(
@@ -784,10 +792,7 @@ impl<B: Backend> Qwen35<B> {
                             &mut s.gate,
                         );
                         b.attn_prefill(&s.q, &s.k, &s.v, &s.gate, kv, d, t, pos0, &mut s.o);
-                    }
-                    match &ahead {
-                        Some(n) => b.matmul_q_add_ahead(&s.o, &a.o_proj, &mut s.r, &mut s.h, n),
-                        None => b.matmul_q_add(&s.o, &a.o_proj, t, &mut s.r, &mut s.h),
+                        b.matmul_q_add(&s.o, &a.o_proj, t, &mut s.r, &mut s.h);
                     }
                 }
                 _ => bail!("layer {i}: state does not match the layer kind"),

@@ -15,7 +15,7 @@
 use super::ops::kv_new;
 use super::*;
 use lily::backend::cpu::CpuStep;
-use lily::backend::{Dims, KvCache};
+use lily::backend::{Dims, KvCache, OProj};
 
 /// What an f16 KV cache costs against the f32 CPU, per output row (max |gpu − cpu| / max |cpu|).
 /// Each K/V element is rounded once to 11 significant bits, relative error ≤ u = 2^-11 (4.9e-4),
@@ -753,6 +753,103 @@ fn decode_qk_appends(g: &Wgpu, f16: bool) {
             rel_rows(&h(g, &gkv.v, n), &kv_round(&ckv.v[..n], f16), kvd),
             EXACT,
         );
+    }
+}
+
+/// Opt-in `LILY_WGPU_XQ_AHEAD` (`attn_decode_qk_add`; `Wgpu::set_xq_ahead`): attn_combine4_x
+/// stages o_proj's x as it writes the attention's output (xq.wgsl's xq_put on the values it
+/// writes, the words q2x_stage would stage from them), and o_proj's gemv_q6 reads it: against
+/// the same op with it off (attn_decode_qk, q2x_stage, gemv_q6), on two caches filled alike, at
+/// the model's shape (16 / 2 heads of 256, o_proj 4-bit [2048, 4096]) after a prefill of 300,
+/// three steps. The output and h after o_proj: bit-equal (the same values staged by the same
+/// function). Launches: one fewer.
+#[test]
+fn attention_decode_add_stages_o_proj() {
+    let Some(g) = gpu() else { return };
+    let d = shapes()
+        .into_iter()
+        .find(|d| d.head_dim == 256 && d.n_heads == 16)
+        .unwrap();
+    let (hq, hd, kvd, hid) = (d.n_heads, d.head_dim, d.n_kv_heads * d.head_dim, 2048);
+    let mut rng = Rng(61);
+    let wo = g
+        .upload_mat(&ops::rand_quant(&mut rng, 1, hid, hq * hd, 4, 64, false))
+        .unwrap();
+    let qn: Vec<f32> = (0..hd).map(|_| 1.0 + 0.1 * rng.f()).collect();
+    let gqn = g.upload_vec(&qn).unwrap();
+    let up = |x: &[f32]| g.upload(x).unwrap();
+    let (k, v) = (rng.vec(300 * kvd, 1.0), rng.vec(300 * kvd, 1.0));
+    let (q, gate) = (rng.vec(300 * hq * hd, 1.0), rng.vec(300 * hq * hd, 1.0));
+    let mut caches: Vec<_> = (0..2).map(|_| kv_new(&g, 400, kvd)).collect();
+    for kv in caches.iter_mut() {
+        let mut go = g.zeros(300 * hq * hd).unwrap();
+        g.attn_prefill(
+            &up(&q),
+            &up(&k),
+            &up(&v),
+            &up(&gate),
+            kv,
+            &d,
+            300,
+            0,
+            &mut go,
+        );
+    }
+    let mut gstep = g.new_step().unwrap();
+    for pos in 300..303 {
+        let (qg, k, v, h0) = (
+            rng.vec(hq * 2 * hd, 1.0),
+            rng.vec(kvd, 1.0),
+            rng.vec(kvd, 1.0),
+            rng.vec(hid, 1.0),
+        );
+        g.set_step(&mut gstep, 0, pos);
+        let mut got = Vec::new();
+        for (staged, kv) in [false, true].into_iter().zip(caches.iter_mut()) {
+            g.set_xq_ahead(staged);
+            let (mut gq, mut gg, mut gout) = (
+                g.zeros(hq * hd).unwrap(),
+                g.zeros(hq * hd).unwrap(),
+                g.zeros(hq * hd).unwrap(),
+            );
+            let (mut gr, mut gh) = (g.zeros(hid).unwrap(), up(&h0));
+            g.sync().unwrap();
+            let n0 = g.dispatches();
+            let o = OProj {
+                w: &wo,
+                r: &mut gr,
+                h: &mut gh,
+                next: None,
+            };
+            let (mut gk, gv) = (up(&k), up(&v));
+            g.attn_decode_qk_add(
+                &up(&qg),
+                &mut gk,
+                &gv,
+                &gqn,
+                &gqn,
+                kv,
+                &d,
+                pos,
+                &gstep,
+                &mut gq,
+                &mut gg,
+                &mut gout,
+                o,
+            );
+            let n = g.dispatches() - n0;
+            got.push((h(&g, &gout, hq * hd), h(&g, &gh, hid), n));
+        }
+        g.set_xq_ahead(false);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let what = format!("attn_decode_qk_add at pos {pos}");
+        assert_eq!(
+            bits(&got[1].0),
+            bits(&got[0].0),
+            "{what}: the attention's output"
+        );
+        assert_eq!(bits(&got[1].1), bits(&got[0].1), "{what}: h after o_proj");
+        assert_eq!(got[1].2 + 1, got[0].2, "{what}: launches");
     }
 }
 

@@ -70,6 +70,37 @@ pub const DEC_SG_SHADER_H: Shader = Shader {
     ),
 };
 
+/// attn_combine_x.wgsl's attn_combine4_x (o_proj's x staged by the combine; subgroup builtins:
+/// made only where the adapter has ordered subgroups, `xq_takes`). The combine reads no K/V:
+/// the f32 cache's module serves both.
+pub const ATTN_X_SHADER: Shader = Shader {
+    name: "attn_x",
+    src: concat!(
+        include_str!("shaders/common.wgsl"),
+        include_str!("shaders/kv_f32.wgsl"),
+        include_str!("shaders/attn_params.wgsl"),
+        include_str!("shaders/attention.wgsl"),
+        include_str!("shaders/q2x.wgsl"),
+        include_str!("shaders/q2x_sg.wgsl"),
+        include_str!("shaders/xq.wgsl"),
+        include_str!("shaders/attn_combine_x.wgsl")
+    ),
+};
+
+/// Whether attn_decode_qk can stage o_proj's x in its combine (`attn_combine4_x`, with `xq`):
+/// the attn_dec_gqa path (`LILY_WGPU_ATTN_TILE`, GQA), an adapter with ordered subgroups of one
+/// width ≥ 4 (q2x_words' shuffles), heads of a multiple of 32 up to 256.
+pub fn xq_takes(ctx: &Ctx, d: &Dims) -> bool {
+    let r = &ctx.report;
+    gqa(ctx, d)
+        && ctx.sw.attn_tile
+        && r.subgroups
+        && r.subgroup_min == r.subgroup_max
+        && r.subgroup_min >= 4
+        && d.head_dim.is_multiple_of(32)
+        && d.head_dim <= 256
+}
+
 /// The module of a cache's element type (`kv_ok` has checked K and V agree).
 fn shader(kv: &KvCache<WBuf>) -> &'static Shader {
     if kv.k.half {
@@ -242,6 +273,7 @@ pub fn attn_decode_qk(
     q: &mut WBuf,
     gate: &mut WBuf,
     out: &mut WBuf,
+    xq: Option<&::wgpu::Buffer>,
 ) {
     const OP: &str = "attn_decode_qk";
     let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
@@ -281,7 +313,7 @@ pub fn attn_decode_qk(
         ],
         (hq + kvh) as u32,
     );
-    decode_attend(ctx, q, gate, kv, d, step, out);
+    decode_attend(ctx, q, gate, kv, d, step, out, xq);
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -526,7 +558,7 @@ pub fn attn_decode(
         &[&k.buf, &v.buf, &step.buf, &kv.k.buf, &kv.v.buf],
         words.div_ceil(256) as u32,
     );
-    decode_attend(ctx, q, gate, kv, d, step, out);
+    decode_attend(ctx, q, gate, kv, d, step, out, None);
 }
 
 /// The decode attention's operands checked (a failure is recorded).
@@ -571,7 +603,9 @@ fn decode_ok(
 }
 
 /// Attention of one decode row over the cache rows 0..=pos (the row at pos already appended):
-/// the splits, then their combine with the gate.
+/// the splits, then their combine with the gate; with `xq` (`xq_takes`), the combine also
+/// stages the output for o_proj (attn_combine4_x, in q2x_stage's layouts).
+#[allow(clippy::too_many_arguments)]
 fn decode_attend(
     ctx: &Ctx,
     q: &WBuf,
@@ -580,6 +614,7 @@ fn decode_attend(
     d: &Dims,
     step: &WStep,
     out: &mut WBuf,
+    xq: Option<&::wgpu::Buffer>,
 ) {
     const OP: &str = "attn_decode";
     let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
@@ -653,6 +688,21 @@ fn decode_attend(
         &[&q.buf, &kv.k.buf, &kv.v.buf, &step.buf, &part],
         groups as u32,
     );
+    if let Some(xq) = xq {
+        if !(tile && xq_takes(ctx, d)) {
+            return ctx.fail(format!("{OP}: o_proj's x staged without attn_combine4_x"));
+        }
+        let bufs = [&part, &gate.buf, &out.buf, xq];
+        ctx.dispatch_spec(
+            &ATTN_X_SHADER,
+            "attn_combine4_x",
+            &consts,
+            &p,
+            &bufs,
+            hq as u32,
+        );
+        return;
+    }
     ctx.dispatch_spec(
         sh,
         combine,

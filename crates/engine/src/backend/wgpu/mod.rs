@@ -1148,8 +1148,60 @@ impl Backend for Wgpu {
             );
         }
         attention::attn_decode_qk(
-            &self.ctx, qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out,
+            &self.ctx, qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out, None,
         )
+    }
+    /// With `LILY_WGPU_XQ_AHEAD=1`, attn_combine4_x stages o_proj's x as it writes the
+    /// attention's output, so o_proj's gemv_q6 runs without a q2x_stage; else the ops.
+    fn attn_decode_qk_add(
+        &self,
+        qg: &WBuf,
+        k: &mut WBuf,
+        v: &WBuf,
+        q_norm: &WBuf,
+        k_norm: &WBuf,
+        kv: &mut KvCache<WBuf>,
+        d: &Dims,
+        pos: usize,
+        step: &WStep,
+        q: &mut WBuf,
+        gate: &mut WBuf,
+        out: &mut WBuf,
+        o: super::OProj<'_, Self>,
+    ) {
+        let staged = self
+            .ctx
+            .sw
+            .xq_ahead
+            .load(std::sync::atomic::Ordering::Relaxed)
+            && self.ctx.sw.fuse_rope
+            && attention::xq_takes(&self.ctx, d)
+            && o.w.inp == d.n_heads * d.head_dim
+            && matmul::q6_takes(&self.ctx, &[o.w])
+            && self.many_fits(out, &[o.w], 1, &[&mut *o.h]);
+        if !staged {
+            self.attn_decode_qk(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out);
+            return match &o.next {
+                Some(n) => self.matmul_q_add_ahead(out, o.w, o.r, o.h, n),
+                None => self.matmul_q_add(out, o.w, 1, o.r, o.h),
+            };
+        }
+        if o.next.as_ref().is_some_and(|n| !self.route_ahead(o.w, n)) {
+            return self.ctx.fail(
+                "attn_decode_qk_add: the MoE block to prepare, but route_ahead said no".to_string(),
+            );
+        }
+        let xq = match matmul::xq_scratch(&self.ctx, 1, o.w.inp) {
+            Ok(b) => b,
+            Err(e) => return self.ctx.fail(format!("attn_decode_qk_add: {e:#}")),
+        };
+        let xqr = Some(&xq);
+        attention::attn_decode_qk(
+            &self.ctx, qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out, xqr,
+        );
+        let om = o.next.as_ref().map_or(OutMode::Add, |n| self.ahead_mode(n));
+        let xin = XIn::Staged { xq: &xq };
+        matmul::gemv_many(&self.ctx, out, &[o.w], 0, 1, &mut [o.h], xin, om);
     }
 
     fn conv1d_prefill(

@@ -1180,7 +1180,12 @@ var<workgroup> c4_l: array<f32, 4>;
 
 @compute @workgroup_size(256)
 fn attn_combine4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let f = wg_index(wid);
+    c4_merge(wg_index(wid), li);
+}
+
+// attn_combine4's body for (row, head) f: writes out and returns this thread's vec4 of it
+// (thread li < hd / 4; zeros past). Every invocation calls it (barriers).
+fn c4_merge(f: u32, li: u32) -> vec4<f32> {
     let hd4 = ad_hd() / 4u;
     let rec = hd4 + 1u;
     let b0 = f * ad_splits() * rec;
@@ -1227,10 +1232,13 @@ fn attn_combine4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
         c4_l[sg] = l;
     }
     workgroupBarrier();
+    var r = vec4<f32>(0.0);
     if (li < hd4) {
         let t = c4_a[li] + c4_a[64u + li] + c4_a[128u + li] + c4_a[192u + li];
         let lt = c4_l[0] + c4_l[1] + c4_l[2] + c4_l[3];
         let o = f * hd4 + li;
-        c4_out[o] = t / lt * sigmoid4(c4_gate[o]);
+        r = t / lt * sigmoid4(c4_gate[o]);
+        c4_out[o] = r;
     }
+    return r;
 }
