@@ -545,28 +545,11 @@ impl<B: Backend> Qwen35<B> {
         let (b, d) = (&self.backend, &self.dims);
         let hd = self.cfg.hidden_size;
         // logits = lm_head(rms_norm(h, norm)), x staged by the last MoE block where it could.
-        if self.layers_ops(st, s, None, 1, None)? {
-            b.rms_norm_matmul_ahead(
-                &s.h,
-                &self.norm,
-                hd,
-                d.eps,
-                &mut s.xn,
-                &[&self.lm_head],
-                &mut [&mut s.logits],
-            );
-        } else {
-            b.rms_norm_matmul(
-                &s.h,
-                &self.norm,
-                1,
-                hd,
-                d.eps,
-                &mut s.xn,
-                &[&self.lm_head],
-                &mut [&mut s.logits],
-            );
-        }
+        let ahead = self.layers_ops(st, s, None, 1, None)?;
+        let (ws, mut outs) = ([&self.lm_head], [&mut s.logits]);
+        norm_matmul(
+            b, ahead, &s.h, &self.norm, 1, hd, d.eps, &mut s.xn, &ws, &mut outs,
+        );
         match pick {
             Pick::Sample(d) => {
                 b.sample_step(&s.logits, self.cfg.vocab_size, &mut d.inner, &mut st.step)
@@ -732,28 +715,8 @@ impl<B: Backend> Qwen35<B> {
                 (MixerLayer::Attn(a), LayerState::Attn(kv)) => {
                     let qkv = [&a.q_proj, &a.k_proj, &a.v_proj];
                     let mut outs = [&mut s.qg, &mut s.k, &mut s.v];
-                    if x_ahead {
-                        b.rms_norm_matmul_ahead(
-                            &s.h,
-                            &layer.input_norm,
-                            hd,
-                            d.eps,
-                            &mut s.xn,
-                            &qkv,
-                            &mut outs,
-                        );
-                    } else {
-                        b.rms_norm_matmul(
-                            &s.h,
-                            &layer.input_norm,
-                            t,
-                            hd,
-                            d.eps,
-                            &mut s.xn,
-                            &qkv,
-                            &mut outs,
-                        );
-                    }
+                    let (h, w, xn) = (&s.h, &layer.input_norm, &mut s.xn);
+                    norm_matmul(b, x_ahead, h, w, t, hd, d.eps, xn, &qkv, &mut outs);
                     if decode {
                         // attn_qk_norm_rope + attn_decode, then h = h + o_proj(o) (a GPU may
                         // fold the first two into one launch and stage o_proj's x in the last)
@@ -886,5 +849,27 @@ impl<B: Backend> Qwen35<B> {
         add_shared_expert(b, &s.xn, &shared, t, hd, tmp);
         b.add(&mut s.h, &s.moe, t * hd);
         false
+    }
+}
+
+/// `rms_norm_matmul` of `t` rows, or of one decode row whose x the MoE block before staged
+/// (`ahead`: Backend::norm_ahead said yes; `rms_norm_matmul_ahead`).
+#[allow(clippy::too_many_arguments)]
+fn norm_matmul<B: Backend>(
+    b: &B,
+    ahead: bool,
+    h: &B::Buf,
+    w: &B::Vec,
+    t: usize,
+    dim: usize,
+    eps: f32,
+    xn: &mut B::Buf,
+    ws: &[&B::Mat],
+    outs: &mut [&mut B::Buf],
+) {
+    if ahead {
+        b.rms_norm_matmul_ahead(h, w, dim, eps, xn, ws, outs);
+    } else {
+        b.rms_norm_matmul(h, w, t, dim, eps, xn, ws, outs);
     }
 }

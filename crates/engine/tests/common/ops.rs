@@ -321,6 +321,17 @@ pub fn end_to_end<B: Backend>(dev: B, preset: &str, tag: &str) -> E2e {
     }
 }
 
+/// x = rms_norm(h) · w in f64 (the exact values the ahead tests hold the device to).
+#[allow(dead_code)]
+pub fn normed_f64(hm: &[f32], nw: &[f32], eps: f32) -> Vec<f64> {
+    let ms = hm.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / hm.len() as f64;
+    let rr = 1.0 / (ms + eps as f64).sqrt();
+    hm.iter()
+        .zip(nw)
+        .map(|(&v, &w)| v as f64 * rr * w as f64)
+        .collect()
+}
+
 /// The router folded into the projection before it (Backend::route_ahead): its logits `on` (the
 /// router's E, then the shared gate's) against the fold's maths in f64 and against the unfolded
 /// router's `off`, from h after the projection `hm` and the MoE norm's weights `nw`. With x̃ =
@@ -337,13 +348,7 @@ pub fn fold_logit_errors(
     off: (&[f32], f32),
     tol: f32,
 ) -> (f64, f64) {
-    let ms = hm.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / hm.len() as f64;
-    let rr = 1.0 / (ms + eps as f64).sqrt();
-    let xt: Vec<f64> = hm
-        .iter()
-        .zip(nw)
-        .map(|(&v, &w)| v as f64 * rr * w as f64)
-        .collect();
+    let xt = normed_f64(hm, nw, eps);
     let e = router.out;
     let (mut worst_exact, mut worst_router) = (0f64, 0f64);
     let mut row = vec![0f32; hm.len()];

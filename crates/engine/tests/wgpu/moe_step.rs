@@ -551,6 +551,78 @@ fn moe_block_fused_other_shapes() {
     }
 }
 
+/// The projection and the MoE block after it of the ahead tests (route_ahead, xq_ahead), at the
+/// model's shapes: out_proj 4-bit [2048, 4096], an 8-bit router and shared gate, the experts
+/// (width 512) and the MoE norm's weights, on the host and on the device.
+struct AheadCase {
+    d: Dims,
+    router: HostLinear,
+    sgate: HostLinear,
+    m: [HostLinear; 6],
+    nw: Vec<f32>,
+    gwo: WM,
+    grt: WM,
+    gsg: WM,
+    gm: Vec<WM>,
+    gnw: WB,
+}
+
+impl AheadCase {
+    fn new(g: &Wgpu, rng: &mut Rng) -> Self {
+        let d = qwen_dims();
+        let (e, hid) = (d.n_experts, d.hidden);
+        let wo = rand_quant(rng, 1, hid, 4096, 4, 64, false);
+        let router = rand_quant(rng, 1, e, hid, 8, 64, false);
+        let sgate = rand_quant(rng, 1, 1, hid, 8, 64, false);
+        let m = rand_moe(rng, e, 512, hid, 4);
+        let gm = upload6(g, [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]]);
+        let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
+        AheadCase {
+            gwo: g.upload_mat(&wo).unwrap(),
+            grt: g.upload_mat(&router).unwrap(),
+            gsg: g.upload_mat(&sgate).unwrap(),
+            gnw: g.upload_vec(&nw).unwrap(),
+            d,
+            router,
+            sgate,
+            m,
+            nw,
+            gm,
+        }
+    }
+
+    fn next(&self) -> RouteAhead<'_, Wgpu> {
+        RouteAhead {
+            router: &self.grt,
+            shared_gate: &self.gsg,
+            norm: &self.gnw,
+        }
+    }
+
+    /// One token: h (`hv`) plus the projection of `gx`, prepared for the MoE block or not
+    /// (`ahead`), then moe_step_add on a copy of h after the projection (what the projection
+    /// prepared waits in the device's scratch): h after the projection and the block's outputs.
+    fn run(&self, g: &Wgpu, hv: &[f32], gx: &WB, ahead: bool) -> (Vec<f32>, StepOut) {
+        let hid = self.d.hidden;
+        let mut gh = g.upload(hv).unwrap();
+        let mut r = g.zeros(hid).unwrap();
+        if ahead {
+            g.matmul_q_add_ahead(gx, &self.gwo, &mut r, &mut gh, &self.next());
+        } else {
+            g.matmul_q_add(gx, &self.gwo, 1, &mut r, &mut gh);
+        }
+        let hmid = h(g, &gh, hid);
+        let gm = &self.gm;
+        let w = moe_weights(
+            &self.grt,
+            &self.gsg,
+            [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]],
+        );
+        let step = gpu_step(g, true, &hmid, &self.gnw, &w, &self.d, 512, ahead);
+        (hmid, step)
+    }
+}
+
 /// Opt-in `LILY_WGPU_ROUTE_AHEAD` (Backend::route_ahead; `Wgpu::set_route_ahead`): the MoE
 /// router folded into the decode projection before it (matmul_q_add_ahead: gemv_q6 omode 4;
 /// then moe_step_add with RouterScratch::ahead: xq_route.wgsl q2x_stage_ahead in place of
@@ -568,27 +640,11 @@ fn moe_block_fused_other_shapes() {
 #[test]
 fn route_ahead_matches_the_router() {
     let Some(g) = gpu() else { return };
-    let d = qwen_dims();
-    let (e, hid, inner, width) = (d.n_experts, d.hidden, 4096, 512);
     let mut rng = Rng(91);
-    let wo = rand_quant(&mut rng, 1, hid, inner, 4, 64, false);
-    let router = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
-    let sgate = rand_quant(&mut rng, 1, 1, hid, 8, 64, false);
-    let m = rand_moe(&mut rng, e, width, hid, 4);
-    let gm = upload6(&g, [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]]);
-    let (gwo, grt, gsg) = (
-        g.upload_mat(&wo).unwrap(),
-        g.upload_mat(&router).unwrap(),
-        g.upload_mat(&sgate).unwrap(),
-    );
-    let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
-    let gnw = g.upload_vec(&nw).unwrap();
-    let w = moe_weights(&grt, &gsg, [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]]);
-    let next = RouteAhead {
-        router: &grt,
-        shared_gate: &gsg,
-        norm: &gnw,
-    };
+    let c = AheadCase::new(&g, &mut rng);
+    let (d, hid, inner, m) = (&c.d, c.d.hidden, 4096, &c.m);
+    let (router, sgate, nw, gwo) = (&c.router, &c.sgate, &c.nw, &c.gwo);
+    let next = c.next();
     g.set_xq_ahead(false);
     g.set_route_ahead(true);
     if !g.route_ahead(&gwo, &next) {
@@ -596,28 +652,12 @@ fn route_ahead_matches_the_router() {
         println!("route_ahead: this adapter does not fold (no gemv_q6): skipped");
         return;
     }
-    // (h after the projection, moe_step_add's outputs after it)
-    type Out = (Vec<f32>, StepOut);
     for token in 0..3 {
         let hv = rng.vec(hid, 0.05);
         let xv = rng.vec(inner, 0.05);
         let gx = g.upload(&xv).unwrap();
-        let run = |ahead: bool| -> Out {
-            let mut gh = g.upload(&hv).unwrap();
-            let mut r = g.zeros(hid).unwrap();
-            if ahead {
-                g.matmul_q_add_ahead(&gx, &gwo, &mut r, &mut gh, &next);
-            } else {
-                g.matmul_q_add(&gx, &gwo, 1, &mut r, &mut gh);
-            }
-            // moe_step_add on a copy of h after the projection (the fold's sums wait in the
-            // device's scratch).
-            let hmid = h(&g, &gh, hid);
-            let step = gpu_step(&g, true, &hmid, &gnw, &w, &d, width, ahead);
-            (hmid, step)
-        };
-        let (off_h, off) = run(false);
-        let (on_h, on) = run(true);
+        let (off_h, off) = c.run(&g, &hv, &gx, false);
+        let (on_h, on) = c.run(&g, &hv, &gx, true);
         let what = format!("route_ahead, token {token}");
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&on_h), bits(&off_h), "{what}: h after the projection");
@@ -685,54 +725,23 @@ fn route_ahead_matches_the_router() {
 #[test]
 fn xq_ahead_matches_the_block() {
     let Some(g) = gpu() else { return };
-    let d = qwen_dims();
-    let (e, hid, inner, width) = (d.n_experts, d.hidden, 4096, 512);
     let mut rng = Rng(93);
-    let wo = rand_quant(&mut rng, 1, hid, inner, 4, 64, false);
-    let router = rand_quant(&mut rng, 1, e, hid, 8, 64, false);
-    let sgate = rand_quant(&mut rng, 1, 1, hid, 8, 64, false);
-    let m = rand_moe(&mut rng, e, width, hid, 4);
-    let gm = upload6(&g, [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]]);
-    let (gwo, grt, gsg) = (
-        g.upload_mat(&wo).unwrap(),
-        g.upload_mat(&router).unwrap(),
-        g.upload_mat(&sgate).unwrap(),
-    );
-    let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
-    let gnw = g.upload_vec(&nw).unwrap();
-    let w = moe_weights(&grt, &gsg, [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]]);
-    let next = RouteAhead {
-        router: &grt,
-        shared_gate: &gsg,
-        norm: &gnw,
-    };
+    let c = AheadCase::new(&g, &mut rng);
+    let (d, hid, inner, m) = (&c.d, c.d.hidden, 4096, &c.m);
+    let (router, sgate, nw, gwo) = (&c.router, &c.sgate, &c.nw, &c.gwo);
+    let next = c.next();
     g.set_xq_ahead(true);
     if !g.route_ahead(&gwo, &next) {
         g.set_xq_ahead(false);
         println!("xq_ahead: this adapter does not stage ahead (no gemv_q6s): skipped");
         return;
     }
-    type Out = (Vec<f32>, StepOut);
     for token in 0..3 {
         let hv = rng.vec(hid, 0.05);
         let xv = rng.vec(inner, 0.05);
         let gx = g.upload(&xv).unwrap();
-        let run = |ahead: bool| -> Out {
-            let mut gh = g.upload(&hv).unwrap();
-            let mut r = g.zeros(hid).unwrap();
-            if ahead {
-                g.matmul_q_add_ahead(&gx, &gwo, &mut r, &mut gh, &next);
-            } else {
-                g.matmul_q_add(&gx, &gwo, 1, &mut r, &mut gh);
-            }
-            // moe_step_add on a copy of h after the projection (the staged x waits in the
-            // device's scratch).
-            let hmid = h(&g, &gh, hid);
-            let step = gpu_step(&g, true, &hmid, &gnw, &w, &d, width, ahead);
-            (hmid, step)
-        };
-        let (off_h, off) = run(false);
-        let (on_h, on) = run(true);
+        let (off_h, off) = c.run(&g, &hv, &gx, false);
+        let (on_h, on) = c.run(&g, &hv, &gx, true);
         let what = format!("xq_ahead, token {token}");
         // The projection's sums: the same products in another order (32 rows a workgroup).
         let proj = |v: &[f32]| v.iter().zip(&hv).map(|(a, b)| a - b).collect::<Vec<_>>();
@@ -803,13 +812,7 @@ fn norm_rows_err_q2x<'a>(
     eps: f32,
     rows: impl Iterator<Item = (&'a HostLinear, usize, f32)>,
 ) -> f64 {
-    let ms = hm.iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / hm.len() as f64;
-    let rr = 1.0 / (ms + eps as f64).sqrt();
-    let xt: Vec<f64> = hm
-        .iter()
-        .zip(nw)
-        .map(|(&v, &w)| v as f64 * rr * w as f64)
-        .collect();
+    let xt = ops::normed_f64(hm, nw, eps);
     let mut row = vec![0f32; hm.len()];
     let mut worst = 0f64;
     for (mat, i, g) in rows {
