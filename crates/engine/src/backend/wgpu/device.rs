@@ -431,13 +431,18 @@ pub(super) struct Switches {
     /// but out_proj's gemv_q6 then carries 129 more rows a launch and q2x_stage_ahead the
     /// fold's sums. Atomic for the op tests (`Wgpu::set_route_ahead`).
     pub route_ahead: std::sync::atomic::AtomicBool,
-    /// `LILY_WGPU_XQ_AHEAD=1` (opt-in until measured on the H200): the MoE block's x staged by
-    /// the decode projection before it (Backend::route_ahead: gemv_q6s omode 5 stages rms_norm(h)
-    /// · w without the 1 / rms, with partial sums of squares; the router's gemv_q6s and
-    /// moe_gate_up_y apply the 1 / rms), so the block runs no q2x_stage: one launch fewer a
-    /// layer, out_proj / o_proj on 32 rows a workgroup. Takes precedence over `route_ahead`.
+    /// `LILY_WGPU_XQ_AHEAD` (opt-in until measured on the H200; `1` or `all`: this and
+    /// `xq_moe`; `next`: this alone): no q2x_stage before a decode step's projections but layer
+    /// 0's. The MoE block's down stages the next layer's x (moe_down_ys, Backend::norm_ahead)
+    /// and the attention's combine o_proj's (attn_combine4_x, Backend::attn_decode_qk_add).
     /// Atomic for the op tests (`Wgpu::set_xq_ahead`).
     pub xq_ahead: std::sync::atomic::AtomicBool,
+    /// With `LILY_WGPU_XQ_AHEAD` 1 / all: the MoE block's x staged by the projection before it
+    /// (Backend::route_ahead: gemv_q6s omode 5 stages rms_norm(h) · w without the 1 / rms, with
+    /// partial sums of squares; the router's gemv_q6s and moe_gate_up_y apply the 1 / rms), one
+    /// launch fewer a layer, but out_proj / o_proj on 32 rows a workgroup (64 workgroups, not
+    /// 256): `next` leaves it out to measure that apart. Takes precedence over `route_ahead`.
+    pub xq_moe: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_SPEC` (default `all`; `none` for the ablation; `Spec::parse`): decode kernels
     /// specialised to each launch by WGSL pipeline constants, one pipeline a launch shape
     /// (H200 at 4K, stop 38: 356.5 against 290.4 tok/s with none):
@@ -582,6 +587,16 @@ impl Switches {
                 eprintln!("LILY_WGPU_SPEC: {e:#}; no kernel specialised");
                 Spec::default()
             });
+        // LILY_WGPU_XQ_AHEAD: 0 off, 1 `next`, 2 `1` / `all`.
+        let xq_ahead = match std::env::var("LILY_WGPU_XQ_AHEAD").as_deref() {
+            Ok("1" | "all") => 2,
+            Ok("next") => 1,
+            Ok("0" | "") | Err(_) => 0,
+            Ok(v) => {
+                eprintln!("LILY_WGPU_XQ_AHEAD={v}: not 1, all, next or 0; off");
+                0
+            }
+        };
         Self {
             replay: on("LILY_WGPU_REPLAY"),
             gqa: on("LILY_WGPU_GQA"),
@@ -596,9 +611,8 @@ impl Switches {
             route_ahead: std::sync::atomic::AtomicBool::new(
                 std::env::var("LILY_WGPU_ROUTE_AHEAD").is_ok_and(|v| v == "1"),
             ),
-            xq_ahead: std::sync::atomic::AtomicBool::new(
-                std::env::var("LILY_WGPU_XQ_AHEAD").is_ok_and(|v| v == "1"),
-            ),
+            xq_ahead: std::sync::atomic::AtomicBool::new(xq_ahead != 0),
+            xq_moe: std::sync::atomic::AtomicBool::new(xq_ahead == 2),
             q6_spec: std::sync::atomic::AtomicBool::new(spec.q6),
             moe_spec: std::sync::atomic::AtomicBool::new(spec.moe),
             xq_spec: std::sync::atomic::AtomicBool::new(spec.xq),

@@ -429,7 +429,7 @@ pub fn stage_ahead_takes(
     sgate: &WMat,
     norm_len: usize,
 ) -> bool {
-    ctx.sw.xq_ahead.load(Ordering::Relaxed)
+    ctx.sw.xq_moe.load(Ordering::Relaxed)
         && ctx.sw.q6_spec.load(Ordering::Relaxed)
         && ctx.sw.fuse_epilogue
         && w.n == 1

@@ -209,13 +209,11 @@ impl Wgpu {
             .route_ahead
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
-    /// Switches the opt-in staging of the MoE block's x by the projection before it
-    /// (`LILY_WGPU_XQ_AHEAD`, Backend::route_ahead) on or off.
+    /// Switches the opt-in stagings of `LILY_WGPU_XQ_AHEAD` on (`1`: all three) or off.
     pub fn set_xq_ahead(&self, on: bool) {
-        self.ctx
-            .sw
-            .xq_ahead
-            .store(on, std::sync::atomic::Ordering::Relaxed);
+        let sw = &self.ctx.sw;
+        sw.xq_ahead.store(on, std::sync::atomic::Ordering::Relaxed);
+        sw.xq_moe.store(on, std::sync::atomic::Ordering::Relaxed);
     }
     /// Runs the decode kernels `kernels` names specialised to their launch from now on, the
     /// others not (`LILY_WGPU_SPEC`'s values: `q6`, `moe`, `xq`, `gdn`, `attn`, comma-separated, `all`,
@@ -433,7 +431,7 @@ impl Wgpu {
     fn xq_ahead_on(&self, router: &WMat, sgate: &WMat, norm_len: usize) -> bool {
         let sw = &self.ctx.sw;
         let on = |a: &std::sync::atomic::AtomicBool| a.load(std::sync::atomic::Ordering::Relaxed);
-        on(&sw.xq_ahead)
+        on(&sw.xq_moe)
             && on(&sw.q6_spec)
             && on(&sw.moe_spec)
             && matmul::q6_takes(&self.ctx, &[router, sgate])
@@ -725,7 +723,7 @@ impl Backend for Wgpu {
             OutMode::Add,
         );
     }
-    /// `LILY_WGPU_XQ_AHEAD=1`: moe_down_ys stages the next op's x where the block's two
+    /// `LILY_WGPU_XQ_AHEAD` 1 or next: moe_down_ys stages the next op's x where the block's two
     /// launches are moe_gate_up_y and moe_down_y (`moe::stage_next_takes`).
     fn norm_ahead(&self, w: &super::MoeWeights<'_, Self>, next: &WBuf, d: &Dims) -> bool {
         let sh = [w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj];
@@ -1151,7 +1149,7 @@ impl Backend for Wgpu {
             &self.ctx, qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out, None,
         )
     }
-    /// With `LILY_WGPU_XQ_AHEAD=1`, attn_combine4_x stages o_proj's x as it writes the
+    /// With `LILY_WGPU_XQ_AHEAD` 1 or next, attn_combine4_x stages o_proj's x as it writes the
     /// attention's output, so o_proj's gemv_q6 runs without a q2x_stage; else the ops.
     fn attn_decode_qk_add(
         &self,

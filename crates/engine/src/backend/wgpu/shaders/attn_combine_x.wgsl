@@ -3,7 +3,7 @@
 // in a module made only on adapters with ordered subgroups of ≥ 4 lanes). The CPU twin: cpu's
 // attn_decode then matmul_q's x, the staging's error Q2X_TOL's.
 //
-// `LILY_WGPU_XQ_AHEAD=1` (Backend::attn_decode_qk_add): c4_merge writes the head's output as
+// `LILY_WGPU_XQ_AHEAD` 1 or next (Backend::attn_decode_qk_add): c4_merge writes the head's output as
 // attn_combine4 does, then the workgroup stages it as q2x_stage would stage that row of o
 // (xq.wgsl xq_put, the same words bit for bit): thread i < hd / 8 takes elements 8i .. 8i + 7
 // of the head (one 4-bit word every 4 threads), so o_proj's gemv_q6 reads it and no q2x_stage

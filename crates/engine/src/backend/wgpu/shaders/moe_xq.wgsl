@@ -804,7 +804,7 @@ fn moe_down_y(
 }
 
 // moe_down_ys (the MoE block of a decode step with the next op's x staged ahead: Backend::
-// norm_ahead, `LILY_WGPU_XQ_AHEAD=1`): moe_down_y's sums for one token (the same lanes, loads
+// norm_ahead, `LILY_WGPU_XQ_AHEAD` 1 or next): moe_down_y's sums for one token (the same lanes, loads
 // and order), 32 outputs a workgroup (a team of T = 16 lanes takes outputs ob + i and ob + 16 +
 // i, their loads issued together; T = 8: one), then, after the residual add, the next op's x =
 // rms_norm(h) · w (w at binding 12) staged without the 1 / rms as matmul_sg.wgsl's omode 5
