@@ -67,6 +67,7 @@ pub fn shaders() -> Vec<Shader> {
         super::attention::SHADER_H,
         super::attention::DEC_SG_SHADER,
         super::attention::DEC_SG_SHADER_H,
+        super::attention::ATTN_X_SHADER,
         super::gdn::SHADER,
         super::gdn::SHADER_SG,
         super::gdn::STEP_SHADER,
