@@ -724,7 +724,7 @@ impl<B: Backend> Qwen35<B> {
                             w: &a.o_proj,
                             r: &mut s.r,
                             h: &mut s.h,
-                            next: ahead.clone(),
+                            next: ahead,
                         };
                         b.attn_decode_qk_add(
                             &s.qg,

@@ -647,7 +647,7 @@ fn route_ahead_matches_the_router() {
     let next = c.next();
     g.set_xq_ahead(false);
     g.set_route_ahead(true);
-    if !g.route_ahead(&gwo, &next) {
+    if !g.route_ahead(gwo, &next) {
         g.set_route_ahead(false);
         println!("route_ahead: this adapter does not fold (no gemv_q6): skipped");
         return;
@@ -664,10 +664,10 @@ fn route_ahead_matches_the_router() {
         assert_eq!(bits(&on.x), bits(&off.x), "{what}: x");
         let (worst_exact, worst_router) = fold_logit_errors(
             &on_h,
-            &nw,
+            nw,
             d.eps,
-            &router,
-            &sgate,
+            router,
+            sgate,
             (&on.logits, on.s),
             (&off.logits, off.s),
             F32_TOL,
@@ -683,7 +683,7 @@ fn route_ahead_matches_the_router() {
             1.0,
         );
         let mut cr = CpuRoute::default();
-        Cpu.moe_route(&on.logits, &d, 1, &mut cr);
+        Cpu.moe_route(&on.logits, d, 1, &mut cr);
         assert_eq!(on.ids, cr.ids, "{what}: route ids differ from the CPU's");
         let werr =
             on.w.iter()
@@ -695,7 +695,7 @@ fn route_ahead_matches_the_router() {
             &cr,
             [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]],
             on.s,
-            &d,
+            d,
         );
         let out: Vec<f32> = on.h.iter().zip(&on_h).map(|(a, b)| a - b).collect();
         check(
@@ -731,7 +731,7 @@ fn xq_ahead_matches_the_block() {
     let (router, sgate, nw, gwo) = (&c.router, &c.sgate, &c.nw, &c.gwo);
     let next = c.next();
     g.set_xq_ahead(true);
-    if !g.route_ahead(&gwo, &next) {
+    if !g.route_ahead(gwo, &next) {
         g.set_xq_ahead(false);
         println!("xq_ahead: this adapter does not stage ahead (no gemv_q6s): skipped");
         return;
@@ -752,7 +752,7 @@ fn xq_ahead_matches_the_block() {
         );
         assert_eq!(on.launches + 1, off.launches, "{what}: launches");
         for (name, got) in [("staged ahead", &on), ("the router's", &off)] {
-            let worst = logit_err_q2x(&on_h, &nw, d.eps, &router, &sgate, (&got.logits, got.s));
+            let worst = logit_err_q2x(&on_h, nw, d.eps, router, sgate, (&got.logits, got.s));
             check(
                 &format!("{what} ({name} logits against f64, / bound)"),
                 worst as f32,
@@ -760,7 +760,7 @@ fn xq_ahead_matches_the_block() {
             );
         }
         let mut cr = CpuRoute::default();
-        Cpu.moe_route(&on.logits, &d, 1, &mut cr);
+        Cpu.moe_route(&on.logits, d, 1, &mut cr);
         assert_eq!(on.ids, cr.ids, "{what}: route ids differ from the CPU's");
         let werr =
             on.w.iter()
@@ -768,13 +768,13 @@ fn xq_ahead_matches_the_block() {
                 .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
         check(&format!("{what} (route weights, abs)"), werr, 1e-6);
         let mut cx = vec![0f32; hid];
-        Cpu.rms_norm(&on_h, &nw, 1, hid, d.eps, &mut cx);
+        Cpu.rms_norm(&on_h, nw, 1, hid, d.eps, &mut cx);
         let want = cpu_moe(
             &cx,
             &cr,
             [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]],
             on.s,
-            &d,
+            d,
         );
         let out: Vec<f32> = on.h.iter().zip(&on_h).map(|(a, b)| a - b).collect();
         check(
