@@ -518,10 +518,7 @@ pub trait Backend: Send + Sync {
         o: OProj<'_, Self>,
     ) {
         self.attn_decode_qk(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out);
-        match &o.next {
-            Some(n) => self.matmul_q_add_ahead(out, o.w, o.r, o.h, n),
-            None => self.matmul_q_add(out, o.w, 1, o.r, o.h),
-        }
+        out_proj_add(self, out, o.w, o.r, o.h, o.next.as_ref());
     }
 
     // ---- Gated DeltaNet

@@ -686,9 +686,9 @@ impl<B: Backend> Backend for Profiled<B> {
                 .inner
                 .attn_decode_qk_add(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out, oi);
         }
-        // Profiled: the ops, each charged to its own family (route_ahead says no).
+        // Profiled: the ops, each charged to its own family.
         self.attn_decode_qk(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out);
-        self.matmul_q_add(out, o.w, 1, o.r, o.h);
+        super::out_proj_add(self, out, o.w, o.r, o.h, o.next.as_ref());
     }
 
     fn conv1d_prefill(

@@ -1179,10 +1179,7 @@ impl Backend for Wgpu {
             && self.many_fits(out, &[o.w], 1, &[&mut *o.h]);
         if !staged {
             self.attn_decode_qk(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out);
-            return match &o.next {
-                Some(n) => self.matmul_q_add_ahead(out, o.w, o.r, o.h, n),
-                None => self.matmul_q_add(out, o.w, 1, o.r, o.h),
-            };
+            return super::out_proj_add(self, out, o.w, o.r, o.h, o.next.as_ref());
         }
         if o.next.as_ref().is_some_and(|n| !self.route_ahead(o.w, n)) {
             return self.ctx.fail(
