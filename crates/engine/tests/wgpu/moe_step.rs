@@ -710,7 +710,7 @@ fn route_ahead_matches_the_router() {
 /// Opt-in `LILY_WGPU_XQ_AHEAD` (Backend::route_ahead; `Wgpu::set_xq_ahead`): the MoE block's x
 /// staged by the decode projection before it (matmul_q_add_ahead: gemv_q6s omode 5 stages h · w
 /// without the norm's 1 / rms, with its workgroups' partial sums of squares), read by the
-/// router's gemv_q6s (Q6_RN) and moe_gate_up_y (MY_RN), which apply the 1 / rms; against the
+/// router's gemv_q6s (Q6_RNG) and moe_gate_up_y (MY_RN), which apply the 1 / rms; against the
 /// same device's ops without it, at the model's shapes, three tokens in a row on one device.
 /// * h after the projection within F32_TOL of without: the same products, summed in another
 ///   order (omode 5 takes 32 rows a workgroup, so its teams are narrower).
@@ -830,7 +830,7 @@ fn norm_rows_err_q2x<'a>(
 
 /// Opt-in `LILY_WGPU_XQ_AHEAD` (Backend::norm_ahead): the MoE block's down (moe_xq.wgsl
 /// moe_down_ys) stages the next op's x = rms_norm(h) · w without the 1 / rms (its partial sums
-/// of squares after the row), and `rms_norm_matmul_ahead` reads it (gemv_q6s with Q6_RN, no
+/// of squares after the row), and `rms_norm_matmul_ahead` reads it (gemv_q6s with Q6_RNG, no
 /// q2x_stage), against moe_step_add without it then `rms_norm_matmul`, at the model's shapes
 /// (the next projections 4-bit [1024, 2048] and 8-bit [64, 2048] in one launch), three tokens
 /// in a row on one device.

@@ -413,7 +413,7 @@ pub fn step_x_takes(ctx: &Ctx, d: &Dims) -> bool {
 
 /// Whether the GDN mixer takes gdn_step_xs (`gated_delta_x` with `split`;
 /// `LILY_WGPU_GDN_STEP=xs`): gdn_step_x's conditions (heads of whole 32-row workgroups, Dv / 32
-/// a head) and out_proj on gemv_q6s (its Q6_RNH applies the heads' 1 / rms).
+/// a head) and out_proj on gemv_q6s (its Q6_RNG = Dv applies the heads' 1 / rms).
 pub fn step_xs_takes(ctx: &Ctx, d: &Dims) -> bool {
     ctx.sw.gdn_step.load(Ordering::Relaxed) == 4
         && step_x_takes(ctx, d)
@@ -432,7 +432,7 @@ pub fn xs_scratch(ctx: &Ctx, x: usize) -> anyhow::Result<::wgpu::Buffer> {
 /// One decode token's gated delta rule, its gated norm and out_proj's x staged into `xq` (row 0
 /// of q2x_stage's layouts, `matmul::xq_scratch`), in one launch (gdn_step_x.wgsl): y is never
 /// written. With `split` (`step_xs_takes`), gdn_step_xs: x staged without the heads' 1 / rms,
-/// their partial sums after the row (`xs_scratch`), for out_proj's `XIn::StagedRnh`. The caller
+/// their partial sums after the row (`xs_scratch`), for out_proj's `XIn::StagedRn` (group Dv). The caller
 /// checks `step_x_takes`; the shapes are checked here.
 #[allow(clippy::too_many_arguments)]
 pub fn gated_delta_x(

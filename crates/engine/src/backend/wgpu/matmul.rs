@@ -384,19 +384,16 @@ pub enum XIn<'a> {
     /// `xq_scratch`; gdn.rs `gated_delta_x` writes it), so no q2x_stage runs and the `x` given
     /// to `gemv_many` is not read.
     Staged { xq: &'a ::wgpu::Buffer },
-    /// gemv_q6s only, one row: x = rms_norm(h) · w staged ahead by the projection that wrote h
-    /// (`OutMode::AddStage`: h · w staged without the norm's 1 / rms, the partial sums of
-    /// squares after the row, in `stage_ahead_scratch`); the dots are scaled by the 1 / rms
-    /// those sums give (matmul_sg.wgsl q6_rn, with `eps`).
-    StagedRn { xq: &'a ::wgpu::Buffer, eps: f32 },
-    /// gemv_q6s only, one row: x staged by gdn.rs `gated_delta_x` with `split` (gdn_step_xs)
-    /// without its heads' 1 / rms (heads of `hd` elements, a multiple of 32), their partial sums
-    /// of squares after the row (`gdn::xs_scratch`): each word's scale and sum scaled by its
-    /// head's 1 / rms (matmul_sg.wgsl q6_hscale, with `eps`).
-    StagedRnh {
+    /// gemv_q6s only, one row: x staged without its norm's 1 / rms by the launch that wrote
+    /// what it norms, with a partial sum of squares for every 32 elements after the row: x =
+    /// rms_norm(h) · w by the projection or the MoE block before (`OutMode::AddStage`,
+    /// moe_down_ys; `stage_ahead_scratch`; `group` = the row), or the gated norm of each head by
+    /// gdn_step_xs (`gdn::xs_scratch`; `group` = the head size, a multiple of 32). The dots are
+    /// scaled by each group's 1 / rms (matmul_sg.wgsl q6_rn, q6_hscale; Q6_RNG), with `eps`.
+    StagedRn {
         xq: &'a ::wgpu::Buffer,
         eps: f32,
-        hd: usize,
+        group: usize,
     },
 }
 
@@ -667,11 +664,6 @@ pub fn gemv_many_xq(
             return None;
         }
         XIn::StagedRn { eps, .. } => (0, *eps, &dummies[3], &dummies[4]),
-        XIn::StagedRnh { .. } if !(q6 && rows == 1 && ctx.sw.q6_spec.load(Ordering::Relaxed)) => {
-            ctx.fail("gemv_many: x staged by gdn_step_xs without gemv_q6s on one row".to_string());
-            return None;
-        }
-        XIn::StagedRnh { eps, .. } => (0, *eps, &dummies[3], &dummies[4]),
     };
     let (om, r, s) = match &omode {
         OutMode::Store => (0u32, &dummies[5], &dummies[6]),
@@ -722,9 +714,7 @@ pub fn gemv_many_xq(
     if q6 {
         let inp = ws[0].inp;
         let staged;
-        let xq = if let XIn::Staged { xq } | XIn::StagedRn { xq, .. } | XIn::StagedRnh { xq, .. } =
-            &xin
-        {
+        let xq = if let XIn::Staged { xq } | XIn::StagedRn { xq, .. } = &xin {
             *xq
         } else {
             staged = match xq_scratch(ctx, rows, inp) {
@@ -798,12 +788,11 @@ pub fn gemv_many_xq(
         let groups = (blocks * rows) as u32;
         if ctx.sw.q6_spec.load(Ordering::Relaxed) {
             let mut consts = q6_spec(ctx, ws, rows, om, &lanes, &start);
-            consts.push(("Q6_RN", matches!(xin, XIn::StagedRn { .. }) as u32));
-            let rnh = match xin {
-                XIn::StagedRnh { hd, .. } => hd as u32,
+            let group = match xin {
+                XIn::StagedRn { group, .. } => group as u32,
                 _ => 0,
             };
-            consts.push(("Q6_RNH", rnh));
+            consts.push(("Q6_RNG", group));
             ctx.dispatch_spec(&sg_shader(), "gemv_q6s", &consts, &p, &bufs, groups);
         } else {
             ctx.dispatch(&sg_shader(), "gemv_q6", &p, &bufs, groups);

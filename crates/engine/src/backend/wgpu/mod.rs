@@ -737,7 +737,7 @@ impl Backend for Wgpu {
             && d.top_k <= d.n_experts
             && next.len >= d.hidden
     }
-    /// The staging moe_down_ys left, read by gemv_q6s with Q6_RN where these projections take
+    /// The staging moe_down_ys left, read by gemv_q6s with Q6_RNG where these projections take
     /// it (one launch: no q2x_stage); else `rms_norm_matmul` from h.
     fn rms_norm_matmul_ahead(
         &self,
@@ -756,7 +756,11 @@ impl Backend for Wgpu {
             Ok(b) => b,
             Err(e) => return self.ctx.fail(format!("rms_norm_matmul_ahead: {e:#}")),
         };
-        let xin = XIn::StagedRn { xq: &xq, eps };
+        let xin = XIn::StagedRn {
+            xq: &xq,
+            eps,
+            group: dim,
+        };
         matmul::gemv_many(&self.ctx, h, ws, 0, 1, outs, xin, OutMode::Store);
     }
     fn route_ahead(&self, out: &WMat, next: &super::RouteAhead<'_, Self>) -> bool {
@@ -834,7 +838,11 @@ impl Backend for Wgpu {
             None
         };
         let xin = match &xq_ahead {
-            Some(xq) => XIn::StagedRn { xq, eps },
+            Some(xq) => XIn::StagedRn {
+                xq,
+                eps,
+                group: d.hidden,
+            },
             None => XIn::Norm {
                 w: norm,
                 eps,
@@ -877,10 +885,10 @@ impl Backend for Wgpu {
                 &self.ctx, t.qkv_c, t.z, t.b, t.a, w.params, ssm, d, &xq, split,
             );
             let xin = if split {
-                XIn::StagedRnh {
+                XIn::StagedRn {
                     xq: &xq,
                     eps: d.eps,
-                    hd: dv,
+                    group: dv,
                 }
             } else {
                 XIn::Staged { xq: &xq }
@@ -1013,7 +1021,11 @@ impl Backend for Wgpu {
                 Ok(b) => b,
                 Err(err) => return self.ctx.fail(format!("moe_step_add: {err:#}")),
             };
-            let xin = XIn::StagedRn { xq: &xq, eps };
+            let xin = XIn::StagedRn {
+                xq: &xq,
+                eps,
+                group: d.hidden,
+            };
             let ws = [w.router, w.shared_gate];
             let mut outs = [&mut *r.logits, &mut *r.s];
             matmul::gemv_many(&self.ctx, h, &ws, 0, 1, &mut outs, xin, OutMode::Store);

@@ -78,7 +78,7 @@ fn gdn_step_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
 // workgroups hold (4 at Dv = 128), so each stages its 32 rows of x' = (y · w) · silu(z) as one
 // 4-bit word (two 8-bit) without it (q2x's words are linear in x: matmul_sg.wgsl omode 5's
 // header has the why) and writes its Σ y² (rows in order) after the staged row, at u32 wg;
-// out_proj's gemv_q6s (Q6_RNH = Dv) takes each head's 1 / rms from its Dv / 32 sums and scales
+// out_proj's gemv_q6s (Q6_RNG = Dv) takes each head's 1 / rms from its Dv / 32 sums and scales
 // that head's words. Dv a multiple of 32 up to 128.
 @compute @workgroup_size(256)
 fn gdn_step_xs(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {

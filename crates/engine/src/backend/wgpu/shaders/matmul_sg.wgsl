@@ -467,7 +467,9 @@ fn q6s_run{M}(blk: u32, t: u32, li: u32, lane_sg: u32) {
     let lane = li % T;
     let o0 = (blk * (256u / T) + li / T) * R;
     let xb = q6_xb(t, m.inp);
-    let acc = q6_dot{M}(m, o0, R, lane, T, xb, Q6_RNH) * q6_rn(xb, m.inp);
+    // x staged without its norm's 1 / rms (Q6_RNG): the row's scales the sum, a head's each word.
+    let row = Q6_RNG == Q6_INP{M};
+    let acc = q6_dot{M}(m, o0, R, lane, T, xb, select(Q6_RNG, 0u, row)) * q6_rn(xb, m.inp, row);
     q6_tail({M}u, m, blk, t, li, lane_sg, Q6_SG, T, R, o0, Q6_OMODE, acc);
 }
 
@@ -556,7 +558,7 @@ fn q6_fold(li: u32, col0: u32, rb: u32) {
 // the rounding of the division), so a workgroup stages its 32 rows of h · w (w the MoE norm's
 // weights, at aux) as one 4-bit word (two 8-bit) without r, in xq.wgsl's layouts (xq_put's
 // indices; q2x_words' maths), and writes its rows' Σ h² (in row order) after the staged row:
-// the readers (gemv_q6s with Q6_RN, moe_xq.wgsl's moe_gate_up_y with MY_RN) take r from those
+// the readers (gemv_q6s with Q6_RNG, moe_xq.wgsl's moe_gate_up_y with MY_RN) take r from those
 // partial sums (q6_rn) and scale their dot products by it. Words and sums go to binding 22 as
 // u32s (atomicStore: the words are bit patterns, not floats). Needs 32 rows a workgroup
 // (matmul.rs `stage_ahead_shape`) and out a multiple of 128.
@@ -610,10 +612,11 @@ fn q6_put4(v: u32, a: vec4<u32>) {
     q6_put(v, 3u, a.w);
 }
 
-// The row's 1 / rms for a reader of x staged by omode 5 (gemv_q6s with Q6_RN; else 1): the
-// partial sums of squares after the staged row at xb (n / 32 of them), added in order.
-fn q6_rn(xb: u32, n: u32) -> f32 {
-    if (!Q6_RN) {
+// The row's 1 / rms for a reader of x staged without it (`on`: gemv_q6s with Q6_RNG = the row;
+// else 1): the partial sums of squares after the staged row at xb (n / 32 of them), added in
+// order, in vec4s (q6_hscale's sum for a head, in its order).
+fn q6_rn(xb: u32, n: u32, on: bool) -> f32 {
+    if (!on) {
         return 1.0;
     }
     var s = 0.0;
@@ -628,9 +631,10 @@ fn q6_rn(xb: u32, n: u32) -> f32 {
     return 1.0 / sqrt(s / f32(n) + pv.eps);
 }
 
-// A word's scale for x staged by gdn_step_xs (`rnh` > 0: heads of rnh elements, a multiple of
-// 32, each with rnh / 32 partial sums of squares, in order, after the staged row): the 1 / rms
-// of the head holding element e (the gated norm's r, gdn_step_x's arithmetic); 1 when rnh is 0.
+// A word's scale for x staged without its norm's 1 / rms in groups smaller than the row
+// (gdn_step_xs's heads: `rnh` > 0 elements, a multiple of 32, each with rnh / 32 partial sums of
+// squares, in order, after the staged row): the 1 / rms of the group holding element e (the
+// gated norm's r, gdn_step_x's arithmetic); 1 when rnh is 0.
 fn q6_hscale(xb: u32, e: u32, rnh: u32, n: u32) -> f32 {
     if (rnh == 0u) {
         return 1.0;
@@ -755,11 +759,10 @@ override Q6_SG: u32 = 32u;
 override Q6_S1: u32 = 0u;
 override Q6_S2: u32 = 0u;
 override Q6_S3: u32 = 0u;
-// x staged ahead by a projection's omode 5 (without the norm's 1 / rms): the dots scaled by
-// q6_rn's. One row of x.
-override Q6_RN: bool = false;
-// x staged by gdn_step_xs: its heads' size (q6_dot's rnh); 0 otherwise.
-override Q6_RNH: u32 = 0u;
+// x staged without its norm's 1 / rms (omode 5, moe_xq.wgsl moe_down_ys, gdn_step_xs; one row
+// of x): the size of the norm's groups, the row (one 1 / rms, q6_rn, on the sum) or less
+// (gdn_step_xs's heads: each word's, q6_hscale); 0: x staged whole.
+override Q6_RNG: u32 = 0u;
 
 @compute @workgroup_size(256)
 fn gemv_q6s(
