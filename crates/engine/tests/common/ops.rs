@@ -321,6 +321,15 @@ pub fn end_to_end<B: Backend>(dev: B, preset: &str, tag: &str) -> E2e {
     }
 }
 
+/// Row i of `mat` against x in f64: the product and Σ |terms| (the scale of its rounding);
+/// `row` is scratch of x's length.
+pub fn row_exact(mat: &HostLinear, i: usize, x: &[f64], row: &mut [f32]) -> (f64, f64) {
+    mat.view(0).row_f32(i, row);
+    let exact: f64 = row.iter().zip(x).map(|(&r, &x)| r as f64 * x).sum();
+    let a: f64 = row.iter().zip(x).map(|(&r, &x)| (r as f64 * x).abs()).sum();
+    (exact, a)
+}
+
 /// x = rms_norm(h) · w in f64 (the exact values the ahead tests hold the device to).
 #[allow(dead_code)]
 pub fn normed_f64(hm: &[f32], nw: &[f32], eps: f32) -> Vec<f64> {
@@ -356,13 +365,7 @@ pub fn fold_logit_errors(
         .map(|i| (router, i, on.0[i], off.0[i]))
         .chain(std::iter::once((sgate, 0, on.1, off.1)));
     for (mat, i, got, base) in rows {
-        mat.view(0).row_f32(i, &mut row);
-        let exact: f64 = row.iter().zip(&xt).map(|(&r, &x)| r as f64 * x).sum();
-        let a: f64 = row
-            .iter()
-            .zip(&xt)
-            .map(|(&r, &x)| (r as f64 * x).abs())
-            .sum();
+        let (exact, a) = row_exact(mat, i, &xt, &mut row);
         worst_exact = worst_exact.max((got as f64 - exact).abs() / (tol as f64 * a + 1e-6));
         worst_router = worst_router.max((got as f64 - base as f64).abs() / (a / 256.0 + 1e-6));
     }

@@ -621,6 +621,28 @@ impl AheadCase {
         let step = gpu_step(g, true, &hmid, &self.gnw, &w, &self.d, 512, ahead);
         (hmid, step)
     }
+
+    /// The block's route against the CPU's moe_route of its logits (ids equal, weights to
+    /// 1e-6), and its MoE output (h after it minus `hmid`, h before) within MOE_TOL of the
+    /// CPU's on x `cx`, that route and its shared logit.
+    fn check_block(&self, on: &StepOut, hmid: &[f32], cx: &Vec<f32>, what: &str) {
+        let (d, m) = (&self.d, &self.m);
+        let mut cr = CpuRoute::default();
+        Cpu.moe_route(&on.logits, d, 1, &mut cr);
+        assert_eq!(on.ids, cr.ids, "{what}: route ids differ from the CPU's");
+        let werr =
+            on.w.iter()
+                .zip(&cr.weights)
+                .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
+        check(&format!("{what} (route weights, abs)"), werr, 1e-6);
+        let want = cpu_moe(cx, &cr, [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]], on.s, d);
+        let out: Vec<f32> = on.h.iter().zip(hmid).map(|(a, b)| a - b).collect();
+        check(
+            &format!("{what} (MoE output)"),
+            rel_rows(&out, &want, d.hidden),
+            MOE_TOL,
+        );
+    }
 }
 
 /// Opt-in `LILY_WGPU_ROUTE_AHEAD` (Backend::route_ahead; `Wgpu::set_route_ahead`): the MoE
@@ -642,7 +664,7 @@ fn route_ahead_matches_the_router() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(91);
     let c = AheadCase::new(&g, &mut rng);
-    let (d, hid, inner, m) = (&c.d, c.d.hidden, 4096, &c.m);
+    let (d, hid, inner) = (&c.d, c.d.hidden, 4096);
     let (router, sgate, nw, gwo) = (&c.router, &c.sgate, &c.nw, &c.gwo);
     let next = c.next();
     g.set_xq_ahead(false);
@@ -682,27 +704,7 @@ fn route_ahead_matches_the_router() {
             worst_router as f32,
             1.0,
         );
-        let mut cr = CpuRoute::default();
-        Cpu.moe_route(&on.logits, d, 1, &mut cr);
-        assert_eq!(on.ids, cr.ids, "{what}: route ids differ from the CPU's");
-        let werr =
-            on.w.iter()
-                .zip(&cr.weights)
-                .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-        check(&format!("{what} (route weights, abs)"), werr, 1e-6);
-        let want = cpu_moe(
-            &on.x,
-            &cr,
-            [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]],
-            on.s,
-            d,
-        );
-        let out: Vec<f32> = on.h.iter().zip(&on_h).map(|(a, b)| a - b).collect();
-        check(
-            &format!("{what} (MoE output)"),
-            rel_rows(&out, &want, hid),
-            MOE_TOL,
-        );
+        c.check_block(&on, &on_h, &on.x, &what);
     }
     g.set_route_ahead(false);
 }
@@ -727,7 +729,7 @@ fn xq_ahead_matches_the_block() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(93);
     let c = AheadCase::new(&g, &mut rng);
-    let (d, hid, inner, m) = (&c.d, c.d.hidden, 4096, &c.m);
+    let (d, hid, inner) = (&c.d, c.d.hidden, 4096);
     let (router, sgate, nw, gwo) = (&c.router, &c.sgate, &c.nw, &c.gwo);
     let next = c.next();
     g.set_xq_ahead(true);
@@ -759,29 +761,10 @@ fn xq_ahead_matches_the_block() {
                 1.0,
             );
         }
-        let mut cr = CpuRoute::default();
-        Cpu.moe_route(&on.logits, d, 1, &mut cr);
-        assert_eq!(on.ids, cr.ids, "{what}: route ids differ from the CPU's");
-        let werr =
-            on.w.iter()
-                .zip(&cr.weights)
-                .fold(0f32, |a, (x, y)| a.max((x - y).abs()));
-        check(&format!("{what} (route weights, abs)"), werr, 1e-6);
+        // The staged path writes no xn: the CPU's x is rms_norm(h)·w.
         let mut cx = vec![0f32; hid];
         Cpu.rms_norm(&on_h, nw, 1, hid, d.eps, &mut cx);
-        let want = cpu_moe(
-            &cx,
-            &cr,
-            [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]],
-            on.s,
-            d,
-        );
-        let out: Vec<f32> = on.h.iter().zip(&on_h).map(|(a, b)| a - b).collect();
-        check(
-            &format!("{what} (MoE output)"),
-            rel_rows(&out, &want, hid),
-            MOE_TOL,
-        );
+        c.check_block(&on, &on_h, &cx, &what);
     }
     g.set_xq_ahead(false);
 }
@@ -816,13 +799,7 @@ fn norm_rows_err_q2x<'a>(
     let mut row = vec![0f32; hm.len()];
     let mut worst = 0f64;
     for (mat, i, g) in rows {
-        mat.view(0).row_f32(i, &mut row);
-        let exact: f64 = row.iter().zip(&xt).map(|(&r, &x)| r as f64 * x).sum();
-        let a: f64 = row
-            .iter()
-            .zip(&xt)
-            .map(|(&r, &x)| (r as f64 * x).abs())
-            .sum();
+        let (exact, a) = ops::row_exact(mat, i, &xt, &mut row);
         worst = worst.max((g as f64 - exact).abs() / (a / 4096.0 + 1e-6));
     }
     worst
