@@ -336,7 +336,10 @@ pub trait Backend: Send + Sync {
     /// which then skips the router's own pass over h. Why: the router is 0.6 MB of weights in a
     /// launch of its own, whose dependent chain (wait, norm, dots, route) costs the step ~10 µs a
     /// layer on the H200; its logits are linear in h, so the projection's blocks can sum each
-    /// router row against the rows of h they have just written. Default: no.
+    /// router row against the rows of h they have just written. A backend may prepare the
+    /// block another way under the same contract: the wgpu backend's `LILY_WGPU_XQ_AHEAD=1`
+    /// stages the block's x in the projection's epilogue instead (x = rms_norm(h) · w is h · w
+    /// times one number). Default: no.
     fn route_ahead(&self, out: &Self::Mat, next: &RouteAhead<'_, Self>) -> bool {
         let _ = (out, next);
         false
@@ -806,8 +809,9 @@ pub struct RouterScratch<'a, B: Backend + ?Sized> {
     pub logits: &'a mut B::Buf,
     pub s: &'a mut B::Buf,
     pub route: &'a mut B::Route,
-    /// The projection before folded this block's router (`Backend::route_ahead`): its sums wait
-    /// in the backend's scratch, and `moe_step_add` must consume them.
+    /// The projection before prepared this block (`Backend::route_ahead`): the router's sums, or
+    /// on wgpu with `LILY_WGPU_XQ_AHEAD` the staged x, wait in the backend's scratch, and
+    /// `moe_step_add` must consume them.
     pub ahead: bool,
 }
 
@@ -881,7 +885,7 @@ pub struct GdnWeights<'a, B: Backend + ?Sized> {
     pub conv1d: &'a B::Vec,
     pub params: &'a GdnParams<B::Vec>,
     pub out_proj: &'a B::Mat,
-    /// The MoE router to fold into out_proj (`Backend::route_ahead` said yes), or None.
+    /// The MoE block for out_proj to prepare (`Backend::route_ahead` said yes), or None.
     pub route_ahead: Option<RouteAhead<'a, B>>,
     /// The MoE block before staged this mixer's x (`Backend::norm_ahead` said yes): in_proj
     /// reads that staging instead of normalising h.
