@@ -20,6 +20,8 @@ mod common;
 mod lookahead;
 #[path = "common/ops.rs"]
 mod ops;
+#[path = "common/sampling.rs"]
+mod sampling;
 // One op family a file.
 #[path = "wgpu/attention.rs"]
 mod attention;
@@ -35,6 +37,8 @@ mod moe;
 mod moe_step;
 #[path = "wgpu/output.rs"]
 mod output;
+#[path = "wgpu/sample.rs"]
+mod sample;
 
 use lily::backend::cpu::Cpu;
 use lily::backend::wgpu::Wgpu;

@@ -67,8 +67,8 @@ fn small_preset_end_to_end() {
 }
 
 /// The decode loop's lookahead on wgpu (common/lookahead.rs): each token's read begun before
-/// the step that feeds it is enqueued, finished after. Greedy; sampled decoding is the host's
-/// on wgpu (no device sampler), where the loop takes no lookahead and must still agree.
+/// the step that feeds it is enqueued, finished after. Greedy, and drawn by the device sampler
+/// (a draw in the step enqueued before the token it feeds is read).
 #[test]
 fn lookahead_generates_what_the_loop_without_it_does() {
     let Some(g) = gpu() else { return };

@@ -76,6 +76,7 @@ pub fn shaders() -> Vec<Shader> {
         super::moe::MM8_SHADER,
         super::moe::XQ_SHADER,
         super::output::SHADER,
+        super::sample::SHADER,
         super::lab::SHADER,
         SG_PROBE,
     ]

@@ -12,8 +12,9 @@
 //! `zeros`); the KV cache is f32, or f16 with `LILY_WGPU_KV_F16=1` where the adapter has
 //! SHADER_F16 (`kv_zeros`, `WBuf::half`), read into f32 arithmetic; weights stay in the checkpoint's
 //! 4/8-bit codes with bf16 scales and biases, dequantized inside the kernels; accumulation f32.
-//! Routing, the next token and the recurrent state stay on the GPU; sampling other than greedy
-//! runs on the host for now (`new_sampler` returns `None`).
+//! Routing, the next token and the recurrent state stay on the GPU, and so does sampling with
+//! top-k ≤ 64 (the checkpoint's default among it; `sample`, the CPU's tokens for the same seed);
+//! top-k off or larger is drawn on the host (`new_sampler` returns `None`).
 
 mod attention;
 mod check;
@@ -24,6 +25,7 @@ mod matmul;
 mod moe;
 mod norm;
 mod output;
+mod sample;
 #[cfg(not(any(target_os = "macos", target_arch = "wasm32")))]
 pub mod stats;
 
@@ -329,6 +331,11 @@ impl Wgpu {
             1
         }
     }
+    /// softfloat.wgsl on rows of (a, b, c, d) f32 bits, 16 result words a row (sample.wgsl's
+    /// `softfloat_check`): the device sampler's arithmetic, for its bit-for-bit test.
+    pub fn softfloat_check(&self, rows: &[[u32; 4]]) -> Result<Vec<[u32; 16]>> {
+        sample::softfloat_check(&self.ctx, rows)
+    }
     /// What the adapter is and offers.
     pub fn report(&self) -> &AdapterReport {
         &self.ctx.report
@@ -449,7 +456,7 @@ impl Backend for Wgpu {
     type Vec = WBuf;
     type Route = WRoute;
     type Step = WStep;
-    type Sampler = ();
+    type Sampler = sample::WSampler;
 
     fn name(&self) -> String {
         let r = &self.ctx.report;
@@ -1301,18 +1308,19 @@ impl Backend for Wgpu {
     /// Sampling other than greedy runs on the host (the runtime reads the logits back).
     fn new_sampler(
         &self,
-        _params: &SamplingParams,
-        _seed: u64,
-        _vocab: usize,
-        _prompt: &[u32],
-    ) -> Result<Option<()>> {
-        Ok(None)
+        params: &SamplingParams,
+        seed: u64,
+        vocab: usize,
+        prompt: &[u32],
+    ) -> Result<Option<sample::WSampler>> {
+        sample::new_sampler(&self.ctx, params, seed, vocab, prompt)
     }
-    fn sample_step(&self, _logits: &WBuf, _vocab: usize, _s: &mut (), _step: &mut WStep) {
-        self.ctx
-            .fail("sample_step: the wgpu backend samples on the host (new_sampler gave none)");
+    fn sample_step(&self, logits: &WBuf, vocab: usize, s: &mut sample::WSampler, step: &mut WStep) {
+        sample::sample_step(&self.ctx, logits, vocab, s, step)
     }
-    fn sample_note(&self, _s: &mut (), _token: u32) {}
+    fn sample_note(&self, s: &mut sample::WSampler, token: u32) {
+        sample::sample_note(&self.ctx, s, token)
+    }
 }
 
 /// An IEEE half's value (to_host of an f16 KV cache).
