@@ -359,7 +359,85 @@ pub struct Sampler {
     kept: Vec<(u32, f32)>,
 }
 
-const SEEN: u32 = 1 << 31;
+/// A penalty count's flag for a token of the prompt (the low bits count generated ones).
+pub const SEEN: u32 = 1 << 31;
+
+/// What a device sampler (cuda/sample.rs, wgpu/sample.rs) keeps of [`SamplingParams`]: the
+/// parameters its kernels take, and the geometry of its two passes (a first pass of blocks of
+/// `slice` logits each keeping its best `k`, then one block selecting from all of those).
+#[derive(Clone, Debug)]
+pub struct DevicePlan {
+    pub vocab: usize,
+    /// Candidates kept per slice and in the end: `top_k`, or 1 when greedy.
+    pub k: usize,
+    pub slice: usize,
+    pub greedy: bool,
+    /// Whether any penalty is on (the kernels then keep counts).
+    pub penalties: bool,
+    pub temperature: f32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub rep: f32,
+    pub pres: f32,
+    pub freq: f32,
+}
+
+impl DevicePlan {
+    /// The plan for `p` over `vocab` logits, or `None` where the kernels do not cover `p`: top-k
+    /// off or above `kmax` (the full-vocabulary path is the host's), or more first-pass
+    /// candidates than the finishing block holds (`cands`). Greedy is top-k 1.
+    pub fn new(
+        p: &SamplingParams,
+        vocab: usize,
+        kmax: usize,
+        slice: usize,
+        cands: usize,
+    ) -> Result<Option<Self>> {
+        p.validate()?;
+        if vocab == 0 {
+            bail!("new_sampler: empty vocabulary");
+        }
+        let greedy = p.is_greedy();
+        let k = if greedy { 1 } else { p.top_k };
+        if k == 0 || k > kmax || (!greedy && k >= vocab) || vocab.div_ceil(slice) * k > cands {
+            return Ok(None);
+        }
+        Ok(Some(Self {
+            vocab,
+            k,
+            slice,
+            greedy,
+            penalties: p.repetition_penalty != 1.0
+                || p.presence_penalty != 0.0
+                || p.frequency_penalty != 0.0,
+            temperature: p.temperature,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            rep: p.repetition_penalty,
+            pres: p.presence_penalty,
+            freq: p.frequency_penalty,
+        }))
+    }
+
+    /// First-pass blocks.
+    pub fn blocks(&self) -> usize {
+        self.vocab.div_ceil(self.slice)
+    }
+
+    /// The penalty counts a sampler starts from ([`SEEN`] on each prompt token), when a
+    /// penalty is on.
+    pub fn counts(&self, prompt: &[u32]) -> Option<Vec<u32>> {
+        self.penalties.then(|| {
+            let mut c = vec![0u32; self.vocab];
+            for &t in prompt {
+                if (t as usize) < self.vocab {
+                    c[t as usize] |= SEEN;
+                }
+            }
+            c
+        })
+    }
+}
 
 impl Sampler {
     /// A sampler for logits of length `vocab`; validates `params`.

@@ -19,7 +19,7 @@ use cudarc::driver::result as dr;
 
 use super::{Arg, Buf, Cuda, Mem, Step};
 use crate::rng::Rng;
-use crate::runtime::sampler::SamplingParams;
+use crate::runtime::sampler::{DevicePlan, SamplingParams};
 
 /// Threads of sample_topk_partial (SMP_THREADS in sample.cu), 8 logits each.
 const THREADS: usize = 256;
@@ -33,20 +33,10 @@ const FIN_CANDS: usize = 8 * FIN_THREADS;
 pub const KMAX: usize = 64;
 /// Most log-probability alternatives (OpenAI's `top_logprobs` allows 20).
 const LP_MAX: usize = 20;
-const SEEN: u32 = 1 << 31;
 
 /// A sequence's sampler on the device (module header).
 pub struct Sampler {
-    vocab: usize,
-    /// Candidates kept per slice and in the end: `top_k`, or 1 when greedy.
-    k: usize,
-    greedy: bool,
-    temperature: f32,
-    top_p: f32,
-    min_p: f32,
-    rep: f32,
-    pres: f32,
-    freq: f32,
+    plan: DevicePlan,
     /// Penalty counts [vocab] (u32), when a penalty is on.
     counts: Option<Mem>,
     /// xoshiro256++ state (4 u64).
@@ -56,9 +46,6 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    fn blocks(&self) -> usize {
-        self.vocab.div_ceil(SLICE)
-    }
     fn counts_ptr(&self) -> u64 {
         self.counts.as_ref().map_or(0, |m| m.ptr)
     }
@@ -72,44 +59,21 @@ impl Cuda {
         vocab: usize,
         prompt: &[u32],
     ) -> Result<Option<Sampler>> {
-        p.validate()?;
-        if vocab == 0 {
-            bail!("new_sampler: empty vocabulary");
-        }
-        let greedy = p.is_greedy();
-        let k = if greedy { 1 } else { p.top_k };
         // The slices' candidates must fit the finishing block (8 per thread).
-        if k == 0 || k > KMAX || (!greedy && k >= vocab) || vocab.div_ceil(SLICE) * k > FIN_CANDS {
+        let Some(plan) = DevicePlan::new(p, vocab, KMAX, SLICE, FIN_CANDS)? else {
             return Ok(None);
-        }
-        let pen =
-            p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
-        let counts = if pen {
-            let mut c = vec![0u32; vocab];
-            for &t in prompt {
-                if (t as usize) < vocab {
-                    c[t as usize] |= SEEN;
-                }
-            }
-            Some(self.upload_u32(&c)?)
-        } else {
-            None
+        };
+        let counts = match plan.counts(prompt) {
+            Some(c) => Some(self.upload_u32(&c)?),
+            None => None,
         };
         let st = Rng::splitmix(seed).state();
         // SAFETY: u64 words viewed as bytes.
         let rng =
             self.upload_bytes(unsafe { std::slice::from_raw_parts(st.as_ptr() as *const u8, 32) })?;
-        let cands = self.alloc(8 * vocab.div_ceil(SLICE) * k)?;
+        let cands = self.alloc(8 * plan.blocks() * plan.k)?;
         Ok(Some(Sampler {
-            vocab,
-            k,
-            greedy,
-            temperature: p.temperature,
-            top_p: p.top_p,
-            min_p: p.min_p,
-            rep: p.repetition_penalty,
-            pres: p.presence_penalty,
-            freq: p.frequency_penalty,
+            plan,
             counts,
             rng,
             cands,
@@ -131,13 +95,14 @@ impl Cuda {
         step: &mut Step,
     ) {
         let op = "sample_step";
-        if !(self.ensure(vocab == s.vocab, || {
-            format!("{op}: {vocab} logits for a sampler of {}", s.vocab)
+        let pl = &s.plan;
+        if !(self.ensure(vocab == pl.vocab, || {
+            format!("{op}: {vocab} logits for a sampler of {}", pl.vocab)
         }) && self.buf_ok(logits, vocab, "logits", op))
         {
             return;
         }
-        let p = s.blocks();
+        let p = pl.blocks();
         self.launch(
             "sample_topk_partial",
             (p as u32, 1, 1),
@@ -149,10 +114,10 @@ impl Cuda {
                 Arg::P(s.cands.ptr),
                 Arg::P(0),
                 Arg::I(vocab as i32),
-                Arg::I(s.k as i32),
-                Arg::F(s.rep),
-                Arg::F(s.pres),
-                Arg::F(s.freq),
+                Arg::I(pl.k as i32),
+                Arg::F(pl.rep),
+                Arg::F(pl.pres),
+                Arg::F(pl.freq),
                 Arg::I(0),
             ],
         );
@@ -163,15 +128,15 @@ impl Cuda {
             0,
             &[
                 Arg::P(s.cands.ptr),
-                Arg::I((p * s.k) as i32),
-                Arg::I(s.k as i32),
+                Arg::I((p * pl.k) as i32),
+                Arg::I(pl.k as i32),
                 Arg::P(step.mem.ptr),
                 Arg::P(s.counts_ptr()),
                 Arg::P(s.rng.ptr),
-                Arg::F(s.temperature),
-                Arg::F(s.top_p),
-                Arg::F(s.min_p),
-                Arg::I(s.greedy as i32),
+                Arg::F(pl.temperature),
+                Arg::F(pl.top_p),
+                Arg::F(pl.min_p),
+                Arg::I(pl.greedy as i32),
             ],
         );
     }
@@ -221,10 +186,10 @@ impl Cuda {
 
     pub(super) fn sample_note_op(&self, s: &mut Sampler, token: u32) {
         if let Some(c) = &s.counts {
-            if self.ensure((token as usize) < s.vocab, || {
+            if self.ensure((token as usize) < s.plan.vocab, || {
                 format!(
                     "sample_note: token {token} outside the vocabulary of {}",
-                    s.vocab
+                    s.plan.vocab
                 )
             }) {
                 self.launch(

@@ -13,12 +13,12 @@
 //! among them — with the CPU's tokens for the same seed (softfloat.wgsl says how). Top-k off or
 //! larger declines (`None`): the host samples, as on CUDA.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 
 use super::device::{as_bytes, Ctx, Shader};
 use super::{WBuf, WStep};
 use crate::rng::Rng;
-use crate::runtime::sampler::SamplingParams;
+use crate::runtime::sampler::{DevicePlan, SamplingParams};
 
 pub const SHADER: Shader = Shader {
     name: "sample",
@@ -36,23 +36,12 @@ const PER: usize = 16;
 const SLICE: usize = THREADS * PER;
 /// Largest top-k on the device (SMP_KMAX).
 pub const KMAX: usize = 64;
-const SEEN: u32 = 1 << 31;
 
 /// A sequence's sampler on the device (module header).
 pub struct WSampler {
-    vocab: usize,
-    /// Candidates kept per slice and in the end: `top_k`, or 1 when greedy.
-    k: usize,
-    greedy: bool,
-    temperature: f32,
-    top_p: f32,
-    min_p: f32,
-    rep: f32,
-    pres: f32,
-    freq: f32,
+    plan: DevicePlan,
     /// Penalty counts [vocab] (u32), when a penalty is on; else a dummy word (bound, unread).
     counts: ::wgpu::Buffer,
-    pen: bool,
     /// xoshiro256++ state (4 u64, low word first).
     rng: ::wgpu::Buffer,
     /// sample_topk_partial's output: [blocks, k] candidates of two u32.
@@ -60,24 +49,21 @@ pub struct WSampler {
 }
 
 impl WSampler {
-    fn blocks(&self) -> usize {
-        self.vocab.div_ceil(SLICE)
-    }
-
     /// sample.wgsl's parameter block.
     fn params(&self, ncand: usize, token: u32) -> Vec<u32> {
-        let flags = self.greedy as u32 | (self.pen as u32) << 1;
+        let p = &self.plan;
+        let flags = p.greedy as u32 | (p.penalties as u32) << 1;
         vec![
-            self.vocab as u32,
-            self.k as u32,
+            p.vocab as u32,
+            p.k as u32,
             ncand as u32,
             flags,
-            self.rep.to_bits(),
-            self.pres.to_bits(),
-            self.freq.to_bits(),
-            self.temperature.to_bits(),
-            self.top_p.to_bits(),
-            self.min_p.to_bits(),
+            p.rep.to_bits(),
+            p.pres.to_bits(),
+            p.freq.to_bits(),
+            p.temperature.to_bits(),
+            p.top_p.to_bits(),
+            p.min_p.to_bits(),
             token,
             0,
         ]
@@ -92,48 +78,19 @@ pub fn new_sampler(
     vocab: usize,
     prompt: &[u32],
 ) -> Result<Option<WSampler>> {
-    p.validate()?;
-    if vocab == 0 {
-        bail!("new_sampler: empty vocabulary");
-    }
-    let greedy = p.is_greedy();
-    let k = if greedy { 1 } else { p.top_k };
     // The slices' candidates must fit the finishing workgroup (PER an invocation).
-    if k == 0 || k > KMAX || (!greedy && k >= vocab) || vocab.div_ceil(SLICE) * k > THREADS * PER {
+    let Some(plan) = DevicePlan::new(p, vocab, KMAX, SLICE, THREADS * PER)? else {
         return Ok(None);
-    }
-    let pen =
-        p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
-    let counts = if pen {
-        let mut c = vec![0u32; vocab];
-        for &t in prompt {
-            if (t as usize) < vocab {
-                c[t as usize] |= SEEN;
-            }
-        }
-        ctx.upload(as_bytes(&c))?
-    } else {
-        ctx.buffer(4)?
     };
-    let st = Rng::splitmix(seed).state();
-    let words: Vec<u32> = st
-        .iter()
-        .flat_map(|&w| [w as u32, (w >> 32) as u32])
-        .collect();
-    let rng = ctx.upload(as_bytes(&words))?;
-    let cands = ctx.buffer(8 * (vocab.div_ceil(SLICE) * k) as u64)?;
+    let counts = match plan.counts(prompt) {
+        Some(c) => ctx.upload(as_bytes(&c))?,
+        None => ctx.buffer(4)?,
+    };
+    let rng = ctx.upload(as_bytes(&Rng::splitmix(seed).state()))?;
+    let cands = ctx.buffer(8 * (plan.blocks() * plan.k) as u64)?;
     Ok(Some(WSampler {
-        vocab,
-        k,
-        greedy,
-        temperature: p.temperature,
-        top_p: p.top_p,
-        min_p: p.min_p,
-        rep: p.repetition_penalty,
-        pres: p.presence_penalty,
-        freq: p.frequency_penalty,
+        plan,
         counts,
-        pen,
         rng,
         cands,
     }))
@@ -141,16 +98,17 @@ pub fn new_sampler(
 
 /// `Backend::sample_step`: the two launches (module header); nothing comes to the host.
 pub fn sample_step(ctx: &Ctx, logits: &WBuf, vocab: usize, s: &mut WSampler, step: &mut WStep) {
-    if vocab != s.vocab || logits.len < vocab || logits.half {
+    let (k, sv) = (s.plan.k, s.plan.vocab);
+    if vocab != sv || logits.len < vocab || logits.half {
         ctx.fail(format!(
             "sample_step: {vocab} logits (a buffer of {}{}) for a sampler of {}",
             logits.len,
             if logits.half { ", f16" } else { "" },
-            s.vocab
+            sv
         ));
         return;
     }
-    let blocks = s.blocks();
+    let blocks = s.plan.blocks();
     ctx.dispatch(
         &SHADER,
         "sample_topk_partial",
@@ -161,7 +119,7 @@ pub fn sample_step(ctx: &Ctx, logits: &WBuf, vocab: usize, s: &mut WSampler, ste
     ctx.dispatch(
         &SHADER,
         "sample_topk_finish",
-        &s.params(blocks * s.k, 0),
+        &s.params(blocks * k, 0),
         &[&s.cands, &step.buf, &s.counts, &s.rng],
         1,
     );
@@ -169,13 +127,13 @@ pub fn sample_step(ctx: &Ctx, logits: &WBuf, vocab: usize, s: &mut WSampler, ste
 
 /// `Backend::sample_note`: a forced token counts for the penalties as a drawn one.
 pub fn sample_note(ctx: &Ctx, s: &mut WSampler, token: u32) {
-    if !s.pen {
+    if !s.plan.penalties {
         return;
     }
-    if token as usize >= s.vocab {
+    if token as usize >= s.plan.vocab {
         ctx.fail(format!(
             "sample_note: token {token} outside the vocabulary of {}",
-            s.vocab
+            s.plan.vocab
         ));
         return;
     }
