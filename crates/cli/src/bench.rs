@@ -117,6 +117,12 @@ pub struct BenchArgs {
     /// Decode steps traced per context (32 bytes per block per step are kept on the device).
     #[arg(long, default_value_t = 8)]
     trace_steps: usize,
+    /// A/B arms in one process (CUDA, wgpu; see `arms`): `;`-separated arms, each `+`-joined
+    /// `NAME=VALUE` switches as the environment would give them (wgpu: `LILY_WGPU_*` that can
+    /// change while the device is open; CUDA: `LILY_CUDA_DISABLE`, `LILY_CUDA_ENABLE`), against
+    /// the defaults of this process, at each `--decode` context, `--rounds` rounds alternated.
+    #[arg(long)]
+    arms: Option<String>,
     #[command(flatten)]
     common: Common,
 }
@@ -390,6 +396,9 @@ struct Probes<B> {
     trace_end: fn(&B) -> Result<Traced>,
     /// `--in-place default`: the kernel-name prefixes of the backend's decode families.
     families: &'static [(&'static str, &'static str)],
+    /// `--arms`: sets the backend's run-time switches to an arm's (`NAME=VALUE` over the
+    /// environment's; the empty arm: the defaults), dropping its recorded steps.
+    arm: fn(&B, &[(String, String)]) -> Result<()>,
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
@@ -405,6 +414,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
                 trace_begin: |b| b.trace_begin(),
                 trace_end: |b| b.trace_end(),
                 families: IN_PLACE_FAMILIES,
+                arm: cuda_arm,
             };
             return run_on(b, a, Some(probes));
         }
@@ -417,6 +427,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
             trace_begin: |b| b.trace_begin(),
             trace_end: |b| b.trace_end(),
             families: IN_PLACE_FAMILIES_WGPU,
+            arm: |b, sets| b.set_switches(sets),
         };
         return run_on(b, a, Some(probes));
     }
@@ -437,6 +448,33 @@ fn run_on<B: Backend>(b: B, a: BenchArgs, probes: Option<Probes<B>>) -> Result<(
     } else {
         bench(b, a, None, probes)
     }
+}
+
+/// `--arms` on CUDA: an arm's `LILY_CUDA_DISABLE` and `LILY_CUDA_ENABLE` lists (over the
+/// environment's) become the backend's switches (`Cuda::set_disabled`, `set_enabled`).
+#[cfg(feature = "cuda")]
+fn cuda_arm(b: &lily::backend::cuda::Cuda, arm: &[(String, String)]) -> Result<()> {
+    const NAMES: [&str; 2] = ["LILY_CUDA_DISABLE", "LILY_CUDA_ENABLE"];
+    if let Some((n, _)) = arm.iter().find(|(n, _)| !NAMES.contains(&n.as_str())) {
+        bail!("`{n}`: an arm on CUDA sets LILY_CUDA_DISABLE or LILY_CUDA_ENABLE");
+    }
+    let list = |k: &str| -> Vec<String> {
+        let v = arm
+            .iter()
+            .rev()
+            .find(|(n, _)| n == k)
+            .map(|(_, v)| v.clone())
+            .or_else(|| std::env::var(k).ok())
+            .unwrap_or_default();
+        v.split(',')
+            .map(str::trim)
+            .filter(|x| !x.is_empty())
+            .map(String::from)
+            .collect()
+    };
+    let (d, e) = (list(NAMES[0]), list(NAMES[1]));
+    b.set_disabled(&d.iter().map(String::as_str).collect::<Vec<_>>())?;
+    b.set_enabled(&e.iter().map(String::as_str).collect::<Vec<_>>())
 }
 
 /// `--in-place default`: kernel-name prefixes of the CUDA backend's decode families, each with
@@ -506,6 +544,11 @@ fn bench<B: Backend>(
     if a.in_place.is_some() && (probes.is_none() || families.is_empty()) {
         bail!("--in-place needs a GPU backend and at least one kernel-name prefix (or `default`)");
     }
+    let arm_list = match &a.arms {
+        Some(s) if probes.is_none() => bail!("--arms `{s}` needs a GPU backend (cuda or wgpu)"),
+        Some(s) => parse_arms(s)?,
+        None => Vec::new(),
+    };
     let dir = match &a.model {
         Some(d) => d.clone(),
         None => {
@@ -646,6 +689,9 @@ fn bench<B: Backend>(
     if let Some(p) = probes.as_ref().filter(|_| a.trace) {
         rows.extend(trace(&m, p, &decode, &a, max_len)?);
     }
+    if let Some(p) = probes.as_ref().filter(|_| !arm_list.is_empty()) {
+        rows.extend(arms(&m, p.arm, &arm_list, &decode, &a, max_len)?);
+    }
     if let Some(sch) = &a.schema {
         rows.extend(crate::bench_schema::rows(
             &m,
@@ -690,6 +736,143 @@ fn bench<B: Backend>(
     Ok(())
 }
 
+/// `--arms`' list: arms separated by `;`, each `+`-joined `NAME=VALUE` (an empty arm is an
+/// error: the defaults are always measured).
+fn parse_arms(s: &str) -> Result<Vec<(String, Vec<(String, String)>)>> {
+    s.split(';')
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+        .map(|arm| {
+            let sets = arm
+                .split('+')
+                .map(|kv| match kv.trim().split_once('=') {
+                    Some((k, v)) if !k.trim().is_empty() => {
+                        Ok((k.trim().to_string(), v.trim().to_string()))
+                    }
+                    _ => bail!("--arms: `{kv}` in `{arm}` is not NAME=VALUE"),
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok((arm.to_string(), sets))
+        })
+        .collect::<Result<Vec<_>>>()
+        .and_then(|v| {
+            if v.is_empty() {
+                bail!("--arms: no arm in `{s}`");
+            }
+            Ok(v)
+        })
+}
+
+/// A decode context prefilled once and measured many times: each measurement restores the
+/// prefill's snapshot (the GDN state; the KV cache cut back), feeds the prefill's greedy token
+/// and decodes `WARM` tokens untimed (recording the step as the backend is set now).
+struct Point<B: Backend> {
+    st: SeqState<B>,
+    snap: lily::model::state::GdnSnapshot<B>,
+    first: u32,
+}
+
+const WARM: usize = 4;
+
+impl<B: Backend> Point<B> {
+    fn new(m: &Qwen35<B>, n: usize, max_len: usize) -> Result<Self> {
+        let mut st = m.new_state(max_len + WARM)?;
+        let first = argmax(&m.forward(
+            &mut st,
+            &prompt_ids(n, m.cfg.vocab_size),
+            Logits::Last,
+            None,
+        )?);
+        let snap = st.snapshot(&m.backend, &m.dims)?;
+        Ok(Self { st, snap, first })
+    }
+
+    /// Back to the prefill, warmed up, then `timed` on the state: its seconds.
+    fn time(
+        &mut self,
+        m: &Qwen35<B>,
+        timed: &mut dyn FnMut(&Qwen35<B>, &mut SeqState<B>) -> Result<()>,
+    ) -> Result<f64> {
+        self.st.restore(&m.backend, &m.dims, &self.snap)?;
+        std::hint::black_box(m.decode(&mut self.st, Some(self.first), true)?);
+        for _ in 1..WARM {
+            std::hint::black_box(m.decode(&mut self.st, None, true)?);
+        }
+        let t0 = Instant::now();
+        timed(m, &mut self.st)?;
+        Ok(t0.elapsed().as_secs_f64())
+    }
+}
+
+/// `--arms`: at each decode context, the contract's greedy decode loop (`decode_greedy`, with
+/// the lookahead) of `--decode-tokens` tokens timed under each arm's switches and under the
+/// defaults, `--rounds` times, the order reversed every other round; the median per arm and
+/// its ratio to the defaults' median. One process and one prefill per context (a state per KV
+/// element type, as an arm may change it) instead of a load and a prefill per arm: on the H200
+/// the full preset loads in tens of seconds, a 4K context decodes 128 tokens in 0.4.
+fn arms<B: Backend>(
+    m: &Qwen35<B>,
+    set: fn(&B, &[(String, String)]) -> Result<()>,
+    list: &[(String, Vec<(String, String)>)],
+    decode: &[usize],
+    a: &BenchArgs,
+    max_len: usize,
+) -> Result<Vec<serde_json::Value>> {
+    let mut all: Vec<(&str, &[(String, String)])> = vec![("defaults", &[])];
+    all.extend(list.iter().map(|(n, s)| (n.as_str(), s.as_slice())));
+    // Every arm is checked before anything is timed.
+    for (_, sets) in &all {
+        set(&m.backend, sets)?;
+    }
+    set(&m.backend, &[])?;
+    let mut rows = Vec::new();
+    println!(
+        "{:<8} {:>8} {:>10} {:>8}  {:<40} rounds",
+        "arm", "context", "tok/s", "×", "switches"
+    );
+    for &n in decode {
+        let mut points: Vec<(usize, Point<B>)> = Vec::new();
+        let mut times = vec![Vec::new(); all.len()];
+        for r in 0..a.rounds {
+            let order: Vec<usize> = if r % 2 == 0 {
+                (0..all.len()).collect()
+            } else {
+                (0..all.len()).rev().collect()
+            };
+            for i in order {
+                set(&m.backend, all[i].1)?;
+                let kv = m.backend.kv_elem_bytes();
+                if !points.iter().any(|p| p.0 == kv) {
+                    points.push((kv, Point::new(m, n, max_len)?));
+                }
+                let p = &mut points.iter_mut().find(|p| p.0 == kv).unwrap().1;
+                let t = p.time(m, &mut |m, st| decode_greedy(m, st, a.decode_tokens, 1))?;
+                times[i].push(a.decode_tokens as f64 / t);
+            }
+        }
+        set(&m.backend, &[])?;
+        let base = median(times[0].clone());
+        for ((name, _), ts) in all.iter().zip(&times) {
+            let tps = median(ts.clone());
+            let each: Vec<String> = ts.iter().map(|t| format!("{t:.2}")).collect();
+            println!(
+                "{:<8} {:>8} {:>10.2} {:>8.3}  {:<40} {}",
+                "arm",
+                n,
+                tps,
+                tps / base,
+                name,
+                each.join(" ")
+            );
+            rows.push(
+                json!({"phase": "arm", "context": n, "arm": name, "tokens": a.decode_tokens,
+                "tok_s": tps, "vs_defaults": tps / base, "rounds_tok_s": ts}),
+            );
+        }
+    }
+    Ok(rows)
+}
+
 /// `--in-place`: at each decode context, the greedy decode loop timed with each family's kernels
 /// left out of the recorded step and with the full step, alternated, `--rounds` times; the
 /// step's time saved is the family's cost in place (its post-wait work on the critical path, the
@@ -706,30 +889,22 @@ fn in_place<B: Backend>(
     a: &BenchArgs,
     max_len: usize,
 ) -> Result<Vec<serde_json::Value>> {
-    const WARM: usize = 4;
-    let vocab = m.cfg.vocab_size;
     let mut rows = Vec::new();
     println!(
         "{:<8} {:>8} {:<16} {:>10} {:>12}  holds",
         "in-place", "context", "left out", "tok/s", "µs step|saved"
     );
     for &n in decode {
-        let ids = prompt_ids(n, vocab);
-        let mut st = m.new_state(max_len + WARM)?;
-        let first = argmax(&m.forward(&mut st, &ids, Logits::Last, None)?);
-        let snap = st.snapshot(&m.backend, &m.dims)?;
+        let mut point = Point::new(m, n, max_len)?;
         let mut time = |prefixes: &[&str]| -> Result<f64> {
             skip(&m.backend, prefixes);
-            st.restore(&m.backend, &m.dims, &snap)?;
-            std::hint::black_box(m.decode(&mut st, Some(first), true)?);
-            for _ in 1..WARM {
-                std::hint::black_box(m.decode(&mut st, None, true)?);
-            }
-            let t0 = Instant::now();
-            for _ in 0..a.decode_tokens {
-                std::hint::black_box(m.decode(&mut st, None, true)?);
-            }
-            Ok(t0.elapsed().as_secs_f64() / a.decode_tokens as f64)
+            let t = point.time(m, &mut |m, st| {
+                for _ in 0..a.decode_tokens {
+                    std::hint::black_box(m.decode(st, None, true)?);
+                }
+                Ok(())
+            })?;
+            Ok(t / a.decode_tokens as f64)
         };
         let (mut full, mut without) = (Vec::new(), vec![Vec::new(); families.len()]);
         for r in 0..a.rounds {
@@ -931,6 +1106,23 @@ mod tests {
     struct Cli {
         #[command(flatten)]
         a: BenchArgs,
+    }
+
+    /// `--arms`' syntax: `;` between arms, `+` between a arm's switches, values kept whole (they
+    /// may hold commas: LILY_WGPU_SPEC's lists); an empty list or a switch without `=` is an
+    /// error.
+    #[test]
+    fn arms_parse() {
+        let a = parse_arms("A=1; B=q6,moe+C=x ;").unwrap();
+        assert_eq!(a.len(), 2);
+        assert_eq!(a[0], ("A=1".to_string(), vec![("A".into(), "1".into())]));
+        assert_eq!(
+            a[1].1,
+            vec![("B".into(), "q6,moe".into()), ("C".into(), "x".into())]
+        );
+        assert!(parse_arms(" ; ").is_err());
+        assert!(parse_arms("A=1;B").is_err());
+        assert!(parse_arms("=1").is_err());
     }
 
     /// `--in-place` runs its measurements from one prefill per context (a snapshot restored each

@@ -212,3 +212,59 @@ fn trace_stamps_every_launch_of_a_replayed_step() {
         }
     }
 }
+
+/// `Wgpu::set_switches` (`lily bench --arms`): an arm's switches take effect in the next decode
+/// step (its recorded step dropped and made again: `LILY_WGPU_XQ_AHEAD=1` leaves out every
+/// q2x_stage but layer 0's, so the step launches fewer kernels), the empty arm brings the
+/// defaults back (the same launches as before), and an unknown name or a switch read only when
+/// the device opens is refused without changing anything.
+#[test]
+fn switches_change_between_steps() {
+    use lily::model::{Logits, Next};
+    let Some(g) = gpu() else { return };
+    let dir = common::synth("tiny", 3, &[]);
+    let m = lily::runtime::load(g, dir.path()).unwrap();
+    let prompt = common::prompt_ids(12, m.cfg.vocab_size);
+    let mut st = m.new_state(64).unwrap();
+    let logits = m.forward(&mut st, &prompt, Logits::Last, None).unwrap();
+    let mut step = |feed: Option<u32>| match m.decode(&mut st, feed, true).unwrap() {
+        Next::Token(t) => t,
+        Next::Logits(_) => panic!("greedy decode gave logits"),
+    };
+    step(Some(lily::runtime::argmax(&logits)));
+    let b = &m.backend;
+    // Launches of the next decode step run op by op (a step's first run under these switches,
+    // or its recording after `set_switches` made the old record stale).
+    let launches = |step: &mut dyn FnMut(Option<u32>) -> u32| {
+        let d0 = b.dispatches();
+        step(None);
+        b.dispatches() - d0
+    };
+    let arm = |s: &[(&str, &str)]| -> Vec<(String, String)> {
+        s.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    b.set_switches(&[]).unwrap();
+    let base = launches(&mut step);
+    assert!(
+        base > 0,
+        "the first step after set_switches ran no launch op by op"
+    );
+    b.set_switches(&arm(&[("LILY_WGPU_XQ_AHEAD", "1")]))
+        .unwrap();
+    let xq = launches(&mut step);
+    assert!(xq < base, "XQ_AHEAD=1: {xq} launches, the defaults {base}");
+    for bad in [("LILY_WGPU_NOPE", "1"), ("LILY_WGPU_REPLAY", "0")] {
+        let e = b.set_switches(&arm(&[bad])).unwrap_err();
+        eprintln!("{}={}: {e:#}", bad.0, bad.1);
+    }
+    // Refused arms changed nothing: still XQ_AHEAD's launches (recorded: a replay runs none).
+    assert_eq!(
+        launches(&mut step),
+        0,
+        "a refused arm dropped the recorded step"
+    );
+    b.set_switches(&[]).unwrap();
+    assert_eq!(launches(&mut step), base, "the empty arm is the defaults");
+}

@@ -575,26 +575,31 @@ pub(super) struct Switches {
 
 impl Switches {
     fn from_env() -> Self {
-        let on = |v: &str| std::env::var(v).as_deref() != Ok("0");
+        Self::from_lookup(&|k| std::env::var(k).ok())
+    }
+
+    /// The switches as `get` (a variable's value, `None` where unset) says them: the
+    /// environment at open, or an arm of `lily bench --arms` over it (`Wgpu::set_switches`).
+    fn from_lookup(get: &dyn Fn(&str) -> Option<String>) -> Self {
+        let on = |v: &str| get(v).as_deref() != Some("0");
         let num = |v: &str, d: usize| {
-            std::env::var(v)
-                .ok()
+            get(v)
                 .and_then(|s| s.parse().ok())
                 .filter(|&n: &usize| n > 0)
                 .unwrap_or(d)
         };
         // An unknown name is reported and ignored (the defaults are the measured ones).
-        let spec = Spec::parse(&std::env::var("LILY_WGPU_SPEC").unwrap_or_else(|_| "all".into()))
+        let spec = Spec::parse(&get("LILY_WGPU_SPEC").unwrap_or_else(|| "all".into()))
             .unwrap_or_else(|e| {
                 eprintln!("LILY_WGPU_SPEC: {e:#}; no kernel specialised");
                 Spec::default()
             });
         // LILY_WGPU_XQ_AHEAD: 0 off, 1 `next`, 2 `1` / `all`.
-        let xq_ahead = match std::env::var("LILY_WGPU_XQ_AHEAD").as_deref() {
-            Ok("1" | "all") => 2,
-            Ok("next") => 1,
-            Ok("0" | "") | Err(_) => 0,
-            Ok(v) => {
+        let xq_ahead = match get("LILY_WGPU_XQ_AHEAD").as_deref() {
+            Some("1" | "all") => 2,
+            Some("next") => 1,
+            Some("0" | "") | None => 0,
+            Some(v) => {
                 eprintln!("LILY_WGPU_XQ_AHEAD={v}: not 1, all, next or 0; off");
                 0
             }
@@ -611,7 +616,7 @@ impl Switches {
             q6_wgs: AtomicUsize::new(num("LILY_WGPU_Q6_WGS", 256)),
             ahead: on("LILY_WGPU_AHEAD"),
             route_ahead: std::sync::atomic::AtomicBool::new(
-                std::env::var("LILY_WGPU_ROUTE_AHEAD").is_ok_and(|v| v == "1"),
+                get("LILY_WGPU_ROUTE_AHEAD").is_some_and(|v| v == "1"),
             ),
             xq_ahead: std::sync::atomic::AtomicBool::new(xq_ahead != 0),
             xq_moe: std::sync::atomic::AtomicBool::new(xq_ahead == 2),
@@ -621,64 +626,138 @@ impl Switches {
             gdn_spec: std::sync::atomic::AtomicBool::new(spec.gdn),
             attn_spec: std::sync::atomic::AtomicBool::new(spec.attn),
             trace_passes: std::sync::atomic::AtomicBool::new(
-                std::env::var("LILY_WGPU_TRACE_PASSES").is_ok_and(|v| v == "1"),
+                get("LILY_WGPU_TRACE_PASSES").is_some_and(|v| v == "1"),
             ),
             replay_flush: num("LILY_WGPU_REPLAY_FLUSH", FLUSH_EVERY).min(FLUSH_EVERY),
             q6_min_kb: AtomicUsize::new(
-                std::env::var("LILY_WGPU_Q6_MIN_KB")
-                    .ok()
+                get("LILY_WGPU_Q6_MIN_KB")
                     .and_then(|s| s.parse().ok())
                     .unwrap_or(0),
             ),
             ablate: AtomicU32::new(0),
             gemv: AtomicU32::new(
-                std::env::var("LILY_WGPU_GEMV")
-                    .ok()
+                get("LILY_WGPU_GEMV")
                     .and_then(|v| gemv_code(&v))
                     .unwrap_or(32),
             ),
             attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),
-            gdn_fast: std::env::var("LILY_WGPU_GDN_FAST").as_deref() == Ok("1"),
+            gdn_fast: get("LILY_WGPU_GDN_FAST").as_deref() == Some("1"),
             gdn_step: AtomicU32::new(
-                std::env::var("LILY_WGPU_GDN_STEP")
-                    .ok()
+                get("LILY_WGPU_GDN_STEP")
                     .and_then(|v| gdn_step_code(&v))
                     .unwrap_or(2),
             ),
             attn_tile: on("LILY_WGPU_ATTN_TILE"),
             kv_f16: std::sync::atomic::AtomicBool::new(
-                std::env::var("LILY_WGPU_KV_F16").as_deref() == Ok("1"),
+                get("LILY_WGPU_KV_F16").as_deref() == Some("1"),
             ),
             attn_team: std::sync::atomic::AtomicBool::new(
-                std::env::var("LILY_WGPU_ATTN_DEC").as_deref() == Ok("team"),
+                get("LILY_WGPU_ATTN_DEC").as_deref() == Some("team"),
             ),
             moe_q: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_MOE_Q")),
             moe_fuse: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_MOE_FUSE")),
-            moe_xq: AtomicU32::new(match std::env::var("LILY_WGPU_MOE_XQ").as_deref() {
-                Ok("0") => 0,
-                Ok("gate") => 1,
-                Ok("x") => 2,
-                Ok("ydown") => 3,
+            moe_xq: AtomicU32::new(match get("LILY_WGPU_MOE_XQ").as_deref() {
+                Some("0") => 0,
+                Some("gate") => 1,
+                Some("x") => 2,
+                Some("ydown") => 3,
                 _ => 4,
             }),
             moe_xq_shape: AtomicU32::new(
-                std::env::var("LILY_WGPU_MOE_XQ_SHAPE")
-                    .ok()
+                get("LILY_WGPU_MOE_XQ_SHAPE")
                     .and_then(|v| moe_xq_shape_code(&v))
                     .unwrap_or(MOE_XQ_SHAPE),
             ),
-            checks: std::env::var("LILY_WGPU_CHECKS").as_deref() == Ok("1"),
-            zero_wg: std::env::var("LILY_WGPU_ZERO_WG").as_deref() == Ok("1"),
+            checks: get("LILY_WGPU_CHECKS").as_deref() == Some("1"),
+            zero_wg: get("LILY_WGPU_ZERO_WG").as_deref() == Some("1"),
             gemm: AtomicU32::new(
-                std::env::var("LILY_WGPU_GEMM")
-                    .ok()
+                get("LILY_WGPU_GEMM")
                     .and_then(|v| gemm_code(&v))
                     .unwrap_or(3),
             ),
             moe_mm8: std::sync::atomic::AtomicBool::new(
-                std::env::var("LILY_WGPU_MOE_MM").as_deref() == Ok("mm8"),
+                get("LILY_WGPU_MOE_MM").as_deref() == Some("mm8"),
             ),
         }
+    }
+}
+
+impl Switches {
+    /// Takes an arm's values (`LILY_WGPU_*` names over the environment's, as `lily bench --arms`
+    /// gives them) for the switches that can change while the device is open: the atomic ones.
+    /// An unknown name, or a switch read only when the device opens given another value, is an
+    /// error, and then nothing changes. The caller drops the recorded steps (they hold the old
+    /// kernels: `Wgpu::set_switches`).
+    pub fn set_arm(&self, arm: &[(String, String)]) -> Result<()> {
+        let read = std::cell::RefCell::new(std::collections::HashSet::new());
+        let fresh = Self::from_lookup(&|k| {
+            read.borrow_mut().insert(k.to_string());
+            arm.iter()
+                .rev()
+                .find(|(n, _)| n == k)
+                .map(|(_, v)| v.clone())
+                .or_else(|| std::env::var(k).ok())
+        });
+        if let Some((n, _)) = arm.iter().find(|(n, _)| !read.borrow().contains(n)) {
+            bail!("`{n}` is not a wgpu switch (LILY_WGPU_*: backend/wgpu/device.rs Switches)");
+        }
+        let fixed = [
+            ("LILY_WGPU_REPLAY", self.replay != fresh.replay),
+            ("LILY_WGPU_GQA", self.gqa != fresh.gqa),
+            ("LILY_WGPU_FUSE_NORM", self.fuse_norm != fresh.fuse_norm),
+            (
+                "LILY_WGPU_FUSE_EPILOGUE",
+                self.fuse_epilogue != fresh.fuse_epilogue,
+            ),
+            ("LILY_WGPU_FUSE_CONV", self.fuse_conv != fresh.fuse_conv),
+            ("LILY_WGPU_FUSE_ROPE", self.fuse_rope != fresh.fuse_rope),
+            (
+                "LILY_WGPU_FUSE_GATED_NORM",
+                self.fuse_gated_norm != fresh.fuse_gated_norm,
+            ),
+            ("LILY_WGPU_ATTN_KEYS", self.attn_keys != fresh.attn_keys),
+            ("LILY_WGPU_GDN_FAST", self.gdn_fast != fresh.gdn_fast),
+            ("LILY_WGPU_ATTN_TILE", self.attn_tile != fresh.attn_tile),
+            ("LILY_WGPU_CHECKS", self.checks != fresh.checks),
+            ("LILY_WGPU_AHEAD", self.ahead != fresh.ahead),
+            (
+                "LILY_WGPU_REPLAY_FLUSH",
+                self.replay_flush != fresh.replay_flush,
+            ),
+            ("LILY_WGPU_ZERO_WG", self.zero_wg != fresh.zero_wg),
+        ];
+        if let Some((n, _)) = fixed.iter().find(|f| f.1) {
+            bail!("{n} is read when the device opens: measure it in a process of its own");
+        }
+        let r = Ordering::Relaxed;
+        macro_rules! take {
+            ($($f:ident),*) => { $( self.$f.store(fresh.$f.load(r), r); )* };
+        }
+        take!(
+            gemv_wgs,
+            q6_wgs,
+            q6_min_kb,
+            route_ahead,
+            xq_ahead,
+            xq_moe,
+            q6_spec,
+            moe_spec,
+            xq_spec,
+            gdn_spec,
+            attn_spec,
+            trace_passes,
+            gemv,
+            gdn_step,
+            kv_f16,
+            attn_team,
+            moe_q,
+            moe_fuse,
+            moe_xq,
+            moe_xq_shape,
+            gemm,
+            moe_mm8
+        );
+        Ok(())
     }
 }
 
@@ -1683,6 +1762,12 @@ impl Ctx {
     }
 
     /// How many times a scratch buffer was replaced (a record made before is stale).
+    /// Makes every recorded step stale (they hold the pipelines and bind groups of the switches
+    /// they were recorded under): the next run of each records it again.
+    pub fn stale_records(&self) {
+        self.scratch_gen.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub fn scratch_gen(&self) -> u64 {
         self.scratch_gen.load(Ordering::Relaxed)
     }

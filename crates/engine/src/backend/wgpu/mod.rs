@@ -211,6 +211,20 @@ impl Wgpu {
             .route_ahead
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
+    /// Sets the run-time switches to an arm's values (`LILY_WGPU_*` names and values as the
+    /// environment gives them, over the environment's own; `lily bench --arms`): every switch
+    /// not named goes back to its value at open. Recorded steps are dropped. Errors (nothing
+    /// changed): an unknown name, or one read only when the device opens (`Switches::set_arm`).
+    pub fn set_switches(&self, arm: &[(String, String)]) -> Result<()> {
+        self.ctx.sw.set_arm(arm)?;
+        self.ctx.stale_records();
+        self.records
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .ahead
+            .take();
+        Ok(())
+    }
     /// Switches the opt-in stagings of `LILY_WGPU_XQ_AHEAD` on (`1`: all three) or off.
     pub fn set_xq_ahead(&self, on: bool) {
         let sw = &self.ctx.sw;
