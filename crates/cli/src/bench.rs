@@ -386,6 +386,12 @@ fn prefill_flops_per_token(c: &lily::Config, pos: usize) -> f64 {
 /// Leaves the kernels whose names start with these prefixes out of recorded decode steps (a
 /// timing probe of the backend: `--in-place`).
 type SkipHook<B> = fn(&B, &[&str]);
+/// An arm's switches: `NAME=VALUE` pairs (`--arms`).
+type Switches = [(String, String)];
+/// Sets the backend's run-time switches to an arm's (`--arms`).
+type ArmHook<B> = fn(&B, &Switches) -> Result<()>;
+/// `--arms`' list: each arm's text and switches.
+type ArmList = Vec<(String, Vec<(String, String)>)>;
 
 /// The GPU backends' timing probes (CUDA, wgpu), seen by the generic benchmark.
 struct Probes<B> {
@@ -398,7 +404,7 @@ struct Probes<B> {
     families: &'static [(&'static str, &'static str)],
     /// `--arms`: sets the backend's run-time switches to an arm's (`NAME=VALUE` over the
     /// environment's; the empty arm: the defaults), dropping its recorded steps.
-    arm: fn(&B, &[(String, String)]) -> Result<()>,
+    arm: ArmHook<B>,
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
@@ -453,7 +459,7 @@ fn run_on<B: Backend>(b: B, a: BenchArgs, probes: Option<Probes<B>>) -> Result<(
 /// `--arms` on CUDA: an arm's `LILY_CUDA_DISABLE` and `LILY_CUDA_ENABLE` lists (over the
 /// environment's) become the backend's switches (`Cuda::set_disabled`, `set_enabled`).
 #[cfg(feature = "cuda")]
-fn cuda_arm(b: &lily::backend::cuda::Cuda, arm: &[(String, String)]) -> Result<()> {
+fn cuda_arm(b: &lily::backend::cuda::Cuda, arm: &Switches) -> Result<()> {
     const NAMES: [&str; 2] = ["LILY_CUDA_DISABLE", "LILY_CUDA_ENABLE"];
     if let Some((n, _)) = arm.iter().find(|(n, _)| !NAMES.contains(&n.as_str())) {
         bail!("`{n}`: an arm on CUDA sets LILY_CUDA_DISABLE or LILY_CUDA_ENABLE");
@@ -738,7 +744,7 @@ fn bench<B: Backend>(
 
 /// `--arms`' list: arms separated by `;`, each `+`-joined `NAME=VALUE` (an empty arm is an
 /// error: the defaults are always measured).
-fn parse_arms(s: &str) -> Result<Vec<(String, Vec<(String, String)>)>> {
+fn parse_arms(s: &str) -> Result<ArmList> {
     s.split(';')
         .map(str::trim)
         .filter(|a| !a.is_empty())
@@ -773,6 +779,8 @@ struct Point<B: Backend> {
 }
 
 const WARM: usize = 4;
+/// What a `Point` times: decode on the model and the state.
+type Timed<'a, B> = dyn FnMut(&Qwen35<B>, &mut SeqState<B>) -> Result<()> + 'a;
 
 impl<B: Backend> Point<B> {
     fn new(m: &Qwen35<B>, n: usize, max_len: usize) -> Result<Self> {
@@ -788,11 +796,7 @@ impl<B: Backend> Point<B> {
     }
 
     /// Back to the prefill, warmed up, then `timed` on the state: its seconds.
-    fn time(
-        &mut self,
-        m: &Qwen35<B>,
-        timed: &mut dyn FnMut(&Qwen35<B>, &mut SeqState<B>) -> Result<()>,
-    ) -> Result<f64> {
+    fn time(&mut self, m: &Qwen35<B>, timed: &mut Timed<B>) -> Result<f64> {
         self.st.restore(&m.backend, &m.dims, &self.snap)?;
         std::hint::black_box(m.decode(&mut self.st, Some(self.first), true)?);
         for _ in 1..WARM {
@@ -812,13 +816,13 @@ impl<B: Backend> Point<B> {
 /// the full preset loads in tens of seconds, a 4K context decodes 128 tokens in 0.4.
 fn arms<B: Backend>(
     m: &Qwen35<B>,
-    set: fn(&B, &[(String, String)]) -> Result<()>,
-    list: &[(String, Vec<(String, String)>)],
+    set: ArmHook<B>,
+    list: &ArmList,
     decode: &[usize],
     a: &BenchArgs,
     max_len: usize,
 ) -> Result<Vec<serde_json::Value>> {
-    let mut all: Vec<(&str, &[(String, String)])> = vec![("defaults", &[])];
+    let mut all: Vec<(&str, &Switches)> = vec![("defaults", &[])];
     all.extend(list.iter().map(|(n, s)| (n.as_str(), s.as_slice())));
     // Every arm is checked before anything is timed.
     for (_, sets) in &all {
