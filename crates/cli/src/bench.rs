@@ -585,6 +585,13 @@ fn bench<B: Backend>(
     if let Some(c) = a.chunk {
         m.chunk = c.max(1);
     }
+    // Every arm is checked before anything is measured.
+    if let Some(p) = probes.as_ref().filter(|_| !arm_list.is_empty()) {
+        for (_, sets) in &arm_list {
+            (p.arm)(&m.backend, sets)?;
+        }
+        (p.arm)(&m.backend, &[])?;
+    }
     let d = Dims::from_config(&cfg);
     eprintln!("lily bench: measuring the machine's ceilings…");
     let ceil = ceilings(&m.backend, a.bandwidth, a.peak_flops)?;
@@ -824,11 +831,6 @@ fn arms<B: Backend>(
 ) -> Result<Vec<serde_json::Value>> {
     let mut all: Vec<(&str, &Switches)> = vec![("defaults", &[])];
     all.extend(list.iter().map(|(n, s)| (n.as_str(), s.as_slice())));
-    // Every arm is checked before anything is timed.
-    for (_, sets) in &all {
-        set(&m.backend, sets)?;
-    }
-    set(&m.backend, &[])?;
     let mut rows = Vec::new();
     println!(
         "{:<8} {:>8} {:>10} {:>8}  {:<40} rounds",
