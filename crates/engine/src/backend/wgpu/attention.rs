@@ -626,23 +626,20 @@ fn decode_attend(
     // attn_dec_team (`LILY_WGPU_ATTN_DEC=team`): attn_dec_gqa's shapes, on ordered subgroups.
     let team =
         tile && ctx.report.subgroups && ctx.sw.attn_team.load(std::sync::atomic::Ordering::Relaxed);
+    let keys = ctx.sw.attn_keys.load(std::sync::atomic::Ordering::Relaxed);
     let (span, splits) = if team {
         (
             TEAM_SPAN,
-            kv.capacity
-                .div_ceil(ctx.sw.attn_keys)
-                .clamp(1, DEC_MAX_SPLITS),
+            kv.capacity.div_ceil(keys).clamp(1, DEC_MAX_SPLITS),
         )
     } else if tile {
         (
             // attention.wgsl's DK: 32 · KV_PACK.
             if kv.k.half { 2 * DEC_CHUNK } else { DEC_CHUNK },
-            kv.capacity
-                .div_ceil(ctx.sw.attn_keys)
-                .clamp(1, DEC_MAX_SPLITS),
+            kv.capacity.div_ceil(keys).clamp(1, DEC_MAX_SPLITS),
         )
     } else if gqa {
-        (0, (kv.capacity / ctx.sw.attn_keys).clamp(1, GQA_MAX_SPLITS))
+        (0, (kv.capacity / keys).clamp(1, GQA_MAX_SPLITS))
     } else {
         split(kv.capacity)
     };

@@ -472,8 +472,10 @@ pub(super) struct Switches {
     /// `lily lab` only: parts of gemv_v4, moe_gate_up_v and moe_down_v skipped to time the rest
     /// (gemv_io.wgsl and moe.wgsl `ablate`); 0 otherwise.
     pub ablate: AtomicU32,
-    /// `LILY_WGPU_ATTN_KEYS`: the capacity's keys a decode attention split covers at least.
-    pub attn_keys: usize,
+    /// `LILY_WGPU_ATTN_KEYS`: the capacity's keys a decode attention split covers at least (so
+    /// the splits a KV head: capacity / this, at most 256). Atomic so that `lily bench --arms`
+    /// sweeps it in one process.
+    pub attn_keys: AtomicUsize,
     /// `LILY_WGPU_GDN_FAST=1`: the gated delta rule by the subgroup kernels (gdn_sg.wgsl) where
     /// the adapter has subgroups, instead of gdn_recur. Opt-in: on the H200 (Vulkan) they were
     /// slower, 24.4 against 14.8 ms a 2048-row block and 28.4 against 21.6 µs a decode step.
@@ -640,7 +642,7 @@ impl Switches {
                     .and_then(|v| gemv_code(&v))
                     .unwrap_or(32),
             ),
-            attn_keys: num("LILY_WGPU_ATTN_KEYS", 64),
+            attn_keys: AtomicUsize::new(num("LILY_WGPU_ATTN_KEYS", 64)),
             gdn_fast: get("LILY_WGPU_GDN_FAST").as_deref() == Some("1"),
             gdn_step: AtomicU32::new(
                 get("LILY_WGPU_GDN_STEP")
@@ -715,7 +717,6 @@ impl Switches {
                 "LILY_WGPU_FUSE_GATED_NORM",
                 self.fuse_gated_norm != fresh.fuse_gated_norm,
             ),
-            ("LILY_WGPU_ATTN_KEYS", self.attn_keys != fresh.attn_keys),
             ("LILY_WGPU_GDN_FAST", self.gdn_fast != fresh.gdn_fast),
             ("LILY_WGPU_ATTN_TILE", self.attn_tile != fresh.attn_tile),
             ("LILY_WGPU_CHECKS", self.checks != fresh.checks),
