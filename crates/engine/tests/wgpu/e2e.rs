@@ -245,16 +245,20 @@ fn switches_change_between_steps() {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
     };
+    // The environment's defaults first (whatever the run sets), then XQ_AHEAD off and on.
     b.set_switches(&[]).unwrap();
-    let base = launches(&mut step);
+    let defaults = launches(&mut step);
     assert!(
-        base > 0,
+        defaults > 0,
         "the first step after set_switches ran no launch op by op"
     );
+    b.set_switches(&arm(&[("LILY_WGPU_XQ_AHEAD", "0")]))
+        .unwrap();
+    let base = launches(&mut step);
     b.set_switches(&arm(&[("LILY_WGPU_XQ_AHEAD", "1")]))
         .unwrap();
     let xq = launches(&mut step);
-    assert!(xq < base, "XQ_AHEAD=1: {xq} launches, the defaults {base}");
+    assert!(xq < base, "XQ_AHEAD=1: {xq} launches, with it off {base}");
     for bad in [("LILY_WGPU_NOPE", "1"), ("LILY_WGPU_REPLAY", "0")] {
         let e = b.set_switches(&arm(&[bad])).unwrap_err();
         eprintln!("{}={}: {e:#}", bad.0, bad.1);
@@ -266,5 +270,9 @@ fn switches_change_between_steps() {
         "a refused arm dropped the recorded step"
     );
     b.set_switches(&[]).unwrap();
-    assert_eq!(launches(&mut step), base, "the empty arm is the defaults");
+    assert_eq!(
+        launches(&mut step),
+        defaults,
+        "the empty arm is the defaults"
+    );
 }

@@ -445,6 +445,12 @@ pub(super) struct Switches {
     /// launch fewer a layer, but out_proj / o_proj on 32 rows a workgroup (64 workgroups, not
     /// 256): `next` leaves it out to measure that apart. Takes precedence over `route_ahead`.
     pub xq_moe: std::sync::atomic::AtomicBool,
+    /// `LILY_WGPU_XQ_AHEAD=fold` (opt-in, not yet measured on the H200): `1`, and the router
+    /// folded into that projection too (gemv_q6s omode 6: each workgroup's dots of every router
+    /// row with its rows of h, no atomics), moe_gate_up_y taking the logits from them (MY_FOLD):
+    /// the MoE block without a router launch, two launches (gate|up, down). Atomic for the op
+    /// tests (`Wgpu::set_xq_fold`).
+    pub xq_fold: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_SPEC` (default `all`; `none` for the ablation; `Spec::parse`): decode kernels
     /// specialised to each launch by WGSL pipeline constants, one pipeline a launch shape
     /// (H200 at 4K, stop 38: 356.5 against 290.4 tok/s with none):
@@ -596,13 +602,14 @@ impl Switches {
                 eprintln!("LILY_WGPU_SPEC: {e:#}; no kernel specialised");
                 Spec::default()
             });
-        // LILY_WGPU_XQ_AHEAD: 0 off, 1 `next`, 2 `1` / `all`.
+        // LILY_WGPU_XQ_AHEAD: 0 off, 1 `next`, 2 `1` / `all`, 3 `fold`.
         let xq_ahead = match get("LILY_WGPU_XQ_AHEAD").as_deref() {
+            Some("fold") => 3,
             Some("1" | "all") => 2,
             Some("next") => 1,
             Some("0" | "") | None => 0,
             Some(v) => {
-                eprintln!("LILY_WGPU_XQ_AHEAD={v}: not 1, all, next or 0; off");
+                eprintln!("LILY_WGPU_XQ_AHEAD={v}: not 1, all, next, fold or 0; off");
                 0
             }
         };
@@ -621,7 +628,8 @@ impl Switches {
                 get("LILY_WGPU_ROUTE_AHEAD").is_some_and(|v| v == "1"),
             ),
             xq_ahead: std::sync::atomic::AtomicBool::new(xq_ahead != 0),
-            xq_moe: std::sync::atomic::AtomicBool::new(xq_ahead == 2),
+            xq_moe: std::sync::atomic::AtomicBool::new(xq_ahead >= 2),
+            xq_fold: std::sync::atomic::AtomicBool::new(xq_ahead == 3),
             q6_spec: std::sync::atomic::AtomicBool::new(spec.q6),
             moe_spec: std::sync::atomic::AtomicBool::new(spec.moe),
             xq_spec: std::sync::atomic::AtomicBool::new(spec.xq),
@@ -741,6 +749,7 @@ impl Switches {
             route_ahead,
             xq_ahead,
             xq_moe,
+            xq_fold,
             q6_spec,
             moe_spec,
             xq_spec,

@@ -481,6 +481,25 @@ pub enum OutMode<'a> {
     AddStage {
         norm: &'a WBuf,
     },
+    /// gemv_q6s only, one row (`LILY_WGPU_XQ_AHEAD=fold`): `AddStage`, and the router `router`
+    /// | `sgate` folded in without atomics (matmul_sg.wgsl omode 6): each workgroup's dots of
+    /// every router row with its 32 rows of h · `norm` after the sums of squares
+    /// (`fold_ahead_scratch`), which moe_gate_up_y (MY_FOLD) turns into the logits: the block
+    /// runs no router launch.
+    AddStageFold {
+        router: &'a WMat,
+        sgate: &'a WMat,
+        norm: &'a WBuf,
+    },
+}
+
+/// The scratch a projection with `OutMode::AddStageFold` writes: `stage_ahead_scratch`'s, then
+/// the n / 32 workgroups' E + 1 router dots each.
+pub fn fold_ahead_scratch(ctx: &Ctx, n: usize, e: usize) -> Result<::wgpu::Buffer> {
+    ctx.scratch(
+        "xq_ahead",
+        (16 * xq_row(n) + 4 * (n / 32) + 4 * (n / 32) * (e + 1)) as u64,
+    )
 }
 
 /// The fold's sums (gemv_q6 omode 4 → q2x_stage_ahead): `[E + 1]` fixed-point values, six u32
@@ -620,7 +639,10 @@ pub fn gemv_many_xq(
         if i < ws.len() {
             let words = w.inp / (128 / w.bits as usize);
             let (l, per) = if q6 {
-                let (t, r) = if matches!(omode, OutMode::AddStage { .. }) {
+                let (t, r) = if matches!(
+                    omode,
+                    OutMode::AddStage { .. } | OutMode::AddStageFold { .. }
+                ) {
                     stage_ahead_shape(words)
                 } else {
                     q6_shape(w.out, words, sgw, q6_want)
@@ -679,13 +701,14 @@ pub fn gemv_many_xq(
             return None;
         }
         OutMode::AddAhead { .. } => (4, &dummies[5], &dummies[6]),
-        OutMode::AddStage { .. }
+        OutMode::AddStage { .. } | OutMode::AddStageFold { .. }
             if !(q6 && rows == 1 && ws.len() == 1 && ctx.sw.q6_spec.load(Ordering::Relaxed)) =>
         {
             ctx.fail("gemv_many: x staged ahead without gemv_q6s on one row".to_string());
             return None;
         }
         OutMode::AddStage { .. } => (5, &dummies[5], &dummies[6]),
+        OutMode::AddStageFold { .. } => (6, &dummies[5], &dummies[6]),
     };
     p.extend([ws.len() as u32, rows as u32, e as u32, xmode]);
     let xmode_at = p.len() - 1;
@@ -757,6 +780,27 @@ pub fn gemv_many_xq(
         } = &omode
         {
             acc = match ahead_sums(ctx, router.out) {
+                Ok(b) => b,
+                Err(e) => {
+                    ctx.fail(format!("gemv_q6: {e:#}"));
+                    return None;
+                }
+            };
+            p[8..16].copy_from_slice(&router.qmat());
+            p[16..24].copy_from_slice(&sgate.qmat());
+            bufs[3..6].copy_from_slice(&[&router.w, &router.s, &router.b]);
+            bufs[6..9].copy_from_slice(&[&sgate.w, &sgate.s, &sgate.b]);
+            bufs[17] = &norm.buf;
+            bufs.push(&acc);
+        } else if let OutMode::AddStageFold {
+            router,
+            sgate,
+            norm,
+        } = &omode
+        {
+            // omode 6: omode 5's bindings, and the router and the shared gate in matrix slots 1
+            // and 2 as omode 4's (no workgroups of their own).
+            acc = match fold_ahead_scratch(ctx, ws[0].out, router.out) {
                 Ok(b) => b,
                 Err(e) => {
                     ctx.fail(format!("gemv_q6: {e:#}"));

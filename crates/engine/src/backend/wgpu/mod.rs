@@ -225,6 +225,13 @@ impl Wgpu {
             .take();
         Ok(())
     }
+    /// `LILY_WGPU_XQ_AHEAD=fold`'s router fold on or off (with `set_xq_ahead(true)`).
+    pub fn set_xq_fold(&self, on: bool) {
+        self.ctx
+            .sw
+            .xq_fold
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
     /// Switches the opt-in stagings of `LILY_WGPU_XQ_AHEAD` on (`1`: all three) or off.
     pub fn set_xq_ahead(&self, on: bool) {
         let sw = &self.ctx.sw;
@@ -423,7 +430,13 @@ impl Wgpu {
     /// How the projection before the MoE block prepares it (Backend::route_ahead said yes):
     /// x staged ahead (`LILY_WGPU_XQ_AHEAD=1`, `xq_ahead_on`) or the router folded.
     fn ahead_mode<'a>(&self, n: &super::RouteAhead<'a, Wgpu>) -> OutMode<'a> {
-        if self.xq_ahead_on(n.router, n.shared_gate, n.norm.len) {
+        if self.xq_fold_on(n.router, n.shared_gate, n.norm.len) {
+            OutMode::AddStageFold {
+                router: n.router,
+                sgate: n.shared_gate,
+                norm: n.norm,
+            }
+        } else if self.xq_ahead_on(n.router, n.shared_gate, n.norm.len) {
             OutMode::AddStage { norm: n.norm }
         } else {
             OutMode::AddAhead {
@@ -432,6 +445,21 @@ impl Wgpu {
                 norm: n.norm,
             }
         }
+    }
+    /// Whether the projection that stages the MoE block's x ahead (`xq_ahead_on`) folds its
+    /// router in too (`LILY_WGPU_XQ_AHEAD=fold`: gemv_q6s omode 6, an 8-bit router and shared
+    /// gate of at most 256 rows). A function of the block's weights alone, as `xq_ahead_on`;
+    /// moe_step_add then takes the fold where moe_gate_up_y can (else the router reads the
+    /// staged x as with `1`: the fold's dots go unread).
+    fn xq_fold_on(&self, router: &WMat, sgate: &WMat, norm_len: usize) -> bool {
+        self.ctx
+            .sw
+            .xq_fold
+            .load(std::sync::atomic::Ordering::Relaxed)
+            && self.xq_ahead_on(router, sgate, norm_len)
+            && router.bits == 8
+            && sgate.bits == 8
+            && router.out <= 256
     }
     /// Whether projections `ws` (≤ 4, one decode row) can read an x staged ahead
     /// (`XIn::StagedRn`: gemv_q6s, rows of `dim`, a multiple of 128).
@@ -1037,19 +1065,24 @@ impl Backend for Wgpu {
         // launches (q2x_stage, then its gemv_q6), after a projection that staged it ahead by
         // the router's gemv_q6s alone, or after a projection that folded the router
         // (RouterScratch::ahead) by q2x_stage_ahead alone, from the projection's sums.
+        // The router folded into the projection too (`LILY_WGPU_XQ_AHEAD=fold`): gate|up takes
+        // the logits from its partial dots, and no router launch runs.
+        let fold = staged_ahead && self.xq_fold_on(w.router, w.shared_gate, norm.len);
         let xq = if staged_ahead {
             let xq = match matmul::stage_ahead_scratch(&self.ctx, d.hidden) {
                 Ok(b) => b,
                 Err(err) => return self.ctx.fail(format!("moe_step_add: {err:#}")),
             };
-            let xin = XIn::StagedRn {
-                xq: &xq,
-                eps,
-                group: d.hidden,
-            };
-            let ws = [w.router, w.shared_gate];
-            let mut outs = [&mut *r.logits, &mut *r.s];
-            matmul::gemv_many(&self.ctx, h, &ws, 0, 1, &mut outs, xin, OutMode::Store);
+            if !fold {
+                let xin = XIn::StagedRn {
+                    xq: &xq,
+                    eps,
+                    group: d.hidden,
+                };
+                let ws = [w.router, w.shared_gate];
+                let mut outs = [&mut *r.logits, &mut *r.s];
+                matmul::gemv_many(&self.ctx, h, &ws, 0, 1, &mut outs, xin, OutMode::Store);
+            }
             Some(xq)
         } else if r.ahead && !xq_ahead {
             let (e, hid) = (w.router.out, d.hidden);
@@ -1103,7 +1136,7 @@ impl Backend for Wgpu {
             h,
             Some(r.logits),
             xq.as_ref(),
-            staged_ahead.then_some(eps),
+            staged_ahead.then_some(moe::StagedAhead { eps, fold }),
             w.next_norm,
         );
     }

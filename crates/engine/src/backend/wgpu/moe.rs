@@ -605,6 +605,15 @@ fn down_shape(ctx: &Ctx, width: usize, bits: u32) -> (usize, usize) {
     (t.max(1), (shape >> 16).max(1))
 }
 
+/// How the projection before the MoE block left x (moe_decode_shared's `rn`): staged without
+/// its norm's 1 / rms (`eps`: the norm's), and with `fold` the router's partial dots after it
+/// (`matmul::OutMode::AddStageFold`), so gate|up takes the logits from them.
+#[derive(Clone, Copy)]
+pub struct StagedAhead {
+    pub eps: f32,
+    pub fold: bool,
+}
+
 /// One token's MoE block added into `h` in two launches (the caller checked `shared_slot_ok`):
 /// moe_gate_up_s, the shared expert as slot k, then moe_down_s, which sums the routed slots,
 /// adds the gated shared slot and adds the total into h. With `logits`, moe_gate_up_s routes the
@@ -624,7 +633,7 @@ pub fn moe_decode_shared(
     h: &mut WBuf,
     logits: Option<&WBuf>,
     xq: Option<&::wgpu::Buffer>,
-    rn: Option<f32>,
+    rn: Option<StagedAhead>,
     next: Option<&WBuf>,
 ) {
     let (hid, width, n, k) = (gate.inp, gate.out, gate.n, d.top_k);
@@ -632,10 +641,15 @@ pub fn moe_decode_shared(
     if next.is_some() && !stage_next_takes(ctx, d, gate, up, down) {
         return ctx.fail("moe_decode_shared: staging the next x needs moe_down_ys".to_string());
     }
-    // x staged ahead (`rn`: the norm's eps) is read by moe_gate_up_y with MY_RN alone.
+    // x staged ahead (`rn`) is read by moe_gate_up_y with MY_RN alone; with the router folded
+    // (`fold`), its route also writes the logits and the shared gate's logit.
     if rn.is_some() && !(xq.is_some() && rn_takes(ctx, d, gate, up)) {
         return ctx
             .fail("moe_decode_shared: x staged ahead needs moe_gate_up_y's constants".to_string());
+    }
+    let fold = rn.is_some_and(|r| r.fold);
+    if fold && (sh.logit.len < 1 || logits.is_none()) {
+        return ctx.fail("moe_decode_shared: the folded router writes the logits".to_string());
     }
     let k1 = k + 1;
     let act = match ctx.scratch("moe.act", 4 * (k1 * width) as u64) {
@@ -685,7 +699,7 @@ pub fn moe_decode_shared(
             n,
             d.norm_topk,
             lanes,
-            rn.map_or(0, |e| e.to_bits() as usize),
+            rn.map_or(0, |r| r.eps.to_bits() as usize),
             route_in,
         );
         // gemv_q6s's idea for the y kernels (opt-in): the launch's values as constants.
@@ -697,6 +711,21 @@ pub fn moe_decode_shared(
         if rn.is_some() {
             consts.push(("MY_RN", 1));
         }
+        if fold {
+            if consts.is_empty() {
+                return ctx.fail(
+                    "moe_decode_shared: the folded router needs moe_gate_up_y's constants"
+                        .to_string(),
+                );
+            }
+            consts.push(("MY_FOLD", 1));
+        }
+        // Bindings 19 and 20: the logits and the shared gate's logit the folded route writes
+        // (spares otherwise); the logits are then not read at 16.
+        let (lg, l_out, s_out) = match (fold, logits) {
+            (true, Some(l)) => (&ctx.spare[2], &l.buf, &sh.logit.buf),
+            _ => (lg, &ctx.spare[3], &ctx.spare[4]),
+        };
         ctx.dispatch_spec(
             &XQ_SHADER,
             entry,
@@ -704,7 +733,7 @@ pub fn moe_decode_shared(
             &p_up,
             &[
                 &gate.w, &gate.s, &gate.b, &up.w, &up.s, &up.b, &staged, &route.ids, &act, &sg.w,
-                &sg.s, &sg.b, &su.w, &su.s, &su.b, lg, wts, &aq,
+                &sg.s, &sg.b, &su.w, &su.s, &su.b, lg, wts, &aq, l_out, s_out,
             ],
             (k1 * width / X_OUTS) as u32,
         );

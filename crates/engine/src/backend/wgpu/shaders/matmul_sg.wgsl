@@ -522,32 +522,58 @@ fn fold_add(e: u32, v: f32) {
     }
 }
 
+// Router row e (e = E: the shared gate) over columns col0 .. col0 + rb: the workgroup's rows of
+// h in q6_fx, times the norm's weights at aux where `nw` (omode 6: q6_fx holds h itself, which
+// the staging needs; omode 4 holds h · w already).
+fn fold_dot(e: u32, col0: u32, rb: u32, nw: bool) -> f32 {
+    let ne = pv.ms[1].out;
+    var slot = 1u;
+    var row = e;
+    if (e == ne) {
+        slot = 2u;
+        row = 0u;
+    }
+    let m = pv.ms[slot];
+    let gpr = m.inp / m.gs;
+    let base = (row * m.inp + col0) / 4u;
+    var sum = 0.0;
+    for (var j = 0u; j < rb / 4u; j++) {
+        let w = fold_word(slot, base + j);
+        let c = col0 + 4u * j;
+        let g = row * gpr + c / m.gs;
+        var x = vec4<f32>(q6_fx[c - col0], q6_fx[c - col0 + 1u], q6_fx[c - col0 + 2u], q6_fx[c - col0 + 3u]);
+        if (nw) {
+            x *= vaux[c / 4u];
+        }
+        let q = vec4<f32>(f32(w & 0xffu), f32((w >> 8u) & 0xffu), f32((w >> 16u) & 0xffu), f32(w >> 24u));
+        sum += fold_sb(slot, g, m.sb16, false) * dot(q, x) + fold_sb(slot, g, m.sb16, true) * dot(x, vec4<f32>(1.0));
+    }
+    return sum;
+}
+
 // Invocation li's router rows (li, li + 256, …, up to E = the shared gate) over columns col0 ..
 // col0 + rb (the workgroup's rows of h, in q6_fx), added into vacc.
 fn q6_fold(li: u32, col0: u32, rb: u32) {
     let ne = pv.ms[1].out;
     for (var e = li; e <= ne; e += 256u) {
-        var slot = 1u;
-        var row = e;
-        if (e == ne) {
-            slot = 2u;
-            row = 0u;
-        }
-        let m = pv.ms[slot];
-        let gpr = m.inp / m.gs;
-        let base = (row * m.inp + col0) / 4u;
-        var sum = 0.0;
-        for (var j = 0u; j < rb / 4u; j++) {
-            let w = fold_word(slot, base + j);
-            let c = col0 + 4u * j;
-            let g = row * gpr + c / m.gs;
-            let x = vec4<f32>(q6_fx[c - col0], q6_fx[c - col0 + 1u], q6_fx[c - col0 + 2u], q6_fx[c - col0 + 3u]);
-            let q = vec4<f32>(f32(w & 0xffu), f32((w >> 8u) & 0xffu), f32((w >> 16u) & 0xffu), f32(w >> 24u));
-            sum += fold_sb(slot, g, m.sb16, false) * dot(q, x) + fold_sb(slot, g, m.sb16, true) * dot(x, vec4<f32>(1.0));
-        }
+        let sum = fold_dot(e, col0, rb, false);
         if (sum != 0.0) {
             fold_add(e, sum);
         }
+    }
+}
+
+// omode 6 (`LILY_WGPU_XQ_AHEAD=fold`; one row of x): omode 5's staging, and the router folded in
+// as in omode 4 but without atomics: workgroup blk (32 rows of h) writes its dot of every router
+// row e (e = E: the shared gate) with its 32 columns of h · w, unscaled by the 1 / rms, at word
+// (blk · (E + 1) + e) after the partial sums of squares. moe_xq.wgsl's moe_gate_up_y (MY_FOLD)
+// adds the n / 32 workgroups' values of each row in workgroup order and scales the sum by the
+// 1 / rms it takes from the sums of squares: the logits, with no router launch at all.
+fn q6_fold_part(li: u32, blk: u32, n: u32) {
+    let ne = pv.ms[1].out;
+    let base = 4u * q6_xb(1u, n) + n / 32u + blk * (ne + 1u);
+    for (var e = li; e <= ne; e += 256u) {
+        atomicStore(&vacc[base + e], bitcast<u32>(fold_dot(e, blk * 32u, 32u, true)));
     }
 }
 
@@ -725,9 +751,9 @@ fn q6_tail(mi: u32, m: QMat, blk: u32, t: u32, li: u32, lane_sg: u32, sg: u32, T
         q6_fold(li, blk * rb, rb);
         return;
     }
-    if (omode == 5u) {
+    if (omode == 5u || omode == 6u) {
         // The residual add, then the MoE block's x staged ahead (the header above
-        // q6_stage_ahead).
+        // q6_stage_ahead), and in omode 6 the router's partial dots (q6_fold_part).
         if (lane < R) {
             let o = o0 + lane;
             let hn = vget(0u, o) + acc[lane];
@@ -736,6 +762,9 @@ fn q6_tail(mi: u32, m: QMat, blk: u32, t: u32, li: u32, lane_sg: u32, sg: u32, T
         }
         workgroupBarrier();
         q6_stage_ahead(li, blk, m.out);
+        if (omode == 6u) {
+            q6_fold_part(li, blk, m.out);
+        }
         return;
     }
     // Lane r of a team writes its row r.

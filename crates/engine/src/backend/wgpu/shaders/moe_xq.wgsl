@@ -64,6 +64,11 @@ override MY_SG: u32 = 32u;
 // norm's 1 / rms, the partial sums of squares after the row): gate|up's dots scaled by gx_rn's
 // (the norm's eps as f32 bits in p.cw, which gate|up does not read otherwise). Only with MY_ON.
 override MY_RN: bool = false;
+// The router folded into the projection before the block too (matmul_sg.wgsl omode 6,
+// `LILY_WGPU_XQ_AHEAD=fold`; with MY_RN): no router launch ran, so the route takes each
+// logit from the projection's partial dots (gx_fold_logit) and the route's writer also writes
+// the logits (binding 19) and the shared gate's logit (20, for down). Only with MY_ON, one row.
+override MY_FOLD: bool = false;
 
 fn my_out() -> u32 { return select(p.m.out, MY_OUT, MY_ON); }
 fn my_inp() -> u32 { return select(p.m.inp, MY_INP, MY_ON); }
@@ -91,6 +96,12 @@ fn my_sg(li: u32, sg_size: u32) -> u32 {
 
 @group(0) @binding(7) var<storage, read> gx_x: array<vec4<u32>>;
 @group(0) @binding(18) var<storage, read_write> gx_aq: array<vec4<u32>>;
+// MY_FOLD: the logits and the shared gate's logit, written by the route's writer (spares
+// otherwise; the logits at 16 are then not bound: a spare).
+@group(0) @binding(19) var<storage, read_write> gy_l: array<f32>;
+@group(0) @binding(20) var<storage, read_write> gy_s: array<f32>;
+// MY_FOLD: the row's 1 / rms (gx_rn), for gx_fold_logit.
+var<private> gx_rnv: f32;
 @group(0) @binding(4) var<storage, read> dx_aq: array<vec4<u32>>;
 
 // Each subgroup's largest logit and largest key (the route), and the route's candidates:
@@ -145,6 +156,21 @@ fn gx_rn(xb: u32, inp: u32) -> f32 {
     return 1.0 / sqrt(s / f32(inp) + bitcast<f32>(p.cw));
 }
 
+// MY_FOLD: router row e's logit (e = E: the shared gate's), the n / 32 workgroups' partial dots
+// after the staged row and its sums of squares (matmul_sg.wgsl q6_fold_part), added in
+// workgroup order, times the 1 / rms (gx_rnv). One row of x: the staging at 0.
+fn gx_fold_logit(e: u32) -> f32 {
+    let hid = my_inp();
+    let base = 4u * (5u * (hid / 32u) + 3u * (hid / 16u)) + hid / 32u + e;
+    let stride = my_nexp() + 1u;
+    var s = 0.0;
+    for (var w = 0u; w < hid / 32u; w++) {
+        let i = base + w * stride;
+        s += bitcast<f32>(gx_x[i / 4u][i % 4u]);
+    }
+    return s * gx_rnv;
+}
+
 // The same of down's act (aq as moe_gate_up_x staged it).
 fn dx_xword(xb: u32, c: u32, inp: u32, bits: u32) -> GxW {
     var r: GxW;
@@ -195,9 +221,21 @@ fn gx_node32(i: u32) -> f32 {
 fn gx_route(t: u32, li: u32, sg: u32, lsg: u32, write: bool) {
     let ne = my_nexp();
     let nsg = 256u / sg;
+    // Bindings 19 and 20 are every gate|up pipeline's (one derived layout whatever MY_FOLD):
+    // a use the launch never runs (the route's k is at most the expert count).
+    if (p.k > 0xfffffu) {
+        gy_l[0] = gy_s[0];
+    }
     var l = bitcast<f32>(0xff800000u);
     if (li < ne) {
-        l = gs_logits[t * ne + li];
+        if (MY_FOLD) {
+            l = gx_fold_logit(li);
+            if (write) {
+                gy_l[t * ne + li] = l;
+            }
+        } else {
+            l = gs_logits[t * ne + li];
+        }
     }
     let sm = subgroupMax(l);
     if (lsg == 0u) {
@@ -272,6 +310,9 @@ fn gx_route(t: u32, li: u32, sg: u32, lsg: u32, write: bool) {
     }
     workgroupBarrier();
     if (write && li == 0u) {
+        if (MY_FOLD) {
+            gy_s[t] = gx_fold_logit(ne);
+        }
         var ws = 1.0;
         if (my_norm() != 0u) {
             ws = 0.0;
@@ -453,6 +494,7 @@ fn moe_gate_up_y(
     if (MY_RN) {
         rn = gx_rn(xb, hid);
     }
+    gx_rnv = rn;
     let e = gx_expert(t, js, sh, li, sg, lane_sg, a.first);
     // The team's rows (past R: the last again, not kept).
     let r0 = e * width + o0;
