@@ -95,19 +95,10 @@ fn lookahead_generates_what_the_loop_without_it_does() {
 /// (`Wgpu::set_trace_passes`, Metal's way) it names the same launches.
 #[test]
 fn trace_stamps_every_launch_of_a_replayed_step() {
-    use lily::model::{Logits, Next};
     let Some(g) = gpu() else { return };
-    let dir = common::synth("tiny", 3, &[]);
-    let m = lily::runtime::load(g, dir.path()).unwrap();
-    let prompt = common::prompt_ids(12, m.cfg.vocab_size);
-    let mut st = m.new_state(64).unwrap();
-    let logits = m.forward(&mut st, &prompt, Logits::Last, None).unwrap();
-    let first = lily::runtime::argmax(&logits);
+    let (m, mut st, first) = tiny_after_prompt(g);
     // Run, record, then replay: the trace sees replayed steps only.
-    let mut step = |feed: Option<u32>| match m.decode(&mut st, feed, true).unwrap() {
-        Next::Token(t) => t,
-        Next::Logits(_) => panic!("greedy decode gave logits"),
-    };
+    let mut step = |feed: Option<u32>| greedy_step(&m, &mut st, feed);
     step(Some(first));
     for _ in 0..3 {
         step(None);
@@ -220,18 +211,10 @@ fn trace_stamps_every_launch_of_a_replayed_step() {
 /// the device opens is refused without changing anything.
 #[test]
 fn switches_change_between_steps() {
-    use lily::model::{Logits, Next};
     let Some(g) = gpu() else { return };
-    let dir = common::synth("tiny", 3, &[]);
-    let m = lily::runtime::load(g, dir.path()).unwrap();
-    let prompt = common::prompt_ids(12, m.cfg.vocab_size);
-    let mut st = m.new_state(64).unwrap();
-    let logits = m.forward(&mut st, &prompt, Logits::Last, None).unwrap();
-    let mut step = |feed: Option<u32>| match m.decode(&mut st, feed, true).unwrap() {
-        Next::Token(t) => t,
-        Next::Logits(_) => panic!("greedy decode gave logits"),
-    };
-    step(Some(lily::runtime::argmax(&logits)));
+    let (m, mut st, first) = tiny_after_prompt(g);
+    let mut step = |feed: Option<u32>| greedy_step(&m, &mut st, feed);
+    step(Some(first));
     let b = &m.backend;
     // Launches of the next decode step run op by op (a step's first run under these switches,
     // or its recording after `set_switches` made the old record stale).
@@ -275,4 +258,29 @@ fn switches_change_between_steps() {
         defaults,
         "the empty arm is the defaults"
     );
+}
+
+/// `tiny` on the device after a 12-token prompt (a state of 64 positions): the model, the state
+/// and the prompt's greedy next token.
+fn tiny_after_prompt(g: Wgpu) -> (lily::model::Qwen35<Wgpu>, lily::model::SeqState<Wgpu>, u32) {
+    let dir = common::synth("tiny", 3, &[]);
+    let m = lily::runtime::load(g, dir.path()).unwrap();
+    let prompt = common::prompt_ids(12, m.cfg.vocab_size);
+    let mut st = m.new_state(64).unwrap();
+    let logits = m
+        .forward(&mut st, &prompt, lily::model::Logits::Last, None)
+        .unwrap();
+    (m, st, lily::runtime::argmax(&logits))
+}
+
+/// One greedy decode step (fed `feed`, else the step's own pick): the token it picks.
+fn greedy_step(
+    m: &lily::model::Qwen35<Wgpu>,
+    st: &mut lily::model::SeqState<Wgpu>,
+    feed: Option<u32>,
+) -> u32 {
+    match m.decode(st, feed, true).unwrap() {
+        lily::model::Next::Token(t) => t,
+        lily::model::Next::Logits(_) => panic!("greedy decode gave logits"),
+    }
 }

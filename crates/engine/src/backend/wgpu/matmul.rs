@@ -770,37 +770,30 @@ pub fn gemv_many_xq(
             bufs[17] = &w.buf;
             bufs[18] = &state.buf;
         }
-        // The fold (omode 4): the router and the shared gate in matrix slots 1 and 2 (no
-        // workgroups of their own), the norm's weights at aux, the sums at binding 22.
+        // The folds (omodes 4 and 6): the router and the shared gate in matrix slots 1 and 2
+        // (no workgroups of their own), the norm's weights at aux, at binding 22 omode 4's
+        // fixed-point sums or omode 6's staging with the workgroups' dots after it.
         let acc;
-        if let OutMode::AddAhead {
-            router,
-            sgate,
-            norm,
-        } = &omode
-        {
-            acc = match ahead_sums(ctx, router.out) {
-                Ok(b) => b,
-                Err(e) => {
-                    ctx.fail(format!("gemv_q6: {e:#}"));
-                    return None;
-                }
-            };
-            p[8..16].copy_from_slice(&router.qmat());
-            p[16..24].copy_from_slice(&sgate.qmat());
-            bufs[3..6].copy_from_slice(&[&router.w, &router.s, &router.b]);
-            bufs[6..9].copy_from_slice(&[&sgate.w, &sgate.s, &sgate.b]);
-            bufs[17] = &norm.buf;
-            bufs.push(&acc);
-        } else if let OutMode::AddStageFold {
-            router,
-            sgate,
-            norm,
-        } = &omode
-        {
-            // omode 6: omode 5's bindings, and the router and the shared gate in matrix slots 1
-            // and 2 as omode 4's (no workgroups of their own).
-            acc = match fold_ahead_scratch(ctx, ws[0].out, router.out) {
+        let fold = match &omode {
+            OutMode::AddAhead {
+                router,
+                sgate,
+                norm,
+            } => Some((ahead_sums(ctx, router.out), *router, *sgate, *norm)),
+            OutMode::AddStageFold {
+                router,
+                sgate,
+                norm,
+            } => Some((
+                fold_ahead_scratch(ctx, ws[0].out, router.out),
+                *router,
+                *sgate,
+                *norm,
+            )),
+            _ => None,
+        };
+        if let Some((scratch, router, sgate, norm)) = fold {
+            acc = match scratch {
                 Ok(b) => b,
                 Err(e) => {
                     ctx.fail(format!("gemv_q6: {e:#}"));
