@@ -494,7 +494,7 @@ pub enum OutMode<'a> {
 }
 
 /// The scratch a projection with `OutMode::AddStageFold` writes: `stage_ahead_scratch`'s, then
-/// the n / 32 workgroups' E + 1 router dots each.
+/// the E + 1 router rows' dots from each of the n / 32 workgroups (a row's contiguous).
 pub fn fold_ahead_scratch(ctx: &Ctx, n: usize, e: usize) -> Result<::wgpu::Buffer> {
     ctx.scratch(
         "xq_ahead",

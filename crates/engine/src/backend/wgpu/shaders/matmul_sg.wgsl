@@ -566,14 +566,15 @@ fn q6_fold(li: u32, col0: u32, rb: u32) {
 // omode 6 (`LILY_WGPU_XQ_AHEAD=fold`; one row of x): omode 5's staging, and the router folded in
 // as in omode 4 but without atomics: workgroup blk (32 rows of h) writes its dot of every router
 // row e (e = E: the shared gate) with its 32 columns of h · w, unscaled by the 1 / rms, at word
-// (blk · (E + 1) + e) after the partial sums of squares. moe_xq.wgsl's moe_gate_up_y (MY_FOLD)
-// adds the n / 32 workgroups' values of each row in workgroup order and scales the sum by the
-// 1 / rms it takes from the sums of squares: the logits, with no router launch at all.
+// (e · n / 32 + blk) after the partial sums of squares (a row's values contiguous: its reader
+// takes them as n / 128 vec4s). moe_xq.wgsl's moe_gate_up_y (MY_FOLD) adds the n / 32
+// workgroups' values of each row in workgroup order and scales the sum by the 1 / rms it takes
+// from the sums of squares: the logits, with no router launch at all.
 fn q6_fold_part(li: u32, blk: u32, n: u32) {
     let ne = pv.ms[1].out;
-    let base = 4u * q6_xb(1u, n) + n / 32u + blk * (ne + 1u);
+    let base = 4u * q6_xb(1u, n) + n / 32u + blk;
     for (var e = li; e <= ne; e += 256u) {
-        atomicStore(&vacc[base + e], bitcast<u32>(fold_dot(e, blk * 32u, 32u, true)));
+        atomicStore(&vacc[base + e * (n / 32u)], bitcast<u32>(fold_dot(e, blk * 32u, 32u, true)));
     }
 }
 

@@ -157,16 +157,19 @@ fn gx_rn(xb: u32, inp: u32) -> f32 {
 }
 
 // MY_FOLD: router row e's logit (e = E: the shared gate's), the n / 32 workgroups' partial dots
-// after the staged row and its sums of squares (matmul_sg.wgsl q6_fold_part), added in
-// workgroup order, times the 1 / rms (gx_rnv). One row of x: the staging at 0.
+// after the staged row and its sums of squares (matmul_sg.wgsl q6_fold_part: row e's values
+// contiguous, n / 128 vec4s), added in workgroup order, times the 1 / rms (gx_rnv). One row of
+// x: the staging at 0.
 fn gx_fold_logit(e: u32) -> f32 {
     let hid = my_inp();
-    let base = 4u * (5u * (hid / 32u) + 3u * (hid / 16u)) + hid / 32u + e;
-    let stride = my_nexp() + 1u;
+    let base = 5u * (hid / 32u) + 3u * (hid / 16u) + hid / 128u + e * (hid / 128u);
     var s = 0.0;
-    for (var w = 0u; w < hid / 32u; w++) {
-        let i = base + w * stride;
-        s += bitcast<f32>(gx_x[i / 4u][i % 4u]);
+    for (var j = 0u; j < hid / 128u; j++) {
+        let p = bitcast<vec4<f32>>(gx_x[base + j]);
+        s += p.x;
+        s += p.y;
+        s += p.z;
+        s += p.w;
     }
     return s * gx_rnv;
 }
