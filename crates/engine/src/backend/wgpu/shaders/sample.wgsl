@@ -162,11 +162,16 @@ fn block_topk(v: ptr<function, array<vec2<u32>, 16>>, k: u32, t: u32) -> u32 {
     for (var i = 0u; i < SMP_PER; i++) {
         let c = (*v)[i];
         if (c.x != 0u && ge64(c & mask, prefix)) {
-            sel_buf[atomicAdd(&sel_cnt, 1u)] = c;
+            // At most SEL_CAP by the passes' end (the last one's prefix is the k-th best
+            // itself); the bound keeps the writes in the array whatever happens.
+            let at = atomicAdd(&sel_cnt, 1u);
+            if (at < SEL_CAP) {
+                sel_buf[at] = c;
+            }
         }
     }
     workgroupBarrier();
-    let n = atomicLoad(&sel_cnt);
+    let n = min(atomicLoad(&sel_cnt), SEL_CAP);
     for (var j = t; j < n; j += SMP_T) {
         let x = sel_buf[j];
         var r = 0u;
