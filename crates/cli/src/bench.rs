@@ -551,7 +551,9 @@ fn bench<B: Backend>(
         bail!("--in-place needs a GPU backend and at least one kernel-name prefix (or `default`)");
     }
     let arm_list = match &a.arms {
-        Some(s) if probes.is_none() => bail!("--arms `{s}` needs a GPU backend (cuda or wgpu)"),
+        Some(s) if probes.is_none() => {
+            bail!("--arms `{s}` needs a GPU backend (cuda or wgpu), and no --profile")
+        }
         Some(s) => parse_arms(s)?,
         None => Vec::new(),
     };
