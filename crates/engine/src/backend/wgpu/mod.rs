@@ -5,8 +5,8 @@
 //!
 //! Layout: `device` (adapter, pipelines, the shared command encoder, buffers), one file per op
 //! family with its WGSL in `shaders/<family>.wgsl` (`norm`, `matmul`, `attention`, `gdn`, `moe`,
-//! `output`), each prefixed with `shaders/common.wgsl` (and `shaders/quant.wgsl` where it reads
-//! weights). The op names are the trait's, the CPU files' and the CUDA kernels'.
+//! `output`, `sample`), each prefixed with `shaders/common.wgsl` (and `shaders/quant.wgsl` where
+//! it reads weights, `shaders/softfloat.wgsl` for the sampler). The op names are the trait's, the CPU files' and the CUDA kernels'.
 //!
 //! Element types: activations, the residual stream and states are f32 here (`act_zeros` is
 //! `zeros`); the KV cache is f32, or f16 with `LILY_WGPU_KV_F16=1` where the adapter has

@@ -16,7 +16,7 @@
 //   finite values, add64 and mul64 (round to nearest even), ge64 / gt64 (the bits of
 //   non-negative doubles order like the doubles), f64_of_f32 (exact), f64_of_u53 (N · 2^-53).
 // Tested bit for bit against Rust's f32 / f64 arithmetic (wgpu_ops `softfloat_matches_ieee`,
-// through lab.wgsl-free test entries in sample.wgsl).
+// through sample.wgsl's `softfloat_check` entry).
 
 // ---- f32 ----
 
