@@ -144,16 +144,22 @@ fn gx_xword(xb: u32, c: u32, inp: u32, bits: u32) -> GxW {
 // The row's 1 / rms for x staged ahead (MY_RN): matmul_sg.wgsl q6_rn's sum, in its order, of
 // the inp / 32 partial sums of squares after the row staged at xb.
 fn gx_rn(xb: u32, inp: u32) -> f32 {
+    let s = gx_vsum(xb + 5u * (inp / 32u) + 3u * (inp / 16u), inp / 128u);
+    return 1.0 / sqrt(s / f32(inp) + bitcast<f32>(p.cw));
+}
+
+// The n vec4s of f32 bits at gx_x[base ..] added in order, a component at a time (gx_rn's
+// partial sums of squares, gx_fold_logit's router dots).
+fn gx_vsum(base: u32, n: u32) -> f32 {
     var s = 0.0;
-    let base = xb + 5u * (inp / 32u) + 3u * (inp / 16u);
-    for (var j = 0u; j < inp / 128u; j++) {
+    for (var j = 0u; j < n; j++) {
         let p = bitcast<vec4<f32>>(gx_x[base + j]);
         s += p.x;
         s += p.y;
         s += p.z;
         s += p.w;
     }
-    return 1.0 / sqrt(s / f32(inp) + bitcast<f32>(p.cw));
+    return s;
 }
 
 // MY_FOLD: router row e's logit (e = E: the shared gate's), the n / 32 workgroups' partial dots
@@ -163,15 +169,7 @@ fn gx_rn(xb: u32, inp: u32) -> f32 {
 fn gx_fold_logit(e: u32) -> f32 {
     let hid = my_inp();
     let base = 5u * (hid / 32u) + 3u * (hid / 16u) + hid / 128u + e * (hid / 128u);
-    var s = 0.0;
-    for (var j = 0u; j < hid / 128u; j++) {
-        let p = bitcast<vec4<f32>>(gx_x[base + j]);
-        s += p.x;
-        s += p.y;
-        s += p.z;
-        s += p.w;
-    }
-    return s * gx_rnv;
+    return gx_vsum(base, hid / 128u) * gx_rnv;
 }
 
 // The same of down's act (aq as moe_gate_up_x staged it).
