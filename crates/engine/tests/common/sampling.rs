@@ -237,6 +237,7 @@ pub fn sample_logprobs_match_the_host<B: Backend>(g: &B, upload: impl Fn(&[f32])
     let vocab = 248_320;
     let l = rng.vec(vocab, 3.0);
     let gl = upload(&l);
+    let mut worst = 0f32;
     for (token, n) in [(5u32, 20usize), (200_000, 1), (7, 0)] {
         let (lp, top) = g.logprobs(&gl, vocab, token, n).unwrap();
         let (wlp, wtop) = lily::runtime::sampler::token_logprobs(&l, token, n);
@@ -246,7 +247,13 @@ pub fn sample_logprobs_match_the_host<B: Backend>(g: &B, upload: impl Fn(&[f32])
             wtop.iter().map(|x| x.0).collect::<Vec<_>>()
         );
         assert!(top.iter().zip(&wtop).all(|(a, b)| (a.1 - b.1).abs() < 1e-5));
+        worst = top
+            .iter()
+            .zip(&wtop)
+            .map(|(a, b)| (a.1 - b.1).abs())
+            .fold(worst.max((lp - wlp).abs()), f32::max);
     }
+    println!("logprobs: ids equal, worst |Δ| {worst:.2e} (tol 1e-5)");
 }
 
 /// The upper quantile of chi-square with `df` degrees of freedom at z standard deviations

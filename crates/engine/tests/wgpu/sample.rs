@@ -136,3 +136,46 @@ fn sample_distribution_matches_the_cpu() {
     let Some(g) = gpu() else { return };
     sampling::sample_distribution_matches_the_cpu(&g, |l| upload(&g, l), 3000, 3000);
 }
+
+/// Log-probabilities on the device (sample.wgsl, log-probability mode) where constrained
+/// decoding leaves them: most logits -inf (a mask), one NaN (skipped, as the host skips it),
+/// and more alternatives asked than finite logits, so -inf ones are reported too (-inf, in id
+/// order). Against runtime::sampler::token_logprobs: the same ids, values within 1e-5 (the
+/// device's lse in f32 against the host's f64), -inf where the host has -inf.
+#[test]
+fn logprobs_on_masked_logits() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(33);
+    let vocab = 248_320;
+    let mut l = vec![f32::NEG_INFINITY; vocab];
+    for id in [3usize, 4000, 131_071, 200_000, 248_319, 77, 9_999, 150_000] {
+        l[id] = 4.0 * rng.f();
+    }
+    l[12_345] = f32::NAN;
+    let gl = g.upload(&l).unwrap();
+    let mut worst = 0f32;
+    for (token, n) in [(4000u32, 20usize), (77, 3), (5, 1)] {
+        let (lp, top) = g.logprobs(&gl, vocab, token, n).unwrap();
+        let (wlp, wtop) = lily::runtime::sampler::token_logprobs(&l, token, n);
+        let close = |a: f32, b: f32| a == b || (a - b).abs() < 1e-5;
+        assert!(close(lp, wlp), "token {token}: {lp} vs {wlp}");
+        assert_eq!(
+            top.iter().map(|x| x.0).collect::<Vec<_>>(),
+            wtop.iter().map(|x| x.0).collect::<Vec<_>>(),
+            "token {token}: the alternatives' ids"
+        );
+        for (a, b) in top.iter().zip(&wtop) {
+            assert!(
+                close(a.1, b.1),
+                "token {token}: id {} {} vs {}",
+                a.0,
+                a.1,
+                b.1
+            );
+            if b.1.is_finite() {
+                worst = worst.max((a.1 - b.1).abs());
+            }
+        }
+    }
+    println!("logprobs on masked logits: ids equal, worst |Δ| {worst:.2e} (tol 1e-5)");
+}

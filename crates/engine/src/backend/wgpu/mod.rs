@@ -13,8 +13,9 @@
 //! SHADER_F16 (`kv_zeros`, `WBuf::half`), read into f32 arithmetic; weights stay in the checkpoint's
 //! 4/8-bit codes with bf16 scales and biases, dequantized inside the kernels; accumulation f32.
 //! Routing, the next token and the recurrent state stay on the GPU, and so does sampling with
-//! top-k ≤ 64 (the checkpoint's default among it; `sample`, the CPU's tokens for the same seed);
-//! top-k off or larger is drawn on the host (`new_sampler` returns `None`).
+//! top-k ≤ 64 (the checkpoint's default among it; `sample`, the CPU's tokens for the same seed;
+//! log-probabilities too); top-k off or larger is drawn on the host (`new_sampler` returns
+//! `None`).
 
 mod attention;
 mod check;
@@ -1367,6 +1368,22 @@ impl Backend for Wgpu {
     }
     fn sample_note(&self, s: &mut sample::WSampler, token: u32) {
         sample::sample_note(&self.ctx, s, token)
+    }
+    /// On the device (sample.wgsl logprobs_finish): 1 + 2n words read back, not the logits.
+    fn logprobs(
+        &self,
+        logits: &WBuf,
+        vocab: usize,
+        token: u32,
+        n: usize,
+    ) -> Result<(f32, Vec<(u32, f32)>)> {
+        match sample::logprobs(&self.ctx, logits, vocab, token, n)? {
+            Some(r) => Ok(r),
+            None => {
+                let l = self.to_host(logits, vocab)?;
+                Ok(crate::runtime::sampler::token_logprobs(&l, token, n))
+            }
+        }
     }
 }
 

@@ -8,12 +8,15 @@
 //! parameter blocks: they are fixed for the sampler's life, so a recorded step (whose key
 //! includes the sampler, `Qwen35::decode_step`) replays them.
 //!
+//! `logprobs`: `Backend::logprobs` by the same first pass in log-probability mode and
+//! logprobs_finish.
+//!
 //! Covered: greedy with penalties, and top-k of 1..=[`KMAX`] (below the vocabulary) with any
 //! temperature, top-p, min-p and penalties — the checkpoint's default (top-k 20, top-p 0.95)
 //! among them — with the CPU's tokens for the same seed (softfloat.wgsl says how). Top-k off or
 //! larger declines (`None`): the host samples, as on CUDA.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 
 use super::device::{as_bytes, Ctx, Shader};
 use super::{WBuf, WStep};
@@ -66,6 +69,10 @@ impl WSampler {
             p.min_p.to_bits(),
             token,
             0,
+            0,
+            0,
+            0,
+            0,
         ]
     }
 }
@@ -113,7 +120,7 @@ pub fn sample_step(ctx: &Ctx, logits: &WBuf, vocab: usize, s: &mut WSampler, ste
         &SHADER,
         "sample_topk_partial",
         &s.params(0, 0),
-        &[&logits.buf, &s.counts, &s.cands],
+        &[&logits.buf, &s.counts, &s.cands, &ctx.spare[0]],
         blocks as u32,
     );
     ctx.dispatch(
@@ -146,6 +153,68 @@ pub fn sample_note(ctx: &Ctx, s: &mut WSampler, token: u32) {
     );
 }
 
+/// Most log-probability alternatives (OpenAI's `top_logprobs` allows 20).
+const LP_MAX: usize = 20;
+
+/// `Backend::logprobs` on the device: sample_topk_partial in log-probability mode, then
+/// logprobs_finish; only 1 + 2n words come back (the host's way read 1 MB and took its exps).
+/// `None` where the kernels do not take the shape (the caller then reads the logits).
+pub fn logprobs(
+    ctx: &Ctx,
+    logits: &WBuf,
+    vocab: usize,
+    token: u32,
+    n: usize,
+) -> Result<Option<(f32, Vec<(u32, f32)>)>> {
+    if n > LP_MAX {
+        bail!("logprobs: {n} alternatives asked, at most {LP_MAX}");
+    }
+    if token as usize >= vocab || vocab == 0 {
+        bail!("logprobs: token {token} outside the vocabulary of {vocab}");
+    }
+    let (kc, blocks) = (n.max(1), vocab.div_ceil(SLICE));
+    if blocks * kc > THREADS * PER || logits.len < vocab || logits.half {
+        return Ok(None);
+    }
+    let out_len = 1 + 2 * n;
+    let cands = ctx.scratch("lp.cands", (8 * blocks * kc) as u64)?;
+    let part = ctx.scratch("lp.part", (8 * blocks) as u64)?;
+    let out = ctx.scratch("lp.out", (4 * out_len) as u64)?;
+    let mut p = vec![0u32; 16];
+    p[0] = vocab as u32;
+    p[1] = kc as u32;
+    p[2] = (blocks * kc) as u32;
+    p[3] = 4;
+    p[10] = token;
+    p[11] = blocks as u32;
+    p[12] = n as u32;
+    ctx.dispatch(
+        &SHADER,
+        "sample_topk_partial",
+        &p,
+        &[&logits.buf, &ctx.spare[0], &cands, &part],
+        blocks as u32,
+    );
+    ctx.dispatch(
+        &SHADER,
+        "logprobs_finish",
+        &p,
+        &[&cands, &part, &logits.buf, &out],
+        1,
+    );
+    ctx.check()?;
+    let b = ctx.read(&out, (4 * out_len) as u64)?;
+    let w: Vec<u32> = b
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let top = (0..n)
+        .map(|j| (w[1 + 2 * j], f32::from_bits(w[2 + 2 * j])))
+        .filter(|&(id, _)| (id as usize) < vocab)
+        .collect();
+    Ok(Some((f32::from_bits(w[0]), top)))
+}
+
 /// Runs softfloat.wgsl on `rows` of (a, b, c, d) f32 bits: 16 words a row (sample.wgsl's
 /// `softfloat_check` says which). For the bit-for-bit test against Rust's arithmetic.
 pub fn softfloat_check(ctx: &Ctx, rows: &[[u32; 4]]) -> Result<Vec<[u32; 16]>> {
@@ -156,7 +225,7 @@ pub fn softfloat_check(ctx: &Ctx, rows: &[[u32; 4]]) -> Result<Vec<[u32; 16]>> {
     let flat: Vec<u32> = rows.iter().flatten().copied().collect();
     let input = ctx.upload(as_bytes(&flat))?;
     let out = ctx.buffer(64 * n as u64)?;
-    let mut p = vec![0u32; 12];
+    let mut p = vec![0u32; 16];
     p[11] = n as u32;
     ctx.dispatch(
         &SHADER,

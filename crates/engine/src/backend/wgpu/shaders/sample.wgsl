@@ -21,6 +21,11 @@
 //     with penalties, counts[token] += 1: a replayed step needs nothing from the host.
 //     Bindings: 1 cands, 2 step u32 [token, pos], 3 counts, 4 rng u32 [8] (4 u64, low word first).
 // sample_count   counts[P.token] += 1 (a forced token counts as drawn). Bindings: 1 counts.
+// logprobs_finish  (one workgroup, after sample_topk_partial in log-probability mode: P.flags
+//     bit 2, raw logits, -inf kept, each slice's max and Σ exp(l - max) at binding 4) the
+//     chosen token's log-probability and the n most likely (id, logprob), as
+//     runtime::sampler::token_logprobs on the host (lse in f32 here: within 1e-5 of its f64).
+//     Bindings: 1 cands, 2 the slices' (max, Σ exp), 3 logits, 4 out f32 [1 + 2 n].
 // softfloat_check  the softfloat functions on test inputs (wgpu_ops `softfloat_matches_ieee`):
 //     one invocation a row of 4 words in, 16 out. Bindings: 1 input u32 [4 n], 2 output u32 [16 n].
 //
@@ -44,7 +49,13 @@ struct P {
     top_p: u32,
     min_p: u32,
     token: u32,
+    // softfloat_check's rows; logprobs_finish's slices.
     n: u32,
+    // logprobs_finish: the alternatives asked (n ≤ 20).
+    alts: u32,
+    pad0: u32,
+    pad1: u32,
+    pad2: u32,
 }
 
 @group(0) @binding(0) var<uniform> p: P;
@@ -205,6 +216,11 @@ fn penalise(l: u32, c: u32) -> u32 {
 @group(0) @binding(1) var<storage, read> tp_logits: array<f32>;
 @group(0) @binding(2) var<storage, read> tp_counts: array<u32>;
 @group(0) @binding(3) var<storage, read_write> tp_cands: array<u32>;
+// Log-probability mode (P.flags bit 2): the slice's max logit and Σ exp(l - max) (a spare in
+// sampling mode).
+@group(0) @binding(4) var<storage, read_write> tp_part: array<f32>;
+
+var<workgroup> lp_red: array<f32, 256>;
 
 @compute @workgroup_size(256)
 fn sample_topk_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) t: u32) {
@@ -221,8 +237,11 @@ fn sample_topk_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
                     x = penalise(x, c);
                 }
             }
-            // NaN fails the test; -inf (weight 0, never drawn) is dropped.
-            if (bitcast<f32>(x) > -bitcast<f32>(F32_INF)) {
+            // NaN fails both tests; sampling drops -inf (weight 0, never drawn), the
+            // log-probabilities keep it (a token the mask excluded is still reported).
+            let xf = bitcast<f32>(x);
+            let lp = (p.flags & 4u) != 0u;
+            if ((lp && xf == xf) || xf > -bitcast<f32>(F32_INF)) {
                 v[j] = vec2<u32>(f2key(x), ~i);
             }
         }
@@ -232,6 +251,74 @@ fn sample_topk_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
         let c = sel_top[j];
         tp_cands[2u * (b * p.k + j)] = c.x;
         tp_cands[2u * (b * p.k + j) + 1u] = c.y;
+    }
+    if ((p.flags & 4u) != 0u) {
+        // The slice's max is its best candidate; Σ exp(l - max) over its valid logits, each
+        // invocation's 16 in order, then a tree over the workgroup.
+        let best = workgroupUniformLoad(&sel_top[0]);
+        let m = bitcast<f32>(key2f(best.x));
+        var e = 0.0;
+        for (var j = 0u; j < SMP_PER; j++) {
+            if (v[j].x != 0u && best.x != 0u) {
+                e += exp(bitcast<f32>(key2f(v[j].x)) - m);
+            }
+        }
+        lp_red[t] = e;
+        workgroupBarrier();
+        for (var o = 128u; o > 0u; o >>= 1u) {
+            if (t < o) {
+                lp_red[t] += lp_red[t + o];
+            }
+            workgroupBarrier();
+        }
+        if (t == 0u) {
+            tp_part[2u * b] = select(-bitcast<f32>(F32_INF), m, best.x != 0u);
+            tp_part[2u * b + 1u] = select(0.0, lp_red[0], best.x != 0u);
+        }
+    }
+}
+
+@group(0) @binding(1) var<storage, read> lf_cands: array<u32>;
+@group(0) @binding(2) var<storage, read> lf_part: array<f32>;
+@group(0) @binding(3) var<storage, read> lf_logits: array<f32>;
+@group(0) @binding(4) var<storage, read_write> lf_out: array<f32>;
+
+var<workgroup> lf_lse: f32;
+
+// After sample_topk_partial in log-probability mode (P.k = max(alts, 1) candidates from each
+// of P.n slices, P.ncand in all): out[0] = logit[P.token] - lse; out[1 + 2j], out[2 + 2j] = the
+// (id bits, logprob) of the j-th most likely (logit desc, id asc, NaN skipped) for j < P.alts;
+// lse = max + log Σ_slices Σ exp(l - max) over the non-NaN logits, in f32
+// (runtime::sampler::token_logprobs sums in f64: the tests hold the two within 1e-5).
+@compute @workgroup_size(256)
+fn logprobs_finish(@builtin(local_invocation_index) t: u32) {
+    var v: array<vec2<u32>, 16>;
+    for (var j = 0u; j < SMP_PER; j++) {
+        let i = j * SMP_T + t;
+        if (i < p.ncand) {
+            v[j] = vec2<u32>(lf_cands[2u * i], lf_cands[2u * i + 1u]);
+        }
+    }
+    block_topk(&v, p.k, t);
+    if (t == 0u) {
+        var m = -bitcast<f32>(F32_INF);
+        for (var b = 0u; b < p.n; b++) {
+            m = max(m, lf_part[2u * b]);
+        }
+        var z = 0.0;
+        for (var b = 0u; b < p.n; b++) {
+            if (lf_part[2u * b + 1u] > 0.0) {
+                z += lf_part[2u * b + 1u] * exp(lf_part[2u * b] - m);
+            }
+        }
+        lf_lse = m + log(z);
+        lf_out[0] = lf_logits[p.token] - lf_lse;
+    }
+    workgroupBarrier();
+    if (t < p.alts) {
+        let c = sel_top[t];
+        lf_out[1u + 2u * t] = bitcast<f32>(select(0xffffffffu, ~c.y, c.x != 0u));
+        lf_out[2u + 2u * t] = select(0.0, bitcast<f32>(key2f(c.x)) - lf_lse, c.x != 0u);
     }
 }
 
