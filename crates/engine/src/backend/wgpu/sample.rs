@@ -156,6 +156,9 @@ pub fn sample_note(ctx: &Ctx, s: &mut WSampler, token: u32) {
 /// Most log-probability alternatives (OpenAI's `top_logprobs` allows 20).
 const LP_MAX: usize = 20;
 
+/// A token's log-probability and the most likely `(id, logprob)`: `Backend::logprobs`'s answer.
+type TokenLogprobs = (f32, Vec<(u32, f32)>);
+
 /// `Backend::logprobs` on the device: sample_topk_partial in log-probability mode, then
 /// logprobs_finish; only 1 + 2n words come back (the host's way read 1 MB and took its exps).
 /// `None` where the kernels do not take the shape (the caller then reads the logits).
@@ -165,7 +168,7 @@ pub fn logprobs(
     vocab: usize,
     token: u32,
     n: usize,
-) -> Result<Option<(f32, Vec<(u32, f32)>)>> {
+) -> Result<Option<TokenLogprobs>> {
     if n > LP_MAX {
         bail!("logprobs: {n} alternatives asked, at most {LP_MAX}");
     }
