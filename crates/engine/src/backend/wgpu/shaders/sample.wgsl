@@ -278,7 +278,7 @@ fn sample_topk_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
     }
 }
 
-@group(0) @binding(1) var<storage, read> lf_cands: array<u32>;
+// Binding 1: the candidates, tf_cands (below), as sample_topk_finish reads them.
 @group(0) @binding(2) var<storage, read> lf_part: array<f32>;
 @group(0) @binding(3) var<storage, read> lf_logits: array<f32>;
 @group(0) @binding(4) var<storage, read_write> lf_out: array<f32>;
@@ -292,13 +292,7 @@ var<workgroup> lf_lse: f32;
 // (runtime::sampler::token_logprobs sums in f64: the tests hold the two within 1e-5).
 @compute @workgroup_size(256)
 fn logprobs_finish(@builtin(local_invocation_index) t: u32) {
-    var v: array<vec2<u32>, 16>;
-    for (var j = 0u; j < SMP_PER; j++) {
-        let i = j * SMP_T + t;
-        if (i < p.ncand) {
-            v[j] = vec2<u32>(lf_cands[2u * i], lf_cands[2u * i + 1u]);
-        }
-    }
+    var v = fin_cands(t);
     block_topk(&v, p.k, t);
     if (t == 0u) {
         var m = -bitcast<f32>(F32_INF);
@@ -381,8 +375,9 @@ fn finish_with(tok: u32) {
     }
 }
 
-@compute @workgroup_size(256)
-fn sample_topk_finish(@builtin(local_invocation_index) t: u32) {
+// Invocation t's SMP_PER of the first pass's P.ncand candidates (0 past them): the finishing
+// workgroups' input (sample_topk_finish, logprobs_finish).
+fn fin_cands(t: u32) -> array<vec2<u32>, 16> {
     var v: array<vec2<u32>, 16>;
     for (var j = 0u; j < SMP_PER; j++) {
         let i = j * SMP_T + t;
@@ -390,6 +385,12 @@ fn sample_topk_finish(@builtin(local_invocation_index) t: u32) {
             v[j] = vec2<u32>(tf_cands[2u * i], tf_cands[2u * i + 1u]);
         }
     }
+    return v;
+}
+
+@compute @workgroup_size(256)
+fn sample_topk_finish(@builtin(local_invocation_index) t: u32) {
+    var v = fin_cands(t);
     let kk = block_topk(&v, p.k, t);
     let best = workgroupUniformLoad(&sel_top[0]);
     let m = key2f(best.x);
