@@ -220,7 +220,6 @@ fn penalise(l: u32, c: u32) -> u32 {
 // sampling mode).
 @group(0) @binding(4) var<storage, read_write> tp_part: array<f32>;
 
-var<workgroup> lp_red: array<f32, 256>;
 
 @compute @workgroup_size(256)
 fn sample_topk_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) t: u32) {
@@ -254,7 +253,7 @@ fn sample_topk_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
     }
     if ((p.flags & 4u) != 0u) {
         // The slice's max is its best candidate; Σ exp(l - max) over its valid logits, each
-        // invocation's 16 in order, then a tree over the workgroup.
+        // invocation's 16 in order, then common.wgsl's tree over the workgroup (wg_sum).
         let best = workgroupUniformLoad(&sel_top[0]);
         let m = bitcast<f32>(key2f(best.x));
         var e = 0.0;
@@ -263,17 +262,10 @@ fn sample_topk_partial(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_inv
                 e += exp(bitcast<f32>(key2f(v[j].x)) - m);
             }
         }
-        lp_red[t] = e;
-        workgroupBarrier();
-        for (var o = 128u; o > 0u; o >>= 1u) {
-            if (t < o) {
-                lp_red[t] += lp_red[t + o];
-            }
-            workgroupBarrier();
-        }
+        let z = wg_sum(e, t);
         if (t == 0u) {
             tp_part[2u * b] = select(-bitcast<f32>(F32_INF), m, best.x != 0u);
-            tp_part[2u * b + 1u] = select(0.0, lp_red[0], best.x != 0u);
+            tp_part[2u * b + 1u] = select(0.0, z, best.x != 0u);
         }
     }
 }
