@@ -230,6 +230,7 @@ impl Cuda {
         self.on("stream_gemv")
             && (1..=4).contains(&ws.len())
             && Self::sw_bits(w0.fmt).is_some()
+            && k >= 256
             && k % 256 == 0
             && 16 % (k / 256) == 0
             && w0.gs % 32 == 0
@@ -305,11 +306,13 @@ impl Cuda {
         let Some(bits) = Self::sw_bits(out.fmt) else {
             return false;
         };
+        // sw_fits first: it holds K = 256·C that sw_rb divides by (tiny's K < 256 panicked
+        // here, opted in or not, from stop 36 until cuda_ops next ran on the H200 at stop 41).
+        if !(self.opted_in("route_ahead") && self.on("fuse_residual") && self.sw_fits(&[out])) {
+            return false;
+        }
         let rb = Self::sw_rb(out.inp, bits);
-        self.opted_in("route_ahead")
-            && self.on("fuse_residual")
-            && self.sw_fits(&[out])
-            && rb.is_multiple_of(4)
+        rb.is_multiple_of(4)
             && (rb <= 16 || rb.is_multiple_of(16))
             && [r, sg].iter().all(|m| {
                 Self::sw_bits(m.fmt) == Some(8)

@@ -417,7 +417,8 @@ pub(super) struct Switches {
     /// `lily lab` can compare settings in one process.
     pub gemv_wgs: AtomicUsize,
     /// `LILY_WGPU_Q6_WGS`: the same for gemv_q6, which widens its teams and narrows their rows
-    /// until a matrix has this many workgroups (matmul.rs `q6_shape`). Atomic for `lily lab`.
+    /// until a matrix has this many workgroups (matmul.rs `q6_shape`). 512 since stop 41 (4K
+    /// decode on the H200 over 256: 1.019×; 128: 0.963×, 1024: 1.003×). Atomic for `lily lab`.
     pub q6_wgs: AtomicUsize,
     /// `LILY_WGPU_Q6_MIN_KB`: the code bytes a gemv_q6 launch's matrices must reach (one
     /// matrix of the stack, all of the launch's together); smaller launches take gemv_v5.
@@ -492,9 +493,10 @@ pub(super) struct Switches {
     /// the default, `x`: in a step's GDN mixer gdn_step_x (a head a workgroup: the recurrence,
     /// the gated norm and out_proj's x staged for gemv_q6, one launch for two; gdn_step_y where
     /// it does not take the shape or the adapter). `yw`: `y` with the row sums in workgroup
-    /// memory on any adapter (the fallback, for the tests). `xs` (opt-in, not yet measured on
-    /// the H200): gdn_step_xs, `y`'s split (4 workgroups a head) with `x`'s epilogue, the gated
-    /// norm's 1 / rms deferred to out_proj's gemv_q6s (`x` where it does not take the shape).
+    /// memory on any adapter (the fallback, for the tests). `xs`, the default since stop 41
+    /// (on the H200 1.006× `x` at 4K, 1.001× at 32K, `lily bench --arms`): gdn_step_xs, `y`'s
+    /// split (4 workgroups a head) with `x`'s epilogue, the gated norm's 1 / rms deferred to
+    /// out_proj's gemv_q6s (`x` where it does not take the shape).
     /// Stored as 0, 1, 2, 3 or 4; atomic so that tests and `lily lab` compare them in one
     /// process.
     pub gdn_step: AtomicU32,
@@ -502,15 +504,17 @@ pub(super) struct Switches {
     /// K/V read once a row) instead of tiles of query rows (attn_tile_gqa), and decode by
     /// stop 28's attn_split_gqa + attn_combine instead of attn_dec_gqa + attn_combine4.
     pub attn_tile: bool,
-    /// `LILY_WGPU_KV_F16=1`: the KV cache in f16 (halves packed two a word; attention.rs) where
-    /// the adapter has SHADER_F16 (elsewhere it is f32 anyway). Opt-in: on the H200 at 4K it
-    /// measured 261.6 against 276.3 tok/s in f32 (stop 33, call 4; attn_dec_gqa 41.7 against
-    /// ~26 µs traced). Atomic so that tests compare both in one process (`Wgpu::set_kv_f16`; a
-    /// cache keeps its type).
+    /// The KV cache in f16 (halves packed two a word; attention.rs) where the adapter has
+    /// SHADER_F16, the default since stop 41; `LILY_WGPU_KV_F16=0`: f32. Alone (attn_dec_gqa)
+    /// it lost (stop 33: 261.6 against 276.3 tok/s at 4K; stop 41: 0.960× at 4K, 0.918× at
+    /// 32K), with attn_dec_team it wins (stop 41, `lily bench --arms`, 4 rounds of 128 tokens
+    /// on the H200: 1.037× at 4K, 1.064× at 32K). Atomic so that tests compare both in one
+    /// process (`Wgpu::set_kv_f16`; a cache keeps its type).
     pub kv_f16: std::sync::atomic::AtomicBool,
-    /// `LILY_WGPU_ATTN_DEC=team`: decode attention by attn_dec_sg.wgsl's attn_dec_team (a query
-    /// head a 32-lane team, its dims across the lanes, q and the sums in registers) instead of
-    /// attn_dec_gqa, where the adapter has ordered subgroups. Opt-in: on the H200 (stop 38,
+    /// Decode attention by attn_dec_sg.wgsl's attn_dec_team (a query head a 32-lane team, its
+    /// dims across the lanes, q and the sums in registers) where the adapter has ordered
+    /// subgroups, the default since stop 41 (with the f16 cache: see `kv_f16`);
+    /// `LILY_WGPU_ATTN_DEC=gqa`: attn_dec_gqa (stop 41 at 4K over an f16 cache: 0.955×). On the H200 (stop 38,
     /// lab) it is level with attn_dec_gqa on an f32 cache at 4K (26.65 against 26.62 µs) and
     /// slower at 32K and 128K (128.3 against 96.9, 425.8 against 278.2 µs), faster on an f16
     /// cache (21.0 against 29.4 µs at 4K, 88.5 against 121.3 at 32K, 286.7 against 324.3 at
@@ -622,7 +626,7 @@ impl Switches {
             fuse_rope: on("LILY_WGPU_FUSE_ROPE"),
             fuse_gated_norm: on("LILY_WGPU_FUSE_GATED_NORM"),
             gemv_wgs: AtomicUsize::new(num("LILY_WGPU_GEMV_WGS", 1024)),
-            q6_wgs: AtomicUsize::new(num("LILY_WGPU_Q6_WGS", 256)),
+            q6_wgs: AtomicUsize::new(num("LILY_WGPU_Q6_WGS", 512)),
             ahead: on("LILY_WGPU_AHEAD"),
             route_ahead: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_ROUTE_AHEAD").is_some_and(|v| v == "1"),
@@ -655,14 +659,14 @@ impl Switches {
             gdn_step: AtomicU32::new(
                 get("LILY_WGPU_GDN_STEP")
                     .and_then(|v| gdn_step_code(&v))
-                    .unwrap_or(2),
+                    .unwrap_or(4),
             ),
             attn_tile: on("LILY_WGPU_ATTN_TILE"),
             kv_f16: std::sync::atomic::AtomicBool::new(
-                get("LILY_WGPU_KV_F16").as_deref() == Some("1"),
+                get("LILY_WGPU_KV_F16").as_deref() != Some("0"),
             ),
             attn_team: std::sync::atomic::AtomicBool::new(
-                get("LILY_WGPU_ATTN_DEC").as_deref() == Some("team"),
+                get("LILY_WGPU_ATTN_DEC").as_deref() != Some("gqa"),
             ),
             moe_q: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_MOE_Q")),
             moe_fuse: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_MOE_FUSE")),
