@@ -92,7 +92,7 @@ use ops::{
 use lily::backend::cpu::{moe::Route as CpuRoute, Cpu, CpuStep};
 use lily::backend::cuda::Cuda;
 use lily::backend::{
-    Backend, Dims, GdnParams, KvCache, MoeScratch, MoeWeights, RouteAhead, RouterScratch,
+    AttnStep, Backend, Dims, GdnParams, KvCache, MoeScratch, MoeWeights, RouteAhead, RouterScratch,
     SharedExpert,
 };
 use lily::loader::tensor::{HostLinear, HostTensor, LinearKind};
@@ -1758,9 +1758,20 @@ fn attn_fold_equals_its_composition() {
                     g.act_zeros(hq * hd).unwrap(),
                     g.act_zeros(hq * hd).unwrap(),
                 );
-                g.attn_decode_qk(
-                    &qg, &mut k, &v, &qn, &kn, kv, &d, pos, &gstep, &mut q, &mut gate, &mut out,
-                );
+                g.attn_decode_qk(AttnStep {
+                    qg: &qg,
+                    k: &mut k,
+                    v: &v,
+                    q_norm: &qn,
+                    k_norm: &kn,
+                    kv,
+                    d: &d,
+                    pos,
+                    step: &gstep,
+                    q: &mut q,
+                    gate: &mut gate,
+                    out: &mut out,
+                });
                 g.set_enabled(&[]).unwrap();
                 (h(&g, &out), h(&g, &gate))
             };

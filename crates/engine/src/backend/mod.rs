@@ -474,54 +474,22 @@ pub trait Backend: Send + Sync {
         step: &Self::Step,
         out: &mut Self::Buf,
     );
-    /// One decode step's attention from q_proj's output: `attn_qk_norm_rope` (one row, at the
-    /// step's position) then `attn_decode`. A GPU folds the first into the second's launch.
-    /// `q` and `gate` are scratch; so is `k` afterwards (the composition leaves it normed and
-    /// rotated, a fused kernel as it was): the cache row `pos` holds the normed, rotated key.
-    #[allow(clippy::too_many_arguments)]
-    fn attn_decode_qk(
-        &self,
-        qg: &Self::Buf,
-        k: &mut Self::Buf,
-        v: &Self::Buf,
-        q_norm: &Self::Vec,
-        k_norm: &Self::Vec,
-        kv: &mut KvCache<Self::Buf>,
-        d: &Dims,
-        pos: usize,
-        step: &Self::Step,
-        q: &mut Self::Buf,
-        gate: &mut Self::Buf,
-        out: &mut Self::Buf,
-    ) {
-        attn_decode_qk_compose(
-            self, qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out,
-        )
+    /// One decode step's attention from q_proj's output (`AttnStep`): `attn_qk_norm_rope` (one
+    /// row, at the step's position) then `attn_decode`. A GPU folds the first into the second's
+    /// launch. `q` and `gate` are scratch; so is `k` afterwards (the composition leaves it
+    /// normed and rotated, a fused kernel as it was): the cache row `pos` holds the normed,
+    /// rotated key.
+    fn attn_decode_qk(&self, a: AttnStep<'_, Self>) {
+        attn_decode_qk_compose(self, a)
     }
 
     /// `attn_decode_qk`, then the attention's output projection added into h (`o.w`; with
     /// `o.next` the MoE block after prepared, `matmul_q_add_ahead`, else `matmul_q_add`): a
     /// decode step's attention mixer after q|k|v. A GPU may stage o_proj's x in the attention's
     /// last launch. Default: the ops.
-    #[allow(clippy::too_many_arguments)]
-    fn attn_decode_qk_add(
-        &self,
-        qg: &Self::Buf,
-        k: &mut Self::Buf,
-        v: &Self::Buf,
-        q_norm: &Self::Vec,
-        k_norm: &Self::Vec,
-        kv: &mut KvCache<Self::Buf>,
-        d: &Dims,
-        pos: usize,
-        step: &Self::Step,
-        q: &mut Self::Buf,
-        gate: &mut Self::Buf,
-        out: &mut Self::Buf,
-        o: OProj<'_, Self>,
-    ) {
-        self.attn_decode_qk(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out);
-        out_proj_add(self, out, o.w, o.r, o.h, o.next.as_ref());
+    fn attn_decode_qk_add(&self, mut a: AttnStep<'_, Self>, o: OProj<'_, Self>) {
+        self.attn_decode_qk(a.reborrow());
+        out_proj_add(self, a.out, o.w, o.r, o.h, o.next.as_ref());
     }
 
     // ---- Gated DeltaNet
@@ -755,24 +723,62 @@ pub fn moe_decode_compose<B: Backend + ?Sized>(
 /// One decode step's attention as its two ops (the default of `attn_decode_qk`, a GPU's
 /// fallback, and a profiled run's split): attn_qk_norm_rope at the step's position, then
 /// attn_decode.
-#[allow(clippy::too_many_arguments)]
-pub fn attn_decode_qk_compose<B: Backend + ?Sized>(
-    b: &B,
-    qg: &B::Buf,
-    k: &mut B::Buf,
-    v: &B::Buf,
-    q_norm: &B::Vec,
-    k_norm: &B::Vec,
-    kv: &mut KvCache<B::Buf>,
-    d: &Dims,
-    pos: usize,
-    step: &B::Step,
-    q: &mut B::Buf,
-    gate: &mut B::Buf,
-    out: &mut B::Buf,
-) {
+pub fn attn_decode_qk_compose<B: Backend + ?Sized>(b: &B, a: AttnStep<'_, B>) {
+    let AttnStep {
+        qg,
+        k,
+        v,
+        q_norm,
+        k_norm,
+        kv,
+        d,
+        pos,
+        step,
+        q,
+        gate,
+        out,
+    } = a;
     b.attn_qk_norm_rope(qg, k, q_norm, k_norm, d, 1, pos, Some(step), q, gate);
     b.attn_decode(q, k, v, gate, kv, d, pos, step, out);
+}
+
+/// A decode step's attention after q|k|v (`Backend::attn_decode_qk`): q_proj's output `qg`
+/// (each head's query then its gate), the new key and value, the q/k norms' weights, the layer's
+/// cache, the step's position (`pos`, which the device reads from `step`), the scratch `q` and
+/// `gate`, and `out`, the attention's output.
+pub struct AttnStep<'a, B: Backend + ?Sized> {
+    pub qg: &'a B::Buf,
+    pub k: &'a mut B::Buf,
+    pub v: &'a B::Buf,
+    pub q_norm: &'a B::Vec,
+    pub k_norm: &'a B::Vec,
+    pub kv: &'a mut KvCache<B::Buf>,
+    pub d: &'a Dims,
+    pub pos: usize,
+    pub step: &'a B::Step,
+    pub q: &'a mut B::Buf,
+    pub gate: &'a mut B::Buf,
+    pub out: &'a mut B::Buf,
+}
+
+impl<B: Backend + ?Sized> AttnStep<'_, B> {
+    /// The same step borrowed again (to run it and then read `out`).
+    pub fn reborrow(&mut self) -> AttnStep<'_, B> {
+        AttnStep {
+            qg: self.qg,
+            k: &mut *self.k,
+            v: self.v,
+            q_norm: self.q_norm,
+            k_norm: self.k_norm,
+            kv: &mut *self.kv,
+            d: self.d,
+            pos: self.pos,
+            step: self.step,
+            q: &mut *self.q,
+            gate: &mut *self.gate,
+            out: &mut *self.out,
+        }
+    }
 }
 
 /// A decode step's attention output projection (`attn_decode_qk_add`): o_proj, its product's

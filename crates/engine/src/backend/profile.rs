@@ -22,8 +22,8 @@ use std::time::Instant;
 use anyhow::Result;
 
 use super::{
-    Backend, Dims, GdnParams, GdnScratch, GdnWeights, KvCache, MoeScratch, MoeWeights, OProj,
-    RouteAhead, RouterScratch, SharedExpert,
+    AttnStep, Backend, Dims, GdnParams, GdnScratch, GdnWeights, KvCache, MoeScratch, MoeWeights,
+    OProj, RouteAhead, RouterScratch, SharedExpert,
 };
 use crate::loader::tensor::HostLinear;
 
@@ -634,47 +634,14 @@ impl<B: Backend> Backend for Profiled<B> {
             self.inner.attn_decode(q, k, v, gate, kv, d, pos, step, out)
         })
     }
-    fn attn_decode_qk(
-        &self,
-        qg: &Self::Buf,
-        k: &mut Self::Buf,
-        v: &Self::Buf,
-        q_norm: &Self::Vec,
-        k_norm: &Self::Vec,
-        kv: &mut KvCache<Self::Buf>,
-        d: &Dims,
-        pos: usize,
-        step: &Self::Step,
-        q: &mut Self::Buf,
-        gate: &mut Self::Buf,
-        out: &mut Self::Buf,
-    ) {
+    fn attn_decode_qk(&self, a: AttnStep<'_, Self>) {
         if !self.prof.is_on() {
-            return self
-                .inner
-                .attn_decode_qk(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out);
+            return self.inner.attn_decode_qk(inner_step(a));
         }
         // Profiled: attn_qk_norm_rope and attn_decode, each charged to its own family.
-        super::attn_decode_qk_compose(
-            self, qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out,
-        )
+        super::attn_decode_qk_compose(self, a)
     }
-    fn attn_decode_qk_add(
-        &self,
-        qg: &Self::Buf,
-        k: &mut Self::Buf,
-        v: &Self::Buf,
-        q_norm: &Self::Vec,
-        k_norm: &Self::Vec,
-        kv: &mut KvCache<Self::Buf>,
-        d: &Dims,
-        pos: usize,
-        step: &Self::Step,
-        q: &mut Self::Buf,
-        gate: &mut Self::Buf,
-        out: &mut Self::Buf,
-        o: OProj<'_, Self>,
-    ) {
+    fn attn_decode_qk_add(&self, mut a: AttnStep<'_, Self>, o: OProj<'_, Self>) {
         if !self.prof.is_on() {
             let oi = OProj::<B> {
                 w: &o.w.inner,
@@ -682,13 +649,11 @@ impl<B: Backend> Backend for Profiled<B> {
                 h: o.h,
                 next: o.next.as_ref().map(inner_ahead),
             };
-            return self
-                .inner
-                .attn_decode_qk_add(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out, oi);
+            return self.inner.attn_decode_qk_add(inner_step(a), oi);
         }
         // Profiled: the ops, each charged to its own family.
-        self.attn_decode_qk(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out);
-        super::out_proj_add(self, out, o.w, o.r, o.h, o.next.as_ref());
+        self.attn_decode_qk(a.reborrow());
+        super::out_proj_add(self, a.out, o.w, o.r, o.h, o.next.as_ref());
     }
 
     fn conv1d_prefill(
@@ -877,6 +842,25 @@ fn inner_ahead<'a, B: Backend>(n: &RouteAhead<'a, Profiled<B>>) -> RouteAhead<'a
         router: &n.router.inner,
         shared_gate: &n.shared_gate.inner,
         norm: n.norm,
+    }
+}
+
+/// The inner backend's view of a decode step's attention (the same buffers: only the weights'
+/// type wraps the inner one).
+fn inner_step<'a, B: Backend>(a: AttnStep<'a, Profiled<B>>) -> AttnStep<'a, B> {
+    AttnStep {
+        qg: a.qg,
+        k: a.k,
+        v: a.v,
+        q_norm: a.q_norm,
+        k_norm: a.k_norm,
+        kv: a.kv,
+        d: a.d,
+        pos: a.pos,
+        step: a.step,
+        q: a.q,
+        gate: a.gate,
+        out: a.out,
     }
 }
 

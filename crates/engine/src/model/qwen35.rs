@@ -19,8 +19,8 @@
 use anyhow::{bail, Result};
 
 use crate::backend::{
-    add_shared_expert, Backend, Dims, GdnParams, GdnScratch, GdnWeights, MoeScratch, MoeWeights,
-    OProj, RouteAhead, RouterScratch, SharedExpert,
+    add_shared_expert, AttnStep, Backend, Dims, GdnParams, GdnScratch, GdnWeights, MoeScratch,
+    MoeWeights, OProj, RouteAhead, RouterScratch, SharedExpert,
 };
 use crate::loader::{HostWeights, Mixer};
 use crate::model::state::{LayerState, SeqState};
@@ -726,21 +726,21 @@ impl<B: Backend> Qwen35<B> {
                             h: &mut s.h,
                             next: ahead,
                         };
-                        b.attn_decode_qk_add(
-                            &s.qg,
-                            &mut s.k,
-                            &s.v,
-                            &a.q_norm,
-                            &a.k_norm,
+                        let at = AttnStep {
+                            qg: &s.qg,
+                            k: &mut s.k,
+                            v: &s.v,
+                            q_norm: &a.q_norm,
+                            k_norm: &a.k_norm,
                             kv,
                             d,
-                            pos0,
+                            pos: pos0,
                             step,
-                            &mut s.q,
-                            &mut s.gate,
-                            &mut s.o,
-                            o,
-                        );
+                            q: &mut s.q,
+                            gate: &mut s.gate,
+                            out: &mut s.o,
+                        };
+                        b.attn_decode_qk_add(at, o);
                     } else {
                         b.attn_qk_norm_rope(
                             &s.qg,

@@ -15,7 +15,7 @@
 use super::ops::kv_new;
 use super::*;
 use lily::backend::cpu::CpuStep;
-use lily::backend::{Dims, KvCache, OProj};
+use lily::backend::{AttnStep, Dims, KvCache, OProj};
 
 /// What an f16 KV cache costs against the f32 CPU, per output row (max |gpu − cpu| / max |cpu|).
 /// Each K/V element is rounded once to 11 significant bits, relative error ≤ u = 2^-11 (4.9e-4),
@@ -699,20 +699,20 @@ fn decode_qk_appends(g: &Wgpu, f16: bool) {
                 vec![0f32; hq * hd],
             );
             let cstep = CpuStep { token: 0, pos };
-            Cpu.attn_decode_qk(
-                &qg,
-                &mut k.clone(),
-                &v,
-                &qn,
-                &kn,
-                &mut ckv,
-                &d,
+            Cpu.attn_decode_qk(AttnStep {
+                qg: &qg,
+                k: &mut k.clone(),
+                v: &v,
+                q_norm: &qn,
+                k_norm: &kn,
+                kv: &mut ckv,
+                d: &d,
                 pos,
-                &cstep,
-                &mut cq,
-                &mut cg,
-                &mut co,
-            );
+                step: &cstep,
+                q: &mut cq,
+                gate: &mut cg,
+                out: &mut co,
+            });
             let mut gk = up(&k);
             let (mut gq, mut gg, mut gout) = (
                 g.zeros(hq * hd).unwrap(),
@@ -720,20 +720,20 @@ fn decode_qk_appends(g: &Wgpu, f16: bool) {
                 g.zeros(hq * hd).unwrap(),
             );
             g.set_step(&mut gstep, 0, pos);
-            g.attn_decode_qk(
-                &up(&qg),
-                &mut gk,
-                &up(&v),
-                &gqn,
-                &gkn,
-                &mut gkv,
-                &d,
+            g.attn_decode_qk(AttnStep {
+                qg: &up(&qg),
+                k: &mut gk,
+                v: &up(&v),
+                q_norm: &gqn,
+                k_norm: &gkn,
+                kv: &mut gkv,
+                d: &d,
                 pos,
-                &gstep,
-                &mut gq,
-                &mut gg,
-                &mut gout,
-            );
+                step: &gstep,
+                q: &mut gq,
+                gate: &mut gg,
+                out: &mut gout,
+            });
             // An f16 cache rounds this step's k and v, the CPU's (f32) does not.
             let what = format!("attn_decode_qk (f16 KV {f16}) {hq} heads of {hd} at pos {pos}");
             let tol = if f16 { F16_KV_TOL } else { F32_TOL };
@@ -822,21 +822,21 @@ fn attention_decode_add_stages_o_proj() {
                 next: None,
             };
             let (mut gk, gv) = (up(&k), up(&v));
-            g.attn_decode_qk_add(
-                &up(&qg),
-                &mut gk,
-                &gv,
-                &gqn,
-                &gqn,
+            let a = AttnStep {
+                qg: &up(&qg),
+                k: &mut gk,
+                v: &gv,
+                q_norm: &gqn,
+                k_norm: &gqn,
                 kv,
-                &d,
+                d: &d,
                 pos,
-                &gstep,
-                &mut gq,
-                &mut gg,
-                &mut gout,
-                o,
-            );
+                step: &gstep,
+                q: &mut gq,
+                gate: &mut gg,
+                out: &mut gout,
+            };
+            g.attn_decode_qk_add(a, o);
             let n = g.dispatches() - n0;
             got.push((h(&g, &gout, hq * hd), h(&g, &gh, hid), n));
         }

@@ -1,6 +1,7 @@
 //! Decode and prefill attention (attention.cu): the ops of `Backend` for this family; the trait impl in mod.rs delegates here.
 
 use super::*;
+use crate::backend::AttnStep;
 
 /// `struct DecQk` of attention.cu (same layout): attn_decode_qk_<HD>'s extra arguments.
 #[repr(C)]
@@ -171,43 +172,38 @@ impl Cuda {
     /// Backend::attn_decode_qk: with `attn_fold` on (and a RoPE the folded kernel takes), one
     /// launch attn_decode_qk_<HD> (attn_qk_norm_rope inside attn_decode) and the combine; else
     /// the composition.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn attn_decode_qk_op(
-        &self,
-        qg: &Buf,
-        k: &mut Buf,
-        v: &Buf,
-        q_norm: &Buf,
-        k_norm: &Buf,
-        kv: &mut KvCache<Buf>,
-        d: &Dims,
-        pos: usize,
-        step: &Step,
-        q: &mut Buf,
-        gate: &mut Buf,
-        out: &mut Buf,
-    ) {
+    pub(super) fn attn_decode_qk_op(&self, a: AttnStep<'_, Cuda>) {
+        let d = a.d;
         let hd = d.head_dim;
         let fold = self.opted_in("attn_fold")
             && d.rotary_dim <= hd
             && d.rotary_dim.is_multiple_of(2)
-            && self.buf_ok(q_norm, hd, "q_norm", "attn_decode_qk")
-            && self.buf_ok(k_norm, hd, "k_norm", "attn_decode_qk")
-            && self.act_ok(qg, d.n_heads * 2 * hd, "qg", "attn_decode_qk");
+            && self.buf_ok(a.q_norm, hd, "q_norm", "attn_decode_qk")
+            && self.buf_ok(a.k_norm, hd, "k_norm", "attn_decode_qk")
+            && self.act_ok(a.qg, d.n_heads * 2 * hd, "qg", "attn_decode_qk");
         if !fold {
-            return crate::backend::attn_decode_qk_compose(
-                self, qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out,
-            );
+            return crate::backend::attn_decode_qk_compose(self, a);
         }
         let f = DecQk {
-            qn: q_norm.mem.ptr,
-            kn: k_norm.mem.ptr,
-            gate: gate.mem.ptr,
+            qn: a.q_norm.mem.ptr,
+            kn: a.k_norm.mem.ptr,
+            gate: a.gate.mem.ptr,
             rot: d.rotary_dim as i32,
             theta: d.rope_theta,
             eps: d.eps,
         };
-        self.attn_decode_op(qg, k, v, gate, kv, d, pos, step, out, Some(f));
+        self.attn_decode_op(
+            a.qg,
+            a.k,
+            a.v,
+            a.gate,
+            a.kv,
+            d,
+            a.pos,
+            a.step,
+            a.out,
+            Some(f),
+        );
     }
 
     /// attn_decode, or with `qk` attn_decode_qk_<HD> reading q_proj's output (`q` is then qg).

@@ -1268,22 +1268,8 @@ impl Backend for Cuda {
     ) {
         self.attn_decode_op(q, k, v, gate, kv, d, pos, step, out, None)
     }
-    fn attn_decode_qk(
-        &self,
-        qg: &Buf,
-        k: &mut Buf,
-        v: &Buf,
-        q_norm: &Buf,
-        k_norm: &Buf,
-        kv: &mut KvCache<Buf>,
-        d: &Dims,
-        pos: usize,
-        step: &Step,
-        q: &mut Buf,
-        gate: &mut Buf,
-        out: &mut Buf,
-    ) {
-        self.attn_decode_qk_op(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out)
+    fn attn_decode_qk(&self, a: crate::backend::AttnStep<'_, Self>) {
+        self.attn_decode_qk_op(a)
     }
 
     fn conv1d_prefill(

@@ -23,8 +23,8 @@
 //! cache's prefill append is `kv_store` (rounds k and v into the cache) instead of buffer copies.
 
 use super::device::{Ctx, Shader};
-use super::{fits, WBuf, WStep};
-use crate::backend::{Dims, KvCache};
+use super::{fits, WBuf, WStep, Wgpu};
+use crate::backend::{AttnStep, Dims, KvCache};
 
 pub const SHADER: Shader = Shader {
     name: "attention",
@@ -258,24 +258,22 @@ fn rope_params(d: &Dims, rows: usize, pos0: usize, cap: usize) -> Vec<u32> {
 /// One decode step's attention from q_proj's output (Backend `attn_decode_qk`): the norms, RoPE
 /// and the cache append in one launch (qk_rope_append_step), then attention over the cache as
 /// `attn_decode` runs it. Where the capacity passes u32, the composition.
-#[allow(clippy::too_many_arguments)]
-pub fn attn_decode_qk(
-    ctx: &Ctx,
-    qg: &WBuf,
-    k: &mut WBuf,
-    v: &WBuf,
-    q_norm: &WBuf,
-    k_norm: &WBuf,
-    kv: &mut KvCache<WBuf>,
-    d: &Dims,
-    pos: usize,
-    step: &WStep,
-    q: &mut WBuf,
-    gate: &mut WBuf,
-    out: &mut WBuf,
-    xq: Option<&::wgpu::Buffer>,
-) {
+pub fn attn_decode_qk(ctx: &Ctx, a: AttnStep<'_, Wgpu>, xq: Option<&::wgpu::Buffer>) {
     const OP: &str = "attn_decode_qk";
+    let AttnStep {
+        qg,
+        k,
+        v,
+        q_norm,
+        k_norm,
+        kv,
+        d,
+        pos,
+        step,
+        q,
+        gate,
+        out,
+    } = a;
     let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
     if !dims_ok(ctx, OP, d)
         || !fits(

@@ -32,7 +32,7 @@ pub mod stats;
 
 use anyhow::{bail, Result};
 
-use super::{Backend, Dims, GdnParams, KvCache, SharedExpert, TokenRead};
+use super::{AttnStep, Backend, Dims, GdnParams, KvCache, SharedExpert, TokenRead};
 use crate::loader::tensor::HostLinear;
 use crate::runtime::sampler::SamplingParams;
 pub use check::{not_for_metal, translate_to_msl};
@@ -1192,61 +1192,28 @@ impl Backend for Wgpu {
     }
     /// The norms, RoPE and the cache append in one launch (qk_rope_append_step), then the
     /// attention: one launch fewer a layer than the composition (`LILY_WGPU_FUSE_ROPE=0`).
-    fn attn_decode_qk(
-        &self,
-        qg: &WBuf,
-        k: &mut WBuf,
-        v: &WBuf,
-        q_norm: &WBuf,
-        k_norm: &WBuf,
-        kv: &mut KvCache<WBuf>,
-        d: &Dims,
-        pos: usize,
-        step: &WStep,
-        q: &mut WBuf,
-        gate: &mut WBuf,
-        out: &mut WBuf,
-    ) {
+    fn attn_decode_qk(&self, a: AttnStep<'_, Self>) {
         if !self.ctx.sw.fuse_rope {
-            return super::attn_decode_qk_compose(
-                self, qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out,
-            );
+            return super::attn_decode_qk_compose(self, a);
         }
-        attention::attn_decode_qk(
-            &self.ctx, qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out, None,
-        )
+        attention::attn_decode_qk(&self.ctx, a, None)
     }
     /// With `LILY_WGPU_XQ_AHEAD` 1 or next, attn_combine4_x stages o_proj's x as it writes the
     /// attention's output, so o_proj's gemv_q6 runs without a q2x_stage; else the ops.
-    fn attn_decode_qk_add(
-        &self,
-        qg: &WBuf,
-        k: &mut WBuf,
-        v: &WBuf,
-        q_norm: &WBuf,
-        k_norm: &WBuf,
-        kv: &mut KvCache<WBuf>,
-        d: &Dims,
-        pos: usize,
-        step: &WStep,
-        q: &mut WBuf,
-        gate: &mut WBuf,
-        out: &mut WBuf,
-        o: super::OProj<'_, Self>,
-    ) {
+    fn attn_decode_qk_add(&self, mut a: AttnStep<'_, Self>, o: super::OProj<'_, Self>) {
         let staged = self
             .ctx
             .sw
             .xq_ahead
             .load(std::sync::atomic::Ordering::Relaxed)
             && self.ctx.sw.fuse_rope
-            && attention::xq_takes(&self.ctx, d)
-            && o.w.inp == d.n_heads * d.head_dim
+            && attention::xq_takes(&self.ctx, a.d)
+            && o.w.inp == a.d.n_heads * a.d.head_dim
             && matmul::q6_takes(&self.ctx, &[o.w])
-            && self.many_fits(out, &[o.w], 1, &[&mut *o.h]);
+            && self.many_fits(a.out, &[o.w], 1, &[&mut *o.h]);
         if !staged {
-            self.attn_decode_qk(qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out);
-            return super::out_proj_add(self, out, o.w, o.r, o.h, o.next.as_ref());
+            self.attn_decode_qk(a.reborrow());
+            return super::out_proj_add(self, a.out, o.w, o.r, o.h, o.next.as_ref());
         }
         if o.next.as_ref().is_some_and(|n| !self.route_ahead(o.w, n)) {
             return self.ctx.fail(
@@ -1257,13 +1224,10 @@ impl Backend for Wgpu {
             Ok(b) => b,
             Err(e) => return self.ctx.fail(format!("attn_decode_qk_add: {e:#}")),
         };
-        let xqr = Some(&xq);
-        attention::attn_decode_qk(
-            &self.ctx, qg, k, v, q_norm, k_norm, kv, d, pos, step, q, gate, out, xqr,
-        );
+        attention::attn_decode_qk(&self.ctx, a.reborrow(), Some(&xq));
         let om = o.next.as_ref().map_or(OutMode::Add, |n| self.ahead_mode(n));
         let xin = XIn::Staged { xq: &xq };
-        matmul::gemv_many(&self.ctx, out, &[o.w], 0, 1, &mut [o.h], xin, om);
+        matmul::gemv_many(&self.ctx, a.out, &[o.w], 0, 1, &mut [o.h], xin, om);
     }
 
     fn conv1d_prefill(
