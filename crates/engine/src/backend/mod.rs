@@ -724,22 +724,20 @@ pub fn moe_decode_compose<B: Backend + ?Sized>(
 /// fallback, and a profiled run's split): attn_qk_norm_rope at the step's position, then
 /// attn_decode.
 pub fn attn_decode_qk_compose<B: Backend + ?Sized>(b: &B, a: AttnStep<'_, B>) {
-    let AttnStep {
-        qg,
-        k,
-        v,
-        q_norm,
-        k_norm,
-        kv,
+    let (d, pos, step) = (a.d, a.pos, a.step);
+    b.attn_qk_norm_rope(
+        a.qg,
+        a.k,
+        a.q_norm,
+        a.k_norm,
         d,
+        1,
         pos,
-        step,
-        q,
-        gate,
-        out,
-    } = a;
-    b.attn_qk_norm_rope(qg, k, q_norm, k_norm, d, 1, pos, Some(step), q, gate);
-    b.attn_decode(q, k, v, gate, kv, d, pos, step, out);
+        Some(step),
+        a.q,
+        a.gate,
+    );
+    b.attn_decode(a.q, a.k, a.v, a.gate, a.kv, d, pos, step, a.out);
 }
 
 /// A decode step's attention after q|k|v (`Backend::attn_decode_qk`): q_proj's output `qg`
