@@ -6,7 +6,8 @@ use super::*;
 
 /// Logits against the CPU's, max over positions of max |wgpu − cpu| / max |cpu|. Both sides are
 /// f32 (activations, states) on the same weights, the wgpu KV cache f16 by default (where the
-/// adapter has SHADER_F16) and f32 in `tiny_preset_end_to_end_f32_kv` (LILY_WGPU_KV_F16=0; on
+/// adapter has SHADER_F16 and ordered subgroups: `Wgpu::kv_f16`; lavapipe has both) and f32 in
+/// `tiny_preset_end_to_end_f32_kv` (LILY_WGPU_KV_F16=0; on
 /// lavapipe prefill logits 1.25e-4 / 6.5e-5 on tiny / small with f16 against 1.2e-6 / 9.1e-7
 /// with f32, decode ~9e-5 either way), so summation order
 /// differs, compounded over the layers; MLX-LM's own bf16-vs-f32 gap on `small` is 1e-2 (#6's
@@ -16,16 +17,17 @@ use super::*;
 const E2E_TOL: f32 = 1e-3;
 
 fn end_to_end(preset: &str) {
-    end_to_end_kv(preset, true);
+    end_to_end_kv(preset, None);
 }
 
-/// `f16`: the KV cache's type asked for (f16 is made only where the adapter has SHADER_F16).
-fn end_to_end_kv(preset: &str, f16: bool) {
+/// `f16`: the KV cache's type asked for (f16 is made only where the adapter has SHADER_F16),
+/// `None` the default's.
+fn end_to_end_kv(preset: &str, f16: Option<bool>) {
     let Some(g) = gpu() else { return };
-    if f16 && !g.report().f16 {
-        eprintln!("e2e {preset}: no SHADER_F16, the KV cache is f32");
+    if let Some(f16) = f16 {
+        g.set_kv_f16(f16);
     }
-    g.set_kv_f16(f16);
+    eprintln!("e2e {preset}: the KV cache in f16: {}", g.kv_f16());
     let r = ops::end_to_end(g, preset, "wgpu");
     // f32 on both sides: the greedy tokens may part only at a near-tie of the CPU's logits.
     if let Some((gap, scale)) = r.parted {
@@ -58,7 +60,7 @@ fn tiny_preset_end_to_end() {
 /// SHADER_F16), within the same bound.
 #[test]
 fn tiny_preset_end_to_end_f32_kv() {
-    end_to_end_kv("tiny", false);
+    end_to_end_kv("tiny", Some(false));
 }
 
 #[test]
@@ -258,6 +260,24 @@ fn switches_change_between_steps() {
         defaults,
         "the empty arm is the defaults"
     );
+    // The KV cache's type left to choose (LILY_WGPU_KV_F16 unset): f16 only for attn_dec_team,
+    // the one decode kernel that reads it faster than f32 (stop 41); attn_dec_gqa gets f32.
+    if std::env::var_os("LILY_WGPU_KV_F16").is_none() {
+        b.set_switches(&arm(&[("LILY_WGPU_ATTN_DEC", "gqa")]))
+            .unwrap();
+        assert!(!b.kv_f16(), "an f16 cache chosen for attn_dec_gqa");
+        b.set_switches(&[]).unwrap();
+        let r = b.report();
+        let tile = std::env::var("LILY_WGPU_ATTN_TILE").as_deref() != Ok("0");
+        let team = std::env::var("LILY_WGPU_ATTN_DEC").as_deref() != Ok("gqa");
+        assert_eq!(
+            b.kv_f16(),
+            r.f16 && r.subgroups && tile && team,
+            "the default cache type (f16 {}, subgroups {})",
+            r.f16,
+            r.subgroups
+        );
+    }
 }
 
 /// `tiny` on the device after a 12-token prompt (a state of 64 positions): the model, the state

@@ -504,13 +504,15 @@ pub(super) struct Switches {
     /// K/V read once a row) instead of tiles of query rows (attn_tile_gqa), and decode by
     /// stop 28's attn_split_gqa + attn_combine instead of attn_dec_gqa + attn_combine4.
     pub attn_tile: bool,
-    /// The KV cache in f16 (halves packed two a word; attention.rs) where the adapter has
-    /// SHADER_F16, the default since stop 41; `LILY_WGPU_KV_F16=0`: f32. Alone (attn_dec_gqa)
-    /// it lost (stop 33: 261.6 against 276.3 tok/s at 4K; stop 41: 0.960× at 4K, 0.918× at
-    /// 32K), with attn_dec_team it wins (stop 41, `lily bench --arms`, 4 rounds of 128 tokens
-    /// on the H200: 1.037× at 4K, 1.064× at 32K). Atomic so that tests compare both in one
-    /// process (`Wgpu::set_kv_f16`; a cache keeps its type).
-    pub kv_f16: std::sync::atomic::AtomicBool,
+    /// The KV cache's element type (`Wgpu::kv_f16`): f16 (halves packed two a word;
+    /// attention.rs) where the adapter has SHADER_F16 and decode attention runs attn_dec_team,
+    /// the default since stop 41 (2); `LILY_WGPU_KV_F16=1` f16 with either kernel (1), `=0`
+    /// f32 (0). Read by attn_dec_gqa the f16 cache lost (stop 33: 261.6 against 276.3 tok/s
+    /// at 4K; stop 41: 0.960× at 4K, 0.918× at 32K), read by attn_dec_team it wins (stop 41,
+    /// `lily bench --arms`, 4 rounds of 128 tokens on the H200: 1.037× at 4K, 1.064× at 32K).
+    /// Atomic so that tests compare both in one process (`Wgpu::set_kv_f16`; a cache keeps its
+    /// type).
+    pub kv_f16: AtomicU32,
     /// Decode attention by attn_dec_sg.wgsl's attn_dec_team (a query head a 32-lane team, its
     /// dims across the lanes, q and the sums in registers) where the adapter has ordered
     /// subgroups, the default since stop 41 (with the f16 cache: see `kv_f16`);
@@ -662,9 +664,11 @@ impl Switches {
                     .unwrap_or(4),
             ),
             attn_tile: on("LILY_WGPU_ATTN_TILE"),
-            kv_f16: std::sync::atomic::AtomicBool::new(
-                get("LILY_WGPU_KV_F16").as_deref() != Some("0"),
-            ),
+            kv_f16: AtomicU32::new(match get("LILY_WGPU_KV_F16").as_deref() {
+                Some("0") => 0,
+                Some("1") => 1,
+                _ => 2,
+            }),
             attn_team: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_ATTN_DEC").as_deref() != Some("gqa"),
             ),

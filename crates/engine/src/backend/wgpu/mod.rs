@@ -370,15 +370,18 @@ impl Wgpu {
             half: false,
         })
     }
-    /// Whether `kv_zeros` makes f16 caches now: the adapter has SHADER_F16 and the switch
-    /// (`LILY_WGPU_KV_F16`, `set_kv_f16`) is on.
+    /// Whether `kv_zeros` makes f16 caches now: the adapter has SHADER_F16, and the switch
+    /// (`LILY_WGPU_KV_F16`, `set_kv_f16`) asks for f16, or is left to choose and decode
+    /// attention runs attn_dec_team (ordered subgroups, the tiled kernels, the team switch on),
+    /// the one kernel that reads an f16 cache faster than an f32 one.
     pub fn kv_f16(&self) -> bool {
+        let (sw, r) = (&self.ctx.sw, std::sync::atomic::Ordering::Relaxed);
         self.ctx.report.f16
-            && self
-                .ctx
-                .sw
-                .kv_f16
-                .load(std::sync::atomic::Ordering::Relaxed)
+            && match sw.kv_f16.load(r) {
+                0 => false,
+                1 => true,
+                _ => self.ctx.report.subgroups && sw.attn_tile && sw.attn_team.load(r),
+            }
     }
     /// KV caches made from now on in f16 (`true`, where the adapter has SHADER_F16) or f32;
     /// tests compare both on one device. Caches made before keep their type.
@@ -386,7 +389,7 @@ impl Wgpu {
         self.ctx
             .sw
             .kv_f16
-            .store(on, std::sync::atomic::Ordering::Relaxed);
+            .store(u32::from(on), std::sync::atomic::Ordering::Relaxed);
     }
     /// Decode attention by attn_dec_team (`true`, where the adapter has ordered subgroups) or
     /// attn_dec_gqa (`LILY_WGPU_ATTN_DEC`); tests and `lily lab` compare both in one process.
@@ -592,7 +595,7 @@ impl Backend for Wgpu {
             half: false,
         })
     }
-    /// f16 where the adapter has SHADER_F16 and `LILY_WGPU_KV_F16=1` (`set_kv_f16`).
+    /// f16 where `kv_f16` says so, else f32.
     fn kv_zeros(&self, len: usize) -> Result<WBuf> {
         if !self.kv_f16() {
             return self.zeros(len);
