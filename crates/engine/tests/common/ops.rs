@@ -234,25 +234,43 @@ pub struct E2e {
 /// bf16-vs-f32 fixture), decode steps after a prefill, greedy continuations with the pick on the
 /// device; prints each figure under `tag` and returns them for the caller's bounds.
 pub fn end_to_end<B: Backend>(dev: B, preset: &str, tag: &str) -> E2e {
+    end_to_end_set(dev, preset, &[], tag)
+}
+
+/// `end_to_end` on the preset with config fields overridden (`lily synth --set`'s syntax).
+pub fn end_to_end_set<B: Backend>(dev: B, preset: &str, sets: &[&str], tag: &str) -> E2e {
+    try_end_to_end_set(dev, preset, sets, tag).unwrap_or_else(|e| panic!("e2e {preset}: {e:#}"))
+}
+
+/// `end_to_end_set`, an error (a shape the backend refuses, say) returned rather than a panic.
+pub fn try_end_to_end_set<B: Backend>(
+    dev: B,
+    preset: &str,
+    sets: &[&str],
+    tag: &str,
+) -> anyhow::Result<E2e> {
     use crate::common::{perplexity, prompt_ids, top2_gap};
     use lily::model::Logits;
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = lily::synth::preset(preset).unwrap();
-    lily::synth::write_checkpoint(&cfg, dir.path(), 0, &|_, _| {}).unwrap();
-    let cpu = lily::runtime::load(lily::backend::cpu::Cpu, dir.path()).unwrap();
-    let gm = lily::runtime::load(dev, dir.path()).unwrap();
+    let dir = tempfile::tempdir()?;
+    let mut cfg = lily::synth::preset(preset)?;
+    for s in sets {
+        lily::synth::apply_set(&mut cfg, s)?;
+    }
+    lily::synth::write_checkpoint(&cfg, dir.path(), 0, &|_, _| {})?;
+    let cpu = lily::runtime::load(lily::backend::cpu::Cpu, dir.path())?;
+    let gm = lily::runtime::load(dev, dir.path())?;
     println!("backend: {}", gm.backend.name());
     let v = cpu.cfg.vocab_size;
     let n = 192;
     let ids = prompt_ids(n, v);
 
     let t0 = std::time::Instant::now();
-    let mut cs = cpu.new_state(n + 64).unwrap();
-    let cl = cpu.forward(&mut cs, &ids, Logits::All, None).unwrap();
+    let mut cs = cpu.new_state(n + 64)?;
+    let cl = cpu.forward(&mut cs, &ids, Logits::All, None)?;
     let t_cpu = t0.elapsed();
     let t0 = std::time::Instant::now();
-    let mut gs = gm.new_state(n + 64).unwrap();
-    let gl = gm.forward(&mut gs, &ids, Logits::All, None).unwrap();
+    let mut gs = gm.new_state(n + 64)?;
+    let gl = gm.forward(&mut gs, &ids, Logits::All, None)?;
     let t_dev = t0.elapsed();
     let argmax = |r: &[f32]| lily::runtime::argmax(r);
     let agree = (0..n)
@@ -267,24 +285,20 @@ pub fn end_to_end<B: Backend>(dev: B, preset: &str, tag: &str) -> E2e {
 
     // Decode: prefill 184, then 8 single-token steps, against the same CPU logits.
     let p = n - 8;
-    let mut ds = gm.new_state(n + 64).unwrap();
-    gm.forward(&mut ds, &ids[..p], Logits::None, None).unwrap();
+    let mut ds = gm.new_state(n + 64)?;
+    gm.forward(&mut ds, &ids[..p], Logits::None, None)?;
     let (mut dagree, mut derr) = (0, 0f32);
     for t in p..n {
-        let l = gm
-            .forward(&mut ds, &ids[t..t + 1], Logits::Last, None)
-            .unwrap();
+        let l = gm.forward(&mut ds, &ids[t..t + 1], Logits::Last, None)?;
         dagree += (argmax(&l) == argmax(&cl[t * v..][..v])) as usize;
         derr = derr.max(rel_rows(&l, &cl[t * v..][..v], v));
     }
     println!("e2e {preset}, decode after a {p}-token prefill: top-1 agreement {dagree}/8, max rel err {derr:.2e}");
 
     // Greedy continuations of a 32-token prompt: the decode loop with the pick on the device.
-    let (mut s1, mut s2) = (cpu.new_state(128).unwrap(), gm.new_state(128).unwrap());
-    let (a, _) =
-        lily::runtime::generate_greedy(&cpu, &mut s1, &ids[..32], 48, &[], |_| {}).unwrap();
-    let (b, st) =
-        lily::runtime::generate_greedy(&gm, &mut s2, &ids[..32], 48, &[], |_| {}).unwrap();
+    let (mut s1, mut s2) = (cpu.new_state(128)?, gm.new_state(128)?);
+    let (a, _) = lily::runtime::generate_greedy(&cpu, &mut s1, &ids[..32], 48, &[], |_| {})?;
+    let (b, st) = lily::runtime::generate_greedy(&gm, &mut s2, &ids[..32], 48, &[], |_| {})?;
     let same = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
     let greedy = a.len().min(b.len());
     println!(
@@ -308,7 +322,7 @@ pub fn end_to_end<B: Backend>(dev: B, preset: &str, tag: &str) -> E2e {
     );
     let ppl_diff = (pg / pc - 1.0).abs();
     println!("e2e {preset}: perplexity cpu {pc:.4} {tag} {pg:.4} (rel diff {ppl_diff:.2e})");
-    E2e {
+    Ok(E2e {
         n,
         agree,
         err,
@@ -318,7 +332,7 @@ pub fn end_to_end<B: Backend>(dev: B, preset: &str, tag: &str) -> E2e {
         greedy,
         parted,
         ppl_diff,
-    }
+    })
 }
 
 /// Row i of `mat` against x in f64: the product and Σ |terms| (the scale of its rounding);

@@ -17,35 +17,42 @@ use super::*;
 const E2E_TOL: f32 = 1e-3;
 
 fn end_to_end(preset: &str) {
-    end_to_end_kv(preset, None);
+    end_to_end_at(preset, &[], None);
 }
 
 /// `f16`: the KV cache's type asked for (f16 is made only where the adapter has SHADER_F16),
 /// `None` the default's.
 fn end_to_end_kv(preset: &str, f16: Option<bool>) {
+    end_to_end_at(preset, &[], f16);
+}
+
+/// `preset` with config fields overridden (`sets`, `lily synth --set`'s syntax), held to the
+/// bounds above.
+fn end_to_end_at(preset: &str, sets: &[&str], f16: Option<bool>) {
     let Some(g) = gpu() else { return };
     if let Some(f16) = f16 {
         g.set_kv_f16(f16);
     }
-    eprintln!("e2e {preset}: the KV cache in f16: {}", g.kv_f16());
-    let r = ops::end_to_end(g, preset, "wgpu");
+    let what = format!("{preset} {}", sets.join(" "));
+    eprintln!("e2e {what}: the KV cache in f16: {}", g.kv_f16());
+    let r = ops::end_to_end_set(g, preset, sets, "wgpu");
     // f32 on both sides: the greedy tokens may part only at a near-tie of the CPU's logits.
     if let Some((gap, scale)) = r.parted {
         assert!(
             gap <= 2.0 * E2E_TOL * scale,
-            "greedy parted at token {} without a near-tie",
+            "e2e {what}: greedy parted at token {} without a near-tie",
             r.same
         );
     }
     assert!(
         r.agree + r.dagree >= (r.n + 8) * 99 / 100,
-        "top-1 agreement {} of {}",
+        "e2e {what}: top-1 agreement {} of {}",
         r.agree + r.dagree,
         r.n + 8
     );
-    check(&format!("e2e {preset}: decode logits"), r.derr, E2E_TOL);
+    check(&format!("e2e {what}: decode logits"), r.derr, E2E_TOL);
     check(
-        &format!("e2e {preset}: logits (prefill, per position; f32)"),
+        &format!("e2e {what}: logits (prefill, per position; f32)"),
         r.err,
         E2E_TOL,
     );
@@ -66,6 +73,26 @@ fn tiny_preset_end_to_end_f32_kv() {
 #[test]
 fn small_preset_end_to_end() {
     end_to_end("small");
+}
+
+/// `tiny` at shapes no preset has, each a path the kernels take or refuse by shape: a hidden
+/// size that is not a power of two (192: the GEMVs' rows and K, the norms; 320: K = 5 · 64),
+/// head_dim 96 (attention's dims, RoPE's rotary part), an odd count of query heads a KV head
+/// (6 over 2: GQA groups of 3), a GDN value head dim of 48 (the step's rows a workgroup), 6
+/// experts (the route's top-k over few). A kernel that takes a shape must get the CPU's
+/// logits; one that cannot must fall back, not fail or fault.
+#[test]
+fn odd_shapes_end_to_end() {
+    for set in [
+        "hidden_size=192",
+        "hidden_size=320",
+        "head_dim=96",
+        "num_attention_heads=6",
+        "linear_value_head_dim=48",
+        "num_experts=6",
+    ] {
+        end_to_end_at("tiny", &[set], None);
+    }
 }
 
 /// The decode loop's lookahead on wgpu (common/lookahead.rs): each token's read begun before
