@@ -3234,22 +3234,14 @@ fn tiny_preset_end_to_end() {
     end_to_end("tiny");
 }
 
-/// `tiny` at shapes no preset has (the same list as wgpu_ops' `odd_shapes_end_to_end`): a
-/// hidden size below 256 and one not a power of two (the streaming GEMVs take K = 256·C only:
-/// a decode step of K < 256 divided by zero in `ahead_fits` from stop 36 to 41), head_dim 96
-/// (attention takes 64, 128 and 256), GQA groups of 3, a GDN value head dim of 48, 6 experts.
-/// Each must either match the CPU within `end_to_end`'s bounds or fail with an error: never
-/// panic or fault.
+/// `tiny` at shapes no preset has (`ops::ODD_SHAPES`, as wgpu_ops runs them): among them a
+/// hidden size below 256 (the streaming GEMVs take K = 256·C only: a decode step of K < 256
+/// divided by zero in `ahead_fits` from stop 36 to 41) and head_dim 96 (attention takes 64, 128
+/// and 256). Each must either match the CPU within `end_to_end`'s bounds or fail with an error:
+/// never panic or fault.
 #[test]
 fn odd_shapes_end_to_end() {
-    for set in [
-        "hidden_size=192",
-        "hidden_size=320",
-        "head_dim=96",
-        "num_attention_heads=6",
-        "linear_value_head_dim=48",
-        "num_experts=6",
-    ] {
+    for set in ops::ODD_SHAPES {
         end_to_end_at("tiny", &[set], true);
     }
 }

@@ -237,6 +237,21 @@ pub fn end_to_end<B: Backend>(dev: B, preset: &str, tag: &str) -> E2e {
     end_to_end_set(dev, preset, &[], tag)
 }
 
+/// `tiny`'s config overrides that `odd_shapes_end_to_end` (cuda_ops, wgpu_ops) runs, each a
+/// shape no preset has: a hidden size below 256 and one not a power of two (the GEMVs' K and
+/// rows, the norms), head_dim 96 (attention's dims, RoPE's rotary part), GQA groups of 3 (6
+/// query heads over 2), a GDN value head dim of 48 (the step's rows a workgroup), 6 experts
+/// (the route's top-k over few).
+#[allow(dead_code)]
+pub const ODD_SHAPES: &[&str] = &[
+    "hidden_size=192",
+    "hidden_size=320",
+    "head_dim=96",
+    "num_attention_heads=6",
+    "linear_value_head_dim=48",
+    "num_experts=6",
+];
+
 /// `end_to_end` on the preset with config fields overridden (`lily synth --set`'s syntax).
 pub fn end_to_end_set<B: Backend>(dev: B, preset: &str, sets: &[&str], tag: &str) -> E2e {
     try_end_to_end_set(dev, preset, sets, tag).unwrap_or_else(|e| panic!("e2e {preset}: {e:#}"))

@@ -75,22 +75,12 @@ fn small_preset_end_to_end() {
     end_to_end("small");
 }
 
-/// `tiny` at shapes no preset has, each a path the kernels take or refuse by shape: a hidden
-/// size that is not a power of two (192: the GEMVs' rows and K, the norms; 320: K = 5 · 64),
-/// head_dim 96 (attention's dims, RoPE's rotary part), an odd count of query heads a KV head
-/// (6 over 2: GQA groups of 3), a GDN value head dim of 48 (the step's rows a workgroup), 6
-/// experts (the route's top-k over few). A kernel that takes a shape must get the CPU's
-/// logits; one that cannot must fall back, not fail or fault.
+/// `tiny` at shapes no preset has (`ops::ODD_SHAPES`), each a path the kernels take or refuse
+/// by shape. A kernel that takes a shape must get the CPU's logits; one that cannot must fall
+/// back, not fail or fault: wgpu runs all of them.
 #[test]
 fn odd_shapes_end_to_end() {
-    for set in [
-        "hidden_size=192",
-        "hidden_size=320",
-        "head_dim=96",
-        "num_attention_heads=6",
-        "linear_value_head_dim=48",
-        "num_experts=6",
-    ] {
+    for set in ops::ODD_SHAPES {
         end_to_end_at("tiny", &[set], None);
     }
 }
