@@ -16,8 +16,8 @@
 //! `attn_split_gqa` + `attn_combine`; `attn_split`, a query head a workgroup, takes the shapes
 //! the grouped kernels cannot).
 //!
-//! The KV cache is f32 or f16 (`WBuf::half`: `Backend::kv_zeros` makes f16 ones where the
-//! adapter has SHADER_F16 and `LILY_WGPU_KV_F16` is not 0): attention.wgsl is one source built
+//! The KV cache is f32 or f16 (`WBuf::half`: `Backend::kv_zeros` makes f16 ones where
+//! `Wgpu::kv_f16` says: SHADER_F16 and attn_dec_team, or `LILY_WGPU_KV_F16=1`): attention.wgsl is one source built
 //! twice, `attention` over kv_f32.wgsl and `attention_h` over kv_f16.wgsl (the cache's element
 //! type and its accessors), and each op takes the module of the cache it is given. An f16
 //! cache's prefill append is `kv_store` (rounds k and v into the cache) instead of buffer copies.

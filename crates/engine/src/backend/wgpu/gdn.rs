@@ -397,7 +397,7 @@ fn step_y_takes(ctx: &Ctx, d: &Dims) -> bool {
 }
 
 /// Whether a decode step's GDN mixer takes gdn_step_x (`gated_delta_x`; `LILY_WGPU_GDN_STEP`
-/// x, the default): gdn_step_y's shapes, ordered subgroups of ≥ 8 lanes (its row sums and
+/// x, or xs, the default since stop 41, which needs these too): gdn_step_y's shapes, ordered subgroups of ≥ 8 lanes (its row sums and
 /// xq_put's shuffles), a head of whole 4-bit words that one workgroup holds (Dv a multiple of
 /// 32 up to 128), and the 9 storage buffers it binds. The caller checks that out_proj reads the
 /// staged x (gemv_q6) of Hv · Dv inputs.
@@ -412,7 +412,7 @@ pub fn step_x_takes(ctx: &Ctx, d: &Dims) -> bool {
 }
 
 /// Whether the GDN mixer takes gdn_step_xs (`gated_delta_x` with `split`;
-/// `LILY_WGPU_GDN_STEP=xs`): gdn_step_x's conditions (heads of whole 32-row workgroups, Dv / 32
+/// `LILY_WGPU_GDN_STEP=xs`, the default): gdn_step_x's conditions (heads of whole 32-row workgroups, Dv / 32
 /// a head) and out_proj on gemv_q6s (its Q6_RNG = Dv applies the heads' 1 / rms).
 pub fn step_xs_takes(ctx: &Ctx, d: &Dims) -> bool {
     ctx.sw.gdn_step.load(Ordering::Relaxed) == 4

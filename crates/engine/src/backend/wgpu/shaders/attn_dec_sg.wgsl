@@ -1,7 +1,7 @@
 // attn_dec_sg.wgsl: attn_dec_team, decode attention (cpu/attention.rs `attention`, one row at the
 // step's pos) with a query head a team of 32 lanes and its head's dims across the lanes: the
-// alternative to attention.wgsl's attn_dec_gqa (`LILY_WGPU_ATTN_DEC=team`, attention.rs
-// `decode_attend`; opt-in: stop 38's H200 lab and A/B are in device.rs `attn_team`). Prefixed
+// alternative to attention.wgsl's attn_dec_gqa (attention.rs `decode_attend`; the default since
+// stop 41, `LILY_WGPU_ATTN_DEC=gqa` the other: the H200 figures are in device.rs `attn_team`). Prefixed
 // with common.wgsl, the cache's element file (kv_f32.wgsl or kv_f16.wgsl: KV4, kv4) and
 // attn_params.wgsl (P, the AD_* constants); made only where the adapter has ordered
 // subgroups (`AdapterReport::subgroups`): wgpu rejects subgroup builtins on a device without.

@@ -71,7 +71,7 @@ fn gdn_step_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_i
     xq_put(h * (gc_dv() / 8u) + li, st, xl, xh, 0u, gc_w4(), 5u * gc_w4(), gc_w8());
 }
 
-// gdn_step_xs (`LILY_WGPU_GDN_STEP=xs`, opt-in; gdn.rs `gated_delta_x` with `split`):
+// gdn_step_xs (`LILY_WGPU_GDN_STEP=xs`, the default since stop 41; gdn.rs `gated_delta_x` with `split`):
 // gdn_step_y's split (a workgroup owns 32 value rows of a head: Hv · Dv / 32 workgroups, 16 KB
 // of state each instead of gdn_step_x's 64 on 32 workgroups) with gdn_step_x's epilogue, its
 // gated norm deferred. The head's 1 / rms needs Σ y² over the head's rows, which Dv / 32

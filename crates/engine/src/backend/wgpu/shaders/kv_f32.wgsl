@@ -1,5 +1,6 @@
 // kv_f32.wgsl: the KV cache's element type for attention.wgsl, f32 (`attention`; the CPU's
-// type; adapters without f16, `LILY_WGPU_KV_F16=0`). kv_f16.wgsl is the other choice; both
+// type; adapters without f16 or without attn_dec_team, `LILY_WGPU_KV_F16=0`). kv_f16.wgsl is
+// the other choice; both
 // define the same names, and attention.wgsl reads and writes the cache only through them.
 //   KV1: a word of the cache as a scalar view holds KV_PACK = 1 element; kv1(w, i) is element
 //     i's value from its word w = cache[i / KV_PACK]; kv_word(a, b) the word of the elements
