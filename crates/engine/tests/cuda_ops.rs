@@ -2928,13 +2928,7 @@ fn mask_logits_matches_the_cpu() {
         g.argmax_step(&buf, vocab, &mut step);
         let t = g.step_token(&step).unwrap();
         assert_eq!(t, lily::runtime::argmax(&want), "{name}: masked arg-max");
-        let p = lily::runtime::sampler::SamplingParams {
-            temperature: 1.0,
-            top_k: 20,
-            top_p: 0.95,
-            seed: Some(1),
-            ..Default::default()
-        };
+        let p = sampling::checkpoint_default(1);
         let mut s = g
             .new_sampler(&p, 1, vocab, &[])
             .unwrap()
@@ -3680,6 +3674,13 @@ fn recorded_decode_steps_equal_direct_ones() {
 fn sample_step_matches_the_host_sampler() {
     let Some(g) = gpu() else { return };
     sampling::sample_step_matches_the_host_sampler(&g, |l| g.upload_vec(l).unwrap(), 300);
+}
+
+/// The device sampler on masked logits: every draw allowed and the host's (common/sampling.rs).
+#[test]
+fn sample_step_on_masked_logits() {
+    let Some(g) = gpu() else { return };
+    sampling::sample_step_on_masked_logits(&g, |l| g.upload_vec(l).unwrap());
 }
 
 #[test]

@@ -7,6 +7,18 @@ use crate::ops::Rng;
 use lily::backend::Backend;
 use lily::runtime::sampler::{Sampler, SamplingParams};
 
+/// The checkpoint's default sampling (generation_config.json: temperature 1, top-k 20, top-p
+/// 0.95), seeded: what `lily serve` draws with, and the device sampler must take.
+pub fn checkpoint_default(seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature: 1.0,
+        top_k: 20,
+        top_p: 0.95,
+        seed: Some(seed),
+        ..Default::default()
+    }
+}
+
 /// Peaked logits at the full vocabulary: N(0, 1) noise with a few strong tokens.
 pub fn peaked_logits(rng: &mut Rng, vocab: usize) -> (Vec<f32>, [usize; 5]) {
     let mut l = rng.vec(vocab, 1.0);
@@ -285,13 +297,7 @@ pub fn sample_distribution_matches_the_cpu<B: Backend>(
     // top-p both cut.
     let l = rng.vec(vocab, 3.0);
     let gl = upload(&l);
-    let p = SamplingParams {
-        temperature: 1.0,
-        top_k: 20,
-        top_p: 0.95,
-        seed: Some(99),
-        ..Default::default()
-    };
+    let p = checkpoint_default(99);
     let dist = Sampler::new(p.clone(), vocab)
         .unwrap()
         .distribution(&mut l.clone(), &[]);
@@ -351,4 +357,46 @@ pub fn sample_distribution_matches_the_cpu<B: Backend>(
         "sample_step at vocab {vocab}, top-k 20 top-p 0.95: {:.1} µs per token (launches included)",
         t0.elapsed().as_secs_f64() * 1e6 / reps as f64
     );
+}
+
+/// The device sampler on masked logits (constrained decoding picks this way): a sparse mask
+/// leaves most of the first pass's slices with no candidate and fewer allowed ids than top-k,
+/// so both of the select's short cases run. Every draw must be allowed and the host sampler's
+/// token for the same seed (the same 5 survivors and weights, bit for bit).
+pub fn sample_step_on_masked_logits<B: Backend>(g: &B, upload: impl Fn(&[f32]) -> B::Buf) {
+    let mut rng = Rng(29);
+    let vocab = 248_320;
+    let mut l = rng.vec(vocab, 3.0);
+    let mut mask = vec![0u32; vocab.div_ceil(32)];
+    let ids = [3usize, 4000, 131_071, 200_000, 248_319];
+    // Close logits (weights 1, 0.82, 0.67, 0.55, 0.45): top-p 0.95 keeps all five.
+    for (j, id) in ids.into_iter().enumerate() {
+        mask[id / 32] |= 1 << (id % 32);
+        l[id] = 1.0 - 0.2 * j as f32;
+    }
+    let mut want = l.clone();
+    lily::runtime::constrain::apply_mask(&mut want, &mask);
+    let mut gl = upload(&l);
+    g.mask_logits(&mut gl, vocab, &mask);
+    let p = checkpoint_default(7);
+    let mut dev = g
+        .new_sampler(&p, 7, vocab, &[])
+        .unwrap()
+        .expect("top-k 20 samples on the device");
+    let mut host = Sampler::new(p, vocab).unwrap();
+    let mut step = g.new_step().unwrap();
+    g.set_step(&mut step, 0, 10);
+    let mut seen = std::collections::HashSet::new();
+    for i in 0..50 {
+        g.sample_step(&gl, vocab, &mut dev, &mut step);
+        let t = g.step_token(&step).unwrap();
+        assert!(ids.contains(&(t as usize)), "draw {i}: disallowed id {t}");
+        assert_eq!(t, host.sample(&mut want.clone(), &[]), "draw {i}");
+        seen.insert(t);
+    }
+    println!(
+        "sample_step on a 5-id mask: 50 draws, the host's, {} distinct",
+        seen.len()
+    );
+    assert_eq!(seen.len(), 5, "top-p 0.95 keeps the five allowed ids");
 }
