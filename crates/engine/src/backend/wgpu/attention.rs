@@ -190,6 +190,15 @@ fn gqa(ctx: &Ctx, d: &Dims) -> bool {
         && d.head_dim.is_multiple_of(4)
 }
 
+/// Whether decode attention takes attn_dec_team where the head shape lets attn_dec_gqa run
+/// (the default; `LILY_WGPU_ATTN_DEC=gqa`): the tiled kernels on, ordered subgroups. Also what
+/// `Wgpu::kv_f16` chooses the cache's type by.
+pub fn team_on(ctx: &Ctx) -> bool {
+    ctx.sw.attn_tile
+        && ctx.report.subgroups
+        && ctx.sw.attn_team.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Whether the head shape is one the kernels take; records the error if not.
 fn dims_ok(ctx: &Ctx, op: &str, d: &Dims) -> bool {
     let hd = d.head_dim;
@@ -621,9 +630,8 @@ fn decode_attend(
     // attn_dec_gqa: `span` is the fewest keys a split takes (the device spreads pos + 1 keys over
     // the splits, at least a chunk each); attn_split_gqa: 0 (every split used); attn_split:
     // whole chunks.
-    // attn_dec_team (`LILY_WGPU_ATTN_DEC=team`): attn_dec_gqa's shapes, on ordered subgroups.
-    let team =
-        tile && ctx.report.subgroups && ctx.sw.attn_team.load(std::sync::atomic::Ordering::Relaxed);
+    // attn_dec_team: attn_dec_gqa's shapes, where `team_on`.
+    let team = gqa && team_on(ctx);
     let keys = ctx.sw.attn_keys.load(std::sync::atomic::Ordering::Relaxed);
     let (span, splits) = if team {
         (

@@ -380,7 +380,7 @@ impl Wgpu {
             && match sw.kv_f16.load(r) {
                 0 => false,
                 1 => true,
-                _ => self.ctx.report.subgroups && sw.attn_tile && sw.attn_team.load(r),
+                _ => attention::team_on(&self.ctx),
             }
     }
     /// KV caches made from now on in f16 (`true`, where the adapter has SHADER_F16) or f32;
