@@ -908,6 +908,10 @@ fn norm_ahead_matches_the_norm() {
     g.set_xq_ahead(false);
 }
 
+/// The y kernels' settings the test runs: (specialised, `LILY_WGPU_MOE_DOWN`); the first is
+/// the reference, the second moe_down_y with its constants.
+const DOWNS: [(bool, &str); 4] = [(false, "y"), (true, "y"), (true, "yh"), (true, "y2")];
+
 /// `LILY_WGPU_SPEC` moe (`Wgpu::set_spec`): moe_gate_up_y and moe_down_y specialised to their
 /// launch by pipeline constants (moe_xq.wgsl MY_*), against the same kernels reading the
 /// parameter block, on one device, at the model's shapes and on two other 4-bit stacks (hidden
@@ -917,7 +921,7 @@ fn norm_ahead_matches_the_norm() {
 /// same, but with the trip counts constant NVIDIA's compiler unrolls moe_down_y's sums and
 /// contracts other a·b + c pairs into FMAs (the H200, stop 38: h a few ulps off; lavapipe
 /// bit-equal). A constant in the wrong place (a group size, k, the width) moves the outputs by
-/// O(1).
+/// O(1). moe_down_y2 (`LILY_WGPU_MOE_DOWN` yh, y2) likewise against the unspecialised kernels.
 #[test]
 fn moe_y_specialised_equals_the_y_kernels() {
     let Some(g) = gpu() else { return };
@@ -956,11 +960,13 @@ fn moe_y_specialised_equals_the_y_kernels() {
         for token in 0..2 {
             let hv = rng.vec(hid, 0.05);
             let mut out = Vec::new();
-            for spec in [false, true] {
+            for (spec, down) in DOWNS {
                 g.set_spec(if spec { "moe" } else { "" }).unwrap();
+                g.set_moe_down(down).unwrap();
                 out.push(gpu_step(&g, true, &hv, &gnw, &w, &d, width, false));
             }
             g.set_spec("").unwrap();
+            g.set_moe_down("y").unwrap();
             let (a, b) = (&out[0], &out[1]);
             assert_eq!(bits(&b.x), bits(&a.x), "{what} token {token}: x");
             assert_eq!(
@@ -975,6 +981,20 @@ fn moe_y_specialised_equals_the_y_kernels() {
                 rel_rows(&b.h, &a.h, hid),
                 F32_TOL,
             );
+            // moe_down_y2 (yh, y2): moe_down_y's sums in its order, so h within F32_TOL of the
+            // kernels without constants, and said whether bit-equal to moe_down_y's with them.
+            for (o, (_, down)) in out.iter().zip(DOWNS).skip(2) {
+                check(
+                    &format!("{what} token {token}: h by moe_down_y2 {down}"),
+                    rel_rows(&o.h, &a.h, hid),
+                    F32_TOL,
+                );
+                assert_eq!(o.ids, a.ids, "{what} token {token}: ids with {down}");
+                eprintln!(
+                    "{what} token {token}: moe_down_y2 {down} bit-equal to moe_down_y: {}",
+                    bits(&o.h) == bits(&b.h)
+                );
+            }
             // The route given: moe_decode_add (gate|up reads the ids).
             let xv = rng.vec(hid, 1.0);
             let route = {
@@ -985,16 +1005,20 @@ fn moe_y_specialised_equals_the_y_kernels() {
             };
             let gmr = [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]];
             let mut dec = Vec::new();
-            for spec in [false, true] {
+            for (spec, down) in DOWNS {
                 g.set_spec(if spec { "moe" } else { "" }).unwrap();
+                g.set_moe_down(down).unwrap();
                 dec.push(gpu_decode(&g, true, &xv, &route, gmr, 0.4, &d).0);
             }
             g.set_spec("").unwrap();
-            check(
-                &format!("{what} token {token}: moe_decode_add specialised"),
-                rel_rows(&dec[1], &dec[0], hid),
-                F32_TOL,
-            );
+            g.set_moe_down("y").unwrap();
+            for (o, (_, down)) in dec.iter().zip(DOWNS).skip(1) {
+                check(
+                    &format!("{what} token {token}: moe_decode_add specialised, down {down}"),
+                    rel_rows(o, &dec[0], hid),
+                    F32_TOL,
+                );
+            }
         }
     }
 }

@@ -35,7 +35,7 @@ pub fn translate_to_msl() -> Result<Vec<(&'static str, String)>> {
             None,
             &Default::default(),
         )
-        .map_err(|e| anyhow!("{}.wgsl overrides: {e}", sh.name))?;
+        .map_err(|e| anyhow!("{}.wgsl overrides: {e:?}", sh.name))?;
         let opts = naga::back::msl::Options {
             lang_version: (2, 4),
             ..Default::default()

@@ -253,6 +253,27 @@ impl Wgpu {
         sw.attn_spec.store(s.attn, r);
         Ok(())
     }
+    /// gemv_q6s's residual add reading h before its code words (`LILY_WGPU_Q6_HFIRST`) on or off.
+    pub fn set_q6_hfirst(&self, on: bool) {
+        self.ctx
+            .sw
+            .q6_hfirst
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// The decode MoE block's down kernel (`LILY_WGPU_MOE_DOWN`: `y`, `yh` or `y2`).
+    pub fn set_moe_down(&self, v: &str) -> Result<()> {
+        let code = match v {
+            "y" => 0,
+            "yh" => 1,
+            "y2" => 2,
+            _ => bail!("set_moe_down: `{v}` is not y, yh or y2"),
+        };
+        self.ctx
+            .sw
+            .moe_down
+            .store(code, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
     /// Makes the in-place trace stamp pass boundaries (`LILY_WGPU_TRACE_PASSES`: what an
     /// adapter without TIMESTAMP_QUERY_INSIDE_PASSES gets) or, where it can, inside passes.
     pub fn set_trace_passes(&self, on: bool) {

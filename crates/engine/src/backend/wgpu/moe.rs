@@ -768,6 +768,24 @@ pub fn moe_decode_shared(
                 &sh.logit.buf,
             ];
             let Some(nw) = next else {
+                // moe_down_y2 (`LILY_WGPU_MOE_DOWN` yh / y2): moe_down_y with h read first, and
+                // with y2 two outputs a team; one token, with moe_down_y's constants.
+                let down2 = ctx.sw.moe_down.load(std::sync::atomic::Ordering::Relaxed);
+                if entry == "moe_down_y" && !consts.is_empty() && down2 != 0 {
+                    let two = down2 == 2;
+                    let mut c2 = consts.clone();
+                    c2.push(("DY_TWO", two as u32));
+                    let per = opw * (1 + two as usize);
+                    ctx.dispatch_spec(
+                        &XQ_SHADER,
+                        "moe_down_y2",
+                        &c2,
+                        &p_down,
+                        &bufs,
+                        hid.div_ceil(per) as u32,
+                    );
+                    return;
+                }
                 ctx.dispatch_spec(
                     &XQ_SHADER,
                     entry,

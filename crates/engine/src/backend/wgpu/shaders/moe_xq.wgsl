@@ -846,6 +846,53 @@ fn moe_down_y(
     }
 }
 
+// moe_down_y2 (`LILY_WGPU_MOE_DOWN` yh or y2, opt-in until measured on the H200; one token,
+// moe_down_y's pipeline constants): moe_down_y's sums with each team's rows of h read before
+// its weight loads, so the residual add after the team's sum waits on no load; with DY_TWO
+// (y2) two outputs a team as moe_down_ys takes them (outputs ob + i and ob + teams + i, their
+// loads issued together, act's words the same for both), 2 · 256 / T outputs a workgroup (32 at
+// T = 16: 64 workgroups at hidden 2048, against 128), else 256 / T as moe_down_y. Each output's
+// sum is moe_down_y's, in its order. Bindings: moe_down_y's.
+override DY_TWO: bool = true;
+
+@compute @workgroup_size(256)
+fn moe_down_y2(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_size) sg_size: u32,
+    @builtin(subgroup_invocation_id) lane_sg: u32,
+) {
+    let hid = my_out();
+    let T = my_outs();
+    let teams = 256u / T;
+    let sg = my_sg(li, sg_size);
+    let c = li % T;
+    let ob = wg_index(wid) * select(1u, 2u, DY_TWO) * teams;
+    let u0 = ob + li / T;
+    let u1 = u0 + teams;
+    let o0 = min(u0, hid - 1u);
+    let o1 = min(u1, hid - 1u);
+    // h first: an L2 round trip that nothing after it waits on until the add.
+    let h0 = ds_h[o0];
+    var h1 = 0.0;
+    if (DY_TWO) {
+        h1 = ds_h[o1];
+    }
+    let la = dy_loads(0u, o0, c);
+    let lb = dy_loads(0u, select(o0, o1, DY_TWO), c);
+    let sa = dy_sum(la, 0u, c);
+    let sb = select(0.0, dy_sum(lb, 0u, c), DY_TWO);
+    let tot = team_sum(vec4<f32>(sa, sb, 0.0, 0.0), li, lane_sg, T, sg);
+    if (c == 0u) {
+        if (u0 < hid) {
+            ds_h[o0] = h0 + tot.x;
+        }
+        if (DY_TWO && u1 < hid) {
+            ds_h[o1] = h1 + tot.y;
+        }
+    }
+}
+
 // moe_down_ys (the MoE block of a decode step with the next op's x staged ahead: Backend::
 // norm_ahead, `LILY_WGPU_XQ_AHEAD` 1 or next): moe_down_y's sums for one token (the same lanes, loads
 // and order), 32 outputs a workgroup (a team of T = 16 lanes takes outputs ob + i and ob + 16 +
