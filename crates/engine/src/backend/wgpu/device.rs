@@ -420,10 +420,6 @@ pub(super) struct Switches {
     /// until a matrix has this many workgroups (matmul.rs `q6_shape`). 512 since stop 41 (4K
     /// decode on the H200 over 256: 1.019×; 128: 0.963×, 1024: 1.003×). Atomic for `lily lab`.
     pub q6_wgs: AtomicUsize,
-    /// `LILY_WGPU_Q6_HFIRST=1` (opt-in until measured on the H200): gemv_q6s's residual add
-    /// (out_proj, o_proj) reads each lane's row of h before its code words (matmul_sg.wgsl
-    /// Q6_HFIRST), taking an L2 round trip off the end of the launch. Bit-equal.
-    pub q6_hfirst: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_Q6_MIN_KB`: the code bytes a gemv_q6 launch's matrices must reach (one
     /// matrix of the stack, all of the launch's together); smaller launches take gemv_v5.
     /// 0 (every launch) by default: in the lab gemv_v5 was up to 15% faster alone on the small
@@ -554,11 +550,11 @@ pub(super) struct Switches {
     /// one width. Stored as 0 (off), 1 (gate), 2 (x), 3 (ydown) or 4; atomic so that tests and
     /// `lily lab` compare them in one process.
     pub moe_xq: AtomicU32,
-    /// `LILY_WGPU_MOE_DOWN` (opt-in until measured on the H200): the decode MoE block's down by
-    /// moe_xq.wgsl's moe_down_y2 where moe_down_y would run with its constants: `yh` each
-    /// team's rows of h read before its weights, `y2` that and two outputs a team (64
-    /// workgroups at hidden 2048, against 128; act's words read once for both). Bit-equal sums.
-    /// Stored as 0 (moe_down_y, the default), 1 (yh) or 2 (y2).
+    /// `LILY_WGPU_MOE_DOWN`: the decode MoE block's down where moe_down_y takes it with its
+    /// constants: `y2` (the default since stop 42) moe_xq.wgsl's moe_down_y2, two outputs a team
+    /// (64 workgroups at hidden 2048; act's words read once for both), or `y` moe_down_y (one a
+    /// team, 128 workgroups). Bit-equal sums. 4K decode on the H100, one process: 1.034× (y2
+    /// over y). Stored as 1 (y2) or 0 (y).
     pub moe_down: AtomicU32,
     /// `LILY_WGPU_MOE_XQ_SHAPE=G,D,S` (default 32,16,2): moe_gate_up_x's lanes a team (8, 16 or
     /// 32: G / 8 outputs a team, 32 a workgroup), moe_down_x's lanes a team (4, 8 or 16: one
@@ -639,9 +635,6 @@ impl Switches {
             fuse_gated_norm: on("LILY_WGPU_FUSE_GATED_NORM"),
             gemv_wgs: AtomicUsize::new(num("LILY_WGPU_GEMV_WGS", 1024)),
             q6_wgs: AtomicUsize::new(num("LILY_WGPU_Q6_WGS", 512)),
-            q6_hfirst: std::sync::atomic::AtomicBool::new(
-                get("LILY_WGPU_Q6_HFIRST").is_some_and(|v| v == "1"),
-            ),
             ahead: on("LILY_WGPU_AHEAD"),
             route_ahead: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_ROUTE_AHEAD").is_some_and(|v| v == "1"),
@@ -695,12 +688,11 @@ impl Switches {
                 _ => 4,
             }),
             moe_down: AtomicU32::new(match get("LILY_WGPU_MOE_DOWN").as_deref() {
-                Some("yh") => 1,
-                Some("y2") => 2,
-                Some("y" | "") | None => 0,
+                Some("y") => 0,
+                Some("y2" | "") | None => 1,
                 Some(v) => {
-                    eprintln!("LILY_WGPU_MOE_DOWN={v}: not y, yh or y2; y");
-                    0
+                    eprintln!("LILY_WGPU_MOE_DOWN={v}: not y or y2; y2");
+                    1
                 }
             }),
             moe_xq_shape: AtomicU32::new(
@@ -775,7 +767,6 @@ impl Switches {
         take!(
             gemv_wgs,
             q6_wgs,
-            q6_hfirst,
             q6_min_kb,
             route_ahead,
             xq_ahead,

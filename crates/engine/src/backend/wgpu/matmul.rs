@@ -830,9 +830,6 @@ pub fn gemv_many_xq(
                 _ => 0,
             };
             consts.push(("Q6_RNG", group));
-            if om == 1 && ctx.sw.q6_hfirst.load(Ordering::Relaxed) {
-                consts.push(("Q6_HFIRST", 1));
-            }
             ctx.dispatch_spec(&sg_shader(), "gemv_q6s", &consts, &p, &bufs, groups);
         } else {
             ctx.dispatch(&sg_shader(), "gemv_q6", &p, &bufs, groups);

@@ -253,20 +253,12 @@ impl Wgpu {
         sw.attn_spec.store(s.attn, r);
         Ok(())
     }
-    /// gemv_q6s's residual add reading h before its code words (`LILY_WGPU_Q6_HFIRST`) on or off.
-    pub fn set_q6_hfirst(&self, on: bool) {
-        self.ctx
-            .sw
-            .q6_hfirst
-            .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-    /// The decode MoE block's down kernel (`LILY_WGPU_MOE_DOWN`: `y`, `yh` or `y2`).
+    /// The decode MoE block's down kernel (`LILY_WGPU_MOE_DOWN`: `y2`, the default, or `y`).
     pub fn set_moe_down(&self, v: &str) -> Result<()> {
         let code = match v {
             "y" => 0,
-            "yh" => 1,
-            "y2" => 2,
-            _ => bail!("set_moe_down: `{v}` is not y, yh or y2"),
+            "y2" => 1,
+            _ => bail!("set_moe_down: `{v}` is not y2 or y"),
         };
         self.ctx
             .sw

@@ -768,21 +768,17 @@ pub fn moe_decode_shared(
                 &sh.logit.buf,
             ];
             let Some(nw) = next else {
-                // moe_down_y2 (`LILY_WGPU_MOE_DOWN` yh / y2): moe_down_y with h read first, and
-                // with y2 two outputs a team; one token, with moe_down_y's constants.
-                let down2 = ctx.sw.moe_down.load(std::sync::atomic::Ordering::Relaxed);
-                if entry == "moe_down_y" && !consts.is_empty() && down2 != 0 {
-                    let two = down2 == 2;
-                    let mut c2 = consts.clone();
-                    c2.push(("DY_TWO", two as u32));
-                    let per = opw * (1 + two as usize);
+                // moe_down_y2 (`LILY_WGPU_MOE_DOWN` y2, the default): moe_down_y's sums, two
+                // outputs a team; one token, with moe_down_y's constants.
+                let y2 = ctx.sw.moe_down.load(std::sync::atomic::Ordering::Relaxed) == 1;
+                if entry == "moe_down_y" && !consts.is_empty() && y2 {
                     ctx.dispatch_spec(
                         &XQ_SHADER,
                         "moe_down_y2",
-                        &c2,
+                        &consts,
                         &p_down,
                         &bufs,
-                        hid.div_ceil(per) as u32,
+                        hid.div_ceil(2 * opw) as u32,
                     );
                     return;
                 }

@@ -469,17 +469,8 @@ fn q6s_run{M}(blk: u32, t: u32, li: u32, lane_sg: u32) {
     let xb = q6_xb(t, m.inp);
     // x staged without its norm's 1 / rms (Q6_RNG): the row's scales the sum, a head's each word.
     let row = Q6_RNG == Q6_INP{M};
-    // Q6_HFIRST: this lane's row of h read before the code words (the add waits on no load).
-    // (From Q6_OUT, not m.out: naga 30's override pass then emitted m's constant twice,
-    // ExpressionAlreadyInScope.)
-    let last = Q6_OUT{M} - 1u;
-    let hrow = t * Q6_OUT{M} + min(o0 + min(lane, R - 1u), last);
-    var hpre = 0.0;
-    if (Q6_HFIRST) {
-        hpre = vget({M}u, hrow);
-    }
     let acc = q6_dot{M}(m, o0, R, lane, T, xb, select(Q6_RNG, 0u, row)) * q6_rn(xb, m.inp, row);
-    q6_tail({M}u, m, blk, t, li, lane_sg, Q6_SG, T, R, o0, Q6_OMODE, acc, Q6_HFIRST, hpre);
+    q6_tail({M}u, m, blk, t, li, lane_sg, Q6_SG, T, R, o0, Q6_OMODE, acc);
 }
 
 //@@ q6entry
@@ -730,7 +721,7 @@ fn gemv_q6(
         case 2u: { acc = q6_dot2(m, o0, R, lane, T, xb, 0u); }
         default: { acc = q6_dot3(m, o0, R, lane, T, xb, 0u); }
     }
-    q6_tail(mi, m, blk, t, li, lane_sg, sg, T, R, o0, pv.omode, acc, false, 0.0);
+    q6_tail(mi, m, blk, t, li, lane_sg, sg, T, R, o0, pv.omode, acc);
 }
 
 // Row t's staged x (xq.wgsl: 5 · inp / 32 + 3 · inp / 16 vec4s a row).
@@ -739,10 +730,9 @@ fn q6_xb(t: u32, inp: u32) -> u32 {
 }
 
 // gemv_q6's (and gemv_q6s's) end: the team's sum, then the output mode's epilogue. Uniform
-// control flow (team_sum's and the fold's barriers). `hfirst` (gemv_q6s's Q6_HFIRST, omode 1):
-// lane r < R's row of h was read at the start, `hpre`; the sum is the same h + acc.
+// control flow (team_sum's and the fold's barriers).
 fn q6_tail(mi: u32, m: QMat, blk: u32, t: u32, li: u32, lane_sg: u32, sg: u32, T: u32, R: u32,
-           o0: u32, omode: u32, part: vec4<f32>, hfirst: bool, hpre: f32) {
+           o0: u32, omode: u32, part: vec4<f32>) {
     let lane = li % T;
     let acc = team_sum(part, li, lane_sg, T, sg);
     if (omode == 4u) {
@@ -780,11 +770,7 @@ fn q6_tail(mi: u32, m: QMat, blk: u32, t: u32, li: u32, lane_sg: u32, sg: u32, T
     }
     // Lane r of a team writes its row r.
     if (lane < R && o0 + lane < m.out) {
-        if (hfirst && omode == 1u) {
-            vout(mi, t * m.out + o0 + lane, hpre + acc[lane]);
-        } else {
-            sg_out_m(mi, t, t * m.out + o0 + lane, acc[lane], omode);
-        }
+        sg_out_m(mi, t, t * m.out + o0 + lane, acc[lane], omode);
     }
 }
 
@@ -803,10 +789,6 @@ override Q6_SG: u32 = 32u;
 override Q6_S1: u32 = 0u;
 override Q6_S2: u32 = 0u;
 override Q6_S3: u32 = 0u;
-// `LILY_WGPU_Q6_HFIRST=1` (opt-in until measured on the H200): in omode 1 (out_proj and o_proj's
-// residual add) each lane reads its row of h before its code words, so the add after the team's
-// sum waits on no load: one L2 round trip off the end of the launch's chain. Bit-equal.
-override Q6_HFIRST: bool = false;
 // x staged without its norm's 1 / rms (omode 5, moe_xq.wgsl moe_down_ys, gdn_step_xs; one row
 // of x): the size of the norm's groups, the row (one 1 / rms, q6_rn, on the sum) or less
 // (gdn_step_xs's heads: each word's, q6_hscale); 0: x staged whole.

@@ -846,15 +846,14 @@ fn moe_down_y(
     }
 }
 
-// moe_down_y2 (`LILY_WGPU_MOE_DOWN` yh or y2, opt-in until measured on the H200; one token,
-// moe_down_y's pipeline constants): moe_down_y's sums with each team's rows of h read before
-// its weight loads, so the residual add after the team's sum waits on no load; with DY_TWO
-// (y2) two outputs a team as moe_down_ys takes them (outputs ob + i and ob + teams + i, their
-// loads issued together, act's words the same for both), 2 · 256 / T outputs a workgroup (32 at
-// T = 16: 64 workgroups at hidden 2048, against 128), else 256 / T as moe_down_y. Each output's
-// sum is moe_down_y's, in its order. Bindings: moe_down_y's.
-override DY_TWO: bool = true;
-
+// moe_down_y2 (`LILY_WGPU_MOE_DOWN` y2, the default since stop 42; one token, moe_down_y's
+// pipeline constants): moe_down_y's sums with two outputs a team as moe_down_ys takes them
+// (outputs ob + i and ob + teams + i, their loads issued together, act's words the same for
+// both: a lane reads 45 of them for 18 code words, where moe_down_y reads 45 for 9), 512 / T
+// outputs a workgroup (32 at T = 16: 64 workgroups at hidden 2048, against 128). 4K decode on
+// the H100: 1.034× over moe_down_y. Each team's rows of h are read before its weights (no
+// gain measured alone, none lost). Each output's sum is moe_down_y's, in its order.
+// Bindings: moe_down_y's.
 @compute @workgroup_size(256)
 fn moe_down_y2(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -867,27 +866,21 @@ fn moe_down_y2(
     let teams = 256u / T;
     let sg = my_sg(li, sg_size);
     let c = li % T;
-    let ob = wg_index(wid) * select(1u, 2u, DY_TWO) * teams;
+    let ob = wg_index(wid) * 2u * teams;
     let u0 = ob + li / T;
     let u1 = u0 + teams;
     let o0 = min(u0, hid - 1u);
     let o1 = min(u1, hid - 1u);
-    // h first: an L2 round trip that nothing after it waits on until the add.
     let h0 = ds_h[o0];
-    var h1 = 0.0;
-    if (DY_TWO) {
-        h1 = ds_h[o1];
-    }
+    let h1 = ds_h[o1];
     let la = dy_loads(0u, o0, c);
-    let lb = dy_loads(0u, select(o0, o1, DY_TWO), c);
-    let sa = dy_sum(la, 0u, c);
-    let sb = select(0.0, dy_sum(lb, 0u, c), DY_TWO);
-    let tot = team_sum(vec4<f32>(sa, sb, 0.0, 0.0), li, lane_sg, T, sg);
+    let lb = dy_loads(0u, o1, c);
+    let tot = team_sum(vec4<f32>(dy_sum(la, 0u, c), dy_sum(lb, 0u, c), 0.0, 0.0), li, lane_sg, T, sg);
     if (c == 0u) {
         if (u0 < hid) {
             ds_h[o0] = h0 + tot.x;
         }
-        if (DY_TWO && u1 < hid) {
+        if (u1 < hid) {
             ds_h[o1] = h1 + tot.y;
         }
     }
