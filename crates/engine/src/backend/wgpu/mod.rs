@@ -238,6 +238,7 @@ impl Wgpu {
         let sw = &self.ctx.sw;
         sw.xq_ahead.store(on, std::sync::atomic::Ordering::Relaxed);
         sw.xq_moe.store(on, std::sync::atomic::Ordering::Relaxed);
+        sw.xq_oproj.store(on, std::sync::atomic::Ordering::Relaxed);
     }
     /// Runs the decode kernels `kernels` names specialised to their launch from now on, the
     /// others not (`LILY_WGPU_SPEC`'s values: `q6`, `moe`, `xq`, `gdn`, `attn`, comma-separated, `all`,
@@ -1214,13 +1215,13 @@ impl Backend for Wgpu {
         }
         attention::attn_decode_qk(&self.ctx, a, None)
     }
-    /// With `LILY_WGPU_XQ_AHEAD` 1 or next, attn_combine4_x stages o_proj's x as it writes the
-    /// attention's output, so o_proj's gemv_q6 runs without a q2x_stage; else the ops.
+    /// With `LILY_WGPU_XQ_AHEAD` 1, next or oproj, attn_combine4_x stages o_proj's x as it writes
+    /// the attention's output, so o_proj's gemv_q6 runs without a q2x_stage; else the ops.
     fn attn_decode_qk_add(&self, mut a: AttnStep<'_, Self>, o: super::OProj<'_, Self>) {
         let staged = self
             .ctx
             .sw
-            .xq_ahead
+            .xq_oproj
             .load(std::sync::atomic::Ordering::Relaxed)
             && self.ctx.sw.fuse_rope
             && attention::xq_takes(&self.ctx, a.d)
