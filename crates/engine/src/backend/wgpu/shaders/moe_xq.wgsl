@@ -846,6 +846,16 @@ fn moe_down_y(
     }
 }
 
+// Token 0's outputs o0 and (with `two`) o1 summed by a team of T lanes (moe_down_y2,
+// moe_down_ys): both outputs' loads issued before either's products, each sum moe_down_y's.
+fn dy_pair(o0: u32, o1: u32, c: u32, two: bool, li: u32, lane_sg: u32, T: u32, sg: u32) -> vec2<f32> {
+    let la = dy_loads(0u, o0, c);
+    let lb = dy_loads(0u, select(o0, o1, two), c);
+    let sa = dy_sum(la, 0u, c);
+    let sb = select(0.0, dy_sum(lb, 0u, c), two);
+    return team_sum(vec4<f32>(sa, sb, 0.0, 0.0), li, lane_sg, T, sg).xy;
+}
+
 // moe_down_y2 (`LILY_WGPU_MOE_DOWN` y2, the default since stop 42; one token, moe_down_y's
 // pipeline constants): moe_down_y's sums with two outputs a team as moe_down_ys takes them
 // (outputs ob + i and ob + teams + i, their loads issued together, act's words the same for
@@ -873,9 +883,7 @@ fn moe_down_y2(
     let o1 = min(u1, hid - 1u);
     let h0 = ds_h[o0];
     let h1 = ds_h[o1];
-    let la = dy_loads(0u, o0, c);
-    let lb = dy_loads(0u, o1, c);
-    let tot = team_sum(vec4<f32>(dy_sum(la, 0u, c), dy_sum(lb, 0u, c), 0.0, 0.0), li, lane_sg, T, sg);
+    let tot = dy_pair(o0, o1, c, true, li, lane_sg, T, sg);
     if (c == 0u) {
         if (u0 < hid) {
             ds_h[o0] = h0 + tot.x;
@@ -912,11 +920,7 @@ fn moe_down_ys(
     let o0 = ob + li / T;
     let o1 = o0 + teams;
     let two = teams < 32u;
-    let la = dy_loads(0u, o0, c);
-    let lb = dy_loads(0u, select(o0, o1, two), c);
-    let sa = dy_sum(la, 0u, c);
-    let sb = select(0.0, dy_sum(lb, 0u, c), two);
-    let tot = team_sum(vec4<f32>(sa, sb, 0.0, 0.0), li, lane_sg, T, sg);
+    let tot = dy_pair(o0, o1, c, two, li, lane_sg, T, sg);
     if (c == 0u) {
         let h0 = ds_h[o0] + tot.x;
         ds_h[o0] = h0;
