@@ -774,7 +774,8 @@ impl Wgpu {
             // that shape (x staged once before the timing, as the router's launch stages it in
             // a decode step), `…/2 xq-gate` moe_gate_up_x with moe_down_s, `…/2 xq-ydown`
             // moe_gate_up_x with moe_down_y, `…/2 xq-y` moe_gate_up_y with moe_down_y (`xq-ys`:
-            // specialised to the launch, `LILY_WGPU_SPEC` moe).
+            // specialised to the launch, `LILY_WGPU_SPEC` moe, the down by moe_down_y2 as in a
+            // decode step; `xq-ys down-y`: by moe_down_y, `LILY_WGPU_MOE_DOWN=y`).
             // `LILY_LAB_STACKS=N`: N - 1 more copies of the three stacks, which the `×N` variant
             // cycles through as a decode step's 40 layers do (whether the spread of the weights
             // over GBs, not their bytes, costs the step: address translation).
@@ -824,6 +825,7 @@ impl Wgpu {
                 // The y pair specialised to the launch (`LILY_WGPU_SPEC` moe), beside it.
                 seqs.push(("shared/2 xq-ys".into(), 2, true, 4, "32,16,2"));
                 seqs.push(("route/2 xq-ys".into(), 2, true, 4, "32,16,2"));
+                seqs.push(("route/2 xq-ys down-y".into(), 2, true, 4, "32,16,2"));
                 // The y pair then the x pair on the next route, each call: against the two rows
                 // above, whether a kernel pays for the other's code and data between its calls
                 // (as in a decode step, where 8 other kernels run between two MoE blocks).
@@ -839,9 +841,14 @@ impl Wgpu {
                 }
             }
             let old_spec = ctx.sw.moe_spec.load(Ordering::Relaxed);
+            let old_down = ctx.sw.moe_down.load(Ordering::Relaxed);
             for (name, launches, fused, xq_mode, shape) in seqs {
                 let name = name.as_str();
                 ctx.sw.moe_xq.store(xq_mode, Ordering::Relaxed);
+                ctx.sw.moe_down.store(
+                    if name.ends_with("down-y") { 0 } else { 1 },
+                    Ordering::Relaxed,
+                );
                 // Only the `xq-ys` rows specialised, whatever LILY_WGPU_SPEC says.
                 ctx.sw
                     .moe_spec
@@ -939,6 +946,7 @@ impl Wgpu {
             }
             ctx.sw.moe_xq.store(old_xq, Ordering::Relaxed);
             ctx.sw.moe_spec.store(old_spec, Ordering::Relaxed);
+            ctx.sw.moe_down.store(old_down, Ordering::Relaxed);
             ctx.sw.moe_xq_shape.store(old_shape, Ordering::Relaxed);
         }
         if want_case("gemm") {
