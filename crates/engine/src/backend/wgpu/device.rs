@@ -420,6 +420,10 @@ pub(super) struct Switches {
     /// until a matrix has this many workgroups (matmul.rs `q6_shape`). 512 since stop 41 (4K
     /// decode on the H200 over 256: 1.019×; 128: 0.963×, 1024: 1.003×). Atomic for `lily lab`.
     pub q6_wgs: AtomicUsize,
+    /// `LILY_WGPU_Q6_WGS_SMALL` (opt-in, 0: off): the same for launches of under 1 MB of codes
+    /// (the MoE router and shared gate), which the lab timed level from 256 to 1,024 workgroups
+    /// (H100, stop 42: 7.05-7.22 µs against a 2.87 µs read) and not below. Atomic for the lab.
+    pub q6_wgs_small: AtomicUsize,
     /// `LILY_WGPU_Q6_MIN_KB`: the code bytes a gemv_q6 launch's matrices must reach (one
     /// matrix of the stack, all of the launch's together); smaller launches take gemv_v5.
     /// 0 (every launch) by default: in the lab gemv_v5 was up to 15% faster alone on the small
@@ -639,6 +643,11 @@ impl Switches {
             fuse_gated_norm: on("LILY_WGPU_FUSE_GATED_NORM"),
             gemv_wgs: AtomicUsize::new(num("LILY_WGPU_GEMV_WGS", 1024)),
             q6_wgs: AtomicUsize::new(num("LILY_WGPU_Q6_WGS", 512)),
+            q6_wgs_small: AtomicUsize::new(
+                get("LILY_WGPU_Q6_WGS_SMALL")
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(0),
+            ),
             ahead: on("LILY_WGPU_AHEAD"),
             route_ahead: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_ROUTE_AHEAD").is_some_and(|v| v == "1"),
@@ -772,6 +781,7 @@ impl Switches {
         take!(
             gemv_wgs,
             q6_wgs,
+            q6_wgs_small,
             q6_min_kb,
             route_ahead,
             xq_ahead,

@@ -515,7 +515,7 @@ fn ahead_sums(ctx: &Ctx, e: usize) -> Result<::wgpu::Buffer> {
 pub fn ahead_takes(ctx: &Ctx, w: &WMat, router: &WMat, sgate: &WMat, norm_len: usize) -> bool {
     let sgw = ctx.report.subgroup_min as usize;
     let words = w.inp / (128 / w.bits as usize);
-    let (t, r) = q6_shape(w.out, words, sgw, ctx.sw.q6_wgs.load(Ordering::Relaxed));
+    let (t, r) = q6_shape(w.out, words, sgw, q6_wants(ctx, &[w]));
     let rb = 256 / t * r;
     ctx.sw.route_ahead.load(Ordering::Relaxed)
         && ctx.sw.fuse_epilogue
@@ -632,7 +632,7 @@ pub fn gemv_many_xq(
     let q6 = q6_takes(ctx, ws);
     let v5 = ctx.sw.gemv.load(Ordering::Relaxed) >= 16;
     let want = ctx.sw.gemv_wgs.load(Ordering::Relaxed);
-    let q6_want = ctx.sw.q6_wgs.load(Ordering::Relaxed);
+    let q6_want = q6_wants(ctx, ws);
     for i in 0..4 {
         let w = ws[i.min(ws.len() - 1)];
         p.extend(w.qmat());
@@ -982,6 +982,20 @@ fn q6_spec(
 /// lane a word of each row; past the subgroup the sum meets in workgroup memory), then R
 /// halved down to 1, so that the small matrices (router, shared expert, out_proj) spread over
 /// the GPU.
+/// Launches of fewer code bytes than this are `Switches::q6_wgs_small`'s (the MoE router and
+/// shared gate: 0.53 MB at the model's shape; the next smallest, out_proj, 4.2 MB).
+const Q6_SMALL_BYTES: usize = 1 << 20;
+
+/// The workgroups gemv_q6 aims at for a launch of `ws`: `LILY_WGPU_Q6_WGS_SMALL` where set and
+/// the launch's codes are under Q6_SMALL_BYTES, else `LILY_WGPU_Q6_WGS`.
+fn q6_wants(ctx: &Ctx, ws: &[&WMat]) -> usize {
+    let bytes: usize = ws.iter().map(|w| w.out * w.inp * w.bits as usize / 8).sum();
+    match ctx.sw.q6_wgs_small.load(Ordering::Relaxed) {
+        n if n > 0 && bytes < Q6_SMALL_BYTES => n,
+        _ => ctx.sw.q6_wgs.load(Ordering::Relaxed),
+    }
+}
+
 fn q6_shape(out: usize, words: usize, sg: usize, want: usize) -> (usize, usize) {
     let mut t = 1;
     while t * 2 <= sg.min(words) {

@@ -149,6 +149,14 @@ impl Wgpu {
             .q6_min_kb
             .store(kb, std::sync::atomic::Ordering::Relaxed);
     }
+    /// gemv_q6's workgroups aimed at for launches under 1 MB of codes (`LILY_WGPU_Q6_WGS_SMALL`;
+    /// 0: `LILY_WGPU_Q6_WGS`'s, as every other launch).
+    pub fn set_q6_wgs_small(&self, n: usize) {
+        self.ctx
+            .sw
+            .q6_wgs_small
+            .store(n, std::sync::atomic::Ordering::Relaxed);
+    }
     /// Takes a decode step's gated delta rule named (`LILY_WGPU_GDN_STEP`'s values: `0`, `y`,
     /// `x`, `yw`) from now on, for tests and `lily lab`.
     pub fn set_gdn_step(&self, name: &str) -> Result<()> {
