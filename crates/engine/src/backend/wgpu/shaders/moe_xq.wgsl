@@ -8,7 +8,9 @@
 //
 // The defaults are their y twins (at the end of the file, `LILY_WGPU_MOE_XQ`): moe_gate_up_y and
 // moe_down_y, the same maths with every weight load of a lane issued at once (H200 lab, one
-// token's gate|up and down with the shared expert: 20.1 µs against 32.9).
+// token's gate|up and down with the shared expert: 20.1 µs against 32.9); for one token with
+// their pipeline constants, moe_down_y2 (two outputs a team, half the workgroups: 4K decode on
+// the H100 1.034×, stop 42; `LILY_WGPU_MOE_DOWN=y` for moe_down_y).
 //
 // moe_gate_up_x: act[s, o] = silu(gate_e[o] · x) · (up_e[o] · x) for the k + 1 slots of token t
 //   (slot k the shared expert), x read as q2x_stage staged it (xq.wgsl's layouts: the router's
