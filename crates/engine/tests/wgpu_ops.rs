@@ -497,8 +497,9 @@ fn decode_epilogues_match_the_cpu() {
 /// launches of 8 MB of codes or more, gemv_v5 below): gemv_v4, gemv_rw with 1, 2 and 4 rows a
 /// team and gemv_xs (F32_TOL: x in f32), gemv_v5 alone and gemv_q6 for every launch (Q2X_TOL:
 /// x in two int8 levels) through the same projection sets, norms and epilogues as the two tests
-/// above, gemv_q6 also with its small launches' teams changed (`set_q6_wgs_small`). On an adapter without ordered subgroups gemv_rw and gemv_xs fall back to gemv_v4 (and
-/// pass as it), gemv_q6 to gemv_v5.
+/// above, gemv_q6 also with its teams changed by launch size (`set_q6_wgs_by`). On an adapter
+/// without ordered subgroups gemv_rw and gemv_xs fall back to gemv_v4 (and pass as it),
+/// gemv_q6 to gemv_v5.
 #[test]
 fn gemv_variants_match_the_cpu() {
     // One device for all (the H200's Vulkan driver refused a 27th device in one process).
@@ -519,13 +520,15 @@ fn gemv_variants_match_the_cpu() {
         epilogues_case(&g, tol);
     }
     // gemv_q6 with the launches under 1 MB of codes (most of the sets here) on as few
-    // workgroups as they take and on 64 (`LILY_WGPU_Q6_WGS_SMALL`: other teams and rows).
-    for small in [1, 64] {
-        g.set_q6_wgs_small(small);
-        eprintln!("LILY_WGPU_GEMV=v6 LILY_WGPU_Q6_WGS_SMALL={small}");
+    // workgroups as they take, then on 64, the larger ones on 256 (`LILY_WGPU_Q6_WGS_BY`:
+    // other teams and rows).
+    for by in ["1:1", "1:64,64:256"] {
+        g.set_q6_wgs_by(by).unwrap();
+        eprintln!("LILY_WGPU_GEMV=v6 LILY_WGPU_Q6_WGS_BY={by}");
         many_and_norm_case(&g, Q2X_TOL);
     }
-    g.set_q6_wgs_small(0);
+    assert!(g.set_q6_wgs_by("1:0").is_err() && g.set_q6_wgs_by("x").is_err());
+    g.set_q6_wgs_by("").unwrap();
 }
 
 /// gemv_q6s and q2x_stage specialised (`LILY_WGPU_SPEC=q6,xq`: each launch's shape as pipeline

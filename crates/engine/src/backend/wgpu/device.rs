@@ -420,10 +420,14 @@ pub(super) struct Switches {
     /// until a matrix has this many workgroups (matmul.rs `q6_shape`). 512 since stop 41 (4K
     /// decode on the H200 over 256: 1.019×; 128: 0.963×, 1024: 1.003×). Atomic for `lily lab`.
     pub q6_wgs: AtomicUsize,
-    /// `LILY_WGPU_Q6_WGS_SMALL` (opt-in, 0: off): the same for launches of under 1 MB of codes
-    /// (the MoE router and shared gate), which the lab timed level from 256 to 1,024 workgroups
-    /// (H100, stop 42: 7.05-7.22 µs against a 2.87 µs read) and not below. Atomic for the lab.
-    pub q6_wgs_small: AtomicUsize,
+    /// `LILY_WGPU_Q6_WGS_BY` (opt-in; unset: every launch `q6_wgs`): workgroups by a launch's
+    /// size, `MB:N,MB:N,…`: a launch of fewer code bytes than an entry's MB (the first such
+    /// entry) aims at its N. The lab timed the router (0.53 MB) level from 256 to 1,024
+    /// (H100, stop 42: 7.05-7.22 µs against a 2.87 µs read) and in_proj (12.7 MB of codes) at
+    /// 12.68 µs on 256 against 13.37 on 512; `1:16,12:512,64:256` would give the router 16,
+    /// out_proj, o_proj and q|k|v 512, in_proj 256 and leave the lm_head at `q6_wgs`.
+    /// Sorted by MB; a Mutex for the lab and the arms.
+    pub q6_wgs_by: Mutex<Vec<(usize, usize)>>,
     /// `LILY_WGPU_Q6_MIN_KB`: the code bytes a gemv_q6 launch's matrices must reach (one
     /// matrix of the stack, all of the launch's together); smaller launches take gemv_v5.
     /// 0 (every launch) by default: in the lab gemv_v5 was up to 15% faster alone on the small
@@ -643,11 +647,13 @@ impl Switches {
             fuse_gated_norm: on("LILY_WGPU_FUSE_GATED_NORM"),
             gemv_wgs: AtomicUsize::new(num("LILY_WGPU_GEMV_WGS", 1024)),
             q6_wgs: AtomicUsize::new(num("LILY_WGPU_Q6_WGS", 512)),
-            q6_wgs_small: AtomicUsize::new(
-                get("LILY_WGPU_Q6_WGS_SMALL")
-                    .and_then(|s| s.parse().ok())
-                    .unwrap_or(0),
-            ),
+            q6_wgs_by: Mutex::new(match get("LILY_WGPU_Q6_WGS_BY") {
+                Some(v) => q6_wgs_by(&v).unwrap_or_else(|e| {
+                    eprintln!("LILY_WGPU_Q6_WGS_BY={v}: {e:#}; unset");
+                    Vec::new()
+                }),
+                None => Vec::new(),
+            }),
             ahead: on("LILY_WGPU_AHEAD"),
             route_ahead: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_ROUTE_AHEAD").is_some_and(|v| v == "1"),
@@ -781,7 +787,6 @@ impl Switches {
         take!(
             gemv_wgs,
             q6_wgs,
-            q6_wgs_small,
             q6_min_kb,
             route_ahead,
             xq_ahead,
@@ -806,8 +811,35 @@ impl Switches {
             gemm,
             moe_mm8
         );
+        *self.q6_wgs_by.lock().unwrap_or_else(|e| e.into_inner()) = fresh
+            .q6_wgs_by
+            .into_inner()
+            .unwrap_or_else(|e| e.into_inner());
         Ok(())
     }
+}
+
+/// `LILY_WGPU_Q6_WGS_BY`'s value (`MB:N,…`, MB > 0 a decimal, N > 0 workgroups) as (bytes, N)
+/// sorted by bytes.
+pub(super) fn q6_wgs_by(v: &str) -> Result<Vec<(usize, usize)>> {
+    let mut out = Vec::new();
+    for e in v.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let parsed = e.split_once(':').and_then(|(mb, n)| {
+            let mb: f64 = mb
+                .trim()
+                .parse()
+                .ok()
+                .filter(|m: &f64| *m > 0.0 && m.is_finite())?;
+            let n: usize = n.trim().parse().ok().filter(|&n| n > 0)?;
+            Some(((mb * 1048576.0) as usize, n))
+        });
+        match parsed {
+            Some(p) => out.push(p),
+            None => bail!("`{e}` is not MB:workgroups (MB > 0, workgroups > 0)"),
+        }
+    }
+    out.sort_unstable();
+    Ok(out)
 }
 
 /// moe_gate_up_x's and moe_down_x's default shape (`Switches::moe_xq_shape`): 32 lanes a

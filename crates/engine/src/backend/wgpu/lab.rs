@@ -388,7 +388,8 @@ impl Wgpu {
             ctx.sw.q6_min_kb.load(Ordering::Relaxed),
         );
         let old_spec = ctx.sw.q6_spec.load(Ordering::Relaxed);
-        let old_small = ctx.sw.q6_wgs_small.load(Ordering::Relaxed);
+        let old_by =
+            std::mem::take(&mut *ctx.sw.q6_wgs_by.lock().unwrap_or_else(|e| e.into_inner()));
         let mut rows = Vec::new();
         // Median seconds a call of `f(i)` for i in 0..calls (lab_median).
         let time = |f: &dyn Fn(usize)| lab_median(ctx, calls, f);
@@ -592,8 +593,6 @@ impl Wgpu {
                     // The kernel itself, whatever the launch's size.
                     ctx.sw.q6_min_kb.store(0, Ordering::Relaxed);
                     ctx.sw.q6_wgs.store(v.want, Ordering::Relaxed);
-                    // The variant's count for every launch size (the router's too).
-                    ctx.sw.q6_wgs_small.store(0, Ordering::Relaxed);
                 } else {
                     ctx.sw.gemv_wgs.store(v.want, Ordering::Relaxed);
                 }
@@ -636,7 +635,7 @@ impl Wgpu {
         ctx.sw.gemv.store(old_gemv, Ordering::Relaxed);
         ctx.sw.gemv_wgs.store(old_want, Ordering::Relaxed);
         ctx.sw.q6_wgs.store(old_q6, Ordering::Relaxed);
-        ctx.sw.q6_wgs_small.store(old_small, Ordering::Relaxed);
+        *ctx.sw.q6_wgs_by.lock().unwrap_or_else(|e| e.into_inner()) = old_by;
         ctx.sw.q6_min_kb.store(old_min, Ordering::Relaxed);
         // The router's top-k of one row, and the routed experts of one token (moe_experts_decode:
         // gate|up then down and the slot sum), over routes from distinct logits so that the

@@ -982,18 +982,14 @@ fn q6_spec(
 /// lane a word of each row; past the subgroup the sum meets in workgroup memory), then R
 /// halved down to 1, so that the small matrices (router, shared expert, out_proj) spread over
 /// the GPU.
-/// Launches of fewer code bytes than this are `Switches::q6_wgs_small`'s (the MoE router and
-/// shared gate: 0.53 MB at the model's shape; the next smallest, out_proj, 4.2 MB).
-const Q6_SMALL_BYTES: usize = 1 << 20;
-
-/// The workgroups gemv_q6 aims at for a launch of `ws`: `LILY_WGPU_Q6_WGS_SMALL` where set and
-/// the launch's codes are under Q6_SMALL_BYTES, else `LILY_WGPU_Q6_WGS`.
+/// The workgroups gemv_q6 aims at for a launch of `ws`: the first `LILY_WGPU_Q6_WGS_BY` entry
+/// above the launch's code bytes, else `LILY_WGPU_Q6_WGS`.
 fn q6_wants(ctx: &Ctx, ws: &[&WMat]) -> usize {
     let bytes: usize = ws.iter().map(|w| w.out * w.inp * w.bits as usize / 8).sum();
-    match ctx.sw.q6_wgs_small.load(Ordering::Relaxed) {
-        n if n > 0 && bytes < Q6_SMALL_BYTES => n,
-        _ => ctx.sw.q6_wgs.load(Ordering::Relaxed),
-    }
+    let by = ctx.sw.q6_wgs_by.lock().unwrap_or_else(|e| e.into_inner());
+    by.iter()
+        .find(|&&(b, _)| bytes < b)
+        .map_or_else(|| ctx.sw.q6_wgs.load(Ordering::Relaxed), |&(_, n)| n)
 }
 
 fn q6_shape(out: usize, words: usize, sg: usize, want: usize) -> (usize, usize) {

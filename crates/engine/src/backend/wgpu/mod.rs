@@ -149,13 +149,17 @@ impl Wgpu {
             .q6_min_kb
             .store(kb, std::sync::atomic::Ordering::Relaxed);
     }
-    /// gemv_q6's workgroups aimed at for launches under 1 MB of codes (`LILY_WGPU_Q6_WGS_SMALL`;
-    /// 0: `LILY_WGPU_Q6_WGS`'s, as every other launch).
-    pub fn set_q6_wgs_small(&self, n: usize) {
-        self.ctx
+    /// gemv_q6's workgroups by a launch's size from now on (`LILY_WGPU_Q6_WGS_BY`'s value, ``:
+    /// every launch `LILY_WGPU_Q6_WGS`'s).
+    pub fn set_q6_wgs_by(&self, v: &str) -> Result<()> {
+        let by = device::q6_wgs_by(v)?;
+        *self
+            .ctx
             .sw
-            .q6_wgs_small
-            .store(n, std::sync::atomic::Ordering::Relaxed);
+            .q6_wgs_by
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = by;
+        Ok(())
     }
     /// Takes a decode step's gated delta rule named (`LILY_WGPU_GDN_STEP`'s values: `0`, `y`,
     /// `x`, `yw`) from now on, for tests and `lily lab`.
