@@ -708,12 +708,11 @@ impl Switches {
                 _ => 4,
             }),
             moe_down: AtomicU32::new(match get("LILY_WGPU_MOE_DOWN").as_deref() {
-                Some("y") => 0,
-                Some("y2" | "") | None => 1,
-                Some(v) => {
+                Some("") | None => 1,
+                Some(v) => moe_down_code(v).unwrap_or_else(|| {
                     eprintln!("LILY_WGPU_MOE_DOWN={v}: not y or y2; y2");
                     1
-                }
+                }),
             }),
             moe_xq_shape: AtomicU32::new(
                 get("LILY_WGPU_MOE_XQ_SHAPE")
@@ -909,6 +908,16 @@ pub(super) fn gdn_step_code(name: &str) -> Option<u32> {
         "x" | "1" => Some(2),
         "yw" => Some(3),
         "xs" => Some(4),
+        _ => None,
+    }
+}
+
+/// `Switches::moe_down`'s code for a down kernel's name (`LILY_WGPU_MOE_DOWN`), `None` if
+/// unknown.
+pub(super) fn moe_down_code(name: &str) -> Option<u32> {
+    match name {
+        "y" => Some(0),
+        "y2" => Some(1),
         _ => None,
     }
 }

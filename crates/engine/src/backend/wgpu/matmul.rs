@@ -975,15 +975,9 @@ fn q6_spec(
     c
 }
 
-/// gemv_q6's team of T lanes and R rows for a matrix of `out` rows of `words` code words on
-/// subgroups of `sg`: T the largest power of two ≤ the subgroup and the row's words (the team's
-/// sum by shuffles alone), R = 4 (x's loads shared by 4 rows); then, while the matrix has fewer
-/// than `want` workgroups (256 R / T rows each), T doubled up to the row's words and 256 (a
-/// lane a word of each row; past the subgroup the sum meets in workgroup memory), then R
-/// halved down to 1, so that the small matrices (router, shared expert, out_proj) spread over
-/// the GPU.
 /// The workgroups gemv_q6 aims at for a launch of `ws`: the first `LILY_WGPU_Q6_WGS_BY` entry
-/// above the launch's code bytes, else `LILY_WGPU_Q6_WGS`.
+/// above the launch's code bytes, else `LILY_WGPU_Q6_WGS`. (The lock is taken when a launch is
+/// encoded op by op or recorded; a replayed decode step does not come here.)
 fn q6_wants(ctx: &Ctx, ws: &[&WMat]) -> usize {
     let bytes: usize = ws.iter().map(|w| w.out * w.inp * w.bits as usize / 8).sum();
     let by = ctx.sw.q6_wgs_by.lock().unwrap_or_else(|e| e.into_inner());
@@ -992,6 +986,13 @@ fn q6_wants(ctx: &Ctx, ws: &[&WMat]) -> usize {
         .map_or_else(|| ctx.sw.q6_wgs.load(Ordering::Relaxed), |&(_, n)| n)
 }
 
+/// gemv_q6's team of T lanes and R rows for a matrix of `out` rows of `words` code words on
+/// subgroups of `sg`: T the largest power of two ≤ the subgroup and the row's words (the team's
+/// sum by shuffles alone), R = 4 (x's loads shared by 4 rows); then, while the matrix has fewer
+/// than `want` workgroups (256 R / T rows each), T doubled up to the row's words and 256 (a
+/// lane a word of each row; past the subgroup the sum meets in workgroup memory), then R
+/// halved down to 1, so that the small matrices (router, shared expert, out_proj) spread over
+/// the GPU.
 fn q6_shape(out: usize, words: usize, sg: usize, want: usize) -> (usize, usize) {
     let mut t = 1;
     while t * 2 <= sg.min(words) {

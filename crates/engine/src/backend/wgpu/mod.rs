@@ -268,10 +268,8 @@ impl Wgpu {
     }
     /// The decode MoE block's down kernel (`LILY_WGPU_MOE_DOWN`: `y2`, the default, or `y`).
     pub fn set_moe_down(&self, v: &str) -> Result<()> {
-        let code = match v {
-            "y" => 0,
-            "y2" => 1,
-            _ => bail!("set_moe_down: `{v}` is not y2 or y"),
+        let Some(code) = device::moe_down_code(v) else {
+            bail!("set_moe_down: `{v}` is not y2 or y");
         };
         self.ctx
             .sw

@@ -737,9 +737,12 @@ pub fn moe_decode_shared(
             ],
             (k1 * width / X_OUTS) as u32,
         );
-        // moe_down_y where it takes the block, else moe_down_x (same bindings); else
-        // moe_down_s below.
+        // moe_down_y where it takes the block (moe_down_y2, two outputs a team, where it has
+        // its constants and `LILY_WGPU_MOE_DOWN` is y2, the default), else moe_down_x (same
+        // bindings); else moe_down_s below.
+        let y2 = spec && ctx.sw.moe_down.load(std::sync::atomic::Ordering::Relaxed) == 1;
         let down_x = match down_y_lanes(ctx, width, down.bits, k) {
+            Some(lanes) if y2 => Some(("moe_down_y2", lanes, 512 / lanes)),
             Some(lanes) => Some(("moe_down_y", lanes, 256 / lanes)),
             None if x_down => {
                 let (dt, ds) = down_shape(ctx, width, down.bits);
@@ -749,7 +752,7 @@ pub fn moe_decode_shared(
         };
         if let Some((entry, outs, opw)) = down_x {
             let p_down = params(down.qmat(), [0; 8], 1, k, n, d.norm_topk, outs, 0, 0);
-            let consts = if spec && entry == "moe_down_y" {
+            let consts = if spec && entry != "moe_down_x" {
                 y_spec(ctx, &p_down)
             } else {
                 Vec::new()
@@ -768,20 +771,6 @@ pub fn moe_decode_shared(
                 &sh.logit.buf,
             ];
             let Some(nw) = next else {
-                // moe_down_y2 (`LILY_WGPU_MOE_DOWN` y2, the default): moe_down_y's sums, two
-                // outputs a team; one token, with moe_down_y's constants.
-                let y2 = ctx.sw.moe_down.load(std::sync::atomic::Ordering::Relaxed) == 1;
-                if entry == "moe_down_y" && !consts.is_empty() && y2 {
-                    ctx.dispatch_spec(
-                        &XQ_SHADER,
-                        "moe_down_y2",
-                        &consts,
-                        &p_down,
-                        &bufs,
-                        hid.div_ceil(2 * opw) as u32,
-                    );
-                    return;
-                }
                 ctx.dispatch_spec(
                     &XQ_SHADER,
                     entry,
