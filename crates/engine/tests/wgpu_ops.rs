@@ -531,6 +531,58 @@ fn gemv_variants_match_the_cpu() {
     g.set_q6_wgs_by("").unwrap();
 }
 
+/// gemv_q6w (`LILY_WGPU_Q6W=1`, `Wgpu::set_q6w`: x quantized in each workgroup, no
+/// q2x_stage launch) through the projection sets, norms and epilogues of the tests above
+/// against the CPU (Q2X_TOL: x in two int8 levels, as gemv_q6; rows of 1 take it, rows of 3
+/// gemv_q6s as before; xn, written by its first workgroup, F32_TOL), and its launches: one
+/// where gemv_q6s with q2x_stage takes two.
+#[test]
+fn gemv_q6w_matches_the_cpu() {
+    let Some(g) = gpu() else { return };
+    g.set_q6w(1);
+    many_and_norm_case(&g, Q2X_TOL);
+    epilogues_case(&g, Q2X_TOL);
+    // Launches: GDN in_proj's four matrices with the norm, o_proj's residual add.
+    let d = qwen_dims();
+    let mut rng = Rng(58);
+    let set = [(8192usize, 4u32), (4096, 4), (32, 4), (32, 4)];
+    let gm: Vec<_> = set
+        .iter()
+        .map(|&(o, b)| {
+            g.upload_mat(&rand_quant(&mut rng, 1, o, d.hidden, b, 64, false))
+                .unwrap()
+        })
+        .collect();
+    let refs: Vec<_> = gm.iter().collect();
+    let gh = g.upload(&rng.vec(d.hidden, 1.0)).unwrap();
+    let gnw = g.upload(&rng.vec(d.hidden, 0.5)).unwrap();
+    let wo = g
+        .upload_mat(&rand_quant(&mut rng, 1, d.hidden, 4096, 4, 64, false))
+        .unwrap();
+    let x = g.upload(&rng.vec(4096, 1.0)).unwrap();
+    let mut launches = Vec::new();
+    for level in [1, 0] {
+        g.set_q6w(level);
+        let mut outs: Vec<_> = set.iter().map(|&(o, _)| g.zeros(o).unwrap()).collect();
+        let mut om: Vec<_> = outs.iter_mut().collect();
+        let mut gxn = g.zeros(d.hidden).unwrap();
+        let (mut hh, mut r) = (g.zeros(d.hidden).unwrap(), g.zeros(d.hidden).unwrap());
+        let n0 = g.dispatches();
+        g.rms_norm_matmul(&gh, &gnw, 1, d.hidden, d.eps, &mut gxn, &refs, &mut om);
+        g.matmul_q_add(&x, &wo, 1, &mut r, &mut hh);
+        launches.push(g.dispatches() - n0);
+    }
+    let q6 = g.gemv_launches(&refs) + g.gemv_launches(&[&wo]);
+    if q6 == 4 && g.report().subgroups {
+        assert_eq!(
+            launches,
+            [2, 4],
+            "gemv_q6w's launches (in_proj, o_proj), then without"
+        );
+    }
+    eprintln!("gemv_q6w: launches {launches:?} (with, without)");
+}
+
 /// gemv_q6s and q2x_stage specialised (`LILY_WGPU_SPEC=q6,xq`: each launch's shape as pipeline
 /// constants) against gemv_q6 and q2x_stage reading their parameters, on one device: the same
 /// projection sets as above (one to five matrices a launch, 4- and 8-bit, odd output counts),

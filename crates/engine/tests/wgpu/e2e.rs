@@ -33,6 +33,11 @@ fn end_to_end_at(preset: &str, sets: &[&str], f16: Option<bool>) {
     if let Some(f16) = f16 {
         g.set_kv_f16(f16);
     }
+    e2e_checks(g, preset, sets);
+}
+
+/// `preset` (with `sets`) on the device `g` as it is set, held to the bounds above.
+fn e2e_checks(g: Wgpu, preset: &str, sets: &[&str]) {
     let what = format!("{preset} {}", sets.join(" "));
     eprintln!("e2e {what}: the KV cache in f16: {}", g.kv_f16());
     let r = ops::end_to_end_set(g, preset, sets, "wgpu");
@@ -73,6 +78,17 @@ fn tiny_preset_end_to_end_f32_kv() {
 #[test]
 fn small_preset_end_to_end() {
     end_to_end("small");
+}
+
+/// `tiny` and `small` with gemv_q6w on every projection it takes and the MoE router's launch
+/// (`LILY_WGPU_Q6W=2`; small's MoE block reads the router's export), within the same bounds.
+#[test]
+fn q6w_end_to_end() {
+    for preset in ["tiny", "small"] {
+        let Some(g) = gpu() else { return };
+        g.set_q6w(2);
+        e2e_checks(g, preset, &[]);
+    }
 }
 
 /// `tiny` at shapes no preset has (`ops::ODD_SHAPES`), each a path the kernels take or refuse

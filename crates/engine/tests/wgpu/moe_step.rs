@@ -787,6 +787,64 @@ fn xq_ahead_matches_the_block() {
     g.set_xq_ahead(false);
 }
 
+/// `LILY_WGPU_Q6W=2` (`Wgpu::set_q6w`): the router's launch by gemv_q6w, which stages
+/// rms_norm(h) · w in each workgroup without the 1 / rms and exports the first workgroup's
+/// staging to gate|up (moe_gate_up_y with MY_RN, as after a projection that staged x ahead),
+/// against the same device's block without it, at the model's shapes, three tokens in a row.
+/// * Launches: one fewer (no q2x_stage before the router); with `1` (the projections alone)
+///   the same as without.
+/// * The logits and the shared gate's logit against the exact maths in f64 within
+///   `logit_err_q2x`'s bound, for both paths.
+/// * The route equals the CPU's moe_route of its logits, and the MoE output is within MOE_TOL
+///   of the CPU's on rms_norm(h)·w (gemv_q6w writes no xn).
+#[test]
+fn q6w_router_matches_the_block() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(94);
+    let c = AheadCase::new(&g, &mut rng);
+    let d = &c.d;
+    let gm = &c.gm;
+    let w = moe_weights(
+        &c.grt,
+        &c.gsg,
+        [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]],
+    );
+    for token in 0..3 {
+        let hv = rng.vec(d.hidden, 0.05);
+        let mut runs = Vec::new();
+        for level in [0, 1, 2] {
+            g.set_q6w(level);
+            runs.push(gpu_step(&g, true, &hv, &c.gnw, &w, d, 512, false));
+        }
+        g.set_q6w(0);
+        let what = format!("q6w router, token {token}");
+        let (off, on) = (&runs[0], &runs[2]);
+        println!(
+            "{what}: launches {} / {} / {} (Q6W 0 / 1 / 2)",
+            off.launches, runs[1].launches, on.launches
+        );
+        assert_eq!(
+            runs[1].launches, off.launches,
+            "{what}: launches with Q6W=1"
+        );
+        let takes = g.moe_xq_takes(d.hidden, 512, d.top_k).0 && fusable(&g);
+        if takes && g.gemv_launches(&[&c.grt, &c.gsg]) == 2 {
+            assert_eq!(on.launches + 1, off.launches, "{what}: launches");
+        }
+        for (name, got) in [("gemv_q6w", on), ("q2x_stage + gemv_q6s", off)] {
+            let worst = logit_err_q2x(&hv, &c.nw, d.eps, &c.router, &c.sgate, (&got.logits, got.s));
+            check(
+                &format!("{what} ({name} logits against f64, / bound)"),
+                worst as f32,
+                1.0,
+            );
+        }
+        let mut cx = vec![0f32; d.hidden];
+        Cpu.rms_norm(&hv, &c.nw, 1, d.hidden, d.eps, &mut cx);
+        c.check_block(on, &hv, &cx, &what);
+    }
+}
+
 /// The worst |logit − exact| / (A_e / 4096 + 1e-6) over the router's rows and the shared gate's
 /// (x̃ = h·rr·w in f64, A_e = Σ_k |R_ek·x̃_k|): a bound a router reading x in q2x's two int8
 /// levels keeps (each element within max |x| / 64,516 of its word: A_e / 4096 allows a word's

@@ -567,6 +567,13 @@ pub(super) struct Switches {
     /// team, 128 workgroups). Bit-equal sums. 4K decode on the H100, one process: 1.034× (y2
     /// over y). Stored as 1 (y2) or 0 (y).
     pub moe_down: AtomicU32,
+    /// `LILY_WGPU_Q6W` (opt-in until measured on a GPU): gemv_q6w, x quantized in each
+    /// workgroup of the decode projections instead of by a q2x_stage launch before them
+    /// (matmul_sg.wgsl's header at gemv_q6w; matmul.rs `q6w_takes`): `1` in_proj, q|k|v and
+    /// o_proj (50 launches fewer a step of the full preset), `2` also the MoE router's launch,
+    /// whose first workgroup exports the staging to gate|up (40 more); 0 off. Atomic for the
+    /// op tests and the arms (`Wgpu::set_q6w`).
+    pub q6w: AtomicU32,
     /// `LILY_WGPU_MOE_XQ_SHAPE=G,D,S` (default 32,16,2): moe_gate_up_x's lanes a team (8, 16 or
     /// 32: G / 8 outputs a team, 32 a workgroup), moe_down_x's lanes a team (4, 8 or 16: one
     /// output each; fewer when a row of down has fewer code words) and its teams an output (1,
@@ -714,6 +721,15 @@ impl Switches {
                     1
                 }),
             }),
+            q6w: AtomicU32::new(match get("LILY_WGPU_Q6W").as_deref() {
+                Some("0" | "") | None => 0,
+                Some("1") => 1,
+                Some("2") => 2,
+                Some(v) => {
+                    eprintln!("LILY_WGPU_Q6W={v}: not 0, 1 or 2; off");
+                    0
+                }
+            }),
             moe_xq_shape: AtomicU32::new(
                 get("LILY_WGPU_MOE_XQ_SHAPE")
                     .and_then(|v| moe_xq_shape_code(&v))
@@ -806,6 +822,7 @@ impl Switches {
             moe_fuse,
             moe_xq,
             moe_down,
+            q6w,
             moe_xq_shape,
             gemm,
             moe_mm8

@@ -582,12 +582,15 @@ pub fn gemv_many(
     xin: XIn,
     omode: OutMode,
 ) {
-    gemv_many_xq(ctx, x, ws, e, rows, outs, xin, omode);
+    gemv_many_xq(ctx, x, ws, e, rows, outs, xin, omode, Q6w::Take);
 }
 
-/// `gemv_many`, returning the buffer q2x_stage staged x into where gemv_q6 ran (xq.wgsl's
-/// layouts, `xq_row` vec4s a row; the scratch `gemv_xq`, valid until the next GEMV stages):
-/// the MoE block's moe_gate_up_x reads the router's staging of the normed x.
+/// `gemv_many`, returning the buffer x was staged in where gemv_q6 ran (xq.wgsl's layouts,
+/// `xq_row` vec4s a row; the scratch `gemv_xq`, valid until the next GEMV stages) and whether
+/// it was staged without its norm's 1 / rms (`XIn::StagedRn`'s layout, with the partial sums
+/// of squares): the MoE block's moe_gate_up_x reads the router's staging of the normed x.
+/// `q6w` says whether gemv_q6w may take the launch (`q6w_takes`), and whether it exports
+/// its staging (`Q6w::Export`: the caller reads x staged without its 1 / rms).
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_many_xq(
     ctx: &Ctx,
@@ -598,7 +601,8 @@ pub fn gemv_many_xq(
     outs: &mut [&mut WBuf],
     xin: XIn,
     omode: OutMode,
-) -> Option<::wgpu::Buffer> {
+    q6w: Q6w,
+) -> Option<(::wgpu::Buffer, bool)> {
     debug_assert!(!ws.is_empty() && ws.len() <= 4 && ws.len() == outs.len());
     // Unused bindings take the device's spare buffers: outputs 1-3, then aux, xn, r, s.
     let dummies = &ctx.spare;
@@ -734,6 +738,46 @@ pub fn gemv_many_xq(
         });
     }
     bufs.extend([aux, xn, r, s]);
+    if q6 && q6w_takes(ctx, ws, rows, &xin, om, blocks, q6w) {
+        let export = q6w == Q6w::Export;
+        // gemv_q6w: x staged in each workgroup, no q2x_stage launch. The raw x stays at binding
+        // 13, the norm's weights go to 20 (vr: no output mode of gemv_q6w reads r; 18 holds
+        // them too but for the conv's weights), the export to 22, xn stays at 19 but for the
+        // conv's state.
+        let inp = ws[0].inp;
+        let exported = if export {
+            match stage_ahead_scratch(ctx, inp) {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    ctx.fail(format!("gemv_q6w: {e:#}"));
+                    return None;
+                }
+            }
+        } else {
+            None
+        };
+        p[xmode_at] = 0;
+        if let XIn::Norm { w, .. } = &xin {
+            bufs[19] = &w.buf;
+        }
+        if let OutMode::Conv { w, state } = &omode {
+            bufs[17] = &w.buf;
+            bufs[18] = &state.buf;
+        }
+        bufs.push(exported.as_ref().unwrap_or(&dummies[7]));
+        let mut consts = q6_spec(ctx, ws, rows, om, &lanes, &start);
+        consts.extend([
+            ("Q6W_XMODE", xmode),
+            ("Q6W_L4", ws.iter().any(|w| w.bits == 4) as u32),
+            ("Q6W_L8", ws.iter().any(|w| w.bits == 8) as u32),
+            ("Q6W_EXPORT", export as u32),
+            // xn by the first workgroup where the conv's state does not hold binding 19.
+            ("Q6W_XN", (xmode == 1 && om != 3) as u32),
+        ]);
+        let groups = (blocks * rows) as u32;
+        ctx.dispatch_spec(&sg_shader(), "gemv_q6w", &consts, &p, &bufs, groups);
+        return exported.map(|b| (b, true));
+    }
     if q6 {
         let inp = ws[0].inp;
         let staged;
@@ -834,7 +878,8 @@ pub fn gemv_many_xq(
         } else {
             ctx.dispatch(&sg_shader(), "gemv_q6", &p, &bufs, groups);
         }
-        return Some(xq.clone());
+        let rn = matches!(xin, XIn::StagedRn { .. });
+        return Some((xq.clone(), rn));
     }
     match rw {
         0 => {
@@ -922,6 +967,61 @@ pub fn q6_takes(ctx: &Ctx, ws: &[&WMat]) -> bool {
         && ctx.report.storage_buffers > GEMV_BUFFERS
         && ws.iter().all(|w| w.inp.is_multiple_of(32))
         && code_kb >= ctx.sw.q6_min_kb.load(Ordering::Relaxed)
+}
+
+/// Whether gemv_q6w may take a launch of `gemv_many_xq` (`q6w_takes`; `LILY_WGPU_Q6W`).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Q6w {
+    /// Not: the caller reads x's staging by q2x_stage (the MoE block's router where gate|up
+    /// cannot read gemv_q6w's export).
+    Never,
+    /// With `LILY_WGPU_Q6W` 1 or more, staging nothing outside the launch (xn written by its
+    /// first workgroup where binding 19 is free, i.e. but with the conv epilogue).
+    Take,
+    /// With `LILY_WGPU_Q6W` 2: the first workgroup also exports the staging (the MoE router's
+    /// launch, for gate|up).
+    Export,
+}
+
+/// gemv_q6w's workgroups at most: past them (the lm_head's 7,760) x staged in each would cost
+/// more than the q2x_stage launch it saves.
+const Q6W_MAX_WGS: usize = 2048;
+
+/// Whether gemv_q6w takes a gemv_q6 launch (matmul_sg.wgsl's header at gemv_q6w): `use_`
+/// allows it and `LILY_WGPU_Q6W` is 1 or more (2 where the launch exports its staging), the
+/// specialised kernels, one row of x as it is or rms-normed, an output mode that leaves
+/// bindings 20 and 22 free (store, add, the conv), rows of ≤ 4,096 elements of 4- or 8-bit
+/// codes whose layouts fit q6_wx, and at most `Q6W_MAX_WGS` workgroups.
+fn q6w_takes(
+    ctx: &Ctx,
+    ws: &[&WMat],
+    rows: usize,
+    xin: &XIn,
+    om: u32,
+    blocks: usize,
+    use_: Q6w,
+) -> bool {
+    let inp = ws[0].inp;
+    let l4 = ws.iter().any(|w| w.bits == 4);
+    let l8 = ws.iter().any(|w| w.bits == 8);
+    let words = if l4 { 5 * inp / 32 } else { 0 } + if l8 { 3 * inp / 16 } else { 0 };
+    let level = match use_ {
+        Q6w::Never => return false,
+        Q6w::Take => 1,
+        Q6w::Export => 2,
+    };
+    ctx.sw.q6w.load(Ordering::Relaxed) >= level
+        && ctx.sw.q6_spec.load(Ordering::Relaxed)
+        && rows == 1
+        && matches!(xin, XIn::Plain | XIn::Norm { .. })
+        && matches!(om, 0 | 1 | 3)
+        && ws
+            .iter()
+            .all(|w| (w.bits == 4 || w.bits == 8) && w.inp == inp)
+        && inp.is_multiple_of(32)
+        && inp <= 4096
+        && words <= 768
+        && blocks <= Q6W_MAX_WGS
 }
 
 /// gemv_q6s's pipeline constants for one launch (matmul_sg.wgsl's overrides): the launch's

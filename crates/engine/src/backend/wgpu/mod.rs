@@ -161,6 +161,14 @@ impl Wgpu {
             .unwrap_or_else(|e| e.into_inner()) = by;
         Ok(())
     }
+    /// gemv_q6w from now on (`LILY_WGPU_Q6W`'s values: 0 off, 1 the projections, 2 the MoE
+    /// router's launch too); tests compare it with gemv_q6s on one device.
+    pub fn set_q6w(&self, level: u32) {
+        self.ctx
+            .sw
+            .q6w
+            .store(level.min(2), std::sync::atomic::Ordering::Relaxed);
+    }
     /// Takes a decode step's gated delta rule named (`LILY_WGPU_GDN_STEP`'s values: `0`, `y`,
     /// `x`, `yw`) from now on, for tests and `lily lab`.
     pub fn set_gdn_step(&self, name: &str) -> Result<()> {
@@ -334,7 +342,8 @@ impl Wgpu {
         moe::xq_takes(&self.ctx, hidden, width, k)
     }
     /// `rms_norm_matmul`, returning x's staging where gemv_q6 ran the GEMVs (the buffer
-    /// q2x_stage wrote the normed x into: `matmul::gemv_many_xq`).
+    /// q2x_stage wrote the normed x into, or with `Q6w::Export` gemv_q6w's staging without
+    /// the norm's 1 / rms, the bool true: `matmul::gemv_many_xq`).
     #[allow(clippy::too_many_arguments)]
     fn rms_norm_matmul_xq(
         &self,
@@ -346,7 +355,8 @@ impl Wgpu {
         xn: &mut WBuf,
         ws: &[&WMat],
         outs: &mut [&mut WBuf],
-    ) -> Option<::wgpu::Buffer> {
+        q6w: matmul::Q6w,
+    ) -> Option<(::wgpu::Buffer, bool)> {
         let fused = self.ctx.sw.fuse_norm
             && ws.len() <= 4
             && dim.is_multiple_of(4)
@@ -360,7 +370,7 @@ impl Wgpu {
             return None;
         }
         let xin = XIn::Norm { w, eps, xn };
-        matmul::gemv_many_xq(&self.ctx, h, ws, 0, rows, outs, xin, OutMode::Store)
+        matmul::gemv_many_xq(&self.ctx, h, ws, 0, rows, outs, xin, OutMode::Store, q6w)
     }
     /// Dispatches encoded so far (op by op, not replays): tests count an op's launches.
     pub fn dispatches(&self) -> u64 {
@@ -777,7 +787,7 @@ impl Backend for Wgpu {
         ws: &[&WMat],
         outs: &mut [&mut WBuf],
     ) {
-        self.rms_norm_matmul_xq(h, w, rows, dim, eps, xn, ws, outs);
+        self.rms_norm_matmul_xq(h, w, rows, dim, eps, xn, ws, outs, matmul::Q6w::Take);
     }
     /// The residual add in the projection's epilogue (`h += acc`, unrounded).
     fn matmul_q_add(&self, x: &WBuf, w: &WMat, rows: usize, r: &mut WBuf, h: &mut WBuf) {
@@ -1096,6 +1106,8 @@ impl Backend for Wgpu {
         // The router folded into the projection too (`LILY_WGPU_XQ_AHEAD=fold`): gate|up takes
         // the logits from its partial dots, and no router launch runs.
         let fold = staged_ahead && self.xq_fold_on(w.router, w.shared_gate, norm.len);
+        // x staged without its 1 / rms by the router's gemv_q6w.
+        let mut rn_x = false;
         let xq = if staged_ahead {
             let xq = match matmul::stage_ahead_scratch(&self.ctx, d.hidden) {
                 Ok(b) => b,
@@ -1129,7 +1141,15 @@ impl Backend for Wgpu {
                 Err(err) => return self.ctx.fail(format!("moe_step_add: {err:#}")),
             }
         } else {
-            self.rms_norm_matmul_xq(
+            // gemv_q6w may stage x itself and export it without the 1 / rms
+            // (`LILY_WGPU_Q6W=2`) where gate|up can read that (as after a projection that
+            // staged it ahead).
+            let q6w = if fused && moe::rn_takes(&self.ctx, d, w.gate, w.up) {
+                matmul::Q6w::Export
+            } else {
+                matmul::Q6w::Never
+            };
+            match self.rms_norm_matmul_xq(
                 h,
                 norm,
                 1,
@@ -1138,7 +1158,14 @@ impl Backend for Wgpu {
                 r.xn,
                 &[w.router, w.shared_gate],
                 &mut [&mut *r.logits, &mut *r.s],
-            )
+                q6w,
+            ) {
+                Some((xq, true)) => {
+                    rn_x = true;
+                    Some(xq)
+                }
+                other => other.map(|(xq, _)| xq),
+            }
         };
         if !fused {
             // Folded, but the experts' launches do not take this block: the composition's route
@@ -1164,7 +1191,7 @@ impl Backend for Wgpu {
             h,
             Some(r.logits),
             xq.as_ref(),
-            staged_ahead.then_some(moe::StagedAhead { eps, fold }),
+            (staged_ahead || rn_x).then_some(moe::StagedAhead { eps, fold }),
             w.next_norm,
         );
     }

@@ -473,6 +473,55 @@ fn q6s_run{M}(blk: u32, t: u32, li: u32, lane_sg: u32) {
     q6_tail({M}u, m, blk, t, li, lane_sg, Q6_SG, T, R, o0, Q6_OMODE, acc);
 }
 
+// gemv_q6w (the header at its entry): step c's loads of this team's rows rr of matrix {M} (R
+// of them; the last row again past R), q6_dot's loads but x's.
+fn q6w_load{M}(m: QMat, rr: vec4<u32>, R: u32, c: u32) -> Q6L {
+    let gpr = m.inp / m.gs;
+    let wpr = m.inp / (128u / m.bits);
+    let g = (c * (128u / m.bits)) / m.gs;
+    var l: Q6L;
+    l.q0 = vw{M}[rr.x * wpr + c];
+    l.s = vec4<f32>(rw_sb{M}(rr.x * gpr + g, m.sb16, false), 0.0, 0.0, 0.0);
+    l.b = vec4<f32>(rw_sb{M}(rr.x * gpr + g, m.sb16, true), 0.0, 0.0, 0.0);
+    if (R > 1u) {
+        l.q1 = vw{M}[rr.y * wpr + c];
+        l.s.y = rw_sb{M}(rr.y * gpr + g, m.sb16, false);
+        l.b.y = rw_sb{M}(rr.y * gpr + g, m.sb16, true);
+    }
+    if (R > 2u) {
+        l.q2 = vw{M}[rr.z * wpr + c];
+        l.q3 = vw{M}[rr.w * wpr + c];
+        l.s.z = rw_sb{M}(rr.z * gpr + g, m.sb16, false);
+        l.s.w = rw_sb{M}(rr.w * gpr + g, m.sb16, false);
+        l.b.z = rw_sb{M}(rr.z * gpr + g, m.sb16, true);
+        l.b.w = rw_sb{M}(rr.w * gpr + g, m.sb16, true);
+    }
+    return l;
+}
+
+// gemv_q6w's workgroups of slot {M} (gemv_q6s's constants): the first step's loads, then x
+// staged in the workgroup behind them, then the steps.
+fn q6w_run{M}(blk: u32, t: u32, li: u32, lane_sg: u32, first: bool) {
+    let m = QMat(Q6_OUT{M}, Q6_INP{M}, Q6_BITS{M}, Q6_GS{M}, Q6_SB16{M}, 0u, 0u, 0u);
+    let T = Q6_T{M};
+    let R = Q6_R{M};
+    let lane = li % T;
+    let o0 = (blk * (256u / T) + li / T) * R;
+    // The constants, not m's fields, past m's first use (naga 30's override pass rejects some
+    // uses of a constant-composed struct's fields: ExpressionAlreadyInScope).
+    let last = Q6_OUT{M} - 1u;
+    let rr = vec4<u32>(pv.e * Q6_OUT{M}) + min(vec4<u32>(o0) + vec4<u32>(0u, 1u, 2u, 3u), vec4<u32>(last));
+    let wpr = Q6_INP{M} / (128u / Q6_BITS{M});
+    // lane < wpr: a team has at most a row's words (q6_shape).
+    let l0 = q6w_load{M}(m, rr, R, lane);
+    let rn = q6w_stage(t, li, lane_sg, Q6_INP{M}, first);
+    var acc = q6w_mul(l0, Q6_BITS{M}, R, lane, Q6_INP{M});
+    for (var c = lane + T; c < wpr; c += T) {
+        acc += q6w_mul(q6w_load{M}(m, rr, R, c), Q6_BITS{M}, R, c, Q6_INP{M});
+    }
+    q6_tail({M}u, m, blk, t, li, lane_sg, Q6_SG, T, R, o0, Q6_OMODE, acc * rn);
+}
+
 //@@ q6entry
 // omode 4 (Backend::route_ahead, opt-in LILY_WGPU_ROUTE_AHEAD=1; one row of x): omode 1's
 // residual add, and the MoE router that follows folded in (the CUDA backend's gemv.cu AHEAD has
@@ -803,27 +852,229 @@ fn gemv_q6s(
     let wg = wg_index(wid);
     let rows = select(pv.rows, Q6_ROWS, Q6_ROWS != 0u);
     let t = wg % rows;
-    let b = wg / rows;
-    var mi = 0u;
-    var blk = b;
-    if (Q6_NM > 3u && b >= Q6_S3) {
-        mi = 3u;
-        blk = b - Q6_S3;
-    } else if (Q6_NM > 2u && b >= Q6_S2) {
-        mi = 2u;
-        blk = b - Q6_S2;
-    } else if (Q6_NM > 1u && b >= Q6_S1) {
-        mi = 1u;
-        blk = b - Q6_S1;
-    }
+    let s = q6s_slot(wg / rows);
     // gemv_q6's bindings, all of them (the derived layout must be the same).
     if (pv.xmode == 7u) {
         vxn[0] = vaux[0];
     }
-    switch mi {
-        case 0u: { q6s_run0(blk, t, li, lane_sg); }
-        case 1u: { q6s_run1(blk, t, li, lane_sg); }
-        case 2u: { q6s_run2(blk, t, li, lane_sg); }
-        default: { q6s_run3(blk, t, li, lane_sg); }
+    switch s.x {
+        case 0u: { q6s_run0(s.y, t, li, lane_sg); }
+        case 1u: { q6s_run1(s.y, t, li, lane_sg); }
+        case 2u: { q6s_run2(s.y, t, li, lane_sg); }
+        default: { q6s_run3(s.y, t, li, lane_sg); }
+    }
+}
+
+// Block b's matrix slot and its block within that matrix's (gemv_q6s, gemv_q6w; uniform).
+fn q6s_slot(b: u32) -> vec2<u32> {
+    if (Q6_NM > 3u && b >= Q6_S3) {
+        return vec2<u32>(3u, b - Q6_S3);
+    } else if (Q6_NM > 2u && b >= Q6_S2) {
+        return vec2<u32>(2u, b - Q6_S2);
+    } else if (Q6_NM > 1u && b >= Q6_S1) {
+        return vec2<u32>(1u, b - Q6_S1);
+    }
+    return vec2<u32>(0u, b);
+}
+
+// gemv_q6w (`LILY_WGPU_Q6W`, opt-in until measured): gemv_q6s with x quantized in each
+// workgroup instead of by a q2x_stage launch before it (91 launches of ~4.8 µs a 4K decode
+// step on the H100, stop 42's trace). Each workgroup issues its first step's code words,
+// scales and biases, then stages the whole row of x into workgroup memory (q6_wx) in the
+// layouts its matrices read (xq.wgsl's: Q6W_L4 the 4-bit one at 0, Q6W_L8 the 8-bit one after
+// it), so x's load, quantization and the one barrier run while those loads are in flight;
+// the steps then read x from workgroup memory, not L1/L2. x = h (Q6W_XMODE 0) or h · w
+// (1: the rms norm's weights at binding 20, vr) quantized without the norm's 1 / rms, which
+// does not change a word's codes (a word's d is its max |x| / 127): the dots are scaled by it
+// at the end, summed from each 32-element word's sum of squares in order (q6_rn's sum of
+// StagedRn's partials); the first workgroup writes the normed row (Q6W_XN). With Q6W_EXPORT the launch's first workgroup also writes the staging
+// to binding 22 in stage_ahead_scratch's layout (both word layouts, then the words' sums of
+// squares), for the MoE block's gate|up (moe_xq.wgsl MY_RN). Rows of x ≤ 4,096 elements, one
+// row (Q6_ROWS 1); gemv_q6s's output modes but the shared expert's gated residual (2: binding
+// 20) and the folds (4-6: binding 22). The CPU twin: cpu/matmul.rs `matmul` after `rms_norm`,
+// as gemv_q6's (Q2X_TOL).
+override Q6W_XMODE: u32 = 1u;
+override Q6W_L4: bool = true;
+override Q6W_L8: bool = false;
+override Q6W_EXPORT: bool = false;
+// xmode 1: the first workgroup writes the normed row to binding 19 (vxn; not with the conv
+// epilogue, whose state is there).
+override Q6W_XN: bool = false;
+// x's words (5 · 4,096 / 32 vec4s for a 4-bit row of 4,096; 3 · 2,048 / 16 + 5 · 2,048 / 32
+// for both layouts of 2,048) and each 32 elements' sum of squares.
+var<workgroup> q6_wx: array<vec4<u32>, 768>;
+var<workgroup> q6_wss: array<vec4<f32>, 32>;
+
+// Word at x's u32 index `at` of the exported staging (binding 22).
+fn q6w_put(at: u32, v: u32) {
+    atomicStore(&vacc[at], v);
+}
+
+// Row t of x staged into q6_wx as the header says (every invocation calls it: the shuffles and
+// the barrier), with the first workgroup's export (`first`); returns the norm's 1 / rms
+// (Q6W_XMODE 1, else 1). Thread i takes elements 8i .. 8i + 7 as q2x_stage does (xq_put's
+// places), a word's four threads consecutive lanes.
+fn q6w_stage(t: u32, li: u32, lane_sg: u32, inp: u32, first: bool) -> f32 {
+    let w4 = inp / 32u;
+    let w8 = inp / 16u;
+    let b8 = select(0u, 5u * w4, Q6W_L4);
+    let xrow = t * (inp / 4u);
+    for (var i0 = 0u; i0 < inp / 8u; i0 += 256u) {
+        let i = i0 + li;
+        let on = i < inp / 8u;
+        var xl = vec4<f32>(0.0);
+        var xh = vec4<f32>(0.0);
+        var ss = 0.0;
+        if (on) {
+            xl = vx[xrow + 2u * i];
+            xh = vx[xrow + 2u * i + 1u];
+            if (Q6W_XMODE == 1u) {
+                ss = dot(xl, xl) + dot(xh, xh);
+                let e = 8u * i;
+                xl = xl * vec4<f32>(vr[e], vr[e + 1u], vr[e + 2u], vr[e + 3u]);
+                xh = xh * vec4<f32>(vr[e + 4u], vr[e + 5u], vr[e + 6u], vr[e + 7u]);
+            }
+        }
+        let w = q2x_words(xl, xh);
+        // The 4-bit word's sum of squares over its four threads.
+        let s2 = ss + subgroupShuffleXor(ss, 1u);
+        let s4 = s2 + subgroupShuffleXor(s2, 2u);
+        if (on) {
+            let u = i / 4u;
+            let j = i % 4u;
+            let v = 2u * u + j / 2u;
+            let p = 2u * (j % 2u);
+            if (Q6W_L4) {
+                q6_wx[u][j] = w.w4.x;
+                q6_wx[w4 + u][j] = w.w4.y;
+                q6_wx[2u * w4 + u][j] = w.w4.z;
+                q6_wx[3u * w4 + u][j] = w.w4.w;
+                if (j == 0u) {
+                    q6_wx[4u * w4 + u] = w.m4;
+                }
+            }
+            if (Q6W_L8) {
+                q6_wx[b8 + v][p] = w.w8.x;
+                q6_wx[b8 + v][p + 1u] = w.w8.y;
+                q6_wx[b8 + w8 + v][p] = w.w8.z;
+                q6_wx[b8 + w8 + v][p + 1u] = w.w8.w;
+                if (p == 0u) {
+                    q6_wx[b8 + 2u * w8 + v] = w.m8;
+                }
+            }
+            if (j == 0u) {
+                q6_wss[u / 4u][u % 4u] = s4;
+            }
+            if (Q6W_EXPORT && first) {
+                let e8 = 5u * w4;
+                q6w_put(4u * u + j, w.w4.x);
+                q6w_put(4u * (w4 + u) + j, w.w4.y);
+                q6w_put(4u * (2u * w4 + u) + j, w.w4.z);
+                q6w_put(4u * (3u * w4 + u) + j, w.w4.w);
+                q6w_put(4u * (e8 + v) + p, w.w8.x);
+                q6w_put(4u * (e8 + v) + p + 1u, w.w8.y);
+                q6w_put(4u * (e8 + w8 + v) + p, w.w8.z);
+                q6w_put(4u * (e8 + w8 + v) + p + 1u, w.w8.w);
+                for (var k = 0u; k < 4u; k++) {
+                    if (j == 0u) {
+                        q6w_put(4u * (4u * w4 + u) + k, w.m4[k]);
+                    }
+                    if (p == 0u) {
+                        q6w_put(4u * (e8 + 2u * w8 + v) + k, w.m8[k]);
+                    }
+                }
+                if (j == 0u) {
+                    q6w_put(4u * (e8 + 3u * w8) + u, bitcast<u32>(s4));
+                }
+            }
+        }
+    }
+    workgroupBarrier();
+    if (Q6W_XMODE != 1u) {
+        return 1.0;
+    }
+    var s = 0.0;
+    for (var j = 0u; j < inp / 128u; j++) {
+        let q = q6_wss[j];
+        s += q.x;
+        s += q.y;
+        s += q.z;
+        s += q.w;
+    }
+    let rn = 1.0 / sqrt(s / f32(inp) + pv.eps);
+    if (Q6W_XN && first) {
+        for (var v = li; v < inp / 4u; v += 256u) {
+            let e = 4u * v;
+            vxn[xrow + v] = vx[xrow + v] * rn * vec4<f32>(vr[e], vr[e + 1u], vr[e + 2u], vr[e + 3u]);
+        }
+    }
+    return rn;
+}
+
+// A step's code words (l, from q6w_load) against x's word c in q6_wx: q6_dot's products.
+fn q6w_mul(l: Q6L, bits: u32, R: u32, c: u32, inp: u32) -> vec4<f32> {
+    let w4 = inp / 32u;
+    var xa1: vec4<u32>;
+    var xb1 = vec4<u32>(0u);
+    var xa2: vec4<u32>;
+    var xb2 = vec4<u32>(0u);
+    var xm: vec4<u32>;
+    if (bits == 4u) {
+        xa1 = q6_wx[c];
+        xb1 = q6_wx[w4 + c];
+        xa2 = q6_wx[2u * w4 + c];
+        xb2 = q6_wx[3u * w4 + c];
+        xm = q6_wx[4u * w4 + c];
+    } else {
+        let x8 = select(0u, 5u * w4, Q6W_L4);
+        let w8 = inp / 16u;
+        xa1 = q6_wx[x8 + c];
+        xa2 = q6_wx[x8 + w8 + c];
+        xm = q6_wx[x8 + 2u * w8 + c];
+    }
+    let dd = bitcast<f32>(xm.x);
+    let sx = bitcast<f32>(xm.y);
+    let corr = bitcast<i32>(xm.z);
+    var d = vec4<f32>(f32(g5_dot(l.q0, bits, xa1, xb1, xa2, xb2) + corr), 0.0, 0.0, 0.0);
+    if (R > 1u) {
+        d.y = f32(g5_dot(l.q1, bits, xa1, xb1, xa2, xb2) + corr);
+    }
+    if (R > 2u) {
+        d.z = f32(g5_dot(l.q2, bits, xa1, xb1, xa2, xb2) + corr);
+        d.w = f32(g5_dot(l.q3, bits, xa1, xb1, xa2, xb2) + corr);
+    }
+    return l.s * (dd * d) + l.b * sx;
+}
+
+// A step's loads of a team's rows (q6w_load).
+struct Q6L {
+    q0: vec4<u32>,
+    q1: vec4<u32>,
+    q2: vec4<u32>,
+    q3: vec4<u32>,
+    s: vec4<f32>,
+    b: vec4<f32>,
+}
+
+@compute @workgroup_size(256)
+fn gemv_q6w(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_invocation_id) lane_sg: u32,
+) {
+    let wg = wg_index(wid);
+    let rows = select(pv.rows, Q6_ROWS, Q6_ROWS != 0u);
+    let t = wg % rows;
+    let s = q6s_slot(wg / rows);
+    // gemv_q6's bindings, all of them (the derived layout must be the same).
+    if (pv.xmode == 7u) {
+        vxn[0] = vaux[0];
+    }
+    let first = wg == 0u;
+    switch s.x {
+        case 0u: { q6w_run0(s.y, t, li, lane_sg, first); }
+        case 1u: { q6w_run1(s.y, t, li, lane_sg, first); }
+        case 2u: { q6w_run2(s.y, t, li, lane_sg, first); }
+        default: { q6w_run3(s.y, t, li, lane_sg, first); }
     }
 }
