@@ -433,17 +433,26 @@ fn prefill_tiled_chunks(g: &Wgpu, f16: bool) {
 /// moves that head's output by O(1). After the steps the caches equal the CPU's bit for bit.
 ///
 /// Both decode kernels where the adapter has ordered subgroups (`dec_kernels`): attn_dec_gqa and
-/// attn_dec_team (`Wgpu::set_attn_team`), each held to the same bounds.
+/// attn_dec_team (`Wgpu::set_attn_team`), the latter also with V a block ahead
+/// (`Wgpu::set_attn_vahead`), each held to the same bounds.
 #[test]
 fn attention_decode_capacities() {
     let Some(g) = gpu() else { return };
     for team in dec_kernels(&g) {
         g.set_attn_team(team);
-        for f16 in kv_kinds(&g) {
-            g.set_kv_f16(f16);
-            decode_capacities(&g, f16);
+        for vahead in if team {
+            &[false, true][..]
+        } else {
+            &[false][..]
+        } {
+            g.set_attn_vahead(*vahead);
+            for f16 in kv_kinds(&g) {
+                g.set_kv_f16(f16);
+                decode_capacities(&g, f16);
+            }
         }
     }
+    g.set_attn_vahead(false);
     g.set_attn_team(false);
 }
 

@@ -683,10 +683,20 @@ fn decode_attend(
         } else {
             Vec::new()
         };
+    // attn_dec_team's V a block ahead (`LILY_WGPU_ATTN_VAHEAD`): its module's constant alone.
+    let mut dec_consts = consts.clone();
+    if team
+        && ctx
+            .sw
+            .attn_vahead
+            .load(std::sync::atomic::Ordering::Relaxed)
+    {
+        dec_consts.push(("AD_VAHEAD", 1));
+    }
     ctx.dispatch_spec(
         dec_sh,
         entry,
-        &consts,
+        &dec_consts,
         &p,
         &[&q.buf, &kv.k.buf, &kv.v.buf, &step.buf, &part],
         groups as u32,

@@ -494,6 +494,10 @@ pub(super) struct Switches {
     /// the splits a KV head: capacity / this, at most 256). Atomic so that `lily bench --arms`
     /// sweeps it in one process.
     pub attn_keys: AtomicUsize,
+    /// `LILY_WGPU_ATTN_VAHEAD=1` (opt-in until measured): attn_dec_team issues a block's V words
+    /// with its K words, a block ahead (attn_dec_sg.wgsl AD_VAHEAD). Atomic for the op tests
+    /// and the arms (`Wgpu::set_attn_vahead`).
+    pub attn_vahead: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_GDN_FAST=1`: the gated delta rule by the subgroup kernels (gdn_sg.wgsl) where
     /// the adapter has subgroups, instead of gdn_recur. Opt-in: on the H200 (Vulkan) they were
     /// slower, 24.4 against 14.8 ms a 2048-row block and 28.4 against 21.6 µs a decode step.
@@ -690,6 +694,9 @@ impl Switches {
                     .unwrap_or(32),
             ),
             attn_keys: AtomicUsize::new(num("LILY_WGPU_ATTN_KEYS", 64)),
+            attn_vahead: std::sync::atomic::AtomicBool::new(
+                get("LILY_WGPU_ATTN_VAHEAD").as_deref() == Some("1"),
+            ),
             gdn_fast: get("LILY_WGPU_GDN_FAST").as_deref() == Some("1"),
             gdn_step: AtomicU32::new(
                 get("LILY_WGPU_GDN_STEP")
@@ -818,6 +825,8 @@ impl Switches {
             gdn_step,
             kv_f16,
             attn_team,
+            attn_keys,
+            attn_vahead,
             moe_q,
             moe_fuse,
             moe_xq,

@@ -433,6 +433,13 @@ impl Wgpu {
             .attn_team
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
+    /// attn_dec_team with V a block ahead from now on (`LILY_WGPU_ATTN_VAHEAD`).
+    pub fn set_attn_vahead(&self, on: bool) {
+        self.ctx
+            .sw
+            .attn_vahead
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
     /// Whether decode attention takes attn_dec_team where the shape allows.
     pub fn attn_team(&self) -> bool {
         self.ctx.report.subgroups

@@ -52,6 +52,11 @@
 const NEG_BIG: f32 = -1.0e30;
 const TB: u32 = 8u;
 
+// `LILY_WGPU_ATTN_VAHEAD=1` (opt-in until measured): a block's V words issued with its K words,
+// a block ahead (both while the block before is scored), instead of after its K dots; so a
+// block's V load is not waited for after its scores. 16 KV4 more a lane. The same arithmetic.
+override AD_VAHEAD: bool = false;
+
 // The subgroup width, made uniform for the analysis (workgroupUniformLoad).
 var<workgroup> td_sgw: u32;
 // Exchanges through workgroup memory (partners outside the subgroup).
@@ -191,14 +196,27 @@ fn attn_dec_team(
     var a0 = vec4<f32>(0.0);
     var a1 = vec4<f32>(0.0);
     var kw = td_load(false, j0, j1, base, kvd4, w0, w1, hd4);
+    var vn: array<KV4, 16>;
+    if (AD_VAHEAD) {
+        vn = td_load(true, j0, j1, base, kvd4, w0, w1, hd4);
+    }
     for (var jb = j0; jb < j1; jb += TB) {
         var d: array<f32, 8>;
         for (var k = 0u; k < TB; k++) {
             d[k] = dot(q0, kv4(kw[2u * k])) + dot(q1, kv4(kw[2u * k + 1u]));
         }
-        let vw = td_load(true, jb, j1, base, kvd4, w0, w1, hd4);
-        if (jb + TB < j1) {
-            kw = td_load(false, jb + TB, j1, base, kvd4, w0, w1, hd4);
+        var vw: array<KV4, 16>;
+        if (AD_VAHEAD) {
+            vw = vn;
+            if (jb + TB < j1) {
+                kw = td_load(false, jb + TB, j1, base, kvd4, w0, w1, hd4);
+                vn = td_load(true, jb + TB, j1, base, kvd4, w0, w1, hd4);
+            }
+        } else {
+            vw = td_load(true, jb, j1, base, kvd4, w0, w1, hd4);
+            if (jb + TB < j1) {
+                kw = td_load(false, jb + TB, j1, base, kvd4, w0, w1, hd4);
+            }
         }
         let sc = td_scores(vec4<f32>(d[0], d[1], d[2], d[3]), vec4<f32>(d[4], d[5], d[6], d[7]), li, sg);
         var mb = NEG_BIG;
