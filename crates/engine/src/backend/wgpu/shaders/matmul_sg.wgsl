@@ -849,20 +849,27 @@ fn gemv_q6s(
     @builtin(local_invocation_index) li: u32,
     @builtin(subgroup_invocation_id) lane_sg: u32,
 ) {
-    let wg = wg_index(wid);
-    let rows = select(pv.rows, Q6_ROWS, Q6_ROWS != 0u);
-    let t = wg % rows;
-    let s = q6s_slot(wg / rows);
-    // gemv_q6's bindings, all of them (the derived layout must be the same).
-    if (pv.xmode == 7u) {
-        vxn[0] = vaux[0];
-    }
+    let a = q6s_at(wid);
+    let t = a.x;
+    let s = a.yz;
     switch s.x {
         case 0u: { q6s_run0(s.y, t, li, lane_sg); }
         case 1u: { q6s_run1(s.y, t, li, lane_sg); }
         case 2u: { q6s_run2(s.y, t, li, lane_sg); }
         default: { q6s_run3(s.y, t, li, lane_sg); }
     }
+}
+
+// A gemv_q6s / gemv_q6w workgroup's row of x, matrix slot and block within that matrix's
+// (uniform); it also keeps gemv_q6's bindings, all of them, in the entry's (the derived layout
+// must be the same).
+fn q6s_at(wid: vec3<u32>) -> vec3<u32> {
+    let wg = wg_index(wid);
+    let rows = select(pv.rows, Q6_ROWS, Q6_ROWS != 0u);
+    if (pv.xmode == 7u) {
+        vxn[0] = vaux[0];
+    }
+    return vec3<u32>(wg % rows, q6s_slot(wg / rows));
 }
 
 // Block b's matrix slot and its block within that matrix's (gemv_q6s, gemv_q6w; uniform).
@@ -1062,15 +1069,10 @@ fn gemv_q6w(
     @builtin(local_invocation_index) li: u32,
     @builtin(subgroup_invocation_id) lane_sg: u32,
 ) {
-    let wg = wg_index(wid);
-    let rows = select(pv.rows, Q6_ROWS, Q6_ROWS != 0u);
-    let t = wg % rows;
-    let s = q6s_slot(wg / rows);
-    // gemv_q6's bindings, all of them (the derived layout must be the same).
-    if (pv.xmode == 7u) {
-        vxn[0] = vaux[0];
-    }
-    let first = wg == 0u;
+    let a = q6s_at(wid);
+    let t = a.x;
+    let s = a.yz;
+    let first = wg_index(wid) == 0u;
     switch s.x {
         case 0u: { q6w_run0(s.y, t, li, lane_sg, first); }
         case 1u: { q6w_run1(s.y, t, li, lane_sg, first); }
