@@ -75,6 +75,10 @@ fn gpu() -> Option<Wgpu> {
                 r.memory
                     .map_or("unknown".into(), |m| format!("{:.1} GiB", m as f64 / (1u64 << 30) as f64))
             );
+            // The op tests count gemv_q6's launches with its q2x_stage (`gemv_launches`);
+            // gemv_q6w (`LILY_WGPU_Q6W`'s default, 2) has tests of its own, which set it, and
+            // the end-to-end tests run the default (e2e.rs).
+            g.set_q6w(0);
             Some(g)
         }
         Err(e) => {

@@ -33,6 +33,8 @@ fn end_to_end_at(preset: &str, sets: &[&str], f16: Option<bool>) {
     if let Some(f16) = f16 {
         g.set_kv_f16(f16);
     }
+    // The decode step as it runs by default (gpu() turns gemv_q6w off for the op tests).
+    g.set_q6w(2);
     e2e_checks(g, preset, sets);
 }
 
@@ -80,13 +82,14 @@ fn small_preset_end_to_end() {
     end_to_end("small");
 }
 
-/// `tiny` and `small` with gemv_q6w on every projection it takes and the MoE router's launch
-/// (`LILY_WGPU_Q6W=2`; small's MoE block reads the router's export), within the same bounds.
+/// `tiny` and `small` without gemv_q6w (`LILY_WGPU_Q6W=0`: q2x_stage before every decode
+/// GEMV, as until stop 43), within the same bounds; the tests above run its default, 2 (every
+/// projection it takes and the MoE router's launch, whose export small's MoE block reads).
 #[test]
-fn q6w_end_to_end() {
+fn q6w_off_end_to_end() {
     for preset in ["tiny", "small"] {
         let Some(g) = gpu() else { return };
-        g.set_q6w(2);
+        g.set_q6w(0);
         e2e_checks(g, preset, &[]);
     }
 }
@@ -270,10 +273,11 @@ fn switches_change_between_steps() {
         defaults > 0,
         "the first step after set_switches ran no launch op by op"
     );
-    b.set_switches(&arm(&[("LILY_WGPU_XQ_AHEAD", "0")]))
+    // Without gemv_q6w (its default takes the q2x_stage launches XQ_AHEAD takes out).
+    b.set_switches(&arm(&[("LILY_WGPU_Q6W", "0"), ("LILY_WGPU_XQ_AHEAD", "0")]))
         .unwrap();
     let base = launches(&mut step);
-    b.set_switches(&arm(&[("LILY_WGPU_XQ_AHEAD", "1")]))
+    b.set_switches(&arm(&[("LILY_WGPU_Q6W", "0"), ("LILY_WGPU_XQ_AHEAD", "1")]))
         .unwrap();
     let xq = launches(&mut step);
     assert!(xq < base, "XQ_AHEAD=1: {xq} launches, with it off {base}");

@@ -161,7 +161,7 @@ const CHUNK: usize = 256;
 const MAX_SPLITS: usize = 32;
 /// attn_split_gqa: query heads a KV head it takes (attention.wgsl `GQ_MAXG`) and the splits at
 /// most (a KV head's keys over up to 128 workgroups: 256 on the model's two KV heads, enough
-/// for a big GPU); the capacity's keys a split at least are `Switches::attn_keys` (64).
+/// for a big GPU); the capacity's keys a split at least are `Switches::attn_keys` (32).
 const GQA_MAX_GROUP: usize = 8;
 const GQA_MAX_SPLITS: usize = 128;
 /// attn_tile_gqa: query slots a tile (attention.wgsl `TQ`: rows · group), keys a step (`TK`).

@@ -417,8 +417,10 @@ pub(super) struct Switches {
     /// `lily lab` can compare settings in one process.
     pub gemv_wgs: AtomicUsize,
     /// `LILY_WGPU_Q6_WGS`: the same for gemv_q6, which widens its teams and narrows their rows
-    /// until a matrix has this many workgroups (matmul.rs `q6_shape`). 512 since stop 41 (4K
-    /// decode on the H200 over 256: 1.019×; 128: 0.963×, 1024: 1.003×). Atomic for `lily lab`.
+    /// until a matrix has this many workgroups (matmul.rs `q6_shape`). 256 since stop 43, with
+    /// gemv_q6w staging x in each workgroup (fewer workgroups, fewer stagings: 4K on the H200
+    /// 1.017× against Q6W=0 at 512, where Q6W=2 at 512 ran 0.974×); 512 at stops 41-42 (over
+    /// 256 without gemv_q6w: 1.019×; 128: 0.963×, 1024: 1.003×). Atomic for `lily lab`.
     pub q6_wgs: AtomicUsize,
     /// `LILY_WGPU_Q6_WGS_BY` (opt-in; unset: every launch `q6_wgs`): workgroups by a launch's
     /// size, `MB:N,MB:N,…`: a launch of fewer code bytes than an entry's MB (the first such
@@ -491,8 +493,9 @@ pub(super) struct Switches {
     /// (gemv_io.wgsl and moe.wgsl `ablate`); 0 otherwise.
     pub ablate: AtomicU32,
     /// `LILY_WGPU_ATTN_KEYS`: the capacity's keys a decode attention split covers at least (so
-    /// the splits a KV head: capacity / this, at most 256). Atomic so that `lily bench --arms`
-    /// sweeps it in one process.
+    /// the splits a KV head: capacity / this, at most 256). 32 since stop 43 (4K on the H200:
+    /// 1.021× against 64, 128 0.963×; the first arms that took it: stop 42's `ATTN_KEYS=32`
+    /// ran the defaults). Atomic so that `lily bench --arms` sweeps it in one process.
     pub attn_keys: AtomicUsize,
     /// `LILY_WGPU_ATTN_VAHEAD=1` (opt-in until measured): attn_dec_team issues a block's V words
     /// with its K words, a block ahead (attn_dec_sg.wgsl AD_VAHEAD). Atomic for the op tests
@@ -571,13 +574,20 @@ pub(super) struct Switches {
     /// team, 128 workgroups). Bit-equal sums. 4K decode on the H100, one process: 1.034× (y2
     /// over y). Stored as 1 (y2) or 0 (y).
     pub moe_down: AtomicU32,
-    /// `LILY_WGPU_Q6W` (opt-in until measured on a GPU): gemv_q6w, x quantized in each
-    /// workgroup of the decode projections instead of by a q2x_stage launch before them
-    /// (matmul_sg.wgsl's header at gemv_q6w; matmul.rs `q6w_takes`): `1` in_proj, q|k|v and
-    /// o_proj (50 launches fewer a step of the full preset), `2` also the MoE router's launch,
-    /// whose first workgroup exports the staging to gate|up (40 more); 0 off. Atomic for the
-    /// op tests and the arms (`Wgpu::set_q6w`).
+    /// `LILY_WGPU_Q6W`: gemv_q6w, x quantized in each workgroup of the decode projections
+    /// instead of by a q2x_stage launch before them (matmul_sg.wgsl's header at gemv_q6w;
+    /// matmul.rs `q6w_takes`): `1` in_proj, q|k|v and o_proj (50 launches fewer a step of the
+    /// full preset), `2` (the default since stop 43) also the MoE router's launch, whose first
+    /// workgroup exports the staging to gate|up (40 more); 0 off. H200, 4K, stop 43 (arms, 3
+    /// rounds, against Q6W=0 with 512 workgroups): 2 with `Q6_WGS` 256 1.017×, 2 with 512
+    /// 0.974×, 1 0.962× (the lab: in_proj 13.72 µs against 12.06 with its q2x_stage, o_proj
+    /// 9.34 against 12.18, the router 8.42 against 10.97). Atomic for the op tests and the
+    /// arms (`Wgpu::set_q6w`).
     pub q6w: AtomicU32,
+    /// `LILY_WGPU_Q6W_MAX_MB` (0, none, by default): launches of at least this many MB of codes
+    /// keep q2x_stage and gemv_q6s (in_proj's 12.7 MB, whose workgroups each staging the row
+    /// lost in the lab).
+    pub q6w_max_mb: AtomicUsize,
     /// `LILY_WGPU_MOE_XQ_SHAPE=G,D,S` (default 32,16,2): moe_gate_up_x's lanes a team (8, 16 or
     /// 32: G / 8 outputs a team, 32 a workgroup), moe_down_x's lanes a team (4, 8 or 16: one
     /// output each; fewer when a row of down has fewer code words) and its teams an output (1,
@@ -657,7 +667,7 @@ impl Switches {
             fuse_rope: on("LILY_WGPU_FUSE_ROPE"),
             fuse_gated_norm: on("LILY_WGPU_FUSE_GATED_NORM"),
             gemv_wgs: AtomicUsize::new(num("LILY_WGPU_GEMV_WGS", 1024)),
-            q6_wgs: AtomicUsize::new(num("LILY_WGPU_Q6_WGS", 512)),
+            q6_wgs: AtomicUsize::new(num("LILY_WGPU_Q6_WGS", 256)),
             q6_wgs_by: Mutex::new(match get("LILY_WGPU_Q6_WGS_BY") {
                 Some(v) => q6_wgs_by(&v).unwrap_or_else(|e| {
                     eprintln!("LILY_WGPU_Q6_WGS_BY={v}: {e:#}; unset");
@@ -693,7 +703,7 @@ impl Switches {
                     .and_then(|v| gemv_code(&v))
                     .unwrap_or(32),
             ),
-            attn_keys: AtomicUsize::new(num("LILY_WGPU_ATTN_KEYS", 64)),
+            attn_keys: AtomicUsize::new(num("LILY_WGPU_ATTN_KEYS", 32)),
             attn_vahead: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_ATTN_VAHEAD").as_deref() == Some("1"),
             ),
@@ -728,13 +738,18 @@ impl Switches {
                     1
                 }),
             }),
+            q6w_max_mb: AtomicUsize::new(
+                get("LILY_WGPU_Q6W_MAX_MB")
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(0),
+            ),
             q6w: AtomicU32::new(match get("LILY_WGPU_Q6W").as_deref() {
-                Some("0" | "") | None => 0,
+                Some("" | "2") | None => 2,
+                Some("0") => 0,
                 Some("1") => 1,
-                Some("2") => 2,
                 Some(v) => {
-                    eprintln!("LILY_WGPU_Q6W={v}: not 0, 1 or 2; off");
-                    0
+                    eprintln!("LILY_WGPU_Q6W={v}: not 0, 1 or 2; 2");
+                    2
                 }
             }),
             moe_xq_shape: AtomicU32::new(
@@ -832,6 +847,7 @@ impl Switches {
             moe_xq,
             moe_down,
             q6w,
+            q6w_max_mb,
             moe_xq_shape,
             gemm,
             moe_mm8

@@ -1022,6 +1022,11 @@ fn q6w_takes(
         && inp <= 4096
         && words <= 768
         && blocks <= Q6W_MAX_WGS
+        && {
+            let mb = ctx.sw.q6w_max_mb.load(Ordering::Relaxed);
+            let bytes: usize = ws.iter().map(|w| w.out * w.inp * w.bits as usize / 8).sum();
+            mb == 0 || bytes < mb << 20
+        }
 }
 
 /// gemv_q6s's pipeline constants for one launch (matmul_sg.wgsl's overrides): the launch's

@@ -1000,13 +1000,11 @@ fn q6w_stage(t: u32, li: u32, lane_sg: u32, inp: u32, first: bool) -> f32 {
     if (Q6W_XMODE != 1u) {
         return 1.0;
     }
+    // Every word's, in order (q6_rn's order where inp is a multiple of 128; rows of 32k + 64
+    // elements too, which a vec4 loop would cut short).
     var s = 0.0;
-    for (var j = 0u; j < inp / 128u; j++) {
-        let q = q6_wss[j];
-        s += q.x;
-        s += q.y;
-        s += q.z;
-        s += q.w;
+    for (var j = 0u; j < inp / 32u; j++) {
+        s += q6_wss[j / 4u][j % 4u];
     }
     let rn = 1.0 / sqrt(s / f32(inp) + pv.eps);
     if (Q6W_XN && first) {
