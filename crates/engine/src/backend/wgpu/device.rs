@@ -2137,3 +2137,84 @@ pub fn as_bytes<T: Copy>(v: &[T]) -> &[u8] {
     // SAFETY: plain-old-data slices (u32, f32) viewed as their bytes.
     unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every switch an arm of `lily bench --arms` can change while the device is open changes
+    /// when an arm names it with another value: stop 43 found `LILY_WGPU_ATTN_KEYS` read but
+    /// not taken by `set_arm`, so stop 42's arm of it had run the defaults. A switch added to
+    /// `Switches` without a row here is not checked: add one with it.
+    #[test]
+    fn arms_take_every_switch_they_name() {
+        const R: Ordering = Ordering::Relaxed;
+        type Get = fn(&Switches) -> u64;
+        let cases: &[(&str, &str, Get)] = &[
+            ("LILY_WGPU_GEMV_WGS", "7", |s| s.gemv_wgs.load(R) as u64),
+            ("LILY_WGPU_Q6_WGS", "7", |s| s.q6_wgs.load(R) as u64),
+            ("LILY_WGPU_Q6_WGS_BY", "1:16", |s| {
+                s.q6_wgs_by.lock().map_or(0, |v| v.len() as u64)
+            }),
+            ("LILY_WGPU_Q6_MIN_KB", "7", |s| s.q6_min_kb.load(R) as u64),
+            ("LILY_WGPU_ROUTE_AHEAD", "1", |s| {
+                s.route_ahead.load(R) as u64
+            }),
+            ("LILY_WGPU_XQ_AHEAD", "1", |s| {
+                s.xq_ahead.load(R) as u64 + 2 * s.xq_moe.load(R) as u64
+            }),
+            ("LILY_WGPU_XQ_AHEAD", "oproj", |s| s.xq_oproj.load(R) as u64),
+            ("LILY_WGPU_XQ_AHEAD", "fold", |s| s.xq_fold.load(R) as u64),
+            ("LILY_WGPU_SPEC", "none", |s| {
+                [
+                    &s.q6_spec,
+                    &s.moe_spec,
+                    &s.xq_spec,
+                    &s.gdn_spec,
+                    &s.attn_spec,
+                ]
+                .iter()
+                .map(|a| a.load(R) as u64)
+                .sum()
+            }),
+            ("LILY_WGPU_TRACE_PASSES", "1", |s| {
+                s.trace_passes.load(R) as u64
+            }),
+            ("LILY_WGPU_GEMV", "v4", |s| s.gemv.load(R) as u64),
+            ("LILY_WGPU_GDN_STEP", "y", |s| s.gdn_step.load(R) as u64),
+            ("LILY_WGPU_KV_F16", "0", |s| s.kv_f16.load(R) as u64),
+            ("LILY_WGPU_ATTN_DEC", "gqa", |s| s.attn_team.load(R) as u64),
+            ("LILY_WGPU_ATTN_KEYS", "7", |s| s.attn_keys.load(R) as u64),
+            ("LILY_WGPU_ATTN_VAHEAD", "1", |s| {
+                s.attn_vahead.load(R) as u64
+            }),
+            ("LILY_WGPU_MOE_Q", "0", |s| s.moe_q.load(R) as u64),
+            ("LILY_WGPU_MOE_FUSE", "0", |s| s.moe_fuse.load(R) as u64),
+            ("LILY_WGPU_MOE_XQ", "0", |s| s.moe_xq.load(R) as u64),
+            ("LILY_WGPU_MOE_DOWN", "y", |s| s.moe_down.load(R) as u64),
+            ("LILY_WGPU_Q6W", "0", |s| s.q6w.load(R) as u64),
+            ("LILY_WGPU_Q6W_MAX_MB", "8", |s| s.q6w_max_mb.load(R) as u64),
+            ("LILY_WGPU_MOE_XQ_SHAPE", "8,4,1", |s| {
+                s.moe_xq_shape.load(R) as u64
+            }),
+            ("LILY_WGPU_GEMM", "old", |s| s.gemm.load(R) as u64),
+            ("LILY_WGPU_MOE_MM", "mm8", |s| s.moe_mm8.load(R) as u64),
+        ];
+        for &(name, value, get) in cases {
+            // (An environment that already sets this value leaves nothing to change.)
+            if std::env::var(name).as_deref() == Ok(value) {
+                continue;
+            }
+            // The switches as the environment gives them, then the arm over them.
+            let s = Switches::from_env();
+            let before = get(&s);
+            s.set_arm(&[(name.to_string(), value.to_string())])
+                .unwrap_or_else(|e| panic!("{name}={value}: {e:#}"));
+            assert_ne!(
+                get(&s),
+                before,
+                "{name}={value}: the arm left its switch as it was"
+            );
+        }
+    }
+}
