@@ -738,6 +738,15 @@ pub fn gemv_many_xq(
         });
     }
     bufs.extend([aux, xn, r, s]);
+    if q6 {
+        // Neither gemv_q6 nor gemv_q6w reads x's mode (q2x_stage or the workgroup's staging
+        // applies it); the conv's weights and state take aux's and xn's bindings.
+        p[xmode_at] = 0;
+        if let OutMode::Conv { w, state } = &omode {
+            bufs[17] = &w.buf;
+            bufs[18] = &state.buf;
+        }
+    }
     if q6 && q6w_takes(ctx, ws, rows, &xin, om, blocks, q6w) {
         let export = q6w == Q6w::Export;
         // gemv_q6w: x staged in each workgroup, no q2x_stage launch. The raw x stays at binding
@@ -756,13 +765,8 @@ pub fn gemv_many_xq(
         } else {
             None
         };
-        p[xmode_at] = 0;
         if let XIn::Norm { w, .. } = &xin {
             bufs[19] = &w.buf;
-        }
-        if let OutMode::Conv { w, state } = &omode {
-            bufs[17] = &w.buf;
-            bufs[18] = &state.buf;
         }
         bufs.push(exported.as_ref().unwrap_or(&dummies[7]));
         let mut consts = q6_spec(ctx, ws, rows, om, &lanes, &start);
@@ -806,14 +810,7 @@ pub fn gemv_many_xq(
             );
             &staged
         };
-        p[xmode_at] = 0;
         bufs[12] = xq;
-        // gemv_q6 does not read x's mode: the conv's weights and state take aux's and xn's
-        // bindings.
-        if let OutMode::Conv { w, state } = &omode {
-            bufs[17] = &w.buf;
-            bufs[18] = &state.buf;
-        }
         // The folds (omodes 4 and 6): the router and the shared gate in matrix slots 1 and 2
         // (no workgroups of their own), the norm's weights at aux, at binding 22 omode 4's
         // fixed-point sums or omode 6's staging with the workgroups' dots after it.
@@ -958,10 +955,7 @@ pub(super) fn stage(
 /// `q6_min_kb` of codes (else gemv_v5).
 pub fn q6_takes(ctx: &Ctx, ws: &[&WMat]) -> bool {
     let fixed = ctx.report.subgroups && ctx.report.subgroup_min == ctx.report.subgroup_max;
-    let code_kb: usize = ws
-        .iter()
-        .map(|w| w.out * w.inp * w.bits as usize / 8192)
-        .sum();
+    let code_kb = code_bytes(ws) / 1024;
     ctx.sw.gemv.load(Ordering::Relaxed) == 32
         && fixed
         && ctx.report.storage_buffers > GEMV_BUFFERS
@@ -1024,9 +1018,13 @@ fn q6w_takes(
         && blocks <= Q6W_MAX_WGS
         && {
             let mb = ctx.sw.q6w_max_mb.load(Ordering::Relaxed);
-            let bytes: usize = ws.iter().map(|w| w.out * w.inp * w.bits as usize / 8).sum();
-            mb == 0 || bytes < mb << 20
+            mb == 0 || code_bytes(ws) < mb << 20
         }
+}
+
+/// The code bytes of a launch's matrices (one matrix of each stack).
+fn code_bytes(ws: &[&WMat]) -> usize {
+    ws.iter().map(|w| w.out * w.inp * w.bits as usize / 8).sum()
 }
 
 /// gemv_q6s's pipeline constants for one launch (matmul_sg.wgsl's overrides): the launch's
@@ -1084,7 +1082,7 @@ fn q6_spec(
 /// above the launch's code bytes, else `LILY_WGPU_Q6_WGS`. (The lock is taken when a launch is
 /// encoded op by op or recorded; a replayed decode step does not come here.)
 fn q6_wants(ctx: &Ctx, ws: &[&WMat]) -> usize {
-    let bytes: usize = ws.iter().map(|w| w.out * w.inp * w.bits as usize / 8).sum();
+    let bytes = code_bytes(ws);
     let by = ctx.sw.q6_wgs_by.lock().unwrap_or_else(|e| e.into_inner());
     by.iter()
         .find(|&&(b, _)| bytes < b)

@@ -1156,7 +1156,7 @@ impl Backend for Wgpu {
             } else {
                 matmul::Q6w::Never
             };
-            match self.rms_norm_matmul_xq(
+            let staged = self.rms_norm_matmul_xq(
                 h,
                 norm,
                 1,
@@ -1166,13 +1166,9 @@ impl Backend for Wgpu {
                 &[w.router, w.shared_gate],
                 &mut [&mut *r.logits, &mut *r.s],
                 q6w,
-            ) {
-                Some((xq, true)) => {
-                    rn_x = true;
-                    Some(xq)
-                }
-                other => other.map(|(xq, _)| xq),
-            }
+            );
+            rn_x = staged.as_ref().is_some_and(|s| s.1);
+            staged.map(|s| s.0)
         };
         if !fused {
             // Folded, but the experts' launches do not take this block: the composition's route
