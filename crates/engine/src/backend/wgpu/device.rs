@@ -588,6 +588,10 @@ pub(super) struct Switches {
     /// keep q2x_stage and gemv_q6s (in_proj's 12.7 MB, whose workgroups each staging the row
     /// lost in the lab).
     pub q6w_max_mb: AtomicUsize,
+    /// `LILY_WGPU_Q6W_PRE=1` (opt-in until measured): gemv_q6w issues every step's code words
+    /// (up to 4 a lane) before its staging, not only the first step's (matmul_sg.wgsl
+    /// `Q6W_PRE`). Atomic for the op tests and the arms (`Wgpu::set_q6w_pre`).
+    pub q6w_pre: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_MOE_XQ_SHAPE=G,D,S` (default 32,16,2): moe_gate_up_x's lanes a team (8, 16 or
     /// 32: G / 8 outputs a team, 32 a workgroup), moe_down_x's lanes a team (4, 8 or 16: one
     /// output each; fewer when a row of down has fewer code words) and its teams an output (1,
@@ -743,6 +747,9 @@ impl Switches {
                     .and_then(|s| s.parse().ok())
                     .unwrap_or(0),
             ),
+            q6w_pre: std::sync::atomic::AtomicBool::new(
+                get("LILY_WGPU_Q6W_PRE").as_deref() == Some("1"),
+            ),
             q6w: AtomicU32::new(match get("LILY_WGPU_Q6W").as_deref() {
                 Some("" | "2") | None => 2,
                 Some("0") => 0,
@@ -848,6 +855,7 @@ impl Switches {
             moe_down,
             q6w,
             q6w_max_mb,
+            q6w_pre,
             moe_xq_shape,
             gemm,
             moe_mm8
@@ -2194,6 +2202,7 @@ mod tests {
             ("LILY_WGPU_MOE_DOWN", "y", |s| s.moe_down.load(R) as u64),
             ("LILY_WGPU_Q6W", "0", |s| s.q6w.load(R) as u64),
             ("LILY_WGPU_Q6W_MAX_MB", "8", |s| s.q6w_max_mb.load(R) as u64),
+            ("LILY_WGPU_Q6W_PRE", "1", |s| s.q6w_pre.load(R) as u64),
             ("LILY_WGPU_MOE_XQ_SHAPE", "8,4,1", |s| {
                 s.moe_xq_shape.load(R) as u64
             }),

@@ -169,6 +169,13 @@ impl Wgpu {
             .q6w
             .store(level.min(2), std::sync::atomic::Ordering::Relaxed);
     }
+    /// gemv_q6w with every step's loads before its staging from now on (`LILY_WGPU_Q6W_PRE`).
+    pub fn set_q6w_pre(&self, on: bool) {
+        self.ctx
+            .sw
+            .q6w_pre
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
     /// Takes a decode step's gated delta rule named (`LILY_WGPU_GDN_STEP`'s values: `0`, `y`,
     /// `x`, `yw`) from now on, for tests and `lily lab`.
     pub fn set_gdn_step(&self, name: &str) -> Result<()> {
