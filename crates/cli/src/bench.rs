@@ -659,6 +659,16 @@ fn bench<B: Backend>(
         );
     }
 
+    // Diagnosis only (not the contract): `LILY_BENCH_WARM=N` decodes N tokens untimed after each
+    // prefill, before the timed ones, to see what the first steps after a prefill cost (a new
+    // state's recording, the KV cache growing).
+    let warm = std::env::var("LILY_BENCH_WARM")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(0);
+    if warm > 0 {
+        eprintln!("lily bench: LILY_BENCH_WARM={warm}: {warm} untimed decode tokens before each timed run (not the contract)");
+    }
     let read_every = std::env::var("LILY_BENCH_READ_EVERY")
         .ok()
         .and_then(|v| v.parse::<usize>().ok())
@@ -668,8 +678,9 @@ fn bench<B: Backend>(
         let ids = prompt_ids(n, cfg.vocab_size);
         let mut times = Vec::new();
         for r in 0..=a.rounds {
-            let mut st = m.new_state(max_len)?;
+            let mut st = m.new_state(max_len + warm)?;
             m.forward(&mut st, &ids, Logits::Last, None)?;
+            decode_greedy(&m, &mut st, warm, 1)?;
             let t0 = Instant::now();
             decode_greedy(&m, &mut st, a.decode_tokens, read_every)?;
             if r > 0 {

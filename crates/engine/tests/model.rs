@@ -43,6 +43,38 @@ fn prefill_then_decode_equals_longer_prefill() {
     assert_eq!(st2.pos, 41);
 }
 
+/// A prompt that fills the KV cache's capacity (256 positions, a new state's) leaves room for
+/// the token its logits pick: the first decode step does not grow the cache (which on a GPU
+/// copies it and records the decode step anew for the new buffers), and its logits are those
+/// of a longer prefill. At the context limit nothing past it is reserved.
+#[test]
+fn prefill_leaves_room_for_the_next_token() {
+    let dir = synth("tiny", 4, &[]);
+    let m = load(dir.path());
+    let d = m.dims;
+    let ids = prompt_ids(257, m.cfg.vocab_size);
+    let mut st = m.new_state(1024).unwrap();
+    m.forward(&mut st, &ids[..256], Logits::Last, None).unwrap();
+    let after_prefill = st.nbytes(&d);
+    let l = m
+        .forward(&mut st, &ids[256..257], Logits::Last, None)
+        .unwrap();
+    assert_eq!(
+        st.nbytes(&d),
+        after_prefill,
+        "the first decode step grew the KV cache"
+    );
+    let mut one = m.new_state(1024).unwrap();
+    let full = m.forward(&mut one, &ids, Logits::Last, None).unwrap();
+    let e = rel_err(&l, &full);
+    assert!(e < PATH_TOL, "decode after the prefill: rel err {e:e}");
+    // A prompt of the whole context reserves the context, no more.
+    let mut at = m.new_state(256).unwrap();
+    let fresh = at.nbytes(&d);
+    m.forward(&mut at, &ids[..256], Logits::Last, None).unwrap();
+    assert_eq!(at.nbytes(&d), fresh, "reserved past the context");
+}
+
 #[test]
 fn chunked_prefill_equals_one_shot() {
     let dir = synth("small", 2, &[]);

@@ -323,7 +323,13 @@ impl<B: Backend> Qwen35<B> {
                 Next::Token(_) => Ok(Vec::new()),
             };
         }
-        st.reserve(&self.backend, &self.dims, st.pos + ids.len())?;
+        // Room for the token these logits pick too: a prompt that fills the KV cache's capacity
+        // (a power of two) would otherwise grow it at the first decode step, on the path to the
+        // second token (the cache copied, the step recorded anew for the new buffers).
+        // `LILY_PREFILL_ROOM=0` reserves the prompt alone, as before stop 44 (to measure it).
+        let room = usize::from(prefill_room());
+        let need = (st.pos + ids.len() + room).min(st.max_context);
+        st.reserve(&self.backend, &self.dims, need)?;
         let mut out = Vec::new();
         let n_chunks = ids.len().div_ceil(self.chunk);
         for (i, part) in ids.chunks(self.chunk).enumerate() {
@@ -872,4 +878,11 @@ fn norm_matmul<B: Backend>(
     } else {
         b.rms_norm_matmul(h, w, t, dim, eps, xn, ws, outs);
     }
+}
+
+/// Whether a prefill reserves the KV cache for the token its logits pick (`LILY_PREFILL_ROOM`,
+/// on unless `0`; read once).
+fn prefill_room() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("LILY_PREFILL_ROOM").as_deref() != Ok("0"))
 }

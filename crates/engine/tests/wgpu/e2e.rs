@@ -126,6 +126,51 @@ fn lookahead_generates_what_the_loop_without_it_does() {
     lookahead::check_cache(&mut m, &tok, &prompt, &greedy);
 }
 
+/// A new state's first decode step is recorded as it runs (`LILY_WGPU_RECORD_FIRST`'s default):
+/// it launches op by op, the second and third steps replay it (no launch op by op), and a second
+/// state with the same prompt (a new key: its own record) picks the same tokens. (That replayed
+/// steps pick the CPU's tokens: the end-to-end tests above, 48 greedy steps.)
+#[test]
+fn first_decode_step_is_recorded() {
+    let Some(g) = gpu() else { return };
+    if std::env::var("LILY_WGPU_RECORD_FIRST").as_deref() == Ok("0")
+        || std::env::var("LILY_WGPU_REPLAY").as_deref() == Ok("0")
+    {
+        eprintln!("first_decode_step_is_recorded: skipped (the environment turns it off)");
+        return;
+    }
+    let (m, mut st, first) = tiny_after_prompt(g);
+    let b = &m.backend;
+    let mut launches = Vec::new();
+    let mut toks = Vec::new();
+    let mut feed = Some(first);
+    for _ in 0..3 {
+        let d0 = b.dispatches();
+        toks.push(greedy_step(&m, &mut st, feed.take()));
+        launches.push(b.dispatches() - d0);
+    }
+    assert!(
+        launches[0] > 0,
+        "the first step ran no launch: {launches:?}"
+    );
+    assert_eq!(
+        launches[1..],
+        [0, 0],
+        "the second and third steps should replay the first's record: {launches:?}"
+    );
+    // The same prompt on a new state (recorded again), against the tokens above.
+    let prompt = common::prompt_ids(12, m.cfg.vocab_size);
+    let mut st2 = m.new_state(64).unwrap();
+    let l = m
+        .forward(&mut st2, &prompt, lily::model::Logits::Last, None)
+        .unwrap();
+    assert_eq!(lily::runtime::argmax(&l), first);
+    let again: Vec<u32> = (0..3)
+        .map(|i| greedy_step(&m, &mut st2, (i == 0).then_some(first)))
+        .collect();
+    assert_eq!(toks, again, "a recorded first step picked other tokens");
+}
+
 /// The in-place trace of replayed decode steps (`lily bench --trace` on wgpu; device.rs
 /// `Tracer`): every traced step names the same launches in the same order, each record starts
 /// where the one before ended (one chain of stamps a step), and a skipped entry point

@@ -396,6 +396,11 @@ type PipelineKey = (&'static str, &'static str, Vec<(&'static str, u32)>);
 pub(super) struct Switches {
     /// `LILY_WGPU_REPLAY=0`: every decode step op by op, none recorded.
     pub replay: bool,
+    /// `LILY_WGPU_RECORD_FIRST=0`: a decode step's first sight (a new state, or a KV cache
+    /// grown) runs op by op and its second is recorded, as before stop 44; by default the first
+    /// is recorded (it still runs), so the second replays. A step recorded while a scratch
+    /// buffer was replaced is dropped as before (`Wgpu::replay`).
+    pub record_first: bool,
     /// `LILY_WGPU_GQA=0`: attention a query head a workgroup instead of a KV head's group.
     pub gqa: bool,
     /// `LILY_WGPU_FUSE_NORM=0`: the norm before the projections as a launch of its own.
@@ -664,6 +669,7 @@ impl Switches {
         };
         Self {
             replay: on("LILY_WGPU_REPLAY"),
+            record_first: on("LILY_WGPU_RECORD_FIRST"),
             gqa: on("LILY_WGPU_GQA"),
             fuse_norm: on("LILY_WGPU_FUSE_NORM"),
             fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
@@ -799,6 +805,10 @@ impl Switches {
         }
         let fixed = [
             ("LILY_WGPU_REPLAY", self.replay != fresh.replay),
+            (
+                "LILY_WGPU_RECORD_FIRST",
+                self.record_first != fresh.record_first,
+            ),
             ("LILY_WGPU_GQA", self.gqa != fresh.gqa),
             ("LILY_WGPU_FUSE_NORM", self.fuse_norm != fresh.fuse_norm),
             (

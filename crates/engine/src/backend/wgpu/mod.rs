@@ -556,9 +556,12 @@ impl Backend for Wgpu {
         let r = &self.ctx.report;
         format!("wgpu ({}, {}, {})", r.name, r.backend, r.device_type)
     }
-    /// A decode step is run directly the first time its key is seen (so every buffer it uses
-    /// exists), recorded the second (`Ctx::begin_record`: it still runs), and replayed from then
-    /// on: the dispatches re-encoded with the parameters and bind groups made when recorded.
+    /// A decode step is recorded the first time its key is seen (`Ctx::begin_record`: it still
+    /// runs) and replayed from then on: the dispatches re-encoded with the parameters and bind
+    /// groups made when recorded. A record made while a scratch buffer was replaced (a first
+    /// step's ops making their scratch) is not kept: the next step records again. (With
+    /// `LILY_WGPU_RECORD_FIRST=0` the first sight runs directly and the second records, as
+    /// before: one more step op by op for every new state and every KV cache grown.)
     fn replay(&self, key: u64, ops: &mut dyn FnMut() -> Result<()>) -> Result<()> {
         if !self.ctx.sw.replay {
             return ops();
@@ -588,7 +591,7 @@ impl Backend for Wgpu {
         if recs.seen.len() >= MAX_SEEN {
             recs.seen.clear();
         }
-        if recs.seen.insert(key) {
+        if !self.ctx.sw.record_first && recs.seen.insert(key) {
             drop(recs);
             return ops();
         }
