@@ -447,6 +447,24 @@ impl Wgpu {
             print(&r);
             rows.push(r);
         }
+        if want_case("floor") {
+            // The same dependent dispatch binding 22 storage buffers (a decode GEMV's count).
+            let mut many: Vec<&::wgpu::Buffer> = vec![&src.buf, &dst.buf];
+            many.extend(std::iter::repeat_n(&src.buf, 20));
+            let s = time(&|_| ctx.dispatch(&SHADER, "lab_touch22", &[1], &many, 1))?;
+            let r = LabRow {
+                case: "floor",
+                variant: "22 bindings".into(),
+                bytes: 0,
+                copies: 1,
+                calls,
+                op_s: s,
+                read_s: None,
+                check: None,
+            };
+            print(&r);
+            rows.push(r);
+        }
         if want_case("read") {
             for mb in [0.5f64, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 256.0] {
                 let bytes = (mb * 1e6) as usize;

@@ -38,6 +38,39 @@ fn lab_touch(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     ldst[li] += v;
 }
 
+// lab_touch22: lab_touch with the 22 storage bindings of a decode GEMV's bind group (bindings
+//   3-22 read only when pad1 says: never), to see whether a dispatch's cost grows with the
+//   descriptors it binds.
+@group(0) @binding(3) var<storage, read> lb3: array<u32>;
+@group(0) @binding(4) var<storage, read> lb4: array<u32>;
+@group(0) @binding(5) var<storage, read> lb5: array<u32>;
+@group(0) @binding(6) var<storage, read> lb6: array<u32>;
+@group(0) @binding(7) var<storage, read> lb7: array<u32>;
+@group(0) @binding(8) var<storage, read> lb8: array<u32>;
+@group(0) @binding(9) var<storage, read> lb9: array<u32>;
+@group(0) @binding(10) var<storage, read> lb10: array<u32>;
+@group(0) @binding(11) var<storage, read> lb11: array<u32>;
+@group(0) @binding(12) var<storage, read> lb12: array<u32>;
+@group(0) @binding(13) var<storage, read> lb13: array<u32>;
+@group(0) @binding(14) var<storage, read> lb14: array<u32>;
+@group(0) @binding(15) var<storage, read> lb15: array<u32>;
+@group(0) @binding(16) var<storage, read> lb16: array<u32>;
+@group(0) @binding(17) var<storage, read> lb17: array<u32>;
+@group(0) @binding(18) var<storage, read> lb18: array<u32>;
+@group(0) @binding(19) var<storage, read> lb19: array<u32>;
+@group(0) @binding(20) var<storage, read> lb20: array<u32>;
+@group(0) @binding(21) var<storage, read> lb21: array<u32>;
+@group(0) @binding(22) var<storage, read> lb22: array<u32>;
+
+@compute @workgroup_size(64)
+fn lab_touch22(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    var v = lp.n;
+    if (lp.pad1 == 1u) {
+        v += lsrc[0].x + lb3[0] + lb4[0] + lb5[0] + lb6[0] + lb7[0] + lb8[0] + lb9[0] + lb10[0] + lb11[0] + lb12[0] + lb13[0] + lb14[0] + lb15[0] + lb16[0] + lb17[0] + lb18[0] + lb19[0] + lb20[0] + lb21[0] + lb22[0];
+    }
+    ldst[li] += v;
+}
+
 @compute @workgroup_size(256)
 fn lab_read(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let base = wg_index(wid) * 1024u + li;
