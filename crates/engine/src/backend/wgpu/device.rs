@@ -506,6 +506,11 @@ pub(super) struct Switches {
     /// with its K words, a block ahead (attn_dec_sg.wgsl AD_VAHEAD). Atomic for the op tests
     /// and the arms (`Wgpu::set_attn_vahead`).
     pub attn_vahead: std::sync::atomic::AtomicBool,
+    /// `LILY_WGPU_ATTN_COMBINE=fast` (opt-in until measured): attn_combine4 finds the splits'
+    /// maximum in two levels of 16 (2 barriers, not 9) and keeps 8 splits' loads in flight a
+    /// thread, not 4 (attention.wgsl C4_FAST; bit-equal outputs). Atomic for the op tests and
+    /// the arms (`Wgpu::set_attn_combine`).
+    pub attn_combine: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_GDN_FAST=1`: the gated delta rule by the subgroup kernels (gdn_sg.wgsl) where
     /// the adapter has subgroups, instead of gdn_recur. Opt-in: on the H200 (Vulkan) they were
     /// slower, 24.4 against 14.8 ms a 2048-row block and 28.4 against 21.6 µs a decode step.
@@ -717,6 +722,9 @@ impl Switches {
             attn_vahead: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_ATTN_VAHEAD").as_deref() == Some("1"),
             ),
+            attn_combine: std::sync::atomic::AtomicBool::new(
+                get("LILY_WGPU_ATTN_COMBINE").as_deref() == Some("fast"),
+            ),
             gdn_fast: get("LILY_WGPU_GDN_FAST").as_deref() == Some("1"),
             gdn_step: AtomicU32::new(
                 get("LILY_WGPU_GDN_STEP")
@@ -859,6 +867,7 @@ impl Switches {
             attn_team,
             attn_keys,
             attn_vahead,
+            attn_combine,
             moe_q,
             moe_fuse,
             moe_xq,
@@ -2205,6 +2214,9 @@ mod tests {
             ("LILY_WGPU_ATTN_KEYS", "7", |s| s.attn_keys.load(R) as u64),
             ("LILY_WGPU_ATTN_VAHEAD", "1", |s| {
                 s.attn_vahead.load(R) as u64
+            }),
+            ("LILY_WGPU_ATTN_COMBINE", "fast", |s| {
+                s.attn_combine.load(R) as u64
             }),
             ("LILY_WGPU_MOE_Q", "0", |s| s.moe_q.load(R) as u64),
             ("LILY_WGPU_MOE_FUSE", "0", |s| s.moe_fuse.load(R) as u64),

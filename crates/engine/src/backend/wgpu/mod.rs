@@ -447,6 +447,14 @@ impl Wgpu {
             .attn_vahead
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
+    /// attn_combine4's two-level maximum and 8 splits in flight from now on
+    /// (`LILY_WGPU_ATTN_COMBINE=fast`).
+    pub fn set_attn_combine(&self, fast: bool) {
+        self.ctx
+            .sw
+            .attn_combine
+            .store(fast, std::sync::atomic::Ordering::Relaxed);
+    }
     /// Whether decode attention takes attn_dec_team where the shape allows.
     pub fn attn_team(&self) -> bool {
         self.ctx.report.subgroups
