@@ -35,6 +35,8 @@ use anyhow::{anyhow, bail, Context, Result};
 /// Dispatches recorded before the encoder is submitted on its own: long prefill blocks keep the
 /// GPU busy while the host records the rest.
 const FLUSH_EVERY: usize = 256;
+/// Parameter slots of a recorded step's arena buffer (`Ctx::rec_arena`).
+const REC_SLOTS: usize = 512;
 /// Bytes of the parameter arena a dispatch may use (a QMat and a few words; attention passes its RoPE frequencies).
 const PARAM_BYTES: u64 = 2048;
 /// Spare buffers (`Ctx::spare`): as many as a launch may leave unused.
@@ -1017,6 +1019,10 @@ pub(super) struct Ctx {
     enc: Mutex<Option<Open>>,
     /// The ops of a decode step being recorded (`begin_record`).
     rec: Mutex<Option<Vec<Item>>>,
+    /// The parameter arena of the step being recorded and its slots used: the record's
+    /// dispatches keep their parameters there (`REC_SLOTS` a buffer, another when full), not in
+    /// a buffer each (a decode step's ~265 buffer creations on the way to its second token).
+    rec_arena: Mutex<Option<(::wgpu::Buffer, usize)>>,
     /// `None` where the adapter has no timestamp queries.
     timing: Mutex<Option<Timing>>,
     /// Whether timing is on (read without the lock on every dispatch).
@@ -1255,6 +1261,7 @@ impl Ctx {
             modules: Mutex::new(HashMap::new()),
             enc: Mutex::new(None),
             rec: Mutex::new(None),
+            rec_arena: Mutex::new(None),
             timing: Mutex::new(timing),
             timing_on: std::sync::atomic::AtomicBool::new(false),
             tracer: Mutex::new(None),
@@ -1435,15 +1442,25 @@ impl Ctx {
         let mut g = self.enc.lock().unwrap();
         let open = g.get_or_insert_with(|| self.open());
         let bg = if let Some(items) = rec.as_mut() {
-            // A recorded step keeps its parameters in a buffer of its own, read at every replay.
-            let ub = self
-                .device
-                .create_buffer_init(&::wgpu::util::BufferInitDescriptor {
-                    label: Some(entry),
-                    contents: as_bytes(&words),
-                    usage: ::wgpu::BufferUsages::UNIFORM,
+            // A recorded step keeps its parameters in arenas of its own, read at every replay
+            // (the bind groups keep them alive); the queue's write lands before the submission
+            // of the dispatch that reads it.
+            let mut ra = self.rec_arena.lock().unwrap();
+            if ra.as_ref().is_none_or(|(_, n)| *n >= REC_SLOTS) {
+                let b = self.device.create_buffer(&::wgpu::BufferDescriptor {
+                    label: Some("recorded params"),
+                    size: self.stride * REC_SLOTS as u64,
+                    usage: ::wgpu::BufferUsages::UNIFORM | ::wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
                 });
-            let bg = bind(&ub, 0);
+                *ra = Some((b, 0));
+            }
+            let (ab, n) = ra.as_mut().expect("just made");
+            let off = *n as u64 * self.stride;
+            *n += 1;
+            self.queue.write_buffer(ab, off, as_bytes(&words));
+            let bg = bind(ab, off);
+            drop(ra);
             items.push(Item::Dispatch {
                 entry,
                 pipe: pipe.clone(),
@@ -1684,11 +1701,13 @@ impl Ctx {
 
     /// Starts recording the ops that follow (they still run) as a replayable step.
     pub fn begin_record(&self) {
+        *self.rec_arena.lock().unwrap() = None;
         *self.rec.lock().unwrap() = Some(Vec::new());
     }
 
     /// The ops recorded since `begin_record`.
     pub fn end_record(&self) -> Vec<Item> {
+        *self.rec_arena.lock().unwrap() = None;
         self.rec.lock().unwrap().take().unwrap_or_default()
     }
 
