@@ -414,19 +414,24 @@ impl Wgpu {
         let all = cases.is_empty();
         let want_case = |c: &str| all || cases.contains(&c);
         if want_case("floor") {
-            let s = time(&|_| ctx.dispatch(&SHADER, "lab_touch", &[1], &[&src.buf, &dst.buf], 1))?;
-            let r = LabRow {
-                case: "floor",
-                variant: "one buffer".into(),
-                bytes: 0,
-                copies: 1,
-                calls,
-                op_s: s,
-                read_s: None,
-                check: None,
+            // A dependent dispatch doing next to nothing: on one buffer, on 8 in turn, and
+            // binding 22 storage buffers (a decode GEMV's count: whether descriptors cost).
+            let mut floor = |variant: &str, copies: usize, s: f64| {
+                let r = LabRow {
+                    case: "floor",
+                    variant: variant.into(),
+                    bytes: 0,
+                    copies,
+                    calls,
+                    op_s: s,
+                    read_s: None,
+                    check: None,
+                };
+                print(&r);
+                rows.push(r);
             };
-            print(&r);
-            rows.push(r);
+            let s = time(&|_| ctx.dispatch(&SHADER, "lab_touch", &[1], &[&src.buf, &dst.buf], 1))?;
+            floor("one buffer", 1, s);
             let bufs: Vec<WBuf> = (0..8)
                 .map(|_| self.lab_buf(&[0.0; 64]))
                 .collect::<Result<_>>()?;
@@ -434,36 +439,11 @@ impl Wgpu {
                 let b = &bufs[i % 8].buf;
                 ctx.dispatch(&SHADER, "lab_touch", &[1], &[&src.buf, b], 1)
             })?;
-            let r = LabRow {
-                case: "floor",
-                variant: "8 buffers".into(),
-                bytes: 0,
-                copies: 8,
-                calls,
-                op_s: s,
-                read_s: None,
-                check: None,
-            };
-            print(&r);
-            rows.push(r);
-        }
-        if want_case("floor") {
-            // The same dependent dispatch binding 22 storage buffers (a decode GEMV's count).
+            floor("8 buffers", 8, s);
             let mut many: Vec<&::wgpu::Buffer> = vec![&src.buf, &dst.buf];
             many.extend(std::iter::repeat_n(&src.buf, 20));
             let s = time(&|_| ctx.dispatch(&SHADER, "lab_touch22", &[1], &many, 1))?;
-            let r = LabRow {
-                case: "floor",
-                variant: "22 bindings".into(),
-                bytes: 0,
-                copies: 1,
-                calls,
-                op_s: s,
-                read_s: None,
-                check: None,
-            };
-            print(&r);
-            rows.push(r);
+            floor("22 bindings", 1, s);
         }
         if want_case("read") {
             for mb in [0.5f64, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 256.0] {
