@@ -37,6 +37,8 @@ use anyhow::{anyhow, bail, Context, Result};
 const FLUSH_EVERY: usize = 256;
 /// Parameter slots of a recorded step's arena buffer (`Ctx::rec_arena`).
 const REC_SLOTS: usize = 512;
+/// Dispatches of a step being recorded between submissions (`Ctx::dispatch`).
+const REC_FLUSH: usize = 32;
 /// Bytes of the parameter arena a dispatch may use (a QMat and a few words; attention passes its RoPE frequencies).
 const PARAM_BYTES: u64 = 2048;
 /// Spare buffers (`Ctx::spare`): as many as a launch may leave unused.
@@ -403,6 +405,10 @@ pub(super) struct Switches {
     /// is recorded (it still runs), so the second replays. A step recorded while a scratch
     /// buffer was replaced is dropped as before (`Wgpu::replay`).
     pub record_first: bool,
+    /// `LILY_WGPU_STEP_TIMES=1` (diagnosis): the host's time to record each decode step, on
+    /// stderr (a contract row's first step after its prefill costs ~7.5 ms more than a steady
+    /// one on the H100, stop 44).
+    pub step_times: bool,
     /// `LILY_WGPU_GQA=0`: attention a query head a workgroup instead of a KV head's group.
     pub gqa: bool,
     /// `LILY_WGPU_FUSE_NORM=0`: the norm before the projections as a launch of its own.
@@ -677,6 +683,7 @@ impl Switches {
         Self {
             replay: on("LILY_WGPU_REPLAY"),
             record_first: on("LILY_WGPU_RECORD_FIRST"),
+            step_times: get("LILY_WGPU_STEP_TIMES").as_deref() == Some("1"),
             gqa: on("LILY_WGPU_GQA"),
             fuse_norm: on("LILY_WGPU_FUSE_NORM"),
             fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
@@ -1439,6 +1446,7 @@ impl Ctx {
             })
         };
         let mut rec = self.rec.lock().unwrap();
+        let recording = rec.is_some();
         let mut g = self.enc.lock().unwrap();
         let open = g.get_or_insert_with(|| self.open());
         let bg = if let Some(items) = rec.as_mut() {
@@ -1478,7 +1486,9 @@ impl Ctx {
         };
         drop(rec);
         self.encode(open, entry, &pipe, &bg, gx, gy);
-        if open.n >= FLUSH_EVERY {
+        // A step being recorded goes to the device every REC_FLUSH dispatches, so that it runs
+        // while the host records the rest (the host's recording is the slower of the two).
+        if open.n >= FLUSH_EVERY || (recording && open.n >= REC_FLUSH) {
             let o = g.take().unwrap();
             self.submit(o);
         }

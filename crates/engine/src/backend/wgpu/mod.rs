@@ -603,9 +603,22 @@ impl Backend for Wgpu {
             drop(recs);
             return ops();
         }
+        let t0 = std::time::Instant::now();
         self.ctx.begin_record();
         let r = ops();
         let items = self.ctx.end_record();
+        // The step's last dispatches (past the last FLUSH_EVERY) go to the device now, as a
+        // replayed step's do, not when the next step is encoded.
+        if self.ctx.sw.ahead {
+            self.ctx.flush();
+        }
+        if self.ctx.sw.step_times {
+            eprintln!(
+                "wgpu: recorded a decode step: {} dispatches and copies, {:.2} ms on the host",
+                items.len(),
+                t0.elapsed().as_secs_f64() * 1e3
+            );
+        }
         r?;
         // An op that failed while recording reports at the next check; its record is not kept.
         if self.ctx.has_error() || self.ctx.scratch_gen() != gen {
