@@ -619,55 +619,6 @@ fn gemv_q6w_matches_the_cpu() {
     eprintln!("gemv_q6w: launches {launches:?} (with, without)");
 }
 
-/// gemv_q6w with every step's loads before its staging (`LILY_WGPU_Q6W_PRE=1`,
-/// `Wgpu::set_q6w_pre`) against gemv_q6w without: GDN in_proj's matrices with the norm at 256
-/// workgroups (the 8,192-row matrix in 2 steps a lane where the team is 32 lanes) and at 128
-/// (4 steps), and o_proj's residual add. The steps' sums are added in the same order; only the
-/// driver's contraction of the unrolled products into fused multiply-adds may differ (lavapipe:
-/// ~1 ulp of the largest output, 1.2e-7 relative), so the bound is 2e-6 of the largest output,
-/// far below what a step read twice or left out would move (O(1e-1)). The CPU bound is held too
-/// (`many_and_norm_case`).
-#[test]
-fn gemv_q6w_pre_equals_gemv_q6w() {
-    let Some(g) = gpu() else { return };
-    g.set_q6w(1);
-    let d = qwen_dims();
-    let c = InOut::new(&g, 59, &[(8192, 4), (4096, 4), (32, 8), (32, 8)]);
-    for by in ["", "100000:128"] {
-        g.set_q6_wgs_by(by).unwrap();
-        let mut got = Vec::new();
-        for pre in [false, true] {
-            g.set_q6w_pre(pre);
-            let (outs, hh) = c.run(&g);
-            let mut bits: Vec<Vec<u32>> = outs
-                .iter()
-                .zip(&c.set)
-                .map(|(b, &(n, _))| h(&g, b, n).iter().map(|v| v.to_bits()).collect())
-                .collect();
-            bits.push(h(&g, &hh, d.hidden).iter().map(|v| v.to_bits()).collect());
-            got.push(bits);
-        }
-        for (i, (a, b)) in got[0].iter().zip(&got[1]).enumerate() {
-            let diff = a.iter().zip(b).filter(|(x, y)| x != y).count();
-            let f = |v: &u32| f32::from_bits(*v);
-            let scale = a.iter().fold(0f32, |m, v| m.max(f(v).abs()));
-            let worst = a
-                .iter()
-                .zip(b)
-                .fold(0f32, |m, (x, y)| m.max((f(x) - f(y)).abs()));
-            eprintln!("Q6_WGS_BY `{by}`, output {i}: {diff} moved, max {worst:.3e} of {scale:.3e}");
-            assert!(
-                worst <= 2e-6 * scale,
-                "Q6_WGS_BY `{by}`, output {i}: {worst:e} of {scale:e} with Q6W_PRE"
-            );
-        }
-    }
-    g.set_q6_wgs_by("").unwrap();
-    // pre is on here.
-    many_and_norm_case(&g, Q2X_TOL);
-    g.set_q6w_pre(false);
-}
-
 /// gemv_q6s and q2x_stage specialised (`LILY_WGPU_SPEC=q6,xq`: each launch's shape as pipeline
 /// constants) against gemv_q6 and q2x_stage reading their parameters, on one device: the same
 /// projection sets as above (one to five matrices a launch, 4- and 8-bit, odd output counts),

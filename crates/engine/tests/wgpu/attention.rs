@@ -434,8 +434,7 @@ fn prefill_tiled_chunks(g: &Wgpu, f16: bool) {
 ///
 /// Both decode kernels where the adapter has ordered subgroups (`dec_kernels`): attn_dec_gqa and
 /// attn_dec_team (`Wgpu::set_attn_team`), the latter also with V a block ahead
-/// (`Wgpu::set_attn_vahead`) and with attn_combine4's fast merge (`Wgpu::set_attn_combine`), each
-/// held to the same bounds.
+/// (`Wgpu::set_attn_vahead`), each held to the same bounds.
 #[test]
 fn attention_decode_capacities() {
     let Some(g) = gpu() else { return };
@@ -454,15 +453,6 @@ fn attention_decode_capacities() {
         }
     }
     g.set_attn_vahead(false);
-    // attn_combine4 with its two-level maximum and 8 splits in flight (`set_attn_combine`), on
-    // the default kernel: the 20,000- and 50,000-key caches have 256 splits (keys in 80-196 of
-    // them at the positions above), so the 8-split rounds and their remainder both run.
-    g.set_attn_combine(true);
-    for f16 in kv_kinds(&g) {
-        g.set_kv_f16(f16);
-        decode_capacities(&g, f16);
-    }
-    g.set_attn_combine(false);
     g.set_attn_team(false);
 }
 

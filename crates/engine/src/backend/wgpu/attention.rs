@@ -701,15 +701,6 @@ fn decode_attend(
         &[&q.buf, &kv.k.buf, &kv.v.buf, &step.buf, &part],
         groups as u32,
     );
-    // attn_combine4's two-level maximum and 8 splits in flight (`LILY_WGPU_ATTN_COMBINE=fast`).
-    let mut consts = consts;
-    if ctx
-        .sw
-        .attn_combine
-        .load(std::sync::atomic::Ordering::Relaxed)
-    {
-        consts.push(("C4_FAST", 1));
-    }
     if let Some(xq) = xq {
         if !(tile && xq_takes(ctx, d)) {
             return ctx.fail(format!("{OP}: o_proj's x staged without attn_combine4_x"));

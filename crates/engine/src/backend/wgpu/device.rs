@@ -37,8 +37,6 @@ use anyhow::{anyhow, bail, Context, Result};
 const FLUSH_EVERY: usize = 256;
 /// Parameter slots of a recorded step's arena buffer (`Ctx::rec_arena`).
 const REC_SLOTS: usize = 512;
-/// Dispatches of a step being recorded between submissions (`Ctx::dispatch`).
-const REC_FLUSH: usize = 32;
 /// Bytes of the parameter arena a dispatch may use (a QMat and a few words; attention passes its RoPE frequencies).
 const PARAM_BYTES: u64 = 2048;
 /// Spare buffers (`Ctx::spare`): as many as a launch may leave unused.
@@ -409,6 +407,12 @@ pub(super) struct Switches {
     /// stderr (a contract row's first step after its prefill costs ~7.5 ms more than a steady
     /// one on the H100, stop 44).
     pub step_times: bool,
+    /// `LILY_WGPU_REC_FLUSH=N` (opt-in, unmeasured): a decode step being recorded goes to the
+    /// device every N dispatches instead of every FLUSH_EVERY (256: nearly the whole step
+    /// after the host recorded it). Stop 44's H100 call put ~7.5 ms of a contract row's first
+    /// step above a steady one; with N = 32 the device would run the step while the host
+    /// records it (`Ctx::dispatch`).
+    pub rec_flush: usize,
     /// `LILY_WGPU_GQA=0`: attention a query head a workgroup instead of a KV head's group.
     pub gqa: bool,
     /// `LILY_WGPU_FUSE_NORM=0`: the norm before the projections as a launch of its own.
@@ -514,11 +518,6 @@ pub(super) struct Switches {
     /// with its K words, a block ahead (attn_dec_sg.wgsl AD_VAHEAD). Atomic for the op tests
     /// and the arms (`Wgpu::set_attn_vahead`).
     pub attn_vahead: std::sync::atomic::AtomicBool,
-    /// `LILY_WGPU_ATTN_COMBINE=fast` (opt-in until measured): attn_combine4 finds the splits'
-    /// maximum in two levels of 16 (2 barriers, not 9) and keeps 8 splits' loads in flight a
-    /// thread, not 4 (attention.wgsl C4_FAST; bit-equal outputs). Atomic for the op tests and
-    /// the arms (`Wgpu::set_attn_combine`).
-    pub attn_combine: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_GDN_FAST=1`: the gated delta rule by the subgroup kernels (gdn_sg.wgsl) where
     /// the adapter has subgroups, instead of gdn_recur. Opt-in: on the H200 (Vulkan) they were
     /// slower, 24.4 against 14.8 ms a 2048-row block and 28.4 against 21.6 µs a decode step.
@@ -606,10 +605,6 @@ pub(super) struct Switches {
     /// keep q2x_stage and gemv_q6s (in_proj's 12.7 MB, whose workgroups each staging the row
     /// lost in the lab).
     pub q6w_max_mb: AtomicUsize,
-    /// `LILY_WGPU_Q6W_PRE=1` (opt-in until measured): gemv_q6w issues every step's code words
-    /// (up to 4 a lane) before its staging, not only the first step's (matmul_sg.wgsl
-    /// `Q6W_PRE`). Atomic for the op tests and the arms (`Wgpu::set_q6w_pre`).
-    pub q6w_pre: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_MOE_XQ_SHAPE=G,D,S` (default 32,16,2): moe_gate_up_x's lanes a team (8, 16 or
     /// 32: G / 8 outputs a team, 32 a workgroup), moe_down_x's lanes a team (4, 8 or 16: one
     /// output each; fewer when a row of down has fewer code words) and its teams an output (1,
@@ -684,6 +679,7 @@ impl Switches {
             replay: on("LILY_WGPU_REPLAY"),
             record_first: on("LILY_WGPU_RECORD_FIRST"),
             step_times: get("LILY_WGPU_STEP_TIMES").as_deref() == Some("1"),
+            rec_flush: num("LILY_WGPU_REC_FLUSH", FLUSH_EVERY).max(1),
             gqa: on("LILY_WGPU_GQA"),
             fuse_norm: on("LILY_WGPU_FUSE_NORM"),
             fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
@@ -731,9 +727,6 @@ impl Switches {
             attn_vahead: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_ATTN_VAHEAD").as_deref() == Some("1"),
             ),
-            attn_combine: std::sync::atomic::AtomicBool::new(
-                get("LILY_WGPU_ATTN_COMBINE").as_deref() == Some("fast"),
-            ),
             gdn_fast: get("LILY_WGPU_GDN_FAST").as_deref() == Some("1"),
             gdn_step: AtomicU32::new(
                 get("LILY_WGPU_GDN_STEP")
@@ -769,9 +762,6 @@ impl Switches {
                 get("LILY_WGPU_Q6W_MAX_MB")
                     .and_then(|s| s.parse().ok())
                     .unwrap_or(0),
-            ),
-            q6w_pre: std::sync::atomic::AtomicBool::new(
-                get("LILY_WGPU_Q6W_PRE").as_deref() == Some("1"),
             ),
             q6w: AtomicU32::new(match get("LILY_WGPU_Q6W").as_deref() {
                 Some("" | "2") | None => 2,
@@ -876,14 +866,12 @@ impl Switches {
             attn_team,
             attn_keys,
             attn_vahead,
-            attn_combine,
             moe_q,
             moe_fuse,
             moe_xq,
             moe_down,
             q6w,
             q6w_max_mb,
-            q6w_pre,
             moe_xq_shape,
             gemm,
             moe_mm8
@@ -1486,9 +1474,9 @@ impl Ctx {
         };
         drop(rec);
         self.encode(open, entry, &pipe, &bg, gx, gy);
-        // A step being recorded goes to the device every REC_FLUSH dispatches, so that it runs
-        // while the host records the rest (the host's recording is the slower of the two).
-        if open.n >= FLUSH_EVERY || (recording && open.n >= REC_FLUSH) {
+        // A step being recorded goes to the device every `rec_flush` dispatches where set, so
+        // that it runs while the host records the rest.
+        if open.n >= FLUSH_EVERY || (recording && open.n >= self.sw.rec_flush) {
             let o = g.take().unwrap();
             self.submit(o);
         }
@@ -2253,7 +2241,6 @@ mod tests {
             ("LILY_WGPU_MOE_DOWN", "y", |s| s.moe_down.load(R) as u64),
             ("LILY_WGPU_Q6W", "0", |s| s.q6w.load(R) as u64),
             ("LILY_WGPU_Q6W_MAX_MB", "8", |s| s.q6w_max_mb.load(R) as u64),
-            ("LILY_WGPU_Q6W_PRE", "1", |s| s.q6w_pre.load(R) as u64),
             ("LILY_WGPU_MOE_XQ_SHAPE", "8,4,1", |s| {
                 s.moe_xq_shape.load(R) as u64
             }),

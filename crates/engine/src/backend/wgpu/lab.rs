@@ -104,8 +104,7 @@ impl LabRow {
 /// norm's pre-pass, 8 the dot products, 16 the scale and bias loads; gemv_io.wgsl `ablate`),
 /// to time what is left (its outputs are then wrong: `check` says by how much). `v6s`: gemv_q6
 /// specialised to the launch (gemv_q6s, `LILY_WGPU_SPEC=q6`); `v6w`: gemv_q6w (x quantized in
-/// each workgroup, no q2x_stage launch: `LILY_WGPU_Q6W=1`); `v6p`: gemv_q6w with every step's
-/// loads before the staging (`LILY_WGPU_Q6W_PRE=1`).
+/// each workgroup, no q2x_stage launch: `LILY_WGPU_Q6W=1`).
 pub struct Variant {
     pub name: String,
     gemv: u32,
@@ -113,7 +112,6 @@ pub struct Variant {
     ablate: u32,
     spec: bool,
     q6w: bool,
-    q6w_pre: bool,
 }
 
 /// Parses `v4,rw2,rw2@4096,...`.
@@ -141,10 +139,10 @@ pub fn parse_variants(s: &str) -> Result<Vec<Variant>> {
                 "rw4" => 4,
                 "xs" => 8,
                 "v5" => 16,
-                "v6" | "v6s" | "v6w" | "v6p" => 32,
+                "v6" | "v6s" | "v6w" => 32,
                 _ => {
                     bail!(
-                        "variant `{v}`: v4, v5, v6, v6s, v6w, v6p, rw1, rw2, rw4 or xs, optionally @workgroups"
+                        "variant `{v}`: v4, v5, v6, v6s, v6w, rw1, rw2, rw4 or xs, optionally @workgroups"
                     )
                 }
             };
@@ -159,9 +157,8 @@ pub fn parse_variants(s: &str) -> Result<Vec<Variant>> {
                 gemv,
                 want,
                 ablate,
-                spec: matches!(k, "v6s" | "v6w" | "v6p"),
-                q6w: matches!(k, "v6w" | "v6p"),
-                q6w_pre: k == "v6p",
+                spec: matches!(k, "v6s" | "v6w"),
+                q6w: k == "v6w",
             })
         })
         .collect()
@@ -603,14 +600,12 @@ impl Wgpu {
                 ctx.sw.ablate.store(v.ablate, Ordering::Relaxed);
                 ctx.sw.q6_spec.store(v.spec, Ordering::Relaxed);
                 let old_q6w = ctx.sw.q6w.swap(v.q6w as u32, Ordering::Relaxed);
-                let old_pre = ctx.sw.q6w_pre.swap(v.q6w_pre, Ordering::Relaxed);
                 let op_s = time(&call)?;
                 // One call from zeroed outputs on copy 0, against gemv_v4's.
                 let got = one_call()?;
                 ctx.sw.ablate.store(0, Ordering::Relaxed);
                 ctx.sw.q6_spec.store(old_spec, Ordering::Relaxed);
                 ctx.sw.q6w.store(old_q6w, Ordering::Relaxed);
-                ctx.sw.q6w_pre.store(old_pre, Ordering::Relaxed);
                 if reference.is_none() {
                     ctx.sw.gemv.store(0, Ordering::Relaxed);
                     reference = Some(one_call()?);

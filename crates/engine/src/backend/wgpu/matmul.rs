@@ -777,7 +777,6 @@ pub fn gemv_many_xq(
             ("Q6W_EXPORT", export as u32),
             // xn by the first workgroup where the conv's state does not hold binding 19.
             ("Q6W_XN", (xmode == 1 && om != 3) as u32),
-            ("Q6W_PRE", ctx.sw.q6w_pre.load(Ordering::Relaxed) as u32),
         ]);
         let groups = (blocks * rows) as u32;
         ctx.dispatch_spec(&sg_shader(), "gemv_q6w", &consts, &p, &bufs, groups);

@@ -169,13 +169,6 @@ impl Wgpu {
             .q6w
             .store(level.min(2), std::sync::atomic::Ordering::Relaxed);
     }
-    /// gemv_q6w with every step's loads before its staging from now on (`LILY_WGPU_Q6W_PRE`).
-    pub fn set_q6w_pre(&self, on: bool) {
-        self.ctx
-            .sw
-            .q6w_pre
-            .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
     /// Takes a decode step's gated delta rule named (`LILY_WGPU_GDN_STEP`'s values: `0`, `y`,
     /// `x`, `yw`) from now on, for tests and `lily lab`.
     pub fn set_gdn_step(&self, name: &str) -> Result<()> {
@@ -446,14 +439,6 @@ impl Wgpu {
             .sw
             .attn_vahead
             .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-    /// attn_combine4's two-level maximum and 8 splits in flight from now on
-    /// (`LILY_WGPU_ATTN_COMBINE=fast`).
-    pub fn set_attn_combine(&self, fast: bool) {
-        self.ctx
-            .sw
-            .attn_combine
-            .store(fast, std::sync::atomic::Ordering::Relaxed);
     }
     /// Whether decode attention takes attn_dec_team where the shape allows.
     pub fn attn_team(&self) -> bool {

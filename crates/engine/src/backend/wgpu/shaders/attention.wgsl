@@ -1175,14 +1175,8 @@ fn attn_dec_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
 @group(0) @binding(3) var<storage, read_write> c4_out: array<vec4<f32>>;
 
 var<workgroup> c4_t: array<vec2<f32>, 256>;
-var<workgroup> c4_t16: array<vec2<f32>, 16>;
 var<workgroup> c4_a: array<vec4<f32>, 256>;
 var<workgroup> c4_l: array<f32, 4>;
-// C4_FAST (`LILY_WGPU_ATTN_COMBINE=fast`, attention.rs): the largest m and the splits holding
-// keys in two levels of 16 (2 barriers) instead of an 8-level tree (9), and 8 splits' loads in
-// flight a thread instead of 4 (a 4K context's 128 splits: 4 rounds of L2 loads, not 8). The
-// same maximum (order-free) and the same sums in the same order: bit-equal outputs.
-override C4_FAST: bool = false;
 
 @compute @workgroup_size(256)
 fn attn_combine4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
@@ -1201,57 +1195,19 @@ fn c4_merge(f: u32, li: u32) -> vec4<f32> {
     }
     c4_t[li] = vec2<f32>(ms, select(0.0, f32(li + 1u), ms > -1.0e29));
     workgroupBarrier();
-    var top = vec2<f32>(NEG_BIG, 0.0);
-    if (C4_FAST) {
-        if (li < 16u) {
-            var t = c4_t[16u * li];
-            for (var j = 1u; j < 16u; j++) {
-                t = max(t, c4_t[16u * li + j]);
-            }
-            c4_t16[li] = t;
+    for (var h = 128u; h > 0u; h >>= 1u) {
+        if (li < h) {
+            c4_t[li] = max(c4_t[li], c4_t[li + h]);
         }
         workgroupBarrier();
-        top = c4_t16[0];
-        for (var j = 1u; j < 16u; j++) {
-            top = max(top, c4_t16[j]);
-        }
-    } else {
-        for (var h = 128u; h > 0u; h >>= 1u) {
-            if (li < h) {
-                c4_t[li] = max(c4_t[li], c4_t[li + h]);
-            }
-            workgroupBarrier();
-        }
-        top = c4_t[0];
     }
-    let m = top.x;
-    let ns = u32(top.y);
+    let m = c4_t[0].x;
+    let ns = u32(c4_t[0].y);
     let sg = li / 64u;
     let vd = li % 64u;
     var a = vec4<f32>(0.0);
     var l = 0.0;
-    // C4_FAST: splits sg, sg + 4, … 8 at a time (the same order as below).
-    var s8 = sg;
-    if (C4_FAST) {
-        for (; s8 + 28u < ns; s8 += 32u) {
-            var ml: array<vec4<f32>, 8>;
-            var av: array<vec4<f32>, 8>;
-            for (var u = 0u; u < 8u; u++) {
-                let s = s8 + 4u * u;
-                ml[u] = c4_part[b0 + s * rec];
-                av[u] = vec4<f32>(0.0);
-                if (vd < hd4) {
-                    av[u] = c4_part[b0 + s * rec + 1u + vd];
-                }
-            }
-            for (var u = 0u; u < 8u; u++) {
-                let w = exp(ml[u].x - m);
-                a += w * av[u];
-                l += w * ml[u].y;
-            }
-        }
-    }
-    for (var s0 = s8; s0 < ns; s0 += 16u) {
+    for (var s0 = sg; s0 < ns; s0 += 16u) {
         var ml: array<vec4<f32>, 4>;
         var av: array<vec4<f32>, 4>;
         for (var u = 0u; u < 4u; u++) {

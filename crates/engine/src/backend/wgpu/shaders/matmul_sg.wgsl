@@ -514,34 +514,6 @@ fn q6w_run{M}(blk: u32, t: u32, li: u32, lane_sg: u32, first: bool) {
     let wpr = Q6_INP{M} / (128u / Q6_BITS{M});
     // lane < wpr: a team has at most a row's words (q6_shape).
     let l0 = q6w_load{M}(m, rr, R, lane);
-    // Q6W_PRE: every step's loads go out before the staging (up to 4 steps, a team's T dividing
-    // the row's words), not only the first's: past the staging's barrier the driver keeps the
-    // later steps' loads behind it, so each step after the first waited a DRAM round trip of
-    // its own (in_proj's and q|k|v's big matrices take 2 steps at 256 workgroups).
-    let ns = wpr / T;
-    if (Q6W_PRE && wpr % T == 0u && ns > 1u && ns <= 4u) {
-        var l1 = q6w_load{M}(m, rr, R, lane + T);
-        var l2 = l1;
-        var l3 = l1;
-        if (ns > 2u) {
-            l2 = q6w_load{M}(m, rr, R, lane + 2u * T);
-        }
-        if (ns > 3u) {
-            l3 = q6w_load{M}(m, rr, R, lane + 3u * T);
-        }
-        let rn = q6w_stage(t, li, lane_sg, Q6_INP{M}, first);
-        // The steps' sums in the loop's order.
-        var acc = q6w_mul(l0, Q6_BITS{M}, R, lane, Q6_INP{M});
-        acc += q6w_mul(l1, Q6_BITS{M}, R, lane + T, Q6_INP{M});
-        if (ns > 2u) {
-            acc += q6w_mul(l2, Q6_BITS{M}, R, lane + 2u * T, Q6_INP{M});
-        }
-        if (ns > 3u) {
-            acc += q6w_mul(l3, Q6_BITS{M}, R, lane + 3u * T, Q6_INP{M});
-        }
-        q6_tail({M}u, m, blk, t, li, lane_sg, Q6_SG, T, R, o0, Q6_OMODE, acc * rn);
-        return;
-    }
     let rn = q6w_stage(t, li, lane_sg, Q6_INP{M}, first);
     var acc = q6w_mul(l0, Q6_BITS{M}, R, lane, Q6_INP{M});
     for (var c = lane + T; c < wpr; c += T) {
@@ -935,8 +907,6 @@ override Q6W_EXPORT: bool = false;
 // xmode 1: the first workgroup writes the normed row to binding 19 (vxn; not with the conv
 // epilogue, whose state is there).
 override Q6W_XN: bool = false;
-// Every step's code words issued before the staging (`LILY_WGPU_Q6W_PRE`; q6w_run).
-override Q6W_PRE: bool = false;
 // x's words (5 · 4,096 / 32 vec4s for a 4-bit row of 4,096; 3 · 2,048 / 16 + 5 · 2,048 / 32
 // for both layouts of 2,048) and each 32 elements' sum of squares.
 var<workgroup> q6_wx: array<vec4<u32>, 768>;
