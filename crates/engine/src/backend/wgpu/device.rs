@@ -2232,9 +2232,6 @@ mod tests {
             ("LILY_WGPU_ATTN_VAHEAD", "1", |s| {
                 s.attn_vahead.load(R) as u64
             }),
-            ("LILY_WGPU_ATTN_COMBINE", "fast", |s| {
-                s.attn_combine.load(R) as u64
-            }),
             ("LILY_WGPU_MOE_Q", "0", |s| s.moe_q.load(R) as u64),
             ("LILY_WGPU_MOE_FUSE", "0", |s| s.moe_fuse.load(R) as u64),
             ("LILY_WGPU_MOE_XQ", "0", |s| s.moe_xq.load(R) as u64),
