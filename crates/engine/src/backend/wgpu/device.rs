@@ -1018,6 +1018,9 @@ pub(super) struct Ctx {
     /// dispatches keep their parameters there (`REC_SLOTS` a buffer, another when full), not in
     /// a buffer each (a decode step's ~265 buffer creations on the way to its second token).
     rec_arena: Mutex<Option<(::wgpu::Buffer, usize)>>,
+    /// `LILY_WGPU_STEP_TIMES`: nanoseconds in `dispatch_spec` and in its bind groups' creation
+    /// since the last `begin_record` (`Ctx::host_times`).
+    host_ns: [std::sync::atomic::AtomicU64; 2],
     /// `None` where the adapter has no timestamp queries.
     timing: Mutex<Option<Timing>>,
     /// Whether timing is on (read without the lock on every dispatch).
@@ -1257,6 +1260,7 @@ impl Ctx {
             enc: Mutex::new(None),
             rec: Mutex::new(None),
             rec_arena: Mutex::new(None),
+            host_ns: Default::default(),
             timing: Mutex::new(timing),
             timing_on: std::sync::atomic::AtomicBool::new(false),
             tracer: Mutex::new(None),
@@ -1412,7 +1416,9 @@ impl Ctx {
         } else {
             (65535, groups.div_ceil(65535))
         };
+        let timed = self.sw.step_times.then(std::time::Instant::now);
         let bind = |buffer: &::wgpu::Buffer, offset: u64| {
+            let t0 = timed.map(|_| std::time::Instant::now());
             let mut entries = vec![::wgpu::BindGroupEntry {
                 binding: 0,
                 resource: ::wgpu::BindingResource::Buffer(::wgpu::BufferBinding {
@@ -1427,11 +1433,15 @@ impl Ctx {
                     resource: b.as_entire_binding(),
                 });
             }
-            self.device.create_bind_group(&::wgpu::BindGroupDescriptor {
+            let bg = self.device.create_bind_group(&::wgpu::BindGroupDescriptor {
                 label: None,
                 layout: &pipe.get_bind_group_layout(0),
                 entries: &entries,
-            })
+            });
+            if let Some(t0) = t0 {
+                self.host_ns[1].fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+            bg
         };
         let mut rec = self.rec.lock().unwrap();
         let recording = rec.is_some();
@@ -1479,6 +1489,9 @@ impl Ctx {
         if open.n >= FLUSH_EVERY || (recording && open.n >= self.sw.rec_flush) {
             let o = g.take().unwrap();
             self.submit(o);
+        }
+        if let Some(t0) = timed {
+            self.host_ns[0].fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
     }
     /// A fresh encoder with no pass open.
@@ -1700,7 +1713,17 @@ impl Ctx {
     /// Starts recording the ops that follow (they still run) as a replayable step.
     pub fn begin_record(&self) {
         *self.rec_arena.lock().unwrap() = None;
+        for t in &self.host_ns {
+            t.store(0, Ordering::Relaxed);
+        }
         *self.rec.lock().unwrap() = Some(Vec::new());
+    }
+
+    /// Milliseconds in `dispatch_spec`, and in its bind groups' creation, since the last
+    /// `begin_record` (`LILY_WGPU_STEP_TIMES=1`; zeros without it).
+    pub fn host_times(&self) -> (f64, f64) {
+        let ms = |t: &std::sync::atomic::AtomicU64| t.load(Ordering::Relaxed) as f64 * 1e-6;
+        (ms(&self.host_ns[0]), ms(&self.host_ns[1]))
     }
 
     /// The ops recorded since `begin_record`.

@@ -598,8 +598,9 @@ impl Backend for Wgpu {
             self.ctx.flush();
         }
         if self.ctx.sw.step_times {
+            let (disp, bind) = self.ctx.host_times();
             eprintln!(
-                "wgpu: recorded a decode step: {} dispatches and copies, {:.2} ms on the host",
+                "wgpu: recorded a decode step: {} dispatches and copies, {:.2} ms on the host ({disp:.2} in dispatch_spec, {bind:.2} of it making bind groups)",
                 items.len(),
                 t0.elapsed().as_secs_f64() * 1e3
             );
