@@ -171,6 +171,54 @@ fn first_decode_step_is_recorded() {
     assert_eq!(toks, again, "a recorded first step picked other tokens");
 }
 
+/// `LILY_WGPU_BG_CACHE` (`Wgpu::set_bg_cache`): a second state's first decode step, recorded,
+/// makes fewer bind groups than the first state's (only those of its own buffers: the KV
+/// caches, the conv and recurrent state), and picks the same tokens over three steps, with the
+/// second and third replayed.
+#[test]
+fn recorded_steps_share_bind_groups() {
+    let Some(g) = gpu() else { return };
+    if std::env::var("LILY_WGPU_REPLAY").as_deref() == Ok("0") {
+        return;
+    }
+    g.set_bg_cache(true);
+    let (m, mut st, first) = tiny_after_prompt(g);
+    let b = &m.backend;
+    let prompt = common::prompt_ids(12, m.cfg.vocab_size);
+    let mut made = Vec::new();
+    let mut toks = Vec::new();
+    for state in 0..2 {
+        if state == 1 {
+            st = m.new_state(64).unwrap();
+            let l = m
+                .forward(&mut st, &prompt, lily::model::Logits::Last, None)
+                .unwrap();
+            assert_eq!(lily::runtime::argmax(&l), first);
+        }
+        // The first step (recorded on its first sight, or on its second with
+        // LILY_WGPU_RECORD_FIRST=0) and two more.
+        let b0 = b.bind_groups_made();
+        let t: Vec<u32> = (0..3)
+            .map(|i| greedy_step(&m, &mut st, (i == 0).then_some(first)))
+            .collect();
+        made.push(b.bind_groups_made() - b0);
+        toks.push(t);
+    }
+    b.set_bg_cache(false);
+    assert_eq!(
+        toks[0], toks[1],
+        "a state recorded from cached bind groups picked other tokens"
+    );
+    assert!(
+        made[1] < made[0],
+        "bind groups made over the first steps of two states: {made:?}"
+    );
+    eprintln!(
+        "bind groups made: first state {}, second {}",
+        made[0], made[1]
+    );
+}
+
 /// The in-place trace of replayed decode steps (`lily bench --trace` on wgpu; device.rs
 /// `Tracer`): every traced step names the same launches in the same order, each record starts
 /// where the one before ended (one chain of stamps a step), and a skipped entry point

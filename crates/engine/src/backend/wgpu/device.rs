@@ -37,6 +37,26 @@ use anyhow::{anyhow, bail, Context, Result};
 const FLUSH_EVERY: usize = 256;
 /// Parameter slots of a recorded step's arena buffer (`Ctx::rec_arena`).
 const REC_SLOTS: usize = 512;
+/// Bind groups `Ctx::cached_bind` keeps at most (~15 decode steps' worth).
+const BG_CACHE_MAX: usize = 4096;
+/// Parameter blocks `Ctx::cached_bind` keeps by content at most.
+const BG_PARAMS_MAX: usize = 1 << 16;
+
+/// A recorded dispatch's bind group by its pipeline (the pipeline cache's, so its address is
+/// stable), parameter block (arena and offset) and buffers (`Ctx::cached_bind`).
+type BgKey = (usize, ::wgpu::Buffer, u64, Vec<::wgpu::Buffer>);
+
+/// `LILY_WGPU_BG_CACHE`'s bind groups and parameter blocks (`Ctx::cached_bind`).
+#[derive(Default)]
+struct BgCache {
+    /// Parameter blocks by content: arena and offset.
+    params: HashMap<Vec<u32>, (::wgpu::Buffer, u64)>,
+    /// The arena being filled and its slots used.
+    arena: Option<(::wgpu::Buffer, usize)>,
+    /// Bind groups and the tick of their last use.
+    groups: HashMap<BgKey, (::wgpu::BindGroup, u64)>,
+    tick: u64,
+}
 /// Bytes of the parameter arena a dispatch may use (a QMat and a few words; attention passes its RoPE frequencies).
 const PARAM_BYTES: u64 = 2048;
 /// Spare buffers (`Ctx::spare`): as many as a launch may leave unused.
@@ -413,6 +433,13 @@ pub(super) struct Switches {
     /// step above a steady one; with N = 32 the device would run the step while the host
     /// records it (`Ctx::dispatch`).
     pub rec_flush: usize,
+    /// `LILY_WGPU_BG_CACHE=1` (opt-in, unmeasured): a step being recorded reuses the bind groups
+    /// of earlier records (`BgCache`: by pipeline, parameter block and buffers; the parameter
+    /// blocks deduplicated by content), so that a new state's first step makes only those of
+    /// its own buffers (the KV caches, the conv and recurrent state). On lavapipe most of a
+    /// recording's host time is making bind groups (stop 44). Atomic for the tests
+    /// (`Wgpu::set_bg_cache`).
+    pub bg_cache: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_GQA=0`: attention a query head a workgroup instead of a KV head's group.
     pub gqa: bool,
     /// `LILY_WGPU_FUSE_NORM=0`: the norm before the projections as a launch of its own.
@@ -680,6 +707,9 @@ impl Switches {
             record_first: on("LILY_WGPU_RECORD_FIRST"),
             step_times: get("LILY_WGPU_STEP_TIMES").as_deref() == Some("1"),
             rec_flush: num("LILY_WGPU_REC_FLUSH", FLUSH_EVERY).max(1),
+            bg_cache: std::sync::atomic::AtomicBool::new(
+                get("LILY_WGPU_BG_CACHE").as_deref() == Some("1"),
+            ),
             gqa: on("LILY_WGPU_GQA"),
             fuse_norm: on("LILY_WGPU_FUSE_NORM"),
             fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
@@ -872,6 +902,7 @@ impl Switches {
             moe_down,
             q6w,
             q6w_max_mb,
+            bg_cache,
             moe_xq_shape,
             gemm,
             moe_mm8
@@ -1021,6 +1052,10 @@ pub(super) struct Ctx {
     /// `LILY_WGPU_STEP_TIMES`: nanoseconds in `dispatch_spec` and in its bind groups' creation
     /// since the last `begin_record` (`Ctx::host_times`).
     host_ns: [std::sync::atomic::AtomicU64; 2],
+    /// Recorded steps' bind groups for reuse (`LILY_WGPU_BG_CACHE`).
+    bg_cache: Mutex<BgCache>,
+    /// Bind groups made by `dispatch_spec` (tests count them).
+    pub bind_groups: std::sync::atomic::AtomicU64,
     /// `None` where the adapter has no timestamp queries.
     timing: Mutex<Option<Timing>>,
     /// Whether timing is on (read without the lock on every dispatch).
@@ -1261,6 +1296,8 @@ impl Ctx {
             rec: Mutex::new(None),
             rec_arena: Mutex::new(None),
             host_ns: Default::default(),
+            bg_cache: Mutex::new(BgCache::default()),
+            bind_groups: std::sync::atomic::AtomicU64::new(0),
             timing: Mutex::new(timing),
             timing_on: std::sync::atomic::AtomicBool::new(false),
             tracer: Mutex::new(None),
@@ -1441,6 +1478,7 @@ impl Ctx {
             if let Some(t0) = t0 {
                 self.host_ns[1].fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
             }
+            self.bind_groups.fetch_add(1, Ordering::Relaxed);
             bg
         };
         let mut rec = self.rec.lock().unwrap();
@@ -1448,25 +1486,11 @@ impl Ctx {
         let mut g = self.enc.lock().unwrap();
         let open = g.get_or_insert_with(|| self.open());
         let bg = if let Some(items) = rec.as_mut() {
-            // A recorded step keeps its parameters in arenas of its own, read at every replay
-            // (the bind groups keep them alive); the queue's write lands before the submission
-            // of the dispatch that reads it.
-            let mut ra = self.rec_arena.lock().unwrap();
-            if ra.as_ref().is_none_or(|(_, n)| *n >= REC_SLOTS) {
-                let b = self.device.create_buffer(&::wgpu::BufferDescriptor {
-                    label: Some("recorded params"),
-                    size: self.stride * REC_SLOTS as u64,
-                    usage: ::wgpu::BufferUsages::UNIFORM | ::wgpu::BufferUsages::COPY_DST,
-                    mapped_at_creation: false,
-                });
-                *ra = Some((b, 0));
-            }
-            let (ab, n) = ra.as_mut().expect("just made");
-            let off = *n as u64 * self.stride;
-            *n += 1;
-            self.queue.write_buffer(ab, off, as_bytes(&words));
-            let bg = bind(ab, off);
-            drop(ra);
+            let bg = if self.sw.bg_cache.load(Ordering::Relaxed) {
+                self.cached_bind(&pipe, &words, bufs, &bind)
+            } else {
+                self.record_bind(&words, &bind)
+            };
             items.push(Item::Dispatch {
                 entry,
                 pipe: pipe.clone(),
@@ -1494,6 +1518,90 @@ impl Ctx {
             self.host_ns[0].fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
     }
+
+    /// A recorded dispatch's bind group, its parameters in the record's own arena: read at
+    /// every replay (the bind groups keep the arena alive); the queue's write lands before the
+    /// submission of the dispatch that reads it.
+    fn record_bind(
+        &self,
+        words: &[u32],
+        bind: &dyn Fn(&::wgpu::Buffer, u64) -> ::wgpu::BindGroup,
+    ) -> ::wgpu::BindGroup {
+        let mut ra = self.rec_arena.lock().unwrap();
+        if ra.as_ref().is_none_or(|(_, n)| *n >= REC_SLOTS) {
+            *ra = Some((self.params_arena(), 0));
+        }
+        let (ab, n) = ra.as_mut().expect("just made");
+        let off = *n as u64 * self.stride;
+        *n += 1;
+        self.queue.write_buffer(ab, off, as_bytes(words));
+        bind(ab, off)
+    }
+
+    /// A uniform buffer of REC_SLOTS parameter blocks for recorded dispatches.
+    fn params_arena(&self) -> ::wgpu::Buffer {
+        self.device.create_buffer(&::wgpu::BufferDescriptor {
+            label: Some("recorded params"),
+            size: self.stride * REC_SLOTS as u64,
+            usage: ::wgpu::BufferUsages::UNIFORM | ::wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        })
+    }
+
+    /// `LILY_WGPU_BG_CACHE`: a recorded dispatch's bind group from earlier records where one
+    /// binds the same pipeline, parameter block and buffers, else made and kept. Parameter
+    /// blocks are kept by content in arenas that live as long as the device (at most
+    /// BG_PARAMS_MAX blocks; past that a block is written for this dispatch alone). The bind
+    /// groups keep their buffers alive, so at most BG_CACHE_MAX are kept: past it the less
+    /// recently used half goes.
+    fn cached_bind(
+        &self,
+        pipe: &Arc<::wgpu::ComputePipeline>,
+        words: &[u32],
+        bufs: &[&::wgpu::Buffer],
+        bind: &dyn Fn(&::wgpu::Buffer, u64) -> ::wgpu::BindGroup,
+    ) -> ::wgpu::BindGroup {
+        let mut c = self.bg_cache.lock().unwrap();
+        c.tick += 1;
+        let tick = c.tick;
+        let (pb, off) = match c.params.get(words) {
+            Some(p) => p.clone(),
+            None => {
+                if c.arena.as_ref().is_none_or(|(_, n)| *n >= REC_SLOTS) {
+                    c.arena = Some((self.params_arena(), 0));
+                }
+                let (ab, n) = c.arena.as_mut().expect("just made");
+                let off = *n as u64 * self.stride;
+                *n += 1;
+                let ab = ab.clone();
+                self.queue.write_buffer(&ab, off, as_bytes(words));
+                if c.params.len() < BG_PARAMS_MAX {
+                    c.params.insert(words.to_vec(), (ab.clone(), off));
+                }
+                (ab, off)
+            }
+        };
+        let key: BgKey = (
+            Arc::as_ptr(pipe) as usize,
+            pb.clone(),
+            off,
+            bufs.iter().map(|b| (*b).clone()).collect(),
+        );
+        if let Some((bg, t)) = c.groups.get_mut(&key) {
+            *t = tick;
+            return bg.clone();
+        }
+        let bg = bind(&pb, off);
+        if c.groups.len() >= BG_CACHE_MAX {
+            let mut ticks: Vec<u64> = c.groups.values().map(|v| v.1).collect();
+            let mid = ticks.len() / 2;
+            let cut = *ticks.select_nth_unstable(mid).1;
+            c.groups.retain(|_, v| v.1 > cut);
+        }
+        c.groups.insert(key, (bg.clone(), tick));
+        bg
+    }
+
     /// A fresh encoder with no pass open.
     fn open(&self) -> Open {
         Open {
@@ -2261,6 +2369,7 @@ mod tests {
             ("LILY_WGPU_MOE_DOWN", "y", |s| s.moe_down.load(R) as u64),
             ("LILY_WGPU_Q6W", "0", |s| s.q6w.load(R) as u64),
             ("LILY_WGPU_Q6W_MAX_MB", "8", |s| s.q6w_max_mb.load(R) as u64),
+            ("LILY_WGPU_BG_CACHE", "1", |s| s.bg_cache.load(R) as u64),
             ("LILY_WGPU_MOE_XQ_SHAPE", "8,4,1", |s| {
                 s.moe_xq_shape.load(R) as u64
             }),

@@ -373,6 +373,19 @@ impl Wgpu {
         matmul::gemv_many_xq(&self.ctx, h, ws, 0, rows, outs, xin, OutMode::Store, q6w)
     }
     /// Dispatches encoded so far (op by op, not replays): tests count an op's launches.
+    /// Recorded steps reuse earlier records' bind groups from now on (`LILY_WGPU_BG_CACHE`).
+    pub fn set_bg_cache(&self, on: bool) {
+        self.ctx
+            .sw
+            .bg_cache
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// Bind groups made for dispatches so far (tests count a recording's).
+    pub fn bind_groups_made(&self) -> u64 {
+        self.ctx
+            .bind_groups
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
     pub fn dispatches(&self) -> u64 {
         self.ctx
             .dispatched
