@@ -535,58 +535,6 @@ fn gemv_variants_match_the_cpu() {
     g.set_q6_wgs_by("").unwrap();
 }
 
-/// The launches gemv_q6w takes in a decode step, uploaded: GDN in_proj's matrices (`set`: rows
-/// and bits, hidden wide) after the norm, and o_proj's residual add (4,096 → hidden) onto h0.
-struct InOut {
-    set: Vec<(usize, u32)>,
-    gm: Vec<<Wgpu as Backend>::Mat>,
-    gh: <Wgpu as Backend>::Buf,
-    gnw: <Wgpu as Backend>::Buf,
-    wo: <Wgpu as Backend>::Mat,
-    x: <Wgpu as Backend>::Buf,
-    h0: Vec<f32>,
-}
-
-impl InOut {
-    fn new(g: &Wgpu, seed: u64, set: &[(usize, u32)]) -> Self {
-        let d = qwen_dims();
-        let mut rng = Rng(seed);
-        let gm = set
-            .iter()
-            .map(|&(o, b)| {
-                g.upload_mat(&rand_quant(&mut rng, 1, o, d.hidden, b, 64, false))
-                    .unwrap()
-            })
-            .collect();
-        Self {
-            set: set.to_vec(),
-            gm,
-            gh: g.upload(&rng.vec(d.hidden, 1.0)).unwrap(),
-            gnw: g.upload(&rng.vec(d.hidden, 0.5)).unwrap(),
-            wo: g
-                .upload_mat(&rand_quant(&mut rng, 1, d.hidden, 4096, 4, 64, false))
-                .unwrap(),
-            x: g.upload(&rng.vec(4096, 1.0)).unwrap(),
-            h0: rng.vec(d.hidden, 1.0),
-        }
-    }
-
-    /// The in_proj outputs and h after o_proj's add.
-    fn run(&self, g: &Wgpu) -> (Vec<<Wgpu as Backend>::Buf>, <Wgpu as Backend>::Buf) {
-        let d = qwen_dims();
-        let refs: Vec<_> = self.gm.iter().collect();
-        let mut outs: Vec<_> = self.set.iter().map(|&(o, _)| g.zeros(o).unwrap()).collect();
-        let mut om: Vec<_> = outs.iter_mut().collect();
-        let mut gxn = g.zeros(d.hidden).unwrap();
-        let (mut hh, mut r) = (g.upload(&self.h0).unwrap(), g.zeros(d.hidden).unwrap());
-        g.rms_norm_matmul(
-            &self.gh, &self.gnw, 1, d.hidden, d.eps, &mut gxn, &refs, &mut om,
-        );
-        g.matmul_q_add(&self.x, &self.wo, 1, &mut r, &mut hh);
-        (outs, hh)
-    }
-}
-
 /// gemv_q6w (`LILY_WGPU_Q6W=1`, `Wgpu::set_q6w`: x quantized in each workgroup, no
 /// q2x_stage launch) through the projection sets, norms and epilogues of the tests above
 /// against the CPU (Q2X_TOL: x in two int8 levels, as gemv_q6; rows of 1 take it, rows of 3
@@ -599,16 +547,36 @@ fn gemv_q6w_matches_the_cpu() {
     many_and_norm_case(&g, Q2X_TOL);
     epilogues_case(&g, Q2X_TOL);
     // Launches: GDN in_proj's four matrices with the norm, o_proj's residual add.
-    let c = InOut::new(&g, 58, &[(8192, 4), (4096, 4), (32, 4), (32, 4)]);
+    let d = qwen_dims();
+    let mut rng = Rng(58);
+    let set = [(8192usize, 4u32), (4096, 4), (32, 4), (32, 4)];
+    let gm: Vec<_> = set
+        .iter()
+        .map(|&(o, b)| {
+            g.upload_mat(&rand_quant(&mut rng, 1, o, d.hidden, b, 64, false))
+                .unwrap()
+        })
+        .collect();
+    let refs: Vec<_> = gm.iter().collect();
+    let gh = g.upload(&rng.vec(d.hidden, 1.0)).unwrap();
+    let gnw = g.upload(&rng.vec(d.hidden, 0.5)).unwrap();
+    let wo = g
+        .upload_mat(&rand_quant(&mut rng, 1, d.hidden, 4096, 4, 64, false))
+        .unwrap();
+    let x = g.upload(&rng.vec(4096, 1.0)).unwrap();
     let mut launches = Vec::new();
     for level in [1, 0] {
         g.set_q6w(level);
+        let mut outs: Vec<_> = set.iter().map(|&(o, _)| g.zeros(o).unwrap()).collect();
+        let mut om: Vec<_> = outs.iter_mut().collect();
+        let mut gxn = g.zeros(d.hidden).unwrap();
+        let (mut hh, mut r) = (g.zeros(d.hidden).unwrap(), g.zeros(d.hidden).unwrap());
         let n0 = g.dispatches();
-        c.run(&g);
+        g.rms_norm_matmul(&gh, &gnw, 1, d.hidden, d.eps, &mut gxn, &refs, &mut om);
+        g.matmul_q_add(&x, &wo, 1, &mut r, &mut hh);
         launches.push(g.dispatches() - n0);
     }
-    let refs: Vec<_> = c.gm.iter().collect();
-    let q6 = g.gemv_launches(&refs) + g.gemv_launches(&[&c.wo]);
+    let q6 = g.gemv_launches(&refs) + g.gemv_launches(&[&wo]);
     if q6 == 4 && g.report().subgroups {
         assert_eq!(
             launches,

@@ -159,12 +159,8 @@ fn first_decode_step_is_recorded() {
         "the second and third steps should replay the first's record: {launches:?}"
     );
     // The same prompt on a new state (recorded again), against the tokens above.
-    let prompt = common::prompt_ids(12, m.cfg.vocab_size);
-    let mut st2 = m.new_state(64).unwrap();
-    let l = m
-        .forward(&mut st2, &prompt, lily::model::Logits::Last, None)
-        .unwrap();
-    assert_eq!(lily::runtime::argmax(&l), first);
+    let (mut st2, first2) = after_prompt(&m);
+    assert_eq!(first2, first);
     let again: Vec<u32> = (0..3)
         .map(|i| greedy_step(&m, &mut st2, (i == 0).then_some(first)))
         .collect();
@@ -184,16 +180,13 @@ fn recorded_steps_share_bind_groups() {
     g.set_bg_cache(true);
     let (m, mut st, first) = tiny_after_prompt(g);
     let b = &m.backend;
-    let prompt = common::prompt_ids(12, m.cfg.vocab_size);
     let mut made = Vec::new();
     let mut toks = Vec::new();
     for state in 0..2 {
         if state == 1 {
-            st = m.new_state(64).unwrap();
-            let l = m
-                .forward(&mut st, &prompt, lily::model::Logits::Last, None)
-                .unwrap();
-            assert_eq!(lily::runtime::argmax(&l), first);
+            let first2;
+            (st, first2) = after_prompt(&m);
+            assert_eq!(first2, first);
         }
         // The first step (recorded on its first sight, or on its second with
         // LILY_WGPU_RECORD_FIRST=0) and two more.
@@ -415,12 +408,18 @@ fn switches_change_between_steps() {
 fn tiny_after_prompt(g: Wgpu) -> (lily::model::Qwen35<Wgpu>, lily::model::SeqState<Wgpu>, u32) {
     let dir = common::synth("tiny", 3, &[]);
     let m = lily::runtime::load(g, dir.path()).unwrap();
+    let (st, first) = after_prompt(&m);
+    (m, st, first)
+}
+
+/// A new state of `m` after tiny_after_prompt's prompt, and the token its logits pick.
+fn after_prompt(m: &lily::model::Qwen35<Wgpu>) -> (lily::model::SeqState<Wgpu>, u32) {
     let prompt = common::prompt_ids(12, m.cfg.vocab_size);
     let mut st = m.new_state(64).unwrap();
     let logits = m
         .forward(&mut st, &prompt, lily::model::Logits::Last, None)
         .unwrap();
-    (m, st, lily::runtime::argmax(&logits))
+    (st, lily::runtime::argmax(&logits))
 }
 
 /// One greedy decode step (fed `feed`, else the step's own pick): the token it picks.

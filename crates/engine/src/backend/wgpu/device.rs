@@ -1527,25 +1527,32 @@ impl Ctx {
         words: &[u32],
         bind: &dyn Fn(&::wgpu::Buffer, u64) -> ::wgpu::BindGroup,
     ) -> ::wgpu::BindGroup {
-        let mut ra = self.rec_arena.lock().unwrap();
-        if ra.as_ref().is_none_or(|(_, n)| *n >= REC_SLOTS) {
-            *ra = Some((self.params_arena(), 0));
+        let (ab, off) = self.param_slot(&mut self.rec_arena.lock().unwrap(), words);
+        bind(&ab, off)
+    }
+
+    /// `words` written into the next slot of a recorded dispatches' parameter arena (a new
+    /// uniform buffer of REC_SLOTS blocks where there is none or it is full): the buffer and
+    /// the slot's offset.
+    fn param_slot(
+        &self,
+        arena: &mut Option<(::wgpu::Buffer, usize)>,
+        words: &[u32],
+    ) -> (::wgpu::Buffer, u64) {
+        if arena.as_ref().is_none_or(|(_, n)| *n >= REC_SLOTS) {
+            let b = self.device.create_buffer(&::wgpu::BufferDescriptor {
+                label: Some("recorded params"),
+                size: self.stride * REC_SLOTS as u64,
+                usage: ::wgpu::BufferUsages::UNIFORM | ::wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            *arena = Some((b, 0));
         }
-        let (ab, n) = ra.as_mut().expect("just made");
+        let (ab, n) = arena.as_mut().expect("just made");
         let off = *n as u64 * self.stride;
         *n += 1;
         self.queue.write_buffer(ab, off, as_bytes(words));
-        bind(ab, off)
-    }
-
-    /// A uniform buffer of REC_SLOTS parameter blocks for recorded dispatches.
-    fn params_arena(&self) -> ::wgpu::Buffer {
-        self.device.create_buffer(&::wgpu::BufferDescriptor {
-            label: Some("recorded params"),
-            size: self.stride * REC_SLOTS as u64,
-            usage: ::wgpu::BufferUsages::UNIFORM | ::wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        })
+        (ab.clone(), off)
     }
 
     /// `LILY_WGPU_BG_CACHE`: a recorded dispatch's bind group from earlier records where one
@@ -1567,14 +1574,7 @@ impl Ctx {
         let (pb, off) = match c.params.get(words) {
             Some(p) => p.clone(),
             None => {
-                if c.arena.as_ref().is_none_or(|(_, n)| *n >= REC_SLOTS) {
-                    c.arena = Some((self.params_arena(), 0));
-                }
-                let (ab, n) = c.arena.as_mut().expect("just made");
-                let off = *n as u64 * self.stride;
-                *n += 1;
-                let ab = ab.clone();
-                self.queue.write_buffer(&ab, off, as_bytes(words));
+                let (ab, off) = self.param_slot(&mut c.arena, words);
                 if c.params.len() < BG_PARAMS_MAX {
                     c.params.insert(words.to_vec(), (ab.clone(), off));
                 }
@@ -2325,21 +2325,25 @@ mod tests {
     fn arms_take_every_switch_they_name() {
         const R: Ordering = Ordering::Relaxed;
         type Get = fn(&Switches) -> u64;
+        // A row whose switch is one atomic field: its value as u64.
+        macro_rules! load {
+            ($n:literal, $v:literal, $f:ident) => {
+                ($n, $v, (|s: &Switches| s.$f.load(R) as u64) as Get)
+            };
+        }
         let cases: &[(&str, &str, Get)] = &[
-            ("LILY_WGPU_GEMV_WGS", "7", |s| s.gemv_wgs.load(R) as u64),
-            ("LILY_WGPU_Q6_WGS", "7", |s| s.q6_wgs.load(R) as u64),
+            load!("LILY_WGPU_GEMV_WGS", "7", gemv_wgs),
+            load!("LILY_WGPU_Q6_WGS", "7", q6_wgs),
             ("LILY_WGPU_Q6_WGS_BY", "1:16", |s| {
                 s.q6_wgs_by.lock().map_or(0, |v| v.len() as u64)
             }),
-            ("LILY_WGPU_Q6_MIN_KB", "7", |s| s.q6_min_kb.load(R) as u64),
-            ("LILY_WGPU_ROUTE_AHEAD", "1", |s| {
-                s.route_ahead.load(R) as u64
-            }),
+            load!("LILY_WGPU_Q6_MIN_KB", "7", q6_min_kb),
+            load!("LILY_WGPU_ROUTE_AHEAD", "1", route_ahead),
             ("LILY_WGPU_XQ_AHEAD", "1", |s| {
                 s.xq_ahead.load(R) as u64 + 2 * s.xq_moe.load(R) as u64
             }),
-            ("LILY_WGPU_XQ_AHEAD", "oproj", |s| s.xq_oproj.load(R) as u64),
-            ("LILY_WGPU_XQ_AHEAD", "fold", |s| s.xq_fold.load(R) as u64),
+            load!("LILY_WGPU_XQ_AHEAD", "oproj", xq_oproj),
+            load!("LILY_WGPU_XQ_AHEAD", "fold", xq_fold),
             ("LILY_WGPU_SPEC", "none", |s| {
                 [
                     &s.q6_spec,
@@ -2352,29 +2356,23 @@ mod tests {
                 .map(|a| a.load(R) as u64)
                 .sum()
             }),
-            ("LILY_WGPU_TRACE_PASSES", "1", |s| {
-                s.trace_passes.load(R) as u64
-            }),
-            ("LILY_WGPU_GEMV", "v4", |s| s.gemv.load(R) as u64),
-            ("LILY_WGPU_GDN_STEP", "y", |s| s.gdn_step.load(R) as u64),
-            ("LILY_WGPU_KV_F16", "0", |s| s.kv_f16.load(R) as u64),
-            ("LILY_WGPU_ATTN_DEC", "gqa", |s| s.attn_team.load(R) as u64),
-            ("LILY_WGPU_ATTN_KEYS", "7", |s| s.attn_keys.load(R) as u64),
-            ("LILY_WGPU_ATTN_VAHEAD", "1", |s| {
-                s.attn_vahead.load(R) as u64
-            }),
-            ("LILY_WGPU_MOE_Q", "0", |s| s.moe_q.load(R) as u64),
-            ("LILY_WGPU_MOE_FUSE", "0", |s| s.moe_fuse.load(R) as u64),
-            ("LILY_WGPU_MOE_XQ", "0", |s| s.moe_xq.load(R) as u64),
-            ("LILY_WGPU_MOE_DOWN", "y", |s| s.moe_down.load(R) as u64),
-            ("LILY_WGPU_Q6W", "0", |s| s.q6w.load(R) as u64),
-            ("LILY_WGPU_Q6W_MAX_MB", "8", |s| s.q6w_max_mb.load(R) as u64),
-            ("LILY_WGPU_BG_CACHE", "1", |s| s.bg_cache.load(R) as u64),
-            ("LILY_WGPU_MOE_XQ_SHAPE", "8,4,1", |s| {
-                s.moe_xq_shape.load(R) as u64
-            }),
-            ("LILY_WGPU_GEMM", "old", |s| s.gemm.load(R) as u64),
-            ("LILY_WGPU_MOE_MM", "mm8", |s| s.moe_mm8.load(R) as u64),
+            load!("LILY_WGPU_TRACE_PASSES", "1", trace_passes),
+            load!("LILY_WGPU_GEMV", "v4", gemv),
+            load!("LILY_WGPU_GDN_STEP", "y", gdn_step),
+            load!("LILY_WGPU_KV_F16", "0", kv_f16),
+            load!("LILY_WGPU_ATTN_DEC", "gqa", attn_team),
+            load!("LILY_WGPU_ATTN_KEYS", "7", attn_keys),
+            load!("LILY_WGPU_ATTN_VAHEAD", "1", attn_vahead),
+            load!("LILY_WGPU_MOE_Q", "0", moe_q),
+            load!("LILY_WGPU_MOE_FUSE", "0", moe_fuse),
+            load!("LILY_WGPU_MOE_XQ", "0", moe_xq),
+            load!("LILY_WGPU_MOE_DOWN", "y", moe_down),
+            load!("LILY_WGPU_Q6W", "0", q6w),
+            load!("LILY_WGPU_Q6W_MAX_MB", "8", q6w_max_mb),
+            load!("LILY_WGPU_BG_CACHE", "1", bg_cache),
+            load!("LILY_WGPU_MOE_XQ_SHAPE", "8,4,1", moe_xq_shape),
+            load!("LILY_WGPU_GEMM", "old", gemm),
+            load!("LILY_WGPU_MOE_MM", "mm8", moe_mm8),
         ];
         for &(name, value, get) in cases {
             // (An environment that already sets this value leaves nothing to change.)
