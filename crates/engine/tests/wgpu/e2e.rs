@@ -170,46 +170,56 @@ fn first_decode_step_is_recorded() {
 /// `LILY_WGPU_BG_CACHE` (`Wgpu::set_bg_cache`): a second state's first decode step, recorded,
 /// makes fewer bind groups than the first state's (only those of its own buffers: the KV
 /// caches, the conv and recurrent state), and picks the same tokens over three steps, with the
-/// second and third replayed.
+/// second and third replayed. The cache does not keep the groups of states gone by: over four
+/// states, each dropped before the next, the groups kept stop growing after the second
+/// (BG_KEEP_RECORDS), where without the purge each state would add its own.
 #[test]
 fn recorded_steps_share_bind_groups() {
     let Some(g) = gpu() else { return };
     if std::env::var("LILY_WGPU_REPLAY").as_deref() == Ok("0") {
         return;
     }
-    g.set_bg_cache(true);
-    let (m, mut st, first) = tiny_after_prompt(g);
+    let was = g.set_bg_cache(true);
+    let (m, st0, first) = tiny_after_prompt(g);
     let b = &m.backend;
+    let mut st = Some(st0);
     let mut made = Vec::new();
+    let mut kept = Vec::new();
     let mut toks = Vec::new();
-    for state in 0..2 {
-        if state == 1 {
-            let first2;
-            (st, first2) = after_prompt(&m);
+    for state in 0..4 {
+        if state > 0 {
+            drop(st.take());
+            let (s, first2) = after_prompt(&m);
             assert_eq!(first2, first);
+            st = Some(s);
         }
+        let s = st.as_mut().expect("a state");
         // The first step (recorded on its first sight, or on its second with
         // LILY_WGPU_RECORD_FIRST=0) and two more.
         let b0 = b.bind_groups_made();
         let t: Vec<u32> = (0..3)
-            .map(|i| greedy_step(&m, &mut st, (i == 0).then_some(first)))
+            .map(|i| greedy_step(&m, s, (i == 0).then_some(first)))
             .collect();
         made.push(b.bind_groups_made() - b0);
+        kept.push(b.bind_groups_cached());
         toks.push(t);
     }
-    b.set_bg_cache(false);
-    assert_eq!(
-        toks[0], toks[1],
-        "a state recorded from cached bind groups picked other tokens"
-    );
+    b.set_bg_cache(was);
+    for t in &toks[1..] {
+        assert_eq!(
+            &toks[0], t,
+            "a state recorded from cached bind groups picked other tokens"
+        );
+    }
     assert!(
         made[1] < made[0],
         "bind groups made over the first steps of two states: {made:?}"
     );
-    eprintln!(
-        "bind groups made: first state {}, second {}",
-        made[0], made[1]
+    assert!(
+        kept[3] <= kept[1],
+        "bind groups kept after each of four states: {kept:?} (a dropped state's stay)"
     );
+    eprintln!("bind groups made: {made:?}; kept: {kept:?}");
 }
 
 /// The in-place trace of replayed decode steps (`lily bench --trace` on wgpu; device.rs

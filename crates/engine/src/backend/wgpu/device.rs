@@ -56,7 +56,14 @@ struct BgCache {
     /// Bind groups and the tick of their last use.
     groups: HashMap<BgKey, (::wgpu::BindGroup, u64)>,
     tick: u64,
+    /// The tick at the start of each of the last BG_KEEP_RECORDS records (`Ctx::begin_record`).
+    starts: std::collections::VecDeque<u64>,
 }
+/// Records whose bind groups `Ctx::cached_bind` keeps: when a record begins, a group the
+/// record before it did not use goes (`Ctx::begin_record`). The weights' groups serve every
+/// record and stay; a dropped state's (its KV caches, conv and recurrent state: ~0.2 GB at 4K,
+/// GBs at long context) would otherwise stay alive in the cache until BG_CACHE_MAX evicted them.
+const BG_KEEP_RECORDS: usize = 1;
 /// Bytes of the parameter arena a dispatch may use (a QMat and a few words; attention passes its RoPE frequencies).
 const PARAM_BYTES: u64 = 2048;
 /// Spare buffers (`Ctx::spare`): as many as a launch may leave unused.
@@ -427,17 +434,19 @@ pub(super) struct Switches {
     /// stderr (a contract row's first step after its prefill costs ~7.5 ms more than a steady
     /// one on the H100, stop 44).
     pub step_times: bool,
-    /// `LILY_WGPU_REC_FLUSH=N` (opt-in, unmeasured): a decode step being recorded goes to the
-    /// device every N dispatches instead of every FLUSH_EVERY (256: nearly the whole step
-    /// after the host recorded it). Stop 44's H100 call put ~7.5 ms of a contract row's first
-    /// step above a steady one; with N = 32 the device would run the step while the host
-    /// records it (`Ctx::dispatch`).
+    /// `LILY_WGPU_REC_FLUSH=N` (opt-in): a decode step being recorded goes to the device every
+    /// N dispatches instead of every FLUSH_EVERY (256: nearly the whole step after the host
+    /// recorded it; `Ctx::dispatch`). Measured level (stop 45, H100, the contract's 4K row:
+    /// 362.72 against 362.31 tok/s, and 377.88 against 377.73 with BG_CACHE): the recording
+    /// step is host-bound whatever the device runs meanwhile.
     pub rec_flush: usize,
-    /// `LILY_WGPU_BG_CACHE=1` (opt-in, unmeasured): a step being recorded reuses the bind groups
+    /// `LILY_WGPU_BG_CACHE` (on; `0` the ablation): a step being recorded reuses the bind groups
     /// of earlier records (`BgCache`: by pipeline, parameter block and buffers; the parameter
     /// blocks deduplicated by content), so that a new state's first step makes only those of
     /// its own buffers (the KV caches, the conv and recurrent state). On lavapipe most of a
-    /// recording's host time is making bind groups (stop 44). Atomic for the tests
+    /// recording's host time is making bind groups (stop 44). On the H100 (stop 45) a full
+    /// step's recording went 6.2-6.9 → 2.9-4.3 ms of host time and the contract's 4K row
+    /// 362.31 / 362.25 → 377.73 / 376.58 tok/s (+4.2%). Atomic for the tests
     /// (`Wgpu::set_bg_cache`).
     pub bg_cache: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_GQA=0`: attention a query head a workgroup instead of a KV head's group.
@@ -707,9 +716,7 @@ impl Switches {
             record_first: on("LILY_WGPU_RECORD_FIRST"),
             step_times: get("LILY_WGPU_STEP_TIMES").as_deref() == Some("1"),
             rec_flush: num("LILY_WGPU_REC_FLUSH", FLUSH_EVERY).max(1),
-            bg_cache: std::sync::atomic::AtomicBool::new(
-                get("LILY_WGPU_BG_CACHE").as_deref() == Some("1"),
-            ),
+            bg_cache: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_BG_CACHE")),
             gqa: on("LILY_WGPU_GQA"),
             fuse_norm: on("LILY_WGPU_FUSE_NORM"),
             fuse_epilogue: on("LILY_WGPU_FUSE_EPILOGUE"),
@@ -1560,7 +1567,8 @@ impl Ctx {
     /// blocks are kept by content in arenas that live as long as the device (at most
     /// BG_PARAMS_MAX blocks; past that a block is written for this dispatch alone). The bind
     /// groups keep their buffers alive, so at most BG_CACHE_MAX are kept: past it the less
-    /// recently used half goes.
+    /// recently used half goes; a group left unused by the last BG_KEEP_RECORDS records goes
+    /// when the next begins (`begin_record`).
     fn cached_bind(
         &self,
         pipe: &Arc<::wgpu::ComputePipeline>,
@@ -1821,10 +1829,24 @@ impl Ctx {
     /// Starts recording the ops that follow (they still run) as a replayable step.
     pub fn begin_record(&self) {
         *self.rec_arena.lock().unwrap() = None;
+        {
+            let mut c = self.bg_cache.lock().unwrap();
+            let now = c.tick;
+            c.starts.push_back(now);
+            if c.starts.len() > BG_KEEP_RECORDS {
+                let cut = c.starts.pop_front().unwrap_or(0);
+                c.groups.retain(|_, v| v.1 > cut);
+            }
+        }
         for t in &self.host_ns {
             t.store(0, Ordering::Relaxed);
         }
         *self.rec.lock().unwrap() = Some(Vec::new());
+    }
+
+    /// Bind groups `cached_bind` keeps now (tests).
+    pub fn bind_groups_cached(&self) -> usize {
+        self.bg_cache.lock().unwrap().groups.len()
     }
 
     /// Milliseconds in `dispatch_spec`, and in its bind groups' creation, since the last
@@ -2369,7 +2391,7 @@ mod tests {
             load!("LILY_WGPU_MOE_DOWN", "y", moe_down),
             load!("LILY_WGPU_Q6W", "0", q6w),
             load!("LILY_WGPU_Q6W_MAX_MB", "8", q6w_max_mb),
-            load!("LILY_WGPU_BG_CACHE", "1", bg_cache),
+            load!("LILY_WGPU_BG_CACHE", "0", bg_cache),
             load!("LILY_WGPU_MOE_XQ_SHAPE", "8,4,1", moe_xq_shape),
             load!("LILY_WGPU_GEMM", "old", gemm),
             load!("LILY_WGPU_MOE_MM", "mm8", moe_mm8),

@@ -372,13 +372,13 @@ impl Wgpu {
         let xin = XIn::Norm { w, eps, xn };
         matmul::gemv_many_xq(&self.ctx, h, ws, 0, rows, outs, xin, OutMode::Store, q6w)
     }
-    /// Dispatches encoded so far (op by op, not replays): tests count an op's launches.
-    /// Recorded steps reuse earlier records' bind groups from now on (`LILY_WGPU_BG_CACHE`).
-    pub fn set_bg_cache(&self, on: bool) {
+    /// Whether recorded steps reuse earlier records' bind groups from now on
+    /// (`LILY_WGPU_BG_CACHE`); returns the old setting, for a test to put back.
+    pub fn set_bg_cache(&self, on: bool) -> bool {
         self.ctx
             .sw
             .bg_cache
-            .store(on, std::sync::atomic::Ordering::Relaxed);
+            .swap(on, std::sync::atomic::Ordering::Relaxed)
     }
     /// Bind groups made for dispatches so far (tests count a recording's).
     pub fn bind_groups_made(&self) -> u64 {
@@ -386,6 +386,11 @@ impl Wgpu {
             .bind_groups
             .load(std::sync::atomic::Ordering::Relaxed)
     }
+    /// Bind groups kept for later records now (`LILY_WGPU_BG_CACHE`; tests).
+    pub fn bind_groups_cached(&self) -> usize {
+        self.ctx.bind_groups_cached()
+    }
+    /// Dispatches encoded so far (op by op, not replays): tests count an op's launches.
     pub fn dispatches(&self) -> u64 {
         self.ctx
             .dispatched
