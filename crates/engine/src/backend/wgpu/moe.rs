@@ -720,6 +720,17 @@ pub fn moe_decode_shared(
             }
             consts.push(("MY_FOLD", 1));
         }
+        // The route a subgroup each (gx_route_sg): specialised (its loops bounded by MY_SG),
+        // unfolded, routed here, and within its arrays (256 / MY_SG ≤ 64 experts a lane, k ≤ 64).
+        if ctx.sw.moe_rsg.load(std::sync::atomic::Ordering::Relaxed)
+            && !consts.is_empty()
+            && !fold
+            && route_in == 1
+            && k <= 64
+            && ctx.report.subgroup_min >= 4
+        {
+            consts.push(("MY_RSG", 1));
+        }
         // Bindings 19 and 20: the logits and the shared gate's logit the folded route writes
         // (spares otherwise); the logits are then not read at 16.
         let (lg, l_out, s_out) = match (fold, logits) {

@@ -71,6 +71,9 @@ override MY_RN: bool = false;
 // logit from the projection's partial dots (gx_fold_logit) and the route's writer also writes
 // the logits (binding 19) and the shared gate's logit (20, for down). Only with MY_ON, one row.
 override MY_FOLD: bool = false;
+// The route a subgroup each, without barriers (gx_route_sg, `LILY_WGPU_ROUTE_SG=1`). Only with
+// MY_ON and without MY_FOLD.
+override MY_RSG: bool = false;
 
 fn my_out() -> u32 { return select(p.m.out, MY_OUT, MY_ON); }
 fn my_inp() -> u32 { return select(p.m.inp, MY_INP, MY_ON); }
@@ -330,6 +333,102 @@ fn gx_route(t: u32, li: u32, sg: u32, lsg: u32, write: bool) {
     }
 }
 
+// gx_route's result without a barrier (MY_RSG, `LILY_WGPU_ROUTE_SG=1`; only with MY_ON, so that
+// the subgroup width and with it every loop bound below is a constant): each subgroup routes
+// the token alone, lane l holding experts l + MY_SG · m (m < 256 / MY_SG) in registers. The
+// same bits as moe_route's (and gx_route's):
+// - the max is order-free: the lane's, then subgroupMax;
+// - the sum is moe_route's tree (node i += node i + s for s = 128 … 1): while s ≥ MY_SG both
+//   operands are lane (i mod MY_SG)'s, added in registers in the tree's order; below that by
+//   shuffles, as gx_route;
+// - the top k in k rounds: the subgroup's largest key, ties to the lower id (moe_route's stable
+//   order), struck from its lane; p ≥ 0, so a key's bits are its p's.
+// Returns slot js's expert; invocation 0 of the writer's workgroup (`write`) writes the route.
+// Every invocation of the workgroup calls it (subgroup operations; no barrier).
+const GX_RSG_M: u32 = 64u;
+fn gx_route_sg(t: u32, li: u32, lsg: u32, js: u32, write: bool) -> u32 {
+    let ne = my_nexp();
+    let nm = 256u / MY_SG;
+    let ninf = bitcast<f32>(0xff800000u);
+    var v: array<f32, GX_RSG_M>;
+    var lm = ninf;
+    for (var m = 0u; m < nm; m++) {
+        let e = lsg + m * MY_SG;
+        var l = ninf;
+        if (e < ne) {
+            l = gs_logits[t * ne + e];
+        }
+        v[m] = l;
+        lm = max(lm, l);
+    }
+    let mx = subgroupMax(lm);
+    // v: each expert's exp(l - max) (0 past the experts, as moe_route's red); a: the tree.
+    var a: array<f32, GX_RSG_M>;
+    for (var m = 0u; m < nm; m++) {
+        var part = 0.0;
+        if (lsg + m * MY_SG < ne) {
+            part = exp_acc(v[m] - mx);
+        }
+        v[m] = part;
+        a[m] = part;
+    }
+    for (var s = 128u; s >= MY_SG; s >>= 1u) {
+        let h = s / MY_SG;
+        for (var q = 0u; q < h; q++) {
+            a[q] = a[q] + a[q + h];
+        }
+    }
+    var sum = a[0];
+    for (var o = MY_SG / 2u; o > 0u; o >>= 1u) {
+        sum = sum + subgroupShuffleXor(sum, o);
+    }
+    sum = subgroupShuffle(sum, 0u);
+    let kmin = bitcast<i32>(0x80000000u);
+    var key: array<i32, GX_RSG_M>;
+    for (var m = 0u; m < nm; m++) {
+        key[m] = kmin;
+        if (lsg + m * MY_SG < ne) {
+            key[m] = order_key(v[m] / sum);
+        }
+    }
+    var e = 0u;
+    var ws = 0.0;
+    for (var r = 0u; r < my_k(); r++) {
+        // The lane's best: ids rise with m, so the first of equal keys is the lower id.
+        var bk = kmin;
+        var bm = 0u;
+        for (var m = 0u; m < nm; m++) {
+            if (key[m] > bk) {
+                bk = key[m];
+                bm = m;
+            }
+        }
+        let km = subgroupMax(bk);
+        let id = subgroupMin(select(0xffffffffu, lsg + bm * MY_SG, bk == km));
+        if (id % MY_SG == lsg) {
+            key[id / MY_SG] = kmin;
+        }
+        if (r == js) {
+            e = id;
+        }
+        if (write && li == 0u) {
+            // rtop: this invocation's own p of each slot (no other reads it here).
+            gs_ids[t * my_k() + r] = id;
+            rtop[r] = bitcast<u32>(km);
+            ws += bitcast<f32>(km);
+        }
+    }
+    if (write && li == 0u) {
+        if (my_norm() == 0u) {
+            ws = 1.0;
+        }
+        for (var j = 0u; j < my_k(); j++) {
+            gs_w[t * my_k() + j] = bitcast<f32>(rtop[j]) / ws;
+        }
+    }
+    return e;
+}
+
 // A gate|up workgroup's place (moe_gate_up_x, moe_gate_up_y; uniform: the workgroup index
 // alone): its slot of the (k + 1) · rows, token t, slot js of it (slot k the shared expert: sh,
 // uniform over the workgroup as every branch on it), the first of its 32 outputs, and whether
@@ -357,7 +456,9 @@ fn gx_at(wg: u32) -> GxAt {
 fn gx_expert(t: u32, js: u32, sh: bool, li: u32, sg: u32, lane_sg: u32, first: bool) -> u32 {
     var e = 0u;
     if (!sh) {
-        if (my_tiles() != 0u) {
+        if (my_tiles() != 0u && MY_RSG) {
+            e = min(gx_route_sg(t, li, lane_sg, js, js == 0u && first), my_nexp() - 1u);
+        } else if (my_tiles() != 0u) {
             gx_route(t, li, sg, lane_sg, js == 0u && first);
             e = min(rtop[js], my_nexp() - 1u);
         } else {
