@@ -1025,8 +1025,9 @@ fn moe_y_specialised_equals_the_y_kernels() {
                 g.set_moe_down(down).unwrap();
                 out.push(gpu_step(&g, true, &hv, &gnw, &w, &d, width, false));
             }
-            // The route a subgroup each (gx_route_sg, `LILY_WGPU_ROUTE_SG`): the same route to
-            // the bit as gx_route's (the reference, unspecialised).
+            // The route a subgroup each (gx_route_sg, `LILY_WGPU_ROUTE_SG`; taken on 32-lane
+            // subgroups only, so not on lavapipe's 8): the same route to the bit as gx_route's
+            // (the reference, unspecialised).
             g.set_spec("moe").unwrap();
             let was = g.set_route_sg(true);
             let rsg = gpu_step(&g, true, &hv, &gnw, &w, &d, width, false);

@@ -720,14 +720,16 @@ pub fn moe_decode_shared(
             }
             consts.push(("MY_FOLD", 1));
         }
-        // The route a subgroup each (gx_route_sg): specialised (its loops bounded by MY_SG),
-        // unfolded, routed here, and within its arrays (256 / MY_SG ≤ 64 experts a lane, k ≤ 64).
+        // The route a subgroup each (gx_route_sg): specialised, unfolded, routed here, on
+        // 32-lane subgroups (8 experts a lane in registers: at most 256), k ≤ 64 (rtop).
         if ctx.sw.moe_rsg.load(std::sync::atomic::Ordering::Relaxed)
             && !consts.is_empty()
             && !fold
             && route_in == 1
             && k <= 64
-            && ctx.report.subgroup_min >= 4
+            && n <= 256
+            && ctx.report.subgroup_min == 32
+            && ctx.report.subgroup_max == 32
         {
             consts.push(("MY_RSG", 1));
         }

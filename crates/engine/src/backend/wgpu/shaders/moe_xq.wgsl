@@ -72,7 +72,7 @@ override MY_RN: bool = false;
 // the logits (binding 19) and the shared gate's logit (20, for down). Only with MY_ON, one row.
 override MY_FOLD: bool = false;
 // The route a subgroup each, without barriers (gx_route_sg, `LILY_WGPU_ROUTE_SG=1`). Only with
-// MY_ON and without MY_FOLD.
+// MY_ON, MY_SG = 32 and without MY_FOLD.
 override MY_RSG: bool = false;
 
 fn my_out() -> u32 { return select(p.m.out, MY_OUT, MY_ON); }
@@ -333,81 +333,54 @@ fn gx_route(t: u32, li: u32, sg: u32, lsg: u32, write: bool) {
     }
 }
 
-// gx_route's result without a barrier (MY_RSG, `LILY_WGPU_ROUTE_SG=1`; only with MY_ON, so that
-// the subgroup width and with it every loop bound below is a constant): each subgroup routes
-// the token alone, lane l holding experts l + MY_SG · m (m < 256 / MY_SG) in registers. The
-// same bits as moe_route's (and gx_route's):
+// gx_route's result without a barrier (MY_RSG, `LILY_WGPU_ROUTE_SG=1`; only with MY_ON on a
+// 32-lane subgroup): each subgroup routes the token alone, lane l holding experts l + 32 m
+// (m < 8) in two vec4s of registers, every index a constant (stop 45's first version kept
+// them in arrays indexed by the winner: 0.919× at 4K on the H100). The same bits as
+// moe_route's (and gx_route's):
 // - the max is order-free: the lane's, then subgroupMax;
-// - the sum is moe_route's tree (node i += node i + s for s = 128 … 1): while s ≥ MY_SG both
-//   operands are lane (i mod MY_SG)'s, added in registers in the tree's order; below that by
-//   shuffles, as gx_route;
+// - the sum is moe_route's tree (node i += node i + s for s = 128 … 1): its levels 128, 64 and
+//   32 add lane-local nodes (gx_node32's operands in its order), the levels below by shuffles;
 // - the top k in k rounds: the subgroup's largest key, ties to the lower id (moe_route's stable
 //   order), struck from its lane; p ≥ 0, so a key's bits are its p's.
 // Returns slot js's expert; invocation 0 of the writer's workgroup (`write`) writes the route.
 // Every invocation of the workgroup calls it (subgroup operations; no barrier).
-const GX_RSG_M: u32 = 64u;
 fn gx_route_sg(t: u32, li: u32, lsg: u32, js: u32, write: bool) -> u32 {
     let ne = my_nexp();
-    let nm = 256u / MY_SG;
     let ninf = bitcast<f32>(0xff800000u);
-    var v: array<f32, GX_RSG_M>;
-    var lm = ninf;
-    for (var m = 0u; m < nm; m++) {
-        let e = lsg + m * MY_SG;
-        var l = ninf;
-        if (e < ne) {
-            l = gs_logits[t * ne + e];
-        }
-        v[m] = l;
-        lm = max(lm, l);
-    }
-    let mx = subgroupMax(lm);
-    // v: each expert's exp(l - max) (0 past the experts, as moe_route's red); a: the tree.
-    var a: array<f32, GX_RSG_M>;
-    for (var m = 0u; m < nm; m++) {
-        var part = 0.0;
-        if (lsg + m * MY_SG < ne) {
-            part = exp_acc(v[m] - mx);
-        }
-        v[m] = part;
-        a[m] = part;
-    }
-    for (var s = 128u; s >= MY_SG; s >>= 1u) {
-        let h = s / MY_SG;
-        for (var q = 0u; q < h; q++) {
-            a[q] = a[q] + a[q + h];
-        }
-    }
-    var sum = a[0];
-    for (var o = MY_SG / 2u; o > 0u; o >>= 1u) {
+    let ea = vec4<u32>(lsg) + vec4<u32>(0u, 32u, 64u, 96u);
+    let eb = ea + vec4<u32>(128u);
+    let ina = ea < vec4<u32>(ne);
+    let inb = eb < vec4<u32>(ne);
+    let base = t * ne;
+    let la = select(vec4<f32>(ninf), vec4<f32>(gs_logits[base + min(ea.x, ne - 1u)], gs_logits[base + min(ea.y, ne - 1u)], gs_logits[base + min(ea.z, ne - 1u)], gs_logits[base + min(ea.w, ne - 1u)]), ina);
+    let lb = select(vec4<f32>(ninf), vec4<f32>(gs_logits[base + min(eb.x, ne - 1u)], gs_logits[base + min(eb.y, ne - 1u)], gs_logits[base + min(eb.z, ne - 1u)], gs_logits[base + min(eb.w, ne - 1u)]), inb);
+    let m4 = max(la, lb);
+    let mx = subgroupMax(max(max(m4.x, m4.y), max(m4.z, m4.w)));
+    // exp(l - max), 0 past the experts (moe_route's red), then the tree.
+    let pa = select(vec4<f32>(0.0), vec4<f32>(exp_acc(la.x - mx), exp_acc(la.y - mx), exp_acc(la.z - mx), exp_acc(la.w - mx)), ina);
+    let pb = select(vec4<f32>(0.0), vec4<f32>(exp_acc(lb.x - mx), exp_acc(lb.y - mx), exp_acc(lb.z - mx), exp_acc(lb.w - mx)), inb);
+    let n128 = pa + pb;
+    let n64 = n128.xy + n128.zw;
+    var sum = n64.x + n64.y;
+    for (var o = 16u; o > 0u; o >>= 1u) {
         sum = sum + subgroupShuffleXor(sum, o);
     }
     sum = subgroupShuffle(sum, 0u);
-    let kmin = bitcast<i32>(0x80000000u);
-    var key: array<i32, GX_RSG_M>;
-    for (var m = 0u; m < nm; m++) {
-        key[m] = kmin;
-        if (lsg + m * MY_SG < ne) {
-            key[m] = order_key(v[m] / sum);
-        }
-    }
+    let kmin = vec4<i32>(bitcast<i32>(0x80000000u));
+    let va = pa / vec4<f32>(sum);
+    let vb = pb / vec4<f32>(sum);
+    var ka = select(kmin, vec4<i32>(order_key(va.x), order_key(va.y), order_key(va.z), order_key(va.w)), ina);
+    var kb = select(kmin, vec4<i32>(order_key(vb.x), order_key(vb.y), order_key(vb.z), order_key(vb.w)), inb);
     var e = 0u;
     var ws = 0.0;
     for (var r = 0u; r < my_k(); r++) {
-        // The lane's best: ids rise with m, so the first of equal keys is the lower id.
-        var bk = kmin;
-        var bm = 0u;
-        for (var m = 0u; m < nm; m++) {
-            if (key[m] > bk) {
-                bk = key[m];
-                bm = m;
-            }
-        }
-        let km = subgroupMax(bk);
-        let id = subgroupMin(select(0xffffffffu, lsg + bm * MY_SG, bk == km));
-        if (id % MY_SG == lsg) {
-            key[id / MY_SG] = kmin;
-        }
+        // The lane's best: the first of equal keys is the lower id.
+        let b = gx_best(ka, kb, ea, eb);
+        let km = subgroupMax(b.x);
+        let id = subgroupMin(select(0xffffffffu, u32(b.y), b.x == km));
+        ka = select(ka, kmin, ea == vec4<u32>(id));
+        kb = select(kb, kmin, eb == vec4<u32>(id));
         if (r == js) {
             e = id;
         }
@@ -427,6 +400,21 @@ fn gx_route_sg(t: u32, li: u32, lsg: u32, js: u32, write: bool) -> u32 {
         }
     }
     return e;
+}
+
+// A lane's largest key of gx_route_sg and its expert (the lower of equal keys: a before b,
+// x before w), as (key, id).
+fn gx_best(ka: vec4<i32>, kb: vec4<i32>, ea: vec4<u32>, eb: vec4<u32>) -> vec2<i32> {
+    // Pairwise, each pair's first kept on a tie: (a.x, a.y) (a.z, a.w) (b.x, b.y) (b.z, b.w).
+    let ta = ka.yw > ka.xz;
+    let tb = kb.yw > kb.xz;
+    let k1 = vec4<i32>(select(ka.xz, ka.yw, ta), select(kb.xz, kb.yw, tb));
+    let i1 = vec4<u32>(select(ea.xz, ea.yw, ta), select(eb.xz, eb.yw, tb));
+    let t2 = k1.yw > k1.xz;
+    let k2 = select(k1.xz, k1.yw, t2);
+    let i2 = select(i1.xz, i1.yw, t2);
+    let t3 = k2.y > k2.x;
+    return vec2<i32>(select(k2.x, k2.y, t3), i32(select(i2.x, i2.y, t3)));
 }
 
 // A gate|up workgroup's place (moe_gate_up_x, moe_gate_up_y; uniform: the workgroup index
