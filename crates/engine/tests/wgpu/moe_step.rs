@@ -980,8 +980,7 @@ const DOWNS: [(bool, &str); 3] = [(false, "y"), (true, "y"), (true, "y2")];
 /// contracts other a·b + c pairs into FMAs (the H200, stop 38: h a few ulps off; lavapipe
 /// bit-equal). A constant in the wrong place (a group size, k, the width) moves the outputs by
 /// O(1). moe_down_y2 (`LILY_WGPU_MOE_DOWN` y2, the default) likewise against the unspecialised
-/// kernels; and with the route a subgroup each (`LILY_WGPU_ROUTE_SG`), whose ids and weights
-/// must be gx_route's bits.
+/// kernels.
 #[test]
 fn moe_y_specialised_equals_the_y_kernels() {
     let Some(g) = gpu() else { return };
@@ -1025,27 +1024,9 @@ fn moe_y_specialised_equals_the_y_kernels() {
                 g.set_moe_down(down).unwrap();
                 out.push(gpu_step(&g, true, &hv, &gnw, &w, &d, width, false));
             }
-            // The route a subgroup each (gx_route_sg, `LILY_WGPU_ROUTE_SG`; taken on 32-lane
-            // subgroups only, so not on lavapipe's 8): the same route to the bit as gx_route's
-            // (the reference, unspecialised).
-            g.set_spec("moe").unwrap();
-            let was = g.set_route_sg(true);
-            let rsg = gpu_step(&g, true, &hv, &gnw, &w, &d, width, false);
-            g.set_route_sg(was);
             g.set_spec("").unwrap();
             g.set_moe_down("y").unwrap();
             let (a, b) = (&out[0], &out[1]);
-            assert_eq!(rsg.ids, a.ids, "{what} token {token}: ids, ROUTE_SG");
-            assert_eq!(
-                bits(&rsg.w),
-                bits(&a.w),
-                "{what} token {token}: weights, ROUTE_SG"
-            );
-            check(
-                &format!("{what} token {token}: h with ROUTE_SG"),
-                rel_rows(&rsg.h, &a.h, hid),
-                F32_TOL,
-            );
             assert_eq!(bits(&b.x), bits(&a.x), "{what} token {token}: x");
             assert_eq!(
                 bits(&b.logits),

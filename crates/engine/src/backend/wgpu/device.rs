@@ -554,11 +554,6 @@ pub(super) struct Switches {
     /// with its K words, a block ahead (attn_dec_sg.wgsl AD_VAHEAD). Atomic for the op tests
     /// and the arms (`Wgpu::set_attn_vahead`).
     pub attn_vahead: std::sync::atomic::AtomicBool,
-    /// `LILY_WGPU_ROUTE_SG=1` (opt-in until measured): moe_gate_up_y's workgroups route the
-    /// token a subgroup each, without a barrier (moe_xq.wgsl MY_RSG, gx_route_sg), instead of
-    /// gx_route's five; only specialised (`LILY_WGPU_SPEC` moe) and unfolded. Atomic for the
-    /// op tests and the arms.
-    pub moe_rsg: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_GDN_FAST=1`: the gated delta rule by the subgroup kernels (gdn_sg.wgsl) where
     /// the adapter has subgroups, instead of gdn_recur. Opt-in: on the H200 (Vulkan) they were
     /// slower, 24.4 against 14.8 ms a 2048-row block and 28.4 against 21.6 µs a decode step.
@@ -769,9 +764,6 @@ impl Switches {
             attn_vahead: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_ATTN_VAHEAD").as_deref() == Some("1"),
             ),
-            moe_rsg: std::sync::atomic::AtomicBool::new(
-                get("LILY_WGPU_ROUTE_SG").as_deref() == Some("1"),
-            ),
             gdn_fast: get("LILY_WGPU_GDN_FAST").as_deref() == Some("1"),
             gdn_step: AtomicU32::new(
                 get("LILY_WGPU_GDN_STEP")
@@ -911,7 +903,6 @@ impl Switches {
             attn_team,
             attn_keys,
             attn_vahead,
-            moe_rsg,
             moe_q,
             moe_fuse,
             moe_xq,
@@ -2394,7 +2385,6 @@ mod tests {
             load!("LILY_WGPU_ATTN_DEC", "gqa", attn_team),
             load!("LILY_WGPU_ATTN_KEYS", "7", attn_keys),
             load!("LILY_WGPU_ATTN_VAHEAD", "1", attn_vahead),
-            load!("LILY_WGPU_ROUTE_SG", "1", moe_rsg),
             load!("LILY_WGPU_MOE_Q", "0", moe_q),
             load!("LILY_WGPU_MOE_FUSE", "0", moe_fuse),
             load!("LILY_WGPU_MOE_XQ", "0", moe_xq),

@@ -386,13 +386,6 @@ impl Wgpu {
             .bind_groups
             .load(std::sync::atomic::Ordering::Relaxed)
     }
-    /// moe_gate_up_y's route a subgroup each (`LILY_WGPU_ROUTE_SG`); returns the old setting.
-    pub fn set_route_sg(&self, on: bool) -> bool {
-        self.ctx
-            .sw
-            .moe_rsg
-            .swap(on, std::sync::atomic::Ordering::Relaxed)
-    }
     /// Bind groups kept for later records now (`LILY_WGPU_BG_CACHE`; tests).
     pub fn bind_groups_cached(&self) -> usize {
         self.ctx.bind_groups_cached()

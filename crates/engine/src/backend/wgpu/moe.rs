@@ -720,19 +720,6 @@ pub fn moe_decode_shared(
             }
             consts.push(("MY_FOLD", 1));
         }
-        // The route a subgroup each (gx_route_sg): specialised, unfolded, routed here, on
-        // 32-lane subgroups (8 experts a lane in registers: at most 256), k ≤ 64 (rtop).
-        if ctx.sw.moe_rsg.load(std::sync::atomic::Ordering::Relaxed)
-            && !consts.is_empty()
-            && !fold
-            && route_in == 1
-            && k <= 64
-            && n <= 256
-            && ctx.report.subgroup_min == 32
-            && ctx.report.subgroup_max == 32
-        {
-            consts.push(("MY_RSG", 1));
-        }
         // Bindings 19 and 20: the logits and the shared gate's logit the folded route writes
         // (spares otherwise); the logits are then not read at 16.
         let (lg, l_out, s_out) = match (fold, logits) {

@@ -71,9 +71,6 @@ override MY_RN: bool = false;
 // logit from the projection's partial dots (gx_fold_logit) and the route's writer also writes
 // the logits (binding 19) and the shared gate's logit (20, for down). Only with MY_ON, one row.
 override MY_FOLD: bool = false;
-// The route a subgroup each, without barriers (gx_route_sg, `LILY_WGPU_ROUTE_SG=1`). Only with
-// MY_ON, MY_SG = 32 and without MY_FOLD.
-override MY_RSG: bool = false;
 
 fn my_out() -> u32 { return select(p.m.out, MY_OUT, MY_ON); }
 fn my_inp() -> u32 { return select(p.m.inp, MY_INP, MY_ON); }
@@ -333,90 +330,6 @@ fn gx_route(t: u32, li: u32, sg: u32, lsg: u32, write: bool) {
     }
 }
 
-// gx_route's result without a barrier (MY_RSG, `LILY_WGPU_ROUTE_SG=1`; only with MY_ON on a
-// 32-lane subgroup): each subgroup routes the token alone, lane l holding experts l + 32 m
-// (m < 8) in two vec4s of registers, every index a constant (stop 45's first version kept
-// them in arrays indexed by the winner: 0.919× at 4K on the H100). The same bits as
-// moe_route's (and gx_route's):
-// - the max is order-free: the lane's, then subgroupMax;
-// - the sum is moe_route's tree (node i += node i + s for s = 128 … 1): its levels 128, 64 and
-//   32 add lane-local nodes (gx_node32's operands in its order), the levels below by shuffles;
-// - the top k in k rounds: the subgroup's largest key, ties to the lower id (moe_route's stable
-//   order), struck from its lane; p ≥ 0, so a key's bits are its p's.
-// Returns slot js's expert; invocation 0 of the writer's workgroup (`write`) writes the route.
-// Every invocation of the workgroup calls it (subgroup operations; no barrier).
-fn gx_route_sg(t: u32, li: u32, lsg: u32, js: u32, write: bool) -> u32 {
-    let ne = my_nexp();
-    let ninf = bitcast<f32>(0xff800000u);
-    let ea = vec4<u32>(lsg) + vec4<u32>(0u, 32u, 64u, 96u);
-    let eb = ea + vec4<u32>(128u);
-    let ina = ea < vec4<u32>(ne);
-    let inb = eb < vec4<u32>(ne);
-    let base = t * ne;
-    let la = select(vec4<f32>(ninf), vec4<f32>(gs_logits[base + min(ea.x, ne - 1u)], gs_logits[base + min(ea.y, ne - 1u)], gs_logits[base + min(ea.z, ne - 1u)], gs_logits[base + min(ea.w, ne - 1u)]), ina);
-    let lb = select(vec4<f32>(ninf), vec4<f32>(gs_logits[base + min(eb.x, ne - 1u)], gs_logits[base + min(eb.y, ne - 1u)], gs_logits[base + min(eb.z, ne - 1u)], gs_logits[base + min(eb.w, ne - 1u)]), inb);
-    let m4 = max(la, lb);
-    let mx = subgroupMax(max(max(m4.x, m4.y), max(m4.z, m4.w)));
-    // exp(l - max), 0 past the experts (moe_route's red), then the tree.
-    let pa = select(vec4<f32>(0.0), vec4<f32>(exp_acc(la.x - mx), exp_acc(la.y - mx), exp_acc(la.z - mx), exp_acc(la.w - mx)), ina);
-    let pb = select(vec4<f32>(0.0), vec4<f32>(exp_acc(lb.x - mx), exp_acc(lb.y - mx), exp_acc(lb.z - mx), exp_acc(lb.w - mx)), inb);
-    let n128 = pa + pb;
-    let n64 = n128.xy + n128.zw;
-    var sum = n64.x + n64.y;
-    for (var o = 16u; o > 0u; o >>= 1u) {
-        sum = sum + subgroupShuffleXor(sum, o);
-    }
-    sum = subgroupShuffle(sum, 0u);
-    let kmin = vec4<i32>(bitcast<i32>(0x80000000u));
-    let va = pa / vec4<f32>(sum);
-    let vb = pb / vec4<f32>(sum);
-    var ka = select(kmin, vec4<i32>(order_key(va.x), order_key(va.y), order_key(va.z), order_key(va.w)), ina);
-    var kb = select(kmin, vec4<i32>(order_key(vb.x), order_key(vb.y), order_key(vb.z), order_key(vb.w)), inb);
-    var e = 0u;
-    var ws = 0.0;
-    for (var r = 0u; r < my_k(); r++) {
-        // The lane's best: the first of equal keys is the lower id.
-        let b = gx_best(ka, kb, ea, eb);
-        let km = subgroupMax(b.x);
-        let id = subgroupMin(select(0xffffffffu, u32(b.y), b.x == km));
-        ka = select(ka, kmin, ea == vec4<u32>(id));
-        kb = select(kb, kmin, eb == vec4<u32>(id));
-        if (r == js) {
-            e = id;
-        }
-        if (write && li == 0u) {
-            // rtop: this invocation's own p of each slot (no other reads it here).
-            gs_ids[t * my_k() + r] = id;
-            rtop[r] = bitcast<u32>(km);
-            ws += bitcast<f32>(km);
-        }
-    }
-    if (write && li == 0u) {
-        if (my_norm() == 0u) {
-            ws = 1.0;
-        }
-        for (var j = 0u; j < my_k(); j++) {
-            gs_w[t * my_k() + j] = bitcast<f32>(rtop[j]) / ws;
-        }
-    }
-    return e;
-}
-
-// A lane's largest key of gx_route_sg and its expert (the lower of equal keys: a before b,
-// x before w), as (key, id).
-fn gx_best(ka: vec4<i32>, kb: vec4<i32>, ea: vec4<u32>, eb: vec4<u32>) -> vec2<i32> {
-    // Pairwise, each pair's first kept on a tie: (a.x, a.y) (a.z, a.w) (b.x, b.y) (b.z, b.w).
-    let ta = ka.yw > ka.xz;
-    let tb = kb.yw > kb.xz;
-    let k1 = vec4<i32>(select(ka.xz, ka.yw, ta), select(kb.xz, kb.yw, tb));
-    let i1 = vec4<u32>(select(ea.xz, ea.yw, ta), select(eb.xz, eb.yw, tb));
-    let t2 = k1.yw > k1.xz;
-    let k2 = select(k1.xz, k1.yw, t2);
-    let i2 = select(i1.xz, i1.yw, t2);
-    let t3 = k2.y > k2.x;
-    return vec2<i32>(select(k2.x, k2.y, t3), i32(select(i2.x, i2.y, t3)));
-}
-
 // A gate|up workgroup's place (moe_gate_up_x, moe_gate_up_y; uniform: the workgroup index
 // alone): its slot of the (k + 1) · rows, token t, slot js of it (slot k the shared expert: sh,
 // uniform over the workgroup as every branch on it), the first of its 32 outputs, and whether
@@ -444,9 +357,7 @@ fn gx_at(wg: u32) -> GxAt {
 fn gx_expert(t: u32, js: u32, sh: bool, li: u32, sg: u32, lane_sg: u32, first: bool) -> u32 {
     var e = 0u;
     if (!sh) {
-        if (my_tiles() != 0u && MY_RSG) {
-            e = min(gx_route_sg(t, li, lane_sg, js, js == 0u && first), my_nexp() - 1u);
-        } else if (my_tiles() != 0u) {
+        if (my_tiles() != 0u) {
             gx_route(t, li, sg, lane_sg, js == 0u && first);
             e = min(rtop[js], my_nexp() - 1u);
         } else {
