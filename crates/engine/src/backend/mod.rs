@@ -124,6 +124,17 @@ pub trait Backend: Send + Sync {
         ops()
     }
 
+    /// Records `ops`, one decode step's enqueueing under `key`, without running them, so that
+    /// the step's first run replays: called while the device still runs the prefill before
+    /// it, the host's recording overlaps that instead of delaying the first decode step. A
+    /// backend that records nothing ahead (the default, and the CPU) does nothing: `ops` is not
+    /// called. The same rules as `replay` hold for `key` and `ops`, which must not change
+    /// host-side state that the step's real run would change again.
+    fn prerecord(&self, key: u64, ops: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let _ = (key, ops);
+        Ok(())
+    }
+
     /// Names the op family whose device work is enqueued next, for a backend that times its
     /// kernels on the device (`device_times`); the `Profiled` wrapper calls it before each op.
     fn label(&self, family: &str) {

@@ -257,6 +257,14 @@ impl<B: Backend> Backend for Profiled<B> {
         }
     }
 
+    fn prerecord(&self, key: u64, ops: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        if self.prof.is_on() {
+            Ok(())
+        } else {
+            self.inner.prerecord(key, ops)
+        }
+    }
+
     fn upload_mat(&self, m: &HostLinear) -> Result<Self::Mat> {
         Ok(PMat {
             inner: self.inner.upload_mat(m)?,

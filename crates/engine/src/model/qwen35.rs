@@ -415,7 +415,7 @@ impl<B: Backend> Qwen35<B> {
             Pick::Later => 0x5157_4E4F_5049_434B,
         };
         let later = matches!(pick, Pick::Later);
-        let key = st.buffers_id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ s.id ^ sid;
+        let key = step_key(st, s, sid);
         let r = b.replay(key, &mut || self.decode_ops(st, s, &mut pick));
         st.step_ready = r.is_ok() && !later;
         r?;
@@ -616,6 +616,13 @@ impl<B: Backend> Qwen35<B> {
                 b.set_step(&mut st.step, 0, st.pos - 1);
                 b.argmax_step(&s.logits, v, &mut st.step);
                 st.step_ready = true;
+                // The greedy decode step after this one recorded while the device runs the
+                // prefill (with room for its KV row: the prefill reserved it): the host's ~3-4
+                // ms of recording (H100, stop 45) is then off the path to the second token.
+                if st.greedy_next && prefill_room() && st.pos < st.max_context {
+                    let key = step_key(st, s, 0);
+                    b.prerecord(key, &mut || self.decode_ops(st, s, &mut Pick::Argmax))?;
+                }
                 b.to_host(&s.logits, v)
             }
             Logits::All => {
@@ -878,6 +885,12 @@ fn norm_matmul<B: Backend>(
     } else {
         b.rms_norm_matmul(h, w, t, dim, eps, xn, ws, outs);
     }
+}
+
+/// A decode step's record key: the state's buffers, the scratch's, and the pick's kind (`sid`:
+/// 0 the greedy arg-max; a sampler's buffers and parameters are part of the record).
+fn step_key<B: Backend>(st: &SeqState<B>, s: &Scratch<B>, sid: u64) -> u64 {
+    st.buffers_id.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ s.id ^ sid
 }
 
 /// Whether a prefill reserves the KV cache for the token its logits pick (`LILY_PREFILL_ROOM`,

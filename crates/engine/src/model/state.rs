@@ -36,6 +36,11 @@ pub struct SeqState<B: Backend> {
     pub(crate) buffers_id: u64,
     /// Bytes per KV-cache element on the backend (`Backend::kv_elem_bytes`: 4 for f32, 2 for bf16).
     kv_elem_bytes: usize,
+    /// The decode step after a prefill picks its token greedily on the backend (the default):
+    /// a prefill that returns its last logits then records that step ahead while the device
+    /// runs it (`Backend::prerecord`). A caller whose next step draws from a sampler clears
+    /// it (the step's record is another: no host time spent on one it will not replay).
+    pub greedy_next: bool,
 }
 
 /// Source of `buffers_id`: never reused, so a record of a dropped state is never replayed.
@@ -77,6 +82,7 @@ impl<B: Backend> SeqState<B> {
             step_ready: false,
             buffers_id: new_buffers_id(),
             kv_elem_bytes: b.kv_elem_bytes(),
+            greedy_next: true,
         })
     }
 

@@ -225,6 +225,9 @@ fn generate_from<B: Backend>(
     // documentation): log-probabilities read the step's logits, which the next step overwrites,
     // and a grammar's mask for the next token needs this one on the host.
     let lookahead = m.lookahead && on_backend && grammar.is_none() && logprobs.is_none();
+    // The prefill records the step after it ahead where that step's pick is the arg-max (no
+    // device sampler, no grammar's mask).
+    st.greedy_next = dev.is_none() && !grammar.as_ref().is_some_and(|g| g.active());
     let t0 = Instant::now();
     let first = m.forward(st, &prompt[cached..], Logits::Last, None)?;
     // Under an active grammar the first pick waits for its mask (in the loop).

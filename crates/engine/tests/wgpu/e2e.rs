@@ -126,10 +126,13 @@ fn lookahead_generates_what_the_loop_without_it_does() {
     lookahead::check_cache(&mut m, &tok, &prompt, &greedy);
 }
 
-/// A new state's first decode step is recorded as it runs (`LILY_WGPU_RECORD_FIRST`'s default):
-/// it launches op by op, the second and third steps replay it (no launch op by op), and a second
-/// state with the same prompt (a new key: its own record) picks the same tokens. (That replayed
-/// steps pick the CPU's tokens: the end-to-end tests above, 48 greedy steps.)
+/// A new state's first decode step is recorded as it runs (`LILY_WGPU_RECORD_FIRST`'s default)
+/// where the prefill did not record it ahead (`SeqState::greedy_next` cleared): it launches op
+/// by op, the second and third steps replay it (no launch op by op). A second state with the
+/// same prompt, whose prefill records the step ahead (`Backend::prerecord`, the default),
+/// launches nothing op by op in its first three steps (the record made ahead ran none either),
+/// and picks the same tokens. (That replayed steps pick the CPU's tokens: the end-to-end tests
+/// above, 48 greedy steps.)
 #[test]
 fn first_decode_step_is_recorded() {
     let Some(g) = gpu() else { return };
@@ -139,40 +142,56 @@ fn first_decode_step_is_recorded() {
         eprintln!("first_decode_step_is_recorded: skipped (the environment turns it off)");
         return;
     }
-    let (m, mut st, first) = tiny_after_prompt(g);
+    let m = tiny_model(g);
     let b = &m.backend;
     let mut launches = Vec::new();
     let mut toks = Vec::new();
-    let mut feed = Some(first);
-    for _ in 0..3 {
+    for greedy_next in [false, true] {
         let d0 = b.dispatches();
-        toks.push(greedy_step(&m, &mut st, feed.take()));
-        launches.push(b.dispatches() - d0);
+        let (mut st, first) = after_prompt_on(&m, greedy_next);
+        let prefill = b.dispatches() - d0;
+        let mut l = Vec::new();
+        let mut t = Vec::new();
+        let mut feed = Some(first);
+        for _ in 0..3 {
+            let d0 = b.dispatches();
+            t.push(greedy_step(&m, &mut st, feed.take()));
+            l.push(b.dispatches() - d0);
+        }
+        launches.push((prefill, l));
+        toks.push(t);
     }
-    assert!(
-        launches[0] > 0,
-        "the first step ran no launch: {launches:?}"
-    );
+    eprintln!("launches op by op (prefill, first three steps): {launches:?}");
+    let (l0, l1) = (&launches[0].1, &launches[1].1);
+    assert!(l0[0] > 0, "the first step ran no launch: {launches:?}");
     assert_eq!(
-        launches[1..],
+        l0[1..],
         [0, 0],
         "the second and third steps should replay the first's record: {launches:?}"
     );
-    // The same prompt on a new state (recorded again), against the tokens above.
-    let (mut st2, first2) = after_prompt(&m);
-    assert_eq!(first2, first);
-    let again: Vec<u32> = (0..3)
-        .map(|i| greedy_step(&m, &mut st2, (i == 0).then_some(first)))
-        .collect();
-    assert_eq!(toks, again, "a recorded first step picked other tokens");
+    if std::env::var("LILY_WGPU_PRERECORD").as_deref() != Ok("0") {
+        assert_eq!(
+            l1[..],
+            [0, 0, 0],
+            "the steps after a prefill that recorded ahead should replay: {launches:?}"
+        );
+        assert_eq!(
+            launches[0].0, launches[1].0,
+            "a record made ahead ran launches: {launches:?}"
+        );
+    }
+    assert_eq!(
+        toks[0], toks[1],
+        "a step recorded ahead picked other tokens"
+    );
 }
 
-/// `LILY_WGPU_BG_CACHE` (`Wgpu::set_bg_cache`): a second state's first decode step, recorded,
-/// makes fewer bind groups than the first state's (only those of its own buffers: the KV
-/// caches, the conv and recurrent state), and picks the same tokens over three steps, with the
-/// second and third replayed. The cache does not keep the groups of states gone by: over four
-/// states, each dropped before the next, the groups kept stop growing after the second
-/// (BG_KEEP_RECORDS), where without the purge each state would add its own.
+/// `LILY_WGPU_BG_CACHE` (`Wgpu::set_bg_cache`): a second state's record (made ahead by its
+/// prefill) makes fewer bind groups than the first state's (only those of its own buffers: the
+/// KV caches, the conv and recurrent state), and picks the same tokens over three replayed
+/// steps. The cache does not keep the groups of states gone by: over four states, each dropped
+/// before the next, the groups kept stop growing after the second (BG_KEEP_RECORDS), where
+/// without the purge each state would add its own.
 #[test]
 fn recorded_steps_share_bind_groups() {
     let Some(g) = gpu() else { return };
@@ -180,25 +199,20 @@ fn recorded_steps_share_bind_groups() {
         return;
     }
     let was = g.set_bg_cache(true);
-    let (m, st0, first) = tiny_after_prompt(g);
+    let m = tiny_model(g);
     let b = &m.backend;
-    let mut st = Some(st0);
     let mut made = Vec::new();
     let mut kept = Vec::new();
     let mut toks = Vec::new();
-    for state in 0..4 {
-        if state > 0 {
-            drop(st.take());
-            let (s, first2) = after_prompt(&m);
-            assert_eq!(first2, first);
-            st = Some(s);
-        }
-        let s = st.as_mut().expect("a state");
-        // The first step (recorded on its first sight, or on its second with
-        // LILY_WGPU_RECORD_FIRST=0) and two more.
+    let mut first = None;
+    for _ in 0..4 {
+        // The prefill (its bind groups op by op: the same count every state), the record (made
+        // ahead, or at the first step with LILY_WGPU_PRERECORD=0) and three steps.
         let b0 = b.bind_groups_made();
+        let (mut st, f) = after_prompt(&m);
+        assert_eq!(*first.get_or_insert(f), f);
         let t: Vec<u32> = (0..3)
-            .map(|i| greedy_step(&m, s, (i == 0).then_some(first)))
+            .map(|i| greedy_step(&m, &mut st, (i == 0).then_some(f)))
             .collect();
         made.push(b.bind_groups_made() - b0);
         kept.push(b.bind_groups_cached());
@@ -416,16 +430,31 @@ fn switches_change_between_steps() {
 /// `tiny` on the device after a 12-token prompt (a state of 64 positions): the model, the state
 /// and the prompt's greedy next token.
 fn tiny_after_prompt(g: Wgpu) -> (lily::model::Qwen35<Wgpu>, lily::model::SeqState<Wgpu>, u32) {
-    let dir = common::synth("tiny", 3, &[]);
-    let m = lily::runtime::load(g, dir.path()).unwrap();
+    let m = tiny_model(g);
     let (st, first) = after_prompt(&m);
     (m, st, first)
 }
 
+/// The `tiny` preset on `g` (a synthetic checkpoint).
+fn tiny_model(g: Wgpu) -> lily::model::Qwen35<Wgpu> {
+    let dir = common::synth("tiny", 3, &[]);
+    lily::runtime::load(g, dir.path()).unwrap()
+}
+
 /// A new state of `m` after tiny_after_prompt's prompt, and the token its logits pick.
 fn after_prompt(m: &lily::model::Qwen35<Wgpu>) -> (lily::model::SeqState<Wgpu>, u32) {
+    after_prompt_on(m, true)
+}
+
+/// `after_prompt` with the state's `greedy_next` (whether the prefill records the next step
+/// ahead) as given.
+fn after_prompt_on(
+    m: &lily::model::Qwen35<Wgpu>,
+    greedy_next: bool,
+) -> (lily::model::SeqState<Wgpu>, u32) {
     let prompt = common::prompt_ids(12, m.cfg.vocab_size);
     let mut st = m.new_state(64).unwrap();
+    st.greedy_next = greedy_next;
     let logits = m
         .forward(&mut st, &prompt, lily::model::Logits::Last, None)
         .unwrap();

@@ -430,6 +430,9 @@ pub(super) struct Switches {
     /// is recorded (it still runs), so the second replays. A step recorded while a scratch
     /// buffer was replaced is dropped as before (`Wgpu::replay`).
     pub record_first: bool,
+    /// `LILY_WGPU_PRERECORD=0`: a prefill does not record the decode step after it ahead
+    /// (`Wgpu::prerecord`); the step's first run records it, as before stop 45.
+    pub prerecord: bool,
     /// `LILY_WGPU_STEP_TIMES=1` (diagnosis): the host's time to record each decode step, on
     /// stderr (a contract row's first step after its prefill costs ~7.5 ms more than a steady
     /// one on the H100, stop 44).
@@ -714,6 +717,7 @@ impl Switches {
         Self {
             replay: on("LILY_WGPU_REPLAY"),
             record_first: on("LILY_WGPU_RECORD_FIRST"),
+            prerecord: on("LILY_WGPU_PRERECORD"),
             step_times: get("LILY_WGPU_STEP_TIMES").as_deref() == Some("1"),
             rec_flush: num("LILY_WGPU_REC_FLUSH", FLUSH_EVERY).max(1),
             bg_cache: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_BG_CACHE")),
@@ -853,6 +857,7 @@ impl Switches {
                 "LILY_WGPU_RECORD_FIRST",
                 self.record_first != fresh.record_first,
             ),
+            ("LILY_WGPU_PRERECORD", self.prerecord != fresh.prerecord),
             ("LILY_WGPU_GQA", self.gqa != fresh.gqa),
             ("LILY_WGPU_FUSE_NORM", self.fuse_norm != fresh.fuse_norm),
             (
@@ -1083,8 +1088,12 @@ pub(super) struct Ctx {
     pub spare: Vec<::wgpu::Buffer>,
     /// Bumped whenever a scratch buffer is replaced: records holding the old one are stale.
     scratch_gen: std::sync::atomic::AtomicU64,
-    /// Dispatches `dispatch` has encoded (tests count an op's launches: `Wgpu::dispatches`).
+    /// Dispatches `dispatch` has encoded (tests count an op's launches: `Wgpu::dispatches`);
+    /// those of a record made ahead are not (they do not run).
     pub dispatched: std::sync::atomic::AtomicU64,
+    /// The record being made is made ahead (`begin_record(true)`, `Wgpu::prerecord`): its
+    /// dispatches and copies are kept for replays, not encoded.
+    dry: std::sync::atomic::AtomicBool,
     /// A mappable buffer for small read-backs (the step's token every decode step).
     readback: Mutex<Option<::wgpu::Buffer>>,
     /// Free mappable buffers of token reads (`token_begin`), at most `TOKEN_READS`.
@@ -1315,6 +1324,7 @@ impl Ctx {
             spare,
             scratch_gen: std::sync::atomic::AtomicU64::new(0),
             dispatched: std::sync::atomic::AtomicU64::new(0),
+            dry: std::sync::atomic::AtomicBool::new(false),
             readback: Mutex::new(None),
             token_reads: Mutex::new(Vec::new()),
             err,
@@ -1454,7 +1464,6 @@ impl Ctx {
             ));
             return;
         }
-        self.dispatched.fetch_add(1, Ordering::Relaxed);
         let (gx, gy) = if groups <= 65535 {
             (groups, 1)
         } else {
@@ -1488,11 +1497,8 @@ impl Ctx {
             self.bind_groups.fetch_add(1, Ordering::Relaxed);
             bg
         };
-        let mut rec = self.rec.lock().unwrap();
-        let recording = rec.is_some();
-        let mut g = self.enc.lock().unwrap();
-        let open = g.get_or_insert_with(|| self.open());
-        let bg = if let Some(items) = rec.as_mut() {
+        // A recorded dispatch's bind group, and the item it adds to the record.
+        let record = |items: &mut Vec<Item>| {
             let bg = if self.sw.bg_cache.load(Ordering::Relaxed) {
                 self.cached_bind(&pipe, &words, bufs, &bind)
             } else {
@@ -1506,6 +1512,23 @@ impl Ctx {
                 gy,
             });
             bg
+        };
+        let mut rec = self.rec.lock().unwrap();
+        let recording = rec.is_some();
+        // A record made ahead (`begin_record(true)`): the dispatch is kept, not run.
+        if let Some(items) = rec.as_mut().filter(|_| self.dry.load(Ordering::Relaxed)) {
+            record(items);
+            drop(rec);
+            if let Some(t0) = timed {
+                self.host_ns[0].fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+            return;
+        }
+        self.dispatched.fetch_add(1, Ordering::Relaxed);
+        let mut g = self.enc.lock().unwrap();
+        let open = g.get_or_insert_with(|| self.open());
+        let bg = if let Some(items) = rec.as_mut() {
+            record(items)
         } else {
             // slots ≤ n < FLUSH_EVERY here: the encoder is submitted when n reaches it.
             let off = open.slots as u64 * self.stride;
@@ -1683,6 +1706,9 @@ impl Ctx {
                 dof,
                 bytes,
             });
+            if self.dry.load(Ordering::Relaxed) {
+                return;
+            }
         }
         self.copy_now(src, so, dst, dof, bytes);
     }
@@ -1826,9 +1852,11 @@ impl Ctx {
         self.check()
     }
 
-    /// Starts recording the ops that follow (they still run) as a replayable step.
-    pub fn begin_record(&self) {
+    /// Starts recording the ops that follow as a replayable step: they still run, or with
+    /// `dry` they are only kept (a record made ahead, `Wgpu::prerecord`).
+    pub fn begin_record(&self, dry: bool) {
         *self.rec_arena.lock().unwrap() = None;
+        self.dry.store(dry, Ordering::Relaxed);
         {
             let mut c = self.bg_cache.lock().unwrap();
             let now = c.tick;
@@ -1859,6 +1887,7 @@ impl Ctx {
     /// The ops recorded since `begin_record`.
     pub fn end_record(&self) -> Vec<Item> {
         *self.rec_arena.lock().unwrap() = None;
+        self.dry.store(false, Ordering::Relaxed);
         self.rec.lock().unwrap().take().unwrap_or_default()
     }
 

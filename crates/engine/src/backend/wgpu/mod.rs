@@ -607,7 +607,7 @@ impl Backend for Wgpu {
             return ops();
         }
         let t0 = std::time::Instant::now();
-        self.ctx.begin_record();
+        self.ctx.begin_record(false);
         let r = ops();
         let items = self.ctx.end_record();
         // The step's last dispatches (past the last FLUSH_EVERY) go to the device now, as a
@@ -630,6 +630,48 @@ impl Backend for Wgpu {
         }
         if recs.recs.len() >= MAX_RECORDS {
             recs.recs.remove(0);
+        }
+        recs.recs.push(Record { key, gen, items });
+        Ok(())
+    }
+    /// The record `replay` would make at the key's first sight, made now without running the
+    /// ops (`Ctx::begin_record(true)`), and encoded ahead as the lookahead encodes a replayed
+    /// step: the first decode step after a prefill is then a submission. `LILY_WGPU_PRERECORD=0`
+    /// leaves the record to the step's first run, as before stop 45.
+    fn prerecord(&self, key: u64, ops: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        if !self.ctx.sw.replay || !self.ctx.sw.prerecord || self.ctx.tracing() {
+            return Ok(());
+        }
+        let gen = self.ctx.scratch_gen();
+        let mut recs = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        if recs.recs.iter().any(|r| r.key == key && r.gen == gen) {
+            return Ok(());
+        }
+        // The prefill's last dispatches go to the device first: it runs them while the host
+        // records.
+        self.ctx.flush();
+        let t0 = std::time::Instant::now();
+        self.ctx.begin_record(true);
+        let r = ops();
+        let items = self.ctx.end_record();
+        if self.ctx.sw.step_times {
+            let (disp, bind) = self.ctx.host_times();
+            eprintln!(
+                "wgpu: recorded a decode step ahead: {} dispatches and copies, {:.2} ms on the host ({disp:.2} in dispatch_spec, {bind:.2} of it making bind groups)",
+                items.len(),
+                t0.elapsed().as_secs_f64() * 1e3
+            );
+        }
+        r?;
+        if self.ctx.has_error() || self.ctx.scratch_gen() != gen {
+            return Ok(());
+        }
+        recs.recs.retain(|r| r.key != key);
+        if recs.recs.len() >= MAX_RECORDS {
+            recs.recs.remove(0);
+        }
+        if self.ctx.sw.ahead {
+            recs.ahead = self.ctx.encode_ahead(&items).map(|c| (key, gen, c));
         }
         recs.recs.push(Record { key, gen, items });
         Ok(())
