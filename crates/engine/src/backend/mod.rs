@@ -135,6 +135,15 @@ pub trait Backend: Send + Sync {
         Ok(())
     }
 
+    /// Builds what `ops` (one decode step's enqueueing, on a state made for the purpose) needs
+    /// on the device, without running them or keeping a record: a backend that compiles its
+    /// kernels at their first use (wgpu's pipelines) compiles the decode step's when the model
+    /// loads, not in the first request. The default does nothing: `ops` is not called.
+    fn warm_up(&self, ops: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        let _ = ops;
+        Ok(())
+    }
+
     /// Names the op family whose device work is enqueued next, for a backend that times its
     /// kernels on the device (`device_times`); the `Profiled` wrapper calls it before each op.
     fn label(&self, family: &str) {

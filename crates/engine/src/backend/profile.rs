@@ -265,6 +265,10 @@ impl<B: Backend> Backend for Profiled<B> {
         }
     }
 
+    fn warm_up(&self, ops: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        self.inner.warm_up(ops)
+    }
+
     fn upload_mat(&self, m: &HostLinear) -> Result<Self::Mat> {
         Ok(PMat {
             inner: self.inner.upload_mat(m)?,

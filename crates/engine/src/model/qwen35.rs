@@ -285,6 +285,20 @@ impl<B: Backend> Qwen35<B> {
         })
     }
 
+    /// Lets the backend build a decode step's kernels now (`Backend::warm_up`), on a state of
+    /// up to 256 positions made for it and dropped: the first request then does not wait for
+    /// them. A backend with nothing to build does not make the state.
+    pub fn warm_up(&self) -> Result<()> {
+        let b = &self.backend;
+        b.warm_up(&mut || {
+            let mut st = self.new_state(self.cfg.max_position_embeddings.clamp(1, 256))?;
+            st.reserve(b, &self.dims, 1)?;
+            let mut guard = self.scratch_for(1)?;
+            let s = guard.as_mut().expect("just made");
+            self.decode_ops(&mut st, s, &mut Pick::Argmax)
+        })
+    }
+
     pub fn new_state(&self, max_context: usize) -> Result<SeqState<B>> {
         SeqState::new(&self.backend, &self.cfg, max_context)
     }

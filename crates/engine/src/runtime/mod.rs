@@ -26,7 +26,9 @@ pub fn load_with_progress<B: Backend>(
     progress: &dyn Fn(usize, usize),
 ) -> Result<Qwen35<B>> {
     let ck = Checkpoint::open(dir)?;
-    Qwen35::new_with_progress(backend, ck.config, &ck.weights, progress)
+    let m = Qwen35::new_with_progress(backend, ck.config, &ck.weights, progress)?;
+    m.warm_up()?;
+    Ok(m)
 }
 
 /// Index of the largest value (the first on ties, NaN ignored): the sampler's greedy pick.

@@ -132,7 +132,9 @@ fn lookahead_generates_what_the_loop_without_it_does() {
 /// same prompt, whose prefill records the step ahead (`Backend::prerecord`, the default),
 /// launches nothing op by op in its first three steps (the record made ahead ran none either),
 /// and picks the same tokens. (That replayed steps pick the CPU's tokens: the end-to-end tests
-/// above, 48 greedy steps.)
+/// above, 48 greedy steps.) The model's warm-up at load (`Backend::warm_up`, on a state of 256
+/// positions) built the decode step's pipelines: the first state's first step, recorded as it
+/// runs on a state of the same capacity, builds none (attention's depend on the capacity).
 #[test]
 fn first_decode_step_is_recorded() {
     let Some(g) = gpu() else { return };
@@ -148,15 +150,22 @@ fn first_decode_step_is_recorded() {
     let mut toks = Vec::new();
     for greedy_next in [false, true] {
         let d0 = b.dispatches();
-        let (mut st, first) = after_prompt_on(&m, greedy_next);
+        let (mut st, first) = after_prompt_on(&m, greedy_next, 256);
         let prefill = b.dispatches() - d0;
         let mut l = Vec::new();
         let mut t = Vec::new();
         let mut feed = Some(first);
-        for _ in 0..3 {
-            let d0 = b.dispatches();
+        for i in 0..3 {
+            let (d0, p0) = (b.dispatches(), b.pipelines_built());
             t.push(greedy_step(&m, &mut st, feed.take()));
             l.push(b.dispatches() - d0);
+            if i == 0 && std::env::var("LILY_WGPU_WARM_UP").as_deref() != Ok("0") {
+                assert_eq!(
+                    b.pipelines_built(),
+                    p0,
+                    "a first decode step built pipelines the warm-up had not"
+                );
+            }
         }
         launches.push((prefill, l));
         toks.push(t);
@@ -186,12 +195,13 @@ fn first_decode_step_is_recorded() {
     );
 }
 
-/// `LILY_WGPU_BG_CACHE` (`Wgpu::set_bg_cache`): a second state's record (made ahead by its
-/// prefill) makes fewer bind groups than the first state's (only those of its own buffers: the
-/// KV caches, the conv and recurrent state), and picks the same tokens over three replayed
-/// steps. The cache does not keep the groups of states gone by: over four states, each dropped
-/// before the next, the groups kept stop growing after the second (BG_KEEP_RECORDS), where
-/// without the purge each state would add its own.
+/// `LILY_WGPU_BG_CACHE` (`Wgpu::set_bg_cache`): a state's record (made ahead by its prefill)
+/// makes fewer bind groups with the cache than without (only those of its own buffers: the KV
+/// caches, the conv and recurrent state), and picks the same tokens over three replayed steps.
+/// State 0 runs without the cache; state 1 with it, after the cache was emptied (state 0's
+/// record used none of it: BG_KEEP_RECORDS); states 2-4 then find the weights' groups. The
+/// cache does not keep the groups of states gone by: each state is dropped before the next, and
+/// the groups kept stop growing after state 2, where without the purge each would add its own.
 #[test]
 fn recorded_steps_share_bind_groups() {
     let Some(g) = gpu() else { return };
@@ -205,7 +215,8 @@ fn recorded_steps_share_bind_groups() {
     let mut kept = Vec::new();
     let mut toks = Vec::new();
     let mut first = None;
-    for _ in 0..4 {
+    for state in 0..5 {
+        b.set_bg_cache(state > 0);
         // The prefill (its bind groups op by op: the same count every state), the record (made
         // ahead, or at the first step with LILY_WGPU_PRERECORD=0) and three steps.
         let b0 = b.bind_groups_made();
@@ -219,6 +230,7 @@ fn recorded_steps_share_bind_groups() {
         toks.push(t);
     }
     b.set_bg_cache(was);
+    eprintln!("bind groups made: {made:?}; kept: {kept:?}");
     for t in &toks[1..] {
         assert_eq!(
             &toks[0], t,
@@ -226,14 +238,13 @@ fn recorded_steps_share_bind_groups() {
         );
     }
     assert!(
-        made[1] < made[0],
-        "bind groups made over the first steps of two states: {made:?}"
+        made[2] < made[0],
+        "bind groups made by a state with the cache and one without: {made:?}"
     );
     assert!(
-        kept[3] <= kept[1],
-        "bind groups kept after each of four states: {kept:?} (a dropped state's stay)"
+        kept[4] <= kept[2],
+        "bind groups kept after each of five states: {kept:?} (a dropped state's stay)"
     );
-    eprintln!("bind groups made: {made:?}; kept: {kept:?}");
 }
 
 /// The in-place trace of replayed decode steps (`lily bench --trace` on wgpu; device.rs
@@ -443,17 +454,18 @@ fn tiny_model(g: Wgpu) -> lily::model::Qwen35<Wgpu> {
 
 /// A new state of `m` after tiny_after_prompt's prompt, and the token its logits pick.
 fn after_prompt(m: &lily::model::Qwen35<Wgpu>) -> (lily::model::SeqState<Wgpu>, u32) {
-    after_prompt_on(m, true)
+    after_prompt_on(m, true, 64)
 }
 
 /// `after_prompt` with the state's `greedy_next` (whether the prefill records the next step
-/// ahead) as given.
+/// ahead) and context as given.
 fn after_prompt_on(
     m: &lily::model::Qwen35<Wgpu>,
     greedy_next: bool,
+    context: usize,
 ) -> (lily::model::SeqState<Wgpu>, u32) {
     let prompt = common::prompt_ids(12, m.cfg.vocab_size);
-    let mut st = m.new_state(64).unwrap();
+    let mut st = m.new_state(context).unwrap();
     st.greedy_next = greedy_next;
     let logits = m
         .forward(&mut st, &prompt, lily::model::Logits::Last, None)

@@ -430,6 +430,9 @@ pub(super) struct Switches {
     /// is recorded (it still runs), so the second replays. A step recorded while a scratch
     /// buffer was replaced is dropped as before (`Wgpu::replay`).
     pub record_first: bool,
+    /// `LILY_WGPU_WARM_UP=0`: loading does not build the decode step's pipelines
+    /// (`Wgpu::warm_up`); the first request does.
+    pub warm_up: bool,
     /// `LILY_WGPU_PRERECORD=0`: a prefill does not record the decode step after it ahead
     /// (`Wgpu::prerecord`); the step's first run records it, as before stop 45.
     pub prerecord: bool,
@@ -718,6 +721,7 @@ impl Switches {
             replay: on("LILY_WGPU_REPLAY"),
             record_first: on("LILY_WGPU_RECORD_FIRST"),
             prerecord: on("LILY_WGPU_PRERECORD"),
+            warm_up: on("LILY_WGPU_WARM_UP"),
             step_times: get("LILY_WGPU_STEP_TIMES").as_deref() == Some("1"),
             rec_flush: num("LILY_WGPU_REC_FLUSH", FLUSH_EVERY).max(1),
             bg_cache: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_BG_CACHE")),
@@ -858,6 +862,7 @@ impl Switches {
                 self.record_first != fresh.record_first,
             ),
             ("LILY_WGPU_PRERECORD", self.prerecord != fresh.prerecord),
+            ("LILY_WGPU_WARM_UP", self.warm_up != fresh.warm_up),
             ("LILY_WGPU_GQA", self.gqa != fresh.gqa),
             ("LILY_WGPU_FUSE_NORM", self.fuse_norm != fresh.fuse_norm),
             (
@@ -1870,6 +1875,11 @@ impl Ctx {
             t.store(0, Ordering::Relaxed);
         }
         *self.rec.lock().unwrap() = Some(Vec::new());
+    }
+
+    /// Pipelines built so far (tests: the warm-up builds the decode step's).
+    pub fn pipelines_built(&self) -> usize {
+        self.pipelines.lock().unwrap().len()
     }
 
     /// Bind groups `cached_bind` keeps now (tests).

@@ -386,6 +386,10 @@ impl Wgpu {
             .bind_groups
             .load(std::sync::atomic::Ordering::Relaxed)
     }
+    /// Pipelines built so far (tests).
+    pub fn pipelines_built(&self) -> usize {
+        self.ctx.pipelines_built()
+    }
     /// Bind groups kept for later records now (`LILY_WGPU_BG_CACHE`; tests).
     pub fn bind_groups_cached(&self) -> usize {
         self.ctx.bind_groups_cached()
@@ -675,6 +679,22 @@ impl Backend for Wgpu {
         }
         recs.recs.push(Record { key, gen, items });
         Ok(())
+    }
+    /// A decode step recorded without running (`Ctx::begin_record(true)`) and dropped: its
+    /// pipelines are built (~0.25 s on the H100 for the full preset, which stop 45's first
+    /// prefill paid once the prefill recorded its next step ahead) and, with the bind-group
+    /// cache, the weights' bind groups made for the first real record. `LILY_WGPU_WARM_UP=0`
+    /// leaves both to the first request.
+    fn warm_up(&self, ops: &mut dyn FnMut() -> Result<()>) -> Result<()> {
+        if !self.ctx.sw.warm_up || self.ctx.tracing() {
+            return Ok(());
+        }
+        let _recs = self.records.lock().unwrap_or_else(|e| e.into_inner());
+        self.ctx.begin_record(true);
+        let r = ops();
+        drop(self.ctx.end_record());
+        r?;
+        self.ctx.check()
     }
     fn label(&self, family: &str) {
         self.ctx.set_label(family)
