@@ -34,6 +34,10 @@ pub enum Logits {
     None,
     /// The last position only `[1, vocab]`.
     Last,
+    /// The last position's logits computed and left on the device with their greedy pick in the
+    /// state's step, nothing read back (a generation that picks on the device: the host then
+    /// records the next step ahead while the device runs the prefill).
+    Device,
     /// Every position `[rows, vocab]` (teacher forcing, evaluation).
     All,
 }
@@ -332,6 +336,10 @@ impl<B: Backend> Qwen35<B> {
         }
         if ids.len() == 1 && taps.is_none() {
             // The decode path (recorded and replayed); its logits are read back.
+            if want == Logits::Device {
+                self.decode_step(st, Some(ids[0]), None)?;
+                return Ok(Vec::new());
+            }
             return match self.decode(st, Some(ids[0]), want == Logits::None)? {
                 Next::Logits(l) => Ok(l),
                 Next::Token(_) => Ok(Vec::new()),
@@ -350,6 +358,7 @@ impl<B: Backend> Qwen35<B> {
             let w = match want {
                 Logits::All => Logits::All,
                 Logits::Last if i + 1 == n_chunks => Logits::Last,
+                Logits::Device if i + 1 == n_chunks => Logits::Device,
                 _ => Logits::None,
             };
             let tap_start = taps.as_ref().map(|t| t.len());
@@ -421,15 +430,8 @@ impl<B: Backend> Qwen35<B> {
         st.reserve(b, &self.dims, st.pos + 1)?;
         let mut guard = self.scratch_for(1)?;
         let s = guard.as_mut().expect("just made");
-        // A sampler's buffers and parameters are part of the record: its own key; a step without
-        // a pick is another record.
-        let sid = match &pick {
-            Pick::Argmax => 0,
-            Pick::Sample(d) => d.id.wrapping_mul(0xD1B5_4A32_D192_ED03),
-            Pick::Later => 0x5157_4E4F_5049_434B,
-        };
         let later = matches!(pick, Pick::Later);
-        let key = step_key(st, s, sid);
+        let key = step_key(st, s, pick_sid(&pick));
         let r = b.replay(key, &mut || self.decode_ops(st, s, &mut pick));
         st.step_ready = r.is_ok() && !later;
         r?;
@@ -548,6 +550,36 @@ impl<B: Backend> Qwen35<B> {
         Ok(())
     }
 
+    /// Records the decode step after the state's position ahead (`Backend::prerecord`) for its
+    /// pick, after a prefill that left its logits on the device (`Logits::Device`) and picked
+    /// there (`sample_last`): the host records while the device still runs the prefill. A
+    /// no-op without the prefill's room for the step's KV row, or on a backend that records
+    /// nothing ahead.
+    pub fn prerecord_next(&self, st: &mut SeqState<B>, mut pick: Pick<'_, B>) -> Result<()> {
+        let mut guard = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        match guard.as_mut() {
+            Some(s) => self.prerecord_with(st, s, &mut pick),
+            None => Ok(()),
+        }
+    }
+
+    /// `prerecord_next` with the scratch held: the step's key as `decode_step_ex` makes it,
+    /// where the KV caches already have room for the step (else the step grows them: new
+    /// buffers, another key).
+    fn prerecord_with(
+        &self,
+        st: &mut SeqState<B>,
+        s: &mut Scratch<B>,
+        pick: &mut Pick<'_, B>,
+    ) -> Result<()> {
+        if !prefill_room() || st.pos >= st.max_context || !st.has_room(st.pos + 1) {
+            return Ok(());
+        }
+        let key = step_key(st, s, pick_sid(pick));
+        self.backend
+            .prerecord(key, &mut || self.decode_ops(st, s, pick))
+    }
+
     /// Counts `token` for the sampler's penalties without a draw (a forced token).
     pub fn note(&self, sampler: &mut DeviceSampler<B>, token: u32) {
         self.backend.sample_note(&mut sampler.inner, token)
@@ -623,7 +655,7 @@ impl<B: Backend> Qwen35<B> {
         let v = c.vocab_size;
         match want {
             Logits::None => Ok(Vec::new()),
-            Logits::Last => {
+            Logits::Last | Logits::Device => {
                 b.copy(&s.h, (t - 1) * hd, &mut s.last, 0, hd);
                 b.rms_norm(&s.last, &self.norm, 1, hd, d.eps, &mut s.xn);
                 b.matmul_q(&s.xn, &self.lm_head, 1, &mut s.logits);
@@ -631,11 +663,13 @@ impl<B: Backend> Qwen35<B> {
                 b.argmax_step(&s.logits, v, &mut st.step);
                 st.step_ready = true;
                 // The greedy decode step after this one recorded while the device runs the
-                // prefill (with room for its KV row: the prefill reserved it): the host's ~3-4
-                // ms of recording (H100, stop 45) is then off the path to the second token.
-                if st.greedy_next && prefill_room() && st.pos < st.max_context {
-                    let key = step_key(st, s, 0);
-                    b.prerecord(key, &mut || self.decode_ops(st, s, &mut Pick::Argmax))?;
+                // prefill: the host's ~1-3 ms of recording (H100, stop 45) is then off the path
+                // to the second token.
+                if st.greedy_next {
+                    self.prerecord_with(st, s, &mut Pick::Argmax)?;
+                }
+                if want == Logits::Device {
+                    return Ok(Vec::new());
                 }
                 b.to_host(&s.logits, v)
             }
@@ -898,6 +932,16 @@ fn norm_matmul<B: Backend>(
         b.rms_norm_matmul_ahead(h, w, dim, eps, xn, ws, outs);
     } else {
         b.rms_norm_matmul(h, w, t, dim, eps, xn, ws, outs);
+    }
+}
+
+/// A pick's part of a decode step's record key: a sampler's buffers and parameters are part of
+/// the record (its own key); a step without a pick is another record.
+fn pick_sid<B: Backend>(pick: &Pick<'_, B>) -> u64 {
+    match pick {
+        Pick::Argmax => 0,
+        Pick::Sample(d) => d.id.wrapping_mul(0xD1B5_4A32_D192_ED03),
+        Pick::Later => 0x5157_4E4F_5049_434B,
     }
 }
 

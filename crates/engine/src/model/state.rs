@@ -86,6 +86,14 @@ impl<B: Backend> SeqState<B> {
         })
     }
 
+    /// Whether every KV cache has room for positions `< need` (`reserve` would change nothing).
+    pub fn has_room(&self, need: usize) -> bool {
+        self.layers.iter().all(|l| match l {
+            LayerState::Attn(kv) => kv.capacity >= need,
+            _ => true,
+        })
+    }
+
     /// Makes room for positions `< need` in every KV cache (copying what is there).
     pub fn reserve(&mut self, b: &B, d: &Dims, need: usize) -> Result<()> {
         let kvd = d.n_kv_heads * d.head_dim;

@@ -225,20 +225,32 @@ fn generate_from<B: Backend>(
     // documentation): log-probabilities read the step's logits, which the next step overwrites,
     // and a grammar's mask for the next token needs this one on the host.
     let lookahead = m.lookahead && on_backend && grammar.is_none() && logprobs.is_none();
-    // The prefill records the step after it ahead where that step's pick is the arg-max (no
-    // device sampler, no grammar's mask).
-    st.greedy_next = dev.is_none() && !grammar.as_ref().is_some_and(|g| g.active());
-    let t0 = Instant::now();
-    let first = m.forward(st, &prompt[cached..], Logits::Last, None)?;
     // Under an active grammar the first pick waits for its mask (in the loop).
     let masked_first = grammar.as_ref().is_some_and(|g| g.active());
+    // The prefill records the step after it ahead where that step's pick is the arg-max (no
+    // device sampler, no grammar's mask); a device sampler's step is recorded ahead below.
+    st.greedy_next = dev.is_none() && !masked_first;
+    let t0 = Instant::now();
+    // Picking the first token on the device, the prefill's logits stay there (1 MB not read
+    // back) and nothing waits for the device until the loop reads that token.
+    let device_first = on_backend && queue.is_empty();
+    let want = if device_first {
+        Logits::Device
+    } else {
+        Logits::Last
+    };
+    let first = m.forward(st, &prompt[cached..], want, None)?;
     if let (Some(d), true, false) = (dev.as_mut(), queue.is_empty(), masked_first) {
         m.sample_last(st, d)?;
+        // The host records the sampled step after it while the device runs the prefill.
+        m.prerecord_next(st, Pick::Sample(d))?;
     }
     // The host path's logits of the current step (the prefill's first).
     let mut host_logits = (!on_backend).then_some(first);
+    // With `device_first` nothing waited for the prefill yet: its time (and the decode's
+    // start) are taken when the first token is read.
     stats.prefill_s = t0.elapsed().as_secs_f64();
-    let t1 = Instant::now();
+    let mut t1 = Instant::now();
     let mut text = String::new();
     loop {
         if cancel.load(Ordering::Relaxed) {
@@ -316,6 +328,10 @@ fn generate_from<B: Backend>(
         out.ids.push(id);
         if stats.first_token_s == 0.0 {
             stats.first_token_s = t0.elapsed().as_secs_f64();
+            if device_first {
+                stats.prefill_s = stats.first_token_s;
+                t1 = Instant::now();
+            }
         }
         // Without the lookahead, the next step is enqueued before this token's text is worked
         // out (detokenizing, stop strings, the caller's streaming), which then overlaps it on a
@@ -369,6 +385,10 @@ fn generate_from<B: Backend>(
         }
     }
     stats.decode_s = t1.elapsed().as_secs_f64();
+    if device_first && out.ids.is_empty() {
+        // No token was read: the prefill's time is the whole call's.
+        stats.prefill_s = t0.elapsed().as_secs_f64();
+    }
     if let Some(g) = &grammar {
         stats.mask_s = g.mask_s;
         stats.masks = g.masks;

@@ -195,6 +195,66 @@ fn first_decode_step_is_recorded() {
     );
 }
 
+/// A generation that draws on the device: its prefill leaves the logits there
+/// (`Logits::Device`), the first token is drawn (`sample_last`), and the sampled step after it
+/// is recorded ahead (`Qwen35::prerecord_next`): its steps then launch nothing op by op, where
+/// a state without the record ahead launches its first step's kernels; both draw the same
+/// tokens (the same seed).
+#[test]
+fn sampled_step_is_recorded_ahead() {
+    let Some(g) = gpu() else { return };
+    if std::env::var("LILY_WGPU_REPLAY").as_deref() == Ok("0")
+        || std::env::var("LILY_WGPU_PRERECORD").as_deref() == Ok("0")
+    {
+        eprintln!("sampled_step_is_recorded_ahead: skipped (the environment turns it off)");
+        return;
+    }
+    use lily::model::{Logits, Pick};
+    let m = tiny_model(g);
+    let b = &m.backend;
+    let prompt = common::prompt_ids(12, m.cfg.vocab_size);
+    let params = lily::runtime::sampler::SamplingParams {
+        temperature: 0.8,
+        top_k: 20,
+        seed: Some(4),
+        ..lily::runtime::sampler::SamplingParams::greedy()
+    };
+    let mut launches = Vec::new();
+    let mut toks = Vec::new();
+    for ahead in [false, true] {
+        let mut st = m.new_state(256).unwrap();
+        st.greedy_next = false;
+        let mut d = m
+            .device_sampler(&params, 4, &prompt)
+            .unwrap()
+            .expect("a device sampler on wgpu");
+        let got = m.forward(&mut st, &prompt, Logits::Device, None).unwrap();
+        assert!(got.is_empty(), "Logits::Device read logits back");
+        m.sample_last(&mut st, &mut d).unwrap();
+        if ahead {
+            m.prerecord_next(&mut st, Pick::Sample(&mut d)).unwrap();
+        }
+        let mut t = vec![m.picked(&st).unwrap()];
+        let d0 = b.dispatches();
+        for _ in 0..3 {
+            m.decode_step(&mut st, None, Some(&mut d)).unwrap();
+            t.push(m.picked(&st).unwrap());
+        }
+        launches.push(b.dispatches() - d0);
+        toks.push(t);
+    }
+    eprintln!("sampled steps' launches op by op: {launches:?}; tokens {toks:?}");
+    assert!(launches[0] > 0, "no step ran op by op: {launches:?}");
+    assert_eq!(
+        launches[1], 0,
+        "the steps recorded ahead ran op by op: {launches:?}"
+    );
+    assert_eq!(
+        toks[0], toks[1],
+        "a sampled step recorded ahead drew other tokens"
+    );
+}
+
 /// `LILY_WGPU_BG_CACHE` (`Wgpu::set_bg_cache`): a state's record (made ahead by its prefill)
 /// makes fewer bind groups with the cache than without (only those of its own buffers: the KV
 /// caches, the conv and recurrent state), and picks the same tokens over three replayed steps.
