@@ -372,6 +372,47 @@ impl Wgpu {
         let xin = XIn::Norm { w, eps, xn };
         matmul::gemv_many_xq(&self.ctx, h, ws, 0, rows, outs, xin, OutMode::Store, q6w)
     }
+    /// Records `ops` as the decode step `key` (`Ctx::begin_record`: run as well, or with `dry`
+    /// only kept), says the host's time with `LILY_WGPU_STEP_TIMES=1`, and keeps the record
+    /// (the least recently used of MAX_RECORDS out) unless an op failed (it reports at the next
+    /// check) or a scratch buffer was replaced since `gen`. Whether it was kept.
+    fn record(
+        &self,
+        recs: &mut Records,
+        key: u64,
+        gen: u64,
+        dry: bool,
+        ops: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<bool> {
+        let t0 = std::time::Instant::now();
+        self.ctx.begin_record(dry);
+        let r = ops();
+        let items = self.ctx.end_record();
+        // A run step's last dispatches (past the last FLUSH_EVERY) go to the device now, as a
+        // replayed step's do, not when the next step is encoded.
+        if !dry && self.ctx.sw.ahead {
+            self.ctx.flush();
+        }
+        if self.ctx.sw.step_times {
+            let (disp, bind) = self.ctx.host_times();
+            eprintln!(
+                "wgpu: recorded a decode step{}: {} dispatches and copies, {:.2} ms on the host ({disp:.2} in dispatch_spec, {bind:.2} of it making bind groups)",
+                if dry { " ahead" } else { "" },
+                items.len(),
+                t0.elapsed().as_secs_f64() * 1e3
+            );
+        }
+        r?;
+        if self.ctx.has_error() || self.ctx.scratch_gen() != gen {
+            return Ok(false);
+        }
+        recs.recs.retain(|r| r.key != key);
+        if recs.recs.len() >= MAX_RECORDS {
+            recs.recs.remove(0);
+        }
+        recs.recs.push(Record { key, gen, items });
+        Ok(true)
+    }
     /// Whether recorded steps reuse earlier records' bind groups from now on
     /// (`LILY_WGPU_BG_CACHE`); returns the old setting, for a test to put back.
     pub fn set_bg_cache(&self, on: bool) -> bool {
@@ -610,32 +651,7 @@ impl Backend for Wgpu {
             drop(recs);
             return ops();
         }
-        let t0 = std::time::Instant::now();
-        self.ctx.begin_record(false);
-        let r = ops();
-        let items = self.ctx.end_record();
-        // The step's last dispatches (past the last FLUSH_EVERY) go to the device now, as a
-        // replayed step's do, not when the next step is encoded.
-        if self.ctx.sw.ahead {
-            self.ctx.flush();
-        }
-        if self.ctx.sw.step_times {
-            let (disp, bind) = self.ctx.host_times();
-            eprintln!(
-                "wgpu: recorded a decode step: {} dispatches and copies, {:.2} ms on the host ({disp:.2} in dispatch_spec, {bind:.2} of it making bind groups)",
-                items.len(),
-                t0.elapsed().as_secs_f64() * 1e3
-            );
-        }
-        r?;
-        // An op that failed while recording reports at the next check; its record is not kept.
-        if self.ctx.has_error() || self.ctx.scratch_gen() != gen {
-            return Ok(());
-        }
-        if recs.recs.len() >= MAX_RECORDS {
-            recs.recs.remove(0);
-        }
-        recs.recs.push(Record { key, gen, items });
+        self.record(&mut recs, key, gen, false, ops)?;
         Ok(())
     }
     /// The record `replay` would make at the key's first sight, made now without running the
@@ -654,30 +670,10 @@ impl Backend for Wgpu {
         // The prefill's last dispatches go to the device first: it runs them while the host
         // records.
         self.ctx.flush();
-        let t0 = std::time::Instant::now();
-        self.ctx.begin_record(true);
-        let r = ops();
-        let items = self.ctx.end_record();
-        if self.ctx.sw.step_times {
-            let (disp, bind) = self.ctx.host_times();
-            eprintln!(
-                "wgpu: recorded a decode step ahead: {} dispatches and copies, {:.2} ms on the host ({disp:.2} in dispatch_spec, {bind:.2} of it making bind groups)",
-                items.len(),
-                t0.elapsed().as_secs_f64() * 1e3
-            );
+        if self.record(&mut recs, key, gen, true, ops)? && self.ctx.sw.ahead {
+            let kept = &recs.recs.last().expect("just kept").items;
+            recs.ahead = self.ctx.encode_ahead(kept).map(|c| (key, gen, c));
         }
-        r?;
-        if self.ctx.has_error() || self.ctx.scratch_gen() != gen {
-            return Ok(());
-        }
-        recs.recs.retain(|r| r.key != key);
-        if recs.recs.len() >= MAX_RECORDS {
-            recs.recs.remove(0);
-        }
-        if self.ctx.sw.ahead {
-            recs.ahead = self.ctx.encode_ahead(&items).map(|c| (key, gen, c));
-        }
-        recs.recs.push(Record { key, gen, items });
         Ok(())
     }
     /// A decode step recorded without running (`Ctx::begin_record(true)`) and dropped: its
