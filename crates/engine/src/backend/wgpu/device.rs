@@ -631,7 +631,8 @@ pub(super) struct Switches {
     /// constants: `y2` (the default since stop 42) moe_xq.wgsl's moe_down_y2, two outputs a team
     /// (64 workgroups at hidden 2048; act's words read once for both), or `y` moe_down_y (one a
     /// team, 128 workgroups). Bit-equal sums. 4K decode on the H100, one process: 1.034× (y2
-    /// over y). Stored as 1 (y2) or 0 (y).
+    /// over y). `y2h` (opt-in, unmeasured): moe_down_y2 in workgroups of 128 (128 workgroups,
+    /// each two outputs a team). Stored as 1 (y2), 0 (y) or 2 (y2h).
     pub moe_down: AtomicU32,
     /// `LILY_WGPU_Q6W`: gemv_q6w, x quantized in each workgroup of the decode projections
     /// instead of by a q2x_stage launch before them (matmul_sg.wgsl's header at gemv_q6w;
@@ -1032,6 +1033,7 @@ pub(super) fn moe_down_code(name: &str) -> Option<u32> {
     match name {
         "y" => Some(0),
         "y2" => Some(1),
+        "y2h" => Some(2),
         _ => None,
     }
 }

@@ -738,17 +738,24 @@ pub fn moe_decode_shared(
             (k1 * width / X_OUTS) as u32,
         );
         // moe_down_y where it takes the block (moe_down_y2, two outputs a team, where it has
-        // its constants and `LILY_WGPU_MOE_DOWN` is y2, the default), else moe_down_x (same
-        // bindings); else moe_down_s below.
-        let y2 = spec && ctx.sw.moe_down.load(std::sync::atomic::Ordering::Relaxed) == 1;
-        let down_x = match down_y_lanes(ctx, width, down.bits, k) {
-            Some(lanes) if y2 => Some(("moe_down_y2", lanes, 512 / lanes)),
-            Some(lanes) => Some(("moe_down_y", lanes, 256 / lanes)),
-            None if x_down => {
+        // its constants and `LILY_WGPU_MOE_DOWN` is y2, the default; moe_down_y2h, the same in
+        // workgroups of 128, with y2h), else moe_down_x (same bindings); else moe_down_s below.
+        // (entry, its workgroup's invocations): at least a team of `lanes` each.
+        let y2 = match ctx.sw.moe_down.load(std::sync::atomic::Ordering::Relaxed) {
+            1 if spec => Some(("moe_down_y2", 256)),
+            2 if spec => Some(("moe_down_y2h", 128)),
+            _ => None,
+        };
+        let down_x = match (down_y_lanes(ctx, width, down.bits, k), y2) {
+            (Some(lanes), Some((entry, wgs))) if lanes <= wgs => {
+                Some((entry, lanes, 2 * wgs / lanes))
+            }
+            (Some(lanes), _) => Some(("moe_down_y", lanes, 256 / lanes)),
+            (None, _) if x_down => {
                 let (dt, ds) = down_shape(ctx, width, down.bits);
                 Some(("moe_down_x", dt | ds << 16, 256 / (dt * ds)))
             }
-            None => None,
+            (None, _) => None,
         };
         if let Some((entry, outs, opw)) = down_x {
             let p_down = params(down.qmat(), [0; 8], 1, k, n, d.norm_topk, outs, 0, 0);

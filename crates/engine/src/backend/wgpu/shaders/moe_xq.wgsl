@@ -873,12 +873,32 @@ fn moe_down_y2(
     @builtin(subgroup_size) sg_size: u32,
     @builtin(subgroup_invocation_id) lane_sg: u32,
 ) {
+    dy2_run(wg_index(wid), li, sg_size, lane_sg, 256u);
+}
+
+// moe_down_y2h (`LILY_WGPU_MOE_DOWN` y2h, opt-in, unmeasured): moe_down_y2 in workgroups of
+// 128, half its outputs a workgroup (16 at T = 16: 128 workgroups at hidden 2048, where
+// moe_down_y2's 64 leave half of a 132-SM GPU idle), each output's sum the same. Bindings:
+// moe_down_y's.
+@compute @workgroup_size(128)
+fn moe_down_y2h(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_size) sg_size: u32,
+    @builtin(subgroup_invocation_id) lane_sg: u32,
+) {
+    dy2_run(wg_index(wid), li, sg_size, lane_sg, 128u);
+}
+
+// moe_down_y2's body for workgroup wg of `wgs` invocations (256 or 128): its teams of T lanes
+// take outputs ob + i and ob + teams + i.
+fn dy2_run(wg: u32, li: u32, sg_size: u32, lane_sg: u32, wgs: u32) {
     let hid = my_out();
     let T = my_outs();
-    let teams = 256u / T;
+    let teams = wgs / T;
     let sg = my_sg(li, sg_size);
     let c = li % T;
-    let ob = wg_index(wid) * 2u * teams;
+    let ob = wg * 2u * teams;
     let u0 = ob + li / T;
     let u1 = u0 + teams;
     let o0 = min(u0, hid - 1u);
