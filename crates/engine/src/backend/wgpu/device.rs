@@ -37,8 +37,6 @@ use anyhow::{anyhow, bail, Context, Result};
 const FLUSH_EVERY: usize = 256;
 /// Parameter slots of a recorded step's arena buffer (`Ctx::rec_arena`).
 const REC_SLOTS: usize = 512;
-/// Bind groups `Ctx::cached_bind` keeps at most (~15 decode steps' worth).
-const BG_CACHE_MAX: usize = 4096;
 /// Parameter blocks `Ctx::cached_bind` keeps by content at most.
 const BG_PARAMS_MAX: usize = 1 << 16;
 
@@ -60,9 +58,10 @@ struct BgCache {
     starts: std::collections::VecDeque<u64>,
 }
 /// Records whose bind groups `Ctx::cached_bind` keeps: when a record begins, a group the
-/// record before it did not use goes (`Ctx::begin_record`). The weights' groups serve every
-/// record and stay; a dropped state's (its KV caches, conv and recurrent state: ~0.2 GB at 4K,
-/// GBs at long context) would otherwise stay alive in the cache until BG_CACHE_MAX evicted them.
+/// record before it did not use goes (`Ctx::begin_record`), so the cache holds at most two
+/// records' groups (~265 each on the full preset). The weights' groups serve every record and
+/// stay; a dropped state's (its KV caches, conv and recurrent state: ~0.2 GB at 4K, GBs at long
+/// context) go with the next record but one.
 const BG_KEEP_RECORDS: usize = 1;
 /// Bytes of the parameter arena a dispatch may use (a QMat and a few words; attention passes its RoPE frequencies).
 const PARAM_BYTES: u64 = 2048;
@@ -440,12 +439,6 @@ pub(super) struct Switches {
     /// stderr (a contract row's first step after its prefill costs ~7.5 ms more than a steady
     /// one on the H100, stop 44).
     pub step_times: bool,
-    /// `LILY_WGPU_REC_FLUSH=N` (opt-in): a decode step being recorded goes to the device every
-    /// N dispatches instead of every FLUSH_EVERY (256: nearly the whole step after the host
-    /// recorded it; `Ctx::dispatch`). Measured level (stop 45, H100, the contract's 4K row:
-    /// 362.72 against 362.31 tok/s, and 377.88 against 377.73 with BG_CACHE): the recording
-    /// step is host-bound whatever the device runs meanwhile.
-    pub rec_flush: usize,
     /// `LILY_WGPU_BG_CACHE` (on; `0` the ablation): a step being recorded reuses the bind groups
     /// of earlier records (`BgCache`: by pipeline, parameter block and buffers; the parameter
     /// blocks deduplicated by content), so that a new state's first step makes only those of
@@ -724,7 +717,6 @@ impl Switches {
             prerecord: on("LILY_WGPU_PRERECORD"),
             warm_up: on("LILY_WGPU_WARM_UP"),
             step_times: get("LILY_WGPU_STEP_TIMES").as_deref() == Some("1"),
-            rec_flush: num("LILY_WGPU_REC_FLUSH", FLUSH_EVERY).max(1),
             bg_cache: std::sync::atomic::AtomicBool::new(on("LILY_WGPU_BG_CACHE")),
             gqa: on("LILY_WGPU_GQA"),
             fuse_norm: on("LILY_WGPU_FUSE_NORM"),
@@ -1521,7 +1513,6 @@ impl Ctx {
             bg
         };
         let mut rec = self.rec.lock().unwrap();
-        let recording = rec.is_some();
         // A record made ahead (`begin_record(true)`): the dispatch is kept, not run.
         if let Some(items) = rec.as_mut().filter(|_| self.dry.load(Ordering::Relaxed)) {
             record(items);
@@ -1545,9 +1536,7 @@ impl Ctx {
         };
         drop(rec);
         self.encode(open, entry, &pipe, &bg, gx, gy);
-        // A step being recorded goes to the device every `rec_flush` dispatches where set, so
-        // that it runs while the host records the rest.
-        if open.n >= FLUSH_EVERY || (recording && open.n >= self.sw.rec_flush) {
+        if open.n >= FLUSH_EVERY {
             let o = g.take().unwrap();
             self.submit(o);
         }
@@ -1596,9 +1585,8 @@ impl Ctx {
     /// binds the same pipeline, parameter block and buffers, else made and kept. Parameter
     /// blocks are kept by content in arenas that live as long as the device (at most
     /// BG_PARAMS_MAX blocks; past that a block is written for this dispatch alone). The bind
-    /// groups keep their buffers alive, so at most BG_CACHE_MAX are kept: past it the less
-    /// recently used half goes; a group left unused by the last BG_KEEP_RECORDS records goes
-    /// when the next begins (`begin_record`).
+    /// groups keep their buffers alive: a group left unused by the last BG_KEEP_RECORDS records
+    /// goes when the next begins (`begin_record`).
     fn cached_bind(
         &self,
         pipe: &Arc<::wgpu::ComputePipeline>,
@@ -1630,12 +1618,6 @@ impl Ctx {
             return bg.clone();
         }
         let bg = bind(&pb, off);
-        if c.groups.len() >= BG_CACHE_MAX {
-            let mut ticks: Vec<u64> = c.groups.values().map(|v| v.1).collect();
-            let mid = ticks.len() / 2;
-            let cut = *ticks.select_nth_unstable(mid).1;
-            c.groups.retain(|_, v| v.1 > cut);
-        }
         c.groups.insert(key, (bg.clone(), tick));
         bg
     }
