@@ -572,7 +572,7 @@ impl<B: Backend> Qwen35<B> {
         s: &mut Scratch<B>,
         pick: &mut Pick<'_, B>,
     ) -> Result<()> {
-        if !prefill_room() || st.pos >= st.max_context || !st.has_room(st.pos + 1) {
+        if st.pos >= st.max_context || !st.has_room(st.pos + 1) {
             return Ok(());
         }
         let key = step_key(st, s, pick_sid(pick));
