@@ -37,8 +37,10 @@ use anyhow::{anyhow, bail, Context, Result};
 const FLUSH_EVERY: usize = 256;
 /// Parameter slots of a recorded step's arena buffer (`Ctx::rec_arena`).
 const REC_SLOTS: usize = 512;
-/// Parameter blocks `Ctx::cached_bind` keeps by content at most.
-const BG_PARAMS_MAX: usize = 1 << 16;
+/// Parameter blocks `Ctx::cached_bind` keeps by content at most: their arenas live as long as
+/// the device, `stride` (2 KB) a block, so at most 8 MB. A full decode step has ~265; each new
+/// KV capacity adds its attention's few.
+const BG_PARAMS_MAX: usize = 4096;
 
 /// A recorded dispatch's bind group by its pipeline (the pipeline cache's, so its address is
 /// stable), parameter block (arena and offset) and buffers (`Ctx::cached_bind`).
