@@ -966,6 +966,107 @@ fn norm_ahead_matches_the_norm() {
     g.set_xq_ahead(false);
 }
 
+/// `LILY_WGPU_MOE_ACT` down, down16 and down8 (`Wgpu::set_moe_act`): act staged by
+/// moe_down_y2q in workgroup memory from gate|up's f32 values (gate|up without its barrier and
+/// quantizing, on 32, 16 or 8 outputs a workgroup), against act staged by gate|up (the default), the y pair
+/// specialised with moe_down_y2, at the model's shapes and two other 4-bit stacks. The staging
+/// is the same function of the same f32 values and down's sums the same, so the route must be
+/// the same and h within F32_TOL (each pipeline is compiled apart, so its a·b + c pairs may
+/// contract differently: said whether bit-equal). A staged row, word or layout off moves h by
+/// O(1) (checked: the act rows' base without the factor 5 fails it). Each mode must build a
+/// pipeline of its own (it did not fall back to the default).
+const MOE_ACTS: [&str; 4] = ["gate", "down", "down16", "down8"];
+
+#[test]
+fn moe_act_staged_by_down_equals_gate_ups() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(85);
+    set_xq(&g, 4, "32,16,2");
+    g.set_spec("moe").unwrap();
+    g.set_moe_down("y2").unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (e, hid, width, k, norm) in [
+        (256usize, 2048usize, 512usize, 8usize, true),
+        (16, 512, 128, 1, true),
+        (32, 1024, 256, 4, false),
+    ] {
+        let d = Dims {
+            hidden: hid,
+            n_experts: e,
+            top_k: k,
+            norm_topk: norm,
+            ..qwen_dims()
+        };
+        let m = rand_moe(&mut rng, e, width, hid, 4);
+        let gm = upload6(&g, [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]]);
+        let router = g
+            .upload_mat(&rand_quant(&mut rng, 1, e, hid, 8, 64, false))
+            .unwrap();
+        let sgate = g
+            .upload_mat(&rand_quant(&mut rng, 1, 1, hid, 8, 64, false))
+            .unwrap();
+        let gnw = g
+            .upload_vec(&(0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect::<Vec<_>>())
+            .unwrap();
+        let w = moe_weights(
+            &router,
+            &sgate,
+            [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]],
+        );
+        let what = format!("{e}×[{width}, {hid}] top-{k}");
+        let hv = rng.vec(hid, 0.05);
+        let mut out = Vec::new();
+        for mode in MOE_ACTS {
+            g.set_moe_act(mode).unwrap();
+            let built = g.pipelines_built();
+            out.push(gpu_step(&g, true, &hv, &gnw, &w, &d, width, false));
+            assert!(
+                mode == "gate" || g.pipelines_built() > built,
+                "{what}: MOE_ACT={mode} built no pipeline of its own"
+            );
+        }
+        g.set_moe_act("gate").unwrap();
+        for (o, mode) in out.iter().zip(MOE_ACTS).skip(1) {
+            let a = &out[0];
+            assert_eq!(o.ids, a.ids, "{what}: ids with MOE_ACT={mode}");
+            assert_eq!(bits(&o.w), bits(&a.w), "{what}: weights with {mode}");
+            check(
+                &format!("{what}: h with MOE_ACT={mode}"),
+                rel_rows(&o.h, &a.h, hid),
+                F32_TOL,
+            );
+            eprintln!(
+                "{what}: h with MOE_ACT={mode} bit-equal to gate's: {}",
+                bits(&o.h) == bits(&a.h)
+            );
+        }
+        // The route given (moe_decode_add: gate|up reads the ids).
+        let xv = rng.vec(hid, 1.0);
+        let route = {
+            let logits = g.upload(&rng.vec(e, 2.0)).unwrap();
+            let mut r = g.new_route(1, k).unwrap();
+            g.moe_route(&logits, &d, 1, &mut r);
+            r
+        };
+        let gmr = [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]];
+        let mut dec = Vec::new();
+        for mode in MOE_ACTS {
+            g.set_moe_act(mode).unwrap();
+            dec.push(gpu_decode(&g, true, &xv, &route, gmr, 0.4, &d).0);
+        }
+        g.set_moe_act("gate").unwrap();
+        for (o, mode) in dec.iter().zip(MOE_ACTS).skip(1) {
+            check(
+                &format!("{what}: moe_decode_add with MOE_ACT={mode}"),
+                rel_rows(o, &dec[0], hid),
+                F32_TOL,
+            );
+        }
+    }
+    g.set_spec("").unwrap();
+    g.set_moe_down("y").unwrap();
+}
+
 /// The y kernels' settings the test runs: (specialised, `LILY_WGPU_MOE_DOWN`); the first is
 /// the reference, the second moe_down_y with its constants.
 const DOWNS: [(bool, &str); 4] = [(false, "y"), (true, "y"), (true, "y2"), (true, "y2h")];

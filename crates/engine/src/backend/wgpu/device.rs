@@ -629,6 +629,16 @@ pub(super) struct Switches {
     /// over y). `y2h` (opt-in, unmeasured): moe_down_y2 in workgroups of 128 (128 workgroups,
     /// each two outputs a team). Stored as 1 (y2), 0 (y) or 2 (y2h).
     pub moe_down: AtomicU32,
+    /// `LILY_WGPU_MOE_ACT`: who stages act (silu(gate) · up) for down's integer dots, where the
+    /// y pair with their constants takes the block and down is moe_down_y2 (moe.rs
+    /// `act_takes`): `gate` (0, the default) gate|up's epilogue (a barrier and the quantizing
+    /// of its workgroup's 32 outputs); `down` (1) moe_down_y2q, each of its workgroups from
+    /// act in f32 while its weights are in flight (gate|up then ends without a barrier:
+    /// moe_xq.wgsl MY_NOQ); `down16` (2) as `down` with gate|up's workgroups of 16 outputs
+    /// (288 at the full preset, half the loads a lane: MY_GR); `down8` (3) on 8 outputs (576).
+    /// Bit-equal sums. The H100 lab (stop 46): gate|up alone 10.2 µs, 8.8 without the act
+    /// staging.
+    pub moe_act: AtomicU32,
     /// `LILY_WGPU_Q6W`: gemv_q6w, x quantized in each workgroup of the decode projections
     /// instead of by a q2x_stage launch before them (matmul_sg.wgsl's header at gemv_q6w;
     /// matmul.rs `q6w_takes`): `1` in_proj, q|k|v and o_proj (50 launches fewer a step of the
@@ -791,6 +801,16 @@ impl Switches {
                 Some("ydown") => 3,
                 _ => 4,
             }),
+            moe_act: AtomicU32::new(match get("LILY_WGPU_MOE_ACT").as_deref() {
+                Some("" | "gate" | "0") | None => 0,
+                Some("down" | "1") => 1,
+                Some("down16" | "2") => 2,
+                Some("down8" | "3") => 3,
+                Some(v) => {
+                    eprintln!("LILY_WGPU_MOE_ACT={v}: not gate, down, down16 or down8; gate");
+                    0
+                }
+            }),
             moe_down: AtomicU32::new(match get("LILY_WGPU_MOE_DOWN").as_deref() {
                 Some("") | None => 1,
                 Some(v) => moe_down_code(v).unwrap_or_else(|| {
@@ -912,6 +932,7 @@ impl Switches {
             moe_fuse,
             moe_xq,
             moe_down,
+            moe_act,
             q6w,
             q6w_max_mb,
             bg_cache,
@@ -2414,6 +2435,7 @@ mod tests {
             load!("LILY_WGPU_MOE_FUSE", "0", moe_fuse),
             load!("LILY_WGPU_MOE_XQ", "0", moe_xq),
             load!("LILY_WGPU_MOE_DOWN", "y", moe_down),
+            load!("LILY_WGPU_MOE_ACT", "down", moe_act),
             load!("LILY_WGPU_Q6W", "0", q6w),
             load!("LILY_WGPU_Q6W_MAX_MB", "8", q6w_max_mb),
             load!("LILY_WGPU_BG_CACHE", "0", bg_cache),

@@ -832,6 +832,51 @@ impl Wgpu {
                 seqs.push(("shared/2 xq-ys".into(), 2, true, 4, "32,16,2"));
                 seqs.push(("route/2 xq-ys".into(), 2, true, 4, "32,16,2"));
                 seqs.push(("route/2 xq-ys down-y".into(), 2, true, 4, "32,16,2"));
+                seqs.push(("route/2 xq-ys down-y2h".into(), 2, true, 4, "32,16,2"));
+                // One launch of the pair alone (moe.rs `LAB_GATE_ONLY` / `LAB_DOWN_ONLY`):
+                // gate|up with and without its route, and down after a route made before.
+                seqs.push(("route/1 xq-ys gate-only".into(), 1, true, 4, "32,16,2"));
+                seqs.push(("shared/1 xq-ys gate-only".into(), 1, true, 4, "32,16,2"));
+                seqs.push(("shared/1 xq-ys down-only".into(), 1, true, 4, "32,16,2"));
+                // gate|up's workgroups against the SMs: (k + 1) · 16 at k routed slots (144
+                // at 8 on 132 SMs; 128 at 7, 112 at 6), the same kernel on fewer slots.
+                for k in [7, 6, 4] {
+                    seqs.push((
+                        format!("shared/1 xq-ys k{k} gate-only"),
+                        1,
+                        true,
+                        4,
+                        "32,16,2",
+                    ));
+                }
+                // Act staged by down (`LILY_WGPU_MOE_ACT`): the block, and each launch alone.
+                for a in ["act-down", "act-down16", "act-down8"] {
+                    seqs.push((format!("route/2 xq-ys {a}"), 2, true, 4, "32,16,2"));
+                    seqs.push((
+                        format!("shared/1 xq-ys {a} gate-only"),
+                        1,
+                        true,
+                        4,
+                        "32,16,2",
+                    ));
+                    seqs.push((
+                        format!("shared/1 xq-ys {a} down-only"),
+                        1,
+                        true,
+                        4,
+                        "32,16,2",
+                    ));
+                }
+                // gate|up without its dot products (~8) or its act staging (~32).
+                for a in ["~8", "~32", "~40"] {
+                    seqs.push((
+                        format!("shared/1 xq-ys {a} gate-only"),
+                        1,
+                        true,
+                        4,
+                        "32,16,2",
+                    ));
+                }
                 // The y pair then the x pair on the next route, each call: against the two rows
                 // above, whether a kernel pays for the other's code and data between its calls
                 // (as in a decode step, where 8 other kernels run between two MoE blocks).
@@ -848,13 +893,41 @@ impl Wgpu {
             }
             let old_spec = ctx.sw.moe_spec.load(Ordering::Relaxed);
             let old_down = ctx.sw.moe_down.load(Ordering::Relaxed);
+            let old_act = ctx.sw.moe_act.load(Ordering::Relaxed);
             for (name, launches, fused, xq_mode, shape) in seqs {
                 let name = name.as_str();
                 ctx.sw.moe_xq.store(xq_mode, Ordering::Relaxed);
-                ctx.sw.moe_down.store(
-                    if name.ends_with("down-y") { 0 } else { 1 },
-                    Ordering::Relaxed,
-                );
+                let down_code = if name.ends_with("down-y") {
+                    0
+                } else if name.ends_with("down-y2h") {
+                    2
+                } else {
+                    1
+                };
+                ctx.sw.moe_down.store(down_code, Ordering::Relaxed);
+                let act = if name.contains("act-down16") {
+                    2
+                } else if name.contains("act-down8") {
+                    3
+                } else if name.contains("act-down") {
+                    1
+                } else {
+                    0
+                };
+                ctx.sw.moe_act.store(act, Ordering::Relaxed);
+                let skip = if name.ends_with("gate-only") {
+                    super::moe::LAB_GATE_ONLY
+                } else if name.ends_with("down-only") {
+                    super::moe::LAB_DOWN_ONLY
+                } else {
+                    0
+                };
+                // `~B` in the name: the kernels' ablation bits B (moe.wgsl `ablate`).
+                let bits = name
+                    .split(' ')
+                    .find_map(|w| w.strip_prefix('~')?.parse::<u32>().ok())
+                    .unwrap_or(0);
+                ctx.sw.ablate.store(skip | bits, Ordering::Relaxed);
                 // Only the `xq-ys` rows specialised, whatever LILY_WGPU_SPEC says.
                 ctx.sw
                     .moe_spec
@@ -866,6 +939,14 @@ impl Wgpu {
                     continue;
                 }
                 let n = calls.min(255 / launches);
+                // A row's routed slots (`kN` in its name), else the model's.
+                let mut dk = d;
+                if let Some(k) = name
+                    .split(' ')
+                    .find_map(|w| w.strip_prefix('k')?.parse::<usize>().ok())
+                {
+                    dk.top_k = k.min(d.top_k);
+                }
                 let call = |i: usize| {
                     let r = &routes[i % nroutes];
                     let mut h = clone(&hbuf);
@@ -888,7 +969,7 @@ impl Wgpu {
                                 up,
                                 down,
                                 &sh,
-                                &d,
+                                &dk,
                                 &mut h,
                                 l,
                                 staged.as_ref(),
@@ -950,6 +1031,8 @@ impl Wgpu {
                 print(&row);
                 rows.push(row);
             }
+            ctx.sw.ablate.store(0, Ordering::Relaxed);
+            ctx.sw.moe_act.store(old_act, Ordering::Relaxed);
             ctx.sw.moe_xq.store(old_xq, Ordering::Relaxed);
             ctx.sw.moe_spec.store(old_spec, Ordering::Relaxed);
             ctx.sw.moe_down.store(old_down, Ordering::Relaxed);

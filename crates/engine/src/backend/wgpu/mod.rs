@@ -285,6 +285,23 @@ impl Wgpu {
             .store(code, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
+    /// Who stages act for the decode MoE block's down (`LILY_WGPU_MOE_ACT`: `gate`, the
+    /// default, `down`, `down16` or `down8`; `Switches::moe_act`) from now on; tests compare
+    /// them.
+    pub fn set_moe_act(&self, v: &str) -> Result<()> {
+        let code = match v {
+            "gate" => 0,
+            "down" => 1,
+            "down16" => 2,
+            "down8" => 3,
+            _ => bail!("set_moe_act: `{v}` is not gate, down, down16 or down8"),
+        };
+        self.ctx
+            .sw
+            .moe_act
+            .store(code, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
     /// Makes the in-place trace stamp pass boundaries (`LILY_WGPU_TRACE_PASSES`: what an
     /// adapter without TIMESTAMP_QUERY_INSIDE_PASSES gets) or, where it can, inside passes.
     pub fn set_trace_passes(&self, on: bool) {

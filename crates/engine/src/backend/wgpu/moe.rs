@@ -548,6 +548,23 @@ fn down_y_lanes(ctx: &Ctx, width: usize, bits: u32, k: usize) -> Option<usize> {
     .then_some(words)
 }
 
+/// moe_xq.wgsl's DQ_MAX: the vec4s of moe_down_y2q's act staging in workgroup memory.
+const DQ_MAX: usize = 1024;
+
+/// Who stages act for moe_down_y2 (`Switches::moe_act`: 0 gate|up, 1 moe_down_y2q, 2 and 3
+/// that with gate|up on 16 or 8 outputs a workgroup), given that the y pair with their
+/// constants takes the block: `LILY_WGPU_MOE_ACT`'s value where the k + 1 rows' 4-bit staging
+/// (5 vec4s a 32 act values) fits moe_down_y2q's workgroup memory (then its (k + 1) · width / 8
+/// chunks, at most 819, take at most moe_xq.wgsl's DQ_ROUNDS of 256), else 0.
+fn act_takes(ctx: &Ctx, width: usize, k: usize) -> u32 {
+    let mode = ctx.sw.moe_act.load(std::sync::atomic::Ordering::Relaxed);
+    if width.is_multiple_of(32) && (k + 1) * 5 * (width / 32) <= DQ_MAX {
+        mode
+    } else {
+        0
+    }
+}
+
 /// moe_gate_up_y's lanes a team where it takes the block: `LILY_WGPU_MOE_XQ` 4, 4-bit gate and
 /// up in groups of a multiple of 64 inputs (a lane's two code words share one), hidden 512,
 /// 1,024 or 2,048 (hidden / 64 = 8, 16 or 32 lanes: two words a lane).
@@ -605,6 +622,12 @@ fn down_shape(ctx: &Ctx, width: usize, bits: u32) -> (usize, usize) {
     (t.max(1), (shape >> 16).max(1))
 }
 
+/// `lily lab`'s ablation bits (`Switches::ablate`) for moe_decode_shared's y kernels: its
+/// gate|up launch alone, or its down launch alone (the lab's `gate-only` / `down-only` rows:
+/// each launch's own time; the block's sums are then wrong).
+pub(super) const LAB_GATE_ONLY: u32 = 0x100;
+pub(super) const LAB_DOWN_ONLY: u32 = 0x200;
+
 /// How the projection before the MoE block left x (moe_decode_shared's `rn`): staged without
 /// its norm's 1 / rms (`eps`: the norm's), and with `fold` the router's partial dots after it
 /// (`matmul::OutMode::AddStageFold`), so gate|up takes the logits from them.
@@ -652,7 +675,7 @@ pub fn moe_decode_shared(
         return ctx.fail("moe_decode_shared: the folded router writes the logits".to_string());
     }
     let k1 = k + 1;
-    let act = match ctx.scratch("moe.act", 4 * (k1 * width) as u64) {
+    let act_f = match ctx.scratch("moe.act", 4 * (k1 * width) as u64) {
         Ok(a) => a,
         Err(e) => return ctx.fail(format!("moe_decode_shared: {e:#}")),
     };
@@ -691,7 +714,7 @@ pub fn moe_decode_shared(
             }
         };
         // cw: x staged ahead, the norm's eps (moe_xq.wgsl MY_RN).
-        let p_up = params(
+        let mut p_up = params(
             gate.qmat(),
             up.qmat(),
             1,
@@ -704,6 +727,42 @@ pub fn moe_decode_shared(
         );
         // gemv_q6s's idea for the y kernels (opt-in): the launch's values as constants.
         let spec = ctx.sw.moe_spec.load(std::sync::atomic::Ordering::Relaxed);
+        // moe_down_y where it takes the block (moe_down_y2, two outputs a team, where it has
+        // its constants and `LILY_WGPU_MOE_DOWN` is y2, the default; moe_down_y2h, the same in
+        // workgroups of 128, with y2h), else moe_down_x (same bindings); else moe_down_s below.
+        // (entry, its workgroup's invocations): at least a team of `lanes` each.
+        let y2 = match ctx.sw.moe_down.load(std::sync::atomic::Ordering::Relaxed) {
+            1 if spec => Some(("moe_down_y2", 256)),
+            2 if spec => Some(("moe_down_y2h", 128)),
+            _ => None,
+        };
+        let mut down_x = match (down_y_lanes(ctx, width, down.bits, k), y2) {
+            (Some(lanes), Some((entry, wgs))) if lanes <= wgs => {
+                Some((entry, lanes, 2 * wgs / lanes))
+            }
+            (Some(lanes), _) => Some(("moe_down_y", lanes, 256 / lanes)),
+            (None, _) if x_down => {
+                let (dt, ds) = down_shape(ctx, width, down.bits);
+                Some(("moe_down_x", dt | ds << 16, 256 / (dt * ds)))
+            }
+            (None, _) => None,
+        };
+        // Who stages act (`act_takes`): 0 gate|up's epilogue; 1 moe_down_y2q (gate|up MY_NOQ);
+        // 2 and 3 the same with gate|up's workgroups of 16 or 8 outputs (MY_GR 2 or 1).
+        let act = match down_x {
+            Some(("moe_down_y2", ..)) if gy.is_some() && spec && next.is_none() => {
+                act_takes(ctx, width, k)
+            }
+            _ => 0,
+        };
+        if act != 0 {
+            down_x = down_x.map(|(_, lanes, opw)| ("moe_down_y2q", lanes, opw));
+        }
+        // `lily lab`'s ablation bits for the kernels (moe.wgsl `ablate`; 0 in a step).
+        let lab = ctx.sw.ablate.load(std::sync::atomic::Ordering::Relaxed);
+        if let Some(w) = p_up.last_mut() {
+            *w = lab & 0xff;
+        }
         let mut consts = match gy {
             Some(_) if spec => y_spec(ctx, &p_up),
             _ => Vec::new(),
@@ -711,6 +770,20 @@ pub fn moe_decode_shared(
         if rn.is_some() {
             consts.push(("MY_RN", 1));
         }
+        if act != 0 {
+            consts.push(("MY_NOQ", 1));
+        }
+        // A team's outputs with MY_GR (its lanes' rows): 16 (act 2) or 8 (act 3) outputs a
+        // workgroup of 8 teams.
+        let gr = match act {
+            2 => 2,
+            3 => 1,
+            _ => lanes / 8,
+        };
+        if act >= 2 {
+            consts.push(("MY_GR", gr as u32));
+        }
+        let gate_opw = (256 / lanes.max(1)) * gr.max(1);
         if fold {
             if consts.is_empty() {
                 return ctx.fail(
@@ -726,49 +799,38 @@ pub fn moe_decode_shared(
             (true, Some(l)) => (&ctx.spare[2], &l.buf, &sh.logit.buf),
             _ => (lg, &ctx.spare[3], &ctx.spare[4]),
         };
-        ctx.dispatch_spec(
-            &XQ_SHADER,
-            entry,
-            &consts,
-            &p_up,
-            &[
-                &gate.w, &gate.s, &gate.b, &up.w, &up.s, &up.b, &staged, &route.ids, &act, &sg.w,
-                &sg.s, &sg.b, &su.w, &su.s, &su.b, lg, wts, &aq, l_out, s_out,
-            ],
-            (k1 * width / X_OUTS) as u32,
-        );
-        // moe_down_y where it takes the block (moe_down_y2, two outputs a team, where it has
-        // its constants and `LILY_WGPU_MOE_DOWN` is y2, the default; moe_down_y2h, the same in
-        // workgroups of 128, with y2h), else moe_down_x (same bindings); else moe_down_s below.
-        // (entry, its workgroup's invocations): at least a team of `lanes` each.
-        let y2 = match ctx.sw.moe_down.load(std::sync::atomic::Ordering::Relaxed) {
-            1 if spec => Some(("moe_down_y2", 256)),
-            2 if spec => Some(("moe_down_y2h", 128)),
-            _ => None,
-        };
-        let down_x = match (down_y_lanes(ctx, width, down.bits, k), y2) {
-            (Some(lanes), Some((entry, wgs))) if lanes <= wgs => {
-                Some((entry, lanes, 2 * wgs / lanes))
-            }
-            (Some(lanes), _) => Some(("moe_down_y", lanes, 256 / lanes)),
-            (None, _) if x_down => {
-                let (dt, ds) = down_shape(ctx, width, down.bits);
-                Some(("moe_down_x", dt | ds << 16, 256 / (dt * ds)))
-            }
-            (None, _) => None,
-        };
+        if lab & LAB_DOWN_ONLY == 0 {
+            ctx.dispatch_spec(
+                &XQ_SHADER,
+                entry,
+                &consts,
+                &p_up,
+                &[
+                    &gate.w, &gate.s, &gate.b, &up.w, &up.s, &up.b, &staged, &route.ids, &act_f,
+                    &sg.w, &sg.s, &sg.b, &su.w, &su.s, &su.b, lg, wts, &aq, l_out, s_out,
+                ],
+                (k1 * width / if gy.is_some() { gate_opw } else { X_OUTS }) as u32,
+            );
+        }
+        if lab & LAB_GATE_ONLY != 0 {
+            return;
+        }
         if let Some((entry, outs, opw)) = down_x {
             let p_down = params(down.qmat(), [0; 8], 1, k, n, d.norm_topk, outs, 0, 0);
-            let consts = if spec && entry != "moe_down_x" {
+            let mut consts = if spec && entry != "moe_down_x" {
                 y_spec(ctx, &p_down)
             } else {
                 Vec::new()
             };
+            // moe_down_y2q stages act itself from the f32 values (binding 4).
+            if act != 0 {
+                consts.push(("MY_AQW", 1));
+            }
             let mut bufs = vec![
                 &down.w,
                 &down.s,
                 &down.b,
-                &aq,
+                if act != 0 { &act_f } else { &aq },
                 &route.ids,
                 &route.weights,
                 &h.buf,
@@ -813,7 +875,7 @@ pub fn moe_decode_shared(
             "moe_gate_up_s",
             &p_up,
             &[
-                &gate.w, &gate.s, &gate.b, &up.w, &up.s, &up.b, &x.buf, &route.ids, &act, &sg.w,
+                &gate.w, &gate.s, &gate.b, &up.w, &up.s, &up.b, &x.buf, &route.ids, &act_f, &sg.w,
                 &sg.s, &sg.b, &su.w, &su.s, &su.b, lg, wts,
             ],
             (k1 * width.div_ceil(GATE_UP_OUTS)) as u32,
@@ -828,7 +890,7 @@ pub fn moe_decode_shared(
             &down.w,
             &down.s,
             &down.b,
-            &act,
+            &act_f,
             &route.ids,
             &route.weights,
             &h.buf,

@@ -71,6 +71,16 @@ override MY_RN: bool = false;
 // logit from the projection's partial dots (gx_fold_logit) and the route's writer also writes
 // the logits (binding 19) and the shared gate's logit (20, for down). Only with MY_ON, one row.
 override MY_FOLD: bool = false;
+// `LILY_WGPU_MOE_ACT` (moe.rs `act_mode`; only with MY_ON): act staged by down, not by gate|up.
+// MY_NOQ: gate|up writes act in f32 alone (no barrier, no quantizing in its epilogue), so its
+// workgroup need not hold a whole word of act (32 outputs); MY_GR: a team's outputs (0: T / 8,
+// as before; 2: 16 outputs a workgroup, twice the workgroups, half the loads a lane; 1: 8
+// outputs, a quarter).
+// MY_AQW: moe_down_y2q stages act from those f32 values into workgroup memory (dq_stage) while
+// its weights are in flight, and its dots read act there.
+override MY_NOQ: bool = false;
+override MY_GR: u32 = 0u;
+override MY_AQW: bool = false;
 
 fn my_out() -> u32 { return select(p.m.out, MY_OUT, MY_ON); }
 fn my_inp() -> u32 { return select(p.m.inp, MY_INP, MY_ON); }
@@ -332,8 +342,8 @@ fn gx_route(t: u32, li: u32, sg: u32, lsg: u32, write: bool) {
 
 // A gate|up workgroup's place (moe_gate_up_x, moe_gate_up_y; uniform: the workgroup index
 // alone): its slot of the (k + 1) · rows, token t, slot js of it (slot k the shared expert: sh,
-// uniform over the workgroup as every branch on it), the first of its 32 outputs, and whether
-// it is the slot's first workgroup.
+// uniform over the workgroup as every branch on it), the first of its `opw` outputs (32, or 16
+// with MY_GR 2), and whether it is the slot's first workgroup.
 struct GxAt {
     slot: u32,
     t: u32,
@@ -343,11 +353,11 @@ struct GxAt {
     first: bool,
 }
 
-fn gx_at(wg: u32) -> GxAt {
-    let blocks = my_out() / 32u;
+fn gx_at(wg: u32, opw: u32) -> GxAt {
+    let blocks = my_out() / opw;
     let k1 = my_k() + 1u;
     let slot = wg / blocks;
-    return GxAt(slot, slot / k1, slot % k1, slot % k1 == my_k(), (wg % blocks) * 32u, wg % blocks == 0u);
+    return GxAt(slot, slot / k1, slot % k1, slot % k1 == my_k(), (wg % blocks) * opw, wg % blocks == 0u);
 }
 
 // The expert of slot js of token t (0 for the shared slot, sh, uniform over the workgroup):
@@ -376,7 +386,7 @@ fn moe_gate_up_x(
 ) {
     let width = p.m.out;
     let hid = p.m.inp;
-    let a = gx_at(wg_index(wid));
+    let a = gx_at(wg_index(wid), 32u);
     if (a.slot >= p.rows * (p.k + 1u)) {
         return;
     }
@@ -450,7 +460,7 @@ fn moe_gate_up_x(
             au.w += gx_dot(u3, bits, x, gs_up_sb(sh, r3 * gpu + ku, p.m2.sb16, false), gs_up_sb(sh, r3 * gpu + ku, p.m2.sb16, true));
         }
     }
-    gx_finish(ag, au, li, lane_sg, T, sg, slot, width, o0, ob);
+    gx_finish(ag, au, li, lane_sg, T, T / 8u, sg, slot, width, o0, ob);
 }
 
 // moe_gate_up_y: moe_gate_up_x's maths and epilogue (`LILY_WGPU_MOE_XQ` 4) with a lane's
@@ -461,7 +471,12 @@ fn moe_gate_up_x(
 // apart in a loop; x's two words go out before the route. Same launch, bindings and route.
 
 // A row's two words (2l, 2l + 1) against x's, with their group's scale s and bias b.
+// (`lily lab` ablation 8: the words only xor-ed, the dots skipped, to time the rest.)
 fn gy_dot(wa: vec4<u32>, wb: vec4<u32>, xa: GxW, xc: GxW, s: f32, b: f32) -> f32 {
+    if ((p.ablate & 8u) != 0u) {
+        let v = wa ^ wb;
+        return f32(v.x ^ v.y ^ v.z ^ v.w) * s + b;
+    }
     return gx_dot(wa, 4u, xa, s, b) + gx_dot(wb, 4u, xc, s, b);
 }
 
@@ -474,7 +489,9 @@ fn moe_gate_up_y(
 ) {
     let width = my_out();
     let hid = my_inp();
-    let a = gx_at(wg_index(wid));
+    let T = my_outs();
+    let R = select(T / 8u, MY_GR, MY_GR != 0u);
+    let a = gx_at(wg_index(wid), (256u / T) * R);
     if (a.slot >= my_rows() * (my_k() + 1u)) {
         return;
     }
@@ -484,8 +501,6 @@ fn moe_gate_up_y(
     let js = a.js;
     let sh = a.sh;
     let ob = a.ob;
-    let T = my_outs();
-    let R = T / 8u;
     let lane = li % T;
     let o0 = ob + (li / T) * R;
     let wpr = hid / 32u;
@@ -512,36 +527,70 @@ fn moe_gate_up_y(
     let g0b = gs_gate_w(sh, r0 * wpr + c + 1u);
     let u0a = gs_up_w(sh, r0 * wpr + c);
     let u0b = gs_up_w(sh, r0 * wpr + c + 1u);
-    let g1a = gs_gate_w(sh, r1 * wpr + c);
-    let g1b = gs_gate_w(sh, r1 * wpr + c + 1u);
-    let u1a = gs_up_w(sh, r1 * wpr + c);
-    let u1b = gs_up_w(sh, r1 * wpr + c + 1u);
-    let g2a = gs_gate_w(sh, r2 * wpr + c);
-    let g2b = gs_gate_w(sh, r2 * wpr + c + 1u);
-    let u2a = gs_up_w(sh, r2 * wpr + c);
-    let u2b = gs_up_w(sh, r2 * wpr + c + 1u);
-    let g3a = gs_gate_w(sh, r3 * wpr + c);
-    let g3b = gs_gate_w(sh, r3 * wpr + c + 1u);
-    let u3a = gs_up_w(sh, r3 * wpr + c);
-    let u3b = gs_up_w(sh, r3 * wpr + c + 1u);
+    // Row 1 only where a team has two outputs, rows 2 and 3 where it has four (MY_GR 1 or 2:
+    // no loads for the rest).
+    var g1a = vec4<u32>(0u);
+    var g1b = vec4<u32>(0u);
+    var u1a = vec4<u32>(0u);
+    var u1b = vec4<u32>(0u);
+    if (R > 1u) {
+        g1a = gs_gate_w(sh, r1 * wpr + c);
+        g1b = gs_gate_w(sh, r1 * wpr + c + 1u);
+        u1a = gs_up_w(sh, r1 * wpr + c);
+        u1b = gs_up_w(sh, r1 * wpr + c + 1u);
+    }
+    var g2a = vec4<u32>(0u);
+    var g2b = vec4<u32>(0u);
+    var u2a = vec4<u32>(0u);
+    var u2b = vec4<u32>(0u);
+    var g3a = vec4<u32>(0u);
+    var g3b = vec4<u32>(0u);
+    var u3a = vec4<u32>(0u);
+    var u3b = vec4<u32>(0u);
+    if (R > 2u) {
+        g2a = gs_gate_w(sh, r2 * wpr + c);
+        g2b = gs_gate_w(sh, r2 * wpr + c + 1u);
+        u2a = gs_up_w(sh, r2 * wpr + c);
+        u2b = gs_up_w(sh, r2 * wpr + c + 1u);
+        g3a = gs_gate_w(sh, r3 * wpr + c);
+        g3b = gs_gate_w(sh, r3 * wpr + c + 1u);
+        u3a = gs_up_w(sh, r3 * wpr + c);
+        u3b = gs_up_w(sh, r3 * wpr + c + 1u);
+    }
     let sb = my_sb16();
     let sb2 = my_sb162();
     let sg0 = gs_gate_sb(sh, r0 * gpg + gg, sb, false);
     let bg0 = gs_gate_sb(sh, r0 * gpg + gg, sb, true);
     let su0 = gs_up_sb(sh, r0 * gpu + gu, sb2, false);
     let bu0 = gs_up_sb(sh, r0 * gpu + gu, sb2, true);
-    let sg1 = gs_gate_sb(sh, r1 * gpg + gg, sb, false);
-    let bg1 = gs_gate_sb(sh, r1 * gpg + gg, sb, true);
-    let su1 = gs_up_sb(sh, r1 * gpu + gu, sb2, false);
-    let bu1 = gs_up_sb(sh, r1 * gpu + gu, sb2, true);
-    let sg2 = gs_gate_sb(sh, r2 * gpg + gg, sb, false);
-    let bg2 = gs_gate_sb(sh, r2 * gpg + gg, sb, true);
-    let su2 = gs_up_sb(sh, r2 * gpu + gu, sb2, false);
-    let bu2 = gs_up_sb(sh, r2 * gpu + gu, sb2, true);
-    let sg3 = gs_gate_sb(sh, r3 * gpg + gg, sb, false);
-    let bg3 = gs_gate_sb(sh, r3 * gpg + gg, sb, true);
-    let su3 = gs_up_sb(sh, r3 * gpu + gu, sb2, false);
-    let bu3 = gs_up_sb(sh, r3 * gpu + gu, sb2, true);
+    var sg1 = 0.0;
+    var bg1 = 0.0;
+    var su1 = 0.0;
+    var bu1 = 0.0;
+    if (R > 1u) {
+        sg1 = gs_gate_sb(sh, r1 * gpg + gg, sb, false);
+        bg1 = gs_gate_sb(sh, r1 * gpg + gg, sb, true);
+        su1 = gs_up_sb(sh, r1 * gpu + gu, sb2, false);
+        bu1 = gs_up_sb(sh, r1 * gpu + gu, sb2, true);
+    }
+    var sg2 = 0.0;
+    var bg2 = 0.0;
+    var su2 = 0.0;
+    var bu2 = 0.0;
+    var sg3 = 0.0;
+    var bg3 = 0.0;
+    var su3 = 0.0;
+    var bu3 = 0.0;
+    if (R > 2u) {
+        sg2 = gs_gate_sb(sh, r2 * gpg + gg, sb, false);
+        bg2 = gs_gate_sb(sh, r2 * gpg + gg, sb, true);
+        su2 = gs_up_sb(sh, r2 * gpu + gu, sb2, false);
+        bu2 = gs_up_sb(sh, r2 * gpu + gu, sb2, true);
+        sg3 = gs_gate_sb(sh, r3 * gpg + gg, sb, false);
+        bg3 = gs_gate_sb(sh, r3 * gpg + gg, sb, true);
+        su3 = gs_up_sb(sh, r3 * gpu + gu, sb2, false);
+        bu3 = gs_up_sb(sh, r3 * gpu + gu, sb2, true);
+    }
     let ag = vec4<f32>(
         gy_dot(g0a, g0b, xa, xc, sg0, bg0),
         gy_dot(g1a, g1b, xa, xc, sg1, bg1),
@@ -554,22 +603,25 @@ fn moe_gate_up_y(
         gy_dot(u2a, u2b, xa, xc, su2, bu2),
         gy_dot(u3a, u3b, xa, xc, su3, bu3),
     );
-    gx_finish(ag * rn, au * rn, li, lane_sg, T, sg, slot, width, o0, ob);
+    gx_finish(ag * rn, au * rn, li, lane_sg, T, R, sg, slot, width, o0, ob);
 }
 
 // gate|up's epilogue (moe_gate_up_x, moe_gate_up_y): the team's sums, act = silu(gate) · up of
-// its R = T / 8 outputs o0.. in f32, and the workgroup's 32 outputs (ob..) quantized as one word
-// of aq. Every invocation calls it (barriers).
-fn gx_finish(ag0: vec4<f32>, au0: vec4<f32>, li: u32, lane_sg: u32, T: u32, sg: u32, slot: u32, width: u32, o0: u32, ob: u32) {
+// its R outputs o0.. in f32, and the workgroup's 32 outputs (ob..) quantized as one word of aq
+// (not with MY_NOQ: down stages act). Every invocation calls it (barriers).
+fn gx_finish(ag0: vec4<f32>, au0: vec4<f32>, li: u32, lane_sg: u32, T: u32, R: u32, sg: u32, slot: u32, width: u32, o0: u32, ob: u32) {
     let ag = team_sum(ag0, li, lane_sg, T, sg);
     let au = team_sum(au0, li, lane_sg, T, sg);
-    let R = T / 8u;
     let lane = li % T;
     // Lane r < R of a team: output o0 + r.
     if (lane < R) {
         let a = silu_f(ag[lane]) * au[lane];
         gu_act[slot * width + o0 + lane] = a;
         red[o0 - ob + lane] = a;
+    }
+    // (`lily lab` ablation 32: act in f32 only, not staged for down, to time the rest.)
+    if (MY_NOQ || (p.ablate & 32u) != 0u) {
+        return;
     }
     workgroupBarrier();
     // The block's 32 act values as one 4-bit word (two 8-bit) of row `slot` of aq: thread i of
@@ -765,9 +817,71 @@ fn dy_load_sh(o: u32, c: u32) -> DyW {
 // Word c's dot against act row `ar`, times `wt` (0 past the routed slots: the term dropped).
 fn dy_dot(v: DyW, ar: u32, c: u32, wt: f32, keep: bool) -> f32 {
     let width = my_inp();
-    let xb = ar * (5u * (width / 32u) + 3u * (width / 16u));
-    let d = gx_dot(v.w, 4u, dx_xword(xb, c, width, 4u), v.s, v.b);
+    var x: GxW;
+    if (MY_AQW) {
+        x = dq_xword(ar, c);
+    } else {
+        let xb = ar * (5u * (width / 32u) + 3u * (width / 16u));
+        x = dx_xword(xb, c, width, 4u);
+    }
+    let d = gx_dot(v.w, 4u, x, v.s, v.b);
     return select(0.0, wt * d, keep);
+}
+
+// MY_AQW (moe_down_y2q): act's 4-bit staging in workgroup memory, row r at r · 5 · (width / 32)
+// vec4s (xq.wgsl's 4-bit layout of a row: q1 even, q1 odd, q2 even, q2 odd, then the words'
+// (d / 254, Σ x)); DQ_MAX vec4s hold (k + 1) rows of width 512 at k = 8 with room (moe.rs
+// `act_takes` checks the shape).
+const DQ_MAX: u32 = 1024u;
+var<workgroup> dq_aq: array<vec4<u32>, DQ_MAX>;
+
+fn dq_xword(ar: u32, c: u32) -> GxW {
+    let w4 = my_inp() / 32u;
+    let b = ar * 5u * w4;
+    return GxW(dq_aq[b + c], dq_aq[b + w4 + c], dq_aq[b + 2u * w4 + c], dq_aq[b + 3u * w4 + c], dq_aq[b + 4u * w4 + c]);
+}
+
+// dq_aq from act in f32 (binding 4, dx_aq's bits: (k + 1) rows of `width`, as gate|up wrote
+// them): 8 elements a thread a round (chunk ch = 256 · r + li: element 8 · ch.., the word's 4
+// chunks on 4 consecutive lanes, q2x_words' shuffles), the same words gx_finish would have
+// staged, then a barrier. Every round's loads go out before any round's quantizing (one L2
+// round trip, not DQ_ROUNDS in a row: the stop 46 lab had the staging at ~1 µs of down's
+// time with a load, quantize, store loop). Every invocation calls it (uniform; lanes past the
+// rows pass zeros).
+const DQ_ROUNDS: u32 = 4u;
+
+fn dq_stage(li: u32) {
+    let width = my_inp();
+    let w4 = width / 32u;
+    let per = width / 8u;
+    let chunks = (my_k() + 1u) * per;
+    var xv: array<vec4<f32>, 8>;
+    for (var r = 0u; r < DQ_ROUNDS; r++) {
+        let ch = 256u * r + li;
+        if (ch < chunks) {
+            xv[2u * r] = bitcast<vec4<f32>>(dx_aq[2u * ch]);
+            xv[2u * r + 1u] = bitcast<vec4<f32>>(dx_aq[2u * ch + 1u]);
+        }
+    }
+    for (var r = 0u; r < DQ_ROUNDS; r++) {
+        if (256u * r < chunks) {
+            let ch = 256u * r + li;
+            let q = q2x_words(xv[2u * r], xv[2u * r + 1u]);
+            if (ch < chunks) {
+                let b = (ch / per) * 5u * w4;
+                let u = (ch % per) / 4u;
+                let q4 = ch % 4u;
+                dq_aq[b + u][q4] = q.w4.x;
+                dq_aq[b + w4 + u][q4] = q.w4.y;
+                dq_aq[b + 2u * w4 + u][q4] = q.w4.z;
+                dq_aq[b + 3u * w4 + u][q4] = q.w4.w;
+                if (q4 == 0u) {
+                    dq_aq[b + 4u * w4 + u] = q.m4;
+                }
+            }
+        }
+    }
+    workgroupBarrier();
 }
 
 // A lane's loads for one output o of token t: the k routed slots' words (past k: slot k - 1's,
@@ -853,6 +967,10 @@ fn moe_down_y(
 fn dy_pair(o0: u32, o1: u32, c: u32, two: bool, li: u32, lane_sg: u32, T: u32, sg: u32) -> vec2<f32> {
     let la = dy_loads(0u, o0, c);
     let lb = dy_loads(0u, select(o0, o1, two), c);
+    // moe_down_y2q: act staged here, while the loads above are in flight.
+    if (MY_AQW) {
+        dq_stage(li);
+    }
     let sa = dy_sum(la, 0u, c);
     let sb = select(0.0, dy_sum(lb, 0u, c), two);
     return team_sum(vec4<f32>(sa, sb, 0.0, 0.0), li, lane_sg, T, sg).xy;
@@ -888,6 +1006,20 @@ fn moe_down_y2h(
     @builtin(subgroup_invocation_id) lane_sg: u32,
 ) {
     dy2_run(wg_index(wid), li, sg_size, lane_sg, 128u);
+}
+
+// moe_down_y2q (`LILY_WGPU_MOE_ACT` 1 or 2, with MY_AQW; one token, moe_down_y's constants):
+// moe_down_y2 reading act in f32 at binding 4 (gate|up with MY_NOQ staged nothing) and staging
+// it itself into workgroup memory (dq_stage) after its weights' loads are issued; each output's
+// sum moe_down_y2's, bit for bit (the same act words). Bindings: moe_down_y's, 4 act (f32).
+@compute @workgroup_size(256)
+fn moe_down_y2q(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_size) sg_size: u32,
+    @builtin(subgroup_invocation_id) lane_sg: u32,
+) {
+    dy2_run(wg_index(wid), li, sg_size, lane_sg, 256u);
 }
 
 // moe_down_y2's body for workgroup wg of `wgs` invocations (256 or 128): its teams of T lanes
