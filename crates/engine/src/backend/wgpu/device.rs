@@ -639,6 +639,10 @@ pub(super) struct Switches {
     /// Bit-equal sums. The H100 lab (stop 46): gate|up alone 10.2 µs, 8.8 without the act
     /// staging.
     pub moe_act: AtomicU32,
+    /// `LILY_WGPU_MOE_A8=1` (the ablation): gate|up's epilogue stages act's 8-bit layout even
+    /// where down is 4-bit and reads only the 4-bit one (moe_xq.wgsl MY_A8; with the y pair's
+    /// constants, else it always does).
+    pub moe_a8: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_Q6W`: gemv_q6w, x quantized in each workgroup of the decode projections
     /// instead of by a q2x_stage launch before them (matmul_sg.wgsl's header at gemv_q6w;
     /// matmul.rs `q6w_takes`): `1` in_proj, q|k|v and o_proj (50 launches fewer a step of the
@@ -801,6 +805,9 @@ impl Switches {
                 Some("ydown") => 3,
                 _ => 4,
             }),
+            moe_a8: std::sync::atomic::AtomicBool::new(
+                get("LILY_WGPU_MOE_A8").is_some_and(|v| v == "1"),
+            ),
             moe_act: AtomicU32::new(match get("LILY_WGPU_MOE_ACT").as_deref() {
                 Some("" | "gate" | "0") | None => 0,
                 Some("down" | "1") => 1,
@@ -933,6 +940,7 @@ impl Switches {
             moe_xq,
             moe_down,
             moe_act,
+            moe_a8,
             q6w,
             q6w_max_mb,
             bg_cache,
@@ -2436,6 +2444,7 @@ mod tests {
             load!("LILY_WGPU_MOE_XQ", "0", moe_xq),
             load!("LILY_WGPU_MOE_DOWN", "y", moe_down),
             load!("LILY_WGPU_MOE_ACT", "down", moe_act),
+            load!("LILY_WGPU_MOE_A8", "1", moe_a8),
             load!("LILY_WGPU_Q6W", "0", q6w),
             load!("LILY_WGPU_Q6W_MAX_MB", "8", q6w_max_mb),
             load!("LILY_WGPU_BG_CACHE", "0", bg_cache),

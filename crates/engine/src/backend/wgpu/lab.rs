@@ -849,6 +849,8 @@ impl Wgpu {
                         "32,16,2",
                     ));
                 }
+                // gate|up staging act's 8-bit layout too (`LILY_WGPU_MOE_A8=1`, as before).
+                seqs.push(("shared/1 xq-ys a8 gate-only".into(), 1, true, 4, "32,16,2"));
                 // Act staged by down (`LILY_WGPU_MOE_ACT`): the block, and each launch alone.
                 for a in ["act-down", "act-down16", "act-down8"] {
                     seqs.push((format!("route/2 xq-ys {a}"), 2, true, 4, "32,16,2"));
@@ -894,6 +896,7 @@ impl Wgpu {
             let old_spec = ctx.sw.moe_spec.load(Ordering::Relaxed);
             let old_down = ctx.sw.moe_down.load(Ordering::Relaxed);
             let old_act = ctx.sw.moe_act.load(Ordering::Relaxed);
+            let old_a8 = ctx.sw.moe_a8.load(Ordering::Relaxed);
             for (name, launches, fused, xq_mode, shape) in seqs {
                 let name = name.as_str();
                 ctx.sw.moe_xq.store(xq_mode, Ordering::Relaxed);
@@ -915,6 +918,9 @@ impl Wgpu {
                     0
                 };
                 ctx.sw.moe_act.store(act, Ordering::Relaxed);
+                ctx.sw
+                    .moe_a8
+                    .store(name.contains(" a8 "), Ordering::Relaxed);
                 let skip = if name.ends_with("gate-only") {
                     super::moe::LAB_GATE_ONLY
                 } else if name.ends_with("down-only") {
@@ -1033,6 +1039,7 @@ impl Wgpu {
             }
             ctx.sw.ablate.store(0, Ordering::Relaxed);
             ctx.sw.moe_act.store(old_act, Ordering::Relaxed);
+            ctx.sw.moe_a8.store(old_a8, Ordering::Relaxed);
             ctx.sw.moe_xq.store(old_xq, Ordering::Relaxed);
             ctx.sw.moe_spec.store(old_spec, Ordering::Relaxed);
             ctx.sw.moe_down.store(old_down, Ordering::Relaxed);

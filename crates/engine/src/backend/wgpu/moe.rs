@@ -554,8 +554,7 @@ const DQ_MAX: usize = 1024;
 /// Who stages act for moe_down_y2 (`Switches::moe_act`: 0 gate|up, 1 moe_down_y2q, 2 and 3
 /// that with gate|up on 16 or 8 outputs a workgroup), given that the y pair with their
 /// constants takes the block: `LILY_WGPU_MOE_ACT`'s value where the k + 1 rows' 4-bit staging
-/// (5 vec4s a 32 act values) fits moe_down_y2q's workgroup memory (then its (k + 1) · width / 8
-/// chunks, at most 819, take at most moe_xq.wgsl's DQ_ROUNDS of 256), else 0.
+/// (5 vec4s a 32 act values) fits moe_down_y2q's workgroup memory, else 0.
 fn act_takes(ctx: &Ctx, width: usize, k: usize) -> u32 {
     let mode = ctx.sw.moe_act.load(std::sync::atomic::Ordering::Relaxed);
     if width.is_multiple_of(32) && (k + 1) * 5 * (width / 32) <= DQ_MAX {
@@ -772,6 +771,11 @@ pub fn moe_decode_shared(
         }
         if act != 0 {
             consts.push(("MY_NOQ", 1));
+        }
+        // A 4-bit down reads act's 4-bit staging alone (`LILY_WGPU_MOE_A8=1`: both, as before).
+        let a8 = ctx.sw.moe_a8.load(std::sync::atomic::Ordering::Relaxed);
+        if !consts.is_empty() && down.bits == 4 && !a8 {
+            consts.push(("MY_A8", 0));
         }
         // A team's outputs with MY_GR (its lanes' rows): 16 (act 2) or 8 (act 3) outputs a
         // workgroup of 8 teams.

@@ -79,6 +79,9 @@ override MY_FOLD: bool = false;
 // MY_AQW: moe_down_y2q stages act from those f32 values into workgroup memory (dq_stage) while
 // its weights are in flight, and its dots read act there.
 override MY_NOQ: bool = false;
+// gate|up's epilogue stages act's 8-bit layout too (for an 8-bit down); false (moe.rs, with
+// MY_ON, where down is 4-bit) leaves it out: its quantizing and its stores.
+override MY_A8: bool = true;
 override MY_GR: u32 = 0u;
 override MY_AQW: bool = false;
 
@@ -649,6 +652,9 @@ fn gx_put(q: Q2xW, q4: u32, row: u32, u: u32, n: u32) {
     if (q4 == 0u) {
         gx_aq[b4 + 4u * w4 + u] = q.m4;
     }
+    if (!MY_A8) {
+        return;
+    }
     let v = 2u * u + q4 / 2u;
     let pp = 2u * (q4 % 2u);
     gx_aq[b8 + v][pp] = q.w8.x;
@@ -842,42 +848,36 @@ fn dq_xword(ar: u32, c: u32) -> GxW {
 }
 
 // dq_aq from act in f32 (binding 4, dx_aq's bits: (k + 1) rows of `width`, as gate|up wrote
-// them): 8 elements a thread a round (chunk ch = 256 · r + li: element 8 · ch.., the word's 4
-// chunks on 4 consecutive lanes, q2x_words' shuffles), the same words gx_finish would have
-// staged, then a barrier. Every round's loads go out before any round's quantizing (one L2
-// round trip, not DQ_ROUNDS in a row: the stop 46 lab had the staging at ~1 µs of down's
-// time with a load, quantize, store loop). Every invocation calls it (uniform; lanes past the
-// rows pass zeros).
-const DQ_ROUNDS: u32 = 4u;
-
+// them), after down's weight loads are issued (dy_pair): 8 elements a thread a round (chunk
+// ch = base + li: element 8 · ch.., the word's 4 chunks on 4 consecutive lanes, q2x_words'
+// shuffles), the same words gx_finish would have staged, then a barrier. Every invocation
+// calls it (uniform loop; lanes past the rows pass zeros). The H100 lab (stop 46, down alone):
+// act staged by gate|up 6.0 µs, this loop 6.9; every round's loads before any quantizing 7.2,
+// and before the weights' loads 10.9 (their registers held across them).
 fn dq_stage(li: u32) {
     let width = my_inp();
     let w4 = width / 32u;
     let per = width / 8u;
     let chunks = (my_k() + 1u) * per;
-    var xv: array<vec4<f32>, 8>;
-    for (var r = 0u; r < DQ_ROUNDS; r++) {
-        let ch = 256u * r + li;
+    for (var base = 0u; base < chunks; base += 256u) {
+        let ch = base + li;
+        var xl = vec4<f32>(0.0);
+        var xh = vec4<f32>(0.0);
         if (ch < chunks) {
-            xv[2u * r] = bitcast<vec4<f32>>(dx_aq[2u * ch]);
-            xv[2u * r + 1u] = bitcast<vec4<f32>>(dx_aq[2u * ch + 1u]);
+            xl = bitcast<vec4<f32>>(dx_aq[2u * ch]);
+            xh = bitcast<vec4<f32>>(dx_aq[2u * ch + 1u]);
         }
-    }
-    for (var r = 0u; r < DQ_ROUNDS; r++) {
-        if (256u * r < chunks) {
-            let ch = 256u * r + li;
-            let q = q2x_words(xv[2u * r], xv[2u * r + 1u]);
-            if (ch < chunks) {
-                let b = (ch / per) * 5u * w4;
-                let u = (ch % per) / 4u;
-                let q4 = ch % 4u;
-                dq_aq[b + u][q4] = q.w4.x;
-                dq_aq[b + w4 + u][q4] = q.w4.y;
-                dq_aq[b + 2u * w4 + u][q4] = q.w4.z;
-                dq_aq[b + 3u * w4 + u][q4] = q.w4.w;
-                if (q4 == 0u) {
-                    dq_aq[b + 4u * w4 + u] = q.m4;
-                }
+        let q = q2x_words(xl, xh);
+        if (ch < chunks) {
+            let b = (ch / per) * 5u * w4;
+            let u = (ch % per) / 4u;
+            let q4 = ch % 4u;
+            dq_aq[b + u][q4] = q.w4.x;
+            dq_aq[b + w4 + u][q4] = q.w4.y;
+            dq_aq[b + 2u * w4 + u][q4] = q.w4.z;
+            dq_aq[b + 3u * w4 + u][q4] = q.w4.w;
+            if (q4 == 0u) {
+                dq_aq[b + 4u * w4 + u] = q.m4;
             }
         }
     }
