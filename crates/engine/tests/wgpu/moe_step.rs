@@ -1069,7 +1069,7 @@ fn moe_act_staged_by_down_equals_gate_ups() {
 
 /// The y kernels' settings the test runs: (specialised, `LILY_WGPU_MOE_DOWN`); the first is
 /// the reference, the second moe_down_y with its constants.
-const DOWNS: [(bool, &str); 4] = [(false, "y"), (true, "y"), (true, "y2"), (true, "y2h")];
+const DOWNS: [(bool, &str); 3] = [(false, "y"), (true, "y"), (true, "y2")];
 
 /// `LILY_WGPU_SPEC` moe (`Wgpu::set_spec`): moe_gate_up_y and moe_down_y specialised to their
 /// launch by pipeline constants (moe_xq.wgsl MY_*), against the same kernels reading the
@@ -1080,8 +1080,8 @@ const DOWNS: [(bool, &str); 4] = [(false, "y"), (true, "y"), (true, "y2"), (true
 /// same, but with the trip counts constant NVIDIA's compiler unrolls moe_down_y's sums and
 /// contracts other a·b + c pairs into FMAs (the H200, stop 38: h a few ulps off; lavapipe
 /// bit-equal). A constant in the wrong place (a group size, k, the width) moves the outputs by
-/// O(1). moe_down_y2 (`LILY_WGPU_MOE_DOWN` y2, the default) and moe_down_y2h (y2h: in
-/// workgroups of 128) likewise against the unspecialised kernels.
+/// O(1). moe_down_y2 (`LILY_WGPU_MOE_DOWN` y2, the default) likewise against the unspecialised
+/// kernels (with `LILY_WGPU_MOE_ACT`'s default: act staged by moe_down_y2q).
 #[test]
 fn moe_y_specialised_equals_the_y_kernels() {
     let Some(g) = gpu() else { return };

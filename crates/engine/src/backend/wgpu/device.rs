@@ -626,18 +626,20 @@ pub(super) struct Switches {
     /// constants: `y2` (the default since stop 42) moe_xq.wgsl's moe_down_y2, two outputs a team
     /// (64 workgroups at hidden 2048; act's words read once for both), or `y` moe_down_y (one a
     /// team, 128 workgroups). Bit-equal sums. 4K decode on the H100, one process: 1.034× (y2
-    /// over y). `y2h` (opt-in, unmeasured): moe_down_y2 in workgroups of 128 (128 workgroups,
-    /// each two outputs a team). Stored as 1 (y2), 0 (y) or 2 (y2h).
+    /// over y). Stored as 1 (y2) or 0 (y). (Stop 46 removed `y2h`, moe_down_y2 in workgroups of
+    /// 128: 128 workgroups, 0.970× on the H100 at 4K.)
     pub moe_down: AtomicU32,
     /// `LILY_WGPU_MOE_ACT`: who stages act (silu(gate) · up) for down's integer dots, where the
     /// y pair with their constants takes the block and down is moe_down_y2 (moe.rs
-    /// `act_takes`): `gate` (0, the default) gate|up's epilogue (a barrier and the quantizing
-    /// of its workgroup's 32 outputs); `down` (1) moe_down_y2q, each of its workgroups from
-    /// act in f32 while its weights are in flight (gate|up then ends without a barrier:
-    /// moe_xq.wgsl MY_NOQ); `down16` (2) as `down` with gate|up's workgroups of 16 outputs
-    /// (288 at the full preset, half the loads a lane: MY_GR); `down8` (3) on 8 outputs (576).
-    /// Bit-equal sums. The H100 lab (stop 46): gate|up alone 10.2 µs, 8.8 without the act
-    /// staging.
+    /// `act_takes`): `gate` (0) gate|up's epilogue (a barrier and the quantizing of its
+    /// workgroup's 32 outputs); `down` (1) moe_down_y2q, each of its workgroups from act in f32
+    /// while its weights are in flight (gate|up then ends without a barrier: moe_xq.wgsl
+    /// MY_NOQ); `down16` (2, the default since stop 46) as `down` with gate|up's workgroups of
+    /// 16 outputs (288 at the full preset on 132 SMs, not 144 of 64 KB: MY_GR); `down8` (3) on
+    /// 8 outputs (576). Bit-equal sums. H100 at 4K (`lily bench --arms`, stop 46): down16
+    /// 1.017× and 1.011× over gate (3 rounds: 394.71 against 390.47), down 1.007×, down8 0.980×
+    /// (with the staging's loads hoisted, since undone). The lab: gate|up alone 9.7-10.2 µs
+    /// with gate, 8.0 with down16; down alone 6.0 against 6.9.
     pub moe_act: AtomicU32,
     /// `LILY_WGPU_MOE_A8=1` (the ablation): gate|up's epilogue stages act's 8-bit layout even
     /// where down is 4-bit and reads only the 4-bit one (moe_xq.wgsl MY_A8; with the y pair's
@@ -809,13 +811,13 @@ impl Switches {
                 get("LILY_WGPU_MOE_A8").is_some_and(|v| v == "1"),
             ),
             moe_act: AtomicU32::new(match get("LILY_WGPU_MOE_ACT").as_deref() {
-                Some("" | "gate" | "0") | None => 0,
+                Some("gate" | "0") => 0,
                 Some("down" | "1") => 1,
-                Some("down16" | "2") => 2,
+                Some("" | "down16" | "2") | None => 2,
                 Some("down8" | "3") => 3,
                 Some(v) => {
-                    eprintln!("LILY_WGPU_MOE_ACT={v}: not gate, down, down16 or down8; gate");
-                    0
+                    eprintln!("LILY_WGPU_MOE_ACT={v}: not gate, down, down16 or down8; down16");
+                    2
                 }
             }),
             moe_down: AtomicU32::new(match get("LILY_WGPU_MOE_DOWN").as_deref() {
@@ -1056,7 +1058,6 @@ pub(super) fn moe_down_code(name: &str) -> Option<u32> {
     match name {
         "y" => Some(0),
         "y2" => Some(1),
-        "y2h" => Some(2),
         _ => None,
     }
 }
@@ -2443,7 +2444,7 @@ mod tests {
             load!("LILY_WGPU_MOE_FUSE", "0", moe_fuse),
             load!("LILY_WGPU_MOE_XQ", "0", moe_xq),
             load!("LILY_WGPU_MOE_DOWN", "y", moe_down),
-            load!("LILY_WGPU_MOE_ACT", "down", moe_act),
+            load!("LILY_WGPU_MOE_ACT", "gate", moe_act),
             load!("LILY_WGPU_MOE_A8", "1", moe_a8),
             load!("LILY_WGPU_Q6W", "0", q6w),
             load!("LILY_WGPU_Q6W_MAX_MB", "8", q6w_max_mb),

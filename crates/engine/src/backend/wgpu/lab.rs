@@ -832,7 +832,6 @@ impl Wgpu {
                 seqs.push(("shared/2 xq-ys".into(), 2, true, 4, "32,16,2"));
                 seqs.push(("route/2 xq-ys".into(), 2, true, 4, "32,16,2"));
                 seqs.push(("route/2 xq-ys down-y".into(), 2, true, 4, "32,16,2"));
-                seqs.push(("route/2 xq-ys down-y2h".into(), 2, true, 4, "32,16,2"));
                 // One launch of the pair alone (moe.rs `LAB_GATE_ONLY` / `LAB_DOWN_ONLY`):
                 // gate|up with and without its route, and down after a route made before.
                 seqs.push(("route/1 xq-ys gate-only".into(), 1, true, 4, "32,16,2"));
@@ -900,13 +899,7 @@ impl Wgpu {
             for (name, launches, fused, xq_mode, shape) in seqs {
                 let name = name.as_str();
                 ctx.sw.moe_xq.store(xq_mode, Ordering::Relaxed);
-                let down_code = if name.ends_with("down-y") {
-                    0
-                } else if name.ends_with("down-y2h") {
-                    2
-                } else {
-                    1
-                };
+                let down_code = if name.ends_with("down-y") { 0 } else { 1 };
                 ctx.sw.moe_down.store(down_code, Ordering::Relaxed);
                 let act = if name.contains("act-down16") {
                     2

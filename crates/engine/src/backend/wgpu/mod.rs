@@ -285,9 +285,8 @@ impl Wgpu {
             .store(code, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
-    /// Who stages act for the decode MoE block's down (`LILY_WGPU_MOE_ACT`: `gate`, the
-    /// default, `down`, `down16` or `down8`; `Switches::moe_act`) from now on; tests compare
-    /// them.
+    /// Who stages act for the decode MoE block's down (`LILY_WGPU_MOE_ACT`: `gate`, `down`,
+    /// `down16` (the default) or `down8`; `Switches::moe_act`) from now on; tests compare them.
     pub fn set_moe_act(&self, v: &str) -> Result<()> {
         let code = match v {
             "gate" => 0,

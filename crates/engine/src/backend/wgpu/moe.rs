@@ -727,12 +727,11 @@ pub fn moe_decode_shared(
         // gemv_q6s's idea for the y kernels (opt-in): the launch's values as constants.
         let spec = ctx.sw.moe_spec.load(std::sync::atomic::Ordering::Relaxed);
         // moe_down_y where it takes the block (moe_down_y2, two outputs a team, where it has
-        // its constants and `LILY_WGPU_MOE_DOWN` is y2, the default; moe_down_y2h, the same in
-        // workgroups of 128, with y2h), else moe_down_x (same bindings); else moe_down_s below.
+        // its constants and `LILY_WGPU_MOE_DOWN` is y2, the default), else moe_down_x (same
+        // bindings); else moe_down_s below.
         // (entry, its workgroup's invocations): at least a team of `lanes` each.
         let y2 = match ctx.sw.moe_down.load(std::sync::atomic::Ordering::Relaxed) {
             1 if spec => Some(("moe_down_y2", 256)),
-            2 if spec => Some(("moe_down_y2h", 128)),
             _ => None,
         };
         let mut down_x = match (down_y_lanes(ctx, width, down.bits, k), y2) {

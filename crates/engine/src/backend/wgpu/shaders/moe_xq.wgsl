@@ -10,7 +10,10 @@
 // moe_down_y, the same maths with every weight load of a lane issued at once (H200 lab, one
 // token's gate|up and down with the shared expert: 20.1 µs against 32.9); for one token with
 // their pipeline constants, moe_down_y2 (two outputs a team, half the workgroups: 4K decode on
-// the H100 1.034×, stop 42; `LILY_WGPU_MOE_DOWN=y` for moe_down_y).
+// the H100 1.034×, stop 42; `LILY_WGPU_MOE_DOWN=y` for moe_down_y), and since stop 46 act staged
+// by down: moe_gate_up_y on 16 outputs a workgroup writing act in f32 alone (MY_GR 2, MY_NOQ),
+// moe_down_y2q staging it into workgroup memory (MY_AQW; `LILY_WGPU_MOE_ACT=gate` for gate|up's
+// staging: its 144 workgroups of 64 KB on 132 SMs, then a barrier and the quantizing).
 //
 // moe_gate_up_x: act[s, o] = silu(gate_e[o] · x) · (up_e[o] · x) for the k + 1 slots of token t
 //   (slot k the shared expert), x read as q2x_stage staged it (xq.wgsl's layouts: the router's
@@ -986,34 +989,6 @@ fn dy_pair(o0: u32, o1: u32, c: u32, two: bool, li: u32, lane_sg: u32, T: u32, s
 // Bindings: moe_down_y's.
 @compute @workgroup_size(256)
 fn moe_down_y2(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
-    @builtin(subgroup_size) sg_size: u32,
-    @builtin(subgroup_invocation_id) lane_sg: u32,
-) {
-    dy2_run(wg_index(wid), li, sg_size, lane_sg, 256u);
-}
-
-// moe_down_y2h (`LILY_WGPU_MOE_DOWN` y2h, opt-in, unmeasured): moe_down_y2 in workgroups of
-// 128, half its outputs a workgroup (16 at T = 16: 128 workgroups at hidden 2048, where
-// moe_down_y2's 64 leave half of a 132-SM GPU idle), each output's sum the same. Bindings:
-// moe_down_y's.
-@compute @workgroup_size(128)
-fn moe_down_y2h(
-    @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
-    @builtin(subgroup_size) sg_size: u32,
-    @builtin(subgroup_invocation_id) lane_sg: u32,
-) {
-    dy2_run(wg_index(wid), li, sg_size, lane_sg, 128u);
-}
-
-// moe_down_y2q (`LILY_WGPU_MOE_ACT` 1 or 2, with MY_AQW; one token, moe_down_y's constants):
-// moe_down_y2 reading act in f32 at binding 4 (gate|up with MY_NOQ staged nothing) and staging
-// it itself into workgroup memory (dq_stage) after its weights' loads are issued; each output's
-// sum moe_down_y2's, bit for bit (the same act words). Bindings: moe_down_y's, 4 act (f32).
-@compute @workgroup_size(256)
-fn moe_down_y2q(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(local_invocation_index) li: u32,
     @builtin(subgroup_size) sg_size: u32,
