@@ -997,7 +997,22 @@ fn moe_down_y2(
     dy2_run(wg_index(wid), li, sg_size, lane_sg, 256u);
 }
 
-// moe_down_y2's body for workgroup wg of `wgs` invocations (256 or 128): its teams of T lanes
+// moe_down_y2q (`LILY_WGPU_MOE_ACT` down, down16 (the default) or down8, with MY_AQW; one token,
+// moe_down_y's constants): moe_down_y2 reading act in f32 at binding 4 (gate|up with MY_NOQ
+// staged nothing) and staging it itself into workgroup memory (dq_stage) after its weights'
+// loads are issued; each output's sum moe_down_y2's, bit for bit (the same act words).
+// Bindings: moe_down_y's, 4 act (f32).
+@compute @workgroup_size(256)
+fn moe_down_y2q(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_size) sg_size: u32,
+    @builtin(subgroup_invocation_id) lane_sg: u32,
+) {
+    dy2_run(wg_index(wid), li, sg_size, lane_sg, 256u);
+}
+
+// moe_down_y2's body for workgroup wg of `wgs` invocations (256): its teams of T lanes
 // take outputs ob + i and ob + teams + i.
 fn dy2_run(wg: u32, li: u32, sg_size: u32, lane_sg: u32, wgs: u32) {
     let hid = my_out();
