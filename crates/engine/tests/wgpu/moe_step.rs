@@ -966,6 +966,65 @@ fn norm_ahead_matches_the_norm() {
     g.set_xq_ahead(false);
 }
 
+/// The y-kernel tests' stacks (experts, hidden, width, top-k, renormalised): the model's, and
+/// two other 4-bit shapes (hidden 512, 16 experts, top-1; hidden 1024, 32 experts, top-4).
+const Y_SHAPES: [(usize, usize, usize, usize, bool); 3] = [
+    (256, 2048, 512, 8, true),
+    (16, 512, 128, 1, true),
+    (32, 1024, 256, 4, false),
+];
+
+/// One of `Y_SHAPES` on the device: its dims, the 4-bit experts and shared expert (upload6's
+/// order), the 8-bit router and shared gate, the norm's weights, and the case's name.
+struct YCase {
+    d: Dims,
+    width: usize,
+    gm: Vec<WM>,
+    router: WM,
+    sgate: WM,
+    gnw: WB,
+    what: String,
+}
+
+fn y_case(g: &Wgpu, rng: &mut Rng, shape: (usize, usize, usize, usize, bool)) -> YCase {
+    let (e, hid, width, k, norm) = shape;
+    let d = Dims {
+        hidden: hid,
+        n_experts: e,
+        top_k: k,
+        norm_topk: norm,
+        ..qwen_dims()
+    };
+    let m = rand_moe(rng, e, width, hid, 4);
+    let gm = upload6(g, [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]]);
+    let router = g
+        .upload_mat(&rand_quant(rng, 1, e, hid, 8, 64, false))
+        .unwrap();
+    let sgate = g
+        .upload_mat(&rand_quant(rng, 1, 1, hid, 8, 64, false))
+        .unwrap();
+    let gnw = g
+        .upload_vec(&(0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect::<Vec<_>>())
+        .unwrap();
+    YCase {
+        d,
+        width,
+        gm,
+        router,
+        sgate,
+        gnw,
+        what: format!("{e}×[{width}, {hid}] top-{k}"),
+    }
+}
+
+/// A route of one token from random logits (moe_route on the device), for moe_decode_add.
+fn random_route(g: &Wgpu, rng: &mut Rng, d: &Dims) -> <Wgpu as Backend>::Route {
+    let logits = g.upload(&rng.vec(d.n_experts, 2.0)).unwrap();
+    let mut r = g.new_route(1, d.top_k).unwrap();
+    g.moe_route(&logits, d, 1, &mut r);
+    r
+}
+
 /// `LILY_WGPU_MOE_ACT` down, down16 and down8 (`Wgpu::set_moe_act`): act staged by
 /// moe_down_y2q in workgroup memory from gate|up's f32 values (gate|up without its barrier and
 /// quantizing, on 32, 16 or 8 outputs a workgroup), against act staged by gate|up (the default), the y pair
@@ -985,41 +1044,21 @@ fn moe_act_staged_by_down_equals_gate_ups() {
     g.set_spec("moe").unwrap();
     g.set_moe_down("y2").unwrap();
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    for (e, hid, width, k, norm) in [
-        (256usize, 2048usize, 512usize, 8usize, true),
-        (16, 512, 128, 1, true),
-        (32, 1024, 256, 4, false),
-    ] {
-        let d = Dims {
-            hidden: hid,
-            n_experts: e,
-            top_k: k,
-            norm_topk: norm,
-            ..qwen_dims()
-        };
-        let m = rand_moe(&mut rng, e, width, hid, 4);
-        let gm = upload6(&g, [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]]);
-        let router = g
-            .upload_mat(&rand_quant(&mut rng, 1, e, hid, 8, 64, false))
-            .unwrap();
-        let sgate = g
-            .upload_mat(&rand_quant(&mut rng, 1, 1, hid, 8, 64, false))
-            .unwrap();
-        let gnw = g
-            .upload_vec(&(0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect::<Vec<_>>())
-            .unwrap();
+    for shape in Y_SHAPES {
+        let c = y_case(&g, &mut rng, shape);
+        let (d, gm, gnw, what) = (c.d, &c.gm, &c.gnw, &c.what);
+        let (hid, width) = (d.hidden, c.width);
         let w = moe_weights(
-            &router,
-            &sgate,
+            &c.router,
+            &c.sgate,
             [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]],
         );
-        let what = format!("{e}×[{width}, {hid}] top-{k}");
         let hv = rng.vec(hid, 0.05);
         let mut out = Vec::new();
         for mode in MOE_ACTS {
             g.set_moe_act(mode).unwrap();
             let built = g.pipelines_built();
-            out.push(gpu_step(&g, true, &hv, &gnw, &w, &d, width, false));
+            out.push(gpu_step(&g, true, &hv, gnw, &w, &d, width, false));
             assert!(
                 mode == "gate" || g.pipelines_built() > built,
                 "{what}: MOE_ACT={mode} built no pipeline of its own"
@@ -1042,12 +1081,7 @@ fn moe_act_staged_by_down_equals_gate_ups() {
         }
         // The route given (moe_decode_add: gate|up reads the ids).
         let xv = rng.vec(hid, 1.0);
-        let route = {
-            let logits = g.upload(&rng.vec(e, 2.0)).unwrap();
-            let mut r = g.new_route(1, k).unwrap();
-            g.moe_route(&logits, &d, 1, &mut r);
-            r
-        };
+        let route = random_route(&g, &mut rng, &d);
         let gmr = [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]];
         let mut dec = Vec::new();
         for mode in MOE_ACTS {
@@ -1088,42 +1122,22 @@ fn moe_y_specialised_equals_the_y_kernels() {
     let mut rng = Rng(84);
     set_xq(&g, 4, "32,16,2");
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    for (e, hid, width, k, norm) in [
-        (256usize, 2048usize, 512usize, 8usize, true),
-        (16, 512, 128, 1, true),
-        (32, 1024, 256, 4, false),
-    ] {
-        let d = Dims {
-            hidden: hid,
-            n_experts: e,
-            top_k: k,
-            norm_topk: norm,
-            ..qwen_dims()
-        };
-        let m = rand_moe(&mut rng, e, width, hid, 4);
-        let gm = upload6(&g, [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]]);
-        let router = g
-            .upload_mat(&rand_quant(&mut rng, 1, e, hid, 8, 64, false))
-            .unwrap();
-        let sgate = g
-            .upload_mat(&rand_quant(&mut rng, 1, 1, hid, 8, 64, false))
-            .unwrap();
-        let gnw = g
-            .upload_vec(&(0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect::<Vec<_>>())
-            .unwrap();
+    for shape in Y_SHAPES {
+        let c = y_case(&g, &mut rng, shape);
+        let (d, gm, gnw, what) = (c.d, &c.gm, &c.gnw, &c.what);
+        let (hid, width) = (d.hidden, c.width);
         let w = moe_weights(
-            &router,
-            &sgate,
+            &c.router,
+            &c.sgate,
             [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]],
         );
-        let what = format!("{e}×[{width}, {hid}] top-{k}");
         for token in 0..2 {
             let hv = rng.vec(hid, 0.05);
             let mut out = Vec::new();
             for (spec, down) in DOWNS {
                 g.set_spec(if spec { "moe" } else { "" }).unwrap();
                 g.set_moe_down(down).unwrap();
-                out.push(gpu_step(&g, true, &hv, &gnw, &w, &d, width, false));
+                out.push(gpu_step(&g, true, &hv, gnw, &w, &d, width, false));
             }
             g.set_spec("").unwrap();
             g.set_moe_down("y").unwrap();
@@ -1157,12 +1171,7 @@ fn moe_y_specialised_equals_the_y_kernels() {
             }
             // The route given: moe_decode_add (gate|up reads the ids).
             let xv = rng.vec(hid, 1.0);
-            let route = {
-                let logits = g.upload(&rng.vec(e, 2.0)).unwrap();
-                let mut r = g.new_route(1, k).unwrap();
-                g.moe_route(&logits, &d, 1, &mut r);
-                r
-            };
+            let route = random_route(&g, &mut rng, &d);
             let gmr = [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]];
             let mut dec = Vec::new();
             for (spec, down) in DOWNS {
