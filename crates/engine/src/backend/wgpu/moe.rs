@@ -548,7 +548,7 @@ fn down_y_lanes(ctx: &Ctx, width: usize, bits: u32, k: usize) -> Option<usize> {
     .then_some(words)
 }
 
-/// moe_xq.wgsl's DQ_MAX: the vec4s of moe_down_y2q's act staging in workgroup memory.
+/// The most vec4s of moe_down_y2q's act staging in workgroup memory (moe_xq.wgsl MY_DQ: 16 KB).
 const DQ_MAX: usize = 1024;
 
 /// Who stages act for moe_down_y2 (`Switches::moe_act`: 0 gate|up, 1 moe_down_y2q, 2 and 3
@@ -825,9 +825,10 @@ pub fn moe_decode_shared(
             } else {
                 Vec::new()
             };
-            // moe_down_y2q stages act itself from the f32 values (binding 4).
+            // moe_down_y2q stages act itself from the f32 values (binding 4), MY_DQ vec4s.
             if act != 0 {
                 consts.push(("MY_AQW", 1));
+                consts.push(("MY_DQ", (k1 * 5 * (width / 32)) as u32));
             }
             let mut bufs = vec![
                 &down.w,

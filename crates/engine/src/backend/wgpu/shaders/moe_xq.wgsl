@@ -839,10 +839,12 @@ fn dy_dot(v: DyW, ar: u32, c: u32, wt: f32, keep: bool) -> f32 {
 
 // MY_AQW (moe_down_y2q): act's 4-bit staging in workgroup memory, row r at r · 5 · (width / 32)
 // vec4s (xq.wgsl's 4-bit layout of a row: q1 even, q1 odd, q2 even, q2 odd, then the words'
-// (d / 254, Σ x)); DQ_MAX vec4s hold (k + 1) rows of width 512 at k = 8 with room (moe.rs
-// `act_takes` checks the shape).
-const DQ_MAX: u32 = 1024u;
-var<workgroup> dq_aq: array<vec4<u32>, DQ_MAX>;
+// (d / 254, Σ x)). Its length is a pipeline constant, MY_DQ: (k + 1) · 5 · width / 32 for
+// moe_down_y2q (720 at the full preset; moe.rs `act_takes` bounds it by DQ_MAX, 1,024), 1 for
+// every other pipeline of the module, whose dy_dot names the array but never reads it: so no
+// other down carries 16 KB of workgroup memory it does not touch (Apple's limit is 32 KB).
+override MY_DQ: u32 = 1u;
+var<workgroup> dq_aq: array<vec4<u32>, MY_DQ>;
 
 fn dq_xword(ar: u32, c: u32) -> GxW {
     let w4 = my_inp() / 32u;
