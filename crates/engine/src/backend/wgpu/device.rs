@@ -631,16 +631,15 @@ pub(super) struct Switches {
     pub moe_down: AtomicU32,
     /// `LILY_WGPU_MOE_ACT`: who stages act (silu(gate) · up) for down's integer dots, where the
     /// y pair with their constants takes the block and down is moe_down_y2 (moe.rs
-    /// `act_takes`): `gate` (0) gate|up's epilogue (a barrier and the quantizing of its
-    /// workgroup's 32 outputs); `down` (1) moe_down_y2q, each of its workgroups from act in f32
-    /// while its weights are in flight (gate|up then ends without a barrier: moe_xq.wgsl
-    /// MY_NOQ); `down16` (2, the default since stop 46) as `down` with gate|up's workgroups of
-    /// 16 outputs (288 at the full preset on 132 SMs, not 144 of 64 KB: MY_GR); `down8` (3) on
-    /// 8 outputs (576). Bit-equal sums. H100 at 4K (`lily bench --arms`, stop 46): down16
-    /// 1.017× and 1.011× over gate (3 rounds: 394.71 against 390.47), down 1.007×, down8 0.980×
-    /// (with the staging's loads hoisted, since undone). The lab: gate|up alone 9.7-10.2 µs
-    /// with gate, 8.0 with down16; down alone 6.0 against 6.9.
-    pub moe_act: AtomicU32,
+    /// `act_takes`): `down16` (true, the default since stop 46) moe_down_y2q, each of its
+    /// workgroups from act in f32 while its weights are in flight, gate|up ending without a
+    /// barrier on 16 outputs a workgroup (288 at the full preset on 132 SMs, not 144 of 64 KB:
+    /// moe_xq.wgsl MY_NOQ); `gate` (false) gate|up's epilogue (a barrier and the quantizing of
+    /// its workgroup's 32 outputs). Bit-equal sums. H100 at 4K (`lily bench --arms`, stop 46):
+    /// 1.017× and 1.011× over gate (3 rounds: 394.71 against 390.47). The lab: gate|up alone
+    /// 9.7-10.2 µs with gate, 8.0 with down16; down alone 6.0 against 6.9. Measured and
+    /// removed: `down` (gate|up on 32 outputs, 1.007×) and `down8` (on 8, 0.980×).
+    pub moe_act: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_MOE_A8=1` (the ablation): gate|up's epilogue stages act's 8-bit layout even
     /// where down is 4-bit and reads only the 4-bit one (moe_xq.wgsl MY_A8; with the y pair's
     /// constants, else it always does).
@@ -810,16 +809,16 @@ impl Switches {
             moe_a8: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_MOE_A8").is_some_and(|v| v == "1"),
             ),
-            moe_act: AtomicU32::new(match get("LILY_WGPU_MOE_ACT").as_deref() {
-                Some("gate" | "0") => 0,
-                Some("down" | "1") => 1,
-                Some("" | "down16" | "2") | None => 2,
-                Some("down8" | "3") => 3,
-                Some(v) => {
-                    eprintln!("LILY_WGPU_MOE_ACT={v}: not gate, down, down16 or down8; down16");
-                    2
-                }
-            }),
+            moe_act: std::sync::atomic::AtomicBool::new(
+                match get("LILY_WGPU_MOE_ACT").as_deref() {
+                    Some("gate") => false,
+                    Some("" | "down16") | None => true,
+                    Some(v) => {
+                        eprintln!("LILY_WGPU_MOE_ACT={v}: not gate or down16; down16");
+                        true
+                    }
+                },
+            ),
             moe_down: AtomicU32::new(match get("LILY_WGPU_MOE_DOWN").as_deref() {
                 Some("") | None => 1,
                 Some(v) => moe_down_code(v).unwrap_or_else(|| {

@@ -851,23 +851,21 @@ impl Wgpu {
                 // gate|up staging act's 8-bit layout too (`LILY_WGPU_MOE_A8=1`, as before).
                 seqs.push(("shared/1 xq-ys a8 gate-only".into(), 1, true, 4, "32,16,2"));
                 // Act staged by down (`LILY_WGPU_MOE_ACT`): the block, and each launch alone.
-                for a in ["act-down", "act-down16", "act-down8"] {
-                    seqs.push((format!("route/2 xq-ys {a}"), 2, true, 4, "32,16,2"));
-                    seqs.push((
-                        format!("shared/1 xq-ys {a} gate-only"),
-                        1,
-                        true,
-                        4,
-                        "32,16,2",
-                    ));
-                    seqs.push((
-                        format!("shared/1 xq-ys {a} down-only"),
-                        1,
-                        true,
-                        4,
-                        "32,16,2",
-                    ));
-                }
+                seqs.push(("route/2 xq-ys act-down16".into(), 2, true, 4, "32,16,2"));
+                seqs.push((
+                    "shared/1 xq-ys act-down16 gate-only".into(),
+                    1,
+                    true,
+                    4,
+                    "32,16,2",
+                ));
+                seqs.push((
+                    "shared/1 xq-ys act-down16 down-only".into(),
+                    1,
+                    true,
+                    4,
+                    "32,16,2",
+                ));
                 // gate|up without its dot products (~8) or its act staging (~32).
                 for a in ["~8", "~32", "~40"] {
                     seqs.push((
@@ -901,16 +899,11 @@ impl Wgpu {
                 ctx.sw.moe_xq.store(xq_mode, Ordering::Relaxed);
                 let down_code = if name.ends_with("down-y") { 0 } else { 1 };
                 ctx.sw.moe_down.store(down_code, Ordering::Relaxed);
-                let act = if name.contains("act-down16") {
-                    2
-                } else if name.contains("act-down8") {
-                    3
-                } else if name.contains("act-down") {
-                    1
-                } else {
-                    0
-                };
-                ctx.sw.moe_act.store(act, Ordering::Relaxed);
+                // Act staged by down (the default) only in the `act-down16` rows, so that the
+                // rows before stop 46 keep their meaning.
+                ctx.sw
+                    .moe_act
+                    .store(name.contains("act-down16"), Ordering::Relaxed);
                 ctx.sw
                     .moe_a8
                     .store(name.contains(" a8 "), Ordering::Relaxed);

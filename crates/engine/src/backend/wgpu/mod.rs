@@ -285,15 +285,13 @@ impl Wgpu {
             .store(code, std::sync::atomic::Ordering::Relaxed);
         Ok(())
     }
-    /// Who stages act for the decode MoE block's down (`LILY_WGPU_MOE_ACT`: `gate`, `down`,
-    /// `down16` (the default) or `down8`; `Switches::moe_act`) from now on; tests compare them.
+    /// Who stages act for the decode MoE block's down (`LILY_WGPU_MOE_ACT`: `gate` or `down16`,
+    /// the default; `Switches::moe_act`) from now on; tests compare them.
     pub fn set_moe_act(&self, v: &str) -> Result<()> {
         let code = match v {
-            "gate" => 0,
-            "down" => 1,
-            "down16" => 2,
-            "down8" => 3,
-            _ => bail!("set_moe_act: `{v}` is not gate, down, down16 or down8"),
+            "gate" => false,
+            "down16" => true,
+            _ => bail!("set_moe_act: `{v}` is not gate or down16"),
         };
         self.ctx
             .sw

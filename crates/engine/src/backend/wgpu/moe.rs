@@ -551,17 +551,14 @@ fn down_y_lanes(ctx: &Ctx, width: usize, bits: u32, k: usize) -> Option<usize> {
 /// The most vec4s of moe_down_y2q's act staging in workgroup memory (moe_xq.wgsl MY_DQ: 16 KB).
 const DQ_MAX: usize = 1024;
 
-/// Who stages act for moe_down_y2 (`Switches::moe_act`: 0 gate|up, 1 moe_down_y2q, 2 and 3
-/// that with gate|up on 16 or 8 outputs a workgroup), given that the y pair with their
-/// constants takes the block: `LILY_WGPU_MOE_ACT`'s value where the k + 1 rows' 4-bit staging
-/// (5 vec4s a 32 act values) fits moe_down_y2q's workgroup memory, else 0.
-fn act_takes(ctx: &Ctx, width: usize, k: usize) -> u32 {
-    let mode = ctx.sw.moe_act.load(std::sync::atomic::Ordering::Relaxed);
-    if width.is_multiple_of(32) && (k + 1) * 5 * (width / 32) <= DQ_MAX {
-        mode
-    } else {
-        0
-    }
+/// Whether down stages act (`Switches::moe_act`, `LILY_WGPU_MOE_ACT=down16`: moe_down_y2q, gate|up
+/// on half the outputs a workgroup), given that the y pair with their constants takes the
+/// block: where the k + 1 rows' 4-bit staging (5 vec4s a 32 act values) fits moe_down_y2q's
+/// workgroup memory; else gate|up's epilogue stages it.
+fn act_takes(ctx: &Ctx, width: usize, k: usize) -> bool {
+    ctx.sw.moe_act.load(std::sync::atomic::Ordering::Relaxed)
+        && width.is_multiple_of(32)
+        && (k + 1) * 5 * (width / 32) <= DQ_MAX
 }
 
 /// moe_gate_up_y's lanes a team where it takes the block: `LILY_WGPU_MOE_XQ` 4, 4-bit gate and
@@ -713,7 +710,7 @@ pub fn moe_decode_shared(
             }
         };
         // cw: x staged ahead, the norm's eps (moe_xq.wgsl MY_RN).
-        let mut p_up = params(
+        let p_up = params(
             gate.qmat(),
             up.qmat(),
             1,
@@ -729,38 +726,25 @@ pub fn moe_decode_shared(
         // moe_down_y where it takes the block (moe_down_y2, two outputs a team, where it has
         // its constants and `LILY_WGPU_MOE_DOWN` is y2, the default), else moe_down_x (same
         // bindings); else moe_down_s below.
-        // (entry, its workgroup's invocations): at least a team of `lanes` each.
-        let y2 = match ctx.sw.moe_down.load(std::sync::atomic::Ordering::Relaxed) {
-            1 if spec => Some(("moe_down_y2", 256)),
-            _ => None,
-        };
-        let mut down_x = match (down_y_lanes(ctx, width, down.bits, k), y2) {
-            (Some(lanes), Some((entry, wgs))) if lanes <= wgs => {
-                Some((entry, lanes, 2 * wgs / lanes))
-            }
-            (Some(lanes), _) => Some(("moe_down_y", lanes, 256 / lanes)),
-            (None, _) if x_down => {
+        let y2 = spec && ctx.sw.moe_down.load(std::sync::atomic::Ordering::Relaxed) == 1;
+        let down_x = match down_y_lanes(ctx, width, down.bits, k) {
+            Some(lanes) if y2 => Some(("moe_down_y2", lanes, 512 / lanes)),
+            Some(lanes) => Some(("moe_down_y", lanes, 256 / lanes)),
+            None if x_down => {
                 let (dt, ds) = down_shape(ctx, width, down.bits);
                 Some(("moe_down_x", dt | ds << 16, 256 / (dt * ds)))
             }
-            (None, _) => None,
+            None => None,
         };
-        // Who stages act (`act_takes`): 0 gate|up's epilogue; 1 moe_down_y2q (gate|up MY_NOQ);
-        // 2 and 3 the same with gate|up's workgroups of 16 or 8 outputs (MY_GR 2 or 1).
-        let act = match down_x {
-            Some(("moe_down_y2", ..)) if gy.is_some() && spec && next.is_none() => {
-                act_takes(ctx, width, k)
-            }
-            _ => 0,
-        };
-        if act != 0 {
-            down_x = down_x.map(|(_, lanes, opw)| ("moe_down_y2q", lanes, opw));
-        }
-        // `lily lab`'s ablation bits for the kernels (moe.wgsl `ablate`; 0 in a step).
+        // Down stages act (`act_takes`): moe_down_y2q after moe_gate_up_y with MY_NOQ.
+        let act = gy.is_some()
+            && next.is_none()
+            && down_x.is_some_and(|(e, ..)| e == "moe_down_y2")
+            && act_takes(ctx, width, k);
+        let down_x =
+            down_x.map(|(e, lanes, opw)| (if act { "moe_down_y2q" } else { e }, lanes, opw));
+        // `lily lab`'s ablation bits for moe_gate_up_y (MY_ABL; 0 in a step).
         let lab = ctx.sw.ablate.load(std::sync::atomic::Ordering::Relaxed);
-        if let Some(w) = p_up.last_mut() {
-            *w = lab & 0xff;
-        }
         let mut consts = match gy {
             Some(_) if spec => y_spec(ctx, &p_up),
             _ => Vec::new(),
@@ -768,25 +752,23 @@ pub fn moe_decode_shared(
         if rn.is_some() {
             consts.push(("MY_RN", 1));
         }
-        if act != 0 {
+        if act {
             consts.push(("MY_NOQ", 1));
+        }
+        if !consts.is_empty() && lab & 0xff != 0 {
+            consts.push(("MY_ABL", lab & 0xff));
         }
         // A 4-bit down reads act's 4-bit staging alone (`LILY_WGPU_MOE_A8=1`: both, as before).
         let a8 = ctx.sw.moe_a8.load(std::sync::atomic::Ordering::Relaxed);
         if !consts.is_empty() && down.bits == 4 && !a8 {
             consts.push(("MY_A8", 0));
         }
-        // A team's outputs with MY_GR (its lanes' rows): 16 (act 2) or 8 (act 3) outputs a
-        // workgroup of 8 teams.
-        let gr = match act {
-            2 => 2,
-            3 => 1,
-            _ => lanes / 8,
+        // moe_gate_up_y's outputs a workgroup: 256 / lanes teams of R = lanes / 8 outputs (32),
+        // or with MY_NOQ of R = lanes / 16, at least 1 (moe_xq.wgsl).
+        let gate_opw = match gy {
+            Some(lanes) if act => 256 / lanes * (lanes / 16).max(1),
+            _ => X_OUTS,
         };
-        if act >= 2 {
-            consts.push(("MY_GR", gr as u32));
-        }
-        let gate_opw = (256 / lanes.max(1)) * gr.max(1);
         if fold {
             if consts.is_empty() {
                 return ctx.fail(
@@ -812,7 +794,7 @@ pub fn moe_decode_shared(
                     &gate.w, &gate.s, &gate.b, &up.w, &up.s, &up.b, &staged, &route.ids, &act_f,
                     &sg.w, &sg.s, &sg.b, &su.w, &su.s, &su.b, lg, wts, &aq, l_out, s_out,
                 ],
-                (k1 * width / if gy.is_some() { gate_opw } else { X_OUTS }) as u32,
+                (k1 * width / gate_opw) as u32,
             );
         }
         if lab & LAB_GATE_ONLY != 0 {
@@ -826,7 +808,7 @@ pub fn moe_decode_shared(
                 Vec::new()
             };
             // moe_down_y2q stages act itself from the f32 values (binding 4), MY_DQ vec4s.
-            if act != 0 {
+            if act {
                 consts.push(("MY_AQW", 1));
                 consts.push(("MY_DQ", (k1 * 5 * (width / 32)) as u32));
             }
@@ -834,7 +816,7 @@ pub fn moe_decode_shared(
                 &down.w,
                 &down.s,
                 &down.b,
-                if act != 0 { &act_f } else { &aq },
+                if act { &act_f } else { &aq },
                 &route.ids,
                 &route.weights,
                 &h.buf,

@@ -113,8 +113,8 @@ struct P {
     tiles: u32,
     // `lily lab` only (0 otherwise), moe_gate_up_v and moe_down_v: parts skipped to time the rest
     // (results wrong): 1 the staging and its barriers, 2 the final sums, 8 the dot products,
-    // 16 the scale and bias loads (1.0 each); moe_xq.wgsl's moe_gate_up_y: 8 the dot products,
-    // 32 the epilogue's staging of act.
+    // 16 the scale and bias loads (1.0 each). (moe_xq.wgsl's y kernels take theirs as the
+    // pipeline constant MY_ABL.)
     ablate: u32,
 }
 

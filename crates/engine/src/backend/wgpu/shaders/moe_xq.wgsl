@@ -11,7 +11,7 @@
 // token's gate|up and down with the shared expert: 20.1 µs against 32.9); for one token with
 // their pipeline constants, moe_down_y2 (two outputs a team, half the workgroups: 4K decode on
 // the H100 1.034×, stop 42; `LILY_WGPU_MOE_DOWN=y` for moe_down_y), and since stop 46 act staged
-// by down: moe_gate_up_y on 16 outputs a workgroup writing act in f32 alone (MY_GR 2, MY_NOQ),
+// by down: moe_gate_up_y on 16 outputs a workgroup writing act in f32 alone (MY_NOQ),
 // moe_down_y2q staging it into workgroup memory (MY_AQW; `LILY_WGPU_MOE_ACT=gate` for gate|up's
 // staging: its 144 workgroups of 64 KB on 132 SMs, then a barrier and the quantizing).
 //
@@ -74,19 +74,20 @@ override MY_RN: bool = false;
 // logit from the projection's partial dots (gx_fold_logit) and the route's writer also writes
 // the logits (binding 19) and the shared gate's logit (20, for down). Only with MY_ON, one row.
 override MY_FOLD: bool = false;
-// `LILY_WGPU_MOE_ACT` (moe.rs `act_mode`; only with MY_ON): act staged by down, not by gate|up.
-// MY_NOQ: gate|up writes act in f32 alone (no barrier, no quantizing in its epilogue), so its
-// workgroup need not hold a whole word of act (32 outputs); MY_GR: a team's outputs (0: T / 8,
-// as before; 2: 16 outputs a workgroup, twice the workgroups, half the loads a lane; 1: 8
-// outputs, a quarter).
+// `LILY_WGPU_MOE_ACT=down16`, the default (moe.rs `act_takes`; only with MY_ON): act staged by
+// down, not by gate|up. MY_NOQ: gate|up writes act in f32 alone (no barrier, no quantizing in
+// its epilogue), on half the outputs a workgroup where a team has two or more (a team's R =
+// T / 16: 16 outputs a workgroup at hidden 2048, 288 workgroups of 32 KB, not 144 of 64 KB).
 // MY_AQW: moe_down_y2q stages act from those f32 values into workgroup memory (dq_stage) while
 // its weights are in flight, and its dots read act there.
 override MY_NOQ: bool = false;
+override MY_AQW: bool = false;
 // gate|up's epilogue stages act's 8-bit layout too (for an 8-bit down); false (moe.rs, with
 // MY_ON, where down is 4-bit) leaves it out: its quantizing and its stores.
 override MY_A8: bool = true;
-override MY_GR: u32 = 0u;
-override MY_AQW: bool = false;
+// `lily lab` only (moe.rs sets it from the lab's ablation bits; 0 in a step, so the step's
+// kernels carry no test of it): moe_gate_up_y without 8 its dot products, 32 its act staging.
+override MY_ABL: u32 = 0u;
 
 fn my_out() -> u32 { return select(p.m.out, MY_OUT, MY_ON); }
 fn my_inp() -> u32 { return select(p.m.inp, MY_INP, MY_ON); }
@@ -349,7 +350,7 @@ fn gx_route(t: u32, li: u32, sg: u32, lsg: u32, write: bool) {
 // A gate|up workgroup's place (moe_gate_up_x, moe_gate_up_y; uniform: the workgroup index
 // alone): its slot of the (k + 1) · rows, token t, slot js of it (slot k the shared expert: sh,
 // uniform over the workgroup as every branch on it), the first of its `opw` outputs (32, or 16
-// with MY_GR 2), and whether it is the slot's first workgroup.
+// with MY_NOQ at hidden 2048), and whether it is the slot's first workgroup.
 struct GxAt {
     slot: u32,
     t: u32,
@@ -477,9 +478,9 @@ fn moe_gate_up_x(
 // apart in a loop; x's two words go out before the route. Same launch, bindings and route.
 
 // A row's two words (2l, 2l + 1) against x's, with their group's scale s and bias b.
-// (`lily lab` ablation 8: the words only xor-ed, the dots skipped, to time the rest.)
+// (`lily lab` ablation 8, MY_ABL: the words only xor-ed, the dots skipped, to time the rest.)
 fn gy_dot(wa: vec4<u32>, wb: vec4<u32>, xa: GxW, xc: GxW, s: f32, b: f32) -> f32 {
-    if ((p.ablate & 8u) != 0u) {
+    if ((MY_ABL & 8u) != 0u) {
         let v = wa ^ wb;
         return f32(v.x ^ v.y ^ v.z ^ v.w) * s + b;
     }
@@ -496,7 +497,7 @@ fn moe_gate_up_y(
     let width = my_out();
     let hid = my_inp();
     let T = my_outs();
-    let R = select(T / 8u, MY_GR, MY_GR != 0u);
+    let R = select(T / 8u, max(T / 16u, 1u), MY_NOQ);
     let a = gx_at(wg_index(wid), (256u / T) * R);
     if (a.slot >= my_rows() * (my_k() + 1u)) {
         return;
@@ -533,7 +534,7 @@ fn moe_gate_up_y(
     let g0b = gs_gate_w(sh, r0 * wpr + c + 1u);
     let u0a = gs_up_w(sh, r0 * wpr + c);
     let u0b = gs_up_w(sh, r0 * wpr + c + 1u);
-    // Row 1 only where a team has two outputs, rows 2 and 3 where it has four (MY_GR 1 or 2:
+    // Row 1 only where a team has two outputs, rows 2 and 3 where it has four (MY_NOQ's half:
     // no loads for the rest).
     var g1a = vec4<u32>(0u);
     var g1b = vec4<u32>(0u);
@@ -625,8 +626,8 @@ fn gx_finish(ag0: vec4<f32>, au0: vec4<f32>, li: u32, lane_sg: u32, T: u32, R: u
         gu_act[slot * width + o0 + lane] = a;
         red[o0 - ob + lane] = a;
     }
-    // (`lily lab` ablation 32: act in f32 only, not staged for down, to time the rest.)
-    if (MY_NOQ || (p.ablate & 32u) != 0u) {
+    // (`lily lab` ablation 32, MY_ABL: act in f32 only, not staged for down, to time the rest.)
+    if (MY_NOQ || (MY_ABL & 32u) != 0u) {
         return;
     }
     workgroupBarrier();
@@ -996,11 +997,11 @@ fn moe_down_y2(
     @builtin(subgroup_size) sg_size: u32,
     @builtin(subgroup_invocation_id) lane_sg: u32,
 ) {
-    dy2_run(wg_index(wid), li, sg_size, lane_sg, 256u);
+    dy2_run(wg_index(wid), li, sg_size, lane_sg);
 }
 
-// moe_down_y2q (`LILY_WGPU_MOE_ACT` down, down16 (the default) or down8, with MY_AQW; one token,
-// moe_down_y's constants): moe_down_y2 reading act in f32 at binding 4 (gate|up with MY_NOQ
+// moe_down_y2q (`LILY_WGPU_MOE_ACT=down16`, the default, with MY_AQW; one token, moe_down_y's
+// constants): moe_down_y2 reading act in f32 at binding 4 (gate|up with MY_NOQ
 // staged nothing) and staging it itself into workgroup memory (dq_stage) after its weights'
 // loads are issued; each output's sum moe_down_y2's, bit for bit (the same act words).
 // Bindings: moe_down_y's, 4 act (f32).
@@ -1011,15 +1012,15 @@ fn moe_down_y2q(
     @builtin(subgroup_size) sg_size: u32,
     @builtin(subgroup_invocation_id) lane_sg: u32,
 ) {
-    dy2_run(wg_index(wid), li, sg_size, lane_sg, 256u);
+    dy2_run(wg_index(wid), li, sg_size, lane_sg);
 }
 
-// moe_down_y2's body for workgroup wg of `wgs` invocations (256): its teams of T lanes
-// take outputs ob + i and ob + teams + i.
-fn dy2_run(wg: u32, li: u32, sg_size: u32, lane_sg: u32, wgs: u32) {
+// moe_down_y2's body (moe_down_y2q's too) for workgroup wg: its teams of T lanes take outputs
+// ob + i and ob + teams + i.
+fn dy2_run(wg: u32, li: u32, sg_size: u32, lane_sg: u32) {
     let hid = my_out();
     let T = my_outs();
-    let teams = wgs / T;
+    let teams = 256u / T;
     let sg = my_sg(li, sg_size);
     let c = li % T;
     let ob = wg * 2u * teams;
