@@ -1166,7 +1166,8 @@ fn attn_dec_gqa(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation
 // (row, head) f: records (m, l, 0, 0, acc[hd]) at part[(f · splits + s) · (hd/4 + 1)] vec4s.
 // One tree finds the largest m and the splits holding keys (m > −1e30: a prefix of them); thread
 // (split group li / 64, vec4 of dims li % 64) adds w·acc and w·l over the splits ≡ its group mod
-// 4 (w = exp(m_s − M)), their loads issued four at a time; the 4 groups are added through
+// 4 (w = exp(m_s − M)), their loads issued eight at a time (stop 47: four at a time, ns / 16
+// round trips to L2 in a row); the 4 groups are added through
 // workgroup memory; out = acc / l · sigmoid(gate). splits ≤ 256, hd ≤ 256, hd % 4 == 0.
 // Bindings: 1 part, 2 gate, 3 out (vec4 views).
 
@@ -1207,10 +1208,10 @@ fn c4_merge(f: u32, li: u32) -> vec4<f32> {
     let vd = li % 64u;
     var a = vec4<f32>(0.0);
     var l = 0.0;
-    for (var s0 = sg; s0 < ns; s0 += 16u) {
-        var ml: array<vec4<f32>, 4>;
-        var av: array<vec4<f32>, 4>;
-        for (var u = 0u; u < 4u; u++) {
+    for (var s0 = sg; s0 < ns; s0 += 32u) {
+        var ml: array<vec4<f32>, 8>;
+        var av: array<vec4<f32>, 8>;
+        for (var u = 0u; u < 8u; u++) {
             let s = s0 + 4u * u;
             ml[u] = vec4<f32>(NEG_BIG, 0.0, 0.0, 0.0);
             av[u] = vec4<f32>(0.0);
@@ -1221,7 +1222,7 @@ fn c4_merge(f: u32, li: u32) -> vec4<f32> {
                 }
             }
         }
-        for (var u = 0u; u < 4u; u++) {
+        for (var u = 0u; u < 8u; u++) {
             let w = exp(ml[u].x - m);
             a += w * av[u];
             l += w * ml[u].y;
