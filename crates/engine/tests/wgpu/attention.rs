@@ -434,41 +434,24 @@ fn prefill_tiled_chunks(g: &Wgpu, f16: bool) {
 ///
 /// Both decode kernels where the adapter has ordered subgroups (`dec_kernels`): attn_dec_gqa and
 /// attn_dec_team (`Wgpu::set_attn_team`), the latter also with V a block ahead
-/// (`Wgpu::set_attn_vahead`), and over an f16 cache attn_dec_kt in its place
-/// (`Wgpu::set_attn_kt`) at 64 splits a KV head and at 3 (splits of many rounds of its 8 teams,
-/// the last partial), each held to the same bounds.
+/// (`Wgpu::set_attn_vahead`), each held to the same bounds.
 #[test]
 fn attention_decode_capacities() {
     let Some(g) = gpu() else { return };
     for team in dec_kernels(&g) {
         g.set_attn_team(team);
-        // (V a block ahead, attn_dec_kt's splits: 0 none.)
-        let variants: &[(bool, usize)] = if team {
-            &[(false, 0), (true, 0), (false, 64), (false, 3)]
+        for vahead in if team {
+            &[false, true][..]
         } else {
-            &[(false, 0)]
-        };
-        for &(vahead, kt) in variants {
-            g.set_attn_vahead(vahead);
-            g.set_attn_kt(kt);
+            &[false][..]
+        } {
+            g.set_attn_vahead(*vahead);
             for f16 in kv_kinds(&g) {
-                // attn_dec_kt reads an f16 cache only (an f32 one keeps attn_dec_team).
-                if kt > 0 && !f16 {
-                    continue;
-                }
                 g.set_kv_f16(f16);
-                let built = g.pipelines_built();
                 decode_capacities(&g, f16);
-                if kt == 64 {
-                    assert!(
-                        g.pipelines_built() > built,
-                        "attn_dec_kt built no pipeline of its own: the kernel did not run"
-                    );
-                }
             }
         }
     }
-    g.set_attn_kt(0);
     g.set_attn_vahead(false);
     g.set_attn_team(false);
 }
@@ -484,12 +467,10 @@ fn dec_kernels(g: &Wgpu) -> Vec<bool> {
 }
 
 fn decode_capacities(g: &Wgpu, f16: bool) {
-    let kernel = if g.attn_team() && f16 && g.attn_kt() > 0 {
-        format!("attn_dec_kt/{}", g.attn_kt())
-    } else if g.attn_team() {
-        "attn_dec_team".to_string()
+    let kernel = if g.attn_team() {
+        "attn_dec_team"
     } else {
-        "attn_dec_gqa".to_string()
+        "attn_dec_gqa"
     };
     let qd = qwen_dims();
     let sh = shapes();

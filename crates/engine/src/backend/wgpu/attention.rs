@@ -70,19 +70,6 @@ pub const DEC_SG_SHADER_H: Shader = Shader {
     ),
 };
 
-/// attn_dec_kt.wgsl's attn_dec_kt (`LILY_WGPU_ATTN_KT`: each 32-lane team its own keys for every
-/// query head of the KV head), over an f16 cache only (the f32 cache's words would double its
-/// registers).
-pub const DEC_KT_SHADER: Shader = Shader {
-    name: "attn_dec_kt",
-    src: concat!(
-        include_str!("shaders/common.wgsl"),
-        include_str!("shaders/kv_f16.wgsl"),
-        include_str!("shaders/attn_params.wgsl"),
-        include_str!("shaders/attn_dec_kt.wgsl")
-    ),
-};
-
 /// attn_combine_x.wgsl's attn_combine4_x (o_proj's x staged by the combine; subgroup builtins:
 /// made only where the adapter has ordered subgroups, `xq_takes`). The combine reads no K/V:
 /// the f32 cache's module serves both.
@@ -192,8 +179,6 @@ const DEC_CHUNK: usize = 32;
 const DEC_MAX_SPLITS: usize = 256;
 /// attn_dec_team: the fewest keys a split takes (4 of its 8-key blocks a team).
 const TEAM_SPAN: usize = 32;
-/// attn_dec_kt: the fewest keys a split takes (a chunk of 8 for each of its 8 teams).
-const KT_SPAN: usize = 64;
 
 /// Whether the grouped kernels (`attn_split_gqa`, `attn_rows_gqa`) take this shape: up to 8
 /// query heads a KV head, heads of up to 256 in vec4s (the model's: 8 of 256). Others go a
@@ -648,12 +633,7 @@ fn decode_attend(
     // attn_dec_team: attn_dec_gqa's shapes, where `team_on`.
     let team = gqa && team_on(ctx);
     let keys = ctx.sw.attn_keys.load(std::sync::atomic::Ordering::Relaxed);
-    // attn_dec_kt in attn_dec_team's place: an f16 cache, `LILY_WGPU_ATTN_KT` splits a KV head.
-    let kt_splits = ctx.sw.attn_kt.load(std::sync::atomic::Ordering::Relaxed);
-    let kt = team && kv.k.half && kt_splits > 0;
-    let (span, splits) = if kt {
-        (KT_SPAN, kt_splits.clamp(1, DEC_MAX_SPLITS))
-    } else if team {
+    let (span, splits) = if team {
         (
             TEAM_SPAN,
             kv.capacity.div_ceil(keys).clamp(1, DEC_MAX_SPLITS),
@@ -689,14 +669,9 @@ fn decode_attend(
     let dec_sh = match (team, kv.k.half) {
         (false, _) => sh,
         (true, false) => &DEC_SG_SHADER,
-        (true, true) if kt => &DEC_KT_SHADER,
         (true, true) => &DEC_SG_SHADER_H,
     };
-    let entry = match (kt, team) {
-        (true, _) => "attn_dec_kt",
-        (false, true) => "attn_dec_team",
-        (false, false) => entry,
-    };
+    let entry = if team { "attn_dec_team" } else { entry };
     // attn_dec_gqa (or attn_dec_team) and attn_combine4 specialised to the shapes (`LILY_WGPU_SPEC` attn).
     let consts: Vec<(&str, u32)> =
         if tile && ctx.sw.attn_spec.load(std::sync::atomic::Ordering::Relaxed) {
@@ -711,7 +686,6 @@ fn decode_attend(
     // attn_dec_team's V a block ahead (`LILY_WGPU_ATTN_VAHEAD`): its module's constant alone.
     let mut dec_consts = consts.clone();
     if team
-        && !kt
         && ctx
             .sw
             .attn_vahead

@@ -97,7 +97,6 @@ pub fn shaders() -> Vec<Shader> {
         super::attention::SHADER_H,
         super::attention::DEC_SG_SHADER,
         super::attention::DEC_SG_SHADER_H,
-        super::attention::DEC_KT_SHADER,
         super::attention::ATTN_X_SHADER,
         super::gdn::SHADER,
         super::gdn::SHADER_SG,
@@ -556,12 +555,6 @@ pub(super) struct Switches {
     /// with its K words, a block ahead (attn_dec_sg.wgsl AD_VAHEAD). Atomic for the op tests
     /// and the arms (`Wgpu::set_attn_vahead`).
     pub attn_vahead: std::sync::atomic::AtomicBool,
-    /// `LILY_WGPU_ATTN_KT=N` (N > 0; opt-in until measured): decode attention over an f16
-    /// cache by attn_dec_kt.wgsl's attn_dec_kt in attn_dec_team's place, N splits a KV head
-    /// (each 32-lane team its own chunks of 8 keys for every query head of the KV head);
-    /// 0 (the default) keeps attn_dec_team. Atomic for the op tests, the lab and the arms
-    /// (`Wgpu::set_attn_kt`).
-    pub attn_kt: AtomicUsize,
     /// `LILY_WGPU_GDN_FAST=1`: the gated delta rule by the subgroup kernels (gdn_sg.wgsl) where
     /// the adapter has subgroups, instead of gdn_recur. Opt-in: on the H200 (Vulkan) they were
     /// slower, 24.4 against 14.8 ms a 2048-row block and 28.4 against 21.6 µs a decode step.
@@ -789,7 +782,6 @@ impl Switches {
             attn_vahead: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_ATTN_VAHEAD").as_deref() == Some("1"),
             ),
-            attn_kt: AtomicUsize::new(num("LILY_WGPU_ATTN_KT", 0)),
             gdn_fast: get("LILY_WGPU_GDN_FAST").as_deref() == Some("1"),
             gdn_step: AtomicU32::new(
                 get("LILY_WGPU_GDN_STEP")
@@ -944,7 +936,6 @@ impl Switches {
             attn_team,
             attn_keys,
             attn_vahead,
-            attn_kt,
             moe_q,
             moe_fuse,
             moe_xq,
@@ -2448,7 +2439,6 @@ mod tests {
             load!("LILY_WGPU_ATTN_DEC", "gqa", attn_team),
             load!("LILY_WGPU_ATTN_KEYS", "7", attn_keys),
             load!("LILY_WGPU_ATTN_VAHEAD", "1", attn_vahead),
-            load!("LILY_WGPU_ATTN_KT", "7", attn_kt),
             load!("LILY_WGPU_MOE_Q", "0", moe_q),
             load!("LILY_WGPU_MOE_FUSE", "0", moe_fuse),
             load!("LILY_WGPU_MOE_XQ", "0", moe_xq),

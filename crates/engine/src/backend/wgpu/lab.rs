@@ -1556,9 +1556,8 @@ impl Wgpu {
     /// (where the adapter has SHADER_F16), its capacity the power of two above the context + 64
     /// (as a bench run grows it: the split count follows the capacity). Over copies of the
     /// caches making ≥ 256 MB (so that L2 does not hold them). `bytes` is the K and V rows
-    /// read (2 · context · kv_dim · element size); the variant reads `f16 32K`, `team f16 32K`
-    /// for attn_dec_team in attn_dec_gqa's place (adapters with ordered subgroups), or `kt64 f16
-    /// 32K` for attn_dec_kt at 64 splits a KV head.
+    /// read (2 · context · kv_dim · element size); the variant reads `f16 32K`, or `team f16
+    /// 32K` for attn_dec_team in attn_dec_gqa's place (adapters with ordered subgroups).
     fn lab_attn(
         &self,
         cfg: &Config,
@@ -1627,31 +1626,19 @@ impl Wgpu {
                         &mut ob,
                     );
                 };
-                let saved = (self.attn_team(), self.attn_kt());
-                // (attn_dec_team, attn_dec_kt's splits a KV head: 0 none; f16 caches only.)
-                let variants: &[(bool, usize)] = if half {
-                    &[(false, 0), (true, 0), (true, 32), (true, 64), (true, 128)]
-                } else {
-                    &[(false, 0), (true, 0)]
-                };
-                for &(team, kt) in variants {
+                let saved = self.attn_team();
+                for team in [false, true] {
                     if team && !ctx.report.subgroups {
                         continue;
                     }
                     self.set_attn_team(team);
-                    self.set_attn_kt(kt);
                     let op_s = lab_median(ctx, calls, &call);
-                    self.set_attn_team(saved.0);
-                    self.set_attn_kt(saved.1);
+                    self.set_attn_team(saved);
                     let row = LabRow {
                         case: "attn",
                         variant: format!(
                             "{}{} {}K",
-                            match (team, kt) {
-                                (false, _) => String::new(),
-                                (true, 0) => "team ".to_string(),
-                                (true, k) => format!("kt{k} "),
-                            },
+                            if team { "team " } else { "" },
                             if half { "f16" } else { "f32" },
                             n / 1024
                         ),

@@ -517,21 +517,6 @@ impl Wgpu {
             .attn_vahead
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
-    /// Decode attention over an f16 cache by attn_dec_kt with `splits` splits a KV head in
-    /// attn_dec_team's place (0: attn_dec_team; `LILY_WGPU_ATTN_KT`).
-    pub fn set_attn_kt(&self, splits: usize) {
-        self.ctx
-            .sw
-            .attn_kt
-            .store(splits, std::sync::atomic::Ordering::Relaxed);
-    }
-    /// attn_dec_kt's splits a KV head (0: off).
-    pub fn attn_kt(&self) -> usize {
-        self.ctx
-            .sw
-            .attn_kt
-            .load(std::sync::atomic::Ordering::Relaxed)
-    }
     /// Whether decode attention takes attn_dec_team where the shape allows.
     pub fn attn_team(&self) -> bool {
         self.ctx.report.subgroups
