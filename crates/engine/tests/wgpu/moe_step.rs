@@ -1063,17 +1063,6 @@ fn moe_act_staged_by_down_equals_gate_ups() {
             g.pipelines_built() > built,
             "{what}: MOE_ACT=down16 built no pipeline of its own"
         );
-        // Its first round of act loaded before the weights (MY_DQ0): the same words, the
-        // same sums, bit for bit.
-        g.set_moe_dq0(true);
-        let built = g.pipelines_built();
-        let q = gpu_step(&g, true, &hv, gnw, &w, &d, width, false);
-        g.set_moe_dq0(false);
-        assert!(
-            g.pipelines_built() > built,
-            "{what}: MOE_DQ0=1 built no pipeline of its own"
-        );
-        assert_eq!(bits(&q.h), bits(&o.h), "{what}: h with MOE_DQ0=1");
         g.set_moe_act("gate").unwrap();
         let a = gpu_step(&g, true, &hv, gnw, &w, &d, width, false);
         assert_eq!(o.ids, a.ids, "{what}: ids with MOE_ACT=down16");

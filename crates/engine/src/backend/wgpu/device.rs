@@ -644,12 +644,6 @@ pub(super) struct Switches {
     /// where down is 4-bit and reads only the 4-bit one (moe_xq.wgsl MY_A8; with the y pair's
     /// constants, else it always does).
     pub moe_a8: std::sync::atomic::AtomicBool,
-    /// `LILY_WGPU_MOE_DQ0=1` (opt-in until measured): moe_down_y2q loads its first round of
-    /// act (two vec4 a thread) before its weights, the other rounds after them as before
-    /// (moe_xq.wgsl MY_DQ0). Stop 46's lab had its staging ~1 µs unhidden (down alone 6.9
-    /// against 6.0), all of act's loads before the weights 10.9 (their registers held across
-    /// 72 KB of loads), every round's after them but before any quantizing 7.2.
-    pub moe_dq0: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_Q6W`: gemv_q6w, x quantized in each workgroup of the decode projections
     /// instead of by a q2x_stage launch before them (matmul_sg.wgsl's header at gemv_q6w;
     /// matmul.rs `q6w_takes`): `1` in_proj, q|k|v and o_proj (50 launches fewer a step of the
@@ -815,9 +809,6 @@ impl Switches {
             moe_a8: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_MOE_A8").is_some_and(|v| v == "1"),
             ),
-            moe_dq0: std::sync::atomic::AtomicBool::new(
-                get("LILY_WGPU_MOE_DQ0").is_some_and(|v| v == "1"),
-            ),
             moe_act: std::sync::atomic::AtomicBool::new(
                 match get("LILY_WGPU_MOE_ACT").as_deref() {
                     Some("gate") => false,
@@ -951,7 +942,6 @@ impl Switches {
             moe_down,
             moe_act,
             moe_a8,
-            moe_dq0,
             q6w,
             q6w_max_mb,
             bg_cache,
@@ -2455,7 +2445,6 @@ mod tests {
             load!("LILY_WGPU_MOE_DOWN", "y", moe_down),
             load!("LILY_WGPU_MOE_ACT", "gate", moe_act),
             load!("LILY_WGPU_MOE_A8", "1", moe_a8),
-            load!("LILY_WGPU_MOE_DQ0", "1", moe_dq0),
             load!("LILY_WGPU_Q6W", "0", q6w),
             load!("LILY_WGPU_Q6W_MAX_MB", "8", q6w_max_mb),
             load!("LILY_WGPU_BG_CACHE", "0", bg_cache),

@@ -287,13 +287,6 @@ impl Wgpu {
     }
     /// Who stages act for the decode MoE block's down (`LILY_WGPU_MOE_ACT`: `gate` or `down16`,
     /// the default; `Switches::moe_act`) from now on; tests compare them.
-    /// moe_down_y2q's first round of act loaded before its weights (`LILY_WGPU_MOE_DQ0`).
-    pub fn set_moe_dq0(&self, on: bool) {
-        self.ctx
-            .sw
-            .moe_dq0
-            .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
     pub fn set_moe_act(&self, v: &str) -> Result<()> {
         let code = match v {
             "gate" => false,

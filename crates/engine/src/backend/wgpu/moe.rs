@@ -811,10 +811,6 @@ pub fn moe_decode_shared(
             if act {
                 consts.push(("MY_AQW", 1));
                 consts.push(("MY_DQ", (k1 * 5 * (width / 32)) as u32));
-                // Its first round of act loaded before the weights (`LILY_WGPU_MOE_DQ0`).
-                if ctx.sw.moe_dq0.load(std::sync::atomic::Ordering::Relaxed) {
-                    consts.push(("MY_DQ0", 1));
-                }
             }
             let mut bufs = vec![
                 &down.w,

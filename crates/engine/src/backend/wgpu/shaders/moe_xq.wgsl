@@ -860,18 +860,20 @@ fn dq_xword(ar: u32, c: u32) -> GxW {
 // calls it (uniform loop; lanes past the rows pass zeros). The H100 lab (stop 46, down alone):
 // act staged by gate|up 6.0 µs, this loop 6.9; every round's loads before any quantizing 7.2,
 // and before the weights' loads 10.9 (their registers held across them).
-fn dq_stage(li: u32, first: DqX) {
+fn dq_stage(li: u32) {
     let width = my_inp();
     let w4 = width / 32u;
     let per = width / 8u;
     let chunks = (my_k() + 1u) * per;
     for (var base = 0u; base < chunks; base += 256u) {
         let ch = base + li;
-        var x = first;
-        if (!MY_DQ0 || base > 0u) {
-            x = dq_load(ch, chunks);
+        var xl = vec4<f32>(0.0);
+        var xh = vec4<f32>(0.0);
+        if (ch < chunks) {
+            xl = bitcast<vec4<f32>>(dx_aq[2u * ch]);
+            xh = bitcast<vec4<f32>>(dx_aq[2u * ch + 1u]);
         }
-        let q = q2x_words(x.l, x.h);
+        let q = q2x_words(xl, xh);
         if (ch < chunks) {
             let b = (ch / per) * 5u * w4;
             let u = (ch % per) / 4u;
@@ -886,25 +888,6 @@ fn dq_stage(li: u32, first: DqX) {
         }
     }
     workgroupBarrier();
-}
-
-// MY_DQ0 (`LILY_WGPU_MOE_DQ0=1`, opt-in until measured): dq_stage's first round of act (chunk
-// li) loaded before down's weights (dy_pair), its other rounds after them as before: 8
-// registers held across the weights' loads where all rounds' 24 cost stop 46 4.9 µs.
-override MY_DQ0: bool = false;
-
-// Chunk ch of act's f32 rows (8 elements; zeros past `chunks`).
-struct DqX {
-    l: vec4<f32>,
-    h: vec4<f32>,
-}
-
-fn dq_load(ch: u32, chunks: u32) -> DqX {
-    var x = DqX(vec4<f32>(0.0), vec4<f32>(0.0));
-    if (ch < chunks) {
-        x = DqX(bitcast<vec4<f32>>(dx_aq[2u * ch]), bitcast<vec4<f32>>(dx_aq[2u * ch + 1u]));
-    }
-    return x;
 }
 
 // A lane's loads for one output o of token t: the k routed slots' words (past k: slot k - 1's,
@@ -988,16 +971,11 @@ fn moe_down_y(
 // Token 0's outputs o0 and (with `two`) o1 summed by a team of T lanes (moe_down_y2,
 // moe_down_ys): both outputs' loads issued before either's products, each sum moe_down_y's.
 fn dy_pair(o0: u32, o1: u32, c: u32, two: bool, li: u32, lane_sg: u32, T: u32, sg: u32) -> vec2<f32> {
-    // MY_DQ0: act's first round before the weights.
-    var first = DqX(vec4<f32>(0.0), vec4<f32>(0.0));
-    if (MY_AQW && MY_DQ0) {
-        first = dq_load(li, (my_k() + 1u) * (my_inp() / 8u));
-    }
     let la = dy_loads(0u, o0, c);
     let lb = dy_loads(0u, select(o0, o1, two), c);
     // moe_down_y2q: act staged here, while the loads above are in flight.
     if (MY_AQW) {
-        dq_stage(li, first);
+        dq_stage(li);
     }
     let sa = dy_sum(la, 0u, c);
     let sb = select(0.0, dy_sum(lb, 0u, c), two);
