@@ -434,24 +434,36 @@ fn prefill_tiled_chunks(g: &Wgpu, f16: bool) {
 ///
 /// Both decode kernels where the adapter has ordered subgroups (`dec_kernels`): attn_dec_gqa and
 /// attn_dec_team (`Wgpu::set_attn_team`), the latter also with V a block ahead
-/// (`Wgpu::set_attn_vahead`), each held to the same bounds.
+/// (`Wgpu::set_attn_vahead`) and with its splits merged by attn_combine4q (a quarter of a head
+/// a workgroup; `Wgpu::set_attn_cq`), each held to the same bounds.
 #[test]
 fn attention_decode_capacities() {
     let Some(g) = gpu() else { return };
     for team in dec_kernels(&g) {
         g.set_attn_team(team);
-        for vahead in if team {
-            &[false, true][..]
+        // (V a block ahead, attn_combine4q.)
+        let variants: &[(bool, bool)] = if team {
+            &[(false, false), (true, false), (false, true)]
         } else {
-            &[false][..]
-        } {
-            g.set_attn_vahead(*vahead);
+            &[(false, false)]
+        };
+        for &(vahead, cq) in variants {
+            g.set_attn_vahead(vahead);
+            g.set_attn_cq(cq);
             for f16 in kv_kinds(&g) {
                 g.set_kv_f16(f16);
+                let built = g.pipelines_built();
                 decode_capacities(&g, f16);
+                if cq {
+                    assert!(
+                        g.pipelines_built() > built,
+                        "attn_combine4q built no pipeline of its own: it did not run"
+                    );
+                }
             }
         }
     }
+    g.set_attn_cq(false);
     g.set_attn_vahead(false);
     g.set_attn_team(false);
 }
@@ -467,10 +479,10 @@ fn dec_kernels(g: &Wgpu) -> Vec<bool> {
 }
 
 fn decode_capacities(g: &Wgpu, f16: bool) {
-    let kernel = if g.attn_team() {
-        "attn_dec_team"
-    } else {
-        "attn_dec_gqa"
+    let kernel = match (g.attn_team(), g.attn_cq()) {
+        (true, true) => "attn_dec_team + attn_combine4q",
+        (true, false) => "attn_dec_team",
+        (false, _) => "attn_dec_gqa",
     };
     let qd = qwen_dims();
     let sh = shapes();
@@ -771,7 +783,9 @@ fn decode_qk_appends(g: &Wgpu, f16: bool) {
 /// the same op with it off (attn_decode_qk, q2x_stage, gemv_q6), on two caches filled alike, at
 /// the model's shape (16 / 2 heads of 256, o_proj 4-bit [2048, 4096]) after a prefill of 300,
 /// three steps. The output and h after o_proj: bit-equal (the same values staged by the same
-/// function). Launches: one fewer.
+/// function). Launches: one fewer. Then staged by attn_combine4q_x (`Wgpu::set_attn_cq`: a
+/// quarter of a head a workgroup, the splits summed in another order): the output within
+/// F32_TOL, h within Q2X_TOL (o_proj's x staged from those values), the same launches.
 #[test]
 fn attention_decode_add_stages_o_proj() {
     let Some(g) = gpu() else { return };
@@ -814,8 +828,15 @@ fn attention_decode_add_stages_o_proj() {
         );
         g.set_step(&mut gstep, 0, pos);
         let mut got = Vec::new();
-        for (staged, kv) in [false, true].into_iter().zip(caches.iter_mut()) {
+        // The third: staged by attn_combine4q_x (a quarter of a head a workgroup), on the
+        // second cache again (its row pos rewritten with the same k, v).
+        for (run, (staged, cq)) in [(false, false), (true, false), (true, true)]
+            .into_iter()
+            .enumerate()
+        {
+            let kv = &mut caches[run.min(1)];
             g.set_xq_ahead(staged);
+            g.set_attn_cq(cq);
             let (mut gq, mut gg, mut gout) = (
                 g.zeros(hq * hd).unwrap(),
                 g.zeros(hq * hd).unwrap(),
@@ -850,8 +871,22 @@ fn attention_decode_add_stages_o_proj() {
             got.push((h(&g, &gout, hq * hd), h(&g, &gh, hid), n));
         }
         g.set_xq_ahead(false);
+        g.set_attn_cq(false);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let what = format!("attn_decode_qk_add at pos {pos}");
+        // attn_combine4q_x sums the splits in another order: F32_TOL on the output; o_proj's
+        // x is staged from those values, Q2X_TOL on h.
+        check(
+            &format!("{what}, attn_combine4q_x: the attention's output"),
+            rel_rows(&got[2].0, &got[0].0, hd),
+            F32_TOL,
+        );
+        check(
+            &format!("{what}, attn_combine4q_x: h after o_proj"),
+            rel_rows(&got[2].1, &got[0].1, hid),
+            Q2X_TOL,
+        );
+        assert_eq!(got[2].2, got[1].2, "{what}, attn_combine4q_x: launches");
         assert_eq!(
             bits(&got[1].0),
             bits(&got[0].0),

@@ -701,27 +701,34 @@ fn decode_attend(
         &[&q.buf, &kv.k.buf, &kv.v.buf, &step.buf, &part],
         groups as u32,
     );
+    // attn_combine4q (`LILY_WGPU_ATTN_CQ=1`): attn_combine4 on ceil(hd / 64) workgroups a head.
+    let quarters = if tile && ctx.sw.attn_cq.load(std::sync::atomic::Ordering::Relaxed) {
+        Some((hd / 4).div_ceil(16))
+    } else {
+        None
+    };
     if let Some(xq) = xq {
         if !(tile && xq_takes(ctx, d)) {
             return ctx.fail(format!("{OP}: o_proj's x staged without attn_combine4_x"));
         }
         let bufs = [&part, &gate.buf, &out.buf, xq];
-        ctx.dispatch_spec(
-            &ATTN_X_SHADER,
-            "attn_combine4_x",
-            &consts,
-            &p,
-            &bufs,
-            hq as u32,
-        );
+        let (entry, groups) = match quarters {
+            Some(nq) => ("attn_combine4q_x", hq * nq),
+            None => ("attn_combine4_x", hq),
+        };
+        ctx.dispatch_spec(&ATTN_X_SHADER, entry, &consts, &p, &bufs, groups as u32);
         return;
     }
+    let (combine, groups) = match quarters {
+        Some(nq) => ("attn_combine4q", hq * nq),
+        None => (combine, hq),
+    };
     ctx.dispatch_spec(
         sh,
         combine,
         &consts,
         &p,
         &[&part, &gate.buf, &out.buf],
-        hq as u32,
+        groups as u32,
     );
 }

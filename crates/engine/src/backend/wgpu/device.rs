@@ -555,6 +555,12 @@ pub(super) struct Switches {
     /// with its K words, a block ahead (attn_dec_sg.wgsl AD_VAHEAD). Atomic for the op tests
     /// and the arms (`Wgpu::set_attn_vahead`).
     pub attn_vahead: std::sync::atomic::AtomicBool,
+    /// `LILY_WGPU_ATTN_CQ=1` (opt-in until measured): decode attention's combine by
+    /// attention.wgsl's attn_combine4q (and attn_combine4q_x), a quarter of a head's dims a
+    /// workgroup, 16 split groups a quarter, in attn_combine4's place: stop 47 read
+    /// attn_combine4's 16 workgroups as 5 round trips to L2 in a row at 4K (129 splits), 2
+    /// here. Atomic for the op tests and the arms (`Wgpu::set_attn_cq`).
+    pub attn_cq: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_GDN_FAST=1`: the gated delta rule by the subgroup kernels (gdn_sg.wgsl) where
     /// the adapter has subgroups, instead of gdn_recur. Opt-in: on the H200 (Vulkan) they were
     /// slower, 24.4 against 14.8 ms a 2048-row block and 28.4 against 21.6 µs a decode step.
@@ -782,6 +788,9 @@ impl Switches {
             attn_vahead: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_ATTN_VAHEAD").as_deref() == Some("1"),
             ),
+            attn_cq: std::sync::atomic::AtomicBool::new(
+                get("LILY_WGPU_ATTN_CQ").as_deref() == Some("1"),
+            ),
             gdn_fast: get("LILY_WGPU_GDN_FAST").as_deref() == Some("1"),
             gdn_step: AtomicU32::new(
                 get("LILY_WGPU_GDN_STEP")
@@ -936,6 +945,7 @@ impl Switches {
             attn_team,
             attn_keys,
             attn_vahead,
+            attn_cq,
             moe_q,
             moe_fuse,
             moe_xq,
@@ -2439,6 +2449,7 @@ mod tests {
             load!("LILY_WGPU_ATTN_DEC", "gqa", attn_team),
             load!("LILY_WGPU_ATTN_KEYS", "7", attn_keys),
             load!("LILY_WGPU_ATTN_VAHEAD", "1", attn_vahead),
+            load!("LILY_WGPU_ATTN_CQ", "1", attn_cq),
             load!("LILY_WGPU_MOE_Q", "0", moe_q),
             load!("LILY_WGPU_MOE_FUSE", "0", moe_fuse),
             load!("LILY_WGPU_MOE_XQ", "0", moe_xq),

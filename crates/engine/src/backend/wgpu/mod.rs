@@ -517,6 +517,21 @@ impl Wgpu {
             .attn_vahead
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
+    /// Decode attention's combine by attn_combine4q, a quarter of a head a workgroup
+    /// (`LILY_WGPU_ATTN_CQ`).
+    pub fn set_attn_cq(&self, on: bool) {
+        self.ctx
+            .sw
+            .attn_cq
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+    /// Whether decode attention's combine is attn_combine4q (`LILY_WGPU_ATTN_CQ`).
+    pub fn attn_cq(&self) -> bool {
+        self.ctx
+            .sw
+            .attn_cq
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
     /// Whether decode attention takes attn_dec_team where the shape allows.
     pub fn attn_team(&self) -> bool {
         self.ctx.report.subgroups

@@ -1184,6 +1184,93 @@ fn attn_combine4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     c4_merge(wg_index(wid), li);
 }
 
+// ---- attn_combine4q (`LILY_WGPU_ATTN_CQ=1`, opt-in until measured; decode): attn_combine4 over
+// ceil(hd / 64) workgroups a (row, head) f, each 16 vec4 of its dims (the quarter qt: dims
+// 64 qt ..), so that a thread (split group li / 16 of 16, vec4 li % 16 of the quarter) adds
+// ns / 16 splits instead of ns / 4, their loads issued 8 at a time: at 4K (129 splits) 2 round
+// trips to L2 in a row instead of 5, on 4× the workgroups (16 → 64 for the model's 16 heads).
+// Every workgroup of a head finds the largest m and the splits holding keys as attn_combine4
+// (the same tree). The sum over the splits runs in another order than attn_combine4's (16
+// groups, not 4): within F32_TOL of it and of the CPU (the attention tests). Bindings as
+// attn_combine4; launch: rows · heads · ceil(hd / 64) workgroups.
+var<workgroup> c4q_l: array<f32, 16>;
+
+// The quarters (16 vec4) of a head's dims.
+fn c4q_quarters() -> u32 {
+    return (ad_hd() / 4u + 15u) / 16u;
+}
+
+// attn_combine4q's body for (row, head) f, quarter qt: writes its dims of out and returns this
+// thread's vec4 of them (thread li < 16 within the head; zeros past). Every invocation calls it
+// (barriers).
+fn c4q_merge(f: u32, qt: u32, li: u32) -> vec4<f32> {
+    let hd4 = ad_hd() / 4u;
+    let rec = hd4 + 1u;
+    let b0 = f * ad_splits() * rec;
+    var ms = NEG_BIG;
+    if (li < ad_splits()) {
+        ms = c4_part[b0 + li * rec].x;
+    }
+    c4_t[li] = vec2<f32>(ms, select(0.0, f32(li + 1u), ms > -1.0e29));
+    workgroupBarrier();
+    for (var h = 128u; h > 0u; h >>= 1u) {
+        if (li < h) {
+            c4_t[li] = max(c4_t[li], c4_t[li + h]);
+        }
+        workgroupBarrier();
+    }
+    let m = c4_t[0].x;
+    let ns = u32(c4_t[0].y);
+    let grp = li / 16u;
+    let vd = 16u * qt + li % 16u;
+    var a = vec4<f32>(0.0);
+    var l = 0.0;
+    for (var s0 = grp; s0 < ns; s0 += 128u) {
+        var ml: array<vec4<f32>, 8>;
+        var av: array<vec4<f32>, 8>;
+        for (var u = 0u; u < 8u; u++) {
+            let s = s0 + 16u * u;
+            ml[u] = vec4<f32>(NEG_BIG, 0.0, 0.0, 0.0);
+            av[u] = vec4<f32>(0.0);
+            if (s < ns) {
+                ml[u] = c4_part[b0 + s * rec];
+                if (vd < hd4) {
+                    av[u] = c4_part[b0 + s * rec + 1u + vd];
+                }
+            }
+        }
+        for (var u = 0u; u < 8u; u++) {
+            let w = exp(ml[u].x - m);
+            a += w * av[u];
+            l += w * ml[u].y;
+        }
+    }
+    c4_a[li] = a;
+    if (li % 16u == 0u) {
+        c4q_l[grp] = l;
+    }
+    workgroupBarrier();
+    var r = vec4<f32>(0.0);
+    if (li < 16u && vd < hd4) {
+        var t = vec4<f32>(0.0);
+        var lt = 0.0;
+        for (var g = 0u; g < 16u; g++) {
+            t += c4_a[16u * g + li];
+            lt += c4q_l[g];
+        }
+        let o = f * hd4 + vd;
+        r = t / lt * sigmoid4(c4_gate[o]);
+        c4_out[o] = r;
+    }
+    return r;
+}
+
+@compute @workgroup_size(256)
+fn attn_combine4q(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let w = wg_index(wid);
+    c4q_merge(w / c4q_quarters(), w % c4q_quarters(), li);
+}
+
 // attn_combine4's body for (row, head) f: writes out and returns this thread's vec4 of it
 // (thread li < hd / 4; zeros past). Every invocation calls it (barriers).
 fn c4_merge(f: u32, li: u32) -> vec4<f32> {

@@ -25,3 +25,26 @@ fn attn_combine4_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocat
     // Every thread reaches the shuffles (those past the head's bring copies, write nothing).
     xq_put(f * (hd / 8u) + li, on, xl, xh, 0u, n / 32u, 5u * (n / 32u), n / 16u);
 }
+
+// attn_combine4q_x (`LILY_WGPU_ATTN_CQ=1` with the staging): attn_combine4q's quarter of the
+// head, then its words staged as attn_combine4_x stages the whole head's: thread i < 8 takes
+// elements 8i .. 8i + 7 of the quarter (a quarter is 64 dims, whole 32-element words; a head's
+// last one 32 where hd % 64 is 32).
+@compute @workgroup_size(256)
+fn attn_combine4q_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let w = wg_index(wid);
+    let f = w / c4q_quarters();
+    let qt = w % c4q_quarters();
+    let o = c4q_merge(f, qt, li);
+    workgroupBarrier();
+    c4_a[li] = o;
+    workgroupBarrier();
+    let hd = ad_hd();
+    let n = ad_nh() * hd;
+    let nv = min(16u, hd / 4u - 16u * qt);
+    let on = li < nv / 2u;
+    let xl = c4_a[2u * (li % 8u)];
+    let xh = c4_a[2u * (li % 8u) + 1u];
+    // Every thread reaches the shuffles (those past the quarter's bring copies, write nothing).
+    xq_put(f * (hd / 8u) + 8u * qt + li, on, xl, xh, 0u, n / 32u, 5u * (n / 32u), n / 16u);
+}
