@@ -1184,6 +1184,59 @@ fn attn_combine4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     c4_merge(wg_index(wid), li);
 }
 
+// The largest m over the splits of the records at b0 (records of `rec` vec4s) and the count of
+// splits holding keys (m > −1e30: a prefix of them), by a tree in workgroup memory
+// (attn_combine4, attn_combine4q). Every invocation calls it (barriers).
+fn c4_max(b0: u32, rec: u32, li: u32) -> vec2<f32> {
+    var ms = NEG_BIG;
+    if (li < ad_splits()) {
+        ms = c4_part[b0 + li * rec].x;
+    }
+    c4_t[li] = vec2<f32>(ms, select(0.0, f32(li + 1u), ms > -1.0e29));
+    workgroupBarrier();
+    for (var h = 128u; h > 0u; h >>= 1u) {
+        if (li < h) {
+            c4_t[li] = max(c4_t[li], c4_t[li + h]);
+        }
+        workgroupBarrier();
+    }
+    return c4_t[0];
+}
+
+// A thread's share of the merge: Σ w · acc (its vec4 vd of the dims) and Σ w · l, w = exp(m_s −
+// m), over the splits s ≡ grp mod `groups` below ns, in order, their loads issued 8 at a time
+// (attn_combine4: 4 groups; attn_combine4q: 16).
+struct C4Sum {
+    a: vec4<f32>,
+    l: f32,
+}
+
+fn c4_sum(b0: u32, rec: u32, m: f32, ns: u32, grp: u32, groups: u32, vd: u32, hd4: u32) -> C4Sum {
+    var a = vec4<f32>(0.0);
+    var l = 0.0;
+    for (var s0 = grp; s0 < ns; s0 += 8u * groups) {
+        var ml: array<vec4<f32>, 8>;
+        var av: array<vec4<f32>, 8>;
+        for (var u = 0u; u < 8u; u++) {
+            let s = s0 + groups * u;
+            ml[u] = vec4<f32>(NEG_BIG, 0.0, 0.0, 0.0);
+            av[u] = vec4<f32>(0.0);
+            if (s < ns) {
+                ml[u] = c4_part[b0 + s * rec];
+                if (vd < hd4) {
+                    av[u] = c4_part[b0 + s * rec + 1u + vd];
+                }
+            }
+        }
+        for (var u = 0u; u < 8u; u++) {
+            let w = exp(ml[u].x - m);
+            a += w * av[u];
+            l += w * ml[u].y;
+        }
+    }
+    return C4Sum(a, l);
+}
+
 // ---- attn_combine4q (`LILY_WGPU_ATTN_CQ=1`, opt-in until measured; decode): attn_combine4 over
 // ceil(hd / 64) workgroups a (row, head) f, each 16 vec4 of its dims (the quarter qt: dims
 // 64 qt ..), so that a thread (split group li / 16 of 16, vec4 li % 16 of the quarter) adds
@@ -1207,44 +1260,14 @@ fn c4q_merge(f: u32, qt: u32, li: u32) -> vec4<f32> {
     let hd4 = ad_hd() / 4u;
     let rec = hd4 + 1u;
     let b0 = f * ad_splits() * rec;
-    var ms = NEG_BIG;
-    if (li < ad_splits()) {
-        ms = c4_part[b0 + li * rec].x;
-    }
-    c4_t[li] = vec2<f32>(ms, select(0.0, f32(li + 1u), ms > -1.0e29));
-    workgroupBarrier();
-    for (var h = 128u; h > 0u; h >>= 1u) {
-        if (li < h) {
-            c4_t[li] = max(c4_t[li], c4_t[li + h]);
-        }
-        workgroupBarrier();
-    }
-    let m = c4_t[0].x;
-    let ns = u32(c4_t[0].y);
+    let mn = c4_max(b0, rec, li);
+    let m = mn.x;
+    let ns = u32(mn.y);
     let grp = li / 16u;
     let vd = 16u * qt + li % 16u;
-    var a = vec4<f32>(0.0);
-    var l = 0.0;
-    for (var s0 = grp; s0 < ns; s0 += 128u) {
-        var ml: array<vec4<f32>, 8>;
-        var av: array<vec4<f32>, 8>;
-        for (var u = 0u; u < 8u; u++) {
-            let s = s0 + 16u * u;
-            ml[u] = vec4<f32>(NEG_BIG, 0.0, 0.0, 0.0);
-            av[u] = vec4<f32>(0.0);
-            if (s < ns) {
-                ml[u] = c4_part[b0 + s * rec];
-                if (vd < hd4) {
-                    av[u] = c4_part[b0 + s * rec + 1u + vd];
-                }
-            }
-        }
-        for (var u = 0u; u < 8u; u++) {
-            let w = exp(ml[u].x - m);
-            a += w * av[u];
-            l += w * ml[u].y;
-        }
-    }
+    let sum = c4_sum(b0, rec, m, ns, grp, 16u, vd, hd4);
+    let a = sum.a;
+    let l = sum.l;
     c4_a[li] = a;
     if (li % 16u == 0u) {
         c4q_l[grp] = l;
@@ -1277,44 +1300,14 @@ fn c4_merge(f: u32, li: u32) -> vec4<f32> {
     let hd4 = ad_hd() / 4u;
     let rec = hd4 + 1u;
     let b0 = f * ad_splits() * rec;
-    var ms = NEG_BIG;
-    if (li < ad_splits()) {
-        ms = c4_part[b0 + li * rec].x;
-    }
-    c4_t[li] = vec2<f32>(ms, select(0.0, f32(li + 1u), ms > -1.0e29));
-    workgroupBarrier();
-    for (var h = 128u; h > 0u; h >>= 1u) {
-        if (li < h) {
-            c4_t[li] = max(c4_t[li], c4_t[li + h]);
-        }
-        workgroupBarrier();
-    }
-    let m = c4_t[0].x;
-    let ns = u32(c4_t[0].y);
+    let mn = c4_max(b0, rec, li);
+    let m = mn.x;
+    let ns = u32(mn.y);
     let sg = li / 64u;
     let vd = li % 64u;
-    var a = vec4<f32>(0.0);
-    var l = 0.0;
-    for (var s0 = sg; s0 < ns; s0 += 32u) {
-        var ml: array<vec4<f32>, 8>;
-        var av: array<vec4<f32>, 8>;
-        for (var u = 0u; u < 8u; u++) {
-            let s = s0 + 4u * u;
-            ml[u] = vec4<f32>(NEG_BIG, 0.0, 0.0, 0.0);
-            av[u] = vec4<f32>(0.0);
-            if (s < ns) {
-                ml[u] = c4_part[b0 + s * rec];
-                if (vd < hd4) {
-                    av[u] = c4_part[b0 + s * rec + 1u + vd];
-                }
-            }
-        }
-        for (var u = 0u; u < 8u; u++) {
-            let w = exp(ml[u].x - m);
-            a += w * av[u];
-            l += w * ml[u].y;
-        }
-    }
+    let sum = c4_sum(b0, rec, m, ns, sg, 4u, vd, hd4);
+    let a = sum.a;
+    let l = sum.l;
     c4_a[li] = a;
     if (vd == 0u) {
         c4_l[sg] = l;
