@@ -1556,8 +1556,9 @@ impl Wgpu {
     /// (where the adapter has SHADER_F16), its capacity the power of two above the context + 64
     /// (as a bench run grows it: the split count follows the capacity). Over copies of the
     /// caches making ≥ 256 MB (so that L2 does not hold them). `bytes` is the K and V rows
-    /// read (2 · context · kv_dim · element size); the variant reads `f16 32K`, or `team f16
-    /// 32K` for attn_dec_team in attn_dec_gqa's place (adapters with ordered subgroups).
+    /// read (2 · context · kv_dim · element size); the variant reads `f16 32K`, `team f16 32K`
+    /// for attn_dec_team in attn_dec_gqa's place (adapters with ordered subgroups), or
+    /// `team+cq f16 32K` with attn_combine4q merging its splits (`LILY_WGPU_ATTN_CQ`).
     fn lab_attn(
         &self,
         cfg: &Config,
@@ -1626,19 +1627,26 @@ impl Wgpu {
                         &mut ob,
                     );
                 };
-                let saved = self.attn_team();
-                for team in [false, true] {
+                let saved = (self.attn_team(), self.attn_cq());
+                // (attn_dec_team, attn_combine4q.)
+                for (team, cq) in [(false, false), (true, false), (true, true)] {
                     if team && !ctx.report.subgroups {
                         continue;
                     }
                     self.set_attn_team(team);
+                    self.set_attn_cq(cq);
                     let op_s = lab_median(ctx, calls, &call);
-                    self.set_attn_team(saved);
+                    self.set_attn_team(saved.0);
+                    self.set_attn_cq(saved.1);
                     let row = LabRow {
                         case: "attn",
                         variant: format!(
                             "{}{} {}K",
-                            if team { "team " } else { "" },
+                            match (team, cq) {
+                                (true, true) => "team+cq ",
+                                (true, false) => "team ",
+                                (false, _) => "",
+                            },
                             if half { "f16" } else { "f32" },
                             n / 1024
                         ),
