@@ -522,13 +522,7 @@ fn moe_block_fused_other_shapes() {
         (4, 16, 512, 128, 1, true),
     ];
     for (bits, e, hid, width, k, norm) in cases {
-        let d = Dims {
-            hidden: hid,
-            n_experts: e,
-            top_k: k,
-            norm_topk: norm,
-            ..qwen_dims()
-        };
+        let d = moe_dims(e, hid, k, norm);
         let m = [
             rand_quant(&mut rng, e, width, hid, bits, 64, false),
             rand_quant(&mut rng, e, width, hid, bits, 64, false),
@@ -986,15 +980,21 @@ struct YCase {
     what: String,
 }
 
-fn y_case(g: &Wgpu, rng: &mut Rng, shape: (usize, usize, usize, usize, bool)) -> YCase {
-    let (e, hid, width, k, norm) = shape;
-    let d = Dims {
+/// The model's dims with another MoE block: e experts of hidden `hid`, top-k, the top-k's
+/// weights renormalised or not.
+fn moe_dims(e: usize, hid: usize, k: usize, norm: bool) -> Dims {
+    Dims {
         hidden: hid,
         n_experts: e,
         top_k: k,
         norm_topk: norm,
         ..qwen_dims()
-    };
+    }
+}
+
+fn y_case(g: &Wgpu, rng: &mut Rng, shape: (usize, usize, usize, usize, bool)) -> YCase {
+    let (e, hid, width, k, norm) = shape;
+    let d = moe_dims(e, hid, k, norm);
     let m = rand_moe(rng, e, width, hid, 4);
     let gm = upload6(g, [&m[0], &m[1], &m[2], &m[3], &m[4], &m[5]]);
     let router = g

@@ -1184,10 +1184,22 @@ fn attn_combine4(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     c4_merge(wg_index(wid), li);
 }
 
-// The largest m over the splits of the records at b0 (records of `rec` vec4s) and the count of
-// splits holding keys (m > −1e30: a prefix of them), by a tree in workgroup memory
-// (attn_combine4, attn_combine4q). Every invocation calls it (barriers).
-fn c4_max(b0: u32, rec: u32, li: u32) -> vec2<f32> {
+// (Row, head) f's records for a merge (attn_combine4, attn_combine4q): the head's vec4s, a
+// record's, the first record, the largest m over the splits and the count of splits holding
+// keys (m > −1e30: a prefix of them), the last two by a tree in workgroup memory. Every
+// invocation calls it (barriers).
+struct C4Head {
+    hd4: u32,
+    rec: u32,
+    b0: u32,
+    m: f32,
+    ns: u32,
+}
+
+fn c4_head(f: u32, li: u32) -> C4Head {
+    let hd4 = ad_hd() / 4u;
+    let rec = hd4 + 1u;
+    let b0 = f * ad_splits() * rec;
     var ms = NEG_BIG;
     if (li < ad_splits()) {
         ms = c4_part[b0 + li * rec].x;
@@ -1200,7 +1212,7 @@ fn c4_max(b0: u32, rec: u32, li: u32) -> vec2<f32> {
         }
         workgroupBarrier();
     }
-    return c4_t[0];
+    return C4Head(hd4, rec, b0, c4_t[0].x, u32(c4_t[0].y));
 }
 
 // A thread's share of the merge: Σ w · acc (its vec4 vd of the dims) and Σ w · l, w = exp(m_s −
@@ -1211,7 +1223,12 @@ struct C4Sum {
     l: f32,
 }
 
-fn c4_sum(b0: u32, rec: u32, m: f32, ns: u32, grp: u32, groups: u32, vd: u32, hd4: u32) -> C4Sum {
+fn c4_sum(hh: C4Head, grp: u32, groups: u32, vd: u32) -> C4Sum {
+    let b0 = hh.b0;
+    let rec = hh.rec;
+    let m = hh.m;
+    let ns = hh.ns;
+    let hd4 = hh.hd4;
     var a = vec4<f32>(0.0);
     var l = 0.0;
     for (var s0 = grp; s0 < ns; s0 += 8u * groups) {
@@ -1257,31 +1274,24 @@ fn c4q_quarters() -> u32 {
 // thread's vec4 of them (thread li < 16 within the head; zeros past). Every invocation calls it
 // (barriers).
 fn c4q_merge(f: u32, qt: u32, li: u32) -> vec4<f32> {
-    let hd4 = ad_hd() / 4u;
-    let rec = hd4 + 1u;
-    let b0 = f * ad_splits() * rec;
-    let mn = c4_max(b0, rec, li);
-    let m = mn.x;
-    let ns = u32(mn.y);
+    let hh = c4_head(f, li);
     let grp = li / 16u;
     let vd = 16u * qt + li % 16u;
-    let sum = c4_sum(b0, rec, m, ns, grp, 16u, vd, hd4);
-    let a = sum.a;
-    let l = sum.l;
-    c4_a[li] = a;
+    let sum = c4_sum(hh, grp, 16u, vd);
+    c4_a[li] = sum.a;
     if (li % 16u == 0u) {
-        c4q_l[grp] = l;
+        c4q_l[grp] = sum.l;
     }
     workgroupBarrier();
     var r = vec4<f32>(0.0);
-    if (li < 16u && vd < hd4) {
+    if (li < 16u && vd < hh.hd4) {
         var t = vec4<f32>(0.0);
         var lt = 0.0;
         for (var g = 0u; g < 16u; g++) {
             t += c4_a[16u * g + li];
             lt += c4q_l[g];
         }
-        let o = f * hd4 + vd;
+        let o = f * hh.hd4 + vd;
         r = t / lt * sigmoid4(c4_gate[o]);
         c4_out[o] = r;
     }
@@ -1297,27 +1307,20 @@ fn attn_combine4q(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocati
 // attn_combine4's body for (row, head) f: writes out and returns this thread's vec4 of it
 // (thread li < hd / 4; zeros past). Every invocation calls it (barriers).
 fn c4_merge(f: u32, li: u32) -> vec4<f32> {
-    let hd4 = ad_hd() / 4u;
-    let rec = hd4 + 1u;
-    let b0 = f * ad_splits() * rec;
-    let mn = c4_max(b0, rec, li);
-    let m = mn.x;
-    let ns = u32(mn.y);
+    let hh = c4_head(f, li);
     let sg = li / 64u;
     let vd = li % 64u;
-    let sum = c4_sum(b0, rec, m, ns, sg, 4u, vd, hd4);
-    let a = sum.a;
-    let l = sum.l;
-    c4_a[li] = a;
+    let sum = c4_sum(hh, sg, 4u, vd);
+    c4_a[li] = sum.a;
     if (vd == 0u) {
-        c4_l[sg] = l;
+        c4_l[sg] = sum.l;
     }
     workgroupBarrier();
     var r = vec4<f32>(0.0);
-    if (li < hd4) {
+    if (li < hh.hd4) {
         let t = c4_a[li] + c4_a[64u + li] + c4_a[128u + li] + c4_a[192u + li];
         let lt = c4_l[0] + c4_l[1] + c4_l[2] + c4_l[3];
-        let o = f * hd4 + li;
+        let o = f * hh.hd4 + li;
         r = t / lt * sigmoid4(c4_gate[o]);
         c4_out[o] = r;
     }
