@@ -97,6 +97,8 @@ pub fn shaders() -> Vec<Shader> {
         super::attention::SHADER_H,
         super::attention::DEC_SG_SHADER,
         super::attention::DEC_SG_SHADER_H,
+        super::attention::DEC_ROPE_SHADER,
+        super::attention::DEC_ROPE_SHADER_H,
         super::attention::ATTN_X_SHADER,
         super::gdn::SHADER,
         super::gdn::SHADER_SG,
@@ -561,6 +563,11 @@ pub(super) struct Switches {
     /// attn_combine4's 16 workgroups as 5 round trips to L2 in a row at 4K (129 splits), 2
     /// here. Atomic for the op tests and the arms (`Wgpu::set_attn_cq`).
     pub attn_cq: std::sync::atomic::AtomicBool,
+    /// `LILY_WGPU_ATTN_ROPE=1` (opt-in until measured): a decode step's q/k norms, RoPE and
+    /// cache append folded into attn_dec_team's launch (attn_dec_rope.wgsl) instead of
+    /// qk_rope_append_step's launch before it: one launch fewer a full-attention layer. Atomic
+    /// for the op tests and the arms (`Wgpu::set_attn_rope`).
+    pub attn_rope: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_GDN_FAST=1`: the gated delta rule by the subgroup kernels (gdn_sg.wgsl) where
     /// the adapter has subgroups, instead of gdn_recur. Opt-in: on the H200 (Vulkan) they were
     /// slower, 24.4 against 14.8 ms a 2048-row block and 28.4 against 21.6 µs a decode step.
@@ -791,6 +798,9 @@ impl Switches {
             attn_cq: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_ATTN_CQ").as_deref() == Some("1"),
             ),
+            attn_rope: std::sync::atomic::AtomicBool::new(
+                get("LILY_WGPU_ATTN_ROPE").as_deref() == Some("1"),
+            ),
             gdn_fast: get("LILY_WGPU_GDN_FAST").as_deref() == Some("1"),
             gdn_step: AtomicU32::new(
                 get("LILY_WGPU_GDN_STEP")
@@ -946,6 +956,7 @@ impl Switches {
             attn_keys,
             attn_vahead,
             attn_cq,
+            attn_rope,
             moe_q,
             moe_fuse,
             moe_xq,
@@ -2450,6 +2461,7 @@ mod tests {
             load!("LILY_WGPU_ATTN_KEYS", "7", attn_keys),
             load!("LILY_WGPU_ATTN_VAHEAD", "1", attn_vahead),
             load!("LILY_WGPU_ATTN_CQ", "1", attn_cq),
+            load!("LILY_WGPU_ATTN_ROPE", "1", attn_rope),
             load!("LILY_WGPU_MOE_Q", "0", moe_q),
             load!("LILY_WGPU_MOE_FUSE", "0", moe_fuse),
             load!("LILY_WGPU_MOE_XQ", "0", moe_xq),
