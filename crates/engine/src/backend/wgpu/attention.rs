@@ -790,7 +790,8 @@ fn decode_attend(
             groups as u32,
         ),
     }
-    // attn_combine4q (`LILY_WGPU_ATTN_CQ=1`): attn_combine4 on ceil(hd / 64) workgroups a head.
+    // attn_combine4q (`LILY_WGPU_ATTN_CQ`, the default; `0`: attn_combine4): attn_combine4 on
+    // ceil(hd / 64) workgroups a head.
     let quarters = if tile && ctx.sw.attn_cq.load(std::sync::atomic::Ordering::Relaxed) {
         Some((hd / 4).div_ceil(16))
     } else {

@@ -557,11 +557,13 @@ pub(super) struct Switches {
     /// with its K words, a block ahead (attn_dec_sg.wgsl AD_VAHEAD). Atomic for the op tests
     /// and the arms (`Wgpu::set_attn_vahead`).
     pub attn_vahead: std::sync::atomic::AtomicBool,
-    /// `LILY_WGPU_ATTN_CQ=1` (opt-in until measured): decode attention's combine by
-    /// attention.wgsl's attn_combine4q (and attn_combine4q_x), a quarter of a head's dims a
-    /// workgroup, 16 split groups a quarter, in attn_combine4's place: stop 47 read
-    /// attn_combine4's 16 workgroups as 5 round trips to L2 in a row at 4K (129 splits), 2
-    /// here. Atomic for the op tests and the arms (`Wgpu::set_attn_cq`).
+    /// `LILY_WGPU_ATTN_CQ` (the default since stop 48; `0` for attn_combine4): decode
+    /// attention's combine by attention.wgsl's attn_combine4q (and attn_combine4q_x), a quarter
+    /// of a head's dims a workgroup, 16 split groups a quarter, in attn_combine4's place: stop
+    /// 47 read attn_combine4's 16 workgroups as 5 round trips to L2 in a row at 4K (129
+    /// splits), 2 here. H100, `lily bench --arms` at 4K (3 rounds of 3 × 128 tokens): 400.22
+    /// against 393.88 tok/s (1.016×). Atomic for the op tests and the arms
+    /// (`Wgpu::set_attn_cq`).
     pub attn_cq: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_ATTN_ROPE=1` (opt-in until measured): a decode step's q/k norms, RoPE and
     /// cache append folded into attn_dec_team's launch (attn_dec_rope.wgsl) instead of
@@ -796,7 +798,7 @@ impl Switches {
                 get("LILY_WGPU_ATTN_VAHEAD").as_deref() == Some("1"),
             ),
             attn_cq: std::sync::atomic::AtomicBool::new(
-                get("LILY_WGPU_ATTN_CQ").as_deref() == Some("1"),
+                get("LILY_WGPU_ATTN_CQ").as_deref() != Some("0"),
             ),
             attn_rope: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_ATTN_ROPE").as_deref() == Some("1"),
@@ -2460,7 +2462,7 @@ mod tests {
             load!("LILY_WGPU_ATTN_DEC", "gqa", attn_team),
             load!("LILY_WGPU_ATTN_KEYS", "7", attn_keys),
             load!("LILY_WGPU_ATTN_VAHEAD", "1", attn_vahead),
-            load!("LILY_WGPU_ATTN_CQ", "1", attn_cq),
+            load!("LILY_WGPU_ATTN_CQ", "0", attn_cq),
             load!("LILY_WGPU_ATTN_ROPE", "1", attn_rope),
             load!("LILY_WGPU_MOE_Q", "0", moe_q),
             load!("LILY_WGPU_MOE_FUSE", "0", moe_fuse),

@@ -26,7 +26,7 @@ fn attn_combine4_x(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocat
     xq_put(f * (hd / 8u) + li, on, xl, xh, 0u, n / 32u, 5u * (n / 32u), n / 16u);
 }
 
-// attn_combine4q_x (`LILY_WGPU_ATTN_CQ=1` with the staging): attn_combine4q's quarter of the
+// attn_combine4q_x (`LILY_WGPU_ATTN_CQ`, the default, with the staging): attn_combine4q's quarter of the
 // head, then its words staged as attn_combine4_x stages the whole head's: thread i < 8 takes
 // elements 8i .. 8i + 7 of the quarter (a quarter is 64 dims, whole 32-element words; a head's
 // last one 32 where hd % 64 is 32).
