@@ -791,6 +791,12 @@ fn xq_ahead_matches_the_block() {
 ///   `logit_err_q2x`'s bound, for both paths.
 /// * The route equals the CPU's moe_route of its logits, and the MoE output is within MOE_TOL
 ///   of the CPU's on rms_norm(h)·w (gemv_q6w writes no xn).
+///
+/// Then with the launch by gemv_rt (`LILY_WGPU_ROUTER=f32`, `Wgpu::set_router_rows`: x in f32,
+/// not staged; 1, 2 and 3 rows a workgroup): the same launches as gemv_q6w's, the logits
+/// within a hundredth of that bound (x in f32: a router that read x quantized, or a row short,
+/// fails it), and the block's checks (gate|up reads its exported staging; another x exported
+/// by gemv_q6w just before, so every word must be written again).
 #[test]
 fn q6w_router_matches_the_block() {
     let Some(g) = gpu() else { return };
@@ -803,6 +809,8 @@ fn q6w_router_matches_the_block() {
         &c.gsg,
         [&gm[0], &gm[1], &gm[2], &gm[3], &gm[4], &gm[5]],
     );
+    // gemv_q6w's launch first, whatever the environment says (`LILY_WGPU_ROUTER`).
+    g.set_router_rows(0);
     for token in 0..3 {
         let hv = rng.vec(d.hidden, 0.05);
         let mut runs = Vec::new();
@@ -836,6 +844,31 @@ fn q6w_router_matches_the_block() {
         let mut cx = vec![0f32; d.hidden];
         Cpu.rms_norm(&hv, &c.nw, 1, d.hidden, d.eps, &mut cx);
         c.check_block(on, &hv, &cx, &what);
+        if !g.report().subgroups {
+            continue;
+        }
+        // Another token's x exported first, so that a word gemv_rt leaves unwritten shows.
+        let hother: Vec<f32> = hv.iter().rev().map(|x| -0.5 * x).collect();
+        for rows in 1..=3 {
+            g.set_q6w(2);
+            gpu_step(&g, true, &hother, &c.gnw, &w, d, 512, false);
+            g.set_router_rows(rows);
+            let built = g.pipelines_built();
+            let rt = gpu_step(&g, true, &hv, &c.gnw, &w, d, 512, false);
+            let ran = g.pipelines_built() > built || token > 0;
+            g.set_router_rows(0);
+            g.set_q6w(0);
+            let what = format!("{what}, gemv_rt with {rows} rows a workgroup");
+            assert!(ran, "{what}: built no pipeline of its own");
+            assert_eq!(rt.launches, on.launches, "{what}: launches");
+            let worst = logit_err_q2x(&hv, &c.nw, d.eps, &c.router, &c.sgate, (&rt.logits, rt.s));
+            check(
+                &format!("{what} (logits against f64, / bound)"),
+                worst as f32,
+                1e-2,
+            );
+            c.check_block(&rt, &hv, &cx, &what);
+        }
     }
 }
 

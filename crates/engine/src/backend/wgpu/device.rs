@@ -669,6 +669,11 @@ pub(super) struct Switches {
     /// 9.34 against 12.18, the router 8.42 against 10.97). Atomic for the op tests and the
     /// arms (`Wgpu::set_q6w`).
     pub q6w: AtomicU32,
+    /// `LILY_WGPU_ROUTER=f32` (opt-in until measured; `f32:1`, `f32:3` the rows a workgroup,
+    /// 2 for `f32`): a gemv_q6w launch of 8-bit matrices on a normed x (the MoE router's) by
+    /// matmul_sg.wgsl's gemv_rt, x read in f32 and not staged, RT_R rows a workgroup. Stored as
+    /// the rows (0: off). Atomic for the op tests and the arms (`Wgpu::set_router_rows`).
+    pub router_rows: AtomicU32,
     /// `LILY_WGPU_Q6W_MAX_MB` (0, none, by default): launches of at least this many MB of codes
     /// keep q2x_stage and gemv_q6s (in_proj's 12.7 MB, whose workgroups each staging the row
     /// lost in the lab).
@@ -861,6 +866,16 @@ impl Switches {
                     2
                 }
             }),
+            router_rows: AtomicU32::new(match get("LILY_WGPU_ROUTER").as_deref() {
+                None | Some("" | "q6w") => 0,
+                Some("f32") => 2,
+                Some("f32:1") => 1,
+                Some("f32:3") => 3,
+                Some(v) => {
+                    eprintln!("LILY_WGPU_ROUTER={v}: not q6w, f32, f32:1 or f32:3; q6w");
+                    0
+                }
+            }),
             moe_xq_shape: AtomicU32::new(
                 get("LILY_WGPU_MOE_XQ_SHAPE")
                     .and_then(|v| moe_xq_shape_code(&v))
@@ -966,6 +981,7 @@ impl Switches {
             moe_act,
             moe_a8,
             q6w,
+            router_rows,
             q6w_max_mb,
             bg_cache,
             moe_xq_shape,
@@ -2471,6 +2487,7 @@ mod tests {
             load!("LILY_WGPU_MOE_ACT", "gate", moe_act),
             load!("LILY_WGPU_MOE_A8", "1", moe_a8),
             load!("LILY_WGPU_Q6W", "0", q6w),
+            load!("LILY_WGPU_ROUTER", "f32", router_rows),
             load!("LILY_WGPU_Q6W_MAX_MB", "8", q6w_max_mb),
             load!("LILY_WGPU_BG_CACHE", "0", bg_cache),
             load!("LILY_WGPU_MOE_XQ_SHAPE", "8,4,1", moe_xq_shape),

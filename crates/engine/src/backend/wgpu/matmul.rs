@@ -778,6 +778,14 @@ pub fn gemv_many_xq(
             // xn by the first workgroup where the conv's state does not hold binding 19.
             ("Q6W_XN", (xmode == 1 && om != 3) as u32),
         ]);
+        let rt = rt_rows(ctx, ws, xmode, om);
+        if rt > 0 {
+            // gemv_rt: the same bindings and constants, RT_R rows a workgroup.
+            consts.push(("RT_R", rt as u32));
+            let groups: usize = ws.iter().map(|w| w.out.div_ceil(rt)).sum();
+            ctx.dispatch_spec(&sg_shader(), "gemv_rt", &consts, &p, &bufs, groups as u32);
+            return exported.map(|b| (b, true));
+        }
         let groups = (blocks * rows) as u32;
         ctx.dispatch_spec(&sg_shader(), "gemv_q6w", &consts, &p, &bufs, groups);
         return exported.map(|b| (b, true));
@@ -1020,6 +1028,23 @@ fn q6w_takes(
             let mb = ctx.sw.q6w_max_mb.load(Ordering::Relaxed);
             mb == 0 || code_bytes(ws) < mb << 20
         }
+}
+
+/// gemv_rt's rows a workgroup for a gemv_q6w launch (`LILY_WGPU_ROUTER=f32`), or 0 where it
+/// does not take it: 8-bit matrices only, x = rms_norm(h) · w (xmode 1), outputs stored, a
+/// group size of 8 or more dividing the row (a thread's 8 elements in one group).
+fn rt_rows(ctx: &Ctx, ws: &[&WMat], xmode: u32, om: u32) -> usize {
+    let rows = ctx.sw.router_rows.load(Ordering::Relaxed) as usize;
+    let ok = xmode == 1
+        && om == 0
+        && ws.iter().all(|w| {
+            w.bits == 8 && w.gs >= 8 && w.gs.is_multiple_of(8) && w.inp.is_multiple_of(w.gs)
+        });
+    if ok {
+        rows.min(3)
+    } else {
+        0
+    }
 }
 
 /// The code bytes of a launch's matrices (one matrix of each stack).

@@ -169,6 +169,14 @@ impl Wgpu {
             .q6w
             .store(level.min(2), std::sync::atomic::Ordering::Relaxed);
     }
+    /// The MoE router's launch by gemv_rt with `rows` rows a workgroup (1-3), or gemv_q6w (0),
+    /// from now on (`LILY_WGPU_ROUTER`).
+    pub fn set_router_rows(&self, rows: u32) {
+        self.ctx
+            .sw
+            .router_rows
+            .store(rows.min(3), std::sync::atomic::Ordering::Relaxed);
+    }
     /// Takes a decode step's gated delta rule named (`LILY_WGPU_GDN_STEP`'s values: `0`, `y`,
     /// `x`, `yw`) from now on, for tests and `lily lab`.
     pub fn set_gdn_step(&self, name: &str) -> Result<()> {

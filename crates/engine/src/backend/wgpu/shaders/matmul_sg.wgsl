@@ -522,6 +522,22 @@ fn q6w_run{M}(blk: u32, t: u32, li: u32, lane_sg: u32, first: bool) {
     q6_tail({M}u, m, blk, t, li, lane_sg, Q6_SG, T, R, o0, Q6_OMODE, acc * rn);
 }
 
+// gemv_rt (the header at its entry): this thread's share of row o of matrix {M} (8-bit codes,
+// stack index pv.e), its elements 8i .. 8i + 7 against xl, xh in f32: s · Σ q·x + b · Σ x (the
+// 8 elements lie in one group: Q6_GS a multiple of 8).
+fn rt_dot{M}(o: u32, i: u32, xl: vec4<f32>, xh: vec4<f32>) -> f32 {
+    let row = pv.e * Q6_OUT{M} + o;
+    let q = vw{M}[row * (Q6_INP{M} / 16u) + i / 2u];
+    let odd = i % 2u == 1u;
+    let sh = vec4<u32>(0u, 8u, 16u, 24u);
+    let cl = vec4<f32>((vec4<u32>(select(q.x, q.z, odd)) >> sh) & vec4<u32>(0xffu));
+    let ch = vec4<f32>((vec4<u32>(select(q.y, q.w, odd)) >> sh) & vec4<u32>(0xffu));
+    let g = row * (Q6_INP{M} / Q6_GS{M}) + (8u * i) / Q6_GS{M};
+    let sc = rw_sb{M}(g, Q6_SB16{M}, false);
+    let bi = rw_sb{M}(g, Q6_SB16{M}, true);
+    return sc * (dot(cl, xl) + dot(ch, xh)) + bi * dot(xl + xh, vec4<f32>(1.0));
+}
+
 //@@ q6entry
 // omode 4 (Backend::route_ahead, opt-in LILY_WGPU_ROUTE_AHEAD=1; one row of x): omode 1's
 // residual add, and the MoE router that follows folded in (the CUDA backend's gemv.cu AHEAD has
@@ -917,6 +933,38 @@ fn q6w_put(at: u32, v: u32) {
     atomicStore(&vacc[at], v);
 }
 
+// Thread i's words of x (w, from q2x_words on its elements 8i .. 8i + 7) and its 4-bit word's
+// sum of squares s4 into the exported staging (binding 22, stage_ahead_scratch's layout: both
+// word layouts, then the words' sums of squares).
+fn q6w_export(i: u32, w: Q2xW, s4: f32, inp: u32) {
+    let w4 = inp / 32u;
+    let w8 = inp / 16u;
+    let e8 = 5u * w4;
+    let u = i / 4u;
+    let j = i % 4u;
+    let v = 2u * u + j / 2u;
+    let p = 2u * (j % 2u);
+    q6w_put(4u * u + j, w.w4.x);
+    q6w_put(4u * (w4 + u) + j, w.w4.y);
+    q6w_put(4u * (2u * w4 + u) + j, w.w4.z);
+    q6w_put(4u * (3u * w4 + u) + j, w.w4.w);
+    q6w_put(4u * (e8 + v) + p, w.w8.x);
+    q6w_put(4u * (e8 + v) + p + 1u, w.w8.y);
+    q6w_put(4u * (e8 + w8 + v) + p, w.w8.z);
+    q6w_put(4u * (e8 + w8 + v) + p + 1u, w.w8.w);
+    for (var k = 0u; k < 4u; k++) {
+        if (j == 0u) {
+            q6w_put(4u * (4u * w4 + u) + k, w.m4[k]);
+        }
+        if (p == 0u) {
+            q6w_put(4u * (e8 + 2u * w8 + v) + k, w.m8[k]);
+        }
+    }
+    if (j == 0u) {
+        q6w_put(4u * (e8 + 3u * w8) + u, bitcast<u32>(s4));
+    }
+}
+
 // Row t of x staged into q6_wx as the header says (every invocation calls it: the shuffles and
 // the barrier), with the first workgroup's export (`first`); returns the norm's 1 / rms
 // (Q6W_XMODE 1, else 1). Thread i takes elements 8i .. 8i + 7 as q2x_stage does (xq_put's
@@ -973,26 +1021,7 @@ fn q6w_stage(t: u32, li: u32, lane_sg: u32, inp: u32, first: bool) -> f32 {
                 q6_wss[u / 4u][u % 4u] = s4;
             }
             if (Q6W_EXPORT && first) {
-                let e8 = 5u * w4;
-                q6w_put(4u * u + j, w.w4.x);
-                q6w_put(4u * (w4 + u) + j, w.w4.y);
-                q6w_put(4u * (2u * w4 + u) + j, w.w4.z);
-                q6w_put(4u * (3u * w4 + u) + j, w.w4.w);
-                q6w_put(4u * (e8 + v) + p, w.w8.x);
-                q6w_put(4u * (e8 + v) + p + 1u, w.w8.y);
-                q6w_put(4u * (e8 + w8 + v) + p, w.w8.z);
-                q6w_put(4u * (e8 + w8 + v) + p + 1u, w.w8.w);
-                for (var k = 0u; k < 4u; k++) {
-                    if (j == 0u) {
-                        q6w_put(4u * (4u * w4 + u) + k, w.m4[k]);
-                    }
-                    if (p == 0u) {
-                        q6w_put(4u * (e8 + 2u * w8 + v) + k, w.m8[k]);
-                    }
-                }
-                if (j == 0u) {
-                    q6w_put(4u * (e8 + 3u * w8) + u, bitcast<u32>(s4));
-                }
+                q6w_export(i, w, s4, inp);
             }
         }
     }
@@ -1076,5 +1105,130 @@ fn gemv_q6w(
         case 1u: { q6w_run1(s.y, t, li, lane_sg, first); }
         case 2u: { q6w_run2(s.y, t, li, lane_sg, first); }
         default: { q6w_run3(s.y, t, li, lane_sg, first); }
+    }
+}
+
+// gemv_rt (`LILY_WGPU_ROUTER=f32`, opt-in until measured; matmul.rs `rt_takes`): the MoE
+// router's launch (gemv_q6w's launch shapes with 8-bit matrices only, x = rms_norm(h) · w, one
+// row, outputs stored) with x read in f32 and not staged. Why: gemv_q6w stages and quantizes
+// the whole row of x in every workgroup (x and the norm's weights from L2, q2x_words, a
+// barrier, the 1 / rms summed from 64 word sums in order) before its first dot; the router's
+// rows are 2 KB each, so that chain is most of its 6.5 µs on the H100 (lab, stop 47; CUDA's
+// router with its top-k: 3.7). Here a workgroup owns RT_R rows of the launch's matrices (slot
+// after slot, ceil(out / RT_R) workgroups each) and thread i elements 8i .. 8i + 7 of x, as
+// q6w_stage's threads: h and the norm's weights loaded once, x = h · w, the thread's partial
+// dot of each row (8 codes: s · Σ q·x + b · Σ x) and its Σ h², summed over the workgroup by
+// subgroupAdd then the subgroups' partials in workgroup memory (one barrier; subgroups in order,
+// any width), scaled by the 1 / rms. What gemv_q6w's first workgroup alone wrote is spread over
+// the workgroups: with Q6W_EXPORT thread i's words (q2x_words of the same x, q6w_export: the
+// same bits) by workgroup i mod the launch's, and with Q6W_XN its xn vec4s likewise. The logits
+// differ from gemv_q6w's (x not quantized: closer to the CPU's f32 matmul, F32_TOL-scale
+// against f64 in moe_step's q6w_router test) and from q6_rn's 1 / rms by the order of Σ h².
+override RT_R: u32 = 2u;
+var<workgroup> rt_red: array<vec4<f32>, 64>;
+
+// Matrix slot m's workgroups in gemv_rt.
+fn rt_blocks(m: u32) -> u32 {
+    var out = Q6_OUT0;
+    switch m {
+        case 0u: { out = Q6_OUT0; }
+        case 1u: { out = Q6_OUT1; }
+        case 2u: { out = Q6_OUT2; }
+        default: { out = Q6_OUT3; }
+    }
+    return select(0u, (out + RT_R - 1u) / RT_R, m < Q6_NM);
+}
+
+@compute @workgroup_size(256)
+fn gemv_rt(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_invocation_id) lane_sg: u32,
+    @builtin(subgroup_size) sgs: u32,
+) {
+    // q6s_at keeps gemv_q6w's bindings in this entry's layout (the same bind group).
+    let keep = q6s_at(wid);
+    let wg = wg_index(wid);
+    let nwg = rt_blocks(0u) + rt_blocks(1u) + rt_blocks(2u) + rt_blocks(3u);
+    var mi = 0u;
+    var b = wg;
+    for (var k = 0u; k < 3u; k++) {
+        if (mi == k && b >= rt_blocks(k) && k + 1u < Q6_NM) {
+            b -= rt_blocks(k);
+            mi = k + 1u;
+        }
+    }
+    var outs = Q6_OUT0;
+    switch mi {
+        case 0u: { outs = Q6_OUT0; }
+        case 1u: { outs = Q6_OUT1; }
+        case 2u: { outs = Q6_OUT2; }
+        default: { outs = Q6_OUT3; }
+    }
+    let inp = Q6_INP0;
+    // Rows in .x, .y, .z (RT_R ≤ 3), Σ h² in .w.
+    var acc = vec4<f32>(0.0);
+    for (var i0 = 0u; i0 < inp / 8u; i0 += 256u) {
+        let i = i0 + li;
+        let on = i < inp / 8u;
+        var hl = vec4<f32>(0.0);
+        var hh = vec4<f32>(0.0);
+        var xl = vec4<f32>(0.0);
+        var xh = vec4<f32>(0.0);
+        if (on) {
+            hl = vx[2u * i];
+            hh = vx[2u * i + 1u];
+            let e = 8u * i;
+            xl = hl * vec4<f32>(vr[e], vr[e + 1u], vr[e + 2u], vr[e + 3u]);
+            xh = hh * vec4<f32>(vr[e + 4u], vr[e + 5u], vr[e + 6u], vr[e + 7u]);
+        }
+        let ss = dot(hl, hl) + dot(hh, hh);
+        acc.w += ss;
+        if (on) {
+            for (var r = 0u; r < RT_R; r++) {
+                let o = b * RT_R + r;
+                if (o < outs) {
+                    var d = 0.0;
+                    switch mi {
+                        case 0u: { d = rt_dot0(o, i, xl, xh); }
+                        case 1u: { d = rt_dot1(o, i, xl, xh); }
+                        case 2u: { d = rt_dot2(o, i, xl, xh); }
+                        default: { d = rt_dot3(o, i, xl, xh); }
+                    }
+                    acc[r] += d;
+                }
+            }
+        }
+        if (Q6W_EXPORT) {
+            let w = q2x_words(xl, xh);
+            let s2 = ss + subgroupShuffleXor(ss, 1u);
+            let s4 = s2 + subgroupShuffleXor(s2, 2u);
+            if (on && i % nwg == wg) {
+                q6w_export(i, w, s4, inp);
+            }
+        }
+    }
+    let part = subgroupAdd(acc);
+    if (lane_sg == 0u) {
+        rt_red[li / sgs] = part;
+    }
+    workgroupBarrier();
+    var t = vec4<f32>(0.0);
+    for (var k = 0u; k < 256u / sgs; k++) {
+        t += rt_red[k];
+    }
+    let rn = 1.0 / sqrt(t.w / f32(inp) + pv.eps);
+    if (li < RT_R && b * RT_R + li < outs) {
+        sg_out_m(mi, keep.x, b * RT_R + li, t[li] * rn, Q6_OMODE);
+    }
+    if (Q6W_XN) {
+        for (var i = li; i < inp / 8u; i += 256u) {
+            if (i % nwg == wg) {
+                for (var v = 2u * i; v < 2u * i + 2u; v++) {
+                    let e = 4u * v;
+                    vxn[v] = vx[v] * rn * vec4<f32>(vr[e], vr[e + 1u], vr[e + 2u], vr[e + 3u]);
+                }
+            }
+        }
     }
 }
