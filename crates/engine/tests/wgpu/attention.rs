@@ -670,30 +670,17 @@ fn attention_bad_shapes_are_errors() {
 /// One decode step from q_proj's output (`attn_decode_qk`: qk_rope_append_step, then the
 /// attention) at every shape, against the CPU's composition (attn_qk_norm_rope, attn_decode):
 /// a short prefill, then steps, each with fresh q|gate, k and v. The output at F32_TOL per head;
-/// the caches after: V EXACT (copies), K at F32_TOL (normed and rotated on each side). Then
-/// with the norms, RoPE and the append folded into attn_dec_team's launch (attn_dec_rope.wgsl,
-/// `Wgpu::set_attn_rope`, where the adapter has ordered subgroups), held to the same bounds:
-/// two launches instead of three at the shapes attn_dec_team takes (≤ 8 heads a KV head).
+/// the caches after: V EXACT (copies), K at F32_TOL (normed and rotated on each side).
 #[test]
 fn attention_decode_qk_appends_in_the_rope_launch() {
     let Some(g) = gpu() else { return };
-    let folds: &[bool] = if g.report().subgroups {
-        &[false, true]
-    } else {
-        &[false]
-    };
-    for &rope in folds {
-        g.set_attn_rope(rope);
-        for f16 in kv_kinds(&g) {
-            g.set_kv_f16(f16);
-            decode_qk_appends(&g, f16);
-        }
+    for f16 in kv_kinds(&g) {
+        g.set_kv_f16(f16);
+        decode_qk_appends(&g, f16);
     }
-    g.set_attn_rope(false);
 }
 
 fn decode_qk_appends(g: &Wgpu, f16: bool) {
-    let rope = g.attn_rope();
     let mut rng = Rng(6);
     for d in shapes() {
         let (hq, hd, kvd) = (d.n_heads, d.head_dim, d.n_kv_heads * d.head_dim);
@@ -754,13 +741,10 @@ fn decode_qk_appends(g: &Wgpu, f16: bool) {
                 g.zeros(hq * hd).unwrap(),
             );
             g.set_step(&mut gstep, 0, pos);
-            let (gqg, gv) = (up(&qg), up(&v));
-            g.sync().unwrap();
-            let n0 = g.dispatches();
             g.attn_decode_qk(AttnStep {
-                qg: &gqg,
+                qg: &up(&qg),
                 k: &mut gk,
-                v: &gv,
+                v: &up(&v),
                 q_norm: &gqn,
                 k_norm: &gkn,
                 kv: &mut gkv,
@@ -771,13 +755,8 @@ fn decode_qk_appends(g: &Wgpu, f16: bool) {
                 gate: &mut gg,
                 out: &mut gout,
             });
-            let launches = g.dispatches() - n0;
             // An f16 cache rounds this step's k and v, the CPU's (f32) does not.
-            let what = format!(
-                "attn_decode_qk (f16 KV {f16}, rope fold {rope}) {hq} heads of {hd} at pos {pos}"
-            );
-            let folded = rope && hq / d.n_kv_heads <= 8;
-            assert_eq!(launches, if folded { 2 } else { 3 }, "{what}: launches");
+            let what = format!("attn_decode_qk (f16 KV {f16}) {hq} heads of {hd} at pos {pos}");
             let tol = if f16 { F16_KV_TOL } else { F32_TOL };
             check(&what, rel_rows(&h(g, &gout, hq * hd), &co, hd), tol);
         }
@@ -786,16 +765,12 @@ fn decode_qk_appends(g: &Wgpu, f16: bool) {
         let n = 305 * kvd;
         let ktol = if f16 { 1.0 / 1024.0 } else { F32_TOL };
         check(
-            &format!(
-                "attn_decode_qk (f16 KV {f16}, rope fold {rope}) {hq} heads of {hd}: the K cache"
-            ),
+            &format!("attn_decode_qk (f16 KV {f16}) {hq} heads of {hd}: the K cache"),
             rel_rows(&h(g, &gkv.k, n), &kv_round(&ckv.k[..n], f16), kvd),
             ktol,
         );
         check(
-            &format!(
-                "attn_decode_qk (f16 KV {f16}, rope fold {rope}) {hq} heads of {hd}: the V cache"
-            ),
+            &format!("attn_decode_qk (f16 KV {f16}) {hq} heads of {hd}: the V cache"),
             rel_rows(&h(g, &gkv.v, n), &kv_round(&ckv.v[..n], f16), kvd),
             EXACT,
         );
@@ -828,7 +803,7 @@ fn attention_decode_add_stages_o_proj() {
     let up = |x: &[f32]| g.upload(x).unwrap();
     let (k, v) = (rng.vec(300 * kvd, 1.0), rng.vec(300 * kvd, 1.0));
     let (q, gate) = (rng.vec(300 * hq * hd, 1.0), rng.vec(300 * hq * hd, 1.0));
-    let mut caches: Vec<_> = (0..3).map(|_| kv_new(&g, 400, kvd)).collect();
+    let mut caches: Vec<_> = (0..2).map(|_| kv_new(&g, 400, kvd)).collect();
     for kv in caches.iter_mut() {
         let mut go = g.zeros(300 * hq * hd).unwrap();
         g.attn_prefill(
@@ -854,23 +829,14 @@ fn attention_decode_add_stages_o_proj() {
         g.set_step(&mut gstep, 0, pos);
         let mut got = Vec::new();
         // The third: staged by attn_combine4q_x (a quarter of a head a workgroup), on the
-        // second cache again (its row pos rewritten with the same k, v). The fourth: staged,
-        // with the norms, RoPE and append in attn_dec_team's launch (attn_dec_rope.wgsl), on a
-        // cache of its own (its k rows are its own sums').
-        let runs = [
-            (false, false, false),
-            (true, false, false),
-            (true, true, false),
-            (true, false, true),
-        ];
-        for (run, (staged, cq, rope)) in runs.into_iter().enumerate() {
-            if rope && !g.report().subgroups {
-                continue;
-            }
-            let kv = &mut caches[[0, 1, 1, 2][run]];
+        // second cache again (its row pos rewritten with the same k, v).
+        for (run, (staged, cq)) in [(false, false), (true, false), (true, true)]
+            .into_iter()
+            .enumerate()
+        {
+            let kv = &mut caches[run.min(1)];
             g.set_xq_ahead(staged);
             g.set_attn_cq(cq);
-            g.set_attn_rope(rope);
             let (mut gq, mut gg, mut gout) = (
                 g.zeros(hq * hd).unwrap(),
                 g.zeros(hq * hd).unwrap(),
@@ -906,25 +872,8 @@ fn attention_decode_add_stages_o_proj() {
         }
         g.set_xq_ahead(false);
         g.set_attn_cq(false);
-        g.set_attn_rope(false);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let what = format!("attn_decode_qk_add at pos {pos}");
-        // The rope fold: its k rows may round to a neighbouring f16 in an f16 cache, so its
-        // output is held to F16_KV_TOL (an f32 cache meets F32_TOL: the qk test), h to that
-        // plus Q2X_TOL; one launch fewer than the staged run.
-        if let Some(r) = got.get(3) {
-            check(
-                &format!("{what}, rope fold: the attention's output"),
-                rel_rows(&r.0, &got[0].0, hd),
-                F16_KV_TOL,
-            );
-            check(
-                &format!("{what}, rope fold: h after o_proj"),
-                rel_rows(&r.1, &got[0].1, hid),
-                F16_KV_TOL + Q2X_TOL,
-            );
-            assert_eq!(r.2 + 1, got[1].2, "{what}, rope fold: launches");
-        }
         // attn_combine4q_x sums the splits in another order: F32_TOL on the output; o_proj's
         // x is staged from those values, Q2X_TOL on h.
         check(

@@ -792,7 +792,7 @@ fn xq_ahead_matches_the_block() {
 /// * The route equals the CPU's moe_route of its logits, and the MoE output is within MOE_TOL
 ///   of the CPU's on rms_norm(h)·w (gemv_q6w writes no xn).
 ///
-/// Then with the launch by gemv_rt (`LILY_WGPU_ROUTER=f32`, `Wgpu::set_router_rows`: x in f32,
+/// Then with the launch by gemv_rt (`LILY_WGPU_ROUTER`, `Wgpu::set_router_rows`: x in f32,
 /// not staged; 1, 2 and 3 rows a workgroup): the same launches as gemv_q6w's, the logits
 /// within a hundredth of that bound (x in f32: a router that read x quantized, or a row short,
 /// fails it), and the block's checks (gate|up reads its exported staging; another x exported

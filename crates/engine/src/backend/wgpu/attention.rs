@@ -32,7 +32,6 @@ pub const SHADER: Shader = Shader {
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/kv_f32.wgsl"),
         include_str!("shaders/attn_params.wgsl"),
-        include_str!("shaders/rope.wgsl"),
         include_str!("shaders/attention.wgsl")
     ),
 };
@@ -44,7 +43,6 @@ pub const SHADER_H: Shader = Shader {
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/kv_f16.wgsl"),
         include_str!("shaders/attn_params.wgsl"),
-        include_str!("shaders/rope.wgsl"),
         include_str!("shaders/attention.wgsl")
     ),
 };
@@ -57,7 +55,6 @@ pub const DEC_SG_SHADER: Shader = Shader {
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/kv_f32.wgsl"),
         include_str!("shaders/attn_params.wgsl"),
-        include_str!("shaders/attn_dec_io.wgsl"),
         include_str!("shaders/attn_dec_sg.wgsl")
     ),
 };
@@ -69,34 +66,6 @@ pub const DEC_SG_SHADER_H: Shader = Shader {
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/kv_f16.wgsl"),
         include_str!("shaders/attn_params.wgsl"),
-        include_str!("shaders/attn_dec_io.wgsl"),
-        include_str!("shaders/attn_dec_sg.wgsl")
-    ),
-};
-
-/// attn_dec_team with the q/k norms, RoPE and the cache append folded in (attn_dec_rope.wgsl,
-/// `LILY_WGPU_ATTN_ROPE=1`), over an f32 cache.
-pub const DEC_ROPE_SHADER: Shader = Shader {
-    name: "attn_dec_rope",
-    src: concat!(
-        include_str!("shaders/common.wgsl"),
-        include_str!("shaders/kv_f32.wgsl"),
-        include_str!("shaders/attn_params.wgsl"),
-        include_str!("shaders/rope.wgsl"),
-        include_str!("shaders/attn_dec_rope.wgsl"),
-        include_str!("shaders/attn_dec_sg.wgsl")
-    ),
-};
-
-/// The same over an f16 cache.
-pub const DEC_ROPE_SHADER_H: Shader = Shader {
-    name: "attn_dec_rope_h",
-    src: concat!(
-        include_str!("shaders/common.wgsl"),
-        include_str!("shaders/kv_f16.wgsl"),
-        include_str!("shaders/attn_params.wgsl"),
-        include_str!("shaders/rope.wgsl"),
-        include_str!("shaders/attn_dec_rope.wgsl"),
         include_str!("shaders/attn_dec_sg.wgsl")
     ),
 };
@@ -110,7 +79,6 @@ pub const ATTN_X_SHADER: Shader = Shader {
         include_str!("shaders/common.wgsl"),
         include_str!("shaders/kv_f32.wgsl"),
         include_str!("shaders/attn_params.wgsl"),
-        include_str!("shaders/rope.wgsl"),
         include_str!("shaders/attention.wgsl"),
         include_str!("shaders/q2x.wgsl"),
         include_str!("shaders/q2x_sg.wgsl"),
@@ -333,18 +301,6 @@ pub fn attn_decode_qk(ctx: &Ctx, a: AttnStep<'_, Wgpu>, xq: Option<&::wgpu::Buff
     {
         return;
     }
-    // attn_dec_rope.wgsl (`LILY_WGPU_ATTN_ROPE=1`): the first launch folded into the second,
-    // where attn_dec_team takes the shape.
-    if ctx.sw.attn_rope.load(std::sync::atomic::Ordering::Relaxed) && gqa(ctx, d) && team_on(ctx) {
-        let rope = Rope {
-            qg,
-            k,
-            v,
-            q_norm,
-            k_norm,
-        };
-        return decode_attend(ctx, q, gate, kv, d, step, out, xq, Some(rope));
-    }
     let p = rope_params(d, 1, pos, kv.capacity);
     ctx.dispatch(
         shader(kv),
@@ -364,16 +320,7 @@ pub fn attn_decode_qk(ctx: &Ctx, a: AttnStep<'_, Wgpu>, xq: Option<&::wgpu::Buff
         ],
         (hq + kvh) as u32,
     );
-    decode_attend(ctx, q, gate, kv, d, step, out, xq, None);
-}
-
-/// attn_decode_qk's inputs that attn_dec_rope.wgsl reads in attn_dec_team's launch.
-struct Rope<'a> {
-    qg: &'a WBuf,
-    k: &'a WBuf,
-    v: &'a WBuf,
-    q_norm: &'a WBuf,
-    k_norm: &'a WBuf,
+    decode_attend(ctx, q, gate, kv, d, step, out, xq);
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -618,7 +565,7 @@ pub fn attn_decode(
         &[&k.buf, &v.buf, &step.buf, &kv.k.buf, &kv.v.buf],
         words.div_ceil(256) as u32,
     );
-    decode_attend(ctx, q, gate, kv, d, step, out, None, None);
+    decode_attend(ctx, q, gate, kv, d, step, out, None);
 }
 
 /// The decode attention's operands checked (a failure is recorded).
@@ -662,11 +609,9 @@ fn decode_ok(
     )
 }
 
-/// Attention of one decode row over the cache rows 0..=pos (the row at pos already appended,
-/// or with `rope`, appended by attn_dec_team's launch from qg, k and v, which also writes the
-/// gate: attn_dec_rope.wgsl; only where attn_dec_team runs): the splits, then their combine
-/// with the gate; with `xq` (`xq_takes`), the combine also stages the output for o_proj
-/// (attn_combine4_x, in q2x_stage's layouts).
+/// Attention of one decode row over the cache rows 0..=pos (the row at pos already appended):
+/// the splits, then their combine with the gate; with `xq` (`xq_takes`), the combine also
+/// stages the output for o_proj (attn_combine4_x, in q2x_stage's layouts).
 #[allow(clippy::too_many_arguments)]
 fn decode_attend(
     ctx: &Ctx,
@@ -677,7 +622,6 @@ fn decode_attend(
     step: &WStep,
     out: &mut WBuf,
     xq: Option<&::wgpu::Buffer>,
-    rope: Option<Rope<'_>>,
 ) {
     const OP: &str = "attn_decode";
     let (hq, kvh, hd) = (d.n_heads, d.n_kv_heads, d.head_dim);
@@ -749,47 +693,14 @@ fn decode_attend(
     {
         dec_consts.push(("AD_VAHEAD", 1));
     }
-    match rope {
-        Some(r) if team => {
-            // PT: P, then rot, eps and the turn table (rope_params' words past its 8).
-            let mut pt = p.to_vec();
-            pt.extend([d.rotary_dim as u32, d.eps.to_bits(), 0, 0]);
-            pt.extend_from_slice(&rope_params(d, 1, 0, 0)[8..]);
-            let rope_sh = if kv.k.half {
-                &DEC_ROPE_SHADER_H
-            } else {
-                &DEC_ROPE_SHADER
-            };
-            ctx.dispatch_spec(
-                rope_sh,
-                entry,
-                &dec_consts,
-                &pt,
-                &[
-                    &r.qg.buf,
-                    &kv.k.buf,
-                    &kv.v.buf,
-                    &step.buf,
-                    &part,
-                    &r.k.buf,
-                    &r.v.buf,
-                    &r.q_norm.buf,
-                    &r.k_norm.buf,
-                    &gate.buf,
-                ],
-                groups as u32,
-            );
-        }
-        Some(_) => return ctx.fail(format!("{OP}: the rope fold without attn_dec_team")),
-        None => ctx.dispatch_spec(
-            dec_sh,
-            entry,
-            &dec_consts,
-            &p,
-            &[&q.buf, &kv.k.buf, &kv.v.buf, &step.buf, &part],
-            groups as u32,
-        ),
-    }
+    ctx.dispatch_spec(
+        dec_sh,
+        entry,
+        &dec_consts,
+        &p,
+        &[&q.buf, &kv.k.buf, &kv.v.buf, &step.buf, &part],
+        groups as u32,
+    );
     // attn_combine4q (`LILY_WGPU_ATTN_CQ`, the default; `0`: attn_combine4): attn_combine4 on
     // ceil(hd / 64) workgroups a head.
     let quarters = if tile && ctx.sw.attn_cq.load(std::sync::atomic::Ordering::Relaxed) {

@@ -97,8 +97,6 @@ pub fn shaders() -> Vec<Shader> {
         super::attention::SHADER_H,
         super::attention::DEC_SG_SHADER,
         super::attention::DEC_SG_SHADER_H,
-        super::attention::DEC_ROPE_SHADER,
-        super::attention::DEC_ROPE_SHADER_H,
         super::attention::ATTN_X_SHADER,
         super::gdn::SHADER,
         super::gdn::SHADER_SG,
@@ -565,11 +563,6 @@ pub(super) struct Switches {
     /// against 393.88 tok/s (1.016×). Atomic for the op tests and the arms
     /// (`Wgpu::set_attn_cq`).
     pub attn_cq: std::sync::atomic::AtomicBool,
-    /// `LILY_WGPU_ATTN_ROPE=1` (opt-in until measured): a decode step's q/k norms, RoPE and
-    /// cache append folded into attn_dec_team's launch (attn_dec_rope.wgsl) instead of
-    /// qk_rope_append_step's launch before it: one launch fewer a full-attention layer. Atomic
-    /// for the op tests and the arms (`Wgpu::set_attn_rope`).
-    pub attn_rope: std::sync::atomic::AtomicBool,
     /// `LILY_WGPU_GDN_FAST=1`: the gated delta rule by the subgroup kernels (gdn_sg.wgsl) where
     /// the adapter has subgroups, instead of gdn_recur. Opt-in: on the H200 (Vulkan) they were
     /// slower, 24.4 against 14.8 ms a 2048-row block and 28.4 against 21.6 µs a decode step.
@@ -669,10 +662,13 @@ pub(super) struct Switches {
     /// 9.34 against 12.18, the router 8.42 against 10.97). Atomic for the op tests and the
     /// arms (`Wgpu::set_q6w`).
     pub q6w: AtomicU32,
-    /// `LILY_WGPU_ROUTER=f32` (opt-in until measured; `f32:1`, `f32:3` the rows a workgroup,
-    /// 2 for `f32`): a gemv_q6w launch of 8-bit matrices on a normed x (the MoE router's) by
-    /// matmul_sg.wgsl's gemv_rt, x read in f32 and not staged, RT_R rows a workgroup. Stored as
-    /// the rows (0: off). Atomic for the op tests and the arms (`Wgpu::set_router_rows`).
+    /// `LILY_WGPU_ROUTER` (`f32`, the default since stop 48; `f32:2`, `f32:3` the rows a
+    /// workgroup, 1 for `f32`; `q6w` the ablation): a gemv_q6w launch of 8-bit matrices on a
+    /// normed x (the MoE router's) by matmul_sg.wgsl's gemv_rt, x read in f32 and not staged,
+    /// RT_R rows a workgroup. H100, `lily bench --arms` at 4K (3 rounds of 3 × 128 tokens,
+    /// stop 48 call 2): one row 405.72 (1.018×), two rows 399.76 (1.003×), gemv_q6w 398.43.
+    /// Stored as the rows (0: gemv_q6w). Atomic for the op tests and the arms
+    /// (`Wgpu::set_router_rows`).
     pub router_rows: AtomicU32,
     /// `LILY_WGPU_Q6W_MAX_MB` (0, none, by default): launches of at least this many MB of codes
     /// keep q2x_stage and gemv_q6s (in_proj's 12.7 MB, whose workgroups each staging the row
@@ -805,9 +801,6 @@ impl Switches {
             attn_cq: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_ATTN_CQ").as_deref() != Some("0"),
             ),
-            attn_rope: std::sync::atomic::AtomicBool::new(
-                get("LILY_WGPU_ATTN_ROPE").as_deref() == Some("1"),
-            ),
             gdn_fast: get("LILY_WGPU_GDN_FAST").as_deref() == Some("1"),
             gdn_step: AtomicU32::new(
                 get("LILY_WGPU_GDN_STEP")
@@ -867,13 +860,13 @@ impl Switches {
                 }
             }),
             router_rows: AtomicU32::new(match get("LILY_WGPU_ROUTER").as_deref() {
-                None | Some("" | "q6w") => 0,
-                Some("f32") => 2,
-                Some("f32:1") => 1,
+                None | Some("" | "f32" | "f32:1") => 1,
+                Some("q6w") => 0,
+                Some("f32:2") => 2,
                 Some("f32:3") => 3,
                 Some(v) => {
-                    eprintln!("LILY_WGPU_ROUTER={v}: not q6w, f32, f32:1 or f32:3; q6w");
-                    0
+                    eprintln!("LILY_WGPU_ROUTER={v}: not f32, f32:2, f32:3 or q6w; f32");
+                    1
                 }
             }),
             moe_xq_shape: AtomicU32::new(
@@ -973,7 +966,6 @@ impl Switches {
             attn_keys,
             attn_vahead,
             attn_cq,
-            attn_rope,
             moe_q,
             moe_fuse,
             moe_xq,
@@ -2479,7 +2471,6 @@ mod tests {
             load!("LILY_WGPU_ATTN_KEYS", "7", attn_keys),
             load!("LILY_WGPU_ATTN_VAHEAD", "1", attn_vahead),
             load!("LILY_WGPU_ATTN_CQ", "0", attn_cq),
-            load!("LILY_WGPU_ATTN_ROPE", "1", attn_rope),
             load!("LILY_WGPU_MOE_Q", "0", moe_q),
             load!("LILY_WGPU_MOE_FUSE", "0", moe_fuse),
             load!("LILY_WGPU_MOE_XQ", "0", moe_xq),
@@ -2487,7 +2478,7 @@ mod tests {
             load!("LILY_WGPU_MOE_ACT", "gate", moe_act),
             load!("LILY_WGPU_MOE_A8", "1", moe_a8),
             load!("LILY_WGPU_Q6W", "0", q6w),
-            load!("LILY_WGPU_ROUTER", "f32", router_rows),
+            load!("LILY_WGPU_ROUTER", "q6w", router_rows),
             load!("LILY_WGPU_Q6W_MAX_MB", "8", q6w_max_mb),
             load!("LILY_WGPU_BG_CACHE", "0", bg_cache),
             load!("LILY_WGPU_MOE_XQ_SHAPE", "8,4,1", moe_xq_shape),

@@ -1030,7 +1030,7 @@ fn q6w_takes(
         }
 }
 
-/// gemv_rt's rows a workgroup for a gemv_q6w launch (`LILY_WGPU_ROUTER=f32`), or 0 where it
+/// gemv_rt's rows a workgroup for a gemv_q6w launch (`LILY_WGPU_ROUTER`), or 0 where it
 /// does not take it: 8-bit matrices only, x = rms_norm(h) · w (xmode 1), outputs stored, a
 /// group size of 8 or more dividing the row (a thread's 8 elements in one group).
 fn rt_rows(ctx: &Ctx, ws: &[&WMat], xmode: u32, om: u32) -> usize {

@@ -533,21 +533,6 @@ impl Wgpu {
             .attn_cq
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
-    /// A decode step's norms, RoPE and append in attn_dec_team's launch from now on
-    /// (`LILY_WGPU_ATTN_ROPE`).
-    pub fn set_attn_rope(&self, on: bool) {
-        self.ctx
-            .sw
-            .attn_rope
-            .store(on, std::sync::atomic::Ordering::Relaxed);
-    }
-    /// Whether a decode step's norms, RoPE and append run in attn_dec_team's launch.
-    pub fn attn_rope(&self) -> bool {
-        self.ctx
-            .sw
-            .attn_rope
-            .load(std::sync::atomic::Ordering::Relaxed)
-    }
     /// Whether decode attention's combine is attn_combine4q (`LILY_WGPU_ATTN_CQ`).
     pub fn attn_cq(&self) -> bool {
         self.ctx

@@ -38,12 +38,14 @@
 //   copies of a key's score carry the same bits.
 // Order: a score is the lane's 8 products (two dot4), then the tree above; the CPU sums a row's
 //   products in order. Within F32_TOL of the CPU (the attention tests), not bit-equal to it or to
-//   attn_dec_gqa. Workgroup memory 5 KB (13 KB with the rope fold). Bindings: 1 q, 2 kc, 3 vc,
-//   4 step, 5 part (attn_dec_io.wgsl); with the norms, RoPE and the append folded in
-//   (attn_dec_rope.wgsl, `LILY_WGPU_ATTN_ROPE=1`) those and 6-10.
+//   attn_dec_gqa. Workgroup memory 5 KB. Bindings: 1 q, 2 kc, 3 vc, 4 step, 5 part.
 
-// The bindings (p, td_q or td_qg, td_kc, td_vc, td_step, td_part) and the hooks td_append and
-// td_head_q are the io file's prefixed to this one: attn_dec_io.wgsl or attn_dec_rope.wgsl.
+@group(0) @binding(0) var<uniform> p: P;
+@group(0) @binding(1) var<storage, read> td_q: array<vec4<f32>>;
+@group(0) @binding(2) var<storage, read> td_kc: array<KV4>;
+@group(0) @binding(3) var<storage, read> td_vc: array<KV4>;
+@group(0) @binding(4) var<storage, read> td_step: array<u32>;
+@group(0) @binding(5) var<storage, read_write> td_part: array<vec4<f32>>;
 
 // The launch's shape: attn_params.wgsl's ad_*() (pipeline constants with `LILY_WGPU_SPEC` attn).
 
@@ -163,8 +165,7 @@ fn attn_dec_team(
     let G = ad_nh() / ad_nkv();
     let hd4 = ad_hd() / 4u;
     let rec = hd4 + 1u;
-    let pos = td_step[1];
-    let n = min(pos + 1u, ad_cap());
+    let n = min(td_step[1] + 1u, ad_cap());
     let span = max((n + splits - 1u) / splits, ad_span());
     let j0 = min(s * span, n);
     let j1 = min(j0 + span, n);
@@ -182,18 +183,19 @@ fn attn_dec_team(
     let w0 = t;
     let w1 = t + 32u;
     let head = kvh * G + min(g, G - 1u);
-    // The split holding the new key writes its row first (with the rope fold; else a no-op:
-    // kv_append_step or qk_rope_append_step did before this launch). Uniform: j1 and n come
-    // from the read-only step.
-    td_append(kvh, j1 == n, li, sg, pos);
-    var kw = td_load(false, j0, j1, base, kvd4, w0, w1, hd4);
-    let qh = td_head_q(head, s == 0u && g < G, li, sg, pos);
-    let q0 = qh[0];
-    let q1 = qh[1];
+    var q0 = vec4<f32>(0.0);
+    var q1 = vec4<f32>(0.0);
+    if (w0 < hd4) {
+        q0 = td_q[head * hd4 + w0];
+    }
+    if (w1 < hd4) {
+        q1 = td_q[head * hd4 + w1];
+    }
     var m = NEG_BIG;
     var l = 0.0;
     var a0 = vec4<f32>(0.0);
     var a1 = vec4<f32>(0.0);
+    var kw = td_load(false, j0, j1, base, kvd4, w0, w1, hd4);
     var vn: array<KV4, 16>;
     if (AD_VAHEAD) {
         vn = td_load(true, j0, j1, base, kvd4, w0, w1, hd4);

@@ -16,4 +16,3 @@ fn kv4(w: KV4) -> vec4<f32> { return vec4<f32>(unpack2x16float(w.x), unpack2x16f
 fn kv_word(a: f32, b: f32) -> KV1 {
     return pack2x16float(clamp(vec2<f32>(a, b), vec2<f32>(-65504.0), vec2<f32>(65504.0)));
 }
-fn kv4_word(x: vec4<f32>) -> KV4 { return KV4(kv_word(x.x, x.y), kv_word(x.z, x.w)); }

@@ -1108,13 +1108,14 @@ fn gemv_q6w(
     }
 }
 
-// gemv_rt (`LILY_WGPU_ROUTER=f32`, opt-in until measured; matmul.rs `rt_takes`): the MoE
+// gemv_rt (`LILY_WGPU_ROUTER`, the default since stop 48: 1.018× at 4K on the H100 with one
+// row a workgroup, RT_R 1; `q6w` the ablation; matmul.rs `rt_rows`): the MoE
 // router's launch (gemv_q6w's launch shapes with 8-bit matrices only, x = rms_norm(h) · w, one
 // row, outputs stored) with x read in f32 and not staged. Why: gemv_q6w stages and quantizes
 // the whole row of x in every workgroup (x and the norm's weights from L2, q2x_words, a
-// barrier, the 1 / rms summed from 64 word sums in order) before its first dot; the router's
-// rows are 2 KB each, so that chain is most of its 6.5 µs on the H100 (lab, stop 47; CUDA's
-// router with its top-k: 3.7). Here a workgroup owns RT_R rows of the launch's matrices (slot
+// barrier, the 1 / rms summed from 64 word sums in order) before its first dot, and the
+// router's rows are 2 KB each: 4.6 µs for 0.56 MB in the lab on the H100, 1.6× its pure read
+// (CUDA's router with its top-k: 3.7). Here a workgroup owns RT_R rows of the launch's matrices (slot
 // after slot, ceil(out / RT_R) workgroups each) and thread i elements 8i .. 8i + 7 of x, as
 // q6w_stage's threads: h and the norm's weights loaded once, x = h · w, the thread's partial
 // dot of each row (8 codes: s · Σ q·x + b · Σ x) and its Σ h², summed over the workgroup by
@@ -1124,7 +1125,10 @@ fn gemv_q6w(
 // same bits) by workgroup i mod the launch's, and with Q6W_XN its xn vec4s likewise. The logits
 // differ from gemv_q6w's (x not quantized: closer to the CPU's f32 matmul, F32_TOL-scale
 // against f64 in moe_step's q6w_router test) and from q6_rn's 1 / rms by the order of Σ h².
-override RT_R: u32 = 2u;
+// Measured (H100, stop 48): the lab's router 4.57 µs with RT_R 2 against gemv_q6w's 4.59;
+// in a step one row a workgroup (257 workgroups at the full preset) is what pays, 1.018× at
+// 4K, against 1.003× with two. Launch: Σ ceil(out / RT_R) workgroups of 256.
+override RT_R: u32 = 1u;
 var<workgroup> rt_red: array<vec4<f32>, 64>;
 
 // Matrix slot m's workgroups in gemv_rt.
