@@ -1131,16 +1131,19 @@ fn gemv_q6w(
 override RT_R: u32 = 1u;
 var<workgroup> rt_red: array<vec4<f32>, 64>;
 
+// Matrix slot m's rows.
+fn rt_out(m: u32) -> u32 {
+    switch m {
+        case 0u: { return Q6_OUT0; }
+        case 1u: { return Q6_OUT1; }
+        case 2u: { return Q6_OUT2; }
+        default: { return Q6_OUT3; }
+    }
+}
+
 // Matrix slot m's workgroups in gemv_rt.
 fn rt_blocks(m: u32) -> u32 {
-    var out = Q6_OUT0;
-    switch m {
-        case 0u: { out = Q6_OUT0; }
-        case 1u: { out = Q6_OUT1; }
-        case 2u: { out = Q6_OUT2; }
-        default: { out = Q6_OUT3; }
-    }
-    return select(0u, (out + RT_R - 1u) / RT_R, m < Q6_NM);
+    return select(0u, (rt_out(m) + RT_R - 1u) / RT_R, m < Q6_NM);
 }
 
 @compute @workgroup_size(256)
@@ -1162,13 +1165,7 @@ fn gemv_rt(
             mi = k + 1u;
         }
     }
-    var outs = Q6_OUT0;
-    switch mi {
-        case 0u: { outs = Q6_OUT0; }
-        case 1u: { outs = Q6_OUT1; }
-        case 2u: { outs = Q6_OUT2; }
-        default: { outs = Q6_OUT3; }
-    }
+    let outs = rt_out(mi);
     let inp = Q6_INP0;
     // Rows in .x, .y, .z (RT_R ≤ 3), Σ h² in .w.
     var acc = vec4<f32>(0.0);
