@@ -439,6 +439,7 @@ fn prefill_tiled_chunks(g: &Wgpu, f16: bool) {
 #[test]
 fn attention_decode_capacities() {
     let Some(g) = gpu() else { return };
+    let cq0 = g.attn_cq();
     for team in dec_kernels(&g) {
         g.set_attn_team(team);
         // (V a block ahead, attn_combine4q.)
@@ -463,7 +464,7 @@ fn attention_decode_capacities() {
             }
         }
     }
-    g.set_attn_cq(false);
+    g.set_attn_cq(cq0);
     g.set_attn_vahead(false);
     g.set_attn_team(false);
 }
@@ -818,6 +819,7 @@ fn attention_decode_add_stages_o_proj() {
             &mut go,
         );
     }
+    let cq0 = g.attn_cq();
     let mut gstep = g.new_step().unwrap();
     for pos in 300..303 {
         let (qg, k, v, h0) = (
@@ -871,7 +873,7 @@ fn attention_decode_add_stages_o_proj() {
             got.push((h(&g, &gout, hq * hd), h(&g, &gh, hid), n));
         }
         g.set_xq_ahead(false);
-        g.set_attn_cq(false);
+        g.set_attn_cq(cq0);
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let what = format!("attn_decode_qk_add at pos {pos}");
         // attn_combine4q_x sums the splits in another order: F32_TOL on the output; o_proj's

@@ -1121,14 +1121,19 @@ fn gemv_q6w(
 // dot of each row (8 codes: s · Σ q·x + b · Σ x) and its Σ h², summed over the workgroup by
 // subgroupAdd then the subgroups' partials in workgroup memory (one barrier; subgroups in order,
 // any width), scaled by the 1 / rms. What gemv_q6w's first workgroup alone wrote is spread over
-// the workgroups: with Q6W_EXPORT thread i's words (q2x_words of the same x, q6w_export: the
-// same bits) by workgroup i mod the launch's, and with Q6W_XN its xn vec4s likewise. The logits
+// the first RT_EXPORT_WGS workgroups (fewer where the launch has fewer): with Q6W_EXPORT each
+// quantizes x (q2x_words of the same x, q6w_export: the same bits) and writes its contiguous
+// share of the threads' words; the others never quantize. With Q6W_XN thread i's xn vec4s are
+// written by workgroup i mod the launch's (no extra work). The logits
 // differ from gemv_q6w's (x not quantized: closer to the CPU's f32 matmul, F32_TOL-scale
 // against f64 in moe_step's q6w_router test) and from q6_rn's 1 / rms by the order of Σ h².
 // Measured (H100, stop 48): the lab's router 4.57 µs with RT_R 2 against gemv_q6w's 4.59;
 // in a step one row a workgroup (257 workgroups at the full preset) is what pays, 1.018× at
 // 4K, against 1.003× with two. Launch: Σ ceil(out / RT_R) workgroups of 256.
 override RT_R: u32 = 1u;
+// The workgroups that export gate|up's staging, a share each (a few: the staging's work is
+// done once, not in each of the launch's 257 workgroups, nor all in the first).
+const RT_EXPORT_WGS: u32 = 8u;
 var<workgroup> rt_red: array<vec4<f32>, 64>;
 
 // Matrix slot m's rows.
@@ -1167,6 +1172,9 @@ fn gemv_rt(
     }
     let outs = rt_out(mi);
     let inp = Q6_INP0;
+    // The exporting workgroups (uniform) and each one's share of x's threads.
+    let ne = min(RT_EXPORT_WGS, nwg);
+    let share = (inp / 8u + ne - 1u) / ne;
     // Rows in .x, .y, .z (RT_R ≤ 3), Σ h² in .w.
     var acc = vec4<f32>(0.0);
     for (var i0 = 0u; i0 < inp / 8u; i0 += 256u) {
@@ -1200,11 +1208,11 @@ fn gemv_rt(
                 }
             }
         }
-        if (Q6W_EXPORT) {
+        if (Q6W_EXPORT && wg < ne) {
             let w = q2x_words(xl, xh);
             let s2 = ss + subgroupShuffleXor(ss, 1u);
             let s4 = s2 + subgroupShuffleXor(s2, 2u);
-            if (on && i % nwg == wg) {
+            if (on && i / share == wg) {
                 q6w_export(i, w, s4, inp);
             }
         }
