@@ -736,9 +736,9 @@ pub fn moe_decode_shared(
             }
             None => None,
         };
-        // Down stages act (`act_takes`): moe_down_y2q after moe_gate_up_y with MY_NOQ.
+        // Down stages act (`act_takes`): moe_down_y2q after moe_gate_up_y with MY_NOQ; with
+        // `next`, moe_down_ys with MY_AQW (dy_pair stages act as moe_down_y2q does).
         let act = gy.is_some()
-            && next.is_none()
             && down_x.is_some_and(|(e, ..)| e == "moe_down_y2")
             && act_takes(ctx, width, k);
         let down_x =
