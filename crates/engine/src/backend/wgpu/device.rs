@@ -505,7 +505,8 @@ pub(super) struct Switches {
     /// Atomic for the op tests (`Wgpu::set_xq_ahead`).
     pub xq_ahead: std::sync::atomic::AtomicBool,
     /// o_proj's x staged by the attention's combine (attn_combine4_x): with `LILY_WGPU_XQ_AHEAD`
-    /// 1, next and fold, and alone with `oproj` (to measure it apart from moe_down_ys).
+    /// 1, next and fold, and alone with `oproj` (to measure it apart from moe_down_ys; `down`
+    /// is moe_down_ys without it).
     pub xq_oproj: std::sync::atomic::AtomicBool,
     /// With `LILY_WGPU_XQ_AHEAD` 1 / all: the MoE block's x staged by the projection before it
     /// (Backend::route_ahead: gemv_q6s omode 5 stages rms_norm(h) · w without the 1 / rms, with
@@ -732,15 +733,17 @@ impl Switches {
                 eprintln!("LILY_WGPU_SPEC: {e:#}; no kernel specialised");
                 Spec::default()
             });
-        // LILY_WGPU_XQ_AHEAD: 0 off, 1 `next`, 2 `1` / `all`, 3 `fold`, 4 `oproj`.
+        // LILY_WGPU_XQ_AHEAD: 0 off, 1 `next`, 2 `1` / `all`, 3 `fold`, 4 `oproj`, 5 `down`
+        // (`next` without o_proj's: down's staging measured apart).
         let xq_ahead = match get("LILY_WGPU_XQ_AHEAD").as_deref() {
+            Some("down") => 5,
             Some("oproj") => 4,
             Some("fold") => 3,
             Some("1" | "all") => 2,
             Some("next") => 1,
             Some("0" | "") | None => 0,
             Some(v) => {
-                eprintln!("LILY_WGPU_XQ_AHEAD={v}: not 1, all, next, fold, oproj or 0; off");
+                eprintln!("LILY_WGPU_XQ_AHEAD={v}: not 1, all, next, fold, oproj, down or 0; off");
                 0
             }
         };
@@ -770,8 +773,8 @@ impl Switches {
             route_ahead: std::sync::atomic::AtomicBool::new(
                 get("LILY_WGPU_ROUTE_AHEAD").is_some_and(|v| v == "1"),
             ),
-            xq_ahead: std::sync::atomic::AtomicBool::new(matches!(xq_ahead, 1..=3)),
-            xq_oproj: std::sync::atomic::AtomicBool::new(xq_ahead != 0),
+            xq_ahead: std::sync::atomic::AtomicBool::new(matches!(xq_ahead, 1..=3 | 5)),
+            xq_oproj: std::sync::atomic::AtomicBool::new(!matches!(xq_ahead, 0 | 5)),
             xq_moe: std::sync::atomic::AtomicBool::new(matches!(xq_ahead, 2 | 3)),
             xq_fold: std::sync::atomic::AtomicBool::new(xq_ahead == 3),
             q6_spec: std::sync::atomic::AtomicBool::new(spec.q6),
