@@ -498,11 +498,11 @@ pub(super) struct Switches {
     /// but out_proj's gemv_q6 then carries 129 more rows a launch and q2x_stage_ahead the
     /// fold's sums. Atomic for the op tests (`Wgpu::set_route_ahead`).
     pub route_ahead: std::sync::atomic::AtomicBool,
-    /// `LILY_WGPU_XQ_AHEAD` (opt-in until measured on the H200; `1` or `all`: this and
-    /// `xq_moe`; `next`: this alone): no q2x_stage before a decode step's projections but layer
-    /// 0's. The MoE block's down stages the next layer's x (moe_down_ys, Backend::norm_ahead)
-    /// and the attention's combine o_proj's (attn_combine4_x, Backend::attn_decode_qk_add).
-    /// Atomic for the op tests (`Wgpu::set_xq_ahead`).
+    /// `LILY_WGPU_XQ_AHEAD` (`down`, the default since stop 49: this alone, 1.013× at 4K on the
+    /// H100; `next`: this and `xq_oproj`; `1` or `all`: and `xq_moe`; `0` off): the MoE block's
+    /// down stages the next layer's x (moe_down_ys, Backend::norm_ahead), so in_proj, q|k|v and
+    /// the lm_head read it by gemv_q6s instead of staging it in each of their workgroups
+    /// (gemv_q6w) or in a q2x_stage launch. Atomic for the op tests (`Wgpu::set_xq_ahead`).
     pub xq_ahead: std::sync::atomic::AtomicBool,
     /// o_proj's x staged by the attention's combine (attn_combine4_x): with `LILY_WGPU_XQ_AHEAD`
     /// 1, next and fold, and alone with `oproj` (to measure it apart from moe_down_ys; `down`

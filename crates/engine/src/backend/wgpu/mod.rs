@@ -261,7 +261,8 @@ impl Wgpu {
             .xq_fold
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
-    /// Switches the opt-in stagings of `LILY_WGPU_XQ_AHEAD` on (`1`: all three) or off.
+    /// Switches the stagings of `LILY_WGPU_XQ_AHEAD` on (`1`: all three) or off (`0`); the
+    /// default, `down`, is the first alone.
     pub fn set_xq_ahead(&self, on: bool) {
         let sw = &self.ctx.sw;
         sw.xq_ahead.store(on, std::sync::atomic::Ordering::Relaxed);
@@ -947,8 +948,8 @@ impl Backend for Wgpu {
             OutMode::Add,
         );
     }
-    /// `LILY_WGPU_XQ_AHEAD` 1 or next: moe_down_ys stages the next op's x where the block's two
-    /// launches are moe_gate_up_y and moe_down_y (`moe::stage_next_takes`).
+    /// `LILY_WGPU_XQ_AHEAD` down (the default), next or 1: moe_down_ys stages the next op's x
+    /// where the block's two launches are moe_gate_up_y and moe_down_y (`moe::stage_next_takes`).
     fn norm_ahead(&self, w: &super::MoeWeights<'_, Self>, next: &WBuf, d: &Dims) -> bool {
         let sh = [w.shared_gate_proj, w.shared_up_proj, w.shared_down_proj];
         self.ctx

@@ -1042,15 +1042,15 @@ fn dy2_run(wg: u32, li: u32, sg_size: u32, lane_sg: u32) {
 }
 
 // moe_down_ys (the MoE block of a decode step with the next op's x staged ahead: Backend::
-// norm_ahead, `LILY_WGPU_XQ_AHEAD` 1 or next): moe_down_y's sums for one token (the same lanes, loads
-// and order), 32 outputs a workgroup (a team of T = 16 lanes takes outputs ob + i and ob + 16 +
-// i, their loads issued together; T = 8: one), then, after the residual add, the next op's x =
-// rms_norm(h) · w (w at binding 12) staged without the 1 / rms as matmul_sg.wgsl's omode 5
-// stages it (its header has the why): the workgroup's 32 rows of h · w as one 4-bit word (two
-// 8-bit) of row 0 at binding 18, and their Σ h² (in row order) after the row. With MY_AQW
-// (`LILY_WGPU_MOE_ACT=down16`, the default) act comes in f32 at binding 4 and dy_pair stages
-// it as moe_down_y2q does. Bindings: moe_down_y's, 12 the next norm's weights, 18 the
-// staging. hid / 32 workgroups.
+// norm_ahead, `LILY_WGPU_XQ_AHEAD` down, the default since stop 49, next or 1): moe_down_y's
+// sums for one token (the same lanes, loads and order), 32 outputs a workgroup (a team of T =
+// 16 lanes takes outputs ob + i and ob + 16 + i, their loads issued together; T = 8: one),
+// then, after the residual add, the next op's x = rms_norm(h) · w (w at binding 12) staged
+// without the 1 / rms as matmul_sg.wgsl's omode 5 stages it (its header has the why): the
+// workgroup's 32 rows of h · w as one 4-bit word (two 8-bit) of row 0 at binding 18, and their
+// Σ h² (in row order) after the row. With MY_AQW (`LILY_WGPU_MOE_ACT=down16`, the default)
+// act comes in f32 at binding 4 and dy_pair stages it as moe_down_y2q does. Bindings:
+// moe_down_y's, 12 the next norm's weights, 18 the staging. hid / 32 workgroups.
 @group(0) @binding(12) var<storage, read> dy_nw: array<vec4<f32>>;
 
 @compute @workgroup_size(256)
