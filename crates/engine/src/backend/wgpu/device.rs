@@ -743,8 +743,10 @@ impl Switches {
             Some("next") => 1,
             Some("0" | "") => 0,
             Some(v) => {
-                eprintln!("LILY_WGPU_XQ_AHEAD={v}: not 1, all, next, fold, oproj, down or 0; off");
-                0
+                eprintln!(
+                    "LILY_WGPU_XQ_AHEAD={v}: not 1, all, next, fold, oproj, down or 0; the default, down"
+                );
+                5
             }
         };
         Self {
@@ -2504,5 +2506,30 @@ mod tests {
                 "{name}={value}: the arm left its switch as it was"
             );
         }
+    }
+
+    /// `LILY_WGPU_XQ_AHEAD`'s values: unset, `down` and an unknown value give the default (the
+    /// next x staged by down alone), `0` none, `next` o_proj's too, `1` the MoE block's too.
+    #[test]
+    fn xq_ahead_values() {
+        let at = |v: Option<&str>| {
+            let s = Switches::from_lookup(&|k| {
+                if k == "LILY_WGPU_XQ_AHEAD" {
+                    v.map(str::to_string)
+                } else {
+                    None
+                }
+            });
+            [&s.xq_ahead, &s.xq_oproj, &s.xq_moe, &s.xq_fold].map(|a| a.load(Ordering::Relaxed))
+        };
+        let down = [true, false, false, false];
+        assert_eq!(at(None), down);
+        assert_eq!(at(Some("down")), down);
+        assert_eq!(at(Some("Down")), down);
+        assert_eq!(at(Some("0")), [false; 4]);
+        assert_eq!(at(Some("next")), [true, true, false, false]);
+        assert_eq!(at(Some("oproj")), [false, true, false, false]);
+        assert_eq!(at(Some("1")), [true, true, true, false]);
+        assert_eq!(at(Some("fold")), [true; 4]);
     }
 }
