@@ -670,13 +670,7 @@ fn router_cluster_matches_the_cpu() {
     let d = qwen_dims();
     let hid = d.hidden;
     let mut rng = Rng(53);
-    let ws = [
-        rand_quant(&mut rng, 1, d.n_experts, hid, 8, 64, false),
-        rand_quant(&mut rng, 1, 1, hid, 8, 64, false),
-    ];
-    let (gr, gs) = (g.upload_mat(&ws[0]).unwrap(), g.upload_mat(&ws[1]).unwrap());
-    let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
-    let gnw = g.upload_vec(&nw).unwrap();
+    let (ws, gr, gs, _, gnw) = router_mats(&g, &d, &mut rng);
     g.set_enabled(&["router_cluster"]).unwrap();
     for token in 0..3 {
         let hv: Vec<f32> = rng.vec(hid, 4.0);
@@ -709,6 +703,31 @@ fn router_cluster_matches_the_cpu() {
     g.set_enabled(&[]).unwrap();
 }
 
+/// An MoE router (8-bit, [E, hidden]) and shared gate ([1, hidden]) on the host and the device,
+/// and the MoE norm's weights (1 ± 0.1) on both.
+#[allow(clippy::type_complexity)]
+fn router_mats(
+    g: &Cuda,
+    d: &Dims,
+    rng: &mut Rng,
+) -> (
+    [HostLinear; 2],
+    <Cuda as Backend>::Mat,
+    <Cuda as Backend>::Mat,
+    Vec<f32>,
+    <Cuda as Backend>::Buf,
+) {
+    let hid = d.hidden;
+    let ws = [
+        rand_quant(rng, 1, d.n_experts, hid, 8, 64, false),
+        rand_quant(rng, 1, 1, hid, 8, 64, false),
+    ];
+    let (gr, gs) = (g.upload_mat(&ws[0]).unwrap(), g.upload_mat(&ws[1]).unwrap());
+    let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
+    let gnw = g.upload_vec(&nw).unwrap();
+    (ws, gr, gs, nw, gnw)
+}
+
 /// Opt-in `late_norm` (gemv.cu PRO 3): the router | shared gate's launch with the norm's
 /// 1 / rms applied at the store, against the same launch without it (PRO 1) and the exact
 /// maths, three tokens in a row:
@@ -728,13 +747,7 @@ fn late_norm_router_matches_the_cpu() {
     let d = qwen_dims();
     let hid = d.hidden;
     let mut rng = Rng(61);
-    let ws = [
-        rand_quant(&mut rng, 1, d.n_experts, hid, 8, 64, false),
-        rand_quant(&mut rng, 1, 1, hid, 8, 64, false),
-    ];
-    let (gr, gs) = (g.upload_mat(&ws[0]).unwrap(), g.upload_mat(&ws[1]).unwrap());
-    let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
-    let gnw = g.upload_vec(&nw).unwrap();
+    let (ws, gr, gs, nw, gnw) = router_mats(&g, &d, &mut rng);
     for token in 0..3 {
         let hv: Vec<f32> = rng.vec(hid, 4.0);
         let gh = g.upload_vec(&hv).unwrap();
