@@ -370,13 +370,14 @@ pub fn normed_f64(hm: &[f32], nw: &[f32], eps: f32) -> Vec<f64> {
         .collect()
 }
 
-/// The router folded into the projection before it (Backend::route_ahead): its logits `on` (the
-/// router's E, then the shared gate's) against the fold's maths in f64 and against the unfolded
-/// router's `off`, from h after the projection `hm` and the MoE norm's weights `nw`. With x̃ =
-/// h·rr·w and A_e = Σ_k |R_ek·x̃_k| a row: the largest |on − exact| / (tol·A_e + 1e-6) and
-/// |on − off| / (A_e / 256 + 1e-6), each of which the tests hold at most 1.
+/// A router whose x is not bf16-rounded (the fold into the projection before it,
+/// Backend::route_ahead; CUDA's `late_norm`): its logits `on` (the router's E, then the shared
+/// gate's) against the maths in f64 and against the plain router's `off`, from h `hm` and the
+/// MoE norm's weights `nw`. With x̃ = h·rr·w and A_e = Σ_k |R_ek·x̃_k| a row, checks (`what`)
+/// the largest |on − exact| / (tol·A_e + 1e-6) and |on − off| / (A_e / 256 + 1e-6) at most 1.
 #[allow(clippy::too_many_arguments)]
-pub fn fold_logit_errors(
+pub fn check_fold_logits(
+    what: &str,
     hm: &[f32],
     nw: &[f32],
     eps: f32,
@@ -385,7 +386,7 @@ pub fn fold_logit_errors(
     on: (&[f32], f32),
     off: (&[f32], f32),
     tol: f32,
-) -> (f64, f64) {
+) {
     let xt = normed_f64(hm, nw, eps);
     let e = router.out;
     let (mut worst_exact, mut worst_router) = (0f64, 0f64);
@@ -398,7 +399,16 @@ pub fn fold_logit_errors(
         worst_exact = worst_exact.max((got as f64 - exact).abs() / (tol as f64 * a + 1e-6));
         worst_router = worst_router.max((got as f64 - base as f64).abs() / (a / 256.0 + 1e-6));
     }
-    (worst_exact, worst_router)
+    check(
+        &format!("{what} (logits against f64, / bound)"),
+        worst_exact as f32,
+        1.0,
+    );
+    check(
+        &format!("{what} (logits against the router's, / bound)"),
+        worst_router as f32,
+        1.0,
+    );
 }
 
 /// An MoE block's six weight stacks at `bits` (groups of 64): the routed experts' gate, up
