@@ -135,7 +135,7 @@ pub(super) struct SwMoe {
     counter: u64,
     logits: u64,
     ntopk: i32,
-    pad: i32,
+    rblock: i32,
 }
 
 /// `struct SwStep` of moe.cu (same layout): moe_step_gate_up's arguments.
@@ -378,12 +378,13 @@ impl Cuda {
         self.scratch(&mut sc, "route_ahead", 8 * (e + 1))
     }
 
-    /// How a whole block routes E experts to the top k (gemv.cu's ROUTE, `rblock`): 1
-    /// route_block (switch `route_block`, E <= 256), 2 route_sort (opt-in, k <= 8 too), 0
-    /// route_warp.
+    /// How a whole block routes E experts to the top k (gemv.cu's ROUTE, `rblock`, route.cuh
+    /// route_by): 1 route_block (switch `route_block`, E <= 256), 3 route_filter (opt-in, k <= 8
+    /// too), 2 route_sort (opt-in, k <= 8 too), 0 route_warp.
     fn route_kind(&self, e: usize, k: usize) -> i32 {
         match (self.on("route_block") && e <= 256, k <= 8) {
             (false, _) => 0,
+            (true, true) if self.opted_in("route_filter") => 3,
             (true, true) if self.opted_in("route_sort") => 2,
             (true, _) => 1,
         }
@@ -694,7 +695,7 @@ impl Cuda {
             counter,
             logits: 0,
             ntopk: 0,
-            pad: 0,
+            rblock: 0,
         })
     }
 
@@ -1006,6 +1007,9 @@ impl Cuda {
             p.re = e as i32;
             p.logits = r.logits.mem.ptr;
             p.ntopk = d.norm_topk as i32;
+            // Every routed block routes (route.cuh route_by): route_sort for k <= 8, or
+            // route_filter where opted in.
+            p.rblock = if self.opted_in("route_filter") { 3 } else { 2 };
             let x = SwX::Norm {
                 h,
                 w: norm,

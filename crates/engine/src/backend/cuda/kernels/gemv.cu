@@ -40,8 +40,9 @@
 // moe_route launch; blocks count themselves on `counter` after a __threadfence. The route is
 // route_block (the whole block, a rank per expert; `rblock`, switch `route_block`, E <= 256: the
 // default, 2-3% faster decode), route_sort (`rblock` 2, opt-in `route_sort`: per-warp bitonic
-// sorts and a 64-candidate rank, k <= 8) or route_warp (one warp, k arg-max rounds): the same ids
-// and weights.
+// sorts and a 64-candidate rank, k <= 8), route_filter (`rblock` 3, opt-in `route_filter`: the
+// rank counted among the experts at or above the least warp's best, k <= 8) or route_warp (one
+// warp, k arg-max rounds): the same ids and weights (route.cuh route_by).
 // AHEAD (fe != 0: a decode step's out_proj / o_proj folding the next MoE block's router,
 // Backend::route_ahead; one f32-add output, no route): after each batch's residual add the block
 // takes the batch's RB new rows of h, times the block's norm weight, and every thread e of the
@@ -78,7 +79,7 @@ struct SwArgs {
     u64 zp;       // PRO 2: z, const u16* [K]
     int ck;       // obf 3: conv taps
     int dv;       // PRO 2: value head size (a multiple of 32, dv / 32 a power of two)
-    int rblock;   // ROUTE: the whole last block routes (E <= 256): 1 route_block, 2 route_sort (k <= 8)
+    int rblock;   // ROUTE: route.cuh route_by's form (E <= 256): 1 route_block, 2 route_sort, 3 route_filter
     int pad;
     QMat fr;      // AHEAD: the router, 8-bit [E, out[0]'s rows]
     QMat fs;      // AHEAD: the shared expert's gate, 8-bit [1, out[0]'s rows]
@@ -388,9 +389,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
         if (tid == 0) last = atomicAdd((u32*)p.counter, 1u) == gridDim.x - 1;
         __syncthreads();
         if (last) {
-            if (p.rblock == 2) route_sort((const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk);
-            else if (p.rblock) route_block((const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk);
-            else if (warp == 0) route_warp((const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk, lane);
+            route_by(p.rblock, (const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk);
             if (tid == 0) *(u32*)p.counter = 0u;
         }
     }
@@ -454,7 +453,7 @@ struct RaArgs {
     int e;       // experts, E <= 511
     int k;
     int ntopk;
-    int rblock;  // 1 route_block, 2 route_sort, 0 route_warp (gemv.cu's ROUTE)
+    int rblock;  // route.cuh route_by's (gemv.cu's ROUTE)
     int sbf;
 };
 
@@ -480,9 +479,7 @@ __device__ __forceinline__ void route_ahead_body(const RaArgs& p) {
         else store_out((void*)p.s, 0, v, p.sbf);
     }
     __syncthreads();  // the logits, written above, visible to the block's route
-    if (p.rblock == 2) route_sort((const float*)p.logits, (u32*)p.ids, (float*)p.wts, p.e, p.k, p.ntopk);
-    else if (p.rblock) route_block((const float*)p.logits, (u32*)p.ids, (float*)p.wts, p.e, p.k, p.ntopk);
-    else if (tid < 32) route_warp((const float*)p.logits, (u32*)p.ids, (float*)p.wts, p.e, p.k, p.ntopk, tid);
+    route_by(p.rblock, (const float*)p.logits, (u32*)p.ids, (float*)p.wts, p.e, p.k, p.ntopk);
 }
 
 #define ROUTE_AHEAD_KERNEL(C)                                                               \

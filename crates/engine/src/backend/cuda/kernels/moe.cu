@@ -255,7 +255,7 @@ struct SwMoe {
     u64 counter;      // moe_step: u32 router blocks done, reset by moe_wide_down (0: none)
     u64 logits;       // moe_late: const float* [re], the router's logits (each block routes)
     int ntopk;        // moe_late: renormalise the top-k weights
-    int pad;
+    int rblock;       // moe_late: the route's form (route.cuh route_by: 2 route_sort, 3 route_filter)
 };
 
 template <int BITS, int C, int U>
@@ -693,7 +693,8 @@ __device__ __forceinline__ void moe_publish_route(const SwMoe& p, const u32* rid
 // GU_PLAIN  (moe_wide_gate_up): the ids the router wrote, then x.
 // GU_STEP   (moe_step_gate_up, opt-in `moe_step`): the router inside this launch (below).
 // GU_LATE   (moe_late_gate_up, opt-in `late_route`): x, then each routed block routes the
-//           logits itself (route.cuh route_sort for k <= 8, else route_block), then requests
+//           logits itself (route.cuh route_by: route_sort for k <= 8, or route_filter with
+//           `route_filter`; else route_block), then requests
 //           its expert's rows.
 // ST: SwStep with GU_STEP, else unused (the kernel passes p again): a reference,
 // not a pointer, so the kernel's parameter is read in place (its address would copy it to the
@@ -754,8 +755,7 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
         xs = sw_x_act((const u16*)p.x, ln.ch, xv);
         if (!shared) {
             // ids published by the route's barriers.
-            if (p.k <= 8) route_sort((const float*)p.logits, rid, rwt, p.re, p.k, p.ntopk);
-            else route_block((const float*)p.logits, rid, rwt, p.re, p.k, p.ntopk);
+            route_by(p.rblock, (const float*)p.logits, rid, rwt, p.re, p.k, p.ntopk);
             issue((int)rid[j]);
         }
     } else {
@@ -878,8 +878,7 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     __shared__ u32 rid[LATE ? 32 : 1];
     __shared__ float rwt[LATE ? 32 : 1];
     if constexpr (LATE) {
-        if (p.k <= 8) route_sort((const float*)p.logits, rid, rwt, p.re, p.k, p.ntopk);
-        else route_block((const float*)p.logits, rid, rwt, p.re, p.k, p.ntopk);
+        route_by(p.rblock, (const float*)p.logits, rid, rwt, p.re, p.k, p.ntopk);
         __syncthreads();  // the weights (written after the route's last barrier)
         if (blockIdx.x == 0 && tid < p.k) {
             ((u32*)p.ids)[tid] = rid[tid];
