@@ -539,16 +539,7 @@ impl Cuda {
                 256,
                 0,
             ),
-            // PRO 3 (opt-in `late_norm`, 8-bit: the router | shared gate): the norm's 1 / rms
-            // applied at the store, not before the dots (gemv.cu's header).
-            _ => {
-                let pro = if pro == 1 && bits == 8 && self.opted_in("late_norm") {
-                    3
-                } else {
-                    pro
-                };
-                (format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256), 256, 0)
-            }
+            _ => (format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256), 256, 0),
         };
         let batches = p.bstart[ws.len()] as u32;
         let grid = batches.min(self.resident_blocks(&name, threads, smem));

@@ -154,13 +154,6 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   579.19 against 582.97 / 584.20 tok/s without (none, on, none): no gain, within noise or
 ///   below. Its op test and the lab case `ahead` are still unrun on the H200 (device time):
 ///   opt-in, `scripts/h200-run aheadtests,aheadlab` first if it is taken up again.
-/// * `late_norm`: the router | shared gate's launch (sw_gemv 8-bit, the norm prologue) with the
-///   norm's 1 / rms applied to the row sums at the store (gemv.cu PRO 3) instead of by a block
-///   reduction and two barriers before x exists: x = h · w in f32, each lane's Σ h² summed at
-///   the first batch's barrier. The wgpu twin (gemv_rt) measured 1.018× at 4K on the H100 (stop
-///   48). Written at stop 49, not yet run on a GPU: cuda_ops `late_norm_router_matches_the_cpu`
-///   (run alone with `--ignored`), then `lily bench --arms "LILY_CUDA_ENABLE=late_norm"` at 4K
-///   and 128K.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -173,7 +166,6 @@ pub const OPT_IN: &[&str] = &[
     "route_sort",
     "route_filter",
     "route_ahead",
-    "late_norm",
 ];
 
 impl Cuda {

@@ -13,15 +13,6 @@
 //          its x equals rms_norm's output bit for bit; block 0 also writes x to `xn` when given.
 //   PRO 2: x = the GDN gated norm of y (f32 [K], the scan's output) per value head of dv with
 //          z (bf16) and the norm weight [dv] (opt-in `fuse_gdn`: out_proj's input, not stored).
-//   PRO 3: PRO 1's rms_norm(h) * w with the 1 / rms applied at the store (opt-in `late_norm`,
-//          8-bit: the router | shared gate): x = h · w in f32 (not rounded to bf16), each lane's
-//          Σ h² of its 32 inputs summed over the block at the first batch's barrier, and the
-//          row sums times rr = 1 / sqrt(Σ h² / K + eps). Why: PRO 1 reads h, reduces Σ h² over
-//          the block (two barriers) and only then forms x, so no dot starts before that chain
-//          ends (stop 27's trace: the router's "wait -> x" 4.86 µs of its 10.48 a layer); the
-//          dots are linear in x, so the scale can wait. The wgpu twin (gemv_rt) measured 1.018×
-//          at 4K from the router alone. Block 0 writes xn = bf16(h · rr · w) once rr is known
-//          (PRO 1's expression; rr's sum in another order, so not rms_norm's bits).
 // Geometry: 256 threads = 8 warps; K (a multiple of 256 with C = K/256 dividing 32) is cut into
 // 8 warp slices, lane l of warp w owns chunk w·C + l%C and row l/C of each load of RW = 32/C
 // rows. A batch is RB = RW·U consecutive rows of one matrix; matrix i has batches
@@ -272,20 +263,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     if constexpr (PRO == 1) cp_wait<0>();
 
     float xv[32];
-    // PRO 3: x = h · w without the 1 / rms; each warp's Σ h² (its row-0 lanes: one lane a
-    // chunk) in ssw, read after the first batch's barrier (rr below).
-    __shared__ float ssw[PRO == 3 ? SW_WARPS : 1];
-    float rr = 1.0f;
-    bool late = PRO == 3;
-    float xs;
-    if constexpr (PRO == 3) {
-        float ss;
-        xs = sw_x_late((const float*)p.x, (const float*)p.nw, ch, xv, ss);
-        ss = warp_sum(r == 0 ? ss : 0.0f);
-        if (lane == 0) ssw[warp] = ss;
-    } else {
-        xs = sw_x_pro<C, PRO>(p, wn, ch, r, sh, xv);
-    }
+    const float xs = sw_x_pro<C, PRO>(p, wn, ch, r, sh, xv);
     TRACE_MARK(1);  // x ready
 
     // AHEAD: this thread's router sums (rows tid and tid + 256 of [router; shared gate]).
@@ -307,23 +285,10 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
             for (int u = 0; u < U; u++) red[par][warp][u * RW + r] = part[u];
         }
         __syncthreads();
-        if constexpr (PRO == 3) {
-            if (late) {
-                // The first batch's barrier published ssw: rr (every thread, the warps in
-                // order), then block 0 writes xn.
-                late = false;
-                float t = 0.0f;
-#pragma unroll
-                for (int w = 0; w < SW_WARPS; w++) t += ssw[w];
-                rr = 1.0f / sqrtf(t / (float)(256 * C) + p.eps);
-                if (blockIdx.x == 0 && p.xn != 0 && r == 0) sw_xn_late((const float*)p.x, (const float*)p.nw, rr, ch, (u16*)p.xn);
-            }
-        }
         if (tid < RB) {
             float v = 0.0f;
 #pragma unroll
             for (int w = 0; w < SW_WARPS; w++) v += red[par][w][tid];
-            if constexpr (PRO == 3) v *= rr;
             const int o = cur_row0 + tid;
             if constexpr (AH) {
                 // AHEAD (one f32-add output): the residual add as store_out's obf 2, then the new
@@ -408,8 +373,6 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
 SW_GEMV_C(4, 4)
 SW_GEMV_C(4, 2)
 SW_GEMV_C(8, 2)
-// PRO 3 (opt-in `late_norm`): the 8-bit launches only (the router | shared gate).
-SW_GEMV_KERNEL(8, 1, 2, 3) SW_GEMV_KERNEL(8, 2, 2, 3) SW_GEMV_KERNEL(8, 4, 2, 3) SW_GEMV_KERNEL(8, 8, 2, 3) SW_GEMV_KERNEL(8, 16, 2, 3)
 
 // sw_gemv_ahead_<B>_<C>_<U>_<PRO>: the same with the router folded in (AHEAD; PRO 0, out_proj's and
 // o_proj's x, and 2, fuse_gdn's gated norm). Kernels of their own: the fold's registers (the

@@ -205,45 +205,6 @@ __device__ __forceinline__ float sw_x_norm(const float* __restrict__ h, const fl
     return xs;
 }
 
-// PRO 3's x (gemv.cu, opt-in `late_norm`): the lane's 32 values h · w in f32 (inputs 32ch ..),
-// their sum, and their Σ h² in `ss` (the 1 / rms is applied to the row sums at the store).
-__device__ __forceinline__ float sw_x_late(const float* __restrict__ h, const float* __restrict__ w, int ch, float (&xv)[32], float& ss) {
-    const float4* h4 = (const float4*)(h + ch * 32);
-    const float4* w4 = (const float4*)(w + ch * 32);
-    ss = 0.0f;
-    float xs = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const float4 hv = h4[i], wv = w4[i];
-        ss = fmaf(hv.x, hv.x, ss);
-        ss = fmaf(hv.y, hv.y, ss);
-        ss = fmaf(hv.z, hv.z, ss);
-        ss = fmaf(hv.w, hv.w, ss);
-        xv[4 * i] = hv.x * wv.x;
-        xv[4 * i + 1] = hv.y * wv.y;
-        xv[4 * i + 2] = hv.z * wv.z;
-        xv[4 * i + 3] = hv.w * wv.w;
-    }
-#pragma unroll
-    for (int i = 0; i < 32; i++) xs += xv[i];
-    return xs;
-}
-
-// PRO 3's xn: the lane's 32 values bf16(h · rr · w) (sw_x_norm's expression) written to xn,
-// read again from h and w (L1: the lane read them in sw_x_late) rather than held across the dots.
-__device__ __forceinline__ void sw_xn_late(const float* __restrict__ h, const float* __restrict__ w, float rr, int ch, u16* __restrict__ xn) {
-    const float4* h4 = (const float4*)(h + ch * 32);
-    const float4* w4 = (const float4*)(w + ch * 32);
-    uint2* o = (uint2*)(xn + ch * 32);
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        const float4 hv = h4[i], wv = w4[i];
-        const u32 a = (u32)bf16_rn(hv.x * rr * wv.x) | ((u32)bf16_rn(hv.y * rr * wv.y) << 16);
-        const u32 b = (u32)bf16_rn(hv.z * rr * wv.z) | ((u32)bf16_rn(hv.w * rr * wv.w) << 16);
-        o[i] = make_uint2(a, b);
-    }
-}
-
 // 1 / sqrt(mean(h²) + eps) over a block of T threads, with the rms_norm kernel's exact arithmetic
 // (thread t sums h[t]², h[t + T]², ... in that order, then the same block_sum, the same
 // expression). K and T compile-time, the loads unrolled: all K / T of a thread's loads are in
