@@ -729,13 +729,13 @@ fn router_mats(
 }
 
 /// The router's route by the whole last block (switch `route_block`, route.cuh route_block: the
-/// default; route_sort, opt-in `route_sort`; route_filter, opt-in `route_filter`) against
+/// default; route_sort, opt-in `route_sort`) against
 /// route_warp (the switch off): the same ids and weights bit for bit, for 22 tokens of
 /// random h through the router | shared gate launch (256 experts, top 8), and, on the same
 /// logits, equal to the CPU's moe_route. Ten tokens get a router whose rows 5 and 9, and
 /// 40 and 41, are copies of row 200: exact ties in the logits, which every form must break
-/// toward the lower id; two get a router of 256 equal rows (every expert tied: route_filter's
-/// every-expert-a-candidate case), routed to experts 0..8.
+/// toward the lower id; two get a router of 256 equal rows (every expert tied, at every rank),
+/// routed to experts 0..8.
 #[test]
 fn route_block_equals_route_warp() {
     let Some(g) = gpu() else { return };
@@ -746,8 +746,7 @@ fn route_block_equals_route_warp() {
     let plain = rand_quant(&mut rng, 1, d.n_experts, hid, 8, 64, false);
     // The same matrix with exact copies of row 200 (its codes, scales and biases).
     let tied = with_row_copies(&plain, 200, &[5, 9, 40, 41]);
-    // Every row a copy of row 7: 256 equal logits, route_filter's worst case (every expert a
-    // candidate) and a tie at every rank.
+    // Every row a copy of row 7: 256 equal logits, a tie at every rank.
     let all: Vec<usize> = (0..d.n_experts).filter(|&e| e != 7).collect();
     let flat = with_row_copies(&plain, 7, &all);
     let gs = g.upload_mat(&sgate).unwrap();
@@ -772,13 +771,10 @@ fn route_block_equals_route_warp() {
             let (lw, ids_w, w_w) = run(&["route_block"]);
             g.set_enabled(&["route_sort"]).unwrap();
             let (ls, ids_s, w_s) = run(&[]);
-            g.set_enabled(&["route_filter"]).unwrap();
-            let (lf, ids_f, w_f) = run(&[]);
             g.set_enabled(&[]).unwrap();
             for (form, (l2, ids2, w2)) in [
                 ("route_block", (&lv, &ids, &w)),
                 ("route_sort", (&ls, &ids_s, &w_s)),
-                ("route_filter", (&lf, &ids_f, &w_f)),
             ] {
                 let what = format!("{form}, {name} router, token {token}");
                 assert!(
@@ -791,8 +787,7 @@ fn route_block_equals_route_warp() {
                     "{what}: weights differ from route_warp's"
                 );
             }
-            let what =
-                format!("route_block, route_sort and route_filter, {name} router, token {token}");
+            let what = format!("route_block and route_sort, {name} router, token {token}");
             check_route_of_logits(&what, &lv, &ids, &w, &d);
             if name == "tied" {
                 assert_eq!(
@@ -2290,8 +2285,7 @@ fn moe_route_and_experts() {
 
 /// The MoE block of one token with the router folded into the experts' first launch (opt-in
 /// `moe_step`, Backend::moe_step_add), and with the route moved into the experts' launches
-/// (opt-in `late_route`: every block routes the logits itself, with route_sort or, with
-/// `route_filter` too, route_filter), at the kernels' full-model shapes (hidden 2048, width 512,
+/// (opt-in `late_route`: every block routes the logits itself), at the kernels' full-model shapes (hidden 2048, width 512,
 /// 256 experts, top 8; an 8-bit router and shared gate), 4-bit and 8-bit experts, three tokens in
 /// a row (the router blocks' count must be back at zero for each launch):
 /// * bit for bit the GPU's composition (the default: the router's own launch, then moe_wide):
@@ -2334,12 +2328,7 @@ fn moe_step_matches_its_composition_and_the_cpu() {
             let comp = run(&[]);
             let fused = run(&["moe_step"]);
             let late = run(&["late_route"]);
-            let late_f = run(&["late_route", "route_filter"]);
-            for (variant, got) in [
-                ("moe_step", &fused),
-                ("late_route", &late),
-                ("late_route + route_filter", &late_f),
-            ] {
+            for (variant, got) in [("moe_step", &fused), ("late_route", &late)] {
                 let what = format!("{variant} {bits}-bit experts, token {token}");
                 for (part, a, b) in [
                     ("h", &got.0, &comp.0),

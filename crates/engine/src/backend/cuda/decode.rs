@@ -379,12 +379,11 @@ impl Cuda {
     }
 
     /// How a whole block routes E experts to the top k (gemv.cu's ROUTE, `rblock`, route.cuh
-    /// route_by): 1 route_block (switch `route_block`, E <= 256), 3 route_filter (opt-in, k <= 8
-    /// too), 2 route_sort (opt-in, k <= 8 too), 0 route_warp.
+    /// route_by): 1 route_block (switch `route_block`, E <= 256), 2 route_sort (opt-in, k <= 8
+    /// too), 0 route_warp.
     fn route_kind(&self, e: usize, k: usize) -> i32 {
         match (self.on("route_block") && e <= 256, k <= 8) {
             (false, _) => 0,
-            (true, true) if self.opted_in("route_filter") => 3,
             (true, true) if self.opted_in("route_sort") => 2,
             (true, _) => 1,
         }
@@ -998,9 +997,8 @@ impl Cuda {
             p.re = e as i32;
             p.logits = r.logits.mem.ptr;
             p.ntopk = d.norm_topk as i32;
-            // Every routed block routes (route.cuh route_by): route_sort for k <= 8, or
-            // route_filter where opted in.
-            p.rblock = if self.opted_in("route_filter") { 3 } else { 2 };
+            // Every routed block routes (route.cuh route_by): route_sort for k <= 8.
+            p.rblock = 2;
             let x = SwX::Norm {
                 h,
                 w: norm,

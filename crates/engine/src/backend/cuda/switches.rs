@@ -135,15 +135,6 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   shuffle stages, then the merge): slower in one block on the H200, 552.4 / 552.4 against
 ///   571.1 / 563.6 tok/s at 4K, 387.9 / 387.6 against 397.9 / 401.6 at 128K (the router's tail
 ///   4.1 -> 5.1 µs). It stays for `late_route`, where the work, not the latency, decides.
-/// * `route_filter`: the router's last block (and, with `late_route`, every block that routes)
-///   routes with route.cuh's route_filter (k <= 8): route_block's softmax, then each expert's
-///   rank counted only among the candidates at or above T, the least of the 8 warps' best p
-///   (the top 8 are all there, and an expert below T beats none of them): ~C compares a thread
-///   for C candidates (typically 10-30 of 256) against route_block's 256, in one extra barrier
-///   and no shuffle chain. The same ids and weights (cuda_ops, exact ties included). Why: stop
-///   50's trace (H100, 4K) put the router's last block at 4.2 µs from its stores to its end
-///   (fence, ticket, route), on every MoE block's chain; route_block's rank loop is ~1,000
-///   instructions a thread of it.
 /// * `route_ahead`: an MoE block's router folded into the decode projection before it (out_proj,
 ///   o_proj; Backend::route_ahead, gemv.cu's AHEAD and route_ahead_<C>): the projection's blocks
 ///   sum each router row against the rows of h they have just written, and a one-block launch
@@ -164,7 +155,6 @@ pub const OPT_IN: &[&str] = &[
     "carveout_all",
     "late_route",
     "route_sort",
-    "route_filter",
     "route_ahead",
 ];
 

@@ -31,9 +31,8 @@
 // moe_route launch; blocks count themselves on `counter` after a __threadfence. The route is
 // route_block (the whole block, a rank per expert; `rblock`, switch `route_block`, E <= 256: the
 // default, 2-3% faster decode), route_sort (`rblock` 2, opt-in `route_sort`: per-warp bitonic
-// sorts and a 64-candidate rank, k <= 8), route_filter (`rblock` 3, opt-in `route_filter`: the
-// rank counted among the experts at or above the least warp's best, k <= 8) or route_warp (one
-// warp, k arg-max rounds): the same ids and weights (route.cuh route_by).
+// sorts and a 64-candidate rank, k <= 8) or route_warp (one warp, k arg-max rounds): the same ids
+// and weights (route.cuh route_by).
 // AHEAD (fe != 0: a decode step's out_proj / o_proj folding the next MoE block's router,
 // Backend::route_ahead; one f32-add output, no route): after each batch's residual add the block
 // takes the batch's RB new rows of h, times the block's norm weight, and every thread e of the
@@ -70,7 +69,7 @@ struct SwArgs {
     u64 zp;       // PRO 2: z, const u16* [K]
     int ck;       // obf 3: conv taps
     int dv;       // PRO 2: value head size (a multiple of 32, dv / 32 a power of two)
-    int rblock;   // ROUTE: route.cuh route_by's form (E <= 256): 1 route_block, 2 route_sort, 3 route_filter
+    int rblock;   // ROUTE: route.cuh route_by's form (E <= 256): 1 route_block, 2 route_sort
     int pad;
     QMat fr;      // AHEAD: the router, 8-bit [E, out[0]'s rows]
     QMat fs;      // AHEAD: the shared expert's gate, 8-bit [1, out[0]'s rows]

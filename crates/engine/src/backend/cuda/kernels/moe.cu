@@ -255,7 +255,7 @@ struct SwMoe {
     u64 counter;      // moe_step: u32 router blocks done, reset by moe_wide_down (0: none)
     u64 logits;       // moe_late: const float* [re], the router's logits (each block routes)
     int ntopk;        // moe_late: renormalise the top-k weights
-    int rblock;       // moe_late: the route's form (route.cuh route_by: 2 route_sort, 3 route_filter)
+    int rblock;       // moe_late: the route's form (route.cuh route_by: 2, route_sort for k <= 8)
 };
 
 template <int BITS, int C, int U>
@@ -693,8 +693,8 @@ __device__ __forceinline__ void moe_publish_route(const SwMoe& p, const u32* rid
 // GU_PLAIN  (moe_wide_gate_up): the ids the router wrote, then x.
 // GU_STEP   (moe_step_gate_up, opt-in `moe_step`): the router inside this launch (below).
 // GU_LATE   (moe_late_gate_up, opt-in `late_route`): x, then each routed block routes the
-//           logits itself (route.cuh route_by: route_sort for k <= 8, or route_filter with
-//           `route_filter`; else route_block), then requests
+//           logits itself (route.cuh route_by: route_sort for k <= 8, else route_block), then
+//           requests
 //           its expert's rows.
 // ST: SwStep with GU_STEP, else unused (the kernel passes p again): a reference,
 // not a pointer, so the kernel's parameter is read in place (its address would copy it to the

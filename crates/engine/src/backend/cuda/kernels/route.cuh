@@ -210,63 +210,12 @@ __device__ __forceinline__ void route_sort(const float* __restrict__ l, u32* __r
     route_weights(s, weights, k, norm_topk);
 }
 
-// route_filter: route_block's function (the same ids and weights, bit for bit, for finite
-// logits) with each thread's rank counted among candidates only. T = the least of the 8 warps'
-// best p; every expert of the top k (k <= 8: one per warp is a better expert for anything
-// below T) has p >= T, and an expert below T is beaten strictly by every candidate, so it never
-// changes a candidate's count: a candidate's rank among the candidates is its rank among all E.
-// The candidates (those p >= T, typically 10-30 of 256 random logits; all E at worst, where the
-// count is route_block's) go to shared memory through a counter; each counts the candidates
-// that beat it. Why: route_block's rank loop is ~1,000 instructions a thread (every thread
-// against all 256), on the router's last block's chain (stop 50's trace: 4.2 µs from the
-// router's stores to its end). Here ~2 barriers and a loop of ~C. Called by every thread of a
-// block of at least 256 (threads from 256 on only meet the barriers); E <= 256, k <= 8 (the 8
-// warps' bests bound only the 8th best: route_by sends k > 8 to route_block).
-__device__ __forceinline__ void route_filter(const float* __restrict__ l, u32* __restrict__ ids, float* __restrict__ weights, int E, int k,
-                                             int norm_topk) {
-    __shared__ RouteSmem s;
-    __shared__ float cv[256];
-    __shared__ int ci[256];
-    __shared__ float wbest[8];
-    __shared__ int cn;
-    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    const bool mine = t < 256;
-    if (t == 0) cn = 0;  // published by route_softmax's barriers
-    const float p = route_softmax(l, E, s);
-    // Every warp of the 8 (threads past E hold NEG_INF: a warp of none makes T = NEG_INF, and
-    // every expert a candidate).
-    const float wb = mine ? warp_max(p) : NEG_INF;
-    if (mine && lane == 0) wbest[warp] = wb;
-    __syncthreads();
-    float T = wbest[0];
-#pragma unroll
-    for (int w = 1; w < 8; w++) T = fminf(T, wbest[w]);
-    const bool cand = mine && t < E && p >= T;
-    if (cand) {
-        const int j = atomicAdd(&cn, 1);
-        cv[j] = p;
-        ci[j] = t;
-    }
-    __syncthreads();
-    if (cand) {
-        const int n = cn;
-        int r = 0;
-        for (int j = 0; j < n; j++) r += better(cv[j], ci[j], p, t);
-        if (r < k) {
-            s.top[r] = p;
-            ids[r] = (u32)t;
-        }
-    }
-    route_weights(s, weights, k, norm_topk);
-}
-
-// The route of `rblock` (gemv.cu's ROUTE, moe.cu's late routes; decode.rs route_kind):
-// 3 route_filter (k <= 8, else route_block), 2 route_sort (k <= 8, else route_block),
-// 1 route_block, 0 route_warp by warp 0. Called by every thread of the block.
+// The route of `rblock` (gemv.cu's ROUTE and route_ahead, moe.cu's late routes; decode.rs
+// route_kind): 2 route_sort (k <= 8, else route_block), 1 route_block, 0 route_warp by warp 0.
+// Called by every thread of the block.
 __device__ __forceinline__ void route_by(int rblock, const float* __restrict__ l, u32* __restrict__ ids, float* __restrict__ weights, int E, int k,
                                          int norm_topk) {
-    if (rblock == 3 && k <= 8) route_filter(l, ids, weights, E, k, norm_topk);
-    else if (rblock == 2 && k <= 8) route_sort(l, ids, weights, E, k, norm_topk);
+    if (rblock == 2 && k <= 8) route_sort(l, ids, weights, E, k, norm_topk);
     else if (rblock) route_block(l, ids, weights, E, k, norm_topk);
     else if (threadIdx.x < 32) route_warp(l, ids, weights, E, k, norm_topk, threadIdx.x);
 }
