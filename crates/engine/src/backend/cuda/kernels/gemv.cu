@@ -26,6 +26,11 @@
 // Epilogue per output (obf[i]): 0 f32 store, 1 bf16 store (rounded once), 2 f32 add (out[o] += v:
 // the residual stream; the sum is not rounded to bf16 first, unlike the unfused add), 3 the GDN
 // conv step of output 0's channel o (opt-in `fuse_gdn`: conv1d_step in the in_proj epilogue).
+// Trace marks (`lily bench --trace`): 1 x ready, 2 every batch stored. The probe
+// LILY_CUDA_DEFINE=SW_TAIL_MARKS=1 moves them into the router's tail instead (every sw_gemv loses
+// its usual marks): 1 after the fence and the ticket, 2 after route_block's softmax (the logits
+// read back), so the last block's columns split the tail (stop 50: 4.2 µs from its stores to
+// its end) into ticket, logits + softmax, rank + weights.
 // ROUTE (rids != 0: the router | shared-gate launch of an MoE block, Backend::moe_router): the
 // last block to finish routes the token from matrix 0's f32 logits (route.cuh), saving the
 // moe_route launch; blocks count themselves on `counter` after a __threadfence. The route is
@@ -263,7 +268,9 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
 
     float xv[32];
     const float xs = sw_x_pro<C, PRO>(p, wn, ch, r, sh, xv);
+#ifndef SW_TAIL_MARKS
     TRACE_MARK(1);  // x ready
+#endif
 
     // AHEAD: this thread's router sums (rows tid and tid + 256 of [router; shared gate]).
     float za[2] = {0.0f, 0.0f};
@@ -334,7 +341,9 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     };
     while (step(un, un2) && step(un2, un)) {
     }
+#ifndef SW_TAIL_MARKS
     TRACE_MARK(2);  // every batch reduced and stored
+#endif
     if constexpr (AH) {
 #pragma unroll
         for (int i = 0; i < 2; i++) {
@@ -352,6 +361,9 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
         __syncthreads();
         if (tid == 0) last = atomicAdd((u32*)p.counter, 1u) == gridDim.x - 1;
         __syncthreads();
+#ifdef SW_TAIL_MARKS
+        TRACE_MARK(1);  // the fence and the ticket done (the probe's placement, header)
+#endif
         if (last) {
             route_by(p.rblock, (const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk);
             if (tid == 0) *(u32*)p.counter = 0u;

@@ -129,6 +129,9 @@ __device__ __forceinline__ void route_block(const float* __restrict__ l, u32* __
     __shared__ RouteSmem s;
     const int t = threadIdx.x;
     const float p = route_softmax(l, E, s);
+#ifdef SW_TAIL_MARKS
+    TRACE_MARK(2);  // the logits read back and the softmax done (gemv.cu's tail probe)
+#endif
     __syncthreads();  // every read of the exponentials is done
     if (t < 256) s.ps[t] = p;
     __syncthreads();
