@@ -622,10 +622,7 @@ fn fused_decode_forms_equal_their_compositions() {
         g.matmul_q(&gx, &gw, rows, &mut o);
         let sum: Vec<f32> = h0.iter().zip(h(&g, &o)).map(|(a, b)| a + b).collect();
         assert!(
-            fused
-                .iter()
-                .zip(&sum)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            same_bits(&fused, &sum),
             "matmul_q_add rows {rows}: the epilogue's add differs from h + the f32 product"
         );
         if rows == 1 {
@@ -644,10 +641,7 @@ fn fused_decode_forms_equal_their_compositions() {
             g.matmul_q_add(&gx, &gw, rows, &mut r, &mut gh3);
             g.set_enabled(&[]).unwrap();
             assert!(
-                h(&g, &gh3)
-                    .iter()
-                    .zip(&fused)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                same_bits(&h(&g, &gh3), &fused),
                 "matmul_q_add with proj_wave: not the default launch's bits"
             );
         }
@@ -659,13 +653,15 @@ fn fused_decode_forms_equal_their_compositions() {
         let rr = h(&g, &r);
         let unf: Vec<f32> = h0.iter().zip(&rr).map(|(a, b)| a + b).collect();
         assert!(
-            h(&g, &gh2)
-                .iter()
-                .zip(&unf)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            same_bits(&h(&g, &gh2), &unf),
             "matmul_q_add rows {rows} unfused: not h + the bf16 product"
         );
     }
+}
+
+/// Whether two f32 slices hold the same bits, element by element (over the shorter length).
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 /// The opt-in router as one thread-block cluster (`router_cluster`: logits written into the
