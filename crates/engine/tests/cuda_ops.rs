@@ -447,9 +447,7 @@ fn matmul_q_many_equals_one_by_one() {
             g.matmul_q(&gx, gw, 1, &mut one);
             let (many, one) = (h(&g, &outs[i]), h(&g, &one));
             assert!(
-                many.iter()
-                    .zip(&one)
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                same_bits(&many, &one),
                 "matmul_q_many matrix {i} ({}×{}) differs from matmul_q",
                 w.out,
                 w.inp
@@ -545,7 +543,7 @@ fn fused_decode_forms_equal_their_compositions() {
             }
             let xn = h(&g, &gxn);
             assert!(
-                xn.iter().zip(&kxn).all(|(a, b)| a.to_bits() == b.to_bits()),
+                same_bits(&xn, &kxn),
                 "{what}: the fused norm's x differs from rms_norm's (switches off: {off:?})"
             );
             runs.push(outs.iter().map(|o| h(&g, o)).collect::<Vec<_>>());
@@ -555,10 +553,7 @@ fn fused_decode_forms_equal_their_compositions() {
         let pool = ws.iter().map(|w| w.out).max().unwrap();
         for (i, w) in ws.iter().enumerate() {
             assert!(
-                runs[0][i]
-                    .iter()
-                    .zip(&runs[1][i])
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                same_bits(&runs[0][i], &runs[1][i]),
                 "{what}: matrix {i} differs between the fused and the unfused norm"
             );
             let mut c = vec![0f32; w.out];
@@ -689,7 +684,7 @@ fn router_cluster_matches_the_cpu() {
         let kxn = h(&g, &kxn);
         let (xn, lv, sl, ids, w) = gpu_router(&g, &gh, &gnw, &gr, &gs, &d);
         assert!(
-            xn.iter().zip(&kxn).all(|(a, b)| a.to_bits() == b.to_bits()),
+            same_bits(&xn, &kxn),
             "router_cluster token {token}: the fused norm's x differs from rms_norm's"
         );
         let mut c = vec![0f32; d.n_experts];
@@ -786,13 +781,10 @@ fn route_block_equals_route_warp() {
                 ("route_sort", (&ls, &ids_s, &w_s)),
             ] {
                 let what = format!("{form}, {name} router, token {token}");
-                assert!(
-                    l2.iter().zip(&lw).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{what}: the logits differ"
-                );
+                assert!(same_bits(l2, &lw), "{what}: the logits differ");
                 assert_eq!(ids2, &ids_w, "{what}: ids differ from route_warp's");
                 assert!(
-                    w2.iter().zip(&w_w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    same_bits(w2, &w_w),
                     "{what}: weights differ from route_warp's"
                 );
             }
@@ -972,10 +964,7 @@ fn streaming_gemv_checks(g: &Cuda, variant: &str, more: &[(usize, u32, Vec<usize
             g.rms_norm_matmul(&gh, &gnw, 1, k, 1e-6, &mut gxn, &refs, &mut om);
         }
         assert!(
-            h(&g, &gxn)
-                .iter()
-                .zip(&kxn)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            same_bits(&h(&g, &gxn), &kxn),
             "{variant} K {k}: the fused norm's x differs from rms_norm's"
         );
         let pool = ws.iter().map(|w| w.out).max().unwrap();
@@ -1010,10 +999,7 @@ fn streaming_gemv_checks(g: &Cuda, variant: &str, more: &[(usize, u32, Vec<usize
             // rms_norm_matmul takes the SIMT kernel, and matmul_q is held to the CPU alone.
             if k == 2048 {
                 assert!(
-                    h(&g, &one)
-                        .iter()
-                        .zip(&got)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    same_bits(&h(&g, &one), &got),
                     "{variant} K {k} matrix {i}: matmul_q differs from rms_norm_matmul on the same x"
                 );
             } else {
@@ -1144,19 +1130,11 @@ fn fused_gdn_mixer_equals_its_composition() {
     // The first token: identical inputs, so identical states. Later tokens start from h values a
     // rounding apart, so only their updates are compared.
     assert!(
-        fu[0]
-            .1
-            .iter()
-            .zip(&co[0].1)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        same_bits(&fu[0].1, &co[0].1),
         "fused GDN mixer: the conv state differs from the composition's"
     );
     assert!(
-        fu[0]
-            .2
-            .iter()
-            .zip(&co[0].2)
-            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        same_bits(&fu[0].2, &co[0].2),
         "fused GDN mixer: the recurrent state differs from the composition's"
     );
     let (mut pf, mut pc) = (h0.clone(), h0.clone());
@@ -1585,7 +1563,6 @@ fn attention_prefill_then_decode() {
         EXACT,
     );
     // The bf16 cache read back (to_host widens it) holds the CPU's rows 0..pos bit for bit.
-    let same_bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     assert!(
         same_bits(&g.to_host(&gkv.k, pos * kvd).unwrap(), &ckv.k[..pos * kvd]),
         "bf16 K cache differs from the CPU's rows 0..{pos}"
@@ -1726,8 +1703,6 @@ fn attention_decode_capacities() {
                     hd,
                 );
             }
-            let same_bits =
-                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
             assert!(same_bits(&h(&g, &gkv.k), &ckv.k), "capacity {cap}: the bf16 K cache differs from the CPU's (a step's row not written, or another row written)");
             assert!(same_bits(&h(&g, &gkv.v), &ckv.v), "capacity {cap}: the bf16 V cache differs from the CPU's (a step's row not written, or another row written)");
         }
@@ -1824,23 +1799,21 @@ fn attn_fold_equals_its_composition() {
                 "attn_fold {hq}/{kvh} heads of {hd}, rot {}, pos {pos}",
                 d.rotary_dim
             );
-            let same =
-                |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
             assert!(out_a.iter().any(|x| *x != 0.0), "{what}: no output");
             assert!(
-                same(&out_b, &out_a),
+                same_bits(&out_b, &out_a),
                 "{what}: the output differs from the composition's"
             );
             assert!(
-                same(&gate_b, &gate_a),
+                same_bits(&gate_b, &gate_a),
                 "{what}: the gate differs from the composition's"
             );
             assert!(
-                same(&h(&g, &kv_b.k), &h(&g, &kv_a.k)),
+                same_bits(&h(&g, &kv_b.k), &h(&g, &kv_a.k)),
                 "{what}: the K cache differs (the normed key's row, or another row written)"
             );
             assert!(
-                same(&h(&g, &kv_b.v), &h(&g, &kv_a.v)),
+                same_bits(&h(&g, &kv_b.v), &h(&g, &kv_a.v)),
                 "{what}: the V cache differs"
             );
             println!("{what}: output, gate and caches bit-equal to the composition");
@@ -2194,7 +2167,7 @@ fn moe_route_and_experts() {
                     g.set_enabled(&[]).unwrap();
                     let ch = cpu_moe_decode_add(&x, &cr, [&gate, &up, &down], &csh, &d);
                     assert!(
-                        ch.iter().zip(&cs).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        same_bits(&ch, &cs),
                         "the CPU's moe_decode_add is not its composition"
                     );
                     check_moe(&format!("moe_decode_add + {bits}-bit shared (switches off: {off:?}, on: {on:?})"), &h(&g, &gh), &ch, &x, &slots, rows, false, rounds);
@@ -2347,7 +2320,7 @@ fn moe_step_matches_its_composition_and_the_cpu() {
                     ("the route weights", &got.5, &comp.5),
                 ] {
                     assert!(
-                        a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                        same_bits(a, b),
                         "{what}: {part} differs from the composition's"
                     );
                 }
@@ -2471,7 +2444,7 @@ fn route_ahead_matches_the_router() {
             ("x", &on.2, &off.2),
         ] {
             assert!(
-                a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                same_bits(a, b),
                 "{what}: {part} differs from the unfolded ops'"
             );
         }
@@ -3661,7 +3634,6 @@ fn recorded_decode_steps_equal_direct_ones() {
     cuda.backend.set_enabled(&[]).unwrap();
     let (t_cpu, l_cpu, _) = run(&cpu, &ids, true);
     println!("decode loop on small: {tps_direct:.0} tok/s op by op, {tps_graph:.0} tok/s recorded; tokens {t_graph:?}");
-    let same_bits = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
     for (what, t, l) in [
         ("recorded steps", &t_graph, &l_graph),
         ("attn_fold", &t_fold, &l_fold),
