@@ -674,7 +674,13 @@ fn router_cluster_matches_the_cpu() {
     let d = qwen_dims();
     let hid = d.hidden;
     let mut rng = Rng(53);
-    let (ws, gr, gs, _, gnw) = router_mats(&g, &d, &mut rng);
+    let ws = [
+        rand_quant(&mut rng, 1, d.n_experts, hid, 8, 64, false),
+        rand_quant(&mut rng, 1, 1, hid, 8, 64, false),
+    ];
+    let (gr, gs) = (g.upload_mat(&ws[0]).unwrap(), g.upload_mat(&ws[1]).unwrap());
+    let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
+    let gnw = g.upload_vec(&nw).unwrap();
     g.set_enabled(&["router_cluster"]).unwrap();
     for token in 0..3 {
         let hv: Vec<f32> = rng.vec(hid, 4.0);
@@ -705,31 +711,6 @@ fn router_cluster_matches_the_cpu() {
         check_route_of_logits(&format!("router_cluster token {token}"), &lv, &ids, &w, &d);
     }
     g.set_enabled(&[]).unwrap();
-}
-
-/// An MoE router (8-bit, [E, hidden]) and shared gate ([1, hidden]) on the host and the device,
-/// and the MoE norm's weights (1 ± 0.1) on both.
-#[allow(clippy::type_complexity)]
-fn router_mats(
-    g: &Cuda,
-    d: &Dims,
-    rng: &mut Rng,
-) -> (
-    [HostLinear; 2],
-    <Cuda as Backend>::Mat,
-    <Cuda as Backend>::Mat,
-    Vec<f32>,
-    <Cuda as Backend>::Buf,
-) {
-    let hid = d.hidden;
-    let ws = [
-        rand_quant(rng, 1, d.n_experts, hid, 8, 64, false),
-        rand_quant(rng, 1, 1, hid, 8, 64, false),
-    ];
-    let (gr, gs) = (g.upload_mat(&ws[0]).unwrap(), g.upload_mat(&ws[1]).unwrap());
-    let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
-    let gnw = g.upload_vec(&nw).unwrap();
-    (ws, gr, gs, nw, gnw)
 }
 
 /// The router's route by the whole last block (switch `route_block`, route.cuh route_block: the

@@ -370,11 +370,11 @@ pub fn normed_f64(hm: &[f32], nw: &[f32], eps: f32) -> Vec<f64> {
         .collect()
 }
 
-/// A router whose x is not bf16-rounded (the fold into the projection before it,
-/// Backend::route_ahead): its logits `on` (the router's E, then the shared
-/// gate's) against the maths in f64 and against the plain router's `off`, from h `hm` and the
-/// MoE norm's weights `nw`. With x̃ = h·rr·w and A_e = Σ_k |R_ek·x̃_k| a row, checks (`what`)
-/// the largest |on − exact| / (tol·A_e + 1e-6) and |on − off| / (A_e / 256 + 1e-6) at most 1.
+/// The router folded into the projection before it (Backend::route_ahead): its logits `on` (the
+/// router's E, then the shared gate's) against the fold's maths in f64 and against the unfolded
+/// router's `off`, from h after the projection `hm` and the MoE norm's weights `nw`. With x̃ =
+/// h·rr·w and A_e = Σ_k |R_ek·x̃_k| a row, checks (`what`) the largest |on − exact| / (tol·A_e
+/// + 1e-6) and |on − off| / (A_e / 256 + 1e-6) at most 1.
 #[allow(clippy::too_many_arguments)]
 pub fn check_fold_logits(
     what: &str,

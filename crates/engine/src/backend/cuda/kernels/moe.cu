@@ -694,8 +694,7 @@ __device__ __forceinline__ void moe_publish_route(const SwMoe& p, const u32* rid
 // GU_STEP   (moe_step_gate_up, opt-in `moe_step`): the router inside this launch (below).
 // GU_LATE   (moe_late_gate_up, opt-in `late_route`): x, then each routed block routes the
 //           logits itself (route.cuh route_by: route_sort for k <= 8, else route_block), then
-//           requests
-//           its expert's rows.
+//           requests its expert's rows.
 // ST: SwStep with GU_STEP, else unused (the kernel passes p again): a reference,
 // not a pointer, so the kernel's parameter is read in place (its address would copy it to the
 // stack).
