@@ -2291,7 +2291,14 @@ fn moe_step_matches_its_composition_and_the_cpu() {
             let comp = run(&[]);
             let fused = run(&["moe_step"]);
             let late = run(&["late_route"]);
-            for (variant, got) in [("moe_step", &fused), ("late_route", &late)] {
+            // Three tokens in a row: a published route left unzeroed would give the next token
+            // this one's ids.
+            let flag = run(&["route_flag"]);
+            for (variant, got) in [
+                ("moe_step", &fused),
+                ("late_route", &late),
+                ("route_flag", &flag),
+            ] {
                 let what = format!("{variant} {bits}-bit experts, token {token}");
                 for (part, a, b) in [
                     ("h", &got.0, &comp.0),

@@ -49,7 +49,7 @@ pub(super) struct SwArgs {
     ck: i32,
     dv: i32,
     rblock: i32,
-    pad: i32,
+    rflag: i32,
     fr: QMat,
     fs: QMat,
     fnw: u64,
@@ -83,7 +83,7 @@ impl SwArgs {
             ck: 0,
             dv: 0,
             rblock: 0,
-            pad: 0,
+            rflag: 0,
             fr: QMat::none(),
             fs: QMat::none(),
             fnw: 0,
@@ -390,14 +390,15 @@ impl Cuda {
     }
 
     /// `sw_gemv`, routing the token in the last block (`route`: the route to write, top-k, whether
-    /// to renormalise) from output 0, which must then be f32 router logits.
+    /// to renormalise, whether to publish the ids for moe_flag_gate_up: gemv.cu sw_publish_route,
+    /// E <= 256 and k <= 8) from output 0, which must then be f32 router logits.
     /// With `conv` (obf 3 on output 0), output 0 goes through the GDN conv step in the epilogue.
     pub(super) fn sw_gemv_route(
         &self,
         x: SwX<'_>,
         ws: &[&Mat],
         outs: &[(u64, i32)],
-        route: Option<(&Route, usize, bool)>,
+        route: Option<(&Route, usize, bool, bool)>,
         conv: Option<SwConv<'_>>,
         ahead: Option<&RouteAhead<'_, Cuda>>,
     ) {
@@ -491,12 +492,14 @@ impl Cuda {
             p.cst = c.state.mem.ptr;
             p.ck = c.k as i32;
         }
-        if let Some((r, k, norm)) = route {
+        if let Some((r, k, norm, publish)) = route {
             let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-            // Zeroed when allocated; every launch leaves it at zero.
-            let Some(counter) = self.scratch(&mut sc, "route_counter", 4) else {
+            // Zeroed when allocated; every launch leaves it at zero. The u32 ticket, then (at 8)
+            // the u64 of a published route (route_flag_word).
+            let Some(counter) = self.scratch(&mut sc, "route_counter", 16) else {
                 return;
             };
+            p.rflag = publish as i32;
             p.rids = r.ids.ptr;
             p.rwts = r.weights.ptr;
             p.counter = counter;
@@ -669,7 +672,8 @@ impl Cuda {
         let act = self.scratch(&mut sc, "moe_sw_act", 2 * (k + 1) * gate.out)?;
         // Zeroed when allocated; moe_wide_down leaves it at zero after every moe_step launch.
         let counter = if counter {
-            self.scratch(&mut sc, "moe_step_counter", 4)?
+            // 8 bytes: moe_wide_down zeroes a u64 (a published route, or this count).
+            self.scratch(&mut sc, "moe_step_counter", 8)?
         } else {
             0
         };
@@ -898,6 +902,13 @@ impl Cuda {
             .flatten()
     }
 
+    /// Where the router's last block publishes the route for moe_flag_gate_up (route_flag): the
+    /// u64 at 8 bytes into sw_gemv_route's ticket scratch. None: the scratch failed (recorded).
+    fn route_flag_word(&self) -> Option<u64> {
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        self.scratch(&mut sc, "route_counter", 16).map(|c| c + 8)
+    }
+
     /// The operands of moe_step_add checked (a failure is recorded: the op is then skipped).
     pub(super) fn moe_step_operands_ok(
         &self,
@@ -921,7 +932,7 @@ impl Cuda {
     }
 
     /// The MoE block of one token (Backend::moe_step_add) in moe_wide's launches with the route
-    /// moved, by one of two opt-ins:
+    /// moved or handed over differently, by one of three opt-ins:
     /// * `moe_step`: the router folded into the experts' gate|up launch (moe.cu's
     ///   moe_step_gate_up_*), then moe_wide's down. Takes an 8-bit router and shared gate of K =
     ///   hidden; the whole gate|up grid must be resident at once (its routed blocks wait for its
@@ -935,7 +946,15 @@ impl Cuda {
     ///   --trace`). Measured neutral on the H200: the route on gate|up's critical path costs as
     ///   much (switches.rs `late_route`).
     ///
-    /// Both give the composition's bits, take at most 256 experts and whatever moe_wide takes.
+    /// * `route_flag`: the router as moe_router launches it (sw_gemv_8, the route in its last
+    ///   block), which also publishes the ids as one u64 (gemv.cu sw_publish_route; k <= 8);
+    ///   moe_wide's gate|up polls that word instead of a PDL wait and a read of the ids
+    ///   (moe.cu's moe_flag_gate_up), and moe_wide's down zeroes it after its wait. Why: gate|up's
+    ///   routed blocks can request their expert's rows only after the router's grid completes
+    ///   and then one L2 round trip for the ids (~2 µs a layer from the wait to the rows
+    ///   requested, the trace's median); here the ids arrive with the poll.
+    ///
+    /// All give the composition's bits, take at most 256 experts and whatever moe_wide takes.
     /// `false`: not taken (the caller composes moe_router and moe_decode_add).
     pub(super) fn moe_step(
         &self,
@@ -947,7 +966,9 @@ impl Cuda {
         r: &mut RouterScratch<'_, Cuda>,
     ) -> bool {
         let fold = self.opted_in("moe_step");
-        if !(fold || self.opted_in("late_route")) {
+        let late = !fold && self.opted_in("late_route");
+        let flag = !fold && !late && self.opted_in("route_flag");
+        if !(fold || late || flag) {
             return false;
         }
         let (e, k, hid) = (d.n_experts, d.top_k, d.hidden);
@@ -955,6 +976,10 @@ impl Cuda {
         let shm = [mw.shared_gate_proj, mw.shared_up_proj, mw.shared_down_proj];
         let router = if fold {
             Self::sw_bits(rt.fmt) == Some(8) && rs.out == 1 && r.s.bf16() == 0
+        } else if flag {
+            // Eight ids of 8 bits in the published word (moe_step_experts: E <= 256); the
+            // publishing tail is compiled into the 8-bit sw_gemv only.
+            k <= 8 && Self::sw_bits(rt.fmt) == Some(8)
         } else {
             self.on("route_block")
         };
@@ -999,6 +1024,22 @@ impl Cuda {
                 pad: 0,
             };
             self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::T(Box::new(st))]);
+        } else if flag {
+            let Some(word) = self.route_flag_word() else {
+                return true;
+            };
+            let x = SwX::Norm {
+                h,
+                w: norm,
+                eps,
+                xn: Some(r.xn),
+            };
+            let outs = [(r.logits.mem.ptr, 0), (r.s.mem.ptr, r.s.bf16())];
+            let route = Some((&*r.route, k, d.norm_topk, true));
+            self.sw_gemv_route(x, &[rt, rs], &outs, route, None, None);
+            p.counter = word;
+            let (name, grid, smem) = moe_wide_gate_up_launch("moe_flag", bits, hid, w, k, rpb);
+            self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::E(Box::new(p))]);
         } else {
             p.re = e as i32;
             p.logits = r.logits.mem.ptr;
@@ -1017,7 +1058,7 @@ impl Cuda {
             self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::E(Box::new(p))]);
         }
         r.route.k = k;
-        let down = if fold { "moe_wide" } else { "moe_late" };
+        let down = if late { "moe_late" } else { "moe_wide" };
         self.moe_wide_down(down, &p, bits, hid, w, k, dr);
         true
     }

@@ -1099,7 +1099,8 @@ impl Backend for Cuda {
             };
             let outs = [(logits.mem.ptr, 0), (s.mem.ptr, s.bf16())];
             if !self.router_cluster(x, &ws, &outs, route, k, d.norm_topk) {
-                self.sw_gemv_route(x, &ws, &outs, Some((route, k, d.norm_topk)), None, None);
+                let route = Some((&*route, k, d.norm_topk, false));
+                self.sw_gemv_route(x, &ws, &outs, route, None, None);
             }
         }
     }

@@ -155,6 +155,13 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   the wait against a median block's 3.0. Costs: out_proj's second batch of each block is
 ///   loaded while its first is reduced rather than by another block. Written at stop 50, not
 ///   yet run on a GPU: `scripts/h200-run stop51a` (arms at 4K and 128K, then the trace).
+/// * `route_flag`: gate|up's routed blocks take their expert ids from one u64 that the router's
+///   last block publishes after the route (gemv.cu sw_publish_route, moe.cu's moe_flag_gate_up,
+///   decode.rs moe_step), polled by one thread a block, instead of a PDL wait for the router's
+///   grid to complete and then an L2 read of the ids: the same bits (cuda_ops moe_step test).
+///   Why: in the trace (H100, 4K) gate|up's blocks have their rows requested a median 2.0 µs
+///   after their wait (4.8 in the last block), two dependent L2 round trips of which the ids'
+///   is one, and the wait itself follows the router's last block's exit. Written at stop 51.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -167,6 +174,7 @@ pub const OPT_IN: &[&str] = &[
     "route_sort",
     "route_ahead",
     "proj_wave",
+    "route_flag",
 ];
 
 impl Cuda {

@@ -252,7 +252,8 @@ struct SwMoe {
     u64 h;            // float* [H]: the residual stream
     int k;
     int re;           // moe_late: the experts routed from `logits` (0: the route is in ids, wts)
-    u64 counter;      // moe_step: u32 router blocks done, reset by moe_wide_down (0: none)
+    u64 counter;      // moe_step: u32 router blocks done; moe_flag: the router's published route
+                      // (u64, gemv.cu sw_publish_route). moe_wide_down zeroes its 8 bytes (0: none)
     u64 logits;       // moe_late: const float* [re], the router's logits (each block routes)
     int ntopk;        // moe_late: renormalise the top-k weights
     int rblock;       // moe_late: the route's form (route.cuh route_by: 2, route_sort for k <= 8)
@@ -598,7 +599,8 @@ MOE_TC_DOWN(4)
 //   slot k as before): those need no expert id, so they request their weights before
 //   griddepcontrol.wait, while the router still runs. The routed blocks wait, read their id (one
 //   L2 round trip), then request theirs. Each block lets its dependent (down) launch right after
-//   its wait.
+//   its wait. moe_flag_gate_up (opt-in `route_flag`) replaces the wait and the id's round trip by
+//   a poll of the one u64 in which the router's last block publishes the ids (GU_FLAG below).
 // * down's blocks request all their weights BEFORE griddepcontrol.wait: launched (PDL) as soon
 //   as every gate|up block has passed its own wait, they stream down's 5.3 MB while gate|up
 //   computes, then wait for act. Their expert ids are read before the wait too, which is safe:
@@ -689,8 +691,30 @@ __device__ __forceinline__ void moe_publish_route(const SwMoe& p, const u32* rid
     __syncthreads();
 }
 
+__device__ __forceinline__ u64 ld_acquire_u64(const u64* p) {
+    u64 v;
+    asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+    return v;
+}
+
+// GU_FLAG: the route the router's last block published (gemv.cu sw_publish_route: id j in bits
+// 8j .. 8j + 7, never 0 once published), polled by one thread of the block. Why it cannot hang:
+// a PDL launch starts only after every block of the router has let it (PDL_LAUNCH, after the
+// router's own wait), so all of the router's blocks are resident or done and its last block
+// publishes. A word never published (a host bug) traps after ~2^22 polls (seconds) instead.
+__device__ __forceinline__ u64 moe_wait_route(const u64* f) {
+    u64 v;
+    for (u32 n = 0; (v = ld_acquire_u64(f)) == 0; n++)
+        if (n == 1u << 22) __trap();
+    return v;
+}
+
 // What a gate|up launch does between its PDL wait and its routed rows' requests (MODE):
 // GU_PLAIN  (moe_wide_gate_up): the ids the router wrote, then x.
+// GU_FLAG   (moe_flag_gate_up, opt-in `route_flag`): no PDL wait. Thread 0 polls the route the
+//           router's last block published (moe_wait_route; its acquire and the barrier make
+//           everything the router wrote visible to the block, x included), the ids taken from
+//           that word; then as GU_PLAIN.
 // GU_STEP   (moe_step_gate_up, opt-in `moe_step`): the router inside this launch (below).
 // GU_LATE   (moe_late_gate_up, opt-in `late_route`): x, then each routed block routes the
 //           logits itself (route.cuh route_by: route_sort for k <= 8, else route_block), then
@@ -698,7 +722,7 @@ __device__ __forceinline__ void moe_publish_route(const SwMoe& p, const u32* rid
 // ST: SwStep with GU_STEP, else unused (the kernel passes p again): a reference,
 // not a pointer, so the kernel's parameter is read in place (its address would copy it to the
 // stack).
-enum GuMode { GU_PLAIN, GU_STEP, GU_LATE };
+enum GuMode { GU_PLAIN, GU_STEP, GU_LATE, GU_FLAG };
 template <int BITS, int C, int RPB, int MODE, typename ST>
 __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& st) {
     constexpr int RW = 32 / C, G = RPB / RW, NP = BITS / 4, T = 256;
@@ -744,6 +768,14 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
         PDL_WAIT();
         PDL_LAUNCH();
         if (!shared) issue((int)((const u32*)p.ids)[j]);
+        xs = sw_x_act((const u16*)p.x, ln.ch, xv);
+    } else if constexpr (MODE == GU_FLAG) {
+        __shared__ u64 rv;
+        if (tid == 0) rv = moe_wait_route((const u64*)p.counter);
+        __syncthreads();
+        TRACE_WAITED();
+        PDL_LAUNCH();
+        if (!shared) issue((int)((rv >> (8 * j)) & 0xffu));
         xs = sw_x_act((const u16*)p.x, ln.ch, xv);
     } else if constexpr (MODE == GU_LATE) {
         __shared__ u32 rid[32];
@@ -898,9 +930,9 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     }
     PDL_WAIT();
     PDL_LAUNCH();
-    // moe_step: every gate|up block is done (the wait above), so the router count goes back to 0
-    // for the next launch.
-    if (p.counter != 0 && blockIdx.x == 0 && tid == 0) *(u32*)p.counter = 0u;
+    // moe_step / route_flag: every gate|up block is done (the wait above), so the router count or
+    // the published route goes back to 0 for the next launch.
+    if (p.counter != 0 && blockIdx.x == 0 && tid == 0) *(u64*)p.counter = 0ull;
     if (lane == 0) wt[j] = routed ? (LATE ? rwt[j] : ((const float*)p.wts)[j]) : sigmoid_f(((const float*)p.slogit)[0]);
     float xv[32];
     const float xs = sw_x_act((const u16*)p.act + (u64)j * K, c, xv);
@@ -932,6 +964,10 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_late_gate_up_##BITS##_##C##_##RPB(SwMoe p) { \
         KTRACE();                                                                                           \
         moe_wide_gate_up_body<BITS, C, RPB, GU_LATE>(p, p);                                                 \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_flag_gate_up_##BITS##_##C##_##RPB(SwMoe p) { \
+        KTRACE();                                                                                           \
+        moe_wide_gate_up_body<BITS, C, RPB, GU_FLAG>(p, p);                                                 \
     }
 #define MOE_WIDE_DOWN(BITS, C, DR)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS, MWD_MINB) moe_wide_down_##BITS##_##C##_##DR(SwMoe p) { \
