@@ -483,7 +483,7 @@ fn matmul_q_many_equals_one_by_one() {
 /// output is f32 arithmetic on the same bf16 x as the CPU's (F32_TOL, module header); the fused
 /// norm's x equals the rms_norm kernel's bit for bit (the same arithmetic), so the fused and
 /// unfused (`fuse_norm` off) projections are identical, and the epilogue's add equals the f32
-/// product added on the host (one f32 add), with the opt-in `proj_wave` grid too.
+/// product added on the host (one f32 add).
 #[test]
 fn fused_decode_forms_equal_their_compositions() {
     let Some(g) = gpu() else { return };
@@ -628,16 +628,6 @@ fn fused_decode_forms_equal_their_compositions() {
                 "matmul_q_add out_proj [2048, 4096] (decode, streaming)",
                 rel_rows(&fused, &c, hid),
                 F32_TOL,
-            );
-            // Opt-in `proj_wave` (one block an SM, each walking its batches): a grid change
-            // only, so the same bits.
-            g.set_enabled(&["proj_wave"]).unwrap();
-            let mut gh3 = g.upload_vec(&h0).unwrap();
-            g.matmul_q_add(&gx, &gw, rows, &mut r, &mut gh3);
-            g.set_enabled(&[]).unwrap();
-            assert!(
-                same_bits(&h(&g, &gh3), &fused),
-                "matmul_q_add with proj_wave: not the default launch's bits"
             );
         }
         // Unfused (the switch): the product rounded to a bf16 activation, then added.

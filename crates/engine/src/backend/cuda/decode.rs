@@ -544,13 +544,7 @@ impl Cuda {
             _ => (format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256), 256, 0),
         };
         let batches = p.bstart[ws.len()] as u32;
-        let mut grid = batches.min(self.resident_blocks(&name, threads, smem));
-        // Opt-in `proj_wave`: the residual-add projections (out_proj, o_proj: every output an
-        // f32 add) one block an SM, so that the next launch (an MoE block's router, 33 blocks of
-        // 128 registers a thread) finds room beside them before its PDL wait (switches.rs).
-        if self.opted_in("proj_wave") && route.is_none() && outs.iter().all(|o| o.1 == 2) {
-            grid = grid.min(self.sm_count);
-        }
+        let grid = batches.min(self.resident_blocks(&name, threads, smem));
         self.launch(&name, (grid, 1, 1), threads, smem, &[Arg::S(Box::new(p))]);
     }
 

@@ -145,16 +145,6 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   579.19 against 582.97 / 584.20 tok/s without (none, on, none): no gain, within noise or
 ///   below. Its op test and the lab case `ahead` are still unrun on the H200 (device time):
 ///   opt-in, `scripts/h200-run aheadtests,aheadlab` first if it is taken up again.
-/// * `proj_wave`: the decode's residual-add projections (out_proj, o_proj: sw_gemv with every
-///   output an f32 add) launched with one block an SM (132 on the H100 and H200), each walking
-///   its ~2 batches with the two register sets, instead of the 256 blocks two an SM hold. Why:
-///   stop 50's trace (H100, 4K) has 31% of the router's 33 blocks not resident before their PDL
-///   wait: two out_proj blocks of 256 threads at 128 registers fill an SM's register file, so a
-///   router block (the same size) starts only when one leaves, requests its weights and the
-///   norm's after the wait, and the last one to finish (which routes) has its x 5.1-5.2 µs after
-///   the wait against a median block's 3.0. Costs: out_proj's second batch of each block is
-///   loaded while its first is reduced rather than by another block. Written at stop 50, not
-///   yet run on a GPU: `scripts/h200-run stop51a` (arms at 4K and 128K, then the trace).
 /// * `route_flag`: gate|up's routed blocks take their expert ids from one u64 that the router's
 ///   last block publishes after the route (gemv.cu sw_publish_route, moe.cu's moe_flag_gate_up,
 ///   decode.rs moe_step), polled by one thread a block, instead of a PDL wait for the router's
@@ -173,7 +163,6 @@ pub const OPT_IN: &[&str] = &[
     "late_route",
     "route_sort",
     "route_ahead",
-    "proj_wave",
     "route_flag",
 ];
 
