@@ -946,7 +946,11 @@ impl Cuda {
     ///   (moe.cu's moe_flag_gate_up), and moe_wide's down zeroes it after its wait. Why: gate|up's
     ///   routed blocks can request their expert's rows only after the router's grid completes
     ///   and then one L2 round trip for the ids (~2 µs a layer from the wait to the rows
-    ///   requested, the trace's median); here the ids arrive with the poll.
+    ///   requested, the trace's median); here the ids arrive with the poll. What down reads is
+    ///   still ordered: its ids (before its own PDL wait, ld.global.cg) and the weights (after
+    ///   it) were written before the router's release, which every gate|up block acquired
+    ///   before letting down launch; the router's grid may still be exiting, but it writes
+    ///   nothing after the word.
     ///
     /// All give the composition's bits, take at most 256 experts and whatever moe_wide takes.
     /// `false`: not taken (the caller composes moe_router and moe_decode_add).
