@@ -221,16 +221,22 @@ __device__ __forceinline__ float sw_x_pro(const SwArgs& p, const float* nw, int 
 // (the logits, x, the shared gate's logit, ids and weights, all before the ticket or the barrier
 // below) before the word, as cooperative groups' grid barrier does (barrier, then one thread's
 // fence and store). moe_wide_down zeroes the word after its own wait, when every gate|up block
-// has read it. Every thread of the last block calls it (a barrier).
+// has read it. Every thread of the last block calls it (a barrier). Lane j < rk of warp 0 reads id
+// j and the word is OR-ed over lanes 0-7 by shuffles: one load round trip on the MoE block's
+// chain, not rk dependent ones.
 __device__ __forceinline__ void sw_publish_route(const SwArgs& p) {
-    __syncthreads();  // route_by's id and weight stores, by any thread, before thread 0 reads them
-    if (threadIdx.x == 0) {
-        u64 v = p.rk < 8 ? 1ull << 63 : 0ull;
-#pragma unroll 1
-        for (int j = 0; j < p.rk; j++) v |= (u64)(((const u32*)p.rids)[j] & 0xffu) << (8 * j);
-        *(u32*)p.counter = 0u;
-        __threadfence();
-        asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p.counter + 8), "l"(v) : "memory");
+    __syncthreads();  // route_by's id and weight stores, by any thread, before warp 0 reads them
+    if (threadIdx.x < 32) {
+        const int j = threadIdx.x;
+        u64 v = j < p.rk ? (u64)(((const u32*)p.rids)[j] & 0xffu) << (8 * j) : 0ull;
+#pragma unroll
+        for (int o = 1; o < 8; o <<= 1) v |= __shfl_xor_sync(FULL_MASK, v, o);
+        if (j == 0) {
+            if (p.rk < 8) v |= 1ull << 63;
+            *(u32*)p.counter = 0u;
+            __threadfence();
+            asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p.counter + 8), "l"(v) : "memory");
+        }
     }
 }
 
