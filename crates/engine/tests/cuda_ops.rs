@@ -2284,10 +2284,14 @@ fn moe_step_matches_its_composition_and_the_cpu() {
             // Three tokens in a row: a published route left unzeroed would give the next token
             // this one's ids.
             let flag = run(&["route_flag"]);
+            // down's count of gate|up blocks reset by its last block: stale, the next token's
+            // down would start before its gate|up is done.
+            let dflag = run(&["route_flag", "down_flag"]);
             for (variant, got) in [
                 ("moe_step", &fused),
                 ("late_route", &late),
                 ("route_flag", &flag),
+                ("route_flag,down_flag", &dflag),
             ] {
                 let what = format!("{variant} {bits}-bit experts, token {token}");
                 for (part, a, b) in [

@@ -136,6 +136,9 @@ pub(super) struct SwMoe {
     logits: u64,
     ntopk: i32,
     rblock: i32,
+    done: u64,
+    dn: i32,
+    dpad: i32,
 }
 
 /// `struct SwStep` of moe.cu (same layout): moe_step_gate_up's arguments.
@@ -690,6 +693,9 @@ impl Cuda {
             logits: 0,
             ntopk: 0,
             rblock: 0,
+            done: 0,
+            dn: 0,
+            dpad: 0,
         })
     }
 
@@ -903,6 +909,14 @@ impl Cuda {
         self.scratch(&mut sc, "route_counter", 16).map(|c| c + 8)
     }
 
+    /// down_flag's two u32 counts (moe.cu moe_wait_done: gate|up blocks done, down blocks past
+    /// their poll), zeroed when allocated and left at zero by every moe_flag_down launch. None:
+    /// the scratch failed (recorded).
+    fn down_flag_count(&self) -> Option<u64> {
+        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
+        self.scratch(&mut sc, "down_flag_count", 8)
+    }
+
     /// The operands of moe_step_add checked (a failure is recorded: the op is then skipped).
     pub(super) fn moe_step_operands_ok(
         &self,
@@ -951,6 +965,11 @@ impl Cuda {
     ///   it) were written before the router's release, which every gate|up block acquired
     ///   before letting down launch; the router's grid may still be exiting, but it writes
     ///   nothing after the word.
+    ///
+    ///   With `down_flag` too, down polls a count of gate|up blocks done instead of its PDL
+    ///   wait (moe.cu moe_flag_down, moe_wait_done): gate|up's grid completion off the chain as
+    ///   well. Down's block 0 zeroes the route word before its launch lets the next kernel
+    ///   start, as moe_wide_down does.
     ///
     /// All give the composition's bits, take at most 256 experts and whatever moe_wide takes.
     /// `false`: not taken (the caller composes moe_router and moe_decode_add).
@@ -1037,6 +1056,13 @@ impl Cuda {
             self.sw_gemv_route(x, &[rt, rs], &outs, route, None, None);
             p.counter = word;
             let (name, grid, smem) = moe_wide_gate_up_launch("moe_flag", bits, hid, w, k, rpb);
+            if self.opted_in("down_flag") {
+                let Some(done) = self.down_flag_count() else {
+                    return true;
+                };
+                p.done = done;
+                p.dn = grid as i32;
+            }
             self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::E(Box::new(p))]);
         } else {
             p.re = e as i32;
@@ -1056,7 +1082,13 @@ impl Cuda {
             self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::E(Box::new(p))]);
         }
         r.route.k = k;
-        let down = if late { "moe_late" } else { "moe_wide" };
+        let down = if late {
+            "moe_late"
+        } else if p.done != 0 {
+            "moe_flag"
+        } else {
+            "moe_wide"
+        };
         self.moe_wide_down(down, &p, bits, hid, w, k, dr);
         true
     }

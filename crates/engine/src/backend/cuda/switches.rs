@@ -152,6 +152,11 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   Why: in the trace (H100, 4K) gate|up's blocks have their rows requested a median 2.0 µs
 ///   after their wait (4.8 in the last block), two dependent L2 round trips of which the ids'
 ///   is one, and the wait itself follows the router's last block's exit. Written at stop 51.
+/// * `down_flag` (with `route_flag`; alone it changes nothing): down polls a count of the gate|up
+///   blocks done (each counts itself after its act stores, a fence first) instead of a PDL wait
+///   for gate|up's grid to complete (moe.cu moe_flag_down): the same bits. Why: the same test of
+///   the grid-completion wait as route_flag, at the one boundary whose pairing one op holds
+///   (gate|up and down are launched by moe_step together). Written at stop 52.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -164,6 +169,7 @@ pub const OPT_IN: &[&str] = &[
     "route_sort",
     "route_ahead",
     "route_flag",
+    "down_flag",
 ];
 
 impl Cuda {

@@ -257,6 +257,10 @@ struct SwMoe {
     u64 logits;       // moe_late: const float* [re], the router's logits (each block routes)
     int ntopk;        // moe_late: renormalise the top-k weights
     int rblock;       // moe_late: the route's form (route.cuh route_by: 2, route_sort for k <= 8)
+    u64 done;         // down_flag: u32 [2], gate|up blocks done, then down blocks past their poll
+                      // (moe_flag_gate_up counts, moe_flag_down polls and resets; 0: none)
+    int dn;           // down_flag: gate|up's grid, the count moe_flag_down waits for
+    int dpad;
 };
 
 template <int BITS, int C, int U>
@@ -885,12 +889,51 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
         }
         ((u16*)p.act)[(u64)j * W + row0 + tid] = bf16_rn(silu_f(g) * uv);
     }
+    // down_flag (GU_FLAG only): count this block done for moe_flag_down's poll. The barrier
+    // orders the act stores before thread 0's fence, which orders them before the count, as
+    // cooperative groups' grid barrier does.
+    if constexpr (MODE == GU_FLAG) {
+        if (p.done != 0) {
+            __syncthreads();
+            if (tid == 0) {
+                __threadfence();
+                atomicAdd((u32*)p.done, 1u);
+            }
+        }
+    }
 }
 
 // LATE (moe_late_down, opt-in `late_route`): the block routes the logits itself before its wait
 // (route.cuh route_sort or route_block; the router completed before any gate|up block passed
 // its wait, hence before this launch), block 0 writing the route for the host.
-template <int BITS, int C, int DR, bool LATE>
+// FLAG (moe_flag_down, opt-in `down_flag` beside `route_flag`): no PDL wait. Thread 0 polls the
+// count of gate|up blocks done (p.done[0], moe_flag_gate_up's end) up to p.dn with ld.acquire,
+// and the barrier hands what they wrote (act; the route they acquired) to the block. It cannot
+// hang: this launch starts only after every gate|up block has let it (PDL_LAUNCH, after their
+// poll of the route), so they are all resident or done. A count never reached (a host bug) traps
+// after ~2^22 polls. Block 0 then zeroes the published route (p.counter) before the launch lets
+// the next kernel start, as moe_wide_down does after its wait. Each block counts itself past its
+// poll in p.done[1] (the atomic's result is read only at the block's end, off its critical path);
+// the last one resets both words for the next launch: every block is past its poll and every
+// gate|up block has counted. Returns that ticket (thread 0; the others 0).
+__device__ __forceinline__ u32 moe_wait_done(const SwMoe& p, int tid) {
+    u32 ticket = 0u;
+    if (tid == 0) {
+        u32* d = (u32*)p.done;
+        for (u32 n = 0; ld_acquire_u32(d) < (u32)p.dn; n++)
+            if (n == 1u << 22) __trap();
+        if (blockIdx.x == 0) {
+            *(u64*)p.counter = 0ull;
+            __threadfence();
+        }
+        ticket = atomicAdd(d + 1, 1u);
+    }
+    __syncthreads();
+    TRACE_WAITED();
+    return ticket;
+}
+
+template <int BITS, int C, int DR, bool LATE, bool FLAG = false>
 __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     constexpr int K = 32 * C, RW = 32 / C, G = DR / RW, NP = BITS / 4;
     static_assert(G * RW == DR && G >= 1 && G <= 16, "rows per block: a multiple of RW, at most 16 groups");
@@ -928,11 +971,25 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
         wide_issue<BITS>(D, e, o, ln, base + (q * NP * T + tid) * 16, T * 16, base + codes + (q * T + tid) * 4, base + codes + sbw + (q * T + tid) * 4, true);
         cp_commit();
     }
-    PDL_WAIT();
+    u32 ticket = 0u;
+    if constexpr (FLAG) {
+        ticket = moe_wait_done(p, tid);
+    } else {
+        PDL_WAIT();
+        // moe_step / route_flag: every gate|up block is done (the wait above), so the router
+        // count or the published route goes back to 0 for the next launch, and before this
+        // launch lets the next kernel start: with route_flag a later MoE block's gate|up polls
+        // that word without a wait, and PDL launches cascade (each kernel lets the next launch
+        // before its own wait), so it must never find this block's word still set.
+        if (p.counter != 0) {
+            if (blockIdx.x == 0 && tid == 0) {
+                *(u64*)p.counter = 0ull;
+                __threadfence();
+            }
+            __syncthreads();
+        }
+    }
     PDL_LAUNCH();
-    // moe_step / route_flag: every gate|up block is done (the wait above), so the router count or
-    // the published route goes back to 0 for the next launch.
-    if (p.counter != 0 && blockIdx.x == 0 && tid == 0) *(u64*)p.counter = 0ull;
     if (lane == 0) wt[j] = routed ? (LATE ? rwt[j] : ((const float*)p.wts)[j]) : sigmoid_f(((const float*)p.slogit)[0]);
     float xv[32];
     const float xs = sw_x_act((const u16*)p.act + (u64)j * K, c, xv);
@@ -949,6 +1006,10 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     TRACE_MARK(2);  // every row group's dots done
     __syncthreads();
     if (tid < DR) moe_down_add(&red[0][0], DR, wt, nslot, tid, row0 + tid, H, (float*)p.h);
+    if (FLAG && tid == 0 && ticket == gridDim.x - 1) {
+        ((u32*)p.done)[0] = 0u;
+        ((u32*)p.done)[1] = 0u;
+    }
 }
 
 // No PDL_ENTRY: each body places its own wait (above).
@@ -977,6 +1038,10 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS, MWD_MINB) moe_late_down_##BITS##_##C##_##DR(SwMoe p) { \
         KTRACE();                                                                                           \
         moe_wide_down_body<BITS, C, DR, true>(p);                                                           \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS, MWD_MINB) moe_flag_down_##BITS##_##C##_##DR(SwMoe p) { \
+        KTRACE();                                                                                           \
+        moe_wide_down_body<BITS, C, DR, false, true>(p);                                                    \
     }
 #define MOE_WIDE_KERNELS(BITS)                                                                              \
     MOE_WIDE_GATE_UP(BITS, 8, 8) MOE_WIDE_GATE_UP(BITS, 8, 16) MOE_WIDE_GATE_UP(BITS, 8, 32)                 \
