@@ -393,7 +393,7 @@ impl Cuda {
     }
 
     /// `sw_gemv`, routing the token in the last block (`route`: the route to write, top-k, whether
-    /// to renormalise, whether to publish the ids for moe_flag_gate_up: gemv.cu sw_publish_route,
+    /// to renormalise, whether to publish the ids for moe_flag_gate_up: route.cuh route_weights,
     /// E <= 256 and k <= 8) from output 0, which must then be f32 router logits.
     /// With `conv` (obf 3 on output 0), output 0 goes through the GDN conv step in the epilogue.
     pub(super) fn sw_gemv_route(
@@ -955,7 +955,7 @@ impl Cuda {
     ///   much (switches.rs `late_route`).
     ///
     /// * `route_flag`: the router as moe_router launches it (sw_gemv_8, the route in its last
-    ///   block), which also publishes the ids as one u64 (gemv.cu sw_publish_route; k <= 8);
+    ///   block), which also publishes the ids as one u64 (route.cuh route_weights; k <= 8);
     ///   moe_wide's gate|up polls that word instead of a PDL wait and a read of the ids
     ///   (moe.cu's moe_flag_gate_up), and moe_wide's down zeroes it after its wait. Why: gate|up's
     ///   routed blocks can request their expert's rows only after the router's grid completes
@@ -995,8 +995,9 @@ impl Cuda {
             Self::sw_bits(rt.fmt) == Some(8) && rs.out == 1 && r.s.bf16() == 0
         } else if flag {
             // Eight ids of 8 bits in the published word (moe_step_experts: E <= 256); the
-            // publishing tail is compiled into the 8-bit sw_gemv only.
-            k <= 8 && Self::sw_bits(rt.fmt) == Some(8)
+            // publishing tail is compiled into the 8-bit sw_gemv only, and into the whole-block
+            // routes (route_block, route_sort), not route_warp.
+            k <= 8 && Self::sw_bits(rt.fmt) == Some(8) && self.route_kind(e, k) != 0
         } else {
             self.on("route_block")
         };

@@ -146,17 +146,25 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   below. Its op test and the lab case `ahead` are still unrun on the H200 (device time):
 ///   opt-in, `scripts/h200-run aheadtests,aheadlab` first if it is taken up again.
 /// * `route_flag`: gate|up's routed blocks take their expert ids from one u64 that the router's
-///   last block publishes after the route (gemv.cu sw_publish_route, moe.cu's moe_flag_gate_up,
+///   last block publishes after the route (route.cuh route_weights, moe.cu's moe_flag_gate_up,
 ///   decode.rs moe_step), polled by one thread a block, instead of a PDL wait for the router's
 ///   grid to complete and then an L2 read of the ids: the same bits (cuda_ops moe_step test).
 ///   Why: in the trace (H100, 4K) gate|up's blocks have their rows requested a median 2.0 µs
 ///   after their wait (4.8 in the last block), two dependent L2 round trips of which the ids'
 ///   is one, and the wait itself follows the router's last block's exit. Written at stop 51.
+///   Stop 52 (H100, `lily bench --arms`, 4 rounds at 4K, 2 at 128K, alternated): 546.64 against
+///   556.18 tok/s at 4K (0.983x), 351.91 against 354.30 at 128K (0.993x); the trace put the
+///   publish (a barrier, the ids loaded back from global memory, a sequentially consistent
+///   fence) at +1.0 µs of the router's tail. The publish then moved into route_weights (thread
+///   0, from shared memory, one release store).
 /// * `down_flag` (with `route_flag`; alone it changes nothing): down polls a count of the gate|up
-///   blocks done (each counts itself after its act stores, a fence first) instead of a PDL wait
-///   for gate|up's grid to complete (moe.cu moe_flag_down): the same bits. Why: the same test of
-///   the grid-completion wait as route_flag, at the one boundary whose pairing one op holds
-///   (gate|up and down are launched by moe_step together). Written at stop 52.
+///   blocks done (each counts itself after its act stores: a barrier, then a release add)
+///   instead of a PDL wait for gate|up's grid to complete (moe.cu moe_flag_down): the same bits.
+///   Why: the same test of the grid-completion wait as route_flag, at the one boundary whose
+///   pairing one op holds (gate|up and down are launched by moe_step together). Stop 52 (first
+///   form, fence + atomic): with route_flag 551.82 tok/s at 4K (0.992x of the defaults, 1.009x
+///   of route_flag alone), 352.80 at 128K (0.996x); in place down's wait -> x fell 1.53 -> 0.36
+///   µs but its dots waited on its weights instead (2.06 -> 2.94 µs): down 6.44 -> 6.65 µs.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",

@@ -38,7 +38,7 @@
 // default, 2-3% faster decode), route_sort (`rblock` 2, opt-in `route_sort`: per-warp bitonic
 // sorts and a 64-candidate rank, k <= 8) or route_warp (one warp, k arg-max rounds): the same ids
 // and weights (route.cuh route_by). With `rflag` (opt-in `route_flag`) the last block also
-// publishes the ids as one u64 that moe.cu's moe_flag_gate_up polls (sw_publish_route).
+// publishes the ids as one u64 that moe.cu's moe_flag_gate_up polls (route.cuh route_weights).
 // AHEAD (fe != 0: a decode step's out_proj / o_proj folding the next MoE block's router,
 // Backend::route_ahead; one f32-add output, no route): after each batch's residual add the block
 // takes the batch's RB new rows of h, times the block's norm weight, and every thread e of the
@@ -66,7 +66,7 @@ struct SwArgs {
     u64 rids;     // ROUTE: u32* [rk] expert ids of the top-rk of out[0] (f32 router logits), or 0
     u64 rwts;     // ROUTE: float* [rk] their weights
     u64 counter;  // ROUTE: u32 zeroed before the first launch; the last block resets it. With
-                  // rflag, the u64 at counter + 8 is the published route (sw_publish_route)
+                  // rflag, the u64 at counter + 8 is the published route (route.cuh route_weights)
     float eps;
     int re;       // ROUTE: experts (rows of matrix 0)
     int rk;       // ROUTE: top-k
@@ -210,34 +210,6 @@ __device__ __forceinline__ float sw_x_pro(const SwArgs& p, const float* nw, int 
         }
     }
     return xs;
-}
-
-// ROUTE with rflag (opt-in `route_flag`, decode.rs moe_step; 8-bit routers): the route the last block just
-// wrote (ids and weights, global) published as ONE u64 at counter + 8, id j in bits 8j .. 8j + 7
-// (E <= 256, rk <= 8; bit 63 set when rk < 8, so a published word is never 0). moe.cu's
-// moe_flag_gate_up polls that word instead of waiting for this grid to complete and then reading
-// the ids: the ids come with the poll, one L2 round trip and the grid's completion off the MoE
-// block's chain. The counter is reset first and the fence orders every write this launch made
-// (the logits, x, the shared gate's logit, ids and weights, all before the ticket or the barrier
-// below) before the word, as cooperative groups' grid barrier does (barrier, then one thread's
-// fence and store). moe_wide_down zeroes the word after its own wait, when every gate|up block
-// has read it. Every thread of the last block calls it (a barrier). Lane j < rk of warp 0 reads id
-// j and the word is OR-ed over lanes 0-7 by shuffles: one load round trip on the MoE block's
-// chain, not rk dependent ones.
-__device__ __forceinline__ void sw_publish_route(const SwArgs& p) {
-    __syncthreads();  // route_by's id and weight stores, by any thread, before warp 0 reads them
-    if (threadIdx.x < 32) {
-        const int j = threadIdx.x;
-        u64 v = j < p.rk ? (u64)(((const u32*)p.rids)[j] & 0xffu) << (8 * j) : 0ull;
-#pragma unroll
-        for (int o = 1; o < 8; o <<= 1) v |= __shfl_xor_sync(FULL_MASK, v, o);
-        if (j == 0) {
-            if (p.rk < 8) v |= 1ull << 63;
-            *(u32*)p.counter = 0u;
-            __threadfence();
-            asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(p.counter + 8), "l"(v) : "memory");
-        }
-    }
 }
 
 template <int BITS, int C, int U, int PRO, bool AHEAD = false>
@@ -395,10 +367,12 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
         TRACE_MARK(1);  // the fence and the ticket done (the probe's placement, header)
 #endif
         if (last) {
-            route_by(p.rblock, (const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk);
-            // The 8-bit router only (the host's condition): the other kernels' code stays as it was.
-            if (BITS == 8 && p.rflag) sw_publish_route(p);
-            else if (tid == 0) *(u32*)p.counter = 0u;
+            // rflag (opt-in `route_flag`, the 8-bit router only: the other kernels' code stays as
+            // it was): route.cuh route_weights publishes the ids at counter + 8 for moe.cu's
+            // moe_flag_gate_up and resets the counter itself.
+            u32* pub = BITS == 8 && p.rflag ? (u32*)p.counter : nullptr;
+            route_by(p.rblock, (const float*)p.out[0], (u32*)p.rids, (float*)p.rwts, p.re, p.rk, p.ntopk, pub);
+            if (pub == nullptr && tid == 0) *(u32*)p.counter = 0u;
         }
     }
 }

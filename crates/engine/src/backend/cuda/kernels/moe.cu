@@ -253,7 +253,7 @@ struct SwMoe {
     int k;
     int re;           // moe_late: the experts routed from `logits` (0: the route is in ids, wts)
     u64 counter;      // moe_step: u32 router blocks done; moe_flag: the router's published route
-                      // (u64, gemv.cu sw_publish_route). moe_wide_down zeroes its 8 bytes (0: none)
+                      // (u64, route.cuh route_weights). moe_wide_down zeroes its 8 bytes (0: none)
     u64 logits;       // moe_late: const float* [re], the router's logits (each block routes)
     int ntopk;        // moe_late: renormalise the top-k weights
     int rblock;       // moe_late: the route's form (route.cuh route_by: 2, route_sort for k <= 8)
@@ -701,7 +701,7 @@ __device__ __forceinline__ u64 ld_acquire_u64(const u64* p) {
     return v;
 }
 
-// GU_FLAG: the route the router's last block published (gemv.cu sw_publish_route: id j in bits
+// GU_FLAG: the route the router's last block published (route.cuh route_weights: id j in bits
 // 8j .. 8j + 7, never 0 once published), polled by one thread of the block. Why it cannot hang:
 // a PDL launch starts only after every block of the router has let it (PDL_LAUNCH, after the
 // router's own wait), so all of the router's blocks are resident or done and its last block
@@ -890,15 +890,12 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
         ((u16*)p.act)[(u64)j * W + row0 + tid] = bf16_rn(silu_f(g) * uv);
     }
     // down_flag (GU_FLAG only): count this block done for moe_flag_down's poll. The barrier
-    // orders the act stores before thread 0's fence, which orders them before the count, as
-    // cooperative groups' grid barrier does.
+    // orders the act stores before thread 0's release add (the arrive of CUTLASS's generic
+    // barrier: no separate fence).
     if constexpr (MODE == GU_FLAG) {
         if (p.done != 0) {
             __syncthreads();
-            if (tid == 0) {
-                __threadfence();
-                atomicAdd((u32*)p.done, 1u);
-            }
+            if (tid == 0) asm volatile("red.release.gpu.global.add.u32 [%0], 1;" ::"l"(p.done) : "memory");
         }
     }
 }

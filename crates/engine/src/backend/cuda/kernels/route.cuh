@@ -79,6 +79,7 @@ __device__ __forceinline__ void route_warp(const float* __restrict__ l, u32* __r
 struct __align__(16) RouteSmem {
     float ps[256];  // the exponentials, then (route_block) the probabilities
     float top[32];  // the chosen p by slot
+    u32 id[32];     // the chosen ids by slot (read by route_weights' publish)
     float wmax[8];  // the warps' maxima
     float ssum;     // the sum of the exponentials, then of the chosen p
 };
@@ -111,21 +112,41 @@ __device__ __forceinline__ float route_softmax(const float* __restrict__ l, int 
 
 // The weights from the chosen p in s.top[0, k) (written before the call): summed in slot order by
 // one thread, as route_warp. Every thread of the block calls it (barriers).
-__device__ __forceinline__ void route_weights(RouteSmem& s, float* __restrict__ weights, int k, int norm_topk) {
+// pub (opt-in `route_flag`, the router's last block; k <= 8, ids < 256): the ticket at pub[0],
+// the published route at pub + 2 (a u64, moe.cu moe_flag_gate_up polls it). Thread 0 then also
+// writes the k weights (the same expression, so the same bits), packs the ids from s.id (id j in
+// bits 8j .. 8j + 7, bit 63 set when k < 8, so a published word is never 0), resets the ticket
+// and stores the word with release semantics: the barrier above orders every thread's route
+// stores, and the blocks' logits, x and shared logit were fenced before their tickets, which
+// this block's ticket observed; a release by one thread after a block barrier is the arrive of
+// CUTLASS's generic barrier. Why here: no second barrier, no load of the ids back from global
+// memory and no sequentially consistent fence (stop 52's trace: publishing after the route
+// added 1.0 µs to the router's tail).
+__device__ __forceinline__ void route_weights(RouteSmem& s, float* __restrict__ weights, int k, int norm_topk, u32* pub = nullptr) {
     const int t = threadIdx.x;
     __syncthreads();
     if (t == 0) {
         float sum = 0.0f;
         for (int j = 0; j < k; j++) sum += s.top[j];
         s.ssum = sum;
+        if (pub != nullptr) {
+            u64 v = k < 8 ? 1ull << 63 : 0ull;
+            for (int j = 0; j < k; j++) {
+                weights[j] = s.top[j] / (norm_topk ? sum : 1.0f);
+                v |= (u64)(s.id[j] & 0xffu) << (8 * j);
+            }
+            pub[0] = 0u;
+            asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(pub + 2), "l"(v) : "memory");
+        }
     }
+    if (pub != nullptr) return;  // uniform: every thread has the same pub
     __syncthreads();
     if (t < k) weights[t] = s.top[t] / (norm_topk ? s.ssum : 1.0f);
 }
 
 // route_block (the note above RouteSmem).
 __device__ __forceinline__ void route_block(const float* __restrict__ l, u32* __restrict__ ids, float* __restrict__ weights, int E, int k,
-                                            int norm_topk) {
+                                            int norm_topk, u32* pub = nullptr) {
     __shared__ RouteSmem s;
     const int t = threadIdx.x;
     const float p = route_softmax(l, E, s);
@@ -145,10 +166,11 @@ __device__ __forceinline__ void route_block(const float* __restrict__ l, u32* __
         }
         if (r < k) {
             s.top[r] = p;
+            s.id[r] = (u32)t;
             ids[r] = (u32)t;
         }
     }
-    route_weights(s, weights, k, norm_topk);
+    route_weights(s, weights, k, norm_topk, pub);
 }
 
 // route_sort: route_block's function (the same ids and weights, bit for bit: the same softmax
@@ -165,7 +187,7 @@ __device__ __forceinline__ void route_block(const float* __restrict__ l, u32* __
 // chain of 15 dependent shuffle stages: the router's tail 4.1 -> 5.1 µs a layer). Called by every thread of a block of at least
 // 256 (threads from 256 on only meet the barriers); E <= 256, k <= 8.
 __device__ __forceinline__ void route_sort(const float* __restrict__ l, u32* __restrict__ ids, float* __restrict__ weights, int E, int k,
-                                           int norm_topk) {
+                                           int norm_topk, u32* pub = nullptr) {
     __shared__ RouteSmem s;
     __shared__ float cv[64];
     __shared__ int ci[64];
@@ -207,18 +229,20 @@ __device__ __forceinline__ void route_sort(const float* __restrict__ l, u32* __r
         }
         if (r < k) {
             s.top[r] = c;
+            s.id[r] = (u32)id;
             ids[r] = (u32)id;
         }
     }
-    route_weights(s, weights, k, norm_topk);
+    route_weights(s, weights, k, norm_topk, pub);
 }
 
 // The route of `rblock` (gemv.cu's ROUTE and route_ahead, moe.cu's late routes; decode.rs
 // route_kind): 2 route_sort (k <= 8, else route_block), 1 route_block, 0 route_warp by warp 0.
-// Called by every thread of the block.
+// Called by every thread of the block. pub: route_weights' publish (route_block and route_sort
+// only: the host never asks it of route_warp).
 __device__ __forceinline__ void route_by(int rblock, const float* __restrict__ l, u32* __restrict__ ids, float* __restrict__ weights, int E, int k,
-                                         int norm_topk) {
-    if (rblock == 2 && k <= 8) route_sort(l, ids, weights, E, k, norm_topk);
-    else if (rblock) route_block(l, ids, weights, E, k, norm_topk);
+                                         int norm_topk, u32* pub = nullptr) {
+    if (rblock == 2 && k <= 8) route_sort(l, ids, weights, E, k, norm_topk, pub);
+    else if (rblock) route_block(l, ids, weights, E, k, norm_topk, pub);
     else if (threadIdx.x < 32) route_warp(l, ids, weights, E, k, norm_topk, threadIdx.x);
 }
