@@ -114,6 +114,13 @@ pub(super) struct RaArgs {
     sbf: i32,
 }
 
+/// Bytes of sw_gemv_route's scratch, which every launch leaves at zero: the router's ticket (u32
+/// at 0); with route_flag the published route (u64 at 8: route.cuh route_weights writes it,
+/// moe_flag_gate_up polls it, moe_wide_down / moe_flag_down zero it); with down_flag the gate|up
+/// blocks done and the down blocks past their poll (two u32 at 16: moe.cu moe_wait_done). One
+/// size for every caller: a larger request would reallocate it under a recorded launch.
+const ROUTE_SCRATCH: usize = 24;
+
 /// `struct SwMoe` of moe.cu (same layout).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -394,7 +401,7 @@ impl Cuda {
 
     /// `sw_gemv`, routing the token in the last block (`route`: the route to write, top-k, whether
     /// to renormalise, whether to publish the ids for moe_flag_gate_up: route.cuh route_weights,
-    /// E <= 256 and k <= 8) from output 0, which must then be f32 router logits.
+    /// E <= 256 and k <= 8; ROUTE_SCRATCH) from output 0, which must then be f32 router logits.
     /// With `conv` (obf 3 on output 0), output 0 goes through the GDN conv step in the epilogue.
     pub(super) fn sw_gemv_route(
         &self,
@@ -496,10 +503,7 @@ impl Cuda {
             p.ck = c.k as i32;
         }
         if let Some((r, k, norm, publish)) = route {
-            let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-            // Zeroed when allocated; every launch leaves it at zero. The u32 ticket, then (at 8)
-            // the u64 of a published route (route_flag_word).
-            let Some(counter) = self.scratch(&mut sc, "route_counter", 16) else {
+            let Some(counter) = self.route_scratch() else {
                 return;
             };
             p.rflag = publish as i32;
@@ -902,19 +906,11 @@ impl Cuda {
             .flatten()
     }
 
-    /// Where the router's last block publishes the route for moe_flag_gate_up (route_flag): the
-    /// u64 at 8 bytes into sw_gemv_route's ticket scratch. None: the scratch failed (recorded).
-    fn route_flag_word(&self) -> Option<u64> {
+    /// sw_gemv_route's scratch (ROUTE_SCRATCH), zeroed when allocated. None: the scratch failed
+    /// (recorded).
+    fn route_scratch(&self) -> Option<u64> {
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        self.scratch(&mut sc, "route_counter", 16).map(|c| c + 8)
-    }
-
-    /// down_flag's two u32 counts (moe.cu moe_wait_done: gate|up blocks done, down blocks past
-    /// their poll), zeroed when allocated and left at zero by every moe_flag_down launch. None:
-    /// the scratch failed (recorded).
-    fn down_flag_count(&self) -> Option<u64> {
-        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        self.scratch(&mut sc, "down_flag_count", 8)
+        self.scratch(&mut sc, "route_counter", ROUTE_SCRATCH)
     }
 
     /// The operands of moe_step_add checked (a failure is recorded: the op is then skipped).
@@ -1042,35 +1038,18 @@ impl Cuda {
                 pad: 0,
             };
             self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::T(Box::new(st))]);
-        } else if flag {
-            let Some(word) = self.route_flag_word() else {
-                return true;
-            };
-            let x = SwX::Norm {
-                h,
-                w: norm,
-                eps,
-                xn: Some(r.xn),
-            };
-            let outs = [(r.logits.mem.ptr, 0), (r.s.mem.ptr, r.s.bf16())];
-            let route = Some((&*r.route, k, d.norm_topk, true));
-            self.sw_gemv_route(x, &[rt, rs], &outs, route, None, None);
-            p.counter = word;
-            let (name, grid, smem) = moe_wide_gate_up_launch("moe_flag", bits, hid, w, k, rpb);
-            if self.opted_in("down_flag") {
-                let Some(done) = self.down_flag_count() else {
+        } else {
+            // The router as moe_router launches it (sw_gemv, the norm prologue). route_flag: it
+            // also routes in its last block and publishes the ids (ROUTE_SCRATCH's layout);
+            // late_route: its logits only, every routed gate|up block routing them.
+            let base = if flag {
+                let Some(b) = self.route_scratch() else {
                     return true;
                 };
-                p.done = done;
-                p.dn = grid as i32;
-            }
-            self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::E(Box::new(p))]);
-        } else {
-            p.re = e as i32;
-            p.logits = r.logits.mem.ptr;
-            p.ntopk = d.norm_topk as i32;
-            // Every routed block routes (route.cuh route_by): route_sort for k <= 8.
-            p.rblock = 2;
+                b
+            } else {
+                0
+            };
             let x = SwX::Norm {
                 h,
                 w: norm,
@@ -1078,8 +1057,24 @@ impl Cuda {
                 xn: Some(r.xn),
             };
             let outs = [(r.logits.mem.ptr, 0), (r.s.mem.ptr, r.s.bf16())];
-            self.sw_gemv(x, &[rt, rs], &outs);
-            let (name, grid, smem) = moe_wide_gate_up_launch("moe_late", bits, hid, w, k, rpb);
+            let route = flag.then_some((&*r.route, k, d.norm_topk, true));
+            self.sw_gemv_route(x, &[rt, rs], &outs, route, None, None);
+            let kind = if flag {
+                p.counter = base + 8;
+                "moe_flag"
+            } else {
+                p.re = e as i32;
+                p.logits = r.logits.mem.ptr;
+                p.ntopk = d.norm_topk as i32;
+                // Every routed block routes (route.cuh route_by): route_sort for k <= 8.
+                p.rblock = 2;
+                "moe_late"
+            };
+            let (name, grid, smem) = moe_wide_gate_up_launch(kind, bits, hid, w, k, rpb);
+            if flag && self.opted_in("down_flag") {
+                p.done = base + 16;
+                p.dn = grid as i32;
+            }
             self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::E(Box::new(p))]);
         }
         r.route.k = k;
