@@ -14,6 +14,13 @@
 //            dependency chain as in a megakernel (Hazy Research's Llama-1B). Whether a phase then
 //            costs the barrier and the arithmetic only, which a chain of kernels cannot reach
 //            (PDL lets one kernel ahead request its weights, not several).
+//   chainT   chain with the block's weight slice fetched by the Tensor Memory Accelerator: one
+//            thread issues cp.async.bulk copies of 16 KB (global -> shared, completion counted on
+//            an mbarrier) before the wait, instead of every thread issuing 16-byte cp.async
+//   tmaS     deepS with the ring filled the same way (S = 3, 6): the one form stop 27 left
+//            unmeasured. Stop 27 found a persistent phase reading at ~1.6 TB/s through cp.async
+//            whatever the ring's depth; whether the bulk copies lift that (and the chain's
+//            weighted phases) says whether a megakernel's weight stream can run ahead at all.
 //   cluster  persist with the dependency cluster-local: clusters of 8 blocks, cluster c owning
 //            rows [c·2048/ncl, (c+1)·2048/ncl) of every phase and reading only its own rows of
 //            y_p (a block-diagonal GEMV: the same weight bytes), phases ordered by the hardware
@@ -225,6 +232,91 @@ __global__ void __launch_bounds__(T) persist(Args a) {
     }
 }
 
+// ---- The Tensor Memory Accelerator's bulk copies (chainT, tmaS). A slot's mbarrier counts one
+// arrival (thread 0's, with the slice's byte count as its transaction count) and completes when
+// every byte of the slot's copies has landed; a waiter spins on the phase's parity.
+__device__ __forceinline__ void mbar_init(uint64_t* m) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(m)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* m, unsigned parity) {
+    asm volatile(
+        "{\n\t.reg .pred p;\n"
+        "W_%=:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
+        "@!p bra W_%=;\n}" ::"r"(smem_u32(m)),
+        "r"(parity)
+        : "memory");
+}
+constexpr int TMA_PIECE = 16384;  // bytes a bulk copy
+// Thread 0: the block's slice of phase p's weights into `dst`, counted on m (bytes a multiple of 16).
+__device__ __forceinline__ void tma_slice(const Args& a, int p, int rpb, unsigned char* dst, uint64_t* m) {
+    const unsigned bytes = (unsigned)(rpb * a.kw);
+    const unsigned char* src = (const unsigned char*)a.w + ((size_t)p * D + (size_t)blockIdx.x * rpb) * a.kw;
+    // Earlier generic reads of dst (the previous use of the slot) before the async proxy's writes.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(m)), "r"(bytes) : "memory");
+    for (unsigned o = 0; o < bytes; o += TMA_PIECE) {
+        const unsigned n = min((unsigned)TMA_PIECE, bytes - o);
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem_u32(dst + o)),
+                     "l"(src + o), "r"(n), "r"(smem_u32(m))
+                     : "memory");
+    }
+}
+
+// chain with the slice fetched by bulk copies (kw > 0 only).
+__global__ void __launch_bounds__(T) chain_tma(Args a, int p) {
+    extern __shared__ __align__(16) unsigned char wsm[];
+    __shared__ __align__(8) uint64_t mb;
+    const int rpb = D / gridDim.x;
+    if (threadIdx.x == 0) {
+        mbar_init(&mb);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        tma_slice(a, p, rpb, wsm, &mb);  // weights never depend on the previous phase
+    }
+    __syncthreads();  // the barrier's init, before any thread waits on it
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" :::);
+    uint64_t* m = &mb;
+    phase_body(a, p, rpb, wsm, [m] { mbar_wait(m, 0); });
+}
+
+// deepS with the ring filled by bulk copies: slot q % S, its mbarrier's use q / S (the parity).
+template <int S>
+__global__ void __launch_bounds__(T) tma_persist(Args a) {
+    extern __shared__ __align__(16) unsigned char wsm[];
+    __shared__ __align__(8) uint64_t mb[S];
+    const int G = gridDim.x, rpb = D / G;
+    const size_t slice = (size_t)rpb * a.kw;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < S; i++) mbar_init(&mb[i]);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (int q = 0; q < S - 1 && q < a.nph; q++) tma_slice(a, q, rpb, wsm + q * slice, &mb[q]);
+    }
+    __syncthreads();
+    for (int p = 0; p < a.nph; p++) {
+        const int ahead = p + S - 1;  // the slot of phase p - 1, free since its dots
+        if (ahead < a.nph && threadIdx.x == 0) tma_slice(a, ahead, rpb, wsm + (ahead % S) * slice, &mb[ahead % S]);
+        if (p > 0) {
+            if (threadIdx.x == 0) {
+                const unsigned target = a.epoch + (unsigned)p * G;
+                unsigned seen;
+                do {
+                    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(a.bar) : "memory");
+                } while ((int)(seen - target) < 0);
+            }
+            __syncthreads();
+        }
+        uint64_t* m = &mb[p % S];
+        const unsigned par = (unsigned)(p / S) & 1u;
+        phase_body(a, p, rpb, wsm + (p % S) * slice, [m, par] { mbar_wait(m, par); });
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(a.bar, 1u);
+        }
+    }
+}
+
 // persist with cluster-local dependencies (the `cluster` design above): launched with clusters
 // of CL blocks; x is the cluster's own XL = D / ncl rows of y_p.
 __global__ void __launch_bounds__(T) clustered(Args a) {
@@ -323,6 +415,9 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(persist<4>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
     CK(cudaFuncSetAttribute(persist<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
     CK(cudaFuncSetAttribute(clustered, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    CK(cudaFuncSetAttribute(chain_tma, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
+    CK(cudaFuncSetAttribute(tma_persist<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    CK(cudaFuncSetAttribute(tma_persist<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     cudaEvent_t e0, e1;
@@ -380,6 +475,8 @@ int main(int argc, char** argv) {
     printf("%6s %8s %5s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %9s %7s | %s\n", "KW",
            "MB/phase", "G", "floor us", "TB/s", "chain us", "TB/s", "early us", "TB/s", "plain us", "TB/s", "persist", "TB/s", "deep3",
            "TB/s", "deep4", "TB/s", "deep6", "TB/s", "cluster", "TB/s", "bits");
+    // The Tensor Memory Accelerator's forms, after the row above (the same phases and bits).
+    printf("%6s %8s %5s | %9s %7s | %9s %7s | %9s %7s | %s\n", "KW", "MB/phase", "G", "chainT us", "TB/s", "tma3", "TB/s", "tma6", "TB/s", "bits");
     for (int kw : kws) {
         const double mb = (double)D * kw / 1e6;
         // The floor: all nph phases' weights in one streaming read.
@@ -466,6 +563,54 @@ int main(int argc, char** argv) {
                 CK(cudaOccupancyMaxActiveClusters(&ncl, clustered, &cfg));
                 if (ncl * 8 >= G) cluster_us = timed([&] { CK(cudaLaunchKernelEx(&cfg, clustered, a)); }) / nph;
             }
+            // chainT (a recorded graph, as chain) and tma3 / tma6 (as deep3 / deep6).
+            double tma_us[3] = {-1.0, -1.0, -1.0};
+            std::vector<float> touts[3];
+            if (kw > 0) {
+                cudaGraph_t g;
+                cudaGraphExec_t ge;
+                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+                for (int p = 0; p < nph; p++) {
+                    cudaLaunchConfig_t cfg = {};
+                    cfg.gridDim = dim3(G);
+                    cfg.blockDim = dim3(T);
+                    cfg.dynamicSmemBytes = slice;
+                    cfg.stream = st;
+                    cudaLaunchAttribute at[1];
+                    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+                    at[0].val.programmaticStreamSerializationAllowed = 1;
+                    cfg.attrs = at;
+                    cfg.numAttrs = 1;
+                    CK(cudaLaunchKernelEx(&cfg, chain_tma, a, p));
+                }
+                CK(cudaStreamEndCapture(st, &g));
+                CK(cudaGraphInstantiate(&ge, g, 0));
+                tma_us[0] = timed([&] { CK(cudaGraphLaunch(ge, st)); }) / nph;
+                touts[0].resize(D);
+                CK(cudaMemcpy(touts[0].data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
+                CK(cudaGraphExecDestroy(ge));
+                CK(cudaGraphDestroy(g));
+                const int trings[2] = {3, 6};
+                for (int v = 0; v < 2; v++) {
+                    const int S = trings[v];
+                    auto kern = S == 3 ? tma_persist<3> : tma_persist<6>;
+                    if (S * slice > 200 * 1024) continue;
+                    int per_sm = 0;
+                    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, T, S * slice));
+                    if (per_sm * sms < G) continue;
+                    tma_us[v + 1] = timed([&] {
+                                        a.epoch = launches * (unsigned)nph * (unsigned)G;
+                                        launches++;
+                                        kern<<<G, T, S * slice, st>>>(a);
+                                    }) /
+                                    nph;
+                    CK(cudaStreamSynchronize(st));
+                    CK(cudaMemset(bar, 0, 4));
+                    launches = 0;
+                    touts[v + 1].resize(D);
+                    CK(cudaMemcpy(touts[v + 1].data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
+                }
+            }
             CK(cudaGetLastError());
             bool same = true;
             for (int v = 1; v < 3; v++) same = same && (outs[v].empty() || memcmp(outs[0].data(), outs[v].data(), D * 4) == 0);
@@ -475,6 +620,12 @@ int main(int argc, char** argv) {
                    chain_us[0], tbs(chain_us[0]), chain_us[1], tbs(chain_us[1]), chain_us[2], tbs(chain_us[2]));
             for (int v = 0; v < 4; v++) printf(" | %9.2f %7.2f", persist_us[v], tbs(persist_us[v]));
             printf(" | %9.2f %7.2f | %s\n", cluster_us, tbs(cluster_us), same ? "equal" : "DIFFER");
+            if (kw > 0) {
+                bool tsame = true;
+                for (int v = 0; v < 3; v++) tsame = tsame && (touts[v].empty() || memcmp(outs[0].data(), touts[v].data(), D * 4) == 0);
+                printf("%6d %8.2f %5d | %9.2f %7.2f | %9.2f %7.2f | %9.2f %7.2f | %s\n", kw, mb, G, tma_us[0], tbs(tma_us[0]), tma_us[1],
+                       tbs(tma_us[1]), tma_us[2], tbs(tma_us[2]), tsame ? "equal" : "DIFFER");
+            }
         }
     }
     printf("a token of the full preset runs 264 kernels and reads 1.67 GB (~6.3 MB a kernel); 1,000 tok/s needs ~3.8 us a kernel\n");
