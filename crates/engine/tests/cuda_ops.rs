@@ -2287,11 +2287,15 @@ fn moe_step_matches_its_composition_and_the_cpu() {
             // down's count of gate|up blocks reset by its last block: stale, the next token's
             // down would start before its gate|up is done.
             let dflag = run(&["route_flag", "down_flag"]);
+            // down's rows by bulk copies: a slot's layout or an mbarrier phase wrong would show
+            // as other bits (or a hang, which the test's time limit catches).
+            let tma = run(&["down_tma"]);
             for (variant, got) in [
                 ("moe_step", &fused),
                 ("late_route", &late),
                 ("route_flag", &flag),
                 ("route_flag,down_flag", &dflag),
+                ("down_tma", &tma),
             ] {
                 let what = format!("{variant} {bits}-bit experts, token {token}");
                 for (part, a, b) in [

@@ -876,7 +876,14 @@ impl Cuda {
         let c = w / 32;
         let threads = 32 * (k + 1);
         let g = dr / (32 / c);
-        let smem = (g * threads * (16 * (bits / 4) + 8)) as u32;
+        let mut smem = (g * threads * (16 * (bits / 4) + 8)) as u32;
+        let mut kind = kind;
+        if kind == "moe_wide" && self.opted_in("down_tma") {
+            if let Some(slot) = down_tma_slot(p, bits, w, dr) {
+                kind = "moe_tma";
+                smem = ((k + 1) * slot) as u32;
+            }
+        }
         self.launch(
             &format!("{kind}_down_{bits}_{c}_{dr}"),
             ((hid / dr) as u32, 1, 1),
@@ -1122,6 +1129,29 @@ fn moe_wide_gate_up_launch(
         ((k + 1) * w / rpb) as u32,
         smem,
     )
+}
+
+/// Bytes of shared memory a slot of moe_tma_down takes (opt-in `down_tma`: its DR rows of codes,
+/// scales and biases, row-major), when its bulk copies can take these experts: every copy a
+/// multiple of 16 bytes from a 16-byte aligned address (the matrices' buffers, an expert's and a
+/// block's offsets), and the shared expert laid out as the routed ones (one slot layout). None:
+/// moe_wide's own down runs.
+fn down_tma_slot(p: &SwMoe, bits: usize, w: usize, dr: usize) -> Option<usize> {
+    let (d, sd) = (&p.d, &p.sd);
+    let gs = d.gs as usize;
+    if gs == 0 || !w.is_multiple_of(gs) || sd.gs != d.gs || d.inp as usize != w || sd.inp != d.inp {
+        return None;
+    }
+    let (rowb, gpr) = (w * bits / 8, w / gs);
+    let aligned = [d, sd].iter().all(|m| {
+        m.w % 16 == 0
+            && m.s % 16 == 0
+            && m.b % 16 == 0
+            && (m.wpm * 4) % 16 == 0
+            && (m.gpm * 2) % 16 == 0
+    });
+    let sized = (dr * rowb).is_multiple_of(16) && (dr * gpr * 2).is_multiple_of(16);
+    (aligned && sized).then_some(dr * (rowb + 4 * gpr))
 }
 
 /// Rows per block of moe_wide's gate|up and down kernels (`LILY_CUDA_MOE_WIDE=RPB,DR`: RPB 8, 16

@@ -165,6 +165,14 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   form, fence + atomic): with route_flag 551.82 tok/s at 4K (0.992x of the defaults, 1.009x
 ///   of route_flag alone), 352.80 at 128K (0.996x); in place down's wait -> x fell 1.53 -> 0.36
 ///   µs but its dots waited on its weights instead (2.06 -> 2.94 µs): down 6.44 -> 6.65 µs.
+/// * `down_tma`: moe_wide's down with each slot's rows fetched by the Tensor Memory Accelerator
+///   (moe.cu moe_tma_down: three cp.async.bulk copies a slot, issued by its lane 0 before the PDL
+///   wait, counted on an mbarrier) instead of 16-byte cp.async by every lane: the same SwUnit
+///   values, so the same bits (cuda_ops moe_step test). Why: down's dots wait on its weights
+///   (stop 52's trace: 2.06 µs from x to the dots' end, 2.94 with down_flag), and stop 27's
+///   skeleton read a block's weights at ~1.6 TB/s through per-thread cp.async at any depth; the
+///   skeleton's chainT form (stop 53) measures bulk copies on a bare chain. Written at stop 53,
+///   not yet run on a GPU.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -178,6 +186,7 @@ pub const OPT_IN: &[&str] = &[
     "route_ahead",
     "route_flag",
     "down_flag",
+    "down_tma",
 ];
 
 impl Cuda {

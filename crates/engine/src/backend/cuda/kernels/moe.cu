@@ -930,7 +930,11 @@ __device__ __forceinline__ u32 moe_wait_done(const SwMoe& p, int tid) {
     return ticket;
 }
 
-template <int BITS, int C, int DR, bool LATE, bool FLAG = false>
+// TMA (moe_tma_down, opt-in `down_tma`): each slot's DR rows (codes, scales, biases) fetched by
+// three bulk copies that the slot's lane 0 issues (wide.cuh tma_rows), laid out row-major in the
+// slot's part of shared memory (DR·(W·BITS/8 + 4·W/gs) bytes), the warp waiting on the slot's
+// mbarrier before its first dot: the same SwUnit values (tma_fetch), so the same bits.
+template <int BITS, int C, int DR, bool LATE, bool FLAG = false, bool TMA = false>
 __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     constexpr int K = 32 * C, RW = 32 / C, G = DR / RW, NP = BITS / 4;
     static_assert(G * RW == DR && G >= 1 && G <= 16, "rows per block: a multiple of RW, at most 16 groups");
@@ -962,11 +966,26 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     const SwLane ln = sw_lane(p.d, c);
     const int half = (int)(ln.gch & 1u);
     const u32 base = smem_u32(wsm);
+    // TMA: slot j's rows at wsm + j·slotb (rowb bytes of codes a row, then gpr scales and gpr
+    // biases a row); its mbarrier mb[j], initialised and armed by the slot's lane 0.
+    // The slots share one layout: the host checks that the shared expert's group size is the
+    // routed experts'.
+    __shared__ __align__(8) u64 mb[TMA ? SWD_MAXSLOTS : 1];
+    const int rowb = K * BITS / 8, gpr = K / p.d.gs;
+    const int slotb = DR * (rowb + 4 * gpr);
+    if constexpr (TMA) {
+        if (lane == 0) {
+            mbar_init1(&mb[j]);
+            tma_rows<BITS>(D, e, row0, DR, base + j * slotb, &mb[j]);
+        }
+        __syncwarp();  // the slot's mbarrier initialised before any of its lanes waits on it
+    } else {
 #pragma unroll
-    for (int q = 0; q < G; q++) {
-        const int o = row0 + q * RW + r;
-        wide_issue<BITS>(D, e, o, ln, base + (q * NP * T + tid) * 16, T * 16, base + codes + (q * T + tid) * 4, base + codes + sbw + (q * T + tid) * 4, true);
-        cp_commit();
+        for (int q = 0; q < G; q++) {
+            const int o = row0 + q * RW + r;
+            wide_issue<BITS>(D, e, o, ln, base + (q * NP * T + tid) * 16, T * 16, base + codes + (q * T + tid) * 4, base + codes + sbw + (q * T + tid) * 4, true);
+            cp_commit();
+        }
     }
     u32 ticket = 0u;
     if constexpr (FLAG) {
@@ -991,11 +1010,16 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     float xv[32];
     const float xs = sw_x_act((const u16*)p.act + (u64)j * K, c, xv);
     TRACE_MARK(1);  // x ready
+    if constexpr (TMA) mbar_wait_parity(&mb[j], 0u);  // every lane, after lane 0 armed it (same warp)
 #pragma unroll
     for (int q = 0; q < G; q++) {
-        cp_wait_n(G - 1 - q);
         SwUnit<BITS> un[1];
-        wide_fetch<BITS>(wsm + (q * NP * T + tid) * 16, T * 16, (const u32*)(wsm + codes + (q * T + tid) * 4), (const u32*)(wsm + codes + sbw + (q * T + tid) * 4), half, un[0]);
+        if constexpr (TMA) {
+            tma_fetch<BITS>(wsm + j * slotb, DR, rowb, gpr, q * RW + r, ln, un[0]);
+        } else {
+            cp_wait_n(G - 1 - q);
+            wide_fetch<BITS>(wsm + (q * NP * T + tid) * 16, T * 16, (const u32*)(wsm + codes + (q * T + tid) * 4), (const u32*)(wsm + codes + sbw + (q * T + tid) * 4), half, un[0]);
+        }
         float part[1];
         sw_dots<BITS, 1, C>(un, xv, xs, part);
         if (c == 0) red[j][q * RW + r] = part[0];
@@ -1039,6 +1063,10 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS, MWD_MINB) moe_flag_down_##BITS##_##C##_##DR(SwMoe p) { \
         KTRACE();                                                                                           \
         moe_wide_down_body<BITS, C, DR, false, true>(p);                                                    \
+    }                                                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS, MWD_MINB) moe_tma_down_##BITS##_##C##_##DR(SwMoe p) { \
+        KTRACE();                                                                                           \
+        moe_wide_down_body<BITS, C, DR, false, false, true>(p);                                             \
     }
 #define MOE_WIDE_KERNELS(BITS)                                                                              \
     MOE_WIDE_GATE_UP(BITS, 8, 8) MOE_WIDE_GATE_UP(BITS, 8, 16) MOE_WIDE_GATE_UP(BITS, 8, 32)                 \

@@ -54,3 +54,70 @@ __device__ __forceinline__ void wide_fetch(const unsigned char* code, int cstrid
     un.s = (u16)(*sw >> (16 * half));
     un.b = (u16)(*bw >> (16 * half));
 }
+
+// ---- The same weights fetched by the Tensor Memory Accelerator (opt-in `down_tma`: moe.cu's
+// moe_tma_down_*). One thread issues cp.async.bulk copies of a slot's contiguous rows (codes,
+// then scales, then biases: three copies, each a multiple of 16 bytes at 16-byte aligned
+// addresses, the host checks) into shared memory in the matrices' own row-major layout, counted
+// on an mbarrier; the slot's lanes wait on its phase. Why: stop 27's skeleton found a block's
+// weights copied by per-thread 16-byte cp.async land at ~1.6 TB/s however deep the ring, and a
+// bulk copy moves kilobytes an instruction (tools/probes/step_skeleton.cu's chainT measures the
+// same question on a bare chain).
+__device__ __forceinline__ void mbar_init1(u64* m) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(m)) : "memory");
+    // The initialisation visible to the async proxy (the copies' complete_tx) before any copy.
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// Spins until the mbarrier's phase `parity` has completed (every expected byte landed). Call from
+// a whole warp: it reconverges before returning, so the shuffles after it need no fallback path
+// (a spin left to each lane made ptxas duplicate the dot loop under WARPSYNC / ENDCOLLECTIVE).
+__device__ __forceinline__ void mbar_wait_parity(u64* m, u32 parity) {
+    u32 done = 0;
+    while (!done) {
+        asm volatile(
+            "{\n\t.reg .pred p;\n\t"
+            "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\t"
+            "selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(done)
+            : "r"(smem_u32(m)), "r"(parity)
+            : "memory");
+        done = __all_sync(FULL_MASK, done);
+    }
+}
+// The arrival that opens the phase: `bytes` of copies expected on m.
+__device__ __forceinline__ void mbar_expect(u64* m, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(m)), "r"(bytes) : "memory");
+}
+// `bytes` (a multiple of 16) from global src into shared dst, completion counted on m.
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u64* m) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst), "l"(src), "r"(bytes),
+                 "r"(smem_u32(m))
+                 : "memory");
+}
+
+// Rows o0 .. o0 + n - 1 of matrix e of m (4- or 8-bit, bf16 scales and biases): codes
+// [n][inp·BITS/8], then scales [n][gpr] u16, then biases [n][gpr] u16 at `dst`, counted on mb.
+// One thread calls it.
+template <int BITS>
+__device__ __forceinline__ void tma_rows(const QMat& m, int e, int o0, int n, u32 dst, u64* mb) {
+    const u32 rowb = (u32)m.inp * BITS / 8, gpr = (u32)(m.inp / m.gs);
+    const u32 cb = (u32)n * rowb, sb = (u32)n * gpr * 2;
+    mbar_expect(mb, cb + 2 * sb);
+    const unsigned char* w = (const unsigned char*)m.w + ((u64)e * m.wpm) * 4 + (u64)o0 * rowb;
+    const u64 g = (u64)e * m.gpm + (u64)o0 * gpr;
+    bulk_copy(dst, w, cb, mb);
+    bulk_copy(dst + cb, (const u16*)m.s + g, sb, mb);
+    bulk_copy(dst + cb + sb, (const u16*)m.b + g, sb, mb);
+}
+
+// The lane's chunk of row `row` of what tma_rows copied to `base` (n rows), as sw_load reads it
+// from global memory: the same SwUnit, so the same dot.
+template <int BITS>
+__device__ __forceinline__ void tma_fetch(const unsigned char* base, int n, int rowb, int gpr, int row, const SwLane& l, SwUnit<BITS>& un) {
+    const uint4* p = (const uint4*)(base + row * rowb) + l.ch * (BITS / 4);
+#pragma unroll
+    for (int i = 0; i < BITS / 4; i++) un.w[i] = p[i];
+    const u16* s = (const u16*)(base + n * rowb);
+    un.s = s[row * gpr + l.gch];
+    un.b = s[n * gpr + row * gpr + l.gch];
+}
