@@ -196,42 +196,6 @@ __device__ __forceinline__ void cp_wait_pending(int n) {
     }
 }
 
-// Every phase in one kernel; all blocks resident (the host checks the occupancy). The block's
-// weight slices sit in a ring of S buffers: S - 1 phases' weights are in flight ahead of the
-// phase being computed (S = 2: one phase ahead, `persist`; S > 2: `deep`, the megakernel form,
-// where the weight stream runs ahead of the dependency chain; a buffer is refilled only after
-// its phase's dots, so the refill is issued at the top of the next phase).
-template <int S>
-__global__ void __launch_bounds__(T) persist(Args a) {
-    extern __shared__ __align__(16) unsigned char wsm[];
-    const int G = gridDim.x, rpb = D / G;
-    const size_t slice = (size_t)rpb * a.kw;
-    for (int q = 0; q < S - 1 && q < a.nph; q++) issue_slice(a, q, rpb, wsm + q * slice);
-    for (int p = 0; p < a.nph; p++) {
-        const int ahead = p + S - 1;  // the buffer of phase p - 1, free since its dots
-        if (ahead < a.nph) issue_slice(a, ahead, rpb, wsm + (ahead % S) * slice);
-        if (p > 0) {
-            // Wait until every block has finished phase p - 1.
-            if (threadIdx.x == 0) {
-                const unsigned target = a.epoch + (unsigned)p * G;
-                unsigned seen;
-                do {
-                    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(a.bar) : "memory");
-                } while ((int)(seen - target) < 0);
-            }
-            __syncthreads();
-        }
-        const int newer = min(S - 1, a.nph - 1 - p);  // groups committed after phase p's
-        phase_body(a, p, rpb, wsm + (p % S) * slice, [newer] { cp_wait_pending(newer); });
-        // Arrive: this block's rows of y_{p+1} are written.
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence();
-            atomicAdd(a.bar, 1u);
-        }
-    }
-}
-
 // ---- The Tensor Memory Accelerator's bulk copies (chainT, tmaS). A slot's mbarrier counts one
 // arrival (thread 0's, with the slice's byte count as its transaction count) and completes when
 // every byte of the slot's copies has landed; a waiter spins on the phase's parity.
@@ -263,6 +227,64 @@ __device__ __forceinline__ void tma_slice(const Args& a, int p, int rpb, unsigne
     }
 }
 
+// Every phase in one kernel; all blocks resident (the host checks the occupancy). The block's
+// weight slices sit in a ring of S buffers: S - 1 phases' weights are in flight ahead of the
+// phase being computed (S = 2: one phase ahead, `persist`; S > 2: `deep`, the megakernel form,
+// where the weight stream runs ahead of the dependency chain; a buffer is refilled only after
+// its phase's dots, so the refill is issued at the top of the next phase). TMA (`tmaS`): the
+// ring filled by bulk copies, slot q % S counted on mbarrier q % S, whose use q / S is the
+// parity a phase waits for.
+template <int S, bool TMA = false>
+__global__ void __launch_bounds__(T) persist(Args a) {
+    extern __shared__ __align__(16) unsigned char wsm[];
+    __shared__ __align__(8) uint64_t mb[TMA ? S : 1];
+    const int G = gridDim.x, rpb = D / G;
+    const size_t slice = (size_t)rpb * a.kw;
+    auto issue = [&](int q) {
+        if constexpr (TMA) {
+            if (threadIdx.x == 0) tma_slice(a, q, rpb, wsm + (q % S) * slice, &mb[q % S]);
+        } else {
+            issue_slice(a, q, rpb, wsm + (q % S) * slice);
+        }
+    };
+    if constexpr (TMA) {
+        if (threadIdx.x == 0) {
+            for (int i = 0; i < S; i++) mbar_init(&mb[i]);
+            asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        }
+        __syncthreads();
+    }
+    for (int q = 0; q < S - 1 && q < a.nph; q++) issue(q);
+    for (int p = 0; p < a.nph; p++) {
+        const int ahead = p + S - 1;  // the buffer of phase p - 1, free since its dots
+        if (ahead < a.nph) issue(ahead);
+        if (p > 0) {
+            // Wait until every block has finished phase p - 1.
+            if (threadIdx.x == 0) {
+                const unsigned target = a.epoch + (unsigned)p * G;
+                unsigned seen;
+                do {
+                    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(a.bar) : "memory");
+                } while ((int)(seen - target) < 0);
+            }
+            __syncthreads();
+        }
+        const int newer = min(S - 1, a.nph - 1 - p);  // groups committed after phase p's
+        uint64_t* m = &mb[p % (TMA ? S : 1)];
+        const unsigned par = (unsigned)(p / S) & 1u;
+        phase_body(a, p, rpb, wsm + (p % S) * slice, [newer, m, par] {
+            if constexpr (TMA) mbar_wait(m, par);
+            else cp_wait_pending(newer);
+        });
+        // Arrive: this block's rows of y_{p+1} are written.
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(a.bar, 1u);
+        }
+    }
+}
+
 // chain with the slice fetched by bulk copies (kw > 0 only).
 __global__ void __launch_bounds__(T) chain_tma(Args a, int p) {
     extern __shared__ __align__(16) unsigned char wsm[];
@@ -278,43 +300,6 @@ __global__ void __launch_bounds__(T) chain_tma(Args a, int p) {
     asm volatile("griddepcontrol.launch_dependents;" :::);
     uint64_t* m = &mb;
     phase_body(a, p, rpb, wsm, [m] { mbar_wait(m, 0); });
-}
-
-// deepS with the ring filled by bulk copies: slot q % S, its mbarrier's use q / S (the parity).
-template <int S>
-__global__ void __launch_bounds__(T) tma_persist(Args a) {
-    extern __shared__ __align__(16) unsigned char wsm[];
-    __shared__ __align__(8) uint64_t mb[S];
-    const int G = gridDim.x, rpb = D / G;
-    const size_t slice = (size_t)rpb * a.kw;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < S; i++) mbar_init(&mb[i]);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-        for (int q = 0; q < S - 1 && q < a.nph; q++) tma_slice(a, q, rpb, wsm + q * slice, &mb[q]);
-    }
-    __syncthreads();
-    for (int p = 0; p < a.nph; p++) {
-        const int ahead = p + S - 1;  // the slot of phase p - 1, free since its dots
-        if (ahead < a.nph && threadIdx.x == 0) tma_slice(a, ahead, rpb, wsm + (ahead % S) * slice, &mb[ahead % S]);
-        if (p > 0) {
-            if (threadIdx.x == 0) {
-                const unsigned target = a.epoch + (unsigned)p * G;
-                unsigned seen;
-                do {
-                    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(a.bar) : "memory");
-                } while ((int)(seen - target) < 0);
-            }
-            __syncthreads();
-        }
-        uint64_t* m = &mb[p % S];
-        const unsigned par = (unsigned)(p / S) & 1u;
-        phase_body(a, p, rpb, wsm + (p % S) * slice, [m, par] { mbar_wait(m, par); });
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence();
-            atomicAdd(a.bar, 1u);
-        }
-    }
 }
 
 // persist with cluster-local dependencies (the `cluster` design above): launched with clusters
@@ -416,8 +401,8 @@ int main(int argc, char** argv) {
     CK(cudaFuncSetAttribute(persist<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
     CK(cudaFuncSetAttribute(clustered, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
     CK(cudaFuncSetAttribute(chain_tma, cudaFuncAttributeMaxDynamicSharedMemorySize, 160 * 1024));
-    CK(cudaFuncSetAttribute(tma_persist<3>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
-    CK(cudaFuncSetAttribute(tma_persist<6>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    CK(cudaFuncSetAttribute(persist<3, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
+    CK(cudaFuncSetAttribute(persist<6, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024));
     cudaStream_t st;
     CK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
     cudaEvent_t e0, e1;
@@ -488,12 +473,9 @@ int main(int argc, char** argv) {
         for (int G : grids) {
             const size_t slice = (size_t)(D / G) * kw;
             Args a{w, kw, y, nph, bar, 0};
-            // chain (v 0: PDL, dependents after the wait), early (v 1: PDL, before it) and plain
-            // (v 2: no PDL), each a recorded graph of nph launches.
-            double chain_us[3];
-            std::vector<float> outs[3];
-            for (int v = 0; v < 3; v++) {
-                const int pdl = v < 2;
+            // A recorded graph of nph launches of one phase kernel (PDL or not): µs a phase, and
+            // y_nph into `out`.
+            auto run_chain = [&](void (*kern)(Args, int), bool pdl, std::vector<float>& out) {
                 cudaGraph_t g;
                 cudaGraphExec_t ge;
                 CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
@@ -507,42 +489,52 @@ int main(int argc, char** argv) {
                     at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
                     at[0].val.programmaticStreamSerializationAllowed = 1;
                     cfg.attrs = at;
-                    cfg.numAttrs = pdl;
-                    if (v == 1) CK(cudaLaunchKernelEx(&cfg, chain_phase<true>, a, p));
-                    else CK(cudaLaunchKernelEx(&cfg, chain_phase<false>, a, p));
+                    cfg.numAttrs = pdl ? 1 : 0;
+                    CK(cudaLaunchKernelEx(&cfg, kern, a, p));
                 }
                 CK(cudaStreamEndCapture(st, &g));
                 CK(cudaGraphInstantiate(&ge, g, 0));
-                chain_us[v] = timed([&] { CK(cudaGraphLaunch(ge, st)); }) / nph;
-                outs[v].resize(D);
-                CK(cudaMemcpy(outs[v].data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
+                const double us = timed([&] { CK(cudaGraphLaunch(ge, st)); }) / nph;
+                out.resize(D);
+                CK(cudaMemcpy(out.data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
                 CK(cudaGraphExecDestroy(ge));
                 CK(cudaGraphDestroy(g));
-            }
+                return us;
+            };
+            // One persistent launch with a ring of S slices (every block resident: else -1, not
+            // run): µs a phase, and y_nph into `out`.
+            auto run_persist = [&](void (*kern)(Args), int S, std::vector<float>& out) {
+                int per_sm = 0;
+                if (S * slice > 200 * 1024) return -1.0;
+                CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, T, S * slice));
+                if (per_sm * sms < G) return -1.0;
+                const double us = timed([&] {
+                                      a.epoch = launches * (unsigned)nph * (unsigned)G;
+                                      launches++;
+                                      kern<<<G, T, S * slice, st>>>(a);
+                                  }) /
+                                  nph;
+                // Later launches continue the count from here: reset it (its epoch restarts).
+                CK(cudaStreamSynchronize(st));
+                CK(cudaMemset(bar, 0, 4));
+                launches = 0;
+                out.resize(D);
+                CK(cudaMemcpy(out.data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
+                return us;
+            };
+            // chain (v 0: PDL, dependents after the wait), early (v 1: PDL, before it) and plain
+            // (v 2: no PDL), each a recorded graph of nph launches.
+            double chain_us[3];
+            std::vector<float> outs[3];
+            for (int v = 0; v < 3; v++) chain_us[v] = run_chain(v == 1 ? chain_phase<true> : chain_phase<false>, v < 2, outs[v]);
             // persist (a ring of 2 slices) and deep (3, 4, 6): every block resident at once.
             double persist_us[4] = {-1.0, -1.0, -1.0, -1.0};
             const int rings[4] = {2, 3, 4, 6};
             std::vector<float> pouts[4];
             for (int v = 0; v < 4; v++) {
                 const int S = rings[v];
-                auto kern = S == 2 ? persist<2> : S == 3 ? persist<3> : S == 4 ? persist<4> : persist<6>;
-                int per_sm = 0;
-                if (S * slice > 200 * 1024) continue;
                 if (v > 0 && kw == 0) continue;  // no weights: the ring changes nothing
-                CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, T, S * slice));
-                if (per_sm * sms < G) continue;
-                persist_us[v] = timed([&] {
-                                    a.epoch = launches * (unsigned)nph * (unsigned)G;
-                                    launches++;
-                                    kern<<<G, T, S * slice, st>>>(a);
-                                }) /
-                                nph;
-                // Later launches continue the count from here: reset it (its epoch restarts).
-                CK(cudaStreamSynchronize(st));
-                CK(cudaMemset(bar, 0, 4));
-                launches = 0;
-                pouts[v].resize(D);
-                CK(cudaMemcpy(pouts[v].data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
+                persist_us[v] = run_persist(S == 2 ? persist<2> : S == 3 ? persist<3> : S == 4 ? persist<4> : persist<6>, S, pouts[v]);
             }
             // cluster: clusters of 8, every cluster resident at once (checked).
             double cluster_us = -1.0;
@@ -567,49 +559,9 @@ int main(int argc, char** argv) {
             double tma_us[3] = {-1.0, -1.0, -1.0};
             std::vector<float> touts[3];
             if (kw > 0) {
-                cudaGraph_t g;
-                cudaGraphExec_t ge;
-                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
-                for (int p = 0; p < nph; p++) {
-                    cudaLaunchConfig_t cfg = {};
-                    cfg.gridDim = dim3(G);
-                    cfg.blockDim = dim3(T);
-                    cfg.dynamicSmemBytes = slice;
-                    cfg.stream = st;
-                    cudaLaunchAttribute at[1];
-                    at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                    at[0].val.programmaticStreamSerializationAllowed = 1;
-                    cfg.attrs = at;
-                    cfg.numAttrs = 1;
-                    CK(cudaLaunchKernelEx(&cfg, chain_tma, a, p));
-                }
-                CK(cudaStreamEndCapture(st, &g));
-                CK(cudaGraphInstantiate(&ge, g, 0));
-                tma_us[0] = timed([&] { CK(cudaGraphLaunch(ge, st)); }) / nph;
-                touts[0].resize(D);
-                CK(cudaMemcpy(touts[0].data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
-                CK(cudaGraphExecDestroy(ge));
-                CK(cudaGraphDestroy(g));
-                const int trings[2] = {3, 6};
-                for (int v = 0; v < 2; v++) {
-                    const int S = trings[v];
-                    auto kern = S == 3 ? tma_persist<3> : tma_persist<6>;
-                    if (S * slice > 200 * 1024) continue;
-                    int per_sm = 0;
-                    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kern, T, S * slice));
-                    if (per_sm * sms < G) continue;
-                    tma_us[v + 1] = timed([&] {
-                                        a.epoch = launches * (unsigned)nph * (unsigned)G;
-                                        launches++;
-                                        kern<<<G, T, S * slice, st>>>(a);
-                                    }) /
-                                    nph;
-                    CK(cudaStreamSynchronize(st));
-                    CK(cudaMemset(bar, 0, 4));
-                    launches = 0;
-                    touts[v + 1].resize(D);
-                    CK(cudaMemcpy(touts[v + 1].data(), y + (size_t)nph * D, D * 4, cudaMemcpyDeviceToHost));
-                }
+                tma_us[0] = run_chain(chain_tma, true, touts[0]);
+                tma_us[1] = run_persist(persist<3, true>, 3, touts[1]);
+                tma_us[2] = run_persist(persist<6, true>, 6, touts[2]);
             }
             CK(cudaGetLastError());
             bool same = true;
