@@ -2290,6 +2290,14 @@ fn moe_step_matches_its_composition_and_the_cpu() {
             // down's rows by bulk copies: a slot's layout or an mbarrier phase wrong would show
             // as other bits (or a hang, which the test's time limit catches).
             let tma = run(&["down_tma"]);
+            // Same bits would also come from moe_wide's own down, were the copies' checks to
+            // refuse these experts: the TMA kernel must have run.
+            assert!(
+                g.loaded_kernels()
+                    .iter()
+                    .any(|n| n.starts_with(&format!("moe_tma_down_{bits}_"))),
+                "down_tma {bits}-bit: moe_tma_down was not launched"
+            );
             for (variant, got) in [
                 ("moe_step", &fused),
                 ("late_route", &late),

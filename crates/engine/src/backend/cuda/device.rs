@@ -130,6 +130,13 @@ impl Cuda {
         }
     }
 
+    /// The kernels this backend has loaded, i.e. launched (or recorded) at least once: lets a
+    /// test tell that a variant it switched on ran, rather than a fallback with the same bits.
+    pub fn loaded_kernels(&self) -> Vec<String> {
+        let fs = self.funcs.lock().unwrap_or_else(|e| e.into_inner());
+        fs.keys().cloned().collect()
+    }
+
     pub(super) fn func(&self, name: &str) -> Option<CudaFunction> {
         let mut fs = self.funcs.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = fs.get(name) {
