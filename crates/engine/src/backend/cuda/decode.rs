@@ -1132,26 +1132,18 @@ fn moe_wide_gate_up_launch(
 }
 
 /// Bytes of shared memory a slot of moe_tma_down takes (opt-in `down_tma`: its DR rows of codes,
-/// scales and biases, row-major), when its bulk copies can take these experts: every copy a
-/// multiple of 16 bytes from a 16-byte aligned address (the matrices' buffers, an expert's and a
-/// block's offsets), and the shared expert laid out as the routed ones (one slot layout). None:
-/// moe_wide's own down runs.
+/// scales and biases, row-major), or None (moe_wide's own down runs). Called after moe_wide_fits,
+/// whose shapes (W = 512, H = 2048, groups a row even, DR >= 4) make every copy's size and every
+/// expert's and block's offset a multiple of 16 bytes; what is left to check is that the buffers
+/// start 16-byte aligned and that the shared expert has the routed experts' groups (one slot
+/// layout).
 fn down_tma_slot(p: &SwMoe, bits: usize, w: usize, dr: usize) -> Option<usize> {
     let (d, sd) = (&p.d, &p.sd);
+    let aligned = [d, sd]
+        .iter()
+        .all(|m| m.w % 16 == 0 && m.s % 16 == 0 && m.b % 16 == 0);
     let gs = d.gs as usize;
-    if gs == 0 || !w.is_multiple_of(gs) || sd.gs != d.gs || d.inp as usize != w || sd.inp != d.inp {
-        return None;
-    }
-    let (rowb, gpr) = (w * bits / 8, w / gs);
-    let aligned = [d, sd].iter().all(|m| {
-        m.w % 16 == 0
-            && m.s % 16 == 0
-            && m.b % 16 == 0
-            && (m.wpm * 4) % 16 == 0
-            && (m.gpm * 2) % 16 == 0
-    });
-    let sized = (dr * rowb).is_multiple_of(16) && (dr * gpr * 2).is_multiple_of(16);
-    (aligned && sized).then_some(dr * (rowb + 4 * gpr))
+    (aligned && sd.gs == d.gs).then_some(dr * (w * bits / 8 + 4 * (w / gs)))
 }
 
 /// Rows per block of moe_wide's gate|up and down kernels (`LILY_CUDA_MOE_WIDE=RPB,DR`: RPB 8, 16
