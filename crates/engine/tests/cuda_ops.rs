@@ -2290,20 +2290,27 @@ fn moe_step_matches_its_composition_and_the_cpu() {
             // down's rows by bulk copies: a slot's layout or an mbarrier phase wrong would show
             // as other bits (or a hang, which the test's time limit catches).
             let tma = run(&["down_tma"]);
-            // Same bits would also come from moe_wide's own down, were the copies' checks to
-            // refuse these experts: the TMA kernel must have run.
-            assert!(
-                g.loaded_kernels()
-                    .iter()
-                    .any(|n| n.starts_with(&format!("moe_tma_down_{bits}_"))),
-                "down_tma {bits}-bit: moe_tma_down was not launched"
-            );
+            // gate|up's rows by bulk copies (a row group's two mbarriers), alone and with down's.
+            let gu_tma = run(&["gu_tma"]);
+            let both_tma = run(&["gu_tma", "down_tma"]);
+            // Same bits would also come from moe_wide's own kernels, were the copies' checks to
+            // refuse these experts: the TMA kernels must have run.
+            for kernel in ["moe_tma_down", "moe_tma_gate_up"] {
+                assert!(
+                    g.loaded_kernels()
+                        .iter()
+                        .any(|n| n.starts_with(&format!("{kernel}_{bits}_"))),
+                    "{kernel} ({bits}-bit experts) was not launched"
+                );
+            }
             for (variant, got) in [
                 ("moe_step", &fused),
                 ("late_route", &late),
                 ("route_flag", &flag),
                 ("route_flag,down_flag", &dflag),
                 ("down_tma", &tma),
+                ("gu_tma", &gu_tma),
+                ("gu_tma,down_tma", &both_tma),
             ] {
                 let what = format!("{variant} {bits}-bit experts, token {token}");
                 for (part, a, b) in [

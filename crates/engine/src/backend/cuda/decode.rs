@@ -853,7 +853,13 @@ impl Cuda {
         let Some((rpb, dr)) = self.moe_wide_fits(p, hid, w, k, gs) else {
             return false;
         };
-        let (name, grid, smem) = moe_wide_gate_up_launch("moe_wide", bits, hid, w, k, rpb);
+        let (mut name, grid, mut smem) = moe_wide_gate_up_launch("moe_wide", bits, hid, w, k, rpb);
+        if self.opted_in("gu_tma") {
+            if let Some(s) = gate_up_tma_smem(p, bits, hid, rpb) {
+                name = name.replacen("moe_wide", "moe_tma", 1);
+                smem = s;
+            }
+        }
         self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::E(Box::new(*p))]);
         self.moe_wide_down("moe_wide", p, bits, hid, w, k, dr);
         true
@@ -1138,12 +1144,25 @@ fn moe_wide_gate_up_launch(
 /// start 16-byte aligned and that the shared expert has the routed experts' groups (one slot
 /// layout).
 fn down_tma_slot(p: &SwMoe, bits: usize, w: usize, dr: usize) -> Option<usize> {
-    let (d, sd) = (&p.d, &p.sd);
-    let aligned = [d, sd]
-        .iter()
-        .all(|m| m.w % 16 == 0 && m.s % 16 == 0 && m.b % 16 == 0);
-    let gs = d.gs as usize;
-    (aligned && sd.gs == d.gs).then_some(dr * (w * bits / 8 + 4 * (w / gs)))
+    let gs = p.d.gs as usize;
+    tma_layout_ok(&p.d, &[&p.sd]).then_some(dr * (w * bits / 8 + 4 * (w / gs)))
+}
+
+/// Bytes of shared memory moe_tma_gate_up takes (opt-in `gu_tma`: RPB rows of gate and of up,
+/// codes, scales and biases row-major by row group), or None (moe_wide's own gate|up runs). The
+/// same checks as down_tma_slot, over gate, up and the shared expert's two.
+fn gate_up_tma_smem(p: &SwMoe, bits: usize, hid: usize, rpb: usize) -> Option<u32> {
+    let gs = p.g.gs as usize;
+    let ok = tma_layout_ok(&p.g, &[&p.u, &p.sg, &p.su]);
+    ok.then_some((2 * rpb * (hid * bits / 8 + 4 * (hid / gs))) as u32)
+}
+
+/// The bulk copies' own requirements beyond moe_wide_fits' shapes: every buffer starts 16-byte
+/// aligned, and the other matrices have `m`'s groups (one row layout in shared memory).
+fn tma_layout_ok(m: &QMat, others: &[&QMat]) -> bool {
+    std::iter::once(m)
+        .chain(others.iter().copied())
+        .all(|q| q.w % 16 == 0 && q.s % 16 == 0 && q.b % 16 == 0 && q.gs == m.gs)
 }
 
 /// Rows per block of moe_wide's gate|up and down kernels (`LILY_CUDA_MOE_WIDE=RPB,DR`: RPB 8, 16
