@@ -728,9 +728,12 @@ __device__ __forceinline__ u64 moe_wait_route(const u64* f) {
 // stack).
 // TMA (moe_tma_gate_up, opt-in `gu_tma`, with GU_PLAIN): row group q of matrix mt (0 gate, 1
 // up) fetched by three bulk copies (wide.cuh tma_rows: its RW rows' codes, scales and biases,
-// row-major) into wsm + (2q + mt)·grpb, counted on mbarrier 2q + mt, which lane 2q + mt of warp 0
-// arms and issues (2G lanes in parallel, not one thread's 6G copies in a row); every warp waits on
-// the group's two barriers before its dots: the same SwUnit values (tma_fetch), so the same bits.
+// row-major) into wsm + (2q + mt)·grpb, counted on mbarrier i = 2q + mt, which lane 0 of warp
+// i mod 8 arms and issues; every warp waits on the group's two barriers before its dots: the same
+// SwUnit values (tma_fetch), so the same bits. Why one pair a warp: a bulk copy takes uniform
+// operands, so copies issued by several lanes of one warp run one lane after another (ptxas
+// loops over the lanes); stop 54's first form (warp 0's lanes 0..2G-1: 24 copies in a row after
+// the routed blocks' wait) measured 0.970x at 4K.
 enum GuMode { GU_PLAIN, GU_STEP, GU_LATE, GU_FLAG };
 template <int BITS, int C, int RPB, int MODE, typename ST, bool TMA = false>
 __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& st) {
@@ -760,17 +763,22 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
     const int grpb = RW * (rowb + 4 * gpr);
     __shared__ __align__(8) u64 mb[TMA ? 2 * G : 1];
     if constexpr (TMA) {
-        if (tid < 2 * G) mbar_init1(&mb[tid]);
+        if (lane == 0)
+            for (int i = warp; i < 2 * G; i += SW_WARPS) mbar_init1(&mb[i]);
         __syncthreads();  // initialised before any warp waits on them
     }
     auto issue = [&](int e) {
         const QMat Gm = shared ? p.sg : p.g, Um = shared ? p.su : p.u;
         if constexpr (TMA) {
-            // Two calls, not one on a selected QMat: a select of the structs went through local
-            // memory (STL / LDL in the SASS).
-            const int o0 = row0 + (tid >> 1) * RW;
-            if (tid < 2 * G && (tid & 1) == 0) tma_rows<BITS>(Gm, e, o0, RW, base + tid * grpb, &mb[tid]);
-            if (tid < 2 * G && (tid & 1) == 1) tma_rows<BITS>(Um, e, o0, RW, base + tid * grpb, &mb[tid]);
+            if (lane == 0) {
+                // Two calls, not one on a selected QMat: a select of the structs went through
+                // local memory (STL / LDL in the SASS).
+                for (int i = warp; i < 2 * G; i += SW_WARPS) {
+                    const int o0 = row0 + (i >> 1) * RW;
+                    if ((i & 1) == 0) tma_rows<BITS>(Gm, e, o0, RW, base + i * grpb, &mb[i]);
+                    else tma_rows<BITS>(Um, e, o0, RW, base + i * grpb, &mb[i]);
+                }
+            }
         } else {
 #pragma unroll
             for (int q = 0; q < G; q++) {
@@ -960,7 +968,8 @@ __device__ __forceinline__ u32 moe_wait_done(const SwMoe& p, int tid) {
     return ticket;
 }
 
-// TMA (moe_tma_down, opt-in `down_tma`): each slot's DR rows (codes, scales, biases) fetched by
+// TMA (moe_tma_down, switch `down_tma`, the default since stop 54: 1.015x at 4K, 1.005x at 128K
+// on an H100): each slot's DR rows (codes, scales, biases) fetched by
 // three bulk copies that the slot's lane 0 issues (wide.cuh tma_rows), laid out row-major in the
 // slot's part of shared memory (DR·(W·BITS/8 + 4·W/gs) bytes), the warp waiting on the slot's
 // mbarrier before its first dot: the same SwUnit values (tma_fetch), so the same bits.
