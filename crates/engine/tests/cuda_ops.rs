@@ -2238,10 +2238,14 @@ fn moe_route_and_experts() {
 
 /// The MoE block of one token with the router folded into the experts' first launch (opt-in
 /// `moe_step`, Backend::moe_step_add), and with the route moved into the experts' launches
-/// (opt-in `late_route`: every block routes the logits itself), at the kernels' full-model shapes (hidden 2048, width 512,
-/// 256 experts, top 8; an 8-bit router and shared gate), 4-bit and 8-bit experts, three tokens in
-/// a row (the router blocks' count must be back at zero for each launch):
-/// * bit for bit the GPU's composition (the default: the router's own launch, then moe_wide):
+/// (opt-in `late_route`: every block routes the logits itself), handed over by flags (opt-ins
+/// `route_flag`, `down_flag`), and with the experts' rows fetched by per-lane cp.async (switch
+/// `down_tma` off) or gate|up's by bulk copies (opt-in `gu_tma`), at the kernels' full-model
+/// shapes (hidden 2048, width 512, 256 experts, top 8; an 8-bit router and shared gate), 4-bit and
+/// 8-bit experts, three tokens in a row (the router blocks' count must be back at zero for each
+/// launch):
+/// * bit for bit the GPU's composition (the default: the router's own launch, then moe_wide's
+///   gate|up and TMA's down):
 ///   x, logits, the shared gate's logit, the route and h. It is the same arithmetic in the same
 ///   order (sw_gemv's x, chunk dot and warp order; route.cuh), so no tolerance.
 /// * against the CPU: the logits within F32_TOL of the CPU's router on the GPU's x (as
@@ -2271,13 +2275,17 @@ fn moe_step_matches_its_composition_and_the_cpu() {
             let hv = rng.vec(hid, 0.05);
             // (h, x, logits, shared logit, route ids, route weights) after one op.
             type Out = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>, Vec<u32>, Vec<f32>);
-            let run = |on: &[&str]| -> Out {
+            // With the opt-ins `on` and the switches `off`.
+            let run_with = |on: &[&str], off: &[&str]| -> Out {
                 g.set_enabled(on).unwrap();
+                g.set_disabled(off).unwrap();
                 let mut gh = g.upload_vec(&hv).unwrap();
                 let (xn, lg, sl, ids, w) = gpu_moe_step(&g, &mut gh, &gnw, &gw, &d, width, false);
                 g.set_enabled(&[]).unwrap();
+                g.set_disabled(&[]).unwrap();
                 (h(&g, &gh), xn, lg, sl, ids, w)
             };
+            let run = |on: &[&str]| run_with(on, &[]);
             let comp = run(&[]);
             let fused = run(&["moe_step"]);
             let late = run(&["late_route"]);
@@ -2287,15 +2295,17 @@ fn moe_step_matches_its_composition_and_the_cpu() {
             // down's count of gate|up blocks reset by its last block: stale, the next token's
             // down would start before its gate|up is done.
             let dflag = run(&["route_flag", "down_flag"]);
-            // down's rows by bulk copies: a slot's layout or an mbarrier phase wrong would show
-            // as other bits (or a hang, which the test's time limit catches).
-            let tma = run(&["down_tma"]);
-            // gate|up's rows by bulk copies (a row group's two mbarriers), alone and with down's.
+            // down's rows by bulk copies (switch `down_tma`, in the composition above) against
+            // per-lane cp.async: a slot's layout or an mbarrier phase wrong would show as other
+            // bits (or a hang, which the test's time limit catches).
+            let cp_down = run_with(&[], &["down_tma"]);
+            // gate|up's rows by bulk copies (a row group's two mbarriers), with TMA's down and
+            // with moe_wide's.
             let gu_tma = run(&["gu_tma"]);
-            let both_tma = run(&["gu_tma", "down_tma"]);
+            let gu_only = run_with(&["gu_tma"], &["down_tma"]);
             // Same bits would also come from moe_wide's own kernels, were the copies' checks to
-            // refuse these experts: the TMA kernels must have run.
-            for kernel in ["moe_tma_down", "moe_tma_gate_up"] {
+            // refuse these experts: each kernel must have run.
+            for kernel in ["moe_tma_down", "moe_tma_gate_up", "moe_wide_down"] {
                 assert!(
                     g.loaded_kernels()
                         .iter()
@@ -2308,9 +2318,9 @@ fn moe_step_matches_its_composition_and_the_cpu() {
                 ("late_route", &late),
                 ("route_flag", &flag),
                 ("route_flag,down_flag", &dflag),
-                ("down_tma", &tma),
+                ("down_tma off", &cp_down),
                 ("gu_tma", &gu_tma),
-                ("gu_tma,down_tma", &both_tma),
+                ("gu_tma, down_tma off", &gu_only),
             ] {
                 let what = format!("{variant} {bits}-bit experts, token {token}");
                 for (part, a, b) in [

@@ -865,9 +865,10 @@ impl Cuda {
         true
     }
 
-    /// moe_wide's down launch (`kind` moe_wide or moe_late): H / DR blocks, warp j slot j; G = DR
-    /// / RW row groups of RW = 32 / (W / 32) rows; shared memory G·T·(16·NP + 8) with T = 32·(k +
-    /// 1) threads.
+    /// moe_wide's down launch (`kind` moe_wide, moe_late or moe_flag): H / DR blocks, warp j slot
+    /// j; G = DR / RW row groups of RW = 32 / (W / 32) rows; shared memory G·T·(16·NP + 8) with T
+    /// = 32·(k + 1) threads. moe_wide's becomes moe_tma_down (switch `down_tma`, on by default)
+    /// where down_tma_slot takes the experts: (k + 1) slots of its bytes.
     #[allow(clippy::too_many_arguments)]
     fn moe_wide_down(
         &self,
@@ -884,7 +885,7 @@ impl Cuda {
         let g = dr / (32 / c);
         let mut smem = (g * threads * (16 * (bits / 4) + 8)) as u32;
         let mut kind = kind;
-        if kind == "moe_wide" && self.opted_in("down_tma") {
+        if kind == "moe_wide" && self.on("down_tma") {
             if let Some(slot) = down_tma_slot(p, bits, w, dr) {
                 kind = "moe_tma";
                 smem = ((k + 1) * slot) as u32;
@@ -1137,7 +1138,7 @@ fn moe_wide_gate_up_launch(
     )
 }
 
-/// Bytes of shared memory a slot of moe_tma_down takes (opt-in `down_tma`: its DR rows of codes,
+/// Bytes of shared memory a slot of moe_tma_down takes (switch `down_tma`: its DR rows of codes,
 /// scales and biases, row-major), or None (moe_wide's own down runs). Called after moe_wide_fits,
 /// whose shapes (W = 512, H = 2048, groups a row even, DR >= 4) make every copy's size and every
 /// expert's and block's offset a multiple of 16 bytes; what is left to check is that the buffers

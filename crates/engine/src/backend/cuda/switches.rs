@@ -41,6 +41,18 @@ use super::{Cuda, Records};
 ///   and weights bit for bit (cuda_ops, exact ties included). Decode on the H200 (two rounds
 ///   alternated): 4K 556.0 / 547.1 against 539.5 / 539.3 tok/s, 128K 389.7 / 390.5 against
 ///   385.5 / 380.9; off, route_warp.
+/// * `down_tma`: moe_wide's down (with `moe_wide`) with each slot's rows fetched by the Tensor
+///   Memory Accelerator (moe.cu moe_tma_down: three cp.async.bulk copies a slot, codes, scales
+///   and biases row-major, issued by the slot's lane 0 before the PDL wait and counted on an
+///   mbarrier) instead of 16-byte cp.async by every lane: the same SwUnit values, so the same
+///   bits (cuda_ops moe_step test, which also asserts the kernel ran). Why: down's dots waited on
+///   its weights (stop 52's trace: 2.06 µs from x to the dots' end), and the skeleton's chainT
+///   (stop 54, H100) puts a bulk-copied chain phase at 3.90 against 4.45 µs at 8.4 MB, 3.35
+///   against 3.75 at 6.3 MB. Measured at stop 54 (H100, `lily bench --arms`, alternated): decode
+///   at 4K 569.83 against 561.47 tok/s (1.015x, 4 rounds, every round above every default
+///   round), at 128K 360.43 against 358.64 (1.005x, 2 rounds). Off-GPU the lab's experts read
+///   13.29 against 12.34 µs back to back: the gain is in place, where the copies run ahead of
+///   gate|up. Off, moe_wide_down (per-lane cp.async).
 pub const SWITCHES: &[&str] = &[
     "stream_gemv",
     "fuse_norm",
@@ -52,6 +64,7 @@ pub const SWITCHES: &[&str] = &[
     "gdn_step",
     "moe_wide",
     "route_block",
+    "down_tma",
 ];
 /// The switches that do not live in the streaming kernels (`stream_gemv` off leaves them as set).
 pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
@@ -165,20 +178,14 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   form, fence + atomic): with route_flag 551.82 tok/s at 4K (0.992x of the defaults, 1.009x
 ///   of route_flag alone), 352.80 at 128K (0.996x); in place down's wait -> x fell 1.53 -> 0.36
 ///   µs but its dots waited on its weights instead (2.06 -> 2.94 µs): down 6.44 -> 6.65 µs.
-/// * `down_tma`: moe_wide's down with each slot's rows fetched by the Tensor Memory Accelerator
-///   (moe.cu moe_tma_down: three cp.async.bulk copies a slot, issued by its lane 0 before the PDL
-///   wait, counted on an mbarrier) instead of 16-byte cp.async by every lane: the same SwUnit
-///   values, so the same bits (cuda_ops moe_step test). Why: down's dots wait on its weights
-///   (stop 52's trace: 2.06 µs from x to the dots' end, 2.94 with down_flag), and stop 27's
-///   skeleton read a block's weights at ~1.6 TB/s through per-thread cp.async at any depth; the
-///   skeleton's chainT form (stop 53) measures bulk copies on a bare chain. Written at stop 53,
-///   not yet run on a GPU.
-/// * `gu_tma`: moe_wide's gate|up the same way (moe.cu moe_tma_gate_up: each row group's rows of
-///   gate and of up by three bulk copies, issued by 2G lanes of warp 0, each counted on its own
-///   mbarrier; the shared expert's before the PDL wait, the routed experts' after their id), the
-///   same bits (cuda_ops moe_step test). Why: gate|up is the MoE's larger read (10.6 MB against
-///   down's 5.3) and 9.2 µs in place against 3.2 µs of bytes at 3.35 TB/s. Written at stop 54,
-///   not yet run on a GPU.
+/// * `gu_tma`: moe_wide's gate|up the way `down_tma` fetches down's rows (moe.cu
+///   moe_tma_gate_up: each row group's rows of gate and of up by three bulk copies, each pair on
+///   its own mbarrier; the shared expert's before the PDL wait, the routed experts' after their
+///   id), the same bits (cuda_ops moe_step test). Why: gate|up is the MoE's larger read (10.6 MB
+///   against down's 5.3) and 9.2 µs in place against 3.2 µs of bytes at 3.35 TB/s. Stop 54 (H100),
+///   first form, warp 0's lanes issuing all 24 copies (which a warp issues one lane at a time):
+///   lab experts 13.01 against 12.34 µs, decode at 4K 544.64 against 561.63 tok/s (0.970x; with
+///   down_tma 0.979x). Now one pair a warp (8 warps issue in parallel): not yet measured.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -192,7 +199,6 @@ pub const OPT_IN: &[&str] = &[
     "route_ahead",
     "route_flag",
     "down_flag",
-    "down_tma",
     "gu_tma",
 ];
 
