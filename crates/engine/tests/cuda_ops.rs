@@ -629,6 +629,22 @@ fn fused_decode_forms_equal_their_compositions() {
                 rel_rows(&fused, &c, hid),
                 F32_TOL,
             );
+            // Opt-in `proj_tma`: the batch's rows by bulk copies, the same bits; sw_gemv would
+            // give them too, so the kernel must have run.
+            g.set_enabled(&["proj_tma"]).unwrap();
+            let mut gh3 = g.upload_vec(&h0).unwrap();
+            g.matmul_q_add(&gx, &gw, rows, &mut r, &mut gh3);
+            g.set_enabled(&[]).unwrap();
+            assert!(
+                same_bits(&h(&g, &gh3), &fused),
+                "matmul_q_add with proj_tma differs from sw_gemv's"
+            );
+            assert!(
+                g.loaded_kernels()
+                    .iter()
+                    .any(|n| n.starts_with("sw_tma_4_16_")),
+                "proj_tma: sw_tma_4_16_* was not launched"
+            );
         }
         // Unfused (the switch): the product rounded to a bf16 activation, then added.
         g.set_disabled(&["fuse_residual"]).unwrap();

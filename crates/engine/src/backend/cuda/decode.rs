@@ -551,6 +551,18 @@ impl Cuda {
             _ => (format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256), 256, 0),
         };
         let batches = p.bstart[ws.len()] as u32;
+        // Opt-in `proj_tma` (gemv.cu's sw_tma_*): the plain SIMT form with its one batch a block
+        // fetched by bulk copies, where every block holds one whole batch at once.
+        let plain = !tc && ahead.is_none() && route.is_none() && p.cw == 0 && pro == 0;
+        if plain && self.opted_in("proj_tma") {
+            if let Some(tsmem) = sw_tma_smem(ws, &p, k, bits, rb) {
+                let tname = format!("sw_tma_{bits}_{}_{u}_0", k / 256);
+                if self.resident_blocks(&tname, 256, tsmem) >= batches {
+                    self.launch(&tname, (batches, 1, 1), 256, tsmem, &[Arg::S(Box::new(p))]);
+                    return;
+                }
+            }
+        }
         let grid = batches.min(self.resident_blocks(&name, threads, smem));
         self.launch(&name, (grid, 1, 1), threads, smem, &[Arg::S(Box::new(p))]);
     }
@@ -1156,6 +1168,21 @@ fn gate_up_tma_smem(p: &SwMoe, bits: usize, hid: usize, rpb: usize) -> Option<u3
     let gs = p.g.gs as usize;
     let ok = tma_layout_ok(&p.g, &[&p.u, &p.sg, &p.su]);
     ok.then_some((2 * rpb * (hid * bits / 8 + 4 * (hid / gs))) as u32)
+}
+
+/// Bytes of shared memory sw_tma takes (opt-in `proj_tma`: a batch of `rb` rows' codes, scales
+/// and biases, row-major), or None (sw_gemv runs): gemv.cu's instantiations (K 2048 or 4096; 4-bit
+/// U 4, 8-bit U 2, as sw_rb picks), every matrix's rows whole batches (no row past a matrix's
+/// end), and the copies' alignment. A batch's offsets are multiples of 16 bytes: rb >= 4 rows of
+/// K·BITS/8 bytes of codes and K/gs >= 8 groups of 2-byte scales.
+fn sw_tma_smem(ws: &[&Mat], p: &SwArgs, k: usize, bits: usize, rb: usize) -> Option<u32> {
+    let gs = ws[0].gs;
+    let fits = (k == 2048 || k == 4096)
+        && (bits == 4 || bits == 8)
+        && k / gs >= 8
+        && ws.iter().all(|w| w.out.is_multiple_of(rb))
+        && tma_layout_ok(&p.m[0], &p.m[1..ws.len()].iter().collect::<Vec<_>>());
+    fits.then_some((rb * (k * bits / 8 + 4 * (k / gs))) as u32)
 }
 
 /// The bulk copies' own requirements beyond moe_wide_fits' shapes: every buffer starts 16-byte

@@ -186,6 +186,13 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   first form, warp 0's lanes issuing all 24 copies (which a warp issues one lane at a time):
 ///   lab experts 13.01 against 12.34 µs, decode at 4K 544.64 against 561.63 tok/s (0.970x; with
 ///   down_tma 0.979x). Now one pair a warp (8 warps issue in parallel): not yet measured.
+/// * `proj_tma`: out_proj and o_proj (the streaming GEMV with the activation prologue, no route
+///   or fold) with each block's one batch fetched by bulk copies before the PDL wait (gemv.cu
+///   sw_tma_*: three copies by thread 0, an mbarrier) instead of each lane's loads into
+///   registers: the same bits (cuda_ops fused_decode test). Taken where the grid holds every batch
+///   at once and every matrix's rows are whole batches; else sw_gemv. Why: down_tma's gain
+///   (1.015x) and the skeleton's chainT (0.3-0.4 µs off a 4-6 MB chain phase); out_proj is 4.7
+///   MB and 3.9 µs in place. Written at stop 54, not yet run on a GPU.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -200,6 +207,7 @@ pub const OPT_IN: &[&str] = &[
     "route_flag",
     "down_flag",
     "gu_tma",
+    "proj_tma",
 ];
 
 impl Cuda {

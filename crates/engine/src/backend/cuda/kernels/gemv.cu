@@ -212,7 +212,14 @@ __device__ __forceinline__ float sw_x_pro(const SwArgs& p, const float* nw, int 
     return xs;
 }
 
-template <int BITS, int C, int U, int PRO, bool AHEAD = false>
+// TMA (sw_tma_<B>_<C>_<U>_<PRO>, opt-in `proj_tma`: out_proj and o_proj): the block's one batch
+// (the host launches a block per batch and checks each matrix's rows are whole batches) fetched by
+// three bulk copies (wide.cuh tma_rows: RB rows' codes, scales and biases, row-major) into dynamic
+// shared memory, issued by thread 0 before the PDL wait, counted on an mbarrier; after x every
+// warp waits on it and reads the same SwUnit values sw_load would have (tma_fetch): the same bits.
+// Why: the skeleton's chainT (stop 54, H100) took 0.3-0.4 µs off a 4-6 MB chain phase with bulk
+// copies against per-lane loads, and moe_tma_down (the same copies) won 1.015x at 4K in place.
+template <int BITS, int C, int U, int PRO, bool AHEAD = false, bool TMA = false>
 __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     constexpr int RW = 32 / C, RB = RW * U;
     static_assert(RB <= SW_MAXRB, "batch larger than the reduction buffer");
@@ -241,7 +248,18 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
             else sw_zero<BITS>(dst[u]);
         }
     };
-    load(un);
+    extern __shared__ __align__(16) unsigned char wsm[];  // TMA: the batch's rows
+    __shared__ __align__(8) u64 mb[1];
+    static_assert(!TMA || (!AHEAD && PRO == 0), "bulk copies: out_proj's form only");
+    if constexpr (TMA) {
+        if (tid == 0) {
+            mbar_init1(&mb[0]);
+            tma_rows<BITS>(m, 0, row0, RB, smem_u32(wsm), &mb[0]);
+        }
+        __syncthreads();  // the mbarrier initialised before any warp waits on it
+    } else {
+        load(un);
+    }
     // AHEAD: the first batch's router words (two rows a thread), requested with its weights
     // where a batch is at most 16 rows (PF: the decode model's out_proj and o_proj, 8). Wider
     // batches (small models) read theirs in 16-column pieces at the fold: held across the batch
@@ -273,6 +291,12 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
 #ifndef SW_TAIL_MARKS
     TRACE_MARK(1);  // x ready
 #endif
+    if constexpr (TMA) {
+        mbar_wait_parity(&mb[0], 0u);
+        const int rowb = m.inp * BITS / 8, gpr = m.inp / m.gs;
+#pragma unroll
+        for (int u = 0; u < U; u++) tma_fetch<BITS>(wsm, RB, rowb, gpr, u * RW + r, ln, un[u]);
+    }
 
     // AHEAD: this thread's router sums (rows tid and tid + 256 of [router; shared gate]).
     float za[2] = {0.0f, 0.0f};
@@ -390,6 +414,18 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
 SW_GEMV_C(4, 4)
 SW_GEMV_C(4, 2)
 SW_GEMV_C(8, 2)
+
+// sw_tma_<B>_<C>_<U>_0 (opt-in `proj_tma`, TMA above): K = 2048 and 4096, the activation prologue.
+#define SW_TMA_KERNEL(BITS, C, U)                                                                          \
+    extern "C" __global__ void __launch_bounds__(256, SW_MINB) sw_tma_##BITS##_##C##_##U##_0(SwArgs p) {  \
+        KTRACE();                                                                                          \
+        PDL_LAUNCH();                                                                                      \
+        sw_gemv_body<BITS, C, U, 0, false, true>(p);                                                       \
+    }
+SW_TMA_KERNEL(4, 8, 4)
+SW_TMA_KERNEL(4, 16, 4)
+SW_TMA_KERNEL(8, 8, 2)
+SW_TMA_KERNEL(8, 16, 2)
 
 // sw_gemv_ahead_<B>_<C>_<U>_<PRO>: the same with the router folded in (AHEAD; PRO 0, out_proj's and
 // o_proj's x, and 2, fuse_gdn's gated norm). Kernels of their own: the fold's registers (the
