@@ -640,9 +640,7 @@ fn fused_decode_forms_equal_their_compositions() {
                 "matmul_q_add with proj_tma differs from sw_gemv's"
             );
             assert!(
-                g.loaded_kernels()
-                    .iter()
-                    .any(|n| n.starts_with("sw_tma_4_16_")),
+                launched(&g, "sw_tma_4_16_"),
                 "proj_tma: sw_tma_4_16_* was not launched"
             );
         }
@@ -658,6 +656,12 @@ fn fused_decode_forms_equal_their_compositions() {
             "matmul_q_add rows {rows} unfused: not h + the bf16 product"
         );
     }
+}
+
+/// Whether a kernel whose name starts with `prefix` has run on `g`: a variant that gives the same
+/// bits as its fallback must be seen to run.
+fn launched(g: &Cuda, prefix: &str) -> bool {
+    g.loaded_kernels().iter().any(|n| n.starts_with(prefix))
 }
 
 /// Whether two f32 slices hold the same bits, element by element (over the shorter length).
@@ -2323,9 +2327,7 @@ fn moe_step_matches_its_composition_and_the_cpu() {
             // refuse these experts: each kernel must have run.
             for kernel in ["moe_tma_down", "moe_tma_gate_up", "moe_wide_down"] {
                 assert!(
-                    g.loaded_kernels()
-                        .iter()
-                        .any(|n| n.starts_with(&format!("{kernel}_{bits}_"))),
+                    launched(&g, &format!("{kernel}_{bits}_")),
                     "{kernel} ({bits}-bit experts) was not launched"
                 );
             }

@@ -1150,47 +1150,45 @@ fn moe_wide_gate_up_launch(
     )
 }
 
-/// Bytes of shared memory a slot of moe_tma_down takes (switch `down_tma`: its DR rows of codes,
-/// scales and biases, row-major), or None (moe_wide's own down runs). Called after moe_wide_fits,
-/// whose shapes (W = 512, H = 2048, groups a row even, DR >= 4) make every copy's size and every
-/// expert's and block's offset a multiple of 16 bytes; what is left to check is that the buffers
-/// start 16-byte aligned and that the shared expert has the routed experts' groups (one slot
-/// layout).
+/// Bytes of shared memory a slot of moe_tma_down takes (switch `down_tma`: its DR rows), or None
+/// (moe_wide's own down runs). Called after moe_wide_fits, whose shapes (W = 512, H = 2048,
+/// groups a row even, DR >= 4) make every copy's size and every expert's and block's offset a
+/// multiple of 16 bytes: tma_layout's checks are what is left.
 fn down_tma_slot(p: &SwMoe, bits: usize, w: usize, dr: usize) -> Option<usize> {
-    let gs = p.d.gs as usize;
-    tma_layout_ok(&p.d, &[&p.sd]).then_some(dr * (w * bits / 8 + 4 * (w / gs)))
+    tma_layout(&[p.d, p.sd], w, bits).map(|row| dr * row)
 }
 
-/// Bytes of shared memory moe_tma_gate_up takes (opt-in `gu_tma`: RPB rows of gate and of up,
-/// codes, scales and biases row-major by row group), or None (moe_wide's own gate|up runs). The
-/// same checks as down_tma_slot, over gate, up and the shared expert's two.
+/// Bytes of shared memory moe_tma_gate_up takes (opt-in `gu_tma`: RPB rows of gate and of up),
+/// or None (moe_wide's own gate|up runs).
 fn gate_up_tma_smem(p: &SwMoe, bits: usize, hid: usize, rpb: usize) -> Option<u32> {
-    let gs = p.g.gs as usize;
-    let ok = tma_layout_ok(&p.g, &[&p.u, &p.sg, &p.su]);
-    ok.then_some((2 * rpb * (hid * bits / 8 + 4 * (hid / gs))) as u32)
+    tma_layout(&[p.g, p.u, p.sg, p.su], hid, bits).map(|row| (2 * rpb * row) as u32)
 }
 
-/// Bytes of shared memory sw_tma takes (opt-in `proj_tma`: a batch of `rb` rows' codes, scales
-/// and biases, row-major), or None (sw_gemv runs): gemv.cu's instantiations (K 2048 or 4096; 4-bit
-/// U 4, 8-bit U 2, as sw_rb picks), every matrix's rows whole batches (no row past a matrix's
-/// end), and the copies' alignment. A batch's offsets are multiples of 16 bytes: rb >= 4 rows of
-/// K·BITS/8 bytes of codes and K/gs >= 8 groups of 2-byte scales.
+/// Bytes of shared memory sw_tma takes (opt-in `proj_tma`: a batch of `rb` rows), or None
+/// (sw_gemv runs): gemv.cu's instantiations (K 2048 or 4096; 4-bit U 4, 8-bit U 2, as sw_rb
+/// picks), every matrix's rows whole batches (no row past a matrix's end), and tma_layout's
+/// checks. A batch's offsets are multiples of 16 bytes: rb >= 4 rows of K·BITS/8 bytes of codes
+/// and K/gs >= 8 groups of 2-byte scales.
 fn sw_tma_smem(ws: &[&Mat], p: &SwArgs, k: usize, bits: usize, rb: usize) -> Option<u32> {
-    let gs = ws[0].gs;
     let fits = (k == 2048 || k == 4096)
         && (bits == 4 || bits == 8)
-        && k / gs >= 8
-        && ws.iter().all(|w| w.out.is_multiple_of(rb))
-        && tma_layout_ok(&p.m[0], &p.m[1..ws.len()].iter().collect::<Vec<_>>());
-    fits.then_some((rb * (k * bits / 8 + 4 * (k / gs))) as u32)
+        && k / ws[0].gs >= 8
+        && ws.iter().all(|w| w.out.is_multiple_of(rb));
+    fits.then(|| tma_layout(&p.m[..ws.len()], k, bits))
+        .flatten()
+        .map(|row| (rb * row) as u32)
 }
 
-/// The bulk copies' own requirements beyond moe_wide_fits' shapes: every buffer starts 16-byte
-/// aligned, and the other matrices have `m`'s groups (one row layout in shared memory).
-fn tma_layout_ok(m: &QMat, others: &[&QMat]) -> bool {
-    std::iter::once(m)
-        .chain(others.iter().copied())
-        .all(|q| q.w % 16 == 0 && q.s % 16 == 0 && q.b % 16 == 0 && q.gs == m.gs)
+/// The bytes a row of these matrices (K = `k` inputs) takes in shared memory as wide.cuh's
+/// tma_rows copies it (codes, then its groups' bf16 scales and biases), or None where the bulk
+/// copies cannot take them: every buffer must start 16-byte aligned, and all must have the
+/// first's groups (one row layout).
+fn tma_layout(ms: &[QMat], k: usize, bits: usize) -> Option<usize> {
+    let gs = ms[0].gs;
+    let ok = ms
+        .iter()
+        .all(|q| q.w % 16 == 0 && q.s % 16 == 0 && q.b % 16 == 0 && q.gs == gs);
+    ok.then(|| k * bits / 8 + 4 * (k / gs as usize))
 }
 
 /// Rows per block of moe_wide's gate|up and down kernels (`LILY_CUDA_MOE_WIDE=RPB,DR`: RPB 8, 16
