@@ -549,6 +549,28 @@ fn fused_decode_forms_equal_their_compositions() {
             runs.push(outs.iter().map(|o| h(&g, o)).collect::<Vec<_>>());
         }
         g.set_disabled(&[]).unwrap();
+        // Opt-in `tc_tma` (the 4-bit sets: in_proj, q|k|v, the lm_head's shape): tc_gemv's
+        // stages by bulk copies, the same bits; tc_gemv would give them too, so it must have run.
+        if matches!(ws[0].kind, LinearKind::Quant { bits: 4, .. }) {
+            g.set_enabled(&["tc_tma"]).unwrap();
+            let mut outs: Vec<_> = ws.iter().map(|w| g.zeros(w.out).unwrap()).collect();
+            let mut gxn = g.act_zeros(hid).unwrap();
+            {
+                let mut om: Vec<&mut _> = outs.iter_mut().collect();
+                g.rms_norm_matmul(&gh, &gnw, 1, hid, d.eps, &mut gxn, &refs, &mut om);
+            }
+            g.set_enabled(&[]).unwrap();
+            for (i, o) in outs.iter().enumerate() {
+                assert!(
+                    same_bits(&h(&g, o), &runs[0][i]),
+                    "{what}: matrix {i} with tc_tma differs from tc_gemv's"
+                );
+            }
+            assert!(
+                launched(&g, "tc_tma_2_8_1_"),
+                "{what}: tc_tma_2_8_1_* was not launched"
+            );
+        }
         check_act(&format!("rms_norm_matmul {what} (x)"), &kxn, &cxn, hid);
         let pool = ws.iter().map(|w| w.out).max().unwrap();
         for (i, w) in ws.iter().enumerate() {

@@ -551,6 +551,15 @@ impl Cuda {
             _ => (format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256), 256, 0),
         };
         let batches = p.bstart[ws.len()] as u32;
+        // Opt-in `tc_tma` (gemv.cu's tc_tma_*): tc_gemv with its stages filled by bulk copies.
+        if tc && self.opted_in("tc_tma") {
+            if let Some(tsmem) = tc_tma_smem(ws, &p, k, rb, tc_s) {
+                let tname = format!("tc_tma_2_8_{tc_u}_{tc_s}_{pro}");
+                let grid = batches.min(self.resident_blocks(&tname, threads, tsmem));
+                self.launch(&tname, (grid, 1, 1), threads, tsmem, &[Arg::S(Box::new(p))]);
+                return;
+            }
+        }
         // Opt-in `proj_tma` (gemv.cu's sw_tma_*): the plain SIMT form with its one batch a block
         // fetched by bulk copies, where every block holds one whole batch at once.
         let plain = !tc && ahead.is_none() && route.is_none() && p.cw == 0 && pro == 0;
@@ -1177,6 +1186,18 @@ fn sw_tma_smem(ws: &[&Mat], p: &SwArgs, k: usize, bits: usize, rb: usize) -> Opt
     fits.then(|| tma_layout(&p.m[..ws.len()], k, bits))
         .flatten()
         .map(|row| (rb * row) as u32)
+}
+
+/// Bytes of shared memory tc_tma takes (opt-in `tc_tma`: `s` stages of a batch of `rb` rows), or
+/// None (tc_gemv runs): gemv.cu's instantiations (K 2048, one tile a batch), every matrix's rows
+/// whole batches (tc_fetch_rows has no row past a matrix's end), and tma_layout's checks. A
+/// stage's offsets are multiples of 16 bytes: 16 rows of 1,024 bytes of codes and of 64 of
+/// scales.
+fn tc_tma_smem(ws: &[&Mat], p: &SwArgs, k: usize, rb: usize, s: usize) -> Option<u32> {
+    let fits = k == 2048 && rb == 16 && ws.iter().all(|w| w.out.is_multiple_of(rb));
+    fits.then(|| tma_layout(&p.m[..ws.len()], k, 4))
+        .flatten()
+        .map(|row| (s * rb * row) as u32)
 }
 
 /// The bytes a row of these matrices (K = `k` inputs) takes in shared memory as wide.cuh's

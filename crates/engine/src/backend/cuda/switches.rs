@@ -193,6 +193,13 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   at once and every matrix's rows are whole batches; else sw_gemv. Why: down_tma's gain
 ///   (1.015x) and the skeleton's chainT (0.3-0.4 µs off a 4-6 MB chain phase); out_proj is 4.7
 ///   MB and 3.9 µs in place. Written at stop 54, not yet run on a GPU.
+/// * `tc_tma`: tc_gemv (K = 2048: GDN in_proj, attention q|k|v, the lm_head) with each stage of
+///   its ring (a batch of 16 rows) fetched by three bulk copies from thread 0, counted on the
+///   stage's mbarrier (gemv.cu tc_tma_*), instead of each lane's 16-byte cp.async into its own
+///   slot: the same bits (cuda_ops fused_decode test). Taken where every matrix's rows are whole
+///   batches; else tc_gemv. Why: the skeleton's chainT took 0.55 µs off an 8.4 MB chain phase
+///   (H100), and in_proj (14.2 MB, 8.2 µs in place) and q|k|v (10.6 MB) are the step's largest
+///   weighted phases. Written at stop 55, not yet run on a GPU.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -208,6 +215,7 @@ pub const OPT_IN: &[&str] = &[
     "down_flag",
     "gu_tma",
     "proj_tma",
+    "tc_tma",
 ];
 
 impl Cuda {
