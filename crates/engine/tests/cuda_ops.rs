@@ -610,7 +610,7 @@ fn fused_decode_forms_equal_their_compositions() {
         for token in 0..3 {
             let hv: Vec<f32> = rng.vec(hid, 4.0);
             let gh = g.upload_vec(&hv).unwrap();
-            let (xn, lv, _, ids, w) = gpu_router(&g, &gh, &gnw, &gr, &gs, &d);
+            let (xn, lv, sl, ids, w) = gpu_router(&g, &gh, &gnw, &gr, &gs, &d);
             check_route_of_logits(&format!("moe_router token {token}"), &lv, &ids, &w, &d);
             // The logits themselves: the router GEMV of the fused norm's x.
             let mut c = vec![0f32; d.n_experts];
@@ -618,6 +618,16 @@ fn fused_decode_forms_equal_their_compositions() {
             check(
                 &format!("moe_router token {token} (logits)"),
                 rel_rows(&lv, &c, d.n_experts),
+                F32_TOL,
+            );
+            // The shared gate's one logit, against the router's scale (one value has no scale
+            // of its own: pooled, as the few-output matrices above).
+            let mut cs = vec![0f32; 1];
+            Cpu.matmul_q(&xn, &ws[1], 1, &mut cs);
+            let scale = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+            check(
+                &format!("moe_router token {token} (shared gate, pooled scale)"),
+                (sl[0] - cs[0]).abs() / scale,
                 F32_TOL,
             );
         }
@@ -689,60 +699,6 @@ fn launched(g: &Cuda, prefix: &str) -> bool {
 /// Whether two f32 slices hold the same bits, element by element (over the shorter length).
 fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
-}
-
-/// The opt-in router as one thread-block cluster (`router_cluster`: logits written into the
-/// leader block's shared memory, one cluster barrier, the route there; 8 and 16 blocks): against
-/// the CPU, as `moe_router` is held in fused_decode_forms_equal_their_compositions: the fused
-/// norm's x bit-equal to rms_norm's, the logits within F32_TOL of the CPU's product of that x,
-/// the shared gate's logit too, and the route the CPU's route of the same f32 logits (ids equal,
-/// weights 1e-6), three tokens in a row. Passed on the H200 at stop 20 (8 and 16 blocks).
-/// Ignored while opt-in (a fault would poison the tests after it): run alone with
-/// `--ignored router_cluster`.
-#[test]
-#[ignore = "opt-in router_cluster: run alone with --ignored"]
-fn router_cluster_matches_the_cpu() {
-    let Some(g) = gpu() else { return };
-    let d = qwen_dims();
-    let hid = d.hidden;
-    let mut rng = Rng(53);
-    let ws = [
-        rand_quant(&mut rng, 1, d.n_experts, hid, 8, 64, false),
-        rand_quant(&mut rng, 1, 1, hid, 8, 64, false),
-    ];
-    let (gr, gs) = (g.upload_mat(&ws[0]).unwrap(), g.upload_mat(&ws[1]).unwrap());
-    let nw: Vec<f32> = (0..hid).map(|_| 1.0 + 0.1 * rng.f()).collect();
-    let gnw = g.upload_vec(&nw).unwrap();
-    g.set_enabled(&["router_cluster"]).unwrap();
-    for token in 0..3 {
-        let hv: Vec<f32> = rng.vec(hid, 4.0);
-        let gh = g.upload_vec(&hv).unwrap();
-        let mut kxn = g.act_zeros(hid).unwrap();
-        g.rms_norm(&gh, &gnw, 1, hid, d.eps, &mut kxn);
-        let kxn = h(&g, &kxn);
-        let (xn, lv, sl, ids, w) = gpu_router(&g, &gh, &gnw, &gr, &gs, &d);
-        assert!(
-            same_bits(&xn, &kxn),
-            "router_cluster token {token}: the fused norm's x differs from rms_norm's"
-        );
-        let mut c = vec![0f32; d.n_experts];
-        Cpu.matmul_q(&kxn, &ws[0], 1, &mut c);
-        check(
-            &format!("router_cluster token {token} (logits)"),
-            rel_rows(&lv, &c, d.n_experts),
-            F32_TOL,
-        );
-        let mut cs = vec![0f32; 1];
-        Cpu.matmul_q(&kxn, &ws[1], 1, &mut cs);
-        let scale = c.iter().fold(0f32, |m, v| m.max(v.abs()));
-        check(
-            &format!("router_cluster token {token} (shared gate, pooled scale)"),
-            (sl[0] - cs[0]).abs() / scale,
-            F32_TOL,
-        );
-        check_route_of_logits(&format!("router_cluster token {token}"), &lv, &ids, &w, &d);
-    }
-    g.set_enabled(&[]).unwrap();
 }
 
 /// The router's route by the whole last block (switch `route_block`, route.cuh route_block: the
@@ -922,41 +878,20 @@ fn with_row_copies(m: &HostLinear, from: usize, to: &[usize]) -> HostLinear {
 #[test]
 fn tc_gemv_matches_the_cpu() {
     let Some(g) = gpu() else { return };
-    streaming_gemv_checks(&g, "tc_all", &[]);
-}
-
-/// The opt-in wide form of the streaming GEMV (`gemv_wide`: every block's weights requested at
-/// once through cp.async, gemv.cu's gemv_wide_*) through `tc_gemv_matches_the_cpu`'s checks: it
-/// takes K = 2048 (ahead of tc_gemv, on by default) and K = 4096, both prologues, the residual-add
-/// epilogue, rows past the last whole block; plus 8-bit matrices. The SIMT loop's function, so the
-/// same F32_TOL. Cheap alone: `cargo test --release -p lily-engine --features cuda --test
-/// cuda_ops gemv_wide`.
-#[test]
-fn gemv_wide_matches_the_cpu() {
-    let Some(g) = gpu() else { return };
-    streaming_gemv_checks(
-        &g,
-        "gemv_wide",
-        &[
-            (2048, 8, vec![1000, 24]),
-            (4096, 8, vec![300]),
-            (4096, 4, vec![2048, 40]),
-        ],
-    );
+    streaming_gemv_checks(&g, "tc_all");
 }
 
 /// The streaming GEMV checks of `tc_gemv_matches_the_cpu` with opt-in variant `variant` on (reset
-/// after), and the extra (K, bits, rows of each matrix) cases `more`.
-fn streaming_gemv_checks(g: &Cuda, variant: &str, more: &[(usize, u32, Vec<usize>)]) {
+/// after).
+fn streaming_gemv_checks(g: &Cuda, variant: &str) {
     let mut rng = Rng(41);
     g.set_enabled(&[variant]).unwrap();
-    let mut cases = vec![
+    let cases = [
         (2048usize, 4u32, vec![8192usize, 4096, 32, 32]),
         (2048, 4, vec![50_000]),
         (1024, 4, vec![300, 7]),
         (512, 4, vec![100]),
     ];
-    cases.extend(more.iter().cloned());
     for (k, bits, outs) in cases {
         let ws: Vec<HostLinear> = outs
             .iter()
@@ -2291,7 +2226,7 @@ fn moe_route_and_experts() {
 ///   x, logits, the shared gate's logit, the route and h. It is the same arithmetic in the same
 ///   order (sw_gemv's x, chunk dot and warp order; route.cuh), so no tolerance.
 /// * against the CPU: the logits within F32_TOL of the CPU's router on the GPU's x (as
-///   `router_cluster_matches_the_cpu`), the route equal to the CPU's moe_route of the GPU's
+///   `fused_decode_forms_equal_their_compositions` holds moe_router), the route equal to the CPU's moe_route of the GPU's
 ///   logits (weights within 1e-6), and the MoE output within check_moe's bound of the CPU's
 ///   moe_decode_add on that x and route. h is small (0.05) so that taking it back out of the
 ///   f32 residual sum costs far less than the bound.

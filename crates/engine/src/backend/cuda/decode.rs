@@ -307,7 +307,7 @@ impl Cuda {
     /// Whether the decode projection `out` (added into h) can fold the MoE router `next` into its
     /// launch (gemv.cu's AHEAD, Backend::route_ahead): opt-in `route_ahead` (and the streaming
     /// GEMV with its residual add) on, `out` a one-stack streaming GEMV (the fold always takes the
-    /// SIMT loop, whatever `tc_all` or `gemv_wide` say: `sw_gemv_route`), an 8-bit
+    /// SIMT loop, whatever `tc_all` says: `sw_gemv_route`), an 8-bit
     /// router | shared gate of K = out's rows whose group size the batch's rows divide, E < 512,
     /// and a hidden size route_ahead_<C> takes (256·C, C | 16).
     pub(super) fn ahead_fits(&self, out: &Mat, next: &RouteAhead<'_, Cuda>) -> bool {
@@ -431,25 +431,20 @@ impl Cuda {
             4096 => Some((2, 16)),
             _ => None,
         };
-        // The opt-in wide form (gemv.cu's gemv_wide_*) wins over both when it applies: with
-        // `gemv_wide` on, K = 2048 goes there instead of tc_gemv (on by default), K = 4096
-        // instead of the SIMT loop (or tc_all's tensor cores). Its rows per block, else None.
-        // The fold (AHEAD) lives in the SIMT loop only.
-        let wide = self.gemv_wide_rows(ws, k, pro, route.is_some() || ahead.is_some());
-        // On by default for K = 2048 only (measured faster there; `tc_all` for the rest).
-        let tc = wide.is_none()
-            && match tc_geom {
-                Some((_, nw)) => {
-                    route.is_none()
-                        && ahead.is_none()
-                        && bits == 4
-                        && ws.iter().all(|w| w.gs == 64)
-                        && (pro == 0 || (pro == 1 && nw == 8))
-                        && self.on("tc_gemv")
-                        && (k == 2048 || self.opted_in("tc_all"))
-                }
-                None => false,
-            };
+        // On by default for K = 2048 only (measured faster there; `tc_all` for the rest). The
+        // fold (AHEAD) lives in the SIMT loop only.
+        let tc = match tc_geom {
+            Some((_, nw)) => {
+                route.is_none()
+                    && ahead.is_none()
+                    && bits == 4
+                    && ws.iter().all(|w| w.gs == 64)
+                    && (pro == 0 || (pro == 1 && nw == 8))
+                    && self.on("tc_gemv")
+                    && (k == 2048 || self.opted_in("tc_all"))
+            }
+            None => false,
+        };
         // K = 4096 (16 warps), 1024 and 512: one tile per batch (gemv.cu's instantiations).
         let (tc_u, tc_s) = match tc_geom {
             // 4 stages for the lm_head (102 against 104 us at 3), 3 for the layers' projections
@@ -461,11 +456,7 @@ impl Cuda {
             Some((2, 16)) => (1, tc_s(4)),
             _ => (1, 4),
         };
-        let rb = match wide {
-            Some(rpb) => rpb,
-            None if tc => 16 * tc_u,
-            None => rw * u,
-        };
+        let rb = if tc { 16 * tc_u } else { rw * u };
         let mut p = SwArgs {
             n: ws.len() as i32,
             ..SwArgs::empty()
@@ -527,15 +518,6 @@ impl Cuda {
             p.facc = acc;
             p.fe = n.router.out as i32;
         }
-        if let Some(rpb) = wide {
-            // Every block at once (no batch loop): G = RPB / RW row groups, shared memory
-            // G·256·(16·BITS/4 + 8) bytes.
-            let name = format!("gemv_wide_{bits}_{}_{rpb}_{pro}", k / 256);
-            let smem = (rpb / rw * 256 * (16 * bits / 4 + 8)) as u32;
-            let grid = p.bstart[ws.len()] as u32;
-            self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::S(Box::new(p))]);
-            return;
-        }
         let (name, threads, smem) = match (tc, tc_geom) {
             (true, Some((ns, nw))) => (
                 format!("tc_gemv_{ns}_{nw}_{tc_u}_{tc_s}_{pro}"),
@@ -574,67 +556,6 @@ impl Cuda {
         }
         let grid = batches.min(self.resident_blocks(&name, threads, smem));
         self.launch(&name, (grid, 1, 1), threads, smem, &[Arg::S(Box::new(p))]);
-    }
-
-    /// The router | shared gate of an MoE block with the norm prologue and the top-k route as one
-    /// thread-block cluster (gemv.cu's router_cluster_<CL>, opt-in `router_cluster`): 8-bit,
-    /// K = 2048, at most CL·16·3 rows. `false`: not taken (the caller launches sw_gemv_8).
-    pub(super) fn router_cluster(
-        &self,
-        x: SwX<'_>,
-        ws: &[&Mat],
-        outs: &[(u64, i32)],
-        route: &Route,
-        k: usize,
-        norm: bool,
-    ) -> bool {
-        let SwX::Norm { h, w, eps, xn } = x else {
-            return false;
-        };
-        if !self.opted_in("router_cluster") || !self.pdl_ok || ws.len() != 2 || outs.len() != 2 {
-            return false;
-        }
-        let (r, sg) = (ws[0], ws[1]);
-        let cl = router_cluster_size();
-        let fits = Self::sw_bits(r.fmt) == Some(8)
-            && sg.fmt == r.fmt
-            && r.inp == 2048
-            && sg.inp == 2048
-            && r.gs == sg.gs
-            && r.gs.is_multiple_of(32)
-            && r.out + sg.out <= cl * 16 * 3
-            && r.out <= 1024
-            && outs[0].1 == 0;
-        if !fits {
-            return false;
-        }
-        let mut p = SwArgs {
-            n: 2,
-            x: h.mem.ptr,
-            nw: w.mem.ptr,
-            xn: xn.map_or(0, |b| b.mem.ptr),
-            rids: route.ids.ptr,
-            rwts: route.weights.ptr,
-            eps,
-            re: r.out as i32,
-            rk: k as i32,
-            ntopk: norm as i32,
-            ..SwArgs::empty()
-        };
-        p.m[0] = r.q();
-        p.m[1] = sg.q();
-        p.out[0] = outs[0].0;
-        p.out[1] = outs[1].0;
-        p.obf[1] = outs[1].1;
-        self.launch_ex(
-            &format!("router_cluster_{cl}"),
-            (cl as u32, 1, 1),
-            512,
-            0,
-            cl as u32,
-            &[Arg::S(Box::new(p))],
-        );
-        true
     }
 
     /// The bits of the experts' format when the two streaming MoE launches take them (the routed
@@ -806,30 +727,6 @@ impl Cuda {
 }
 
 impl Cuda {
-    /// Rows per block of the opt-in wide streaming GEMV (gemv.cu's gemv_wide_*, switch
-    /// `gemv_wide`) for these matrices, or None where it does not apply: it takes K = 2048 and
-    /// 4096, the plain and the norm prologue (`pro` 0, 1), every epilogue but the route, groups
-    /// per row even (a lane's scale word holds its group at the group's parity) and scale and
-    /// bias buffers 4-byte aligned (copied a word at a time). `sw_fits` already holds. Only the
-    /// layers' projections (fewer than 65,536 rows in all): the lm_head (vocabulary rows, 286 MB,
-    /// many waves of blocks) stays on tc_gemv's stages.
-    fn gemv_wide_rows(&self, ws: &[&Mat], k: usize, pro: usize, route: bool) -> Option<usize> {
-        let rows: usize = ws.iter().map(|w| w.out).sum();
-        if !self.opted_in("gemv_wide") || route || pro > 1 || rows >= 65_536 {
-            return None;
-        }
-        let fits = ws.iter().all(|w| {
-            let q = w.q();
-            (w.inp / w.gs).is_multiple_of(2) && q.s % 4 == 0 && q.b % 4 == 0
-        });
-        let (r4096, r2048) = gemv_wide_rows();
-        match k {
-            4096 if fits => Some(r4096),
-            2048 if fits => Some(r2048),
-            _ => None,
-        }
-    }
-
     /// moe_wide's rows per block (gate|up, down) when its kernels take these experts, else None:
     /// instantiated for hidden 2048 and width 512 (the full model). `gs`: the group sizes of
     /// gate|up and of down (the rest checked equal by moe_sw_bits).
@@ -1231,22 +1128,6 @@ fn moe_wide_rows() -> (usize, usize) {
     })
 }
 
-/// Rows per block of gemv_wide at K = 4096 and at K = 2048 (`LILY_CUDA_GEMV_WIDE=R4096,R2048`:
-/// 8, 16 or 32 at K = 4096, 16, 32 or 64 at K = 2048; gemv.cu's instantiations). Default 16,32:
-/// out_proj and o_proj (2048 rows) are 128 blocks of 48 KB at 4-bit, one per SM; in_proj (~12,300
-/// rows) ~385 and q|k|v (~9,200) ~290 blocks of 48 KB, 2-3 per SM, all resident. Not yet
-/// measured: the `wide` step of scripts/h200-run compares settings.
-fn gemv_wide_rows() -> (usize, usize) {
-    static RD: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
-    *RD.get_or_init(|| {
-        let v = std::env::var("LILY_CUDA_GEMV_WIDE").unwrap_or_default();
-        let mut it = v.split(',').map(|s| s.trim().parse::<usize>().ok());
-        let a = it.next().flatten().filter(|n| [8, 16, 32].contains(n));
-        let b = it.next().flatten().filter(|n| [16, 32, 64].contains(n));
-        (a.unwrap_or(16), b.unwrap_or(32))
-    })
-}
-
 /// Bytes of one warp's shared-memory slot for a 16-row tile of NS spans (tc_stream.cuh's TcSlot).
 fn tc_slot(ns: usize) -> usize {
     (2 * ns + 1) * 512
@@ -1275,16 +1156,4 @@ fn tc_u(default: usize) -> usize {
 fn tc_s(default: usize) -> usize {
     static S: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
     env_choice(&S, "LILY_CUDA_TC_S", &[3, 4], default)
-}
-
-/// Blocks of the router's cluster (`LILY_CUDA_ROUTER_CLUSTER`: 8, the portable size, or 16).
-fn router_cluster_size() -> usize {
-    static CL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *CL.get_or_init(|| {
-        if std::env::var("LILY_CUDA_ROUTER_CLUSTER").ok().as_deref() == Some("8") {
-            8
-        } else {
-            16
-        }
-    })
 }

@@ -1098,10 +1098,8 @@ impl Backend for Cuda {
                 xn: Some(xn),
             };
             let outs = [(logits.mem.ptr, 0), (s.mem.ptr, s.bf16())];
-            if !self.router_cluster(x, &ws, &outs, route, k, d.norm_topk) {
-                let route = Some((&*route, k, d.norm_topk, false));
-                self.sw_gemv_route(x, &ws, &outs, route, None, None);
-            }
+            let route = Some((&*route, k, d.norm_topk, false));
+            self.sw_gemv_route(x, &ws, &outs, route, None, None);
         }
     }
     fn gdn_mixer_decode_add(

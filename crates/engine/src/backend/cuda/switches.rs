@@ -70,7 +70,11 @@ pub const SWITCHES: &[&str] = &[
 pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 
 /// Decode-path variants that are off unless asked for (`LILY_CUDA_ENABLE=name`,
-/// `Cuda::set_enabled`): correct, but not faster where measured.
+/// `Cuda::set_enabled`): correct, but not faster where measured. Removed at stop 55 as clear
+/// losers (their code is in git before that stop): `router_cluster` (the router as one cluster,
+/// 0.98x at 4K on the H200: the cluster launch cost more than the ticket it removed) and
+/// `gemv_wide` (every projection block's weights requested at once, 0.86x: a block that waits
+/// for its whole share before its dot has nothing to overlap the wait with).
 /// * `tc_all`: the tensor-core streaming dot (switch `tc_gemv`) also for the other widths (K 512,
 ///   1024, 4096: out_proj, o_proj) and the MoE experts (moe.cu's moe_tc_*). Correct (cuda_ops) but
 ///   measured slower on the H200 than the SIMT kernels there: out_proj 5.3 against 4.4 us, the
@@ -78,20 +82,6 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 /// * `fuse_gdn`: a GDN layer's decode mixer in three launches (the conv in the projections'
 ///   epilogue, the scan, the gated norm in out_proj's prologue with the residual add). Correct
 ///   on the H200 but measured slower there (439 against 457 tok/s at 4K).
-/// * `router_cluster`: an MoE block's router | shared gate with the norm and the route as one
-///   thread-block cluster (gemv.cu's router_cluster_<CL>; `LILY_CUDA_ROUTER_CLUSTER=8|16` blocks,
-///   default 16). Correct on the H200 but slower there (decode 461/457 against 470/463 tok/s
-///   at 4K, two rounds alternated): the cluster launch costs more than the ticket it removes.
-/// * `gemv_wide`: the decode projections (the streaming GEMV at K = 2048 and 4096: GDN in_proj,
-///   attention q|k|v with the norm prologue, out_proj and o_proj with the residual add) as
-///   gemv.cu's gemv_wide_*: the SIMT loop's function, but every block requests all of its weights
-///   at once (cp.async into shared memory, one commit group per row group) before the PDL wait,
-///   as `moe_wide` does for the experts. Where it applies it wins over `tc_gemv` (K = 2048) and
-///   the SIMT loop (K = 4096). `LILY_CUDA_GEMV_WIDE=R4096,R2048` sets the rows per block (see
-///   decode.rs gemv_wide_rows). Correct on the H200 (cuda_ops, 4- and 8-bit) but much slower
-///   there (lab, µs: in_proj 14.1 / 12.7 at 32 / 64 rows against tc_gemv's 9.5, out_proj 6.4 at
-///   16 rows and 3.95 at 8 against the SIMT loop's 3.37; decode 436-444 against 510-516 tok/s):
-///   a block that waits for its whole share before its dot has nothing to overlap the wait with.
 /// * `moe_step`: an MoE block's router (norm, router | shared gate GEMV, top-k) folded into
 ///   moe_wide's gate|up launch (moe.cu's moe_step_gate_up_*, Backend::moe_step_add): -40
 ///   kernels per token, no launch boundary between the router and the experts' loads. Bit-equal
@@ -203,8 +193,6 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
-    "router_cluster",
-    "gemv_wide",
     "moe_step",
     "attn_fold",
     "carveout_all",

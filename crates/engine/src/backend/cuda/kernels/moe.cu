@@ -633,7 +633,7 @@ MOE_TC_DOWN(4)
 // down ~41 KB per block and per SM, requested while gate|up runs on SMs with room (2 gate|up
 // blocks + 1 down block fit in registers and shared memory).
 
-// cp_wait_n, wide_issue and wide_fetch: wide.cuh (shared with gemv.cu's gemv_wide_*).
+// cp_wait_n, wide_issue and wide_fetch: wide.cuh.
 
 // ---- moe_step_gate_up_<B>_<C>_<RPB> (opt-in `moe_step`, Backend::moe_step_add): the router folded
 // into moe_wide's gate|up launch. Matches moe_step_compose: moe_router (rms_norm + router | shared

@@ -10,8 +10,7 @@
 
 // NPL: experts per lane (E <= 32·NPL): 8 for the model's 256 experts (each of the k arg-max rounds
 // scans NPL registers per lane: with 32 for every E, a 256-expert route took ~7 µs on the H200).
-// SMEM: the logits are in this block's shared memory (gemv.cu's router_cluster), read plainly.
-template <int NPL, bool SMEM = false>
+template <int NPL>
 __device__ __forceinline__ void route_warp_n(const float* __restrict__ l, u32* __restrict__ ids, float* __restrict__ weights, int E, int k,
                                              int norm_topk, int lane) {
     // Lane l holds experts l, l + 32, ... (unrolled and guarded: registers, not local memory).
@@ -20,7 +19,7 @@ __device__ __forceinline__ void route_warp_n(const float* __restrict__ l, u32* _
 #pragma unroll
     for (int i = 0; i < NPL; i++) {
         const int e = lane + 32 * i;
-        p[i] = e < E ? (SMEM ? l[e] : __ldcg(l + e)) : NEG_INF;
+        p[i] = e < E ? __ldcg(l + e) : NEG_INF;
         m = fmaxf(m, p[i]);
     }
     m = warp_max(m);

@@ -184,7 +184,7 @@ __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0
 
 // A norm weight (K f32, 16-byte aligned) copied into shared memory `dst` by the block's T threads
 // (16 bytes per copy), in the caller's open commit group: every decode kernel with a norm
-// prologue (gemv.cu sw_gemv, tc_gemv and gemv_wide with prologue 1, moe.cu's moe_step gate|up)
+// prologue (gemv.cu sw_gemv and tc_gemv with prologue 1, moe.cu's moe_step gate|up)
 // issues it before its PDL wait, so that the x of sw_x_norm reads it from shared memory after
 // the block's sum of squares. Why not a prefetch into L1 (sw_prefetch_norm, what they did
 // before): the PDL wait (griddepcontrol.wait) is an acquire,

@@ -1,11 +1,11 @@
-// wide.cuh: the "wide" weight loads of the one-wave decode kernels (moe.cu's moe_wide_*, gemv.cu's
-// gemv_wide_*): every block requests ALL of its weights at once, before computing anything. Each
-// lane copies its own stream.cuh chunks (16 B of codes per 32 inputs, and the 4-byte words holding
-// its group's bf16 scale and bias) into its own slots of shared memory with cp.async, one commit
-// group per row group, then computes row group after row group as they land
-// (cp.async.wait_group, no barrier: a lane reads back only what it copied). Nothing is held in
-// registers while in flight, so the depth costs no registers. moe.cu's moe_wide note says why
-// (bytes in flight against the DRAM latency on the H200).
+// wide.cuh: the "wide" weight loads of the one-wave decode kernels (moe.cu's moe_wide_*; gemv.cu's
+// gemv_wide_* too until stop 55, measured slower: 0.86x): every block requests ALL of its weights
+// at once, before computing anything. Each lane copies its own stream.cuh chunks (16 B of codes
+// per 32 inputs, and the 4-byte words holding its group's bf16 scale and bias) into its own slots
+// of shared memory with cp.async, one commit group per row group, then computes row group after
+// row group as they land (cp.async.wait_group, no barrier: a lane reads back only what it
+// copied). Nothing is held in registers while in flight, so the depth costs no registers.
+// moe.cu's moe_wide note says why (bytes in flight against the DRAM latency on the H200).
 // Needs stream.cuh (SwUnit, SwLane) and tc_stream.cuh (cp16, cp4, cp_wait).
 
 // cp.async.wait_group with a count known only after unrolling.
