@@ -515,9 +515,11 @@ fn fused_decode_forms_equal_their_compositions() {
                 rand_quant(&mut rng, 1, 1, hid, 8, 64, false),
             ],
         ),
+        // 66,000 rows: past decode.rs's 65,536, so the lm_head's 4-stage tc_gemv (and tc_tma's)
+        // runs, as for the model's 248,320-row vocabulary; the layers' sets above take 3.
         (
-            "lm_head-like 4-bit [50000, 2048]",
-            vec![rand_quant(&mut rng, 1, 50_000, hid, 4, 64, false)],
+            "lm_head-like 4-bit [66000, 2048]",
+            vec![rand_quant(&mut rng, 1, 66_000, hid, 4, 64, false)],
         ),
     ];
     // h is the f32 residual stream (large values, as after many layers); w near 1 (MLX stores 1 + w).
@@ -570,6 +572,12 @@ fn fused_decode_forms_equal_their_compositions() {
                 launched(&g, "tc_tma_2_8_1_"),
                 "{what}: tc_tma_2_8_1_* was not launched"
             );
+            if ws[0].out >= 65_536 {
+                assert!(
+                    launched(&g, "tc_tma_2_8_1_4_"),
+                    "{what}: the 4-stage tc_tma_2_8_1_4_* was not launched"
+                );
+            }
         }
         check_act(&format!("rms_norm_matmul {what} (x)"), &kxn, &cxn, hid);
         let pool = ws.iter().map(|w| w.out).max().unwrap();
