@@ -534,9 +534,9 @@ impl Cuda {
         };
         let batches = p.bstart[ws.len()] as u32;
         // Opt-in `tc_tma` (gemv.cu's tc_tma_*): tc_gemv with its stages filled by bulk copies.
-        if tc && self.opted_in("tc_tma") {
+        if let (true, Some((ns, nw))) = (tc && self.opted_in("tc_tma"), tc_geom) {
             if let Some(tsmem) = tc_tma_smem(ws, &p, k, rb, tc_s) {
-                let tname = format!("tc_tma_2_8_{tc_u}_{tc_s}_{pro}");
+                let tname = format!("tc_tma_{ns}_{nw}_{tc_u}_{tc_s}_{pro}");
                 let grid = batches.min(self.resident_blocks(&tname, threads, tsmem));
                 self.launch(&tname, (grid, 1, 1), threads, tsmem, &[Arg::S(Box::new(p))]);
                 return;
@@ -1072,29 +1072,33 @@ fn gate_up_tma_smem(p: &SwMoe, bits: usize, hid: usize, rpb: usize) -> Option<u3
 
 /// Bytes of shared memory sw_tma takes (opt-in `proj_tma`: a batch of `rb` rows), or None
 /// (sw_gemv runs): gemv.cu's instantiations (K 2048 or 4096; 4-bit U 4, 8-bit U 2, as sw_rb
-/// picks), every matrix's rows whole batches (no row past a matrix's end), and tma_layout's
-/// checks. A batch's offsets are multiples of 16 bytes: rb >= 4 rows of K·BITS/8 bytes of codes
-/// and K/gs >= 8 groups of 2-byte scales.
+/// picks) and tma_batch's checks. A batch's offsets are multiples of 16 bytes: rb >= 4 rows of
+/// K·BITS/8 bytes of codes and K/gs >= 8 groups of 2-byte scales.
 fn sw_tma_smem(ws: &[&Mat], p: &SwArgs, k: usize, bits: usize, rb: usize) -> Option<u32> {
-    let fits = (k == 2048 || k == 4096)
-        && (bits == 4 || bits == 8)
-        && k / ws[0].gs >= 8
-        && ws.iter().all(|w| w.out.is_multiple_of(rb));
-    fits.then(|| tma_layout(&p.m[..ws.len()], k, bits))
-        .flatten()
-        .map(|row| (rb * row) as u32)
+    let fits = (k == 2048 || k == 4096) && (bits == 4 || bits == 8) && k / ws[0].gs >= 8;
+    fits.then(|| tma_batch(ws, p, k, bits, rb)).flatten()
 }
 
 /// Bytes of shared memory tc_tma takes (opt-in `tc_tma`: `s` stages of a batch of `rb` rows), or
-/// None (tc_gemv runs): gemv.cu's instantiations (K 2048, one tile a batch), every matrix's rows
-/// whole batches (tc_fetch_rows has no row past a matrix's end), and tma_layout's checks. A
-/// stage's offsets are multiples of 16 bytes: 16 rows of 1,024 bytes of codes and of 64 of
-/// scales.
+/// None (tc_gemv runs): gemv.cu's instantiations (K 2048, one tile a batch) and tma_batch's
+/// checks. A stage's offsets are multiples of 16 bytes: 16 rows of 1,024 bytes of codes and of
+/// 64 of scales.
 fn tc_tma_smem(ws: &[&Mat], p: &SwArgs, k: usize, rb: usize, s: usize) -> Option<u32> {
-    let fits = k == 2048 && rb == 16 && ws.iter().all(|w| w.out.is_multiple_of(rb));
-    fits.then(|| tma_layout(&p.m[..ws.len()], k, 4))
+    (k == 2048 && rb == 16)
+        .then(|| tma_batch(ws, p, k, 4, rb))
         .flatten()
-        .map(|row| (s * rb * row) as u32)
+        .map(|b| s as u32 * b)
+}
+
+/// Bytes of one batch of `rb` rows of the streaming GEMV's matrices `ws` (their QMats in `p`) as
+/// wide.cuh's tma_rows copies it, or None: every matrix's rows must be whole batches (the
+/// kernels that read a batch so have no row past a matrix's end) and tma_layout must take them.
+fn tma_batch(ws: &[&Mat], p: &SwArgs, k: usize, bits: usize, rb: usize) -> Option<u32> {
+    ws.iter()
+        .all(|w| w.out.is_multiple_of(rb))
+        .then(|| tma_layout(&p.m[..ws.len()], k, bits))
+        .flatten()
+        .map(|row| (rb * row) as u32)
 }
 
 /// The bytes a row of these matrices (K = `k` inputs) takes in shared memory as wide.cuh's
