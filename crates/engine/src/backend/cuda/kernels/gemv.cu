@@ -524,7 +524,7 @@ ROUTE_AHEAD_KERNEL(16)
 // row-major; the host checks every matrix's rows are whole batches and the buffers aligned),
 // issued by thread 0 and counted on the stage's mbarrier (use n / S of stage n % S waits on
 // parity (n / S) & 1); every warp waits on it and reads the same TcTile values tc_load would
-// (tc_stream.cuh tc_fetch_rows): the same bits. A stage is refilled at the top of the batch after
+// (wide.cuh tc_fetch_rows): the same bits. A stage is refilled at the top of the batch after
 // its last read: the block barrier of the batch that read it orders those reads before the
 // copies (with fence.proxy.async, generic reads before the async proxy's writes). Why: the
 // skeleton's chainT (stop 54, H100) put a chain phase of 8.4 MB at 3.90 µs with bulk copies

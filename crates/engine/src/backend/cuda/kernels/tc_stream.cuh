@@ -246,31 +246,3 @@ __device__ __forceinline__ void tc_fetch(const unsigned char* slot, int t, int l
         T.sa = T.ba = T.sb = T.bb = 0u;
     }
 }
-
-// The lane's share of the 16-row tile at row r0 of a batch that wide.cuh's tma_rows copied to
-// `st` (n rows of rowb bytes of codes, then the n rows' scales [n][gpr] u16, then their biases):
-// the same TcTile tc_load reads from global memory (gemv.cu's tc_tma_*, opt-in `tc_tma`). Row
-// g's chunk of span i is 16 bytes at byte 64·(sb + i) + 16·t of the row, its scale and bias
-// words the u32 at group 2·(sb + t). Rows g and g + 8 of a row-major tile put the 8 lanes of a
-// load phase 2-way on the same banks (rowb a multiple of 128): 2 wavefronts where the per-lane
-// slots take 1, a few hundred cycles a batch, off the DRAM path.
-template <int NS>
-__device__ __forceinline__ void tc_fetch_rows(const unsigned char* st, int rowb, int gpr, int n, int r0, int sb, int g, int t, TcTile<NS>& T) {
-    const unsigned char* ra = st + (r0 + g) * rowb + sb * 64 + 16 * t;
-    const unsigned char* rb = ra + 8 * rowb;
-#pragma unroll
-    for (int i = 0; i < NS; i++) {
-        T.a[i] = *(const uint4*)(ra + 64 * i);
-        T.b[i] = *(const uint4*)(rb + 64 * i);
-    }
-    if (t < NS) {
-        const u16* s = (const u16*)(st + n * rowb);
-        const int ga = (r0 + g) * gpr + 2 * (sb + t), gb = ga + 8 * gpr;
-        T.sa = *(const u32*)(s + ga);
-        T.ba = *(const u32*)(s + n * gpr + ga);
-        T.sb = *(const u32*)(s + gb);
-        T.bb = *(const u32*)(s + n * gpr + gb);
-    } else {
-        T.sa = T.ba = T.sb = T.bb = 0u;
-    }
-}

@@ -112,6 +112,11 @@ __device__ __forceinline__ void tma_rows(const QMat& m, int e, int o0, int n, u3
     bulk_copy(dst + cb + sb, (const u16*)m.b + g, sb, mb);
 }
 
+// The bf16 scales of the n rows tma_rows copied to `base` (after their n·rowb bytes of codes):
+// row i's group c at [i·gpr + c], its bias n·gpr further, at [n·gpr + i·gpr + c]. Both fetches
+// below read that layout from here.
+__device__ __forceinline__ const u16* tma_scales(const unsigned char* base, int n, int rowb) { return (const u16*)(base + n * rowb); }
+
 // The lane's chunk of row `row` of what tma_rows copied to `base` (n rows), as sw_load reads it
 // from global memory: the same SwUnit, so the same dot.
 template <int BITS>
@@ -119,7 +124,35 @@ __device__ __forceinline__ void tma_fetch(const unsigned char* base, int n, int 
     const uint4* p = (const uint4*)(base + row * rowb) + l.ch * (BITS / 4);
 #pragma unroll
     for (int i = 0; i < BITS / 4; i++) un.w[i] = p[i];
-    const u16* s = (const u16*)(base + n * rowb);
+    const u16* s = tma_scales(base, n, rowb);
     un.s = s[row * gpr + l.gch];
     un.b = s[n * gpr + row * gpr + l.gch];
+}
+
+// The lane's share of the 16-row tile at row r0 of the n rows tma_rows copied to `st` (4-bit,
+// rowb bytes of codes a row): the TcTile tc_stream.cuh's tc_load reads from global memory
+// (gemv.cu's tc_tma_*, opt-in `tc_tma`). Row g's chunk of span i is 16 bytes at byte
+// 64·(sb + i) + 16·t of the row, its scale and bias words the u32 at group 2·(sb + t). Rows g and
+// g + 8 of a row-major tile put the 8 lanes of a load phase 2-way on the same banks (rowb a
+// multiple of 128): 2 wavefronts where the per-lane slots take 1, a few hundred cycles a batch,
+// off the DRAM path.
+template <int NS>
+__device__ __forceinline__ void tc_fetch_rows(const unsigned char* st, int rowb, int gpr, int n, int r0, int sb, int g, int t, TcTile<NS>& T) {
+    const unsigned char* ra = st + (r0 + g) * rowb + sb * 64 + 16 * t;
+    const unsigned char* rb = ra + 8 * rowb;
+#pragma unroll
+    for (int i = 0; i < NS; i++) {
+        T.a[i] = *(const uint4*)(ra + 64 * i);
+        T.b[i] = *(const uint4*)(rb + 64 * i);
+    }
+    if (t < NS) {
+        const u16* s = tma_scales(st, n, rowb);
+        const int ga = (r0 + g) * gpr + 2 * (sb + t), gb = ga + 8 * gpr;
+        T.sa = *(const u32*)(s + ga);
+        T.ba = *(const u32*)(s + n * gpr + ga);
+        T.sb = *(const u32*)(s + gb);
+        T.bb = *(const u32*)(s + n * gpr + gb);
+    } else {
+        T.sa = T.ba = T.sb = T.bb = 0u;
+    }
 }
