@@ -108,6 +108,15 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   generic loads). Also since: only the two blocks that use the key (its cache writer, the
 ///   last split with keys) norm it, so no warp of the others has two rows, and blocks past the
 ///   keys' share skip the rows. Next: `scripts/h200-run tests,fold`.
+/// * `attn_ring`: the decode attention (attention.cu attn_decode_ring_<HD>) with each warp's K
+///   and V chunks staged through a ring of 3 stages in shared memory (cp.async, 16 bytes a lane,
+///   each lane reading back its own pieces), so that two chunks (16 KiB a warp, 128 KiB an SM at
+///   head_dim 256) are in flight while one is computed, where attn_decode_<HD> loads the next
+///   chunk into registers (one in flight: 64 KiB an SM). The same arithmetic in the same order:
+///   the same bits (cuda_ops attention_decode_capacities, which also asserts the kernel ran).
+///   Why: at 128K the attention reads 268 MB of bf16 KV a layer, and the contract's step there
+///   (stop 56, H100) is ~98 µs a layer longer than at 4K: ~2.7 TB/s of 3.35, bound by the bytes
+///   a warp has in flight. Written at stop 56.
 /// * `carveout_all`: the largest shared-memory carveout asked for every kernel, not only the
 ///   tensor-core and streaming ones (device.rs `func`; read when a kernel is first loaded, so set
 ///   it at creation: `LILY_CUDA_ENABLE`). Why it was tried: stop 23's first trace (`lily bench
@@ -195,6 +204,7 @@ pub const OPT_IN: &[&str] = &[
     "fuse_gdn",
     "moe_step",
     "attn_fold",
+    "attn_ring",
     "carveout_all",
     "late_route",
     "route_sort",
