@@ -515,8 +515,8 @@ fn fused_decode_forms_equal_their_compositions() {
                 rand_quant(&mut rng, 1, 1, hid, 8, 64, false),
             ],
         ),
-        // 66,000 rows: past decode.rs's 65,536, so the lm_head's 4-stage tc_gemv (and tc_tma's)
-        // runs, as for the model's 248,320-row vocabulary; the layers' sets above take 3.
+        // 66,000 rows: past decode.rs's 65,536, so the lm_head's 4-stage tc_gemv runs, as for
+        // the model's 248,320-row vocabulary; the layers' sets above take 3.
         (
             "lm_head-like 4-bit [66000, 2048]",
             vec![rand_quant(&mut rng, 1, 66_000, hid, 4, 64, false)],
@@ -534,18 +534,9 @@ fn fused_decode_forms_equal_their_compositions() {
     for (what, ws) in &sets {
         let gws: Vec<_> = ws.iter().map(|w| g.upload_mat(w).unwrap()).collect();
         let refs: Vec<&_> = gws.iter().collect();
-        // Runs: the defaults, `fuse_norm` off, and for the 4-bit sets (in_proj, q|k|v, the
-        // lm_head's shape) opt-in `tc_tma` (tc_gemv's stages by bulk copies): each the same bits.
-        let tc = matches!(ws[0].kind, LinearKind::Quant { bits: 4, .. });
-        let settings: &[(&[&str], &[&str])] = if tc {
-            &[(&[], &[]), (&["fuse_norm"], &[]), (&[], &["tc_tma"])]
-        } else {
-            &[(&[], &[]), (&["fuse_norm"], &[])]
-        };
         let mut runs = Vec::new();
-        for &(off, on) in settings {
+        for off in [&[][..], &["fuse_norm"][..]] {
             g.set_disabled(off).unwrap();
-            g.set_enabled(on).unwrap();
             let mut outs: Vec<_> = ws.iter().map(|w| g.zeros(w.out).unwrap()).collect();
             let mut gxn = g.act_zeros(hid).unwrap();
             {
@@ -555,32 +546,11 @@ fn fused_decode_forms_equal_their_compositions() {
             let xn = h(&g, &gxn);
             assert!(
                 same_bits(&xn, &kxn),
-                "{what}: the fused norm's x differs from rms_norm's (off: {off:?}, on: {on:?})"
+                "{what}: the fused norm's x differs from rms_norm's (switches off: {off:?})"
             );
             runs.push(outs.iter().map(|o| h(&g, o)).collect::<Vec<_>>());
         }
         g.set_disabled(&[]).unwrap();
-        g.set_enabled(&[]).unwrap();
-        if tc {
-            for (i, o) in runs[2].iter().enumerate() {
-                assert!(
-                    same_bits(o, &runs[0][i]),
-                    "{what}: matrix {i} with tc_tma differs from tc_gemv's"
-                );
-            }
-            // tc_gemv would give the same bits, so the variant must be seen to run (at the
-            // lm_head's shape, its 4-stage kernel).
-            assert!(
-                launched(&g, "tc_tma_2_8_1_"),
-                "{what}: tc_tma_2_8_1_* was not launched"
-            );
-            if ws[0].out >= 65_536 {
-                assert!(
-                    launched(&g, "tc_tma_2_8_1_4_"),
-                    "{what}: the 4-stage tc_tma_2_8_1_4_* was not launched"
-                );
-            }
-        }
         check_act(&format!("rms_norm_matmul {what} (x)"), &kxn, &cxn, hid);
         let pool = ws.iter().map(|w| w.out).max().unwrap();
         for (i, w) in ws.iter().enumerate() {
@@ -670,20 +640,6 @@ fn fused_decode_forms_equal_their_compositions() {
                 "matmul_q_add out_proj [2048, 4096] (decode, streaming)",
                 rel_rows(&fused, &c, hid),
                 F32_TOL,
-            );
-            // Opt-in `proj_tma`: the batch's rows by bulk copies, the same bits; sw_gemv would
-            // give them too, so the kernel must have run.
-            g.set_enabled(&["proj_tma"]).unwrap();
-            let mut gh3 = g.upload_vec(&h0).unwrap();
-            g.matmul_q_add(&gx, &gw, rows, &mut r, &mut gh3);
-            g.set_enabled(&[]).unwrap();
-            assert!(
-                same_bits(&h(&g, &gh3), &fused),
-                "matmul_q_add with proj_tma differs from sw_gemv's"
-            );
-            assert!(
-                launched(&g, "sw_tma_4_16_"),
-                "proj_tma: sw_tma_4_16_* was not launched"
             );
         }
         // Unfused (the switch): the product rounded to a bf16 activation, then added.
@@ -2241,13 +2197,12 @@ fn moe_route_and_experts() {
 }
 
 /// The MoE block of one token with the router folded into the experts' first launch (opt-in
-/// `moe_step`, Backend::moe_step_add), and with the route moved into the experts' launches
-/// (opt-in `late_route`: every block routes the logits itself), handed over by flags (opt-ins
-/// `route_flag`, `down_flag`), and with the experts' rows fetched by per-lane cp.async (switch
-/// `down_tma` off) or gate|up's by bulk copies (opt-in `gu_tma`), at the kernels' full-model
-/// shapes (hidden 2048, width 512, 256 experts, top 8; an 8-bit router and shared gate), 4-bit and
-/// 8-bit experts, three tokens in a row (the router blocks' count must be back at zero for each
-/// launch):
+/// `moe_step`, Backend::moe_step_add), and with the route moved into the experts' launches (opt-in
+/// `late_route`: every block routes the logits itself), handed over by flags (opt-ins `route_flag`,
+/// `down_flag`), and with down's rows fetched by per-lane cp.async (switch `down_tma` off), at the
+/// kernels' full-model shapes (hidden 2048, width 512, 256 experts, top 8; an 8-bit router and
+/// shared gate), 4-bit and 8-bit experts, three tokens in a row (the router blocks' count must be
+/// back at zero for each launch):
 /// * bit for bit the GPU's composition (the default: the router's own launch, then moe_wide's
 ///   gate|up and TMA's down):
 ///   x, logits, the shared gate's logit, the route and h. It is the same arithmetic in the same
@@ -2303,13 +2258,9 @@ fn moe_step_matches_its_composition_and_the_cpu() {
             // per-lane cp.async: a slot's layout or an mbarrier phase wrong would show as other
             // bits (or a hang, which the test's time limit catches).
             let cp_down = run_with(&[], &["down_tma"]);
-            // gate|up's rows by bulk copies (a row group's two mbarriers), with TMA's down and
-            // with moe_wide's.
-            let gu_tma = run(&["gu_tma"]);
-            let gu_only = run_with(&["gu_tma"], &["down_tma"]);
             // Same bits would also come from moe_wide's own kernels, were the copies' checks to
             // refuse these experts: each kernel must have run.
-            for kernel in ["moe_tma_down", "moe_tma_gate_up", "moe_wide_down"] {
+            for kernel in ["moe_tma_down", "moe_wide_down"] {
                 assert!(
                     launched(&g, &format!("{kernel}_{bits}_")),
                     "{kernel} ({bits}-bit experts) was not launched"
@@ -2321,8 +2272,6 @@ fn moe_step_matches_its_composition_and_the_cpu() {
                 ("route_flag", &flag),
                 ("route_flag,down_flag", &dflag),
                 ("down_tma off", &cp_down),
-                ("gu_tma", &gu_tma),
-                ("gu_tma, down_tma off", &gu_only),
             ] {
                 let what = format!("{variant} {bits}-bit experts, token {token}");
                 for (part, a, b) in [

@@ -533,27 +533,6 @@ impl Cuda {
             _ => (format!("sw_gemv_{bits}_{}_{u}_{pro}", k / 256), 256, 0),
         };
         let batches = p.bstart[ws.len()] as u32;
-        // Opt-in `tc_tma` (gemv.cu's tc_tma_*): tc_gemv with its stages filled by bulk copies.
-        if let (true, Some((ns, nw))) = (tc && self.opted_in("tc_tma"), tc_geom) {
-            if let Some(tsmem) = tc_tma_smem(ws, &p, k, rb, tc_s) {
-                let tname = format!("tc_tma_{ns}_{nw}_{tc_u}_{tc_s}_{pro}");
-                let grid = batches.min(self.resident_blocks(&tname, threads, tsmem));
-                self.launch(&tname, (grid, 1, 1), threads, tsmem, &[Arg::S(Box::new(p))]);
-                return;
-            }
-        }
-        // Opt-in `proj_tma` (gemv.cu's sw_tma_*): the plain SIMT form with its one batch a block
-        // fetched by bulk copies, where every block holds one whole batch at once.
-        let plain = !tc && ahead.is_none() && route.is_none() && p.cw == 0 && pro == 0;
-        if plain && self.opted_in("proj_tma") {
-            if let Some(tsmem) = sw_tma_smem(ws, &p, k, bits, rb) {
-                let tname = format!("sw_tma_{bits}_{}_{u}_0", k / 256);
-                if self.resident_blocks(&tname, 256, tsmem) >= batches {
-                    self.launch(&tname, (batches, 1, 1), 256, tsmem, &[Arg::S(Box::new(p))]);
-                    return;
-                }
-            }
-        }
         let grid = batches.min(self.resident_blocks(&name, threads, smem));
         self.launch(&name, (grid, 1, 1), threads, smem, &[Arg::S(Box::new(p))]);
     }
@@ -771,13 +750,7 @@ impl Cuda {
         let Some((rpb, dr)) = self.moe_wide_fits(p, hid, w, k, gs) else {
             return false;
         };
-        let (mut name, grid, mut smem) = moe_wide_gate_up_launch("moe_wide", bits, hid, w, k, rpb);
-        if self.opted_in("gu_tma") {
-            if let Some(s) = gate_up_tma_smem(p, bits, hid, rpb) {
-                name = name.replacen("moe_wide", "moe_tma", 1);
-                smem = s;
-            }
-        }
+        let (name, grid, smem) = moe_wide_gate_up_launch("moe_wide", bits, hid, w, k, rpb);
         self.launch(&name, (grid, 1, 1), 256, smem, &[Arg::E(Box::new(*p))]);
         self.moe_wide_down("moe_wide", p, bits, hid, w, k, dr);
         true
@@ -1062,43 +1035,6 @@ fn moe_wide_gate_up_launch(
 /// multiple of 16 bytes: tma_layout's checks are what is left.
 fn down_tma_slot(p: &SwMoe, bits: usize, w: usize, dr: usize) -> Option<usize> {
     tma_layout(&[p.d, p.sd], w, bits).map(|row| dr * row)
-}
-
-/// Bytes of shared memory moe_tma_gate_up takes (opt-in `gu_tma`: RPB rows of gate and of up),
-/// or None (moe_wide's own gate|up runs).
-fn gate_up_tma_smem(p: &SwMoe, bits: usize, hid: usize, rpb: usize) -> Option<u32> {
-    tma_layout(&[p.g, p.u, p.sg, p.su], hid, bits).map(|row| (2 * rpb * row) as u32)
-}
-
-/// Bytes of shared memory sw_tma takes (opt-in `proj_tma`: a batch of `rb` rows), or None
-/// (sw_gemv runs): gemv.cu's instantiations (K 2048 or 4096; 4-bit U 4, 8-bit U 2, as sw_rb
-/// picks) and tma_batch's checks. A batch's offsets are multiples of 16 bytes: rb >= 4 rows of
-/// K·BITS/8 bytes of codes and K/gs >= 8 groups of 2-byte scales.
-fn sw_tma_smem(ws: &[&Mat], p: &SwArgs, k: usize, bits: usize, rb: usize) -> Option<u32> {
-    let fits = (k == 2048 || k == 4096) && (bits == 4 || bits == 8) && k / ws[0].gs >= 8;
-    fits.then(|| tma_batch(ws, p, k, bits, rb)).flatten()
-}
-
-/// Bytes of shared memory tc_tma takes (opt-in `tc_tma`: `s` stages of a batch of `rb` rows), or
-/// None (tc_gemv runs): gemv.cu's instantiations (K 2048, one tile a batch) and tma_batch's
-/// checks. A stage's offsets are multiples of 16 bytes: 16 rows of 1,024 bytes of codes and of
-/// 64 of scales.
-fn tc_tma_smem(ws: &[&Mat], p: &SwArgs, k: usize, rb: usize, s: usize) -> Option<u32> {
-    (k == 2048 && rb == 16)
-        .then(|| tma_batch(ws, p, k, 4, rb))
-        .flatten()
-        .map(|b| s as u32 * b)
-}
-
-/// Bytes of one batch of `rb` rows of the streaming GEMV's matrices `ws` (their QMats in `p`) as
-/// wide.cuh's tma_rows copies it, or None: every matrix's rows must be whole batches (the
-/// kernels that read a batch so have no row past a matrix's end) and tma_layout must take them.
-fn tma_batch(ws: &[&Mat], p: &SwArgs, k: usize, bits: usize, rb: usize) -> Option<u32> {
-    ws.iter()
-        .all(|w| w.out.is_multiple_of(rb))
-        .then(|| tma_layout(&p.m[..ws.len()], k, bits))
-        .flatten()
-        .map(|row| (rb * row) as u32)
 }
 
 /// The bytes a row of these matrices (K = `k` inputs) takes in shared memory as wide.cuh's

@@ -52,7 +52,9 @@ use super::{Cuda, Records};
 ///   at 4K 569.83 against 561.47 tok/s (1.015x, 4 rounds, every round above every default
 ///   round), at 128K 360.43 against 358.64 (1.005x, 2 rounds). Off-GPU the lab's experts read
 ///   13.29 against 12.34 µs back to back: the gain is in place, where the copies run ahead of
-///   gate|up. Off, moe_wide_down (per-lane cp.async).
+///   gate|up. Its ablation at stop 56 (H100, the same arms, `LILY_CUDA_DISABLE=down_tma`): 4K
+///   568.94 against 561.34 tok/s off (1.013x), 128K 363.42 against 359.31 (1.011x). Off,
+///   moe_wide_down (per-lane cp.async).
 pub const SWITCHES: &[&str] = &[
     "stream_gemv",
     "fuse_norm",
@@ -70,11 +72,22 @@ pub const SWITCHES: &[&str] = &[
 pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 
 /// Decode-path variants that are off unless asked for (`LILY_CUDA_ENABLE=name`,
-/// `Cuda::set_enabled`): correct, but not faster where measured. Removed at stop 55 as clear
-/// losers (their code is in git before that stop): `router_cluster` (the router as one cluster,
-/// 0.98x at 4K on the H200: the cluster launch cost more than the ticket it removed) and
-/// `gemv_wide` (every projection block's weights requested at once, 0.86x: a block that waits
-/// for its whole share before its dot has nothing to overlap the wait with).
+/// `Cuda::set_enabled`): correct, but not faster where measured. Removed at stop 55 as clear losers
+/// (their code is in git before that stop): `router_cluster` (the router as one cluster, 0.98x at
+/// 4K on the H200: the cluster launch cost more than the ticket it removed) and `gemv_wide` (every
+/// projection block's weights requested at once, 0.86x: a block that waits for its whole share
+/// before its dot has nothing to overlap the wait with). Removed at stop 56 as losers on the H100
+/// (H100 80GB HBM3, binaries of b25e4cd; their code is in git before that stop), each `down_tma`'s
+/// bulk copies (cp.async.bulk into shared memory, counted on an mbarrier) tried elsewhere; decode
+/// from `lily bench --arms` (alternated in one process, 64 tokens, 4 rounds at 4K and 2 at 128K)
+/// against the defaults' 568.94 and 363.42 tok/s: `proj_tma` (out_proj and o_proj's one batch a
+/// block by bulk copies): lab out_proj / o_proj 3.96 against 3.48 µs (1.23 and 1.08 times their
+/// pure read), decode 568.75 at 4K (1.000x), 360.15 at 128K (0.991x); `tc_tma` (tc_gemv's stages
+/// filled by bulk copies): lab in_proj 10.51-10.55 against 8.59 µs, q|k|v 8.98-9.00 against 7.70,
+/// lm_head 111.1-111.3 against 101.9 (with `LILY_CUDA_TC_S=4` in_proj 11.03, q|k|v 8.73), decode
+/// 546.73 (0.961x) and 353.75 (0.973x); `gu_tma` (moe_wide's gate|up rows by bulk copies, one pair
+/// of copies a warp; its first form, warp 0's lanes issuing all the copies, 0.970x at 4K at stop
+/// 54): decode 558.32 (0.981x) and 358.34 (0.986x).
 /// * `tc_all`: the tensor-core streaming dot (switch `tc_gemv`) also for the other widths (K 512,
 ///   1024, 4096: out_proj, o_proj) and the MoE experts (moe.cu's moe_tc_*). Correct (cuda_ops) but
 ///   measured slower on the H200 than the SIMT kernels there: out_proj 5.3 against 4.4 us, the
@@ -177,28 +190,6 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   form, fence + atomic): with route_flag 551.82 tok/s at 4K (0.992x of the defaults, 1.009x
 ///   of route_flag alone), 352.80 at 128K (0.996x); in place down's wait -> x fell 1.53 -> 0.36
 ///   µs but its dots waited on its weights instead (2.06 -> 2.94 µs): down 6.44 -> 6.65 µs.
-/// * `gu_tma`: moe_wide's gate|up the way `down_tma` fetches down's rows (moe.cu
-///   moe_tma_gate_up: each row group's rows of gate and of up by three bulk copies, each pair on
-///   its own mbarrier; the shared expert's before the PDL wait, the routed experts' after their
-///   id), the same bits (cuda_ops moe_step test). Why: gate|up is the MoE's larger read (10.6 MB
-///   against down's 5.3) and 9.2 µs in place against 3.2 µs of bytes at 3.35 TB/s. Stop 54 (H100),
-///   first form, warp 0's lanes issuing all 24 copies (which a warp issues one lane at a time):
-///   lab experts 13.01 against 12.34 µs, decode at 4K 544.64 against 561.63 tok/s (0.970x; with
-///   down_tma 0.979x). Now one pair a warp (8 warps issue in parallel): not yet measured.
-/// * `proj_tma`: out_proj and o_proj (the streaming GEMV with the activation prologue, no route
-///   or fold) with each block's one batch fetched by bulk copies before the PDL wait (gemv.cu
-///   sw_tma_*: three copies by thread 0, an mbarrier) instead of each lane's loads into
-///   registers: the same bits (cuda_ops fused_decode test). Taken where the grid holds every batch
-///   at once and every matrix's rows are whole batches; else sw_gemv. Why: down_tma's gain
-///   (1.015x) and the skeleton's chainT (0.3-0.4 µs off a 4-6 MB chain phase); out_proj is 4.7
-///   MB and 3.9 µs in place. Written at stop 54, not yet run on a GPU.
-/// * `tc_tma`: tc_gemv (K = 2048: GDN in_proj, attention q|k|v, the lm_head) with each stage of
-///   its ring (a batch of 16 rows) fetched by three bulk copies from thread 0, counted on the
-///   stage's mbarrier (gemv.cu tc_tma_*), instead of each lane's 16-byte cp.async into its own
-///   slot: the same bits (cuda_ops fused_decode test). Taken where every matrix's rows are whole
-///   batches; else tc_gemv. Why: the skeleton's chainT took 0.55 µs off an 8.4 MB chain phase
-///   (H100), and in_proj (14.2 MB, 8.2 µs in place) and q|k|v (10.6 MB) are the step's largest
-///   weighted phases. Written at stop 55, not yet run on a GPU.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -211,9 +202,6 @@ pub const OPT_IN: &[&str] = &[
     "route_ahead",
     "route_flag",
     "down_flag",
-    "gu_tma",
-    "proj_tma",
-    "tc_tma",
 ];
 
 impl Cuda {

@@ -212,14 +212,7 @@ __device__ __forceinline__ float sw_x_pro(const SwArgs& p, const float* nw, int 
     return xs;
 }
 
-// TMA (sw_tma_<B>_<C>_<U>_<PRO>, opt-in `proj_tma`: out_proj and o_proj): the block's one batch
-// (the host launches a block per batch and checks each matrix's rows are whole batches) fetched by
-// three bulk copies (wide.cuh tma_rows: RB rows' codes, scales and biases, row-major) into dynamic
-// shared memory, issued by thread 0 before the PDL wait, counted on an mbarrier; after x every
-// warp waits on it and reads the same SwUnit values sw_load would have (tma_fetch): the same bits.
-// Why: the skeleton's chainT (stop 54, H100) took 0.3-0.4 µs off a 4-6 MB chain phase with bulk
-// copies against per-lane loads, and moe_tma_down (the same copies) won 1.015x at 4K in place.
-template <int BITS, int C, int U, int PRO, bool AHEAD = false, bool TMA = false>
+template <int BITS, int C, int U, int PRO, bool AHEAD = false>
 __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
     constexpr int RW = 32 / C, RB = RW * U;
     static_assert(RB <= SW_MAXRB, "batch larger than the reduction buffer");
@@ -248,18 +241,7 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
             else sw_zero<BITS>(dst[u]);
         }
     };
-    extern __shared__ __align__(16) unsigned char wsm[];  // TMA: the batch's rows
-    __shared__ __align__(8) u64 mb[1];
-    static_assert(!TMA || (!AHEAD && PRO == 0), "bulk copies: out_proj's form only");
-    if constexpr (TMA) {
-        if (tid == 0) {
-            mbar_init1(&mb[0]);
-            tma_rows<BITS>(m, 0, row0, RB, smem_u32(wsm), &mb[0]);
-        }
-        __syncthreads();  // the mbarrier initialised before any warp waits on it
-    } else {
-        load(un);
-    }
+    load(un);
     // AHEAD: the first batch's router words (two rows a thread), requested with its weights
     // where a batch is at most 16 rows (PF: the decode model's out_proj and o_proj, 8). Wider
     // batches (small models) read theirs in 16-column pieces at the fold: held across the batch
@@ -291,12 +273,6 @@ __device__ __forceinline__ void sw_gemv_body(const SwArgs& p) {
 #ifndef SW_TAIL_MARKS
     TRACE_MARK(1);  // x ready
 #endif
-    if constexpr (TMA) {
-        mbar_wait_parity(&mb[0], 0u);
-        const int rowb = m.inp * BITS / 8, gpr = m.inp / m.gs;
-#pragma unroll
-        for (int u = 0; u < U; u++) tma_fetch<BITS>(wsm, RB, rowb, gpr, u * RW + r, ln, un[u]);
-    }
 
     // AHEAD: this thread's router sums (rows tid and tid + 256 of [router; shared gate]).
     float za[2] = {0.0f, 0.0f};
@@ -415,18 +391,6 @@ SW_GEMV_C(4, 4)
 SW_GEMV_C(4, 2)
 SW_GEMV_C(8, 2)
 
-// sw_tma_<B>_<C>_<U>_0 (opt-in `proj_tma`, TMA above): K = 2048 and 4096, the activation prologue.
-#define SW_TMA_KERNEL(BITS, C, U)                                                                          \
-    extern "C" __global__ void __launch_bounds__(256, SW_MINB) sw_tma_##BITS##_##C##_##U##_0(SwArgs p) {  \
-        KTRACE();                                                                                          \
-        PDL_LAUNCH();                                                                                      \
-        sw_gemv_body<BITS, C, U, 0, false, true>(p);                                                       \
-    }
-SW_TMA_KERNEL(4, 8, 4)
-SW_TMA_KERNEL(4, 16, 4)
-SW_TMA_KERNEL(8, 8, 2)
-SW_TMA_KERNEL(8, 16, 2)
-
 // sw_gemv_ahead_<B>_<C>_<U>_<PRO>: the same with the router folded in (AHEAD; PRO 0, out_proj's and
 // o_proj's x, and 2, fuse_gdn's gated norm). Kernels of their own: the fold's registers (the
 // prefetched router words) made sw_gemv_4_8_4_1 spill when every instantiation carried them.
@@ -519,23 +483,10 @@ ROUTE_AHEAD_KERNEL(16)
 // cp.async, S - 1 batches ahead (tc_stream.cuh: a warp's slot per tile and stage; dynamic shared
 // memory S·NW·U·TcSlot<NS>::BYTES), the warps' partials summed in warp order through shared
 // memory as above (double-buffered: one barrier per batch).
-// TMA (tc_tma_<NS>_<NW>_<U>_<S>_<PRO>, opt-in `tc_tma`: in_proj, q|k|v and the lm_head): a stage
-// is the batch's RB rows fetched by three bulk copies (wide.cuh tma_rows: codes, scales, biases,
-// row-major; the host checks every matrix's rows are whole batches and the buffers aligned),
-// issued by thread 0 and counted on the stage's mbarrier (use n / S of stage n % S waits on
-// parity (n / S) & 1); every warp waits on it and reads the same TcTile values tc_load would
-// (wide.cuh tc_fetch_rows): the same bits. A stage is refilled at the top of the batch after
-// its last read: the block barrier of the batch that read it orders those reads before the
-// copies (with fence.proxy.async, generic reads before the async proxy's writes). Why: the
-// skeleton's chainT (stop 54, H100) put a chain phase of 8.4 MB at 3.90 µs with bulk copies
-// against 4.45 with per-lane cp.async, and in_proj (14.2 MB) and q|k|v (10.6) are the step's
-// largest weighted phases; moe_tma_down (the same copies) won 1.015x at 4K in place.
 
-template <int NS, int NW, int U, int S, int PRO, bool TMA = false>
+template <int NS, int NW, int U, int S, int PRO>
 __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
     constexpr int K = 128 * NS * NW, RB = 16 * U, SLOT = TcSlot<NS>::BYTES;
-    // TMA: a stage's codes then scales then biases (tma_rows's layout), bytes a row of each.
-    constexpr int ROWB = K / 2, GPR = K / 64, TSTAGE = RB * (ROWB + 4 * GPR);
     static_assert(PRO == 0 || (PRO == 1 && NW == SW_WARPS), "the norm prologue needs 256 threads");
     static_assert(S >= 2, "at least one batch ahead");
     extern __shared__ __align__(16) unsigned char tcs[];
@@ -543,7 +494,6 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
     __shared__ float xsum[K / 32];
     __shared__ float sh[32];
     __shared__ __align__(16) float wn[PRO == 1 ? K : 4];  // PRO 1: the norm weight
-    __shared__ __align__(8) u64 mb[TMA ? S : 1];          // TMA: a stage's mbarrier
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int g = lane >> 2, t = lane & 3;
     const int sb = warp * NS;
@@ -554,45 +504,28 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
     // Batch n of this block into stage n % S (an empty group past the end keeps the count).
     auto issue = [&](int n) {
         const int b = blockIdx.x + n * gridDim.x;
-        if constexpr (TMA) {
-            if (tid == 0 && b < total) {
-                int mi, row0;
-                sw_locate(p, b, RB, mi, row0);
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-                tma_rows<4>(sw_mat(p, mi), 0, row0, RB, base + (n % S) * TSTAGE, &mb[n % S]);
-            }
-        } else {
-            if (b < total) {
-                int mi, row0;
-                sw_locate(p, b, RB, mi, row0);
-                const QMat m = sw_mat(p, mi);
+        if (b < total) {
+            int mi, row0;
+            sw_locate(p, b, RB, mi, row0);
+            const QMat m = sw_mat(p, mi);
 #pragma unroll
-                for (int u = 0; u < U; u++) tc_issue<NS>(m, 0, row0 + 16 * u, m.out, sb, g, t, lane, base + slot(n % S, u));
-            }
-            cp_commit();
+            for (int u = 0; u < U; u++) tc_issue<NS>(m, 0, row0 + 16 * u, m.out, sb, g, t, lane, base + slot(n % S, u));
         }
+        cp_commit();
     };
     // PRO 1: the norm weight first, in a commit group of its own (group 0; batch n is group n + 1).
     if constexpr (PRO == 1) {
         cp_stage_norm<K, 32 * NW>((const float*)p.nw, smem_u32(wn));
         cp_commit();
     }
-    // TMA: the stages' mbarriers, initialised by the thread that issues every copy; the other
-    // warps first wait on them after tc_setup_x's block barrier.
-    if constexpr (TMA) {
-        if (tid == 0) {
-#pragma unroll
-            for (int i = 0; i < S; i++) mbar_init1(&mb[i]);
-        }
-    }
     // The first batches' weights are requested before x is known: they do not depend on it.
 #pragma unroll
     for (int n = 0; n < S - 1; n++) issue(n);
     const int ch = tc_chunk<NS>(sb, g, t);
     PDL_WAIT();
-    // The norm weight's group has landed (the S - 1 batches' may be pending; with TMA it is the
-    // only group); sw_rms_scale's barrier publishes it to the block.
-    if constexpr (PRO == 1) cp_wait<TMA ? 0 : S - 1>();
+    // The norm weight's group has landed (the S - 1 batches' may be pending); sw_rms_scale's
+    // barrier publishes it to the block.
+    if constexpr (PRO == 1) cp_wait<S - 1>();
 
     float xv[32];
 #pragma unroll
@@ -620,18 +553,11 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
     for (int n = 0;; n++) {
         const int b = blockIdx.x + n * gridDim.x;
         if (b >= total) break;
+        cp_wait<S - 2>();
         TcTile<NS> T[U];
-        if constexpr (TMA) {
-            mbar_wait_parity(&mb[n % S], (u32)(n / S) & 1u);
 #pragma unroll
-            for (int u = 0; u < U; u++) tc_fetch_rows<NS>(tcs + (n % S) * TSTAGE, ROWB, GPR, RB, 16 * u, sb, g, t, T[u]);
-        } else {
-            cp_wait<S - 2>();
-#pragma unroll
-            for (int u = 0; u < U; u++) tc_fetch<NS>(tcs + slot(n % S, u), t, lane, T[u]);
-        }
-        // The slot of batch n - 1 is free (this lane read it last round; TMA: every warp read it
-        // before the last batch's barrier): batch n + S - 1 goes there.
+        for (int u = 0; u < U; u++) tc_fetch<NS>(tcs + slot(n % S, u), t, lane, T[u]);
+        // The slot of batch n - 1 is free (this lane read it last round): batch n + S - 1 goes there.
         issue(n + S - 1);
         const int par = n & 1;
 #pragma unroll
@@ -668,17 +594,6 @@ __device__ __forceinline__ void tc_gemv_body(const SwArgs& p) {
         PDL_LAUNCH();                                                                                             \
         tc_gemv_body<NS, NW, U, S, PRO>(p);                                                                       \
     }
-// tc_tma_<NS>_<NW>_<U>_<S>_<PRO> (opt-in `tc_tma`): K = 2048's stages by bulk copies.
-#define TC_TMA_KERNEL(NS, NW, U, S, PRO)                                                                          \
-    extern "C" __global__ void TC_BOUNDS(32 * NW) tc_tma_##NS##_##NW##_##U##_##S##_##PRO(SwArgs p) {                 \
-        KTRACE();                                                                                                 \
-        PDL_LAUNCH();                                                                                             \
-        tc_gemv_body<NS, NW, U, S, PRO, true>(p);                                                                 \
-    }
-TC_TMA_KERNEL(2, 8, 1, 3, 0)
-TC_TMA_KERNEL(2, 8, 1, 3, 1)
-TC_TMA_KERNEL(2, 8, 1, 4, 0)
-TC_TMA_KERNEL(2, 8, 1, 4, 1)
 TC_GEMV_KERNEL(2, 8, 1, 3, 0)
 TC_GEMV_KERNEL(2, 8, 1, 3, 1)
 TC_GEMV_KERNEL(2, 8, 1, 4, 0)

@@ -726,20 +726,11 @@ __device__ __forceinline__ u64 moe_wait_route(const u64* f) {
 // ST: SwStep with GU_STEP, else unused (the kernel passes p again): a reference,
 // not a pointer, so the kernel's parameter is read in place (its address would copy it to the
 // stack).
-// TMA (moe_tma_gate_up, opt-in `gu_tma`, with GU_PLAIN): row group q of matrix mt (0 gate, 1
-// up) fetched by three bulk copies (wide.cuh tma_rows: its RW rows' codes, scales and biases,
-// row-major) into wsm + (2q + mt)·grpb, counted on mbarrier i = 2q + mt, which lane 0 of warp
-// i mod 8 arms and issues; every warp waits on the group's two barriers before its dots: the same
-// SwUnit values (tma_fetch), so the same bits. Why one pair a warp: a bulk copy takes uniform
-// operands, so copies issued by several lanes of one warp run one lane after another (ptxas
-// loops over the lanes); stop 54's first form (warp 0's lanes 0..2G-1: 24 copies in a row after
-// the routed blocks' wait) measured 0.970x at 4K.
 enum GuMode { GU_PLAIN, GU_STEP, GU_LATE, GU_FLAG };
-template <int BITS, int C, int RPB, int MODE, typename ST, bool TMA = false>
+template <int BITS, int C, int RPB, int MODE, typename ST>
 __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& st) {
     constexpr int RW = 32 / C, G = RPB / RW, NP = BITS / 4, T = 256;
     static_assert(G * RW == RPB && G >= 1 && G <= 16, "rows per block: a multiple of RW, at most 16 groups");
-    static_assert(!TMA || MODE == GU_PLAIN, "bulk copies with the plain route only");
     // Shared memory: codes [G][2 (gate, up)][NP][T] of 16 B, then scale words [G][2][T] and bias
     // words [G][2][T] of 4 B: lane-consecutive, so copies and reads are conflict-free.
     constexpr int CODES = G * 2 * NP * T * 16, SBW = G * 2 * T * 4;
@@ -757,36 +748,14 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
     const u32 base = smem_u32(wsm);
     auto code_at = [&](int q, int mt) { return ((q * 2 + mt) * NP * T + tid) * 16; };
     auto sw_at = [&](int q, int mt) { return CODES + ((q * 2 + mt) * T + tid) * 4; };
-    // TMA: a row group's rows of one matrix, grpb bytes (the host checks the shared expert's
-    // groups equal the routed ones': one layout).
-    const int rowb = p.g.inp * BITS / 8, gpr = p.g.inp / p.g.gs;
-    const int grpb = RW * (rowb + 4 * gpr);
-    __shared__ __align__(8) u64 mb[TMA ? 2 * G : 1];
-    if constexpr (TMA) {
-        if (lane == 0)
-            for (int i = warp; i < 2 * G; i += SW_WARPS) mbar_init1(&mb[i]);
-        __syncthreads();  // initialised before any warp waits on them
-    }
     auto issue = [&](int e) {
         const QMat Gm = shared ? p.sg : p.g, Um = shared ? p.su : p.u;
-        if constexpr (TMA) {
-            if (lane == 0) {
-                // Two calls, not one on a selected QMat: a select of the structs went through
-                // local memory (STL / LDL in the SASS).
-                for (int i = warp; i < 2 * G; i += SW_WARPS) {
-                    const int o0 = row0 + (i >> 1) * RW;
-                    if ((i & 1) == 0) tma_rows<BITS>(Gm, e, o0, RW, base + i * grpb, &mb[i]);
-                    else tma_rows<BITS>(Um, e, o0, RW, base + i * grpb, &mb[i]);
-                }
-            }
-        } else {
 #pragma unroll
-            for (int q = 0; q < G; q++) {
-                const int o = row0 + q * RW + r;
-                wide_issue<BITS>(Gm, e, o, ln, base + code_at(q, 0), T * 16, base + sw_at(q, 0), base + SBW + sw_at(q, 0), true);
-                wide_issue<BITS>(Um, e, o, ln, base + code_at(q, 1), T * 16, base + sw_at(q, 1), base + SBW + sw_at(q, 1), true);
-                cp_commit();
-            }
+        for (int q = 0; q < G; q++) {
+            const int o = row0 + q * RW + r;
+            wide_issue<BITS>(Gm, e, o, ln, base + code_at(q, 0), T * 16, base + sw_at(q, 0), base + SBW + sw_at(q, 0), true);
+            wide_issue<BITS>(Um, e, o, ln, base + code_at(q, 1), T * 16, base + sw_at(q, 1), base + SBW + sw_at(q, 1), true);
+            cp_commit();
         }
     };
     // GU_STEP: the norm weight first, in a commit group of its own (row group q is group q + 1).
@@ -897,17 +866,10 @@ __device__ __forceinline__ void moe_wide_gate_up_body(const SwMoe& p, const ST& 
     TRACE_MARK(1);  // x ready, the routed rows requested
 #pragma unroll
     for (int q = 0; q < G; q++) {
+        cp_wait_n(G - 1 - q);
         SwUnit<BITS> ug[1], uu[1];
-        if constexpr (TMA) {
-            mbar_wait_parity(&mb[2 * q], 0u);
-            mbar_wait_parity(&mb[2 * q + 1], 0u);
-            tma_fetch<BITS>(wsm + 2 * q * grpb, RW, rowb, gpr, r, ln, ug[0]);
-            tma_fetch<BITS>(wsm + (2 * q + 1) * grpb, RW, rowb, gpr, r, ln, uu[0]);
-        } else {
-            cp_wait_n(G - 1 - q);
-            wide_fetch<BITS>(wsm + code_at(q, 0), T * 16, (const u32*)(wsm + sw_at(q, 0)), (const u32*)(wsm + SBW + sw_at(q, 0)), half, ug[0]);
-            wide_fetch<BITS>(wsm + code_at(q, 1), T * 16, (const u32*)(wsm + sw_at(q, 1)), (const u32*)(wsm + SBW + sw_at(q, 1)), half, uu[0]);
-        }
+        wide_fetch<BITS>(wsm + code_at(q, 0), T * 16, (const u32*)(wsm + sw_at(q, 0)), (const u32*)(wsm + SBW + sw_at(q, 0)), half, ug[0]);
+        wide_fetch<BITS>(wsm + code_at(q, 1), T * 16, (const u32*)(wsm + sw_at(q, 1)), (const u32*)(wsm + SBW + sw_at(q, 1)), half, uu[0]);
         float pg[1], pu[1];
         sw_dots<BITS, 1, C>(ug, xv, xs, pg);
         sw_dots<BITS, 1, C>(uu, xv, xs, pu);
@@ -969,7 +931,8 @@ __device__ __forceinline__ u32 moe_wait_done(const SwMoe& p, int tid) {
 }
 
 // TMA (moe_tma_down, switch `down_tma`, the default since stop 54: 1.015x at 4K, 1.005x at 128K
-// on an H100): each slot's DR rows (codes, scales, biases) fetched by
+// on an H100; stop 56's ablation 1.013x and 1.011x): each slot's DR rows (codes, scales, biases)
+// fetched by
 // three bulk copies that the slot's lane 0 issues (wide.cuh tma_rows), laid out row-major in the
 // slot's part of shared memory (DR·(W·BITS/8 + 4·W/gs) bytes), the warp waiting on the slot's
 // mbarrier before its first dot: the same SwUnit values (tma_fetch), so the same bits.
@@ -1089,10 +1052,6 @@ __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_flag_gate_up_##BITS##_##C##_##RPB(SwMoe p) { \
         KTRACE();                                                                                           \
         moe_wide_gate_up_body<BITS, C, RPB, GU_FLAG>(p, p);                                                 \
-    }                                                                                                       \
-    extern "C" __global__ void __launch_bounds__(256, MWG_MINB) moe_tma_gate_up_##BITS##_##C##_##RPB(SwMoe p) { \
-        KTRACE();                                                                                           \
-        moe_wide_gate_up_body<BITS, C, RPB, GU_PLAIN, SwMoe, true>(p, p);                                   \
     }
 #define MOE_WIDE_DOWN(BITS, C, DR)                                                                          \
     extern "C" __global__ void __launch_bounds__(32 * SWD_MAXSLOTS, MWD_MINB) moe_wide_down_##BITS##_##C##_##DR(SwMoe p) { \

@@ -56,7 +56,8 @@ __device__ __forceinline__ void wide_fetch(const unsigned char* code, int cstrid
 }
 
 // ---- The same weights fetched by the Tensor Memory Accelerator (switch `down_tma`, on by
-// default: moe.cu's moe_tma_down_*; opt-in `gu_tma`: moe_tma_gate_up_*). One thread issues
+// default: moe.cu's moe_tma_down_*; until stop 56 also the opt-ins gu_tma, proj_tma and tc_tma,
+// moe.cu's gate|up and gemv.cu's projections, all measured slower on the H100). One thread issues
 // cp.async.bulk copies of contiguous rows (codes, then scales, then biases: three copies, each a
 // multiple of 16 bytes at 16-byte aligned addresses, the host checks) into shared memory in the
 // matrices' own row-major layout, counted on an mbarrier; the lanes that read them wait on its
@@ -113,8 +114,8 @@ __device__ __forceinline__ void tma_rows(const QMat& m, int e, int o0, int n, u3
 }
 
 // The bf16 scales of the n rows tma_rows copied to `base` (after their n·rowb bytes of codes):
-// row i's group c at [i·gpr + c], its bias n·gpr further, at [n·gpr + i·gpr + c]. Both fetches
-// below read that layout from here.
+// row i's group c at [i·gpr + c], its bias n·gpr further, at [n·gpr + i·gpr + c]. tma_fetch
+// reads that layout from here.
 __device__ __forceinline__ const u16* tma_scales(const unsigned char* base, int n, int rowb) { return (const u16*)(base + n * rowb); }
 
 // The lane's chunk of row `row` of what tma_rows copied to `base` (n rows), as sw_load reads it
@@ -127,32 +128,4 @@ __device__ __forceinline__ void tma_fetch(const unsigned char* base, int n, int 
     const u16* s = tma_scales(base, n, rowb);
     un.s = s[row * gpr + l.gch];
     un.b = s[n * gpr + row * gpr + l.gch];
-}
-
-// The lane's share of the 16-row tile at row r0 of the n rows tma_rows copied to `st` (4-bit,
-// rowb bytes of codes a row): the TcTile tc_stream.cuh's tc_load reads from global memory
-// (gemv.cu's tc_tma_*, opt-in `tc_tma`). Row g's chunk of span i is 16 bytes at byte
-// 64·(sb + i) + 16·t of the row, its scale and bias words the u32 at group 2·(sb + t). Rows g and
-// g + 8 of a row-major tile put the 8 lanes of a load phase 2-way on the same banks (rowb a
-// multiple of 128): 2 wavefronts where the per-lane slots take 1, a few hundred cycles a batch,
-// off the DRAM path.
-template <int NS>
-__device__ __forceinline__ void tc_fetch_rows(const unsigned char* st, int rowb, int gpr, int n, int r0, int sb, int g, int t, TcTile<NS>& T) {
-    const unsigned char* ra = st + (r0 + g) * rowb + sb * 64 + 16 * t;
-    const unsigned char* rb = ra + 8 * rowb;
-#pragma unroll
-    for (int i = 0; i < NS; i++) {
-        T.a[i] = *(const uint4*)(ra + 64 * i);
-        T.b[i] = *(const uint4*)(rb + 64 * i);
-    }
-    if (t < NS) {
-        const u16* s = tma_scales(st, n, rowb);
-        const int ga = (r0 + g) * gpr + 2 * (sb + t), gb = ga + 8 * gpr;
-        T.sa = *(const u32*)(s + ga);
-        T.ba = *(const u32*)(s + n * gpr + ga);
-        T.sb = *(const u32*)(s + gb);
-        T.bb = *(const u32*)(s + n * gpr + gb);
-    } else {
-        T.sa = T.ba = T.sb = T.bb = 0u;
-    }
 }
