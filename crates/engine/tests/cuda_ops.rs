@@ -1498,9 +1498,7 @@ fn attention_prefill_then_decode() {
 /// query head (score about 12: near half of its attention even at 131072 keys), sit at chunk,
 /// split and range edges and in the step's own k, so a key skipped, read from the wrong place or
 /// counted twice moves that head's output by O(1), not by 1/n. Also 32 heads on 2 KV heads (two
-/// groups of 8 per KV head) and the small presets' shapes. Each position runs again with
-/// `attn_ring` on (attn_decode_ring_<HD>), which must give the same bits; at 131,072 keys its
-/// warps take ~30 chunks each, so their rings wrap many times.
+/// groups of 8 per KV head) and the small presets' shapes.
 #[test]
 fn attention_decode_capacities() {
     let Some(g) = gpu() else { return };
@@ -1618,22 +1616,7 @@ fn attention_decode_capacities() {
                     &c,
                     hd,
                 );
-                // attn_ring (opt-in: K and V through a shared-memory ring) claims the same
-                // arithmetic in the same order: the same bits. It writes row pos again with the
-                // same k, v, which the cache check below holds.
-                g.set_enabled(&["attn_ring"]).unwrap();
-                let mut gr = g.act_zeros(hq * hd).unwrap();
-                g.attn_decode(&gq, &gk, &gv, &gg, &mut gkv, &d, pos, &gstep, &mut gr);
-                g.set_enabled(&[]).unwrap();
-                assert!(
-                    same_bits(&h(&g, &gr), &h(&g, &go)),
-                    "attn_ring {hq}/{kvh} heads of {hd}, capacity {cap}, pos {pos}: not the bits of attn_decode_{hd}"
-                );
             }
-            assert!(
-                launched(&g, &format!("attn_decode_ring_{hd}")),
-                "attn_ring set, but attn_decode_ring_{hd} never ran"
-            );
             assert!(same_bits(&h(&g, &gkv.k), &ckv.k), "capacity {cap}: the bf16 K cache differs from the CPU's (a step's row not written, or another row written)");
             assert!(same_bits(&h(&g, &gkv.v), &ckv.v), "capacity {cap}: the bf16 V cache differs from the CPU's (a step's row not written, or another row written)");
         }
@@ -3461,67 +3444,60 @@ fn attn_decode_timings() {
             })
             .collect();
         g.set_step(&mut step, 0, ctx - 1);
-        // The default kernel and attn_ring (opt-in: K and V through a shared-memory ring),
-        // alternated: each row says which.
-        for variant in [&[][..], &["attn_ring"], &[], &["attn_ring"]] {
-            g.set_enabled(variant).unwrap();
-            // One call on cache i (of the ncache L2-cold copies).
-            let mut call = |i: usize| {
-                g.attn_decode(
-                    &q,
-                    &k,
-                    &v,
-                    &gt,
-                    &mut caches[i % ncache],
-                    &d,
-                    ctx - 1,
-                    &step,
-                    &mut o,
-                )
-            };
-            let mut direct = Vec::new();
-            for i in 0..33 {
-                let t0 = std::time::Instant::now();
-                call(i);
-                g.check().unwrap();
-                if i >= 3 {
-                    direct.push(t0.elapsed().as_secs_f64());
-                }
+        // One call on cache i (of the ncache L2-cold copies).
+        let mut call = |i: usize| {
+            g.attn_decode(
+                &q,
+                &k,
+                &v,
+                &gt,
+                &mut caches[i % ncache],
+                &d,
+                ctx - 1,
+                &step,
+                &mut o,
+            )
+        };
+        let mut direct = Vec::new();
+        for i in 0..33 {
+            let t0 = std::time::Instant::now();
+            call(i);
+            g.check().unwrap();
+            if i >= 3 {
+                direct.push(t0.elapsed().as_secs_f64());
             }
-            let key = 0xa77e_dec0_0000_0000 | ctx as u64;
-            let mut ops = || {
-                for i in 0..calls {
-                    call(i);
-                }
-                Ok(())
-            };
-            let mut recorded = Vec::new();
-            for i in 0..18 {
-                let t0 = std::time::Instant::now();
-                g.replay(key, &mut ops).unwrap();
-                g.check().unwrap();
-                if i >= 3 {
-                    recorded.push(t0.elapsed().as_secs_f64() / calls as f64);
-                }
-            }
-            let (r, dct) = (median(recorded), median(direct));
-            let l2 = if ncache * cache_bytes < (100 << 20) {
-                " (caches fit the L2)"
-            } else {
-                ""
-            };
-            println!(
-                "attn_decode {ctx:>6} keys ({:>6.1} MB read, {ncache} caches{l2}){}: recorded {:>7.1} us/call {:>5.2} TB/s; direct {:>7.1} us {:>5.2} TB/s",
-                cache_bytes as f64 / 1e6,
-                if variant.is_empty() { "" } else { ", attn_ring" },
-                r * 1e6,
-                cache_bytes as f64 / r / 1e12,
-                dct * 1e6,
-                cache_bytes as f64 / dct / 1e12
-            );
         }
+        let key = 0xa77e_dec0_0000_0000 | ctx as u64;
+        let mut ops = || {
+            for i in 0..calls {
+                call(i);
+            }
+            Ok(())
+        };
+        let mut recorded = Vec::new();
+        for i in 0..18 {
+            let t0 = std::time::Instant::now();
+            g.replay(key, &mut ops).unwrap();
+            g.check().unwrap();
+            if i >= 3 {
+                recorded.push(t0.elapsed().as_secs_f64() / calls as f64);
+            }
+        }
+        let (r, dct) = (median(recorded), median(direct));
+        let l2 = if ncache * cache_bytes < (100 << 20) {
+            " (caches fit the L2)"
+        } else {
+            ""
+        };
+        println!(
+            "attn_decode {ctx:>6} keys ({:>6.1} MB read, {ncache} caches{l2}): recorded {:>7.1} us/call {:>5.2} TB/s; direct {:>7.1} us {:>5.2} TB/s",
+            cache_bytes as f64 / 1e6,
+            r * 1e6,
+            cache_bytes as f64 / r / 1e12,
+            dct * 1e6,
+            cache_bytes as f64 / dct / 1e12
+        );
     }
-    g.set_enabled(&[]).unwrap();
 }
 
 /// The decode loop on the device: greedy tokens fed back through the step (`decode(None)`), then

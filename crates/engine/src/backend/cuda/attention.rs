@@ -263,7 +263,7 @@ impl Cuda {
         let pml_ptr = part + 4 * po as u64;
         let scale = 1.0 / (hd as f32).sqrt();
         // This step's k, v are read from their buffers and written into cache row pos by the
-        // same launch (no kv_append).
+        // same launch (no kv_append). Dynamic shared memory: the 8 warps' output fragments, f32.
         let mut args = vec![
             Arg::P(q.mem.ptr),
             Arg::P(k.mem.ptr),
@@ -277,26 +277,18 @@ impl Cuda {
             Arg::P(posp),
             Arg::F(scale),
         ];
-        // Dynamic shared memory: the 8 warps' output fragments (8 head slots × hd f32 a warp);
-        // attn_decode_ring_<HD> (opt-in `attn_ring`) first holds its K/V ring there (DEC_RING
-        // stages of hd bytes a lane: 3 × the fragments, 192 KiB at hd = 256).
-        let frags = ATT_DEC_WARPS * 8 * hd * 4;
-        let (name, smem) = match qk {
+        let name = match qk {
             Some(f) => {
                 args.push(Arg::A(Box::new(f)));
-                (format!("attn_decode_qk_{hd}"), frags)
+                format!("attn_decode_qk_{hd}")
             }
-            None if self.opted_in("attn_ring") => (
-                format!("attn_decode_ring_{hd}"),
-                frags.max(ATT_DEC_RING * ATT_DEC_WARPS * 32 * hd),
-            ),
-            None => (format!("attn_decode_{hd}"), frags),
+            None => format!("attn_decode_{hd}"),
         };
         self.launch(
             &name,
             (x as u32, ns as u32, 1),
             (ATT_DEC_WARPS * 32) as u32,
-            smem as u32,
+            (ATT_DEC_WARPS * 8 * hd * 4) as u32,
             &args,
         );
         // One block per (head group, fragment row of 32 outputs); shared memory: ns × 8 factors.

@@ -407,8 +407,6 @@ const ROUTE_WARPS: usize = 4;
 /// at most c / 64 blocks per group of query heads.
 const ATT_DEC_WARPS: usize = 8;
 const ATT_DEC_KEYS: usize = 8;
-/// attn_decode_ring_<HD> (opt-in `attn_ring`): stages of each warp's K/V ring (DEC_RING).
-const ATT_DEC_RING: usize = 3;
 /// Dynamic shared memory of a tensor-core GEMM tile with one weight stream (TC_SMEM(1) in
 /// tc_gemm.cuh: two buffers of 2 tiles of 64 × 72 bf16).
 const TC_SMEM_1: u32 = 2 * 2 * 64 * 72 * 2;

@@ -87,7 +87,16 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 /// lm_head 111.1-111.3 against 101.9 (with `LILY_CUDA_TC_S=4` in_proj 11.03, q|k|v 8.73), decode
 /// 546.73 (0.961x) and 353.75 (0.973x); `gu_tma` (moe_wide's gate|up rows by bulk copies, one pair
 /// of copies a warp; its first form, warp 0's lanes issuing all the copies, 0.970x at 4K at stop
-/// 54): decode 558.32 (0.981x) and 358.34 (0.986x).
+/// 54): decode 558.32 (0.981x) and 358.34 (0.986x). Also removed at stop 56: `attn_ring` (the
+/// decode attention with each warp's K and V chunks staged through a 3-stage shared-memory ring
+/// by 16-byte cp.async, two chunks in flight a warp where attn_decode_<HD>'s registers hold one;
+/// the same bits, cuda_ops): slower at every length on the H100 (binaries of ebd457a, the same
+/// arms, 2 rounds): 563.97 against 565.91 tok/s at 4K (0.997x), 497.16 against 501.55 at 32K
+/// (0.991x), 351.52 against 357.17 at 128K (0.984x); alone (attn_decode_timings, a CUDA graph
+/// over L2-cold caches) 118.5 against 98.2 µs at 131,072 keys (2.27 against 2.73 TB/s), 38.8
+/// against 32.9 at 32,768. Why is a guess, not measured: the register form's one chunk a warp
+/// already keeps HBM as busy as 8 warps an SM can, and the ring adds a shared-memory write and
+/// read of every byte (and 16 LDGSTS a lane a chunk) to each chunk's path.
 /// * `tc_all`: the tensor-core streaming dot (switch `tc_gemv`) also for the other widths (K 512,
 ///   1024, 4096: out_proj, o_proj) and the MoE experts (moe.cu's moe_tc_*). Correct (cuda_ops) but
 ///   measured slower on the H200 than the SIMT kernels there: out_proj 5.3 against 4.4 us, the
@@ -121,15 +130,6 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   generic loads). Also since: only the two blocks that use the key (its cache writer, the
 ///   last split with keys) norm it, so no warp of the others has two rows, and blocks past the
 ///   keys' share skip the rows. Next: `scripts/h200-run tests,fold`.
-/// * `attn_ring`: the decode attention (attention.cu attn_decode_ring_<HD>) with each warp's K
-///   and V chunks staged through a ring of 3 stages in shared memory (cp.async, 16 bytes a lane,
-///   each lane reading back its own pieces), so that two chunks (16 KiB a warp, 128 KiB an SM at
-///   head_dim 256) are in flight while one is computed, where attn_decode_<HD> loads the next
-///   chunk into registers (one in flight: 64 KiB an SM). The same arithmetic in the same order:
-///   the same bits (cuda_ops attention_decode_capacities, which also asserts the kernel ran).
-///   Why: at 128K the attention reads 268 MB of bf16 KV a layer, and the contract's step there
-///   (stop 56, H100) is ~98 µs a layer longer than at 4K: ~2.7 TB/s of 3.35, bound by the bytes
-///   a warp has in flight. Written at stop 56.
 /// * `carveout_all`: the largest shared-memory carveout asked for every kernel, not only the
 ///   tensor-core and streaming ones (device.rs `func`; read when a kernel is first loaded, so set
 ///   it at creation: `LILY_CUDA_ENABLE`). Why it was tried: stop 23's first trace (`lily bench
@@ -195,7 +195,6 @@ pub const OPT_IN: &[&str] = &[
     "fuse_gdn",
     "moe_step",
     "attn_fold",
-    "attn_ring",
     "carveout_all",
     "late_route",
     "route_sort",

@@ -89,14 +89,6 @@
 //                    write the gate halves for the combine. The angles and norm weights come
 //                    before the PDL wait. One launch boundary (~5 µs in place) fewer per layer;
 //                    k (the input) is left as it was, un-normed.
-// attn_decode_ring_<HD> (opt-in `attn_ring`, Backend::attn_decode) attn_decode_<HD> with K and V
-//                    staged through a ring of DEC_RING stages per warp in dynamic shared memory
-//                    (cp.async, 16 bytes a lane, each lane reading back only its own pieces:
-//                    no barrier in the loop), so that DEC_RING - 1 chunks (16 KiB a warp, 128 KiB
-//                    an SM at HD = 256) are in flight while one is computed, where the register
-//                    form has one. The same grid, arithmetic and order: the same bits (cuda_ops
-//                    attention_decode_capacities). Shared memory: DEC_RING * 256 * HD bytes
-//                    (192 KiB at HD = 256; the warps' output fragments reuse it after the loop).
 
 // Launched with 128 threads (mod.rs), hd <= 256: a thread owns elements tid and tid + 128
 // (QNR_PER of them, loads unrolled: with a stride read from blockDim the loops made dependent
@@ -293,7 +285,6 @@ kv_append(const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict_
 
 #define DEC_W 8     // warps per block (ATT_DEC_WARPS in mod.rs)
 #define DEC_KEYS 8  // keys per chunk, a warp's step (ATT_DEC_KEYS in mod.rs)
-#define DEC_RING 3  // attn_decode_ring_<HD>: stages of each warp's ring (ATT_DEC_RING in attention.rs)
 
 // d += a (16x8 bf16, row: {row g, k 2t..2t+1}, {row g+8, same k}) * b (8x8 bf16, col:
 // {k 2t..2t+1, n g}) + d, f32 accumulators.
@@ -355,87 +346,6 @@ __device__ __forceinline__ void dec_load_v(uint4 (&vr)[2][HD / 64], const u16* _
         const u16* p = (j == pos ? vin : vc + (u64)j * kvd + (u64)kvh * HD) + 8 * (lane >> 2);
 #pragma unroll
         for (int cc = 0; cc < HD / 64; cc++) vr[e][cc] = j <= pos ? *(const uint4*)(p + 64 * cc) : make_uint4(0u, 0u, 0u, 0u);
-    }
-}
-
-// attn_decode_ring_<HD>: chunk c's K and V pieces of this lane, as dec_load_k / dec_load_v load
-// them (zeros past pos, the newest key from the inputs), copied into the lane's slot of a ring
-// stage: piece p (K's a < HD / 32, then V's e * HD / 64 + cc) at slot + 512 p bytes, the warp's
-// 32 lanes side by side, so that each lane's 16-byte read back is conflict-free.
-template <int HD>
-__device__ __forceinline__ void dec_ring_fill(u32 slot, const u16* __restrict__ kc, const u16* __restrict__ vc,
-                                              const u16* __restrict__ kin, const u16* __restrict__ vin, u64 kvd, int kvh,
-                                              int c, int pos, int lane) {
-    {
-        const int j = c * DEC_KEYS + (lane >> 2);
-        const u16* p = (j == pos ? kin : j < pos ? kc + (u64)j * kvd + (u64)kvh * HD : kc) + 8 * (lane & 3);
-#pragma unroll
-        for (int a = 0; a < HD / 32; a++) cp16(slot + 512 * a, p + 32 * a, j <= pos);
-    }
-#pragma unroll
-    for (int e = 0; e < 2; e++) {
-        const int j = c * DEC_KEYS + 2 * (lane & 3) + e;
-        const u16* p = (j == pos ? vin : j < pos ? vc + (u64)j * kvd + (u64)kvh * HD : vc) + 8 * (lane >> 2);
-#pragma unroll
-        for (int cc = 0; cc < HD / 64; cc++) cp16(slot + 512 * (HD / 32 + e * (HD / 64) + cc), p + 64 * cc, j <= pos);
-    }
-}
-
-// One chunk's scores: S^T = K Q^T in two accumulator chains (even and odd k-steps: half the
-// dependent mma latency); lane (g, t) gets S[key j0 + g][heads 2t, 2t + 1] as s0 + s1.
-template <int HD>
-__device__ __forceinline__ void dec_scores(const uint4 (&kr)[HD / 32], const uint4 (&qf)[HD / 32], float (&s0)[4], float (&s1)[4]) {
-    s0[0] = s0[1] = s0[2] = s0[3] = 0.0f;
-    s1[0] = s1[1] = s1[2] = s1[3] = 0.0f;
-#pragma unroll
-    for (int a = 0; a < HD / 32; a++) {
-        const u32 ka[4] = {kr[a].x, 0u, kr[a].y, 0u}, kb[4] = {kr[a].z, 0u, kr[a].w, 0u};
-        mma_bf16_16816(s0, ka, qf[a].x, qf[a].y);
-        mma_bf16_16816(s1, kb, qf[a].z, qf[a].w);
-    }
-}
-
-// The online softmax of heads 2t, 2t + 1 over one chunk's scores (s0 + s1, scaled) and O^T +=
-// V^T P^T. The max
-// over the chunk's 8 keys is over the 8 lanes of the same t. Key j0 <= pos is in every chunk, so
-// the max is finite after the first. p = hi + mid + lo exactly (three bf16x2 of {head 2t, head
-// 2t + 1} at key g), each transposed to the B fragment {head g: keys 2t, 2t + 1} of P^T.
-template <int HD>
-__device__ __forceinline__ void dec_softmax_pv(const float (&s0)[4], const float (&s1)[4], int c, int pos, int g, float scale,
-                                               const uint4 (&vr)[2][HD / 64], float (&o)[HD / 16][4], float& m0, float& m1,
-                                               float& l0, float& l1) {
-    const bool live = c * DEC_KEYS + g <= pos;  // key j0 + g, masked past pos
-    const float x0 = live ? (s0[0] + s1[0]) * scale : NEG_INF;
-    const float x1 = live ? (s0[1] + s1[1]) * scale : NEG_INF;
-    float mx0 = x0, mx1 = x1;
-#pragma unroll
-    for (int sh = 4; sh < 32; sh <<= 1) {
-        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, sh));
-        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, sh));
-    }
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float al0 = expf(m0 - mn0), al1 = expf(m1 - mn1);  // 0 on the first chunk (m = -inf)
-    const float p0 = expf(x0 - mn0), p1 = expf(x1 - mn1);
-    l0 = l0 * al0 + p0;
-    l1 = l1 * al1 + p1;
-    m0 = mn0;
-    m1 = mn1;
-    const u32 ph = pack_bf16x2(p0, p1);
-    const float r0 = p0 - bf16_lo(ph), r1 = p1 - bf16_hi(ph);
-    const u32 pm = pack_bf16x2(r0, r1);
-    const u32 pl = pack_bf16x2(r0 - bf16_lo(pm), r1 - bf16_hi(pm));
-    const u32 bh = movmatrix_trans(ph), bm = movmatrix_trans(pm), bl = movmatrix_trans(pl);
-#pragma unroll
-    for (int i = 0; i < HD / 16; i++) {
-        const u32 vx = u4_word(vr[0][i >> 2], i & 3), vy = u4_word(vr[1][i >> 2], i & 3);
-        const u32 lo = __byte_perm(vx, vy, 0x5410), hi = __byte_perm(vx, vy, 0x7632);  // dim rows g, g + 8
-        o[i][0] *= al0;
-        o[i][1] *= al1;
-        o[i][2] *= al0;
-        o[i][3] *= al1;
-        mma_bf16_1688(o[i], lo, hi, bh);
-        mma_bf16_1688(o[i], lo, hi, bm);
-        mma_bf16_1688(o[i], lo, hi, bl);
     }
 }
 
@@ -532,7 +442,7 @@ __device__ __forceinline__ void dec_qk_row(const u16* __restrict__ src, const fl
     for (int j = 0; j < NJ; j++) dst[lane + 32 * j] = bf16_rn(ys[lane + 32 * j]);
 }
 
-template <int HD, bool QK, bool RING>
+template <int HD, bool QK>
 __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                                  u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part,
                                                  float* __restrict__ pml, int H, int KV, const int* __restrict__ posp, float scale,
@@ -615,63 +525,65 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
     // Heads 2t, 2t + 1: running maxima, and this lane's part (its key g) of their normalisers.
     float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
     uint4 kr[NA], vr[2][NC];
-    if constexpr (RING) {
-        static_assert(!QK, "attn_decode_ring: the plain kernel's inputs only");
-        // This warp's chunks c0 + warp + DEC_W i, chunk i in stage i % DEC_RING: the first
-        // DEC_RING - 1 requested here, then each iteration requests the chunk DEC_RING - 1 ahead
-        // into the stage the previous iteration read (this lane's own pieces, read back into
-        // registers there), one commit group a chunk (empty past c1, so that the count of groups
-        // still pending is uniform), and waits for its own chunk's group.
-        constexpr u32 STAGE = DEC_W * 32 * 16 * (NA + 2 * NC);  // bytes a stage (the 8 warps' slots)
-        const u32 slot0 = (u32)__cvta_generic_to_shared(dec_o) + (u32)(warp * 32 * 16 * (NA + 2 * NC) + 16 * lane);
-        const uint4* rd0 = (const uint4*)dec_o + warp * 32 * (NA + 2 * NC) + lane;
+    int c = c0 + warp;
+    if (c < c1) {
+        dec_load_k<HD>(kr, kc, kin, kvd, kvh, c, pos, lane);
+        if (QK && c == pos / DEC_KEYS) dec_patch_k<HD>(kr, kt, c, pos, lane);
+        dec_load_v<HD>(vr, vc, vin, kvd, kvh, c, pos, lane);
+    }
+    for (; c < c1; c += DEC_W) {
+        const int cn = c + DEC_W;
+        // S^T = K Q^T: two accumulator chains (even and odd k-steps) halve the dependent mma latency.
+        float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-        for (int i = 0; i < DEC_RING - 1; i++) {
-            const int cf = c0 + warp + DEC_W * i;
-            if (cf < c1) dec_ring_fill<HD>(slot0 + i * STAGE, kc, vc, kin, vin, kvd, kvh, cf, pos, lane);
-            cp_commit();
+        for (int a = 0; a < NA; a++) {
+            const u32 ka[4] = {kr[a].x, 0u, kr[a].y, 0u}, kb[4] = {kr[a].z, 0u, kr[a].w, 0u};
+            mma_bf16_16816(s0, ka, qf[a].x, qf[a].y);
+            mma_bf16_16816(s1, kb, qf[a].z, qf[a].w);
         }
-        int st = 0;
-        for (int c = c0 + warp; c < c1; c += DEC_W) {
-            const int cf = c + DEC_W * (DEC_RING - 1);
-            const int sf = st == 0 ? DEC_RING - 1 : st - 1;
-            if (cf < c1) dec_ring_fill<HD>(slot0 + sf * STAGE, kc, vc, kin, vin, kvd, kvh, cf, pos, lane);
-            cp_commit();
-            cp_wait<DEC_RING - 1>();
-            const uint4* rd = rd0 + st * (STAGE / 16);
+        if (cn < c1) {
+            dec_load_k<HD>(kr, kc, kin, kvd, kvh, cn, pos, lane);
+            if (QK && cn == pos / DEC_KEYS) dec_patch_k<HD>(kr, kt, cn, pos, lane);
+        }
+        // Online softmax of heads 2t, 2t + 1 over key j (masked past pos); the max over the chunk's
+        // 8 keys is over the 8 lanes of the same t. Key j0 <= pos is in every chunk, so the max is
+        // finite after the first.
+        const bool live = c * DEC_KEYS + g <= pos;
+        const float x0 = live ? (s0[0] + s1[0]) * scale : NEG_INF;
+        const float x1 = live ? (s0[1] + s1[1]) * scale : NEG_INF;
+        float mx0 = x0, mx1 = x1;
 #pragma unroll
-            for (int a = 0; a < NA; a++) kr[a] = rd[32 * a];
-            float s0[4], s1[4];
-            dec_scores<HD>(kr, qf, s0, s1);
+        for (int sh = 4; sh < 32; sh <<= 1) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, sh));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, sh));
+        }
+        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+        const float al0 = expf(m0 - mn0), al1 = expf(m1 - mn1);  // 0 on the first chunk (m = -inf)
+        const float p0 = expf(x0 - mn0), p1 = expf(x1 - mn1);
+        l0 = l0 * al0 + p0;
+        l1 = l1 * al1 + p1;
+        m0 = mn0;
+        m1 = mn1;
+        // p = hi + mid + lo exactly (three bf16x2 of {head 2t, head 2t + 1} at key g), each
+        // transposed to the B fragment {head g: keys 2t, 2t + 1} of P^T.
+        const u32 ph = pack_bf16x2(p0, p1);
+        const float r0 = p0 - bf16_lo(ph), r1 = p1 - bf16_hi(ph);
+        const u32 pm = pack_bf16x2(r0, r1);
+        const u32 pl = pack_bf16x2(r0 - bf16_lo(pm), r1 - bf16_hi(pm));
+        const u32 bh = movmatrix_trans(ph), bm = movmatrix_trans(pm), bl = movmatrix_trans(pl);
 #pragma unroll
-            for (int e = 0; e < 2; e++)
-#pragma unroll
-                for (int cc = 0; cc < NC; cc++) vr[e][cc] = rd[32 * (NA + e * NC + cc)];
-            dec_softmax_pv<HD>(s0, s1, c, pos, g, scale, vr, o, m0, m1, l0, l1);
-            st = st == DEC_RING - 1 ? 0 : st + 1;
+        for (int i = 0; i < NT; i++) {
+            const u32 vx = u4_word(vr[0][i >> 2], i & 3), vy = u4_word(vr[1][i >> 2], i & 3);
+            const u32 lo = __byte_perm(vx, vy, 0x5410), hi = __byte_perm(vx, vy, 0x7632);  // dim rows g, g + 8
+            o[i][0] *= al0;
+            o[i][1] *= al1;
+            o[i][2] *= al0;
+            o[i][3] *= al1;
+            mma_bf16_1688(o[i], lo, hi, bh);
+            mma_bf16_1688(o[i], lo, hi, bm);
+            mma_bf16_1688(o[i], lo, hi, bl);
         }
-        // The warps' output fragments below reuse the ring: every copy has landed (the groups
-        // past c1 are empty) and every warp has read its last stage.
-        cp_wait<0>();
-        __syncthreads();
-    } else {
-        int c = c0 + warp;
-        if (c < c1) {
-            dec_load_k<HD>(kr, kc, kin, kvd, kvh, c, pos, lane);
-            if (QK && c == pos / DEC_KEYS) dec_patch_k<HD>(kr, kt, c, pos, lane);
-            dec_load_v<HD>(vr, vc, vin, kvd, kvh, c, pos, lane);
-        }
-        for (; c < c1; c += DEC_W) {
-            const int cn = c + DEC_W;
-            float s0[4], s1[4];
-            dec_scores<HD>(kr, qf, s0, s1);
-            if (cn < c1) {
-                dec_load_k<HD>(kr, kc, kin, kvd, kvh, cn, pos, lane);
-                if (QK && cn == pos / DEC_KEYS) dec_patch_k<HD>(kr, kt, cn, pos, lane);
-            }
-            dec_softmax_pv<HD>(s0, s1, c, pos, g, scale, vr, o, m0, m1, l0, l1);
-            if (cn < c1) dec_load_v<HD>(vr, vc, vin, kvd, kvh, cn, pos, lane);
-        }
+        if (cn < c1) dec_load_v<HD>(vr, vc, vin, kvd, kvh, cn, pos, lane);
     }
 #pragma unroll
     for (int sh = 4; sh < 32; sh <<= 1) {
@@ -725,22 +637,14 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
                      const int* __restrict__ posp, float scale) {                                                   \
         KTRACE();                                                                                                    \
         const DecQk none = {nullptr, nullptr, nullptr, 0, 0.0, 0.0f};                                                \
-        attn_decode_body<HD, false, false>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);                     \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(DEC_W * 32, 1)                                                    \
-    attn_decode_ring_##HD(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,           \
-                          u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part, float* __restrict__ pml, \
-                          int H, int KV, const int* __restrict__ posp, float scale) {                                \
-        KTRACE();                                                                                                    \
-        const DecQk none = {nullptr, nullptr, nullptr, 0, 0.0, 0.0f};                                                \
-        attn_decode_body<HD, false, true>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);                      \
+        attn_decode_body<HD, false>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);                            \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(DEC_W * 32, 1)                                                    \
     attn_decode_qk_##HD(const u16* __restrict__ qg, const u16* __restrict__ k, const u16* __restrict__ v,            \
                         u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part, float* __restrict__ pml, \
                         int H, int KV, const int* __restrict__ posp, float scale, DecQk f) {                         \
         KTRACE();                                                                                                    \
-        attn_decode_body<HD, true, false>(qg, k, v, kc, vc, part, pml, H, KV, posp, scale, f);                               \
+        attn_decode_body<HD, true>(qg, k, v, kc, vc, part, pml, H, KV, posp, scale, f);                               \
     }
 ATTN_DECODE(64)
 ATTN_DECODE(128)
