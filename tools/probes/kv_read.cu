@@ -1,0 +1,164 @@
+// kv_read.cu: the decode attention's read of the bf16 KV cache as pure reads (no arithmetic), to
+// say what bounds attn_decode_<HD> at long context (issue #13's "bf16 KV read at >= 70% of the
+// ceiling from 32K to 128K"). On the H100 at stop 56 attn_decode_256 read 268 MB in 98.2 us at
+// 131,072 keys (2.73 TB/s) and 67 MB in 32.9 us at 32,768 (2.04 TB/s); a second chunk in flight a
+// warp (attn_ring, through shared memory) made it slower. This probe keeps the kernel's grid and
+// its lanes' 16-byte pieces and changes one thing at a time:
+//   layout  0: lily's cache, [pos][KV head][hd] (a head's 512-byte rows at a 1 KiB stride);
+//           1: head-major, [KV head][pos][hd] (each block's share contiguous);
+//   depth   chunks of 8 keys in flight a warp, in registers (1: the kernel's; 2, 3);
+//   warps   a block (8: the kernel's, one block an SM; 16, at depth 1: 128 registers a thread).
+// Each warp walks chunks c0 + w, c0 + w + W, ... of its block's share as attn_decode does: lane
+// (g, t) reads K row g's 16-byte pieces t + 4a (a < 8) and V rows 2t, 2t + 1's pieces g + 8cc
+// (cc < 4), so every row is read whole by the warp. Grid (2 KV heads, ns = SMs / 2 splits).
+// Beside it: a plain streaming read of the same bytes (read_ramp's kernel). Every launch reads a
+// different cache of a 4 GiB pool (L2-cold); back to back in a CUDA graph, µs a launch.
+// Build and run on the GPU machine (scripts/h200-run kvread):
+//   nvcc -O3 -arch=sm_90 -std=c++17 tools/probes/kv_read.cu -o /tmp/kv_read && /tmp/kv_read
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <vector>
+#define CK(x)                                                                   \
+    do {                                                                        \
+        cudaError_t e = (x);                                                    \
+        if (e != cudaSuccess) {                                                 \
+            printf("%s: %s\n", #x, cudaGetErrorString(e));                      \
+            return 1;                                                           \
+        }                                                                       \
+    } while (0)
+
+constexpr int KVH = 2;   // KV heads (the model's)
+constexpr int ROW = 32;  // 16-byte pieces of a 256-dim bf16 row (512 bytes)
+constexpr int KEYS = 8;  // keys a chunk
+
+__device__ __forceinline__ size_t row_at(int layout, int kvh, int j, int n) {
+    return (layout == 0 ? (size_t)j * KVH + kvh : (size_t)kvh * n + j) * ROW;
+}
+
+// One block an SM, as attn_decode_<HD> (whose 218 registers a thread allow no second block).
+template <int DEPTH, int W>
+__global__ void __launch_bounds__(32 * W, 1) kv_chunks(const uint4* __restrict__ k, const uint4* __restrict__ v, int n,
+                                                      int layout, unsigned* sink) {
+    const int kvh = blockIdx.x, s = blockIdx.y, ns = gridDim.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int chunks = n / KEYS, c0 = (int)((long long)s * chunks / ns), c1 = (int)((long long)(s + 1) * chunks / ns);
+    uint4 r[DEPTH][16];
+    unsigned acc = 0;
+    auto load = [&](uint4(&d)[16], int c) {
+        const uint4* kp = k + row_at(layout, kvh, c * KEYS + g, n) + t;
+#pragma unroll
+        for (int a = 0; a < 8; a++) d[a] = kp[4 * a];
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const uint4* vp = v + row_at(layout, kvh, c * KEYS + 2 * t + e, n) + g;
+#pragma unroll
+            for (int cc = 0; cc < 4; cc++) d[8 + 4 * e + cc] = vp[8 * cc];
+        }
+    };
+    auto use = [&](const uint4(&d)[16]) {
+#pragma unroll
+        for (int i = 0; i < 16; i++) acc ^= d[i].x ^ d[i].y ^ d[i].z ^ d[i].w;
+    };
+    int c = c0 + warp;
+#pragma unroll
+    for (int i = 0; i < DEPTH; i++)
+        if (c + W * i < c1) load(r[i], c + W * i);
+#pragma unroll 1
+    for (; c < c1; c += W * DEPTH) {
+#pragma unroll
+        for (int i = 0; i < DEPTH; i++) {
+            const int ci = c + W * i;
+            if (ci < c1) {
+                use(r[i]);
+                if (ci + W * DEPTH < c1) load(r[i], ci + W * DEPTH);
+            }
+        }
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;  // never true in practice; keeps the loads alive
+}
+
+__global__ void __launch_bounds__(512) read_bytes(const uint4* __restrict__ p, size_t n16, unsigned* sink) {
+    unsigned acc = 0;
+    size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x, stride = (size_t)gridDim.x * blockDim.x;
+#pragma unroll 4
+    for (; i < n16; i += stride) {
+        uint4 x = __ldcs(p + i);
+        acc ^= x.x ^ x.y ^ x.z ^ x.w;
+    }
+    if (acc == 0x9e3779b9u) sink[0] = acc;
+}
+
+int main() {
+    const size_t pool = 4ull << 30;
+    char* buf;
+    unsigned* sink;
+    CK(cudaMalloc(&buf, pool));
+    CK(cudaMalloc(&sink, 4));
+    CK(cudaMemset(buf, 1, pool));
+    int sms;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+    cudaStream_t st;
+    CK(cudaStreamCreate(&st));
+    cudaEvent_t a, b;
+    cudaEventCreate(&a);
+    cudaEventCreate(&b);
+    const int ns = sms / KVH;
+    printf("%8s %8s  %-34s %10s %8s\n", "keys", "MB", "variant", "us/launch", "TB/s");
+    for (int n : {32768, 131072}) {
+        const size_t half = (size_t)n * KVH * ROW * 16, bytes = 2 * half;  // K and V
+        const size_t slots = pool / bytes;
+        struct Variant {
+            const char* name;
+            int kind, layout, warps;  // kind: kv_chunks of that depth (1..3), 0 the plain read
+        };
+        const Variant vs[] = {
+            {"plain read (read_ramp)", 0, 0, 0},       {"[pos][kvh] depth 1, 8 warps (lily)", 1, 0, 8},
+            {"[kvh][pos] depth 1, 8 warps", 1, 1, 8}, {"[pos][kvh] depth 2, 8 warps", 2, 0, 8},
+            {"[kvh][pos] depth 2, 8 warps", 2, 1, 8}, {"[pos][kvh] depth 3, 8 warps", 3, 0, 8},
+            {"[pos][kvh] depth 1, 16 warps", 1, 0, 16}, {"[kvh][pos] depth 1, 16 warps", 1, 1, 16},
+        };
+        for (int round = 0; round < 2; round++) {
+            for (const Variant& x : vs) {
+                const int K = 24;
+                cudaGraph_t gr;
+                cudaGraphExec_t ge;
+                CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+                for (int i = 0; i < K; i++) {
+                    const char* base = buf + (i % slots) * bytes;
+                    const uint4 *kp = (const uint4*)base, *vp = (const uint4*)(base + half);
+                    const dim3 grid(KVH, ns);
+                    switch (x.kind * 100 + x.warps) {
+                        case 0: read_bytes<<<sms * 4, 512, 0, st>>>(kp, bytes / 16, sink); break;
+                        case 108: kv_chunks<1, 8><<<grid, 256, 0, st>>>(kp, vp, n, x.layout, sink); break;
+                        case 208: kv_chunks<2, 8><<<grid, 256, 0, st>>>(kp, vp, n, x.layout, sink); break;
+                        case 308: kv_chunks<3, 8><<<grid, 256, 0, st>>>(kp, vp, n, x.layout, sink); break;
+                        case 116: kv_chunks<1, 16><<<grid, 512, 0, st>>>(kp, vp, n, x.layout, sink); break;
+                    }
+                }
+                CK(cudaStreamEndCapture(st, &gr));
+                CK(cudaGraphInstantiate(&ge, gr, 0));
+                CK(cudaGraphLaunch(ge, st));
+                CK(cudaStreamSynchronize(st));
+                std::vector<float> tg;
+                for (int r = 0; r < 7; r++) {
+                    cudaEventRecord(a, st);
+                    cudaGraphLaunch(ge, st);
+                    cudaEventRecord(b, st);
+                    cudaEventSynchronize(b);
+                    float ms;
+                    cudaEventElapsedTime(&ms, a, b);
+                    tg.push_back(ms);
+                }
+                CK(cudaGetLastError());
+                std::sort(tg.begin(), tg.end());
+                const double us = tg[tg.size() / 2] * 1e3 / K;
+                printf("%8d %8.1f  %-34s %10.1f %8.2f\n", n, bytes / 1e6, x.name, us, bytes / us / 1e6);
+                cudaGraphExecDestroy(ge);
+                cudaGraphDestroy(gr);
+            }
+        }
+    }
+    return 0;
+}
