@@ -844,12 +844,7 @@ fn with_row_copies(m: &HostLinear, from: usize, to: &[usize]) -> HostLinear {
 #[test]
 fn tc_gemv_matches_the_cpu() {
     let Some(g) = gpu() else { return };
-    streaming_gemv_checks(&g, "tc_all");
-}
-
-/// The streaming GEMV checks of `tc_gemv_matches_the_cpu` with opt-in variant `variant` on (reset
-/// after).
-fn streaming_gemv_checks(g: &Cuda, variant: &str) {
+    let (g, variant) = (&g, "tc_all");
     let mut rng = Rng(41);
     g.set_enabled(&[variant]).unwrap();
     let cases = [
@@ -870,7 +865,7 @@ fn streaming_gemv_checks(g: &Cuda, variant: &str) {
         let (gh, gnw) = (g.upload_vec(&hv).unwrap(), g.upload_vec(&nw).unwrap());
         let mut kxn = g.act_zeros(k).unwrap();
         g.rms_norm(&gh, &gnw, 1, k, 1e-6, &mut kxn);
-        let kxn = h(&g, &kxn);
+        let kxn = h(g, &kxn);
         let mut gouts: Vec<_> = ws.iter().map(|w| g.zeros(w.out).unwrap()).collect();
         let mut gxn = g.act_zeros(k).unwrap();
         {
@@ -878,7 +873,7 @@ fn streaming_gemv_checks(g: &Cuda, variant: &str) {
             g.rms_norm_matmul(&gh, &gnw, 1, k, 1e-6, &mut gxn, &refs, &mut om);
         }
         assert!(
-            same_bits(&h(&g, &gxn), &kxn),
+            same_bits(&h(g, &gxn), &kxn),
             "{variant} K {k}: the fused norm's x differs from rms_norm's"
         );
         let pool = ws.iter().map(|w| w.out).max().unwrap();
@@ -888,7 +883,7 @@ fn streaming_gemv_checks(g: &Cuda, variant: &str) {
         for (i, w) in ws.iter().enumerate() {
             let mut c = vec![0f32; w.out];
             Cpu.matmul_q(&kxn, w, 1, &mut c);
-            let got = h(&g, &gouts[i]);
+            let got = h(g, &gouts[i]);
             let err = if w.out < 64 {
                 got.iter()
                     .zip(&c)
@@ -913,11 +908,11 @@ fn streaming_gemv_checks(g: &Cuda, variant: &str) {
             // rms_norm_matmul takes the SIMT kernel, and matmul_q is held to the CPU alone.
             if k == 2048 {
                 assert!(
-                    same_bits(&h(&g, &one), &got),
+                    same_bits(&h(g, &one), &got),
                     "{variant} K {k} matrix {i}: matmul_q differs from rms_norm_matmul on the same x"
                 );
             } else {
-                let one = h(&g, &one);
+                let one = h(g, &one);
                 let err = if w.out < 64 {
                     one.iter()
                         .zip(&c)
@@ -952,7 +947,7 @@ fn streaming_gemv_checks(g: &Cuda, variant: &str) {
         g.matmul_q_add(&gx, &gw, 1, &mut r, &mut gh);
         check(
             &format!("{variant} K 4096 rows {rows} (+ residual)"),
-            rel_rows(&h(&g, &gh), &want, rows),
+            rel_rows(&h(g, &gh), &want, rows),
             F32_TOL,
         );
     }
