@@ -932,10 +932,10 @@ __device__ __forceinline__ u32 moe_wait_done(const SwMoe& p, int tid) {
 
 // TMA (moe_tma_down, switch `down_tma`, the default since stop 54: 1.015x at 4K, 1.005x at 128K
 // on an H100; stop 56's ablation 1.013x and 1.011x): each slot's DR rows (codes, scales, biases)
-// fetched by
-// three bulk copies that the slot's lane 0 issues (wide.cuh tma_rows), laid out row-major in the
-// slot's part of shared memory (DR·(W·BITS/8 + 4·W/gs) bytes), the warp waiting on the slot's
-// mbarrier before its first dot: the same SwUnit values (tma_fetch), so the same bits.
+// fetched by three bulk copies that the slot's lane 0 issues (wide.cuh tma_rows), laid out
+// row-major in the slot's part of shared memory (DR·(W·BITS/8 + 4·W/gs) bytes), the warp waiting
+// on the slot's mbarrier before its first dot: the same SwUnit values (tma_fetch), so the same
+// bits.
 template <int BITS, int C, int DR, bool LATE, bool FLAG = false, bool TMA = false>
 __device__ __forceinline__ void moe_wide_down_body(const SwMoe& p) {
     constexpr int K = 32 * C, RW = 32 / C, G = DR / RW, NP = BITS / 4;

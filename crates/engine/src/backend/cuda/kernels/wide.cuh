@@ -113,11 +113,6 @@ __device__ __forceinline__ void tma_rows(const QMat& m, int e, int o0, int n, u3
     bulk_copy(dst + cb + sb, (const u16*)m.b + g, sb, mb);
 }
 
-// The bf16 scales of the n rows tma_rows copied to `base` (after their n·rowb bytes of codes):
-// row i's group c at [i·gpr + c], its bias n·gpr further, at [n·gpr + i·gpr + c]. tma_fetch
-// reads that layout from here.
-__device__ __forceinline__ const u16* tma_scales(const unsigned char* base, int n, int rowb) { return (const u16*)(base + n * rowb); }
-
 // The lane's chunk of row `row` of what tma_rows copied to `base` (n rows), as sw_load reads it
 // from global memory: the same SwUnit, so the same dot.
 template <int BITS>
@@ -125,7 +120,9 @@ __device__ __forceinline__ void tma_fetch(const unsigned char* base, int n, int 
     const uint4* p = (const uint4*)(base + row * rowb) + l.ch * (BITS / 4);
 #pragma unroll
     for (int i = 0; i < BITS / 4; i++) un.w[i] = p[i];
-    const u16* s = tma_scales(base, n, rowb);
+    // The bf16 scales after the n rows' codes (row i's group c at [i·gpr + c]), the biases n·gpr
+    // further.
+    const u16* s = (const u16*)(base + n * rowb);
     un.s = s[row * gpr + l.gch];
     un.b = s[n * gpr + row * gpr + l.gch];
 }
