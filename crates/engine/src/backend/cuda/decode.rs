@@ -286,6 +286,71 @@ impl Cuda {
         n
     }
 
+    /// Clusters of `cluster` blocks (along x) of kernel `name` that the whole GPU holds at once
+    /// with `threads` threads and `smem` bytes of dynamic shared memory a block (the occupancy
+    /// calculator: a cluster's blocks must all fit in one GPC); 0 when it cannot say.
+    pub(super) fn resident_clusters(
+        &self,
+        name: &str,
+        threads: u32,
+        smem: u32,
+        cluster: u32,
+    ) -> u32 {
+        let key = format!("{name}/{threads}/{smem}/cluster{cluster}");
+        if let Some(&n) = self
+            .occupancy
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&key)
+        {
+            return n;
+        }
+        let n = self
+            .func(name)
+            .and_then(|f| {
+                self.ctx.bind_to_thread().ok()?;
+                if smem > 32 * 1024 {
+                    f.set_attribute(
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem as i32,
+                    )
+                    .ok()?;
+                }
+                // SAFETY: a zeroed attribute is valid for this union; only clusterDim is read.
+                let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+                attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+                attr.value.clusterDim.x = cluster;
+                attr.value.clusterDim.y = 1;
+                attr.value.clusterDim.z = 1;
+                let cfg = sys::CUlaunchConfig {
+                    gridDimX: cluster,
+                    gridDimY: 1,
+                    gridDimZ: 1,
+                    blockDimX: threads,
+                    blockDimY: 1,
+                    blockDimZ: 1,
+                    sharedMemBytes: smem,
+                    hStream: self.stream.cu_stream(),
+                    attrs: &mut attr,
+                    numAttrs: 1,
+                };
+                let mut n: std::ffi::c_int = 0;
+                // SAFETY: `cfg` and `attr` outlive the call; the function is loaded in this context.
+                unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &cfg) }
+                    .result()
+                    .ok()?;
+                Some(n.max(0) as u32)
+            })
+            .unwrap_or(0);
+        self.occupancy
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, n);
+        n
+    }
+
     /// `outs[i] (type obf[i]: 0 f32, 1 bf16, 2 f32 +=) = x · ws[i]ᵀ` for one row of x, one launch
     /// (callers check `sw_fits` and the buffers).
     pub(super) fn sw_gemv(&self, x: SwX<'_>, ws: &[&Mat], outs: &[(u64, i32)]) {

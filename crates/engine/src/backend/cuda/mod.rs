@@ -384,6 +384,7 @@ enum Arg {
     T(Box<decode::SwStep>),
     R(Box<decode::RaArgs>),
     A(Box<attention::DecQk>),
+    L(Box<attention::DecCl>),
 }
 
 /// Reads of at least this many bytes go through the page-locked staging buffer.

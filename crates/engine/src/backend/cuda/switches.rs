@@ -190,7 +190,26 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   form, fence + atomic): with route_flag 551.82 tok/s at 4K (0.992x of the defaults, 1.009x
 ///   of route_flag alone), 352.80 at 128K (0.996x); in place down's wait -> x fell 1.53 -> 0.36
 ///   µs but its dots waited on its weights instead (2.06 -> 2.94 µs): down 6.44 -> 6.65 µs.
+/// * `attn_early`: attn_decode_<HD> with each warp's first chunk of keys requested before the
+///   PDL wait (attention.cu attn_decode_early_<HD>): the position is the step's, known before
+///   the kernel before ends, and every key of that chunk older than it, so its DRAM latency
+///   leaves the critical path. The same partial states, bit for bit (cuda_ops). Written at stop
+///   57.
+/// * `attn_cluster`: the decode attention as ONE launch (attention.cu attn_decode_cl_<HD>): the
+///   early loads, and attn_decode_combine folded in: blocks in clusters of 8 along the splits
+///   merge their states over distributed shared memory, and the last block of a head group
+///   merges the clusters' (fixed orders: a recorded step equals its direct run) and writes the
+///   gated output. -10 kernels per token. The splits are the clusters the GPU holds at once.
+///   Why: the combine was a launch of 5.5 µs in place at 4K (stop 23's trace), and the
+///   attention alone at 32K keys was 32.6 µs against a 23.3 µs pure read of its cache on the
+///   H100 (stop 57's kv_read probe: the layout, the chunks in flight a warp and the warps a
+///   block all read at the plain read's rate, so the gap is the launches' fixed cost). Written
+///   at stop 57. `attn_cluster4`: the same in clusters of 4 (more clusters fit; the last block
+///   merges twice as many partial states).
 pub const OPT_IN: &[&str] = &[
+    "attn_early",
+    "attn_cluster",
+    "attn_cluster4",
     "tc_all",
     "fuse_gdn",
     "moe_step",
