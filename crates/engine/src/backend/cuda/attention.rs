@@ -266,18 +266,29 @@ impl Cuda {
         let ns = (sms / x)
             .max(1)
             .min(kv.capacity.div_ceil(ATT_DEC_WARPS * ATT_DEC_KEYS));
-        if qk.is_none() {
-            if let Some(cl) = self.attn_cluster_shape(hd, x, kv.capacity) {
-                return self.attn_decode_cl(q, k, v, gate, kv, h, kvh, hd, x, cl, step, out);
-            }
-        }
+        // The cluster form (opt-in): its own splits, one partial state per cluster.
+        let cl = match qk {
+            None => self.attn_cluster_shape(hd, x, kv.capacity),
+            Some(_) => None,
+        };
+        let (ns, parts) = cl.map_or((ns, ns), |(size, n)| (n, n / size));
         // Partial states: the unnormalised outputs (8 head slots × hd f32 per block), then (max,
         // normaliser) per head slot.
-        let (po, pml) = (x * ns * 8 * hd, x * ns * 16);
+        let (po, pml) = (x * parts * 8 * hd, x * parts * 16);
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Some(part) = self.scratch(&mut sc, "attn_part", 4 * (po + pml)) else {
             return;
         };
+        // The cluster form's arrival count per head group, zero between launches (zeroed when
+        // allocated; the last block of a launch resets its own).
+        let cnt = match cl {
+            Some(_) => match self.scratch(&mut sc, "attn_cl_count", 4 * x) {
+                Some(c) => c,
+                None => return,
+            },
+            None => 0,
+        };
+        drop(sc);
         let pml_ptr = part + 4 * po as u64;
         let scale = 1.0 / (hd as f32).sqrt();
         // This step's k, v are read from their buffers and written into cache row pos by the
@@ -295,6 +306,25 @@ impl Cuda {
             Arg::P(posp),
             Arg::F(scale),
         ];
+        if let Some((size, _)) = cl {
+            // One launch: grid (ns, x) in clusters of `size` along the splits; the combine is
+            // its tail (attention.cu dec_cluster_tail).
+            args.push(Arg::L(Box::new(DecCl {
+                size: size as i32,
+                gate: gate.mem.ptr,
+                out: out.mem.ptr,
+                cnt,
+            })));
+            self.launch_ex(
+                &format!("attn_decode_cl_{hd}"),
+                (ns as u32, x as u32, 1),
+                (ATT_DEC_WARPS * 32) as u32,
+                Self::attn_cl_smem(hd),
+                size as u32,
+                &args,
+            );
+            return;
+        }
         let name = match qk {
             Some(f) => {
                 args.push(Arg::A(Box::new(f)));
@@ -363,64 +393,5 @@ impl Cuda {
     /// output, its (max, normaliser) per head slot.
     fn attn_cl_smem(hd: usize) -> u32 {
         ((ATT_DEC_WARPS * 8 * hd + 8 * hd + 16) * 4) as u32
-    }
-
-    /// The decode attention as one launch (attention.cu attn_decode_cl_<HD>): grid (ns, x) in
-    /// clusters of `size` along the splits; the combine is its tail.
-    #[allow(clippy::too_many_arguments)]
-    fn attn_decode_cl(
-        &self,
-        q: &Buf,
-        k: &Buf,
-        v: &Buf,
-        gate: &Buf,
-        kv: &mut KvCache<Buf>,
-        h: usize,
-        kvh: usize,
-        hd: usize,
-        x: usize,
-        (size, ns): (usize, usize),
-        step: &Step,
-        out: &mut Buf,
-    ) {
-        let ncl = ns / size;
-        let (po, pml) = (x * ncl * 8 * hd, x * ncl * 16);
-        let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(part) = self.scratch(&mut sc, "attn_part", 4 * (po + pml)) else {
-            return;
-        };
-        // One arrival count per head group, zero between launches (zeroed when allocated; the
-        // last block of each launch resets its own).
-        let Some(cnt) = self.scratch(&mut sc, "attn_cl_count", 4 * x) else {
-            return;
-        };
-        drop(sc);
-        let cl = DecCl {
-            size: size as i32,
-            gate: gate.mem.ptr,
-            out: out.mem.ptr,
-            cnt,
-        };
-        self.launch_ex(
-            &format!("attn_decode_cl_{hd}"),
-            (ns as u32, x as u32, 1),
-            (ATT_DEC_WARPS * 32) as u32,
-            Self::attn_cl_smem(hd),
-            size as u32,
-            &[
-                Arg::P(q.mem.ptr),
-                Arg::P(k.mem.ptr),
-                Arg::P(v.mem.ptr),
-                Arg::P(kv.k.mem.ptr),
-                Arg::P(kv.v.mem.ptr),
-                Arg::P(part),
-                Arg::P(part + 4 * po as u64),
-                Arg::I(h as i32),
-                Arg::I(kvh as i32),
-                Arg::P(step.pos_ptr()),
-                Arg::F(1.0 / (hd as f32).sqrt()),
-                Arg::L(Box::new(cl)),
-            ],
-        );
     }
 }
