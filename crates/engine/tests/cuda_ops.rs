@@ -1603,44 +1603,45 @@ fn attention_decode_capacities() {
                     g.upload_act(&gate).unwrap(),
                 );
                 g.set_step(&mut gstep, 0, pos);
-                // The default form, then each opt-in form over the same cache (each writes the
-                // same row pos): attn_early must equal the default bit for bit (the same partial
-                // states); the cluster forms merge in another order, so they are held to the CPU.
+                // The default form (attn_early: the first chunk before the PDL wait), then the
+                // plain kernel (attn_early off) and attn_l2 over the same cache (each writes the
+                // same row pos): all three compute the same partial states, so the same bits.
                 let mut outs = Vec::new();
-                for form in DECODE_FORMS {
-                    let on: &[&str] = if form.is_empty() { &[] } else { &[form] };
+                for (off, on) in DECODE_FORMS {
+                    g.set_disabled(off).unwrap();
                     g.set_enabled(on).unwrap();
                     let mut go = g.act_zeros(hq * hd).unwrap();
                     g.attn_decode(&gq, &gk, &gv, &gg, &mut gkv, &d, pos, &gstep, &mut go);
-                    let o = h(&g, &go);
-                    check_act(
-                        &format!("attn_decode {form} {hq}/{kvh} heads of {hd}, capacity {cap}, pos {pos}"),
-                        &o,
-                        &c,
-                        hd,
-                    );
-                    outs.push(o);
+                    outs.push(h(&g, &go));
                 }
+                g.set_disabled(&[]).unwrap();
                 g.set_enabled(&[]).unwrap();
-                assert!(
-                    same_bits(&outs[1], &outs[0]),
-                    "attn_early differs from attn_decode ({hq}/{kvh} heads of {hd}, capacity {cap}, pos {pos})"
+                check_act(
+                    &format!("attn_decode {hq}/{kvh} heads of {hd}, capacity {cap}, pos {pos}"),
+                    &outs[0],
+                    &c,
+                    hd,
                 );
+                for (o, form) in outs[1..].iter().zip(&DECODE_FORMS[1..]) {
+                    assert!(
+                        same_bits(o, &outs[0]),
+                        "attn_decode {form:?} differs from the default ({hq}/{kvh} heads of {hd}, capacity {cap}, pos {pos})"
+                    );
+                }
             }
             assert!(same_bits(&h(&g, &gkv.k), &ckv.k), "capacity {cap}: the bf16 K cache differs from the CPU's (a step's row not written, or another row written)");
             assert!(same_bits(&h(&g, &gkv.v), &ckv.v), "capacity {cap}: the bf16 V cache differs from the CPU's (a step's row not written, or another row written)");
         }
     }
-    // The opt-in forms ran (the cluster form needs 8 clusters' worth of capacity: 1024 and up).
-    for k in ["attn_decode_early_", "attn_decode_cl_"] {
+    for k in ["attn_decode_early_", "attn_decode_l2_", "attn_decode_256"] {
         assert!(launched(&g, k), "{k}* never ran");
     }
 }
 
-/// The decode attention's forms in attention_decode_capacities: the default (two launches), the
-/// opt-ins `attn_early` (its first chunk before the PDL wait), `attn_cluster` and `attn_cluster4`
-/// (one launch: the combine in clusters of 8 or 4).
-const DECODE_FORMS: [&str; 4] = ["", "attn_early", "attn_cluster", "attn_cluster4"];
+/// The decode attention's forms in attention_decode_capacities, as (switched off, opted in): the
+/// default (`attn_early`), the plain kernel (`attn_early` off), `attn_l2`.
+const DECODE_FORMS: [(&[&str], &[&str]); 3] =
+    [(&[], &[]), (&["attn_early"], &[]), (&[], &["attn_l2"])];
 
 /// The decode attention from q_proj's output (Backend::attn_decode_qk) with `attn_fold` on (one
 /// launch, attn_decode_qk_<HD>) against its composition on the GPU (attn_qk_norm_rope, then

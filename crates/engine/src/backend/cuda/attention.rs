@@ -15,19 +15,6 @@ pub(super) struct DecQk {
     eps: f32,
 }
 
-/// `struct DecCl` of attention.cu (same layout): attn_decode_cl_<HD>'s extra arguments.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub(super) struct DecCl {
-    size: i32,
-    gate: u64,
-    out: u64,
-    cnt: u64,
-}
-
-/// Clusters per head group the cluster form merges at most (attention.cu DEC_CL_MAX).
-const DEC_CL_MAX: usize = 16;
-
 impl Cuda {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn attn_qk_norm_rope_op(
@@ -266,29 +253,13 @@ impl Cuda {
         let ns = (sms / x)
             .max(1)
             .min(kv.capacity.div_ceil(ATT_DEC_WARPS * ATT_DEC_KEYS));
-        // The cluster form (opt-in): its own splits, one partial state per cluster.
-        let cl = match qk {
-            None => self.attn_cluster_shape(hd, x, kv.capacity),
-            Some(_) => None,
-        };
-        let (ns, parts) = cl.map_or((ns, ns), |(size, n)| (n, n / size));
         // Partial states: the unnormalised outputs (8 head slots × hd f32 per block), then (max,
         // normaliser) per head slot.
-        let (po, pml) = (x * parts * 8 * hd, x * parts * 16);
+        let (po, pml) = (x * ns * 8 * hd, x * ns * 16);
         let mut sc = self.scratch.lock().unwrap_or_else(|e| e.into_inner());
         let Some(part) = self.scratch(&mut sc, "attn_part", 4 * (po + pml)) else {
             return;
         };
-        // The cluster form's arrival count per head group, zero between launches (zeroed when
-        // allocated; the last block of a launch resets its own).
-        let cnt = match cl {
-            Some(_) => match self.scratch(&mut sc, "attn_cl_count", 4 * x) {
-                Some(c) => c,
-                None => return,
-            },
-            None => 0,
-        };
-        drop(sc);
         let pml_ptr = part + 4 * po as u64;
         let scale = 1.0 / (hd as f32).sqrt();
         // This step's k, v are read from their buffers and written into cache row pos by the
@@ -306,31 +277,15 @@ impl Cuda {
             Arg::P(posp),
             Arg::F(scale),
         ];
-        if let Some((size, _)) = cl {
-            // One launch: grid (ns, x) in clusters of `size` along the splits; the combine is
-            // its tail (attention.cu dec_cluster_tail).
-            args.push(Arg::L(Box::new(DecCl {
-                size: size as i32,
-                gate: gate.mem.ptr,
-                out: out.mem.ptr,
-                cnt,
-            })));
-            self.launch_ex(
-                &format!("attn_decode_cl_{hd}"),
-                (ns as u32, x as u32, 1),
-                (ATT_DEC_WARPS * 32) as u32,
-                Self::attn_cl_smem(hd),
-                size as u32,
-                &args,
-            );
-            return;
-        }
         let name = match qk {
             Some(f) => {
                 args.push(Arg::A(Box::new(f)));
                 format!("attn_decode_qk_{hd}")
             }
-            None if self.opted_in("attn_early") => format!("attn_decode_early_{hd}"),
+            // The warps' first chunks requested before the PDL wait (switch `attn_early`), and
+            // their next two prefetched to L2 there too (opt-in `attn_l2`).
+            None if self.opted_in("attn_l2") => format!("attn_decode_l2_{hd}"),
+            None if self.on("attn_early") => format!("attn_decode_early_{hd}"),
             None => format!("attn_decode_{hd}"),
         };
         self.launch(
@@ -358,40 +313,5 @@ impl Cuda {
                 Arg::P(posp),
             ],
         );
-    }
-
-    /// The cluster form's shape, when `attn_cluster` (clusters of 8) or `attn_cluster4` (of 4)
-    /// is on: (cluster size, splits per head group). The splits are the clusters the GPU holds
-    /// at once (the occupancy calculator, one block an SM) shared by the `x` head groups, at most
-    /// DEC_CL_MAX each and at least 64 keys of capacity a block; None (the two-launch form) when
-    /// not one cluster a head group fits.
-    fn attn_cluster_shape(&self, hd: usize, x: usize, capacity: usize) -> Option<(usize, usize)> {
-        let size = if self.opted_in("attn_cluster4") {
-            4
-        } else if self.opted_in("attn_cluster") {
-            8
-        } else {
-            return None;
-        };
-        if !self.pdl_ok {
-            return None; // clusters need sm_90, as programmatic dependent launch does
-        }
-        let name = format!("attn_decode_cl_{hd}");
-        let held = self.resident_clusters(
-            &name,
-            (ATT_DEC_WARPS * 32) as u32,
-            Self::attn_cl_smem(hd),
-            size as u32,
-        );
-        let per_x = (held as usize / x)
-            .min(DEC_CL_MAX)
-            .min(capacity.div_ceil(ATT_DEC_WARPS * ATT_DEC_KEYS) / size);
-        (per_x > 0).then_some((size, per_x * size))
-    }
-
-    /// attn_decode_cl_<HD>'s dynamic shared memory: the 8 warps' fragments, the block's merged
-    /// output, its (max, normaliser) per head slot.
-    fn attn_cl_smem(hd: usize) -> u32 {
-        ((ATT_DEC_WARPS * 8 * hd + 8 * hd + 16) * 4) as u32
     }
 }

@@ -204,7 +204,7 @@ pub(super) struct SwConv<'a> {
 
 /// Blocks of each kernel one SM holds at once (from the occupancy calculator), by name.
 #[derive(Default)]
-pub(super) struct Occupancy(Mutex<HashMap<String, Option<u32>>>);
+pub(super) struct Occupancy(Mutex<HashMap<String, u32>>);
 
 impl Cuda {
     /// Bits of a format the streaming kernels take (bf16 scales and biases), else None.
@@ -251,60 +251,7 @@ impl Cuda {
 
     /// Blocks of kernel `name` the whole GPU holds at once with `threads` threads (one wave).
     fn resident_blocks(&self, name: &str, threads: u32, smem: u32) -> u32 {
-        self.occupancy_of(format!("{name}/{threads}/{smem}"), || {
-            let f = self.occupancy_func(name, smem)?;
-            let per_sm = f
-                .occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
-                .ok()?;
-            Some(per_sm.max(1) * self.sm_count)
-        })
-        .unwrap_or(self.sm_count)
-    }
-
-    /// Clusters of `cluster` blocks (along x) of kernel `name` that the whole GPU holds at once
-    /// with `threads` threads and `smem` bytes of dynamic shared memory a block (the occupancy
-    /// calculator: a cluster's blocks must all fit in one GPC); 0 when it cannot say.
-    pub(super) fn resident_clusters(
-        &self,
-        name: &str,
-        threads: u32,
-        smem: u32,
-        cluster: u32,
-    ) -> u32 {
-        self.occupancy_of(format!("{name}/{threads}/{smem}/cluster{cluster}"), || {
-            let f = self.occupancy_func(name, smem)?;
-            self.ctx.bind_to_thread().ok()?;
-            // SAFETY: a zeroed attribute is valid for this union; only clusterDim is read.
-            let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            attr.value.clusterDim.x = cluster;
-            attr.value.clusterDim.y = 1;
-            attr.value.clusterDim.z = 1;
-            let cfg = sys::CUlaunchConfig {
-                gridDimX: cluster,
-                gridDimY: 1,
-                gridDimZ: 1,
-                blockDimX: threads,
-                blockDimY: 1,
-                blockDimZ: 1,
-                sharedMemBytes: smem,
-                hStream: self.stream.cu_stream(),
-                attrs: &mut attr,
-                numAttrs: 1,
-            };
-            let mut n: std::ffi::c_int = 0;
-            // SAFETY: `cfg` and `attr` outlive the call; the function is loaded in this context.
-            unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &cfg) }
-                .result()
-                .ok()?;
-            Some(n.max(0) as u32)
-        })
-        .unwrap_or(0)
-    }
-
-    /// The occupancy cache's entry `key`, computed by `f` the first time (None: the calculator
-    /// could not say, remembered as such).
-    fn occupancy_of(&self, key: String, f: impl FnOnce() -> Option<u32>) -> Option<u32> {
+        let key = format!("{name}/{threads}/{smem}");
         if let Some(&n) = self
             .occupancy
             .0
@@ -314,27 +261,29 @@ impl Cuda {
         {
             return n;
         }
-        let n = f();
+        let per_sm = self
+            .func(name)
+            .and_then(|f| {
+                if smem > 32 * 1024 {
+                    // The opt-in `launch` makes, made first so the calculator counts with it.
+                    f.set_attribute(
+                        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        smem as i32,
+                    )
+                    .ok()?;
+                }
+                f.occupancy_max_active_blocks_per_multiprocessor(threads, smem as usize, None)
+                    .ok()
+            })
+            .unwrap_or(1)
+            .max(1);
+        let n = per_sm * self.sm_count;
         self.occupancy
             .0
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(key, n);
         n
-    }
-
-    /// Kernel `name` with the shared-memory opt-in that `launch` makes for `smem` bytes made
-    /// first, so that the occupancy calculator counts with it.
-    fn occupancy_func(&self, name: &str, smem: u32) -> Option<cudarc::driver::CudaFunction> {
-        let f = self.func(name)?;
-        if smem > 32 * 1024 {
-            f.set_attribute(
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem as i32,
-            )
-            .ok()?;
-        }
-        Some(f)
     }
 
     /// `outs[i] (type obf[i]: 0 f32, 1 bf16, 2 f32 +=) = x · ws[i]ᵀ` for one row of x, one launch

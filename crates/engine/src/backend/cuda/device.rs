@@ -222,7 +222,6 @@ impl Cuda {
                 Arg::T(v) => &**v as *const decode::SwStep as *mut c_void,
                 Arg::R(v) => &**v as *const decode::RaArgs as *mut c_void,
                 Arg::A(v) => &**v as *const attention::DecQk as *mut c_void,
-                Arg::L(v) => &**v as *const attention::DecCl as *mut c_void,
             })
             .collect();
         let r = self.ctx.bind_to_thread().and_then(|_| {

@@ -384,7 +384,6 @@ enum Arg {
     T(Box<decode::SwStep>),
     R(Box<decode::RaArgs>),
     A(Box<attention::DecQk>),
-    L(Box<attention::DecCl>),
 }
 
 /// Reads of at least this many bytes go through the page-locked staging buffer.

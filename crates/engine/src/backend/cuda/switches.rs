@@ -55,6 +55,18 @@ use super::{Cuda, Records};
 ///   gate|up. Its ablation at stop 56 (H100, the same arms, `LILY_CUDA_DISABLE=down_tma`): 4K
 ///   568.94 against 561.34 tok/s off (1.013x), 128K 363.42 against 359.31 (1.011x). Off,
 ///   moe_wide_down (per-lane cp.async).
+/// * `attn_early`: the decode attention (attn_decode_<HD>) with each warp's first chunk of keys
+///   requested before the PDL wait (attention.cu attn_decode_early_<HD>): the position is the
+///   step's, known before the kernel before ends, and every key of that chunk older than it (the
+///   launch writes only row pos), so its DRAM latency leaves the critical path. The same partial
+///   states, bit for bit (cuda_ops attention_decode_capacities). Why: stop 57's kv_read probe
+///   (H100) read the attention's cache at the plain read's rate in every layout, depth and warp
+///   count (32,768 keys: 23.3 µs for 67 MB), while attn_decode + combine took 32.5 µs: the gap is
+///   fixed cost, not the read. Measured at stop 57 (H100, binaries of 63f38fc, where it was an
+///   opt-in): alone (a CUDA graph over L2-cold caches) 6.4 / 11.1 / 31.5 µs against 7.3 / 12.5 /
+///   32.5 at 256 / 4,096 / 32,768 keys; decode (`lily bench --arms`, 2 rounds) 571.01 against
+///   568.77 tok/s at 4K (1.004x), 506.34 against 505.04 at 32K (1.003x), 361.07 against 362.76
+///   at 128K (0.995x). Off, attn_decode_<HD>.
 pub const SWITCHES: &[&str] = &[
     "stream_gemv",
     "fuse_norm",
@@ -67,9 +79,10 @@ pub const SWITCHES: &[&str] = &[
     "moe_wide",
     "route_block",
     "down_tma",
+    "attn_early",
 ];
 /// The switches that do not live in the streaming kernels (`stream_gemv` off leaves them as set).
-pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
+pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step", "attn_early"];
 
 /// Decode-path variants that are off unless asked for (`LILY_CUDA_ENABLE=name`,
 /// `Cuda::set_enabled`): correct, but not faster where measured. Removed at stop 55 as clear losers
@@ -96,7 +109,20 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 /// over L2-cold caches) 118.5 against 98.2 µs at 131,072 keys (2.27 against 2.73 TB/s), 38.8
 /// against 32.9 at 32,768. Why is a guess, not measured: the register form's one chunk a warp
 /// already keeps HBM as busy as 8 warps an SM can, and the ring adds a shared-memory write and
-/// read of every byte (and 16 LDGSTS a lane a chunk) to each chunk's path.
+/// read of every byte (and 16 LDGSTS a lane a chunk) to each chunk's path. Removed at stop 57:
+/// `attn_cluster` / `attn_cluster4` (the decode attention as one launch, attn_decode_combine
+/// folded in: clusters of 8 or 4 blocks along the splits merging their states over distributed
+/// shared memory, the last block of a head group (a fence, a ticket) merging the clusters' and
+/// writing the gated output; -10 kernels a token; splits = the clusters the GPU holds at once,
+/// 56 a head group against 66 on the H100; code at 63f38fc): correct (cuda_ops: held to the
+/// CPU, recorded steps equal to direct ones, the full preset's greedy ids equal) but slower at
+/// every length on the H100 (binaries of 63f38fc, `lily bench --arms`, 2 rounds): 549.48 / 543.83
+/// against 568.77 tok/s at 4K (0.966x / 0.956x), 485.31 / 483.28 against 505.04 at 32K (0.961x
+/// / 0.957x), 348.50 / 347.53 against 362.76 at 128K (0.961x / 0.958x); alone (a CUDA graph over
+/// L2-cold caches) 17.8 / 19.9 against 12.5 µs at 4,096 keys, 38.8 / 40.1 against 32.5 at
+/// 32,768. The tail (two cluster barriers, the DSMEM merge, a fence and a ticket, then one block
+/// reading the clusters' states element by element) cost more than the combine's launch, and
+/// 56 splits stream less than 66.
 /// * `tc_all`: the tensor-core streaming dot (switch `tc_gemv`) also for the other widths (K 512,
 ///   1024, 4096: out_proj, o_proj) and the MoE experts (moe.cu's moe_tc_*). Correct (cuda_ops) but
 ///   measured slower on the H200 than the SIMT kernels there: out_proj 5.3 against 4.4 us, the
@@ -190,26 +216,12 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step"];
 ///   form, fence + atomic): with route_flag 551.82 tok/s at 4K (0.992x of the defaults, 1.009x
 ///   of route_flag alone), 352.80 at 128K (0.996x); in place down's wait -> x fell 1.53 -> 0.36
 ///   µs but its dots waited on its weights instead (2.06 -> 2.94 µs): down 6.44 -> 6.65 µs.
-/// * `attn_early`: attn_decode_<HD> with each warp's first chunk of keys requested before the
-///   PDL wait (attention.cu attn_decode_early_<HD>): the position is the step's, known before
-///   the kernel before ends, and every key of that chunk older than it, so its DRAM latency
-///   leaves the critical path. The same partial states, bit for bit (cuda_ops). Written at stop
-///   57.
-/// * `attn_cluster`: the decode attention as ONE launch (attention.cu attn_decode_cl_<HD>): the
-///   early loads, and attn_decode_combine folded in: blocks in clusters of 8 along the splits
-///   merge their states over distributed shared memory, and the last block of a head group
-///   merges the clusters' (fixed orders: a recorded step equals its direct run) and writes the
-///   gated output. -10 kernels per token. The splits are the clusters the GPU holds at once.
-///   Why: the combine was a launch of 5.5 µs in place at 4K (stop 23's trace), and the
-///   attention alone at 32K keys was 32.6 µs against a 23.3 µs pure read of its cache on the
-///   H100 (stop 57's kv_read probe: the layout, the chunks in flight a warp and the warps a
-///   block all read at the plain read's rate, so the gap is the launches' fixed cost). Written
-///   at stop 57. `attn_cluster4`: the same in clusters of 4 (more clusters fit; the last block
-///   merges twice as many partial states).
+/// * `attn_l2`: with `attn_early`, each warp also prefetches its next two chunks of keys to L2
+///   before the PDL wait (attention.cu attn_decode_l2_<HD>: a bulk prefetch a K or V row, by 16
+///   lanes, nothing waited on): more of the cache read overlaps the kernel before. The same
+///   partial states, bit for bit (cuda_ops). Written at stop 57.
 pub const OPT_IN: &[&str] = &[
-    "attn_early",
-    "attn_cluster",
-    "attn_cluster4",
+    "attn_l2",
     "tc_all",
     "fuse_gdn",
     "moe_step",

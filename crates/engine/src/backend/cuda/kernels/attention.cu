@@ -79,20 +79,11 @@
 //                    (KV * HG, hd / 4), 256 threads) merges the nb partial states per head in a
 //                    fixed order (bit-reproducible), normalises, applies sigmoid(gate) and writes
 //                    out [H, hd]. Details and the fragment layouts at the kernels.
-// attn_decode_early_<HD> (opt-in `attn_early`) attn_decode_<HD> with each warp's first chunk of
-//                    keys requested before the PDL wait (the position is the step's, so the
-//                    block's share is known; only row pos is written by the launch): the same
-//                    partial states bit for bit, for attn_decode_combine.
-// attn_decode_cl_<HD> (opt-in `attn_cluster`, `attn_cluster4`) the decode attention as one launch:
-//                    the early loads, then the combine folded in. Grid (ns, KV * HG) in clusters of
-//                    8 (or 4) blocks along the splits, ns = the clusters the GPU holds at once
-//                    shared by the head groups (mod.rs). Each cluster merges its blocks' states
-//                    over distributed shared memory into one partial state (block r merges the
-//                    r-th eighth of the elements), and the last block of a head group to count
-//                    itself (a fence, an atomic) merges the clusters' states, normalises, gates
-//                    and writes out [H, hd]. Fixed merge orders: deterministic, but not
-//                    attn_decode_combine's order (held to the CPU, not to its bits). Details at
-//                    dec_cluster_tail.
+// attn_decode_early_<HD> (switch `attn_early`, the default) attn_decode_<HD> with each warp's first
+//                    chunk of keys requested before the PDL wait (the position is the step's, so
+//                    the block's share is known; the launch writes only row pos): the same partial
+//                    states bit for bit, for attn_decode_combine. attn_decode_l2_<HD> (opt-in
+//                    `attn_l2`): also the warp's next two chunks prefetched to L2 there.
 // attn_decode_qk_<HD> (opt-in `attn_fold`, Backend::attn_decode_qk) attn_qk_norm_rope folded into
 //                    attn_decode_<HD>: the same grid, taking q_proj's output qg [H, 2 hd] instead
 //                    of q. Each block with keys norms and rotates its group's query heads (and,
@@ -456,137 +447,32 @@ __device__ __forceinline__ void dec_qk_row(const u16* __restrict__ src, const fl
     for (int j = 0; j < NJ; j++) dst[lane + 32 * j] = bf16_rn(ys[lane + 32 * j]);
 }
 
-// The forms of attn_decode_body: the plain kernel (DEC_PLAIN), that kernel with each warp's first
-// chunk requested before the PDL wait (DEC_EARLY, opt-in `attn_early`), and the cluster form
-// (DEC_CLUSTER, opt-in `attn_cluster`): the early loads, and attn_decode_combine folded into the
-// launch (dec_cluster_tail), so a decode attention is one launch.
+// The forms of attn_decode_body: the plain kernel (DEC_PLAIN, the ablation of switch
+// `attn_early`), that kernel with each warp's first chunk requested before the PDL wait
+// (DEC_EARLY, the default), and the same with the warp's next two chunks also prefetched to L2
+// there (DEC_L2, opt-in `attn_l2`).
+// Stop 57 also measured a cluster form (attn_decode_combine folded into the launch: clusters of
+// 8 or 4 merging over DSMEM, the last block of a head group merging the clusters'): slower at
+// every length on the H100 (4K 0.966x, 32K 0.961x, 128K 0.961x; alone 17.8 against 12.5 us at
+// 4,096 keys: its tail's barriers, ticket and one-block merge cost more than the combine's
+// launch), so it was removed (git history: 63f38fc).
 #define DEC_PLAIN 0
 #define DEC_EARLY 1
-#define DEC_CLUSTER 2
-#define DEC_CL_MAX 16  // clusters per head group at most (dec_cluster_tail's registers)
-
-// The cluster form's extra inputs: the cluster size (blocks along the splits: 4 or 8, dividing
-// ns), attn_decode_combine's gate and output, and one arrival count per head group (zero
-// between launches: the last block resets it).
-struct DecCl {
-    int size;
-    const u16* gate;
-    u16* out;
-    u32* cnt;
-};
-
-// The cluster form's tail, after the block merged its warps into po = its unnormalised output
-// (8 head slots x HD in fragment order, shared memory) and po + 8 HD = (max, normaliser) per
-// head slot. Two merges in a fixed order (so a recorded step equals its direct run):
-// 1. the cluster's: block `rank` merges elements [rank 8HD/size, (rank + 1) 8HD/size) of the
-//    size blocks' states over distributed shared memory (ranks in order) into the cluster's
-//    partial state, written to part / pml at (x, cluster) as attn_decode_combine's partials;
-// 2. the head group's: every block counts itself on cnt[x] after a fence; the last of the
-//    clusters with keys merges their partial states (clusters in order) as attn_decode_combine
-//    does its partials, normalises, applies sigmoid(gate) and writes out.
-// Why: attn_decode_combine was a launch of its own (5.5 us in place at 4K on the H100, stop 23:
-// its wait, its factors, its sums) for 1 MB of partials; here the cross-SM merge of a cluster is
-// over DSMEM, and the last block reads size times fewer partials than the combine's blocks did.
-template <int HD>
-__device__ __forceinline__ void dec_cluster_tail(const float* po, float* __restrict__ part, float* __restrict__ pml, int x,
-                                                 int s, int ns, int nb, int gh, int head0, const DecCl& cl) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int ncl = ns / cl.size, c = s / cl.size, live = (nb + cl.size - 1) / cl.size;  // clusters with keys
-    const float* ml = po + 8 * HD;
-    cluster_arrive();  // every block's state stored (release) ...
-    cluster_wait();    // ... and visible here (acquire); every block of the cluster has started
-    // 1. This block's share of the cluster's merge: elements [rank per, (rank + 1) per).
-    const int per = 8 * HD / cl.size, rank = (int)cluster_rank();
-    for (int i = tid; i < per; i += blockDim.x) {
-        const int e = rank * per + i, hs = 2 * (e & 3) + ((e >> 5) & 1);
-        float mq[8], lq[8];
-        float M = NEG_INF;
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            mq[r] = r < cl.size ? ld_cluster_f32(ml + 2 * hs, r) : NEG_INF;
-            lq[r] = r < cl.size ? ld_cluster_f32(ml + 2 * hs + 1, r) : 0.0f;
-            if (lq[r] > 0.0f) M = fmaxf(M, mq[r]);
-        }
-        float acc = 0.0f, L = 0.0f;
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            if (r < cl.size) {
-                const float fr = lq[r] > 0.0f ? expf(mq[r] - M) : 0.0f;
-                L = fmaf(lq[r], fr, L);
-                acc = fmaf(ld_cluster_f32(po + e, r), fr, acc);
-            }
-        }
-        part[((u64)x * ncl + c) * (8 * HD) + e] = acc;
-        // The head slot's (max, normaliser), written once: by its first element's thread,
-        // (hs >> 1) + 32 (hs & 1) (in rank 0's share: per >= 64).
-        if (e == (hs >> 1) + 32 * (hs & 1)) {
-            float* pp = pml + ((u64)x * ncl + c) * 16 + 2 * hs;
-            pp[0] = M;
-            pp[1] = L;
-        }
-    }
-    cluster_arrive();  // no block leaves while another reads its shared memory
-    cluster_wait();
-    // 2. The last block of the head group's live clusters merges them.
-    __shared__ int last;
-    __shared__ float cf[DEC_CL_MAX][8], cls[8];
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) last = atomicAdd(cl.cnt + x, 1u) == (u32)(live * cl.size - 1);
-    __syncthreads();
-    if (!last) return;
-    {
-        // Warp w: head slot w's maximum, factors and normaliser over the live clusters.
-        const float* mp = pml + (u64)x * ncl * 16 + 2 * warp;
-        float mv = NEG_INF, lv = 0.0f;
-        if (lane < live) {
-            mv = __ldcg(mp + lane * 16);
-            lv = __ldcg(mp + lane * 16 + 1);
-        }
-        const float M = warp_max(lv > 0.0f ? mv : NEG_INF);
-        const float fr = lv > 0.0f ? expf(mv - M) : 0.0f;
-        if (lane < live) cf[lane][warp] = fr;
-        const float L = warp_sum(lv * fr);
-        if (lane == 0) cls[warp] = L;
-    }
-    __syncthreads();
-    const int G8 = 8 * HD;
-    for (int e = tid; e < G8; e += blockDim.x) {
-        const int kk = e >> 5, el = e & 31;
-        const int hs = 2 * (el & 3) + (kk & 1);
-        float pv[DEC_CL_MAX];
-#pragma unroll
-        for (int r = 0; r < DEC_CL_MAX; r++) pv[r] = r < live ? __ldcg(part + ((u64)x * ncl + r) * G8 + e) : 0.0f;
-        float acc = 0.0f;
-#pragma unroll
-        for (int r = 0; r < DEC_CL_MAX; r++)
-            if (r < live) acc = fmaf(pv[r], cf[r][hs], acc);
-        if (hs < gh) {
-            // Element (kk, el) is dim 64c + 8g + 2w' (+ 1 for kk % 4 >= 2) of m-tile i = kk / 4 = 4c + w'.
-            const int i = kk >> 2, d = 64 * (i >> 2) + 8 * (el >> 2) + 2 * (i & 3) + ((kk >> 1) & 1);
-            const u64 at = (u64)(head0 + hs) * HD + d;
-            cl.out[at] = bf16_rn(acc / cls[hs] * sigmoid_f(bf16f(cl.gate[at])));
-        }
-    }
-    if (tid == 0) cl.cnt[x] = 0u;
-}
+#define DEC_L2 2
 
 template <int HD, bool QK, int MODE = DEC_PLAIN>
 __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                                  u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part,
                                                  float* __restrict__ pml, int H, int KV, const int* __restrict__ posp, float scale,
-                                                 const DecQk& f, const DecCl& cl = DecCl{}) {
+                                                 const DecQk& f) {
     constexpr int NA = HD / 32;  // 16-byte pieces of a K row per lane (two k-steps each)
     constexpr int NC = HD / 64;  // 16-byte pieces of a V row per lane and key
     constexpr int NT = HD / 16;  // m-tiles (16 dims) of the output
-    constexpr bool CL = MODE == DEC_CLUSTER;
-    static_assert(!(QK && MODE != DEC_PLAIN), "the early and cluster forms take q (no attn_fold)");
+    static_assert(!(QK && MODE != DEC_PLAIN), "the early forms take q (no attn_fold)");
     extern __shared__ __align__(16) float dec_o[];  // [DEC_W][NT * 4][32]: the warps' o fragments
     __shared__ float sm[DEC_W][8], sl[DEC_W][8], sf[DEC_W][8];
     const int G = H / KV, HG = (G + 7) / 8;
-    // The cluster form's grid is (ns, KV * HG): its clusters run along the splits.
-    const int x = CL ? blockIdx.y : blockIdx.x, kvh = x / HG, hg = x - kvh * HG;
-    const int s = CL ? blockIdx.x : blockIdx.y, ns = CL ? gridDim.x : gridDim.y;
+    const int x = blockIdx.x, kvh = x / HG, hg = x - kvh * HG, s = blockIdx.y, ns = gridDim.y;
     const int gh = min(8, G - 8 * hg);  // query heads in this block's group
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const u64 kvd = (u64)KV * HD;
@@ -629,7 +515,7 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
         PDL_ENTRY();
         pos = posp[0];
     } else {
-        // The early and cluster forms: the position is the step's (written before the step's
+        // The early forms: the position is the step's (written before the step's
         // graph began, as attn_decode_combine reads it), so the block knows its share before
         // the wait, and the warp's first chunk, when every key of it is older than pos (rows
         // the launches of earlier steps wrote; this launch writes only row pos), is requested
@@ -651,6 +537,20 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
                 dec_load_v<HD>(evr, vc, vin, kvd, kvh, c, pos, lane);
                 early = true;
             }
+            if constexpr (MODE == DEC_L2) {
+                // The warp's next two chunks (c + 8, c + 16; keys older than pos only) to L2:
+                // lanes 0-7 prefetch a chunk's 8 K rows, lanes 8-15 its 8 V rows, one bulk
+                // prefetch of a row's 2 HD bytes each (no registers held, nothing waited on).
+                const int c1 = (int)((long long)(s + 1) * ch0 / nb0);
+#pragma unroll
+                for (int i = 1; i <= 2; i++) {
+                    const int cc = c + DEC_W * i, j = cc * DEC_KEYS + (lane & 7);
+                    if (lane < 16 && cc < c1 && j < pos) {
+                        const u16* row = (lane < 8 ? kc : vc) + (u64)j * kvd + (u64)kvh * HD;
+                        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row), "n"(HD * 2) : "memory");
+                    }
+                }
+            }
         }
         PDL_ENTRY();
     }
@@ -666,12 +566,9 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
         }
     }
     const int nb = dec_blocks(n, ns);
-    // No keys here: the whole block leaves before any barrier. The cluster form keeps the blocks
-    // of a cluster with keys (they meet its barriers, with empty states) and lets a cluster
-    // without any leave whole.
-    if (CL ? (s & ~(cl.size - 1)) >= nb : s >= nb) return;
+    if (s >= nb) return;  // no keys here: the whole block leaves before any barrier
     const int chunks = (n + DEC_KEYS - 1) / DEC_KEYS;
-    const int c0 = s < nb ? (int)((long long)s * chunks / nb) : 0, c1 = s < nb ? (int)((long long)(s + 1) * chunks / nb) : 0;
+    const int c0 = (int)((long long)s * chunks / nb), c1 = (int)((long long)(s + 1) * chunks / nb);
 
     // Q fragments of head slot g (zeros past the group's heads), as the K pieces (see above).
     uint4 qf[NA];
@@ -786,14 +683,12 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
             sf[w][tid] = f;
             L = fmaf(sl[w][tid], f, L);
         }
-        float* pp = CL ? dec_o + DEC_W * 8 * HD + 8 * HD + 2 * tid : pml + ((u64)x * ns + s) * 16 + 2 * tid;
+        float* pp = pml + ((u64)x * ns + s) * 16 + 2 * tid;
         pp[0] = M;
         pp[1] = L;
     }
     __syncthreads();
-    // The block's state: to global memory for attn_decode_combine, or (cluster form) to shared
-    // memory after the warps' fragments, for the cluster's merge.
-    float* po = CL ? dec_o + DEC_W * 8 * HD : part + ((u64)x * ns + s) * (8 * HD);
+    float* po = part + ((u64)x * ns + s) * (8 * HD);
     for (int e = tid; e < 8 * HD; e += blockDim.x) {
         const int hs = 2 * (e & 3) + ((e >> 5) & 1);  // head slot of element e: 2 (lane % 4) + k % 2
         float acc = 0.0f;
@@ -801,7 +696,6 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
         for (int w = 0; w < DEC_W; w++) acc = fmaf(dec_o[w * (NT * 4 * 32) + e], sf[w][hs], acc);
         po[e] = acc;
     }
-    if constexpr (CL) dec_cluster_tail<HD>(po, part, pml, x, s, ns, nb, gh, kvh * G + 8 * hg, cl);
 }
 
 #define ATTN_DECODE(HD)                                                                                              \
@@ -824,28 +718,18 @@ ATTN_DECODE(64)
 ATTN_DECODE(128)
 ATTN_DECODE(256)
 
-// attn_decode_early_<HD> (opt-in `attn_early`): attn_decode_<HD> with each warp's first chunk
-// requested before the PDL wait; the same partial states, bit for bit, for attn_decode_combine.
-// attn_decode_cl_<HD> (opt-in `attn_cluster`): the same early loads, and the combine folded in
-// (dec_cluster_tail): grid (ns, KV * HG) in clusters of cl.size along the splits, dynamic shared
-// memory 8 * 8 * HD + 8 * HD + 16 floats; writes out [H, hd] itself.
-#define ATTN_DECODE_FORMS(HD)                                                                                        \
+// attn_decode_early_<HD> (switch `attn_early`, the default) and attn_decode_l2_<HD> (opt-in
+// `attn_l2`): attn_decode_<HD>'s arguments and partial states (bit for bit), the forms above.
+#define ATTN_DECODE_FORM(NAME, HD, MODE)                                                                             \
     extern "C" __global__ void __launch_bounds__(DEC_W * 32, 1)                                                    \
-    attn_decode_early_##HD(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,          \
-                           u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part, float* __restrict__ pml, \
-                           int H, int KV, const int* __restrict__ posp, float scale) {                               \
+    NAME##_##HD(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ kc, \
+                u16* __restrict__ vc, float* __restrict__ part, float* __restrict__ pml, int H, int KV,              \
+                const int* __restrict__ posp, float scale) {                                                         \
         KTRACE();                                                                                                    \
         const DecQk none = {nullptr, nullptr, nullptr, 0, 0.0, 0.0f};                                                \
-        attn_decode_body<HD, false, DEC_EARLY>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);                 \
-    }                                                                                                                \
-    extern "C" __global__ void __launch_bounds__(DEC_W * 32, 1)                                                    \
-    attn_decode_cl_##HD(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,             \
-                        u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part, float* __restrict__ pml, \
-                        int H, int KV, const int* __restrict__ posp, float scale, DecCl cl) {                        \
-        KTRACE();                                                                                                    \
-        const DecQk none = {nullptr, nullptr, nullptr, 0, 0.0, 0.0f};                                                \
-        attn_decode_body<HD, false, DEC_CLUSTER>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none, cl);           \
+        attn_decode_body<HD, false, MODE>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);                      \
     }
+#define ATTN_DECODE_FORMS(HD) ATTN_DECODE_FORM(attn_decode_early, HD, DEC_EARLY) ATTN_DECODE_FORM(attn_decode_l2, HD, DEC_L2)
 ATTN_DECODE_FORMS(64)
 ATTN_DECODE_FORMS(128)
 ATTN_DECODE_FORMS(256)

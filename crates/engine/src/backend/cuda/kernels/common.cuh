@@ -188,34 +188,6 @@ __device__ __forceinline__ u32 mix_hash(u64 x) {
     return (u32)x;
 }
 
-// Thread-block clusters (sm_90): this block's rank in its cluster, a float of another block's
-// shared memory (the address of the same variable in this block's, mapped to block `rank`'s:
-// mapa), and the cluster barrier's halves (arrive with release or relaxed order, wait with
-// acquire). gdn.cu's gdn_step and attention.cu's cluster form of attn_decode use them.
-__device__ __forceinline__ u32 cluster_rank() {
-    u32 r;
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-    return r;
-}
-__device__ __forceinline__ u32 cluster_map(const float* p, u32 rank) {
-    u32 a;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
-    return a;
-}
-// v into the float at `p` (an address in this block's shared memory) of block `rank`'s copy.
-__device__ __forceinline__ void st_cluster_f32(const float* p, u32 rank, float v) {
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(cluster_map(p, rank)), "f"(v) : "memory");
-}
-// The float at `p` (an address in this block's shared memory) of block `rank`'s copy.
-__device__ __forceinline__ float ld_cluster_f32(const float* p, u32 rank) {
-    float v;
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(cluster_map(p, rank)) : "memory");
-    return v;
-}
-__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
-
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);

@@ -286,6 +286,20 @@ gdn_gated_norm(const float* __restrict__ y, const u16* __restrict__ z, const flo
 #define GDN_STEP_DK 128
 #define GDN_STEP_THREADS 256
 
+__device__ __forceinline__ u32 gdn_cluster_rank() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+    return r;
+}
+// v into the float at `p` (an address in this block's shared memory) of block `rank`'s copy.
+__device__ __forceinline__ void gdn_st_cluster_f32(const float* p, u32 rank, float v) {
+    u32 a;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(a) : "r"((u32)__cvta_generic_to_shared(p)), "r"(rank));
+    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(a), "f"(v) : "memory");
+}
+__device__ __forceinline__ void gdn_cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void gdn_cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void gdn_cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
 
 // One channel's conv step (conv_rows for one row, the same expression): returns the bf16 output;
 // `win` ends as the channel's new state (its last K-1 inputs).
@@ -328,11 +342,11 @@ __device__ __forceinline__ void gdn_step_body(const u16* __restrict__ qkv, const
     __shared__ float y_sh[32];                      // the block's 32 y (pre-norm)
     __shared__ float part_sh[4];                    // the head's Dv/32 partial sums of y²
     PDL_LAUNCH();
-    cluster_arrive_relaxed();  // barrier 1: this block has started
+    gdn_cluster_arrive_relaxed();  // barrier 1: this block has started
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int ns = dv / 32, rep = hv / hk, cl = rep * ns;
-    const int cr = (int)cluster_rank();
+    const int cr = (int)gdn_cluster_rank();
     const int kh = blockIdx.x / cl, h = kh * rep + cr / ns, s = cr % ns;
     const int C = 2 * hk * DK + hv * dv;
     const int row = tid >> 3, p = tid & 7;  // the thread's row of the block's 32, its lane in the row
@@ -457,10 +471,10 @@ __device__ __forceinline__ void gdn_step_body(const u16* __restrict__ qkv, const
         ss += yv * yv;
         ss = warp_sum(ss);
     }
-    cluster_wait();  // barrier 1: every block of the cluster has started (long since)
-    if (warp == 0 && lane < ns) st_cluster_f32(&part_sh[s], (u32)((cr / ns) * ns + lane), ss);
-    cluster_arrive();  // barrier 2: the partial sums stored, the old conv state read
-    cluster_wait();
+    gdn_cluster_wait();  // barrier 1: every block of the cluster has started (long since)
+    if (warp == 0 && lane < ns) gdn_st_cluster_f32(&part_sh[s], (u32)((cr / ns) * ns + lane), ss);
+    gdn_cluster_arrive();  // barrier 2: the partial sums stored, the old conv state read
+    gdn_cluster_wait();
     // The q|k conv state: channel tid by rank tid % cl, now that every block has read the old one.
     if (tid % cl == cr) gdn_conv_store<K>(cst, C, cqk, winqk);
     if (warp == 0) {
