@@ -66,7 +66,11 @@ use super::{Cuda, Records};
 ///   opt-in): alone (a CUDA graph over L2-cold caches) 6.4 / 11.1 / 31.5 µs against 7.3 / 12.5 /
 ///   32.5 at 256 / 4,096 / 32,768 keys; decode (`lily bench --arms`, 2 rounds) 571.01 against
 ///   568.77 tok/s at 4K (1.004x), 506.34 against 505.04 at 32K (1.003x), 361.07 against 362.76
-///   at 128K (0.995x). Off, attn_decode_<HD>.
+///   at 128K (0.995x). As the default (H100, binaries of 0ec2155, `LILY_CUDA_DISABLE=attn_early`
+///   as the arm, 4 rounds at 4K and 32K, 2 at 128K): 571.34 against 568.98 tok/s at 4K (1.004x;
+///   three of four rounds above every round off), 506.33 against 504.76 at 32K (1.003x), 363.89
+///   against 359.88 at 128K (1.011x); alone 6.4 / 11.0 / 31.4 / 95.4 µs against 7.3 / 12.5 /
+///   32.9 / 96.4 at 256 / 4,096 / 32,768 / 131,072 keys. Off, attn_decode_<HD>.
 pub const SWITCHES: &[&str] = &[
     "stream_gemv",
     "fuse_norm",
@@ -219,7 +223,10 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step", "attn_ea
 /// * `attn_l2`: with `attn_early`, each warp also prefetches its next two chunks of keys to L2
 ///   before the PDL wait (attention.cu attn_decode_l2_<HD>: a bulk prefetch a K or V row, by 16
 ///   lanes, nothing waited on): more of the cache read overlaps the kernel before. The same
-///   partial states, bit for bit (cuda_ops). Written at stop 57.
+///   partial states, bit for bit (cuda_ops). Not faster (stop 57, H100, binaries of 0ec2155, the
+///   same arms as `attn_early`'s): 571.08 against 571.34 tok/s at 4K (1.000x), 507.92 against
+///   506.33 at 32K (1.003x), 361.30 against 363.89 at 128K (0.993x); alone 6.4 / 11.1 / 31.4 /
+///   95.2 µs, as the default's. The lead before the wait is too short to fill much of L2.
 pub const OPT_IN: &[&str] = &[
     "attn_l2",
     "tc_all",
