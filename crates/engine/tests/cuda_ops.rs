@@ -1493,7 +1493,8 @@ fn attention_prefill_then_decode() {
 /// query head (score about 12: near half of its attention even at 131072 keys), sit at chunk,
 /// split and range edges and in the step's own k, so a key skipped, read from the wrong place or
 /// counted twice moves that head's output by O(1), not by 1/n. Also 32 heads on 2 KV heads (two
-/// groups of 8 per KV head) and the small presets' shapes.
+/// groups of 8 per KV head) and the small presets' shapes. Every position runs each of the
+/// kernel's forms (DECODE_FORMS), which must give the default's bits, and each must have run.
 #[test]
 fn attention_decode_capacities() {
     let Some(g) = gpu() else { return };

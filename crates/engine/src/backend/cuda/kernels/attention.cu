@@ -519,7 +519,11 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
         // graph began, as attn_decode_combine reads it), so the block knows its share before
         // the wait, and the warp's first chunk, when every key of it is older than pos (rows
         // the launches of earlier steps wrote; this launch writes only row pos), is requested
-        // while the kernel before still runs: its DRAM latency leaves the critical path.
+        // while the kernel before still runs: its DRAM latency leaves the critical path. Every
+        // writer of those rows has completed by then: the kernel before (attn_qk_norm_rope,
+        // or another attn_decode in the lab) waits for its own predecessor before it lets this
+        // launch start. A caller that put a kernel launching before its wait (PDL_LAUNCH
+        // first) right before this one would have to keep that true.
         pos = posp[0];
     }
     // The early forms' first chunk (moved into kr, vr below; a separate array so that the plain
