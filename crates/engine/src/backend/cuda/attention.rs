@@ -282,9 +282,7 @@ impl Cuda {
                 args.push(Arg::A(Box::new(f)));
                 format!("attn_decode_qk_{hd}")
             }
-            // The warps' first chunks requested before the PDL wait (switch `attn_early`), and
-            // their next two prefetched to L2 there too (opt-in `attn_l2`).
-            None if self.opted_in("attn_l2") => format!("attn_decode_l2_{hd}"),
+            // The warps' first chunks requested before the PDL wait (switch `attn_early`).
             None if self.on("attn_early") => format!("attn_decode_early_{hd}"),
             None => format!("attn_decode_{hd}"),
         };

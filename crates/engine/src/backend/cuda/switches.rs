@@ -127,6 +127,12 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step", "attn_ea
 /// 32,768. The tail (two cluster barriers, the DSMEM merge, a fence and a ticket, then one block
 /// reading the clusters' states element by element) cost more than the combine's launch, and
 /// 56 splits stream less than 66.
+/// Also removed at stop 57: `attn_l2` (attn_early plus a bulk L2 prefetch,
+/// `cp.async.bulk.prefetch.L2`, of each warp's next two chunks' rows before the PDL wait; code at
+/// 1461d76): bit-equal, but no gain (H100, binaries of 0ec2155, against the defaults in the arms
+/// of `attn_early`): 571.08 against 571.34 tok/s at 4K (1.000x), 507.92 against 506.33 at 32K
+/// (1.003x), 361.30 against 363.89 at 128K (0.993x); alone 6.4 / 11.1 / 31.4 / 95.2 µs, as the
+/// default's. The lead before the wait is too short to fill much of L2.
 /// * `tc_all`: the tensor-core streaming dot (switch `tc_gemv`) also for the other widths (K 512,
 ///   1024, 4096: out_proj, o_proj) and the MoE experts (moe.cu's moe_tc_*). Correct (cuda_ops) but
 ///   measured slower on the H200 than the SIMT kernels there: out_proj 5.3 against 4.4 us, the
@@ -220,15 +226,7 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step", "attn_ea
 ///   form, fence + atomic): with route_flag 551.82 tok/s at 4K (0.992x of the defaults, 1.009x
 ///   of route_flag alone), 352.80 at 128K (0.996x); in place down's wait -> x fell 1.53 -> 0.36
 ///   µs but its dots waited on its weights instead (2.06 -> 2.94 µs): down 6.44 -> 6.65 µs.
-/// * `attn_l2`: with `attn_early`, each warp also prefetches its next two chunks of keys to L2
-///   before the PDL wait (attention.cu attn_decode_l2_<HD>: a bulk prefetch a K or V row, by 16
-///   lanes, nothing waited on): more of the cache read overlaps the kernel before. The same
-///   partial states, bit for bit (cuda_ops). Not faster (stop 57, H100, binaries of 0ec2155, the
-///   same arms as `attn_early`'s): 571.08 against 571.34 tok/s at 4K (1.000x), 507.92 against
-///   506.33 at 32K (1.003x), 361.30 against 363.89 at 128K (0.993x); alone 6.4 / 11.1 / 31.4 /
-///   95.2 µs, as the default's. The lead before the wait is too short to fill much of L2.
 pub const OPT_IN: &[&str] = &[
-    "attn_l2",
     "tc_all",
     "fuse_gdn",
     "moe_step",

@@ -82,8 +82,7 @@
 // attn_decode_early_<HD> (switch `attn_early`, the default) attn_decode_<HD> with each warp's first
 //                    chunk of keys requested before the PDL wait (the position is the step's, so
 //                    the block's share is known; the launch writes only row pos): the same partial
-//                    states bit for bit, for attn_decode_combine. attn_decode_l2_<HD> (opt-in
-//                    `attn_l2`): also the warp's next two chunks prefetched to L2 there.
+//                    states bit for bit, for attn_decode_combine.
 // attn_decode_qk_<HD> (opt-in `attn_fold`, Backend::attn_decode_qk) attn_qk_norm_rope folded into
 //                    attn_decode_<HD>: the same grid, taking q_proj's output qg [H, 2 hd] instead
 //                    of q. Each block with keys norms and rotates its group's query heads (and,
@@ -316,6 +315,14 @@ __device__ __forceinline__ int dec_blocks(int n, int ns) {
     return min(ns, (chunks + DEC_W - 1) / DEC_W);
 }
 
+// Block s's share [c0, c1) of the n keys' chunks when nb blocks hold keys (dec_blocks): the one
+// formula for the key loop and for attn_decode_early's first chunk, which must be the loop's.
+__device__ __forceinline__ void dec_share(int s, int n, int nb, int& c0, int& c1) {
+    const int chunks = (n + DEC_KEYS - 1) / DEC_KEYS;
+    c0 = (int)((long long)s * chunks / nb);
+    c1 = (int)((long long)(s + 1) * chunks / nb);
+}
+
 template <int HD>
 __device__ __forceinline__ void dec_load_k(uint4 (&kr)[HD / 32], const u16* __restrict__ kc, const u16* __restrict__ kin,
                                            u64 kvd, int kvh, int c, int pos, int lane) {
@@ -449,16 +456,16 @@ __device__ __forceinline__ void dec_qk_row(const u16* __restrict__ src, const fl
 
 // The forms of attn_decode_body: the plain kernel (DEC_PLAIN, the ablation of switch
 // `attn_early`), that kernel with each warp's first chunk requested before the PDL wait
-// (DEC_EARLY, the default), and the same with the warp's next two chunks also prefetched to L2
-// there (DEC_L2, opt-in `attn_l2`).
+// (DEC_EARLY, the default).
 // Stop 57 also measured a cluster form (attn_decode_combine folded into the launch: clusters of
 // 8 or 4 merging over DSMEM, the last block of a head group merging the clusters'): slower at
 // every length on the H100 (4K 0.966x, 32K 0.961x, 128K 0.961x; alone 17.8 against 12.5 us at
 // 4,096 keys: its tail's barriers, ticket and one-block merge cost more than the combine's
-// launch), so it was removed (git history: 63f38fc).
+// launch), so it was removed (git history: 63f38fc); so was `attn_l2` (the early form plus a
+// bulk L2 prefetch of the warp's next two chunks before the wait: 1.000x at 4K, 0.993x at
+// 128K; git history: 1461d76).
 #define DEC_PLAIN 0
 #define DEC_EARLY 1
-#define DEC_L2 2
 
 template <int HD, bool QK, int MODE = DEC_PLAIN>
 __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
@@ -534,26 +541,13 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
     if constexpr (MODE != DEC_PLAIN) {
         const int nb0 = dec_blocks(pos + 1, ns);
         if (s < nb0) {
-            const int ch0 = (pos + DEC_KEYS) / DEC_KEYS;
-            const int c = (int)((long long)s * ch0 / nb0) + warp;
-            if (c < (int)((long long)(s + 1) * ch0 / nb0) && c * DEC_KEYS + DEC_KEYS - 1 < pos) {
+            int e0, e1;
+            dec_share(s, pos + 1, nb0, e0, e1);
+            const int c = e0 + warp;
+            if (c < e1 && c * DEC_KEYS + DEC_KEYS - 1 < pos) {
                 dec_load_k<HD>(ekr, kc, kin, kvd, kvh, c, pos, lane);
                 dec_load_v<HD>(evr, vc, vin, kvd, kvh, c, pos, lane);
                 early = true;
-            }
-            if constexpr (MODE == DEC_L2) {
-                // The warp's next two chunks (c + 8, c + 16; keys older than pos only) to L2:
-                // lanes 0-7 prefetch a chunk's 8 K rows, lanes 8-15 its 8 V rows, one bulk
-                // prefetch of a row's 2 HD bytes each (no registers held, nothing waited on).
-                const int c1 = (int)((long long)(s + 1) * ch0 / nb0);
-#pragma unroll
-                for (int i = 1; i <= 2; i++) {
-                    const int cc = c + DEC_W * i, j = cc * DEC_KEYS + (lane & 7);
-                    if (lane < 16 && cc < c1 && j < pos) {
-                        const u16* row = (lane < 8 ? kc : vc) + (u64)j * kvd + (u64)kvh * HD;
-                        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row), "n"(HD * 2) : "memory");
-                    }
-                }
             }
         }
         PDL_ENTRY();
@@ -571,8 +565,8 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
     }
     const int nb = dec_blocks(n, ns);
     if (s >= nb) return;  // no keys here: the whole block leaves before any barrier
-    const int chunks = (n + DEC_KEYS - 1) / DEC_KEYS;
-    const int c0 = (int)((long long)s * chunks / nb), c1 = (int)((long long)(s + 1) * chunks / nb);
+    int c0, c1;
+    dec_share(s, n, nb, c0, c1);
 
     // Q fragments of head slot g (zeros past the group's heads), as the K pieces (see above).
     uint4 qf[NA];
@@ -722,21 +716,20 @@ ATTN_DECODE(64)
 ATTN_DECODE(128)
 ATTN_DECODE(256)
 
-// attn_decode_early_<HD> (switch `attn_early`, the default) and attn_decode_l2_<HD> (opt-in
-// `attn_l2`): attn_decode_<HD>'s arguments and partial states (bit for bit), the forms above.
-#define ATTN_DECODE_FORM(NAME, HD, MODE)                                                                             \
+// attn_decode_early_<HD> (switch `attn_early`, the default): attn_decode_<HD>'s arguments and
+// partial states (bit for bit), its first chunk requested before the PDL wait.
+#define ATTN_DECODE_EARLY(HD)                                                                                        \
     extern "C" __global__ void __launch_bounds__(DEC_W * 32, 1)                                                    \
-    NAME##_##HD(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v, u16* __restrict__ kc, \
-                u16* __restrict__ vc, float* __restrict__ part, float* __restrict__ pml, int H, int KV,              \
-                const int* __restrict__ posp, float scale) {                                                         \
+    attn_decode_early_##HD(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,          \
+                           u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part, float* __restrict__ pml, \
+                           int H, int KV, const int* __restrict__ posp, float scale) {                               \
         KTRACE();                                                                                                    \
         const DecQk none = {nullptr, nullptr, nullptr, 0, 0.0, 0.0f};                                                \
-        attn_decode_body<HD, false, MODE>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);                      \
+        attn_decode_body<HD, false, DEC_EARLY>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);                 \
     }
-#define ATTN_DECODE_FORMS(HD) ATTN_DECODE_FORM(attn_decode_early, HD, DEC_EARLY) ATTN_DECODE_FORM(attn_decode_l2, HD, DEC_L2)
-ATTN_DECODE_FORMS(64)
-ATTN_DECODE_FORMS(128)
-ATTN_DECODE_FORMS(256)
+ATTN_DECODE_EARLY(64)
+ATTN_DECODE_EARLY(128)
+ATTN_DECODE_EARLY(256)
 
 #define CMB_PF 16  // partials per warp attn_decode_combine requests at once (8 warps: 128 splits)
 #define CMB_ML 4   // partial states per lane whose max and normaliser are requested at once (128)
