@@ -226,6 +226,15 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step", "attn_ea
 ///   form, fence + atomic): with route_flag 551.82 tok/s at 4K (0.992x of the defaults, 1.009x
 ///   of route_flag alone), 352.80 at 128K (0.996x); in place down's wait -> x fell 1.53 -> 0.36
 ///   µs but its dots waited on its weights instead (2.06 -> 2.94 µs): down 6.44 -> 6.65 µs.
+/// * `l2_pin` (stop 58): every launch carries an L2 access policy window over the hot arena
+///   (mod.rs HotArena: the routers, the shared experts' gates, the norms' weights and the GDN
+///   layers' conv taps and gate parameters, ~27 MB of the full model, uploaded there by
+///   `upload_mat_hot` / `upload_vec_hot`), its lines persisting in a set-aside of the arena's
+///   size, so that a decode step reads them from the L2, not DRAM. Why: the router's blocks that
+///   become resident only after out_proj ends (23-31% of them in stop 51-52's traces) request
+///   their rows and the norm weight only then, and the last of them sets the router's end (its
+///   wait -> x 5.2 µs against the median block's 3.0). The same bits (cuda_ops: recorded steps
+///   with it on equal the direct ones).
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -237,6 +246,7 @@ pub const OPT_IN: &[&str] = &[
     "route_ahead",
     "route_flag",
     "down_flag",
+    "l2_pin",
 ];
 
 impl Cuda {
@@ -269,7 +279,8 @@ impl Cuda {
         let set = Self::known_names(names, OPT_IN, "opt-in CUDA variant")?;
         *self.enabled.write().unwrap_or_else(|e| e.into_inner()) = set;
         *self.records.lock().unwrap_or_else(|e| e.into_inner()) = Records::default();
-        Ok(())
+        // `l2_pin`'s set-aside follows the switch (none before the hot arena exists).
+        self.l2_pin_apply()
     }
 
     /// `names` as a set of the static names in `known`; an unknown one is an error naming `what`.
