@@ -161,18 +161,6 @@ pub trait Backend: Send + Sync {
     // ---- memory
     fn upload_mat(&self, m: &HostLinear) -> Result<Self::Mat>;
     fn upload_vec(&self, v: &[f32]) -> Result<Self::Vec>;
-    /// `upload_mat` for a small matrix that a decode step reads on its critical path (an MoE
-    /// block's router and shared-expert gate): the same values; a backend may place it where a
-    /// faster memory tier can hold it (CUDA: the hot arena, whose lines opt-in `l2_pin` keeps in
-    /// the L2). By default `upload_mat`.
-    fn upload_mat_hot(&self, m: &HostLinear) -> Result<Self::Mat> {
-        self.upload_mat(m)
-    }
-    /// `upload_vec` for a small parameter a decode step reads on its critical path (the norms'
-    /// weights, the GDN layers' conv taps and gate parameters): as `upload_mat_hot`.
-    fn upload_vec_hot(&self, v: &[f32]) -> Result<Self::Vec> {
-        self.upload_vec(v)
-    }
     /// `(out, inp)` of each matrix of an uploaded stack.
     fn mat_shape(&self, m: &Self::Mat) -> (usize, usize);
     /// A zero-filled buffer of `len` elements.

@@ -278,15 +278,6 @@ impl<B: Backend> Backend for Profiled<B> {
     fn upload_vec(&self, v: &[f32]) -> Result<Self::Vec> {
         self.inner.upload_vec(v)
     }
-    fn upload_mat_hot(&self, m: &HostLinear) -> Result<Self::Mat> {
-        Ok(PMat {
-            inner: self.inner.upload_mat_hot(m)?,
-            family: format!("matmul_q {}", matrix_label(&m.name)),
-        })
-    }
-    fn upload_vec_hot(&self, v: &[f32]) -> Result<Self::Vec> {
-        self.inner.upload_vec_hot(v)
-    }
     fn mat_shape(&self, m: &Self::Mat) -> (usize, usize) {
         self.inner.mat_shape(&m.inner)
     }

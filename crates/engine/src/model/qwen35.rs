@@ -240,11 +240,11 @@ impl<B: Backend> Qwen35<B> {
                     in_proj_z: b.upload_mat(&g.in_proj_z)?,
                     in_proj_b: b.upload_mat(&g.in_proj_b)?,
                     in_proj_a: b.upload_mat(&g.in_proj_a)?,
-                    conv1d: b.upload_vec_hot(&g.conv1d)?,
+                    conv1d: b.upload_vec(&g.conv1d)?,
                     params: GdnParams {
-                        a_log: b.upload_vec_hot(&g.a_log)?,
-                        dt_bias: b.upload_vec_hot(&g.dt_bias)?,
-                        norm: b.upload_vec_hot(&g.norm)?,
+                        a_log: b.upload_vec(&g.a_log)?,
+                        dt_bias: b.upload_vec(&g.dt_bias)?,
+                        norm: b.upload_vec(&g.norm)?,
                     },
                     out_proj: b.upload_mat(&g.out_proj)?,
                 }),
@@ -253,24 +253,24 @@ impl<B: Backend> Qwen35<B> {
                     k_proj: b.upload_mat(&a.k_proj)?,
                     v_proj: b.upload_mat(&a.v_proj)?,
                     o_proj: b.upload_mat(&a.o_proj)?,
-                    q_norm: b.upload_vec_hot(&a.q_norm)?,
-                    k_norm: b.upload_vec_hot(&a.k_norm)?,
+                    q_norm: b.upload_vec(&a.q_norm)?,
+                    k_norm: b.upload_vec(&a.k_norm)?,
                 }),
             };
             let m = &l.moe;
             layers.push(Layer {
-                input_norm: b.upload_vec_hot(&l.input_norm)?,
-                post_norm: b.upload_vec_hot(&l.post_norm)?,
+                input_norm: b.upload_vec(&l.input_norm)?,
+                post_norm: b.upload_vec(&l.post_norm)?,
                 mixer,
                 moe: MoeLayer {
-                    router: b.upload_mat_hot(&m.router)?,
+                    router: b.upload_mat(&m.router)?,
                     gate_proj: b.upload_mat(&m.gate_proj)?,
                     up_proj: b.upload_mat(&m.up_proj)?,
                     down_proj: b.upload_mat(&m.down_proj)?,
                     shared_gate_proj: b.upload_mat(&m.shared_gate_proj)?,
                     shared_up_proj: b.upload_mat(&m.shared_up_proj)?,
                     shared_down_proj: b.upload_mat(&m.shared_down_proj)?,
-                    shared_expert_gate: b.upload_mat_hot(&m.shared_expert_gate)?,
+                    shared_expert_gate: b.upload_mat(&m.shared_expert_gate)?,
                 },
             });
             progress(layers.len(), w.layers.len());
@@ -278,7 +278,7 @@ impl<B: Backend> Qwen35<B> {
         Ok(Self {
             dims: Dims::from_config(&cfg),
             embed: b.upload_mat(&w.embed)?,
-            norm: b.upload_vec_hot(&w.norm)?,
+            norm: b.upload_vec(&w.norm)?,
             lm_head: b.upload_mat(&w.lm_head)?,
             layers,
             cfg,

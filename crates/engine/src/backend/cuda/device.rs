@@ -65,104 +65,14 @@ impl Cuda {
             ptr
         };
         Ok(Mem {
-            _owner: MemOwner::Own(s),
+            _slice: s,
             ptr,
             bytes,
         })
     }
 
-    /// `bytes` (zeroed) in the hot arena (mod.rs HotArena), made at the first call; a plain
-    /// allocation when the device has no persisting L2 or the arena is full.
-    pub(super) fn alloc_hot(&self, bytes: usize) -> Result<Mem> {
-        let mut g = self.hot.lock().unwrap_or_else(|e| e.into_inner());
-        if g.is_none() {
-            let attr = |a| self.ctx.attribute(a).map_or(0, |v| v.max(0) as usize);
-            let cap = HOT_CAP
-                .min(attr(
-                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE,
-                ))
-                .min(attr(
-                    sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE,
-                ));
-            if cap == 0 {
-                drop(g);
-                return self.alloc(bytes);
-            }
-            let m = self.alloc(cap)?;
-            let MemOwner::Own(slice) = m._owner else {
-                unreachable!("alloc owns its memory")
-            };
-            *g = Some(HotArena {
-                slice: Arc::new(slice),
-                base: m.ptr,
-                cap,
-                used: 0,
-            });
-            self.hot_base.store(m.ptr, Ordering::Relaxed);
-            self.hot_cap.store(cap as u64, Ordering::Relaxed);
-            drop(g);
-            self.l2_pin_apply()?;
-            g = self.hot.lock().unwrap_or_else(|e| e.into_inner());
-        }
-        let a = g.as_mut().expect("made above");
-        let at = a.used.next_multiple_of(256);
-        if at + bytes > a.cap {
-            drop(g);
-            return self.alloc(bytes);
-        }
-        a.used = at + bytes;
-        Ok(Mem {
-            _owner: MemOwner::Hot(a.slice.clone()),
-            ptr: a.base + at as u64,
-            bytes,
-        })
-    }
-
-    /// Bytes of the hot arena in use, and its capacity (0, 0: none made).
-    pub fn hot_bytes(&self) -> (usize, usize) {
-        let g = self.hot.lock().unwrap_or_else(|e| e.into_inner());
-        g.as_ref().map_or((0, 0), |a| (a.used, a.cap))
-    }
-
-    /// The L2 set-aside for persisting lines as `l2_pin` says (the arena's size on, 0 off; off
-    /// also turns lines left persisting back to normal, so that an arm without it does not
-    /// inherit them). Waits for the stream first: the limit is the context's.
-    pub(super) fn l2_pin_apply(&self) -> Result<()> {
-        let cap = self.hot_cap.load(Ordering::Relaxed) as usize;
-        if cap == 0 {
-            return Ok(());
-        }
-        let on = self.opted_in("l2_pin");
-        self.ctx.bind_to_thread()?;
-        self.stream.synchronize()?;
-        // SAFETY: plain driver calls on the bound context; no work is in flight.
-        unsafe {
-            sys::cuCtxSetLimit(
-                sys::CUlimit::CU_LIMIT_PERSISTING_L2_CACHE_SIZE,
-                if on { cap } else { 0 },
-            )
-            .result()
-            .context("CUDA backend: setting the persisting L2 size (l2_pin)")?;
-            if !on {
-                sys::cuCtxResetPersistingL2Cache()
-                    .result()
-                    .context("CUDA backend: resetting the persisting L2 lines (l2_pin)")?;
-            }
-        }
-        Ok(())
-    }
-
     pub(super) fn upload_bytes(&self, b: &[u8]) -> Result<Mem> {
-        self.upload_bytes_to(b, false)
-    }
-
-    /// `upload_bytes`, into the hot arena when `hot`.
-    pub(super) fn upload_bytes_to(&self, b: &[u8], hot: bool) -> Result<Mem> {
-        let m = if hot {
-            self.alloc_hot(b.len())?
-        } else {
-            self.alloc(b.len())?
-        };
+        let m = self.alloc(b.len())?;
         if !b.is_empty() {
             // SAFETY: `m` holds at least b.len() bytes; a copy from pageable memory is staged before
             // the call returns, so `b` may go away afterwards.
@@ -185,13 +95,12 @@ impl Cuda {
         })
     }
 
-    /// f32 values on the device (in the hot arena when `hot`).
-    pub(super) fn upload_f32_to(&self, v: &[f32], hot: bool) -> Result<Mem> {
+    pub(super) fn upload_f32(&self, v: &[f32]) -> Result<Mem> {
         // SAFETY: f32 slice viewed as bytes.
         let b = unsafe {
             std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v))
         };
-        self.upload_bytes_to(b, hot)
+        self.upload_bytes(b)
     }
 
     /// A scratch buffer of at least `bytes` (kept between calls; grown when needed). Stream
@@ -318,10 +227,7 @@ impl Cuda {
         let r = self.ctx.bind_to_thread().and_then(|_| {
             let pdl = self.pdl
                 || (self.pdl_ok && self.capturing.load(Ordering::Relaxed) && self.on("pdl_step"));
-            // l2_pin: the hot arena's window on every launch (it touches only accesses inside it).
-            let hot = self.hot_cap.load(Ordering::Relaxed) as usize;
-            let pin = hot > 0 && self.opted_in("l2_pin");
-            if !pdl && cluster == 0 && !pin {
+            if !pdl && cluster == 0 {
                 // SAFETY: the argument list matches the kernel's signature (each call site mirrors
                 // its .cu declaration); buffers were bounds-checked by the op; `args` outlives the call.
                 return unsafe {
@@ -337,7 +243,7 @@ impl Cuda {
             }
             // SAFETY: a zeroed attribute value is valid for this union; only the field of
             // `id` is read by the driver.
-            let mut attrs: [sys::CUlaunchAttribute; 3] = unsafe { std::mem::zeroed() };
+            let mut attrs: [sys::CUlaunchAttribute; 2] = unsafe { std::mem::zeroed() };
             let mut n = 0;
             if pdl {
                 // Programmatic dependent launch (common.cuh, PDL_ENTRY): the kernel may be launched
@@ -352,19 +258,6 @@ impl Cuda {
                 attrs[n].value.clusterDim.x = cluster;
                 attrs[n].value.clusterDim.y = 1;
                 attrs[n].value.clusterDim.z = 1;
-                n += 1;
-            }
-            if pin {
-                // Every access inside the arena persisting (the set-aside holds all of it:
-                // l2_pin_apply), the misses' lines streaming.
-                attrs[n].id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW;
-                attrs[n].value.accessPolicyWindow = sys::CUaccessPolicyWindow {
-                    base_ptr: self.hot_base.load(Ordering::Relaxed) as *mut c_void,
-                    num_bytes: hot,
-                    hitRatio: 1.0,
-                    hitProp: sys::CUaccessProperty::CU_ACCESS_PROPERTY_PERSISTING,
-                    missProp: sys::CUaccessProperty::CU_ACCESS_PROPERTY_STREAMING,
-                };
                 n += 1;
             }
             let cfg = sys::CUlaunchConfig {
@@ -535,8 +428,7 @@ impl Cuda {
         Ok((ids, w.into_iter().map(f32::from_bits).collect()))
     }
 
-    /// A matrix's parts on the device (in the hot arena when `hot`).
-    pub(super) fn mat_fmt(&self, m: &HostLinear, hot: bool) -> Result<MatParts> {
+    pub(super) fn mat_fmt(&self, m: &HostLinear) -> Result<MatParts> {
         match &m.kind {
             LinearKind::Quant {
                 bits,
@@ -568,9 +460,9 @@ impl Cuda {
                         bail!("`{}`: {} scales/biases, {ng} expected", t.name, t.numel());
                     }
                     if bf16 {
-                        self.upload_bytes_to(t.bytes(), hot)
+                        self.upload_bytes(t.bytes())
                     } else {
-                        self.upload_f32_to(&t.to_f32_vec()?, hot)
+                        self.upload_f32(&t.to_f32_vec()?)
                     }
                 };
                 let (s, b) = (up(scales)?, up(biases)?);
@@ -580,7 +472,7 @@ impl Cuda {
                     (4, false) => Fmt::Q4F32,
                     _ => Fmt::Q8F32,
                 };
-                Ok((fmt, self.upload_bytes_to(wb, hot)?, Some(s), Some(b), gs))
+                Ok((fmt, self.upload_bytes(wb)?, Some(s), Some(b), gs))
             }
             LinearKind::Dense(t) => {
                 let v = t.to_f32_vec()?;
@@ -592,7 +484,7 @@ impl Cuda {
                         m.n * m.out * m.inp
                     );
                 }
-                Ok((Fmt::Dense, self.upload_f32_to(&v, hot)?, None, None, 1))
+                Ok((Fmt::Dense, self.upload_f32(&v)?, None, None, 1))
             }
         }
     }

@@ -183,35 +183,11 @@ fn lab_defines() -> Result<String> {
     Ok(s)
 }
 
-/// A device allocation (bytes) and its raw address: its own, or a piece of the hot arena.
+/// A device allocation (bytes) and its raw address.
 struct Mem {
-    _owner: MemOwner,
+    _slice: CudaSlice<u8>,
     ptr: u64,
     bytes: usize,
-}
-
-/// What keeps a [`Mem`]'s memory alive.
-enum MemOwner {
-    Own(#[allow(dead_code)] CudaSlice<u8>),
-    /// A piece of the hot arena ([`HotArena`]), freed with the last piece.
-    Hot(#[allow(dead_code)] Arc<CudaSlice<u8>>),
-}
-
-/// The hot arena (`upload_mat_hot`, `upload_vec_hot`): one allocation holding the small weights a
-/// decode step reads on its critical path (the routers, the shared experts' gates, the norms'
-/// and the GDN layers' small parameters: ~27 MB for the full model), so that one L2 access policy
-/// window covers them all (opt-in `l2_pin`: every launch carries the window, its lines persisting
-/// in the L2's set-aside). Made at the first hot upload, `cap` bytes: the device's largest
-/// persisting L2 size and window, at most HOT_CAP; pieces that do not fit are plain allocations.
-/// The hot arena's largest size: the full model's hot set (~27 MB) with room to spare, and
-/// under the H100 / H200's persisting L2 maximum (the device's attribute caps it further).
-const HOT_CAP: usize = 32 << 20;
-
-struct HotArena {
-    slice: Arc<CudaSlice<u8>>,
-    base: u64,
-    cap: usize,
-    used: usize,
 }
 
 /// A buffer on the device: f32 (`zeros`, `upload_vec`: the residual stream, logits, states,
@@ -515,11 +491,6 @@ pub struct Cuda {
     skip: std::sync::RwLock<Vec<String>>,
     /// The in-place trace (`LILY_CUDA_TRACE=1` at creation; trace.rs), or None.
     tracer: Option<trace::Tracer>,
-    /// The hot arena (None until the first hot upload, or when the device has no persisting L2).
-    hot: Mutex<Option<HotArena>>,
-    /// The arena's window for launches (base, bytes; 0 bytes: none yet), read without the lock.
-    hot_base: AtomicU64,
-    hot_cap: AtomicU64,
 }
 
 impl Cuda {
@@ -632,9 +603,6 @@ impl Cuda {
                     .unwrap_or_default(),
             ),
             tracer: None,
-            hot: Mutex::new(None),
-            hot_base: AtomicU64::new(0),
-            hot_cap: AtomicU64::new(0),
         })
         .and_then(|mut c: Self| {
             if tracing {
@@ -659,37 +627,6 @@ impl Cuda {
             c.set_enabled(&on.iter().map(String::as_str).collect::<Vec<_>>())
                 .context("LILY_CUDA_ENABLE")?;
             Ok(c)
-        })
-    }
-
-    /// `upload_mat`, in the hot arena when `hot` (and it has room).
-    fn upload_mat_in(&self, m: &HostLinear, hot: bool) -> Result<Mat> {
-        if !m.inp.is_multiple_of(32) {
-            bail!(
-                "`{}`: input width {} is not a multiple of 32 (needed by the CUDA kernels)",
-                m.name,
-                m.inp
-            );
-        }
-        let (fmt, w, s, b, gs) = self.mat_fmt(m, hot)?;
-        Ok(Mat {
-            n: m.n,
-            out: m.out,
-            inp: m.inp,
-            fmt,
-            gs,
-            w,
-            s,
-            b,
-        })
-    }
-
-    /// `upload_vec`, in the hot arena when `hot` (and it has room).
-    fn upload_vec_in(&self, v: &[f32], hot: bool) -> Result<Buf> {
-        Ok(Buf {
-            mem: self.upload_f32_to(v, hot)?,
-            len: v.len(),
-            elem: 4,
         })
     }
 
@@ -814,16 +751,31 @@ impl Backend for Cuda {
     }
 
     fn upload_mat(&self, m: &HostLinear) -> Result<Mat> {
-        self.upload_mat_in(m, false)
+        if !m.inp.is_multiple_of(32) {
+            bail!(
+                "`{}`: input width {} is not a multiple of 32 (needed by the CUDA kernels)",
+                m.name,
+                m.inp
+            );
+        }
+        let (fmt, w, s, b, gs) = self.mat_fmt(m)?;
+        Ok(Mat {
+            n: m.n,
+            out: m.out,
+            inp: m.inp,
+            fmt,
+            gs,
+            w,
+            s,
+            b,
+        })
     }
     fn upload_vec(&self, v: &[f32]) -> Result<Buf> {
-        self.upload_vec_in(v, false)
-    }
-    fn upload_mat_hot(&self, m: &HostLinear) -> Result<Mat> {
-        self.upload_mat_in(m, true)
-    }
-    fn upload_vec_hot(&self, v: &[f32]) -> Result<Buf> {
-        self.upload_vec_in(v, true)
+        Ok(Buf {
+            mem: self.upload_f32(v)?,
+            len: v.len(),
+            elem: 4,
+        })
     }
     fn mat_shape(&self, m: &Mat) -> (usize, usize) {
         (m.out, m.inp)

@@ -133,6 +133,14 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step", "attn_ea
 /// of `attn_early`): 571.08 against 571.34 tok/s at 4K (1.000x), 507.92 against 506.33 at 32K
 /// (1.003x), 361.30 against 363.89 at 128K (0.993x); alone 6.4 / 11.1 / 31.4 / 95.2 µs, as the
 /// default's. The lead before the wait is too short to fill much of L2.
+/// Removed at stop 58: `l2_pin` (code at 4ea05c2: Backend::upload_mat_hot / upload_vec_hot put
+/// the routers, shared-expert gates, norm weights and GDN conv taps and gate parameters in one
+/// arena, and every launch carried an L2 access policy window over it, its lines persisting in a
+/// set-aside of the arena's size, 31.25 MiB on the H100): the same bits (recorded steps, the
+/// full preset's greedy ids), slower at every length (H100, `lily bench --arms`, 4 rounds at 4K
+/// and 32K, 2 at 128K): 564.38 against 573.33 tok/s at 4K (0.984x), 499.56 against 507.71 at
+/// 32K (0.984x), 353.92 against 362.91 at 128K (0.975x). The set-aside takes 31 of the L2's 50
+/// MB from the streaming reads; whatever the router's late blocks gained did not show.
 /// * `tc_all`: the tensor-core streaming dot (switch `tc_gemv`) also for the other widths (K 512,
 ///   1024, 4096: out_proj, o_proj) and the MoE experts (moe.cu's moe_tc_*). Correct (cuda_ops) but
 ///   measured slower on the H200 than the SIMT kernels there: out_proj 5.3 against 4.4 us, the
@@ -226,15 +234,6 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step", "attn_ea
 ///   form, fence + atomic): with route_flag 551.82 tok/s at 4K (0.992x of the defaults, 1.009x
 ///   of route_flag alone), 352.80 at 128K (0.996x); in place down's wait -> x fell 1.53 -> 0.36
 ///   µs but its dots waited on its weights instead (2.06 -> 2.94 µs): down 6.44 -> 6.65 µs.
-/// * `l2_pin` (stop 58): every launch carries an L2 access policy window over the hot arena
-///   (mod.rs HotArena: the routers, the shared experts' gates, the norms' weights and the GDN
-///   layers' conv taps and gate parameters, ~27 MB of the full model, uploaded there by
-///   `upload_mat_hot` / `upload_vec_hot`), its lines persisting in a set-aside of the arena's
-///   size, so that a decode step reads them from the L2, not DRAM. Why: the router's blocks that
-///   become resident only after out_proj ends (23-31% of them in stop 51-52's traces) request
-///   their rows and the norm weight only then, and the last of them sets the router's end (its
-///   wait -> x 5.2 µs against the median block's 3.0). The same bits (cuda_ops: recorded steps
-///   with it on equal the direct ones).
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -246,7 +245,6 @@ pub const OPT_IN: &[&str] = &[
     "route_ahead",
     "route_flag",
     "down_flag",
-    "l2_pin",
 ];
 
 impl Cuda {
@@ -279,8 +277,7 @@ impl Cuda {
         let set = Self::known_names(names, OPT_IN, "opt-in CUDA variant")?;
         *self.enabled.write().unwrap_or_else(|e| e.into_inner()) = set;
         *self.records.lock().unwrap_or_else(|e| e.into_inner()) = Records::default();
-        // `l2_pin`'s set-aside follows the switch (none before the hot arena exists).
-        self.l2_pin_apply()
+        Ok(())
     }
 
     /// `names` as a set of the static names in `known`; an unknown one is an error naming `what`.
