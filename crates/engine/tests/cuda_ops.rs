@@ -3450,9 +3450,17 @@ fn attn_decode_timings() {
         v.sort_by(f64::total_cmp);
         v[v.len() / 2]
     };
+    // The caches a length cycles through: at least LILY_ATTN_CACHE_MB (128) MiB of them, so that
+    // each call reads from DRAM; more (e.g. 1100: five 268 MB caches at 128K) asks whether a
+    // decode step's larger footprint (ten layers' caches) slows the same read (stop 58's trace:
+    // 102.7 µs in place at 128K against ~91 alone).
+    let cache_mb: usize = std::env::var("LILY_ATTN_CACHE_MB")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(128);
     for ctx in [256usize, 4096, 32_768, 131_072] {
         let cache_bytes = 2 * ctx * kvd * 2;
-        let ncache = (128usize << 20).div_ceil(cache_bytes).clamp(1, 64);
+        let ncache = (cache_mb << 20).div_ceil(cache_bytes).clamp(1, 64);
         let calls = ncache.max(8);
         let mut caches: Vec<KvCache<_>> = (0..ncache)
             .map(|_| {
