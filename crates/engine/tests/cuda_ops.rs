@@ -3454,10 +3454,10 @@ fn attn_decode_timings() {
     // each call reads from DRAM; more (e.g. 1100: five 268 MB caches at 128K) asks whether a
     // decode step's larger footprint (ten layers' caches) slows the same read (stop 58's trace:
     // 102.7 µs in place at 128K against ~91 alone).
-    let cache_mb: usize = std::env::var("LILY_ATTN_CACHE_MB")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(128);
+    let cache_mb: usize = std::env::var("LILY_ATTN_CACHE_MB").map_or(128, |v| {
+        v.parse()
+            .unwrap_or_else(|_| panic!("LILY_ATTN_CACHE_MB=`{v}`: MiB, a whole number"))
+    });
     for ctx in [256usize, 4096, 32_768, 131_072] {
         let cache_bytes = 2 * ctx * kvd * 2;
         let ncache = (cache_mb << 20).div_ceil(cache_bytes).clamp(1, 64);
