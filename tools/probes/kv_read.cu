@@ -13,6 +13,9 @@
 // (cc < 4), so every row is read whole by the warp. Grid (2 KV heads, ns = SMs / 2 splits).
 // Beside it: a plain streaming read of the same bytes (read_ramp's kernel). Every launch reads a
 // different cache of a 4 GiB pool (L2-cold); back to back in a CUDA graph, µs a launch.
+// Stop 58 added kv_work: the same pieces in the attention's order (K requested after "S", V after
+// "PV") with a chain of dependent FMAs a chunk standing for its arithmetic, at depth 1 and 2:
+// whether the arithmetic between the loads is what costs the attention at 128K in place.
 // Build and run on the GPU machine (scripts/h200-run kvread):
 //   nvcc -O3 -arch=sm_90 -std=c++17 tools/probes/kv_read.cu -o /tmp/kv_read && /tmp/kv_read
 #include <cuda_runtime.h>
@@ -79,6 +82,69 @@ __global__ void __launch_bounds__(32 * W, 1) kv_chunks(const uint4* __restrict__
     if (acc == 0x9e3779b9u) sink[0] = acc;  // never true in practice; keeps the loads alive
 }
 
+// The attention's order with arithmetic between the loads (stop 58's question: at 128K the
+// decode attention reads at 2.66 TB/s in place, its read pattern alone here at the plain read's
+// rate). As attn_decode_<HD>: chunk c's K and V pieces in registers (DEPTH chunks a warp); "S" (a
+// third of `work`, after K has landed) then chunk c + W·DEPTH's K requested; "PV" (the rest,
+// after V has landed) then its V requested. `work` dependent FMAs a chunk stand for the
+// arithmetic (~600-700 cycles a chunk a warp in attn_decode_256: 16 + 48 mma, the softmax's
+// shuffles and exps; an FMA is ~4 cycles, so ~150). Layout 0 (lily's).
+template <int DEPTH, int W>
+__global__ void __launch_bounds__(32 * W, 1) kv_work(const uint4* __restrict__ k, const uint4* __restrict__ v, int n,
+                                                    int work, unsigned* sink) {
+    const int kvh = blockIdx.x, s = blockIdx.y, ns = gridDim.y;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int chunks = n / KEYS, c0 = (int)((long long)s * chunks / ns), c1 = (int)((long long)(s + 1) * chunks / ns);
+    uint4 kr[DEPTH][8], vr[DEPTH][8];
+    auto load_k = [&](uint4(&d)[8], int c) {
+        const uint4* kp = k + row_at(0, kvh, c * KEYS + g, n) + t;
+#pragma unroll
+        for (int a = 0; a < 8; a++) d[a] = kp[4 * a];
+    };
+    auto load_v = [&](uint4(&d)[8], int c) {
+#pragma unroll
+        for (int e = 0; e < 2; e++) {
+            const uint4* vp = v + row_at(0, kvh, c * KEYS + 2 * t + e, n) + g;
+#pragma unroll
+            for (int cc = 0; cc < 4; cc++) d[4 * e + cc] = vp[8 * cc];
+        }
+    };
+    // The chain depends on every loaded word, so it waits for them as the mma would.
+    auto fold = [&](const uint4(&d)[8], float f) {
+        unsigned x = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) x ^= d[i].x ^ d[i].y ^ d[i].z ^ d[i].w;
+        return fmaf(f, 1.0f, (float)(x & 1u));
+    };
+    const int ws = work / 3;
+    float f = 1.0f;
+    int c = c0 + warp;
+#pragma unroll
+    for (int i = 0; i < DEPTH; i++)
+        if (c + W * i < c1) {
+            load_k(kr[i], c + W * i);
+            load_v(vr[i], c + W * i);
+        }
+#pragma unroll 1
+    for (; c < c1; c += W * DEPTH) {
+#pragma unroll
+        for (int i = 0; i < DEPTH; i++) {
+            const int ci = c + W * i, cn = ci + W * DEPTH;
+            if (ci < c1) {
+                f = fold(kr[i], f);
+#pragma unroll 1
+                for (int j = 0; j < ws; j++) f = fmaf(f, 0.999f, 0.5f);
+                if (cn < c1) load_k(kr[i], cn);
+                f = fold(vr[i], f);
+#pragma unroll 1
+                for (int j = ws; j < work; j++) f = fmaf(f, 0.999f, 0.5f);
+                if (cn < c1) load_v(vr[i], cn);
+            }
+        }
+    }
+    if (f == 1234.5f) sink[0] = __float_as_uint(f);  // never true in practice; keeps the chain alive
+}
+
 __global__ void __launch_bounds__(512) read_bytes(const uint4* __restrict__ p, size_t n16, unsigned* sink) {
     unsigned acc = 0;
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x, stride = (size_t)gridDim.x * blockDim.x;
@@ -111,13 +177,18 @@ int main() {
         const size_t slots = pool / bytes;
         struct Variant {
             const char* name;
-            int kind, layout, warps;  // kind: kv_chunks of that depth (1..3), 0 the plain read
+            int kind, layout, warps;  // kind: kv_chunks of that depth (1..3), 0 the plain read,
+                                      // 4 / 5 kv_work of depth 1 / 2
+            int work;                 // kv_work: dependent FMAs a chunk
         };
         const Variant vs[] = {
             {"plain read (read_ramp)", 0, 0, 0},       {"[pos][kvh] depth 1, 8 warps (lily)", 1, 0, 8},
             {"[kvh][pos] depth 1, 8 warps", 1, 1, 8}, {"[pos][kvh] depth 2, 8 warps", 2, 0, 8},
             {"[kvh][pos] depth 2, 8 warps", 2, 1, 8}, {"[pos][kvh] depth 3, 8 warps", 3, 0, 8},
             {"[pos][kvh] depth 1, 16 warps", 1, 0, 16}, {"[kvh][pos] depth 1, 16 warps", 1, 1, 16},
+            {"attn order depth 1, no work", 4, 0, 8, 0}, {"attn order depth 1, work 150", 4, 0, 8, 150},
+            {"attn order depth 1, work 300", 4, 0, 8, 300}, {"attn order depth 2, work 150", 5, 0, 8, 150},
+            {"attn order depth 2, work 300", 5, 0, 8, 300},
         };
         for (int round = 0; round < 2; round++) {
             for (const Variant& x : vs) {
@@ -135,6 +206,8 @@ int main() {
                         case 208: kv_chunks<2, 8><<<grid, 256, 0, st>>>(kp, vp, n, x.layout, sink); break;
                         case 308: kv_chunks<3, 8><<<grid, 256, 0, st>>>(kp, vp, n, x.layout, sink); break;
                         case 116: kv_chunks<1, 16><<<grid, 512, 0, st>>>(kp, vp, n, x.layout, sink); break;
+                        case 408: kv_work<1, 8><<<grid, 256, 0, st>>>(kp, vp, n, x.work, sink); break;
+                        case 508: kv_work<2, 8><<<grid, 256, 0, st>>>(kp, vp, n, x.work, sink); break;
                     }
                 }
                 CK(cudaStreamEndCapture(st, &gr));
