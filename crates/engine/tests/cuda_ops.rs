@@ -1606,8 +1606,9 @@ fn attention_decode_capacities() {
                 );
                 g.set_step(&mut gstep, 0, pos);
                 // The default form (attn_early: the first chunk before the PDL wait), then the
-                // plain kernel (attn_early off) over the same cache (each writes the same row
-                // pos): both compute the same partial states, so the same bits.
+                // plain kernel (attn_early off) and attn_pf (an L2 prefetch in the key loop) over
+                // the same cache (each writes the same row pos): all compute the same partial
+                // states, so the same bits.
                 let mut outs = Vec::new();
                 for (off, on) in DECODE_FORMS {
                     g.set_disabled(off).unwrap();
@@ -1635,14 +1636,15 @@ fn attention_decode_capacities() {
             assert!(same_bits(&h(&g, &gkv.v), &ckv.v), "capacity {cap}: the bf16 V cache differs from the CPU's (a step's row not written, or another row written)");
         }
     }
-    for k in ["attn_decode_early_", "attn_decode_256"] {
+    for k in ["attn_decode_early_", "attn_decode_256", "attn_decode_pf_"] {
         assert!(launched(&g, k), "{k}* never ran");
     }
 }
 
 /// The decode attention's forms in attention_decode_capacities, as (switched off, opted in): the
-/// default (`attn_early`), the plain kernel (`attn_early` off).
-const DECODE_FORMS: [(&[&str], &[&str]); 2] = [(&[], &[]), (&["attn_early"], &[])];
+/// default (`attn_early`), the plain kernel (`attn_early` off), the L2 prefetch (`attn_pf`).
+const DECODE_FORMS: [(&[&str], &[&str]); 3] =
+    [(&[], &[]), (&["attn_early"], &[]), (&[], &["attn_pf"])];
 
 /// The decode attention from q_proj's output (Backend::attn_decode_qk) with `attn_fold` on (one
 /// launch, attn_decode_qk_<HD>) against its composition on the GPU (attn_qk_norm_rope, then

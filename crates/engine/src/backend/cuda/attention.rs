@@ -282,6 +282,8 @@ impl Cuda {
                 args.push(Arg::A(Box::new(f)));
                 format!("attn_decode_qk_{hd}")
             }
+            // The early form plus an L2 prefetch two chunks ahead in the key loop (opt-in).
+            None if self.opted_in("attn_pf") => format!("attn_decode_pf_{hd}"),
             // The warps' first chunks requested before the PDL wait (switch `attn_early`).
             None if self.on("attn_early") => format!("attn_decode_early_{hd}"),
             None => format!("attn_decode_{hd}"),

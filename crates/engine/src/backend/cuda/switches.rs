@@ -234,6 +234,15 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step", "attn_ea
 ///   form, fence + atomic): with route_flag 551.82 tok/s at 4K (0.992x of the defaults, 1.009x
 ///   of route_flag alone), 352.80 at 128K (0.996x); in place down's wait -> x fell 1.53 -> 0.36
 ///   µs but its dots waited on its weights instead (2.06 -> 2.94 µs): down 6.44 -> 6.65 µs.
+/// * `attn_pf` (stop 58): the decode attention as attn_decode_pf_<HD>: attn_early's kernel plus,
+///   in the key loop, each warp's chunk two steps ahead requested into the L2
+///   (`prefetch.global.L2`, two a lane a chunk, no registers), so the register loads of the next
+///   chunk hit the L2 and the DRAM has about two chunks a warp in flight instead of one. The
+///   same partial states (cuda_ops attention_decode_capacities: bit-equal to the default at
+///   every position). Why: stop 58's trace at 128K puts the attention's marginal read at 2.66
+///   TB/s in place against 3.09 alone; with one chunk a warp in registers (~58 KiB an SM in
+///   flight) the read tolerates ~2.5 µs of latency at 3.1 TB/s and no more. Not yet measured
+///   (written with no device time left: `scripts/h200-run stop58d`).
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -245,6 +254,7 @@ pub const OPT_IN: &[&str] = &[
     "route_ahead",
     "route_flag",
     "down_flag",
+    "attn_pf",
 ];
 
 impl Cuda {

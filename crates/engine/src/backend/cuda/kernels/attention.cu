@@ -83,6 +83,8 @@
 //                    chunk of keys requested before the PDL wait (the position is the step's, so
 //                    the block's share is known; the launch writes only row pos): the same partial
 //                    states bit for bit, for attn_decode_combine.
+// attn_decode_pf_<HD> (opt-in `attn_pf`) attn_decode_early_<HD> with each warp's chunk two
+//                    steps ahead requested into the L2 in the key loop: the same partial states.
 // attn_decode_qk_<HD> (opt-in `attn_fold`, Backend::attn_decode_qk) attn_qk_norm_rope folded into
 //                    attn_decode_<HD>: the same grid, taking q_proj's output qg [H, 2 hd] instead
 //                    of q. Each block with keys norms and rotates its group's query heads (and,
@@ -464,8 +466,32 @@ __device__ __forceinline__ void dec_qk_row(const u16* __restrict__ src, const fl
 // launch), so it was removed (git history: 63f38fc); so was `attn_l2` (the early form plus a
 // bulk L2 prefetch of the warp's next two chunks before the wait: 1.000x at 4K, 0.993x at
 // 128K; git history: 1461d76).
+// DEC_PF (attn_decode_pf_<HD>, opt-in `attn_pf`, stop 58): DEC_EARLY plus, in the key loop, the
+// warp's chunk two steps ahead (c + 2·DEC_W) requested into the L2 (dec_prefetch: no registers),
+// so that the register loads of the next chunk hit the L2. Why: stop 58's trace puts the
+// attention's read at 2.66 TB/s in place at 128K against 3.09 alone; with one chunk a warp in
+// registers (64 KiB an SM) the read sits at the knee of Little's law (132 SMs x ~58 KiB in
+// flight / 3.1 TB/s = ~2.5 µs of latency tolerated), so any latency added in place (other
+// traffic, page walks) costs bandwidth. The prefetch doubles the DRAM bytes in flight without a
+// register or a shared-memory pass (attn_ring's cost, stop 56). The same partial states: bit-equal.
 #define DEC_PLAIN 0
 #define DEC_EARLY 1
+#define DEC_PF 2
+
+// DEC_PF: chunk c's K and V rows of KV head kvh requested into the L2 (prefetch.global.L2),
+// lane l the 128-byte line l % LPR of row l / LPR (LPR = HD / 64 lines a row; 8 · LPR lanes: all
+// 32 at HD 256). Called only for chunks wholly older than pos (rows earlier steps wrote; never
+// past the cache).
+template <int HD>
+__device__ __forceinline__ void dec_prefetch(const u16* __restrict__ kc, const u16* __restrict__ vc, u64 kvd, int kvh,
+                                             int c, int lane) {
+    constexpr int LPR = HD / 64;
+    if (lane < DEC_KEYS * LPR) {
+        const u64 off = (u64)(c * DEC_KEYS + lane / LPR) * kvd + (u64)kvh * HD + 64 * (lane % LPR);
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(kc + off));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(vc + off));
+    }
+}
 
 template <int HD, bool QK, int MODE = DEC_PLAIN>
 __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
@@ -599,6 +625,10 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
     }
     for (; c < c1; c += DEC_W) {
         const int cn = c + DEC_W;
+        if constexpr (MODE == DEC_PF) {
+            const int cp = c + 2 * DEC_W;
+            if (cp < c1 && cp * DEC_KEYS + DEC_KEYS - 1 < pos) dec_prefetch<HD>(kc, vc, kvd, kvh, cp, lane);
+        }
         // S^T = K Q^T: two accumulator chains (even and odd k-steps) halve the dependent mma latency.
         float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
@@ -730,6 +760,21 @@ ATTN_DECODE(256)
 ATTN_DECODE_EARLY(64)
 ATTN_DECODE_EARLY(128)
 ATTN_DECODE_EARLY(256)
+
+// attn_decode_pf_<HD> (opt-in `attn_pf`): attn_decode_early_<HD> with the L2 prefetch two chunks
+// ahead in the key loop (DEC_PF above); the same arguments and partial states, bit for bit.
+#define ATTN_DECODE_PF(HD)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(DEC_W * 32, 1)                                                    \
+    attn_decode_pf_##HD(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,             \
+                        u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part, float* __restrict__ pml, \
+                        int H, int KV, const int* __restrict__ posp, float scale) {                                  \
+        KTRACE();                                                                                                    \
+        const DecQk none = {nullptr, nullptr, nullptr, 0, 0.0, 0.0f};                                                \
+        attn_decode_body<HD, false, DEC_PF>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);                    \
+    }
+ATTN_DECODE_PF(64)
+ATTN_DECODE_PF(128)
+ATTN_DECODE_PF(256)
 
 #define CMB_PF 16  // partials per warp attn_decode_combine requests at once (8 warps: 128 splits)
 #define CMB_ML 4   // partial states per lane whose max and normaliser are requested at once (128)
