@@ -40,13 +40,23 @@ __device__ __forceinline__ size_t row_at(int layout, int kvh, int j, int n) {
     return (layout == 0 ? (size_t)j * KVH + kvh : (size_t)kvh * n + j) * ROW;
 }
 
+// A thread's place: block (kvh, s)'s share [c0, c1) of the n keys' chunks (as attn_decode's
+// dec_share), its warp, and its lane (g, t) = (lane / 4, lane % 4).
+struct Place {
+    int kvh, warp, g, t, c0, c1;
+};
+__device__ __forceinline__ Place place(int n) {
+    const int s = blockIdx.y, ns = gridDim.y, chunks = n / KEYS, lane = threadIdx.x & 31;
+    return {(int)blockIdx.x, (int)threadIdx.x >> 5, lane >> 2, lane & 3, (int)((long long)s * chunks / ns),
+            (int)((long long)(s + 1) * chunks / ns)};
+}
+
 // One block an SM, as attn_decode_<HD> (whose 218 registers a thread allow no second block).
 template <int DEPTH, int W>
 __global__ void __launch_bounds__(32 * W, 1) kv_chunks(const uint4* __restrict__ k, const uint4* __restrict__ v, int n,
                                                       int layout, unsigned* sink) {
-    const int kvh = blockIdx.x, s = blockIdx.y, ns = gridDim.y;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int chunks = n / KEYS, c0 = (int)((long long)s * chunks / ns), c1 = (int)((long long)(s + 1) * chunks / ns);
+    const Place pl = place(n);
+    const int kvh = pl.kvh, warp = pl.warp, g = pl.g, t = pl.t, c0 = pl.c0, c1 = pl.c1;
     uint4 r[DEPTH][16];
     unsigned acc = 0;
     auto load = [&](uint4(&d)[16], int c) {
@@ -92,9 +102,8 @@ __global__ void __launch_bounds__(32 * W, 1) kv_chunks(const uint4* __restrict__
 template <int DEPTH, int W>
 __global__ void __launch_bounds__(32 * W, 1) kv_work(const uint4* __restrict__ k, const uint4* __restrict__ v, int n,
                                                     int work, unsigned* sink) {
-    const int kvh = blockIdx.x, s = blockIdx.y, ns = gridDim.y;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int chunks = n / KEYS, c0 = (int)((long long)s * chunks / ns), c1 = (int)((long long)(s + 1) * chunks / ns);
+    const Place pl = place(n);
+    const int kvh = pl.kvh, warp = pl.warp, g = pl.g, t = pl.t, c0 = pl.c0, c1 = pl.c1;
     uint4 kr[DEPTH][8], vr[DEPTH][8];
     auto load_k = [&](uint4(&d)[8], int c) {
         const uint4* kp = k + row_at(0, kvh, c * KEYS + g, n) + t;

@@ -746,35 +746,25 @@ ATTN_DECODE(64)
 ATTN_DECODE(128)
 ATTN_DECODE(256)
 
-// attn_decode_early_<HD> (switch `attn_early`, the default): attn_decode_<HD>'s arguments and
-// partial states (bit for bit), its first chunk requested before the PDL wait.
-#define ATTN_DECODE_EARLY(HD)                                                                                        \
+// attn_decode_<NAME>_<HD>, the early forms (attn_decode_<HD>'s arguments and partial states, bit
+// for bit): attn_decode_early_<HD> (switch `attn_early`, the default), its first chunk requested
+// before the PDL wait; attn_decode_pf_<HD> (opt-in `attn_pf`), that kernel with the L2 prefetch
+// two chunks ahead in the key loop (DEC_PF above).
+#define ATTN_DECODE_FORM(NAME, MODE, HD)                                                                             \
     extern "C" __global__ void __launch_bounds__(DEC_W * 32, 1)                                                    \
-    attn_decode_early_##HD(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,          \
-                           u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part, float* __restrict__ pml, \
-                           int H, int KV, const int* __restrict__ posp, float scale) {                               \
+    attn_decode_##NAME##_##HD(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,       \
+                              u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part,                  \
+                              float* __restrict__ pml, int H, int KV, const int* __restrict__ posp, float scale) {   \
         KTRACE();                                                                                                    \
         const DecQk none = {nullptr, nullptr, nullptr, 0, 0.0, 0.0f};                                                \
-        attn_decode_body<HD, false, DEC_EARLY>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);                 \
+        attn_decode_body<HD, false, MODE>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);                      \
     }
-ATTN_DECODE_EARLY(64)
-ATTN_DECODE_EARLY(128)
-ATTN_DECODE_EARLY(256)
-
-// attn_decode_pf_<HD> (opt-in `attn_pf`): attn_decode_early_<HD> with the L2 prefetch two chunks
-// ahead in the key loop (DEC_PF above); the same arguments and partial states, bit for bit.
-#define ATTN_DECODE_PF(HD)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(DEC_W * 32, 1)                                                    \
-    attn_decode_pf_##HD(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,             \
-                        u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part, float* __restrict__ pml, \
-                        int H, int KV, const int* __restrict__ posp, float scale) {                                  \
-        KTRACE();                                                                                                    \
-        const DecQk none = {nullptr, nullptr, nullptr, 0, 0.0, 0.0f};                                                \
-        attn_decode_body<HD, false, DEC_PF>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);                    \
-    }
-ATTN_DECODE_PF(64)
-ATTN_DECODE_PF(128)
-ATTN_DECODE_PF(256)
+ATTN_DECODE_FORM(early, DEC_EARLY, 64)
+ATTN_DECODE_FORM(early, DEC_EARLY, 128)
+ATTN_DECODE_FORM(early, DEC_EARLY, 256)
+ATTN_DECODE_FORM(pf, DEC_PF, 64)
+ATTN_DECODE_FORM(pf, DEC_PF, 128)
+ATTN_DECODE_FORM(pf, DEC_PF, 256)
 
 #define CMB_PF 16  // partials per warp attn_decode_combine requests at once (8 warps: 128 splits)
 #define CMB_ML 4   // partial states per lane whose max and normaliser are requested at once (128)
