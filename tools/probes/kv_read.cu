@@ -51,24 +51,33 @@ __device__ __forceinline__ Place place(int n) {
             (int)((long long)(s + 1) * chunks / ns)};
 }
 
+// Lane (g, t)'s 16-byte pieces of chunk c, as attn_decode_<HD> reads them: K row g's pieces
+// t + 4a (a < 8), and V rows 2t, 2t + 1's pieces g + 8cc (cc < 4), eight of each into d.
+__device__ __forceinline__ void load_k8(const uint4* __restrict__ k, int layout, const Place& pl, int c, int n, uint4* d) {
+    const uint4* kp = k + row_at(layout, pl.kvh, c * KEYS + pl.g, n) + pl.t;
+#pragma unroll
+    for (int a = 0; a < 8; a++) d[a] = kp[4 * a];
+}
+__device__ __forceinline__ void load_v8(const uint4* __restrict__ v, int layout, const Place& pl, int c, int n, uint4* d) {
+#pragma unroll
+    for (int e = 0; e < 2; e++) {
+        const uint4* vp = v + row_at(layout, pl.kvh, c * KEYS + 2 * pl.t + e, n) + pl.g;
+#pragma unroll
+        for (int cc = 0; cc < 4; cc++) d[4 * e + cc] = vp[8 * cc];
+    }
+}
+
 // One block an SM, as attn_decode_<HD> (whose 218 registers a thread allow no second block).
 template <int DEPTH, int W>
 __global__ void __launch_bounds__(32 * W, 1) kv_chunks(const uint4* __restrict__ k, const uint4* __restrict__ v, int n,
                                                       int layout, unsigned* sink) {
     const Place pl = place(n);
-    const int kvh = pl.kvh, warp = pl.warp, g = pl.g, t = pl.t, c0 = pl.c0, c1 = pl.c1;
+    const int warp = pl.warp, c0 = pl.c0, c1 = pl.c1;
     uint4 r[DEPTH][16];
     unsigned acc = 0;
     auto load = [&](uint4(&d)[16], int c) {
-        const uint4* kp = k + row_at(layout, kvh, c * KEYS + g, n) + t;
-#pragma unroll
-        for (int a = 0; a < 8; a++) d[a] = kp[4 * a];
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            const uint4* vp = v + row_at(layout, kvh, c * KEYS + 2 * t + e, n) + g;
-#pragma unroll
-            for (int cc = 0; cc < 4; cc++) d[8 + 4 * e + cc] = vp[8 * cc];
-        }
+        load_k8(k, layout, pl, c, n, d);
+        load_v8(v, layout, pl, c, n, d + 8);
     };
     auto use = [&](const uint4(&d)[16]) {
 #pragma unroll
@@ -103,21 +112,10 @@ template <int DEPTH, int W>
 __global__ void __launch_bounds__(32 * W, 1) kv_work(const uint4* __restrict__ k, const uint4* __restrict__ v, int n,
                                                     int work, unsigned* sink) {
     const Place pl = place(n);
-    const int kvh = pl.kvh, warp = pl.warp, g = pl.g, t = pl.t, c0 = pl.c0, c1 = pl.c1;
+    const int warp = pl.warp, c0 = pl.c0, c1 = pl.c1;
     uint4 kr[DEPTH][8], vr[DEPTH][8];
-    auto load_k = [&](uint4(&d)[8], int c) {
-        const uint4* kp = k + row_at(0, kvh, c * KEYS + g, n) + t;
-#pragma unroll
-        for (int a = 0; a < 8; a++) d[a] = kp[4 * a];
-    };
-    auto load_v = [&](uint4(&d)[8], int c) {
-#pragma unroll
-        for (int e = 0; e < 2; e++) {
-            const uint4* vp = v + row_at(0, kvh, c * KEYS + 2 * t + e, n) + g;
-#pragma unroll
-            for (int cc = 0; cc < 4; cc++) d[4 * e + cc] = vp[8 * cc];
-        }
-    };
+    auto load_k = [&](uint4(&d)[8], int c) { load_k8(k, 0, pl, c, n, d); };
+    auto load_v = [&](uint4(&d)[8], int c) { load_v8(v, 0, pl, c, n, d); };
     // The chain depends on every loaded word, so it waits for them as the mma would.
     auto fold = [&](const uint4(&d)[8], float f) {
         unsigned x = 0;

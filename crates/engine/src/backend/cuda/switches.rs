@@ -241,8 +241,10 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step", "attn_ea
 ///   same partial states (cuda_ops attention_decode_capacities: bit-equal to the default at
 ///   every position). Why: stop 58's trace at 128K puts the attention's marginal read at 2.66
 ///   TB/s in place against 3.09 alone; with one chunk a warp in registers (~58 KiB an SM in
-///   flight) the read tolerates ~2.5 µs of latency at 3.1 TB/s and no more. Not yet measured
-///   (written with no device time left: `scripts/h200-run stop58d`).
+///   flight) the read tolerates ~2.5 µs of latency at 3.1 TB/s and no more. It includes
+///   attn_early's first-chunk load: `LILY_CUDA_DISABLE=attn_early` does not remove that while
+///   attn_pf is on. Not yet measured (written with no device time left: `scripts/h200-run
+///   stop58d`).
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",

@@ -325,6 +325,13 @@ __device__ __forceinline__ void dec_share(int s, int n, int nb, int& c0, int& c1
     c1 = (int)((long long)(s + 1) * chunks / nb);
 }
 
+// Whether chunk c's keys are all older than pos: rows the launches of earlier steps wrote (this
+// launch writes only row pos), so they may be requested before the PDL wait (the early forms'
+// first chunk) or into the L2 ahead of the loop (attn_pf), and never lie past the cache.
+// (A macro: as an inline function it changed attn_decode_early_<HD>'s SASS, kept byte-identical
+// to the kernel stop 58's tests ran.)
+#define DEC_OLD(c, pos) ((c) * DEC_KEYS + DEC_KEYS - 1 < (pos))
+
 template <int HD>
 __device__ __forceinline__ void dec_load_k(uint4 (&kr)[HD / 32], const u16* __restrict__ kc, const u16* __restrict__ kin,
                                            u64 kvd, int kvh, int c, int pos, int lane) {
@@ -480,8 +487,7 @@ __device__ __forceinline__ void dec_qk_row(const u16* __restrict__ src, const fl
 
 // DEC_PF: chunk c's K and V rows of KV head kvh requested into the L2 (prefetch.global.L2),
 // lane l the 128-byte line l % LPR of row l / LPR (LPR = HD / 64 lines a row; 8 · LPR lanes: all
-// 32 at HD 256). Called only for chunks wholly older than pos (rows earlier steps wrote; never
-// past the cache).
+// 32 at HD 256). Called only for chunks DEC_OLD says are older than pos.
 template <int HD>
 __device__ __forceinline__ void dec_prefetch(const u16* __restrict__ kc, const u16* __restrict__ vc, u64 kvd, int kvh,
                                              int c, int lane) {
@@ -570,7 +576,7 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
             int e0, e1;
             dec_share(s, pos + 1, nb0, e0, e1);
             const int c = e0 + warp;
-            if (c < e1 && c * DEC_KEYS + DEC_KEYS - 1 < pos) {
+            if (c < e1 && DEC_OLD(c, pos)) {
                 dec_load_k<HD>(ekr, kc, kin, kvd, kvh, c, pos, lane);
                 dec_load_v<HD>(evr, vc, vin, kvd, kvh, c, pos, lane);
                 early = true;
@@ -627,7 +633,7 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
         const int cn = c + DEC_W;
         if constexpr (MODE == DEC_PF) {
             const int cp = c + 2 * DEC_W;
-            if (cp < c1 && cp * DEC_KEYS + DEC_KEYS - 1 < pos) dec_prefetch<HD>(kc, vc, kvd, kvh, cp, lane);
+            if (cp < c1 && DEC_OLD(cp, pos)) dec_prefetch<HD>(kc, vc, kvd, kvh, cp, lane);
         }
         // S^T = K Q^T: two accumulator chains (even and odd k-steps) halve the dependent mma latency.
         float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
