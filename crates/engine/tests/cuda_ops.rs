@@ -1605,10 +1605,10 @@ fn attention_decode_capacities() {
                     g.upload_act(&gate).unwrap(),
                 );
                 g.set_step(&mut gstep, 0, pos);
-                // The default form (attn_early: the first chunk before the PDL wait), then the
-                // plain kernel (attn_early off) and attn_pf (an L2 prefetch in the key loop) over
-                // the same cache (each writes the same row pos): all compute the same partial
-                // states, so the same bits.
+                // The default form (attn_pf: the first chunk before the PDL wait, an L2 prefetch
+                // in the key loop), then attn_early's (attn_pf off) and the plain kernel
+                // (attn_early off) over the same cache (each writes the same row pos): all
+                // compute the same partial states, so the same bits.
                 let mut outs = Vec::new();
                 for (off, on) in DECODE_FORMS {
                     g.set_disabled(off).unwrap();
@@ -1631,20 +1631,63 @@ fn attention_decode_capacities() {
                         "attn_decode {form:?} differs from the default ({hq}/{kvh} heads of {hd}, capacity {cap}, pos {pos})"
                     );
                 }
+                // p in P·V as fewer bf16 pieces: p rounded where it multiplies v, as attn_tc
+                // (the two-piece form's error is the one-piece bound's U² part, well inside it).
+                // The long capacity at three positions only: the f64 reference is O(pos·hd·H).
+                if cap < 131_072 || pos == 131_000 {
+                    for form in DECODE_P_FORMS {
+                        g.set_enabled(form).unwrap();
+                        let mut go = g.act_zeros(hq * hd).unwrap();
+                        g.attn_decode(&gq, &gk, &gv, &gg, &mut gkv, &d, pos, &gstep, &mut go);
+                        g.set_enabled(&[]).unwrap();
+                        check_attn_tc(
+                            &format!("attn_decode {hq}/{kvh} heads of {hd}, capacity {cap}, pos {pos} ({})", form.join("+")),
+                            &h(&g, &go),
+                            &c,
+                            &q,
+                            &gate,
+                            &ckv,
+                            &d,
+                            1,
+                            pos,
+                        );
+                    }
+                }
             }
             assert!(same_bits(&h(&g, &gkv.k), &ckv.k), "capacity {cap}: the bf16 K cache differs from the CPU's (a step's row not written, or another row written)");
             assert!(same_bits(&h(&g, &gkv.v), &ckv.v), "capacity {cap}: the bf16 V cache differs from the CPU's (a step's row not written, or another row written)");
         }
     }
-    for k in ["attn_decode_early_", "attn_decode_256", "attn_decode_pf_"] {
+    for k in [
+        "attn_decode_early_",
+        "attn_decode_256",
+        "attn_decode_pf_",
+        "attn_decode_lz_",
+        "attn_decode_p2_",
+        "attn_decode_p1_",
+        "attn_decode_p2lz_",
+        "attn_decode_p1lz_",
+    ] {
         assert!(launched(&g, k), "{k}* never ran");
     }
 }
 
 /// The decode attention's forms in attention_decode_capacities, as (switched off, opted in): the
-/// default (`attn_early`), the plain kernel (`attn_early` off), the L2 prefetch (`attn_pf`).
-const DECODE_FORMS: [(&[&str], &[&str]); 3] =
-    [(&[], &[]), (&["attn_early"], &[]), (&[], &["attn_pf"])];
+/// default (`attn_pf`), the first chunk early alone (`attn_pf` off), the plain kernel
+/// (`attn_early` off), the rescale skipped when its factor is 1 (`attn_lazy`). Bit-equal; then the forms with fewer pieces of p (`DECODE_P_FORMS`), held
+/// to attn_tc's bound.
+const DECODE_FORMS: [(&[&str], &[&str]); 4] = [
+    (&[], &[]),
+    (&["attn_pf"], &[]),
+    (&["attn_early"], &[]),
+    (&[], &["attn_lazy"]),
+];
+const DECODE_P_FORMS: [&[&str]; 4] = [
+    &["attn_p2"],
+    &["attn_p1"],
+    &["attn_p2", "attn_lazy"],
+    &["attn_p1", "attn_lazy"],
+];
 
 /// The decode attention from q_proj's output (Backend::attn_decode_qk) with `attn_fold` on (one
 /// launch, attn_decode_qk_<HD>) against its composition on the GPU (attn_qk_norm_rope, then

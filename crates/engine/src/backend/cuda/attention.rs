@@ -282,11 +282,29 @@ impl Cuda {
                 args.push(Arg::A(Box::new(f)));
                 format!("attn_decode_qk_{hd}")
             }
-            // The early form plus an L2 prefetch two chunks ahead in the key loop (opt-in).
-            None if self.opted_in("attn_pf") => format!("attn_decode_pf_{hd}"),
+            // The plain kernel: every early form is off with `attn_early`.
+            None if !self.on("attn_early") => format!("attn_decode_{hd}"),
+            // attn_decode_pf with p in P·V as two / one bf16 pieces (opt-ins; not bit-equal),
+            // and / or the rescale skipped when its factor is 1 (opt-in `attn_lazy`).
+            None if ["attn_p1", "attn_p2", "attn_lazy"]
+                .iter()
+                .any(|&n| self.opted_in(n)) =>
+            {
+                let p = if self.opted_in("attn_p1") {
+                    "p1"
+                } else if self.opted_in("attn_p2") {
+                    "p2"
+                } else {
+                    ""
+                };
+                let lz = if self.opted_in("attn_lazy") { "lz" } else { "" };
+                format!("attn_decode_{p}{lz}_{hd}")
+            }
+            // The early form plus an L2 prefetch two chunks ahead in the key loop (switch
+            // `attn_pf`, the default).
+            None if self.on("attn_pf") => format!("attn_decode_pf_{hd}"),
             // The warps' first chunks requested before the PDL wait (switch `attn_early`).
-            None if self.on("attn_early") => format!("attn_decode_early_{hd}"),
-            None => format!("attn_decode_{hd}"),
+            None => format!("attn_decode_early_{hd}"),
         };
         self.launch(
             &name,

@@ -71,6 +71,22 @@ use super::{Cuda, Records};
 ///   three of four rounds above every round off), 506.33 against 504.76 at 32K (1.003x), 363.89
 ///   against 359.88 at 128K (1.011x); alone 6.4 / 11.0 / 31.4 / 95.4 µs against 7.3 / 12.5 /
 ///   32.9 / 96.4 at 256 / 4,096 / 32,768 / 131,072 keys. Off, attn_decode_<HD>.
+/// * `attn_pf` (stop 58, the default since stop 59): the decode attention as
+///   attn_decode_pf_<HD>: attn_early's kernel plus, in the key loop, each warp's chunk two steps
+///   ahead requested into the L2 (`prefetch.global.L2`, two a lane a chunk, no registers), so
+///   the register loads of the next chunk hit the L2 and the DRAM has about two chunks a warp in
+///   flight instead of one. The same partial states (cuda_ops attention_decode_capacities:
+///   bit-equal to attn_early's and the plain kernel's at every position). Why: stop 58's trace at
+///   128K puts the attention's marginal read at 2.66 TB/s in place against 3.09 alone; with one
+///   chunk a warp in registers (~58 KiB an SM in flight) the read tolerates ~2.5 µs of latency at
+///   3.1 TB/s and no more. Measured at stop 59 (H100, binaries of 979cb78 where it was an
+///   opt-in; `lily bench --arms`, alternated, 64 tokens): 571.13 against 570.96 tok/s at 4K
+///   (1.000x, 4 rounds), 506.95 against 505.67 at 32K (1.003x, 4 rounds), 366.16 against 361.12
+///   at 128K (1.014x, 2 rounds, both above both default rounds); the full preset's 48 greedy ids
+///   equal. Alone (a CUDA graph over L2-cold caches) it is slower: 32.3 / 97.4 µs against 31.5 /
+///   95.7 at 32,768 / 131,072 keys: the prefetch pays in place only. Stop 59 also found that the
+///   cache's footprint does not slow the read alone (5 caches of 268 MB: 95.2 µs, 1 cache: 95.2).
+///   Off, attn_decode_early_<HD>; `attn_early` off turns both off (attn_decode_<HD>).
 pub const SWITCHES: &[&str] = &[
     "stream_gemv",
     "fuse_norm",
@@ -84,9 +100,10 @@ pub const SWITCHES: &[&str] = &[
     "route_block",
     "down_tma",
     "attn_early",
+    "attn_pf",
 ];
 /// The switches that do not live in the streaming kernels (`stream_gemv` off leaves them as set).
-pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step", "attn_early"];
+pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step", "attn_early", "attn_pf"];
 
 /// Decode-path variants that are off unless asked for (`LILY_CUDA_ENABLE=name`,
 /// `Cuda::set_enabled`): correct, but not faster where measured. Removed at stop 55 as clear losers
@@ -234,17 +251,16 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step", "attn_ea
 ///   form, fence + atomic): with route_flag 551.82 tok/s at 4K (0.992x of the defaults, 1.009x
 ///   of route_flag alone), 352.80 at 128K (0.996x); in place down's wait -> x fell 1.53 -> 0.36
 ///   µs but its dots waited on its weights instead (2.06 -> 2.94 µs): down 6.44 -> 6.65 µs.
-/// * `attn_pf` (stop 58): the decode attention as attn_decode_pf_<HD>: attn_early's kernel plus,
-///   in the key loop, each warp's chunk two steps ahead requested into the L2
-///   (`prefetch.global.L2`, two a lane a chunk, no registers), so the register loads of the next
-///   chunk hit the L2 and the DRAM has about two chunks a warp in flight instead of one. The
-///   same partial states (cuda_ops attention_decode_capacities: bit-equal to the default at
-///   every position). Why: stop 58's trace at 128K puts the attention's marginal read at 2.66
-///   TB/s in place against 3.09 alone; with one chunk a warp in registers (~58 KiB an SM in
-///   flight) the read tolerates ~2.5 µs of latency at 3.1 TB/s and no more. It includes
-///   attn_early's first-chunk load: `LILY_CUDA_DISABLE=attn_early` does not remove that while
-///   attn_pf is on. Not yet measured (written with no device time left: `scripts/h200-run
-///   stop58d`).
+/// * `attn_p2`, `attn_p1` (stop 59): attn_decode_pf_<HD> with p in P·V as its first two bf16
+///   pieces / one bf16 (attn_decode_p2_<HD>, attn_decode_p1_<HD>) instead of three: P·V's mma
+///   are 48 of a chunk's 64, and stop 59's kv_read probe slows the 128K read from 86.1 to 101.6
+///   µs with 150 dependent FMAs a chunk between the loads. Not bit-equal to the default (p is
+///   rounded where it multiplies v, as the prefill's attn_tc): cuda_ops holds them to attn_tc's
+///   propagated bound. Not yet measured in place.
+/// * `attn_lazy` (stop 59): the decode attention's rescale of its output accumulators (64 FMUL a
+///   chunk at HD 256, 70 of the key loop's 423 instructions) skipped in a chunk where no lane's
+///   factor moved (a warp vote; o·1 is o): the same partial states (attn_decode_lz_<HD>; with
+///   `attn_p2` / `attn_p1`, attn_decode_p2lz_<HD> / attn_decode_p1lz_<HD>). Not yet measured.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -256,7 +272,9 @@ pub const OPT_IN: &[&str] = &[
     "route_ahead",
     "route_flag",
     "down_flag",
-    "attn_pf",
+    "attn_p2",
+    "attn_p1",
+    "attn_lazy",
 ];
 
 impl Cuda {

@@ -79,12 +79,20 @@
 //                    (KV * HG, hd / 4), 256 threads) merges the nb partial states per head in a
 //                    fixed order (bit-reproducible), normalises, applies sigmoid(gate) and writes
 //                    out [H, hd]. Details and the fragment layouts at the kernels.
-// attn_decode_early_<HD> (switch `attn_early`, the default) attn_decode_<HD> with each warp's first
+// attn_decode_early_<HD> (switch `attn_early`) attn_decode_<HD> with each warp's first
 //                    chunk of keys requested before the PDL wait (the position is the step's, so
 //                    the block's share is known; the launch writes only row pos): the same partial
 //                    states bit for bit, for attn_decode_combine.
-// attn_decode_pf_<HD> (opt-in `attn_pf`) attn_decode_early_<HD> with each warp's chunk two
-//                    steps ahead requested into the L2 in the key loop: the same partial states.
+// attn_decode_pf_<HD> (switch `attn_pf`, the default since stop 59) attn_decode_early_<HD> with
+//                    each warp's chunk two steps ahead requested into the L2 in the key loop: the
+//                    same partial states.
+// attn_decode_lz_<HD> (opt-in `attn_lazy`) attn_decode_pf_<HD> with the output's rescale skipped
+//                    when no lane's factor moved (a warp vote): the same partial states.
+// attn_decode_p2_<HD>, attn_decode_p1_<HD> (opt-ins `attn_p2`, `attn_p1`; attn_decode_p2lz_<HD>,
+//                    attn_decode_p1lz_<HD> with `attn_lazy` too) attn_decode_pf_<HD> with p in P V
+//                    as its first two bf16 pieces / one bf16 (as attn_tc_<HD>) instead of three:
+//                    2/3 / 1/3 of the P V mma. Not f32-exact: tests/cuda_ops.rs holds them to
+//                    attn_tc's propagated bound.
 // attn_decode_qk_<HD> (opt-in `attn_fold`, Backend::attn_decode_qk) attn_qk_norm_rope folded into
 //                    attn_decode_<HD>: the same grid, taking q_proj's output qg [H, 2 hd] instead
 //                    of q. Each block with keys norms and rotates its group's query heads (and,
@@ -465,7 +473,7 @@ __device__ __forceinline__ void dec_qk_row(const u16* __restrict__ src, const fl
 
 // The forms of attn_decode_body: the plain kernel (DEC_PLAIN, the ablation of switch
 // `attn_early`), that kernel with each warp's first chunk requested before the PDL wait
-// (DEC_EARLY, the default).
+// (DEC_EARLY, the ablation of `attn_pf`), and DEC_PF below (the default).
 // Stop 57 also measured a cluster form (attn_decode_combine folded into the launch: clusters of
 // 8 or 4 merging over DSMEM, the last block of a head group merging the clusters'): slower at
 // every length on the H100 (4K 0.966x, 32K 0.961x, 128K 0.961x; alone 17.8 against 12.5 us at
@@ -473,7 +481,8 @@ __device__ __forceinline__ void dec_qk_row(const u16* __restrict__ src, const fl
 // launch), so it was removed (git history: 63f38fc); so was `attn_l2` (the early form plus a
 // bulk L2 prefetch of the warp's next two chunks before the wait: 1.000x at 4K, 0.993x at
 // 128K; git history: 1461d76).
-// DEC_PF (attn_decode_pf_<HD>, opt-in `attn_pf`, stop 58): DEC_EARLY plus, in the key loop, the
+// DEC_PF (attn_decode_pf_<HD>, switch `attn_pf`: written at stop 58, the default since stop 59
+// for its 1.014x at 128K in place, though alone it is 1.7 µs slower there): DEC_EARLY plus, in the key loop, the
 // warp's chunk two steps ahead (c + 2·DEC_W) requested into the L2 (dec_prefetch: no registers),
 // so that the register loads of the next chunk hit the L2. Why: stop 58's trace puts the
 // attention's read at 2.66 TB/s in place at 128K against 3.09 alone; with one chunk a warp in
@@ -481,6 +490,12 @@ __device__ __forceinline__ void dec_qk_row(const u16* __restrict__ src, const fl
 // flight / 3.1 TB/s = ~2.5 µs of latency tolerated), so any latency added in place (other
 // traffic, page walks) costs bandwidth. The prefetch doubles the DRAM bytes in flight without a
 // register or a shared-memory pass (attn_ring's cost, stop 56). The same partial states: bit-equal.
+// PS (the bf16 pieces of p in P V, 3 unless an opt-in asks fewer): stop 59's kv_read kv_work rows
+// put a chain of 150 dependent FMAs a chunk between the loads at 101.6 µs for 128K keys' 268 MB,
+// against 86.1 with none (one chunk a warp in flight: the warp computes instead of waiting on
+// a load); P V's three passes are 48 of the chunk's 64 mma.
+// LAZY (opt-in `attn_lazy`): the rescale of o (64 FMUL a chunk at HD 256, 70 of the key loop's
+// 423 instructions) only in chunks where a lane's factor is not exactly 1.
 #define DEC_PLAIN 0
 #define DEC_EARLY 1
 #define DEC_PF 2
@@ -499,7 +514,7 @@ __device__ __forceinline__ void dec_prefetch(const u16* __restrict__ kc, const u
     }
 }
 
-template <int HD, bool QK, int MODE = DEC_PLAIN>
+template <int HD, bool QK, int MODE = DEC_PLAIN, int PS = 3, bool LAZY = false>
 __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                                  u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part,
                                                  float* __restrict__ pml, int H, int KV, const int* __restrict__ posp, float scale,
@@ -668,22 +683,39 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
         m1 = mn1;
         // p = hi + mid + lo exactly (three bf16x2 of {head 2t, head 2t + 1} at key g), each
         // transposed to the B fragment {head g: keys 2t, 2t + 1} of P^T.
+        // PS < 3 (opt-ins attn_p2, attn_p1): only the first PS pieces (the rest of p dropped).
         const u32 ph = pack_bf16x2(p0, p1);
         const float r0 = p0 - bf16_lo(ph), r1 = p1 - bf16_hi(ph);
-        const u32 pm = pack_bf16x2(r0, r1);
-        const u32 pl = pack_bf16x2(r0 - bf16_lo(pm), r1 - bf16_hi(pm));
-        const u32 bh = movmatrix_trans(ph), bm = movmatrix_trans(pm), bl = movmatrix_trans(pl);
+        const u32 pm = PS >= 2 ? pack_bf16x2(r0, r1) : 0u;
+        const u32 pl = PS >= 3 ? pack_bf16x2(r0 - bf16_lo(pm), r1 - bf16_hi(pm)) : 0u;
+        const u32 bh = movmatrix_trans(ph), bm = PS >= 2 ? movmatrix_trans(pm) : 0u, bl = PS >= 3 ? movmatrix_trans(pl) : 0u;
+        if constexpr (LAZY) {
+            // The rescale only when a lane's factor is not exactly 1 (its max moved): o * 1 is o,
+            // so skipping it keeps the bits. Warp-uniform (a vote), so it is a branch, not 64
+            // predicated multiplies; after the first chunks the max rarely moves.
+            if (__any_sync(FULL_MASK, al0 != 1.0f || al1 != 1.0f)) {
+#pragma unroll
+                for (int i = 0; i < NT; i++) {
+                    o[i][0] *= al0;
+                    o[i][1] *= al1;
+                    o[i][2] *= al0;
+                    o[i][3] *= al1;
+                }
+            }
+        }
 #pragma unroll
         for (int i = 0; i < NT; i++) {
             const u32 vx = u4_word(vr[0][i >> 2], i & 3), vy = u4_word(vr[1][i >> 2], i & 3);
             const u32 lo = __byte_perm(vx, vy, 0x5410), hi = __byte_perm(vx, vy, 0x7632);  // dim rows g, g + 8
-            o[i][0] *= al0;
-            o[i][1] *= al1;
-            o[i][2] *= al0;
-            o[i][3] *= al1;
+            if constexpr (!LAZY) {
+                o[i][0] *= al0;
+                o[i][1] *= al1;
+                o[i][2] *= al0;
+                o[i][3] *= al1;
+            }
             mma_bf16_1688(o[i], lo, hi, bh);
-            mma_bf16_1688(o[i], lo, hi, bm);
-            mma_bf16_1688(o[i], lo, hi, bl);
+            if constexpr (PS >= 2) mma_bf16_1688(o[i], lo, hi, bm);
+            if constexpr (PS >= 3) mma_bf16_1688(o[i], lo, hi, bl);
         }
         if (cn < c1) dec_load_v<HD>(vr, vc, vin, kvd, kvh, cn, pos, lane);
     }
@@ -753,24 +785,42 @@ ATTN_DECODE(128)
 ATTN_DECODE(256)
 
 // attn_decode_<NAME>_<HD>, the early forms (attn_decode_<HD>'s arguments and partial states, bit
-// for bit): attn_decode_early_<HD> (switch `attn_early`, the default), its first chunk requested
-// before the PDL wait; attn_decode_pf_<HD> (opt-in `attn_pf`), that kernel with the L2 prefetch
-// two chunks ahead in the key loop (DEC_PF above).
-#define ATTN_DECODE_FORM(NAME, MODE, HD)                                                                             \
+// for bit): attn_decode_early_<HD> (switch `attn_early`), its first chunk requested before the
+// PDL wait; attn_decode_pf_<HD> (switch `attn_pf`, the default), that kernel with the L2 prefetch
+// two chunks ahead in the key loop (DEC_PF above); attn_decode_lz_<HD> (opt-in `attn_lazy`), that
+// kernel with the rescale skipped when it would multiply by 1 (LAZY). And those of PS < 3 (not
+// bit-equal: p in P V as fewer bf16 pieces): attn_decode_p2[lz]_<HD>, attn_decode_p1[lz]_<HD>
+// (opt-ins `attn_p2`, `attn_p1`).
+#define ATTN_DECODE_FORM(NAME, MODE, PS, LAZY, HD)                                                                       \
     extern "C" __global__ void __launch_bounds__(DEC_W * 32, 1)                                                    \
     attn_decode_##NAME##_##HD(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,       \
                               u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part,                  \
                               float* __restrict__ pml, int H, int KV, const int* __restrict__ posp, float scale) {   \
         KTRACE();                                                                                                    \
         const DecQk none = {nullptr, nullptr, nullptr, 0, 0.0, 0.0f};                                                \
-        attn_decode_body<HD, false, MODE>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);                      \
+        attn_decode_body<HD, false, MODE, PS, LAZY>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);            \
     }
-ATTN_DECODE_FORM(early, DEC_EARLY, 64)
-ATTN_DECODE_FORM(early, DEC_EARLY, 128)
-ATTN_DECODE_FORM(early, DEC_EARLY, 256)
-ATTN_DECODE_FORM(pf, DEC_PF, 64)
-ATTN_DECODE_FORM(pf, DEC_PF, 128)
-ATTN_DECODE_FORM(pf, DEC_PF, 256)
+ATTN_DECODE_FORM(early, DEC_EARLY, 3, false, 64)
+ATTN_DECODE_FORM(early, DEC_EARLY, 3, false, 128)
+ATTN_DECODE_FORM(early, DEC_EARLY, 3, false, 256)
+ATTN_DECODE_FORM(pf, DEC_PF, 3, false, 64)
+ATTN_DECODE_FORM(pf, DEC_PF, 3, false, 128)
+ATTN_DECODE_FORM(pf, DEC_PF, 3, false, 256)
+ATTN_DECODE_FORM(lz, DEC_PF, 3, true, 64)
+ATTN_DECODE_FORM(lz, DEC_PF, 3, true, 128)
+ATTN_DECODE_FORM(lz, DEC_PF, 3, true, 256)
+ATTN_DECODE_FORM(p2, DEC_PF, 2, false, 64)
+ATTN_DECODE_FORM(p2, DEC_PF, 2, false, 128)
+ATTN_DECODE_FORM(p2, DEC_PF, 2, false, 256)
+ATTN_DECODE_FORM(p2lz, DEC_PF, 2, true, 64)
+ATTN_DECODE_FORM(p2lz, DEC_PF, 2, true, 128)
+ATTN_DECODE_FORM(p2lz, DEC_PF, 2, true, 256)
+ATTN_DECODE_FORM(p1, DEC_PF, 1, false, 64)
+ATTN_DECODE_FORM(p1, DEC_PF, 1, false, 128)
+ATTN_DECODE_FORM(p1, DEC_PF, 1, false, 256)
+ATTN_DECODE_FORM(p1lz, DEC_PF, 1, true, 64)
+ATTN_DECODE_FORM(p1lz, DEC_PF, 1, true, 128)
+ATTN_DECODE_FORM(p1lz, DEC_PF, 1, true, 256)
 
 #define CMB_PF 16  // partials per warp attn_decode_combine requests at once (8 warps: 128 splits)
 #define CMB_ML 4   // partial states per lane whose max and normaliser are requested at once (128)
