@@ -1667,6 +1667,10 @@ fn attention_decode_capacities() {
         "attn_decode_p1_",
         "attn_decode_p2lz_",
         "attn_decode_p1lz_",
+        "attn_decode_ve_",
+        "attn_decode_lzve_",
+        "attn_decode_p2ve_",
+        "attn_decode_p1lzve_",
     ] {
         assert!(launched(&g, k), "{k}* never ran");
     }
@@ -1674,19 +1678,24 @@ fn attention_decode_capacities() {
 
 /// The decode attention's forms in attention_decode_capacities, as (switched off, opted in): the
 /// default (`attn_pf`), the first chunk early alone (`attn_pf` off), the plain kernel
-/// (`attn_early` off), the rescale skipped when its factor is 1 (`attn_lazy`). Bit-equal; then the forms with fewer pieces of p (`DECODE_P_FORMS`), held
+/// (`attn_early` off), the rescale skipped when its factor is 1 (`attn_lazy`), V requested
+/// with K (`attn_ve`), both. Bit-equal; then the forms with fewer pieces of p (`DECODE_P_FORMS`), held
 /// to attn_tc's bound.
-const DECODE_FORMS: [(&[&str], &[&str]); 4] = [
+const DECODE_FORMS: [(&[&str], &[&str]); 6] = [
     (&[], &[]),
     (&["attn_pf"], &[]),
     (&["attn_early"], &[]),
     (&[], &["attn_lazy"]),
+    (&[], &["attn_ve"]),
+    (&[], &["attn_lazy", "attn_ve"]),
 ];
-const DECODE_P_FORMS: [&[&str]; 4] = [
+const DECODE_P_FORMS: [&[&str]; 6] = [
     &["attn_p2"],
     &["attn_p1"],
     &["attn_p2", "attn_lazy"],
     &["attn_p1", "attn_lazy"],
+    &["attn_p2", "attn_ve"],
+    &["attn_p1", "attn_lazy", "attn_ve"],
 ];
 
 /// The decode attention from q_proj's output (Backend::attn_decode_qk) with `attn_fold` on (one

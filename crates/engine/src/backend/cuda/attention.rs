@@ -285,8 +285,9 @@ impl Cuda {
             // The plain kernel: every early form is off with `attn_early`.
             None if !self.on("attn_early") => format!("attn_decode_{hd}"),
             // attn_decode_pf with p in P·V as two / one bf16 pieces (opt-ins; not bit-equal),
-            // and / or the rescale skipped when its factor is 1 (opt-in `attn_lazy`).
-            None if ["attn_p1", "attn_p2", "attn_lazy"]
+            // and / or the rescale skipped when its factor is 1 (opt-in `attn_lazy`), and / or
+            // the next chunk's V requested with its K (opt-in `attn_ve`).
+            None if ["attn_p1", "attn_p2", "attn_lazy", "attn_ve"]
                 .iter()
                 .any(|&n| self.opted_in(n)) =>
             {
@@ -298,7 +299,8 @@ impl Cuda {
                     ""
                 };
                 let lz = if self.opted_in("attn_lazy") { "lz" } else { "" };
-                format!("attn_decode_{p}{lz}_{hd}")
+                let ve = if self.opted_in("attn_ve") { "ve" } else { "" };
+                format!("attn_decode_{p}{lz}{ve}_{hd}")
             }
             // The early form plus an L2 prefetch two chunks ahead in the key loop (switch
             // `attn_pf`, the default).

@@ -261,6 +261,16 @@ pub(super) const OUTSIDE_STREAM: &[&str] = &["stream_gemv", "pdl_step", "attn_ea
 ///   chunk at HD 256, 70 of the key loop's 423 instructions) skipped in a chunk where no lane's
 ///   factor moved (a warp vote; o·1 is o): the same partial states (attn_decode_lz_<HD>; with
 ///   `attn_p2` / `attn_p1`, attn_decode_p2lz_<HD> / attn_decode_p1lz_<HD>). Not yet measured.
+/// * `attn_ve` (stop 59): the decode attention with the next chunk's V requested together with
+///   its K (right after this chunk's S) into a second register buffer, the two buffers' roles
+///   swapping chunk by chunk (the loop unrolled by two), instead of after this chunk's P·V into
+///   the one buffer: V's round trip then overlaps the P·V too. Why: in the default's order a
+///   chunk takes about one DRAM round trip plus its P·V (V is requested only once P·V frees its
+///   registers), so P·V's length adds to every chunk (stop 59's kv_work rows: 150 dependent FMAs
+///   a chunk slow the 128K read from 86.1 to 101.6 µs). The same partial states
+///   (attn_decode_ve_<HD>; with the others, attn_decode_{p2,p1}{lz}ve_<HD>). SASS (NVRTC 13.0):
+///   827 instructions for two chunks (the default 423 for one), no local memory. Not yet
+///   measured.
 pub const OPT_IN: &[&str] = &[
     "tc_all",
     "fuse_gdn",
@@ -275,6 +285,7 @@ pub const OPT_IN: &[&str] = &[
     "attn_p2",
     "attn_p1",
     "attn_lazy",
+    "attn_ve",
 ];
 
 impl Cuda {

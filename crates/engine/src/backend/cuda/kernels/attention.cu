@@ -88,9 +88,13 @@
 //                    same partial states.
 // attn_decode_lz_<HD> (opt-in `attn_lazy`) attn_decode_pf_<HD> with the output's rescale skipped
 //                    when no lane's factor moved (a warp vote): the same partial states.
+// attn_decode_ve_<HD> (opt-in `attn_ve`; attn_decode_lzve_<HD> with `attn_lazy`) attn_decode_pf_<HD>
+//                    with the next chunk's V requested with its K into a second buffer (dec_chunk):
+//                    the same partial states.
 // attn_decode_p2_<HD>, attn_decode_p1_<HD> (opt-ins `attn_p2`, `attn_p1`; attn_decode_p2lz_<HD>,
 //                    attn_decode_p1lz_<HD> with `attn_lazy` too) attn_decode_pf_<HD> with p in P V
-//                    as its first two bf16 pieces / one bf16 (as attn_tc_<HD>) instead of three:
+//                    as its first two bf16 pieces / one bf16 (as attn_tc_<HD>) instead of three
+//                    (with `attn_ve` too: attn_decode_{p2,p1}[lz]ve_<HD>):
 //                    2/3 / 1/3 of the P V mma. Not f32-exact: tests/cuda_ops.rs holds them to
 //                    attn_tc's propagated bound.
 // attn_decode_qk_<HD> (opt-in `attn_fold`, Backend::attn_decode_qk) attn_qk_norm_rope folded into
@@ -494,6 +498,7 @@ __device__ __forceinline__ void dec_qk_row(const u16* __restrict__ src, const fl
 // put a chain of 150 dependent FMAs a chunk between the loads at 101.6 µs for 128K keys' 268 MB,
 // against 86.1 with none (one chunk a warp in flight: the warp computes instead of waiting on
 // a load); P V's three passes are 48 of the chunk's 64 mma.
+// VE (opt-in `attn_ve`): the next chunk's V requested with its K (dec_chunk says why).
 // LAZY (opt-in `attn_lazy`): the rescale of o (64 FMUL a chunk at HD 256, 70 of the key loop's
 // 423 instructions) only in chunks where a lane's factor is not exactly 1.
 #define DEC_PLAIN 0
@@ -514,7 +519,95 @@ __device__ __forceinline__ void dec_prefetch(const u16* __restrict__ kc, const u
     }
 }
 
-template <int HD, bool QK, int MODE = DEC_PLAIN, int PS = 3, bool LAZY = false>
+// One chunk c of a warp's key loop (attn_decode_body): S^T = K Q^T, the online softmax, O^T +=
+// V^T P^T, with the next chunk cn = c + DEC_W requested as the registers free up: its K into kr
+// once S is computed, its V into vn after P V (vn is vr: one buffer) or, with VE (opt-in
+// `attn_ve`), into the other buffer vn together with K, so that V's round trip overlaps P V too.
+template <int HD, bool QK, int MODE, int PS, bool LAZY, bool VE>
+__device__ __forceinline__ void dec_chunk(int c, int c1, uint4 (&kr)[HD / 32], const uint4 (&vr)[2][HD / 64],
+                                          uint4 (&vn)[2][HD / 64], const uint4 (&qf)[HD / 32], float (&o)[HD / 16][4],
+                                          float& m0, float& m1, float& l0, float& l1, const u16* __restrict__ kc,
+                                          const u16* __restrict__ vc, const u16* kin, const u16* __restrict__ vin,
+                                          const u16* kt, u64 kvd, int kvh, int pos, int lane, float scale) {
+    constexpr int NA = HD / 32, NT = HD / 16;
+    const int g = lane >> 2;
+    const int cn = c + DEC_W;
+    if constexpr (MODE == DEC_PF) {
+        const int cp = c + 2 * DEC_W;
+        if (cp < c1 && DEC_OLD(cp, pos)) dec_prefetch<HD>(kc, vc, kvd, kvh, cp, lane);
+    }
+    // S^T = K Q^T: two accumulator chains (even and odd k-steps) halve the dependent mma latency.
+    float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int a = 0; a < NA; a++) {
+        const u32 ka[4] = {kr[a].x, 0u, kr[a].y, 0u}, kb[4] = {kr[a].z, 0u, kr[a].w, 0u};
+        mma_bf16_16816(s0, ka, qf[a].x, qf[a].y);
+        mma_bf16_16816(s1, kb, qf[a].z, qf[a].w);
+    }
+    if (cn < c1) {
+        dec_load_k<HD>(kr, kc, kin, kvd, kvh, cn, pos, lane);
+        if (QK && cn == pos / DEC_KEYS) dec_patch_k<HD>(kr, kt, cn, pos, lane);
+        if constexpr (VE) dec_load_v<HD>(vn, vc, vin, kvd, kvh, cn, pos, lane);
+    }
+    // Online softmax of heads 2t, 2t + 1 over key j (masked past pos); the max over the chunk's
+    // 8 keys is over the 8 lanes of the same t. Key j0 <= pos is in every chunk, so the max is
+    // finite after the first.
+    const bool live = c * DEC_KEYS + g <= pos;
+    const float x0 = live ? (s0[0] + s1[0]) * scale : NEG_INF;
+    const float x1 = live ? (s0[1] + s1[1]) * scale : NEG_INF;
+    float mx0 = x0, mx1 = x1;
+#pragma unroll
+    for (int sh = 4; sh < 32; sh <<= 1) {
+        mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, sh));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, sh));
+    }
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float al0 = expf(m0 - mn0), al1 = expf(m1 - mn1);  // 0 on the first chunk (m = -inf)
+    const float p0 = expf(x0 - mn0), p1 = expf(x1 - mn1);
+    l0 = l0 * al0 + p0;
+    l1 = l1 * al1 + p1;
+    m0 = mn0;
+    m1 = mn1;
+    // p = hi + mid + lo exactly (three bf16x2 of {head 2t, head 2t + 1} at key g), each
+    // transposed to the B fragment {head g: keys 2t, 2t + 1} of P^T.
+    // PS < 3 (opt-ins attn_p2, attn_p1): only the first PS pieces (the rest of p dropped).
+    const u32 ph = pack_bf16x2(p0, p1);
+    const float r0 = p0 - bf16_lo(ph), r1 = p1 - bf16_hi(ph);
+    const u32 pm = PS >= 2 ? pack_bf16x2(r0, r1) : 0u;
+    const u32 pl = PS >= 3 ? pack_bf16x2(r0 - bf16_lo(pm), r1 - bf16_hi(pm)) : 0u;
+    const u32 bh = movmatrix_trans(ph), bm = PS >= 2 ? movmatrix_trans(pm) : 0u, bl = PS >= 3 ? movmatrix_trans(pl) : 0u;
+    if constexpr (LAZY) {
+        // The rescale only when a lane's factor is not exactly 1 (its max moved): o * 1 is o,
+        // so skipping it keeps the bits. Warp-uniform (a vote), so it is a branch, not 64
+        // predicated multiplies; after the first chunks the max rarely moves.
+        if (__any_sync(FULL_MASK, al0 != 1.0f || al1 != 1.0f)) {
+#pragma unroll
+            for (int i = 0; i < NT; i++) {
+                o[i][0] *= al0;
+                o[i][1] *= al1;
+                o[i][2] *= al0;
+                o[i][3] *= al1;
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < NT; i++) {
+        const u32 vx = u4_word(vr[0][i >> 2], i & 3), vy = u4_word(vr[1][i >> 2], i & 3);
+        const u32 lo = __byte_perm(vx, vy, 0x5410), hi = __byte_perm(vx, vy, 0x7632);  // dim rows g, g + 8
+        if constexpr (!LAZY) {
+            o[i][0] *= al0;
+            o[i][1] *= al1;
+            o[i][2] *= al0;
+            o[i][3] *= al1;
+        }
+        mma_bf16_1688(o[i], lo, hi, bh);
+        if constexpr (PS >= 2) mma_bf16_1688(o[i], lo, hi, bm);
+        if constexpr (PS >= 3) mma_bf16_1688(o[i], lo, hi, bl);
+    }
+    if (!VE && cn < c1) dec_load_v<HD>(vn, vc, vin, kvd, kvh, cn, pos, lane);
+}
+
+template <int HD, bool QK, int MODE = DEC_PLAIN, int PS = 3, bool LAZY = false, bool VE = false>
 __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,
                                                  u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part,
                                                  float* __restrict__ pml, int H, int KV, const int* __restrict__ posp, float scale,
@@ -644,80 +737,18 @@ __device__ __forceinline__ void attn_decode_body(const u16* __restrict__ q, cons
         if (QK && c == pos / DEC_KEYS) dec_patch_k<HD>(kr, kt, c, pos, lane);
         dec_load_v<HD>(vr, vc, vin, kvd, kvh, c, pos, lane);
     }
-    for (; c < c1; c += DEC_W) {
-        const int cn = c + DEC_W;
-        if constexpr (MODE == DEC_PF) {
-            const int cp = c + 2 * DEC_W;
-            if (cp < c1 && DEC_OLD(cp, pos)) dec_prefetch<HD>(kc, vc, kvd, kvh, cp, lane);
+    if constexpr (VE) {
+        // Two buffers of V, their roles swapped chunk by chunk (unrolled by two: a copy between
+        // them would wait on the load it copies).
+        uint4 vb[2][NC];
+        for (; c < c1; c += 2 * DEC_W) {
+            dec_chunk<HD, QK, MODE, PS, LAZY, VE>(c, c1, kr, vr, vb, qf, o, m0, m1, l0, l1, kc, vc, kin, vin, kt, kvd, kvh, pos, lane, scale);
+            if (c + DEC_W >= c1) break;
+            dec_chunk<HD, QK, MODE, PS, LAZY, VE>(c + DEC_W, c1, kr, vb, vr, qf, o, m0, m1, l0, l1, kc, vc, kin, vin, kt, kvd, kvh, pos, lane, scale);
         }
-        // S^T = K Q^T: two accumulator chains (even and odd k-steps) halve the dependent mma latency.
-        float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int a = 0; a < NA; a++) {
-            const u32 ka[4] = {kr[a].x, 0u, kr[a].y, 0u}, kb[4] = {kr[a].z, 0u, kr[a].w, 0u};
-            mma_bf16_16816(s0, ka, qf[a].x, qf[a].y);
-            mma_bf16_16816(s1, kb, qf[a].z, qf[a].w);
-        }
-        if (cn < c1) {
-            dec_load_k<HD>(kr, kc, kin, kvd, kvh, cn, pos, lane);
-            if (QK && cn == pos / DEC_KEYS) dec_patch_k<HD>(kr, kt, cn, pos, lane);
-        }
-        // Online softmax of heads 2t, 2t + 1 over key j (masked past pos); the max over the chunk's
-        // 8 keys is over the 8 lanes of the same t. Key j0 <= pos is in every chunk, so the max is
-        // finite after the first.
-        const bool live = c * DEC_KEYS + g <= pos;
-        const float x0 = live ? (s0[0] + s1[0]) * scale : NEG_INF;
-        const float x1 = live ? (s0[1] + s1[1]) * scale : NEG_INF;
-        float mx0 = x0, mx1 = x1;
-#pragma unroll
-        for (int sh = 4; sh < 32; sh <<= 1) {
-            mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, sh));
-            mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, sh));
-        }
-        const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-        const float al0 = expf(m0 - mn0), al1 = expf(m1 - mn1);  // 0 on the first chunk (m = -inf)
-        const float p0 = expf(x0 - mn0), p1 = expf(x1 - mn1);
-        l0 = l0 * al0 + p0;
-        l1 = l1 * al1 + p1;
-        m0 = mn0;
-        m1 = mn1;
-        // p = hi + mid + lo exactly (three bf16x2 of {head 2t, head 2t + 1} at key g), each
-        // transposed to the B fragment {head g: keys 2t, 2t + 1} of P^T.
-        // PS < 3 (opt-ins attn_p2, attn_p1): only the first PS pieces (the rest of p dropped).
-        const u32 ph = pack_bf16x2(p0, p1);
-        const float r0 = p0 - bf16_lo(ph), r1 = p1 - bf16_hi(ph);
-        const u32 pm = PS >= 2 ? pack_bf16x2(r0, r1) : 0u;
-        const u32 pl = PS >= 3 ? pack_bf16x2(r0 - bf16_lo(pm), r1 - bf16_hi(pm)) : 0u;
-        const u32 bh = movmatrix_trans(ph), bm = PS >= 2 ? movmatrix_trans(pm) : 0u, bl = PS >= 3 ? movmatrix_trans(pl) : 0u;
-        if constexpr (LAZY) {
-            // The rescale only when a lane's factor is not exactly 1 (its max moved): o * 1 is o,
-            // so skipping it keeps the bits. Warp-uniform (a vote), so it is a branch, not 64
-            // predicated multiplies; after the first chunks the max rarely moves.
-            if (__any_sync(FULL_MASK, al0 != 1.0f || al1 != 1.0f)) {
-#pragma unroll
-                for (int i = 0; i < NT; i++) {
-                    o[i][0] *= al0;
-                    o[i][1] *= al1;
-                    o[i][2] *= al0;
-                    o[i][3] *= al1;
-                }
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < NT; i++) {
-            const u32 vx = u4_word(vr[0][i >> 2], i & 3), vy = u4_word(vr[1][i >> 2], i & 3);
-            const u32 lo = __byte_perm(vx, vy, 0x5410), hi = __byte_perm(vx, vy, 0x7632);  // dim rows g, g + 8
-            if constexpr (!LAZY) {
-                o[i][0] *= al0;
-                o[i][1] *= al1;
-                o[i][2] *= al0;
-                o[i][3] *= al1;
-            }
-            mma_bf16_1688(o[i], lo, hi, bh);
-            if constexpr (PS >= 2) mma_bf16_1688(o[i], lo, hi, bm);
-            if constexpr (PS >= 3) mma_bf16_1688(o[i], lo, hi, bl);
-        }
-        if (cn < c1) dec_load_v<HD>(vr, vc, vin, kvd, kvh, cn, pos, lane);
+    } else {
+        for (; c < c1; c += DEC_W)
+            dec_chunk<HD, QK, MODE, PS, LAZY, VE>(c, c1, kr, vr, vr, qf, o, m0, m1, l0, l1, kc, vc, kin, vin, kt, kvd, kvh, pos, lane, scale);
     }
 #pragma unroll
     for (int sh = 4; sh < 32; sh <<= 1) {
@@ -791,36 +822,54 @@ ATTN_DECODE(256)
 // kernel with the rescale skipped when it would multiply by 1 (LAZY). And those of PS < 3 (not
 // bit-equal: p in P V as fewer bf16 pieces): attn_decode_p2[lz]_<HD>, attn_decode_p1[lz]_<HD>
 // (opt-ins `attn_p2`, `attn_p1`).
-#define ATTN_DECODE_FORM(NAME, MODE, PS, LAZY, HD)                                                                       \
+#define ATTN_DECODE_FORM(NAME, MODE, PS, LAZY, VE, HD)                                                                       \
     extern "C" __global__ void __launch_bounds__(DEC_W * 32, 1)                                                    \
     attn_decode_##NAME##_##HD(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,       \
                               u16* __restrict__ kc, u16* __restrict__ vc, float* __restrict__ part,                  \
                               float* __restrict__ pml, int H, int KV, const int* __restrict__ posp, float scale) {   \
         KTRACE();                                                                                                    \
         const DecQk none = {nullptr, nullptr, nullptr, 0, 0.0, 0.0f};                                                \
-        attn_decode_body<HD, false, MODE, PS, LAZY>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);            \
+        attn_decode_body<HD, false, MODE, PS, LAZY, VE>(q, k, v, kc, vc, part, pml, H, KV, posp, scale, none);        \
     }
-ATTN_DECODE_FORM(early, DEC_EARLY, 3, false, 64)
-ATTN_DECODE_FORM(early, DEC_EARLY, 3, false, 128)
-ATTN_DECODE_FORM(early, DEC_EARLY, 3, false, 256)
-ATTN_DECODE_FORM(pf, DEC_PF, 3, false, 64)
-ATTN_DECODE_FORM(pf, DEC_PF, 3, false, 128)
-ATTN_DECODE_FORM(pf, DEC_PF, 3, false, 256)
-ATTN_DECODE_FORM(lz, DEC_PF, 3, true, 64)
-ATTN_DECODE_FORM(lz, DEC_PF, 3, true, 128)
-ATTN_DECODE_FORM(lz, DEC_PF, 3, true, 256)
-ATTN_DECODE_FORM(p2, DEC_PF, 2, false, 64)
-ATTN_DECODE_FORM(p2, DEC_PF, 2, false, 128)
-ATTN_DECODE_FORM(p2, DEC_PF, 2, false, 256)
-ATTN_DECODE_FORM(p2lz, DEC_PF, 2, true, 64)
-ATTN_DECODE_FORM(p2lz, DEC_PF, 2, true, 128)
-ATTN_DECODE_FORM(p2lz, DEC_PF, 2, true, 256)
-ATTN_DECODE_FORM(p1, DEC_PF, 1, false, 64)
-ATTN_DECODE_FORM(p1, DEC_PF, 1, false, 128)
-ATTN_DECODE_FORM(p1, DEC_PF, 1, false, 256)
-ATTN_DECODE_FORM(p1lz, DEC_PF, 1, true, 64)
-ATTN_DECODE_FORM(p1lz, DEC_PF, 1, true, 128)
-ATTN_DECODE_FORM(p1lz, DEC_PF, 1, true, 256)
+ATTN_DECODE_FORM(early, DEC_EARLY, 3, false, false, 64)
+ATTN_DECODE_FORM(early, DEC_EARLY, 3, false, false, 128)
+ATTN_DECODE_FORM(early, DEC_EARLY, 3, false, false, 256)
+ATTN_DECODE_FORM(pf, DEC_PF, 3, false, false, 64)
+ATTN_DECODE_FORM(pf, DEC_PF, 3, false, false, 128)
+ATTN_DECODE_FORM(pf, DEC_PF, 3, false, false, 256)
+ATTN_DECODE_FORM(ve, DEC_PF, 3, false, true, 64)
+ATTN_DECODE_FORM(ve, DEC_PF, 3, false, true, 128)
+ATTN_DECODE_FORM(ve, DEC_PF, 3, false, true, 256)
+ATTN_DECODE_FORM(lz, DEC_PF, 3, true, false, 64)
+ATTN_DECODE_FORM(lz, DEC_PF, 3, true, false, 128)
+ATTN_DECODE_FORM(lz, DEC_PF, 3, true, false, 256)
+ATTN_DECODE_FORM(lzve, DEC_PF, 3, true, true, 64)
+ATTN_DECODE_FORM(lzve, DEC_PF, 3, true, true, 128)
+ATTN_DECODE_FORM(lzve, DEC_PF, 3, true, true, 256)
+ATTN_DECODE_FORM(p2, DEC_PF, 2, false, false, 64)
+ATTN_DECODE_FORM(p2, DEC_PF, 2, false, false, 128)
+ATTN_DECODE_FORM(p2, DEC_PF, 2, false, false, 256)
+ATTN_DECODE_FORM(p2ve, DEC_PF, 2, false, true, 64)
+ATTN_DECODE_FORM(p2ve, DEC_PF, 2, false, true, 128)
+ATTN_DECODE_FORM(p2ve, DEC_PF, 2, false, true, 256)
+ATTN_DECODE_FORM(p2lz, DEC_PF, 2, true, false, 64)
+ATTN_DECODE_FORM(p2lz, DEC_PF, 2, true, false, 128)
+ATTN_DECODE_FORM(p2lz, DEC_PF, 2, true, false, 256)
+ATTN_DECODE_FORM(p2lzve, DEC_PF, 2, true, true, 64)
+ATTN_DECODE_FORM(p2lzve, DEC_PF, 2, true, true, 128)
+ATTN_DECODE_FORM(p2lzve, DEC_PF, 2, true, true, 256)
+ATTN_DECODE_FORM(p1, DEC_PF, 1, false, false, 64)
+ATTN_DECODE_FORM(p1, DEC_PF, 1, false, false, 128)
+ATTN_DECODE_FORM(p1, DEC_PF, 1, false, false, 256)
+ATTN_DECODE_FORM(p1ve, DEC_PF, 1, false, true, 64)
+ATTN_DECODE_FORM(p1ve, DEC_PF, 1, false, true, 128)
+ATTN_DECODE_FORM(p1ve, DEC_PF, 1, false, true, 256)
+ATTN_DECODE_FORM(p1lz, DEC_PF, 1, true, false, 64)
+ATTN_DECODE_FORM(p1lz, DEC_PF, 1, true, false, 128)
+ATTN_DECODE_FORM(p1lz, DEC_PF, 1, true, false, 256)
+ATTN_DECODE_FORM(p1lzve, DEC_PF, 1, true, true, 64)
+ATTN_DECODE_FORM(p1lzve, DEC_PF, 1, true, true, 128)
+ATTN_DECODE_FORM(p1lzve, DEC_PF, 1, true, true, 256)
 
 #define CMB_PF 16  // partials per warp attn_decode_combine requests at once (8 warps: 128 splits)
 #define CMB_ML 4   // partial states per lane whose max and normaliser are requested at once (128)
