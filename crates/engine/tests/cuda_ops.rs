@@ -1633,7 +1633,7 @@ fn attention_decode_capacities() {
                 }
                 // p in P·V as fewer bf16 pieces: p rounded where it multiplies v, as attn_tc
                 // (the two-piece form's error is the one-piece bound's U² part, well inside it).
-                // The long capacity at three positions only: the f64 reference is O(pos·hd·H).
+                // The long capacity at one position only: the f64 reference is O(pos·hd·H).
                 if cap < 131_072 || pos == 131_000 {
                     for form in DECODE_P_FORMS {
                         g.set_enabled(form).unwrap();
@@ -1679,8 +1679,8 @@ fn attention_decode_capacities() {
 /// The decode attention's forms in attention_decode_capacities, as (switched off, opted in): the
 /// default (`attn_pf`), the first chunk early alone (`attn_pf` off), the plain kernel
 /// (`attn_early` off), the rescale skipped when its factor is 1 (`attn_lazy`), V requested
-/// with K (`attn_ve`), both. Bit-equal; then the forms with fewer pieces of p (`DECODE_P_FORMS`), held
-/// to attn_tc's bound.
+/// with K (`attn_ve`), both. Bit-equal; then the forms with fewer pieces of p
+/// (`DECODE_P_FORMS`), held to attn_tc's bound.
 const DECODE_FORMS: [(&[&str], &[&str]); 6] = [
     (&[], &[]),
     (&["attn_pf"], &[]),

@@ -282,11 +282,13 @@ impl Cuda {
                 args.push(Arg::A(Box::new(f)));
                 format!("attn_decode_qk_{hd}")
             }
-            // The plain kernel: every early form is off with `attn_early`.
+            // The plain kernel: every early form (the opt-ins below too) is off with
+            // `attn_early`.
             None if !self.on("attn_early") => format!("attn_decode_{hd}"),
             // attn_decode_pf with p in P·V as two / one bf16 pieces (opt-ins; not bit-equal),
             // and / or the rescale skipped when its factor is 1 (opt-in `attn_lazy`), and / or
-            // the next chunk's V requested with its K (opt-in `attn_ve`).
+            // the next chunk's V requested with its K (opt-in `attn_ve`): all attn_pf's kernel
+            // otherwise, whatever `attn_pf` is set to.
             None if ["attn_p1", "attn_p2", "attn_lazy", "attn_ve"]
                 .iter()
                 .any(|&n| self.opted_in(n)) =>
