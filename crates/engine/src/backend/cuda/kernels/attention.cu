@@ -486,8 +486,9 @@ __device__ __forceinline__ void dec_qk_row(const u16* __restrict__ src, const fl
 // bulk L2 prefetch of the warp's next two chunks before the wait: 1.000x at 4K, 0.993x at
 // 128K; git history: 1461d76).
 // DEC_PF (attn_decode_pf_<HD>, switch `attn_pf`: written at stop 58, the default since stop 59
-// for its 1.014x at 128K in place, though alone it is 1.7 µs slower there): DEC_EARLY plus, in the key loop, the
-// warp's chunk two steps ahead (c + 2·DEC_W) requested into the L2 (dec_prefetch: no registers),
+// for its 1.014x at 128K in place, though alone it is 1.7 µs slower there): DEC_EARLY plus, in
+// the key loop, the warp's chunk two steps ahead (c + 2·DEC_W) requested into the L2
+// (dec_prefetch: no registers),
 // so that the register loads of the next chunk hit the L2. Why: stop 58's trace puts the
 // attention's read at 2.66 TB/s in place at 128K against 3.09 alone; with one chunk a warp in
 // registers (64 KiB an SM) the read sits at the knee of Little's law (132 SMs x ~58 KiB in
@@ -818,10 +819,10 @@ ATTN_DECODE(256)
 // attn_decode_<NAME>_<HD>, the early forms (attn_decode_<HD>'s arguments and partial states, bit
 // for bit): attn_decode_early_<HD> (switch `attn_early`), its first chunk requested before the
 // PDL wait; attn_decode_pf_<HD> (switch `attn_pf`, the default), that kernel with the L2 prefetch
-// two chunks ahead in the key loop (DEC_PF above); attn_decode_lz_<HD> (opt-in `attn_lazy`), that
-// kernel with the rescale skipped when it would multiply by 1 (LAZY). And those of PS < 3 (not
-// bit-equal: p in P V as fewer bf16 pieces): attn_decode_p2[lz]_<HD>, attn_decode_p1[lz]_<HD>
-// (opt-ins `attn_p2`, `attn_p1`).
+// two chunks ahead in the key loop (DEC_PF above); attn_decode_{lz,ve,lzve}_<HD> (opt-ins
+// `attn_lazy`, `attn_ve`), that kernel with the rescale skipped when it would multiply by 1
+// (LAZY) and / or the next V requested with its K (VE). And those of PS < 3 (not bit-equal: p in
+// P V as fewer bf16 pieces): attn_decode_{p2,p1}[lz][ve]_<HD> (opt-ins `attn_p2`, `attn_p1`).
 #define ATTN_DECODE_FORM(NAME, MODE, PS, LAZY, VE, HD)                                                                       \
     extern "C" __global__ void __launch_bounds__(DEC_W * 32, 1)                                                    \
     attn_decode_##NAME##_##HD(const u16* __restrict__ q, const u16* __restrict__ k, const u16* __restrict__ v,       \
