@@ -15,7 +15,9 @@
 // different cache of a 4 GiB pool (L2-cold); back to back in a CUDA graph, µs a launch.
 // Stop 58 added kv_work: the same pieces in the attention's order (K requested after "S", V after
 // "PV") with a chain of dependent FMAs a chunk standing for its arithmetic, at depth 1 and 2:
-// whether the arithmetic between the loads is what costs the attention at 128K in place.
+// whether the arithmetic between the loads is what costs the attention at 128K in place. It is
+// (stop 59, H100: 150 FMAs a chunk take 131,072 keys from 86.1 to 101.6 µs, 2.64 TB/s, the
+// attention's in-place rate). Stop 59 added kv_work_ve: V requested with K (attn_ve's order).
 // Build and run on the GPU machine (scripts/h200-run kvread):
 //   nvcc -O3 -arch=sm_90 -std=c++17 tools/probes/kv_read.cu -o /tmp/kv_read && /tmp/kv_read
 #include <cuda_runtime.h>
@@ -152,6 +154,51 @@ __global__ void __launch_bounds__(32 * W, 1) kv_work(const uint4* __restrict__ k
     if (f == 1234.5f) sink[0] = __float_as_uint(f);  // never true in practice; keeps the chain alive
 }
 
+// kv_work's order with V requested together with K (right after "S") into the other of two V
+// buffers, whose roles swap chunk by chunk (unrolled by two: a copy would wait on the load it
+// copies): attention.cu's `attn_ve` (stop 59). One chunk a warp in flight, as depth 1; only the
+// moment V is requested moves (V's round trip then overlaps "PV" too).
+template <int W>
+__global__ void __launch_bounds__(32 * W, 1) kv_work_ve(const uint4* __restrict__ k, const uint4* __restrict__ v, int n,
+                                                       int work, unsigned* sink) {
+    const Place pl = place(n);
+    const int warp = pl.warp, c1 = pl.c1;
+    uint4 kr[8], va[8], vb[8];
+    auto fold = [&](const uint4(&d)[8], float f) {
+        unsigned x = 0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) x ^= d[i].x ^ d[i].y ^ d[i].z ^ d[i].w;
+        return fmaf(f, 1.0f, (float)(x & 1u));
+    };
+    const int ws = work / 3;
+    float f = 1.0f;
+    auto chunk = [&](int ci, const uint4(&vc)[8], uint4(&vn)[8]) {
+        const int cn = ci + W;
+        f = fold(kr, f);
+#pragma unroll 1
+        for (int j = 0; j < ws; j++) f = fmaf(f, 0.999f, 0.5f);
+        if (cn < c1) {
+            load_k8(k, 0, pl, cn, n, kr);
+            load_v8(v, 0, pl, cn, n, vn);
+        }
+        f = fold(vc, f);
+#pragma unroll 1
+        for (int j = ws; j < work; j++) f = fmaf(f, 0.999f, 0.5f);
+    };
+    int c = pl.c0 + warp;
+    if (c < c1) {
+        load_k8(k, 0, pl, c, n, kr);
+        load_v8(v, 0, pl, c, n, va);
+    }
+#pragma unroll 1
+    for (; c < c1; c += 2 * W) {
+        chunk(c, va, vb);
+        if (c + W >= c1) break;
+        chunk(c + W, vb, va);
+    }
+    if (f == 1234.5f) sink[0] = __float_as_uint(f);  // never true in practice; keeps the chain alive
+}
+
 __global__ void __launch_bounds__(512) read_bytes(const uint4* __restrict__ p, size_t n16, unsigned* sink) {
     unsigned acc = 0;
     size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x, stride = (size_t)gridDim.x * blockDim.x;
@@ -185,7 +232,7 @@ int main() {
         struct Variant {
             const char* name;
             int kind, layout, warps;  // kind: kv_chunks of that depth (1..3), 0 the plain read,
-                                      // 4 / 5 kv_work of depth 1 / 2
+                                      // 4 / 5 kv_work of depth 1 / 2, 6 kv_work_ve
             int work;                 // kv_work: dependent FMAs a chunk
         };
         const Variant vs[] = {
@@ -196,6 +243,8 @@ int main() {
             {"attn order depth 1, no work", 4, 0, 8, 0}, {"attn order depth 1, work 150", 4, 0, 8, 150},
             {"attn order depth 1, work 300", 4, 0, 8, 300}, {"attn order depth 2, work 150", 5, 0, 8, 150},
             {"attn order depth 2, work 300", 5, 0, 8, 300},
+            {"attn order, V with K, no work", 6, 0, 8, 0}, {"attn order, V with K, work 150", 6, 0, 8, 150},
+            {"attn order, V with K, work 300", 6, 0, 8, 300},
         };
         for (int round = 0; round < 2; round++) {
             for (const Variant& x : vs) {
@@ -215,6 +264,7 @@ int main() {
                         case 116: kv_chunks<1, 16><<<grid, 512, 0, st>>>(kp, vp, n, x.layout, sink); break;
                         case 408: kv_work<1, 8><<<grid, 256, 0, st>>>(kp, vp, n, x.work, sink); break;
                         case 508: kv_work<2, 8><<<grid, 256, 0, st>>>(kp, vp, n, x.work, sink); break;
+                        case 608: kv_work_ve<8><<<grid, 256, 0, st>>>(kp, vp, n, x.work, sink); break;
                     }
                 }
                 CK(cudaStreamEndCapture(st, &gr));
