@@ -110,6 +110,14 @@ __global__ void __launch_bounds__(32 * W, 1) kv_chunks(const uint4* __restrict__
 // after V has landed) then its V requested. `work` dependent FMAs a chunk stand for the
 // arithmetic (~600-700 cycles a chunk a warp in attn_decode_256: 16 + 48 mma, the softmax's
 // shuffles and exps; an FMA is ~4 cycles, so ~150). Layout 0 (lily's).
+// kv_work's chain step: it depends on every loaded word, so it waits for them as the mma would.
+__device__ __forceinline__ float fold(const uint4 (&d)[8], float f) {
+    unsigned x = 0;
+#pragma unroll
+    for (int i = 0; i < 8; i++) x ^= d[i].x ^ d[i].y ^ d[i].z ^ d[i].w;
+    return fmaf(f, 1.0f, (float)(x & 1u));
+}
+
 template <int DEPTH, int W>
 __global__ void __launch_bounds__(32 * W, 1) kv_work(const uint4* __restrict__ k, const uint4* __restrict__ v, int n,
                                                     int work, unsigned* sink) {
@@ -118,13 +126,6 @@ __global__ void __launch_bounds__(32 * W, 1) kv_work(const uint4* __restrict__ k
     uint4 kr[DEPTH][8], vr[DEPTH][8];
     auto load_k = [&](uint4(&d)[8], int c) { load_k8(k, 0, pl, c, n, d); };
     auto load_v = [&](uint4(&d)[8], int c) { load_v8(v, 0, pl, c, n, d); };
-    // The chain depends on every loaded word, so it waits for them as the mma would.
-    auto fold = [&](const uint4(&d)[8], float f) {
-        unsigned x = 0;
-#pragma unroll
-        for (int i = 0; i < 8; i++) x ^= d[i].x ^ d[i].y ^ d[i].z ^ d[i].w;
-        return fmaf(f, 1.0f, (float)(x & 1u));
-    };
     const int ws = work / 3;
     float f = 1.0f;
     int c = c0 + warp;
@@ -164,12 +165,6 @@ __global__ void __launch_bounds__(32 * W, 1) kv_work_ve(const uint4* __restrict_
     const Place pl = place(n);
     const int warp = pl.warp, c1 = pl.c1;
     uint4 kr[8], va[8], vb[8];
-    auto fold = [&](const uint4(&d)[8], float f) {
-        unsigned x = 0;
-#pragma unroll
-        for (int i = 0; i < 8; i++) x ^= d[i].x ^ d[i].y ^ d[i].z ^ d[i].w;
-        return fmaf(f, 1.0f, (float)(x & 1u));
-    };
     const int ws = work / 3;
     float f = 1.0f;
     auto chunk = [&](int ci, const uint4(&vc)[8], uint4(&vn)[8]) {
